@@ -1,0 +1,1 @@
+"""Benchmark scripts; each writes its figures, with the command, to experiments/results/."""

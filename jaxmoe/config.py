@@ -1,0 +1,309 @@
+"""Configuration: frozen dataclasses validated when they are built.
+
+Every invalid value raises :class:`ConfigError` with one message that names the
+field (as ``section.field``) and says how to fix it. Checks that need the
+device count (the mesh must cover every device) live in
+:func:`jaxmoe.parallel.mesh.build_mesh`, the one place that knows the devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+DTYPES = ("float32", "bfloat16")
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value; the message names the field and the fix."""
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def _positive_int(section: str, name: str, value: Any) -> None:
+    _require(
+        isinstance(value, int) and not isinstance(value, bool) and value > 0,
+        f"{section}.{name}={value!r}: must be a positive integer",
+    )
+
+
+def _non_negative(section: str, name: str, value: Any) -> None:
+    _require(
+        isinstance(value, int | float) and not isinstance(value, bool) and value >= 0,
+        f"{section}.{name}={value!r}: must be a number >= 0",
+    )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A GPT-style decoder whose FFN is a Mixture of Experts every ``moe_every`` layers."""
+
+    vocab_size: int = 256
+    d_model: int = 128
+    num_heads: int = 4
+    num_layers: int = 4
+    d_ff: int = 512
+    seq_len: int = 128
+    # Layers k-1, 2k-1, ... are MoE layers (Lancet and GShard use k = 2).
+    moe_every: int = 2
+    # Compute dtype of activations; parameters and the optimizer stay in float32.
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "num_heads", "num_layers", "d_ff", "seq_len"):
+            _positive_int("model", name, getattr(self, name))
+        _positive_int("model", "moe_every", self.moe_every)
+        _require(
+            self.moe_every <= self.num_layers,
+            f"model.moe_every={self.moe_every} is larger than model.num_layers="
+            f"{self.num_layers}: the model would have no MoE layer; use at most num_layers",
+        )
+        _require(
+            self.d_model % self.num_heads == 0,
+            f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}: "
+            "choose a width that is a multiple of the number of heads",
+        )
+        _require(
+            self.dtype in DTYPES,
+            f"model.dtype={self.dtype!r}: must be one of {', '.join(DTYPES)}",
+        )
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Indices of the layers whose FFN is a Mixture of Experts."""
+        return tuple(i for i in range(self.num_layers) if (i + 1) % self.moe_every == 0)
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Routing and expert settings shared by every MoE layer."""
+
+    num_experts: int = 8
+    top_k: int = 1
+    # Capacity per expert = ceil(group_size * top_k * capacity_factor / num_experts).
+    # None selects dropless dispatch (no token is ever dropped).
+    capacity_factor: float | None = 1.0
+    # Tokens per routing group; capacity is counted per group (GShard). None = one sequence,
+    # which keeps routing independent of how the batch is sharded.
+    group_size: int | None = None
+    score_function: str = "softmax"
+    # Renormalise the top-k weights to sum to one. Ignored for top_k == 1, where it would
+    # make every weight 1 and cut the router off from the task loss.
+    normalize_top_k: bool = True
+    aux_loss_coef: float = 1e-2
+    z_loss_coef: float = 1e-3
+    # Multiplicative input noise U(1 - jitter, 1 + jitter) on the router during training.
+    jitter: float = 0.0
+    # Hidden width of each expert; None = model.d_ff.
+    d_expert: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive_int("moe", "num_experts", self.num_experts)
+        _positive_int("moe", "top_k", self.top_k)
+        _require(
+            self.top_k <= self.num_experts,
+            f"moe.top_k={self.top_k} is larger than moe.num_experts={self.num_experts}: "
+            "a token cannot be sent to more experts than exist",
+        )
+        if self.capacity_factor is not None:
+            _require(
+                isinstance(self.capacity_factor, int | float)
+                and not isinstance(self.capacity_factor, bool)
+                and self.capacity_factor > 0,
+                f"moe.capacity_factor={self.capacity_factor!r}: must be > 0, "
+                "or None for dropless routing",
+            )
+        if self.group_size is not None:
+            _positive_int("moe", "group_size", self.group_size)
+        if self.d_expert is not None:
+            _positive_int("moe", "d_expert", self.d_expert)
+        _require(
+            self.score_function in SCORE_FUNCTIONS,
+            f"moe.score_function={self.score_function!r}: must be one of "
+            f"{', '.join(SCORE_FUNCTIONS)}",
+        )
+        for name in ("aux_loss_coef", "z_loss_coef"):
+            _non_negative("moe", name, getattr(self, name))
+        _require(
+            isinstance(self.jitter, int | float) and 0 <= self.jitter < 1,
+            f"moe.jitter={self.jitter!r}: must be in [0, 1)",
+        )
+
+    @property
+    def dropless(self) -> bool:
+        return self.capacity_factor is None
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Sizes of the mesh axes. Their product must equal the number of devices."""
+
+    data: int = 1
+    expert: int = 8
+
+    def __post_init__(self) -> None:
+        _positive_int("parallel", "data", self.data)
+        _positive_int("parallel", "expert", self.expert)
+
+    @property
+    def num_devices(self) -> int:
+        return self.data * self.expert
+
+    @property
+    def token_shards(self) -> int:
+        """Tokens are sharded over both axes, so every device holds a distinct slice."""
+        return self.data * self.expert
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the training text comes from."""
+
+    # A text file, or a .bin of uint16 token ids; None = the Python standard library sources.
+    path: str | None = None
+    val_fraction: float = 0.05
+    # Read at most this many bytes of the default corpus (None = all of it).
+    max_bytes: int | None = 8_000_000
+
+    def __post_init__(self) -> None:
+        _require(
+            isinstance(self.val_fraction, float | int) and 0 < self.val_fraction < 1,
+            f"data.val_fraction={self.val_fraction!r}: must be in (0, 1)",
+        )
+        if self.max_bytes is not None:
+            _positive_int("data", "max_bytes", self.max_bytes)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation: batch, schedule (linear warm-up then cosine decay), AdamW, clipping."""
+
+    batch_size: int = 32  # sequences per step, across all devices
+    steps: int = 300
+    learning_rate: float = 3e-3
+    warmup_steps: int = 20
+    # The cosine decays to learning_rate * min_lr_ratio at the last step.
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    adam_b1: float = 0.9
+    adam_b2: float = 0.95
+    grad_clip_norm: float | None = 1.0
+    seed: int = 0
+    eval_every: int = 50
+    eval_batches: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "steps", "eval_every", "eval_batches"):
+            _positive_int("train", name, getattr(self, name))
+        _require(
+            isinstance(self.warmup_steps, int) and self.warmup_steps >= 0,
+            f"train.warmup_steps={self.warmup_steps!r}: must be an integer >= 0",
+        )
+        _require(
+            isinstance(self.learning_rate, int | float) and self.learning_rate > 0,
+            f"train.learning_rate={self.learning_rate!r}: must be > 0",
+        )
+        _require(
+            isinstance(self.min_lr_ratio, int | float) and 0 <= self.min_lr_ratio <= 1,
+            f"train.min_lr_ratio={self.min_lr_ratio!r}: must be in [0, 1]",
+        )
+        _non_negative("train", "weight_decay", self.weight_decay)
+        for name in ("adam_b1", "adam_b2"):
+            value = getattr(self, name)
+            _require(0 <= value < 1, f"train.{name}={value!r}: must be in [0, 1)")
+        if self.grad_clip_norm is not None:
+            _require(
+                self.grad_clip_norm > 0,
+                f"train.grad_clip_norm={self.grad_clip_norm!r}: must be > 0, or None to disable",
+            )
+        _require(
+            isinstance(self.seed, int) and self.seed >= 0,
+            f"train.seed={self.seed!r}: must be an integer >= 0",
+        )
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything a run needs; cross-section constraints are checked here."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def __post_init__(self) -> None:
+        moe, parallel, train = self.moe, self.parallel, self.train
+        _require(
+            moe.num_experts % parallel.expert == 0,
+            f"moe.num_experts={moe.num_experts} is not divisible by "
+            f"parallel.expert={parallel.expert}: use a multiple of the expert axis size",
+        )
+        _require(
+            train.batch_size % parallel.token_shards == 0,
+            f"train.batch_size={train.batch_size} is not divisible by the "
+            f"{parallel.token_shards} token shards (parallel.data x parallel.expert): "
+            "use a multiple of it",
+        )
+        _require(
+            self.model.vocab_size >= 256 or self.data.path is not None,
+            f"model.vocab_size={self.model.vocab_size}: the default byte-level corpus "
+            "needs at least 256",
+        )
+        tokens_per_device = self.tokens_per_device
+        _require(
+            tokens_per_device % self.group_size == 0,
+            f"moe.group_size={self.group_size} does not divide the {tokens_per_device} "
+            "tokens per device (train.batch_size / token shards x model.seq_len): "
+            "choose a divisor of it",
+        )
+
+    @property
+    def tokens_per_device(self) -> int:
+        return self.train.batch_size // self.parallel.token_shards * self.model.seq_len
+
+    @property
+    def group_size(self) -> int:
+        """Tokens per routing group, with the default (one sequence) resolved."""
+        return self.moe.group_size or self.model.seq_len
+
+    @property
+    def capacity_per_expert(self) -> int:
+        """Slots per expert per routing group (dropless: every token of the group fits)."""
+        return capacity_per_expert(
+            self.group_size, self.moe.top_k, self.moe.capacity_factor, self.moe.num_experts
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Config:
+        sections = {f.name: f.type for f in dataclasses.fields(cls)}
+        unknown = set(values) - set(sections)
+        _require(not unknown, f"unknown config sections {sorted(unknown)}")
+        defaults = cls()
+        built = {}
+        for name in sections:
+            section_type = type(getattr(defaults, name))
+            built[name] = section_type(**values.get(name, {}))
+        return cls(**built)
+
+
+def capacity_per_expert(
+    group_size: int, top_k: int, capacity_factor: float | None, num_experts: int
+) -> int:
+    """ceil(group_size * top_k * capacity_factor / num_experts); dropless: group_size.
+
+    In dropless mode an expert can receive at most every token of the group once
+    (a token's top-k experts are distinct), so ``group_size`` slots never drop.
+    """
+    if capacity_factor is None:
+        return group_size
+    return max(1, math.ceil(group_size * top_k * capacity_factor / num_experts))

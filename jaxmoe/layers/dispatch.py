@@ -1,0 +1,71 @@
+"""Assigning routed tokens to expert slots, and gathering the results back.
+
+Each routing group has ``capacity`` slots per expert, a buffer of
+``[num_experts * capacity, d]``. Every (token, choice) assignment gets a slot
+index into it, or is dropped.
+
+The dropping rule (capacity mode). Assignments are ranked by choice first,
+then by token position: all first choices of the group in token order, then
+all second choices, and so on. Each expert takes assignments in that order
+until its ``capacity`` slots are full; the rest are dropped. So a first choice
+is never dropped to make room for a second choice, and an earlier token is
+never dropped to make room for a later one. A token whose every choice is
+dropped passes through the layer unchanged (the residual connection).
+
+Dropless mode uses ``capacity = group_size``: an expert can receive each
+token at most once, so nothing is ever dropped and shapes stay static (this
+is what runs on CPU, where ``ragged_all_to_all`` does not). The price is
+memory and bytes: the dispatch buffer, each all-to-all and the expert GEMMs
+cover ``num_experts * group_size`` slots per group, ``num_experts / top_k``
+times the ``group_size * top_k`` assignments that carry tokens.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class DispatchPlan(NamedTuple):
+    slot: jax.Array  # [groups, group_size, top_k] int32 in [0, E * C]; E * C means dropped
+    kept: jax.Array  # [groups, group_size, top_k] bool
+
+
+def plan_dispatch(expert_index: jax.Array, num_experts: int, capacity: int) -> DispatchPlan:
+    """Slot of every assignment under the rule in the module docstring."""
+    groups, group_size, top_k = expert_index.shape
+    one_hot = jax.nn.one_hot(expert_index, num_experts, dtype=jnp.int32)  # [G, S, k, E]
+    # Priority order: choice-major, then token order.
+    by_priority = one_hot.transpose(0, 2, 1, 3).reshape(groups, top_k * group_size, num_experts)
+    position_in_expert = jnp.cumsum(by_priority, axis=1) - 1
+    position = jnp.sum(position_in_expert * by_priority, axis=-1)  # [G, k * S]
+    position = position.reshape(groups, top_k, group_size).transpose(0, 2, 1)
+    kept = position < capacity
+    dropped_slot = num_experts * capacity
+    slot = jnp.where(kept, expert_index * capacity + position, dropped_slot)
+    return DispatchPlan(slot=slot.astype(jnp.int32), kept=kept)
+
+
+def dispatch(x: jax.Array, plan: DispatchPlan, num_slots: int) -> jax.Array:
+    """Scatter tokens ``[G, S, d]`` into their slots: ``[G, num_slots, d]``; empty slots are 0."""
+
+    def scatter_group(tokens: jax.Array, slot: jax.Array) -> jax.Array:
+        top_k = slot.shape[-1]
+        updates = jnp.repeat(tokens, top_k, axis=0)  # token-major, matching slot.reshape(-1)
+        buffer = jnp.zeros((num_slots, tokens.shape[-1]), tokens.dtype)
+        return buffer.at[slot.reshape(-1)].add(updates, mode="drop")
+
+    return jax.vmap(scatter_group)(x, plan.slot)
+
+
+def combine(expert_output: jax.Array, plan: DispatchPlan, weight: jax.Array) -> jax.Array:
+    """Weighted sum over each token's kept choices: ``[G, num_slots, d] -> [G, S, d]``."""
+
+    def gather_group(outputs: jax.Array, slot: jax.Array) -> jax.Array:
+        return outputs.at[slot].get(mode="fill", fill_value=0)  # [S, k, d]
+
+    gathered = jax.vmap(gather_group)(expert_output, plan.slot)
+    weight = jnp.where(plan.kept, weight, 0).astype(gathered.dtype)
+    return jnp.einsum("gskd,gsk->gsd", gathered, weight)

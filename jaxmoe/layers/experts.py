@@ -1,0 +1,37 @@
+"""The experts: one two-layer GELU MLP per expert, applied as batched GEMMs.
+
+Weights carry the expert index as their leading axis and are declared as
+:class:`~jaxmoe.parallel.sharding.ExpertParam`, so under the whole-step
+shard_map each device holds and computes only its local experts.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxmoe.parallel.sharding import ExpertParam
+
+
+class Experts(nnx.Module):
+    def __init__(
+        self, num_experts: int, d_model: int, d_hidden: int, *, dtype: jnp.dtype, rngs: nnx.Rngs
+    ):
+        self.dtype = dtype
+        # Fan-in is the second-to-last axis; the leading expert axis is a batch axis.
+        init = nnx.initializers.variance_scaling(
+            1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,)
+        )
+        self.w_in = ExpertParam(init(rngs.params(), (num_experts, d_model, d_hidden)))
+        self.b_in = ExpertParam(jnp.zeros((num_experts, d_hidden)))
+        self.w_out = ExpertParam(init(rngs.params(), (num_experts, d_hidden, d_model)))
+        self.b_out = ExpertParam(jnp.zeros((num_experts, d_model)))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """``[experts, slots, d_model] -> [experts, slots, d_model]``, expert e on row e."""
+        x = x.astype(self.dtype)
+        hidden = jnp.einsum("esd,edh->esh", x, self.w_in[...].astype(self.dtype))
+        hidden = jax.nn.gelu(hidden + self.b_in[...][:, None, :].astype(self.dtype))
+        out = jnp.einsum("esh,ehd->esd", hidden, self.w_out[...].astype(self.dtype))
+        return out + self.b_out[...][:, None, :].astype(self.dtype)

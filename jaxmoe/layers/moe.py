@@ -1,0 +1,147 @@
+"""The Mixture-of-Experts layer: route, dispatch, exchange, compute, return, combine.
+
+Per device, a layer takes its local tokens ``[batch, seq, d]`` and:
+
+1. groups them into routing groups and routes each token to its top-k experts;
+2. scatters them into per-expert capacity slots, ``[E, groups * C, d]``;
+3. ``all_to_all`` over the expert axis: each device receives the slots of its
+   local experts from every device of its expert group;
+4. applies the local experts;
+5. ``all_to_all`` back, and combines each token's kept choices by weight.
+
+Inside the whole-step ``shard_map`` (the expert axis is manual) the layer
+calls the collectives directly. Called from global-view code under a mesh
+(``jax.set_mesh``), it wraps itself in a ``shard_map`` over that mesh. With
+no mesh it runs on one device with every expert local and no collective.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from jaxmoe.config import MoEConfig, capacity_per_expert
+from jaxmoe.layers.dispatch import combine, dispatch, plan_dispatch
+from jaxmoe.layers.experts import Experts
+from jaxmoe.layers.router import Router
+from jaxmoe.parallel.collectives import dispatch_to_experts, manual_axes, return_from_experts
+from jaxmoe.parallel.mesh import EXPERT_AXIS
+from jaxmoe.parallel.sharding import param_specs
+
+
+class RoutingStats(NamedTuple):
+    """What one MoE layer reports about its routing, for the loss and for metrics."""
+
+    aux_loss: jax.Array  # load-balancing loss (mean over routing groups)
+    z_loss: jax.Array  # router z-loss (mean over tokens)
+    tokens_per_expert: jax.Array  # [num_experts] assignments routed to each expert, pre-drop
+    dropped: jax.Array  # assignments dropped for lack of capacity
+    assignments: jax.Array  # assignments made (tokens * top_k)
+
+
+def all_reduce_stats(stats: RoutingStats, axes: tuple[str, ...]) -> RoutingStats:
+    """Combine per-device stats over ``axes``: losses averaged, counts summed."""
+    return RoutingStats(
+        aux_loss=jax.lax.pmean(stats.aux_loss, axes),
+        z_loss=jax.lax.pmean(stats.z_loss, axes),
+        tokens_per_expert=jax.lax.psum(stats.tokens_per_expert, axes),
+        dropped=jax.lax.psum(stats.dropped, axes),
+        assignments=jax.lax.psum(stats.assignments, axes),
+    )
+
+
+class MoELayer(nnx.Module):
+    def __init__(
+        self, d_model: int, d_hidden: int, config: MoEConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs
+    ):
+        self.config = config
+        self.router = Router(
+            d_model,
+            config.num_experts,
+            top_k=config.top_k,
+            score_function=config.score_function,
+            normalize_top_k=config.normalize_top_k,
+            jitter=config.jitter,
+            rngs=rngs,
+        )
+        self.experts = Experts(
+            config.num_experts, d_model, config.d_expert or d_hidden, dtype=dtype, rngs=rngs
+        )
+
+    def __call__(
+        self, x: jax.Array, jitter_key: jax.Array | None = None
+    ) -> tuple[jax.Array, RoutingStats]:
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty or EXPERT_AXIS in manual_axes():
+            return self.per_device(x, jitter_key)
+        return self._shard_mapped(x, jitter_key, tuple(mesh.axis_names))
+
+    def per_device(
+        self, x: jax.Array, jitter_key: jax.Array | None = None
+    ) -> tuple[jax.Array, RoutingStats]:
+        """The layer on this device's tokens ``[batch, seq, d]``; stats are local."""
+        batch, seq, width = x.shape
+        group_size = self.config.group_size or seq
+        tokens = batch * seq
+        if tokens % group_size:
+            raise ValueError(
+                f"moe.group_size={group_size} does not divide the {tokens} tokens on this device"
+            )
+        num_groups = tokens // group_size
+        num_experts = self.config.num_experts
+        capacity = capacity_per_expert(
+            group_size, self.config.top_k, self.config.capacity_factor, num_experts
+        )
+
+        grouped = x.reshape(num_groups, group_size, width)
+        route = self.router(grouped, jitter_key)
+        plan = plan_dispatch(route.expert_index, num_experts, capacity)
+        slots = dispatch(grouped, plan, num_experts * capacity)  # [G, E * C, d]
+        # Expert-major layout for the exchange: [E, G * C, d].
+        slots = slots.reshape(num_groups, num_experts, capacity, width).transpose(1, 0, 2, 3)
+        slots = slots.reshape(num_experts, num_groups * capacity, width)
+
+        outputs = return_from_experts(self.experts(dispatch_to_experts(slots)))
+
+        outputs = outputs.reshape(num_experts, num_groups, capacity, width).transpose(1, 0, 2, 3)
+        outputs = outputs.reshape(num_groups, num_experts * capacity, width)
+        y = combine(outputs, plan, route.combine_weight).astype(x.dtype)
+
+        stats = RoutingStats(
+            aux_loss=route.aux_loss,
+            z_loss=route.z_loss,
+            tokens_per_expert=jnp.sum(
+                jax.nn.one_hot(route.expert_index, num_experts, dtype=jnp.int32), axis=(0, 1, 2)
+            ),
+            dropped=jnp.sum(~plan.kept, dtype=jnp.int32),
+            assignments=jnp.asarray(plan.kept.size, jnp.int32),
+        )
+        return y.reshape(batch, seq, width), stats
+
+    def _shard_mapped(
+        self, x: jax.Array, jitter_key: jax.Array | None, mesh_axes: tuple[str, ...]
+    ) -> tuple[jax.Array, RoutingStats]:
+        """Global-view call: shard tokens over every mesh axis, experts over ``expert``."""
+        graphdef, state = nnx.split(self)
+        specs = param_specs(state)
+        tokens = PartitionSpec(mesh_axes)
+
+        def body(params, x, key):
+            layer = nnx.merge(graphdef, params)
+            if key is not None:
+                key = jax.random.fold_in(key, jax.lax.axis_index(mesh_axes))
+            y, stats = layer.per_device(x, key)
+            return y, all_reduce_stats(stats, mesh_axes)
+
+        mapped = jax.shard_map(
+            body,
+            in_specs=(specs, tokens, PartitionSpec()),
+            out_specs=(tokens, PartitionSpec()),
+        )
+        # With Explicit mesh axes shard_map takes inputs only in the layout it declares.
+        params = jax.reshard(nnx.to_pure_dict(state), specs)
+        return mapped(params, jax.reshard(x, tokens), jitter_key)

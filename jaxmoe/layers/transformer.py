@@ -1,0 +1,85 @@
+"""The GPT-MoE decoder: pre-norm blocks, an MoE FFN every k-th layer, layers unrolled.
+
+Layers are a Python loop, not a ``scan``: the scheduler must see each layer's
+collectives separately to overlap them with the computation of neighbouring
+layers.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxmoe.config import ModelConfig, MoEConfig
+from jaxmoe.layers.attention import CausalSelfAttention
+from jaxmoe.layers.mlp import DenseFFN
+from jaxmoe.layers.moe import MoELayer, RoutingStats
+
+
+class Block(nnx.Module):
+    """``x + attention(norm(x))``, then ``x + ffn(norm(x))``; the FFN is dense or MoE."""
+
+    def __init__(
+        self, model: ModelConfig, moe: MoEConfig | None, *, dtype: jnp.dtype, rngs: nnx.Rngs
+    ):
+        self.attention_norm = nnx.LayerNorm(model.d_model, dtype=dtype, rngs=rngs)
+        self.attention = CausalSelfAttention(model.d_model, model.num_heads, dtype=dtype, rngs=rngs)
+        self.ffn_norm = nnx.LayerNorm(model.d_model, dtype=dtype, rngs=rngs)
+        if moe is None:
+            self.ffn = DenseFFN(model.d_model, model.d_ff, dtype=dtype, rngs=rngs)
+        else:
+            self.ffn = MoELayer(model.d_model, model.d_ff, moe, dtype=dtype, rngs=rngs)
+
+    @property
+    def is_moe(self) -> bool:
+        return isinstance(self.ffn, MoELayer)
+
+    def __call__(
+        self, x: jax.Array, jitter_key: jax.Array | None = None
+    ) -> tuple[jax.Array, RoutingStats | None]:
+        x = x + self.attention(self.attention_norm(x))
+        normed = self.ffn_norm(x)
+        if self.is_moe:
+            update, stats = self.ffn(normed, jitter_key)
+        else:
+            update, stats = self.ffn(normed), None
+        return x + update, stats
+
+
+class GPTMoE(nnx.Module):
+    """Token and position embeddings, the blocks, a final norm, and a tied output head."""
+
+    def __init__(self, model: ModelConfig, moe: MoEConfig, *, rngs: nnx.Rngs):
+        dtype = jnp.dtype(model.dtype)
+        self.dtype = dtype
+        moe_layers = set(model.moe_layers)
+        self.token_embed = nnx.Embed(model.vocab_size, model.d_model, dtype=dtype, rngs=rngs)
+        self.position_embed = nnx.Param(
+            nnx.initializers.normal(0.02)(rngs.params(), (model.seq_len, model.d_model))
+        )
+        self.blocks = nnx.List(
+            [
+                Block(model, moe if i in moe_layers else None, dtype=dtype, rngs=rngs)
+                for i in range(model.num_layers)
+            ]
+        )
+        self.final_norm = nnx.LayerNorm(model.d_model, dtype=dtype, rngs=rngs)
+
+    def __call__(
+        self, tokens: jax.Array, jitter_key: jax.Array | None = None
+    ) -> tuple[jax.Array, RoutingStats]:
+        """``tokens [batch, seq]`` -> float32 logits ``[batch, seq, vocab]`` and routing stats
+        stacked over the MoE layers (leading axis: MoE layer, in depth order)."""
+        seq = tokens.shape[1]
+        x = self.token_embed(tokens) + self.position_embed[...][:seq].astype(self.dtype)
+        layer_stats = []
+        for index, block in enumerate(self.blocks):
+            key = None if jitter_key is None else jax.random.fold_in(jitter_key, index)
+            x, stats = block(x, key)
+            if stats is not None:
+                layer_stats.append(stats)
+        x = self.final_norm(x)
+        logits = self.token_embed.attend(x).astype(jnp.float32)
+        stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *layer_stats)
+        return logits, stacked

@@ -1,0 +1,40 @@
+"""AdamW with linear warm-up and cosine decay.
+
+Clipping is not part of the optax chain: the global norm of sharded gradients
+needs collectives, so the train step computes it (``parallel.sharding.global_norm``)
+and scales the gradients before the update.
+"""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+from jaxmoe.config import TrainConfig
+
+
+def learning_rate_schedule(train: TrainConfig) -> optax.Schedule:
+    """Linear warm-up from peak / warmup_steps to the peak, then cosine decay to
+    peak * min_lr_ratio at the last step (the first step already learns)."""
+    return optax.warmup_cosine_decay_schedule(
+        init_value=train.learning_rate / max(1, train.warmup_steps),
+        peak_value=train.learning_rate,
+        warmup_steps=train.warmup_steps,
+        decay_steps=max(train.steps, train.warmup_steps + 1),
+        end_value=train.learning_rate * train.min_lr_ratio,
+    )
+
+
+def _decay_mask(params):
+    """Decay matrices (kernels, embeddings, expert weights); not biases or norm scales."""
+    return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
+    return optax.adamw(
+        learning_rate_schedule(train),
+        b1=train.adam_b1,
+        b2=train.adam_b2,
+        weight_decay=train.weight_decay,
+        mask=_decay_mask,
+    )

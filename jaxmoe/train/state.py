@@ -1,0 +1,67 @@
+"""The training state, its partition specs, and its initialisation on the mesh."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxmoe.config import Config
+from jaxmoe.layers import GPTMoE
+from jaxmoe.parallel.sharding import param_specs
+from jaxmoe.train.optimizer import make_optimizer
+
+
+class TrainState(NamedTuple):
+    step: Any  # int32 scalar
+    params: Any  # pure dict of arrays (``nnx.to_pure_dict`` of the model state)
+    opt_state: Any
+
+
+def build_model(config: Config) -> GPTMoE:
+    return GPTMoE(config.model, config.moe, rngs=nnx.Rngs(config.train.seed))
+
+
+def model_graphdef_and_specs(config: Config) -> tuple[nnx.GraphDef, dict]:
+    """The model's structure and parameter specs, without allocating parameters."""
+    graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: build_model(config)))
+    return graphdef, param_specs(abstract_state)
+
+
+def _initial_state(config: Config) -> TrainState:
+    params = nnx.to_pure_dict(nnx.state(build_model(config)))
+    opt_state = make_optimizer(config.train).init(params)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+
+
+def state_specs(config: Config) -> TrainState:
+    """PartitionSpecs of the whole state: optimizer moments follow their parameters."""
+    _, specs = model_graphdef_and_specs(config)
+    shapes = jax.eval_shape(lambda: _initial_state(config))
+    opt_specs = optax.tree_map_params(
+        make_optimizer(config.train),
+        lambda _, spec: spec,
+        shapes.opt_state,
+        specs,
+        transform_non_params=lambda _: PartitionSpec(),
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
+    return TrainState(step=PartitionSpec(), params=specs, opt_state=opt_specs)
+
+
+def init_train_state(config: Config, mesh: Mesh) -> TrainState:
+    """Initialise parameters and optimizer state directly in their sharded layout.
+
+    The values do not depend on the mesh: the same seed gives the same model
+    on one device or on many.
+    """
+    shardings = jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec),
+        state_specs(config),
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
+    return jax.jit(lambda: _initial_state(config), out_shardings=shardings)()

@@ -1,0 +1,155 @@
+"""The training step, written per device: one ``shard_map`` over the whole mesh.
+
+Inside it: the forward pass, the loss, ``jax.value_and_grad``, the explicit
+gradient reduction, global-norm clipping and the AdamW update. Every
+collective (the expert all-to-alls of forward and backward, the gradient
+psums) is an equation of one per-device program, next to all of the
+computation — which is what the scheduling layer rewrites.
+
+``check_vma=False``: the step reduces gradients itself. Each device
+differentiates its own loss divided by the number of token shards, so summing
+a gradient over the axes its parameter is replicated on gives exactly the
+gradient of the global mean loss (expert gradients arrive already summed over
+the expert group through the backward all-to-all).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
+
+from jaxmoe.config import Config
+from jaxmoe.layers import RoutingStats
+from jaxmoe.parallel.mesh import token_spec
+from jaxmoe.parallel.sharding import global_norm, reduce_gradients
+from jaxmoe.train.optimizer import learning_rate_schedule, make_optimizer
+from jaxmoe.train.state import TrainState, model_graphdef_and_specs, state_specs
+
+Metrics = dict[str, jax.Array]
+
+
+@dataclass(frozen=True)
+class ShardedStep:
+    """A per-device function and how its arguments and results lie on the mesh."""
+
+    per_device: Callable[..., Any]
+    mesh: Mesh
+    in_specs: tuple[Any, ...]
+    out_specs: Any
+    donate_argnums: tuple[int, ...] = ()
+
+    def jit(self) -> Callable[..., Any]:
+        mapped = jax.shard_map(
+            self.per_device,
+            mesh=self.mesh,
+            in_specs=self.in_specs,
+            out_specs=self.out_specs,
+            check_vma=False,
+        )
+        return jax.jit(mapped, donate_argnums=self.donate_argnums)
+
+
+def _forward_losses(
+    config: Config, graphdef: nnx.GraphDef, params: Any, batch: jax.Array, key: jax.Array | None
+) -> tuple[jax.Array, jax.Array, RoutingStats]:
+    """Local total loss (cross-entropy + aux + z) and its parts, on this device's rows."""
+    model = nnx.merge(graphdef, params)
+    logits, stats = model(batch[:, :-1], key)
+    cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+    # Auxiliary losses are added per MoE layer (summed over layers), as in Switch/Megatron.
+    total = (
+        cross_entropy
+        + config.moe.aux_loss_coef * jnp.sum(stats.aux_loss)
+        + config.moe.z_loss_coef * jnp.sum(stats.z_loss)
+    )
+    return total, cross_entropy, stats
+
+
+def _routing_metrics(stats: RoutingStats, axes: tuple[str, ...], shards: int) -> Metrics:
+    tokens_per_expert = jax.lax.psum(stats.tokens_per_expert, axes)  # [moe_layers, experts]
+    per_layer_imbalance = jnp.max(tokens_per_expert, axis=-1) / jnp.mean(
+        tokens_per_expert.astype(jnp.float32), axis=-1
+    )
+    return {
+        "aux_loss": jax.lax.psum(jnp.mean(stats.aux_loss) / shards, axes),
+        "z_loss": jax.lax.psum(jnp.mean(stats.z_loss) / shards, axes),
+        "dropped_fraction": jax.lax.psum(jnp.sum(stats.dropped), axes)
+        / jax.lax.psum(jnp.sum(stats.assignments), axes),
+        "tokens_per_expert": tokens_per_expert,
+        # The worst MoE layer's max/mean load.
+        "expert_imbalance": jnp.max(per_layer_imbalance),
+    }
+
+
+def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
+    """``(state, batch [B, seq_len + 1]) -> (state, metrics)``, per device."""
+    graphdef, param_spec_tree = model_graphdef_and_specs(config)
+    optimizer = make_optimizer(config.train)
+    schedule = learning_rate_schedule(config.train)
+    shards = config.parallel.token_shards
+    axes = tuple(mesh.axis_names)
+    clip_norm = config.train.grad_clip_norm
+
+    def per_device(state: TrainState, batch: jax.Array) -> tuple[TrainState, Metrics]:
+        key = None
+        if config.moe.jitter > 0:
+            key = jax.random.fold_in(jax.random.key(config.train.seed), state.step)
+            key = jax.random.fold_in(key, jax.lax.axis_index(axes))
+
+        def loss_fn(params):
+            total, cross_entropy, stats = _forward_losses(config, graphdef, params, batch, key)
+            return total / shards, (total, cross_entropy, stats)
+
+        (_, (total, cross_entropy, stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            state.params
+        )
+        grads = reduce_gradients(grads, param_spec_tree)
+        grad_norm = global_norm(grads, param_spec_tree)
+        if clip_norm is not None:
+            scale = jnp.minimum(1.0, clip_norm / (grad_norm + 1e-6))
+            grads = jax.tree.map(lambda g: g * scale, grads)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+
+        metrics = {
+            "loss": jax.lax.psum(cross_entropy / shards, axes),
+            "total_loss": jax.lax.psum(total / shards, axes),
+            "grad_norm": grad_norm,
+            "learning_rate": schedule(state.step),
+            **_routing_metrics(stats, axes, shards),
+        }
+        return TrainState(state.step + 1, params, opt_state), metrics
+
+    specs = state_specs(config)
+    return ShardedStep(
+        per_device=per_device,
+        mesh=mesh,
+        in_specs=(specs, token_spec()),
+        out_specs=(specs, PartitionSpec()),
+        donate_argnums=(0,),
+    )
+
+
+def build_eval_step(config: Config, mesh: Mesh) -> ShardedStep:
+    """``(params, batch) -> mean cross-entropy`` over the global batch, per device."""
+    graphdef, param_spec_tree = model_graphdef_and_specs(config)
+    shards = config.parallel.token_shards
+    axes = tuple(mesh.axis_names)
+
+    def per_device(params: Any, batch: jax.Array) -> jax.Array:
+        _, cross_entropy, _ = _forward_losses(config, graphdef, params, batch, None)
+        return jax.lax.psum(cross_entropy / shards, axes)
+
+    return ShardedStep(
+        per_device=per_device,
+        mesh=mesh,
+        in_specs=(param_spec_tree, token_spec()),
+        out_specs=PartitionSpec(),
+    )
