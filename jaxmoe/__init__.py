@@ -14,8 +14,8 @@ __all__ = [
     "Config",
     "ConfigError",
     "DataConfig",
-    "ModelConfig",
     "MoEConfig",
+    "ModelConfig",
     "ParallelConfig",
     "TrainConfig",
 ]

@@ -30,9 +30,7 @@ def router_scores(logits: jax.Array, score_function: str) -> jax.Array:
     raise ValueError(f"unknown score function {score_function!r}")
 
 
-def top_k_experts(
-    scores: jax.Array, top_k: int, normalize: bool
-) -> tuple[jax.Array, jax.Array]:
+def top_k_experts(scores: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
     """The ``top_k`` highest-scoring experts per token and their combine weights.
 
     Ties go to the lower expert index (``lax.top_k`` is stable). With

@@ -72,7 +72,9 @@ def global_norm(tree: PyTree, specs: PyTree) -> jax.Array:
     squares_by_axes: dict[frozenset[str], jax.Array] = defaultdict(lambda: jnp.float32(0))
     for leaf, spec in zip(jax.tree.leaves(tree), jax.tree.leaves(specs), strict=True):
         axes = sharded_axes(spec)
-        squares_by_axes[axes] = squares_by_axes[axes] + jnp.sum(jnp.square(leaf.astype(jnp.float32)))
+        squares_by_axes[axes] = squares_by_axes[axes] + jnp.sum(
+            jnp.square(leaf.astype(jnp.float32))
+        )
     total = jnp.float32(0)
     for axes, squares in squares_by_axes.items():
         total = total + (jax.lax.psum(squares, tuple(sorted(axes))) if axes else squares)

@@ -1,0 +1,142 @@
+"""The ``jaxmoe`` command line.
+
+``jaxmoe train`` runs a named preset with any configuration field overridden
+by a flag named after it, ``--SECTION.FIELD VALUE`` (``--moe.top_k 2``,
+``--moe.capacity_factor none``, ``--parallel.data 2``), plus the shortcuts
+``--steps N`` and ``--data FILE``. A bad flag or value prints one line and
+exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import types
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+from jaxmoe.config import Config, ConfigError
+from jaxmoe.presets import PRESETS, preset
+
+USAGE_ERROR = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (no usage block) and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message}\n")
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.lower()
+    if lowered in ("true", "1", "yes", "on"):
+        return True
+    if lowered in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def _value_parser(annotation: Any) -> Callable[[str], Any]:
+    """A str -> value converter for a config field's type; ``X | None`` accepts 'none'."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in args:
+        (inner,) = (arg for arg in args if arg is not type(None))
+        parse_inner = _value_parser(inner)
+        return lambda text: None if text.lower() in ("none", "null") else parse_inner(text)
+    if annotation is bool:
+        return _parse_bool
+    if annotation in (int, float, str):
+        return annotation
+    raise TypeError(f"no command-line parser for {annotation!r}")
+
+
+def _override_fields() -> dict[str, tuple[str, str, Callable[[str], Any]]]:
+    """``'section.field' -> (section, field, parser)`` for every configuration field."""
+    fields = {}
+    for section in dataclasses.fields(Config):
+        section_type = type(getattr(Config(), section.name))
+        hints = typing.get_type_hints(section_type)
+        for field in dataclasses.fields(section_type):
+            fields[f"{section.name}.{field.name}"] = (
+                section.name,
+                field.name,
+                _value_parser(hints[field.name]),
+            )
+    return fields
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="jaxmoe", description="Mixture-of-Experts training in JAX.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    train = commands.add_parser("train", help="train a preset, with overrides")
+    train.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    train.add_argument("--steps", type=int, help="shortcut for --train.steps")
+    train.add_argument("--data", help="a text file or a .bin of uint16 ids (--data.path)")
+    train.add_argument("--out", help="directory for config.json and metrics.jsonl")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    overrides = train.add_argument_group("configuration overrides")
+    for name in _override_fields():
+        overrides.add_argument(f"--{name}", dest=f"override:{name}", metavar="VALUE")
+    return parser
+
+
+def resolve_config(args: argparse.Namespace) -> Config:
+    """The preset with every override applied; raises ConfigError on a bad value."""
+    values = preset(args.preset).to_dict()
+    requested = {
+        key.removeprefix("override:"): text
+        for key, text in vars(args).items()
+        if key.startswith("override:") and text is not None
+    }
+    if args.steps is not None:
+        requested["train.steps"] = str(args.steps)
+    if args.data is not None:
+        requested["data.path"] = args.data
+    fields = _override_fields()
+    for name, text in requested.items():
+        section, field, parse = fields[name]
+        try:
+            values[section][field] = parse(text)
+        except ValueError:
+            raise ConfigError(f"--{name}: cannot read {text!r} as a value of this field") from None
+    return Config.from_dict(values)
+
+
+def _ensure_host_devices(count: int) -> None:
+    """Give the CPU platform ``count`` devices unless XLA_FLAGS already sets it.
+
+    Must run before JAX is imported. It only shapes the CPU (host) platform, so
+    on a GPU machine the GPUs stay the devices a run uses.
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = resolve_config(args)
+        _ensure_host_devices(config.parallel.num_devices)
+        # Imported late: the device flag above must precede JAX's start-up.
+        from jaxmoe.train.loop import train
+
+        rows = train(config, args.out, progress=not args.no_progress)
+    except ConfigError as error:
+        print(f"jaxmoe {args.command}: error: {error}", file=sys.stderr)
+        return USAGE_ERROR
+    last = rows[-1]
+    print(
+        f"done: {len(rows)} steps, loss {rows[0]['loss']:.3f} -> {last['loss']:.3f}, "
+        f"val_loss {last.get('val_loss', float('nan')):.3f}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Training text: the corpus, its train/validation split, and batches on the mesh.
+
+The default corpus is real text that every Python install carries: the source
+files of the standard library, read in sorted path order, as bytes (the
+token ids are byte values, vocabulary 256). ``DataConfig.path`` takes a text
+file (bytes again) or a ``.bin`` of little-endian uint16 token ids.
+
+Batches are random windows of ``seq_len + 1`` tokens. Which windows form the
+global batch of a step depends only on the seed and the step, so runs on
+different meshes or process counts see the same data; each process builds
+only its own rows.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from jaxmoe.config import ConfigError, DataConfig
+from jaxmoe.parallel.mesh import token_spec
+
+
+def stdlib_source_files() -> list[Path]:
+    """The standard library's ``.py`` files, sorted, without installed third-party packages."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = (
+        path
+        for path in root.rglob("*.py")
+        if "site-packages" not in path.relative_to(root).parts and path.is_file()
+    )
+    return sorted(files, key=lambda path: path.relative_to(root).as_posix())
+
+
+def _read_stdlib(max_bytes: int | None) -> np.ndarray:
+    chunks, total = [], 0
+    for path in stdlib_source_files():
+        data = path.read_bytes()
+        chunks.append(data)
+        total += len(data)
+        if max_bytes is not None and total >= max_bytes:
+            break
+    return np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8)
+
+
+def load_tokens(data: DataConfig) -> np.ndarray:
+    """All token ids of the corpus as a 1-D ``uint16`` array."""
+    if data.path is None:
+        return _read_stdlib(data.max_bytes).astype(np.uint16)
+    path = Path(data.path)
+    if not path.is_file():
+        raise ConfigError(f"data.path={data.path!r}: no such file; give a text file or a .bin")
+    if path.suffix == ".bin":
+        if path.stat().st_size % 2:
+            raise ConfigError(
+                f"data.path={data.path!r}: a .bin must hold uint16 token ids (even byte count)"
+            )
+        return np.fromfile(path, dtype="<u2")
+    return np.frombuffer(path.read_bytes(), dtype=np.uint8).astype(np.uint16)
+
+
+class TokenSplits:
+    """The corpus split into a training head and a validation tail."""
+
+    def __init__(self, tokens: np.ndarray, val_fraction: float, seq_len: int):
+        self.seq_len = seq_len
+        split = int(len(tokens) * (1 - val_fraction))
+        self.train, self.val = tokens[:split], tokens[split:]
+        for name, part in (("training", self.train), ("validation", self.val)):
+            if len(part) < seq_len + 1:
+                raise ConfigError(
+                    f"the {name} split has {len(part)} tokens, fewer than model.seq_len + 1 = "
+                    f"{seq_len + 1}: use more data or a different data.val_fraction"
+                )
+
+    @property
+    def max_token_id(self) -> int:
+        return int(max(self.train.max(), self.val.max()))
+
+
+class BatchSampler:
+    """Random windows of ``seq_len + 1`` tokens; the global batch is a function of the step."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int):
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.global_batch = global_batch
+        self.seed = seed
+
+    def _starts(self, step: int) -> np.ndarray:
+        rng = np.random.default_rng((self.seed, step))
+        return rng.integers(0, len(self.tokens) - self.seq_len, size=self.global_batch)
+
+    def rows(self, step: int, first: int = 0, count: int | None = None) -> np.ndarray:
+        """Rows ``first .. first + count`` of the global batch of ``step``: int32 ``[count, S+1]``."""
+        starts = self._starts(step)[first : None if count is None else first + count]
+        offsets = np.arange(self.seq_len + 1)
+        return self.tokens[starts[:, None] + offsets].astype(np.int32)
+
+
+def put_on_mesh(sampler: BatchSampler, step: int, mesh: Mesh) -> jax.Array:
+    """The global batch of ``step`` as one array sharded over the token axes.
+
+    Each process builds only the rows that its own devices hold.
+    """
+    sharding = NamedSharding(mesh, token_spec())
+    per_process = sampler.global_batch // jax.process_count()
+    local = sampler.rows(step, jax.process_index() * per_process, per_process)
+    return jax.make_array_from_process_local_data(sharding, local)
