@@ -42,7 +42,8 @@ def dispatch_to_experts(buffer: jax.Array) -> jax.Array:
 
 
 def return_from_experts(buffer: jax.Array) -> jax.Array:
-    """Inverse of :func:`dispatch_to_experts`: [local_experts, group * slots, d] -> [E, slots, d]."""
+    """Inverse of :func:`dispatch_to_experts`: ``[local_experts, group * slots, d]`` back to
+    ``[num_experts, slots, d]`` on the source device."""
     group = expert_axis_size()
     if group == 1:
         return buffer

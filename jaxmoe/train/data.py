@@ -95,7 +95,7 @@ class BatchSampler:
         return rng.integers(0, len(self.tokens) - self.seq_len, size=self.global_batch)
 
     def rows(self, step: int, first: int = 0, count: int | None = None) -> np.ndarray:
-        """Rows ``first .. first + count`` of the global batch of ``step``: int32 ``[count, S+1]``."""
+        """Rows ``first .. first + count`` of the batch of ``step``, int32 ``[count, S + 1]``."""
         starts = self._starts(step)[first : None if count is None else first + count]
         offsets = np.arange(self.seq_len + 1)
         return self.tokens[starts[:, None] + offsets].astype(np.int32)
