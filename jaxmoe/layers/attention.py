@@ -12,7 +12,9 @@ from flax import nnx
 class CausalSelfAttention(nnx.Module):
     def __init__(self, d_model: int, num_heads: int, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         self.num_heads = num_heads
-        self.qkv = nnx.Linear(d_model, 3 * d_model, dtype=dtype, rngs=rngs)
+        # No bias: a key bias has an exactly zero gradient (softmax ignores a per-query
+        # constant), and Adam would turn its round-off into full-size updates.
+        self.qkv = nnx.Linear(d_model, 3 * d_model, use_bias=False, dtype=dtype, rngs=rngs)
         self.out = nnx.Linear(d_model, d_model, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -1,0 +1,90 @@
+"""Every invalid configuration is refused with one message naming the field and the fix."""
+
+import dataclasses
+
+import pytest
+
+from jaxmoe.config import (
+    Config,
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    MoEConfig,
+    ParallelConfig,
+    TrainConfig,
+    capacity_per_expert,
+)
+from jaxmoe.presets import PRESETS, preset
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: ModelConfig(d_model=100, num_heads=3), "model.d_model=100 is not divisible"),
+        (lambda: ModelConfig(num_layers=0), "model.num_layers=0: must be a positive integer"),
+        (lambda: ModelConfig(num_layers=2, moe_every=3), "model.moe_every=3 is larger"),
+        (lambda: ModelConfig(dtype="float16"), "model.dtype='float16'"),
+        (lambda: MoEConfig(num_experts=4, top_k=5), "moe.top_k=5 is larger than moe.num_experts"),
+        (lambda: MoEConfig(capacity_factor=0.0), "moe.capacity_factor=0.0: must be > 0"),
+        (lambda: MoEConfig(capacity_factor=-1.0), "moe.capacity_factor=-1.0: must be > 0"),
+        (lambda: MoEConfig(score_function="relu"), "moe.score_function='relu'"),
+        (lambda: MoEConfig(group_size=0), "moe.group_size=0: must be a positive integer"),
+        (lambda: MoEConfig(jitter=1.5), "moe.jitter=1.5: must be in [0, 1)"),
+        (lambda: MoEConfig(aux_loss_coef=-1.0), "moe.aux_loss_coef=-1.0"),
+        (lambda: ParallelConfig(data=0), "parallel.data=0: must be a positive integer"),
+        (lambda: TrainConfig(batch_size=0), "train.batch_size=0"),
+        (lambda: TrainConfig(learning_rate=0.0), "train.learning_rate=0.0: must be > 0"),
+        (lambda: TrainConfig(grad_clip_norm=0.0), "train.grad_clip_norm=0.0"),
+        (lambda: DataConfig(val_fraction=1.0), "data.val_fraction=1.0"),
+        (
+            lambda: Config(moe=MoEConfig(num_experts=6), parallel=ParallelConfig(expert=4)),
+            "moe.num_experts=6 is not divisible by parallel.expert=4",
+        ),
+        (
+            lambda: Config(
+                parallel=ParallelConfig(data=2, expert=4), train=TrainConfig(batch_size=12)
+            ),
+            "train.batch_size=12 is not divisible by the 8 token shards",
+        ),
+        (
+            lambda: Config(
+                model=ModelConfig(seq_len=64), moe=MoEConfig(group_size=48), train=TrainConfig()
+            ),
+            "moe.group_size=48 does not divide the 256 tokens per device",
+        ),
+        (lambda: Config(model=ModelConfig(vocab_size=100)), "model.vocab_size=100"),
+    ],
+)
+def test_invalid_values_are_refused_with_the_field_named(build, message):
+    with pytest.raises(ConfigError) as error:
+        build()
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_configs_are_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ModelConfig().d_model = 3
+
+
+def test_round_trip_through_a_dict():
+    config = Config(moe=MoEConfig(capacity_factor=None, top_k=2))
+    assert Config.from_dict(config.to_dict()) == config
+
+
+def test_unknown_preset_names_the_choices():
+    with pytest.raises(ConfigError, match="unknown preset 'huge': choose one of small, tiny"):
+        preset("huge")
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_are_valid(name):
+    assert preset(name).model.moe_layers
+
+
+def test_capacity_and_moe_layers():
+    assert capacity_per_expert(64, 1, 1.25, 8) == 10
+    assert capacity_per_expert(64, 2, 1.0, 8) == 16
+    assert capacity_per_expert(64, 2, None, 8) == 64
+    assert ModelConfig(num_layers=6, moe_every=2).moe_layers == (1, 3, 5)
+    assert Config().group_size == Config().model.seq_len

@@ -1,0 +1,76 @@
+"""The default corpus, custom data files, and batches that land sharded on the mesh."""
+
+import sysconfig
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jaxmoe.config import ConfigError, DataConfig, ParallelConfig
+from jaxmoe.parallel import build_mesh
+from jaxmoe.train.data import (
+    BatchSampler,
+    TokenSplits,
+    load_tokens,
+    put_on_mesh,
+    stdlib_source_files,
+)
+
+
+def test_default_corpus_is_the_standard_library_in_sorted_order():
+    files = stdlib_source_files()
+    assert len(files) > 100
+    root = Path(sysconfig.get_paths()["stdlib"])
+    relative = [f.relative_to(root).as_posix() for f in files]
+    assert relative == sorted(relative)
+    assert not any("site-packages" in f.parts for f in files)
+    tokens = load_tokens(DataConfig(max_bytes=50_000))
+    assert tokens.dtype == np.uint16 and len(tokens) == 50_000
+    assert bytes(tokens[:2000].astype(np.uint8)) == files[0].read_bytes()[:2000]
+    np.testing.assert_array_equal(tokens, load_tokens(DataConfig(max_bytes=50_000)))
+
+
+def test_text_and_bin_files(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_text("hello world")
+    np.testing.assert_array_equal(load_tokens(DataConfig(path=str(text))), list(b"hello world"))
+    ids = np.array([1, 300, 65535, 7], dtype="<u2")
+    binary = tmp_path / "ids.bin"
+    ids.tofile(binary)
+    np.testing.assert_array_equal(load_tokens(DataConfig(path=str(binary))), ids)
+
+
+def test_missing_file_and_too_little_data(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_tokens(DataConfig(path=str(tmp_path / "absent.txt")))
+    with pytest.raises(ConfigError, match="fewer than model.seq_len"):
+        TokenSplits(np.arange(100, dtype=np.uint16), 0.05, seq_len=64)
+
+
+def test_splits_are_disjoint_head_and_tail():
+    tokens = np.arange(1000, dtype=np.uint16)
+    splits = TokenSplits(tokens, 0.1, seq_len=16)
+    assert len(splits.train) == 900 and splits.val[0] == 900
+
+
+def test_batches_depend_only_on_seed_and_step():
+    tokens = np.arange(10_000, dtype=np.uint16)
+    sampler = BatchSampler(tokens, seq_len=8, global_batch=16, seed=3)
+    rows = sampler.rows(5)
+    assert rows.shape == (16, 9) and rows.dtype == np.int32
+    np.testing.assert_array_equal(rows[:, 1:], rows[:, :-1] + 1)  # contiguous windows
+    np.testing.assert_array_equal(rows, BatchSampler(tokens, 8, 16, seed=3).rows(5))
+    np.testing.assert_array_equal(sampler.rows(5, first=4, count=4), rows[4:8])
+    assert not np.array_equal(rows, sampler.rows(6))
+
+
+def test_batch_lands_sharded_over_the_token_axes():
+    mesh = build_mesh(ParallelConfig(data=2, expert=4))
+    sampler = BatchSampler(np.arange(10_000, dtype=np.uint16), seq_len=8, global_batch=16, seed=0)
+    batch = put_on_mesh(sampler, 0, mesh)
+    assert batch.shape == (16, 9)
+    assert batch.sharding.spec == jax.sharding.PartitionSpec(("data", "expert"))
+    shard_rows = {shard.device: shard.data.shape[0] for shard in batch.addressable_shards}
+    assert set(shard_rows.values()) == {2} and len(shard_rows) == 8
+    np.testing.assert_array_equal(np.asarray(batch), sampler.rows(0))
