@@ -44,7 +44,7 @@ def test_text_and_bin_files(tmp_path):
 def test_missing_file_and_too_little_data(tmp_path):
     with pytest.raises(ConfigError, match="no such file"):
         load_tokens(DataConfig(path=str(tmp_path / "absent.txt")))
-    with pytest.raises(ConfigError, match="fewer than model.seq_len"):
+    with pytest.raises(ConfigError, match=r"fewer than model\.seq_len"):
         TokenSplits(np.arange(100, dtype=np.uint16), 0.05, seq_len=64)
 
 
