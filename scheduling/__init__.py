@@ -1,3 +1,24 @@
-"""The scheduling layer: rewrites a whole per-device training step (a jaxpr) so that
-collectives run asynchronously behind computation. Works on jaxprs alone; it knows
-nothing of Flax or of jaxmoe."""
+"""The scheduling layer: rewrites a whole per-device training step so that
+collectives run asynchronously behind computation.
+
+It works on jaxprs alone and knows nothing of Flax or of jaxmoe:
+``capture`` traces the step to one flat per-device program, ``graph`` makes
+it a dataflow graph with collectives as start/done pairs, ``passes`` place
+and order the work, ``emit`` rebuilds a jit-compiled step, and ``report``
+says what was done. Entry point: :func:`optimize`.
+"""
+
+from scheduling.emit import ScheduledStep, xla_gpu_flags
+from scheduling.optimize import optimize, plan
+from scheduling.policy import POLICIES, SchedulePolicy
+from scheduling.report import ScheduleReport
+
+__all__ = [
+    "POLICIES",
+    "SchedulePolicy",
+    "ScheduleReport",
+    "ScheduledStep",
+    "optimize",
+    "plan",
+    "xla_gpu_flags",
+]

@@ -38,12 +38,14 @@ class Block(nnx.Module):
     def __call__(
         self, x: jax.Array, jitter_key: jax.Array | None = None
     ) -> tuple[jax.Array, RoutingStats | None]:
-        x = x + self.attention(self.attention_norm(x))
-        normed = self.ffn_norm(x)
-        if self.is_moe:
-            update, stats = self.ffn(normed, jitter_key)
-        else:
-            update, stats = self.ffn(normed), None
+        with jax.named_scope("attention"):
+            x = x + self.attention(self.attention_norm(x))
+        with jax.named_scope("moe" if self.is_moe else "ffn"):
+            normed = self.ffn_norm(x)
+            if self.is_moe:
+                update, stats = self.ffn(normed, jitter_key)
+            else:
+                update, stats = self.ffn(normed), None
         return x + update, stats
 
 
@@ -76,10 +78,13 @@ class GPTMoE(nnx.Module):
         layer_stats = []
         for index, block in enumerate(self.blocks):
             key = None if jitter_key is None else jax.random.fold_in(jitter_key, index)
-            x, stats = block(x, key)
+            # Named scopes put the layer into every equation's name stack, where the
+            # scheduler's reports find it.
+            with jax.named_scope(f"layer_{index}"):
+                x, stats = block(x, key)
             if stats is not None:
                 layer_stats.append(stats)
-        x = self.final_norm(x)
-        logits = self.token_embed.attend(x).astype(jnp.float32)
+        with jax.named_scope("head"):
+            logits = self.token_embed.attend(self.final_norm(x)).astype(jnp.float32)
         stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *layer_stats)
         return logits, stacked

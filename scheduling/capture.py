@@ -1,0 +1,255 @@
+"""Capture: trace a step function into one flat per-device program.
+
+The step is traced under a ``shard_map`` over the whole mesh (all axes manual);
+the body of that ``shard_map`` is the per-device program. Call-like equations
+(``jit``, ``closed_call``, ``custom_jvp_call``, ``custom_vjp_call``, remat) are
+inlined recursively, so every collective and every piece of computation is a
+top-level op. Control flow (``scan``, ``while``, ``cond``) and any other
+equation that carries a sub-program stays one opaque op: the scheduler moves
+it as a whole and never looks inside (a collective inside it stays
+synchronous; the report lists such ops).
+
+Each op keeps where it came from: the layer (its name stack with the AD
+transforms stripped, e.g. ``layer_3/moe``) and the phase. AD writes the
+phase into the name stack: ``jvp(...)`` is the forward pass and
+``transpose(jvp(...))`` the backward pass; ops outside AD that depend on the
+backward pass (gradient reduction, clipping, the optimizer update) are the
+optimizer phase, and the rest (before AD) the forward phase.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+from jax.extend import core as jcore
+from jax.sharding import Mesh
+
+# Call-like primitives and the parameter that holds their body.
+INLINED_BODIES = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "remat2": "jaxpr",
+    "checkpoint": "jaxpr",
+}
+
+COLLECTIVES = frozenset(
+    {"all_to_all", "psum", "psum_invariant", "ppermute", "all_gather", "reduce_scatter"}
+)
+
+
+class Phase(enum.Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+
+_ids = itertools.count()
+
+
+@dataclass(frozen=True, eq=False)
+class Value:
+    """One value of the program (an SSA variable). Identity is the object."""
+
+    aval: Any
+    id: int = field(default_factory=lambda: next(_ids))
+
+    def __repr__(self) -> str:
+        return f"v{self.id}:{self.aval.str_short()}"
+
+
+@dataclass(frozen=True, eq=False)
+class Constant:
+    """A literal or closed-over constant operand."""
+
+    value: Any
+    aval: Any
+
+
+Atom = Value | Constant
+
+
+@dataclass(eq=False)
+class Op:
+    """One equation of the flat program."""
+
+    index: int
+    eqn: Any  # the original JaxprEqn: primitive, params and context for re-binding
+    inputs: tuple[Atom, ...]
+    outputs: tuple[Value, ...]
+    name_stack: str
+    phase: Phase = Phase.FORWARD
+
+    @property
+    def primitive(self) -> str:
+        return self.eqn.primitive.name
+
+    @property
+    def layer(self) -> str:
+        """The name stack without AD transforms: ``transpose(jvp(layer_1))/moe`` -> ``layer_1/moe``."""
+        stripped = re.sub(r"[A-Za-z_]\w*\(", "", self.name_stack).replace(")", "")
+        return "/".join(part for part in stripped.split("/") if part)
+
+    @property
+    def is_collective(self) -> bool:
+        return self.primitive in COLLECTIVES
+
+    @property
+    def is_opaque(self) -> bool:
+        """Carries a sub-program (control flow) that the scheduler does not look into.
+
+        A scatter's ``update_jaxpr`` only combines two scalars; it is not a sub-program.
+        """
+        return any(
+            isinstance(p, jcore.Jaxpr | jcore.ClosedJaxpr)
+            or (isinstance(p, tuple) and any(isinstance(q, jcore.ClosedJaxpr) for q in p))
+            for name, p in self.eqn.params.items()
+            if name != "update_jaxpr"
+        )
+
+    def __repr__(self) -> str:
+        return f"Op({self.index}: {self.primitive} [{self.phase.value}] {self.layer})"
+
+
+@dataclass
+class Program:
+    """The per-device program of a whole-mesh ``shard_map`` step."""
+
+    ops: list[Op]
+    inputs: list[Value]  # per-device arguments, in flattened argument order
+    outputs: list[Atom]
+    mesh: Mesh
+    in_specs: tuple[Any, ...]  # one PartitionSpec per flattened argument
+    out_specs: tuple[Any, ...]  # one PartitionSpec per flattened result
+    in_tree: Any
+    out_tree: Any
+
+    def collectives(self) -> list[Op]:
+        return [op for op in self.ops if op.is_collective]
+
+
+def _body_of(eqn: Any) -> tuple[Any, Sequence[Any]] | None:
+    """``(jaxpr, consts)`` of a call-like equation to inline, else None."""
+    param = INLINED_BODIES.get(eqn.primitive.name)
+    if param is None or param not in eqn.params:
+        return None
+    body = eqn.params[param]
+    if isinstance(body, jcore.ClosedJaxpr):
+        return body.jaxpr, body.consts
+    return body, ()
+
+
+def _join_stacks(outer: str, inner: str) -> str:
+    return "/".join(part for part in (outer, inner) if part)
+
+
+class _Flattener:
+    """Inlines nested bodies into one list of ops over fresh :class:`Value` objects."""
+
+    def __init__(self) -> None:
+        self.ops: list[Op] = []
+
+    def atom(self, env: dict[Any, Atom], var: Any) -> Atom:
+        if isinstance(var, jcore.Literal):
+            return Constant(var.val, var.aval)
+        return env[var]
+
+    def run(
+        self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Atom], stack: str
+    ) -> list[Atom]:
+        env: dict[Any, Atom] = {}
+        for var, value in zip(jaxpr.constvars, consts, strict=True):
+            env[var] = Constant(value, var.aval)
+        for var, arg in zip(jaxpr.invars, args, strict=True):
+            env[var] = arg
+        for eqn in jaxpr.eqns:
+            inputs = [self.atom(env, var) for var in eqn.invars]
+            eqn_stack = _join_stacks(stack, str(eqn.source_info.name_stack))
+            body = _body_of(eqn)
+            if body is not None:
+                results = self.run(body[0], body[1], inputs, eqn_stack)
+                for var, result in zip(eqn.outvars, results, strict=True):
+                    env[var] = result
+                continue
+            outputs = tuple(Value(var.aval) for var in eqn.outvars)
+            for var, value in zip(eqn.outvars, outputs, strict=True):
+                env[var] = value
+            self.ops.append(Op(len(self.ops), eqn, tuple(inputs), outputs, eqn_stack))
+        return [self.atom(env, var) for var in jaxpr.outvars]
+
+
+def _assign_phases(ops: list[Op]) -> None:
+    after_backward: set[Value] = set()
+    for op in ops:
+        if "transpose(" in op.name_stack:
+            op.phase = Phase.BACKWARD
+        elif "jvp(" in op.name_stack:
+            op.phase = Phase.FORWARD
+        elif any(isinstance(a, Value) and a in after_backward for a in op.inputs):
+            op.phase = Phase.OPTIMIZER
+        else:
+            op.phase = Phase.FORWARD
+        if op.phase is not Phase.FORWARD:
+            after_backward.update(op.outputs)
+
+
+def capture(
+    step_fn: Callable[..., Any],
+    *example_args: Any,
+    mesh: Mesh,
+    in_specs: Any,
+    out_specs: Any,
+) -> Program:
+    """Trace ``step_fn`` (written per device) under a whole-mesh ``shard_map``.
+
+    ``example_args`` may be arrays or ``jax.ShapeDtypeStruct``s with global shapes.
+    """
+    mapped = jax.shard_map(
+        step_fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+    )
+    closed, out_shapes = jax.make_jaxpr(mapped, return_shape=True)(*example_args)
+    if len(closed.jaxpr.eqns) != 1 or closed.jaxpr.eqns[0].primitive.name != "shard_map":
+        raise ValueError("capture expects the traced step to be exactly one whole-mesh shard_map")
+    (eqn,) = closed.jaxpr.eqns
+    body = eqn.params["jaxpr"]
+    outer_consts = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
+
+    flattener = _Flattener()
+    inputs = [Value(var.aval) for var in body.invars]
+    body_args: list[Atom] = []
+    for outer_var, value in zip(eqn.invars, inputs, strict=True):
+        # Constants closed over by the step enter the shard_map replicated.
+        const = outer_consts.get(outer_var)
+        body_args.append(value if const is None else Constant(const, value.aval))
+    outputs = flattener.run(body, (), body_args, "")
+    _assign_phases(flattener.ops)
+
+    # The shard_map's operands are the step's flattened arguments (in the order of the
+    # outer jaxpr's inputs), plus any hoisted constants.
+    position = {var: i for i, var in enumerate(closed.jaxpr.invars)}
+    arguments = sorted(
+        (position[outer_var], value, spec)
+        for outer_var, value, spec in zip(eqn.invars, inputs, eqn.params["in_specs"], strict=True)
+        if outer_var not in outer_consts
+    )
+    argument_inputs = [value for _, value, _ in arguments]
+    argument_specs = tuple(spec for _, _, spec in arguments)
+    return Program(
+        ops=flattener.ops,
+        inputs=argument_inputs,
+        outputs=outputs,
+        mesh=mesh,
+        in_specs=argument_specs,
+        out_specs=tuple(eqn.params["out_specs"]),
+        in_tree=jax.tree.structure(example_args),
+        out_tree=jax.tree.structure(out_shapes),
+    )

@@ -1,0 +1,151 @@
+"""A first, analytic cost model: seconds per op from FLOPs and bytes over a device profile.
+
+Compute: ``overhead + max(flops / peak_flops, bytes / memory_bandwidth)``, a
+roofline with a fixed per-op cost (kernel launch, dispatch). Layout-only ops
+(reshape, squeeze, ...) cost nothing: XLA makes them views or fuses them.
+Collectives: ``latency + bytes_on_the_wire / link_bandwidth`` with the usual
+algorithmic factors over a group of ``n`` devices (all-to-all and gathers move
+``(n - 1) / n`` of the buffer, a ring all-reduce twice that).
+
+The figures in :data:`PROFILES` are first-order datasheet values, good enough
+to rank placements; they are not measurements.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+from scheduling.capture import Op
+
+# Ops that only relabel or view memory.
+FREE_PRIMITIVES = frozenset(
+    {"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "stop_gradient", "copy_p", "pvary"}
+)
+# Elementwise ops that cost several FLOPs per element.
+TRANSCENDENTAL = frozenset(
+    {"exp", "exp2", "log", "log1p", "tanh", "logistic", "erf", "erf_inv", "sin", "cos", "pow"}
+)
+REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin", "cumsum"})
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """Throughputs of one device and its link to the others."""
+
+    name: str
+    flops_per_s: float
+    memory_bytes_per_s: float
+    op_overhead_s: float
+    link_bytes_per_s: float
+    link_latency_s: float
+
+    def __post_init__(self) -> None:
+        for name in (
+            "flops_per_s",
+            "memory_bytes_per_s",
+            "link_bytes_per_s",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"DeviceProfile.{name} must be > 0")
+
+    def with_link(self, bytes_per_s: float, latency_s: float | None = None) -> DeviceProfile:
+        return replace(
+            self,
+            link_bytes_per_s=bytes_per_s,
+            link_latency_s=self.link_latency_s if latency_s is None else latency_s,
+        )
+
+
+PROFILES: dict[str, DeviceProfile] = {
+    # A100 SXM: 156 TFLOP/s TF32 dense, 1.55 TB/s HBM2; 200 Gbit/s network per GPU.
+    "a100": DeviceProfile("a100", 156e12, 1.55e12, 5e-6, 25e9, 10e-6),
+    # V100 SXM2: 125 TFLOP/s fp16 tensor cores, 0.9 TB/s HBM2; 100 Gbit/s per node of 8.
+    "v100": DeviceProfile("v100", 125e12, 0.9e12, 5e-6, 100e9 / 8 / 8, 10e-6),
+    # One core of a CPU host running fake devices, joined by a 300 Mbit/s shaped link.
+    "cpu": DeviceProfile("cpu", 20e9, 10e9, 5e-6, 300e6 / 8, 100e-6),
+}
+
+
+def _size(aval: Any) -> int:
+    return math.prod(getattr(aval, "shape", ()))
+
+
+def _bytes(aval: Any) -> int:
+    dtype = getattr(aval, "dtype", None)
+    return _size(aval) * (dtype.itemsize if dtype is not None else 0)
+
+
+def op_flops(op: Op) -> float:
+    """Floating-point operations of one (non-collective) op."""
+    name = op.primitive
+    if name == "dot_general":
+        (lhs_contract, _), _ = op.eqn.params["dimension_numbers"]
+        lhs_shape = op.inputs[0].aval.shape
+        contracted = math.prod(lhs_shape[d] for d in lhs_contract)
+        return 2.0 * sum(_size(v.aval) for v in op.outputs) * contracted
+    if name in FREE_PRIMITIVES:
+        return 0.0
+    if name in REDUCTIONS:
+        return float(sum(_size(a.aval) for a in op.inputs))
+    elements = float(sum(_size(v.aval) for v in op.outputs))
+    return elements * (8.0 if name in TRANSCENDENTAL else 1.0)
+
+
+def op_bytes(op: Op) -> int:
+    """Bytes an op reads and writes."""
+    if op.primitive in FREE_PRIMITIVES:
+        return 0
+    return sum(_bytes(a.aval) for a in op.inputs) + sum(_bytes(v.aval) for v in op.outputs)
+
+
+def _group_size(op: Op, axis_sizes: dict[str, int]) -> int:
+    params = op.eqn.params
+    axes = params.get("axes", params.get("axis_name", ()))
+    axes = axes if isinstance(axes, tuple | list) else (axes,)
+    return math.prod(axis_sizes.get(axis, 1) for axis in axes if isinstance(axis, str))
+
+
+def collective_wire_bytes(op: Op, axis_sizes: dict[str, int]) -> float:
+    """Bytes each device sends for one collective."""
+    n = _group_size(op, axis_sizes)
+    if n <= 1:
+        return 0.0
+    operand = sum(_bytes(a.aval) for a in op.inputs)
+    result = sum(_bytes(v.aval) for v in op.outputs)
+    share = (n - 1) / n
+    return {
+        "all_to_all": operand * share,
+        "all_gather": result * share,
+        "reduce_scatter": operand * share,
+        "psum": 2 * operand * share,
+        "psum_invariant": 2 * operand * share,
+        "ppermute": operand,
+    }.get(op.primitive, operand)
+
+
+class CostModel:
+    """Estimated seconds of ops and collectives on one device profile."""
+
+    def __init__(self, profile: DeviceProfile, axis_sizes: dict[str, int]):
+        self.profile = profile
+        self.axis_sizes = dict(axis_sizes)
+
+    def compute_seconds(self, op: Op) -> float:
+        if op.primitive in FREE_PRIMITIVES:
+            return 0.0
+        profile = self.profile
+        roofline = max(
+            op_flops(op) / profile.flops_per_s, op_bytes(op) / profile.memory_bytes_per_s
+        )
+        return profile.op_overhead_s + roofline
+
+    def collective_seconds(self, op: Op) -> float:
+        wire = collective_wire_bytes(op, self.axis_sizes)
+        if wire == 0:
+            return 0.0
+        return self.profile.link_latency_s + wire / self.profile.link_bytes_per_s
+
+    def seconds(self, op: Op) -> float:
+        return self.collective_seconds(op) if op.is_collective else self.compute_seconds(op)

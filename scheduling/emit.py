@@ -1,0 +1,140 @@
+"""Emit: rebuild a jit-compiled step that runs the program in the planned order.
+
+The per-device program is re-evaluated op by op, in schedule order, inside a
+new whole-mesh ``shard_map`` under ``jax.jit``. A split collective binds the
+async start primitive at its start and the done primitive at its done (through
+the adapter). Every window — a collective's start, the computation placed in
+it, and its done — is traced under
+``set_xla_metadata(_scheduling_group_id=K)``, which XLA's GPU latency-hiding
+scheduler reads as "schedule these together", so the compiled program keeps
+the planned overlap. The XLA flags that turn that scheduler on are given by
+:func:`xla_gpu_flags`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from jax.experimental.xla_metadata import set_xla_metadata
+
+from scheduling import jax_adapter
+from scheduling.capture import Constant, Program, Value
+from scheduling.graph import Graph, Role
+from scheduling.passes.order import Schedule
+
+
+def xla_gpu_flags() -> list[str]:
+    """XLA flags under which the GPU compiler keeps the planned windows."""
+    return ["--xla_gpu_enable_latency_hiding_scheduler=true"]
+
+
+def scheduling_groups(graph: Graph, schedule: Schedule) -> dict[int, int]:
+    """``node id -> group id``: each split collective's start, done and placed nodes."""
+    groups: dict[int, int] = {}
+    for group, start in enumerate(n for n in graph.nodes if n.role is Role.START):
+        groups[start.id] = groups[start.partner] = group
+        for node in schedule.placement.windows.get(start.id, []):
+            groups[node] = group
+    return groups
+
+
+def per_device_function(graph: Graph, schedule: Schedule, use_async: bool):
+    """A function of the flattened per-device arguments that runs ``schedule``."""
+    program = graph.program
+    groups = scheduling_groups(graph, schedule)
+
+    def run(*flat_args: Any) -> tuple[Any, ...]:
+        env: dict[Value, Any] = dict(zip(program.inputs, flat_args, strict=True))
+        pending: dict[int, Any] = {}
+
+        def read(atom: Value | Constant) -> Any:
+            return atom.value if isinstance(atom, Constant) else env[atom]
+
+        for node_id in schedule.order:
+            node = graph.nodes[node_id]
+            op = node.op
+            group = groups.get(node_id)
+            scope = (
+                set_xla_metadata(_scheduling_group_id=group)
+                if group is not None
+                else contextlib.nullcontext()
+            )
+            with scope:
+                if node.role is Role.START:
+                    (operand,) = (read(a) for a in op.inputs)
+                    if use_async:
+                        pending[node_id] = jax_adapter.bind_start(
+                            op.primitive, operand, op.eqn.params
+                        )
+                    else:  # synchronous fallback: the collective runs at its start
+                        pending[node_id] = jax_adapter.bind_equation(op.eqn, [operand])
+                    continue
+                if node.role is Role.DONE:
+                    future = pending.pop(node.partner)
+                    results = [jax_adapter.bind_done(op.primitive, future)] if use_async else future
+                else:
+                    results = jax_adapter.bind_equation(op.eqn, [read(a) for a in op.inputs])
+            for value, result in zip(op.outputs, results, strict=True):
+                env[value] = result
+        return tuple(read(atom) for atom in program.outputs)
+
+    return run
+
+
+class ScheduledStep:
+    """The emitted step: call it like the original; ``lower`` gives its StableHLO."""
+
+    def __init__(self, program: Program, run, donate_argnums: Sequence[int] = ()):
+        self.program = program
+        leaves_per_arg = [child.num_leaves for child in program.in_tree.children()]
+        offsets = [sum(leaves_per_arg[:i]) for i in range(len(leaves_per_arg))]
+        donated = tuple(
+            offsets[arg] + leaf for arg in donate_argnums for leaf in range(leaves_per_arg[arg])
+        )
+        mapped = jax.shard_map(
+            run,
+            mesh=program.mesh,
+            in_specs=program.in_specs,
+            out_specs=program.out_specs,
+            check_vma=False,
+        )
+        self._jitted = jax.jit(mapped, donate_argnums=donated)
+
+    def _flatten(self, args: tuple[Any, ...]) -> list[Any]:
+        flat, tree = jax.tree.flatten(args)
+        if tree != self.program.in_tree:
+            raise TypeError(
+                "the scheduled step was captured for arguments of structure "
+                f"{self.program.in_tree}, but was called with {tree}"
+            )
+        return flat
+
+    def __call__(self, *args: Any) -> Any:
+        outputs = self._jitted(*self._flatten(args))
+        return jax.tree.unflatten(self.program.out_tree, outputs)
+
+    def lower(self, *args: Any):
+        return self._jitted.lower(*self._flatten(args))
+
+
+def emit(
+    graph: Graph,
+    schedule: Schedule,
+    *,
+    donate_argnums: Sequence[int] = (),
+    fallback_to_sync: bool = False,
+) -> ScheduledStep:
+    """A jit-compiled step running ``schedule`` with async collectives.
+
+    With a JAX whose async primitives the adapter does not know, raises
+    :class:`~scheduling.jax_adapter.AsyncCollectivesUnavailable`, or with
+    ``fallback_to_sync`` runs the same order with synchronous collectives.
+    """
+    use_async = jax_adapter.async_collectives_available()
+    if not use_async and not fallback_to_sync:
+        jax_adapter.require_async_collectives()
+    run = per_device_function(graph, schedule, use_async)
+    return ScheduledStep(graph.program, run, donate_argnums)

@@ -1,0 +1,100 @@
+"""The one module that touches JAX internals (``jax._src``).
+
+JAX 0.10.2 has asynchronous collective primitives, private to
+``jax._src.lax.parallel``: ``<name>_start_p`` binds like the synchronous
+collective and returns a future; ``<name>_done_p`` takes the future and
+returns the result. They lower to ``stablehlo.async_start``/``async_done`` and
+have no differentiation rules, so they are bound only after AD, when the
+scheduled program is emitted. Everything else in ``scheduling`` goes through
+the functions here, so that another JAX version fails in one place, with a
+clear message, or falls back to synchronous collectives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+SUPPORTED_JAX_VERSIONS = ("0.10.2",)
+
+
+class AsyncCollectivesUnavailable(RuntimeError):
+    """The running JAX has no async collective primitives this module knows."""
+
+
+def _load_async_primitives() -> dict[str, tuple[Any, Any]]:
+    if jax.__version__ not in SUPPORTED_JAX_VERSIONS:
+        return {}
+    try:
+        from jax._src.lax import parallel
+    except ImportError:
+        return {}
+    pairs = {
+        "all_to_all": ("all_to_all_start_p", "all_to_all_done_p"),
+        "psum": ("psum_start_p", "psum_done_p"),
+        "psum_invariant": ("psum_invariant_start_p", "psum_done_p"),
+        "ppermute": ("ppermute_start_p", "ppermute_done_p"),
+        "all_gather": ("all_gather_start_p", "all_gather_done_p"),
+        "reduce_scatter": ("reduce_scatter_start_p", "reduce_scatter_done_p"),
+    }
+    found = {}
+    for name, (start, done) in pairs.items():
+        if hasattr(parallel, start) and hasattr(parallel, done):
+            found[name] = (getattr(parallel, start), getattr(parallel, done))
+    return found
+
+
+_ASYNC_PRIMITIVES = _load_async_primitives()
+
+
+def async_collectives_available() -> bool:
+    return bool(_ASYNC_PRIMITIVES)
+
+
+def require_async_collectives() -> None:
+    if not async_collectives_available():
+        raise AsyncCollectivesUnavailable(
+            f"jax {jax.__version__} is not a version whose async collectives this scheduler "
+            f"supports ({', '.join(SUPPORTED_JAX_VERSIONS)}): install a supported jax, or pass "
+            "a policy with fallback_to_sync=True to keep the planned order with synchronous "
+            "collectives"
+        )
+
+
+def can_start_async(primitive_name: str, params: dict[str, Any], num_operands: int) -> bool:
+    """Whether this collective equation can be bound as a start/done pair."""
+    if primitive_name not in _ASYNC_PRIMITIVES or num_operands != 1:
+        return False
+    # The async lowering of reduce_scatter exists only for the tiled form.
+    return not (primitive_name == "reduce_scatter" and not params.get("tiled", False))
+
+
+def bind_start(primitive_name: str, operand: Any, params: dict[str, Any]) -> Any:
+    """Start the collective; returns a future for :func:`bind_done`."""
+    start, _ = _ASYNC_PRIMITIVES[primitive_name]
+    return start.bind(operand, **params)
+
+
+def bind_done(primitive_name: str, future: Any) -> Any:
+    _, done = _ASYNC_PRIMITIVES[primitive_name]
+    return done.bind(future)
+
+
+def has_ordered_effect(eqn: Any) -> bool:
+    """Whether the equation has an effect that fixes its order (e.g. an ordered print).
+
+    Collectives carry ``NamedAxisEffect``s, which are not ordered: they may move.
+    """
+    from jax._src import effects
+
+    return any(effects.ordered_effects.contains(effect) for effect in eqn.effects)
+
+
+def bind_equation(eqn: Any, operands: Sequence[Any]) -> list[Any]:
+    """Evaluate one jaxpr equation on ``operands`` (tracers), as ``eval_jaxpr`` does."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    with eqn.ctx.manager:
+        result = eqn.primitive.bind(*operands, **params)
+    return list(result) if eqn.primitive.multiple_results else [result]

@@ -1,0 +1,125 @@
+"""``optimize``: capture, split, place, order and emit a whole training step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from jax.sharding import Mesh
+
+from scheduling.capture import Program, capture
+from scheduling.cost import CostModel, collective_wire_bytes
+from scheduling.emit import ScheduledStep, emit
+from scheduling.graph import Graph, Kind, Node, Role
+from scheduling.passes import Placement, order, schedule_dw, split_async
+from scheduling.passes.order import Schedule
+from scheduling.policy import SchedulePolicy
+from scheduling.report import CollectiveReport, ScheduleReport
+from scheduling.simulate import simulate
+
+
+def optimize(
+    step_fn: Callable[..., Any],
+    *example_args: Any,
+    mesh: Mesh,
+    in_specs: Any,
+    out_specs: Any,
+    policy: SchedulePolicy | str = "dw",
+    donate_argnums: Sequence[int] = (),
+) -> tuple[ScheduledStep, ScheduleReport]:
+    """Schedule a per-device step for its whole mesh.
+
+    ``step_fn`` is written per device (collectives with mesh axis names), as it
+    would be passed to ``jax.shard_map(step_fn, mesh=mesh, in_specs=...,
+    out_specs=..., check_vma=False)``. Returns the jit-compiled scheduled step,
+    which computes exactly what that ``shard_map`` computes, and its report.
+    """
+    policy = SchedulePolicy(name=policy) if isinstance(policy, str) else policy
+    program = capture(step_fn, *example_args, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    graph, schedule = plan(program, policy)
+    cost = CostModel(policy.device_profile, dict(mesh.shape))
+    step = emit(
+        graph, schedule, donate_argnums=donate_argnums, fallback_to_sync=policy.fallback_to_sync
+    )
+    return step, build_report(graph, schedule, cost, policy)
+
+
+def plan(program: Program, policy: SchedulePolicy) -> tuple[Graph, Schedule]:
+    """The graph and the schedule that ``policy`` makes of ``program``."""
+    cost = CostModel(policy.device_profile, dict(program.mesh.shape))
+    if policy.name == "none":
+        graph = Graph(program, split=lambda op: False)
+        return graph, order(graph, Placement(), policy.max_live_bytes_growth)
+    graph = split_async(program)
+    seconds = _node_seconds(cost)
+    placement = schedule_dw(graph, seconds) if policy.name == "dw" else Placement()
+    return graph, order(graph, placement, policy.max_live_bytes_growth)
+
+
+def _node_seconds(cost: CostModel) -> Callable[[Node], float]:
+    memo: dict[int, float] = {}
+
+    def seconds(node: Node) -> float:
+        if node.role is Role.DONE:
+            return 0.0
+        if node.id not in memo:
+            memo[node.id] = cost.seconds(node.op)
+        return memo[node.id]
+
+    return seconds
+
+
+def build_report(
+    graph: Graph, schedule: Schedule, cost: CostModel, policy: SchedulePolicy
+) -> ScheduleReport:
+    seconds = _node_seconds(cost)
+    timeline = simulate(graph, schedule.order, seconds)
+    baseline_graph = Graph(graph.program, split=lambda op: False)
+    baseline = simulate(baseline_graph, list(range(len(baseline_graph.nodes))), _node_seconds(cost))
+
+    collectives = []
+    for index, timing in enumerate(sorted(timeline.collectives.values(), key=lambda t: t.node)):
+        node = graph.nodes[timing.node]
+        placed = schedule.placement.windows.get(node.id, [])
+        duration = seconds(node)
+        collectives.append(
+            CollectiveReport(
+                index=index,
+                kind=node.op.primitive,
+                phase=node.op.phase.value,
+                layer=node.op.layer,
+                bytes=int(collective_wire_bytes(node.op, cost.axis_sizes)),
+                estimated_seconds=duration,
+                is_async=node.role is Role.START,
+                placed_ops=[
+                    f"{graph.nodes[n].op.primitive}@{graph.nodes[n].op.layer}" for n in placed
+                ],
+                placed_seconds=sum(seconds(graph.nodes[n]) for n in placed),
+                overlap_seconds=max(0.0, duration - timing.stall),
+            )
+        )
+    not_understood = sorted(
+        {
+            f"{n.op.primitive}@{n.op.layer or '<top>'}"
+            for n in graph.nodes
+            if n.op.is_opaque or (n.op.is_collective and n.role is Role.COMPUTE)
+        }
+    )
+    placed_total = sum(len(nodes) for nodes in schedule.placement.windows.values())
+    return ScheduleReport(
+        policy=policy.name,
+        profile=cost.profile.name,
+        collectives=collectives,
+        ops=len(graph.program.ops),
+        compute_seconds=timeline.compute_seconds,
+        communication_seconds=timeline.communication_seconds,
+        step_seconds=timeline.step_seconds,
+        baseline_step_seconds=baseline.step_seconds,
+        dw_ops=sum(kind is Kind.BACKWARD_DW for kind in graph.kinds),
+        dw_ops_placed=placed_total,
+        forced_placements=len(schedule.placement.forced),
+        withdrawn_placements=len(schedule.withdrawn),
+        peak_live_bytes=schedule.peak_live_bytes,
+        baseline_peak_live_bytes=schedule.baseline_peak_live_bytes,
+        not_understood=not_understood,
+    )

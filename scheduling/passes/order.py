@@ -1,0 +1,146 @@
+"""Order the graph: start collectives early, wait late, keep the dW placement.
+
+A list scheduler over the dataflow graph. Each node gets a priority key and
+the ready node with the smallest key runs next, so the result is always a
+topological order; the keys only choose among valid orders:
+
+- a compute node keeps its program position;
+- a collective start runs right after the last producer of its operand
+  ("as soon as its inputs exist");
+- the dW nodes placed in a window run right after the window's start, in
+  placement order;
+- a collective done runs just before its first consumer ("only where it is
+  needed"), and never before the nodes placed in its window.
+
+Moving work changes how long buffers live. The live bytes of each order are
+counted (a value lives from its producer to its last consumer; a collective's
+result from its start); if the peak exceeds the original program's by more
+than the allowed growth, placements are withdrawn, largest outputs first,
+until it fits.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from scheduling.capture import Value
+from scheduling.graph import Graph, Role
+from scheduling.passes.schedule_dw import Placement
+
+_STEP = 1e-3  # key offset between neighbours: far below the gap between program positions
+
+
+@dataclass
+class Schedule:
+    order: list[int]  # node ids in execution order
+    placement: Placement
+    peak_live_bytes: int
+    baseline_peak_live_bytes: int
+    withdrawn: list[int]  # placements undone to respect the live-bytes bound
+
+
+def _keys(graph: Graph, placement: Placement) -> list[float]:
+    keys = [float(node.id) for node in graph.nodes]
+    for node in graph.nodes:
+        if node.role is Role.START:
+            preds = graph.preds[node.id]
+            keys[node.id] = max((keys[p] for p in preds), default=-1.0) + _STEP
+    for start, nodes in placement.windows.items():
+        for rank, node in enumerate(nodes, start=1):
+            keys[node] = keys[start] + rank * _STEP / (len(nodes) + 1)
+    for node in graph.nodes:
+        if node.role is Role.DONE:
+            consumers = graph.succs[node.id]
+            first_use = min((keys[c] for c in consumers), default=float(len(graph.nodes)))
+            placed = placement.windows.get(node.partner, [])
+            latest_placed = max((keys[p] for p in placed), default=keys[node.partner])
+            keys[node.id] = max(first_use - _STEP, latest_placed + _STEP)
+    return keys
+
+
+def topological_order(graph: Graph, placement: Placement) -> list[int]:
+    """Ready node with the smallest key first; window edges keep placed nodes inside."""
+    preds = [set(p) for p in graph.preds]
+    for start, nodes in placement.windows.items():
+        done = graph.nodes[start].partner
+        for node in nodes:
+            preds[node].add(start)
+            preds[done].add(node)
+    succs: list[list[int]] = [[] for _ in graph.nodes]
+    for node, node_preds in enumerate(preds):
+        for pred in node_preds:
+            succs[pred].append(node)
+    keys = _keys(graph, placement)
+    waiting = [len(p) for p in preds]
+    ready = [(keys[n], n) for n in range(len(graph.nodes)) if waiting[n] == 0]
+    heapq.heapify(ready)
+    result = []
+    while ready:
+        _, node = heapq.heappop(ready)
+        result.append(node)
+        for succ in succs[node]:
+            waiting[succ] -= 1
+            if waiting[succ] == 0:
+                heapq.heappush(ready, (keys[succ], succ))
+    if len(result) != len(graph.nodes):
+        raise AssertionError("the window edges made the graph cyclic")
+    return result
+
+
+def peak_live_bytes(graph: Graph, order: list[int]) -> int:
+    """Largest total size of values alive at once when running in ``order``."""
+    position = {node: i for i, node in enumerate(order)}
+    born: dict[Value, int] = {value: 0 for value in graph.program.inputs}
+    last_use: dict[Value, int] = {}
+    for node in graph.nodes:
+        at = position[node.id]
+        if node.role is not Role.DONE:  # a start or a compute node reads the operands
+            for atom in node.op.inputs:
+                if isinstance(atom, Value):
+                    last_use[atom] = max(last_use.get(atom, 0), at)
+        if node.role is Role.START:
+            continue  # the collective's result is recorded with its done
+        # An async collective's result buffer exists from its start.
+        born_at = position[node.partner] if node.role is Role.DONE else at
+        for value in node.op.outputs:
+            born[value] = born_at
+    end = len(order)
+    for atom in graph.program.outputs:
+        if isinstance(atom, Value):
+            last_use[atom] = end
+    delta = [0] * (end + 2)
+    for value, start in born.items():
+        size = _value_bytes(value)
+        delta[start] += size
+        delta[last_use.get(value, start) + 1] -= size
+    peak = live = 0
+    for change in delta:
+        live += change
+        peak = max(peak, live)
+    return peak
+
+
+def order(graph: Graph, placement: Placement, max_live_bytes_growth: float = 0.1) -> Schedule:
+    """A topological order honouring ``placement`` within the live-bytes bound."""
+    baseline = peak_live_bytes(graph, list(range(len(graph.nodes))))
+    limit = baseline * (1 + max_live_bytes_growth)
+    withdrawn: list[int] = []
+    while True:
+        result = topological_order(graph, placement)
+        peak = peak_live_bytes(graph, result)
+        placed = [n for nodes in placement.windows.values() for n in nodes]
+        if peak <= limit or not placed:
+            return Schedule(result, placement, peak, baseline, withdrawn)
+        largest = max(placed, key=lambda n: (_output_bytes(graph, n), n))
+        placement.remove(largest)
+        withdrawn.append(largest)
+
+
+def _value_bytes(value: Value) -> int:
+    dtype = getattr(value.aval, "dtype", None)
+    return 0 if dtype is None else value.aval.size * dtype.itemsize
+
+
+def _output_bytes(graph: Graph, node: int) -> int:
+    return sum(_value_bytes(v) for v in graph.nodes[node].op.outputs)

@@ -1,0 +1,34 @@
+"""Split each collective the emitter can run asynchronously into a start and a done node."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from scheduling import jax_adapter
+from scheduling.capture import Op, Program
+from scheduling.graph import Graph
+
+
+def splittable(op: Op) -> bool:
+    """Whether ``op`` is a collective with an async start/done form (see the adapter)."""
+    return op.is_collective and jax_adapter.can_start_async(
+        op.primitive, op.eqn.params, len(op.inputs)
+    )
+
+
+def split_async(program: Program, kinds: Iterable[str] | None = None) -> Graph:
+    """The program's graph with every splittable collective (of ``kinds``) as a pair.
+
+    Without async primitives in this JAX the plan still has the pairs; the emitter
+    then either refuses or binds the synchronous collective (``fallback_to_sync``).
+    """
+    allowed = None if kinds is None else frozenset(kinds)
+
+    def split(op: Op) -> bool:
+        if allowed is not None and op.primitive not in allowed:
+            return False
+        if not jax_adapter.async_collectives_available():
+            return op.is_collective and len(op.inputs) == 1
+        return splittable(op)
+
+    return Graph(program, split)

@@ -1,0 +1,41 @@
+"""How to schedule: which passes run, on which cost profile, within what memory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduling.cost import PROFILES, DeviceProfile
+
+POLICIES = ("none", "async", "dw")
+
+
+@dataclass(frozen=True)
+class SchedulePolicy:
+    """``none``: the original order, synchronous collectives (the reference).
+    ``async``: every collective split into start/done, started early, waited late.
+    ``dw``: ``async`` plus dW work packed into the backward all-to-all windows.
+    """
+
+    name: str = "dw"
+    profile: DeviceProfile | str = "a100"
+    # Allowed growth of peak live bytes over the original program, as a fraction.
+    max_live_bytes_growth: float = 0.1
+    # On a JAX without known async primitives: keep the order with sync collectives.
+    fallback_to_sync: bool = False
+
+    def __post_init__(self) -> None:
+        if self.name not in POLICIES:
+            raise ValueError(
+                f"SchedulePolicy.name={self.name!r}: choose one of {', '.join(POLICIES)}"
+            )
+        if isinstance(self.profile, str) and self.profile not in PROFILES:
+            raise ValueError(
+                f"SchedulePolicy.profile={self.profile!r}: choose one of "
+                f"{', '.join(sorted(PROFILES))} or pass a DeviceProfile"
+            )
+        if self.max_live_bytes_growth < 0:
+            raise ValueError("SchedulePolicy.max_live_bytes_growth must be >= 0")
+
+    @property
+    def device_profile(self) -> DeviceProfile:
+        return PROFILES[self.profile] if isinstance(self.profile, str) else self.profile

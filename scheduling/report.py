@@ -1,0 +1,108 @@
+"""What a schedule does, per collective and in total, as a table and as JSON."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class CollectiveReport:
+    index: int
+    kind: str  # primitive: all_to_all, psum, ...
+    phase: str  # forward, backward, optimizer
+    layer: str
+    bytes: int  # bytes this device sends
+    estimated_seconds: float
+    is_async: bool
+    placed_ops: list[str]  # "primitive@layer" of the dW work placed in its window
+    placed_seconds: float
+    overlap_seconds: float  # of estimated_seconds, how much runs behind computation
+
+
+@dataclass
+class ScheduleReport:
+    policy: str
+    profile: str
+    collectives: list[CollectiveReport]
+    ops: int
+    compute_seconds: float
+    communication_seconds: float
+    step_seconds: float
+    baseline_step_seconds: float  # the original order, every collective synchronous
+    dw_ops: int  # backward ops that qualify as dW for some backward all-to-all
+    dw_ops_placed: int
+    forced_placements: int
+    withdrawn_placements: int  # undone to keep within the live-bytes bound
+    peak_live_bytes: int
+    baseline_peak_live_bytes: int
+    not_understood: list[str] = field(default_factory=list)  # ops left where they were
+
+    @property
+    def overlap_seconds(self) -> float:
+        return sum(c.overlap_seconds for c in self.collectives)
+
+    @property
+    def exposed_communication_seconds(self) -> float:
+        return self.communication_seconds - self.overlap_seconds
+
+    def totals(self) -> dict[str, Any]:
+        kinds = Counter(c.kind for c in self.collectives)
+        return {
+            "collectives": len(self.collectives),
+            "by_kind": dict(sorted(kinds.items())),
+            "async": sum(c.is_async for c in self.collectives),
+            "communication_seconds": self.communication_seconds,
+            "overlap_seconds": self.overlap_seconds,
+            "exposed_communication_seconds": self.exposed_communication_seconds,
+            "compute_seconds": self.compute_seconds,
+            "step_seconds": self.step_seconds,
+            "baseline_step_seconds": self.baseline_step_seconds,
+            "dw_ops": self.dw_ops,
+            "dw_ops_placed": self.dw_ops_placed,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["totals"] = self.totals()
+        return data
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+    def table(self, max_rows: int | None = None) -> str:
+        """A readable table: one row per collective, then the totals."""
+        header = (
+            f"{'#':>4} {'kind':<12} {'phase':<9} {'layer':<22} {'KiB':>9} "
+            f"{'est us':>9} {'async':<5} {'placed':>6} {'overlap us':>10}"
+        )
+        lines = [f"schedule '{self.policy}' on profile '{self.profile}'", header, "-" * len(header)]
+        rows = self.collectives if max_rows is None else self.collectives[:max_rows]
+        for c in rows:
+            lines.append(
+                f"{c.index:>4} {c.kind:<12} {c.phase:<9} {c.layer[:22]:<22} "
+                f"{c.bytes / 1024:>9.1f} {c.estimated_seconds * 1e6:>9.1f} "
+                f"{'yes' if c.is_async else 'no':<5} {len(c.placed_ops):>6} "
+                f"{c.overlap_seconds * 1e6:>10.1f}"
+            )
+        if max_rows is not None and len(self.collectives) > max_rows:
+            lines.append(f"  ... {len(self.collectives) - max_rows} more collectives")
+        t = self.totals()
+        lines += [
+            "-" * len(header),
+            f"collectives {t['collectives']} {t['by_kind']}, async {t['async']}",
+            f"communication {t['communication_seconds'] * 1e6:.1f} us, overlapped "
+            f"{t['overlap_seconds'] * 1e6:.1f} us, exposed "
+            f"{t['exposed_communication_seconds'] * 1e6:.1f} us",
+            f"estimated step {t['step_seconds'] * 1e6:.1f} us (unscheduled "
+            f"{t['baseline_step_seconds'] * 1e6:.1f} us), compute {t['compute_seconds'] * 1e6:.1f} us",
+            f"dW ops placed {self.dw_ops_placed} of {self.dw_ops} (forced {self.forced_placements},"
+            f" withdrawn for memory {self.withdrawn_placements}); peak live "
+            f"{self.peak_live_bytes / 2**20:.1f} MiB (was {self.baseline_peak_live_bytes / 2**20:.1f})",
+        ]
+        if self.not_understood:
+            lines.append(f"left in place (not understood): {', '.join(self.not_understood)}")
+        return "\n".join(lines)
