@@ -95,7 +95,10 @@ class Op:
 
     @property
     def layer(self) -> str:
-        """The name stack without AD transforms: ``transpose(jvp(layer_1))/moe`` -> ``layer_1/moe``."""
+        """The name stack without AD transforms.
+
+        ``transpose(jvp(layer_1))/moe`` becomes ``layer_1/moe``.
+        """
         stripped = re.sub(r"[A-Za-z_]\w*\(", "", self.name_stack).replace(")", "")
         return "/".join(part for part in stripped.split("/") if part)
 

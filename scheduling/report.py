@@ -98,10 +98,12 @@ class ScheduleReport:
             f"{t['overlap_seconds'] * 1e6:.1f} us, exposed "
             f"{t['exposed_communication_seconds'] * 1e6:.1f} us",
             f"estimated step {t['step_seconds'] * 1e6:.1f} us (unscheduled "
-            f"{t['baseline_step_seconds'] * 1e6:.1f} us), compute {t['compute_seconds'] * 1e6:.1f} us",
-            f"dW ops placed {self.dw_ops_placed} of {self.dw_ops} (forced {self.forced_placements},"
-            f" withdrawn for memory {self.withdrawn_placements}); peak live "
-            f"{self.peak_live_bytes / 2**20:.1f} MiB (was {self.baseline_peak_live_bytes / 2**20:.1f})",
+            f"{t['baseline_step_seconds'] * 1e6:.1f} us), "
+            f"compute {t['compute_seconds'] * 1e6:.1f} us",
+            f"dW ops placed {self.dw_ops_placed} of {self.dw_ops} (forced "
+            f"{self.forced_placements}, withdrawn for memory {self.withdrawn_placements}); "
+            f"peak live {self.peak_live_bytes / 2**20:.1f} MiB "
+            f"(was {self.baseline_peak_live_bytes / 2**20:.1f})",
         ]
         if self.not_understood:
             lines.append(f"left in place (not understood): {', '.join(self.not_understood)}")
