@@ -14,6 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DTYPES = ("float32", "bfloat16")
+# The policies of scheduling.SchedulePolicy (kept here so that reading a config does not
+# import JAX; a test checks that the two agree).
+SCHEDULES = ("none", "async", "dw")
+SCHEDULE_PROFILES = ("a100", "v100", "cpu")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 
@@ -197,6 +201,10 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 50
     eval_batches: int = 4
+    # How the scheduling layer rewrites the step: none (plain jit), async, dw.
+    schedule: str = "none"
+    # Device profile of the scheduler's cost model.
+    schedule_profile: str = "a100"
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "steps", "eval_every", "eval_batches"):
@@ -225,6 +233,15 @@ class TrainConfig:
         _require(
             isinstance(self.seed, int) and self.seed >= 0,
             f"train.seed={self.seed!r}: must be an integer >= 0",
+        )
+        _require(
+            self.schedule in SCHEDULES,
+            f"train.schedule={self.schedule!r}: choose one of {', '.join(SCHEDULES)}",
+        )
+        _require(
+            self.schedule_profile in SCHEDULE_PROFILES,
+            f"train.schedule_profile={self.schedule_profile!r}: choose one of "
+            f"{', '.join(SCHEDULE_PROFILES)}",
         )
 
 

@@ -14,7 +14,7 @@ the planned overlap. The XLA flags that turn that scheduler on are given by
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -117,7 +117,17 @@ class ScheduledStep:
         return jax.tree.unflatten(self.program.out_tree, outputs)
 
     def lower(self, *args: Any):
+        """Lower for arguments like ``args`` (arrays or ``jax.ShapeDtypeStruct``s)."""
         return self._jitted.lower(*self._flatten(args))
+
+    def compile(self, *args: Any) -> Callable[..., Any]:
+        """Compile ahead of time; the result is called like the step itself."""
+        compiled = self.lower(*args).compile()
+
+        def call(*call_args: Any) -> Any:
+            return jax.tree.unflatten(self.program.out_tree, compiled(*self._flatten(call_args)))
+
+        return call
 
 
 def emit(

@@ -76,14 +76,14 @@ class ScheduleReport:
     def table(self, max_rows: int | None = None) -> str:
         """A readable table: one row per collective, then the totals."""
         header = (
-            f"{'#':>4} {'kind':<12} {'phase':<9} {'layer':<22} {'KiB':>9} "
+            f"{'#':>4} {'kind':<12} {'phase':<9} {'layer':<36} {'KiB':>9} "
             f"{'est us':>9} {'async':<5} {'placed':>6} {'overlap us':>10}"
         )
         lines = [f"schedule '{self.policy}' on profile '{self.profile}'", header, "-" * len(header)]
         rows = self.collectives if max_rows is None else self.collectives[:max_rows]
         for c in rows:
             lines.append(
-                f"{c.index:>4} {c.kind:<12} {c.phase:<9} {c.layer[:22]:<22} "
+                f"{c.index:>4} {c.kind:<12} {c.phase:<9} {c.layer[-36:]:<36} "
                 f"{c.bytes / 1024:>9.1f} {c.estimated_seconds * 1e6:>9.1f} "
                 f"{'yes' if c.is_async else 'no':<5} {len(c.placed_ops):>6} "
                 f"{c.overlap_seconds * 1e6:>10.1f}"

@@ -59,7 +59,13 @@ def reduce_gradients(grads: PyTree, specs: PyTree) -> PyTree:
     per-device loss is pre-divided by the number of token shards, so the sum
     is the gradient of the global mean loss.
     """
-    return jax.tree.map(lambda g, s: jax.lax.psum(g, replicated_axes(s)), grads, specs)
+
+    def reduce(path, grad, spec):
+        # The scope names the parameter in the scheduler's report.
+        with jax.named_scope("grad_reduce/" + "/".join(str(getattr(k, "key", k)) for k in path)):
+            return jax.lax.psum(grad, replicated_axes(spec))
+
+    return jax.tree_util.tree_map_with_path(reduce, grads, specs)
 
 
 def global_norm(tree: PyTree, specs: PyTree) -> jax.Array:

@@ -18,7 +18,7 @@ import typing
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from jaxmoe.config import Config, ConfigError
+from jaxmoe.config import SCHEDULES, Config, ConfigError
 from jaxmoe.presets import PRESETS, preset
 
 USAGE_ERROR = 2
@@ -69,18 +69,29 @@ def _override_fields() -> dict[str, tuple[str, str, Callable[[str], Any]]]:
     return fields
 
 
+def _add_config_arguments(command: argparse.ArgumentParser) -> None:
+    """The preset, the shortcuts and one ``--SECTION.FIELD`` flag per config field."""
+    command.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    command.add_argument("--steps", type=int, help="shortcut for --train.steps")
+    command.add_argument("--data", help="a text file or a .bin of uint16 ids (--data.path)")
+    command.add_argument("--schedule", choices=SCHEDULES, help="shortcut for --train.schedule")
+    overrides = command.add_argument_group("configuration overrides")
+    for name in _override_fields():
+        overrides.add_argument(f"--{name}", dest=f"override:{name}", metavar="VALUE")
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="jaxmoe", description="Mixture-of-Experts training in JAX.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     train = commands.add_parser("train", help="train a preset, with overrides")
-    train.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    train.add_argument("--steps", type=int, help="shortcut for --train.steps")
-    train.add_argument("--data", help="a text file or a .bin of uint16 ids (--data.path)")
-    train.add_argument("--out", help="directory for config.json and metrics.jsonl")
+    _add_config_arguments(train)
+    train.add_argument("--out", help="directory for config.json, metrics.jsonl and the report")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
-    overrides = train.add_argument_group("configuration overrides")
-    for name in _override_fields():
-        overrides.add_argument(f"--{name}", dest=f"override:{name}", metavar="VALUE")
+    schedule = commands.add_parser(
+        "schedule", help="schedule the train step without training, for inspection"
+    )
+    _add_config_arguments(schedule)
+    schedule.add_argument("--out", help="directory for schedule_report.json and step.stablehlo.txt")
     return parser
 
 
@@ -96,6 +107,8 @@ def resolve_config(args: argparse.Namespace) -> Config:
         requested["train.steps"] = str(args.steps)
     if args.data is not None:
         requested["data.path"] = args.data
+    if args.schedule is not None:
+        requested["train.schedule"] = args.schedule
     fields = _override_fields()
     for name, text in requested.items():
         section, field, parse = fields[name]
@@ -117,25 +130,49 @@ def _ensure_host_devices(count: int) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = _build_parser()
-    args = parser.parse_args(argv)
-    try:
-        config = resolve_config(args)
-        _ensure_host_devices(config.parallel.num_devices)
-        # Imported late: the device flag above must precede JAX's start-up.
-        from jaxmoe.train.loop import train
+def _train(config: Config, args: argparse.Namespace) -> int:
+    from jaxmoe.train.loop import train
 
-        rows = train(config, args.out, progress=not args.no_progress)
-    except ConfigError as error:
-        print(f"jaxmoe {args.command}: error: {error}", file=sys.stderr)
-        return USAGE_ERROR
+    rows = train(config, args.out, progress=not args.no_progress)
     last = rows[-1]
     print(
         f"done: {len(rows)} steps, loss {rows[0]['loss']:.3f} -> {last['loss']:.3f}, "
         f"val_loss {last.get('val_loss', float('nan')):.3f}"
     )
     return 0
+
+
+def _schedule(config: Config, args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from jaxmoe.parallel.mesh import build_mesh
+    from jaxmoe.train.scheduled import plan_train_step
+
+    if config.train.schedule == "none":
+        raise ConfigError("--schedule none leaves the step as it is: choose async or dw")
+    planned = plan_train_step(config, build_mesh(config.parallel))
+    print(planned.report.table())
+    if args.out is not None:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        planned.report.save(out / "schedule_report.json")
+        (out / "step.stablehlo.txt").write_text(planned.stablehlo())
+        print(f"wrote {out / 'schedule_report.json'} and {out / 'step.stablehlo.txt'}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    command = {"train": _train, "schedule": _schedule}[args.command]
+    try:
+        config = resolve_config(args)
+        # Before JAX starts (the commands import it): the CPU platform's device count.
+        _ensure_host_devices(config.parallel.num_devices)
+        return command(config, args)
+    except ConfigError as error:
+        print(f"jaxmoe {args.command}: error: {error}", file=sys.stderr)
+        return USAGE_ERROR
 
 
 if __name__ == "__main__":

@@ -14,8 +14,9 @@ from jaxmoe.config import Config, ConfigError
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.train.data import BatchSampler, TokenSplits, load_tokens, put_on_mesh
 from jaxmoe.train.metrics import RunLog, host_row
+from jaxmoe.train.scheduled import plan_train_step
 from jaxmoe.train.state import init_train_state
-from jaxmoe.train.step import build_eval_step, build_train_step
+from jaxmoe.train.step import build_eval_step
 
 
 def _evaluate(eval_step: Callable, params: Any, sampler: BatchSampler, batches: int, mesh) -> float:
@@ -41,11 +42,16 @@ def train(
 
     state = init_train_state(config, mesh)
     first_batch = put_on_mesh(train_batches, 0, mesh)
-    # Compile ahead so that the first step's time is a step, not a compilation.
-    train_step = build_train_step(config, mesh).jit().lower(state, first_batch).compile()
+    planned = plan_train_step(config, mesh)
+    # Compiled ahead so that the first step's time is a step, not a compilation.
+    train_step = planned.compile()
     eval_step = build_eval_step(config, mesh).jit()
 
     log = RunLog(out_dir, config)
+    if planned.report is not None:
+        log.write_schedule_report(planned.report)
+        if progress and jax.process_index() == 0:
+            print(planned.report.table(max_rows=24), flush=True)
     rows: list[dict[str, Any]] = []
     bar = tqdm(
         total=config.train.steps,

@@ -41,6 +41,11 @@ class RunLog:
         (self.out_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
         self._metrics = (self.out_dir / "metrics.jsonl").open("w")
 
+    def write_schedule_report(self, report: Any) -> None:
+        """``schedule_report.json``: what the scheduling layer did to the step."""
+        if self.active:
+            report.save(self.out_dir / "schedule_report.json")
+
     def write(self, row: dict[str, Any]) -> None:
         if self._metrics is not None:
             self._metrics.write(json.dumps(row) + "\n")

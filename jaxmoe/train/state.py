@@ -38,10 +38,15 @@ def _initial_state(config: Config) -> TrainState:
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
 
 
+def abstract_train_state(config: Config) -> TrainState:
+    """Shapes and dtypes of the state, computed without allocating it."""
+    return jax.eval_shape(lambda: _initial_state(config))
+
+
 def state_specs(config: Config) -> TrainState:
     """PartitionSpecs of the whole state: optimizer moments follow their parameters."""
     _, specs = model_graphdef_and_specs(config)
-    shapes = jax.eval_shape(lambda: _initial_state(config))
+    shapes = abstract_train_state(config)
     opt_specs = optax.tree_map_params(
         make_optimizer(config.train),
         lambda _, spec: spec,

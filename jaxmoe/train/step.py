@@ -111,20 +111,22 @@ def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
             state.params
         )
         grads = reduce_gradients(grads, param_spec_tree)
-        grad_norm = global_norm(grads, param_spec_tree)
+        with jax.named_scope("clip"):
+            grad_norm = global_norm(grads, param_spec_tree)
         if clip_norm is not None:
             scale = jnp.minimum(1.0, clip_norm / (grad_norm + 1e-6))
             grads = jax.tree.map(lambda g: g * scale, grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
 
-        metrics = {
-            "loss": jax.lax.psum(cross_entropy / shards, axes),
-            "total_loss": jax.lax.psum(total / shards, axes),
-            "grad_norm": grad_norm,
-            "learning_rate": schedule(state.step),
-            **_routing_metrics(stats, axes, shards),
-        }
+        with jax.named_scope("metrics"):
+            metrics = {
+                "loss": jax.lax.psum(cross_entropy / shards, axes),
+                "total_loss": jax.lax.psum(total / shards, axes),
+                "grad_norm": grad_norm,
+                "learning_rate": schedule(state.step),
+                **_routing_metrics(stats, axes, shards),
+            }
         return TrainState(state.step + 1, params, opt_state), metrics
 
     specs = state_specs(config)

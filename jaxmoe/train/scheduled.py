@@ -1,0 +1,79 @@
+"""The train step as the scheduling layer rewrites it (``train.schedule``).
+
+``none`` is the plain ``jit`` of the whole-mesh ``shard_map``; any other
+schedule hands the per-device step to :func:`scheduling.optimize`, which
+returns an equivalent step and a report of what it overlapped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+import scheduling
+from jaxmoe.config import Config
+from jaxmoe.parallel.mesh import token_spec
+from jaxmoe.train.state import TrainState, abstract_train_state, state_specs
+from jaxmoe.train.step import build_train_step
+
+
+def abstract_step_args(config: Config, mesh: Mesh) -> tuple[TrainState, jax.ShapeDtypeStruct]:
+    """Shapes, dtypes and shardings of ``(state, batch)``; nothing is allocated."""
+    shapes = abstract_train_state(config)
+    specs = state_specs(config)
+    state = jax.tree.map(
+        lambda shape, spec: jax.ShapeDtypeStruct(
+            shape.shape, shape.dtype, sharding=NamedSharding(mesh, spec)
+        ),
+        shapes,
+        specs,
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
+    batch = jax.ShapeDtypeStruct(
+        (config.train.batch_size, config.model.seq_len + 1),
+        jax.numpy.int32,
+        sharding=NamedSharding(mesh, token_spec()),
+    )
+    return state, batch
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    """The train step for ``config.train.schedule``, before compilation."""
+
+    step: Any  # a jit-wrapped function, or a scheduling.ScheduledStep
+    example: tuple[Any, ...]  # abstract (state, batch)
+    report: scheduling.ScheduleReport | None  # None for schedule 'none'
+
+    def compile(self) -> Callable[..., Any]:
+        """``(state, batch) -> (state, metrics)``, compiled ahead of the first call."""
+        if self.report is None:
+            return self.step.lower(*self.example).compile()
+        return self.step.compile(*self.example)
+
+    def stablehlo(self) -> str:
+        return self.step.lower(*self.example).as_text()
+
+
+def plan_train_step(config: Config, mesh: Mesh) -> PlannedStep:
+    sharded = build_train_step(config, mesh)
+    example = abstract_step_args(config, mesh)
+    if config.train.schedule == "none":
+        return PlannedStep(sharded.jit(), example, None)
+    policy = scheduling.SchedulePolicy(
+        name=config.train.schedule, profile=config.train.schedule_profile
+    )
+    step, report = scheduling.optimize(
+        sharded.per_device,
+        *example,
+        mesh=mesh,
+        in_specs=sharded.in_specs,
+        out_specs=sharded.out_specs,
+        policy=policy,
+        donate_argnums=sharded.donate_argnums,
+    )
+    return PlannedStep(step, example, report)
