@@ -1,0 +1,180 @@
+"""The scheduled train step computes exactly what the unscheduled one computes.
+
+The scheduler only reorders the per-device program and turns collectives into
+start/done pairs; on CPU every result must be bit for bit the same: loss,
+metrics, updated parameters and optimizer state.
+"""
+
+import dataclasses
+import json
+from collections import Counter
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+
+import scheduling
+from jaxmoe.config import SCHEDULES, Config, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
+from jaxmoe.parallel import build_mesh, token_spec
+from jaxmoe.presets import preset
+from jaxmoe.train.cli import main
+from jaxmoe.train.scheduled import plan_train_step
+from jaxmoe.train.state import init_train_state
+from jaxmoe.train.step import build_train_step
+from scheduling.capture import capture
+
+
+def with_schedule(config: Config, schedule: str) -> Config:
+    return dataclasses.replace(config, train=dataclasses.replace(config.train, schedule=schedule))
+
+
+def run(config: Config, steps: int):
+    """Metrics of every step and the final state, with ``config.train.schedule``."""
+    mesh = build_mesh(config.parallel)
+    state = init_train_state(config, mesh)
+    step = plan_train_step(config, mesh).compile()
+    rng = np.random.default_rng(1)
+    history = []
+    for _ in range(steps):
+        rows = rng.integers(0, 256, (config.train.batch_size, config.model.seq_len + 1))
+        batch = jax.device_put(rows.astype(np.int32), NamedSharding(mesh, token_spec()))
+        state, metrics = step(state, batch)
+        history.append(metrics)
+    return jax.device_get(history), jax.device_get(state)
+
+
+def assert_bitwise_equal(a, b):
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+def small(parallel: ParallelConfig, moe: MoEConfig, layers: int = 2, moe_every: int = 2) -> Config:
+    return Config(
+        model=ModelConfig(
+            d_model=32, num_heads=2, num_layers=layers, d_ff=64, seq_len=16, moe_every=moe_every
+        ),
+        moe=moe,
+        parallel=parallel,
+        train=TrainConfig(batch_size=16, warmup_steps=1, learning_rate=1e-2),
+    )
+
+
+@pytest.mark.parametrize(
+    ("parallel", "moe"),
+    [
+        (ParallelConfig(2, 4), MoEConfig(num_experts=8, top_k=2, capacity_factor=1.0)),
+        (ParallelConfig(1, 8), MoEConfig(num_experts=8, top_k=1, capacity_factor=None)),
+        (ParallelConfig(8, 1), MoEConfig(num_experts=4, top_k=1, capacity_factor=0.5)),
+        (ParallelConfig(2, 4), MoEConfig(num_experts=8, top_k=2, capacity_factor=None)),
+    ],
+    ids=["2x4-top2-capacity", "1x8-top1-dropless", "8x1-top1-capacity", "2x4-top2-dropless"],
+)
+def test_dw_schedule_is_bitwise_equal_over_five_steps(parallel, moe):
+    config = small(parallel, moe)
+    reference = run(with_schedule(config, "none"), steps=5)
+    scheduled = run(with_schedule(config, "dw"), steps=5)
+    assert_bitwise_equal(scheduled, reference)
+
+
+meshes = st.sampled_from([(1, 8), (2, 4), (4, 2), (8, 1)])
+
+
+@settings(
+    max_examples=4,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(
+    mesh=meshes,
+    num_experts=st.sampled_from([8, 16]),
+    top_k=st.integers(1, 2),
+    capacity=st.sampled_from([None, 0.5, 1.0, 2.0]),
+    layers=st.integers(1, 3),
+    score=st.sampled_from(["softmax", "sigmoid"]),
+)
+def test_schedules_are_exact_on_generated_configs(
+    mesh, num_experts, top_k, capacity, layers, score
+):
+    moe = MoEConfig(
+        num_experts=num_experts, top_k=top_k, capacity_factor=capacity, score_function=score
+    )
+    config = small(ParallelConfig(*mesh), moe, layers=layers, moe_every=1)
+    reference = run(with_schedule(config, "none"), steps=2)
+    for schedule in ("async", "dw"):
+        assert_bitwise_equal(run(with_schedule(config, schedule), steps=2), reference)
+
+
+def _captured_program(config: Config):
+    mesh = build_mesh(config.parallel)
+    sharded = build_train_step(config, mesh)
+    planned = plan_train_step(config, mesh)
+    program = capture(
+        sharded.per_device,
+        *planned.example,
+        mesh=mesh,
+        in_specs=sharded.in_specs,
+        out_specs=sharded.out_specs,
+    )
+    return program, planned
+
+
+def test_stablehlo_has_one_async_pair_per_collective():
+    config = with_schedule(small(ParallelConfig(2, 4), MoEConfig(num_experts=8, top_k=2)), "dw")
+    program, planned = _captured_program(config)
+    text = planned.stablehlo()
+    collectives = len(program.collectives())
+    assert collectives > 0
+    assert text.count("stablehlo.async_start") == collectives
+    assert text.count("stablehlo.async_done") == collectives
+    assert "_scheduling_group_id" in text
+
+
+def test_default_preset_places_dw_work_in_every_backward_all_to_all_window():
+    config = with_schedule(preset("tiny"), "dw")
+    program, planned = _captured_program(config)
+    report = planned.report
+    backward = [c for c in report.collectives if c.kind == "all_to_all" and c.phase == "backward"]
+    assert len(backward) == 2 * len(config.model.moe_layers)
+    assert all(c.placed_ops for c in backward) or report.dw_ops_placed == report.dw_ops
+
+    # The report's numbers agree with the program.
+    by_kind = Counter(op.primitive for op in program.collectives())
+    assert Counter(c.kind for c in report.collectives) == by_kind
+    assert report.totals()["by_kind"] == dict(sorted(by_kind.items()))
+    assert report.ops == len(program.ops)
+    assert sum(len(c.placed_ops) for c in report.collectives) == report.dw_ops_placed
+    assert report.communication_seconds == pytest.approx(
+        sum(c.estimated_seconds for c in report.collectives)
+    )
+    assert 0 <= report.overlap_seconds <= report.communication_seconds
+    assert report.step_seconds <= report.baseline_step_seconds
+    forward = [c for c in report.collectives if c.kind == "all_to_all" and c.phase == "forward"]
+    assert len(forward) == len(backward)
+    json.dumps(report.to_json())
+
+
+def test_config_schedules_are_the_scheduler_policies():
+    assert SCHEDULES == scheduling.POLICIES
+
+
+def test_schedule_command_writes_report_and_stablehlo(tmp_path, capsys):
+    out = tmp_path / "inspect"
+    argv = ["schedule", "--schedule", "dw", "--out", str(out), "--model.num_layers", "2"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "schedule 'dw'" in printed and "all_to_all" in printed
+    report = json.loads((out / "schedule_report.json").read_text())
+    assert report["policy"] == "dw" and report["totals"]["by_kind"]["all_to_all"] == 4
+    assert "stablehlo.async_start" in (out / "step.stablehlo.txt").read_text()
+
+
+def test_train_with_schedule_saves_the_report(tmp_path):
+    out = tmp_path / "run"
+    argv = ["train", "--schedule", "dw", "--steps", "2", "--out", str(out), "--no-progress"]
+    argv += ["--model.num_layers", "2", "--data.max_bytes", "300000"]
+    assert main(argv) == 0
+    assert json.loads((out / "schedule_report.json").read_text())["policy"] == "dw"
+    assert json.loads((out / "config.json").read_text())["train"]["schedule"] == "dw"
