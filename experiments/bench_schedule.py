@@ -1,0 +1,108 @@
+"""How long the scheduling layer takes on a whole training step.
+
+    python -m experiments.bench_schedule [--preset gpt2-moe-12] [--schedule dw]
+
+Times, for the preset's train step (abstract arguments: nothing is allocated),
+capture (trace + inline), planning (split into start/done pairs, dW placement,
+ordering) and emission (rebuilding the step and lowering it to StableHLO).
+Writes ``experiments/results/bench_schedule.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results" / "bench_schedule.md"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="gpt2-moe-12")
+    parser.add_argument("--schedule", default="dw", choices=("async", "dw"))
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+
+    from jaxmoe.presets import preset
+
+    config = preset(args.preset)
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        count = config.parallel.num_devices
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}"
+
+    import jax
+
+    import scheduling
+    from jaxmoe.parallel import build_mesh
+    from jaxmoe.train.scheduled import abstract_step_args
+    from jaxmoe.train.step import build_train_step
+    from scheduling.capture import capture
+    from scheduling.cost import CostModel
+    from scheduling.emit import emit
+    from scheduling.optimize import build_report, plan
+
+    mesh = build_mesh(config.parallel)
+    sharded = build_train_step(config, mesh)
+    example = abstract_step_args(config, mesh)
+    policy = scheduling.SchedulePolicy(name=args.schedule, profile=config.train.schedule_profile)
+
+    timings = {}
+    started = time.perf_counter()
+    program = capture(
+        sharded.per_device,
+        *example,
+        mesh=mesh,
+        in_specs=sharded.in_specs,
+        out_specs=sharded.out_specs,
+    )
+    timings["capture"] = time.perf_counter() - started
+    started = time.perf_counter()
+    graph, schedule = plan(program, policy)
+    timings["plan (split, dW, order)"] = time.perf_counter() - started
+    started = time.perf_counter()
+    report = build_report(
+        graph, schedule, CostModel(policy.device_profile, dict(mesh.shape)), policy
+    )
+    timings["report (simulation)"] = time.perf_counter() - started
+    started = time.perf_counter()
+    step = emit(graph, schedule, donate_argnums=sharded.donate_argnums)
+    step.lower(*example).as_text()
+    timings["emit + lower to StableHLO"] = time.perf_counter() - started
+    total = sum(timings.values())
+
+    model = config.model
+    command = "python -m experiments.bench_schedule " + " ".join(argv or sys.argv[1:])
+    lines = [
+        "# Scheduling-layer time on a whole train step",
+        "",
+        f"Command: `{command.strip()}`",
+        "",
+        f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, jax {jax.__version__}, "
+        f"{jax.device_count()} {jax.devices()[0].platform} devices.",
+        "",
+        f"Preset `{args.preset}`: {model.num_layers} layers, width {model.d_model}, "
+        f"{config.moe.num_experts} experts, mesh data {config.parallel.data} x expert "
+        f"{config.parallel.expert}; schedule `{args.schedule}`. The program has "
+        f"{len(program.ops)} ops and {len(program.collectives())} collectives; "
+        f"{report.dw_ops_placed} of {report.dw_ops} dW ops were placed.",
+        "",
+        "| phase | seconds |",
+        "|---|---|",
+        *[f"| {name} | {seconds:.2f} |" for name, seconds in timings.items()],
+        f"| **total** | **{total:.2f}** |",
+        "",
+    ]
+    text = "\n".join(lines)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
