@@ -2,7 +2,8 @@
 
 ``DIR/config.json`` holds the resolved configuration; ``DIR/metrics.jsonl`` one
 line per step with at least ``step``, ``loss``, ``tokens_per_s``,
-``dropped_fraction`` and ``expert_imbalance``. Only process 0 writes.
+``dropped_fraction`` and ``expert_imbalance``; ``DIR/schedule_report.json`` what
+the scheduling layer did to the step, when it ran. Only process 0 writes.
 """
 
 from __future__ import annotations
