@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from jaxmoe.config import SCHEDULES, Config, ConfigError
+from jaxmoe.parallel.distributed import DistributedConfig
 from jaxmoe.presets import PRESETS, preset
 
 USAGE_ERROR = 2
@@ -87,6 +88,25 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_config_arguments(train)
     train.add_argument("--out", help="directory for config.json, metrics.jsonl and the report")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    cluster = train.add_argument_group("multi-process runs")
+    cluster.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address")
+    cluster.add_argument("--num-processes", type=int)
+    cluster.add_argument("--process-id", type=int)
+    cluster.add_argument(
+        "--distributed", choices=["auto"], help="detect the cluster (SLURM, MPI, ...)"
+    )
+    cluster.add_argument("--heartbeat-timeout", type=int, default=30, metavar="SECONDS")
+    cluster.add_argument(
+        "--step-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="end the process if a step hangs this long (default: 120 when multi-process)",
+    )
+    launch = commands.add_parser(
+        "launch", help="start N processes of a command on this machine (for testing)"
+    )
+    launch.add_argument("-n", "--num-processes", type=int, required=True)
+    launch.add_argument("command_args", nargs=argparse.REMAINDER, metavar="-- train ARGS")
     schedule = commands.add_parser(
         "schedule", help="schedule the train step without training, for inspection"
     )
@@ -122,7 +142,7 @@ def resolve_config(args: argparse.Namespace) -> Config:
 def _ensure_host_devices(count: int) -> None:
     """Give the CPU platform ``count`` devices unless XLA_FLAGS already sets it.
 
-    Must run before JAX is imported. It only shapes the CPU (host) platform, so
+    Must run before JAX creates its backends. It only shapes the CPU (host) platform, so
     on a GPU machine the GPUs stay the devices a run uses.
     """
     flags = os.environ.get("XLA_FLAGS", "")
@@ -130,10 +150,30 @@ def _ensure_host_devices(count: int) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
 
 
+def _distributed_config(args: argparse.Namespace) -> DistributedConfig:
+    return DistributedConfig(
+        coordinator=args.coordinator,
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+        auto=args.distributed == "auto",
+        heartbeat_timeout_s=args.heartbeat_timeout,
+    )
+
+
 def _train(config: Config, args: argparse.Namespace) -> int:
+    import jax
+
+    from jaxmoe.parallel.distributed import initialize
     from jaxmoe.train.loop import train
 
-    rows = train(config, args.out, progress=not args.no_progress)
+    distributed = _distributed_config(args)
+    initialize(distributed)
+    step_timeout = args.step_timeout
+    if step_timeout is None and distributed.enabled:
+        step_timeout = 120.0
+    rows = train(config, args.out, progress=not args.no_progress, step_timeout_s=step_timeout)
+    if jax.process_index() != 0:
+        return 0
     last = rows[-1]
     print(
         f"done: {len(rows)} steps, loss {rows[0]['loss']:.3f} -> {last['loss']:.3f}, "
@@ -161,14 +201,35 @@ def _schedule(config: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def _launch(args: argparse.Namespace) -> int:
+    from jaxmoe.train.launch import launch
+
+    command_args = args.command_args[1:] if args.command_args[:1] == ["--"] else args.command_args
+    if not command_args or command_args[0] != "train":
+        raise ConfigError("usage: jaxmoe launch -n N -- train [ARGS]")
+    return launch(command_args, args.num_processes)
+
+
+def _devices_per_process(config: Config, args: argparse.Namespace) -> int:
+    processes = _distributed_config(args).process_count_hint() if args.command == "train" else 1
+    if config.parallel.num_devices % processes:
+        raise ConfigError(
+            f"parallel.data x parallel.expert = {config.parallel.num_devices} devices cannot "
+            f"be split evenly over {processes} processes"
+        )
+    return config.parallel.num_devices // processes
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
-    command = {"train": _train, "schedule": _schedule}[args.command]
     try:
+        if args.command == "launch":
+            return _launch(args)
+        command = {"train": _train, "schedule": _schedule}[args.command]
         config = resolve_config(args)
-        # Before JAX starts (the commands import it): the CPU platform's device count.
-        _ensure_host_devices(config.parallel.num_devices)
+        # Before JAX creates its backends (at first use): the CPU platform's device count.
+        _ensure_host_devices(_devices_per_process(config, args))
         return command(config, args)
     except ConfigError as error:
         print(f"jaxmoe {args.command}: error: {error}", file=sys.stderr)

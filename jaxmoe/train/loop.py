@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +18,7 @@ from jaxmoe.train.metrics import RunLog, host_row
 from jaxmoe.train.scheduled import plan_train_step
 from jaxmoe.train.state import init_train_state
 from jaxmoe.train.step import build_eval_step
+from jaxmoe.train.watchdog import StepWatchdog
 
 
 def _evaluate(eval_step: Callable, params: Any, sampler: BatchSampler, batches: int, mesh) -> float:
@@ -26,9 +28,17 @@ def _evaluate(eval_step: Callable, params: Any, sampler: BatchSampler, batches: 
 
 
 def train(
-    config: Config, out_dir: str | Path | None = None, *, progress: bool = True
+    config: Config,
+    out_dir: str | Path | None = None,
+    *,
+    progress: bool = True,
+    step_timeout_s: float | None = None,
 ) -> list[dict[str, Any]]:
-    """Train ``config`` for ``config.train.steps`` steps; returns one metrics row per step."""
+    """Train ``config`` for ``config.train.steps`` steps; returns one metrics row per step.
+
+    With ``step_timeout_s``, a step (or validation pass) that takes longer ends the
+    process (see :mod:`jaxmoe.train.watchdog`): in a multi-process run, a peer died.
+    """
     mesh = build_mesh(config.parallel)
     seq_len, batch = config.model.seq_len, config.train.batch_size
     splits = TokenSplits(load_tokens(config.data), config.data.val_fraction, seq_len)
@@ -59,19 +69,22 @@ def train(
         desc="train",
         unit="step",
     )
-    try:
+    with StepWatchdog(step_timeout_s) as watchdog, contextlib.closing(log), bar:
         for step in range(config.train.steps):
             started = time.perf_counter()
             batch_array = first_batch if step == 0 else put_on_mesh(train_batches, step, mesh)
-            state, metrics = train_step(state, batch_array)
-            metrics = jax.device_get(metrics)  # waits for the step
+            with watchdog.step(step):
+                state, metrics = train_step(state, batch_array)
+                metrics = jax.device_get(metrics)  # waits for the step
             row = host_row(step, metrics, time.perf_counter() - started, batch * seq_len)
             last = step + 1 == config.train.steps
             if (step + 1) % config.train.eval_every == 0 or last:
-                row["val_loss"] = _evaluate(
-                    eval_step, state.params, val_batches, config.train.eval_batches, mesh
-                )
-                bar.write(f"step {step + 1}: val_loss {row['val_loss']:.4f}")
+                with watchdog.step(step):
+                    row["val_loss"] = _evaluate(
+                        eval_step, state.params, val_batches, config.train.eval_batches, mesh
+                    )
+                if jax.process_index() == 0:
+                    bar.write(f"step {step + 1}: val_loss {row['val_loss']:.4f}")
             rows.append(row)
             log.write(row)
             bar.set_postfix(
@@ -80,7 +93,4 @@ def train(
                 tok_s=f"{row['tokens_per_s']:.0f}",
             )
             bar.update()
-    finally:
-        bar.close()
-        log.close()
     return rows

@@ -1,0 +1,98 @@
+"""Multi-host start-up: ``jax.distributed`` for explicit or auto-detected clusters.
+
+A run is multi-process when a coordinator is given (``--coordinator HOST:PORT
+--num-processes N --process-id I``) or when JAX's cluster auto-detection finds
+one (SLURM, Open MPI, ...; ``--distributed auto``). On CPU the processes use
+gloo collectives. The mesh then spans every process's devices; each process
+builds only its own rows of a batch; process 0 alone writes files.
+
+Failure behaviour. The coordination service declares a process dead when its
+heartbeats stop for ``heartbeat_timeout_s``; every surviving process then
+aborts (exit status 134) with the JAX runtime's message "Terminating process
+because the JAX distributed service detected fatal errors. This most likely
+indicates that another task died". As a second bound, a step that hangs for
+longer than the step timeout (see ``jaxmoe.train.watchdog``) ends the process
+with :data:`PEER_FAILURE_EXIT_CODE` and :data:`PEER_FAILURE_MESSAGE`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import jax
+
+from jaxmoe.config import ConfigError
+
+PEER_FAILURE_EXIT_CODE = 3
+PEER_FAILURE_MESSAGE = (
+    "jaxmoe: step {step} did not finish within {timeout:.0f} s; "
+    "a peer process has probably failed, stopping"
+)
+# Environment variables through which JAX detects a cluster launcher.
+_CLUSTER_ENVIRONMENT = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    """How this process joins a multi-process run (all None: a single process)."""
+
+    coordinator: str | None = None  # HOST:PORT of process 0's coordination service
+    num_processes: int | None = None
+    process_id: int | None = None
+    auto: bool = False  # let JAX detect the cluster (SLURM, MPI, ...)
+    heartbeat_timeout_s: int = 30
+
+    def __post_init__(self) -> None:
+        explicit = (self.coordinator, self.num_processes, self.process_id)
+        if any(v is not None for v in explicit) and any(v is None for v in explicit):
+            raise ConfigError(
+                "--coordinator, --num-processes and --process-id go together: give all three"
+            )
+        if self.coordinator is not None and self.auto:
+            raise ConfigError("give either --coordinator ... or --distributed auto, not both")
+        if self.num_processes is not None:
+            if self.num_processes < 1:
+                raise ConfigError(f"--num-processes={self.num_processes}: must be >= 1")
+            if not 0 <= self.process_id < self.num_processes:
+                raise ConfigError(
+                    f"--process-id={self.process_id}: must be in [0, {self.num_processes})"
+                )
+        if self.coordinator is not None and ":" not in self.coordinator:
+            raise ConfigError(f"--coordinator={self.coordinator!r}: expected HOST:PORT")
+        if self.heartbeat_timeout_s < 1:
+            raise ConfigError("--heartbeat-timeout must be at least 1 second")
+
+    @property
+    def enabled(self) -> bool:
+        return self.coordinator is not None or self.auto
+
+    def process_count_hint(self) -> int:
+        """Processes in the run, as far as is known before JAX starts."""
+        if self.num_processes is not None:
+            return self.num_processes
+        for name in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+            if name in os.environ:
+                return int(os.environ[name])
+        return 1
+
+
+def cluster_detected() -> bool:
+    return any(name in os.environ for name in _CLUSTER_ENVIRONMENT)
+
+
+def initialize(config: DistributedConfig) -> None:
+    """Join the multi-process run described by ``config`` (nothing for one process)."""
+    if not config.enabled:
+        return
+    # gloo is what runs collectives between CPU processes (a no-op setting on GPU).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if config.auto:
+        jax.distributed.initialize(heartbeat_timeout_seconds=config.heartbeat_timeout_s)
+    else:
+        jax.distributed.initialize(
+            coordinator_address=config.coordinator,
+            num_processes=config.num_processes,
+            process_id=config.process_id,
+            heartbeat_timeout_seconds=config.heartbeat_timeout_s,
+        )
