@@ -14,7 +14,9 @@ transforms stripped, e.g. ``layer_3/moe``) and the phase. AD writes the
 phase into the name stack: ``jvp(...)`` is the forward pass and
 ``transpose(jvp(...))`` the backward pass; ops outside AD that depend on the
 backward pass (gradient reduction, clipping, the optimizer update) are the
-optimizer phase, and the rest (before AD) the forward phase.
+optimizer phase. The remaining ops outside AD — before it, or after it but
+not fed by the backward pass (e.g. reducing the loss for a metric) — are
+labelled forward.
 """
 
 from __future__ import annotations
@@ -43,7 +45,16 @@ INLINED_BODIES = {
 }
 
 COLLECTIVES = frozenset(
-    {"all_to_all", "psum", "psum_invariant", "ppermute", "all_gather", "reduce_scatter"}
+    {
+        "all_to_all",
+        "psum",
+        "psum_invariant",
+        "pmax",
+        "pmin",
+        "ppermute",
+        "all_gather",
+        "reduce_scatter",
+    }
 )
 
 

@@ -42,13 +42,12 @@ class DeviceProfile:
     link_latency_s: float
 
     def __post_init__(self) -> None:
-        for name in (
-            "flops_per_s",
-            "memory_bytes_per_s",
-            "link_bytes_per_s",
-        ):
+        for name in ("flops_per_s", "memory_bytes_per_s", "link_bytes_per_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"DeviceProfile.{name} must be > 0")
+        for name in ("op_overhead_s", "link_latency_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"DeviceProfile.{name} must be >= 0")
 
     def with_link(self, bytes_per_s: float, latency_s: float | None = None) -> DeviceProfile:
         return replace(
@@ -121,6 +120,8 @@ def collective_wire_bytes(op: Op, axis_sizes: dict[str, int]) -> float:
         "reduce_scatter": operand * share,
         "psum": 2 * operand * share,
         "psum_invariant": 2 * operand * share,
+        "pmax": 2 * operand * share,
+        "pmin": 2 * operand * share,
         "ppermute": operand,
     }.get(op.primitive, operand)
 

@@ -139,7 +139,12 @@ def resolve_config(args: argparse.Namespace) -> Config:
     return Config.from_dict(values)
 
 
-def _ensure_host_devices(count: int) -> None:
+def config_from_train_args(argv: Sequence[str]) -> Config:
+    """The configuration that ``jaxmoe train ARGV`` would run (preset plus overrides)."""
+    return resolve_config(_build_parser().parse_args(["train", *argv]))
+
+
+def ensure_host_devices(count: int) -> None:
     """Give the CPU platform ``count`` devices unless XLA_FLAGS already sets it.
 
     Must run before JAX creates its backends. It only shapes the CPU (host) platform, so
@@ -229,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = {"train": _train, "schedule": _schedule}[args.command]
         config = resolve_config(args)
         # Before JAX creates its backends (at first use): the CPU platform's device count.
-        _ensure_host_devices(_devices_per_process(config, args))
+        ensure_host_devices(_devices_per_process(config, args))
         return command(config, args)
     except ConfigError as error:
         print(f"jaxmoe {args.command}: error: {error}", file=sys.stderr)

@@ -56,14 +56,19 @@ def launch(
     wrap: Callable[[int, list[str]], list[str]] = lambda index, argv: argv,
     grace_s: float = 60.0,
     output=None,
+    module: str = "jaxmoe.train.cli",
 ) -> int:
-    """Run ``jaxmoe <command_args>`` as ``num_processes`` processes; 0 if all succeed."""
+    """Run ``python -m <module> <command_args>`` as ``num_processes`` processes.
+
+    Returns 0 if all succeed. ``module`` must accept ``--coordinator``,
+    ``--num-processes`` and ``--process-id`` as ``jaxmoe train`` does.
+    """
     output = sys.stdout if output is None else output
     port = free_port(coordinator_host) if port is None else port
     processes: list[subprocess.Popen] = []
     forwarders: list[threading.Thread] = []
     for index in range(num_processes):
-        argv = [sys.executable, "-u", "-m", "jaxmoe.train.cli", *command_args]
+        argv = [sys.executable, "-u", "-m", module, *command_args]
         argv += ["--coordinator", f"{coordinator_host}:{port}"]
         argv += ["--num-processes", str(num_processes), "--process-id", str(index)]
         process = subprocess.Popen(

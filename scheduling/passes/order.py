@@ -42,13 +42,22 @@ class Schedule:
 
 def _keys(graph: Graph, placement: Placement) -> list[float]:
     keys = [float(node.id) for node in graph.nodes]
-    for node in graph.nodes:
-        if node.role is Role.START:
-            preds = graph.preds[node.id]
-            keys[node.id] = max((keys[p] for p in preds), default=-1.0) + _STEP
-    for start, nodes in placement.windows.items():
-        for rank, node in enumerate(nodes, start=1):
-            keys[node] = keys[start] + rank * _STEP / (len(nodes) + 1)
+    starts = [node.id for node in graph.nodes if node.role is Role.START]
+    # A start follows its operand's producer, which may be a placed node whose key follows
+    # another window's start: iterate to the fixed point (a chain of windows is finite).
+    for _ in range(len(starts) + 1):
+        changed = False
+        for start in starts:
+            key = max((keys[p] for p in graph.preds[start]), default=-1.0) + _STEP
+            changed |= key != keys[start]
+            keys[start] = key
+        for start, nodes in placement.windows.items():
+            for rank, node in enumerate(nodes, start=1):
+                key = keys[start] + rank * _STEP / (len(nodes) + 1)
+                changed |= key != keys[node]
+                keys[node] = key
+        if not changed:
+            break
     for node in graph.nodes:
         if node.role is Role.DONE:
             consumers = graph.succs[node.id]

@@ -7,7 +7,8 @@ inputs will exist when the window opens: every predecessor is an ancestor of
 the all-to-all's start, lies in an earlier window that closes before this
 one opens, or was placed earlier in this window.
 
-1. Forced: candidates whose last possible window is this one go in first.
+1. Forced: candidates whose last possible window is this one go in first,
+   with the not-yet-placed candidates they depend on.
 2. Greedy best fit: repeatedly take the candidate whose estimated time is
    closest to the remaining time. Stop when the remaining time is <= 0, when
    no candidate is left, or when the best candidate is over twice the
@@ -53,48 +54,78 @@ def schedule_dw(
     placement = Placement()
     placed: dict[int, int] = {}  # node -> start id of its window
     for start in windows:
-        before = graph.ancestors[start.id]
-        closed = {s for s in placement.windows if graph.has_path(graph.nodes[s].partner, start.id)}
-        window: list[int] = []
-        placement.windows[start.id] = window
+        window = _Window(graph, start, placement, placed)
         pool = set(graph.members(candidates[start.id])) - placed.keys()
-
-        def ready(node: int, before=before, closed=closed, window=window) -> bool:
-            for pred in graph.preds[node]:
-                if before >> pred & 1:
-                    continue
-                if placed.get(pred) in closed or pred in window:
-                    continue
-                return False
-            return True
-
-        def place(node: int, start_id=start.id, pool=pool, window=window) -> None:
-            window.append(node)
-            placed[node] = start_id
-            pool.discard(node)
-
         remaining = seconds(start)
-        # Forced nodes, in dependency order (ids are topological).
-        progress = True
-        while progress:
-            progress = False
-            for node in sorted(pool):
-                if last_window[node] == start.id and ready(node):
-                    place(node)
-                    placement.forced.add(node)
-                    remaining -= seconds(graph.nodes[node])
-                    progress = True
+
+        # 1. Forced: this is the node's last window; bring the candidates it needs along.
+        for node in sorted(pool):
+            if node not in pool or last_window[node] != start.id:
+                continue
+            needed = window.missing_inputs(node, pool)
+            if needed is None:
+                continue  # an input can be neither available nor placed in this window
+            for member in [*needed, node]:
+                window.place(member, pool)
+                placement.forced.add(member)
+                remaining -= seconds(graph.nodes[member])
+
+        # 2. Greedy best fit by estimated time.
         while remaining > 0:
-            available = [node for node in pool if ready(node)]
+            available = [node for node in pool if window.ready(node)]
             if not available:
                 break
-            best = min(
-                available,
-                key=lambda n: (abs(seconds(graph.nodes[n]) - remaining), n),
-            )
+            best = min(available, key=lambda n: (abs(seconds(graph.nodes[n]) - remaining), n))
             cost = seconds(graph.nodes[best])
-            if cost > 2 * remaining and window:
+            if cost > 2 * remaining and window.nodes:
                 break
-            place(best)
+            window.place(best, pool)
             remaining -= cost
     return placement
+
+
+class _Window:
+    """One window being filled: which values exist in it, and placing nodes into it."""
+
+    def __init__(self, graph: Graph, start: Node, placement: Placement, placed: dict[int, int]):
+        self.graph = graph
+        self.start = start.id
+        self.placed = placed
+        self.before = graph.ancestors[start.id]
+        # Earlier windows that close before this one opens.
+        self.closed = {
+            s for s in placement.windows if graph.has_path(graph.nodes[s].partner, start.id)
+        }
+        self.nodes: list[int] = []
+        placement.windows[start.id] = self.nodes
+
+    def available(self, node: int) -> bool:
+        """Whether ``node``'s result exists inside this window."""
+        return (
+            bool(self.before >> node & 1)
+            or self.placed.get(node) in self.closed
+            or self.placed.get(node) == self.start
+        )
+
+    def ready(self, node: int) -> bool:
+        return all(self.available(pred) for pred in self.graph.preds[node])
+
+    def missing_inputs(self, node: int, pool: set[int]) -> list[int] | None:
+        """Candidates to place before ``node`` so that it can run here (in id order), or
+        None when one of its inputs can be neither available nor placed here."""
+        needed: set[int] = set()
+        frontier = [node]
+        while frontier:
+            for pred in self.graph.preds[frontier.pop()]:
+                if pred in needed or self.available(pred):
+                    continue
+                if pred not in pool:
+                    return None
+                needed.add(pred)
+                frontier.append(pred)
+        return sorted(needed)
+
+    def place(self, node: int, pool: set[int]) -> None:
+        self.nodes.append(node)
+        self.placed[node] = self.start
+        pool.discard(node)

@@ -1,0 +1,223 @@
+"""Emulated cluster: real training steps across hosts joined by a slow, shaped link.
+
+    sudo python -m experiments.cluster --hosts 2 --devices-per-host 4 --link-mbit 300 \\
+        --preset tiny --steps 20 --schedules none,dw --json out.json [jaxmoe train overrides]
+
+Each host is a network namespace (``experiments.netns``) running one process
+with ``--devices-per-host`` fake CPU devices; all-to-alls within a host are
+memory copies, across hosts they cross the shaped link (the two levels of
+NVLink inside a node and the network between nodes). For each schedule it
+measures, side by side in one run:
+
+- ``step``: the median step time of the real train step on the shaped link;
+- ``compute-only``: the same step on the same hosts with the link left
+  unshaped (veth at memory speed), i.e. communication made (nearly) free;
+- ``communication-only``: the step's collectives alone, same primitives and
+  sizes, on the shaped link (``experiments.collectives_only``); also measured
+  on the free link, which shows how little the free link still costs;
+- ``exposed communication`` = step - compute-only: the communication that the
+  step does not hide behind computation.
+
+Everything it creates is removed on exit, on errors and on Ctrl-C. Without
+the rights to create network namespaces it refuses with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import secrets
+import statistics
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from experiments.netns import EmulatedNetwork, LinkShape, namespaces_available
+from jaxmoe.config import SCHEDULES, ConfigError
+from jaxmoe.train.cli import config_from_train_args
+from jaxmoe.train.launch import launch
+
+
+@dataclass
+class ScheduleResult:
+    schedule: str
+    step_s: float
+    compute_only_s: float
+    exposed_communication_s: float
+    tokens_per_s: float
+
+
+def _median_step(run_dir: Path, warmup: int) -> tuple[float, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    timed = rows[warmup:] or rows
+    step = statistics.median(row["step_time_s"] for row in timed)
+    return step, statistics.median(row["tokens_per_s"] for row in timed)
+
+
+class Cluster:
+    """Runs commands as one process per emulated host; logs go to ``workdir``."""
+
+    def __init__(self, network: EmulatedNetwork, workdir: Path, name: str):
+        self.network = network
+        self.workdir = workdir
+        self.name = name
+
+    def run(self, label: str, command_args: list[str], module: str = "jaxmoe.train.cli") -> None:
+        log_path = self.workdir / f"{self.name}-{label}.log"
+        with log_path.open("w") as log:
+            status = launch(
+                command_args,
+                len(self.network.namespaces),
+                coordinator_host=self.network.host_addresses[0],
+                port=20000 + secrets.randbelow(20000),
+                wrap=self.network.command,
+                output=log,
+                module=module,
+            )
+        if status != 0:
+            tail = "".join(log_path.read_text().splitlines(keepends=True)[-20:])
+            raise RuntimeError(f"{label} on the {self.name} link failed; its log ends:\n{tail}")
+
+    def train(self, train_args: list[str], schedule: str, steps: int, warmup: int):
+        out = self.workdir / f"{self.name}-train-{schedule}"
+        args = ["train", *train_args, "--steps", str(steps), "--schedule", schedule]
+        args += ["--no-progress", "--out", str(out)]
+        self.run(f"train-{schedule}", args)
+        return _median_step(out, warmup)
+
+    def collectives_only(self, config_path: Path, repeats: int) -> float:
+        out = self.workdir / f"{self.name}-collectives.json"
+        args = ["--config", str(config_path), "--json", str(out), "--repeats", str(repeats)]
+        self.run("collectives-only", args, module="experiments.collectives_only")
+        return json.loads(out.read_text())["median_s"]
+
+
+def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.cluster", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--hosts", type=int, default=2)
+    parser.add_argument("--devices-per-host", type=int, default=4)
+    parser.add_argument("--link-mbit", type=float, default=300.0)
+    parser.add_argument("--delay-ms", type=float, default=0.0)
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3, help="steps left out of the median")
+    parser.add_argument("--schedules", default="none", help="comma-separated, e.g. none,dw")
+    parser.add_argument(
+        "--schedule", help="one schedule (the same flag as jaxmoe train; adds to --schedules)"
+    )
+    parser.add_argument("--repeats", type=int, default=10, help="collectives-only repeats")
+    parser.add_argument("--json", type=Path, help="write the results here")
+    return parser.parse_known_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = _parse(argv)
+    schedules = [s for s in args.schedules.split(",") if s]
+    if args.schedule and args.schedule not in schedules:
+        schedules.append(args.schedule)
+    try:
+        unknown = [s for s in schedules if s not in SCHEDULES]
+        if unknown:
+            raise ConfigError(f"--schedules: {unknown} not among {', '.join(SCHEDULES)}")
+        train_args = ["--preset", args.preset, *overrides]
+        config = config_from_train_args(train_args)
+        devices = args.hosts * args.devices_per_host
+        if config.parallel.num_devices != devices:
+            raise ConfigError(
+                f"parallel.data x parallel.expert = {config.parallel.num_devices}, but "
+                f"{args.hosts} hosts x {args.devices_per_host} devices = {devices}: "
+                "pass --parallel.data/--parallel.expert to match"
+            )
+        shaped_link = LinkShape(rate_mbit=args.link_mbit, delay_ms=args.delay_ms)
+    except (ConfigError, ValueError) as error:
+        print(f"experiments.cluster: error: {error}", file=sys.stderr)
+        return 2
+    available, reason = namespaces_available()
+    if not available:
+        print(f"experiments.cluster: cannot create network namespaces: {reason}", file=sys.stderr)
+        return 2
+
+    results: dict[str, dict[str, float]] = {name: {} for name in schedules}
+    with tempfile.TemporaryDirectory(prefix="jaxmoe-cluster-") as tmp:
+        workdir = Path(tmp)
+        config_path = workdir / "config.json"
+        config_path.write_text(json.dumps(config.to_dict()))
+        for name, link in (("shaped", shaped_link), ("free", LinkShape(rate_mbit=None))):
+            with EmulatedNetwork(args.hosts, link) as network:
+                cluster = Cluster(network, workdir, name)
+                for schedule in schedules:
+                    step, tokens_per_s = cluster.train(
+                        train_args, schedule, args.steps, args.warmup
+                    )
+                    results[schedule][f"{name}_step_s"] = step
+                    results[schedule][f"{name}_tokens_per_s"] = tokens_per_s
+                results[f"collectives_{name}"] = {
+                    "seconds": cluster.collectives_only(config_path, args.repeats)
+                }
+
+    rows = [
+        ScheduleResult(
+            schedule=s,
+            step_s=results[s]["shaped_step_s"],
+            compute_only_s=results[s]["free_step_s"],
+            exposed_communication_s=results[s]["shaped_step_s"] - results[s]["free_step_s"],
+            tokens_per_s=results[s]["shaped_tokens_per_s"],
+        )
+        for s in schedules
+    ]
+    communication = results["collectives_shaped"]["seconds"]
+    residual = results["collectives_free"]["seconds"]
+    report = {
+        "command": "python -m experiments.cluster "
+        + " ".join(sys.argv[1:] if argv is None else argv),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores",
+        "hosts": args.hosts,
+        "devices_per_host": args.devices_per_host,
+        "link_mbit": args.link_mbit,
+        "delay_ms": args.delay_ms,
+        "preset": args.preset,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "config": config.to_dict(),
+        "communication_only_s": communication,
+        "communication_only_free_link_s": residual,
+        "schedules": [asdict(row) for row in rows],
+    }
+    print(format_table(report))
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def format_table(report: dict) -> str:
+    header = (
+        f"{report['hosts']} hosts x {report['devices_per_host']} devices, link "
+        f"{report['link_mbit']:g} Mbit/s, delay {report['delay_ms']:g} ms, preset "
+        f"{report['preset']}, {report['steps']} steps (median after {report['warmup']})"
+    )
+    lines = [
+        header,
+        "| schedule | step (ms) | compute-only (ms) | communication-only (ms) "
+        "| exposed communication (ms) | exposed / communication | tokens/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    communication = report["communication_only_s"]
+    for row in report["schedules"]:
+        lines.append(
+            f"| {row['schedule']} | {row['step_s'] * 1e3:.1f} | {row['compute_only_s'] * 1e3:.1f} "
+            f"| {communication * 1e3:.1f} | {row['exposed_communication_s'] * 1e3:.1f} "
+            f"| {row['exposed_communication_s'] / communication:.2f} "
+            f"| {row['tokens_per_s']:,.0f} |"
+        )
+    residual_ms = report["communication_only_free_link_s"] * 1e3
+    lines.append(f"(communication-only on the free link: {residual_ms:.1f} ms)")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

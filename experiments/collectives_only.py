@@ -1,0 +1,106 @@
+"""The communication of one train step, alone: its collectives at their sizes, nothing else.
+
+    python -m experiments.collectives_only --config CONFIG.json --json OUT.json \\
+        [--coordinator HOST:PORT --num-processes N --process-id I] [--repeats 10]
+
+The train step of the configuration is captured as its per-device program
+(``scheduling.capture``); every collective of it (forward and backward
+all-to-alls, gradient psums, metric reductions) is replayed with the same
+primitive, parameters, shapes and dtypes, in program order, on inputs that
+carry no data dependence on any computation. Each collective waits for the
+previous one (an optimization barrier), as in the step. Process 0 writes the
+median wall time of the whole sequence to ``--json``. The emulated cluster
+runs it with the same processes and links as the training run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, required=True, help="a resolved config.json")
+    parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--coordinator")
+    parser.add_argument("--num-processes", type=int)
+    parser.add_argument("--process-id", type=int)
+    args = parser.parse_args(argv)
+
+    from jaxmoe.config import Config
+    from jaxmoe.parallel.distributed import DistributedConfig, initialize
+    from jaxmoe.train.cli import ensure_host_devices
+
+    config = Config.from_dict(json.loads(args.config.read_text()))
+    distributed = DistributedConfig(args.coordinator, args.num_processes, args.process_id)
+    ensure_host_devices(config.parallel.num_devices // distributed.process_count_hint())
+    initialize(distributed)
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec
+
+    from jaxmoe.parallel.mesh import build_mesh
+    from jaxmoe.train.scheduled import abstract_step_args
+    from jaxmoe.train.step import build_train_step
+    from scheduling.capture import capture
+    from scheduling.jax_adapter import bind_equation
+
+    mesh = build_mesh(config.parallel)
+    sharded = build_train_step(config, mesh)
+    program = capture(
+        sharded.per_device,
+        *abstract_step_args(config, mesh),
+        mesh=mesh,
+        in_specs=sharded.in_specs,
+        out_specs=sharded.out_specs,
+    )
+    collectives = program.collectives()
+
+    def per_device(seed: jax.Array) -> jax.Array:
+        previous = seed
+        for op in collectives:
+            (operand,) = op.inputs
+            value = jnp.full(operand.aval.shape, seed, operand.aval.dtype)
+            value, _ = jax.lax.optimization_barrier((value, previous))
+            (previous,) = bind_equation(op.eqn, [value])
+        return jnp.sum(previous).astype(jnp.float32)
+
+    run = jax.jit(
+        jax.shard_map(
+            per_device,
+            mesh=mesh,
+            in_specs=PartitionSpec(),
+            out_specs=PartitionSpec(),
+            check_vma=False,
+        )
+    )
+    seed = jnp.float32(1.0)
+    seconds = []
+    for index in range(args.warmup + args.repeats):
+        started = time.perf_counter()
+        jax.block_until_ready(run(seed))
+        if index >= args.warmup:
+            seconds.append(time.perf_counter() - started)
+    if jax.process_index() == 0:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "median_s": statistics.median(seconds),
+                    "collectives": len(collectives),
+                    "seconds": seconds,
+                }
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,298 @@
+"""cost: FLOPs, bytes and wire bytes per op; simulate: two-stream timelines computed by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from scheduling.capture import capture
+from scheduling.cost import (
+    PROFILES,
+    CostModel,
+    DeviceProfile,
+    collective_wire_bytes,
+    op_bytes,
+    op_flops,
+)
+from scheduling.graph import Graph, Role
+from scheduling.passes import split_async
+from scheduling.simulate import simulate
+from tests.scheduling.toys import fixed_seconds, mesh_2x4, mesh_x, sds
+
+M, K, N_COLS = 3, 5, 7
+F32 = 4
+
+PROFILE = DeviceProfile(
+    "test",
+    flops_per_s=1e9,
+    memory_bytes_per_s=1e8,
+    op_overhead_s=1e-6,
+    link_bytes_per_s=1e6,
+    link_latency_s=1e-5,
+)
+
+
+def _ops(step, *shapes, mesh=None, in_specs, out_specs):
+    mesh = mesh or mesh_x()
+    program = capture(step, *shapes, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    return {op.primitive: op for op in program.ops}, program
+
+
+# Cost.
+
+
+def test_dot_general_flops_are_2mnk():
+    mesh = mesh_x()
+    ops, _ = _ops(
+        lambda a, b: (a @ b).reshape(-1),
+        sds(mesh, (M, K), P()),
+        sds(mesh, (K, N_COLS), P()),
+        in_specs=(P(), P()),
+        out_specs=P(),
+    )
+    dot = ops["dot_general"]
+    assert op_flops(dot) == 2 * M * N_COLS * K
+    assert op_bytes(dot) == (M * K + K * N_COLS + M * N_COLS) * F32
+    cost = CostModel(PROFILE, {"x": 8})
+    expected = PROFILE.op_overhead_s + max(
+        2 * M * N_COLS * K / PROFILE.flops_per_s, op_bytes(dot) / PROFILE.memory_bytes_per_s
+    )
+    assert cost.compute_seconds(dot) == pytest.approx(expected)
+    assert cost.seconds(dot) == pytest.approx(expected)
+    # A reshape is a view: no FLOPs, no bytes, no time (not even the per-op overhead).
+    reshape = ops["reshape"]
+    assert op_flops(reshape) == 0
+    assert op_bytes(reshape) == 0
+    assert cost.compute_seconds(reshape) == 0.0
+
+
+def test_batched_dot_general_flops():
+    mesh = mesh_x()
+    ops, _ = _ops(
+        lambda a, b: jnp.einsum("bmk,bkn->bmn", a, b),
+        sds(mesh, (2, M, K), P()),
+        sds(mesh, (2, K, N_COLS), P()),
+        in_specs=(P(), P()),
+        out_specs=P(),
+    )
+    assert op_flops(ops["dot_general"]) == 2 * 2 * M * N_COLS * K
+
+
+def test_elementwise_and_reduction_flops():
+    mesh = mesh_x()
+    ops, _ = _ops(
+        lambda a: jnp.sum(jnp.exp(a) + a),
+        sds(mesh, (M, K), P()),
+        in_specs=P(),
+        out_specs=P(),
+    )
+    assert op_flops(ops["add"]) == M * K
+    assert op_flops(ops["exp"]) == 8 * M * K
+    assert op_flops(ops["reduce_sum"]) == M * K
+
+
+def _collective_step(x):
+    return (
+        jax.lax.all_to_all(x, "x", 0, 0, tiled=True),
+        jax.lax.psum(x, "x"),
+        jax.lax.all_gather(x, "x", tiled=True),
+        jax.lax.ppermute(x, "x", [(i, (i + 1) % 8) for i in range(8)]),
+    )
+
+
+def test_collective_wire_bytes_over_eight_devices():
+    mesh = mesh_x()
+    ops, _ = _ops(
+        _collective_step,
+        sds(mesh, (64, 4), P("x")),
+        in_specs=P("x"),
+        out_specs=(P("x"), P("x"), P("x"), P("x")),
+    )
+    nbytes = 8 * 4 * F32  # per device
+    sizes = {"x": 8}
+    assert collective_wire_bytes(ops["all_to_all"], sizes) == pytest.approx(nbytes * 7 / 8)
+    assert collective_wire_bytes(ops["psum"], sizes) == pytest.approx(2 * nbytes * 7 / 8)
+    assert collective_wire_bytes(ops["all_gather"], sizes) == pytest.approx(8 * nbytes * 7 / 8)
+    assert collective_wire_bytes(ops["ppermute"], sizes) == pytest.approx(nbytes)
+    cost = CostModel(PROFILE, sizes)
+    a2a = ops["all_to_all"]
+    assert cost.seconds(a2a) == pytest.approx(
+        PROFILE.link_latency_s + nbytes * 7 / 8 / PROFILE.link_bytes_per_s
+    )
+    assert cost.collective_seconds(a2a) == cost.seconds(a2a)
+
+
+def test_collective_group_is_the_product_of_its_axes():
+    mesh = mesh_2x4()
+
+    def step(x):
+        return (
+            jax.lax.psum(x, ("data", "expert")),
+            jax.lax.all_to_all(x, "expert", 0, 0, tiled=True),
+        )
+
+    ops, _ = _ops(step, sds(mesh, (8, 4), P()), mesh=mesh, in_specs=P(), out_specs=(P(), P()))
+    nbytes = 8 * 4 * F32
+    sizes = dict(mesh.shape)
+    assert collective_wire_bytes(ops["psum"], sizes) == pytest.approx(2 * nbytes * 7 / 8)
+    assert collective_wire_bytes(ops["all_to_all"], sizes) == pytest.approx(nbytes * 3 / 4)
+
+
+def test_collective_over_a_group_of_one_costs_nothing():
+    mesh = jax.make_mesh((1, 8), ("one", "x"))
+    ops, _ = _ops(
+        lambda x: jax.lax.psum(x, "one"),
+        sds(mesh, (8, 4), P()),
+        mesh=mesh,
+        in_specs=P(),
+        out_specs=P(),
+    )
+    psum = ops["psum"]
+    cost = CostModel(PROFILE, dict(mesh.shape))
+    assert collective_wire_bytes(psum, dict(mesh.shape)) == 0.0
+    assert cost.seconds(psum) == 0.0  # not even the link latency
+    # The same op, costed for a larger group.
+    assert collective_wire_bytes(psum, {"one": 4}) > 0
+
+
+@pytest.mark.parametrize("field", ["flops_per_s", "memory_bytes_per_s", "link_bytes_per_s"])
+@pytest.mark.parametrize("value", [0.0, -1.0])
+def test_device_profile_rejects_non_positive_throughputs(field, value):
+    with pytest.raises(ValueError, match=field):
+        dataclasses.replace(PROFILE, **{field: value})
+
+
+def test_device_profile_with_link():
+    slow = PROFILE.with_link(1e3)
+    assert slow.link_bytes_per_s == 1e3
+    assert slow.link_latency_s == PROFILE.link_latency_s
+    assert PROFILE.with_link(1e3, 0.5).link_latency_s == 0.5
+    with pytest.raises(ValueError, match="link_bytes_per_s"):
+        PROFILE.with_link(0.0)
+    assert set(PROFILES) >= {"a100", "v100", "cpu"}
+
+
+# Simulate: hand-built graphs with fixed costs.
+
+
+def _one_a2a(w, x):
+    a = x * 2.0
+    t = jax.lax.all_to_all(a, "x", 0, 0, tiled=True)
+    b = w * 3.0
+    c = b * 4.0
+    return t + c
+
+
+def _one_a2a_program():
+    mesh = mesh_x()
+    return capture(
+        _one_a2a,
+        sds(mesh, (8, 4), P()),
+        sds(mesh, (64, 4), P("x")),
+        mesh=mesh,
+        in_specs=(P(), P("x")),
+        out_specs=P("x"),
+    )
+
+
+def test_sync_collective_blocks_compute_for_its_whole_time():
+    graph = Graph(_one_a2a_program(), split=lambda op: False)
+    assert [n.op.primitive for n in graph.nodes] == ["mul", "all_to_all", "mul", "mul", "add"]
+    seconds = fixed_seconds({0: 1.0, 1: 5.0, 2: 2.0, 3: 2.0, 4: 1.0})
+    timeline = simulate(graph, [0, 1, 2, 3, 4], seconds)
+    assert timeline.step_seconds == 11.0
+    assert timeline.compute_seconds == 6.0
+    assert timeline.communication_seconds == 5.0
+    timing = timeline.collectives[1]
+    assert (timing.node, timing.issued, timing.began, timing.finished, timing.stall) == (
+        1,
+        1.0,
+        1.0,
+        6.0,
+        5.0,
+    )
+    assert timeline.exposed_communication_seconds == 5.0
+
+
+@pytest.mark.parametrize(
+    ("compute_each", "stall", "step"),
+    [(3.0, 0.0, 8.0), (2.5, 0.0, 7.0), (2.0, 1.0, 7.0), (0.5, 4.0, 7.0)],
+)
+def test_async_collective_stalls_only_for_what_compute_does_not_cover(compute_each, stall, step):
+    graph = split_async(_one_a2a_program())
+    roles = [(n.op.primitive, n.role) for n in graph.nodes]
+    assert roles[1:3] == [("all_to_all", Role.START), ("all_to_all", Role.DONE)]
+    seconds = fixed_seconds({0: 1.0, 1: 5.0, 3: compute_each, 4: compute_each, 5: 1.0})
+    # The two independent muls run between start and done.
+    timeline = simulate(graph, [0, 1, 3, 4, 2, 5], seconds)
+    timing = timeline.collectives[1]
+    assert (timing.issued, timing.began, timing.finished) == (1.0, 1.0, 6.0)
+    assert timing.stall == pytest.approx(stall)
+    assert timing.stall == pytest.approx(max(0.0, 5.0 - 2 * compute_each))
+    assert timeline.step_seconds == pytest.approx(step)
+    assert timeline.exposed_communication_seconds == pytest.approx(stall)
+    assert timeline.compute_seconds == pytest.approx(2.0 + 2 * compute_each)
+
+
+def test_async_collective_waited_at_once_is_as_slow_as_sync():
+    graph = split_async(_one_a2a_program())
+    seconds = fixed_seconds({0: 1.0, 1: 5.0, 3: 2.0, 4: 2.0, 5: 1.0})
+    timeline = simulate(graph, [0, 1, 2, 3, 4, 5], seconds)
+    assert timeline.collectives[1].stall == 5.0
+    assert timeline.step_seconds == 11.0
+
+
+def _two_a2a(x):
+    t1 = jax.lax.all_to_all(x * 2.0, "x", 0, 0, tiled=True)
+    t2 = jax.lax.all_to_all(x * 3.0, "x", 0, 0, tiled=True)
+    return t1 + t2
+
+
+def _two_a2a_program():
+    mesh = mesh_x()
+    return capture(
+        _two_a2a, sds(mesh, (64, 4), P("x")), mesh=mesh, in_specs=P("x"), out_specs=P("x")
+    )
+
+
+def test_communication_stream_serialises_collectives_started_together():
+    graph = split_async(_two_a2a_program())
+    kinds = [(n.op.primitive, n.role.value) for n in graph.nodes]
+    assert kinds == [
+        ("mul", "compute"), ("all_to_all", "start"), ("all_to_all", "done"),
+        ("mul", "compute"), ("all_to_all", "start"), ("all_to_all", "done"),
+        ("add", "compute"),
+    ]  # fmt: skip
+    seconds = fixed_seconds({0: 1.0, 3: 1.0, 1: 4.0, 4: 4.0, 6: 1.0})
+    timeline = simulate(graph, [0, 3, 1, 4, 2, 5, 6], seconds)
+    first, second = timeline.collectives[1], timeline.collectives[4]
+    assert (first.issued, first.began, first.finished, first.stall) == (2.0, 2.0, 6.0, 4.0)
+    # Issued at the same time, but the link is busy until the first one finishes.
+    assert (second.issued, second.began, second.finished, second.stall) == (2.0, 6.0, 10.0, 4.0)
+    assert timeline.step_seconds == 11.0
+    assert timeline.communication_seconds == 8.0
+    assert timeline.compute_seconds == 3.0
+    assert timeline.exposed_communication_seconds == 8.0
+
+
+def test_sync_collective_waits_for_the_link_then_for_its_transfer():
+    program = _two_a2a_program()
+    first_a2a = program.collectives()[0]
+    graph = Graph(program, split=lambda op: op is first_a2a)
+    kinds = [(n.op.primitive, n.role.value) for n in graph.nodes]
+    assert kinds == [
+        ("mul", "compute"), ("all_to_all", "start"), ("all_to_all", "done"),
+        ("mul", "compute"), ("all_to_all", "compute"), ("add", "compute"),
+    ]  # fmt: skip
+    seconds = fixed_seconds({0: 1.0, 1: 4.0, 3: 1.0, 4: 4.0, 5: 1.0})
+    timeline = simulate(graph, [0, 1, 3, 4, 2, 5], seconds)
+    async_timing, sync_timing = timeline.collectives[1], timeline.collectives[4]
+    assert (async_timing.began, async_timing.finished, async_timing.stall) == (1.0, 5.0, 0.0)
+    # Reached at 2, the link is free at 5, the transfer ends at 9: 7 lost.
+    assert (sync_timing.issued, sync_timing.began, sync_timing.finished) == (2.0, 5.0, 9.0)
+    assert sync_timing.stall == 7.0
+    assert timeline.step_seconds == 10.0

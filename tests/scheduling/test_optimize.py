@@ -1,0 +1,292 @@
+"""optimize end to end: bitwise equality, async StableHLO, report, sync fallback, policy checks."""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import scheduling
+from scheduling import jax_adapter
+from scheduling.capture import capture
+from scheduling.graph import Kind, Role
+from scheduling.policy import SchedulePolicy
+from tests.scheduling.toys import (
+    in_specs,
+    mesh_x,
+    out_specs,
+    reference,
+    toy_args,
+    toy_step_reg,
+)
+
+STEP = toy_step_reg  # three parameters, two layers, a regulariser
+IN_SPECS, OUT_SPECS = in_specs(reg=True), out_specs(reg=True)
+POLICY_NAMES = ["none", "async", "dw"]
+
+
+def _args():
+    return toy_args(reg=True)
+
+
+@functools.cache
+def _reference():
+    return reference(STEP, mesh_x(), IN_SPECS, OUT_SPECS)
+
+
+@functools.cache
+def _optimized(policy):
+    return scheduling.optimize(
+        STEP, *_args(), mesh=mesh_x(), in_specs=IN_SPECS, out_specs=OUT_SPECS, policy=policy
+    )
+
+
+@functools.cache
+def _program():
+    return capture(STEP, *_args(), mesh=mesh_x(), in_specs=IN_SPECS, out_specs=OUT_SPECS)
+
+
+def _assert_trees_equal(got, expected):
+    assert jax.tree.structure(got) == jax.tree.structure(expected)
+    for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(e))
+
+
+def _iterate(step, params, x, steps=3):
+    losses = []
+    for _ in range(steps):
+        params, loss = step(params, x)
+        losses.append(loss)
+    return params, losses
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_scheduled_step_is_bitwise_equal_to_shard_map(policy):
+    step, _ = _optimized(policy)
+    params, x = _args()
+    got = _iterate(step, params, x)
+    expected = _iterate(_reference(), params, x)
+    _assert_trees_equal(got, expected)
+    # The losses change from step to step: the parameters really were updated.
+    assert len({float(loss) for loss in got[1]}) == 3
+
+
+def test_donate_argnums_donates_the_parameters():
+    mesh = mesh_x()
+    params, x = _args()
+    step, _ = scheduling.optimize(
+        STEP,
+        params,
+        x,
+        mesh=mesh,
+        in_specs=IN_SPECS,
+        out_specs=OUT_SPECS,
+        policy="dw",
+        donate_argnums=(0,),
+    )
+    expected = _reference()(params, x)
+    donated = jax.tree.map(jnp.copy, params)
+    got = step(donated, x)
+    _assert_trees_equal(got, expected)
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(donated))
+    assert not x.is_deleted()
+
+
+def test_scheduled_step_checks_argument_structure():
+    step, _ = _optimized("none")
+    params, x = _args()
+    with pytest.raises(TypeError, match="structure"):
+        step(params[:2], x)
+
+
+def test_compile_ahead_of_time_matches():
+    step, _ = _optimized("async")
+    params, x = _args()
+    compiled = step.compile(params, x)
+    _assert_trees_equal(compiled(params, x), _reference()(params, x))
+
+
+@functools.cache
+def _stablehlo(policy):
+    step, _ = _optimized(policy)
+    return step.lower(*_args()).as_text()
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_stablehlo_has_one_async_pair_per_collective(policy):
+    text = _stablehlo(policy)
+    expected = 0 if policy == "none" else len(_program().collectives())
+    # 4 all_to_alls, 3 gradient psums and the loss psum.
+    assert expected in (0, 8)
+    assert text.count("stablehlo.async_start") == expected
+    assert text.count("stablehlo.async_done") == expected
+
+
+def test_stablehlo_of_dw_carries_scheduling_groups():
+    assert "_scheduling_group_id" in _stablehlo("dw")
+    assert "_scheduling_group_id" not in _stablehlo("none")
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_report_lists_every_collective_by_kind(policy):
+    _, report = _optimized(policy)
+    captured = Counter(op.primitive for op in _program().collectives())
+    assert Counter(c.kind for c in report.collectives) == captured
+    assert len(report.collectives) == sum(captured.values())
+    assert report.totals()["by_kind"] == dict(sorted(captured.items()))
+    assert report.policy == policy
+    assert report.ops == len(_program().ops)
+    assert all(c.is_async == (policy != "none") for c in report.collectives)
+    assert [c.index for c in report.collectives] == list(range(len(report.collectives)))
+    data = report.to_json()
+    assert json.loads(json.dumps(data)) == data
+    assert data["totals"]["collectives"] == len(report.collectives)
+    table = report.table()
+    for kind in captured:
+        assert kind in table
+    assert f"schedule '{policy}'" in table
+
+
+def test_report_of_dw_places_work_and_saves(tmp_path):
+    _, report = _optimized("dw")
+    graph, schedule = scheduling.plan(_program(), SchedulePolicy(name="dw"))
+    assert report.dw_ops == sum(kind is Kind.BACKWARD_DW for kind in graph.kinds) > 0
+    assert report.forced_placements == len(schedule.placement.forced)
+    assert report.withdrawn_placements == len(schedule.withdrawn)
+    assert report.dw_ops_placed == sum(len(c.placed_ops) for c in report.collectives)
+    assert report.dw_ops_placed > 0
+    placed_in = {c.kind for c in report.collectives if c.placed_ops}
+    assert placed_in == {"all_to_all"}
+    assert report.step_seconds <= report.baseline_step_seconds
+    path = tmp_path / "report.json"
+    report.save(path)
+    assert json.loads(path.read_text()) == json.loads(json.dumps(report.to_json()))
+
+
+def test_report_of_none_is_the_baseline():
+    _, report = _optimized("none")
+    assert report.step_seconds == pytest.approx(report.baseline_step_seconds)
+    assert report.overlap_seconds == pytest.approx(0.0, abs=1e-12)
+    assert report.dw_ops_placed == 0
+
+
+def test_plan_for_none_splits_nothing():
+    graph, schedule = scheduling.plan(_program(), SchedulePolicy(name="none"))
+    assert not [n for n in graph.nodes if n.role is not Role.COMPUTE]
+    assert schedule.order == list(range(len(graph.nodes)))
+
+
+@pytest.fixture
+def no_async(monkeypatch):
+    monkeypatch.setattr(jax_adapter, "async_collectives_available", lambda: False)
+    monkeypatch.setattr(jax_adapter, "_ASYNC_PRIMITIVES", {})
+
+
+def test_without_async_primitives_optimize_refuses_with_a_clear_message(no_async):
+    with pytest.raises(jax_adapter.AsyncCollectivesUnavailable) as error:
+        scheduling.optimize(STEP, *_args(), mesh=mesh_x(), in_specs=IN_SPECS, out_specs=OUT_SPECS)
+    message = str(error.value)
+    assert jax.__version__ in message
+    assert "fallback_to_sync" in message
+
+
+def test_without_async_primitives_fallback_to_sync_is_exact(no_async):
+    params, x = _args()
+    policy = SchedulePolicy(name="dw", fallback_to_sync=True)
+    step, report = scheduling.optimize(
+        STEP, params, x, mesh=mesh_x(), in_specs=IN_SPECS, out_specs=OUT_SPECS, policy=policy
+    )
+    _assert_trees_equal(_iterate(step, params, x), _iterate(_reference(), params, x))
+    text = step.lower(params, x).as_text()
+    assert "async_start" not in text
+    assert "async_done" not in text
+    assert len(report.collectives) == len(_program().collectives())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"name": "fast"}, "name"),
+        ({"profile": "tpu-v9"}, "profile"),
+        ({"max_live_bytes_growth": -0.5}, "max_live_bytes_growth"),
+    ],
+)
+def test_schedule_policy_validation_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SchedulePolicy(**kwargs)
+
+
+def test_optimize_rejects_an_unknown_policy_name():
+    with pytest.raises(ValueError, match="name"):
+        scheduling.optimize(
+            STEP, *_args(), mesh=mesh_x(), in_specs=IN_SPECS, out_specs=OUT_SPECS, policy="fast"
+        )
+
+
+def test_schedule_policy_profiles():
+    assert SchedulePolicy().device_profile is scheduling.policy.PROFILES["a100"]
+    custom = scheduling.policy.PROFILES["cpu"].with_link(1e9)
+    assert SchedulePolicy(profile=custom).device_profile is custom
+    assert set(scheduling.POLICIES) == set(POLICY_NAMES)
+
+
+def test_xla_gpu_flags():
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" in scheduling.xla_gpu_flags()
+
+
+def _control_flow_step(w, x):
+    def body(carry, row):
+        return carry + jax.lax.psum(row, "x"), None
+
+    total, _ = jax.lax.scan(body, jnp.zeros(x.shape[1]), x)
+    y = jax.lax.cond(total[0] > 0, lambda v: v * 2.0, lambda v: v - 1.0, x @ w.T)
+    return jax.lax.all_to_all(y, "x", 0, 0, tiled=True)
+
+
+def _collective_kinds_step(w, x):
+    return (
+        jax.lax.ppermute(x, "x", [(i, (i + 1) % 8) for i in range(8)]),
+        jax.lax.all_gather(x, "x", tiled=True),
+        jax.lax.psum_scatter(x, "x", scatter_dimension=0, tiled=True),
+        jax.lax.psum_scatter(w, "x", scatter_dimension=0, tiled=False),  # no async form
+        jax.lax.psum((w, 2.0 * w), "x"),
+    )
+
+
+@pytest.mark.parametrize(
+    ("step", "out_specs", "n_async", "not_understood"),
+    [
+        (_control_flow_step, P("x"), 1, ["cond@<top>", "scan@<top>"]),
+        (
+            _collective_kinds_step,
+            (P("x"), P(), P("x"), P("x"), (P(), P())),
+            5,
+            ["reduce_scatter@<top>"],
+        ),
+    ],
+    ids=["control_flow", "collective_kinds"],
+)
+def test_other_steps_are_exact_and_report_what_stays_in_place(
+    step, out_specs, n_async, not_understood
+):
+    mesh = mesh_x()
+    w = jax.device_put(jnp.eye(8, 4, dtype=jnp.float32), NamedSharding(mesh, P()))
+    x = jax.device_put(
+        jnp.linspace(-1.0, 1.0, 64 * 4, dtype=jnp.float32).reshape(64, 4),
+        NamedSharding(mesh, P("x")),
+    )
+    specs = (P(), P("x"))
+    scheduled, report = scheduling.optimize(
+        step, w, x, mesh=mesh, in_specs=specs, out_specs=out_specs, policy="dw"
+    )
+    _assert_trees_equal(scheduled(w, x), reference(step, mesh, specs, out_specs)(w, x))
+    assert scheduled.lower(w, x).as_text().count("stablehlo.async_start") == n_async
+    assert sum(c.is_async for c in report.collectives) == n_async
+    assert report.not_understood == not_understood
