@@ -61,11 +61,13 @@ def dispatch(x: jax.Array, plan: DispatchPlan, num_slots: int) -> jax.Array:
 
 
 def combine(expert_output: jax.Array, plan: DispatchPlan, weight: jax.Array) -> jax.Array:
-    """Weighted sum over each token's kept choices: ``[G, num_slots, d] -> [G, S, d]``."""
+    """Weighted sum over each token's kept choices: ``[G, num_slots, d] -> [G, S, d]``.
+
+    A dropped choice points one past the last slot, which gathers zeros.
+    """
 
     def gather_group(outputs: jax.Array, slot: jax.Array) -> jax.Array:
         return outputs.at[slot].get(mode="fill", fill_value=0)  # [S, k, d]
 
     gathered = jax.vmap(gather_group)(expert_output, plan.slot)
-    weight = jnp.where(plan.kept, weight, 0).astype(gathered.dtype)
-    return jnp.einsum("gskd,gsk->gsd", gathered, weight)
+    return jnp.einsum("gskd,gsk->gsd", gathered, weight.astype(gathered.dtype))

@@ -1,0 +1,247 @@
+"""Router: top-k choice, auxiliary losses, score functions and jitter, against hand-checked values.
+
+Every expected number is written out by hand or computed with plain numpy in the
+test, never with the function under test.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxmoe.layers.router import (
+    Router,
+    load_balancing_loss,
+    router_scores,
+    router_z_loss,
+    top_k_experts,
+)
+
+# Three tokens, three experts. Token 2 ties experts 0 and 1.
+SCORES = np.array(
+    [
+        [0.1, 0.6, 0.3],
+        [0.5, 0.2, 0.3],
+        [0.4, 0.4, 0.2],
+    ],
+    dtype=np.float32,
+)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_top_1_keeps_the_raw_score_and_breaks_ties_to_the_lower_expert(normalize):
+    weights, index = top_k_experts(jnp.asarray(SCORES), top_k=1, normalize=normalize)
+
+    assert index.dtype == jnp.int32
+    np.testing.assert_array_equal(index, [[1], [0], [0]])
+    np.testing.assert_allclose(weights, [[0.6], [0.5], [0.4]], rtol=0, atol=1e-7)
+
+
+def test_top_2_normalised_weights_sum_to_one():
+    weights, index = top_k_experts(jnp.asarray(SCORES), top_k=2, normalize=True)
+
+    np.testing.assert_array_equal(index, [[1, 2], [0, 2], [0, 1]])
+    expected = [[0.6 / 0.9, 0.3 / 0.9], [0.5 / 0.8, 0.3 / 0.8], [0.5, 0.5]]
+    np.testing.assert_allclose(weights, expected, rtol=1e-6)
+    np.testing.assert_allclose(np.sum(weights, axis=-1), 1.0, rtol=1e-6)
+
+
+def test_top_2_without_normalisation_keeps_raw_scores():
+    weights, index = top_k_experts(jnp.asarray(SCORES), top_k=2, normalize=False)
+
+    np.testing.assert_array_equal(index, [[1, 2], [0, 2], [0, 1]])
+    np.testing.assert_allclose(weights, [[0.6, 0.3], [0.5, 0.3], [0.4, 0.4]], atol=1e-7)
+
+
+def test_top_k_works_on_grouped_scores():
+    grouped = jnp.asarray(np.stack([SCORES, SCORES[::-1]]))  # [groups=2, tokens=3, experts=3]
+    weights, index = top_k_experts(grouped, top_k=1, normalize=True)
+
+    assert index.shape == (2, 3, 1)
+    np.testing.assert_array_equal(index[..., 0], [[1, 0, 0], [0, 0, 1]])
+    np.testing.assert_allclose(weights[..., 0], [[0.6, 0.5, 0.4], [0.4, 0.5, 0.6]], atol=1e-7)
+
+
+def test_load_balancing_loss_is_one_for_uniform_routing():
+    num_experts = 4
+    scores = jnp.full((1, 4, num_experts), 0.25)
+    expert_index = jnp.array([[[0], [1], [2], [3]]])
+
+    loss = load_balancing_loss(scores, expert_index, num_experts)
+
+    assert float(loss) == 1.0
+
+
+def test_load_balancing_loss_for_all_tokens_on_one_expert():
+    # Every token picks expert 0 with probability p: f = (1, 0, 0, 0), P = (p, ...), loss = E * p.
+    num_experts, p = 4, 0.7
+    row = [p] + [(1 - p) / (num_experts - 1)] * (num_experts - 1)
+    scores = jnp.asarray(np.tile(row, (1, 5, 1)), jnp.float32)
+    expert_index = jnp.zeros((1, 5, 1), jnp.int32)
+
+    loss = load_balancing_loss(scores, expert_index, num_experts)
+
+    np.testing.assert_allclose(loss, num_experts * p, rtol=1e-6)
+
+
+def test_load_balancing_loss_averages_over_groups():
+    num_experts, p = 4, 0.7
+    uniform = np.full((4, num_experts), 0.25)
+    concentrated = np.tile([p] + [(1 - p) / 3] * 3, (4, 1))
+    scores = jnp.asarray(np.stack([uniform, concentrated]), jnp.float32)
+    expert_index = jnp.array([[[0], [1], [2], [3]], [[0], [0], [0], [0]]])
+
+    loss = load_balancing_loss(scores, expert_index, num_experts)
+
+    np.testing.assert_allclose(loss, (1.0 + num_experts * p) / 2, rtol=1e-6)
+
+
+def test_load_balancing_loss_with_top_2_counts_fractions_of_assignments():
+    scores = np.array([[0.5, 0.3, 0.1, 0.1], [0.2, 0.2, 0.4, 0.2]], np.float32)
+    expert_index = np.array([[0, 1], [2, 0]])
+    # f_e: assignments to e over all 4 assignments; P_e: mean score of e.
+    fraction = np.bincount(expert_index.ravel(), minlength=4) / expert_index.size
+    mean_probability = scores.mean(axis=0)
+    expected = 4 * np.sum(fraction * mean_probability)
+
+    loss = load_balancing_loss(jnp.asarray(scores[None]), jnp.asarray(expert_index[None]), 4)
+
+    np.testing.assert_allclose(loss, expected, rtol=1e-6)
+    np.testing.assert_allclose(expected, 4 * (0.5 * 0.35 + 0.25 * 0.25 + 0.25 * 0.25))
+
+
+def test_load_balancing_loss_normalises_unnormalised_scores():
+    # Sigmoid scores need not sum to one; they are normalised per token first.
+    scores = jnp.full((1, 4, 4), 0.5)
+    expert_index = jnp.array([[[0], [1], [2], [3]]])
+
+    loss = load_balancing_loss(scores, expert_index, 4)
+
+    np.testing.assert_allclose(loss, 1.0, rtol=1e-6)
+
+
+def test_router_z_loss_is_mean_squared_logsumexp():
+    logits = np.array([[1.0, 2.0, 3.0], [0.0, 0.0, 0.0], [-1.0, 4.0, 0.5]], np.float32)
+    logsumexp = np.log(np.sum(np.exp(logits.astype(np.float64)), axis=-1))
+    expected = np.mean(logsumexp**2)
+    # Token 1 by hand: log(3)^2.
+    np.testing.assert_allclose(logsumexp[1] ** 2, np.log(3.0) ** 2)
+
+    np.testing.assert_allclose(router_z_loss(jnp.asarray(logits)), expected, rtol=1e-6)
+
+
+def test_router_scores_softmax_and_sigmoid():
+    logits = np.array([[0.0, 1.0, -2.0, 0.5]], np.float32)
+    exp = np.exp(logits.astype(np.float64))
+
+    softmax = router_scores(jnp.asarray(logits), "softmax")
+    sigmoid = router_scores(jnp.asarray(logits), "sigmoid")
+
+    np.testing.assert_allclose(softmax, exp / exp.sum(axis=-1, keepdims=True), rtol=1e-6)
+    np.testing.assert_allclose(np.sum(softmax), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(sigmoid, 1 / (1 + np.exp(-logits.astype(np.float64))), rtol=1e-6)
+    np.testing.assert_allclose(sigmoid[0, 0], 0.5)
+    assert not np.isclose(np.sum(sigmoid), 1.0)
+
+
+def test_router_scores_rejects_unknown_function():
+    with pytest.raises(ValueError, match="unknown score function"):
+        router_scores(jnp.zeros((1, 2)), "relu")
+
+
+# --- The Router module -----------------------------------------------------------------------
+
+D_MODEL, NUM_EXPERTS = 6, 4
+
+
+def make_router(jitter=0.0, top_k=2, score_function="softmax"):
+    return Router(
+        D_MODEL,
+        NUM_EXPERTS,
+        top_k=top_k,
+        score_function=score_function,
+        jitter=jitter,
+        rngs=nnx.Rngs(0),
+    )
+
+
+def router_input():
+    return jnp.asarray(np.random.default_rng(3).normal(size=(2, 5, D_MODEL)), jnp.float32)
+
+
+def assert_outputs_equal(a, b):
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_router_matches_numpy_on_its_own_kernel():
+    router = make_router(top_k=2)
+    x = np.asarray(router_input(), np.float64)
+    kernel = np.asarray(router.kernel[...], np.float64)
+    logits = x @ kernel
+    scores = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    index = np.argsort(-scores, axis=-1, kind="stable")[..., :2]
+    weights = np.take_along_axis(scores, index, axis=-1)
+    weights = weights / weights.sum(-1, keepdims=True)
+
+    out = router(jnp.asarray(x, jnp.float32))
+
+    np.testing.assert_array_equal(out.expert_index, index)
+    np.testing.assert_allclose(out.combine_weight, weights, rtol=1e-5)
+    np.testing.assert_allclose(out.z_loss, np.mean(np.log(np.exp(logits).sum(-1)) ** 2), rtol=1e-5)
+
+
+def test_router_without_jitter_ignores_the_key():
+    router = make_router(jitter=0.0)
+    x = router_input()
+
+    assert_outputs_equal(router(x), router(x, jax.random.key(7)))
+
+
+def test_router_with_jitter_but_no_key_is_deterministic_and_noise_free():
+    x = router_input()
+    noisy = make_router(jitter=0.5)
+    clean = make_router(jitter=0.0)
+
+    assert_outputs_equal(noisy(x), clean(x))
+
+
+def test_router_jitter_changes_logits_and_is_deterministic_per_key():
+    router = make_router(jitter=0.5)
+    x = router_input()
+    clean = router(x)
+
+    first = router(x, jax.random.key(11))
+    again = router(x, jax.random.key(11))
+    other = router(x, jax.random.key(12))
+
+    assert_outputs_equal(first, again)
+    # The z-loss and the scores are functions of the logits: both move with the noise.
+    assert float(first.z_loss) != float(clean.z_loss)
+    assert not np.allclose(first.combine_weight, clean.combine_weight)
+    assert not np.allclose(first.combine_weight, other.combine_weight)
+
+
+def test_router_jitter_is_multiplicative_input_noise_in_range():
+    # Noise is U(1 - jitter, 1 + jitter) on the input: logits stay within that band per input.
+    jitter = 0.1
+    router = make_router(jitter=jitter)
+    x = jnp.ones((1, 3, D_MODEL))  # positive input, so x * noise lies in [1 - j, 1 + j]
+    kernel = np.abs(np.asarray(router.kernel[...], np.float64))
+    router.kernel[...] = jnp.asarray(kernel, jnp.float32)  # positive kernel: logits are monotone
+    logits_low = (1 - jitter) * kernel.sum(0)
+    logits_high = (1 + jitter) * kernel.sum(0)
+    low = np.log(np.exp(logits_low).sum())
+    high = np.log(np.exp(logits_high).sum())
+
+    out = router(x, jax.random.key(5))
+
+    assert low**2 - 1e-5 <= float(out.z_loss) <= high**2 + 1e-5
+
+
+def test_router_jitter_scales_the_input_so_a_zero_input_stays_zero():
+    router = make_router(jitter=0.5)
+    x = jnp.zeros((1, 3, D_MODEL))
+
+    assert_outputs_equal(router(x, jax.random.key(5)), router(x))
