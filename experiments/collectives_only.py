@@ -8,7 +8,8 @@ The train step of the configuration is captured as its per-device program
 all-to-alls, gradient psums, metric reductions) is replayed with the same
 primitive, parameters, shapes and dtypes, in program order, on inputs that
 carry no data dependence on any computation. Each collective waits for the
-previous one (an optimization barrier), as in the step. Process 0 writes the
+previous one (an optimization barrier), as in the step, and every result is
+summed into the output so that none is dead code to XLA. Process 0 writes the
 median wall time of the whole sequence to ``--json``. The emulated cluster
 runs it with the same processes and links as the training run.
 """
@@ -65,13 +66,16 @@ def main(argv: list[str] | None = None) -> int:
     collectives = program.collectives()
 
     def per_device(seed: jax.Array) -> jax.Array:
-        previous = seed
+        previous, total = seed, jnp.float32(0)
         for op in collectives:
             (operand,) = op.inputs
             value = jnp.full(operand.aval.shape, seed, operand.aval.dtype)
+            # The barrier orders this collective after the previous one.
             value, _ = jax.lax.optimization_barrier((value, previous))
             (previous,) = bind_equation(op.eqn, [value])
-        return jnp.sum(previous).astype(jnp.float32)
+            # Every result reaches the output, or XLA would drop the collective as dead.
+            total = total + jnp.sum(previous).astype(jnp.float32)
+        return total
 
     run = jax.jit(
         jax.shard_map(
