@@ -202,6 +202,7 @@ def format_table(report: dict) -> str:
     )
     lines = [
         header,
+        "",
         "| schedule | step (ms) | compute-only (ms) | communication-only (ms) "
         "| exposed communication (ms) | exposed / communication | tokens/s |",
         "|---|---|---|---|---|---|---|",
@@ -215,7 +216,7 @@ def format_table(report: dict) -> str:
             f"| {row['tokens_per_s']:,.0f} |"
         )
     residual_ms = report["communication_only_free_link_s"] * 1e3
-    lines.append(f"(communication-only on the free link: {residual_ms:.1f} ms)")
+    lines += ["", f"(communication-only on the free link: {residual_ms:.1f} ms)"]
     return "\n".join(lines)
 
 
