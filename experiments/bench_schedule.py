@@ -28,12 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from jaxmoe.presets import preset
+    from jaxmoe.train.cli import ensure_host_devices
 
     config = preset(args.preset)
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        count = config.parallel.num_devices
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}"
+    ensure_host_devices(config.parallel.num_devices)
 
     import jax
 
