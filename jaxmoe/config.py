@@ -205,6 +205,8 @@ class TrainConfig:
     schedule: str = "none"
     # Device profile of the scheduler's cost model.
     schedule_profile: str = "a100"
+    # Collectives smaller than this stay synchronous (and combinable by XLA).
+    schedule_async_min_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "steps", "eval_every", "eval_batches"):
@@ -237,6 +239,11 @@ class TrainConfig:
         _require(
             self.schedule in SCHEDULES,
             f"train.schedule={self.schedule!r}: choose one of {', '.join(SCHEDULES)}",
+        )
+        _require(
+            isinstance(self.schedule_async_min_bytes, int) and self.schedule_async_min_bytes >= 0,
+            f"train.schedule_async_min_bytes={self.schedule_async_min_bytes!r}: must be an "
+            "integer >= 0",
         )
         _require(
             self.schedule_profile in SCHEDULE_PROFILES,

@@ -50,7 +50,7 @@ def plan(program: Program, policy: SchedulePolicy) -> tuple[Graph, Schedule]:
     if policy.name == "none":
         graph = Graph(program, split=lambda op: False)
         return graph, order(graph, Placement(), policy.max_live_bytes_growth)
-    graph = split_async(program)
+    graph = split_async(program, min_bytes=policy.async_min_bytes)
     seconds = _node_seconds(cost)
     placement = schedule_dw(graph, seconds) if policy.name == "dw" else Placement()
     return graph, order(graph, placement, policy.max_live_bytes_growth)

@@ -22,6 +22,10 @@ class SchedulePolicy:
     max_live_bytes_growth: float = 0.1
     # On a JAX without known async primitives: keep the order with sync collectives.
     fallback_to_sync: bool = False
+    # Collectives whose operand is smaller stay synchronous where they are. Each async
+    # pair is launched on its own, so splitting many small reductions forgoes XLA's
+    # combining of them into one; below latency x bandwidth they gain little overlap.
+    async_min_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.name not in POLICIES:
@@ -35,6 +39,8 @@ class SchedulePolicy:
             )
         if self.max_live_bytes_growth < 0:
             raise ValueError("SchedulePolicy.max_live_bytes_growth must be >= 0")
+        if self.async_min_bytes < 0:
+            raise ValueError("SchedulePolicy.async_min_bytes must be >= 0")
 
     @property
     def device_profile(self) -> DeviceProfile:

@@ -65,7 +65,9 @@ def plan_train_step(config: Config, mesh: Mesh) -> PlannedStep:
     if config.train.schedule == "none":
         return PlannedStep(sharded.jit(), example, None)
     policy = scheduling.SchedulePolicy(
-        name=config.train.schedule, profile=config.train.schedule_profile
+        name=config.train.schedule,
+        profile=config.train.schedule_profile,
+        async_min_bytes=config.train.schedule_async_min_bytes,
     )
     step, report = scheduling.optimize(
         sharded.per_device,

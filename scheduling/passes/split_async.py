@@ -16,8 +16,9 @@ def splittable(op: Op) -> bool:
     )
 
 
-def split_async(program: Program, kinds: Iterable[str] | None = None) -> Graph:
-    """The program's graph with every splittable collective (of ``kinds``) as a pair.
+def split_async(program: Program, kinds: Iterable[str] | None = None, min_bytes: int = 0) -> Graph:
+    """The program's graph with every splittable collective (of ``kinds``, with an operand
+    of at least ``min_bytes``) as a pair.
 
     Without async primitives in this JAX the plan still has the pairs; the emitter
     then either refuses or binds the synchronous collective (``fallback_to_sync``).
@@ -26,6 +27,8 @@ def split_async(program: Program, kinds: Iterable[str] | None = None) -> Graph:
 
     def split(op: Op) -> bool:
         if allowed is not None and op.primitive not in allowed:
+            return False
+        if sum(a.aval.size * a.aval.dtype.itemsize for a in op.inputs) < min_bytes:
             return False
         if not jax_adapter.async_collectives_available():
             return op.is_collective and len(op.inputs) == 1

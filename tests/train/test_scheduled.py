@@ -178,3 +178,30 @@ def test_train_with_schedule_saves_the_report(tmp_path):
     assert main(argv) == 0
     assert json.loads((out / "schedule_report.json").read_text())["policy"] == "dw"
     assert json.loads((out / "config.json").read_text())["train"]["schedule"] == "dw"
+
+
+def test_small_collectives_can_stay_synchronous_and_combined():
+    threshold = 4096
+    base = small(ParallelConfig(2, 4), MoEConfig(num_experts=8, top_k=2))
+    config = dataclasses.replace(
+        base,
+        train=dataclasses.replace(base.train, schedule="dw", schedule_async_min_bytes=threshold),
+    )
+    program, planned = _captured_program(config)
+    large = [
+        op
+        for op in program.collectives()
+        if op.inputs[0].aval.size * op.inputs[0].aval.dtype.itemsize >= threshold
+    ]
+    assert 0 < len(large) < len(program.collectives())
+    assert planned.stablehlo().count("stablehlo.async_start") == len(large)
+    assert sum(c.is_async for c in planned.report.collectives) == len(large)
+
+    def compiled_all_reduces(planned_step) -> int:
+        text = planned_step.step.lower(*planned_step.example).compile().as_text()
+        return text.count(" all-reduce(")
+
+    _, split_everything = _captured_program(with_schedule(base, "dw"))
+    # The small reductions left synchronous are merged by XLA's all-reduce combiner.
+    assert compiled_all_reduces(planned) < compiled_all_reduces(split_everything)
+    assert_bitwise_equal(run(config, steps=2), run(with_schedule(base, "none"), steps=2))
