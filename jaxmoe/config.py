@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +30,33 @@ class ConfigError(ValueError):
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
+
+
+def _matches(value: Any, annotation: Any) -> bool:
+    """Whether ``value`` has the field type ``annotation`` (int, float, str, bool, X | None)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_matches(value, option) for option in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return (
+            isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        )
+    return isinstance(value, annotation)
+
+
+def _check_types(section: str, instance: Any) -> None:
+    """Refuse a field whose value is not of its declared type (names the field)."""
+    hints = typing.get_type_hints(type(instance))
+    for item in dataclasses.fields(instance):
+        value, expected = getattr(instance, item.name), hints[item.name]
+        if not _matches(value, expected):
+            kind = getattr(expected, "__name__", str(expected))
+            raise ConfigError(f"{section}.{item.name}={value!r}: expected a finite {kind}")
 
 
 def _positive_int(section: str, name: str, value: Any) -> None:
@@ -60,6 +89,7 @@ class ModelConfig:
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
+        _check_types("model", self)
         for name in ("vocab_size", "d_model", "num_heads", "num_layers", "d_ff", "seq_len"):
             _positive_int("model", name, getattr(self, name))
         _positive_int("model", "moe_every", self.moe_every)
@@ -108,6 +138,7 @@ class MoEConfig:
     d_expert: int | None = None
 
     def __post_init__(self) -> None:
+        _check_types("moe", self)
         _positive_int("moe", "num_experts", self.num_experts)
         _positive_int("moe", "top_k", self.top_k)
         _require(
@@ -152,6 +183,7 @@ class ParallelConfig:
     expert: int = 8
 
     def __post_init__(self) -> None:
+        _check_types("parallel", self)
         _positive_int("parallel", "data", self.data)
         _positive_int("parallel", "expert", self.expert)
 
@@ -176,6 +208,7 @@ class DataConfig:
     max_bytes: int | None = 8_000_000
 
     def __post_init__(self) -> None:
+        _check_types("data", self)
         _require(
             isinstance(self.val_fraction, float | int) and 0 < self.val_fraction < 1,
             f"data.val_fraction={self.val_fraction!r}: must be in (0, 1)",
@@ -209,6 +242,7 @@ class TrainConfig:
     schedule_async_min_bytes: int = 0
 
     def __post_init__(self) -> None:
+        _check_types("train", self)
         for name in ("batch_size", "steps", "eval_every", "eval_batches"):
             _positive_int("train", name, getattr(self, name))
         _require(
@@ -316,7 +350,15 @@ class Config:
         built = {}
         for name in sections:
             section_type = type(getattr(defaults, name))
-            built[name] = section_type(**values.get(name, {}))
+            given = values.get(name, {})
+            known = {item.name for item in dataclasses.fields(section_type)}
+            unknown_fields = sorted(set(given) - known)
+            _require(
+                not unknown_fields,
+                f"unknown fields {', '.join(f'{name}.{f}' for f in unknown_fields)}: "
+                f"{name} has {', '.join(sorted(known))}",
+            )
+            built[name] = section_type(**given)
         return cls(**built)
 
 

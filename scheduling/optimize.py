@@ -13,6 +13,7 @@ from scheduling.emit import ScheduledStep, emit
 from scheduling.graph import Graph, Kind, Node, Role
 from scheduling.passes import Placement, order, schedule_dw, split_async
 from scheduling.passes.order import Schedule
+from scheduling.passes.split_async import splittable
 from scheduling.policy import SchedulePolicy
 from scheduling.report import CollectiveReport, ScheduleReport
 from scheduling.simulate import simulate
@@ -98,13 +99,16 @@ def build_report(
                 overlap_seconds=max(0.0, duration - timing.stall),
             )
         )
+
+    def where(node: Node) -> str:
+        return f"{node.op.primitive}@{node.op.layer or '<top>'}"
+
+    synchronous = [n for n in graph.nodes if n.op.is_collective and n.role is Role.COMPUTE]
     not_understood = sorted(
-        {
-            f"{n.op.primitive}@{n.op.layer or '<top>'}"
-            for n in graph.nodes
-            if n.op.is_opaque or (n.op.is_collective and n.role is Role.COMPUTE)
-        }
+        {where(n) for n in graph.nodes if n.op.is_opaque}
+        | {where(n) for n in synchronous if not splittable(n.op)}
     )
+    kept_synchronous = sorted(where(n) for n in synchronous if splittable(n.op))
     placed_total = sum(len(nodes) for nodes in schedule.placement.windows.values())
     return ScheduleReport(
         policy=policy.name,
@@ -121,5 +125,8 @@ def build_report(
         withdrawn_placements=len(schedule.withdrawn),
         peak_live_bytes=schedule.peak_live_bytes,
         baseline_peak_live_bytes=schedule.baseline_peak_live_bytes,
+        live_bytes_bound_exceeded=schedule.live_bytes_bound_exceeded,
+        exposed_communication_seconds=timeline.exposed_communication_seconds,
         not_understood=not_understood,
+        kept_synchronous=kept_synchronous,
     )

@@ -20,7 +20,10 @@ class CollectiveReport:
     is_async: bool
     placed_ops: list[str]  # "primitive@layer" of the dW work placed in its window
     placed_seconds: float
-    overlap_seconds: float  # of estimated_seconds, how much runs behind computation
+    # Of estimated_seconds, how much the compute stream did not wait for (duration minus
+    # the stall at its done, at least 0; a stall can include waiting behind another
+    # collective on the link).
+    overlap_seconds: float
 
 
 @dataclass
@@ -36,18 +39,18 @@ class ScheduleReport:
     dw_ops: int  # backward ops that qualify as dW for some backward all-to-all
     dw_ops_placed: int
     forced_placements: int
-    withdrawn_placements: int  # undone to keep within the live-bytes bound
+    withdrawn_placements: int  # undone: cycles between windows, then the live-bytes bound
     peak_live_bytes: int
     baseline_peak_live_bytes: int
-    not_understood: list[str] = field(default_factory=list)  # ops left where they were
+    live_bytes_bound_exceeded: bool  # by early starts alone (nothing left to withdraw)
+    # Time the compute stream waits for communication (the simulated timeline's stalls).
+    exposed_communication_seconds: float
+    not_understood: list[str] = field(default_factory=list)  # opaque ops, collectives w/o async
+    kept_synchronous: list[str] = field(default_factory=list)  # by policy (kinds, min bytes)
 
     @property
     def overlap_seconds(self) -> float:
-        return sum(c.overlap_seconds for c in self.collectives)
-
-    @property
-    def exposed_communication_seconds(self) -> float:
-        return self.communication_seconds - self.overlap_seconds
+        return self.communication_seconds - self.exposed_communication_seconds
 
     def totals(self) -> dict[str, Any]:
         kinds = Counter(c.kind for c in self.collectives)
@@ -101,10 +104,13 @@ class ScheduleReport:
             f"{t['baseline_step_seconds'] * 1e6:.1f} us), "
             f"compute {t['compute_seconds'] * 1e6:.1f} us",
             f"dW ops placed {self.dw_ops_placed} of {self.dw_ops} (forced "
-            f"{self.forced_placements}, withdrawn for memory {self.withdrawn_placements}); "
+            f"{self.forced_placements}, withdrawn {self.withdrawn_placements}); "
             f"peak live {self.peak_live_bytes / 2**20:.1f} MiB "
-            f"(was {self.baseline_peak_live_bytes / 2**20:.1f})",
+            f"(was {self.baseline_peak_live_bytes / 2**20:.1f})"
+            + (", over the bound by early starts alone" if self.live_bytes_bound_exceeded else ""),
         ]
+        if self.kept_synchronous:
+            lines.append(f"kept synchronous by policy: {len(self.kept_synchronous)} collectives")
         if self.not_understood:
             lines.append(f"left in place (not understood): {', '.join(self.not_understood)}")
         return "\n".join(lines)

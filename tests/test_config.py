@@ -88,3 +88,23 @@ def test_capacity_and_moe_layers():
     assert capacity_per_expert(64, 2, None, 8) == 64
     assert ModelConfig(num_layers=6, moe_every=2).moe_layers == (1, 3, 5)
     assert Config().group_size == Config().model.seq_len
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: TrainConfig(adam_b1="0.9"), "train.adam_b1='0.9': expected a finite float"),
+        (lambda: TrainConfig(learning_rate=float("inf")), "train.learning_rate=inf"),
+        (lambda: TrainConfig(grad_clip_norm="1"), "train.grad_clip_norm='1'"),
+        (lambda: ModelConfig(d_model=64.0), "model.d_model=64.0: expected a finite int"),
+        (lambda: MoEConfig(normalize_top_k=1), "moe.normalize_top_k=1: expected a finite bool"),
+        (
+            lambda: Config.from_dict({"model": {"widht": 3}}),
+            "unknown fields model.widht: model has d_ff, d_model",
+        ),
+    ],
+)
+def test_values_of_the_wrong_type_are_refused_with_the_field_named(build, message):
+    with pytest.raises(ConfigError) as error:
+        build()
+    assert message in str(error.value)

@@ -209,6 +209,8 @@ def _schedule(config: Config, args: argparse.Namespace) -> int:
 def _launch(args: argparse.Namespace) -> int:
     from jaxmoe.train.launch import launch
 
+    if args.num_processes < 1:
+        raise ConfigError(f"-n {args.num_processes}: launch at least one process")
     command_args = args.command_args[1:] if args.command_args[:1] == ["--"] else args.command_args
     if not command_args or command_args[0] != "train":
         raise ConfigError("usage: jaxmoe launch -n N -- train [ARGS]")

@@ -104,9 +104,16 @@ class BatchSampler:
 def put_on_mesh(sampler: BatchSampler, step: int, mesh: Mesh) -> jax.Array:
     """The global batch of ``step`` as one array sharded over the token axes.
 
-    Each process builds only the rows that its own devices hold.
+    Each process builds only the rows that its own devices hold, whatever the order
+    of the mesh's devices.
     """
     sharding = NamedSharding(mesh, token_spec())
-    per_process = sampler.global_batch // jax.process_count()
-    local = sampler.rows(step, jax.process_index() * per_process, per_process)
-    return jax.make_array_from_process_local_data(sharding, local)
+    shape = (sampler.global_batch, sampler.seq_len + 1)
+
+    def rows_of(index: tuple[slice, ...]) -> np.ndarray:
+        rows = index[0]
+        first = rows.start or 0
+        stop = sampler.global_batch if rows.stop is None else rows.stop
+        return sampler.rows(step, first, stop - first)
+
+    return jax.make_array_from_callback(shape, sharding, rows_of)

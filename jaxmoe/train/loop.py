@@ -55,7 +55,7 @@ def train(
     planned = plan_train_step(config, mesh)
     # Compiled ahead so that the first step's time is a step, not a compilation.
     train_step = planned.compile()
-    eval_step = build_eval_step(config, mesh).jit()
+    eval_step = build_eval_step(config, mesh).jit().lower(state.params, first_batch).compile()
 
     log = RunLog(out_dir, config)
     if planned.report is not None:

@@ -20,14 +20,26 @@ def learning_rate_schedule(train: TrainConfig) -> optax.Schedule:
         init_value=train.learning_rate / max(1, train.warmup_steps),
         peak_value=train.learning_rate,
         warmup_steps=train.warmup_steps,
-        decay_steps=max(train.steps, train.warmup_steps + 1),
+        # The schedule counts from 0; the last step run is steps - 1.
+        decay_steps=max(train.steps - 1, train.warmup_steps + 1),
         end_value=train.learning_rate * train.min_lr_ratio,
     )
 
 
+def _is_bias_or_scale(name: str) -> bool:
+    return name in ("bias", "scale") or name.startswith("b_")
+
+
 def _decay_mask(params):
-    """Decay matrices (kernels, embeddings, expert weights); not biases or norm scales."""
-    return jax.tree.map(lambda p: p.ndim >= 2, params)
+    """Decay weight matrices (kernels, embeddings, expert weights); not biases or norm
+    scales, which are known by name (``bias``, ``scale``, ``b_*``): an expert bias has a
+    leading expert axis, so rank alone would not tell."""
+
+    def decayed(path, leaf) -> bool:
+        name = str(getattr(path[-1], "key", path[-1]))
+        return leaf.ndim >= 2 and not _is_bias_or_scale(name)
+
+    return jax.tree_util.tree_map_with_path(decayed, params)
 
 
 def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:

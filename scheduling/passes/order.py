@@ -21,6 +21,7 @@ until it fits.
 
 from __future__ import annotations
 
+import copy
 import heapq
 from dataclasses import dataclass
 
@@ -37,7 +38,9 @@ class Schedule:
     placement: Placement
     peak_live_bytes: int
     baseline_peak_live_bytes: int
-    withdrawn: list[int]  # placements undone to respect the live-bytes bound
+    withdrawn: list[int]  # placements undone: cycles, then the live-bytes bound
+    # Early starts alone can exceed the bound; nothing is withdrawn for them, but it is said.
+    live_bytes_bound_exceeded: bool = False
 
 
 def _keys(graph: Graph, placement: Placement) -> list[float]:
@@ -68,8 +71,20 @@ def _keys(graph: Graph, placement: Placement) -> list[float]:
     return keys
 
 
+class CyclicPlacement(Exception):
+    """The window edges close a cycle; ``placed`` are the placed nodes caught in it."""
+
+    def __init__(self, placed: list[int]):
+        super().__init__(f"placements {placed} close a cycle")
+        self.placed = placed
+
+
 def topological_order(graph: Graph, placement: Placement) -> list[int]:
-    """Ready node with the smallest key first; window edges keep placed nodes inside."""
+    """Ready node with the smallest key first; window edges keep placed nodes inside.
+
+    Raises :class:`CyclicPlacement` when the window edges make the graph cyclic (two
+    windows each holding work that the other's collective needs).
+    """
     preds = [set(p) for p in graph.preds]
     for start, nodes in placement.windows.items():
         done = graph.nodes[start].partner
@@ -93,7 +108,10 @@ def topological_order(graph: Graph, placement: Placement) -> list[int]:
             if waiting[succ] == 0:
                 heapq.heappush(ready, (keys[succ], succ))
     if len(result) != len(graph.nodes):
-        raise AssertionError("the window edges made the graph cyclic")
+        stuck = set(range(len(graph.nodes))) - set(result)
+        raise CyclicPlacement(
+            sorted(n for nodes in placement.windows.values() for n in nodes if n in stuck)
+        )
     return result
 
 
@@ -105,9 +123,11 @@ def peak_live_bytes(graph: Graph, order: list[int]) -> int:
     for node in graph.nodes:
         at = position[node.id]
         if node.role is not Role.DONE:  # a start or a compute node reads the operands
+            # An async collective holds its operand until it is done.
+            used_until = position[node.partner] if node.role is Role.START else at
             for atom in node.op.inputs:
                 if isinstance(atom, Value):
-                    last_use[atom] = max(last_use.get(atom, 0), at)
+                    last_use[atom] = max(last_use.get(atom, 0), used_until)
         if node.role is Role.START:
             continue  # the collective's result is recorded with its done
         # An async collective's result buffer exists from its start.
@@ -131,19 +151,40 @@ def peak_live_bytes(graph: Graph, order: list[int]) -> int:
 
 
 def order(graph: Graph, placement: Placement, max_live_bytes_growth: float = 0.1) -> Schedule:
-    """A topological order honouring ``placement`` within the live-bytes bound."""
+    """A topological order honouring ``placement`` (a copy is kept) within the bound.
+
+    Placements that close a cycle are withdrawn first (the last placed of those caught
+    in it, one at a time), then, while the peak is over the bound, the largest outputs.
+    """
+    placement = copy.deepcopy(placement)
     baseline = peak_live_bytes(graph, list(range(len(graph.nodes))))
     limit = baseline * (1 + max_live_bytes_growth)
     withdrawn: list[int] = []
     while True:
-        result = topological_order(graph, placement)
+        try:
+            result = topological_order(graph, placement)
+        except CyclicPlacement as cycle:
+            last = max(cycle.placed, key=_placement_rank(placement))
+            placement.remove(last)
+            withdrawn.append(last)
+            continue
         peak = peak_live_bytes(graph, result)
         placed = [n for nodes in placement.windows.values() for n in nodes]
         if peak <= limit or not placed:
-            return Schedule(result, placement, peak, baseline, withdrawn)
+            return Schedule(result, placement, peak, baseline, withdrawn, peak > limit)
         largest = max(placed, key=lambda n: (_output_bytes(graph, n), n))
         placement.remove(largest)
         withdrawn.append(largest)
+
+
+def _placement_rank(placement: Placement):
+    """Key ordering placed nodes by when they were placed (window order, then rank)."""
+    rank = {
+        node: (window, position)
+        for window, (_, nodes) in enumerate(placement.windows.items())
+        for position, node in enumerate(nodes)
+    }
+    return rank.__getitem__
 
 
 def _value_bytes(value: Value) -> int:

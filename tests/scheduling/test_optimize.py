@@ -22,6 +22,7 @@ from tests.scheduling.toys import (
     in_specs,
     mesh_x,
     out_specs,
+    put,
     reference,
     toy_args,
     toy_step_reg,
@@ -290,3 +291,49 @@ def test_other_steps_are_exact_and_report_what_stays_in_place(
     assert scheduled.lower(w, x).as_text().count("stablehlo.async_start") == n_async
     assert sum(c.is_async for c in report.collectives) == n_async
     assert report.not_understood == not_understood
+
+
+def _two_branch_step(params, x, y):
+    """Two independent all-to-all branches: each backward window could take work that the
+    other window's all-to-all needs, which would close a cycle."""
+
+    def exchange(v):
+        return jax.lax.all_to_all(v, "x", 0, 0, tiled=True)
+
+    def loss(params):
+        w1, w2 = params
+        return jnp.sum(exchange(x @ w1) ** 2) + jnp.sum(exchange(y @ w2) ** 2)
+
+    value, grads = jax.value_and_grad(loss)(params)
+    grads = jax.tree.map(lambda g: jax.lax.psum(g, "x"), grads)
+    return jax.tree.map(lambda p, g: p - 0.01 * g, params, grads), jax.lax.psum(value, "x")
+
+
+def test_placements_that_would_close_a_cycle_are_withdrawn():
+    mesh = mesh_x()
+    rng = np.random.default_rng(0)
+    specs = ((P(), P()), P("x"), P("x"))
+    params = tuple(put(mesh, rng.normal(size=(16, 16)).astype(np.float32), P()) for _ in "ab")
+    x, y = (put(mesh, rng.normal(size=(64, 16)).astype(np.float32), P("x")) for _ in "xy")
+    policy = SchedulePolicy(name="dw", max_live_bytes_growth=10.0)
+    step, report = scheduling.optimize(
+        _two_branch_step,
+        params,
+        x,
+        y,
+        mesh=mesh,
+        in_specs=specs,
+        out_specs=((P(), P()), P()),
+        policy=policy,
+    )
+    assert report.withdrawn_placements >= 1
+    reference = jax.jit(
+        jax.shard_map(
+            _two_branch_step,
+            mesh=mesh,
+            in_specs=specs,
+            out_specs=((P(), P()), P()),
+            check_vma=False,
+        )
+    )
+    jax.tree.map(np.testing.assert_array_equal, step(params, x, y), reference(params, x, y))

@@ -378,3 +378,31 @@ def test_live_bytes_bound_withdraws_placements():
     assert tight.peak_live_bytes == peak_live_bytes(graph, tight.order)
     assert not set(tight.withdrawn) & set(tight.placement.window_of())
     _check_order(graph, tight)
+
+
+def test_an_async_operand_stays_live_until_the_collective_is_done():
+    def step(x):
+        operand = x * 2.0  # read by the all-to-all only
+        exchanged = jax.lax.all_to_all(operand, "x", 0, 0, tiled=True)
+        return exchanged, x * 3.0  # independent work that can run in the window
+
+    mesh = mesh_x()
+    program = capture(
+        step, sds(mesh, (64, 4), P("x")), mesh=mesh, in_specs=P("x"), out_specs=(P("x"), P("x"))
+    )
+    graph = split_async(program)
+    roles = [node.role for node in graph.nodes]
+    assert roles == [Role.COMPUTE, Role.START, Role.DONE, Role.COMPUTE]
+    buffer = 8 * 4 * 4  # one per-device [8, 4] float32 value
+    # x, the operand still in flight, the exchanged result and x * 3 all at once.
+    assert peak_live_bytes(graph, [0, 1, 3, 2]) == 4 * buffer
+
+
+def test_order_does_not_change_the_callers_placement():
+    graph = split_async(toy_program())
+    windows = {start.id: 100.0 for start in graph.backward_all_to_alls()}
+    placement = schedule_dw(graph, fixed_seconds(windows, default=1.0))
+    assert any(placement.windows.values())
+    before = {start: list(nodes) for start, nodes in placement.windows.items()}
+    order(graph, placement, max_live_bytes_growth=0.0)
+    assert placement.windows == before

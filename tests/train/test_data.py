@@ -74,3 +74,14 @@ def test_batch_lands_sharded_over_the_token_axes():
     shard_rows = {shard.device: shard.data.shape[0] for shard in batch.addressable_shards}
     assert set(shard_rows.values()) == {2} and len(shard_rows) == 8
     np.testing.assert_array_equal(np.asarray(batch), sampler.rows(0))
+
+
+def test_rows_follow_the_mesh_whatever_its_device_order():
+    devices = jax.devices()
+    interleaved = devices[::2] + devices[1::2]
+    mesh = build_mesh(ParallelConfig(data=2, expert=4), interleaved)
+    sampler = BatchSampler(np.arange(10_000, dtype=np.uint16), seq_len=8, global_batch=16, seed=1)
+    batch = put_on_mesh(sampler, 3, mesh)
+    np.testing.assert_array_equal(np.asarray(batch), sampler.rows(3))
+    for shard in batch.addressable_shards:
+        np.testing.assert_array_equal(shard.data, sampler.rows(3)[shard.index])

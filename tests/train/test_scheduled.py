@@ -196,6 +196,9 @@ def test_small_collectives_can_stay_synchronous_and_combined():
     assert 0 < len(large) < len(program.collectives())
     assert planned.stablehlo().count("stablehlo.async_start") == len(large)
     assert sum(c.is_async for c in planned.report.collectives) == len(large)
+    small_ones = len(program.collectives()) - len(large)
+    assert len(planned.report.kept_synchronous) == small_ones
+    assert planned.report.not_understood == []
 
     def compiled_all_reduces(planned_step) -> int:
         text = planned_step.step.lower(*planned_step.example).compile().as_text()
