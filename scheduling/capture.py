@@ -9,6 +9,11 @@ equation that carries a sub-program stays one opaque op: the scheduler moves
 it as a whole and never looks inside (a collective inside it stays
 synchronous; the report lists such ops).
 
+Remat bodies are inlined like the others, so that the collectives in them are
+visible; the ``optimization_barrier`` that JAX's remat lowering puts around a
+recomputation is not re-emitted, and XLA may then reuse forward values in
+place of the recomputation (less recomputation, more memory).
+
 Each op keeps where it came from: the layer (its name stack with the AD
 transforms stripped, e.g. ``layer_3/moe``) and the phase. AD writes the
 phase into the name stack: ``jvp(...)`` is the forward pass and

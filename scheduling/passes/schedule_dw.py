@@ -9,6 +9,8 @@ one opens, or was placed earlier in this window.
 
 1. Forced: candidates whose last possible window is this one go in first,
    with the not-yet-placed candidates they depend on.
+   Forcing ignores the window's capacity: the last backward all-to-all can take far
+   more work than it hides (the report shows placed time against window time).
 2. Greedy best fit: repeatedly take the candidate whose estimated time is
    closest to the remaining time. Stop when the remaining time is <= 0, when
    no candidate is left, or when the best candidate is over twice the
