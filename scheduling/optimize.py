@@ -17,6 +17,7 @@ from scheduling.passes.split_async import splittable
 from scheduling.policy import SchedulePolicy
 from scheduling.report import CollectiveReport, ScheduleReport
 from scheduling.simulate import simulate
+from scheduling.trace import chrome_trace
 
 
 def optimize(
@@ -129,4 +130,5 @@ def build_report(
         exposed_communication_seconds=timeline.exposed_communication_seconds,
         not_understood=not_understood,
         kept_synchronous=kept_synchronous,
+        trace=chrome_trace(graph, timeline, name=f"schedule {policy.name}"),
     )

@@ -47,6 +47,8 @@ class ScheduleReport:
     exposed_communication_seconds: float
     not_understood: list[str] = field(default_factory=list)  # opaque ops, collectives w/o async
     kept_synchronous: list[str] = field(default_factory=list)  # by policy (kinds, min bytes)
+    # The simulated timeline as a Chrome trace (see scheduling.trace); not part of to_json.
+    trace: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def overlap_seconds(self) -> float:
@@ -70,11 +72,16 @@ class ScheduleReport:
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
+        del data["trace"]
         data["totals"] = self.totals()
         return data
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+    def save_trace(self, path: str | Path) -> None:
+        """The simulated timeline, for https://ui.perfetto.dev or chrome://tracing."""
+        Path(path).write_text(json.dumps(self.trace) + "\n")
 
     def table(self, max_rows: int | None = None) -> str:
         """A readable table: one row per collective, then the totals."""

@@ -24,12 +24,24 @@ class CollectiveTiming:
     stall: float  # compute-stream time lost waiting for it
 
 
+@dataclass(frozen=True)
+class Event:
+    """One interval on a stream: a node running, or the compute stream waiting."""
+
+    node: int
+    stream: str  # "compute" or "communication"
+    start: float
+    seconds: float
+    waiting: bool = False  # the compute stream stalled on this collective
+
+
 @dataclass
 class Timeline:
     step_seconds: float
     compute_seconds: float
     communication_seconds: float
     collectives: dict[int, CollectiveTiming] = field(default_factory=dict)
+    events: list[Event] = field(default_factory=list)
 
     @property
     def exposed_communication_seconds(self) -> float:
@@ -40,29 +52,36 @@ def simulate(graph: Graph, order: list[int], seconds: Callable[[Node], float]) -
     compute_clock = link_free = 0.0
     compute_total = communication_total = 0.0
     timings: dict[int, CollectiveTiming] = {}
+    events: list[Event] = []
+
+    def transfer(node_id: int, duration: float) -> float:
+        nonlocal link_free, communication_total
+        began = max(compute_clock, link_free)
+        link_free = began + duration
+        communication_total += duration
+        events.append(Event(node_id, "communication", began, duration))
+        return began
+
     for node_id in order:
         node = graph.nodes[node_id]
         if node.role is Role.START:
-            duration = seconds(node)
-            began = max(compute_clock, link_free)
-            link_free = began + duration
-            communication_total += duration
+            began = transfer(node_id, seconds(node))
             timings[node_id] = CollectiveTiming(node_id, compute_clock, began, link_free, 0.0)
         elif node.role is Role.DONE:
             timing = timings[node.partner]
             timing.stall = max(0.0, timing.finished - compute_clock)
+            if timing.stall > 0:
+                events.append(Event(node.partner, "compute", compute_clock, timing.stall, True))
             compute_clock += timing.stall
-        elif node.is_collective:  # synchronous collective
-            duration = seconds(node)
-            began = max(compute_clock, link_free)
-            link_free = began + duration
-            communication_total += duration
-            timings[node_id] = CollectiveTiming(
-                node_id, compute_clock, began, link_free, link_free - compute_clock
-            )
+        elif node.is_collective:  # synchronous: the compute stream waits for all of it
+            began = transfer(node_id, seconds(node))
+            stall = link_free - compute_clock
+            timings[node_id] = CollectiveTiming(node_id, compute_clock, began, link_free, stall)
+            events.append(Event(node_id, "compute", compute_clock, stall, True))
             compute_clock = link_free
         else:
             duration = seconds(node)
+            events.append(Event(node_id, "compute", compute_clock, duration))
             compute_clock += duration
             compute_total += duration
-    return Timeline(compute_clock, compute_total, communication_total, timings)
+    return Timeline(compute_clock, compute_total, communication_total, timings, events)

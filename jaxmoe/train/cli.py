@@ -201,8 +201,9 @@ def _schedule(config: Config, args: argparse.Namespace) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         planned.report.save(out / "schedule_report.json")
+        planned.report.save_trace(out / "schedule_timeline.json")
         (out / "step.stablehlo.txt").write_text(planned.stablehlo())
-        print(f"wrote {out / 'schedule_report.json'} and {out / 'step.stablehlo.txt'}")
+        print(f"wrote schedule_report.json, schedule_timeline.json and step.stablehlo.txt to {out}")
     return 0
 
 

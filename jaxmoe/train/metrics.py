@@ -43,9 +43,11 @@ class RunLog:
         self._metrics = (self.out_dir / "metrics.jsonl").open("w")
 
     def write_schedule_report(self, report: Any) -> None:
-        """``schedule_report.json``: what the scheduling layer did to the step."""
+        """``schedule_report.json``: what the scheduling layer did to the step, and
+        ``schedule_timeline.json``: its simulated timeline (open in Perfetto's UI)."""
         if self.active:
             report.save(self.out_dir / "schedule_report.json")
+            report.save_trace(self.out_dir / "schedule_timeline.json")
 
     def write(self, row: dict[str, Any]) -> None:
         if self._metrics is not None:

@@ -169,6 +169,8 @@ def test_schedule_command_writes_report_and_stablehlo(tmp_path, capsys):
     report = json.loads((out / "schedule_report.json").read_text())
     assert report["policy"] == "dw" and report["totals"]["by_kind"]["all_to_all"] == 4
     assert "stablehlo.async_start" in (out / "step.stablehlo.txt").read_text()
+    trace = json.loads((out / "schedule_timeline.json").read_text())
+    assert {e["tid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1}
 
 
 def test_train_with_schedule_saves_the_report(tmp_path):

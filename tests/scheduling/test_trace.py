@@ -1,0 +1,58 @@
+"""The simulated timeline exported as a Chrome trace agrees with the simulation."""
+
+import itertools
+import json
+
+import pytest
+
+from scheduling.cost import PROFILES, CostModel
+from scheduling.graph import Graph
+from scheduling.optimize import _node_seconds
+from scheduling.passes import Placement, order, schedule_dw, split_async
+from scheduling.simulate import simulate
+from scheduling.trace import chrome_trace
+from tests.scheduling.toys import toy_program
+
+
+def _timeline(policy: str):
+    program = toy_program()
+    seconds = _node_seconds(CostModel(PROFILES["cpu"], dict(program.mesh.shape)))
+    if policy == "none":
+        graph = Graph(program, split=lambda op: False)
+        return graph, simulate(graph, list(range(len(graph.nodes))), seconds)
+    graph = split_async(program)
+    schedule = order(graph, schedule_dw(graph, seconds) if policy == "dw" else Placement())
+    return graph, simulate(graph, schedule.order, seconds)
+
+
+def _intervals(trace, tid):
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == tid]
+    return sorted(spans, key=lambda e: e["ts"])
+
+
+@pytest.mark.parametrize("policy", ["none", "async", "dw"])
+def test_trace_tracks_match_the_simulated_timeline(policy):
+    graph, timeline = _timeline(policy)
+    trace = json.loads(json.dumps(chrome_trace(graph, timeline)))
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert names == {"compute", "communication"}
+    for tid in (0, 1):
+        spans = _intervals(trace, tid)
+        for earlier, later in itertools.pairwise(spans):
+            assert earlier["ts"] + earlier["dur"] <= later["ts"] + 1e-6  # one thing at a time
+    compute = _intervals(trace, 0)
+    busy = sum(e["dur"] for e in compute if e["cat"] != "wait")
+    waits = sum(e["dur"] for e in compute if e["cat"] == "wait")
+    assert busy == pytest.approx(timeline.compute_seconds * 1e6)
+    assert waits == pytest.approx(timeline.exposed_communication_seconds * 1e6)
+    communication = sum(e["dur"] for e in _intervals(trace, 1))
+    assert communication == pytest.approx(timeline.communication_seconds * 1e6)
+    assert max(e["ts"] + e["dur"] for e in compute) == pytest.approx(timeline.step_seconds * 1e6)
+
+
+def test_synchronous_collectives_are_waits_on_the_compute_stream():
+    graph, timeline = _timeline("none")
+    trace = chrome_trace(graph, timeline)
+    waits = [e for e in _intervals(trace, 0) if e["cat"] == "wait"]
+    assert waits and all(e["name"].startswith("wait ") for e in waits)
+    assert sum(e["dur"] for e in waits) == pytest.approx(timeline.communication_seconds * 1e6)
