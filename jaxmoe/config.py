@@ -20,6 +20,7 @@ DTYPES = ("float32", "bfloat16")
 # import JAX; a test checks that the two agree).
 SCHEDULES = ("none", "async", "dw")
 SCHEDULE_PROFILES = ("a100", "v100", "cpu")
+OP_COSTS = ("analytic", "measured")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 
@@ -240,6 +241,8 @@ class TrainConfig:
     schedule_profile: str = "a100"
     # Collectives smaller than this stay synchronous (and combinable by XLA).
     schedule_async_min_bytes: int = 0
+    # Op costs for the scheduler: analytic (the profile) or measured on this backend.
+    schedule_op_costs: str = "analytic"
 
     def __post_init__(self) -> None:
         _check_types("train", self)
@@ -278,6 +281,11 @@ class TrainConfig:
             isinstance(self.schedule_async_min_bytes, int) and self.schedule_async_min_bytes >= 0,
             f"train.schedule_async_min_bytes={self.schedule_async_min_bytes!r}: must be an "
             "integer >= 0",
+        )
+        _require(
+            self.schedule_op_costs in OP_COSTS,
+            f"train.schedule_op_costs={self.schedule_op_costs!r}: choose one of "
+            f"{', '.join(OP_COSTS)}",
         )
         _require(
             self.schedule_profile in SCHEDULE_PROFILES,

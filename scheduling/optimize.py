@@ -15,6 +15,7 @@ from scheduling.passes import Placement, order, schedule_dw, split_async
 from scheduling.passes.order import Schedule
 from scheduling.passes.split_async import splittable
 from scheduling.policy import SchedulePolicy
+from scheduling.profiling import OpProfiler, ProfiledCostModel
 from scheduling.report import CollectiveReport, ScheduleReport
 from scheduling.simulate import simulate
 from scheduling.trace import chrome_trace
@@ -38,17 +39,30 @@ def optimize(
     """
     policy = SchedulePolicy(name=policy) if isinstance(policy, str) else policy
     program = capture(step_fn, *example_args, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
-    graph, schedule = plan(program, policy)
-    cost = CostModel(policy.device_profile, dict(mesh.shape))
+    cost = cost_model(policy, mesh)
+    graph, schedule = plan(program, policy, cost)
     step = emit(
         graph, schedule, donate_argnums=donate_argnums, fallback_to_sync=policy.fallback_to_sync
     )
-    return step, build_report(graph, schedule, cost, policy)
+    report = build_report(graph, schedule, cost, policy)
+    if isinstance(cost, ProfiledCostModel):
+        cost.profiler.save()
+    return step, report
 
 
-def plan(program: Program, policy: SchedulePolicy) -> tuple[Graph, Schedule]:
+def cost_model(policy: SchedulePolicy, mesh: Mesh) -> CostModel:
+    """The policy's cost model: analytic, or measured on this backend."""
+    if policy.op_costs == "measured":
+        profiler = OpProfiler(policy.op_cost_cache)
+        return ProfiledCostModel(policy.device_profile, dict(mesh.shape), profiler)
+    return CostModel(policy.device_profile, dict(mesh.shape))
+
+
+def plan(
+    program: Program, policy: SchedulePolicy, cost: CostModel | None = None
+) -> tuple[Graph, Schedule]:
     """The graph and the schedule that ``policy`` makes of ``program``."""
-    cost = CostModel(policy.device_profile, dict(program.mesh.shape))
+    cost = cost_model(policy, program.mesh) if cost is None else cost
     if policy.name == "none":
         graph = Graph(program, split=lambda op: False)
         return graph, order(graph, Placement(), policy.max_live_bytes_growth)
@@ -113,7 +127,7 @@ def build_report(
     placed_total = sum(len(nodes) for nodes in schedule.placement.windows.values())
     return ScheduleReport(
         policy=policy.name,
-        profile=cost.profile.name,
+        profile=cost.profile.name + (", measured ops" if policy.op_costs == "measured" else ""),
         collectives=collectives,
         ops=len(graph.program.ops),
         compute_seconds=timeline.compute_seconds,

@@ -26,6 +26,10 @@ class SchedulePolicy:
     # pair is launched on its own, so splitting many small reductions forgoes XLA's
     # combining of them into one; below latency x bandwidth they gain little overlap.
     async_min_bytes: int = 0
+    # "analytic": FLOPs and bytes over the profile. "measured": each distinct op timed
+    # on this backend (scheduling.profiling), cached under op_cost_cache when given.
+    op_costs: str = "analytic"
+    op_cost_cache: str | None = None
 
     def __post_init__(self) -> None:
         if self.name not in POLICIES:
@@ -41,6 +45,10 @@ class SchedulePolicy:
             raise ValueError("SchedulePolicy.max_live_bytes_growth must be >= 0")
         if self.async_min_bytes < 0:
             raise ValueError("SchedulePolicy.async_min_bytes must be >= 0")
+        if self.op_costs not in ("analytic", "measured"):
+            raise ValueError(
+                f"SchedulePolicy.op_costs={self.op_costs!r}: choose 'analytic' or 'measured'"
+            )
 
     @property
     def device_profile(self) -> DeviceProfile:

@@ -35,6 +35,9 @@ from jaxmoe.presets import PRESETS, preset
         (lambda: TrainConfig(batch_size=0), "train.batch_size=0"),
         (lambda: TrainConfig(learning_rate=0.0), "train.learning_rate=0.0: must be > 0"),
         (lambda: TrainConfig(grad_clip_norm=0.0), "train.grad_clip_norm=0.0"),
+        (lambda: TrainConfig(schedule="fast"), "train.schedule='fast': choose one of none"),
+        (lambda: TrainConfig(schedule_op_costs="guessed"), "train.schedule_op_costs='guessed'"),
+        (lambda: TrainConfig(schedule_async_min_bytes=-1), "train.schedule_async_min_bytes=-1"),
         (lambda: DataConfig(val_fraction=1.0), "data.val_fraction=1.0"),
         (
             lambda: Config(moe=MoEConfig(num_experts=6), parallel=ParallelConfig(expert=4)),

@@ -7,8 +7,10 @@ returns an equivalent step and a report of what it overlapped.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -19,6 +21,12 @@ from jaxmoe.config import Config
 from jaxmoe.parallel.mesh import token_spec
 from jaxmoe.train.state import TrainState, abstract_train_state, state_specs
 from jaxmoe.train.step import build_train_step
+
+
+def op_cost_cache() -> Path:
+    """Where measured op costs are kept between runs: ``$XDG_CACHE_HOME/jaxmoe``."""
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "jaxmoe"
 
 
 def abstract_step_args(config: Config, mesh: Mesh) -> tuple[TrainState, jax.ShapeDtypeStruct]:
@@ -68,6 +76,8 @@ def plan_train_step(config: Config, mesh: Mesh) -> PlannedStep:
         name=config.train.schedule,
         profile=config.train.schedule_profile,
         async_min_bytes=config.train.schedule_async_min_bytes,
+        op_costs=config.train.schedule_op_costs,
+        op_cost_cache=str(op_cost_cache()),
     )
     step, report = scheduling.optimize(
         sharded.per_device,
