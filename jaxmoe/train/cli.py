@@ -16,6 +16,7 @@ import sys
 import types
 import typing
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from jaxmoe.config import SCHEDULES, Config, ConfigError
@@ -111,7 +112,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "schedule", help="schedule the train step without training, for inspection"
     )
     _add_config_arguments(schedule)
-    schedule.add_argument("--out", help="directory for schedule_report.json and step.stablehlo.txt")
+    schedule.add_argument(
+        "--out",
+        help="directory for schedule_report.json, schedule_timeline.json and step.stablehlo.txt",
+    )
     return parser
 
 
@@ -188,8 +192,6 @@ def _train(config: Config, args: argparse.Namespace) -> int:
 
 
 def _schedule(config: Config, args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from jaxmoe.parallel.mesh import build_mesh
     from jaxmoe.train.scheduled import plan_train_step
 
