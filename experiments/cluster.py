@@ -88,6 +88,16 @@ class Cluster:
         self.run(f"train-{schedule}", args)
         return _median_step(out, warmup)
 
+    def sweep(self, config, args: argparse.Namespace, out: Path) -> None:
+        source = (
+            f"emulated cluster: {args.hosts} hosts x {args.devices_per_host} devices, "
+            f"{args.link_mbit:g} Mbit/s, {args.delay_ms:g} ms"
+        )
+        command = ["--parallel-data", str(config.parallel.data)]
+        command += ["--parallel-expert", str(config.parallel.expert)]
+        command += ["--out", str(out), "--source", source]
+        self.run("collective-sweep", command, module="experiments.collective_sweep")
+
     def collectives_only(self, config_path: Path, repeats: int) -> float:
         out = self.workdir / f"{self.name}-collectives.json"
         args = ["--config", str(config_path), "--json", str(out), "--repeats", str(repeats)]
@@ -112,6 +122,11 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     )
     parser.add_argument("--repeats", type=int, default=10, help="collectives-only repeats")
     parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument(
+        "--sweep",
+        type=Path,
+        help="also sweep collective sizes on the shaped link and write the fitted curves here",
+    )
     return parser.parse_known_args(argv)
 
 
@@ -159,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                 results[f"collectives_{name}"] = {
                     "seconds": cluster.collectives_only(config_path, args.repeats)
                 }
+                if name == "shaped" and args.sweep is not None:
+                    cluster.sweep(config, args, args.sweep.resolve())
 
     rows = [
         ScheduleResult(

@@ -243,6 +243,8 @@ class TrainConfig:
     schedule_async_min_bytes: int = 0
     # Op costs for the scheduler: analytic (the profile) or measured on this backend.
     schedule_op_costs: str = "analytic"
+    # Measured collective curves (experiments.collective_sweep) instead of the profile's link.
+    schedule_link_curves: str | None = None
 
     def __post_init__(self) -> None:
         _check_types("train", self)

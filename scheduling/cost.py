@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from scheduling.capture import Op
+from scheduling.link_model import CollectiveCurves
 
 # Ops that only relabel or view memory.
 FREE_PRIMITIVES = frozenset(
@@ -127,11 +128,21 @@ def collective_wire_bytes(op: Op, axis_sizes: dict[str, int]) -> float:
 
 
 class CostModel:
-    """Estimated seconds of ops and collectives on one device profile."""
+    """Estimated seconds of ops and collectives on one device profile.
 
-    def __init__(self, profile: DeviceProfile, axis_sizes: dict[str, int]):
+    With ``curves`` (measured, see ``scheduling.link_model``), a collective whose kind
+    and group size they cover costs what its curve gives for its operand bytes.
+    """
+
+    def __init__(
+        self,
+        profile: DeviceProfile,
+        axis_sizes: dict[str, int],
+        curves: CollectiveCurves | None = None,
+    ):
         self.profile = profile
         self.axis_sizes = dict(axis_sizes)
+        self.curves = curves
 
     def compute_seconds(self, op: Op) -> float:
         if op.primitive in FREE_PRIMITIVES:
@@ -146,6 +157,12 @@ class CostModel:
         wire = collective_wire_bytes(op, self.axis_sizes)
         if wire == 0:
             return 0.0
+        if self.curves is not None:
+            operand = sum(_bytes(a.aval) for a in op.inputs)
+            group = _group_size(op, self.axis_sizes)
+            measured = self.curves.seconds(op.primitive, group, operand)
+            if measured is not None:
+                return measured
         return self.profile.link_latency_s + wire / self.profile.link_bytes_per_s
 
     def seconds(self, op: Op) -> float:

@@ -11,6 +11,7 @@ from scheduling.capture import Program, capture
 from scheduling.cost import CostModel, collective_wire_bytes
 from scheduling.emit import ScheduledStep, emit
 from scheduling.graph import Graph, Kind, Node, Role
+from scheduling.link_model import CollectiveCurves
 from scheduling.passes import Placement, order, schedule_dw, split_async
 from scheduling.passes.order import Schedule
 from scheduling.passes.split_async import splittable
@@ -51,11 +52,14 @@ def optimize(
 
 
 def cost_model(policy: SchedulePolicy, mesh: Mesh) -> CostModel:
-    """The policy's cost model: analytic, or measured on this backend."""
+    """The policy's cost model: analytic or measured ops; profile or measured links."""
+    curves = None
+    if policy.collective_curves is not None:
+        curves = CollectiveCurves.load(policy.collective_curves)
     if policy.op_costs == "measured":
         profiler = OpProfiler(policy.op_cost_cache)
-        return ProfiledCostModel(policy.device_profile, dict(mesh.shape), profiler)
-    return CostModel(policy.device_profile, dict(mesh.shape))
+        return ProfiledCostModel(policy.device_profile, dict(mesh.shape), profiler, curves)
+    return CostModel(policy.device_profile, dict(mesh.shape), curves)
 
 
 def plan(

@@ -30,6 +30,9 @@ class SchedulePolicy:
     # on this backend (scheduling.profiling), cached under op_cost_cache when given.
     op_costs: str = "analytic"
     op_cost_cache: str | None = None
+    # A CollectiveCurves file (scheduling.link_model): measured collective costs, used
+    # for the collectives it covers instead of the profile's link figures.
+    collective_curves: str | None = None
 
     def __post_init__(self) -> None:
         if self.name not in POLICIES:

@@ -29,6 +29,7 @@ import numpy as np
 from scheduling import jax_adapter
 from scheduling.capture import Op
 from scheduling.cost import CostModel, DeviceProfile
+from scheduling.link_model import CollectiveCurves
 
 # Parameters that name mesh axes: such ops only run inside the whole-mesh shard_map.
 _AXIS_PARAMETERS = ("axis_name", "axes")
@@ -119,8 +120,14 @@ class OpProfiler:
 class ProfiledCostModel(CostModel):
     """Measured compute costs where an op runs alone; the analytic model elsewhere."""
 
-    def __init__(self, profile: DeviceProfile, axis_sizes: dict[str, int], profiler: OpProfiler):
-        super().__init__(profile, axis_sizes)
+    def __init__(
+        self,
+        profile: DeviceProfile,
+        axis_sizes: dict[str, int],
+        profiler: OpProfiler,
+        curves: CollectiveCurves | None = None,
+    ):
+        super().__init__(profile, axis_sizes, curves)
         self.profiler = profiler
 
     def compute_seconds(self, op: Op) -> float:

@@ -78,6 +78,7 @@ def plan_train_step(config: Config, mesh: Mesh) -> PlannedStep:
         async_min_bytes=config.train.schedule_async_min_bytes,
         op_costs=config.train.schedule_op_costs,
         op_cost_cache=str(op_cost_cache()),
+        collective_curves=config.train.schedule_link_curves,
     )
     step, report = scheduling.optimize(
         sharded.per_device,

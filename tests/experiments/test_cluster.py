@@ -46,3 +46,39 @@ def test_table_reports_exposed_communication():
     table = cluster.format_table(report)
     assert "| none | 500.0 | 400.0 | 200.0 | 100.0 | 0.50 | 1,000 |" in table
     assert "free link: 50.0 ms" in table
+
+
+def test_collective_sweep_writes_curves_the_scheduler_loads(tmp_path):
+    import subprocess
+    import sys
+
+    from jaxmoe.train.launch import child_environment
+    from scheduling.link_model import CollectiveCurves
+
+    out = tmp_path / "curves.json"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "experiments.collective_sweep",
+            "--parallel-data",
+            "2",
+            "--parallel-expert",
+            "4",
+            "--out",
+            str(out),
+            "--max-bytes",
+            "65536",
+            "--repeats",
+            "2",
+        ],
+        env=child_environment(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    curves = CollectiveCurves.load(out)
+    assert set(curves.curves) == {("all_to_all", 4), ("psum", 2), ("psum", 4), ("psum", 8)}
+    for curve in curves.curves.values():
+        assert len(curve.sizes) == 3 and all(s > 0 for s in curve.seconds)
