@@ -40,9 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     from jaxmoe.train.scheduled import abstract_step_args
     from jaxmoe.train.step import build_train_step
     from scheduling.capture import capture
-    from scheduling.cost import CostModel
     from scheduling.emit import emit
-    from scheduling.optimize import build_report, plan
+    from scheduling.optimize import build_report, cost_model, plan
 
     mesh = build_mesh(config.parallel)
     sharded = build_train_step(config, mesh)
@@ -60,12 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     timings["capture"] = time.perf_counter() - started
     started = time.perf_counter()
-    graph, schedule = plan(program, policy)
+    cost = cost_model(policy, mesh)
+    graph, schedule = plan(program, policy, cost)
     timings["plan (split, dW, order)"] = time.perf_counter() - started
     started = time.perf_counter()
-    report = build_report(
-        graph, schedule, CostModel(policy.device_profile, dict(mesh.shape)), policy
-    )
+    report = build_report(graph, schedule, cost, policy)
     timings["report (simulation)"] = time.perf_counter() - started
     started = time.perf_counter()
     step = emit(graph, schedule, donate_argnums=sharded.donate_argnums)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 
@@ -44,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
     import jax.numpy as jnp
-    from jax.sharding import PartitionSpec
 
+    from experiments.timing import time_per_device
     from jaxmoe.parallel.mesh import DATA_AXIS, EXPERT_AXIS, build_mesh
     from scheduling.link_model import CollectiveCurves, PiecewiseLinear
 
@@ -60,23 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         def per_device(seed):
             return collective(jnp.full((elements,), seed, jnp.float32))
 
-        run = jax.jit(
-            jax.shard_map(
-                per_device,
-                mesh=mesh,
-                in_specs=PartitionSpec(),
-                out_specs=PartitionSpec(),
-                check_vma=False,
-            )
-        )
-        seed = jnp.float32(1.0)
-        jax.block_until_ready(run(seed))
-        seconds = []
-        for _ in range(args.repeats):
-            started = time.perf_counter()
-            jax.block_until_ready(run(seed))
-            seconds.append(time.perf_counter() - started)
-        return seconds
+        return time_per_device(per_device, mesh, warmup=1, repeats=args.repeats)
 
     cases: list[tuple[str, tuple[str, ...]]] = [("all_to_all", (EXPERT_AXIS,))]
     cases += [("psum", axes) for axes in ((DATA_AXIS,), (EXPERT_AXIS,), (DATA_AXIS, EXPERT_AXIS))]

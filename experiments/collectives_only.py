@@ -20,7 +20,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 
@@ -46,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
     import jax.numpy as jnp
-    from jax.sharding import PartitionSpec
 
+    from experiments.timing import time_per_device
     from jaxmoe.parallel.mesh import build_mesh
     from jaxmoe.train.scheduled import abstract_step_args
     from jaxmoe.train.step import build_train_step
@@ -77,22 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             total = total + jnp.sum(previous).astype(jnp.float32)
         return total
 
-    run = jax.jit(
-        jax.shard_map(
-            per_device,
-            mesh=mesh,
-            in_specs=PartitionSpec(),
-            out_specs=PartitionSpec(),
-            check_vma=False,
-        )
-    )
-    seed = jnp.float32(1.0)
-    seconds = []
-    for index in range(args.warmup + args.repeats):
-        started = time.perf_counter()
-        jax.block_until_ready(run(seed))
-        if index >= args.warmup:
-            seconds.append(time.perf_counter() - started)
+    seconds = time_per_device(per_device, mesh, warmup=args.warmup, repeats=args.repeats)
     if jax.process_index() == 0:
         args.json.write_text(
             json.dumps(

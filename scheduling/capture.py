@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -92,6 +93,12 @@ class Constant:
 
 
 Atom = Value | Constant
+
+
+def aval_bytes(aval: Any) -> int:
+    """Size in bytes of a value of type ``aval`` (0 for tokens and other non-arrays)."""
+    dtype = getattr(aval, "dtype", None)
+    return 0 if dtype is None else math.prod(aval.shape) * dtype.itemsize
 
 
 @dataclass(eq=False)

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from scheduling.capture import Op
+from scheduling.capture import Op, aval_bytes
 from scheduling.link_model import CollectiveCurves
 
 # Ops that only relabel or view memory.
@@ -72,11 +72,6 @@ def _size(aval: Any) -> int:
     return math.prod(getattr(aval, "shape", ()))
 
 
-def _bytes(aval: Any) -> int:
-    dtype = getattr(aval, "dtype", None)
-    return _size(aval) * (dtype.itemsize if dtype is not None else 0)
-
-
 def op_flops(op: Op) -> float:
     """Floating-point operations of one (non-collective) op."""
     name = op.primitive
@@ -97,7 +92,7 @@ def op_bytes(op: Op) -> int:
     """Bytes an op reads and writes."""
     if op.primitive in FREE_PRIMITIVES:
         return 0
-    return sum(_bytes(a.aval) for a in op.inputs) + sum(_bytes(v.aval) for v in op.outputs)
+    return sum(aval_bytes(a.aval) for a in op.inputs) + sum(aval_bytes(v.aval) for v in op.outputs)
 
 
 def _group_size(op: Op, axis_sizes: dict[str, int]) -> int:
@@ -112,8 +107,8 @@ def collective_wire_bytes(op: Op, axis_sizes: dict[str, int]) -> float:
     n = _group_size(op, axis_sizes)
     if n <= 1:
         return 0.0
-    operand = sum(_bytes(a.aval) for a in op.inputs)
-    result = sum(_bytes(v.aval) for v in op.outputs)
+    operand = sum(aval_bytes(a.aval) for a in op.inputs)
+    result = sum(aval_bytes(v.aval) for v in op.outputs)
     share = (n - 1) / n
     return {
         "all_to_all": operand * share,
@@ -158,7 +153,7 @@ class CostModel:
         if wire == 0:
             return 0.0
         if self.curves is not None:
-            operand = sum(_bytes(a.aval) for a in op.inputs)
+            operand = sum(aval_bytes(a.aval) for a in op.inputs)
             group = _group_size(op, self.axis_sizes)
             measured = self.curves.seconds(op.primitive, group, operand)
             if measured is not None:

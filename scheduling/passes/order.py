@@ -25,7 +25,7 @@ import copy
 import heapq
 from dataclasses import dataclass
 
-from scheduling.capture import Value
+from scheduling.capture import Value, aval_bytes
 from scheduling.graph import Graph, Role
 from scheduling.passes.schedule_dw import Placement
 
@@ -140,7 +140,7 @@ def peak_live_bytes(graph: Graph, order: list[int]) -> int:
             last_use[atom] = end
     delta = [0] * (end + 2)
     for value, start in born.items():
-        size = _value_bytes(value)
+        size = aval_bytes(value.aval)
         delta[start] += size
         delta[last_use.get(value, start) + 1] -= size
     peak = live = 0
@@ -187,10 +187,5 @@ def _placement_rank(placement: Placement):
     return rank.__getitem__
 
 
-def _value_bytes(value: Value) -> int:
-    dtype = getattr(value.aval, "dtype", None)
-    return 0 if dtype is None else value.aval.size * dtype.itemsize
-
-
 def _output_bytes(graph: Graph, node: int) -> int:
-    return sum(_value_bytes(v) for v in graph.nodes[node].op.outputs)
+    return sum(aval_bytes(v.aval) for v in graph.nodes[node].op.outputs)

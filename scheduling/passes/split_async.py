@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from scheduling import jax_adapter
-from scheduling.capture import Op, Program
+from scheduling.capture import Op, Program, aval_bytes
 from scheduling.graph import Graph
 
 
@@ -28,7 +28,7 @@ def split_async(program: Program, kinds: Iterable[str] | None = None, min_bytes:
     def split(op: Op) -> bool:
         if allowed is not None and op.primitive not in allowed:
             return False
-        if sum(a.aval.size * a.aval.dtype.itemsize for a in op.inputs) < min_bytes:
+        if sum(aval_bytes(a.aval) for a in op.inputs) < min_bytes:
             return False
         if not jax_adapter.async_collectives_available():
             return op.is_collective and len(op.inputs) == 1

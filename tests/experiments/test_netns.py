@@ -79,6 +79,16 @@ CLIENT = textwrap.dedent(
 )
 
 
+def _stop(process: subprocess.Popen[str]) -> None:
+    """Kill ``process`` if it still runs, and close its pipes."""
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+    for stream in (process.stdout, process.stderr):
+        if stream is not None:
+            stream.close()
+
+
 def _read_line(process: subprocess.Popen[str], timeout: float) -> str:
     """One stdout line of ``process``, failing the test if none comes within ``timeout``."""
     assert process.stdout is not None
@@ -103,12 +113,7 @@ def _server(net: EmulatedNetwork, host: int, mode: str) -> Iterator[int]:
         yield int(_read_line(process, STEP_TIMEOUT_S))
         process.wait(timeout=STEP_TIMEOUT_S)
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        for stream in (process.stdout, process.stderr):
-            if stream is not None:
-                stream.close()
+        _stop(process)
 
 
 def _client(net: EmulatedNetwork, host: int, *args: str) -> str:
@@ -292,12 +297,7 @@ def test_signal_tears_the_network_down_before_the_process_exits(signum: int) -> 
         assert process.returncode == -signum
         _assert_removed(names, config_dirs)
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-        for stream in (process.stdout, process.stderr):
-            if stream is not None:
-                stream.close()
+        _stop(process)
         _force_remove(names, config_dirs)
 
 
