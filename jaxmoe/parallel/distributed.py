@@ -6,13 +6,22 @@ one (SLURM, Open MPI, ...; ``--distributed auto``). On CPU the processes use
 gloo collectives. The mesh then spans every process's devices; each process
 builds only its own rows of a batch; process 0 alone writes files.
 
-Failure behaviour. The coordination service declares a process dead when its
-heartbeats stop for ``heartbeat_timeout_s``; every surviving process then
-aborts (exit status 134) with the JAX runtime's message "Terminating process
-because the JAX distributed service detected fatal errors. This most likely
-indicates that another task died". As a second bound, a step that hangs for
-longer than the step timeout (see ``jaxmoe.train.watchdog``) ends the process
-with :data:`PEER_FAILURE_EXIT_CODE` and :data:`PEER_FAILURE_MESSAGE`.
+Failure behaviour. When a process dies, every survivor exits non-zero, in
+one of three ways (:data:`PEER_FAILURE_SIGNS`), whichever comes first:
+
+- a collective was moving data to or from the dead process: its connection
+  breaks and gloo aborts at once ("gloo::EnforceNotMet ... Received data size
+  doesn't match expected size ... collective mismatch": misleading wording for
+  a dead peer);
+- the coordination service misses its heartbeats for ``heartbeat_timeout_s``:
+  the JAX runtime aborts with "Terminating process because the JAX distributed
+  service detected fatal errors. This most likely indicates that another task
+  died";
+- a step hangs for longer than the step timeout (``jaxmoe.train.watchdog``):
+  exit status :data:`PEER_FAILURE_EXIT_CODE` with :data:`PEER_FAILURE_MESSAGE`.
+
+The first two abort inside C++ (status 134), where Python cannot intercept
+them. ``jaxmoe launch`` always adds its own line naming the failed process.
 """
 
 from __future__ import annotations
@@ -28,6 +37,12 @@ PEER_FAILURE_EXIT_CODE = 3
 PEER_FAILURE_MESSAGE = (
     "jaxmoe: step {step} did not finish within {timeout:.0f} s; "
     "a peer process has probably failed, stopping"
+)
+# What a survivor prints when a peer died (see the module docstring), one per way.
+PEER_FAILURE_SIGNS = (
+    "gloo::EnforceNotMet",
+    "another task died",
+    "a peer process has probably failed",
 )
 # Environment variables through which JAX detects a cluster launcher.
 _CLUSTER_ENVIRONMENT = ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
