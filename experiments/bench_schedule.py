@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxmoe.train.step import build_train_step
     from scheduling.capture import capture
     from scheduling.emit import emit
-    from scheduling.optimize import build_report, cost_model, plan
+    from scheduling.optimize import batch_inputs, build_report, cost_model, plan
 
     mesh = build_mesh(config.parallel)
     sharded = build_train_step(config, mesh)
@@ -60,13 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     timings["capture"] = time.perf_counter() - started
     started = time.perf_counter()
     cost = cost_model(policy, mesh)
-    graph, schedule = plan(program, policy, cost)
-    timings["plan (split, dW, order)"] = time.perf_counter() - started
+    planned = plan(program, policy, cost, batch_inputs(program, sharded.batch_argnums))
+    timings["plan (partition, split, dW, order)"] = time.perf_counter() - started
     started = time.perf_counter()
-    report = build_report(graph, schedule, cost, policy)
+    report = build_report(planned, cost, policy, program)
     timings["report (simulation)"] = time.perf_counter() - started
     started = time.perf_counter()
-    step = emit(graph, schedule, donate_argnums=sharded.donate_argnums)
+    step = emit(planned.graph, planned.schedule, donate_argnums=sharded.donate_argnums)
     step.lower(*example).as_text()
     timings["emit + lower to StableHLO"] = time.perf_counter() - started
     total = sum(timings.values())

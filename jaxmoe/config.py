@@ -18,7 +18,7 @@ from typing import Any
 DTYPES = ("float32", "bfloat16")
 # The policies of scheduling.SchedulePolicy (kept here so that reading a config does not
 # import JAX; a test checks that the two agree).
-SCHEDULES = ("none", "async", "dw")
+SCHEDULES = ("none", "async", "dw", "partition", "lancet")
 SCHEDULE_PROFILES = ("a100", "v100", "cpu")
 OP_COSTS = ("analytic", "measured")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -235,7 +235,8 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 50
     eval_batches: int = 4
-    # How the scheduling layer rewrites the step: none (plain jit), async, dw.
+    # How the scheduling layer rewrites the step: none (plain jit), async, dw,
+    # partition (forward ranges chunked and pipelined), lancet (partition + dw).
     schedule: str = "none"
     # Device profile of the scheduler's cost model.
     schedule_profile: str = "a100"
@@ -245,6 +246,10 @@ class TrainConfig:
     schedule_op_costs: str = "analytic"
     # Measured collective curves (experiments.collective_sweep) instead of the profile's link.
     schedule_link_curves: str | None = None
+    # partition/lancet: chunk count to use (0: the search picks from 2..8), and whether to
+    # partition every range that can be, even where the estimate does not improve.
+    schedule_partition_chunks: int = 0
+    schedule_partition_always: bool = False
 
     def __post_init__(self) -> None:
         _check_types("train", self)
@@ -283,6 +288,11 @@ class TrainConfig:
             isinstance(self.schedule_async_min_bytes, int) and self.schedule_async_min_bytes >= 0,
             f"train.schedule_async_min_bytes={self.schedule_async_min_bytes!r}: must be an "
             "integer >= 0",
+        )
+        _require(
+            self.schedule_partition_chunks == 0 or 2 <= self.schedule_partition_chunks <= 8,
+            f"train.schedule_partition_chunks={self.schedule_partition_chunks!r}: choose 2..8, "
+            "or 0 to let the search choose",
         )
         _require(
             self.schedule_op_costs in OP_COSTS,

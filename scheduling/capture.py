@@ -213,6 +213,17 @@ class _Flattener:
         return [self.atom(env, var) for var in jaxpr.outvars]
 
 
+def inline_jaxpr(
+    closed: Any, args: Sequence[Atom], name_stack: str, phase: Phase
+) -> tuple[list[Op], list[Atom]]:
+    """The equations of ``closed`` (a ClosedJaxpr) as ops over ``args``, all in ``phase``."""
+    flattener = _Flattener()
+    outputs = flattener.run(closed.jaxpr, closed.consts, list(args), name_stack)
+    for op in flattener.ops:
+        op.phase = phase
+    return flattener.ops, outputs
+
+
 def _assign_phases(ops: list[Op]) -> None:
     after_backward: set[Value] = set()
     for op in ops:

@@ -3,21 +3,24 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from jax.sharding import Mesh
 
-from scheduling.capture import Program, capture
+from scheduling.capture import Program, Value, capture
 from scheduling.cost import CostModel, collective_wire_bytes
 from scheduling.emit import ScheduledStep, emit
 from scheduling.graph import Graph, Kind, Node, Role
 from scheduling.link_model import CollectiveCurves
 from scheduling.passes import Placement, order, schedule_dw, split_async
+from scheduling.passes.batch_layout import analyze
 from scheduling.passes.order import Schedule
+from scheduling.passes.partition_forward import partition_program
+from scheduling.passes.partition_search import CHUNK_COUNTS, PartitionChoice, search
 from scheduling.passes.split_async import splittable
-from scheduling.policy import SchedulePolicy
+from scheduling.policy import PACKING_DW, PARTITIONING, SchedulePolicy
 from scheduling.profiling import OpProfiler, ProfiledCostModel
-from scheduling.report import CollectiveReport, ScheduleReport
+from scheduling.report import CollectiveReport, PartitionReport, ScheduleReport
 from scheduling.simulate import simulate
 from scheduling.trace import chrome_trace
 
@@ -30,6 +33,7 @@ def optimize(
     out_specs: Any,
     policy: SchedulePolicy | str = "dw",
     donate_argnums: Sequence[int] = (),
+    batch_argnums: Sequence[int] = (),
 ) -> tuple[ScheduledStep, ScheduleReport]:
     """Schedule a per-device step for its whole mesh.
 
@@ -37,15 +41,22 @@ def optimize(
     would be passed to ``jax.shard_map(step_fn, mesh=mesh, in_specs=...,
     out_specs=..., check_vma=False)``. Returns the jit-compiled scheduled step,
     which computes exactly what that ``shard_map`` computes, and its report.
+
+    ``batch_argnums`` names the arguments whose every leaf has the batch as its
+    leading axis (per device); the ``partition`` and ``lancet`` policies cut the
+    forward pass into chunks along it.
     """
     policy = SchedulePolicy(name=policy) if isinstance(policy, str) else policy
     program = capture(step_fn, *example_args, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
     cost = cost_model(policy, mesh)
-    graph, schedule = plan(program, policy, cost)
+    planned = plan(program, policy, cost, batch_inputs(program, batch_argnums))
     step = emit(
-        graph, schedule, donate_argnums=donate_argnums, fallback_to_sync=policy.fallback_to_sync
+        planned.graph,
+        planned.schedule,
+        donate_argnums=donate_argnums,
+        fallback_to_sync=policy.fallback_to_sync,
     )
-    report = build_report(graph, schedule, cost, policy)
+    report = build_report(planned, cost, policy, program)
     if isinstance(cost, ProfiledCostModel):
         cost.profiler.save()
     return step, report
@@ -62,18 +73,50 @@ def cost_model(policy: SchedulePolicy, mesh: Mesh) -> CostModel:
     return CostModel(policy.device_profile, dict(mesh.shape), curves)
 
 
+def batch_inputs(program: Program, batch_argnums: Sequence[int]) -> list[Value]:
+    """The program inputs that are leaves of the arguments ``batch_argnums``."""
+    leaves_per_arg = [child.num_leaves for child in program.in_tree.children()]
+    values = []
+    for arg in batch_argnums:
+        if not 0 <= arg < len(leaves_per_arg):
+            raise ValueError(f"batch_argnums: the step has no argument {arg}")
+        offset = sum(leaves_per_arg[:arg])
+        values.extend(program.inputs[offset : offset + leaves_per_arg[arg]])
+    return values
+
+
+class Plan(NamedTuple):
+    graph: Graph  # of the program as rewritten (partitioned ranges included)
+    schedule: Schedule
+    partitions: list[PartitionChoice]
+
+
 def plan(
-    program: Program, policy: SchedulePolicy, cost: CostModel | None = None
-) -> tuple[Graph, Schedule]:
-    """The graph and the schedule that ``policy`` makes of ``program``."""
+    program: Program,
+    policy: SchedulePolicy,
+    cost: CostModel | None = None,
+    batch_inputs: Sequence[Value] = (),
+) -> Plan:
+    """What ``policy`` makes of ``program``: its graph, order and partitioned ranges."""
     cost = cost_model(policy, program.mesh) if cost is None else cost
     if policy.name == "none":
         graph = Graph(program, split=lambda op: False)
-        return graph, order(graph, Placement(), policy.max_live_bytes_growth)
+        return Plan(graph, order(graph, Placement(), policy.max_live_bytes_growth), [])
+    partitions: list[PartitionChoice] = []
+    if policy.name in PARTITIONING:
+        if not batch_inputs:
+            raise ValueError(
+                f"schedule {policy.name!r} partitions along the batch: pass batch_argnums, "
+                "the arguments whose leaves have the batch as their leading axis"
+            )
+        layouts = analyze(program, batch_inputs)
+        counts = CHUNK_COUNTS if policy.partition_chunks is None else (policy.partition_chunks,)
+        partitions = search(program, layouts, cost.seconds, counts, policy.partition_always)
+        program = partition_program(program, layouts, [choice.plan for choice in partitions])
     graph = split_async(program, min_bytes=policy.async_min_bytes)
     seconds = _node_seconds(cost)
-    placement = schedule_dw(graph, seconds) if policy.name == "dw" else Placement()
-    return graph, order(graph, placement, policy.max_live_bytes_growth)
+    placement = schedule_dw(graph, seconds) if policy.name in PACKING_DW else Placement()
+    return Plan(graph, order(graph, placement, policy.max_live_bytes_growth), partitions)
 
 
 def _node_seconds(cost: CostModel) -> Callable[[Node], float]:
@@ -90,11 +133,13 @@ def _node_seconds(cost: CostModel) -> Callable[[Node], float]:
 
 
 def build_report(
-    graph: Graph, schedule: Schedule, cost: CostModel, policy: SchedulePolicy
+    planned: Plan, cost: CostModel, policy: SchedulePolicy, original: Program
 ) -> ScheduleReport:
+    """The report of ``planned``; the baseline is ``original`` as captured."""
+    graph, schedule = planned.graph, planned.schedule
     seconds = _node_seconds(cost)
     timeline = simulate(graph, schedule.order, seconds)
-    baseline_graph = Graph(graph.program, split=lambda op: False)
+    baseline_graph = Graph(original, split=lambda op: False)
     baseline = simulate(baseline_graph, list(range(len(baseline_graph.nodes))), _node_seconds(cost))
 
     collectives = []
@@ -147,6 +192,29 @@ def build_report(
         live_bytes_bound_exceeded=schedule.live_bytes_bound_exceeded,
         exposed_communication_seconds=timeline.exposed_communication_seconds,
         not_understood=not_understood,
+        partitions=[_partition_report(original, choice) for choice in planned.partitions],
         kept_synchronous=kept_synchronous,
         trace=chrome_trace(graph, timeline, name=f"schedule {policy.name}"),
+    )
+
+
+def _partition_report(program: Program, choice: PartitionChoice) -> PartitionReport:
+    plan = choice.plan
+    first, last = program.ops[plan.begin], program.ops[plan.end - 1]
+    # Layer and block ("layer_1/moe"), without the name scopes inside a block.
+    layers = sorted(
+        {"/".join(program.ops[p].layer.split("/")[:2]) for p in plan.chunked}
+        - {""}
+    )
+    return PartitionReport(
+        first_op=f"{first.index}:{first.primitive}@{first.layer or '<top>'}",
+        last_op=f"{last.index}:{last.primitive}@{last.layer or '<top>'}",
+        layers=layers,
+        chunks=plan.n,
+        ops=plan.end - plan.begin,
+        chunked_ops=len(plan.chunked),
+        deferred_ops=len(plan.deferred),
+        estimated_seconds=choice.estimated_seconds,
+        unpartitioned_seconds=choice.unpartitioned_seconds,
+        estimated_gain_seconds=choice.estimated_gain_seconds,
     )

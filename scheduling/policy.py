@@ -6,7 +6,10 @@ from dataclasses import dataclass
 
 from scheduling.cost import PROFILES, DeviceProfile
 
-POLICIES = ("none", "async", "dw")
+POLICIES = ("none", "async", "dw", "partition", "lancet")
+# Policies that partition forward ranges around the MoE layers, and that pack dW work.
+PARTITIONING = frozenset({"partition", "lancet"})
+PACKING_DW = frozenset({"dw", "lancet"})
 
 
 @dataclass(frozen=True)
@@ -14,6 +17,9 @@ class SchedulePolicy:
     """``none``: the original order, synchronous collectives (the reference).
     ``async``: every collective split into start/done, started early, waited late.
     ``dw``: ``async`` plus dW work packed into the backward all-to-all windows.
+    ``partition``: ``async`` plus forward ranges around each MoE layer cut into chunks
+    and pipelined, where the cost model says it pays (Lancet's forward pass).
+    ``lancet``: ``partition`` and ``dw`` together.
     """
 
     name: str = "dw"
@@ -33,6 +39,11 @@ class SchedulePolicy:
     # A CollectiveCurves file (scheduling.link_model): measured collective costs, used
     # for the collectives it covers instead of the profile's link figures.
     collective_curves: str | None = None
+    # Partitioning: try only this chunk count (default: every n in 2..8 dividing the batch).
+    partition_chunks: int | None = None
+    # Partition every range that can be, even where the estimate does not improve (for
+    # measuring, and for checking exactness); the best estimate among those is kept.
+    partition_always: bool = False
 
     def __post_init__(self) -> None:
         if self.name not in POLICIES:
@@ -48,6 +59,11 @@ class SchedulePolicy:
             raise ValueError("SchedulePolicy.max_live_bytes_growth must be >= 0")
         if self.async_min_bytes < 0:
             raise ValueError("SchedulePolicy.async_min_bytes must be >= 0")
+        if self.partition_chunks is not None and not 2 <= self.partition_chunks <= 8:
+            raise ValueError(
+                f"SchedulePolicy.partition_chunks={self.partition_chunks}: choose 2..8, or None "
+                "to let the search choose"
+            )
         if self.op_costs not in ("analytic", "measured"):
             raise ValueError(
                 f"SchedulePolicy.op_costs={self.op_costs!r}: choose 'analytic' or 'measured'"

@@ -27,6 +27,22 @@ class CollectiveReport:
 
 
 @dataclass
+class PartitionReport:
+    """One forward range cut into chunks (``partition`` and ``lancet`` policies)."""
+
+    first_op: str  # "index:primitive@layer" in the captured program
+    last_op: str
+    layers: list[str]  # layers of its chunked ops
+    chunks: int
+    ops: int  # ops in the range
+    chunked_ops: int
+    deferred_ops: int  # ops run once after the chunks (reductions over the batch)
+    estimated_seconds: float  # the range chunked, on two streams
+    unpartitioned_seconds: float
+    estimated_gain_seconds: float
+
+
+@dataclass
 class ScheduleReport:
     policy: str
     profile: str
@@ -47,6 +63,7 @@ class ScheduleReport:
     exposed_communication_seconds: float
     not_understood: list[str] = field(default_factory=list)  # opaque ops, collectives w/o async
     kept_synchronous: list[str] = field(default_factory=list)  # by policy (kinds, min bytes)
+    partitions: list[PartitionReport] = field(default_factory=list)
     # The simulated timeline as a Chrome trace (see scheduling.trace); not part of to_json.
     trace: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -116,6 +133,14 @@ class ScheduleReport:
             f"(was {self.baseline_peak_live_bytes / 2**20:.1f})"
             + (", over the bound by early starts alone" if self.live_bytes_bound_exceeded else ""),
         ]
+        for p in self.partitions:
+            lines.append(
+                f"partitioned {p.first_op} .. {p.last_op} ({', '.join(p.layers)}) into "
+                f"{p.chunks} chunks: {p.chunked_ops} of {p.ops} ops chunked, "
+                f"{p.deferred_ops} deferred; estimate {p.estimated_seconds * 1e6:.1f} us "
+                f"(was {p.unpartitioned_seconds * 1e6:.1f}, gain "
+                f"{p.estimated_gain_seconds * 1e6:.1f})"
+            )
         if self.kept_synchronous:
             lines.append(f"kept synchronous by policy: {len(self.kept_synchronous)} collectives")
         if self.not_understood:

@@ -79,6 +79,8 @@ def plan_train_step(config: Config, mesh: Mesh) -> PlannedStep:
         op_costs=config.train.schedule_op_costs,
         op_cost_cache=str(op_cost_cache()),
         collective_curves=config.train.schedule_link_curves,
+        partition_chunks=config.train.schedule_partition_chunks or None,
+        partition_always=config.train.schedule_partition_always,
     )
     step, report = scheduling.optimize(
         sharded.per_device,
@@ -88,5 +90,6 @@ def plan_train_step(config: Config, mesh: Mesh) -> PlannedStep:
         out_specs=sharded.out_specs,
         policy=policy,
         donate_argnums=sharded.donate_argnums,
+        batch_argnums=sharded.batch_argnums,
     )
     return PlannedStep(step, example, report)

@@ -44,6 +44,7 @@ class ShardedStep:
     in_specs: tuple[Any, ...]
     out_specs: Any
     donate_argnums: tuple[int, ...] = ()
+    batch_argnums: tuple[int, ...] = ()  # arguments whose leading axis is the batch
 
     def jit(self) -> Callable[..., Any]:
         mapped = jax.shard_map(
@@ -136,6 +137,7 @@ def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
         in_specs=(specs, token_spec()),
         out_specs=(specs, PartitionSpec()),
         donate_argnums=(0,),
+        batch_argnums=(1,),
     )
 
 

@@ -157,7 +157,7 @@ def test_report_lists_every_collective_by_kind(policy):
 
 def test_report_of_dw_places_work_and_saves(tmp_path):
     _, report = _optimized("dw")
-    graph, schedule = scheduling.plan(_program(), SchedulePolicy(name="dw"))
+    graph, schedule, _ = scheduling.plan(_program(), SchedulePolicy(name="dw"))
     assert report.dw_ops == sum(kind is Kind.BACKWARD_DW for kind in graph.kinds) > 0
     assert report.forced_placements == len(schedule.placement.forced)
     assert report.withdrawn_placements == len(schedule.withdrawn)
@@ -179,7 +179,7 @@ def test_report_of_none_is_the_baseline():
 
 
 def test_plan_for_none_splits_nothing():
-    graph, schedule = scheduling.plan(_program(), SchedulePolicy(name="none"))
+    graph, schedule, _ = scheduling.plan(_program(), SchedulePolicy(name="none"))
     assert not [n for n in graph.nodes if n.role is not Role.COMPUTE]
     assert schedule.order == list(range(len(graph.nodes)))
 

@@ -1,0 +1,234 @@
+"""Partition a range of the forward pass into ``n`` pipelined chunks (Lancet's forward overlap).
+
+A range is an interval of the program's forward ops. Within it every op is one of:
+
+- *chunked*: it has a partition rule and reads a split value; it runs ``n``
+  times, once per chunk of the batch;
+- *replicated*: it reads nothing that depends on the batch inside the range
+  (weights, their casts, masks); it runs once, before the chunks;
+- *deferred*: it reads chunked results but has no rule (a reduction over the
+  batch, such as a loss term or a routing statistic); it runs once, after the
+  chunks, on the reassembled values. A chunked op that would need a deferred
+  result ends the range there.
+
+The chunks are independent but for explicit carries (prefix operations), so
+chunk ``c``'s all-to-all can run while chunk ``c + 1`` computes. The copies
+are emitted as a software pipeline: the range is cut into stages at its
+all-to-alls, and slot ``t`` runs stage ``s`` of chunk ``t - s`` for every
+stage, lowest first. Split values made before the range are cut into chunks
+where a chunk first reads them; every chunked result that is read after the
+range (the next layers, the deferred ops, residuals for the backward pass)
+is reassembled as soon as its last chunk exists. What the range computes is
+what the original computes, value for value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from scheduling.capture import Atom, Op, Phase, Program, Value
+from scheduling.passes import chunk_ops
+from scheduling.passes.batch_layout import BatchLayouts
+
+
+@dataclass
+class RangePlan:
+    """What a range does, op by op, for ``n`` chunks."""
+
+    begin: int  # first op position
+    end: int  # one past the last op position
+    n: int
+    chunked: list[int]
+    stages: dict[int, int]  # chunked op position -> pipeline stage
+    replicated: list[int]
+    deferred: list[int]
+    # Stages: an all-to-all in stage s is waited for by stage s + 1 (which may be empty).
+    num_stages: int = 1
+    seeds: list[Value] = field(default_factory=list)  # split values from before the range
+    escaping: list[Value] = field(default_factory=list)  # chunked results read after it
+
+
+def consumers_of(program: Program) -> dict[Value, list[int]]:
+    """Positions of the ops reading each value; program results count as ``len(ops)``."""
+    consumers: dict[Value, list[int]] = defaultdict(list)
+    for position, op in enumerate(program.ops):
+        for atom in op.inputs:
+            if isinstance(atom, Value):
+                consumers[atom].append(position)
+    for atom in program.outputs:
+        if isinstance(atom, Value):
+            consumers[atom].append(len(program.ops))
+    return consumers
+
+
+def plan_range(
+    program: Program,
+    layouts: BatchLayouts,
+    consumers: dict[Value, list[int]],
+    begin: int,
+    end: int,
+    n: int,
+) -> RangePlan | None:
+    """The plan of ops ``[begin, end)`` in ``n`` chunks, ended early where it must be.
+
+    None when ``n`` does not divide the batch or no all-to-all would be chunked.
+    """
+    if n < 2 or layouts.batch_size % n:
+        return None
+    chunked: list[int] = []
+    stages: dict[int, int] = {}
+    replicated: list[int] = []
+    deferred: list[int] = []
+    value_stage: dict[Value, int] = {}  # chunked result -> stage of its readers
+    deferred_values: set[Value] = set()
+    stop = end
+    for position in range(begin, end):
+        op = program.ops[position]
+        if op.phase is not Phase.FORWARD:
+            stop = position
+            break
+        reads = [a for a in op.inputs if isinstance(a, Value)]
+        reads_deferred = any(a in deferred_values for a in reads)
+        reads_chunked = any(a in value_stage for a in reads)
+        how = layouts.chunkings.get(position)
+        if how is not None:
+            if reads_deferred:
+                stop = position  # it would wait for every chunk: the range ends here
+                break
+            stage = max((value_stage[a] for a in reads if a in value_stage), default=0)
+            chunked.append(position)
+            stages[position] = stage
+            after = stage + 1 if op.primitive == "all_to_all" else stage
+            value_stage.update(dict.fromkeys(op.outputs, after))
+        elif reads_chunked or reads_deferred:
+            deferred.append(position)
+            deferred_values.update(op.outputs)
+        else:
+            replicated.append(position)
+    if not any(program.ops[p].primitive == "all_to_all" for p in chunked):
+        return None
+    num_stages = max(value_stage.values()) + 1
+    plan = RangePlan(begin, stop, n, chunked, stages, replicated, deferred, num_stages)
+    inside = set(chunked)
+    seeds: dict[Value, None] = {}
+    for position in chunked:
+        how = layouts.chunkings[position]
+        for atom, cut in zip(program.ops[position].inputs, how.inputs, strict=True):
+            if cut is not None and atom not in value_stage and layouts.layout(atom) is not None:
+                seeds[atom] = None
+    plan.seeds = list(seeds)
+    plan.escaping = [
+        value
+        for value in value_stage
+        if any(reader not in inside for reader in consumers.get(value, ()))
+    ]
+    return plan
+
+
+def materialize(
+    program: Program, layouts: BatchLayouts, plan: RangePlan, remap: dict[Value, Atom]
+) -> list[Op]:
+    """The ops that replace the range; ``remap`` gains each escaping value's reassembly."""
+    ops_out: list[Op] = []
+    n = plan.n
+    escaping = set(plan.escaping)
+    chunks: dict[tuple[Value, int], Value] = {}
+    seed_chunks: dict[tuple[Value, int], Value] = {}
+    uniform_slices: dict[tuple[Atom, int], Value] = {}
+
+    def read(atom: Atom) -> Atom:
+        return remap.get(atom, atom) if isinstance(atom, Value) else atom
+
+    def operand(atom: Atom, cut: int | None, chunk: int, name_stack: str) -> Atom:
+        if cut is None:
+            return read(atom)
+        if (atom, chunk) in chunks:
+            return chunks[atom, chunk]
+        split = layouts.layout(atom)
+        if split is not None:
+            if (atom, chunk) not in seed_chunks:
+                new_ops, piece = chunk_ops.take_chunk(
+                    read(atom), split, layouts.batch_size, n, chunk, name_stack
+                )
+                ops_out.extend(new_ops)
+                seed_chunks[atom, chunk] = piece
+            return seed_chunks[atom, chunk]
+        # Uniform along the cut axis: every chunk reads the same slice.
+        if (atom, cut) not in uniform_slices:
+            new_ops, piece = chunk_ops.take_slice(read(atom), cut, n, name_stack)
+            ops_out.extend(new_ops)
+            uniform_slices[atom, cut] = piece
+        return uniform_slices[atom, cut]
+
+    for position in plan.replicated:
+        op = program.ops[position]
+        ops_out.append(dataclasses.replace(op, inputs=tuple(read(a) for a in op.inputs)))
+
+    by_stage: dict[int, list[int]] = defaultdict(list)
+    for position in plan.chunked:
+        by_stage[plan.stages[position]].append(position)
+    for slot in range(n + plan.num_stages - 1):
+        for stage in range(plan.num_stages):
+            chunk = slot - stage
+            if not 0 <= chunk < n:
+                continue
+            for position in by_stage[stage]:
+                op = program.ops[position]
+                how = layouts.chunkings[position]
+                inputs = [
+                    operand(atom, cut, chunk, op.name_stack)
+                    for atom, cut in zip(op.inputs, how.inputs, strict=True)
+                ]
+                copy = chunk_ops.chunk_copy(op, how, n, inputs)
+                ops_out.append(copy)
+                results = list(copy.outputs)
+                if how.carry is not None and chunk > 0:
+                    (original,) = op.outputs
+                    carry_ops, results[0] = chunk_ops.apply_carry(
+                        copy.outputs[0],
+                        chunks[original, chunk - 1],
+                        how.outputs[0].axis,
+                        how.carry,
+                        op.name_stack,
+                    )
+                    ops_out.extend(carry_ops)
+                for value, result in zip(op.outputs, results, strict=True):
+                    chunks[value, chunk] = result
+                    if chunk == n - 1 and value in escaping:
+                        parts = [chunks[value, c] for c in range(n)]
+                        join_ops, whole = chunk_ops.join_chunks(
+                            parts, layouts.layouts[value], op.name_stack
+                        )
+                        ops_out.extend(join_ops)
+                        remap[value] = whole
+
+    for position in plan.deferred:
+        op = program.ops[position]
+        ops_out.append(dataclasses.replace(op, inputs=tuple(read(a) for a in op.inputs)))
+    return ops_out
+
+
+def partition_program(program: Program, layouts: BatchLayouts, plans: list[RangePlan]) -> Program:
+    """``program`` with each (non-overlapping) range replaced by its chunked pipeline."""
+    remap: dict[Value, Atom] = {}
+    starts = {plan.begin: plan for plan in plans}
+    new_ops: list[Op] = []
+    position = 0
+    while position < len(program.ops):
+        plan = starts.get(position)
+        if plan is not None:
+            new_ops.extend(materialize(program, layouts, plan, remap))
+            position = plan.end
+            continue
+        op = program.ops[position]
+        new_ops.append(
+            dataclasses.replace(
+                op, inputs=tuple(remap.get(a, a) if isinstance(a, Value) else a for a in op.inputs)
+            )
+        )
+        position += 1
+    new_ops = [dataclasses.replace(op, index=i) for i, op in enumerate(new_ops)]
+    outputs = [remap.get(a, a) if isinstance(a, Value) else a for a in program.outputs]
+    return dataclasses.replace(program, ops=new_ops, outputs=outputs)

@@ -1,0 +1,450 @@
+"""Partition rules: how a batch axis passes through each primitive.
+
+A value is *split* when one of its axes carries the batch: ``Split(axis,
+outer, inner)`` says that axis has size ``outer * P * inner`` and, read as
+``[outer, P, inner]``, its middle factor is the batch (``P`` examples). Chunk
+``c`` of ``n`` holds batch rows ``[c * P / n, (c + 1) * P / n)`` at every outer
+and inner position. Plain batch-major values are ``Split(axis, 1, 1)``; after
+a reshape that merges the batch with a later axis the inner factor grows, and
+after an all-to-all that gathers from ``k`` devices along that axis the outer
+factor is ``k``.
+
+A rule takes one op and the layouts of its operands and says whether the op
+can run chunk by chunk, computing exactly the rows of its result that belong
+to the chunk: which operands are cut (and along which axis), the layouts of
+its results, and the op's parameters at chunk size. An op that mixes rows of
+different examples (a reduction over the batch axis, a sort along it) has no
+rule: it cannot be chunked.
+
+A value that is not split may still be *uniform* along some axes (the same
+along them: broadcasts, iotas, masks built from them); a chunked op can then
+take any ``1/n`` slice of it along such an axis.
+
+Prefix operations along the batch axis (``cumsum``, ``cumprod``, ``cummax``,
+``cummin``) are chunked with a carry: each chunk's prefix plus the running
+total of the chunks before it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from scheduling.capture import Op
+
+ELEMENTWISE = frozenset(
+    {
+        "abs", "acos", "acosh", "add", "and", "asin", "asinh", "atan", "atan2", "atanh",
+        "cbrt", "ceil", "clamp", "clz", "convert_element_type", "copy", "copy_p", "cos",
+        "cosh", "div", "eq", "erf", "erf_inv", "erfc", "exp", "exp2", "expm1", "floor",
+        "ge", "gt", "integer_pow", "is_finite", "le", "lgamma", "digamma", "log", "log1p",
+        "logistic", "lt", "max", "min", "mul", "ne", "neg", "nextafter", "not", "or",
+        "population_count", "pow", "pvary", "reduce_precision", "rem", "round", "rsqrt",
+        "select_n", "shift_left", "shift_right_arithmetic", "shift_right_logical", "sign",
+        "sin", "sinh", "sqrt", "square", "stop_gradient", "sub", "tan", "tanh", "xor",
+    }
+)  # fmt: skip
+REDUCTIONS = frozenset(
+    {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+     "reduce_xor", "argmax", "argmin"}
+)  # fmt: skip
+# Prefix operations that chunk along the batch axis with a carry, and how the carry
+# (the last prefix of the chunk before) combines with a chunk's own prefix.
+PREFIX_COMBINE = {"cumsum": "add", "cumprod": "mul", "cummax": "max", "cummin": "min"}
+PREFIXES = frozenset(PREFIX_COMBINE) | {"cumlogsumexp"}
+
+
+@dataclass(frozen=True)
+class Split:
+    """The batch runs along ``axis``, as the middle factor of ``[outer, P, inner]``."""
+
+    axis: int
+    outer: int = 1
+    inner: int = 1
+
+    def moved(self, axis: int, outer: int | None = None, inner: int | None = None) -> Split:
+        return Split(
+            axis, self.outer if outer is None else outer, self.inner if inner is None else inner
+        )
+
+
+Layout = Split | None
+
+
+@dataclass(frozen=True)
+class Chunking:
+    """How one op runs on chunks.
+
+    ``inputs[i]`` is the axis along which operand ``i`` is cut (its chunk, if it is
+    split; a slice, if it is uniform there), or None when every chunk reads all of it.
+    ``params(n)`` are the op's parameters for a ``1/n`` chunk. ``carry`` names how a
+    prefix op combines its chunk's result with the previous chunk's last prefix.
+    """
+
+    inputs: tuple[int | None, ...]
+    outputs: tuple[Split, ...]
+    params: Callable[[int], dict[str, Any]]
+    carry: str | None = None
+
+
+def _shape(atom: Any) -> tuple[int, ...]:
+    return tuple(getattr(atom.aval, "shape", ()))
+
+
+def _same_params(op: Op) -> Callable[[int], dict[str, Any]]:
+    return lambda n: dict(op.eqn.params)
+
+
+def _with_param(op: Op, name: str, value: Callable[[int], Any]) -> Callable[[int], dict[str, Any]]:
+    return lambda n: {**op.eqn.params, name: value(n)}
+
+
+def _divided(shape: Sequence[int], axis: int, n: int) -> tuple[int, ...]:
+    return tuple(size // n if i == axis else size for i, size in enumerate(shape))
+
+
+def _one_split(layouts: Sequence[Layout]) -> Split | None:
+    """The common split of the operands, or None when they disagree (or none is split)."""
+    splits = {layout for layout in layouts if layout is not None}
+    return splits.pop() if len(splits) == 1 else None
+
+
+def _elementwise(op: Op, layouts, uniform) -> Chunking | None:
+    split = _one_split(layouts)
+    if split is None:
+        return None
+    out_shape = _shape(op.outputs[0])
+    size = out_shape[split.axis]
+    cuts: list[int | None] = []
+    for atom, layout, flat in zip(op.inputs, layouts, uniform, strict=True):
+        shape = _shape(atom)
+        if layout is not None:
+            if len(shape) != len(out_shape):
+                return None
+            cuts.append(split.axis)
+        elif len(shape) == 0 or shape[split.axis] == 1:
+            cuts.append(None)  # broadcast along the batch: every chunk reads all of it
+        elif shape[split.axis] == size and split.axis in flat:
+            cuts.append(split.axis)
+        else:
+            return None
+    return Chunking(tuple(cuts), (split,) * len(op.outputs), _same_params(op))
+
+
+def _broadcast_in_dim(op: Op, layouts, uniform) -> Chunking | None:
+    (layout, *rest) = layouts
+    if layout is None or any(r is not None for r in rest):
+        return None
+    axis = op.eqn.params["broadcast_dimensions"][layout.axis]
+    return Chunking(
+        (layout.axis,) + (None,) * len(rest),
+        (layout.moved(axis),),
+        _with_param(op, "shape", lambda n: _divided(op.eqn.params["shape"], axis, n)),
+    )
+
+
+def _reshape(op: Op, layouts, uniform) -> Chunking | None:
+    (layout,) = layouts
+    if layout is None or op.eqn.params.get("dimensions") is not None:
+        return None
+    in_shape, out_shape = _shape(op.inputs[0]), _shape(op.outputs[0])
+    batch = in_shape[layout.axis] // (layout.outer * layout.inner)
+    # Row-major position of the batch factor: its stride in elements.
+    stride = layout.inner
+    for size in in_shape[layout.axis + 1 :]:
+        stride *= size
+    out_stride = 1
+    for axis in reversed(range(len(out_shape))):
+        size = out_shape[axis]
+        if stride % out_stride == 0:
+            inner = stride // out_stride
+            if size % (inner * batch) == 0:
+                split = Split(axis, size // (inner * batch), inner)
+                return Chunking(
+                    (layout.axis,),
+                    (split,),
+                    _with_param(op, "new_sizes", lambda n: _divided(out_shape, axis, n)),
+                )
+        out_stride *= size
+        if out_stride > stride:
+            break
+    return None  # the batch factor straddles two result axes
+
+
+def _transpose(op: Op, layouts, uniform) -> Chunking | None:
+    (layout,) = layouts
+    if layout is None:
+        return None
+    axis = list(op.eqn.params["permutation"]).index(layout.axis)
+    return Chunking((layout.axis,), (layout.moved(axis),), _same_params(op))
+
+
+def _squeeze(op: Op, layouts, uniform) -> Chunking | None:
+    (layout,) = layouts
+    if layout is None:
+        return None
+    dropped = op.eqn.params["dimensions"]
+    axis = layout.axis - sum(d < layout.axis for d in dropped)
+    return Chunking((layout.axis,), (layout.moved(axis),), _same_params(op))
+
+
+def _reduction(op: Op, layouts, uniform) -> Chunking | None:
+    (layout,) = layouts
+    if layout is None or layout.axis in op.eqn.params["axes"]:
+        return None  # reducing across examples
+    axis = layout.axis - sum(d < layout.axis for d in op.eqn.params["axes"])
+    return Chunking((layout.axis,), (layout.moved(axis),) * len(op.outputs), _same_params(op))
+
+
+def _along_other_axis(param: str):
+    """Ops that work along one axis (``param``) and are row-wise along every other."""
+
+    def rule(op: Op, layouts, uniform) -> Chunking | None:
+        split = _one_split(layouts)
+        if split is None or any(layout is None for layout in layouts):
+            return None
+        if op.eqn.params[param] == split.axis:
+            return None
+        return Chunking(
+            (split.axis,) * len(layouts), (split,) * len(op.outputs), _same_params(op)
+        )
+
+    return rule
+
+
+def _prefix(op: Op, layouts, uniform) -> Chunking | None:
+    (layout,) = layouts
+    if layout is None:
+        return None
+    if op.eqn.params["axis"] != layout.axis:
+        return Chunking((layout.axis,), (layout,), _same_params(op))
+    combine = PREFIX_COMBINE.get(op.primitive)
+    if combine is None or op.eqn.params.get("reverse") or layout.outer != 1:
+        return None  # a chunk must be a contiguous run along the prefix axis
+    return Chunking((layout.axis,), (layout,), _same_params(op), carry=combine)
+
+
+def _dot_general(op: Op, layouts, uniform) -> Chunking | None:
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = op.eqn.params["dimension_numbers"]
+    lhs, rhs = layouts
+    lhs_rank, rhs_rank = len(_shape(op.inputs[0])), len(_shape(op.inputs[1]))
+    lhs_free = [d for d in range(lhs_rank) if d not in lhs_contract and d not in lhs_batch]
+    rhs_free = [d for d in range(rhs_rank) if d not in rhs_contract and d not in rhs_batch]
+    # Result axes: batch dimensions, then lhs free, then rhs free.
+    if lhs is not None and rhs is not None:
+        if lhs.axis not in lhs_batch or (lhs.outer, lhs.inner) != (rhs.outer, rhs.inner):
+            return None
+        position = list(lhs_batch).index(lhs.axis)
+        if rhs_batch[position] != rhs.axis:
+            return None
+        return Chunking((lhs.axis, rhs.axis), (lhs.moved(position),), _same_params(op))
+    if lhs is not None and lhs.axis in lhs_free:
+        axis = len(lhs_batch) + lhs_free.index(lhs.axis)
+        return Chunking((lhs.axis, None), (lhs.moved(axis),), _same_params(op))
+    if rhs is not None and rhs.axis in rhs_free:
+        axis = len(rhs_batch) + len(lhs_free) + rhs_free.index(rhs.axis)
+        return Chunking((None, rhs.axis), (rhs.moved(axis),), _same_params(op))
+    return None  # contracted over the batch, or a batch dimension of one operand only
+
+
+def _slice(op: Op, layouts, uniform) -> Chunking | None:
+    (layout,) = layouts
+    if layout is None:
+        return None
+    params = op.eqn.params
+    axis = layout.axis
+    size = _shape(op.inputs[0])[axis]
+    strides = params.get("strides") or (1,) * len(params["start_indices"])
+    if params["start_indices"][axis] != 0 or params["limit_indices"][axis] != size:
+        return None
+    if strides[axis] != 1:
+        return None
+    return Chunking(
+        (axis,),
+        (layout,),
+        _with_param(op, "limit_indices", lambda n: _divided(params["limit_indices"], axis, n)),
+    )
+
+
+def _pad(op: Op, layouts, uniform) -> Chunking | None:
+    layout, padding_value = layouts
+    if layout is None or padding_value is not None:
+        return None
+    if tuple(op.eqn.params["padding_config"][layout.axis]) != (0, 0, 0):
+        return None
+    return Chunking((layout.axis, None), (layout,), _same_params(op))
+
+
+def _concatenate(op: Op, layouts, uniform) -> Chunking | None:
+    split = _one_split(layouts)
+    if split is None or op.eqn.params["dimension"] == split.axis:
+        return None
+    for layout, flat in zip(layouts, uniform, strict=True):
+        if layout is None and split.axis not in flat:
+            return None
+    return Chunking((split.axis,) * len(layouts), (split,), _same_params(op))
+
+
+def _split(op: Op, layouts, uniform) -> Chunking | None:
+    (layout,) = layouts
+    if layout is None or op.eqn.params["axis"] == layout.axis:
+        return None
+    return Chunking((layout.axis,), (layout,) * len(op.outputs), _same_params(op))
+
+
+def _rev(op: Op, layouts, uniform) -> Chunking | None:
+    (layout,) = layouts
+    if layout is None or layout.axis in op.eqn.params["dimensions"]:
+        return None
+    return Chunking((layout.axis,), (layout,), _same_params(op))
+
+
+def _all_to_all(op: Op, layouts, uniform) -> Chunking | None:
+    (layout,) = layouts
+    params = op.eqn.params
+    if layout is None or layout.axis in (params["split_axis"], params["concat_axis"]):
+        return None
+    return Chunking((layout.axis,), (layout,), _same_params(op))
+
+
+def _gather(op: Op, layouts, uniform) -> Chunking | None:
+    operand, indices = layouts
+    numbers = op.eqn.params["dimension_numbers"]
+    indices_rank = len(_shape(op.inputs[1]))
+    out_rank = len(_shape(op.outputs[0]))
+    # Result axes that are not offset axes follow the indices' axes (but the last,
+    # which holds the index vector), in order.
+    batch_axes = [d for d in range(out_rank) if d not in numbers.offset_dims]
+    if indices is not None:
+        if indices.axis == indices_rank - 1:
+            return None
+        axis = batch_axes[indices.axis]
+        if operand is None:
+            if indices.axis in numbers.start_indices_batching_dims:
+                return None
+            return Chunking((None, indices.axis), (indices.moved(axis),), _same_params(op))
+        if indices.axis not in numbers.start_indices_batching_dims:
+            return None
+        position = list(numbers.start_indices_batching_dims).index(indices.axis)
+        if numbers.operand_batching_dims[position] != operand.axis or (
+            operand.outer,
+            operand.inner,
+        ) != (indices.outer, indices.inner):
+            return None
+        # A batching axis has slice size 1: the parameters stay as they are.
+        return Chunking((operand.axis, indices.axis), (indices.moved(axis),), _same_params(op))
+    if operand is None:
+        return None
+    # Operand split along a window axis that is taken whole: an offset axis of the result.
+    slice_sizes = op.eqn.params["slice_sizes"]
+    if (
+        operand.axis in numbers.collapsed_slice_dims
+        or operand.axis in numbers.start_index_map
+        or operand.axis in numbers.operand_batching_dims
+        or slice_sizes[operand.axis] != _shape(op.inputs[0])[operand.axis]
+    ):
+        return None
+    window_axes = [
+        d
+        for d in range(len(slice_sizes))
+        if d not in numbers.collapsed_slice_dims and d not in numbers.operand_batching_dims
+    ]
+    axis = numbers.offset_dims[window_axes.index(operand.axis)]
+    return Chunking(
+        (operand.axis, None),
+        (operand.moved(axis),),
+        _with_param(op, "slice_sizes", lambda n: _divided(slice_sizes, operand.axis, n)),
+    )
+
+
+def _scatter(op: Op, layouts, uniform) -> Chunking | None:
+    operand, indices, updates = layouts
+    numbers = op.eqn.params["dimension_numbers"]
+    if indices is None or updates is None:
+        return None
+    if indices.axis not in numbers.scatter_indices_batching_dims:
+        return None
+    position = list(numbers.scatter_indices_batching_dims).index(indices.axis)
+    operand_axis = numbers.operand_batching_dims[position]
+    if operand is None and operand_axis not in uniform[0]:
+        return None
+    if operand is not None and (operand.axis, operand.outer, operand.inner) != (
+        operand_axis,
+        indices.outer,
+        indices.inner,
+    ):
+        return None
+    update_rank = len(_shape(op.inputs[2]))
+    scatter_axes = [d for d in range(update_rank) if d not in numbers.update_window_dims]
+    if scatter_axes[indices.axis] != updates.axis:
+        return None
+    return Chunking(
+        (operand_axis, indices.axis, updates.axis),
+        (indices.moved(operand_axis),),
+        _same_params(op),
+    )
+
+
+RULES: dict[str, Callable[[Op, Sequence[Layout], Sequence[frozenset[int]]], Chunking | None]] = {
+    **dict.fromkeys(ELEMENTWISE, _elementwise),
+    **dict.fromkeys(REDUCTIONS, _reduction),
+    **dict.fromkeys(PREFIXES, _prefix),
+    "broadcast_in_dim": _broadcast_in_dim,
+    "reshape": _reshape,
+    "transpose": _transpose,
+    "squeeze": _squeeze,
+    "dot_general": _dot_general,
+    "slice": _slice,
+    "pad": _pad,
+    "concatenate": _concatenate,
+    "split": _split,
+    "rev": _rev,
+    "top_k": _along_other_axis("axis"),
+    "sort": _along_other_axis("dimension"),
+    "all_to_all": _all_to_all,
+    "gather": _gather,
+    "scatter-add": _scatter,
+    "scatter_add": _scatter,
+    "scatter": _scatter,
+}
+
+
+def chunking(op: Op, layouts: Sequence[Layout], uniform: Sequence[frozenset[int]]) -> Chunking | None:
+    """How ``op`` runs on chunks, given its operands' layouts; None when it cannot."""
+    if all(layout is None for layout in layouts):
+        return None
+    rule = RULES.get(op.primitive)
+    if rule is None or op.is_opaque:
+        return None
+    return rule(op, layouts, uniform)
+
+
+def uniform_axes(op: Op, uniform: Sequence[frozenset[int]]) -> list[frozenset[int]]:
+    """Axes along which each result of an unsplit op is the same everywhere."""
+    out_shapes = [tuple(getattr(v.aval, "shape", ())) for v in op.outputs]
+    params = op.eqn.params
+    if op.primitive == "iota":
+        return [frozenset(range(len(out_shapes[0]))) - {params["dimension"]}]
+    if op.primitive == "broadcast_in_dim":
+        dims = params["broadcast_dimensions"]
+        in_shape = _shape(op.inputs[0])
+        flat = {dims[d] for d in uniform[0]} | {dims[d] for d, s in enumerate(in_shape) if s == 1}
+        return [frozenset(range(len(out_shapes[0]))) - set(dims) | flat]
+    if op.primitive in ELEMENTWISE:
+        (shape,) = out_shapes
+        flat = set(range(len(shape)))
+        for atom, axes in zip(op.inputs, uniform, strict=True):
+            in_shape = _shape(atom)
+            if len(in_shape) == len(shape):
+                flat &= set(axes) | {d for d, s in enumerate(in_shape) if s == 1}
+        return [frozenset(flat)]
+    if op.primitive == "transpose":
+        permutation = params["permutation"]
+        return [frozenset(i for i, d in enumerate(permutation) if d in uniform[0])]
+    return [frozenset() for _ in op.outputs]
+
+
+def chunk_shape(shape: Sequence[int], axis: int, n: int) -> tuple[int, ...]:
+    """The shape of one of ``n`` chunks cut along ``axis``."""
+    return _divided(shape, axis, n)
