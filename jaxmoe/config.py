@@ -246,6 +246,8 @@ class TrainConfig:
     schedule_op_costs: str = "analytic"
     # Measured collective curves (experiments.collective_sweep) instead of the profile's link.
     schedule_link_curves: str | None = None
+    # The cost model's link, in Mbit/s per device (0: the profile's own figure).
+    schedule_link_mbit: float = 0.0
     # partition/lancet: chunk count to use (0: the search picks from 2..8), and whether to
     # partition every range that can be, even where the estimate does not improve.
     schedule_partition_chunks: int = 0
@@ -288,6 +290,11 @@ class TrainConfig:
             isinstance(self.schedule_async_min_bytes, int) and self.schedule_async_min_bytes >= 0,
             f"train.schedule_async_min_bytes={self.schedule_async_min_bytes!r}: must be an "
             "integer >= 0",
+        )
+        _require(
+            self.schedule_link_mbit >= 0,
+            f"train.schedule_link_mbit={self.schedule_link_mbit!r}: must be >= 0 (0 keeps the "
+            "profile's link)",
         )
         _require(
             self.schedule_partition_chunks == 0 or 2 <= self.schedule_partition_chunks <= 8,

@@ -8,6 +8,7 @@ and order the work, ``emit`` rebuilds a jit-compiled step, and ``report``
 says what was done. Entry point: :func:`optimize`.
 """
 
+from scheduling.cost import PROFILES, DeviceProfile
 from scheduling.emit import ScheduledStep, xla_gpu_flags
 from scheduling.optimize import optimize, plan
 from scheduling.policy import POLICIES, SchedulePolicy
@@ -15,6 +16,8 @@ from scheduling.report import ScheduleReport
 
 __all__ = [
     "POLICIES",
+    "PROFILES",
+    "DeviceProfile",
     "SchedulePolicy",
     "ScheduleReport",
     "ScheduledStep",

@@ -202,10 +202,7 @@ def _partition_report(program: Program, choice: PartitionChoice) -> PartitionRep
     plan = choice.plan
     first, last = program.ops[plan.begin], program.ops[plan.end - 1]
     # Layer and block ("layer_1/moe"), without the name scopes inside a block.
-    layers = sorted(
-        {"/".join(program.ops[p].layer.split("/")[:2]) for p in plan.chunked}
-        - {""}
-    )
+    layers = sorted({"/".join(program.ops[p].layer.split("/")[:2]) for p in plan.chunked} - {""})
     return PartitionReport(
         first_op=f"{first.index}:{first.primitive}@{first.layer or '<top>'}",
         last_op=f"{last.index}:{last.primitive}@{last.layer or '<top>'}",

@@ -72,9 +72,12 @@ def plan_train_step(config: Config, mesh: Mesh) -> PlannedStep:
     example = abstract_step_args(config, mesh)
     if config.train.schedule == "none":
         return PlannedStep(sharded.jit(), example, None)
+    profile = scheduling.PROFILES[config.train.schedule_profile]
+    if config.train.schedule_link_mbit:
+        profile = profile.with_link(config.train.schedule_link_mbit * 1e6 / 8)
     policy = scheduling.SchedulePolicy(
         name=config.train.schedule,
-        profile=config.train.schedule_profile,
+        profile=profile,
         async_min_bytes=config.train.schedule_async_min_bytes,
         op_costs=config.train.schedule_op_costs,
         op_cost_cache=str(op_cost_cache()),

@@ -72,7 +72,9 @@ def _carry(local: jax.Array, previous: jax.Array, *, axis: int, combine: str) ->
 
 @functools.lru_cache(maxsize=4096)
 def _traced(fn: Callable[..., Any], keywords: tuple[tuple[str, Any], ...], signature: tuple):
-    structs = [jax.ShapeDtypeStruct(shape, dtype, weak_type=weak) for shape, dtype, weak in signature]
+    structs = [
+        jax.ShapeDtypeStruct(shape, dtype, weak_type=weak) for shape, dtype, weak in signature
+    ]
     return jax.make_jaxpr(functools.partial(fn, **dict(keywords)))(*structs)
 
 
@@ -94,7 +96,13 @@ def take_chunk(
     """Ops that cut chunk ``chunk`` of ``n`` out of a split value."""
     rows = batch_size // n * split.inner
     return _inline(
-        _take, [value], name_stack, axis=split.axis, outer=split.outer, start=chunk * rows, rows=rows
+        _take,
+        [value],
+        name_stack,
+        axis=split.axis,
+        outer=split.outer,
+        start=chunk * rows,
+        rows=rows,
     )
 
 

@@ -164,7 +164,7 @@ def _reshape(op: Op, layouts, uniform) -> Chunking | None:
                 return Chunking(
                     (layout.axis,),
                     (split,),
-                    _with_param(op, "new_sizes", lambda n: _divided(out_shape, axis, n)),
+                    _with_param(op, "new_sizes", lambda n, axis=axis: _divided(out_shape, axis, n)),
                 )
         out_stride *= size
         if out_stride > stride:
@@ -206,9 +206,7 @@ def _along_other_axis(param: str):
             return None
         if op.eqn.params[param] == split.axis:
             return None
-        return Chunking(
-            (split.axis,) * len(layouts), (split,) * len(op.outputs), _same_params(op)
-        )
+        return Chunking((split.axis,) * len(layouts), (split,) * len(op.outputs), _same_params(op))
 
     return rule
 
@@ -410,7 +408,9 @@ RULES: dict[str, Callable[[Op, Sequence[Layout], Sequence[frozenset[int]]], Chun
 }
 
 
-def chunking(op: Op, layouts: Sequence[Layout], uniform: Sequence[frozenset[int]]) -> Chunking | None:
+def chunking(
+    op: Op, layouts: Sequence[Layout], uniform: Sequence[frozenset[int]]
+) -> Chunking | None:
     """How ``op`` runs on chunks, given its operands' layouts; None when it cannot."""
     if all(layout is None for layout in layouts):
         return None

@@ -75,9 +75,7 @@ def pipeline_seconds(
 class _RangeCosts:
     """Estimated seconds of ranges, with per-op chunk costs cached across candidates."""
 
-    def __init__(
-        self, program: Program, layouts: BatchLayouts, seconds: Callable[[Op], float]
-    ):
+    def __init__(self, program: Program, layouts: BatchLayouts, seconds: Callable[[Op], float]):
         self.program = program
         self.layouts = layouts
         self.seconds = seconds

@@ -1,0 +1,149 @@
+"""The partitioned train step (schedules ``partition`` and ``lancet``) computes what the
+unpartitioned one computes.
+
+Routing is decided per routing group and chunks hold whole groups, so which
+tokens are dropped is identical, step for step. The arithmetic is the same op
+for op; XLA compiles the chunked program differently (different fusions around
+the reassembled residuals), which moves gradients by a few ulps, so floating
+results are compared to a tight tolerance.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jaxmoe.config import Config, MoEConfig, ParallelConfig
+from jaxmoe.parallel import build_mesh
+from jaxmoe.presets import preset
+from jaxmoe.train.scheduled import abstract_step_args, plan_train_step
+from jaxmoe.train.step import build_train_step
+from scheduling.capture import aval_bytes, capture
+from scheduling.optimize import batch_inputs, plan
+from scheduling.policy import SchedulePolicy
+from tests.train.test_scheduled import run, small, with_schedule
+
+EXACT_METRICS = ("dropped_fraction", "expert_imbalance")
+
+
+def partitioned(config: Config, schedule: str, chunks: int = 0) -> Config:
+    train = dataclasses.replace(
+        config.train,
+        schedule=schedule,
+        schedule_partition_always=True,
+        schedule_partition_chunks=chunks,
+    )
+    return dataclasses.replace(config, train=train)
+
+
+def assert_same_training(result, reference):
+    (history, state), (expected_history, expected_state) = result, reference
+    for metrics, expected in zip(history, expected_history, strict=True):
+        for name in EXACT_METRICS:
+            np.testing.assert_array_equal(metrics[name], expected[name], err_msg=name)
+        for name in metrics:
+            np.testing.assert_allclose(
+                metrics[name], expected[name], rtol=2e-5, atol=1e-6, err_msg=name
+            )
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6), state, expected_state
+    )
+
+
+CASES = {
+    "2x4-top2-drops-lancet": ((2, 4), MoEConfig(8, top_k=2, capacity_factor=1.0), "lancet", 2),
+    "1x8-top1-dropless-n4": ((1, 8), MoEConfig(8, top_k=1, capacity_factor=None), "partition", 4),
+    "4x2-top1-drops-n4": ((4, 2), MoEConfig(4, top_k=1, capacity_factor=0.5), "lancet", 4),
+    "2x4-top2-dropless-search": (
+        (2, 4),
+        MoEConfig(8, top_k=2, capacity_factor=None),
+        "partition",
+        0,
+    ),
+}
+
+
+@pytest.mark.parametrize(("mesh", "moe", "schedule", "chunks"), CASES.values(), ids=CASES.keys())
+def test_partitioned_training_matches_over_five_steps(mesh, moe, schedule, chunks):
+    config = small(ParallelConfig(*mesh), moe, layers=2, moe_every=1)
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train, batch_size=32))
+    reference = run(with_schedule(config, "none"), steps=5)
+    result = run(partitioned(config, schedule, chunks), steps=5)
+    assert_same_training(result, reference)
+
+
+def test_drops_happen_and_match():
+    moe = MoEConfig(num_experts=8, top_k=2, capacity_factor=0.5)
+    config = small(ParallelConfig(2, 4), moe)
+    reference = run(with_schedule(config, "none"), steps=2)
+    assert all(m["dropped_fraction"] > 0 for m in reference[0])
+    assert_same_training(run(partitioned(config, "partition"), steps=2), reference)
+
+
+@settings(
+    max_examples=3, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
+@given(
+    mesh=st.sampled_from([(1, 8), (2, 4), (4, 2)]),
+    top_k=st.integers(1, 2),
+    capacity=st.sampled_from([None, 0.5, 1.25]),
+    layers=st.integers(1, 3),
+    schedule=st.sampled_from(["partition", "lancet"]),
+)  # fmt: skip
+def test_partitioned_training_matches_on_generated_configs(mesh, top_k, capacity, layers, schedule):
+    moe = MoEConfig(num_experts=8, top_k=top_k, capacity_factor=capacity)
+    config = small(ParallelConfig(*mesh), moe, layers=layers, moe_every=1)
+    reference = run(with_schedule(config, "none"), steps=2)
+    assert_same_training(run(partitioned(config, schedule), steps=2), reference)
+
+
+def _all_to_all_bytes(program) -> int:
+    return sum(
+        aval_bytes(atom.aval)
+        for op in program.ops
+        if op.primitive == "all_to_all"
+        for atom in op.inputs
+    )
+
+
+@pytest.mark.parametrize("chunks", [None, 2, 4])
+def test_default_preset_all_to_all_bytes_grow_at_most_ten_percent(chunks):
+    config = preset("tiny")
+    mesh = build_mesh(config.parallel)
+    sharded = build_train_step(config, mesh)
+    program = capture(
+        sharded.per_device,
+        *abstract_step_args(config, mesh),
+        mesh=mesh,
+        in_specs=sharded.in_specs,
+        out_specs=sharded.out_specs,
+    )
+    policy = SchedulePolicy(
+        name="lancet",
+        profile="cpu",
+        partition_chunks=chunks,
+        partition_always=chunks is not None,
+    )
+    planned = plan(program, policy, batch_inputs=batch_inputs(program, sharded.batch_argnums))
+    if chunks is not None:
+        assert planned.partitions and all(c.plan.n == chunks for c in planned.partitions)
+    before, after = _all_to_all_bytes(program), _all_to_all_bytes(planned.graph.program)
+    assert after <= 1.10 * before
+    assert after == before  # chunks hold whole routing groups: nothing is padded
+
+
+def test_report_lists_each_partitioned_range(tmp_path):
+    config = partitioned(preset("tiny"), "lancet", chunks=2)
+    planned = plan_train_step(config, build_mesh(config.parallel))
+    report = planned.report
+    assert report.partitions
+    for part in report.partitions:
+        assert part.chunks == 2
+        assert any(layer.endswith("/moe") for layer in part.layers)
+        assert part.first_op and part.last_op
+    assert "partitioned" in report.table()
+    data = report.to_json()
+    assert data["partitions"][0]["chunks"] == 2
