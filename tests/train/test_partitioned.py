@@ -4,8 +4,10 @@ unpartitioned one computes.
 Routing is decided per routing group and chunks hold whole groups, so which
 tokens are dropped is identical, step for step. The arithmetic is the same op
 for op; XLA compiles the chunked program differently (different fusions around
-the reassembled residuals), which moves gradients by a few ulps, so floating
-results are compared to a tight tolerance.
+the reassembled residuals, so elementwise math is vectorised differently),
+which moves gradients by a few ulps. Losses and metrics are compared to 2e-5
+relative; parameters after five AdamW steps at learning rate 1e-2 to 5e-5
+absolute, half a percent of one step's update.
 """
 
 import dataclasses
@@ -49,7 +51,7 @@ def assert_same_training(result, reference):
                 metrics[name], expected[name], rtol=2e-5, atol=1e-6, err_msg=name
             )
     jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6), state, expected_state
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-5), state, expected_state
     )
 
 
