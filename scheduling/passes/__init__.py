@@ -1,5 +1,11 @@
-"""Scheduling passes over the dataflow graph: split collectives into start/done
-pairs, pack dW work into backward all-to-all windows, and order the program."""
+"""Scheduling passes over the captured program and its dataflow graph.
+
+``partition_search`` and ``partition_forward`` cut forward ranges into
+pipelined chunks (rules in ``partition_rules``, layouts from
+``batch_layout``, new ops from ``chunk_ops``); ``split_async`` turns
+collectives into start/done pairs; ``schedule_dw`` packs dW work into the
+backward all-to-all windows; ``order`` produces the final order.
+"""
 
 from scheduling.passes.order import Schedule, order
 from scheduling.passes.schedule_dw import Placement, schedule_dw

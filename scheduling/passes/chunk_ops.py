@@ -41,9 +41,9 @@ def _take(x: jax.Array, *, axis: int, outer: int, start: int, rows: int) -> jax.
     if outer == 1:
         return lax.slice_in_dim(x, start, start + rows, axis=axis)
     shape = x.shape
-    grouped = x.reshape(shape[:axis] + (outer, shape[axis] // outer) + shape[axis + 1 :])
+    grouped = x.reshape((*shape[:axis], outer, shape[axis] // outer, *shape[axis + 1 :]))
     taken = lax.slice_in_dim(grouped, start, start + rows, axis=axis + 1)
-    return taken.reshape(shape[:axis] + (outer * rows,) + shape[axis + 1 :])
+    return taken.reshape((*shape[:axis], outer * rows, *shape[axis + 1 :]))
 
 
 def _join(*chunks: jax.Array, axis: int, outer: int) -> jax.Array:
@@ -55,9 +55,9 @@ def _join(*chunks: jax.Array, axis: int, outer: int) -> jax.Array:
     if outer == 1:
         return lax.optimization_barrier(lax.concatenate(chunks, axis))
     shape = chunks[0].shape
-    split_shape = shape[:axis] + (outer, shape[axis] // outer) + shape[axis + 1 :]
+    split_shape = (*shape[:axis], outer, shape[axis] // outer, *shape[axis + 1 :])
     joined = lax.concatenate([c.reshape(split_shape) for c in chunks], axis + 1)
-    whole = shape[:axis] + (shape[axis] * len(chunks),) + shape[axis + 1 :]
+    whole = (*shape[:axis], shape[axis] * len(chunks), *shape[axis + 1 :])
     return lax.optimization_barrier(joined.reshape(whole))
 
 

@@ -217,6 +217,7 @@ def test_without_async_primitives_fallback_to_sync_is_exact(no_async):
         ({"name": "fast"}, "name"),
         ({"profile": "tpu-v9"}, "profile"),
         ({"max_live_bytes_growth": -0.5}, "max_live_bytes_growth"),
+        ({"partition_chunks": 1}, "partition_chunks"),
     ],
 )
 def test_schedule_policy_validation_names_the_field(kwargs, field):
@@ -235,7 +236,8 @@ def test_schedule_policy_profiles():
     assert SchedulePolicy().device_profile is scheduling.policy.PROFILES["a100"]
     custom = scheduling.policy.PROFILES["cpu"].with_link(1e9)
     assert SchedulePolicy(profile=custom).device_profile is custom
-    assert set(scheduling.POLICIES) == set(POLICY_NAMES)
+    # The partitioning policies need batch arguments: they are tested in test_partition.
+    assert set(scheduling.POLICIES) == {*POLICY_NAMES, "partition", "lancet"}
 
 
 def test_xla_gpu_flags():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import numpy as np
 import pytest
@@ -168,7 +170,7 @@ def test_op_groups_cover_the_forward_pass_and_end_at_each_all_to_all():
     program = toys.program(toys.loss_with_batch_statistic)
     groups = op_groups(program)
     assert groups[0][0] == 0
-    assert all(a[1] == b[0] for a, b in zip(groups, groups[1:], strict=False))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(groups))
     for op in _forward_all_to_alls(program):
         assert any(end == op.index + 1 for _, end in groups)
 
