@@ -4,8 +4,8 @@ collectives run asynchronously behind computation.
 It works on jaxprs alone and knows nothing of Flax or of jaxmoe:
 ``capture`` traces the step to one flat per-device program, ``graph`` makes
 it a dataflow graph with collectives as start/done pairs, ``passes`` cut
-forward ranges into pipelined chunks and place and order the work, ``emit`` rebuilds a jit-compiled step, and ``report``
-says what was done. Entry point: :func:`optimize`.
+forward ranges into pipelined chunks and place and order the work, ``emit``
+rebuilds a jit-compiled step, and ``report`` says what was done. Entry point: :func:`optimize`.
 """
 
 from scheduling.cost import PROFILES, DeviceProfile

@@ -11,6 +11,8 @@ from scheduling.capture import Phase, Value, inline_jaxpr
 from scheduling.passes.chunk_ops import chunk_aval, chunk_copy
 from scheduling.passes.partition_rules import Split, chunking
 
+IN_BOUNDS = jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS
+
 
 def _single_op(fn, *shapes, dtype=jnp.float32):
     """The one interesting op of ``fn`` (the last equation), with its input values."""
@@ -110,24 +112,45 @@ def test_top_k_and_slice():
 
 
 def test_gather_of_rows_by_split_indices():
-    table = (7, 3)
-    _check_against_chunks(
-        lambda t, i: t[i], [table, (4, 5)], [None, Split(0)], n=2, dtype=jnp.int32
+    numbers = jax.lax.GatherDimensionNumbers(
+        offset_dims=(2,), collapsed_slice_dims=(0,), start_index_map=(0,)
     )
+
+    def gather(table, index):
+        return jax.lax.gather(table, index, numbers, slice_sizes=(1, 3), mode=IN_BOUNDS)
+
+    _check_against_chunks(gather, [(7, 3), (4, 5, 1)], [None, Split(0)], n=2, dtype=jnp.int32)
 
 
 def test_batched_gather_and_scatter_add():
+    gather_numbers = jax.lax.GatherDimensionNumbers(
+        offset_dims=(2,),
+        collapsed_slice_dims=(1,),
+        start_index_map=(1,),
+        operand_batching_dims=(0,),
+        start_indices_batching_dims=(0,),
+    )
+
     def gather(values, index):
-        return jax.vmap(lambda v, i: v[i])(values, index)
-
-    _check_against_chunks(gather, [(4, 6, 2), (4, 3)], [Split(0), Split(0)], n=2, dtype=jnp.int32)
-
-    def scatter(buffer, index, updates):
-        return jax.vmap(lambda b, i, u: b.at[i].add(u))(buffer, index, updates)
+        return jax.lax.gather(values, index, gather_numbers, (1, 1, 2), mode=IN_BOUNDS)
 
     _check_against_chunks(
-        scatter,
-        [(4, 6, 2), (4, 3), (4, 3, 2)],
+        gather, [(4, 6, 2), (4, 3, 1)], [Split(0), Split(0)], n=2, dtype=jnp.int32
+    )
+    scatter_numbers = jax.lax.ScatterDimensionNumbers(
+        update_window_dims=(2,),
+        inserted_window_dims=(1,),
+        scatter_dims_to_operand_dims=(1,),
+        operand_batching_dims=(0,),
+        scatter_indices_batching_dims=(0,),
+    )
+
+    def scatter_add(buffer, index, updates):
+        return jax.lax.scatter_add(buffer, index, updates, scatter_numbers, mode=IN_BOUNDS)
+
+    _check_against_chunks(
+        scatter_add,
+        [(4, 6, 2), (4, 3, 1), (4, 3, 2)],
         [Split(0), Split(0), Split(0)],
         n=2,
         dtype=jnp.int32,
