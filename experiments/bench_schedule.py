@@ -23,7 +23,7 @@ RESULTS = Path(__file__).parent / "results" / "bench_schedule.md"
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="gpt2-moe-12")
-    parser.add_argument("--schedule", default="dw", choices=("async", "dw"))
+    parser.add_argument("--schedule", default="dw", choices=("async", "dw", "partition", "lancet"))
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
 

@@ -240,7 +240,7 @@ class TrainConfig:
     schedule: str = "none"
     # Device profile of the scheduler's cost model.
     schedule_profile: str = "a100"
-    # Collectives smaller than this stay synchronous (and combinable by XLA).
+    # Reductions smaller than this stay synchronous (and combinable by XLA).
     schedule_async_min_bytes: int = 0
     # Op costs for the scheduler: analytic (the profile) or measured on this backend.
     schedule_op_costs: str = "analytic"

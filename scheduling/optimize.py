@@ -13,7 +13,7 @@ from scheduling.emit import ScheduledStep, emit
 from scheduling.graph import Graph, Kind, Node, Role
 from scheduling.link_model import CollectiveCurves
 from scheduling.passes import Placement, order, schedule_dw, split_async
-from scheduling.passes.batch_layout import analyze
+from scheduling.passes.batch_layout import BatchLayouts, analyze
 from scheduling.passes.order import Schedule
 from scheduling.passes.partition_forward import partition_program
 from scheduling.passes.partition_search import CHUNK_COUNTS, PartitionChoice, search
@@ -112,11 +112,53 @@ def plan(
         layouts = analyze(program, batch_inputs)
         counts = CHUNK_COUNTS if policy.partition_chunks is None else (policy.partition_chunks,)
         partitions = search(program, layouts, cost.seconds, counts, policy.partition_always)
+        if not policy.partition_always:
+            partitions = _keep_what_pays(program, layouts, partitions, policy, cost)
         program = partition_program(program, layouts, [choice.plan for choice in partitions])
+    graph, schedule, _ = _schedule(program, policy, cost)
+    return Plan(graph, schedule, partitions)
+
+
+def _schedule(
+    program: Program, policy: SchedulePolicy, cost: CostModel
+) -> tuple[Graph, Schedule, float]:
+    """Split, place dW work (if the policy does), order; and the simulated step time."""
     graph = split_async(program, min_bytes=policy.async_min_bytes)
     seconds = _node_seconds(cost)
     placement = schedule_dw(graph, seconds) if policy.name in PACKING_DW else Placement()
-    return Plan(graph, order(graph, placement, policy.max_live_bytes_growth), partitions)
+    schedule = order(graph, placement, policy.max_live_bytes_growth)
+    return graph, schedule, simulate(graph, schedule.order, seconds).step_seconds
+
+
+def _keep_what_pays(
+    program: Program,
+    layouts: BatchLayouts,
+    choices: list[PartitionChoice],
+    policy: SchedulePolicy,
+    cost: CostModel,
+) -> list[PartitionChoice]:
+    """The ranges whose partition shortens the whole simulated step.
+
+    The search scores each range on its own; in the whole step its chunked
+    all-to-alls share the link with every other collective. Each range is dropped
+    in turn if the step is estimated shorter without it; then all are dropped if
+    together they do not beat the unpartitioned step.
+    """
+
+    def estimate(kept: list[PartitionChoice]) -> float:
+        partitioned = partition_program(program, layouts, [choice.plan for choice in kept])
+        return _schedule(partitioned, policy, cost)[2]
+
+    if not choices:
+        return []
+    kept = list(choices)
+    best = estimate(kept)
+    for choice in choices:
+        trial = [c for c in kept if c is not choice]
+        seconds = estimate(trial)
+        if seconds < best:
+            kept, best = trial, seconds
+    return kept if kept and best < estimate([]) else []
 
 
 def _node_seconds(cost: CostModel) -> Callable[[Node], float]:

@@ -28,9 +28,10 @@ class SchedulePolicy:
     max_live_bytes_growth: float = 0.1
     # On a JAX without known async primitives: keep the order with sync collectives.
     fallback_to_sync: bool = False
-    # Collectives whose operand is smaller stay synchronous where they are. Each async
-    # pair is launched on its own, so splitting many small reductions forgoes XLA's
-    # combining of them into one; below latency x bandwidth they gain little overlap.
+    # Reductions and gathers whose operand is smaller stay synchronous where they are.
+    # Each async pair is launched on its own, so splitting many small reductions forgoes
+    # XLA's combining of them into one; below latency x bandwidth they gain little
+    # overlap. All-to-alls are never combined and always split.
     async_min_bytes: int = 0
     # "analytic": FLOPs and bytes over the profile. "measured": each distinct op timed
     # on this backend (scheduling.profiling), cached under op_cost_cache when given.

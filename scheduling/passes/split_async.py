@@ -8,6 +8,11 @@ from scheduling import jax_adapter
 from scheduling.capture import Op, Program, aval_bytes
 from scheduling.graph import Graph
 
+# Collectives that XLA's combiners merge when they stay synchronous; ``min_bytes``
+# applies to these only. An all-to-all is never combined, and a partitioned range
+# makes small ones on purpose: they must stay async to overlap.
+COMBINABLE = frozenset({"psum", "psum_invariant", "pmax", "pmin", "all_gather", "reduce_scatter"})
+
 
 def splittable(op: Op) -> bool:
     """Whether ``op`` is a collective with an async start/done form (see the adapter)."""
@@ -17,8 +22,8 @@ def splittable(op: Op) -> bool:
 
 
 def split_async(program: Program, kinds: Iterable[str] | None = None, min_bytes: int = 0) -> Graph:
-    """The program's graph with every splittable collective (of ``kinds``, with an operand
-    of at least ``min_bytes``) as a pair.
+    """The program's graph with every splittable collective (of ``kinds``; for combinable
+    ones, with an operand of at least ``min_bytes``) as a pair.
 
     Without async primitives in this JAX the plan still has the pairs; the emitter
     then either refuses or binds the synchronous collective (``fallback_to_sync``).
@@ -28,7 +33,7 @@ def split_async(program: Program, kinds: Iterable[str] | None = None, min_bytes:
     def split(op: Op) -> bool:
         if allowed is not None and op.primitive not in allowed:
             return False
-        if sum(aval_bytes(a.aval) for a in op.inputs) < min_bytes:
+        if op.primitive in COMBINABLE and sum(aval_bytes(a.aval) for a in op.inputs) < min_bytes:
             return False
         if not jax_adapter.async_collectives_available():
             return op.is_collective and len(op.inputs) == 1
