@@ -81,6 +81,9 @@ class ScheduleReport:
             "overlap_seconds": self.overlap_seconds,
             "exposed_communication_seconds": self.exposed_communication_seconds,
             "compute_seconds": self.compute_seconds,
+            # Idle: the step minus the time each stream is busy (compute waits included).
+            "compute_idle_seconds": self.step_seconds - self.compute_seconds,
+            "communication_idle_seconds": self.step_seconds - self.communication_seconds,
             "step_seconds": self.step_seconds,
             "baseline_step_seconds": self.baseline_step_seconds,
             "dw_ops": self.dw_ops,
@@ -99,6 +102,12 @@ class ScheduleReport:
     def save_trace(self, path: str | Path) -> None:
         """The simulated timeline, for https://ui.perfetto.dev or chrome://tracing."""
         Path(path).write_text(json.dumps(self.trace) + "\n")
+
+    def save_gantt(self, path: str | Path) -> None:
+        """The simulated timeline as a Gantt chart (PNG; needs matplotlib)."""
+        from scheduling.gantt import gantt_png
+
+        gantt_png(self.trace, path, title=f"schedule '{self.policy}' on {self.profile}")
 
     def table(self, max_rows: int | None = None) -> str:
         """A readable table: one row per collective, then the totals."""

@@ -114,7 +114,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_config_arguments(schedule)
     schedule.add_argument(
         "--out",
-        help="directory for schedule_report.json, schedule_timeline.json and step.stablehlo.txt",
+        help="directory for schedule_report.json, schedule_timeline.json/.png, step.stablehlo.txt",
     )
     return parser
 
@@ -194,9 +194,12 @@ def _train(config: Config, args: argparse.Namespace) -> int:
 def _schedule(config: Config, args: argparse.Namespace) -> int:
     from jaxmoe.parallel.mesh import build_mesh
     from jaxmoe.train.scheduled import plan_train_step
+    from scheduling import gantt
 
     if config.train.schedule == "none":
-        raise ConfigError("--schedule none leaves the step as it is: choose async or dw")
+        raise ConfigError(
+            "--schedule none leaves the step as it is: choose async, dw, partition or lancet"
+        )
     planned = plan_train_step(config, build_mesh(config.parallel))
     print(planned.report.table())
     if args.out is not None:
@@ -204,8 +207,15 @@ def _schedule(config: Config, args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
         planned.report.save(out / "schedule_report.json")
         planned.report.save_trace(out / "schedule_timeline.json")
+        if gantt.available():
+            planned.report.save_gantt(out / "schedule_timeline.png")
+        else:
+            print("matplotlib is not installed: no schedule_timeline.png (pip install .[plots])")
         (out / "step.stablehlo.txt").write_text(planned.stablehlo())
-        print(f"wrote schedule_report.json, schedule_timeline.json and step.stablehlo.txt to {out}")
+        print(
+            "wrote schedule_report.json, schedule_timeline.json, schedule_timeline.png and "
+            f"step.stablehlo.txt to {out}"
+        )
     return 0
 
 

@@ -44,10 +44,15 @@ class RunLog:
 
     def write_schedule_report(self, report: Any) -> None:
         """``schedule_report.json``: what the scheduling layer did to the step, and
-        ``schedule_timeline.json``: its simulated timeline (open in Perfetto's UI)."""
+        ``schedule_timeline.json``: its simulated timeline (open in Perfetto's UI), and
+        ``schedule_timeline.png`` drawn from it when matplotlib is installed."""
+        from scheduling import gantt
+
         if self.active:
             report.save(self.out_dir / "schedule_report.json")
             report.save_trace(self.out_dir / "schedule_timeline.json")
+            if gantt.available():
+                report.save_gantt(self.out_dir / "schedule_timeline.png")
 
     def write(self, row: dict[str, Any]) -> None:
         if self._metrics is not None:

@@ -56,3 +56,38 @@ def test_synchronous_collectives_are_waits_on_the_compute_stream():
     waits = [e for e in _intervals(trace, 0) if e["cat"] == "wait"]
     assert waits and all(e["name"].startswith("wait ") for e in waits)
     assert sum(e["dur"] for e in waits) == pytest.approx(timeline.communication_seconds * 1e6)
+
+
+def test_gantt_chart_draws_both_streams_and_the_waits(tmp_path):
+    import matplotlib.image
+
+    from scheduling.gantt import COLLECTIVE_COLOURS, WAIT_COLOUR, gantt_png
+
+    def span(tid, name, cat, ts, dur):
+        return {"ph": "X", "pid": 0, "tid": tid, "name": name, "cat": cat, "ts": ts, "dur": dur}
+
+    def trace(*spans):
+        streams = [
+            {"ph": "M", "name": "thread_name", "pid": 0, "tid": tid, "args": {"name": name}}
+            for tid, name in ((0, "compute"), (1, "communication"))
+        ]
+        process = {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "toy"}}
+        return {"traceEvents": [process, *streams, *spans]}
+
+    def pixels_of(colour: str, document) -> int:
+        path = tmp_path / "timeline.png"
+        gantt_png(document, path)
+        pixels = matplotlib.image.imread(path)[..., :3]
+        rgb = [int(colour[i : i + 2], 16) / 255 for i in (1, 3, 5)]
+        return int((abs(pixels - rgb).max(axis=-1) < 0.02).sum())
+
+    compute = span(0, "dot_general@layer_0", "forward", 0, 400)
+    exchange = span(1, "all_to_all@layer_0", "forward", 400, 300)
+    wait = span(0, "wait all_to_all@layer_0", "wait", 400, 300)
+    after = span(0, "dot_general@layer_0", "backward", 700, 300)
+    # The legend shows every colour once; a bar adds many more pixels of its colour.
+    legend_only = pixels_of(WAIT_COLOUR, trace(compute, exchange, after))
+    assert pixels_of(WAIT_COLOUR, trace(compute, exchange, wait, after)) > 10 * legend_only
+    legend_only = pixels_of(COLLECTIVE_COLOURS["all_to_all"], trace(compute, wait, after))
+    with_bar = pixels_of(COLLECTIVE_COLOURS["all_to_all"], trace(compute, exchange, wait, after))
+    assert with_bar > 10 * legend_only

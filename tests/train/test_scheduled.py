@@ -171,6 +171,7 @@ def test_schedule_command_writes_report_and_stablehlo(tmp_path, capsys):
     assert "stablehlo.async_start" in (out / "step.stablehlo.txt").read_text()
     trace = json.loads((out / "schedule_timeline.json").read_text())
     assert {e["tid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1}
+    assert (out / "schedule_timeline.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_train_with_schedule_saves_the_report(tmp_path):
