@@ -19,7 +19,7 @@ DTYPES = ("float32", "bfloat16")
 # The policies of scheduling.SchedulePolicy (kept here so that reading a config does not
 # import JAX; a test checks that the two agree).
 SCHEDULES = ("none", "async", "dw", "partition", "lancet")
-SCHEDULE_PROFILES = ("a100", "v100", "cpu")
+SCHEDULE_PROFILES = ("a100", "v100", "cpu", "a100-8x-nvlink-400g", "v100-8x-nvlink-100g")
 OP_COSTS = ("analytic", "measured")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 

@@ -13,8 +13,10 @@ to rank placements; they are not measurements.
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import Any
 
 from scheduling.capture import Op, aval_bytes
@@ -33,7 +35,13 @@ REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "argmax", "arg
 
 @dataclass(frozen=True)
 class DeviceProfile:
-    """Throughputs of one device and its link to the others."""
+    """Throughputs of one device and its links to the others.
+
+    Flat (``devices_per_node == 0``): every collective runs over ``link_bytes_per_s``
+    per device. Hierarchical: devices come in nodes of ``devices_per_node`` (consecutive
+    device ids); ``link_bytes_per_s`` is each device's link inside its node (NVLink),
+    and the devices of a node share ``node_link_bytes_per_s`` to the other nodes.
+    """
 
     name: str
     flops_per_s: float
@@ -41,14 +49,23 @@ class DeviceProfile:
     op_overhead_s: float
     link_bytes_per_s: float
     link_latency_s: float
+    devices_per_node: int = 0
+    node_link_bytes_per_s: float = 0.0
+    node_link_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("flops_per_s", "memory_bytes_per_s", "link_bytes_per_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"DeviceProfile.{name} must be > 0")
-        for name in ("op_overhead_s", "link_latency_s"):
+        for name in ("op_overhead_s", "link_latency_s", "node_link_latency_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"DeviceProfile.{name} must be >= 0")
+        if self.devices_per_node < 0:
+            raise ValueError("DeviceProfile.devices_per_node must be >= 0 (0: one flat link)")
+        if self.devices_per_node and self.node_link_bytes_per_s <= 0:
+            raise ValueError(
+                "DeviceProfile.node_link_bytes_per_s must be > 0 when devices_per_node is set"
+            )
 
     def with_link(self, bytes_per_s: float, latency_s: float | None = None) -> DeviceProfile:
         return replace(
@@ -58,6 +75,19 @@ class DeviceProfile:
         )
 
 
+def load_profile(path: str | Path) -> DeviceProfile:
+    """A profile from a hardware profile file: JSON with the fields of :class:`DeviceProfile`
+    (plus ``description`` and ``sources``, which say where each figure comes from)."""
+    data = json.loads(Path(path).read_text())
+    known = {f.name for f in fields(DeviceProfile)}
+    unknown = set(data) - known - {"description", "sources"}
+    if unknown:
+        raise ValueError(f"{path}: unknown profile fields {sorted(unknown)}")
+    return DeviceProfile(**{name: value for name, value in data.items() if name in known})
+
+
+PROFILE_FILES = Path(__file__).parent / "profiles"
+
 PROFILES: dict[str, DeviceProfile] = {
     # A100 SXM: 156 TFLOP/s TF32 dense, 1.55 TB/s HBM2; 200 Gbit/s network per GPU.
     "a100": DeviceProfile("a100", 156e12, 1.55e12, 5e-6, 25e9, 10e-6),
@@ -65,6 +95,8 @@ PROFILES: dict[str, DeviceProfile] = {
     "v100": DeviceProfile("v100", 125e12, 0.9e12, 5e-6, 100e9 / 8 / 8, 10e-6),
     # One core of a CPU host running fake devices, joined by a 300 Mbit/s shaped link.
     "cpu": DeviceProfile("cpu", 20e9, 10e9, 5e-6, 300e6 / 8, 100e-6),
+    # Multi-node clusters, from the files in scheduling/profiles/ (sources inside).
+    **{p.name: p for p in map(load_profile, sorted(PROFILE_FILES.glob("*.json")))},
 }
 
 
@@ -95,11 +127,32 @@ def op_bytes(op: Op) -> int:
     return sum(aval_bytes(a.aval) for a in op.inputs) + sum(aval_bytes(v.aval) for v in op.outputs)
 
 
-def _group_size(op: Op, axis_sizes: dict[str, int]) -> int:
+def _group_axes(op: Op) -> tuple[str, ...]:
     params = op.eqn.params
     axes = params.get("axes", params.get("axis_name", ()))
     axes = axes if isinstance(axes, tuple | list) else (axes,)
-    return math.prod(axis_sizes.get(axis, 1) for axis in axes if isinstance(axis, str))
+    return tuple(axis for axis in axes if isinstance(axis, str))
+
+
+def _group_size(op: Op, axis_sizes: dict[str, int]) -> int:
+    return math.prod(axis_sizes.get(axis, 1) for axis in _group_axes(op))
+
+
+def members_per_node(axes: tuple[str, ...], axis_sizes: dict[str, int], per_node: int) -> int:
+    """Members of a collective group over ``axes`` that share a node with its first member.
+
+    Devices are numbered row-major over the mesh axes (in ``axis_sizes`` order), and
+    nodes hold ``per_node`` consecutive devices.
+    """
+    strides, stride = {}, 1
+    for name in reversed(list(axis_sizes)):
+        strides[name] = stride
+        stride *= axis_sizes[name]
+    members = [0]
+    for axis in axes:
+        if axis in axis_sizes:
+            members = [m + k * strides[axis] for m in members for k in range(axis_sizes[axis])]
+    return sum(1 for m in members if m < per_node)
 
 
 def collective_wire_bytes(op: Op, axis_sizes: dict[str, int]) -> float:
@@ -152,13 +205,46 @@ class CostModel:
         wire = collective_wire_bytes(op, self.axis_sizes)
         if wire == 0:
             return 0.0
+        group = _group_size(op, self.axis_sizes)
         if self.curves is not None:
             operand = sum(aval_bytes(a.aval) for a in op.inputs)
-            group = _group_size(op, self.axis_sizes)
             measured = self.curves.seconds(op.primitive, group, operand)
             if measured is not None:
                 return measured
-        return self.profile.link_latency_s + wire / self.profile.link_bytes_per_s
+        profile = self.profile
+        if profile.devices_per_node:
+            local = members_per_node(_group_axes(op), self.axis_sizes, profile.devices_per_node)
+            if local < group:
+                return self._across_nodes(op, group, local)
+        return profile.link_latency_s + wire / profile.link_bytes_per_s
+
+    def _across_nodes(self, op: Op, group: int, local: int) -> float:
+        """A collective whose group spans ``group // local`` nodes of ``local`` members.
+
+        All-to-all: the in-node share goes over each device's link while the rest crosses
+        the node link, shared by the node's members, at the same time. Reductions and
+        gathers run hierarchically: within the node, then across nodes.
+        """
+        profile = self.profile
+        nodes = group // local
+        operand = sum(aval_bytes(a.aval) for a in op.inputs)
+        result = sum(aval_bytes(v.aval) for v in op.outputs)
+        latency = profile.link_latency_s + profile.node_link_latency_s
+        if op.primitive == "all_to_all":
+            inside = operand * (local - 1) / group / profile.link_bytes_per_s
+            across = local * operand * (group - local) / group / profile.node_link_bytes_per_s
+            return latency + max(inside, across)
+        if op.primitive in ("psum", "psum_invariant", "pmax", "pmin"):
+            volume, passes = operand, 2
+        elif op.primitive == "all_gather":
+            volume, passes = result, 1
+        elif op.primitive == "reduce_scatter":
+            volume, passes = operand, 1
+        else:  # ppermute and the rest: the whole operand over the node link
+            return latency + operand / profile.node_link_bytes_per_s
+        inside = passes * volume * (local - 1) / local / profile.link_bytes_per_s
+        across = passes * volume * (nodes - 1) / nodes / profile.node_link_bytes_per_s
+        return latency + inside + across
 
     def seconds(self, op: Op) -> float:
         return self.collective_seconds(op) if op.is_collective else self.compute_seconds(op)

@@ -11,10 +11,13 @@ from jax.sharding import PartitionSpec as P
 
 from scheduling.capture import capture
 from scheduling.cost import (
+    PROFILE_FILES,
     PROFILES,
     CostModel,
     DeviceProfile,
     collective_wire_bytes,
+    load_profile,
+    members_per_node,
     op_bytes,
     op_flops,
 )
@@ -296,3 +299,73 @@ def test_sync_collective_waits_for_the_link_then_for_its_transfer():
     assert (sync_timing.issued, sync_timing.began, sync_timing.finished) == (2.0, 5.0, 9.0)
     assert sync_timing.stall == 7.0
     assert timeline.step_seconds == 10.0
+
+
+# Multi-node profiles.
+
+
+def test_members_per_node_follow_the_mesh_order():
+    assert members_per_node(("expert",), {"data": 2, "expert": 8}, 8) == 8
+    assert members_per_node(("data",), {"data": 2, "expert": 8}, 8) == 1
+    assert members_per_node(("data", "expert"), {"data": 2, "expert": 8}, 8) == 8
+    assert members_per_node(("expert",), {"data": 1, "expert": 32}, 8) == 8
+    assert members_per_node(("data",), {"data": 4, "expert": 2}, 8) == 4
+
+
+NODES = dataclasses.replace(
+    PROFILE, devices_per_node=8, node_link_bytes_per_s=1e5, node_link_latency_s=2e-5
+)
+
+
+def _collective(kind):
+    mesh = mesh_x()
+    collectives = {
+        "all_to_all": lambda v: jax.lax.all_to_all(v, "x", 0, 0, tiled=True),
+        "psum": lambda v: jax.lax.psum(v, "x"),
+    }
+    ops, _ = _ops(
+        collectives[kind], sds(mesh, (8 * 16, 4), P("x")), in_specs=P("x"), out_specs=P("x")
+    )
+    return ops[kind]
+
+
+def test_all_to_all_across_nodes_by_hand():
+    op = _collective("all_to_all")
+    operand = 16 * 4 * F32
+    # 16 devices in 2 nodes: 7/16 of the buffer stays inside the node over each device's
+    # link; 8/16 leaves it, and the 8 devices of the node share the node link.
+    inside = operand * 7 / 16 / 1e6
+    across = 8 * operand * 8 / 16 / 1e5
+    expected = 1e-5 + 2e-5 + max(inside, across)
+    assert CostModel(NODES, {"x": 16}).seconds(op) == pytest.approx(expected)
+    # Within one node it is the flat model over the device link.
+    flat = 1e-5 + operand * 7 / 8 / 1e6
+    assert CostModel(NODES, {"x": 8}).seconds(op) == pytest.approx(flat)
+
+
+def test_all_reduce_across_nodes_is_hierarchical():
+    op = _collective("psum")
+    operand = 16 * 4 * F32
+    # 32 devices, 4 nodes: reduce inside the node, then across nodes (2 passes each).
+    expected = 1e-5 + 2e-5 + 2 * operand * 7 / 8 / 1e6 + 2 * operand * 3 / 4 / 1e5
+    assert CostModel(NODES, {"x": 32}).seconds(op) == pytest.approx(expected)
+
+
+def test_shipped_hardware_profiles_document_every_figure():
+    import json
+
+    for path in sorted(PROFILE_FILES.glob("*.json")):
+        data = json.loads(path.read_text())
+        profile = load_profile(path)
+        assert PROFILES[profile.name] == profile
+        assert profile.devices_per_node == 8
+        figures = {f.name for f in dataclasses.fields(DeviceProfile)} - {"name"}
+        assert set(data["sources"]) >= figures - {"devices_per_node"}
+    assert {"a100-8x-nvlink-400g", "v100-8x-nvlink-100g"} <= set(PROFILES)
+
+
+def test_profile_files_reject_unknown_fields(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('{"name": "x", "flops_per_s": 1, "memory_bytes_per_s": 1, "teraflops": 3}')
+    with pytest.raises(ValueError, match="teraflops"):
+        load_profile(path)
