@@ -17,7 +17,15 @@ from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 
 import scheduling
-from jaxmoe.config import SCHEDULES, Config, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
+from jaxmoe.config import (
+    SCHEDULE_PROFILES,
+    SCHEDULES,
+    Config,
+    ModelConfig,
+    MoEConfig,
+    ParallelConfig,
+    TrainConfig,
+)
 from jaxmoe.parallel import build_mesh, token_spec
 from jaxmoe.presets import preset
 from jaxmoe.train.cli import main
@@ -158,6 +166,7 @@ def test_default_preset_places_dw_work_in_every_backward_all_to_all_window():
 
 def test_config_schedules_are_the_scheduler_policies():
     assert SCHEDULES == scheduling.POLICIES
+    assert set(SCHEDULE_PROFILES) == set(scheduling.PROFILES)
 
 
 def test_schedule_command_writes_report_and_stablehlo(tmp_path, capsys):
