@@ -82,10 +82,10 @@ class Cluster:
             raise RuntimeError(f"{label} on the {self.name} link failed; its log ends:\n{tail}")
 
     def train(self, train_args: list[str], schedule: str, steps: int, warmup: int):
-        out = self.workdir / f"{self.name}-train-{schedule}"
-        args = ["train", *train_args, "--steps", str(steps), "--schedule", schedule]
+        out = self.workdir / f"{self.name}-train-{schedule.replace(':', '-')}"
+        args = ["train", *train_args, "--steps", str(steps), *schedule_flags(schedule)]
         args += ["--no-progress", "--out", str(out)]
-        self.run(f"train-{schedule}", args)
+        self.run(f"train-{schedule.replace(':', '-')}", args)
         return _median_step(out, warmup)
 
     def sweep(self, config, args: argparse.Namespace, out: Path) -> None:
@@ -105,6 +105,15 @@ class Cluster:
         return json.loads(out.read_text())["median_s"]
 
 
+def schedule_flags(schedule: str) -> list[str]:
+    """``jaxmoe train`` flags for a schedule entry: ``NAME`` or ``NAME:N`` (N chunks)."""
+    name, _, chunks = schedule.partition(":")
+    flags = ["--schedule", name]
+    if chunks:
+        flags += ["--train.schedule_partition_chunks", chunks]
+    return flags
+
+
 def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
         prog="python -m experiments.cluster", description=__doc__.splitlines()[0]
@@ -116,7 +125,12 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3, help="steps left out of the median")
-    parser.add_argument("--schedules", default="none", help="comma-separated, e.g. none,dw")
+    parser.add_argument(
+        "--schedules",
+        default="none",
+        help="comma-separated, e.g. none,dw; NAME:N sets the chunk count or pipelining "
+        "degree, e.g. expert_pipeline:4",
+    )
     parser.add_argument(
         "--schedule", help="one schedule (the same flag as jaxmoe train; adds to --schedules)"
     )
@@ -136,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.schedule and args.schedule not in schedules:
         schedules.append(args.schedule)
     try:
-        unknown = [s for s in schedules if s not in SCHEDULES]
+        unknown = [s for s in schedules if s.split(":")[0] not in SCHEDULES]
         if unknown:
             raise ConfigError(f"--schedules: {unknown} not among {', '.join(SCHEDULES)}")
         train_args = ["--preset", args.preset, *overrides]

@@ -18,7 +18,7 @@ from typing import Any
 DTYPES = ("float32", "bfloat16")
 # The policies of scheduling.SchedulePolicy (kept here so that reading a config does not
 # import JAX; a test checks that the two agree).
-SCHEDULES = ("none", "async", "dw", "partition", "lancet")
+SCHEDULES = ("none", "async", "dw", "partition", "lancet", "expert_pipeline")
 SCHEDULE_PROFILES = ("a100", "v100", "cpu", "a100-8x-nvlink-400g", "v100-8x-nvlink-100g")
 OP_COSTS = ("analytic", "measured")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -236,7 +236,8 @@ class TrainConfig:
     eval_every: int = 50
     eval_batches: int = 4
     # How the scheduling layer rewrites the step: none (plain jit), async, dw,
-    # partition (forward ranges chunked and pipelined), lancet (partition + dw).
+    # partition (forward ranges chunked and pipelined), lancet (partition + dw),
+    # expert_pipeline (Tutel-style: all-to-all and experts pipelined at a fixed degree).
     schedule: str = "none"
     # Device profile of the scheduler's cost model.
     schedule_profile: str = "a100"
@@ -248,7 +249,8 @@ class TrainConfig:
     schedule_link_curves: str | None = None
     # The cost model's link, in Mbit/s per device (0: the profile's own figure).
     schedule_link_mbit: float = 0.0
-    # partition/lancet: chunk count to use (0: the search picks from 2..8), and whether to
+    # partition/lancet: chunk count to use (0: the search picks from 2..8; expert_pipeline:
+    # its degree, required), and whether to
     # partition every range that can be, even where the estimate does not improve.
     schedule_partition_chunks: int = 0
     schedule_partition_always: bool = False
@@ -300,6 +302,11 @@ class TrainConfig:
             self.schedule_partition_chunks == 0 or 2 <= self.schedule_partition_chunks <= 8,
             f"train.schedule_partition_chunks={self.schedule_partition_chunks!r}: choose 2..8, "
             "or 0 to let the search choose",
+        )
+        _require(
+            self.schedule != "expert_pipeline" or self.schedule_partition_chunks,
+            "train.schedule=expert_pipeline needs its degree: set train.schedule_partition_chunks "
+            "to 2..8 (degree 1 is --schedule async)",
         )
         _require(
             self.schedule_op_costs in OP_COSTS,

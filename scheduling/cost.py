@@ -31,6 +31,14 @@ TRANSCENDENTAL = frozenset(
     {"exp", "exp2", "log", "log1p", "tanh", "logistic", "erf", "erf_inv", "sin", "cos", "pow"}
 )
 REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin", "cumsum"})
+# Ops that a fusing compiler folds into a neighbouring kernel (see fused_elementwise).
+FUSIBLE = frozenset(
+    {"add", "sub", "mul", "div", "max", "min", "neg", "abs", "sign", "square", "sqrt",
+     "rsqrt", "integer_pow", "convert_element_type", "select_n", "eq", "ne", "lt", "le",
+     "gt", "ge", "and", "or", "not", "is_finite", "iota", "copy", "slice", "concatenate",
+     "transpose", "pad"}
+    | TRANSCENDENTAL
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,9 @@ class DeviceProfile:
     devices_per_node: int = 0
     node_link_bytes_per_s: float = 0.0
     node_link_latency_s: float = 0.0
+    # The compiler fuses elementwise ops into the kernels around them (XLA on GPU): they
+    # cost their memory traffic but no launch overhead of their own.
+    fused_elementwise: bool = False
 
     def __post_init__(self) -> None:
         for name in ("flops_per_s", "memory_bytes_per_s", "link_bytes_per_s"):
@@ -199,6 +210,8 @@ class CostModel:
         roofline = max(
             op_flops(op) / profile.flops_per_s, op_bytes(op) / profile.memory_bytes_per_s
         )
+        if profile.fused_elementwise and op.primitive in FUSIBLE:
+            return roofline
         return profile.op_overhead_s + roofline
 
     def collective_seconds(self, op: Op) -> float:

@@ -16,7 +16,12 @@ from scheduling.passes import Placement, order, schedule_dw, split_async
 from scheduling.passes.batch_layout import BatchLayouts, analyze
 from scheduling.passes.order import Schedule
 from scheduling.passes.partition_forward import partition_program
-from scheduling.passes.partition_search import CHUNK_COUNTS, PartitionChoice, search
+from scheduling.passes.partition_search import (
+    CHUNK_COUNTS,
+    PartitionChoice,
+    expert_pipelines,
+    search,
+)
 from scheduling.passes.split_async import splittable
 from scheduling.policy import PACKING_DW, PARTITIONING, SchedulePolicy
 from scheduling.profiling import OpProfiler, ProfiledCostModel
@@ -110,10 +115,13 @@ def plan(
                 "the arguments whose leaves have the batch as their leading axis"
             )
         layouts = analyze(program, batch_inputs)
-        counts = CHUNK_COUNTS if policy.partition_chunks is None else (policy.partition_chunks,)
-        partitions = search(program, layouts, cost.seconds, counts, policy.partition_always)
-        if not policy.partition_always:
-            partitions = _keep_what_pays(program, layouts, partitions, policy, cost)
+        if policy.name == "expert_pipeline":
+            partitions = expert_pipelines(program, layouts, policy.partition_chunks, cost.seconds)
+        else:
+            counts = CHUNK_COUNTS if policy.partition_chunks is None else (policy.partition_chunks,)
+            partitions = search(program, layouts, cost.seconds, counts, policy.partition_always)
+            if not policy.partition_always:
+                partitions = _keep_what_pays(program, layouts, partitions, policy, cost)
         program = partition_program(program, layouts, [choice.plan for choice in partitions])
     graph, schedule, _ = _schedule(program, policy, cost)
     return Plan(graph, schedule, partitions)

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 from scheduling.cost import PROFILES, DeviceProfile
 
-POLICIES = ("none", "async", "dw", "partition", "lancet")
+POLICIES = ("none", "async", "dw", "partition", "lancet", "expert_pipeline")
 # Policies that partition forward ranges around the MoE layers, and that pack dW work.
-PARTITIONING = frozenset({"partition", "lancet"})
+PARTITIONING = frozenset({"partition", "lancet", "expert_pipeline"})
 PACKING_DW = frozenset({"dw", "lancet"})
 
 
@@ -20,6 +20,9 @@ class SchedulePolicy:
     ``partition``: ``async`` plus forward ranges around each MoE layer cut into chunks
     and pipelined, where the cost model says it pays (Lancet's forward pass).
     ``lancet``: ``partition`` and ``dw`` together.
+    ``expert_pipeline``: the Tutel-style baseline: only each MoE layer's dispatch
+    all-to-all, experts and return all-to-all, cut into ``partition_chunks`` chunks
+    (the pipelining degree), with no search.
     """
 
     name: str = "dw"
@@ -64,6 +67,11 @@ class SchedulePolicy:
             raise ValueError(
                 f"SchedulePolicy.partition_chunks={self.partition_chunks}: choose 2..8, or None "
                 "to let the search choose"
+            )
+        if self.name == "expert_pipeline" and self.partition_chunks is None:
+            raise ValueError(
+                "SchedulePolicy.partition_chunks: expert_pipeline needs the pipelining degree "
+                "(2..8; degree 1 is the 'async' policy)"
             )
         if self.op_costs not in ("analytic", "measured"):
             raise ValueError(

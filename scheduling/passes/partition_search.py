@@ -212,3 +212,25 @@ def search(
             choices.append(choice)
         position = previous
     return choices[::-1]
+
+
+def expert_pipelines(
+    program: Program, layouts: BatchLayouts, n: int, seconds: Callable[[Op], float]
+) -> list[PartitionChoice]:
+    """The Tutel-style baseline: each MoE layer from its first forward all-to-all to its
+    last, in ``n`` chunks (no search; a layer whose range cannot be chunked is left)."""
+    consumers = consumers_of(program)
+    costs = _RangeCosts(program, layouts, seconds)
+    by_layer: dict[str, list[int]] = {}
+    for position, op in enumerate(program.ops):
+        if op.primitive == "all_to_all" and op.phase is Phase.FORWARD:
+            by_layer.setdefault(op.layer, []).append(position)
+    choices = []
+    for positions in by_layer.values():
+        begin, end = positions[0], positions[-1] + 1
+        plan = plan_range(program, layouts, consumers, begin, end, n)
+        if plan is not None and plan.end == end:
+            choices.append(
+                PartitionChoice(plan, costs.partitioned(plan), costs.unpartitioned(begin, end))
+            )
+    return choices

@@ -369,3 +369,19 @@ def test_profile_files_reject_unknown_fields(tmp_path):
     path.write_text('{"name": "x", "flops_per_s": 1, "memory_bytes_per_s": 1, "teraflops": 3}')
     with pytest.raises(ValueError, match="teraflops"):
         load_profile(path)
+
+
+def test_fused_elementwise_ops_pay_no_launch_overhead():
+    mesh = mesh_x()
+    ops, _ = _ops(
+        lambda a, b: jnp.tanh(a @ b),
+        sds(mesh, (M, K), P()),
+        sds(mesh, (K, N_COLS), P()),
+        in_specs=(P(), P()),
+        out_specs=P(),
+    )
+    separate = CostModel(PROFILE, {"x": 8})
+    fused = CostModel(dataclasses.replace(PROFILE, fused_elementwise=True), {"x": 8})
+    tanh, dot = ops["tanh"], ops["dot_general"]
+    assert separate.seconds(tanh) - fused.seconds(tanh) == pytest.approx(PROFILE.op_overhead_s)
+    assert fused.seconds(dot) == separate.seconds(dot)  # a matmul still launches a kernel

@@ -149,3 +149,24 @@ def test_report_lists_each_partitioned_range(tmp_path):
     assert "partitioned" in report.table()
     data = report.to_json()
     assert data["partitions"][0]["chunks"] == 2
+
+
+def test_expert_pipeline_chunks_each_moe_layer_between_its_all_to_alls():
+    config = partitioned(preset("tiny"), "expert_pipeline", chunks=4)
+    mesh = build_mesh(config.parallel)
+    sharded = build_train_step(config, mesh)
+    program = capture(
+        sharded.per_device,
+        *abstract_step_args(config, mesh),
+        mesh=mesh,
+        in_specs=sharded.in_specs,
+        out_specs=sharded.out_specs,
+    )
+    policy = SchedulePolicy(name="expert_pipeline", partition_chunks=4)
+    planned = plan(program, policy, batch_inputs=batch_inputs(program, sharded.batch_argnums))
+    assert len(planned.partitions) == len(config.model.moe_layers)
+    for choice in planned.partitions:
+        first, last = program.ops[choice.plan.begin], program.ops[choice.plan.end - 1]
+        assert first.primitive == last.primitive == "all_to_all"
+        assert first.layer == last.layer and first.layer.endswith("/moe")
+        assert choice.plan.n == 4
