@@ -82,3 +82,13 @@ def test_collective_sweep_writes_curves_the_scheduler_loads(tmp_path):
     assert set(curves.curves) == {("all_to_all", 4), ("psum", 2), ("psum", 4), ("psum", 8)}
     for curve in curves.curves.values():
         assert len(curve.sizes) == 3 and all(s > 0 for s in curve.seconds)
+
+
+def test_schedule_entries_with_a_chunk_count():
+    assert cluster.schedule_flags("dw") == ["--schedule", "dw"]
+    assert cluster.schedule_flags("expert_pipeline:4") == [
+        "--schedule",
+        "expert_pipeline",
+        "--train.schedule_partition_chunks",
+        "4",
+    ]
