@@ -179,7 +179,7 @@ def _plot(rows: list[dict], path: Path) -> None:
 
     configs = list(dict.fromkeys(r["config"] for r in rows))
     labels = list(SCHEDULES)
-    figure, axes = plt.subplots(figsize=(max(8, 1.8 * len(configs)), 4.5))
+    figure, axes = plt.subplots(figsize=(max(8, 1.8 * len(configs)), 5))
     width = 0.8 / len(labels)
     for index, label in enumerate(labels):
         speedups = []
@@ -189,7 +189,9 @@ def _plot(rows: list[dict], path: Path) -> None:
             speedups.append(none["step_s"] / row["step_s"] if row else 0.0)
         axes.bar([c + index * width for c in range(len(configs))], speedups, width, label=label)
     axes.axhline(1.0, color="black", linewidth=0.8)
-    axes.set_xticks([c + 0.4 - width / 2 for c in range(len(configs))], configs, fontsize=7)
+    names = [config.replace(", ", "\n") for config in configs]
+    axes.set_xticks([c + 0.4 - width / 2 for c in range(len(configs))], names, fontsize=7)
+    axes.set_ylim(0.8, None)
     axes.set_ylabel("speedup over none")
     axes.legend(ncol=4, fontsize=8)
     figure.tight_layout()
