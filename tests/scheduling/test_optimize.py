@@ -237,7 +237,7 @@ def test_schedule_policy_profiles():
     custom = scheduling.policy.PROFILES["cpu"].with_link(1e9)
     assert SchedulePolicy(profile=custom).device_profile is custom
     # The partitioning policies need batch arguments: they are tested in test_partition.
-    assert set(scheduling.POLICIES) == {*POLICY_NAMES, "partition", "lancet"}
+    assert set(scheduling.POLICIES) == {*POLICY_NAMES, "partition", "lancet", "expert_pipeline"}
 
 
 def test_xla_gpu_flags():
