@@ -41,6 +41,7 @@ from jaxmoe.presets import PRESETS, preset
         (lambda: TrainConfig(schedule_partition_chunks=9), "train.schedule_partition_chunks=9"),
         (lambda: TrainConfig(schedule_partition_chunks=1), "or 0 to let the search choose"),
         (lambda: TrainConfig(schedule_link_mbit=-5.0), "train.schedule_link_mbit=-5.0"),
+        (lambda: TrainConfig(schedule="expert_pipeline"), "needs its degree"),
         (lambda: DataConfig(val_fraction=1.0), "data.val_fraction=1.0"),
         (
             lambda: Config(moe=MoEConfig(num_experts=6), parallel=ParallelConfig(expert=4)),

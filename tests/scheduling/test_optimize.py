@@ -218,6 +218,7 @@ def test_without_async_primitives_fallback_to_sync_is_exact(no_async):
         ({"profile": "tpu-v9"}, "profile"),
         ({"max_live_bytes_growth": -0.5}, "max_live_bytes_growth"),
         ({"partition_chunks": 1}, "partition_chunks"),
+        ({"name": "expert_pipeline"}, "partition_chunks"),
     ],
 )
 def test_schedule_policy_validation_names_the_field(kwargs, field):
