@@ -37,26 +37,17 @@ def main(argv: list[str] | None = None) -> int:
 
     import scheduling
     from jaxmoe.parallel import build_mesh
-    from jaxmoe.train.scheduled import abstract_step_args
-    from jaxmoe.train.step import build_train_step
-    from scheduling.capture import capture
+    from jaxmoe.train.scheduled import abstract_step_args, capture_train_step
     from scheduling.emit import emit
     from scheduling.optimize import batch_inputs, build_report, cost_model, plan
 
     mesh = build_mesh(config.parallel)
-    sharded = build_train_step(config, mesh)
     example = abstract_step_args(config, mesh)
     policy = scheduling.SchedulePolicy(name=args.schedule, profile=config.train.schedule_profile)
 
     timings = {}
     started = time.perf_counter()
-    program = capture(
-        sharded.per_device,
-        *example,
-        mesh=mesh,
-        in_specs=sharded.in_specs,
-        out_specs=sharded.out_specs,
-    )
+    program, sharded = capture_train_step(config, mesh)
     timings["capture"] = time.perf_counter() - started
     started = time.perf_counter()
     cost = cost_model(policy, mesh)

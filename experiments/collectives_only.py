@@ -48,20 +48,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from experiments.timing import time_per_device
     from jaxmoe.parallel.mesh import build_mesh
-    from jaxmoe.train.scheduled import abstract_step_args
-    from jaxmoe.train.step import build_train_step
-    from scheduling.capture import capture
+    from jaxmoe.train.scheduled import capture_train_step
     from scheduling.jax_adapter import bind_equation
 
     mesh = build_mesh(config.parallel)
-    sharded = build_train_step(config, mesh)
-    program = capture(
-        sharded.per_device,
-        *abstract_step_args(config, mesh),
-        mesh=mesh,
-        in_specs=sharded.in_specs,
-        out_specs=sharded.out_specs,
-    )
+    program, _ = capture_train_step(config, mesh)
     collectives = program.collectives()
 
     def per_device(seed: jax.Array) -> jax.Array:

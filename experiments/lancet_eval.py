@@ -65,9 +65,7 @@ def paper_config(layers: int, width: int, gpus: int):
 def simulate(gpus: int, models: list[str]) -> list[dict]:
     """Rows of (b) for ``gpus`` devices; runs in a process with that many fake devices."""
     from jaxmoe.parallel import build_mesh
-    from jaxmoe.train.scheduled import abstract_step_args
-    from jaxmoe.train.step import build_train_step
-    from scheduling.capture import capture
+    from jaxmoe.train.scheduled import capture_train_step
     from scheduling.optimize import batch_inputs, build_report, cost_model, plan
     from scheduling.policy import SchedulePolicy
 
@@ -75,14 +73,7 @@ def simulate(gpus: int, models: list[str]) -> list[dict]:
     for model in models:
         config = paper_config(*MODELS[model], gpus)
         mesh = build_mesh(config.parallel)
-        sharded = build_train_step(config, mesh)
-        program = capture(
-            sharded.per_device,
-            *abstract_step_args(config, mesh),
-            mesh=mesh,
-            in_specs=sharded.in_specs,
-            out_specs=sharded.out_specs,
-        )
+        program, sharded = capture_train_step(config, mesh)
         batch = batch_inputs(program, sharded.batch_argnums)
         for profile in PROFILES:
             for label, (name, chunks) in SCHEDULES.items():

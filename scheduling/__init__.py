@@ -8,6 +8,7 @@ forward ranges into pipelined chunks and place and order the work, ``emit``
 rebuilds a jit-compiled step, and ``report`` says what was done. Entry point: :func:`optimize`.
 """
 
+from scheduling.capture import Program, capture
 from scheduling.cost import PROFILES, DeviceProfile
 from scheduling.emit import ScheduledStep, xla_gpu_flags
 from scheduling.optimize import optimize, plan
@@ -18,9 +19,11 @@ __all__ = [
     "POLICIES",
     "PROFILES",
     "DeviceProfile",
+    "Program",
     "SchedulePolicy",
     "ScheduleReport",
     "ScheduledStep",
+    "capture",
     "optimize",
     "plan",
     "xla_gpu_flags",

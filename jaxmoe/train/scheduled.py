@@ -20,7 +20,7 @@ import scheduling
 from jaxmoe.config import Config
 from jaxmoe.parallel.mesh import token_spec
 from jaxmoe.train.state import TrainState, abstract_train_state, state_specs
-from jaxmoe.train.step import build_train_step
+from jaxmoe.train.step import ShardedStep, build_train_step
 
 
 def op_cost_cache() -> Path:
@@ -47,6 +47,19 @@ def abstract_step_args(config: Config, mesh: Mesh) -> tuple[TrainState, jax.Shap
         sharding=NamedSharding(mesh, token_spec()),
     )
     return state, batch
+
+
+def capture_train_step(config: Config, mesh: Mesh) -> tuple[scheduling.Program, ShardedStep]:
+    """The per-device train step as the scheduling layer sees it, and the step itself."""
+    sharded = build_train_step(config, mesh)
+    program = scheduling.capture(
+        sharded.per_device,
+        *abstract_step_args(config, mesh),
+        mesh=mesh,
+        in_specs=sharded.in_specs,
+        out_specs=sharded.out_specs,
+    )
+    return program, sharded
 
 
 @dataclass(frozen=True)

@@ -100,7 +100,8 @@ def _with_param(op: Op, name: str, value: Callable[[int], Any]) -> Callable[[int
     return lambda n: {**op.eqn.params, name: value(n)}
 
 
-def _divided(shape: Sequence[int], axis: int, n: int) -> tuple[int, ...]:
+def chunk_shape(shape: Sequence[int], axis: int, n: int) -> tuple[int, ...]:
+    """The shape of one of ``n`` chunks cut along ``axis``."""
     return tuple(size // n if i == axis else size for i, size in enumerate(shape))
 
 
@@ -140,7 +141,7 @@ def _broadcast_in_dim(op: Op, layouts, uniform) -> Chunking | None:
     return Chunking(
         (layout.axis,) + (None,) * len(rest),
         (layout.moved(axis),),
-        _with_param(op, "shape", lambda n: _divided(op.eqn.params["shape"], axis, n)),
+        _with_param(op, "shape", lambda n: chunk_shape(op.eqn.params["shape"], axis, n)),
     )
 
 
@@ -164,7 +165,9 @@ def _reshape(op: Op, layouts, uniform) -> Chunking | None:
                 return Chunking(
                     (layout.axis,),
                     (split,),
-                    _with_param(op, "new_sizes", lambda n, axis=axis: _divided(out_shape, axis, n)),
+                    _with_param(
+                        op, "new_sizes", lambda n, axis=axis: chunk_shape(out_shape, axis, n)
+                    ),
                 )
         out_stride *= size
         if out_stride > stride:
@@ -261,7 +264,7 @@ def _slice(op: Op, layouts, uniform) -> Chunking | None:
     return Chunking(
         (axis,),
         (layout,),
-        _with_param(op, "limit_indices", lambda n: _divided(params["limit_indices"], axis, n)),
+        _with_param(op, "limit_indices", lambda n: chunk_shape(params["limit_indices"], axis, n)),
     )
 
 
@@ -352,7 +355,7 @@ def _gather(op: Op, layouts, uniform) -> Chunking | None:
     return Chunking(
         (operand.axis, None),
         (operand.moved(axis),),
-        _with_param(op, "slice_sizes", lambda n: _divided(slice_sizes, operand.axis, n)),
+        _with_param(op, "slice_sizes", lambda n: chunk_shape(slice_sizes, operand.axis, n)),
     )
 
 
@@ -443,8 +446,3 @@ def uniform_axes(op: Op, uniform: Sequence[frozenset[int]]) -> list[frozenset[in
         permutation = params["permutation"]
         return [frozenset(i for i, d in enumerate(permutation) if d in uniform[0])]
     return [frozenset() for _ in op.outputs]
-
-
-def chunk_shape(shape: Sequence[int], axis: int, n: int) -> tuple[int, ...]:
-    """The shape of one of ``n`` chunks cut along ``axis``."""
-    return _divided(shape, axis, n)

@@ -314,23 +314,19 @@ def test_hostname_resolves_to_each_hosts_own_address() -> None:
     code = "import socket; print(socket.gethostbyname(socket.gethostname()))"
     localhost_code = "import socket; print(socket.gethostbyname('localhost'))"
     with EmulatedNetwork(2, LinkShape(rate_mbit=None)) as net:
+
+        def printed_on(host: int, source: str) -> str:
+            return subprocess.run(
+                net.command(host, [sys.executable, "-c", source]),
+                capture_output=True,
+                text=True,
+                timeout=STEP_TIMEOUT_S,
+                check=True,
+            ).stdout.strip()
+
         for i, address in enumerate(net.host_addresses):
-            resolved = subprocess.run(
-                net.command(i, [sys.executable, "-c", code]),
-                capture_output=True,
-                text=True,
-                timeout=STEP_TIMEOUT_S,
-                check=True,
-            ).stdout.strip()
-            assert resolved == address
-            localhost = subprocess.run(
-                net.command(i, [sys.executable, "-c", localhost_code]),
-                capture_output=True,
-                text=True,
-                timeout=STEP_TIMEOUT_S,
-                check=True,
-            ).stdout.strip()
-            assert localhost == "127.0.0.1"
+            assert printed_on(i, code) == address
+            assert printed_on(i, localhost_code) == "127.0.0.1"
 
 
 def test_rate_limit_shapes_throughput() -> None:

@@ -21,9 +21,8 @@ from hypothesis import strategies as st
 from jaxmoe.config import Config, MoEConfig, ParallelConfig
 from jaxmoe.parallel import build_mesh
 from jaxmoe.presets import preset
-from jaxmoe.train.scheduled import abstract_step_args, plan_train_step
-from jaxmoe.train.step import build_train_step
-from scheduling.capture import aval_bytes, capture
+from jaxmoe.train.scheduled import capture_train_step, plan_train_step
+from scheduling.capture import aval_bytes
 from scheduling.optimize import batch_inputs, plan
 from scheduling.policy import SchedulePolicy
 from tests.train.test_scheduled import run, small, with_schedule
@@ -111,25 +110,21 @@ def _all_to_all_bytes(program) -> int:
     )
 
 
+def _captured_and_planned(config: Config, policy: SchedulePolicy):
+    """The captured train step of ``config`` and the plan ``policy`` makes of it."""
+    program, sharded = capture_train_step(config, build_mesh(config.parallel))
+    return program, plan(program, policy, batch_inputs=batch_inputs(program, sharded.batch_argnums))
+
+
 @pytest.mark.parametrize("chunks", [None, 2, 4])
 def test_default_preset_all_to_all_bytes_grow_at_most_ten_percent(chunks):
-    config = preset("tiny")
-    mesh = build_mesh(config.parallel)
-    sharded = build_train_step(config, mesh)
-    program = capture(
-        sharded.per_device,
-        *abstract_step_args(config, mesh),
-        mesh=mesh,
-        in_specs=sharded.in_specs,
-        out_specs=sharded.out_specs,
-    )
     policy = SchedulePolicy(
         name="lancet",
         profile="cpu",
         partition_chunks=chunks,
         partition_always=chunks is not None,
     )
-    planned = plan(program, policy, batch_inputs=batch_inputs(program, sharded.batch_argnums))
+    program, planned = _captured_and_planned(preset("tiny"), policy)
     if chunks is not None:
         assert planned.partitions and all(c.plan.n == chunks for c in planned.partitions)
     before, after = _all_to_all_bytes(program), _all_to_all_bytes(planned.graph.program)
@@ -153,17 +148,8 @@ def test_report_lists_each_partitioned_range(tmp_path):
 
 def test_expert_pipeline_chunks_each_moe_layer_between_its_all_to_alls():
     config = partitioned(preset("tiny"), "expert_pipeline", chunks=4)
-    mesh = build_mesh(config.parallel)
-    sharded = build_train_step(config, mesh)
-    program = capture(
-        sharded.per_device,
-        *abstract_step_args(config, mesh),
-        mesh=mesh,
-        in_specs=sharded.in_specs,
-        out_specs=sharded.out_specs,
-    )
     policy = SchedulePolicy(name="expert_pipeline", partition_chunks=4)
-    planned = plan(program, policy, batch_inputs=batch_inputs(program, sharded.batch_argnums))
+    program, planned = _captured_and_planned(config, policy)
     assert len(planned.partitions) == len(config.model.moe_layers)
     for choice in planned.partitions:
         first, last = program.ops[choice.plan.begin], program.ops[choice.plan.end - 1]

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from jax.sharding import NamedSharding
 
 import scheduling
 from jaxmoe.config import (
@@ -26,13 +25,12 @@ from jaxmoe.config import (
     ParallelConfig,
     TrainConfig,
 )
-from jaxmoe.parallel import build_mesh, token_spec
+from jaxmoe.parallel import build_mesh
 from jaxmoe.presets import preset
 from jaxmoe.train.cli import main
-from jaxmoe.train.scheduled import plan_train_step
+from jaxmoe.train.scheduled import capture_train_step, plan_train_step
 from jaxmoe.train.state import init_train_state
-from jaxmoe.train.step import build_train_step
-from scheduling.capture import capture
+from tests.train.batches import random_batch
 
 
 def with_schedule(config: Config, schedule: str) -> Config:
@@ -47,9 +45,7 @@ def run(config: Config, steps: int):
     rng = np.random.default_rng(1)
     history = []
     for _ in range(steps):
-        rows = rng.integers(0, 256, (config.train.batch_size, config.model.seq_len + 1))
-        batch = jax.device_put(rows.astype(np.int32), NamedSharding(mesh, token_spec()))
-        state, metrics = step(state, batch)
+        state, metrics = step(state, random_batch(rng, config, mesh))
         history.append(metrics)
     return jax.device_get(history), jax.device_get(state)
 
@@ -117,16 +113,8 @@ def test_schedules_are_exact_on_generated_configs(
 
 def _captured_program(config: Config):
     mesh = build_mesh(config.parallel)
-    sharded = build_train_step(config, mesh)
-    planned = plan_train_step(config, mesh)
-    program = capture(
-        sharded.per_device,
-        *planned.example,
-        mesh=mesh,
-        in_specs=sharded.in_specs,
-        out_specs=sharded.out_specs,
-    )
-    return program, planned
+    program, _ = capture_train_step(config, mesh)
+    return program, plan_train_step(config, mesh)
 
 
 def test_stablehlo_has_one_async_pair_per_collective():

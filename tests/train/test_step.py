@@ -8,12 +8,12 @@ reductions.
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
 
 from jaxmoe.config import Config, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
-from jaxmoe.parallel import build_mesh, token_spec
+from jaxmoe.parallel import build_mesh
 from jaxmoe.train.state import init_train_state
 from jaxmoe.train.step import build_train_step
+from tests.train.batches import random_batch
 
 STEPS = 5
 
@@ -34,9 +34,7 @@ def run_steps(config: Config, devices=None):
     rng = np.random.default_rng(0)
     history = []
     for _ in range(STEPS):
-        rows = rng.integers(0, 256, (config.train.batch_size, config.model.seq_len + 1))
-        batch = jax.device_put(rows.astype(np.int32), NamedSharding(mesh, token_spec()))
-        state, metrics = step(state, batch)
+        state, metrics = step(state, random_batch(rng, config, mesh))
         history.append(jax.device_get(metrics))
     return history, jax.device_get(state.params)
 
