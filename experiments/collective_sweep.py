@@ -6,7 +6,12 @@
 Times ``all_to_all`` over the ``expert`` axis and ``psum`` over ``data``,
 ``expert`` and both, at operand sizes from ``--min-bytes`` to ``--max-bytes``
 (each 4x the last), ``--repeats`` times each after a warm-up, and writes the
-fitted ``scheduling.link_model.CollectiveCurves`` (process 0). Run it inside
+fitted ``scheduling.link_model.CollectiveCurves`` (process 0).
+
+Each sample is what one more collective adds: ``--chain`` collectives in one
+program, each fed by the result of the one before (so that XLA can neither
+merge nor reorder them), against a single one. The launch of the program,
+which a step pays once and not once per collective, cancels out. Run it inside
 the emulated cluster (``python -m experiments.cluster ... --sweep OUT``) to
 measure the shaped link; ``--source`` says where it was measured.
 """
@@ -27,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-bytes", type=int, default=4096)
     parser.add_argument("--max-bytes", type=int, default=4 << 20)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--chain", type=int, default=4)
     parser.add_argument("--coordinator")
     parser.add_argument("--num-processes", type=int)
     parser.add_argument("--process-id", type=int)
@@ -56,10 +62,18 @@ def main(argv: list[str] | None = None) -> int:
         size *= 4
 
     def timed(collective, elements: int) -> list[float]:
-        def per_device(seed):
-            return collective(jnp.full((elements,), seed, jnp.float32))
+        def chained(copies: int):
+            def per_device(seed):
+                for _ in range(copies):
+                    # The operand depends on the previous result: no merging, no reordering.
+                    seed = collective(jnp.full((elements,), seed, jnp.float32)) * 1e-9
+                return seed
 
-        return time_per_device(per_device, mesh, warmup=1, repeats=args.repeats)
+            return time_per_device(per_device, mesh, warmup=1, repeats=args.repeats)
+
+        single, several = chained(1), chained(args.chain)
+        pairs = zip(sorted(single), sorted(several), strict=True)
+        return [max(m - s, 1e-6) / (args.chain - 1) for s, m in pairs]
 
     cases: list[tuple[str, tuple[str, ...]]] = [("all_to_all", (EXPERT_AXIS,))]
     cases += [("psum", axes) for axes in ((DATA_AXIS,), (EXPERT_AXIS,), (DATA_AXIS, EXPERT_AXIS))]

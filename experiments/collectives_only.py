@@ -7,9 +7,10 @@ The train step of the configuration is captured as its per-device program
 (``scheduling.capture``); every collective of it (forward and backward
 all-to-alls, gradient psums, metric reductions) is replayed with the same
 primitive, parameters, shapes and dtypes, in program order, on inputs that
-carry no data dependence on any computation. Each collective waits for the
-previous one (an optimization barrier), as in the step, and every result is
-summed into the output so that none is dead code to XLA. Process 0 writes the
+carry no data dependence on any computation. Each collective's operand is
+filled from the sum of the results before it: it waits for the previous one,
+and XLA can neither merge two collectives of equal shape into one nor
+combine or reorder them. Every result reaches the output, so none is dead. Process 0 writes the
 median wall time of the whole sequence to ``--json``. The emulated cluster
 runs it with the same processes and links as the training run.
 """
@@ -56,15 +57,15 @@ def main(argv: list[str] | None = None) -> int:
     collectives = program.collectives()
 
     def per_device(seed: jax.Array) -> jax.Array:
-        previous, total = seed, jnp.float32(0)
+        total = jnp.float32(0)
         for op in collectives:
             (operand,) = op.inputs
-            value = jnp.full(operand.aval.shape, seed, operand.aval.dtype)
-            # The barrier orders this collective after the previous one.
-            value, _ = jax.lax.optimization_barrier((value, previous))
-            (previous,) = bind_equation(op.eqn, [value])
-            # Every result reaches the output, or XLA would drop the collective as dead.
-            total = total + jnp.sum(previous).astype(jnp.float32)
+            # A data dependence, not an optimization barrier: XLA's CPU pipeline drops
+            # barriers before it merges equal collectives.
+            fill = (seed + total * 1e-30).astype(operand.aval.dtype)
+            value = jnp.full(operand.aval.shape, fill, operand.aval.dtype)
+            (result,) = bind_equation(op.eqn, [value])
+            total = total + jnp.sum(result).astype(jnp.float32)
         return total
 
     seconds = time_per_device(per_device, mesh, warmup=args.warmup, repeats=args.repeats)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import jax
 from jax.sharding import Mesh
 
 from scheduling.capture import Program, Value, capture
@@ -73,7 +74,10 @@ def cost_model(policy: SchedulePolicy, mesh: Mesh) -> CostModel:
     if policy.collective_curves is not None:
         curves = CollectiveCurves.load(policy.collective_curves)
     if policy.op_costs == "measured":
-        profiler = OpProfiler(policy.op_cost_cache)
+        # Fake CPU devices share the host's cores: time each op on all of them at once.
+        local = set(jax.local_devices())
+        shared_cores = jax.default_backend() == "cpu" and all(d in local for d in mesh.devices.flat)
+        profiler = OpProfiler(policy.op_cost_cache, mesh=mesh if shared_cores else None)
         return ProfiledCostModel(policy.device_profile, dict(mesh.shape), profiler, curves)
     return CostModel(policy.device_profile, dict(mesh.shape), curves)
 
@@ -135,7 +139,8 @@ def _schedule(
     seconds = _node_seconds(cost)
     placement = schedule_dw(graph, seconds) if policy.name in PACKING_DW else Placement()
     schedule = order(graph, placement, policy.max_live_bytes_growth)
-    return graph, schedule, simulate(graph, schedule.order, seconds).step_seconds
+    timeline = simulate(graph, schedule.order, seconds, asynchronous=cost.profile.async_collectives)
+    return graph, schedule, timeline.step_seconds
 
 
 def _keep_what_pays(
@@ -188,7 +193,7 @@ def build_report(
     """The report of ``planned``; the baseline is ``original`` as captured."""
     graph, schedule = planned.graph, planned.schedule
     seconds = _node_seconds(cost)
-    timeline = simulate(graph, schedule.order, seconds)
+    timeline = simulate(graph, schedule.order, seconds, asynchronous=cost.profile.async_collectives)
     baseline_graph = Graph(original, split=lambda op: False)
     baseline = simulate(baseline_graph, list(range(len(baseline_graph.nodes))), _node_seconds(cost))
 

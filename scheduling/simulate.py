@@ -4,7 +4,10 @@ Nodes run on the compute stream in schedule order. A collective's start hands
 it to the communication stream, which runs collectives one at a time in start
 order; its done stalls the compute stream until the collective has finished.
 A collective that was not split runs synchronously: the compute stream waits
-for the link to be free and then for the whole transfer.
+for the link to be free and then for the whole transfer. With
+``asynchronous=False`` every collective runs so, a split one at its start: this
+is a backend that compiles start/done pairs back to synchronous collectives
+(XLA's CPU backend does).
 """
 
 from __future__ import annotations
@@ -48,7 +51,13 @@ class Timeline:
         return sum(timing.stall for timing in self.collectives.values())
 
 
-def simulate(graph: Graph, order: list[int], seconds: Callable[[Node], float]) -> Timeline:
+def simulate(
+    graph: Graph,
+    order: list[int],
+    seconds: Callable[[Node], float],
+    *,
+    asynchronous: bool = True,
+) -> Timeline:
     compute_clock = link_free = 0.0
     compute_total = communication_total = 0.0
     timings: dict[int, CollectiveTiming] = {}
@@ -64,10 +73,12 @@ def simulate(graph: Graph, order: list[int], seconds: Callable[[Node], float]) -
 
     for node_id in order:
         node = graph.nodes[node_id]
-        if node.role is Role.START:
+        if node.role is Role.START and asynchronous:
             began = transfer(node_id, seconds(node))
             timings[node_id] = CollectiveTiming(node_id, compute_clock, began, link_free, 0.0)
         elif node.role is Role.DONE:
+            if not asynchronous:
+                continue
             timing = timings[node.partner]
             timing.stall = max(0.0, timing.finished - compute_clock)
             if timing.stall > 0:

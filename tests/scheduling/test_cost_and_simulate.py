@@ -249,6 +249,19 @@ def test_async_collective_waited_at_once_is_as_slow_as_sync():
     assert timeline.step_seconds == 11.0
 
 
+def test_synchronous_backend_runs_a_split_collective_at_its_start():
+    # XLA's CPU backend compiles a start/done pair back to one synchronous collective:
+    # the compute stream waits for the whole transfer where the start stands.
+    graph = split_async(_one_a2a_program())
+    seconds = fixed_seconds({0: 1.0, 1: 5.0, 3: 2.0, 4: 2.0, 5: 1.0})
+    timeline = simulate(graph, [0, 1, 3, 4, 2, 5], seconds, asynchronous=False)
+    timing = timeline.collectives[1]
+    assert (timing.issued, timing.began, timing.finished, timing.stall) == (1.0, 1.0, 6.0, 5.0)
+    assert timeline.step_seconds == 11.0  # 7.0 on an asynchronous backend
+    assert timeline.exposed_communication_seconds == 5.0
+    assert timeline.compute_seconds == 6.0
+
+
 def _two_a2a(x):
     t1 = jax.lax.all_to_all(x * 2.0, "x", 0, 0, tiled=True)
     t2 = jax.lax.all_to_all(x * 3.0, "x", 0, 0, tiled=True)

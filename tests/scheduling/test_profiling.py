@@ -1,10 +1,16 @@
 """Measured op costs: timed once per distinct op, cached per backend, used by the policy."""
 
+import time
+from dataclasses import replace
+
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import scheduling
-from scheduling.cost import PROFILES, CostModel
+from scheduling.cost import FREE_PRIMITIVES, FUSIBLE, PROFILES, CostModel
 from scheduling.policy import SchedulePolicy
 from scheduling.profiling import OpProfiler, ProfiledCostModel, op_key
 from tests.scheduling.toys import in_specs, mesh_x, out_specs, toy_args, toy_program, toy_step
@@ -45,10 +51,71 @@ def test_profiled_model_measures_compute_and_keeps_the_link_model(tmp_path):
         PROFILES["cpu"], dict(program.mesh.shape), OpProfiler(tmp_path, warmup=1, repeats=2)
     )
     for op in program.ops:
-        if op.is_collective:
+        if op.is_collective or op.primitive in FREE_PRIMITIVES:
             assert profiled.seconds(op) == analytic.seconds(op)
         elif op_key(op) is not None:
             assert profiled.seconds(op) == profiled.profiler.seconds(op)
+
+
+def test_fusing_profile_keeps_the_roofline_for_fusible_ops(tmp_path):
+    program = toy_program()
+    profile = replace(PROFILES["cpu"], fused_elementwise=True)
+    analytic = CostModel(profile, dict(program.mesh.shape))
+    profiled = ProfiledCostModel(
+        profile, dict(program.mesh.shape), OpProfiler(tmp_path, warmup=1, repeats=2)
+    )
+    for op in program.ops:
+        profiled.seconds(op)
+    fusible = [op for op in program.ops if op.primitive in FUSIBLE]
+    assert fusible
+    assert [profiled.seconds(op) for op in fusible] == [analytic.seconds(op) for op in fusible]
+    assert profiled.profiler.measured == len(
+        {op_key(op) for op in program.ops if op.primitive not in FUSIBLE | FREE_PRIMITIVES} - {None}
+    )
+
+
+def test_reductions_over_array_axes_are_profiled_and_mesh_reductions_are_not():
+    def step(x):
+        return jax.lax.psum(jnp.sum(x, axis=1), "x")
+
+    mesh = mesh_x()
+    program = scheduling.capture(
+        step,
+        jax.ShapeDtypeStruct((64, 4), jnp.float32, sharding=NamedSharding(mesh, P("x"))),
+        mesh=mesh,
+        in_specs=P("x"),
+        out_specs=P(),
+    )
+    keys = {op.primitive: op_key(op) for op in program.ops}
+    assert keys["reduce_sum"] is not None
+    assert keys["psum"] is None
+
+
+def test_a_copy_costs_what_it_adds_not_the_dispatch(tmp_path):
+    # Timed as the difference of 8 copies and one, a small op costs far less than a
+    # call of a jitted function (tens of microseconds on any backend).
+    program = toy_program()
+    profiler = OpProfiler(tmp_path, warmup=1, repeats=3)
+    small = min(
+        (op for op in program.ops if op.primitive == "mul"), key=lambda op: op.outputs[0].aval.size
+    )
+    single_call = jax.jit(lambda a: a * 2.0)
+    operand = jnp.ones(small.outputs[0].aval.shape, small.outputs[0].aval.dtype)
+    jax.block_until_ready(single_call(operand))
+    started = time.perf_counter()
+    for _ in range(20):
+        jax.block_until_ready(single_call(operand))
+    per_call = (time.perf_counter() - started) / 20
+    assert 0 < profiler.seconds(small) < per_call
+
+
+def test_ops_run_on_every_device_of_the_mesh_at_once(tmp_path):
+    program = toy_program()
+    profiler = OpProfiler(tmp_path, warmup=1, repeats=2, mesh=program.mesh)
+    dot = next(op for op in program.ops if op.primitive == "dot_general")
+    assert profiler.seconds(dot) > 0
+    profiler.save()
+    assert (tmp_path / f"ops-{jax.default_backend()}-x{program.mesh.devices.size}.json").exists()
 
 
 def test_measured_policy_schedules_exactly(tmp_path):
@@ -58,7 +125,8 @@ def test_measured_policy_schedules_exactly(tmp_path):
         toy_step, *args, mesh=mesh, in_specs=in_specs(), out_specs=out_specs(), policy=policy
     )
     assert report.profile.endswith("measured ops")
-    assert (tmp_path / f"ops-{jax.default_backend()}.json").exists()
+    # Fake CPU devices share the cores: ops are timed on all devices of the mesh at once.
+    assert (tmp_path / f"ops-{jax.default_backend()}-x{mesh.devices.size}.json").exists()
     reference = jax.jit(
         jax.shard_map(
             toy_step, mesh=mesh, in_specs=in_specs(), out_specs=out_specs(), check_vma=False
