@@ -63,9 +63,6 @@ class DeviceProfile:
     # The compiler fuses elementwise ops into the kernels around them (XLA on GPU): they
     # cost their memory traffic but no launch overhead of their own.
     fused_elementwise: bool = False
-    # The backend runs a split collective alongside computation. XLA's CPU backend
-    # compiles start/done pairs back to synchronous collectives: False describes it.
-    async_collectives: bool = True
 
     def __post_init__(self) -> None:
         for name in ("flops_per_s", "memory_bytes_per_s", "link_bytes_per_s"):

@@ -139,7 +139,7 @@ def _schedule(
     seconds = _node_seconds(cost)
     placement = schedule_dw(graph, seconds) if policy.name in PACKING_DW else Placement()
     schedule = order(graph, placement, policy.max_live_bytes_growth)
-    timeline = simulate(graph, schedule.order, seconds, asynchronous=cost.profile.async_collectives)
+    timeline = simulate(graph, schedule.order, seconds)
     return graph, schedule, timeline.step_seconds
 
 
@@ -193,7 +193,7 @@ def build_report(
     """The report of ``planned``; the baseline is ``original`` as captured."""
     graph, schedule = planned.graph, planned.schedule
     seconds = _node_seconds(cost)
-    timeline = simulate(graph, schedule.order, seconds, asynchronous=cost.profile.async_collectives)
+    timeline = simulate(graph, schedule.order, seconds)
     baseline_graph = Graph(original, split=lambda op: False)
     baseline = simulate(baseline_graph, list(range(len(baseline_graph.nodes))), _node_seconds(cost))
 

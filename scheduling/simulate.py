@@ -5,9 +5,11 @@ it to the communication stream, which runs collectives one at a time in start
 order; its done stalls the compute stream until the collective has finished.
 A collective that was not split runs synchronously: the compute stream waits
 for the link to be free and then for the whole transfer. With
-``asynchronous=False`` every collective runs so, a split one at its start: this
-is a backend that compiles start/done pairs back to synchronous collectives
-(XLA's CPU backend does).
+``asynchronous=False`` every collective runs so, a split one at its start: a
+backend that runs collectives where they stand in the program and lets nothing
+run beside them. (XLA's CPU backend compiles start/done pairs back to
+synchronous collectives, but its runtime still runs independent ops while one
+waits on the network, so it is closer to the asynchronous replay.)
 """
 
 from __future__ import annotations
