@@ -154,11 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"--presets: {unknown} not among {', '.join(LAYOUTS)}", file=sys.stderr)
         return 2
-    command = "python -m experiments.simulator_validation " + " ".join(argv or sys.argv[1:])
+    # The command that reproduces the tables (--from and --keep only move the files).
+    command = f"python -m experiments.simulator_validation --presets {','.join(presets)}"
+    command += " --quick" if args.quick else ""
     sections = [
         "# Simulator validation",
         "",
-        f"Command: `{command.strip()}`",
+        f"Command: `{command}`",
         "",
         "Measured: the emulated cluster's median step (real processes, gloo over a shaped",
         "link). Predicted: the two-stream simulator on the instrument's measured description",
@@ -191,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
             for row in measured["schedules"]:
                 error = predicted[row["schedule"]]["step_s"] / row["step_s"] - 1
                 worst = max(worst, abs(error))
-            sections += [f"## {preset}", "", f"`{measured['command']}`", ""]
+            shown = measured["command"].replace(str(measured_path), measured_path.name)
+            shown = shown.replace(str(curves_path), curves_path.name)
+            sections += [f"## {preset}", "", f"`{shown}`", ""]
             sections += [*_table(preset, measured, predicted), ""]
     verdict = "within" if worst <= TOLERANCE else "outside"
     sections += [f"Largest error: {worst:.1%}, {verdict} the {TOLERANCE:.0%} target.", ""]
