@@ -32,3 +32,16 @@ def test_table_compares_each_schedule_with_none():
     assert "| 88% |" in lancet  # 1 - 0.1 / 0.8
     assert "| 1.600x |" in lancet
     assert lancet.endswith("| 1.25 |")  # 1.25 / max(1.0, 0.5)
+
+
+def test_table_leaves_unmeasured_cluster_figures_out():
+    # --quick runs the cluster on the shaped link only: no compute-only, so no exposed
+    # communication and no bound.
+    nan = float("nan")
+    rows = [
+        {"config": "c", "schedule": name, "step_s": step, "compute_s": nan,
+         "communication_s": 1.8, "exposed_s": nan}
+        for name, step in (("none", 2.0), ("lancet", 1.6))
+    ]  # fmt: skip
+    (lancet,) = [line for line in lancet_eval._table(rows) if "| lancet |" in line]
+    assert lancet == "| c | lancet | 1600.00 | n/a | n/a | n/a | 1.250x | n/a |"
