@@ -5,7 +5,9 @@ of its operands. It is compiled alone, as ``chain`` copies on distinct operands
 in one executable, and as a single copy; each is run ``warmup`` times, then
 timed ``repeats`` times to completion. The op's cost is the difference of the
 medians over ``chain - 1``: what one more copy adds, without the dispatch of
-the executable, which a step pays once and not once per op.
+the executable, which a step pays once and not once per op. The copies are
+independent, so a runtime that runs independent ops at once may overlap some
+of them; on the whole mesh (below) the cores are busy anyway.
 
 Given the program's ``mesh`` (all of its devices local), the op runs on every
 device of it at once. Fake CPU devices share the host's cores, so an op of one
@@ -127,7 +129,7 @@ class OpProfiler:
         self.measured = 0  # ops timed by this profiler (not from the cache)
 
     def seconds(self, op: Op) -> float | None:
-        """Median seconds of ``op`` alone, or None when it cannot be profiled alone."""
+        """Seconds one more copy of ``op`` adds, or None when it cannot be profiled alone."""
         key = op_key(op)
         if key is None:
             return None
