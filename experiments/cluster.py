@@ -198,17 +198,18 @@ def main(argv: list[str] | None = None) -> int:
                     cluster.sweep(config, args, args.sweep.resolve())
 
     unmeasured = float("nan")  # --shaped-only: no run on the free link
-    rows = [
-        ScheduleResult(
-            schedule=s,
-            step_s=results[s]["shaped_step_s"],
-            compute_only_s=results[s].get("free_step_s", unmeasured),
-            exposed_communication_s=results[s]["shaped_step_s"]
-            - results[s].get("free_step_s", unmeasured),
-            tokens_per_s=results[s]["shaped_tokens_per_s"],
+    rows = []
+    for s in schedules:
+        step, compute_only = results[s]["shaped_step_s"], results[s].get("free_step_s", unmeasured)
+        rows.append(
+            ScheduleResult(
+                schedule=s,
+                step_s=step,
+                compute_only_s=compute_only,
+                exposed_communication_s=step - compute_only,
+                tokens_per_s=results[s]["shaped_tokens_per_s"],
+            )
         )
-        for s in schedules
-    ]
     communication = results["collectives_shaped"]["seconds"]
     residual = results.get("collectives_free", {}).get("seconds", unmeasured)
     report = {

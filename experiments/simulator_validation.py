@@ -64,41 +64,34 @@ def predict(preset: str, curves_path: Path, cache: Path) -> dict[str, dict[str, 
     from experiments.cluster import schedule_flags
     from jaxmoe.parallel import build_mesh
     from jaxmoe.train.cli import config_from_train_args
-    from jaxmoe.train.scheduled import capture_train_step
+    from jaxmoe.train.scheduled import capture_train_step, schedule_policy
     from scheduling.cost import PROFILES
     from scheduling.link_model import CollectiveCurves
-    from scheduling.optimize import _node_seconds, batch_inputs, cost_model, plan
-    from scheduling.policy import SchedulePolicy
+    from scheduling.optimize import batch_inputs, cost_model, node_seconds, plan
     from scheduling.profiling import OpProfiler, ProfiledCostModel
     from scheduling.simulate import simulate
 
     data, expert = LAYOUTS[preset]
-    layout = ["--parallel.data", data, "--parallel.expert", expert]
+    argv = ["--preset", preset, "--parallel.data", data, "--parallel.expert", expert, *PLANNING]
+    config = config_from_train_args(argv)
+    mesh = build_mesh(config.parallel)
+    # The schedule fields do not change the step: one capture serves every schedule.
+    program, sharded = capture_train_step(config, mesh)
+    batch = batch_inputs(program, sharded.batch_argnums)
+    instrument = replace(PROFILES["cpu"], name="emulated cluster", fused_elementwise=True)
+    profiler = OpProfiler(cache, mesh=mesh)
+    curves = CollectiveCurves.load(curves_path)
+    instrument_cost = ProfiledCostModel(instrument, dict(mesh.shape), profiler, curves)
     predictions = {}
     for schedule in SCHEDULES:
-        argv = ["--preset", preset, *layout, *PLANNING, *schedule_flags(schedule)]
-        config = config_from_train_args(argv)
-        mesh = build_mesh(config.parallel)
-        program, sharded = capture_train_step(config, mesh)
-        train = config.train
-        planning = SchedulePolicy(
-            name=train.schedule,
-            profile=PROFILES[train.schedule_profile].with_link(train.schedule_link_mbit * 1e6 / 8),
-            async_min_bytes=train.schedule_async_min_bytes,
-            partition_chunks=train.schedule_partition_chunks or None,
-        )
-        batch = batch_inputs(program, sharded.batch_argnums)
-        planned = plan(program, planning, cost_model(planning, mesh), batch)
-        instrument = replace(PROFILES["cpu"], name="emulated cluster", fused_elementwise=True)
-        profiler = OpProfiler(cache, mesh=mesh)
-        cost = ProfiledCostModel(
-            instrument, dict(mesh.shape), profiler, CollectiveCurves.load(curves_path)
-        )
-        seconds = _node_seconds(cost)
-        timeline = simulate(planned.graph, planned.schedule.order, seconds)
+        # Planned as the run planned it: the run's own policy and cost model.
+        policy = schedule_policy(config_from_train_args([*argv, *schedule_flags(schedule)]))
+        planned = plan(program, policy, cost_model(policy, mesh), batch)
+        order = planned.schedule.order
+        seconds = node_seconds(instrument_cost)  # memoised per node id: one per graph
+        timeline = simulate(planned.graph, order, seconds)
         # The alternative reading of the backend: every collective where its start stands.
-        in_place = simulate(planned.graph, planned.schedule.order, seconds, asynchronous=False)
-        profiler.save()
+        in_place = simulate(planned.graph, order, seconds, asynchronous=False)
         predictions[schedule] = {
             "step_s": timeline.step_seconds,
             "compute_s": timeline.compute_seconds,
@@ -107,6 +100,7 @@ def predict(preset: str, curves_path: Path, cache: Path) -> dict[str, dict[str, 
             "in_place_step_s": in_place.step_seconds,
         }
         print(f"  {preset} {schedule}: {timeline.step_seconds * 1e3:.1f} ms predicted")
+    profiler.save()
     return predictions
 
 

@@ -25,7 +25,7 @@ from scheduling.passes.partition_search import (
 )
 from scheduling.passes.split_async import splittable
 from scheduling.policy import PACKING_DW, PARTITIONING, SchedulePolicy
-from scheduling.profiling import OpProfiler, ProfiledCostModel
+from scheduling.profiling import OpProfiler, ProfiledCostModel, is_local
 from scheduling.report import CollectiveReport, PartitionReport, ScheduleReport
 from scheduling.simulate import simulate
 from scheduling.trace import chrome_trace
@@ -75,8 +75,7 @@ def cost_model(policy: SchedulePolicy, mesh: Mesh) -> CostModel:
         curves = CollectiveCurves.load(policy.collective_curves)
     if policy.op_costs == "measured":
         # Fake CPU devices share the host's cores: time each op on all of them at once.
-        local = set(jax.local_devices())
-        shared_cores = jax.default_backend() == "cpu" and all(d in local for d in mesh.devices.flat)
+        shared_cores = jax.default_backend() == "cpu" and is_local(mesh)
         profiler = OpProfiler(policy.op_cost_cache, mesh=mesh if shared_cores else None)
         return ProfiledCostModel(policy.device_profile, dict(mesh.shape), profiler, curves)
     return CostModel(policy.device_profile, dict(mesh.shape), curves)
@@ -136,7 +135,7 @@ def _schedule(
 ) -> tuple[Graph, Schedule, float]:
     """Split, place dW work (if the policy does), order; and the simulated step time."""
     graph = split_async(program, min_bytes=policy.async_min_bytes)
-    seconds = _node_seconds(cost)
+    seconds = node_seconds(cost)
     placement = schedule_dw(graph, seconds) if policy.name in PACKING_DW else Placement()
     schedule = order(graph, placement, policy.max_live_bytes_growth)
     timeline = simulate(graph, schedule.order, seconds)
@@ -174,7 +173,8 @@ def _keep_what_pays(
     return kept if kept and best < estimate([]) else []
 
 
-def _node_seconds(cost: CostModel) -> Callable[[Node], float]:
+def node_seconds(cost: CostModel) -> Callable[[Node], float]:
+    """Seconds of each graph node under ``cost`` (a done costs nothing), memoised."""
     memo: dict[int, float] = {}
 
     def seconds(node: Node) -> float:
@@ -192,10 +192,10 @@ def build_report(
 ) -> ScheduleReport:
     """The report of ``planned``; the baseline is ``original`` as captured."""
     graph, schedule = planned.graph, planned.schedule
-    seconds = _node_seconds(cost)
+    seconds = node_seconds(cost)
     timeline = simulate(graph, schedule.order, seconds)
     baseline_graph = Graph(original, split=lambda op: False)
-    baseline = simulate(baseline_graph, list(range(len(baseline_graph.nodes))), _node_seconds(cost))
+    baseline = simulate(baseline_graph, list(range(len(baseline_graph.nodes))), node_seconds(cost))
 
     collectives = []
     for index, timing in enumerate(sorted(timeline.collectives.values(), key=lambda t: t.node)):

@@ -91,6 +91,12 @@ def _example_operand(aval: Any, rng: np.random.Generator) -> jax.Array:
     return jnp.asarray(rng.standard_normal(aval.shape).astype(dtype))
 
 
+def is_local(mesh: jax.sharding.Mesh) -> bool:
+    """Every device of ``mesh`` belongs to this process (ops can run on all of them)."""
+    local = set(jax.local_devices())
+    return all(device in local for device in mesh.devices.flat)
+
+
 class OpProfiler:
     """Times ops on this backend; ``cache_dir`` keeps results between runs."""
 
@@ -106,8 +112,7 @@ class OpProfiler:
         if chain < 2:
             raise ValueError("OpProfiler.chain must be >= 2: the cost is what a copy adds")
         if mesh is not None and mesh.devices.size > 1:
-            local = set(jax.local_devices())
-            if not all(device in local for device in mesh.devices.flat):
+            if not is_local(mesh):
                 raise ValueError(
                     "OpProfiler.mesh: every device of the mesh must be local to run ops on all "
                     "of them at once; pass None to time ops on one device"
@@ -144,8 +149,9 @@ class OpProfiler:
         operand_sets = [
             [_example_operand(a.aval, rng) for a in op.inputs] for _ in range(self.chain)
         ]
-        single = self._median(self._executable(op), operand_sets[:1])
-        chained = self._median(self._executable(op), operand_sets)
+        executable = self._executable(op)  # compiled once per number of copies
+        single = self._median(executable, operand_sets[:1])
+        chained = self._median(executable, operand_sets)
         # Never quite free: noise can make the difference vanish for the smallest ops.
         return max(chained - single, 0.05 * single) / (self.chain - 1)
 

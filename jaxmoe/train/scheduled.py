@@ -80,24 +80,30 @@ class PlannedStep:
         return self.step.lower(*self.example).as_text()
 
 
+def schedule_policy(config: Config) -> scheduling.SchedulePolicy:
+    """The scheduling policy that ``config.train``'s ``schedule*`` fields describe."""
+    train = config.train
+    profile = scheduling.PROFILES[train.schedule_profile]
+    if train.schedule_link_mbit:
+        profile = profile.with_link(train.schedule_link_mbit * 1e6 / 8)
+    return scheduling.SchedulePolicy(
+        name=train.schedule,
+        profile=profile,
+        async_min_bytes=train.schedule_async_min_bytes,
+        op_costs=train.schedule_op_costs,
+        op_cost_cache=str(op_cost_cache()),
+        collective_curves=train.schedule_link_curves,
+        partition_chunks=train.schedule_partition_chunks or None,
+        partition_always=train.schedule_partition_always,
+    )
+
+
 def plan_train_step(config: Config, mesh: Mesh) -> PlannedStep:
     sharded = build_train_step(config, mesh)
     example = abstract_step_args(config, mesh)
     if config.train.schedule == "none":
         return PlannedStep(sharded.jit(), example, None)
-    profile = scheduling.PROFILES[config.train.schedule_profile]
-    if config.train.schedule_link_mbit:
-        profile = profile.with_link(config.train.schedule_link_mbit * 1e6 / 8)
-    policy = scheduling.SchedulePolicy(
-        name=config.train.schedule,
-        profile=profile,
-        async_min_bytes=config.train.schedule_async_min_bytes,
-        op_costs=config.train.schedule_op_costs,
-        op_cost_cache=str(op_cost_cache()),
-        collective_curves=config.train.schedule_link_curves,
-        partition_chunks=config.train.schedule_partition_chunks or None,
-        partition_always=config.train.schedule_partition_always,
-    )
+    policy = schedule_policy(config)
     step, report = scheduling.optimize(
         sharded.per_device,
         *example,

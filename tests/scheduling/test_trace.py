@@ -7,7 +7,7 @@ import pytest
 
 from scheduling.cost import PROFILES, CostModel
 from scheduling.graph import Graph
-from scheduling.optimize import _node_seconds
+from scheduling.optimize import node_seconds
 from scheduling.passes import Placement, order, schedule_dw, split_async
 from scheduling.simulate import simulate
 from scheduling.trace import chrome_trace
@@ -16,7 +16,7 @@ from tests.scheduling.toys import toy_program
 
 def _timeline(policy: str):
     program = toy_program()
-    seconds = _node_seconds(CostModel(PROFILES["cpu"], dict(program.mesh.shape)))
+    seconds = node_seconds(CostModel(PROFILES["cpu"], dict(program.mesh.shape)))
     if policy == "none":
         graph = Graph(program, split=lambda op: False)
         return graph, simulate(graph, list(range(len(graph.nodes))), seconds)
