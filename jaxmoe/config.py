@@ -22,6 +22,7 @@ SCHEDULES = ("none", "async", "dw", "partition", "lancet", "expert_pipeline")
 SCHEDULE_PROFILES = ("a100", "v100", "cpu", "a100-8x-nvlink-400g", "v100-8x-nvlink-100g")
 OP_COSTS = ("analytic", "measured")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
+ON_NONFINITE = ("stop", "skip")
 
 
 class ConfigError(ValueError):
@@ -254,6 +255,14 @@ class TrainConfig:
     # partition every range that can be, even where the estimate does not improve.
     schedule_partition_chunks: int = 0
     schedule_partition_always: bool = False
+    # Checkpoints (written under --out): every this many steps, and at the end of the run
+    # and on SIGTERM/SIGINT; 0 = only at the end and on a signal. The last
+    # keep_checkpoints are kept.
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 3
+    # A step whose loss or gradient norm is not finite: stop the run (its update is not
+    # saved), or skip (drop that update, keep training, count it in the metrics).
+    on_nonfinite: str = "stop"
 
     def __post_init__(self) -> None:
         _check_types("train", self)
@@ -312,6 +321,16 @@ class TrainConfig:
             self.schedule_op_costs in OP_COSTS,
             f"train.schedule_op_costs={self.schedule_op_costs!r}: choose one of "
             f"{', '.join(OP_COSTS)}",
+        )
+        _require(
+            isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0,
+            f"train.checkpoint_every={self.checkpoint_every!r}: must be an integer >= 0 "
+            "(0 saves only at the end of the run and on a stop signal)",
+        )
+        _positive_int("train", "keep_checkpoints", self.keep_checkpoints)
+        _require(
+            self.on_nonfinite in ON_NONFINITE,
+            f"train.on_nonfinite={self.on_nonfinite!r}: choose one of {', '.join(ON_NONFINITE)}",
         )
         _require(
             self.schedule_profile in SCHEDULE_PROFILES,

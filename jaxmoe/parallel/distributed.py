@@ -91,6 +91,15 @@ class DistributedConfig:
                 return int(os.environ[name])
         return 1
 
+    def process_index_hint(self) -> int:
+        """This process's index, as far as is known before JAX starts (0 if unknown)."""
+        if self.process_id is not None:
+            return self.process_id
+        for name in ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+            if name in os.environ:
+                return int(os.environ[name])
+        return 0
+
 
 def cluster_detected() -> bool:
     return any(name in os.environ for name in _CLUSTER_ENVIRONMENT)

@@ -89,6 +89,13 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_config_arguments(train)
     train.add_argument("--out", help="directory for config.json, metrics.jsonl and the report")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    existing = train.add_mutually_exclusive_group()
+    existing.add_argument(
+        "--resume", action="store_true", help="continue the run in --out from its last checkpoint"
+    )
+    existing.add_argument(
+        "--overwrite", action="store_true", help="delete the run in --out first, start again"
+    )
     cluster = train.add_argument_group("multi-process runs")
     cluster.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address")
     cluster.add_argument("--num-processes", type=int)
@@ -169,23 +176,90 @@ def _distributed_config(args: argparse.Namespace) -> DistributedConfig:
     )
 
 
+def _checkpoint_bytes(config: Config) -> int:
+    """Bytes of one checkpoint: the whole train state (shapes only, nothing allocated)."""
+    import jax
+
+    from jaxmoe.train.state import abstract_train_state
+
+    leaves = jax.tree.leaves(abstract_train_state(config))
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
+
+
+def _prepare_out(args: argparse.Namespace, distributed: DistributedConfig) -> None:
+    """Check ``--out`` (and clear it for ``--overwrite``) before JAX starts."""
+    from jaxmoe.train.run_dir import prepare_run_dir
+
+    if args.out is None:
+        if args.resume or args.overwrite:
+            raise ConfigError("--resume and --overwrite need --out, the run's directory")
+        return
+    prepare_run_dir(
+        args.out,
+        resume=args.resume,
+        overwrite=args.overwrite,
+        primary=distributed.process_index_hint() == 0,
+    )
+
+
+def _resume_point(config: Config, args: argparse.Namespace) -> int | None:
+    """Room for a checkpoint, and the checkpoint to resume from (after JAX starts)."""
+    import jax
+
+    from jaxmoe.train.run_dir import check_free_space, resume_point
+
+    if args.out is None:
+        return None
+    check_free_space(args.out, _checkpoint_bytes(config))
+    if not args.resume:
+        return None
+    start = resume_point(args.out, config)
+    if jax.process_index() == 0:
+        if start.resume_step is None:
+            print(f"--resume: no checkpoint in {args.out}: starting a new run", flush=True)
+        elif start.changed_fields:
+            print(
+                f"--resume: continuing the checkpoint of step {start.resume_step} with other "
+                f"values of {', '.join(start.changed_fields)}",
+                flush=True,
+            )
+    return start.resume_step
+
+
 def _train(config: Config, args: argparse.Namespace) -> int:
     import jax
 
     from jaxmoe.parallel.distributed import initialize
-    from jaxmoe.train.loop import train
+    from jaxmoe.train.loop import RunStopped, train
 
     distributed = _distributed_config(args)
-    initialize(distributed)
+    _prepare_out(args, distributed)
+    initialize(distributed)  # before anything starts JAX's backends
+    resume_step = _resume_point(config, args)
     step_timeout = args.step_timeout
     if step_timeout is None and distributed.enabled:
         step_timeout = 120.0
-    rows = train(config, args.out, progress=not args.no_progress, step_timeout_s=step_timeout)
+    try:
+        rows = train(
+            config,
+            args.out,
+            progress=not args.no_progress,
+            step_timeout_s=step_timeout,
+            resume=resume_step is not None,
+        )
+    except RunStopped as stopped:
+        if jax.process_index() == 0:
+            print(f"jaxmoe train: {stopped}", file=sys.stderr, flush=True)
+        return stopped.status
     if jax.process_index() != 0:
+        return 0
+    if not rows:
+        print(f"done: the run already has its {config.train.steps} steps")
         return 0
     last = rows[-1]
     print(
-        f"done: {len(rows)} steps, loss {rows[0]['loss']:.3f} -> {last['loss']:.3f}, "
+        f"done: {last['step'] + 1} steps ({len(rows)} in this run), "
+        f"loss {rows[0]['loss']:.3f} -> {last['loss']:.3f}, "
         f"val_loss {last.get('val_loss', float('nan')):.3f}"
     )
     return 0

@@ -1,8 +1,17 @@
-"""The training loop: data, state, compiled steps, periodic validation, logging."""
+"""The training loop: data, state, compiled steps, validation, logging, checkpoints.
+
+A run ends in one of four ways: it finishes (checkpoint at the end); a stop signal
+arrives (it finishes the step, writes a checkpoint and raises :class:`RunStopped`
+with :data:`~jaxmoe.train.stop_signals.PREEMPTED_EXIT_CODE`); a step's loss or
+gradient norm is not finite under ``train.on_nonfinite=stop`` (:class:`RunStopped`
+with :data:`NONFINITE_EXIT_CODE`, leaving the last good checkpoint as the latest);
+or writing its files fails (:class:`RunStopped` with :data:`IO_ERROR_EXIT_CODE`).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,12 +22,26 @@ from tqdm import tqdm
 
 from jaxmoe.config import Config, ConfigError
 from jaxmoe.parallel.mesh import build_mesh
+from jaxmoe.train.checkpoint import RunCheckpoints
 from jaxmoe.train.data import BatchSampler, TokenSplits, load_tokens, put_on_mesh
 from jaxmoe.train.metrics import RunLog, host_row
 from jaxmoe.train.scheduled import plan_train_step
 from jaxmoe.train.state import init_train_state
 from jaxmoe.train.step import build_eval_step
+from jaxmoe.train.stop_signals import PREEMPTED_EXIT_CODE, StopSignals
 from jaxmoe.train.watchdog import StepWatchdog
+
+NONFINITE_EXIT_CODE = 4
+IO_ERROR_EXIT_CODE = 5
+
+
+class RunStopped(Exception):
+    """The run ended before its last step; ``status`` is the process exit status."""
+
+    def __init__(self, message: str, status: int, rows: list[dict[str, Any]]):
+        super().__init__(message)
+        self.status = status
+        self.rows = rows
 
 
 def _evaluate(eval_step: Callable, params: Any, sampler: BatchSampler, batches: int, mesh) -> float:
@@ -27,17 +50,34 @@ def _evaluate(eval_step: Callable, params: Any, sampler: BatchSampler, batches: 
     return float(sum(jax.device_get(losses)) / batches)
 
 
+def _where_to_resume(checkpoints: RunCheckpoints | None, advice: str = "") -> str:
+    step = None if checkpoints is None else checkpoints.latest_step()
+    if step is None:
+        return "no checkpoint was written"
+    return (
+        f"the last checkpoint is step {step} in {checkpoints.directory}: "
+        f"continue with --resume{advice}"
+    )
+
+
+def _nonfinite(row: dict[str, Any]) -> bool:
+    return not (math.isfinite(row["total_loss"]) and math.isfinite(row["grad_norm"]))
+
+
 def train(
     config: Config,
     out_dir: str | Path | None = None,
     *,
     progress: bool = True,
     step_timeout_s: float | None = None,
+    resume: bool = False,
 ) -> list[dict[str, Any]]:
-    """Train ``config`` for ``config.train.steps`` steps; returns one metrics row per step.
+    """Train ``config`` up to ``config.train.steps`` steps; returns this run's metric rows.
 
-    With ``step_timeout_s``, a step (or validation pass) that takes longer ends the
-    process (see :mod:`jaxmoe.train.watchdog`): in a multi-process run, a peer died.
+    With ``out_dir``, checkpoints are written there; with ``resume``, training continues
+    from the latest complete one (a new run if there is none). With ``step_timeout_s``,
+    a step (or validation pass) that takes longer ends the process (see
+    :mod:`jaxmoe.train.watchdog`): in a multi-process run, a peer died.
     """
     mesh = build_mesh(config.parallel)
     seq_len, batch = config.model.seq_len, config.train.batch_size
@@ -50,47 +90,106 @@ def train(
     train_batches = BatchSampler(splits.train, seq_len, batch, config.train.seed)
     val_batches = BatchSampler(splits.val, seq_len, batch, config.train.seed + 1)
 
-    state = init_train_state(config, mesh)
-    first_batch = put_on_mesh(train_batches, 0, mesh)
+    checkpoints = RunCheckpoints(out_dir, config) if out_dir is not None else None
+    first_step = 0
+    if checkpoints is not None and resume and (latest := checkpoints.latest_step()) is not None:
+        state, first_step = checkpoints.restore(latest, mesh), latest
+    else:
+        state = init_train_state(config, mesh)
+    first_batch = put_on_mesh(train_batches, first_step, mesh)
     planned = plan_train_step(config, mesh)
     # Compiled ahead so that the first step's time is a step, not a compilation.
     train_step = planned.compile()
     eval_step = build_eval_step(config, mesh).jit().lower(state.params, first_batch).compile()
 
-    log = RunLog(out_dir, config)
+    primary = jax.process_index() == 0
+    log = RunLog(out_dir, config, first_step)
     if planned.report is not None:
         log.write_schedule_report(planned.report)
-        if progress and jax.process_index() == 0:
+        if progress and primary:
             print(planned.report.table(max_rows=24), flush=True)
+    if first_step and primary:
+        print(f"resuming from the checkpoint of step {first_step}", flush=True)
     rows: list[dict[str, Any]] = []
+    skipped = 0
+    last_step = config.train.steps
     bar = tqdm(
-        total=config.train.steps,
-        disable=not progress or jax.process_index() != 0,
+        total=last_step,
+        initial=first_step,
+        disable=not progress or not primary,
         desc="train",
         unit="step",
     )
-    with StepWatchdog(step_timeout_s) as watchdog, contextlib.closing(log), bar:
-        for step in range(config.train.steps):
-            started = time.perf_counter()
-            batch_array = first_batch if step == 0 else put_on_mesh(train_batches, step, mesh)
-            with watchdog.step(step):
-                state, metrics = train_step(state, batch_array)
-                metrics = jax.device_get(metrics)  # waits for the step
-            row = host_row(step, metrics, time.perf_counter() - started, batch * seq_len)
-            last = step + 1 == config.train.steps
-            if (step + 1) % config.train.eval_every == 0 or last:
+    try:
+        with (
+            StopSignals() as signals,
+            StepWatchdog(step_timeout_s) as watchdog,
+            contextlib.closing(log),
+            checkpoints or contextlib.nullcontext(),
+            bar,
+        ):
+            for step in range(first_step, last_step):
+                started = time.perf_counter()
+                batch_array = (
+                    first_batch if step == first_step else put_on_mesh(train_batches, step, mesh)
+                )
                 with watchdog.step(step):
-                    row["val_loss"] = _evaluate(
-                        eval_step, state.params, val_batches, config.train.eval_batches, mesh
+                    state, metrics = train_step(state, batch_array)
+                    metrics = jax.device_get(metrics)  # waits for the step
+                row = host_row(step, metrics, time.perf_counter() - started, batch * seq_len)
+                skipped += row.get("skipped", 0)
+                if "skipped" in row:
+                    row["skipped_steps"] = skipped
+                if _nonfinite(row) and config.train.on_nonfinite == "stop":
+                    rows.append(row)
+                    log.write(row)
+                    raise RunStopped(
+                        f"step {step}: the loss is {row['total_loss']} and the gradient norm "
+                        f"{row['grad_norm']}; stopped without keeping that update "
+                        "(--train.on_nonfinite skip would drop it and go on); "
+                        + _where_to_resume(
+                            checkpoints,
+                            " after a change against the divergence (a lower "
+                            "--train.learning_rate, for example)",
+                        ),
+                        NONFINITE_EXIT_CODE,
+                        rows,
                     )
-                if jax.process_index() == 0:
-                    bar.write(f"step {step + 1}: val_loss {row['val_loss']:.4f}")
-            rows.append(row)
-            log.write(row)
-            bar.set_postfix(
-                loss=f"{row['loss']:.3f}",
-                dropped=f"{row['dropped_fraction']:.2f}",
-                tok_s=f"{row['tokens_per_s']:.0f}",
-            )
-            bar.update()
+                done = step + 1
+                if done % config.train.eval_every == 0 or done == last_step:
+                    with watchdog.step(step):
+                        row["val_loss"] = _evaluate(
+                            eval_step, state.params, val_batches, config.train.eval_batches, mesh
+                        )
+                    if primary:
+                        bar.write(f"step {done}: val_loss {row['val_loss']:.4f}")
+                rows.append(row)
+                log.write(row)
+                bar.set_postfix(
+                    loss=f"{row['loss']:.3f}",
+                    dropped=f"{row['dropped_fraction']:.2f}",
+                    tok_s=f"{row['tokens_per_s']:.0f}",
+                )
+                bar.update()
+                stop = signals.stop_after(done)
+                every = config.train.checkpoint_every
+                periodic = every and done % every == 0
+                if checkpoints is not None and (periodic or stop or done == last_step):
+                    checkpoints.save(state)
+                if stop and done < last_step:
+                    if checkpoints is not None:
+                        checkpoints.wait()
+                    raise RunStopped(
+                        f"stopped by a signal after {done} steps; {_where_to_resume(checkpoints)}",
+                        PREEMPTED_EXIT_CODE,
+                        rows,
+                    )
+            if checkpoints is not None:
+                checkpoints.wait()
+    except OSError as error:
+        raise RunStopped(
+            f"writing the run's files failed ({error}); {_where_to_resume(checkpoints)}",
+            IO_ERROR_EXIT_CODE,
+            rows,
+        ) from error
     return rows

@@ -4,11 +4,18 @@
 line per step with at least ``step``, ``loss``, ``tokens_per_s``,
 ``dropped_fraction`` and ``expert_imbalance``; ``DIR/schedule_report.json`` what
 the scheduling layer did to the step, when it ran. Only process 0 writes.
+
+``metrics.jsonl`` is strict JSON: a non-finite value is written as ``null``. Each
+line is written whole or not at all (a failed write, a full disk say, is cut off
+again), so every line of the file parses.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +23,8 @@ import jax
 import numpy as np
 
 from jaxmoe.config import Config
+
+METRICS_FILE = "metrics.jsonl"
 
 
 def host_row(step: int, metrics: dict[str, Any], seconds: float, tokens: int) -> dict[str, Any]:
@@ -29,18 +38,46 @@ def host_row(step: int, metrics: dict[str, Any], seconds: float, tokens: int) ->
     return row
 
 
-class RunLog:
-    """Writes the run's configuration and metrics under ``out_dir`` (process 0 only)."""
+def strict_json(value: Any) -> Any:
+    """``value`` with every non-finite float replaced by None (JSON has no NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [strict_json(item) for item in value]
+    return value
 
-    def __init__(self, out_dir: str | Path | None, config: Config):
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a metrics file (every line parses: they are written whole)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+class RunLog:
+    """Writes the run's configuration and metrics under ``out_dir`` (process 0 only).
+
+    ``first_step`` is where this invocation starts: a resumed run keeps the rows of the
+    steps before it and drops any later ones (work done after its checkpoint, which the
+    resumed run does again).
+    """
+
+    def __init__(self, out_dir: str | Path | None, config: Config, first_step: int = 0):
         self.active = out_dir is not None and jax.process_index() == 0
-        self._metrics = None
+        self._fd: int | None = None
         if not self.active:
             return
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
-        self._metrics = (self.out_dir / "metrics.jsonl").open("w")
+        path = self.out_dir / METRICS_FILE
+        kept = [row for row in read_rows(path) if row["step"] < first_step]
+        staging = path.with_suffix(".jsonl.tmp")
+        staging.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        staging.replace(path)  # atomic: the old file or the new one, never a mix
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
 
     def write_schedule_report(self, report: Any) -> None:
         """``schedule_report.json``: what the scheduling layer did to the step, and
@@ -55,11 +92,19 @@ class RunLog:
                 report.save_gantt(self.out_dir / "schedule_timeline.png")
 
     def write(self, row: dict[str, Any]) -> None:
-        if self._metrics is not None:
-            self._metrics.write(json.dumps(row) + "\n")
-            self._metrics.flush()
+        """Append ``row`` as one line, whole: on a failed write the file is cut back."""
+        if self._fd is None:
+            return
+        line = (json.dumps(strict_json(row), allow_nan=False) + "\n").encode()
+        end = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            if os.write(self._fd, line) != len(line):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # a short write: disk full
+        except OSError:
+            os.ftruncate(self._fd, end)
+            raise
 
     def close(self) -> None:
-        if self._metrics is not None:
-            self._metrics.close()
-            self._metrics = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

@@ -97,6 +97,9 @@ def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
     shards = config.parallel.token_shards
     axes = tuple(mesh.axis_names)
     clip_norm = config.train.grad_clip_norm
+    # on_nonfinite=skip keeps the old parameters and optimizer state where a step's loss or
+    # gradient norm is not finite; with 'stop' the loop ends the run and the step is as is.
+    skip_nonfinite = config.train.on_nonfinite == "skip"
 
     def per_device(state: TrainState, batch: jax.Array) -> tuple[TrainState, Metrics]:
         key = None
@@ -128,6 +131,15 @@ def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
                 "learning_rate": schedule(state.step),
                 **_routing_metrics(stats, axes, shards),
             }
+        if skip_nonfinite:
+            # Both are global values, so every device takes the same decision.
+            finite = jnp.isfinite(metrics["total_loss"]) & jnp.isfinite(grad_norm)
+            params, opt_state = jax.tree.map(
+                lambda new, old: jnp.where(finite, new, old),
+                (params, opt_state),
+                (state.params, state.opt_state),
+            )
+            metrics["skipped"] = jnp.logical_not(finite).astype(jnp.int32)
         return TrainState(state.step + 1, params, opt_state), metrics
 
     specs = state_specs(config)

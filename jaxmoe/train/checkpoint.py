@@ -1,0 +1,193 @@
+"""Checkpoints of a run, written with Orbax: save, keep the last few, restore anywhere.
+
+A checkpoint is a directory ``OUT/checkpoints/<step>`` of three items:
+
+- ``state``: the whole :class:`~jaxmoe.train.state.TrainState` (step, parameters,
+  optimizer state) as sharded arrays; every process writes only its own shards.
+- ``run``: where the run stands besides the state: the next step, the data position
+  and the random streams. Batches and router noise are functions of
+  ``(train.seed, step)`` (:class:`~jaxmoe.train.data.BatchSampler`,
+  ``jaxmoe.train.step``), so the seed and the step are the whole of both.
+- ``config``: the configuration the checkpoint was written under.
+
+Saving is asynchronous: :meth:`RunCheckpoints.save` returns once the arrays are
+copied off the devices, and the files are written in the background while training
+goes on. It is atomic: Orbax writes into a temporary directory and renames it when
+every process has finished, so a crash mid-save leaves the previous checkpoints as
+they were, and the half-written one is ignored (and removed on the next start).
+
+Restoring reads into the current layout: each array lands with the sharding that the
+current mesh gives it, so a checkpoint written on ``data x expert = 1 x 8`` restores
+on ``2 x 4``, or in a run with a different number of processes. A checkpoint of a
+model of another shape is refused (:func:`check_compatible`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from orbax.checkpoint import type_handlers
+
+from jaxmoe.config import Config, ConfigError
+from jaxmoe.train.state import TrainState, abstract_train_state, state_specs
+
+CHECKPOINT_DIR = "checkpoints"
+# Fields whose change gives parameters (or their optimizer state) other shapes.
+_SHAPE_FIELDS = {f"model.{field.name}" for field in dataclasses.fields(Config().model)} | {
+    "moe.num_experts",
+    "moe.d_expert",
+}
+
+
+def _handler_registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
+    """The handlers of the three items.
+
+    Arrays are written by their first replica. Orbax's default on CPU spreads a
+    replicated array over its replicas in slices, which costs one compiled slice per
+    replica and array on the first save (seconds on 8 fake devices) for no gain on a
+    local disk; GPU backends have it off by default too.
+    """
+    arrays = type_handlers.create_type_handler_registry(
+        (jax.Array, type_handlers.ArrayHandler(use_replica_parallel=False))
+    )
+    state_handler = ocp.PyTreeCheckpointHandler(type_handler_registry=arrays)
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    registry.add("state", ocp.args.PyTreeSave, state_handler)
+    registry.add("state", ocp.args.PyTreeRestore, state_handler)
+    for item in ("run", "config"):
+        registry.add(item, ocp.args.JsonSave)
+        registry.add(item, ocp.args.JsonRestore)
+    return registry
+
+
+def _manager(directory: Path, keep: int) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep,
+        # A save interrupted by a crash leaves a temporary directory: remove it.
+        cleanup_tmp_directories=True,
+        enable_async_checkpointing=True,
+    )
+    return ocp.CheckpointManager(
+        directory.absolute(), options=options, handler_registry=_handler_registry()
+    )
+
+
+def latest_checkpoint(out_dir: Path) -> int | None:
+    """The step of the newest complete checkpoint under ``out_dir``, or None.
+
+    Reads the directory only: a half-written checkpoint does not count.
+    """
+    steps = ocp.utils.checkpoint_steps(out_dir / CHECKPOINT_DIR)
+    return max(steps, default=None)
+
+
+def saved_config(out_dir: Path, step: int) -> dict[str, Any]:
+    """The configuration (as a dict) that the checkpoint of ``step`` was written under."""
+    path = (out_dir / CHECKPOINT_DIR / str(step) / "config").absolute()
+    with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as reader:
+        return reader.restore(path)
+
+
+def check_compatible(saved: dict[str, Any], config: Config, step: int) -> list[str]:
+    """Refuse a checkpoint whose model or MoE shape differs from ``config``'s.
+
+    Returns the other fields that differ (``section.field``), which a resumed run may
+    change: the layout, the number of steps, the schedule, ...
+    """
+    changes = {
+        f"{section}.{name}": (saved.get(section, {}).get(name, value), value)
+        for section, values in config.to_dict().items()
+        for name, value in values.items()
+        if saved.get(section, {}).get(name, value) != value
+    }
+    shape = [
+        f"{name} {old!r} -> {new!r}"
+        for name, (old, new) in changes.items()
+        if name in _SHAPE_FIELDS
+    ]
+    if shape:
+        raise ConfigError(
+            f"the checkpoint of step {step} holds a model of another shape ({', '.join(shape)}): "
+            "resume with the saved values, or start a new run with --overwrite"
+        )
+    return sorted(changes)
+
+
+def _abstract_state(config: Config, mesh: Mesh) -> TrainState:
+    """Shapes, dtypes and this mesh's shardings of the state, to restore into."""
+    return jax.tree.map(
+        lambda shape, spec: jax.ShapeDtypeStruct(
+            shape.shape, shape.dtype, sharding=NamedSharding(mesh, spec)
+        ),
+        abstract_train_state(config),
+        state_specs(config),
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
+
+
+class RunCheckpoints:
+    """The checkpoints of one run directory: asynchronous saves, the last ``keep`` kept."""
+
+    def __init__(self, out_dir: str | Path, config: Config):
+        self.directory = Path(out_dir) / CHECKPOINT_DIR
+        self.config = config
+        self._manager = _manager(self.directory, keep=config.train.keep_checkpoints)
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def save(self, state: TrainState) -> int:
+        """Start writing ``state`` (after ``state.step`` steps); returns that step.
+
+        Returns once the arrays are copied to the host, so the caller may donate them
+        to the next step; the files are written in the background.
+        """
+        step = int(jax.device_get(state.step))
+        run = {
+            "next_step": step,
+            "data": {"seed": self.config.train.seed, "next_batch": step},
+            "rng": {"seed": self.config.train.seed, "router_noise_step": step},
+            "processes": jax.process_count(),
+        }
+        self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeSave(state),
+                run=ocp.args.JsonSave(run),
+                config=ocp.args.JsonSave(self.config.to_dict()),
+            ),
+            force=True,
+        )
+        return step
+
+    def restore(self, step: int, mesh: Mesh) -> TrainState:
+        """The state saved at ``step``, laid out for ``mesh`` and the current config."""
+        target = _abstract_state(self.config, mesh)
+        restored = self._manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(
+                    target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)
+                ),
+                run=ocp.args.JsonRestore(),
+            ),
+        )
+        return restored.state
+
+    def wait(self) -> None:
+        """Block until every save started so far is on disk (raises its error if any)."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.close()
+
+    def __enter__(self) -> RunCheckpoints:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
