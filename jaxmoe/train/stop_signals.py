@@ -12,7 +12,10 @@ preemption service agrees on that step: when any process gets SIGTERM, the
 coordination service collects every process's step and picks the next one after
 the largest (``multihost_utils.reached_preemption_sync_point``). Its SIGTERM
 handler is installed by ``jax.distributed.initialize``, so here SIGTERM is left to
-it and SIGINT is passed on to it as a SIGTERM to this process.
+it and SIGINT is passed on to it as a SIGTERM to this process. That handler takes
+one notice and ignores the rest, so in a multi-process run a second SIGTERM ends the
+process at once only from the agreed step on (a step or two after the first); a
+second SIGINT always does.
 """
 
 from __future__ import annotations
@@ -39,15 +42,19 @@ class StopSignals:
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            handled = [signal.SIGINT] if self.multi_process else [signal.SIGINT, signal.SIGTERM]
-            for number in handled:
-                self._previous[number] = signal.signal(number, self._handle)
+        self._install(signal.SIGINT)
+        if not self.multi_process:
+            self._install(signal.SIGTERM)
         return self
+
+    def _install(self, number: int) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self._previous.setdefault(number, signal.signal(number, self._handle))
 
     def __exit__(self, *exc_info: object) -> None:
         for number, handler in self._previous.items():
-            signal.signal(number, handler)
+            # None: the previous handler was not Python's (JAX's C++ one); it cannot return.
+            signal.signal(number, signal.SIG_DFL if handler is None else handler)
         self._previous.clear()
 
     def _handle(self, number: int, frame: FrameType | None) -> None:
@@ -71,6 +78,11 @@ class StopSignals:
         In a multi-process run this is the preemption service's verdict, the same on
         every process (all of them must call it at every step).
         """
-        if self.multi_process:
-            return multihost_utils.reached_preemption_sync_point(steps_done)
-        return self.received is not None
+        if not self.multi_process:
+            return self.received is not None
+        agreed = multihost_utils.reached_preemption_sync_point(steps_done)
+        if agreed and self.received is None:
+            # The notice went to JAX's handler; from here on another SIGTERM exits at once.
+            self.received = signal.SIGTERM
+            self._install(signal.SIGTERM)
+        return agreed

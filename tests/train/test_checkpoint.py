@@ -1,0 +1,94 @@
+"""Checkpoints: exact resume, restore into another layout, refusal of another shape."""
+
+import dataclasses
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+from jaxmoe.config import Config, ConfigError, ParallelConfig
+from jaxmoe.parallel.mesh import build_mesh
+from jaxmoe.train import loop
+from jaxmoe.train.checkpoint import RunCheckpoints, check_compatible, latest_checkpoint
+from jaxmoe.train.metrics import read_rows
+from jaxmoe.train.state import init_train_state
+from jaxmoe.train.step import build_train_step
+from jaxmoe.train.stop_signals import PREEMPTED_EXIT_CODE, StopSignals
+
+from .batches import random_batch
+from .runs import EXACT_KEYS, small_config
+
+
+def test_resume_after_a_stop_is_the_uninterrupted_run_bit_for_bit(tmp_path, monkeypatch):
+    config = small_config(steps=6, eval_every=2)
+    uninterrupted = loop.train(config, tmp_path / "whole", progress=False)
+
+    # A stop request after 3 steps, as a signal would make (signals: test_run_control.py).
+    monkeypatch.setattr(StopSignals, "stop_after", lambda self, done: done == 3)
+    with pytest.raises(loop.RunStopped) as stopped:
+        loop.train(config, tmp_path / "parts", progress=False)
+    assert stopped.value.status == PREEMPTED_EXIT_CODE
+    assert latest_checkpoint(tmp_path / "parts") == 3
+    monkeypatch.undo()
+    resumed = loop.train(config, tmp_path / "parts", progress=False, resume=True)
+
+    assert [row["step"] for row in resumed] == [3, 4, 5]
+    pick = lambda rows: [{key: row.get(key) for key in EXACT_KEYS} for row in rows]
+    chex.assert_trees_all_equal(pick(stopped.value.rows + resumed), pick(uninterrupted))
+    logged = read_rows(tmp_path / "parts" / "metrics.jsonl")
+    assert [row["step"] for row in logged] == list(range(6))
+
+
+def _state_on(config: Config):
+    mesh = build_mesh(config.parallel)
+    return mesh, init_train_state(config, mesh)
+
+
+@pytest.mark.parametrize("layout", [(2, 4), (4, 2), (8, 1)])
+def test_restore_into_another_layout_gives_the_saved_values(tmp_path, layout):
+    saved_config = small_config(steps=2)
+    mesh, state = _state_on(saved_config)
+    # Train one step, so that the optimizer moments are not zeros.
+    step = build_train_step(saved_config, mesh).jit()
+    rng = np.random.default_rng(0)
+    state, _ = step(state, random_batch(rng, saved_config, mesh))
+    expected = jax.device_get(state)
+    with RunCheckpoints(tmp_path, saved_config) as checkpoints:
+        assert checkpoints.save(state) == 1
+        checkpoints.wait()
+
+    data, expert = layout
+    config = dataclasses.replace(saved_config, parallel=ParallelConfig(data=data, expert=expert))
+    new_mesh = build_mesh(config.parallel)
+    with RunCheckpoints(tmp_path, config) as checkpoints:
+        restored = checkpoints.restore(1, new_mesh)
+    chex.assert_trees_all_equal(jax.device_get(restored), expected)
+    expert_weight = restored.params["blocks"][1]["ffn"]["experts"]["w_in"]
+    assert expert_weight.sharding.mesh.shape == {"data": data, "expert": expert}
+    # And the restored state trains in the new layout.
+    new_step = build_train_step(config, new_mesh).jit()
+    _, metrics = new_step(restored, random_batch(rng, config, new_mesh))
+    assert np.isfinite(metrics["loss"])
+
+
+def test_a_checkpoint_of_another_shape_is_refused():
+    saved = small_config().to_dict()
+    wider = dataclasses.replace(
+        small_config(), model=dataclasses.replace(small_config().model, d_model=128)
+    )
+    with pytest.raises(ConfigError, match=r"model.d_model 64 -> 128.*--overwrite"):
+        check_compatible(saved, wider, step=7)
+    more_experts = dataclasses.replace(
+        small_config(), moe=dataclasses.replace(small_config().moe, num_experts=16)
+    )
+    with pytest.raises(ConfigError, match=r"moe\.num_experts 8 -> 16"):
+        check_compatible(saved, more_experts, step=7)
+    other_layout = dataclasses.replace(small_config(), parallel=ParallelConfig(data=2, expert=4))
+    assert check_compatible(saved, other_layout, step=7) == ["parallel.data", "parallel.expert"]
+
+
+def test_only_the_last_checkpoints_are_kept(tmp_path):
+    config = small_config(steps=5, checkpoint_every=1, keep_checkpoints=2)
+    loop.train(config, tmp_path, progress=False)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["4", "5"]
