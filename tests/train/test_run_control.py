@@ -1,0 +1,244 @@
+"""How a run ends: signals, a kill mid-save, a non-finite loss, a full disk, its directory."""
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+from jaxmoe.config import ConfigError
+from jaxmoe.parallel.mesh import build_mesh
+from jaxmoe.train import metrics as metrics_module
+from jaxmoe.train.checkpoint import latest_checkpoint
+from jaxmoe.train.cli import main
+from jaxmoe.train.launch import child_environment
+from jaxmoe.train.loop import NONFINITE_EXIT_CODE
+from jaxmoe.train.metrics import RunLog, read_rows
+from jaxmoe.train.state import init_train_state
+from jaxmoe.train.step import build_train_step
+from jaxmoe.train.stop_signals import PREEMPTED_EXIT_CODE
+
+from .batches import random_batch
+from .runs import EXACT_KEYS, small_config
+
+SMALL = ["--model.num_layers", "2", "--model.d_model", "64", "--data.max_bytes", "300000"]
+SMALL += ["--no-progress", "--train.eval_every", "3"]
+
+
+def jaxmoe(*args: str) -> list[str]:
+    return [sys.executable, "-m", "jaxmoe.train.cli", *args]
+
+
+def strict_rows(run_dir: Path) -> list[dict]:
+    """The metrics rows, refusing anything that is not strict JSON (NaN, Infinity)."""
+
+    def refuse(name: str):
+        raise ValueError(f"not strict JSON: {name}")
+
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line, parse_constant=refuse) for line in lines]
+
+
+def exact(rows: list[dict]) -> list[dict]:
+    return [{key: row.get(key) for key in EXACT_KEYS} for row in rows]
+
+
+def start_run(out: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        jaxmoe("train", *SMALL, "--out", str(out), *args),
+        env=child_environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for_rows(process: subprocess.Popen, out: Path, count: int) -> None:
+    deadline = time.monotonic() + 180
+    while len(read_rows(out / "metrics.jsonl")) < count:
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "the run did not start"
+        time.sleep(0.02)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        jaxmoe("train", *SMALL, *args),
+        env=child_environment(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> list[dict]:
+    """Eight steps of the small run, never interrupted."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    assert main(["train", *SMALL, "--steps", "8", "--out", str(out)]) == 0
+    return strict_rows(out)
+
+
+def test_sigterm_saves_exits_75_and_the_resumed_run_is_the_same(tmp_path, uninterrupted):
+    out = tmp_path / "run"
+    process = start_run(out, "--steps", "8")
+    wait_for_rows(process, out, 2)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == PREEMPTED_EXIT_CODE, stderr
+    saved = latest_checkpoint(out)
+    assert saved is not None and 2 <= saved < 8
+    assert f"stopped by a signal after {saved} steps" in stderr and "--resume" in stderr
+
+    resumed = run_cli("--steps", "8", "--out", str(out), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resuming from the checkpoint of step {saved}" in resumed.stdout
+    chex.assert_trees_all_equal(exact(strict_rows(out)), exact(uninterrupted))
+
+
+def test_a_second_signal_exits_at_once(tmp_path):
+    out = tmp_path / "run"
+    process = start_run(out, "--steps", "5000")
+    wait_for_rows(process, out, 1)
+    process.send_signal(signal.SIGINT)
+    # Python runs a handler between bytecodes: two signals sent back to back while the
+    # step runs in XLA would reach it as one. Send the second once the first is handled.
+    for line in process.stderr:
+        if "finishing this step" in line:
+            break
+    process.send_signal(signal.SIGINT)
+    process.communicate(timeout=30)
+    assert process.returncode == 128 + signal.SIGINT
+
+
+def test_a_kill_during_a_checkpoint_write_leaves_the_previous_ones_whole(tmp_path, uninterrupted):
+    out = tmp_path / "run"
+    process = start_run(out, "--steps", "8", "--train.checkpoint_every", "1")
+    deadline = time.monotonic() + 180
+    checkpoints = out / "checkpoints"
+    while True:  # kill it while a checkpoint is half written, after two complete ones
+        assert time.monotonic() < deadline, "no checkpoint write to interrupt"
+        assert process.poll() is None, "the run ended before a checkpoint write was caught"
+        names = [p.name for p in checkpoints.iterdir()] if checkpoints.exists() else []
+        if any("tmp" in name for name in names) and len(names) >= 3:
+            process.kill()
+            break
+        time.sleep(0.005)
+    process.communicate()
+    complete = latest_checkpoint(out)
+    assert complete is not None and complete >= 2
+
+    resumed = run_cli("--steps", "8", "--out", str(out), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resuming from the checkpoint of step {complete}" in resumed.stdout
+    assert not any("tmp" in p.name for p in checkpoints.iterdir())
+    chex.assert_trees_all_equal(exact(strict_rows(out)), exact(uninterrupted))
+
+
+def test_a_nonfinite_loss_stops_with_status_4_and_strict_metrics(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["train", *SMALL, "--steps", "6", "--out", str(out), "--train.checkpoint_every", "1"]
+    argv += ["--train.learning_rate", "1e6", "--train.warmup_steps", "0"]
+    assert main(argv) == NONFINITE_EXIT_CODE
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1, error
+    rows = strict_rows(out)
+    last = rows[-1]
+    assert last["loss"] is None and f"step {last['step']}: the loss is nan" in error
+    # The checkpoints hold finite states only: the last one is before the bad step.
+    assert latest_checkpoint(out) == last["step"]
+    assert f"the last checkpoint is step {last['step']}" in error
+
+
+def test_skip_drops_nonfinite_updates_and_counts_them(tmp_path):
+    config = small_config(learning_rate=1e6, warmup_steps=0, on_nonfinite="skip")
+    mesh = build_mesh(config.parallel)
+    step = build_train_step(config, mesh).jit()
+    rng = np.random.default_rng(0)
+    state, first = step(init_train_state(config, mesh), random_batch(rng, config, mesh))
+    assert first["skipped"] == 0  # a finite step, with a huge update
+    before = jax.device_get((state.params, state.opt_state))
+    state, second = step(state, random_batch(rng, config, mesh))
+    assert not np.isfinite(second["loss"]) and second["skipped"] == 1
+    chex.assert_trees_all_equal(jax.device_get((state.params, state.opt_state)), before)
+    assert int(state.step) == 2
+
+
+def test_a_failed_metrics_write_leaves_only_whole_lines(tmp_path, monkeypatch):
+    log = RunLog(tmp_path, small_config())
+    log.write({"step": 0, "loss": 1.5})
+    real_write = os.write
+
+    def full_disk(fd, data):
+        real_write(fd, data[:7])  # part of the line reaches the disk, then it is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(metrics_module.os, "write", full_disk)
+    with pytest.raises(OSError):
+        log.write({"step": 1, "loss": float("nan")})
+    monkeypatch.undo()
+    log.write({"step": 1, "loss": float("inf")})
+    log.close()
+    assert strict_rows(tmp_path) == [{"step": 0, "loss": 1.5}, {"step": 1, "loss": None}]
+
+
+@pytest.mark.parametrize(
+    ("setup", "flags", "message"),
+    [
+        ("file", [], "is a file, not a directory"),
+        ("file-parent", [], "cannot write there"),
+        ("run", [], "already holds a run (config.json, metrics.jsonl): add --resume"),
+        ("none", ["--resume", "--overwrite"], "not allowed with argument"),
+        ("proc", [], "cannot write there"),
+    ],
+)
+def test_a_bad_out_directory_is_one_line_before_compiling(tmp_path, capsys, setup, flags, message):
+    out = tmp_path / "out"
+    if setup == "file":
+        out.write_text("x")
+    elif setup == "file-parent":
+        (tmp_path / "afile").write_text("x")
+        out = tmp_path / "afile" / "sub"
+    elif setup == "run":
+        out.mkdir()
+        (out / "config.json").write_text("{}")
+        (out / "metrics.jsonl").write_text("")
+    elif setup == "proc":
+        out = Path("/proc/jaxmoe-test")
+    started = time.monotonic()
+    with pytest.raises(SystemExit) as exit_info:
+        raise SystemExit(main(["train", *SMALL, "--out", str(out), *flags]))
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert message in error and error.count("\n") == 1, error
+    assert time.monotonic() - started < 5  # refused before any compilation
+
+
+def test_overwrite_deletes_the_run_files_and_nothing_else(tmp_path):
+    out = tmp_path / "out"
+    (out / "checkpoints" / "3").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    (out / "notes.txt").write_text("mine")
+    assert main(["train", *SMALL, "--steps", "1", "--out", str(out), "--overwrite"]) == 0
+    assert (out / "notes.txt").read_text() == "mine"
+    assert [row["step"] for row in strict_rows(out)] == [0]
+    assert latest_checkpoint(out) == 1
+
+
+def test_too_little_free_space_is_refused(tmp_path, monkeypatch):
+    from jaxmoe.train import run_dir
+
+    usage = SimpleNamespace(total=10**9, used=10**9 - 10**6, free=10**6)
+    monkeypatch.setattr(run_dir.shutil, "disk_usage", lambda path: usage)
+    with pytest.raises(ConfigError, match=r"1\.0 MB free, but a checkpoint .* about 32\.1 MB"):
+        run_dir.check_free_space(tmp_path, 32_100_000)
+    run_dir.check_free_space(tmp_path, 999_999)
