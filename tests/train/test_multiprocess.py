@@ -53,10 +53,10 @@ def test_killing_one_process_stops_the_other_within_the_bound(tmp_path):
     port = free_port()
     common = ["train", "--steps", "5000", *SMALL, "--heartbeat-timeout", "10"]
     common += ["--step-timeout", "60", "--coordinator", f"127.0.0.1:{port}"]
-    common += ["--num-processes", "2"]
     out = tmp_path / "run"
+    common += ["--num-processes", "2", "--out", str(out)]  # every process writes checkpoints
     survivor = subprocess.Popen(
-        jaxmoe(*common, "--process-id", "0", "--out", str(out)),
+        jaxmoe(*common, "--process-id", "0"),
         env=child_environment(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
