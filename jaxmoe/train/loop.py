@@ -64,6 +64,40 @@ def _nonfinite(row: dict[str, Any]) -> bool:
     return not (math.isfinite(row["total_loss"]) and math.isfinite(row["grad_norm"]))
 
 
+def _checkpoint(
+    checkpoints: RunCheckpoints, state: Any, config: Config, done: int, stop: bool
+) -> float:
+    """Save after ``done`` steps if it is time to; returns the seconds training waited.
+
+    Periodic saves run in the background; the last one of a run (at its end or on a
+    stop signal) is waited for, so the process never exits with a save half done.
+    """
+    started = time.perf_counter()
+    every = config.train.checkpoint_every
+    final = stop or done == config.train.steps
+    if final or (every and done % every == 0):
+        checkpoints.save(state)
+    if final:
+        checkpoints.wait()
+    return time.perf_counter() - started
+
+
+def _nonfinite_stop(
+    row: dict[str, Any], checkpoints: RunCheckpoints | None, rows: list[dict[str, Any]]
+) -> RunStopped:
+    return RunStopped(
+        f"step {row['step']}: the loss is {row['total_loss']} and the gradient norm "
+        f"{row['grad_norm']}; stopped without keeping that update "
+        "(--train.on_nonfinite skip would drop it and go on); "
+        + _where_to_resume(
+            checkpoints,
+            " after a change against the divergence (a lower --train.learning_rate, for example)",
+        ),
+        NONFINITE_EXIT_CODE,
+        rows,
+    )
+
+
 def train(
     config: Config,
     out_dir: str | Path | None = None,
@@ -143,18 +177,7 @@ def train(
                 if _nonfinite(row) and config.train.on_nonfinite == "stop":
                     rows.append(row)
                     log.write(row)
-                    raise RunStopped(
-                        f"step {step}: the loss is {row['total_loss']} and the gradient norm "
-                        f"{row['grad_norm']}; stopped without keeping that update "
-                        "(--train.on_nonfinite skip would drop it and go on); "
-                        + _where_to_resume(
-                            checkpoints,
-                            " after a change against the divergence (a lower "
-                            "--train.learning_rate, for example)",
-                        ),
-                        NONFINITE_EXIT_CODE,
-                        rows,
-                    )
+                    raise _nonfinite_stop(row, checkpoints, rows)
                 done = step + 1
                 if done % config.train.eval_every == 0 or done == last_step:
                     with watchdog.step(step):
@@ -163,6 +186,9 @@ def train(
                         )
                     if primary:
                         bar.write(f"step {done}: val_loss {row['val_loss']:.4f}")
+                stop = signals.stop_after(done)
+                if checkpoints is not None:
+                    row["checkpoint_s"] = _checkpoint(checkpoints, state, config, done, stop)
                 rows.append(row)
                 log.write(row)
                 bar.set_postfix(
@@ -171,21 +197,12 @@ def train(
                     tok_s=f"{row['tokens_per_s']:.0f}",
                 )
                 bar.update()
-                stop = signals.stop_after(done)
-                every = config.train.checkpoint_every
-                periodic = every and done % every == 0
-                if checkpoints is not None and (periodic or stop or done == last_step):
-                    checkpoints.save(state)
                 if stop and done < last_step:
-                    if checkpoints is not None:
-                        checkpoints.wait()
                     raise RunStopped(
                         f"stopped by a signal after {done} steps; {_where_to_resume(checkpoints)}",
                         PREEMPTED_EXIT_CODE,
                         rows,
                     )
-            if checkpoints is not None:
-                checkpoints.wait()
     except OSError as error:
         raise RunStopped(
             f"writing the run's files failed ({error}); {_where_to_resume(checkpoints)}",
