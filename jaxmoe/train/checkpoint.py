@@ -24,7 +24,9 @@ model of another shape is refused (:func:`check_compatible`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +132,21 @@ def _abstract_state(config: Config, mesh: Mesh) -> TrainState:
     )
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk, say); the message says why."""
+
+
+@contextlib.contextmanager
+def _reporting_write_errors() -> Iterator[None]:
+    """Orbax reports a failed write as a ValueError from TensorStore: give it one line."""
+    try:
+        yield
+    except (OSError, ValueError) as error:
+        text = str(error)
+        reason = "no space left on device" if "No space left" in text else text.splitlines()[0]
+        raise CheckpointWriteError(f"a checkpoint could not be written: {reason}") from error
+
+
 class RunCheckpoints:
     """The checkpoints of one run directory: asynchronous saves, the last ``keep`` kept."""
 
@@ -154,6 +171,11 @@ class RunCheckpoints:
             "rng": {"seed": self.config.train.seed, "router_noise_step": step},
             "processes": jax.process_count(),
         }
+        with _reporting_write_errors():
+            self._save(step, state, run)
+        return step
+
+    def _save(self, step: int, state: TrainState, run: dict[str, Any]) -> None:
         self._manager.save(
             step,
             args=ocp.args.Composite(
@@ -163,7 +185,6 @@ class RunCheckpoints:
             ),
             force=True,
         )
-        return step
 
     def restore(self, step: int, mesh: Mesh) -> TrainState:
         """The state saved at ``step``, laid out for ``mesh`` and the current config."""
@@ -181,13 +202,20 @@ class RunCheckpoints:
 
     def wait(self) -> None:
         """Block until every save started so far is on disk (raises its error if any)."""
-        self._manager.wait_until_finished()
+        with _reporting_write_errors():
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
-        self._manager.close()
+        """Finish the saves in flight and let go of the directory."""
+        with _reporting_write_errors():
+            self._manager.close()
 
     def __enter__(self) -> RunCheckpoints:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
+        try:
+            self.close()
+        except CheckpointWriteError:
+            if exc_type is None:
+                raise  # otherwise the error already on its way says what went wrong

@@ -228,10 +228,14 @@ def _resume_point(config: Config, args: argparse.Namespace) -> int | None:
 
 def _train(config: Config, args: argparse.Namespace) -> int:
     import jax
+    from absl import logging as absl_logging
 
     from jaxmoe.parallel.distributed import initialize
     from jaxmoe.train.loop import RunStopped, train
 
+    # Orbax logs through absl, a failed background write as tracebacks from several
+    # threads; the run reports each failure in one line of its own.
+    absl_logging.set_verbosity(absl_logging.FATAL)
     distributed = _distributed_config(args)
     _prepare_out(args, distributed)
     initialize(distributed)  # before anything starts JAX's backends
