@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -172,8 +173,21 @@ class RunCheckpoints:
             "processes": jax.process_count(),
         }
         with _reporting_write_errors():
+            self._manager.wait_until_finished()  # the previous save is on disk
+            self._check_room(step, state)
             self._save(step, state, run)
         return step
+
+    def _check_room(self, step: int, state: TrainState) -> None:
+        """Refuse a save that would fill the disk: stopping before it keeps what is there
+        whole (a write that runs out of space mid-way fails in Orbax's threads)."""
+        needed = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
+        free = shutil.disk_usage(self.directory).free
+        if free < needed:
+            raise CheckpointWriteError(
+                f"no space left for the checkpoint of step {step}: {free / 1e6:.1f} MB free, "
+                f"it takes about {needed / 1e6:.1f} MB"
+            )
 
     def _save(self, step: int, state: TrainState, run: dict[str, Any]) -> None:
         self._manager.save(

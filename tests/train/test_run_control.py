@@ -3,6 +3,7 @@
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from jaxmoe.train import metrics as metrics_module
 from jaxmoe.train.checkpoint import latest_checkpoint
 from jaxmoe.train.cli import main
 from jaxmoe.train.launch import child_environment
-from jaxmoe.train.loop import NONFINITE_EXIT_CODE
+from jaxmoe.train.loop import IO_ERROR_EXIT_CODE, NONFINITE_EXIT_CODE
 from jaxmoe.train.metrics import RunLog, read_rows
 from jaxmoe.train.state import init_train_state
 from jaxmoe.train.step import build_train_step
@@ -242,3 +243,31 @@ def test_too_little_free_space_is_refused(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"1\.0 MB free, but a checkpoint .* about 32\.1 MB"):
         run_dir.check_free_space(tmp_path, 32_100_000)
     run_dir.check_free_space(tmp_path, 999_999)
+
+
+@pytest.fixture
+def small_disk(tmp_path) -> Path:
+    """A 24 MB tmpfs: room for two checkpoints of the small model (root only)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root")
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mount)])
+    if made.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_full_disk_stops_the_run_in_one_line_and_keeps_its_checkpoints(small_disk):
+    out = small_disk / "run"
+    result = run_cli(
+        "--steps", "12", "--out", str(out), "--train.checkpoint_every", "1",
+        "--train.keep_checkpoints", "50",
+    )  # fmt: skip
+    assert result.returncode == IO_ERROR_EXIT_CODE, result.stderr[-2000:]
+    assert [line for line in result.stderr.splitlines() if "Traceback" in line] == []
+    assert "no space left for the checkpoint of step" in result.stderr.splitlines()[-1]
+    saved = latest_checkpoint(out)
+    assert saved is not None and f"the last checkpoint is step {saved}" in result.stderr
+    strict_rows(out)  # every line whole
