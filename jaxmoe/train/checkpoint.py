@@ -33,11 +33,11 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 from orbax.checkpoint import type_handlers
 
 from jaxmoe.config import Config, ConfigError
-from jaxmoe.train.state import TrainState, abstract_train_state, state_specs
+from jaxmoe.train.state import TrainState, abstract_sharded_state
 
 CHECKPOINT_DIR = "checkpoints"
 # Fields whose change gives parameters (or their optimizer state) other shapes.
@@ -121,18 +121,6 @@ def check_compatible(saved: dict[str, Any], config: Config, step: int) -> list[s
     return sorted(changes)
 
 
-def _abstract_state(config: Config, mesh: Mesh) -> TrainState:
-    """Shapes, dtypes and this mesh's shardings of the state, to restore into."""
-    return jax.tree.map(
-        lambda shape, spec: jax.ShapeDtypeStruct(
-            shape.shape, shape.dtype, sharding=NamedSharding(mesh, spec)
-        ),
-        abstract_train_state(config),
-        state_specs(config),
-        is_leaf=lambda x: isinstance(x, PartitionSpec),
-    )
-
-
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written (a full disk, say); the message says why."""
 
@@ -142,6 +130,8 @@ def _reporting_write_errors() -> Iterator[None]:
     """Orbax reports a failed write as a ValueError from TensorStore: give it one line."""
     try:
         yield
+    except CheckpointWriteError:
+        raise
     except (OSError, ValueError) as error:
         text = str(error)
         reason = "no space left on device" if "No space left" in text else text.splitlines()[0]
@@ -202,7 +192,7 @@ class RunCheckpoints:
 
     def restore(self, step: int, mesh: Mesh) -> TrainState:
         """The state saved at ``step``, laid out for ``mesh`` and the current config."""
-        target = _abstract_state(self.config, mesh)
+        target = abstract_sharded_state(self.config, mesh)
         restored = self._manager.restore(
             step,
             args=ocp.args.Composite(

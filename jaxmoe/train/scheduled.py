@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 import scheduling
 from jaxmoe.config import Config
 from jaxmoe.parallel.mesh import token_spec
-from jaxmoe.train.state import TrainState, abstract_train_state, state_specs
+from jaxmoe.train.state import TrainState, abstract_sharded_state
 from jaxmoe.train.step import ShardedStep, build_train_step
 
 
@@ -31,16 +31,7 @@ def op_cost_cache() -> Path:
 
 def abstract_step_args(config: Config, mesh: Mesh) -> tuple[TrainState, jax.ShapeDtypeStruct]:
     """Shapes, dtypes and shardings of ``(state, batch)``; nothing is allocated."""
-    shapes = abstract_train_state(config)
-    specs = state_specs(config)
-    state = jax.tree.map(
-        lambda shape, spec: jax.ShapeDtypeStruct(
-            shape.shape, shape.dtype, sharding=NamedSharding(mesh, spec)
-        ),
-        shapes,
-        specs,
-        is_leaf=lambda x: isinstance(x, PartitionSpec),
-    )
+    state = abstract_sharded_state(config, mesh)
     batch = jax.ShapeDtypeStruct(
         (config.train.batch_size, config.model.seq_len + 1),
         jax.numpy.int32,

@@ -58,6 +58,18 @@ def state_specs(config: Config) -> TrainState:
     return TrainState(step=PartitionSpec(), params=specs, opt_state=opt_specs)
 
 
+def abstract_sharded_state(config: Config, mesh: Mesh) -> TrainState:
+    """Shapes, dtypes and shardings on ``mesh`` of the whole state; nothing is allocated."""
+    return jax.tree.map(
+        lambda shape, spec: jax.ShapeDtypeStruct(
+            shape.shape, shape.dtype, sharding=NamedSharding(mesh, spec)
+        ),
+        abstract_train_state(config),
+        state_specs(config),
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
+
+
 def init_train_state(config: Config, mesh: Mesh) -> TrainState:
     """Initialise parameters and optimizer state directly in their sharded layout.
 
