@@ -89,6 +89,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_config_arguments(train)
     train.add_argument("--out", help="directory for config.json, metrics.jsonl and the report")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument("--profile-steps", metavar="A:B", help="trace steps A..B to DIR/profile")
     cluster = train.add_argument_group("multi-process runs")
     cluster.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address")
     cluster.add_argument("--num-processes", type=int)
@@ -116,6 +117,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--out",
         help="directory for schedule_report.json, schedule_timeline.json/.png, step.stablehlo.txt",
     )
+    schedule.add_argument("--trace", help="compare with the op times of a --profile-steps trace")
     return parser
 
 
@@ -174,13 +176,23 @@ def _train(config: Config, args: argparse.Namespace) -> int:
 
     from jaxmoe.parallel.distributed import initialize
     from jaxmoe.train.loop import train
+    from jaxmoe.train.profiler import parse_profile_steps
 
+    profile = args.profile_steps
+    if profile is not None:  # checked before anything starts or compiles
+        profile = parse_profile_steps(profile, config.train.steps, args.out)
     distributed = _distributed_config(args)
     initialize(distributed)
     step_timeout = args.step_timeout
     if step_timeout is None and distributed.enabled:
         step_timeout = 120.0
-    rows = train(config, args.out, progress=not args.no_progress, step_timeout_s=step_timeout)
+    rows = train(
+        config,
+        args.out,
+        progress=not args.no_progress,
+        step_timeout_s=step_timeout,
+        profile_steps=profile,
+    )
     if jax.process_index() != 0:
         return 0
     last = rows[-1]
@@ -193,6 +205,7 @@ def _train(config: Config, args: argparse.Namespace) -> int:
 
 def _schedule(config: Config, args: argparse.Namespace) -> int:
     from jaxmoe.parallel.mesh import build_mesh
+    from jaxmoe.train.profiler import compare_with_trace, find_trace
     from jaxmoe.train.scheduled import plan_train_step
     from scheduling import gantt
 
@@ -200,6 +213,7 @@ def _schedule(config: Config, args: argparse.Namespace) -> int:
         raise ConfigError(
             "--schedule none leaves the step as it is: choose async, dw, partition or lancet"
         )
+    trace = None if args.trace is None else find_trace(args.trace)
     planned = plan_train_step(config, build_mesh(config.parallel))
     print(planned.report.table())
     if args.out is not None:
@@ -216,6 +230,8 @@ def _schedule(config: Config, args: argparse.Namespace) -> int:
             "wrote schedule_report.json, schedule_timeline.json, schedule_timeline.png and "
             f"step.stablehlo.txt to {out}"
         )
+    if trace is not None:
+        print(compare_with_trace(planned, trace, args.out))
     return 0
 
 

@@ -15,6 +15,7 @@ from jaxmoe.config import Config, ConfigError
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.train.data import BatchSampler, TokenSplits, load_tokens, put_on_mesh
 from jaxmoe.train.metrics import RunLog, host_row
+from jaxmoe.train.profiler import StepProfiler
 from jaxmoe.train.scheduled import plan_train_step
 from jaxmoe.train.state import init_train_state
 from jaxmoe.train.step import build_eval_step
@@ -33,12 +34,15 @@ def train(
     *,
     progress: bool = True,
     step_timeout_s: float | None = None,
+    profile_steps: tuple[int, int] | None = None,
 ) -> list[dict[str, Any]]:
     """Train ``config`` for ``config.train.steps`` steps; returns one metrics row per step.
 
     With ``step_timeout_s``, a step (or validation pass) that takes longer ends the
     process (see :mod:`jaxmoe.train.watchdog`): in a multi-process run, a peer died.
+    With ``profile_steps=(A, B)``, steps A..B are traced (:mod:`jaxmoe.train.profiler`).
     """
+    profiler = StepProfiler(profile_steps, config.train.steps, out_dir)
     mesh = build_mesh(config.parallel)
     seq_len, batch = config.model.seq_len, config.train.batch_size
     splits = TokenSplits(load_tokens(config.data), config.data.val_fraction, seq_len)
@@ -69,14 +73,16 @@ def train(
         desc="train",
         unit="step",
     )
-    with StepWatchdog(step_timeout_s) as watchdog, contextlib.closing(log), bar:
+    with StepWatchdog(step_timeout_s) as watchdog, contextlib.closing(log), bar, profiler:
         for step in range(config.train.steps):
+            profiler.before_step(step)
             started = time.perf_counter()
             batch_array = first_batch if step == 0 else put_on_mesh(train_batches, step, mesh)
             with watchdog.step(step):
                 state, metrics = train_step(state, batch_array)
                 metrics = jax.device_get(metrics)  # waits for the step
             row = host_row(step, metrics, time.perf_counter() - started, batch * seq_len)
+            profiler.after_step(step)
             last = step + 1 == config.train.steps
             if (step + 1) % config.train.eval_every == 0 or last:
                 with watchdog.step(step):
