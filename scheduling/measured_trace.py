@@ -104,8 +104,8 @@ def read_trace(path: str | Path, module: str | None = None) -> MeasuredOps:
     per = len(kept) * len(devices)
     spans = [max(e["ts"] + e["dur"] for e in run) - min(e["ts"] for e in run) for run in kept]
     first_device = min(devices, key=str)
-    shown = sorted((e for e in kept[0] if e["args"]["device_ordinal"] == first_device),
-                   key=lambda e: e["ts"])  # fmt: skip
+    shown = [e for e in kept[0] if e["args"]["device_ordinal"] == first_device]
+    shown.sort(key=lambda e: e["ts"])
     origin = shown[0]["ts"]
     return MeasuredOps(
         module=module,
