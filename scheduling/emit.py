@@ -62,7 +62,7 @@ def per_device_function(graph: Graph, schedule: Schedule, use_async: bool):
                 if group is not None
                 else contextlib.nullcontext()
             )
-            with scope:
+            with scope, jax_adapter.traced_as(op.eqn, op.name_stack):
                 if node.role is Role.START:
                     (operand,) = (read(a) for a in op.inputs)
                     if use_async:

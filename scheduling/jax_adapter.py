@@ -12,7 +12,8 @@ clear message, or falls back to synchronous collectives.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -90,6 +91,24 @@ def has_ordered_effect(eqn: Any) -> bool:
     from jax._src import effects
 
     return any(effects.ordered_effects.contains(effect) for effect in eqn.effects)
+
+
+@contextlib.contextmanager
+def traced_as(eqn: Any, name_stack: str) -> Iterator[None]:
+    """Bind what follows under ``eqn``'s source location and the name stack ``name_stack``.
+
+    The emitted program then carries the original step's metadata: each HLO
+    instruction's ``op_name`` ends in the op's layer and primitive, as when the
+    step is compiled as written (``name_stack`` is the op's full stack in the
+    captured program; an inlined call's equation knows only its own part).
+    """
+    from jax._src import source_info_util
+
+    stack = source_info_util.current_name_stack()
+    if name_stack:
+        stack = stack.extend(name_stack)
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=stack):
+        yield
 
 
 def bind_equation(eqn: Any, operands: Sequence[Any]) -> list[Any]:

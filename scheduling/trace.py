@@ -39,7 +39,14 @@ def chrome_trace(graph: Graph, timeline: Timeline, name: str = "schedule") -> di
                 "cat": "wait" if event.waiting else op.phase.value,
                 "ts": event.start * 1e6,
                 "dur": event.seconds * 1e6,
-                "args": {"node": event.node, "phase": op.phase.value, "layer": op.layer},
+                "args": {
+                    "node": event.node,
+                    "phase": op.phase.value,
+                    "layer": op.layer,
+                    # What scheduling.measured_trace matches against XLA's op metadata.
+                    "primitive": op.primitive,
+                    "name_stack": op.name_stack,
+                },
             }
         )
     return {"traceEvents": events, "displayTimeUnit": "ms"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -19,6 +20,11 @@ class CausalSelfAttention(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """``[batch, seq, d_model] -> [batch, seq, d_model]``; position i sees 0..i."""
+        chex.assert_shape(
+            x,
+            (None, None, self.out.in_features),
+            custom_message="attention input [batch, seq, d_model]",
+        )
         batch, seq, width = x.shape
         head_dim = width // self.num_heads
         qkv = self.qkv(x).reshape(batch, seq, 3, self.num_heads, head_dim)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import chex
 import jax
 import jax.numpy as jnp
 
@@ -35,6 +36,8 @@ class DispatchPlan(NamedTuple):
 
 def plan_dispatch(expert_index: jax.Array, num_experts: int, capacity: int) -> DispatchPlan:
     """Slot of every assignment under the rule in the module docstring."""
+    chex.assert_rank(expert_index, 3)
+    chex.assert_type(expert_index, int)
     groups, group_size, top_k = expert_index.shape
     one_hot = jax.nn.one_hot(expert_index, num_experts, dtype=jnp.int32)  # [G, S, k, E]
     # Priority order: choice-major, then token order.
@@ -50,6 +53,10 @@ def plan_dispatch(expert_index: jax.Array, num_experts: int, capacity: int) -> D
 
 def dispatch(x: jax.Array, plan: DispatchPlan, num_slots: int) -> jax.Array:
     """Scatter tokens ``[G, S, d]`` into their slots: ``[G, num_slots, d]``; empty slots are 0."""
+    chex.assert_rank(x, 3)
+    chex.assert_shape(
+        plan.slot, (*x.shape[:2], None), custom_message="plan slots [groups, tokens, top_k]"
+    )
 
     def scatter_group(tokens: jax.Array, slot: jax.Array) -> jax.Array:
         top_k = slot.shape[-1]
@@ -65,6 +72,9 @@ def combine(expert_output: jax.Array, plan: DispatchPlan, weight: jax.Array) -> 
 
     A dropped choice points one past the last slot, which gathers zeros.
     """
+    chex.assert_rank(expert_output, 3)
+    chex.assert_equal_shape((plan.slot, weight))
+    chex.assert_equal_shape_prefix((expert_output, plan.slot), 1)
 
     def gather_group(outputs: jax.Array, slot: jax.Array) -> jax.Array:
         return outputs.at[slot].get(mode="fill", fill_value=0)  # [S, k, d]

@@ -7,6 +7,7 @@ shard_map each device holds and computes only its local experts.
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -30,6 +31,12 @@ class Experts(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """``[experts, slots, d_model] -> [experts, slots, d_model]``, expert e on row e."""
+        local_experts, d_model, _ = self.w_in.shape
+        chex.assert_shape(
+            x,
+            (local_experts, None, d_model),
+            custom_message="experts input [experts, slots, d_model]",
+        )
         x = x.astype(self.dtype)
         hidden = jnp.einsum("esd,edh->esh", x, self.w_in[...].astype(self.dtype))
         hidden = jax.nn.gelu(hidden + self.b_in[...][:, None, :].astype(self.dtype))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import chex
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -84,6 +85,9 @@ class MoELayer(nnx.Module):
         self, x: jax.Array, jitter_key: jax.Array | None = None
     ) -> tuple[jax.Array, RoutingStats]:
         """The layer on this device's tokens ``[batch, seq, d]``; stats are local."""
+        chex.assert_shape(
+            x, (None, None, self.router.d_model), custom_message="MoE input [batch, seq, d_model]"
+        )
         batch, seq, width = x.shape
         group_size = self.config.group_size or seq
         tokens = batch * seq

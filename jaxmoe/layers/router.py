@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import chex
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -30,15 +31,24 @@ def router_scores(logits: jax.Array, score_function: str) -> jax.Array:
     raise ValueError(f"unknown score function {score_function!r}")
 
 
-def top_k_experts(scores: jax.Array, top_k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
+def top_k_experts(
+    logits: jax.Array, scores: jax.Array, top_k: int, normalize: bool
+) -> tuple[jax.Array, jax.Array]:
     """The ``top_k`` highest-scoring experts per token and their combine weights.
 
-    Ties go to the lower expert index (``lax.top_k`` is stable). With
-    ``normalize`` and ``top_k > 1`` the weights are rescaled to sum to one
-    (GShard, Mixtral); with ``top_k == 1`` the raw score is kept (Switch), so
-    the task loss still trains the router.
+    Experts are ranked by their logits, which order them as the scores do (both
+    score functions are monotone in the logit) without the scores' rounding: a
+    float32 sigmoid is exactly 1.0 above a logit of about 17, so ranking by
+    scores would tie such experts falsely and hand the token to the lowest
+    index. True ties go to the lower expert index (``lax.top_k`` is stable).
+    The weights are the chosen experts' scores. With ``normalize`` and
+    ``top_k > 1`` they are rescaled to sum to one (GShard, Mixtral); with
+    ``top_k == 1`` the raw score is kept (Switch), so the task loss still
+    trains the router.
     """
-    weights, index = jax.lax.top_k(scores, top_k)
+    chex.assert_equal_shape((logits, scores))
+    _, index = jax.lax.top_k(logits, top_k)
+    weights = jnp.take_along_axis(scores, index, axis=-1)
     if normalize and top_k > 1:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, index.astype(jnp.int32)
@@ -78,6 +88,7 @@ class Router(nnx.Module):
         jitter: float = 0.0,
         rngs: nnx.Rngs,
     ):
+        self.d_model = d_model
         self.num_experts = num_experts
         self.top_k = top_k
         self.score_function = score_function
@@ -87,6 +98,9 @@ class Router(nnx.Module):
         self.kernel = nnx.Param(init(rngs.params(), (d_model, num_experts), jnp.float32))
 
     def __call__(self, x: jax.Array, jitter_key: jax.Array | None = None) -> RouterOutput:
+        chex.assert_shape(
+            x, (None, None, self.d_model), custom_message="router input [groups, tokens, d_model]"
+        )
         x = x.astype(jnp.float32)
         if self.jitter > 0 and jitter_key is not None:
             noise = jax.random.uniform(
@@ -95,7 +109,7 @@ class Router(nnx.Module):
             x = x * noise
         logits = x @ self.kernel[...]
         scores = router_scores(logits, self.score_function)
-        weights, index = top_k_experts(scores, self.top_k, self.normalize_top_k)
+        weights, index = top_k_experts(logits, scores, self.top_k, self.normalize_top_k)
         return RouterOutput(
             expert_index=index,
             combine_weight=weights,

@@ -7,6 +7,7 @@ layers.
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -73,6 +74,9 @@ class GPTMoE(nnx.Module):
     ) -> tuple[jax.Array, RoutingStats]:
         """``tokens [batch, seq]`` -> float32 logits ``[batch, seq, vocab]`` and routing stats
         stacked over the MoE layers (leading axis: MoE layer, in depth order)."""
+        chex.assert_rank(tokens, 2)
+        chex.assert_type(tokens, int)
+        chex.assert_axis_dimension_lteq(tokens, 1, self.position_embed.shape[0])
         seq = tokens.shape[1]
         x = self.token_embed(tokens) + self.position_embed[...][:seq].astype(self.dtype)
         layer_stats = []

@@ -96,6 +96,7 @@ def _build_parser() -> argparse.ArgumentParser:
     existing.add_argument(
         "--overwrite", action="store_true", help="delete the run in --out first, start again"
     )
+    train.add_argument("--profile-steps", metavar="A:B", help="trace steps A..B to DIR/profile")
     cluster = train.add_argument_group("multi-process runs")
     cluster.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address")
     cluster.add_argument("--num-processes", type=int)
@@ -123,6 +124,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--out",
         help="directory for schedule_report.json, schedule_timeline.json/.png, step.stablehlo.txt",
     )
+    schedule.add_argument("--trace", help="compare with the op times of a --profile-steps trace")
     return parser
 
 
@@ -232,6 +234,11 @@ def _train(config: Config, args: argparse.Namespace) -> int:
 
     from jaxmoe.parallel.distributed import initialize
     from jaxmoe.train.loop import RunStopped, train
+    from jaxmoe.train.profiler import parse_profile_steps
+
+    profile = args.profile_steps
+    if profile is not None:  # checked before anything starts or compiles
+        profile = parse_profile_steps(profile, config.train.steps, args.out)
 
     # Orbax logs through absl, a failed background write as tracebacks from several
     # threads; the run reports each failure in one line of its own.
@@ -250,6 +257,7 @@ def _train(config: Config, args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             step_timeout_s=step_timeout,
             resume=resume_step is not None,
+            profile_steps=profile,
         )
     except RunStopped as stopped:
         if jax.process_index() == 0:
@@ -271,6 +279,7 @@ def _train(config: Config, args: argparse.Namespace) -> int:
 
 def _schedule(config: Config, args: argparse.Namespace) -> int:
     from jaxmoe.parallel.mesh import build_mesh
+    from jaxmoe.train.profiler import compare_with_trace, find_trace
     from jaxmoe.train.scheduled import plan_train_step
     from scheduling import gantt
 
@@ -278,6 +287,7 @@ def _schedule(config: Config, args: argparse.Namespace) -> int:
         raise ConfigError(
             "--schedule none leaves the step as it is: choose async, dw, partition or lancet"
         )
+    trace = None if args.trace is None else find_trace(args.trace)
     planned = plan_train_step(config, build_mesh(config.parallel))
     print(planned.report.table())
     if args.out is not None:
@@ -294,6 +304,8 @@ def _schedule(config: Config, args: argparse.Namespace) -> int:
             "wrote schedule_report.json, schedule_timeline.json, schedule_timeline.png and "
             f"step.stablehlo.txt to {out}"
         )
+    if trace is not None:
+        print(compare_with_trace(planned, trace, args.out))
     return 0
 
 

@@ -25,6 +25,7 @@ from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.train.checkpoint import RunCheckpoints
 from jaxmoe.train.data import BatchSampler, TokenSplits, load_tokens, put_on_mesh
 from jaxmoe.train.metrics import RunLog, host_row
+from jaxmoe.train.profiler import StepProfiler
 from jaxmoe.train.scheduled import plan_train_step
 from jaxmoe.train.state import init_train_state
 from jaxmoe.train.step import build_eval_step
@@ -105,14 +106,17 @@ def train(
     progress: bool = True,
     step_timeout_s: float | None = None,
     resume: bool = False,
+    profile_steps: tuple[int, int] | None = None,
 ) -> list[dict[str, Any]]:
     """Train ``config`` up to ``config.train.steps`` steps; returns this run's metric rows.
 
     With ``out_dir``, checkpoints are written there; with ``resume``, training continues
     from the latest complete one (a new run if there is none). With ``step_timeout_s``,
     a step (or validation pass) that takes longer ends the process (see
-    :mod:`jaxmoe.train.watchdog`): in a multi-process run, a peer died.
+    :mod:`jaxmoe.train.watchdog`): in a multi-process run, a peer died. With
+    ``profile_steps=(A, B)``, steps A..B are traced (:mod:`jaxmoe.train.profiler`).
     """
+    profiler = StepProfiler(profile_steps, config.train.steps, out_dir)
     mesh = build_mesh(config.parallel)
     seq_len, batch = config.model.seq_len, config.train.batch_size
     splits = TokenSplits(load_tokens(config.data), config.data.val_fraction, seq_len)
@@ -161,8 +165,10 @@ def train(
             contextlib.closing(log),
             checkpoints or contextlib.nullcontext(),
             bar,
+            profiler,
         ):
             for step in range(first_step, last_step):
+                profiler.before_step(step)
                 started = time.perf_counter()
                 batch_array = (
                     first_batch if step == first_step else put_on_mesh(train_batches, step, mesh)
@@ -171,6 +177,7 @@ def train(
                     state, metrics = train_step(state, batch_array)
                     metrics = jax.device_get(metrics)  # waits for the step
                 row = host_row(step, metrics, time.perf_counter() - started, batch * seq_len)
+                profiler.after_step(step)
                 skipped += row.get("skipped", 0)
                 if "skipped" in row:
                     row["skipped_steps"] = skipped

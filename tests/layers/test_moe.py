@@ -1,7 +1,7 @@
 """The expert-parallel MoE layer against an independent single-device reference.
 
 The reference below is plain jax.numpy with explicit Python loops: it routes
-with the documented rule (top-k of float32 scores, per-group capacity
+with the documented rule (top-k by float32 logits, per-group capacity
 ``ceil(group_size * top_k * capacity_factor / num_experts)``, choice-major then
 token-order dropping) and applies every expert MLP by hand. It shares nothing
 with the library but the parameters, which it reads from a freshly built
@@ -94,19 +94,19 @@ def reference_capacity(case):
     return math.ceil(group_size * case.top_k * case.capacity_factor / NUM_EXPERTS)
 
 
-def reference_routing(scores, case):
+def reference_routing(logits, case):
     """Top-k experts and which assignments survive capacity, token by token.
 
-    ``scores`` is ``[tokens, experts]`` (numpy); returns ``expert_index`` and
+    ``logits`` is ``[tokens, experts]`` (numpy); returns ``expert_index`` and
     ``kept``, both ``[tokens, top_k]``.
     """
-    num_tokens = scores.shape[0]
+    num_tokens = logits.shape[0]
     group_size = case.group_size or SEQ
     capacity = reference_capacity(case)
     expert_index = np.zeros((num_tokens, case.top_k), np.int64)
     for token in range(num_tokens):
-        # Highest score first; ties to the lower expert index.
-        ranked = sorted(range(NUM_EXPERTS), key=lambda e, t=token: (-scores[t, e], e))
+        # Highest logit (so highest score) first; ties to the lower expert index.
+        ranked = sorted(range(NUM_EXPERTS), key=lambda e, t=token: (-logits[t, e], e))
         expert_index[token] = ranked[: case.top_k]
     kept = np.zeros((num_tokens, case.top_k), bool)
     for start in range(0, num_tokens, group_size):  # capacity is counted per group
@@ -238,7 +238,7 @@ def reference_result(case):
     scores, logits = reference_scores(
         params, jnp.asarray(x).reshape(-1, D_MODEL), case.score_function
     )
-    expert_index, kept = reference_routing(np.asarray(scores), case)
+    expert_index, kept = reference_routing(np.asarray(logits), case)
 
     def losses(params, x):
         y = reference_forward(params, x, expert_index, kept, case)

@@ -29,9 +29,14 @@ SCORES = np.array(
 )
 
 
+def ranked_by_themselves(scores):
+    """Scores as their own logits: any increasing function of the logits ranks alike."""
+    return jnp.asarray(scores), jnp.asarray(scores)
+
+
 @pytest.mark.parametrize("normalize", [True, False])
 def test_top_1_keeps_the_raw_score_and_breaks_ties_to_the_lower_expert(normalize):
-    weights, index = top_k_experts(jnp.asarray(SCORES), top_k=1, normalize=normalize)
+    weights, index = top_k_experts(*ranked_by_themselves(SCORES), top_k=1, normalize=normalize)
 
     assert index.dtype == jnp.int32
     np.testing.assert_array_equal(index, [[1], [0], [0]])
@@ -39,7 +44,7 @@ def test_top_1_keeps_the_raw_score_and_breaks_ties_to_the_lower_expert(normalize
 
 
 def test_top_2_normalised_weights_sum_to_one():
-    weights, index = top_k_experts(jnp.asarray(SCORES), top_k=2, normalize=True)
+    weights, index = top_k_experts(*ranked_by_themselves(SCORES), top_k=2, normalize=True)
 
     np.testing.assert_array_equal(index, [[1, 2], [0, 2], [0, 1]])
     expected = [[0.6 / 0.9, 0.3 / 0.9], [0.5 / 0.8, 0.3 / 0.8], [0.5, 0.5]]
@@ -48,7 +53,7 @@ def test_top_2_normalised_weights_sum_to_one():
 
 
 def test_top_2_without_normalisation_keeps_raw_scores():
-    weights, index = top_k_experts(jnp.asarray(SCORES), top_k=2, normalize=False)
+    weights, index = top_k_experts(*ranked_by_themselves(SCORES), top_k=2, normalize=False)
 
     np.testing.assert_array_equal(index, [[1, 2], [0, 2], [0, 1]])
     np.testing.assert_allclose(weights, [[0.6, 0.3], [0.5, 0.3], [0.4, 0.4]], atol=1e-7)
@@ -56,11 +61,37 @@ def test_top_2_without_normalisation_keeps_raw_scores():
 
 def test_top_k_works_on_grouped_scores():
     grouped = jnp.asarray(np.stack([SCORES, SCORES[::-1]]))  # [groups=2, tokens=3, experts=3]
-    weights, index = top_k_experts(grouped, top_k=1, normalize=True)
+    weights, index = top_k_experts(grouped, grouped, top_k=1, normalize=True)
 
     assert index.shape == (2, 3, 1)
     np.testing.assert_array_equal(index[..., 0], [[1, 0, 0], [0, 0, 1]])
     np.testing.assert_allclose(weights[..., 0], [[0.6, 0.5, 0.4], [0.4, 0.5, 0.6]], atol=1e-7)
+
+
+def test_top_k_ranks_by_logits_and_weights_by_scores():
+    # Scores in the opposite order to the logits: the logits choose, the scores weigh.
+    logits = jnp.array([[1.0, 3.0, 2.0]])
+    scores = jnp.array([[0.9, 0.1, 0.5]])
+
+    weights, index = top_k_experts(logits, scores, top_k=2, normalize=False)
+
+    np.testing.assert_array_equal(index, [[1, 2]])
+    np.testing.assert_array_equal(weights, np.array([[0.1, 0.5]], np.float32))
+
+
+def test_sigmoid_router_follows_logits_where_the_float32_scores_saturate():
+    # Above a logit of about 17 the float32 sigmoid is exactly 1.0 for every expert;
+    # ranking by those scores would tie them all and choose experts 0 and 1.
+    logits = np.array([[[20.0, 25.0, 40.0, 30.0]]], np.float32)
+    router = make_router(top_k=2, score_function="sigmoid")
+    router.kernel[...] = jnp.eye(D_MODEL, NUM_EXPERTS, dtype=jnp.float32)
+    x = jnp.asarray(np.pad(logits, ((0, 0), (0, 0), (0, D_MODEL - NUM_EXPERTS))))
+    assert np.all(np.asarray(jax.nn.sigmoid(logits)) == 1.0)  # the scores do tie
+
+    out = router(x)
+
+    np.testing.assert_array_equal(out.expert_index, [[[2, 3]]])
+    np.testing.assert_array_equal(out.combine_weight, [[[0.5, 0.5]]])  # sigmoids of 1.0, normalised
 
 
 def test_load_balancing_loss_is_one_for_uniform_routing():

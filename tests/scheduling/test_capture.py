@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -270,5 +271,4 @@ def test_closed_over_constants_become_constant_atoms_and_emit_correctly():
     )
     expected = reference(_step_with_constants, mesh, in_specs, out_specs)(w, x)
     got = step(w, x)
-    for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(e))
+    chex.assert_trees_all_equal(got, expected)

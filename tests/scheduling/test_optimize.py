@@ -6,6 +6,7 @@ import functools
 import json
 from collections import Counter
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,12 +55,6 @@ def _program():
     return capture(STEP, *_args(), mesh=mesh_x(), in_specs=IN_SPECS, out_specs=OUT_SPECS)
 
 
-def _assert_trees_equal(got, expected):
-    assert jax.tree.structure(got) == jax.tree.structure(expected)
-    for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(e))
-
-
 def _iterate(step, params, x, steps=3):
     losses = []
     for _ in range(steps):
@@ -74,7 +69,7 @@ def test_scheduled_step_is_bitwise_equal_to_shard_map(policy):
     params, x = _args()
     got = _iterate(step, params, x)
     expected = _iterate(_reference(), params, x)
-    _assert_trees_equal(got, expected)
+    chex.assert_trees_all_equal(got, expected)
     # The losses change from step to step: the parameters really were updated.
     assert len({float(loss) for loss in got[1]}) == 3
 
@@ -95,7 +90,7 @@ def test_donate_argnums_donates_the_parameters():
     expected = _reference()(params, x)
     donated = jax.tree.map(jnp.copy, params)
     got = step(donated, x)
-    _assert_trees_equal(got, expected)
+    chex.assert_trees_all_equal(got, expected)
     assert all(leaf.is_deleted() for leaf in jax.tree.leaves(donated))
     assert not x.is_deleted()
 
@@ -111,7 +106,7 @@ def test_compile_ahead_of_time_matches():
     step, _ = _optimized("async")
     params, x = _args()
     compiled = step.compile(params, x)
-    _assert_trees_equal(compiled(params, x), _reference()(params, x))
+    chex.assert_trees_all_equal(compiled(params, x), _reference()(params, x))
 
 
 @functools.cache
@@ -204,7 +199,7 @@ def test_without_async_primitives_fallback_to_sync_is_exact(no_async):
     step, report = scheduling.optimize(
         STEP, params, x, mesh=mesh_x(), in_specs=IN_SPECS, out_specs=OUT_SPECS, policy=policy
     )
-    _assert_trees_equal(_iterate(step, params, x), _iterate(_reference(), params, x))
+    chex.assert_trees_all_equal(_iterate(step, params, x), _iterate(_reference(), params, x))
     text = step.lower(params, x).as_text()
     assert "async_start" not in text
     assert "async_done" not in text
@@ -290,7 +285,7 @@ def test_other_steps_are_exact_and_report_what_stays_in_place(
     scheduled, report = scheduling.optimize(
         step, w, x, mesh=mesh, in_specs=specs, out_specs=out_specs, policy="dw"
     )
-    _assert_trees_equal(scheduled(w, x), reference(step, mesh, specs, out_specs)(w, x))
+    chex.assert_trees_all_equal(scheduled(w, x), reference(step, mesh, specs, out_specs)(w, x))
     assert scheduled.lower(w, x).as_text().count("stablehlo.async_start") == n_async
     assert sum(c.is_async for c in report.collectives) == n_async
     assert report.not_understood == not_understood
@@ -339,4 +334,4 @@ def test_placements_that_would_close_a_cycle_are_withdrawn():
             check_vma=False,
         )
     )
-    jax.tree.map(np.testing.assert_array_equal, step(params, x, y), reference(params, x, y))
+    chex.assert_trees_all_equal(step(params, x, y), reference(params, x, y))

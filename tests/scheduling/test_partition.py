@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-import jax
+import chex
 import numpy as np
 import pytest
 
@@ -39,11 +39,7 @@ def _optimized(loss_fn, **policy):
 def _assert_matches_reference(loss_fn, step):
     expected = reference(toys.make_step(loss_fn), toys.mesh_x(), toys.IN_SPECS, toys.OUT_SPECS)
     args = toys.args()
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6),
-        step(*args),
-        expected(*args),
-    )
+    chex.assert_trees_all_close(step(*args), expected(*args), rtol=1e-6, atol=1e-6)
 
 
 def _forward_all_to_alls(program):

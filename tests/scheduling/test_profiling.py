@@ -3,9 +3,9 @@
 import time
 from dataclasses import replace
 
+import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -132,4 +132,4 @@ def test_measured_policy_schedules_exactly(tmp_path):
             toy_step, mesh=mesh, in_specs=in_specs(), out_specs=out_specs(), check_vma=False
         )
     )
-    jax.tree.map(np.testing.assert_array_equal, step(*args), reference(*args))
+    chex.assert_trees_all_equal(step(*args), reference(*args))

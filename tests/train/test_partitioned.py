@@ -12,8 +12,7 @@ absolute, half a percent of one step's update.
 
 import dataclasses
 
-import jax
-import numpy as np
+import chex
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -42,16 +41,13 @@ def partitioned(config: Config, schedule: str, chunks: int = 0) -> Config:
 
 def assert_same_training(result, reference):
     (history, state), (expected_history, expected_state) = result, reference
-    for metrics, expected in zip(history, expected_history, strict=True):
-        for name in EXACT_METRICS:
-            np.testing.assert_array_equal(metrics[name], expected[name], err_msg=name)
-        for name in metrics:
-            np.testing.assert_allclose(
-                metrics[name], expected[name], rtol=2e-5, atol=1e-6, err_msg=name
-            )
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-5), state, expected_state
-    )
+
+    def exact(history):
+        return [{name: metrics[name] for name in EXACT_METRICS} for metrics in history]
+
+    chex.assert_trees_all_equal(exact(history), exact(expected_history))
+    chex.assert_trees_all_close(history, expected_history, rtol=2e-5, atol=1e-6)
+    chex.assert_trees_all_close(state, expected_state, rtol=1e-4, atol=5e-5)
 
 
 CASES = {

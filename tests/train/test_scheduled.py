@@ -9,6 +9,7 @@ import dataclasses
 import json
 from collections import Counter
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -50,10 +51,6 @@ def run(config: Config, steps: int):
     return jax.device_get(history), jax.device_get(state)
 
 
-def assert_bitwise_equal(a, b):
-    jax.tree.map(np.testing.assert_array_equal, a, b)
-
-
 def small(parallel: ParallelConfig, moe: MoEConfig, layers: int = 2, moe_every: int = 2) -> Config:
     return Config(
         model=ModelConfig(
@@ -79,7 +76,7 @@ def test_dw_schedule_is_bitwise_equal_over_five_steps(parallel, moe):
     config = small(parallel, moe)
     reference = run(with_schedule(config, "none"), steps=5)
     scheduled = run(with_schedule(config, "dw"), steps=5)
-    assert_bitwise_equal(scheduled, reference)
+    chex.assert_trees_all_equal(scheduled, reference)
 
 
 meshes = st.sampled_from([(1, 8), (2, 4), (4, 2), (8, 1)])
@@ -108,7 +105,7 @@ def test_schedules_are_exact_on_generated_configs(
     config = small(ParallelConfig(*mesh), moe, layers=layers, moe_every=1)
     reference = run(with_schedule(config, "none"), steps=2)
     for schedule in ("async", "dw"):
-        assert_bitwise_equal(run(with_schedule(config, schedule), steps=2), reference)
+        chex.assert_trees_all_equal(run(with_schedule(config, schedule), steps=2), reference)
 
 
 def _captured_program(config: Config):
@@ -207,4 +204,4 @@ def test_small_collectives_can_stay_synchronous_and_combined():
     _, split_everything = _captured_program(with_schedule(base, "dw"))
     # The small reductions left synchronous are merged by XLA's all-reduce combiner.
     assert compiled_all_reduces(planned) < compiled_all_reduces(split_everything)
-    assert_bitwise_equal(run(config, steps=2), run(with_schedule(base, "none"), steps=2))
+    chex.assert_trees_all_equal(run(config, steps=2), run(with_schedule(base, "none"), steps=2))

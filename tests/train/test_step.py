@@ -5,6 +5,7 @@ how the batch is sharded; the runs differ only in the order of floating-point
 reductions.
 """
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -68,11 +69,7 @@ def test_same_training_on_every_mesh(moe):
         )
         # Adam divides by sqrt(v): round-off in tiny gradients moves a parameter by up to a
         # fraction of one step (lr = 1e-2), hence the absolute tolerance.
-        jax.tree.map(
-            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4),
-            params,
-            reference_params,
-        )
+        chex.assert_trees_all_close(params, reference_params, rtol=1e-4, atol=1e-4)
 
 
 def test_metrics_describe_the_routing():
