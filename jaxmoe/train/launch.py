@@ -13,8 +13,9 @@ SIGTERM, then SIGKILL after ``stop_timeout_s``. It returns 1.
 The processes run in their own session, so a Ctrl-C at the terminal reaches
 the launcher alone; it passes SIGINT and SIGTERM on to every process, once
 per signal received, and waits for them to finish (a training process saves
-and exits on the first, and exits at once on the second). It then returns
-the first non-zero exit status among them (128 + N for signal N).
+and exits on the first, and exits at once on the second; a third signal
+sends SIGKILL). It then returns the first non-zero exit status among them
+(128 + N for signal N).
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def failure_message(index: int, returncode: int, others: int, resume_hint: str |
     """The launcher's one line about a failed process."""
     line = f"jaxmoe launch: process {index} {describe_exit(returncode)}"
     if others:
-        line += f"; stopping the other {others} (their further output is not shown)"
+        them = "the other process" if others == 1 else f"the other {others} processes"
+        line += f"; stopping {them} (their further output is not shown)"
     return line + (f"; {resume_hint}" if resume_hint else "")
 
 
@@ -165,7 +167,7 @@ def _passing_on_signals(processes: _Processes) -> Iterator[list[int]]:
 
     def pass_on(signum: int, frame: object) -> None:
         received.append(signum)
-        processes.signal_running(signum)
+        processes.signal_running(signum if len(received) < 3 else signal.SIGKILL)
 
     previous = {signum: signal.signal(signum, pass_on) for signum in PASSED_ON_SIGNALS}
     try:

@@ -148,7 +148,9 @@ def test_launcher_stops_the_others_at_once_when_one_is_killed(tmp_path):
     output = "".join(lines)
     assert launcher.returncode == 1
     assert stopped_after < 15, stopped_after  # not the heartbeat (30 s) nor a step timeout
-    assert lines[-1].startswith("jaxmoe launch: process 1 was killed by SIGKILL; stopping the ")
+    assert lines[-1].startswith(
+        "jaxmoe launch: process 1 was killed by SIGKILL; stopping the other process "
+    )
     assert not any(sign in output for sign in PEER_FAILURE_SIGNS), output[-3000:]
     assert not _children(launcher.pid)
 
@@ -162,12 +164,12 @@ def _fake_processes(scripts: dict[int, str]):
     return wrap
 
 
-# Prints, then ignores SIGTERM and keeps printing: only SIGKILL ends it.
+# Prints, then ignores SIGTERM and keeps printing: only SIGKILL ends it (or a minute).
 STUBBORN = """
 import signal, time
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 print("working", flush=True)
-while True:
+for _ in range(1200):
     time.sleep(0.05)
     print("after the failure", flush=True)
 """
@@ -190,7 +192,7 @@ def test_launcher_names_the_failed_process_and_ends_the_others_within_the_bound(
     lines = output.getvalue().splitlines()
     assert lines[-1] == failure_message(1, 7, 2, "resume with --resume")
     assert lines[-1] == (
-        "jaxmoe launch: process 1 failed with exit status 7; stopping the other 2 "
+        "jaxmoe launch: process 1 failed with exit status 7; stopping the other 2 processes "
         "(their further output is not shown); resume with --resume"
     )
     assert "[host 1] my own last words" in lines
@@ -260,6 +262,25 @@ time.sleep(60)
     lines = output.getvalue().splitlines()
     assert sorted(lines[-2:]) == ["[host 0] saving after SIGTERM", "[host 1] saving after SIGTERM"]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_third_signal_kills_processes_that_ignore_the_first_two():
+    def signal_thrice():
+        for _ in range(3):  # spaced: a pending signal is not queued twice
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    class SignalThriceWhenWorking(io.StringIO):
+        def write(self, text: str) -> int:
+            written = super().write(text)
+            if self.getvalue().count("working") == 2 and "sent" not in vars(self):
+                self.sent = True
+                threading.Thread(target=signal_thrice, daemon=True).start()
+            return written
+
+    output = SignalThriceWhenWorking()
+    wrap = _fake_processes({0: STUBBORN, 1: STUBBORN})
+    assert launch(["train"], 2, wrap=wrap, output=output) == 128 + signal.SIGKILL
 
 
 @pytest.mark.parametrize(
