@@ -8,7 +8,10 @@ with a ``[host i]`` prefix. The emulated cluster reuses :func:`launch` with a
 When a process exits non-zero, the run is lost: the launcher names that
 process in one line, stops showing the others' output (a survivor's abort
 is a long C++ stack dump that says nothing more), and ends them at once:
-SIGTERM, then SIGKILL after ``stop_timeout_s``. It returns 1.
+SIGTERM, then SIGKILL after ``stop_timeout_s``. It returns 1. Output is
+shown ``hold_s`` late, so that a survivor's first lines, which can come
+before the launcher sees the death, are dropped too; and a process that
+only reacted to a dead peer (:func:`is_peer_reaction`) is not the one named.
 
 The processes run in their own session, so a Ctrl-C at the terminal reaches
 the launcher alone; it passes SIGINT and SIGTERM on to every process, once
@@ -22,16 +25,19 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TextIO
 
 PASSED_ON_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# jaxmoe.parallel.distributed.PEER_FAILURE_EXIT_CODE (not imported: that module imports JAX).
+PEER_FAILURE_EXIT_CODE = 3
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -84,15 +90,34 @@ def _peek_returncode(process: subprocess.Popen) -> int | None:
     return exited.si_status if exited.si_code == os.CLD_EXITED else -exited.si_status
 
 
-class _Processes:
-    """The running processes, their output, and the first one to fail."""
+def is_peer_reaction(returncode: int) -> bool:
+    """How a process ends when a peer died (see jaxmoe.parallel.distributed): gloo and the
+    coordination service abort (SIGABRT, 134 through a shell), the step watchdog exits 3."""
+    return returncode in (-signal.SIGABRT, 128 + signal.SIGABRT, PEER_FAILURE_EXIT_CODE)
 
-    def __init__(self, output: TextIO):
+
+class _Processes:
+    """The running processes, their output, and the one that failed first.
+
+    A survivor reacts to a dead peer within milliseconds, sometimes before the launcher
+    sees the death. So each line of output is held for ``hold_s`` before it is shown;
+    once a failure is seen, held lines wait until the launcher has named the failed
+    process, and only that process's lines are shown.
+    """
+
+    def __init__(self, output: TextIO, hold_s: float):
         self.output = output
+        self.hold_s = hold_s
         self.processes: list[subprocess.Popen] = []
         self.forwarders: list[threading.Thread] = []
-        self.failure: tuple[int, int] | None = None
+        self.failed: list[tuple[int, int]] = []  # (index, returncode), in the order seen
+        self.named: int | None = None
+        self.signalled = False  # a signal was passed on: show every process's output
         self._lock = threading.Lock()
+        self._failure_named = threading.Event()
+        # (arrival time, process index, line), or a flush marker (0, -1, event to set).
+        self._lines: queue.Queue[tuple[float, int, str | threading.Event]] = queue.Queue()
+        threading.Thread(target=self._show_lines, daemon=True).start()
 
     def start(self, argv: list[str]) -> None:
         index = len(self.processes)
@@ -109,31 +134,58 @@ class _Processes:
         forwarder.start()
         self.forwarders.append(forwarder)
 
-    def write(self, line: str) -> None:
+    def _forward(self, index: int, process: subprocess.Popen) -> None:
+        for line in iter(process.stdout.readline, ""):
+            self._lines.put((time.monotonic(), index, line))
+        process.stdout.close()
+
+    def _show_lines(self) -> None:
+        while True:
+            arrived, index, line = self._lines.get()
+            if isinstance(line, threading.Event):
+                line.set()
+                continue
+            time.sleep(max(0.0, arrived + self.hold_s - time.monotonic()))
+            if not self.signalled and self.see_failures():
+                self._failure_named.wait()
+            if self.signalled or self.named is None or self.named == index:
+                self.write(f"[host {index}] {line}")
+
+    def write(self, text: str) -> None:
         with self._lock:
-            self.output.write(line)
+            self.output.write(text)
             self.output.flush()
 
-    def find_failure(self) -> tuple[int, int] | None:
-        """The first process seen to exit non-zero, as ``(index, returncode)``."""
+    def see_failures(self) -> list[tuple[int, int]]:
+        """Record every process that has exited non-zero since the last look."""
         with self._lock:
-            if self.failure is None:
-                for index, process in enumerate(self.processes):
-                    returncode = _peek_returncode(process)
-                    if returncode:
-                        self.failure = (index, returncode)
-                        break
-            return self.failure
+            for index, process in enumerate(self.processes):
+                returncode = _peek_returncode(process)
+                if returncode and index not in (seen for seen, _ in self.failed):
+                    self.failed.append((index, returncode))
+            return self.failed
 
-    def _forward(self, index: int, process: subprocess.Popen) -> None:
-        prefix = f"[host {index}] "
-        for line in iter(process.stdout.readline, ""):
-            # Once another process failed, this one's output is the fallout, not the cause.
-            # Checked per line: a survivor's error can arrive before the launcher's next look.
-            failure = self.find_failure()
-            if failure is None or failure[0] == index:
-                self.write(prefix + line)
-        process.stdout.close()
+    def show_everything(self) -> None:
+        """After a signal passed on, every process's output counts: none is filtered."""
+        self.signalled = True
+        self._failure_named.set()
+
+    def name_failure(self) -> tuple[int, int]:
+        """The failed process to blame: the first seen that did not just react to a peer."""
+        index, returncode = next(
+            (fail for fail in self.failed if not is_peer_reaction(fail[1])), self.failed[0]
+        )
+        self.named = index
+        self._failure_named.set()
+        return index, returncode
+
+    def flush(self, indices: Iterable[int]) -> None:
+        """Show (or drop) every line received so far, those of ``indices`` to their end."""
+        for index in indices:
+            self.forwarders[index].join(timeout=2)
+        reached = threading.Event()
+        self._lines.put((0.0, -1, reached))
+        reached.wait()
 
     def running(self) -> bool:
         return any(process.poll() is None for process in self.processes)
@@ -167,6 +219,7 @@ def _passing_on_signals(processes: _Processes) -> Iterator[list[int]]:
 
     def pass_on(signum: int, frame: object) -> None:
         received.append(signum)
+        processes.show_everything()
         processes.signal_running(signum if len(received) < 3 else signal.SIGKILL)
 
     previous = {signum: signal.signal(signum, pass_on) for signum in PASSED_ON_SIGNALS}
@@ -188,16 +241,18 @@ def launch(
     output: TextIO | None = None,
     module: str = "jaxmoe.train.cli",
     resume_hint: str | None = None,
+    hold_s: float = 0.3,
 ) -> int:
     """Run ``python -m <module> <command_args>`` as ``num_processes`` processes.
 
     Returns 0 if all succeed, 1 if one failed (named in a line that ends with
     ``resume_hint`` when given), and the processes' exit status when a signal passed on
-    to them ended the run. ``module`` must accept ``--coordinator``,
-    ``--num-processes`` and ``--process-id`` as ``jaxmoe train`` does.
+    to them ended the run. Each line of output is shown ``hold_s`` after it arrives.
+    ``module`` must accept ``--coordinator``, ``--num-processes`` and ``--process-id``
+    as ``jaxmoe train`` does.
     """
     port = free_port(coordinator_host) if port is None else port
-    processes = _Processes(sys.stdout if output is None else output)
+    processes = _Processes(sys.stdout if output is None else output, hold_s)
     with _passing_on_signals(processes) as signals_received:
         try:
             for index in range(num_processes):
@@ -206,23 +261,25 @@ def launch(
                 argv += ["--num-processes", str(num_processes), "--process-id", str(index)]
                 processes.start(wrap(index, argv))
             # After a signal passed on, a failure is no reason to stop the others: they save.
-            while processes.running() and (signals_received or not processes.find_failure()):
-                time.sleep(0.1)
+            while processes.running() and (signals_received or not processes.see_failures()):
+                time.sleep(0.05)
+            if processes.see_failures():
+                time.sleep(hold_s)  # the others' reactions to it, if any, end meanwhile
+                processes.see_failures()
         except BaseException:
             processes.stop(stop_timeout_s)
             raise
-    failure = processes.find_failure()
-    if failure is not None and not signals_received:
-        index, returncode = failure
-        processes.forwarders[index].join(timeout=2)  # its last words come before ours
-        others = sum(p.poll() is None for p in processes.processes)
-        processes.write(failure_message(index, returncode, others, resume_hint) + "\n")
-    processes.stop(stop_timeout_s)
-    for forwarder in processes.forwarders:
-        forwarder.join(timeout=5)
-    if failure is None:
+    if not processes.failed:
+        processes.flush(range(num_processes))
         return 0
     if signals_received:
-        returncode = failure[1]
+        processes.flush(range(num_processes))
+        returncode = processes.failed[0][1]
         return returncode if returncode > 0 else 128 - returncode  # the shell's convention
+    index, returncode = processes.name_failure()
+    processes.flush([index])  # its last words come before ours
+    others = sum(p.poll() is None for p in processes.processes)
+    processes.write(failure_message(index, returncode, others, resume_hint) + "\n")
+    processes.stop(stop_timeout_s)
+    processes.flush(range(num_processes))
     return 1
