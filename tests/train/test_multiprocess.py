@@ -150,9 +150,8 @@ def test_launcher_stops_the_others_at_once_when_one_is_killed(tmp_path):
     output = "".join(lines)
     assert launcher.returncode == 1
     assert stopped_after < 15, stopped_after  # not the heartbeat (30 s) nor a step timeout
-    assert lines[-1].startswith(
-        "jaxmoe launch: process 1 was killed by SIGKILL; stopping the other process "
-    )
+    # "; stopping the other process ..." follows unless the survivor aborted by itself.
+    assert lines[-1].startswith("jaxmoe launch: process 1 was killed by SIGKILL")
     assert not any(sign in output for sign in PEER_FAILURE_SIGNS), output[-3000:]
     assert not _children(launcher.pid)
 
