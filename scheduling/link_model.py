@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from scheduling.capture import COLLECTIVES
 
 
 @dataclass(frozen=True)
@@ -29,8 +33,12 @@ class PiecewiseLinear:
     def __post_init__(self) -> None:
         if not self.sizes or len(self.sizes) != len(self.seconds):
             raise ValueError("PiecewiseLinear needs as many sizes as times, at least one")
+        if not all(math.isfinite(v) and v >= 0 for v in (*self.sizes, *self.seconds)):
+            raise ValueError("PiecewiseLinear sizes and times must be finite numbers >= 0")
         if any(b <= a for a, b in zip(self.sizes, self.sizes[1:], strict=False)):
             raise ValueError("PiecewiseLinear.sizes must be strictly increasing")
+        if any(b < a for a, b in zip(self.seconds, self.seconds[1:], strict=False)):
+            raise ValueError("PiecewiseLinear.seconds must be non-decreasing")
 
     @classmethod
     def fit(cls, samples: Iterable[tuple[float, float]]) -> PiecewiseLinear:
@@ -81,18 +89,69 @@ class CollectiveCurves:
         }
 
     @classmethod
-    def from_json(cls, data: dict) -> CollectiveCurves:
-        curves = {
-            (entry["kind"], int(entry["group_size"])): PiecewiseLinear(
-                tuple(entry["bytes"]), tuple(entry["seconds"])
-            )
-            for entry in data["curves"]
-        }
-        return cls(data.get("source", ""), curves)
+    def from_json(cls, data: Any) -> CollectiveCurves:
+        """Curves from :meth:`to_json`'s structure; ValueError names what is wrong, and where."""
+        if not isinstance(data, dict) or not isinstance(data.get("curves"), list):
+            raise ValueError('expected an object {"source": ..., "curves": [...]}')
+        source = data.get("source", "")
+        if not isinstance(source, str):
+            raise ValueError(f"source must be a string, not {source!r}")
+        if not data["curves"]:
+            raise ValueError("curves is empty: it must hold at least one curve")
+        curves: dict[tuple[str, int], PiecewiseLinear] = {}
+        for index, entry in enumerate(data["curves"]):
+            key, curve = _curve_from_json(entry, f"curves[{index}]")
+            if key in curves:
+                raise ValueError(f"curves[{index}]: a second curve for {key[0]} over {key[1]}")
+            curves[key] = curve
+        return cls(source, curves)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> CollectiveCurves:
-        return cls.from_json(json.loads(Path(path).read_text()))
+        """Read a file written by :meth:`save`.
+
+        OSError if it cannot be read; ValueError if it is not JSON or not a curve set
+        that the cost model can use.
+        """
+        text = Path(path).read_text()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(
+                f"not valid JSON: {error.msg} (line {error.lineno}, column {error.colno})"
+            ) from None
+        return cls.from_json(data)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _curve_from_json(entry: Any, where: str) -> tuple[tuple[str, int], PiecewiseLinear]:
+    """One ``{"kind", "group_size", "bytes", "seconds"}`` entry, checked."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where} must be an object with kind, group_size, bytes and seconds")
+    missing = [key for key in ("kind", "group_size", "bytes", "seconds") if key not in entry]
+    if missing:
+        raise ValueError(f"{where} lacks {', '.join(missing)}")
+    kind, group = entry["kind"], entry["group_size"]
+    if not (isinstance(kind, str) and kind in COLLECTIVES):
+        raise ValueError(
+            f"{where}.kind={kind!r} is not a collective: use one of "
+            f"{', '.join(sorted(COLLECTIVES))}"
+        )
+    # A group of one moves nothing, so the cost model never asks for its curve.
+    if not (isinstance(group, int) and not isinstance(group, bool) and group >= 2):
+        raise ValueError(f"{where}.group_size={group!r}: must be an integer >= 2")
+    for name in ("bytes", "seconds"):
+        values = entry[name]
+        if not (isinstance(values, list) and values and all(_is_number(v) for v in values)):
+            raise ValueError(f"{where}.{name} must be a non-empty list of numbers")
+    try:
+        curve = PiecewiseLinear(tuple(entry["bytes"]), tuple(entry["seconds"]))
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
+    return (kind, group), curve

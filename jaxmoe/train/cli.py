@@ -3,14 +3,16 @@
 ``jaxmoe train`` runs a named preset with any configuration field overridden
 by a flag named after it, ``--SECTION.FIELD VALUE`` (``--moe.top_k 2``,
 ``--moe.capacity_factor none``, ``--parallel.data 2``), plus the shortcuts
-``--steps N`` and ``--data FILE``. A bad flag or value prints one line and
-exits with status 2.
+``--steps N``, ``--data FILE`` and ``--schedule NAME`` (a shortcut and its field
+may both be given only with the same value). A bad flag, value or input file
+prints one line and exits with status 2, before anything compiles.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 import types
@@ -24,6 +26,8 @@ from jaxmoe.parallel.distributed import DistributedConfig
 from jaxmoe.presets import PRESETS, preset
 
 USAGE_ERROR = 2
+# Shortcut flags and the configuration field each one sets.
+SHORTCUTS = {"steps": "train.steps", "data": "data.path", "schedule": "train.schedule"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -128,27 +132,44 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def resolve_config(args: argparse.Namespace) -> Config:
-    """The preset with every override applied; raises ConfigError on a bad value."""
-    values = preset(args.preset).to_dict()
-    requested = {
+def _parse_override(name: str, text: str, parse: Callable[[str], Any]) -> Any:
+    try:
+        return parse(text)
+    except ValueError:
+        raise ConfigError(f"--{name}: cannot read {text!r} as a value of this field") from None
+
+
+def _requested_values(args: argparse.Namespace) -> dict[str, Any]:
+    """``'section.field' -> value`` for every override and shortcut flag given.
+
+    A shortcut and its field flag must agree: ``--steps 3 --train.steps 5`` is refused.
+    """
+    texts = {
         key.removeprefix("override:"): text
         for key, text in vars(args).items()
         if key.startswith("override:") and text is not None
     }
-    if args.steps is not None:
-        requested["train.steps"] = str(args.steps)
-    if args.data is not None:
-        requested["data.path"] = args.data
-    if args.schedule is not None:
-        requested["train.schedule"] = args.schedule
     fields = _override_fields()
-    for name, text in requested.items():
-        section, field, parse = fields[name]
-        try:
-            values[section][field] = parse(text)
-        except ValueError:
-            raise ConfigError(f"--{name}: cannot read {text!r} as a value of this field") from None
+    values = {name: _parse_override(name, text, fields[name][2]) for name, text in texts.items()}
+    for shortcut, name in SHORTCUTS.items():
+        given = getattr(args, shortcut)
+        if given is None:
+            continue
+        value = _parse_override(name, str(given), fields[name][2])
+        if name in values and values[name] != value:
+            raise ConfigError(
+                f"--{shortcut} {given} and --{name} {texts[name]} disagree: give only one of them"
+            )
+        values[name] = value
+    return values
+
+
+def resolve_config(args: argparse.Namespace) -> Config:
+    """The preset with every override applied; raises ConfigError on a bad value."""
+    values = preset(args.preset).to_dict()
+    for name, value in _requested_values(args).items():
+        section, field = name.split(".")
+        values[section][field] = value
     return Config.from_dict(values)
 
 
@@ -317,16 +338,42 @@ def _launch(args: argparse.Namespace) -> int:
     command_args = args.command_args[1:] if args.command_args[:1] == ["--"] else args.command_args
     if not command_args or command_args[0] != "train":
         raise ConfigError("usage: jaxmoe launch -n N -- train [ARGS]")
+    # Everything each process would refuse, refused once here, before any is spawned.
+    train_args = _build_parser().parse_args(command_args)
+    config = resolve_config(train_args)
+    _check_layout(config, args.num_processes)
+    _check_train_flags(train_args)
+    _check_input_files(config)
     return launch(command_args, args.num_processes)
 
 
-def _devices_per_process(config: Config, args: argparse.Namespace) -> int:
-    processes = _distributed_config(args).process_count_hint() if args.command == "train" else 1
+def _check_layout(config: Config, processes: int) -> None:
+    """The mesh's devices split evenly over the processes."""
     if config.parallel.num_devices % processes:
         raise ConfigError(
             f"parallel.data x parallel.expert = {config.parallel.num_devices} devices cannot "
             f"be split evenly over {processes} processes"
         )
+
+
+def _check_train_flags(args: argparse.Namespace) -> None:
+    """The ``jaxmoe train`` flags that are not configuration fields."""
+    timeout = args.step_timeout
+    if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+        raise ConfigError(f"--step-timeout {timeout:g}: must be a number of seconds > 0")
+    _distributed_config(args)  # checks --heartbeat-timeout and the cluster flags
+
+
+def _check_input_files(config: Config) -> None:
+    """Every file the configuration names, read and validated (imports JAX: call it last)."""
+    from jaxmoe.train.inputs import check_input_files
+
+    check_input_files(config)
+
+
+def _devices_per_process(config: Config, args: argparse.Namespace) -> int:
+    processes = _distributed_config(args).process_count_hint() if args.command == "train" else 1
+    _check_layout(config, processes)
     return config.parallel.num_devices // processes
 
 
@@ -338,8 +385,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _launch(args)
         command = {"train": _train, "schedule": _schedule}[args.command]
         config = resolve_config(args)
+        if args.command == "train":
+            _check_train_flags(args)
         # Before JAX creates its backends (at first use): the CPU platform's device count.
         ensure_host_devices(_devices_per_process(config, args))
+        _check_input_files(config)
         return command(config, args)
     except ConfigError as error:
         print(f"jaxmoe {args.command}: error: {error}", file=sys.stderr)

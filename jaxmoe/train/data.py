@@ -3,7 +3,9 @@
 The default corpus is real text that every Python install carries: the source
 files of the standard library, read in sorted path order, as bytes (the
 token ids are byte values, vocabulary 256). ``DataConfig.path`` takes a text
-file (bytes again) or a ``.bin`` of little-endian uint16 token ids.
+file (bytes again) or a ``.bin`` (any case) of little-endian uint16 token ids.
+:func:`load_splits` reads and checks it all, so that a bad file is refused
+before anything compiles.
 
 Batches are random windows of ``seq_len + 1`` tokens. Which windows form the
 global batch of a step depends only on the seed and the step, so runs on
@@ -20,7 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from jaxmoe.config import ConfigError, DataConfig
+from jaxmoe.config import Config, ConfigError, DataConfig
 from jaxmoe.parallel.mesh import token_spec
 
 
@@ -46,20 +48,32 @@ def _read_stdlib(max_bytes: int | None) -> np.ndarray:
     return np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8)
 
 
+def _read_file(data: DataConfig) -> bytes:
+    """The bytes of ``data.path``; ConfigError saying why when it cannot be read."""
+    path = Path(data.path)
+    where = f"data.path={data.path!r}"
+    if path.is_dir():
+        raise ConfigError(f"{where} is a directory; give a text file or a .bin of token ids")
+    if not path.exists():
+        raise ConfigError(f"{where}: no such file; give a text file or a .bin of token ids")
+    try:
+        return path.read_bytes()
+    except OSError as error:
+        raise ConfigError(f"{where}: cannot read it ({error.strerror or error})") from None
+
+
 def load_tokens(data: DataConfig) -> np.ndarray:
     """All token ids of the corpus as a 1-D ``uint16`` array."""
     if data.path is None:
         return _read_stdlib(data.max_bytes).astype(np.uint16)
-    path = Path(data.path)
-    if not path.is_file():
-        raise ConfigError(f"data.path={data.path!r}: no such file; give a text file or a .bin")
-    if path.suffix == ".bin":
-        if path.stat().st_size % 2:
+    content = _read_file(data)
+    if Path(data.path).suffix.lower() == ".bin":
+        if len(content) % 2:
             raise ConfigError(
                 f"data.path={data.path!r}: a .bin must hold uint16 token ids (even byte count)"
             )
-        return np.fromfile(path, dtype="<u2")
-    return np.frombuffer(path.read_bytes(), dtype=np.uint8).astype(np.uint16)
+        return np.frombuffer(content, dtype="<u2")
+    return np.frombuffer(content, dtype=np.uint8).astype(np.uint16)
 
 
 class TokenSplits:
@@ -79,6 +93,21 @@ class TokenSplits:
     @property
     def max_token_id(self) -> int:
         return int(max(self.train.max(), self.val.max()))
+
+
+def load_splits(config: Config) -> TokenSplits:
+    """The corpus of ``config``, split, with every token id inside the vocabulary.
+
+    Raises ConfigError for a file that cannot be read, a malformed ``.bin``, too little
+    data for one sequence in either split, or a token id the model cannot embed.
+    """
+    splits = TokenSplits(load_tokens(config.data), config.data.val_fraction, config.model.seq_len)
+    if splits.max_token_id >= config.model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={config.model.vocab_size}, but the data holds token id "
+            f"{splits.max_token_id}: use a vocabulary of at least {splits.max_token_id + 1}"
+        )
+    return splits
 
 
 class BatchSampler:

@@ -1,5 +1,7 @@
 """Measured collective curves: fitting, evaluation, files, and their use by the cost model."""
 
+import json
+
 import pytest
 
 from scheduling.cost import PROFILES, CostModel
@@ -27,6 +29,12 @@ def test_invalid_curves_are_refused():
         PiecewiseLinear((2.0, 1.0), (1.0, 2.0))
     with pytest.raises(ValueError, match="as many sizes as times"):
         PiecewiseLinear((1.0,), ())
+    with pytest.raises(ValueError, match="non-decreasing"):
+        PiecewiseLinear((1.0, 2.0), (2.0, 1.0))
+    with pytest.raises(ValueError, match="finite numbers >= 0"):
+        PiecewiseLinear((1.0, 2.0), (0.1, float("nan")))
+    with pytest.raises(ValueError, match="finite numbers >= 0"):
+        PiecewiseLinear((1.0,), (-0.1,))
 
 
 def test_curves_round_trip_through_a_file(tmp_path):
@@ -53,3 +61,51 @@ def test_cost_model_uses_a_curve_where_one_covers_the_collective():
             assert measured.collective_seconds(op) == 0.5
         else:
             assert measured.collective_seconds(op) == analytic.collective_seconds(op)
+
+
+def _curve(**changes) -> dict:
+    return {"kind": "psum", "group_size": 8, "bytes": [1, 2], "seconds": [0.1, 0.2], **changes}
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("{not json", r"not valid JSON: .* \(line 1, column 2\)"),
+        ("[]", r"expected an object \{"),
+        ('{"source": "x"}', r"expected an object \{"),
+        ('{"curves": {}}', r"expected an object \{"),
+        ('{"curves": []}', "curves is empty"),
+        (json.dumps({"source": 3, "curves": [_curve()]}), "source must be a string"),
+        (json.dumps({"curves": [7]}), r"curves\[0\] must be an object"),
+        (json.dumps({"curves": [{"kind": "psum"}]}), "lacks group_size, bytes, seconds"),
+        (json.dumps({"curves": [_curve(kind="alltoall")]}), "'alltoall' is not a collective"),
+        (json.dumps({"curves": [_curve(kind=["psum"])]}), "is not a collective"),
+        (json.dumps({"curves": [_curve(group_size=1)]}), "group_size=1: must be an integer >= 2"),
+        (json.dumps({"curves": [_curve(group_size="8")]}), "group_size='8'"),
+        (json.dumps({"curves": [_curve(bytes=[])]}), "bytes must be a non-empty list"),
+        (json.dumps({"curves": [_curve(seconds=["0.1", 0.2])]}), "seconds must be a non-empty"),
+        (json.dumps({"curves": [_curve(seconds=[0.1])]}), "as many sizes as times"),
+        (json.dumps({"curves": [_curve(bytes=[2, 1])]}), "strictly increasing"),
+        (json.dumps({"curves": [_curve(seconds=[0.3, 0.2])]}), "non-decreasing"),
+        (
+            '{"curves": [{"kind": "psum", "group_size": 8, "bytes": [1], "seconds": [NaN]}]}',
+            "finite",
+        ),
+        (
+            json.dumps({"curves": [_curve(), _curve()]}),
+            r"curves\[1\]: a second curve for psum over 8",
+        ),
+    ],
+)
+def test_a_file_the_cost_model_cannot_use_is_refused_with_the_place(tmp_path, content, message):
+    path = tmp_path / "curves.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        CollectiveCurves.load(path)
+
+
+def test_an_unreadable_file_is_an_os_error(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        CollectiveCurves.load(tmp_path / "absent.json")
+    with pytest.raises(IsADirectoryError):
+        CollectiveCurves.load(tmp_path)

@@ -3,10 +3,17 @@
 import json
 import subprocess
 import sys
+import time
 
+import numpy as np
 import pytest
 
-from jaxmoe.train.cli import main
+from jaxmoe.train import launch as launch_module
+from jaxmoe.train.cli import config_from_train_args, main
+
+# A refusal takes a parse and a file read; a compilation of even the smallest step takes
+# far longer on these hosts, so a refusal within this bound proves none happened.
+REFUSED_WITHIN_S = 15.0
 
 
 @pytest.mark.parametrize(
@@ -28,6 +35,110 @@ def test_bad_input_is_one_line_and_status_2(argv, message, capsys):
     error = capsys.readouterr().err
     assert message in error
     assert error.count("\n") == 1, error
+
+
+@pytest.fixture
+def input_files(tmp_path):
+    """A directory, a text file too short for one sequence, an odd-sized upper-case .BIN,
+    a .bin with ids beyond the byte vocabulary, and curve files the cost model cannot use."""
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "short.txt").write_text("hello")
+    (tmp_path / "odd.BIN").write_bytes(b"abc")
+    (np.arange(5000, dtype="<u2") % 1000).tofile(tmp_path / "wide.bin")
+    (tmp_path / "broken.json").write_text("{not json")
+    (tmp_path / "empty.json").write_text('{"curves": []}')
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "typo.json").write_text(
+        '{"curves": [{"kind": "alltoall", "group_size": 8, "bytes": [1], "seconds": [1]}]}'
+    )
+    return tmp_path
+
+
+CURVES = "--train.schedule_link_curves"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([CURVES, "{dir}/absent.json"], "absent.json': no such file or directory"),
+        ([CURVES, "{dir}/adir"], "adir': is a directory"),
+        ([CURVES, "{dir}/broken.json"], "broken.json': not valid JSON: "),
+        ([CURVES, "{dir}/list.json"], "list.json': expected an object"),
+        ([CURVES, "{dir}/empty.json"], "empty.json': curves is empty"),
+        ([CURVES, "{dir}/typo.json"], "curves[0].kind='alltoall' is not a collective"),
+        (["--step-timeout", "-1"], "--step-timeout -1: must be a number of seconds > 0"),
+        (["--step-timeout", "0"], "--step-timeout 0: must be a number of seconds > 0"),
+        (["--step-timeout", "inf"], "--step-timeout inf: must be a number of seconds > 0"),
+        (["--heartbeat-timeout", "0"], "--heartbeat-timeout must be at least 1 second"),
+        (["--data", "{dir}/adir"], "adir' is a directory; give a text file or a .bin"),
+        (["--data", "{dir}/absent.txt"], "absent.txt': no such file"),
+        (["--data", "{dir}/odd.BIN"], "a .bin must hold uint16 token ids (even byte count)"),
+        (["--data", "{dir}/short.txt"], "the training split has 4 tokens"),
+        (["--data", "{dir}/wide.bin"], "the data holds token id 999"),
+        (["--steps", "3", "--train.steps", "5"], "--steps 3 and --train.steps 5 disagree"),
+        (["--data", "a.txt", "--data.path", "b.txt"], "--data a.txt and --data.path b.txt"),
+        (["--schedule", "dw", "--train.schedule", "async"], "--schedule dw and --train.sch"),
+    ],
+)
+def test_bad_inputs_are_refused_before_compiling(input_files, argv, message, capsys):
+    argv = [arg.format(dir=input_files) for arg in argv]
+    started = time.monotonic()
+    with pytest.raises(SystemExit) as exit_info:
+        raise SystemExit(main(["train", *argv, "--out", str(input_files / "run")]))
+    elapsed = time.monotonic() - started
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert message in error
+    assert error.count("\n") == 1, error
+    assert elapsed < REFUSED_WITHIN_S, elapsed
+    assert not (input_files / "run").exists()
+
+
+def test_a_shortcut_and_its_field_may_repeat_the_same_value():
+    config = config_from_train_args(
+        ["--steps", "5", "--train.steps", "5", "--schedule", "dw", "--train.schedule", "dw"]
+    )
+    assert config.train.steps == 5 and config.train.schedule == "dw"
+    config = config_from_train_args(["--data", "corpus.txt", "--data.path", "corpus.txt"])
+    assert config.data.path == "corpus.txt"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["-n", "3", "--", "train"], "8 devices cannot be split evenly over 3 processes"),
+        (["-n", "2", "--", "train", "--data", "{dir}/adir"], "adir' is a directory"),
+        (["-n", "2", "--", "train", "--step-timeout", "-1"], "--step-timeout -1: must be"),
+        (["-n", "2", "--", "train", "--steps", "1", "--train.steps", "2"], "disagree"),
+    ],
+)
+def test_launch_refuses_before_spawning_anything(input_files, argv, message, capsys, monkeypatch):
+    def spawn(*args, **kwargs):
+        raise AssertionError("launch() was called")
+
+    monkeypatch.setattr(launch_module, "launch", spawn)
+    argv = [arg.format(dir=input_files) for arg in argv]
+    assert main(["launch", *argv]) == 2
+    error = capsys.readouterr().err
+    assert message in error and error.count("\n") == 1, error
+
+
+def test_refusals_are_quick_in_a_fresh_process(input_files):
+    for argv in (
+        ["train", CURVES, str(input_files / "empty.json")],
+        ["launch", "-n", "3", "--", "train"],
+    ):
+        started = time.monotonic()
+        result = subprocess.run(
+            [sys.executable, "-m", "jaxmoe.train.cli", *argv],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        elapsed = time.monotonic() - started
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.count("\n") == 1 and result.stdout == "", result.stderr
+        assert elapsed < REFUSED_WITHIN_S, elapsed
 
 
 def test_console_exit_status_in_a_fresh_process():

@@ -7,11 +7,12 @@ import jax
 import numpy as np
 import pytest
 
-from jaxmoe.config import ConfigError, DataConfig, ParallelConfig
+from jaxmoe.config import Config, ConfigError, DataConfig, ModelConfig, ParallelConfig
 from jaxmoe.parallel import build_mesh
 from jaxmoe.train.data import (
     BatchSampler,
     TokenSplits,
+    load_splits,
     load_tokens,
     put_on_mesh,
     stdlib_source_files,
@@ -41,11 +42,34 @@ def test_text_and_bin_files(tmp_path):
     np.testing.assert_array_equal(load_tokens(DataConfig(path=str(binary))), ids)
 
 
-def test_missing_file_and_too_little_data(tmp_path):
-    with pytest.raises(ConfigError, match="no such file"):
+def test_the_bin_suffix_is_case_insensitive(tmp_path):
+    ids = np.array([1, 300, 65535, 7], dtype="<u2")
+    for name in ("ids.BIN", "ids.Bin"):
+        ids.tofile(tmp_path / name)
+        np.testing.assert_array_equal(load_tokens(DataConfig(path=str(tmp_path / name))), ids)
+    (tmp_path / "odd.BIN").write_bytes(b"abc")
+    with pytest.raises(ConfigError, match=r"even byte count"):
+        load_tokens(DataConfig(path=str(tmp_path / "odd.BIN")))
+
+
+def test_missing_file_directory_and_too_little_data(tmp_path):
+    with pytest.raises(ConfigError, match=r"absent\.txt': no such file"):
         load_tokens(DataConfig(path=str(tmp_path / "absent.txt")))
+    with pytest.raises(ConfigError, match=r"' is a directory; give a text file"):
+        load_tokens(DataConfig(path=str(tmp_path)))
     with pytest.raises(ConfigError, match=r"fewer than model\.seq_len"):
         TokenSplits(np.arange(100, dtype=np.uint16), 0.05, seq_len=64)
+
+
+def test_load_splits_refuses_ids_beyond_the_vocabulary(tmp_path):
+    path = tmp_path / "ids.bin"
+    (np.arange(4000, dtype="<u2") % 600).tofile(path)
+    data = DataConfig(path=str(path))
+    small = Config(model=ModelConfig(vocab_size=512), data=data)
+    with pytest.raises(ConfigError, match=r"token id 599: use a vocabulary of at least 600"):
+        load_splits(small)
+    splits = load_splits(Config(model=ModelConfig(vocab_size=600), data=data))
+    assert splits.max_token_id == 599 and len(splits.train) + len(splits.val) == 4000
 
 
 def test_splits_are_disjoint_head_and_tail():
