@@ -31,9 +31,10 @@ from dataclasses import dataclass
 
 import jax
 
+from jaxmoe import exit_codes
 from jaxmoe.config import ConfigError
 
-PEER_FAILURE_EXIT_CODE = 3
+PEER_FAILURE_EXIT_CODE = exit_codes.PEER_FAILURE
 PEER_FAILURE_MESSAGE = (
     "jaxmoe: step {step} did not finish within {timeout:.0f} s; "
     "a peer process has probably failed, stopping"

@@ -21,11 +21,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from jaxmoe import exit_codes
 from jaxmoe.config import SCHEDULES, Config, ConfigError
 from jaxmoe.parallel.distributed import DistributedConfig
 from jaxmoe.presets import PRESETS, preset
 
-USAGE_ERROR = 2
+USAGE_ERROR = exit_codes.USAGE_ERROR
 # Shortcut flags and the configuration field each one sets.
 SHORTCUTS = {"steps": "train.steps", "data": "data.path", "schedule": "train.schedule"}
 
@@ -344,7 +345,8 @@ def _launch(args: argparse.Namespace) -> int:
     _check_layout(config, args.num_processes)
     _check_train_flags(train_args)
     _check_input_files(config)
-    return launch(command_args, args.num_processes)
+    hint = None if train_args.out is None else "continue from its last checkpoint with --resume"
+    return launch(command_args, args.num_processes, resume_hint=hint)
 
 
 def _check_layout(config: Config, processes: int) -> None:

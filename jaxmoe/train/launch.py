@@ -35,9 +35,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TextIO
 
+from jaxmoe.exit_codes import PEER_FAILURE, PREEMPTED
+
 PASSED_ON_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-# jaxmoe.parallel.distributed.PEER_FAILURE_EXIT_CODE (not imported: that module imports JAX).
-PEER_FAILURE_EXIT_CODE = 3
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -93,7 +93,7 @@ def _peek_returncode(process: subprocess.Popen) -> int | None:
 def is_peer_reaction(returncode: int) -> bool:
     """How a process ends when a peer died (see jaxmoe.parallel.distributed): gloo and the
     coordination service abort (SIGABRT, 134 through a shell), the step watchdog exits 3."""
-    return returncode in (-signal.SIGABRT, 128 + signal.SIGABRT, PEER_FAILURE_EXIT_CODE)
+    return returncode in (-signal.SIGABRT, 128 + signal.SIGABRT, PEER_FAILURE)
 
 
 class _Processes:
@@ -161,7 +161,8 @@ class _Processes:
         with self._lock:
             for index, process in enumerate(self.processes):
                 returncode = _peek_returncode(process)
-                if returncode and index not in (seen for seen, _ in self.failed):
+                stopped_cleanly = returncode == PREEMPTED  # saved; the others too
+                if returncode and not stopped_cleanly and index not in (i for i, _ in self.failed):
                     self.failed.append((index, returncode))
             return self.failed
 
@@ -271,6 +272,13 @@ def launch(
             raise
     if not processes.failed:
         processes.flush(range(num_processes))
+        if any(process.returncode == PREEMPTED for process in processes.processes):
+            processes.write(
+                "jaxmoe launch: the run stopped on a signal after writing a checkpoint"
+                + (f"; {resume_hint}" if resume_hint else "")
+                + "\n"
+            )
+            return PREEMPTED
         return 0
     if signals_received:
         processes.flush(range(num_processes))

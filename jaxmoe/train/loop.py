@@ -2,10 +2,10 @@
 
 A run ends in one of four ways: it finishes (checkpoint at the end); a stop signal
 arrives (it finishes the step, writes a checkpoint and raises :class:`RunStopped`
-with :data:`~jaxmoe.train.stop_signals.PREEMPTED_EXIT_CODE`); a step's loss or
+with :data:`~jaxmoe.exit_codes.PREEMPTED`); a step's loss or
 gradient norm is not finite under ``train.on_nonfinite=stop`` (:class:`RunStopped`
-with :data:`NONFINITE_EXIT_CODE`, leaving the last good checkpoint as the latest);
-or writing its files fails (:class:`RunStopped` with :data:`IO_ERROR_EXIT_CODE`).
+with :data:`~jaxmoe.exit_codes.NONFINITE`, leaving the last good checkpoint as the latest);
+or writing its files fails (:class:`RunStopped` with :data:`~jaxmoe.exit_codes.IO_ERROR`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 import jax
 from tqdm import tqdm
 
+from jaxmoe import exit_codes
 from jaxmoe.config import Config, ConfigError
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.train.checkpoint import RunCheckpoints
@@ -29,11 +30,8 @@ from jaxmoe.train.profiler import StepProfiler
 from jaxmoe.train.scheduled import plan_train_step
 from jaxmoe.train.state import init_train_state
 from jaxmoe.train.step import build_eval_step
-from jaxmoe.train.stop_signals import PREEMPTED_EXIT_CODE, StopSignals
+from jaxmoe.train.stop_signals import StopSignals
 from jaxmoe.train.watchdog import StepWatchdog
-
-NONFINITE_EXIT_CODE = 4
-IO_ERROR_EXIT_CODE = 5
 
 
 class RunStopped(Exception):
@@ -94,7 +92,7 @@ def _nonfinite_stop(
             checkpoints,
             " after a change against the divergence (a lower --train.learning_rate, for example)",
         ),
-        NONFINITE_EXIT_CODE,
+        exit_codes.NONFINITE,
         rows,
     )
 
@@ -207,13 +205,13 @@ def train(
                 if stop and done < last_step:
                     raise RunStopped(
                         f"stopped by a signal after {done} steps; {_where_to_resume(checkpoints)}",
-                        PREEMPTED_EXIT_CODE,
+                        exit_codes.PREEMPTED,
                         rows,
                     )
     except OSError as error:
         raise RunStopped(
             f"writing the run's files failed ({error}); {_where_to_resume(checkpoints)}",
-            IO_ERROR_EXIT_CODE,
+            exit_codes.IO_ERROR,
             rows,
         ) from error
     return rows

@@ -2,7 +2,7 @@
 
 Clusters preempt a job with SIGTERM (SLURM, Kubernetes) and people stop one with
 Ctrl-C (SIGINT). The first such signal asks the loop to finish the step it is in,
-write a checkpoint and exit with :data:`PREEMPTED_EXIT_CODE`; a second one ends the
+write a checkpoint and exit with ``exit_codes.PREEMPTED``; a second one ends the
 process at once (status 128 + the signal's number, as the shell reports a death by
 signal).
 
@@ -28,9 +28,6 @@ from types import FrameType
 
 import jax
 from jax.experimental import multihost_utils
-
-# EX_TEMPFAIL of sysexits.h: the run stopped cleanly and can be resumed.
-PREEMPTED_EXIT_CODE = 75
 
 
 class StopSignals:

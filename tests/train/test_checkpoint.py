@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 
 from jaxmoe.config import Config, ConfigError, ParallelConfig
+from jaxmoe.exit_codes import PREEMPTED as PREEMPTED_EXIT_CODE
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.train import loop
 from jaxmoe.train.checkpoint import RunCheckpoints, check_compatible, latest_checkpoint
 from jaxmoe.train.metrics import read_rows
 from jaxmoe.train.state import init_train_state
 from jaxmoe.train.step import build_train_step
-from jaxmoe.train.stop_signals import PREEMPTED_EXIT_CODE, StopSignals
+from jaxmoe.train.stop_signals import StopSignals
 
 from .batches import random_batch
 from .runs import EXACT_KEYS, small_config

@@ -1,9 +1,10 @@
-"""Checkpoints across process counts: written by two processes, resumed by one."""
+"""Checkpoints across process counts: a two-process run preempted, resumed by one process."""
 
-import shutil
 import subprocess
 import sys
+import time
 
+from jaxmoe.exit_codes import PREEMPTED
 from jaxmoe.train.checkpoint import latest_checkpoint
 from jaxmoe.train.launch import child_environment
 from jaxmoe.train.metrics import read_rows
@@ -11,35 +12,56 @@ from jaxmoe.train.metrics import read_rows
 from .test_multiprocess import SMALL
 
 
-def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "jaxmoe.train.cli", *args],
+def jaxmoe(*args: str) -> list[str]:
+    return [sys.executable, "-m", "jaxmoe.train.cli", *args]
+
+
+def test_a_preempted_two_process_run_resumes_in_one_process(tmp_path):
+    common = ["--steps", "6", *SMALL]
+    single = subprocess.run(
+        jaxmoe("train", *common, "--out", str(tmp_path / "single")),
         env=child_environment(),
         capture_output=True,
         text=True,
         timeout=300,
     )
-
-
-def test_two_processes_save_and_one_process_resumes(tmp_path):
-    common = ["--steps", "4", *SMALL, "--train.checkpoint_every", "2"]
-    single = run("train", *common, "--out", str(tmp_path / "single"))
     assert single.returncode == 0, single.stderr[-2000:]
 
     out = tmp_path / "two"
-    two = run("launch", "-n", "2", "--", "train", *common, "--out", str(out))
-    assert two.returncode == 0, two.stdout[-3000:]
-    assert latest_checkpoint(out) == 4
-    # As if the run had died after its checkpoint of step 2.
-    shutil.rmtree(out / "checkpoints" / "4")
-    resumed = run("train", *common, "--out", str(out), "--resume")
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "resuming from the checkpoint of step 2" in resumed.stdout
+    launcher = subprocess.Popen(
+        jaxmoe("launch", "-n", "2", "--", "train", *common, "--out", str(out)),
+        env=child_environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.monotonic() + 240
+    while len(read_rows(out / "metrics.jsonl")) < 2:
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()
+        time.sleep(0.02)
+    # The cluster preempts one process: JAX's preemption service stops both after the same
+    # step, each writes its shards of the checkpoint, and the launcher reports it.
+    worker = subprocess.run(["pgrep", "-f", f"out {out} .*--process-id 1"], capture_output=True)
+    subprocess.run(["kill", "-TERM", *worker.stdout.split()], check=True)
+    output, _ = launcher.communicate(timeout=180)
+    assert launcher.returncode == PREEMPTED, output[-3000:]
+    assert "stopped on a signal after writing a checkpoint" in output
+    saved = latest_checkpoint(out)
+    assert saved is not None and 2 <= saved < 6
 
+    resumed = subprocess.run(
+        jaxmoe("train", *common, "--out", str(out), "--resume"),
+        env=child_environment(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resuming from the checkpoint of step {saved}" in resumed.stdout
     expected, rows = (
         read_rows(tmp_path / "single" / "metrics.jsonl"),
         read_rows(out / "metrics.jsonl"),
     )
-    assert [row["step"] for row in rows] == [0, 1, 2, 3]
+    assert [row["step"] for row in rows] == list(range(6))
     for a, b in zip(expected, rows, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (expected, rows)

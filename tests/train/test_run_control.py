@@ -17,16 +17,17 @@ import numpy as np
 import pytest
 
 from jaxmoe.config import ConfigError
+from jaxmoe.exit_codes import IO_ERROR as IO_ERROR_EXIT_CODE
+from jaxmoe.exit_codes import NONFINITE as NONFINITE_EXIT_CODE
+from jaxmoe.exit_codes import PREEMPTED as PREEMPTED_EXIT_CODE
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.train import metrics as metrics_module
 from jaxmoe.train.checkpoint import latest_checkpoint
 from jaxmoe.train.cli import main
 from jaxmoe.train.launch import child_environment
-from jaxmoe.train.loop import IO_ERROR_EXIT_CODE, NONFINITE_EXIT_CODE
 from jaxmoe.train.metrics import RunLog, read_rows
 from jaxmoe.train.state import init_train_state
 from jaxmoe.train.step import build_train_step
-from jaxmoe.train.stop_signals import PREEMPTED_EXIT_CODE
 
 from .batches import random_batch
 from .runs import EXACT_KEYS, small_config
