@@ -36,6 +36,7 @@ class CollectiveTiming:
     finished: float
     stall: float  # compute-stream time lost waiting for it
     deferrable: bool = False  # its priority class on the link (see the module docstring)
+    reached: float = 0.0  # when the compute stream reached its done (its start, if sync)
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,7 @@ def simulate(
     def wait(timing: CollectiveTiming) -> None:
         nonlocal compute_clock
         link.run(until=timing)  # nothing is started while the compute stream waits
+        timing.reached = compute_clock
         timing.stall = max(0.0, timing.finished - compute_clock)
         if timing.stall > 0:
             events.append(Event(timing.node, "compute", compute_clock, timing.stall, True))
