@@ -64,7 +64,7 @@ def why(
     if timing.stall <= _TINY:
         reasons.append("hidden")
     queued = timing.began - timing.issued
-    if queued > _TINY:
+    if queued > _TINY and timing.stall > _TINY:
         critical, deferrable = link_holders(timeline, timing.issued, timing.began)
         if deferrable > _TINY:
             reasons.append(f"link busy with gradient reductions {_ms(deferrable)}")

@@ -9,6 +9,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from scheduling.capture import capture
+from scheduling.describe import link_holders, why
 from scheduling.emit import scheduling_groups
 from scheduling.passes import Placement, order, split_async
 from scheduling.simulate import simulate
@@ -118,3 +119,20 @@ def test_deferrable_collectives_carry_no_scheduling_group():
     a2a = starts["all_to_all"]
     assert groups[a2a] == groups[graph.nodes[a2a].partner]
     assert starts["psum"] not in groups and graph.nodes[starts["psum"]].partner not in groups
+
+
+def test_the_report_says_what_held_the_link_before_a_stalled_collective():
+    graph = _graph()
+    fifo = simulate(graph, ORDER, SECONDS, priorities=False)
+    # The second all-to-all, issued at 3, began at 9: the first all-to-all held the link
+    # until 5, then the gradient reduction until 9.
+    assert link_holders(fifo, 3.0, 9.0) == (2.0, 4.0)
+    reason = why(graph, fifo, fifo.collectives[7], 4.0, None)
+    assert "link busy with gradient reductions" in reason
+    assert "link busy with critical collectives" in reason
+    # With priorities it waits for the first all-to-all alone.
+    ranked = simulate(graph, ORDER, SECONDS)
+    assert link_holders(ranked, 3.0, 5.0) == (2.0, 0.0)
+    assert "gradient reductions" not in why(graph, ranked, ranked.collectives[7], 4.0, None)
+    # The first one was awaited after one op of work: 3 s of its 4 s are exposed.
+    assert why(graph, ranked, ranked.collectives[1], 4.0, None).startswith("3e+03 ms of work")
