@@ -12,7 +12,14 @@
 Writes ``experiments/results/lancet_eval.md`` and ``lancet_eval.png``. ``--quick`` runs a
 small version in under 10 minutes: fewer steps, Tutel-style degrees 1 and 2 only, no runs
 on the unshaped link (so no exposed communication for (a)), one model, 16 GPUs.
-``--skip-cluster`` leaves out (a), which needs root for network namespaces.
+``--skip-cluster`` leaves out (a), which needs root for network namespaces, and keeps
+the (a) section of the results file it overwrites.
+
+Each simulated row also gives the ideal step: the simulator's lower bound for any
+schedule of that program, max(compute, communication) of the unpartitioned program
+(each stream busy the whole step, every collective hidden; partitioning only adds
+launches, cuts, joins and latencies), and the speedup over ``none`` it allows. Where
+that bound is under 1.3x, the table says 1.3x is out of reach.
 
     python -m experiments.lancet_eval [--quick] [--skip-cluster]
 """
@@ -97,6 +104,7 @@ def simulate(gpus: int, models: list[str]) -> list[dict]:
                             c.estimated_seconds - c.overlap_seconds for c in exchanges
                         ),
                         "partitions": [p.chunks for p in report.partitions],
+                        "ideal_s": report.ideal_step_seconds,
                     }
                 )
                 print(f"  {rows[-1]['config']} {label}: {report.step_seconds * 1e3:.2f} ms")
@@ -143,12 +151,19 @@ def cluster(quick: bool) -> tuple[list[dict], str]:
     return rows, "python -m experiments.cluster " + " ".join(shown)
 
 
+TARGET_SPEEDUP = 1.3
+
+
 def _table(rows: list[dict]) -> list[str]:
+    """One line per row. Rows with an ``ideal_s`` (the simulator's) also get the ideal
+    step and the speedup it bounds (see ``ScheduleReport.ideal_step_seconds``)."""
+    with_ideal = all("ideal_s" in row for row in rows)
+    ideal_header = " ideal step (ms) | speedup bound (none / ideal) |" if with_ideal else ""
     lines = [
         "| configuration | schedule | step (ms) | exposed communication (ms) | "
         "exposed all-to-all (ms) | reduction of exposed all-to-all vs none | speedup vs none "
-        "| step / max(compute, communication) |",
-        "|---|---|---|---|---|---|---|---|",
+        f"|{ideal_header} step / max(compute, communication) |",
+        "|---|---|---|---|---|---|---|" + ("---|---|" if with_ideal else "") + "---|",
     ]
     baseline = {r["config"]: r for r in rows if r["schedule"] == "none"}
     for row in rows:
@@ -164,12 +179,31 @@ def _table(rows: list[dict]) -> list[str]:
         # communication and no bound.
         exposed = "n/a" if math.isnan(row["exposed_s"]) else f"{row['exposed_s'] * 1e3:.2f}"
         ratio = "n/a" if math.isnan(bound) else f"{row['step_s'] / bound:.2f}"
+        ideal = ""
+        if with_ideal:
+            best = none["step_s"] / row["ideal_s"]
+            reach = "" if best >= TARGET_SPEEDUP else f", {TARGET_SPEEDUP}x out of reach"
+            ideal = f" {row['ideal_s'] * 1e3:.2f} | {best:.3f}x{reach} |"
         lines.append(
             f"| {row['config']} | {row['schedule']} | {row['step_s'] * 1e3:.2f} | "
             f"{exposed} | {a2a} | {reduction_text} | "
-            f"{none['step_s'] / row['step_s']:.3f}x | {ratio} |"
+            f"{none['step_s'] / row['step_s']:.3f}x |{ideal} {ratio} |"
         )
     return lines
+
+
+def _kept_cluster_section(path: Path) -> list[str]:
+    """The (a) section of an earlier results file, for runs that skip the cluster."""
+    if not path.exists():
+        return []
+    text = path.read_text()
+    if "## (a)" not in text or "## (b)" not in text:
+        return []
+    section = text[text.index("## (a)") : text.index("## (b)")].rstrip().splitlines()
+    note = (
+        "Kept from the previous run of the whole evaluation (`--skip-cluster` does not rerun it)."
+    )
+    return [section[0], "", note, *section[1:], ""]
 
 
 def _plot(rows: list[dict], path: Path) -> None:
@@ -233,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         rows, cluster_command = cluster(args.quick)
         all_rows += rows
         sections += ["## (a) Emulated cluster", "", f"`{cluster_command}`", "", *_table(rows), ""]
+    else:
+        sections += _kept_cluster_section(args.out)
     gpu_counts = (16,) if args.quick else (16, 32)
     models = list(MODELS)[:1] if args.quick else list(MODELS)
     simulated: list[dict] = []

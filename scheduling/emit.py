@@ -7,8 +7,10 @@ the adapter). Every window — a collective's start, the computation placed in
 it, and its done — is traced under
 ``set_xla_metadata(_scheduling_group_id=K)``, which XLA's GPU latency-hiding
 scheduler reads as "schedule these together", so the compiled program keeps
-the planned overlap. The XLA flags that turn that scheduler on are given by
-:func:`xla_gpu_flags`.
+the planned overlap. Only the critical collectives' windows are groups: a
+deferrable one (a gradient reduction, see ``scheduling.graph``) is left free,
+so the scheduler may move it off the link the critical path needs. The XLA
+flags that turn that scheduler on are given by :func:`xla_gpu_flags`.
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ def xla_gpu_flags() -> list[str]:
 
 
 def scheduling_groups(graph: Graph, schedule: Schedule) -> dict[int, int]:
-    """``node id -> group id``: each split collective's start, done and placed nodes."""
+    """``node id -> group id``: each critical split collective's start, done and placed
+    nodes (deferrable collectives carry no group)."""
     groups: dict[int, int] = {}
-    for group, start in enumerate(n for n in graph.nodes if n.role is Role.START):
+    critical = (n for n in graph.nodes if n.role is Role.START and n.id not in graph.deferrable)
+    for group, start in enumerate(critical):
         groups[start.id] = groups[start.partner] = group
         for node in schedule.placement.windows.get(start.id, []):
             groups[node] = group

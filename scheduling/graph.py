@@ -12,6 +12,13 @@ only backward nodes qualify, the gradient reduction and the optimizer update
 never do. A backward node that is a candidate for at least one backward
 all-to-all is classified ``dW``; other backward nodes are ``dX`` (the
 activation-gradient chain and what depends on it).
+
+Priority of collectives. A collective is *deferrable* when no forward or
+backward computation needs its result: the gradient reductions (only the
+optimizer update reads them) and reductions of metrics. The others are on the
+critical path: every all-to-all, and the tensor-parallel reductions that the
+next layer reads. A runtime that must choose which collective goes next on a
+busy link should pick a critical one (see ``scheduling.simulate``).
 """
 
 from __future__ import annotations
@@ -99,6 +106,7 @@ class Graph:
         self.ancestors = self._closure(self.preds, range(len(self.nodes)))
         self.descendants = self._closure(self.succs, reversed(range(len(self.nodes))))
         self.kinds = self._classify()
+        self.deferrable = self._deferrable()
 
     def _add(self, op: Op, role: Role, preds: set[int]) -> int:
         self.nodes.append(Node(len(self.nodes), op, role))
@@ -144,6 +152,24 @@ class Graph:
         done = start.partner
         related = self.ancestors[start.id] | self.descendants[done] | (1 << start.id) | (1 << done)
         return self._backward_compute_mask & ~related
+
+    def _deferrable(self) -> frozenset[int]:
+        """Ids of the collective nodes (starts, or synchronous nodes) that are deferrable."""
+        training = 0
+        for node in self.nodes:
+            computes = node.role is Role.COMPUTE and not node.is_collective
+            if computes and node.op.phase in (Phase.FORWARD, Phase.BACKWARD):
+                training |= 1 << node.id
+        deferrable = set()
+        for node in self.nodes:
+            if node.role is Role.DONE or not node.is_collective:
+                continue
+            if node.op.primitive == "all_to_all":
+                continue
+            result = node.partner if node.role is Role.START else node.id
+            if not self.descendants[result] & training:
+                deferrable.add(node.id)
+        return frozenset(deferrable)
 
     def _classify(self) -> list[Kind]:
         self._backward_compute_mask = 0

@@ -24,6 +24,8 @@ class CollectiveReport:
     # the stall at its done, at least 0; a stall can include waiting behind another
     # collective on the link).
     overlap_seconds: float
+    deferrable: bool = False  # served after the critical collectives (a gradient reduction)
+    why: str = ""  # why the overlap is what it is (see scheduling.describe)
 
 
 @dataclass
@@ -52,6 +54,10 @@ class ScheduleReport:
     communication_seconds: float
     step_seconds: float
     baseline_step_seconds: float  # the original order, every collective synchronous
+    # The simulator's lower bound for any schedule of the original program: the larger of
+    # its compute time and its communication time, each stream busy all the time and every
+    # collective hidden. (Partitioning only adds work: launches, cuts, joins, latencies.)
+    ideal_step_seconds: float
     dw_ops: int  # backward ops that qualify as dW for some backward all-to-all
     dw_ops_placed: int
     forced_placements: int
@@ -86,6 +92,7 @@ class ScheduleReport:
             "communication_idle_seconds": self.step_seconds - self.communication_seconds,
             "step_seconds": self.step_seconds,
             "baseline_step_seconds": self.baseline_step_seconds,
+            "ideal_step_seconds": self.ideal_step_seconds,
             "dw_ops": self.dw_ops,
             "dw_ops_placed": self.dw_ops_placed,
         }
@@ -113,7 +120,7 @@ class ScheduleReport:
         """A readable table: one row per collective, then the totals."""
         header = (
             f"{'#':>4} {'kind':<12} {'phase':<9} {'layer':<36} {'KiB':>9} "
-            f"{'est us':>9} {'async':<5} {'placed':>6} {'overlap us':>10}"
+            f"{'est us':>9} {'async':<5} {'placed':>6} {'overlap us':>10}  why"
         )
         lines = [f"schedule '{self.policy}' on profile '{self.profile}'", header, "-" * len(header)]
         rows = self.collectives if max_rows is None else self.collectives[:max_rows]
@@ -122,7 +129,7 @@ class ScheduleReport:
                 f"{c.index:>4} {c.kind:<12} {c.phase:<9} {c.layer[-36:]:<36} "
                 f"{c.bytes / 1024:>9.1f} {c.estimated_seconds * 1e6:>9.1f} "
                 f"{'yes' if c.is_async else 'no':<5} {len(c.placed_ops):>6} "
-                f"{c.overlap_seconds * 1e6:>10.1f}"
+                f"{c.overlap_seconds * 1e6:>10.1f}  {c.why}"
             )
         if max_rows is not None and len(self.collectives) > max_rows:
             lines.append(f"  ... {len(self.collectives) - max_rows} more collectives")
@@ -134,8 +141,8 @@ class ScheduleReport:
             f"{t['overlap_seconds'] * 1e6:.1f} us, exposed "
             f"{t['exposed_communication_seconds'] * 1e6:.1f} us",
             f"estimated step {t['step_seconds'] * 1e6:.1f} us (unscheduled "
-            f"{t['baseline_step_seconds'] * 1e6:.1f} us), "
-            f"compute {t['compute_seconds'] * 1e6:.1f} us",
+            f"{t['baseline_step_seconds'] * 1e6:.1f} us, ideal "
+            f"{t['ideal_step_seconds'] * 1e6:.1f} us), compute {t['compute_seconds'] * 1e6:.1f} us",
             f"dW ops placed {self.dw_ops_placed} of {self.dw_ops} (forced "
             f"{self.forced_placements}, withdrawn {self.withdrawn_placements}); "
             f"peak live {self.peak_live_bytes / 2**20:.1f} MiB "

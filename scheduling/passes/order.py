@@ -6,7 +6,10 @@ topological order; the keys only choose among valid orders:
 
 - a compute node keeps its program position;
 - a collective start runs right after the last producer of its operand
-  ("as soon as its inputs exist");
+  ("as soon as its inputs exist"); where several become ready at once, the
+  critical ones start first and the deferrable ones (gradient reductions, see
+  ``scheduling.graph``) after the windows opened there, so that a runtime
+  serving collectives in start order gives the critical path the link first;
 - the dW nodes placed in a window run right after the window's start, in
   placement order;
 - a collective done runs just before its first consumer ("only where it is
@@ -51,7 +54,8 @@ def _keys(graph: Graph, placement: Placement) -> list[float]:
     for _ in range(len(starts) + 1):
         changed = False
         for start in starts:
-            key = max((keys[p] for p in graph.preds[start]), default=-1.0) + _STEP
+            offset = 2 * _STEP if start in graph.deferrable else _STEP
+            key = max((keys[p] for p in graph.preds[start]), default=-1.0) + offset
             changed |= key != keys[start]
             keys[start] = key
         for start, nodes in placement.windows.items():

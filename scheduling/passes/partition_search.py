@@ -14,6 +14,7 @@ estimate beats the same groups unpartitioned.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -160,14 +161,23 @@ def op_groups(program: Program) -> list[tuple[int, int]]:
     return groups
 
 
-def search(
+@dataclass(frozen=True)
+class RangeCandidate:
+    """A range that can be partitioned: groups ``first..last``, its plan for one ``n``."""
+
+    first: int  # index of its first op group
+    last: int  # index of its last op group
+    choice: PartitionChoice
+
+
+def candidates(
     program: Program,
     layouts: BatchLayouts,
     seconds: Callable[[Op], float],
     chunk_counts: Sequence[int] = CHUNK_COUNTS,
-    always: bool = False,
-) -> list[PartitionChoice]:
-    """The ranges to partition, in program order, with their estimates."""
+) -> tuple[list[tuple[int, int]], list[RangeCandidate], Callable[[int, int], float]]:
+    """The op groups; every range (of one MoE layer's all-to-alls) with every ``n``; and
+    the estimate of ops ``[begin, end)`` unpartitioned."""
     groups = op_groups(program)
     consumers = consumers_of(program)
     costs = _RangeCosts(program, layouts, seconds)
@@ -176,34 +186,57 @@ def search(
         {program.ops[p].layer for p in range(b, e) if program.ops[p].primitive == "all_to_all"}
         for b, e in groups
     ]
-
-    best = [0.0] + [float("inf")] * len(groups)
-    back: list[tuple[int, PartitionChoice | None]] = [(0, None)] * (len(groups) + 1)
-    for first, (begin, end) in enumerate(groups):
-        stay = best[first] + costs.unpartitioned(begin, end)
-        if stay < best[first + 1]:
-            best[first + 1], back[first + 1] = stay, (first, None)
+    found: list[RangeCandidate] = []
+    for first, (begin, _) in enumerate(groups):
         layers: set[str] = set()
         for last in range(first, len(groups)):
             layers |= exchange_layers[last]
             if len(layers) > 1:
                 break  # would span the all-to-alls of two MoE layers
-            if not layers:
+            if not layers or not counts:
                 continue
             range_end = groups[last][1]
+            # The plan does not depend on n but for n itself: plan once per range.
+            plan = plan_range(program, layouts, consumers, begin, range_end, counts[0])
+            if plan is None or plan.end != range_end:
+                continue
             unpartitioned = costs.unpartitioned(begin, range_end)
             for n in counts:
-                plan = plan_range(program, layouts, consumers, begin, range_end, n)
-                if plan is None or plan.end != range_end:
-                    continue
-                estimate = costs.partitioned(plan)
-                if estimate >= unpartitioned and not always:
-                    continue
-                objective = best[first] + estimate - (_ALWAYS_BONUS if always else 0.0)
-                if objective < best[last + 1]:
-                    best[last + 1] = objective
-                    back[last + 1] = (first, PartitionChoice(plan, estimate, unpartitioned))
+                sized = dataclasses.replace(plan, n=n)
+                choice = PartitionChoice(sized, costs.partitioned(sized), unpartitioned)
+                found.append(RangeCandidate(first, last, choice))
+    return groups, found, costs.unpartitioned
 
+
+def choose(
+    groups: Sequence[tuple[int, int]],
+    found: Sequence[RangeCandidate],
+    unpartitioned: Callable[[int, int], float],
+    always: bool = False,
+) -> list[PartitionChoice]:
+    """The dynamic programme: non-overlapping ranges of least total estimated time.
+
+    A range is kept only where its estimate beats the same groups unpartitioned, or
+    wherever it can be with ``always``.
+    """
+    by_first: dict[int, list[RangeCandidate]] = {}
+    for candidate in found:
+        by_first.setdefault(candidate.first, []).append(candidate)
+    best = [0.0] + [float("inf")] * len(groups)
+    back: list[tuple[int, PartitionChoice | None]] = [(0, None)] * (len(groups) + 1)
+    for first, (begin, end) in enumerate(groups):
+        stay = best[first] + unpartitioned(begin, end)
+        if stay < best[first + 1]:
+            best[first + 1], back[first + 1] = stay, (first, None)
+        for candidate in by_first.get(first, ()):
+            choice = candidate.choice
+            if choice.estimated_seconds >= choice.unpartitioned_seconds and not always:
+                continue
+            objective = best[first] + choice.estimated_seconds
+            objective -= _ALWAYS_BONUS if always else 0.0
+            if objective < best[candidate.last + 1]:
+                best[candidate.last + 1] = objective
+                back[candidate.last + 1] = (first, choice)
     choices: list[PartitionChoice] = []
     position = len(groups)
     while position > 0:
@@ -212,6 +245,18 @@ def search(
             choices.append(choice)
         position = previous
     return choices[::-1]
+
+
+def search(
+    program: Program,
+    layouts: BatchLayouts,
+    seconds: Callable[[Op], float],
+    chunk_counts: Sequence[int] = CHUNK_COUNTS,
+    always: bool = False,
+) -> list[PartitionChoice]:
+    """The ranges to partition, in program order, with their estimates."""
+    groups, found, unpartitioned = candidates(program, layouts, seconds, chunk_counts)
+    return choose(groups, found, unpartitioned, always)
 
 
 def expert_pipelines(

@@ -3,6 +3,11 @@
 import pytest
 
 from experiments import lancet_eval
+from jaxmoe.parallel import build_mesh
+from jaxmoe.train.scheduled import capture_train_step
+from scheduling.optimize import batch_inputs, cost_model, node_seconds, plan
+from scheduling.policy import SchedulePolicy
+from scheduling.simulate import simulate
 
 
 @pytest.mark.parametrize(("layers", "width", "gpus"), [(12, 768, 16), (24, 1024, 32)])
@@ -45,3 +50,45 @@ def test_table_leaves_unmeasured_cluster_figures_out():
     ]  # fmt: skip
     (lancet,) = [line for line in lancet_eval._table(rows) if "| lancet |" in line]
     assert lancet == "| c | lancet | 1600.00 | n/a | n/a | n/a | 1.250x | n/a |"
+
+
+def _step_and_exposed_all_to_all(program, policy, cost, batch):
+    planned = plan(program, policy, cost, batch)
+    timeline = simulate(planned.graph, planned.schedule.order, node_seconds(cost))
+    exposed = sum(
+        timing.stall
+        for node, timing in timeline.collectives.items()
+        if planned.graph.nodes[node].op.primitive == "all_to_all"
+    )
+    return timeline.step_seconds, exposed
+
+
+@pytest.mark.parametrize("profile", lancet_eval.PROFILES)
+def test_lancet_is_never_estimated_worse_than_its_parts_on_a_paper_model(profile):
+    # The paper's model family (GPT-2 MoE, sequence 512, top-1, capacity 1.0), cut to
+    # 4 layers of width 128 on the 8 test devices so that planning takes seconds.
+    config = lancet_eval.paper_config(4, 128, 8)
+    mesh = build_mesh(config.parallel)
+    program, sharded = capture_train_step(config, mesh)
+    batch = batch_inputs(program, sharded.batch_argnums)
+    ranks = {}
+    for name in ("async", "dw", "partition", "lancet"):
+        policy = SchedulePolicy(name=name, profile=profile)
+        ranks[name] = _step_and_exposed_all_to_all(program, policy, cost_model(policy, mesh), batch)
+    for part in ("async", "dw", "partition"):
+        assert ranks["lancet"] <= ranks[part], (part, ranks)
+
+
+def _simulated_rows(text):
+    section = text[text.index("## (b)") :]
+    rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| gpt2")]
+    return {(cells[0].lstrip("| "), cells[1]): float(cells[2]) for cells in rows}
+
+
+def test_results_have_lancet_no_slower_than_partition_or_dw_in_every_simulated_row():
+    steps = _simulated_rows((lancet_eval.RESULTS / "lancet_eval.md").read_text())
+    configs = {config for config, _ in steps}
+    assert configs
+    for config in configs:
+        lancet = steps[config, "lancet"]
+        assert lancet <= min(steps[config, "partition"], steps[config, "dw"]), config
