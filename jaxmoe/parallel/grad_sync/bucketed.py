@@ -8,9 +8,14 @@ order backward produces the gradients (last block first), so a bucket is
 complete as early as possible and its reduction can overlap the rest of the
 backward pass once the scheduler places it.
 
-The result equals ``allreduce`` bit for bit: a psum adds the same elements in
-the same order whether they travel alone or inside a bucket; concatenating and
-slicing move values without rounding them.
+The reduced gradients equal ``allreduce``'s bit for bit: a psum adds the same
+elements in the same order whether they travel alone or inside a bucket, and
+concatenating and slicing move values without rounding them. The whole step
+agrees with ``allreduce``'s to a few ulps only: XLA compiles the code around
+the reduction (the optimizer's elementwise arithmetic now reads slices of one
+buffer) into other fusions, which may round differently (e.g. where a multiply
+and an add are contracted into one fused multiply-add). Adam's first update is
+about ``lr * sign(g)``, which hides such differences; later ones show them.
 """
 
 from __future__ import annotations
