@@ -23,7 +23,8 @@ rate small against it; with gradient gossip the runs must stay short or the
 learning rate decay so that the sum of lr_t x (disagreement) stays small.
 
 The parameters stay declared replicated while their per-device copies differ:
-metrics and evaluation average the replicas' losses, and a checkpoint keeps
+metrics and evaluation average the replicas' losses; the gradient norm, and so
+clipping and the non-finite check, are each replica's own; a checkpoint keeps
 one replica's parameters (a resumed run starts from that consensus).
 """
 
