@@ -14,11 +14,14 @@ held, ``sum_t applied_t = sum_t exact_t - sum_i e_i^T``, and each residual is at
 most half a quantisation step per value. This is the error-feedback argument of
 Karimireddy et al., "Error Feedback Fixes SignSGD and other Gradient
 Compression Schemes" (ICML 2019) and Stich et al., "Sparsified SGD with Memory"
-(2018): for a compressor with bounded relative error (here, the error is at
-most (max - min) / 510 of a chunk's range) SGD with error feedback converges at
-the same rate as uncompressed SGD up to higher-order terms; without feedback the
-bias of a deterministic quantiser can accumulate. BAGUA (Gan et al., VLDB 2022)
-ships it as ByteGrad.
+(2018). Their condition is a compressor with bounded relative error,
+``||x - C(x)||^2 <= (1 - delta) ||x||^2``: here each value is off by at most
+half a step, ``(max - min) / 510 <= max|x| / 255``, so over a chunk of c values
+``||x - C(x)||^2 <= c / 255^2 * ||x||^2`` (0.016 for c = 1024). Under it, SGD
+with error feedback converges at the rate of uncompressed SGD up to
+higher-order terms, while without feedback the bias of a deterministic
+quantiser can accumulate (the unit tests show both). BAGUA (Gan et al., VLDB
+2022) ships this scheme as ByteGrad.
 
 Bytes on the wire: each device receives (n - 1) copies of a 1-byte code per
 value against about 2 (n - 1) / n x 4 bytes for a ring all-reduce of float32,
