@@ -23,6 +23,8 @@ SCHEDULE_PROFILES = ("a100", "v100", "cpu", "a100-8x-nvlink-400g", "v100-8x-nvli
 OP_COSTS = ("analytic", "measured")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ON_NONFINITE = ("stop", "skip")
+# The algorithms of jaxmoe.parallel.grad_sync (a test checks that the two agree).
+GRAD_SYNCS = ("allreduce", "bucketed", "int8", "decentralized", "delayed")
 
 
 class ConfigError(ValueError):
@@ -263,6 +265,12 @@ class TrainConfig:
     # A step whose loss or gradient norm is not finite: stop the run (its update is not
     # saved), or skip (drop that update, keep training, count it in the metrics).
     on_nonfinite: str = "stop"
+    # How gradients are synchronised across replicas (jaxmoe/parallel/grad_sync/):
+    # allreduce (exact), bucketed (fused psums), int8 (8-bit codes with error feedback),
+    # decentralized (ring gossip), delayed (one step stale).
+    grad_sync: str = "allreduce"
+    # bucketed: the largest bucket of fused gradients (25 MiB, PyTorch DDP's default).
+    grad_bucket_bytes: int = 25 * 2**20
 
     def __post_init__(self) -> None:
         _check_types("train", self)
@@ -332,6 +340,11 @@ class TrainConfig:
             self.on_nonfinite in ON_NONFINITE,
             f"train.on_nonfinite={self.on_nonfinite!r}: choose one of {', '.join(ON_NONFINITE)}",
         )
+        _require(
+            self.grad_sync in GRAD_SYNCS,
+            f"train.grad_sync={self.grad_sync!r}: choose one of {', '.join(GRAD_SYNCS)}",
+        )
+        _positive_int("train", "grad_bucket_bytes", self.grad_bucket_bytes)
         _require(
             self.schedule_profile in SCHEDULE_PROFILES,
             f"train.schedule_profile={self.schedule_profile!r}: choose one of "

@@ -27,6 +27,11 @@ def token_spec() -> PartitionSpec:
     return PartitionSpec(TOKEN_AXES)
 
 
+def mesh_axis_sizes(parallel: ParallelConfig) -> dict[str, int]:
+    """Mesh axis name -> size, in mesh order."""
+    return {DATA_AXIS: parallel.data, EXPERT_AXIS: parallel.expert}
+
+
 def build_mesh(parallel: ParallelConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A (data, expert) mesh over ``devices`` (default: every device of every process).
 

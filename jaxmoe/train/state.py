@@ -12,6 +12,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxmoe.config import Config
 from jaxmoe.layers import GPTMoE
+from jaxmoe.parallel.grad_sync import make_grad_sync
+from jaxmoe.parallel.mesh import mesh_axis_sizes
 from jaxmoe.parallel.sharding import param_specs
 from jaxmoe.train.optimizer import make_optimizer
 
@@ -20,6 +22,9 @@ class TrainState(NamedTuple):
     step: Any  # int32 scalar
     params: Any  # pure dict of arrays (``nnx.to_pure_dict`` of the model state)
     opt_state: Any
+    # The gradient-sync algorithm's state (``{}`` for stateless ones): residuals, pending
+    # gradients. Checkpointed with the rest.
+    grad_sync: Any
 
 
 def build_model(config: Config) -> GPTMoE:
@@ -35,7 +40,13 @@ def model_graphdef_and_specs(config: Config) -> tuple[nnx.GraphDef, dict]:
 def _initial_state(config: Config) -> TrainState:
     params = nnx.to_pure_dict(nnx.state(build_model(config)))
     opt_state = make_optimizer(config.train).init(params)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
+    _, specs = model_graphdef_and_specs(config)
+    grad_sync = make_grad_sync(config.train).init_state(
+        params, specs, mesh_axis_sizes(config.parallel)
+    )
+    return TrainState(
+        step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, grad_sync=grad_sync
+    )
 
 
 def abstract_train_state(config: Config) -> TrainState:
@@ -55,7 +66,12 @@ def state_specs(config: Config) -> TrainState:
         transform_non_params=lambda _: PartitionSpec(),
         is_leaf=lambda x: isinstance(x, PartitionSpec),
     )
-    return TrainState(step=PartitionSpec(), params=specs, opt_state=opt_specs)
+    return TrainState(
+        step=PartitionSpec(),
+        params=specs,
+        opt_state=opt_specs,
+        grad_sync=make_grad_sync(config.train).state_specs(specs),
+    )
 
 
 def abstract_sharded_state(config: Config, mesh: Mesh) -> TrainState:

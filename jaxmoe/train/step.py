@@ -1,7 +1,8 @@
 """The training step, written per device: one ``shard_map`` over the whole mesh.
 
 Inside it: the forward pass, the loss, ``jax.value_and_grad``, the explicit
-gradient reduction, global-norm clipping and the AdamW update. Every
+gradient synchronisation (``train.grad_sync``, :mod:`jaxmoe.parallel.grad_sync`),
+global-norm clipping and the AdamW update. Every
 collective (the expert all-to-alls of forward and backward, the gradient
 psums) is an equation of one per-device program, next to all of the
 computation — which is what the scheduling layer rewrites.
@@ -27,8 +28,9 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxmoe.config import Config
 from jaxmoe.layers import RoutingStats
-from jaxmoe.parallel.mesh import token_spec
-from jaxmoe.parallel.sharding import global_norm, reduce_gradients
+from jaxmoe.parallel.grad_sync import make_grad_sync
+from jaxmoe.parallel.mesh import mesh_axis_sizes, token_spec
+from jaxmoe.parallel.sharding import global_norm
 from jaxmoe.train.optimizer import learning_rate_schedule, make_optimizer
 from jaxmoe.train.state import TrainState, model_graphdef_and_specs, state_specs
 
@@ -100,6 +102,8 @@ def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
     # on_nonfinite=skip keeps the old parameters and optimizer state where a step's loss or
     # gradient norm is not finite; with 'stop' the loop ends the run and the step is as is.
     skip_nonfinite = config.train.on_nonfinite == "skip"
+    grad_sync = make_grad_sync(config.train)
+    mesh_axes = mesh_axis_sizes(config.parallel)
 
     def per_device(state: TrainState, batch: jax.Array) -> tuple[TrainState, Metrics]:
         key = None
@@ -114,7 +118,7 @@ def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
         (_, (total, cross_entropy, stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             state.params
         )
-        grads = reduce_gradients(grads, param_spec_tree)
+        grads, sync_state, apply = grad_sync(grads, state.grad_sync, param_spec_tree, mesh_axes)
         with jax.named_scope("clip"):
             grad_norm = global_norm(grads, param_spec_tree)
         if clip_norm is not None:
@@ -122,6 +126,13 @@ def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
             grads = jax.tree.map(lambda g: g * scale, grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
+        if apply is not None:
+            # The algorithm has nothing to apply this step (delayed, step 0).
+            params, opt_state = jax.tree.map(
+                lambda new, old: jnp.where(apply, new, old),
+                (params, opt_state),
+                (state.params, state.opt_state),
+            )
 
         with jax.named_scope("metrics"):
             metrics = {
@@ -134,13 +145,14 @@ def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
         if skip_nonfinite:
             # Both are global values, so every device takes the same decision.
             finite = jnp.isfinite(metrics["total_loss"]) & jnp.isfinite(grad_norm)
-            params, opt_state = jax.tree.map(
+            # The sync state too: a non-finite residual would poison every later step.
+            params, opt_state, sync_state = jax.tree.map(
                 lambda new, old: jnp.where(finite, new, old),
-                (params, opt_state),
-                (state.params, state.opt_state),
+                (params, opt_state, sync_state),
+                (state.params, state.opt_state, state.grad_sync),
             )
             metrics["skipped"] = jnp.logical_not(finite).astype(jnp.int32)
-        return TrainState(state.step + 1, params, opt_state), metrics
+        return TrainState(state.step + 1, params, opt_state, sync_state), metrics
 
     specs = state_specs(config)
     return ShardedStep(

@@ -1,0 +1,136 @@
+"""The gradient-sync building blocks on their own: quantiser, error feedback, buckets, ring."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec
+
+from jaxmoe.config import GRAD_SYNCS, ConfigError, TrainConfig
+from jaxmoe.parallel.grad_sync import ALGORITHMS, make_grad_sync
+from jaxmoe.parallel.grad_sync.bucketed import plan_buckets
+from jaxmoe.parallel.grad_sync.decentralized import ring_average
+from jaxmoe.parallel.grad_sync.int8 import Int8
+from jaxmoe.parallel.grad_sync.quantize import LEVELS, dequantize, quantize
+from jaxmoe.parallel.mesh import MESH_AXES
+
+P = PartitionSpec
+
+
+def test_config_names_every_algorithm():
+    assert GRAD_SYNCS == ALGORITHMS
+    for name in ALGORITHMS:
+        make_grad_sync(TrainConfig(grad_sync=name))
+    with pytest.raises(ConfigError, match=r"train\.grad_sync='ring'"):
+        TrainConfig(grad_sync="ring")
+    with pytest.raises(ConfigError, match=r"train\.grad_bucket_bytes"):
+        TrainConfig(grad_bucket_bytes=0)
+
+
+def test_quantiser_error_is_at_most_half_a_step():
+    x = jax.random.normal(jax.random.key(0), (37, 101)) * jnp.linspace(0.01, 10, 101)
+    q = quantize(x, chunk=256)
+    assert q.codes.dtype == jnp.uint8 and q.codes.shape == (15, 256)
+    decoded = dequantize(q, x.shape, x.dtype)
+    flat_error = jnp.abs(decoded - x).ravel()
+    flat_error = jnp.pad(flat_error, (0, -flat_error.size % 256)).reshape(-1, 256)
+    # Half a step, and float rounding of values up to |10 * 4|.
+    assert bool(jnp.all(flat_error <= q.step / 2 + 1e-5))
+    flat = np.asarray(x).ravel()
+    ranges = np.ptp(np.pad(flat, (0, -flat.size % 256), mode="edge").reshape(-1, 256), axis=1)
+    np.testing.assert_allclose(np.asarray(q.step)[:, 0], ranges / LEVELS, rtol=1e-6)
+
+
+def test_quantiser_is_exact_on_constant_chunks():
+    x = jnp.concatenate([jnp.full((64,), 0.123), jnp.full((64,), -7.5), jnp.zeros((64,))])
+    q = quantize(x, chunk=64)
+    chex.assert_trees_all_equal(dequantize(q, x.shape, x.dtype), x)
+
+
+def on_mesh(fn, devices: int):
+    """``fn`` per device over a (data=devices, expert=1) mesh; arguments and results
+    stacked on a leading device axis."""
+    mesh = Mesh(np.asarray(jax.devices()[:devices]).reshape(devices, 1), MESH_AXES)
+    mapped = jax.shard_map(
+        lambda *xs: jax.tree.map(lambda y: y[None], fn(*(x[0] for x in xs))),
+        mesh=mesh,
+        in_specs=P(MESH_AXES),
+        out_specs=P(MESH_AXES),
+        check_vma=False,
+    )
+    return jax.jit(mapped)
+
+
+def test_int8_error_feedback_carries_the_residual():
+    """Summed over steps, the applied gradients trail the exact ones only by the residuals
+    still held (at most half a step each); without feedback the quantiser's bias adds up."""
+    devices, steps = 2, 30
+    rng = np.random.default_rng(0)
+    # A fixed per-device gradient whose values fall between quantisation levels.
+    grads = jnp.asarray(rng.normal(size=(devices, 300)), jnp.float32)
+    spec = {"w": P()}
+    results = {}
+    for feedback in (True, False):
+        sync = Int8(chunk=128, error_feedback=feedback)
+
+        def per_device(grad, residual, sync=sync):
+            state = {"residual": {"w": residual[None]}}
+            out = sync({"w": grad}, state, spec, {"data": devices, "expert": 1})
+            return out.grads["w"], out.state["residual"]["w"][0]
+
+        step = on_mesh(per_device, devices)
+        decode = jax.jit(jax.vmap(lambda v: dequantize(quantize(v, 128), v.shape, v.dtype)))
+        residual = jnp.zeros_like(grads)
+        applied = jnp.zeros_like(grads)
+        for _ in range(steps):
+            reduced, new_residual = step(grads, residual)
+            # The residual is the input minus what was sent (none kept without feedback).
+            value = grads + residual if feedback else grads
+            sent = decode(value)
+            kept = value - sent if feedback else jnp.zeros_like(value)
+            np.testing.assert_allclose(new_residual, kept, atol=1e-6)
+            np.testing.assert_allclose(reduced[0], sent.sum(axis=0), atol=1e-5)
+            chex.assert_trees_all_equal(reduced[0], reduced[1])  # replicas stay identical
+            applied, residual = applied + reduced, new_residual
+        exact = steps * grads.sum(axis=0)
+        results[feedback] = np.abs(np.asarray(applied[0] - exact)).max()
+        if feedback:
+            np.testing.assert_allclose(applied[0], exact - residual.sum(axis=0), atol=1e-3)
+    # With feedback the gap stays within the residuals' bound (half a step per device); without
+    # it, the rounding bias grows with every step.
+    half_steps = devices * float(jax.vmap(lambda g: quantize(g, 128).step.max())(grads).max()) / 2
+    assert results[True] <= half_steps * 1.01
+    assert results[False] > 10 * half_steps
+
+
+def test_buckets_follow_reverse_order_size_and_axes():
+    leaves = [jnp.zeros((n,), jnp.float32) for n in (10, 20, 30, 40, 50)]
+    axes = [("data", "expert"), ("data",), ("data", "expert"), ("data", "expert"), ()]
+    buckets = plan_buckets(leaves, axes, bucket_bytes=4 * 70)
+    # Leaf 4 is sharded everywhere (no reduction); leaves 3 and 2 fill a bucket (280 bytes),
+    # leaf 0 opens the next; leaf 1 has other axes.
+    assert [(b.axes, b.leaves) for b in buckets] == [
+        (("data", "expert"), [3, 2]),
+        (("data",), [1]),
+        (("data", "expert"), [0]),
+    ]
+
+
+@pytest.mark.parametrize("devices", [1, 2, 8])
+def test_ring_average_mixes_exactly_the_two_neighbours(devices):
+    values = jnp.asarray(np.random.default_rng(1).normal(size=(devices, 5)), jnp.float32)
+    mixed = on_mesh(functools.partial(ring_average, axes=("data",), replicas=devices), devices)
+    got = np.asarray(mixed(values))
+    v = np.asarray(values)
+    if devices == 1:
+        expected = v
+    elif devices == 2:
+        expected = np.broadcast_to(v.sum(axis=0), v.shape)
+    else:
+        expected = (np.roll(v, 1, axis=0) + v + np.roll(v, -1, axis=0)) * devices / 3
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    # Doubly stochastic: the mean over devices is the all-reduced sum.
+    np.testing.assert_allclose(got.mean(axis=0), v.sum(axis=0), rtol=1e-5, atol=1e-6)

@@ -1,0 +1,194 @@
+"""``train.grad_sync`` in the whole train step: exactness and convergence.
+
+``allreduce`` is today's step, ``bucketed`` equals it bit for bit, and the
+relaxed algorithms train within a stated margin of it. One compiled step per
+algorithm, shared by the tests through a module-scoped cache. The config is
+``small_config`` cut to one (MoE) layer to keep compiles short, on a (2, 4)
+mesh so that dense gradients are reduced over 8 devices and expert gradients
+over 2, and the data are counting sequences (random start, stride 1-3): a
+task the model learns fast, so that a broken algorithm shows in the loss.
+"""
+
+import dataclasses
+
+import chex
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxmoe.config import Config, ParallelConfig
+from jaxmoe.parallel import build_mesh, token_spec
+from jaxmoe.parallel.grad_sync.allreduce import AllReduce
+from jaxmoe.parallel.grad_sync.base import PER_DEVICE_SPEC, Synced, local_shape, per_device_specs
+from jaxmoe.parallel.grad_sync.bucketed import Bucketed
+from jaxmoe.parallel.mesh import mesh_axis_sizes
+from jaxmoe.parallel.sharding import reduce_gradients
+from jaxmoe.train import step as step_module
+from jaxmoe.train.scheduled import abstract_step_args
+from jaxmoe.train.state import abstract_train_state, init_train_state, model_graphdef_and_specs
+from jaxmoe.train.step import build_train_step
+
+from .runs import small_config
+
+STEPS = 20
+
+
+def config_for(grad_sync: str, **train_fields) -> Config:
+    config = small_config(
+        grad_sync=grad_sync, steps=STEPS, warmup_steps=2, learning_rate=1e-2, **train_fields
+    )
+    return dataclasses.replace(
+        config,
+        model=dataclasses.replace(config.model, num_layers=1, moe_every=1),
+        parallel=ParallelConfig(data=2, expert=4),
+    )
+
+
+def counting_batch(rng: np.random.Generator, config: Config, mesh) -> jax.Array:
+    rows, length = config.train.batch_size, config.model.seq_len + 1
+    start = rng.integers(0, 256, (rows, 1))
+    stride = rng.integers(1, 4, (rows, 1))
+    tokens = (start + stride * np.arange(length)) % 256
+    return jax.device_put(tokens.astype(np.int32), NamedSharding(mesh, token_spec()))
+
+
+def train(config: Config):
+    """Metrics of every step; the state before the first step, after each of the first two
+    and after the last."""
+    mesh = build_mesh(config.parallel)
+    state = init_train_state(config, mesh)
+    step = build_train_step(config, mesh).jit()
+    rng = np.random.default_rng(0)
+    history, states = [], [jax.device_get(state)]
+    for index in range(STEPS):
+        state, metrics = step(state, counting_batch(rng, config, mesh))
+        history.append(jax.device_get(metrics))
+        if index < 2 or index == STEPS - 1:
+            states.append(jax.device_get(state))
+    return history, states
+
+
+@pytest.fixture(scope="module")
+def runs():
+    cache = {}
+
+    def run(name: str, **train_fields):
+        key = (name, tuple(sorted(train_fields.items())))
+        if key not in cache:
+            cache[key] = train(config_for(name, **train_fields))
+        return cache[key]
+
+    return run
+
+
+def test_allreduce_is_the_reduce_gradients_step(monkeypatch):
+    """The same per-device program as a step that calls ``reduce_gradients`` directly (what
+    the step did before ``grad_sync``): equal jaxprs compile to equal results."""
+    config = config_for("allreduce")
+    mesh = build_mesh(config.parallel)
+    example = abstract_step_args(config, mesh)
+
+    def per_device_jaxpr() -> str:
+        sharded = build_train_step(config, mesh)
+        return str(jax.make_jaxpr(sharded.jit())(*example))
+
+    ours = per_device_jaxpr()
+    monkeypatch.setattr(
+        step_module,
+        "make_grad_sync",
+        lambda _: lambda grads, state, specs, axes: Synced(reduce_gradients(grads, specs), state),
+    )
+    assert per_device_jaxpr() == ours
+
+
+def test_bucketed_reduces_gradients_bit_for_bit_like_allreduce():
+    """Random gradients shaped like the model's, with its specs, on the (2, 4) mesh."""
+    config = config_for("allreduce")
+    mesh = build_mesh(config.parallel)
+    axes = mesh_axis_sizes(config.parallel)
+    _, specs = model_graphdef_and_specs(config)
+    shapes = abstract_train_state(config).params
+    rng = np.random.default_rng(0)
+    # One block per device of a per-device array: (8, *local shape).
+    grads = jax.tree.map(
+        lambda shape, spec: rng.normal(size=(8, *local_shape(shape.shape, spec, axes))).astype(
+            np.float32
+        ),
+        shapes,
+        specs,
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
+
+    def reduced_by(sync):
+        per_device = lambda g: sync(jax.tree.map(lambda x: x[0], g), {}, specs, axes).grads
+        mapped = jax.shard_map(
+            per_device,
+            mesh=mesh,
+            in_specs=(per_device_specs(specs),),
+            out_specs=specs,
+            check_vma=False,
+        )
+        placed = jax.device_put(grads, NamedSharding(mesh, PER_DEVICE_SPEC))
+        return jax.device_get(jax.jit(mapped)(placed))
+
+    # 16 KiB buckets: several for the dense gradients (about 180 kB).
+    chex.assert_trees_all_equal(reduced_by(Bucketed(16 * 1024)), reduced_by(AllReduce()))
+
+
+def test_bucketed_step_equals_allreduce_within_ulps(runs):
+    """Within a few ulps, not bitwise: see ``grad_sync/bucketed.py``."""
+    bucketed_history, bucketed_states = runs("bucketed", grad_bucket_bytes=16 * 1024)
+    history, states = runs("allreduce")
+    chex.assert_trees_all_equal(bucketed_history[0], history[0])
+    for name in ("loss", "total_loss", "grad_norm"):
+        np.testing.assert_allclose(
+            [m[name] for m in bucketed_history], [m[name] for m in history], rtol=1e-6
+        )
+    # Adam divides by sqrt(v): an ulp in a tiny gradient moves its parameter by a fraction
+    # of one step (lr = 1e-2), hence the absolute tolerance.
+    chex.assert_trees_all_close(bucketed_states[-1].params, states[-1].params, rtol=1e-4, atol=1e-4)
+
+
+def losses(history) -> np.ndarray:
+    return np.asarray([float(metrics["loss"]) for metrics in history])
+
+
+# Final loss (mean of the last 3 steps) may exceed allreduce's by at most this much.
+# Measured: allreduce ~1.9; int8 within 0.01; decentralized ~1.05 above (each replica sees
+# 3 of 8 devices' data and the replicas drift); delayed ~0.9 above at this learning rate.
+# Broken controls measured on the same run: no exchange at all (each replica applies its
+# own gradient) ends 1.74 above; a delayed step that never applies stays at ~5.5.
+MARGINS = {"int8": 0.05, "decentralized": 1.4, "delayed": 1.4}
+
+
+@pytest.mark.parametrize("name", sorted(MARGINS))
+def test_relaxed_algorithm_trains_close_to_allreduce(runs, name):
+    reference = losses(runs("allreduce")[0])
+    relaxed = losses(runs(name)[0])
+    assert reference[-3:].mean() < reference[0] - 3  # the task is learned
+    assert relaxed[-3:].mean() <= reference[-3:].mean() + MARGINS[name], relaxed
+
+
+def test_delayed_applies_each_gradient_one_step_late(runs):
+    """Step 0 changes nothing; step 1 applies step 0's gradient exactly as allreduce's step 0
+    did (same gradient, same clipping, same learning rate: the optimizer count lags)."""
+    _, delayed = runs("delayed")  # before, after steps 0 and 1
+    _, synchronous = runs("allreduce")
+    assert not delayed[0].grad_sync["valid"]
+    chex.assert_trees_all_equal(delayed[1].params, delayed[0].params)
+    chex.assert_trees_all_equal(delayed[1].opt_state, delayed[0].opt_state)
+    assert delayed[1].grad_sync["valid"]
+    chex.assert_trees_all_equal(delayed[2].params, synchronous[1].params)
+    chex.assert_trees_all_equal(delayed[2].opt_state, synchronous[1].opt_state)
+
+
+def test_int8_keeps_a_residual_per_device(runs):
+    _, states = runs("int8")
+    residual = states[-1].grad_sync["residual"]
+    w_in = residual["blocks"][0]["ffn"]["experts"]["w_in"]
+    # One block per device: (8 devices, 8 experts / 4, 64, 512).
+    assert w_in.shape == (8, 2, 64, 512)
+    assert np.abs(w_in).max() > 0
+    # Residuals differ between devices (each quantised its own gradient).
+    assert not np.array_equal(w_in[0], w_in[1])
