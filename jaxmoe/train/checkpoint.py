@@ -118,6 +118,21 @@ def check_compatible(saved: dict[str, Any], config: Config, step: int) -> list[s
             f"the checkpoint of step {step} holds a model of another shape ({', '.join(shape)}): "
             "resume with the saved values, or start a new run with --overwrite"
         )
+    # The gradient-sync state is part of the train state, shaped by its algorithm (and,
+    # for int8's per-device residuals, by the layout).
+    sync_fields = {"train.grad_sync"}
+    if config.train.grad_sync == "int8":
+        sync_fields |= {"parallel.data", "parallel.expert"}
+    sync = [
+        f"{name} {changes[name][0]!r} -> {changes[name][1]!r}"
+        for name in sorted(sync_fields & set(changes))
+    ]
+    if sync:
+        raise ConfigError(
+            f"the checkpoint of step {step} holds gradient-sync state that does not fit "
+            f"({', '.join(sync)}): resume with the saved values, or start a new run with "
+            "--overwrite"
+        )
     return sorted(changes)
 
 

@@ -87,6 +87,13 @@ def test_a_checkpoint_of_another_shape_is_refused():
         check_compatible(saved, more_experts, step=7)
     other_layout = dataclasses.replace(small_config(), parallel=ParallelConfig(data=2, expert=4))
     assert check_compatible(saved, other_layout, step=7) == ["parallel.data", "parallel.expert"]
+    other_sync = small_config(grad_sync="delayed")
+    with pytest.raises(ConfigError, match=r"gradient-sync state .*'allreduce' -> 'delayed'"):
+        check_compatible(saved, other_sync, step=7)
+    int8 = small_config(grad_sync="int8")
+    int8_other_layout = dataclasses.replace(int8, parallel=ParallelConfig(data=2, expert=4))
+    with pytest.raises(ConfigError, match=r"parallel\.data 1 -> 2"):
+        check_compatible(int8.to_dict(), int8_other_layout, step=7)
 
 
 def test_only_the_last_checkpoints_are_kept(tmp_path):
