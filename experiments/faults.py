@@ -72,8 +72,15 @@ def _strict_json(out: Path) -> bool:
 
 
 def _last_message(text: str) -> str:
+    """The user's last line from jaxmoe (its own messages all start with 'jaxmoe')."""
     lines = [line for line in text.splitlines() if "jaxmoe" in line and "Warning" not in line]
-    return lines[-1].strip() if lines else (text.strip().splitlines() or [""])[-1]
+    return lines[-1].strip() if lines else "no message"
+
+
+def _seen(returncode: int, output: str) -> str:
+    if returncode < 0:
+        return f"killed by {signal.Signals(-returncode).name}: no message (nothing runs after it)"
+    return f"status {returncode}: {_last_message(output)}"
 
 
 def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -180,7 +187,7 @@ def _resume_and_compare(
     )
     return Outcome(
         name,
-        f"status {process.returncode}: {_last_message(output)}",
+        _seen(process.returncode, output),
         stop_s,
         max(0, done - saved),
         matched,
@@ -253,9 +260,9 @@ def drill(steps: int, scratch: Path) -> list[Outcome]:
     outcomes.append(
         Outcome(
             "non-finite loss (learning rate 1e6)",
-            f"status {nan.returncode}: {_last_message(nan.stderr)}",
+            _seen(nan.returncode, nan.stderr),
             None,
-            0 if rows and _checkpoint_step(out) == rows[-1]["step"] else None,
+            rows[-1]["step"] - (_checkpoint_step(out) or 0) if rows else None,
             f"n/a (metrics strict JSON: {_strict_json(out)}; "
             f"ran {time.monotonic() - started:.0f} s)",
         )
@@ -290,7 +297,7 @@ def _full_disk(scratch: Path, common: list[str]) -> Outcome:
         saved = _checkpoint_step(out) or 0
         return Outcome(
             name,
-            f"status {full.returncode}: {_last_message(full.stderr)}",
+            _seen(full.returncode, full.stderr),
             None,
             len(rows) - saved,
             f"n/a (metrics strict JSON: {_strict_json(out)}, {len(rows)} lines; "
@@ -368,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as scratch:
         outcomes = drill(args.steps, Path(scratch))
+    for outcome in outcomes:  # the results name no directory of the machine they ran on
+        outcome.seen = outcome.seen.replace(scratch, "<scratch>")
     lines = [
         "# Fault drill",
         "",
