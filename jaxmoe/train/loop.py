@@ -21,10 +21,10 @@ import jax
 from tqdm import tqdm
 
 from jaxmoe import exit_codes
-from jaxmoe.config import Config, ConfigError
+from jaxmoe.config import Config
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.train.checkpoint import RunCheckpoints
-from jaxmoe.train.data import BatchSampler, TokenSplits, load_tokens, put_on_mesh
+from jaxmoe.train.data import BatchSampler, load_splits, put_on_mesh
 from jaxmoe.train.metrics import RunLog, host_row
 from jaxmoe.train.profiler import StepProfiler
 from jaxmoe.train.scheduled import plan_train_step
@@ -117,12 +117,7 @@ def train(
     profiler = StepProfiler(profile_steps, config.train.steps, out_dir)
     mesh = build_mesh(config.parallel)
     seq_len, batch = config.model.seq_len, config.train.batch_size
-    splits = TokenSplits(load_tokens(config.data), config.data.val_fraction, seq_len)
-    if splits.max_token_id >= config.model.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size={config.model.vocab_size}, but the data holds token id "
-            f"{splits.max_token_id}: use a vocabulary of at least {splits.max_token_id + 1}"
-        )
+    splits = load_splits(config)
     train_batches = BatchSampler(splits.train, seq_len, batch, config.train.seed)
     val_batches = BatchSampler(splits.val, seq_len, batch, config.train.seed + 1)
 
