@@ -41,6 +41,15 @@ def node_seconds(
     return seconds
 
 
+def exposed_all_to_all(graph: Graph, timeline: Timeline) -> float:
+    """Seconds the step waits on all-to-alls (their stalls in ``timeline``)."""
+    return sum(
+        timing.stall
+        for node, timing in timeline.collectives.items()
+        if graph.nodes[node].op.primitive == "all_to_all"
+    )
+
+
 @dataclass
 class StepEstimate:
     """One candidate plan, scheduled and simulated."""
@@ -57,11 +66,7 @@ class StepEstimate:
 
     @property
     def exposed_all_to_all_seconds(self) -> float:
-        return sum(
-            timing.stall
-            for node, timing in self.timeline.collectives.items()
-            if self.graph.nodes[node].op.primitive == "all_to_all"
-        )
+        return exposed_all_to_all(self.graph, self.timeline)
 
     @property
     def rank(self) -> tuple[float, float]:

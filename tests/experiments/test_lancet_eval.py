@@ -8,6 +8,7 @@ from jaxmoe.train.scheduled import capture_train_step
 from scheduling.optimize import batch_inputs, cost_model, node_seconds, plan
 from scheduling.policy import SchedulePolicy
 from scheduling.simulate import simulate
+from scheduling.step_estimate import exposed_all_to_all
 
 
 @pytest.mark.parametrize(("layers", "width", "gpus"), [(12, 768, 16), (24, 1024, 32)])
@@ -55,12 +56,7 @@ def test_table_leaves_unmeasured_cluster_figures_out():
 def _step_and_exposed_all_to_all(program, policy, cost, batch):
     planned = plan(program, policy, cost, batch)
     timeline = simulate(planned.graph, planned.schedule.order, node_seconds(cost))
-    exposed = sum(
-        timing.stall
-        for node, timing in timeline.collectives.items()
-        if planned.graph.nodes[node].op.primitive == "all_to_all"
-    )
-    return timeline.step_seconds, exposed
+    return timeline.step_seconds, exposed_all_to_all(planned.graph, timeline)
 
 
 @pytest.mark.parametrize("profile", lancet_eval.PROFILES)

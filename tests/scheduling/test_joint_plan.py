@@ -14,7 +14,7 @@ from scheduling.cost import CostModel, DeviceProfile
 from scheduling.optimize import batch_inputs, plan
 from scheduling.policy import SchedulePolicy
 from scheduling.simulate import simulate
-from scheduling.step_estimate import node_seconds
+from scheduling.step_estimate import exposed_all_to_all, node_seconds
 from tests.scheduling import partition_toys as toys
 
 LOSSES = {
@@ -28,12 +28,7 @@ PROGRAMS = {name: toys.program(loss) for name, loss in LOSSES.items()}
 def _rank(program, policy: SchedulePolicy, cost: CostModel) -> tuple[float, float]:
     planned = plan(program, policy, cost, batch_inputs(program, (1,)))
     timeline = simulate(planned.graph, planned.schedule.order, node_seconds(cost))
-    exposed_all_to_all = sum(
-        timing.stall
-        for node, timing in timeline.collectives.items()
-        if planned.graph.nodes[node].op.primitive == "all_to_all"
-    )
-    return timeline.step_seconds, exposed_all_to_all
+    return timeline.step_seconds, exposed_all_to_all(planned.graph, timeline)
 
 
 def _log_uniform(low: float, high: float):
