@@ -1,15 +1,19 @@
 """Emulated cluster: real training steps across hosts joined by a slow, shaped link.
 
     sudo python -m experiments.cluster --hosts 2 --devices-per-host 4 --link-mbit 300 \\
-        --preset tiny --steps 20 --schedules none,dw --json out.json [jaxmoe train overrides]
+        --preset tiny --repeats 10 --schedules none,dw --json out.json [jaxmoe train overrides]
 
 Each host is a network namespace (``experiments.netns``) running one process
 with ``--devices-per-host`` fake CPU devices; all-to-alls within a host are
 memory copies, across hosts they cross the shaped link (the two levels of
-NVLink inside a node and the network between nodes). For each schedule it
-measures, side by side in one run:
+NVLink inside a node and the network between nodes). Every schedule's step is
+compiled once per host process and the schedules run in interleaved rounds, one
+training step each, the order reversed every round (``experiments.step_rounds``);
+``--repeats`` is the number of timed rounds. For each schedule it reports, side by
+side in one run, median [min-max] over the rounds:
 
-- ``step``: the median step time of the real train step on the shaped link;
+- ``step``: the real train step on the shaped link, and its speedup over the first
+  schedule, round by round (each round's two steps ran next to each other);
 - ``compute-only``: the same step on the same hosts with the link left
   unshaped (veth at memory speed), i.e. communication made (nearly) free;
 - ``communication-only``: the step's collectives alone, same primitives and
@@ -33,7 +37,6 @@ import json
 import os
 import platform
 import secrets
-import statistics
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
@@ -41,6 +44,7 @@ from pathlib import Path
 
 from experiments.link_calibration import LinkCalibration, calibrate_link, ensure_calibrated
 from experiments.netns import EmulatedNetwork, LinkShape, namespaces_available
+from experiments.spread import Spread, round_ratios
 from jaxmoe.config import SCHEDULES, ConfigError
 from jaxmoe.train.cli import config_from_train_args
 from jaxmoe.train.launch import launch
@@ -48,18 +52,20 @@ from jaxmoe.train.launch import launch
 
 @dataclass
 class ScheduleResult:
+    """One schedule's figures; times in seconds, ``*_rounds_s`` one entry per round."""
+
     schedule: str
-    step_s: float
-    compute_only_s: float
-    exposed_communication_s: float
-    tokens_per_s: float
-
-
-def _median_step(run_dir: Path, warmup: int) -> tuple[float, float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    timed = rows[warmup:] or rows
-    step = statistics.median(row["step_time_s"] for row in timed)
-    return step, statistics.median(row["tokens_per_s"] for row in timed)
+    step_s: float  # median over rounds
+    step_min_s: float
+    step_max_s: float
+    step_rounds_s: list[float]
+    compute_only_s: float  # median over rounds on the free link
+    compute_only_rounds_s: list[float]
+    exposed_communication_s: float  # median step - median compute-only
+    tokens_per_s: float  # at the median step
+    speedup: float  # median over rounds of baseline step / this step, same round
+    speedup_min: float
+    speedup_max: float
 
 
 class Cluster:
@@ -86,12 +92,15 @@ class Cluster:
             tail = "".join(log_path.read_text().splitlines(keepends=True)[-20:])
             raise RuntimeError(f"{label} on the {self.name} link failed; its log ends:\n{tail}")
 
-    def train(self, train_args: list[str], schedule: str, steps: int, warmup: int):
-        out = self.workdir / f"{self.name}-train-{schedule.replace(':', '-')}"
-        args = ["train", *train_args, "--steps", str(steps), *schedule_flags(schedule)]
-        args += ["--no-progress", "--out", str(out)]
-        self.run(f"train-{schedule.replace(':', '-')}", args)
-        return _median_step(out, warmup)
+    def step_rounds(
+        self, config_path: Path, schedules: list[str], rounds: int, warmup: int
+    ) -> dict[str, list[float]]:
+        """Seconds per round of each schedule's training step (``experiments.step_rounds``)."""
+        out = self.workdir / f"{self.name}-rounds.json"
+        args = ["--config", str(config_path), "--schedules", ",".join(schedules)]
+        args += ["--rounds", str(rounds), "--warmup", str(warmup), "--json", str(out)]
+        self.run("step-rounds", args, module="experiments.step_rounds")
+        return json.loads(out.read_text())["seconds"]
 
     def sweep(self, config, args: argparse.Namespace, out: Path) -> None:
         source = (
@@ -108,6 +117,37 @@ class Cluster:
         args = ["--config", str(config_path), "--json", str(out), "--repeats", str(repeats)]
         self.run("collectives-only", args, module="experiments.collectives_only")
         return json.loads(out.read_text())["median_s"]
+
+
+def schedule_results(
+    shaped: dict[str, list[float]], free: dict[str, list[float]] | None, tokens_per_step: int
+) -> list[ScheduleResult]:
+    """Per-schedule figures from per-round times; the first schedule is the baseline of the
+    speedups (each round's baseline step over the schedule's step in the same round)."""
+    baseline = next(iter(shaped.values()))
+    rows = []
+    for schedule, rounds in shaped.items():
+        step = Spread.of(rounds)
+        free_rounds = [] if free is None else free[schedule]
+        compute = Spread.of(free_rounds).median if free_rounds else float("nan")
+        speedup = Spread.of(round_ratios(baseline, rounds))
+        rows.append(
+            ScheduleResult(
+                schedule=schedule,
+                step_s=step.median,
+                step_min_s=step.low,
+                step_max_s=step.high,
+                step_rounds_s=list(rounds),
+                compute_only_s=compute,
+                compute_only_rounds_s=list(free_rounds),
+                exposed_communication_s=step.median - compute,
+                tokens_per_s=tokens_per_step / step.median,
+                speedup=speedup.median,
+                speedup_min=speedup.low,
+                speedup_max=speedup.high,
+            )
+        )
+    return rows
 
 
 def schedule_flags(schedule: str) -> list[str]:
@@ -128,8 +168,14 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--link-mbit", type=float, default=300.0)
     parser.add_argument("--delay-ms", type=float, default=0.0)
     parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3, help="steps left out of the median")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=10,
+        help="timed rounds: training steps of every schedule, interleaved (and the "
+        "communication-only replays)",
+    )
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     parser.add_argument(
         "--schedules",
         default="none",
@@ -139,7 +185,6 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument(
         "--schedule", help="one schedule (the same flag as jaxmoe train; adds to --schedules)"
     )
-    parser.add_argument("--repeats", type=int, default=10, help="collectives-only repeats")
     parser.add_argument(
         "--shaped-only",
         action="store_true",
@@ -194,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.calibrate:
         return _calibrate_only(args, shaped_link, command)
 
-    results: dict[str, dict[str, float]] = {name: {} for name in schedules}
+    measured: dict[str, dict[str, list[float]]] = {}
+    communication: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="jaxmoe-cluster-") as tmp:
         workdir = Path(tmp)
         config_path = workdir / "config.json"
@@ -209,34 +255,16 @@ def main(argv: list[str] | None = None) -> int:
                     ):
                         return 3
                 cluster = Cluster(network, workdir, name)
-                for schedule in schedules:
-                    step, tokens_per_s = cluster.train(
-                        train_args, schedule, args.steps, args.warmup
-                    )
-                    results[schedule][f"{name}_step_s"] = step
-                    results[schedule][f"{name}_tokens_per_s"] = tokens_per_s
-                results[f"collectives_{name}"] = {
-                    "seconds": cluster.collectives_only(config_path, args.repeats)
-                }
+                measured[name] = cluster.step_rounds(
+                    config_path, schedules, args.repeats, args.warmup
+                )
+                communication[name] = cluster.collectives_only(config_path, args.repeats)
                 if name == "shaped" and args.sweep is not None:
                     cluster.sweep(config, args, args.sweep.resolve())
                     record_calibration(args.sweep, calibration, command)
 
-    unmeasured = float("nan")  # --shaped-only: no run on the free link
-    rows = []
-    for s in schedules:
-        step, compute_only = results[s]["shaped_step_s"], results[s].get("free_step_s", unmeasured)
-        rows.append(
-            ScheduleResult(
-                schedule=s,
-                step_s=step,
-                compute_only_s=compute_only,
-                exposed_communication_s=step - compute_only,
-                tokens_per_s=results[s]["shaped_tokens_per_s"],
-            )
-        )
-    communication = results["collectives_shaped"]["seconds"]
-    residual = results.get("collectives_free", {}).get("seconds", unmeasured)
+    tokens_per_step = config.train.batch_size * config.model.seq_len
+    rows = schedule_results(measured["shaped"], measured.get("free"), tokens_per_step)
     report = {
         "command": command,
         "machine": machine(),
@@ -246,11 +274,12 @@ def main(argv: list[str] | None = None) -> int:
         "link_mbit": args.link_mbit,
         "delay_ms": args.delay_ms,
         "preset": args.preset,
-        "steps": args.steps,
+        "repeats": args.repeats,
         "warmup": args.warmup,
+        "round_order": "listed order in even rounds, reversed in odd rounds",
         "config": config.to_dict(),
-        "communication_only_s": communication,
-        "communication_only_free_link_s": residual,
+        "communication_only_s": communication["shaped"],
+        "communication_only_free_link_s": communication.get("free", float("nan")),
         "schedules": [asdict(row) for row in rows],
     }
     print(format_table(report))
@@ -284,10 +313,14 @@ def _calibrate_only(args: argparse.Namespace, link: LinkShape, command: str) -> 
 
 
 def format_table(report: dict) -> str:
+    """The results as a Markdown table: median [min-max] over rounds, and per-round speedups
+    over the first schedule."""
+    baseline = report["schedules"][0]["schedule"]
     header = (
         f"{report['hosts']} hosts x {report['devices_per_host']} devices, link "
         f"{report['link_mbit']:g} Mbit/s, delay {report['delay_ms']:g} ms, preset "
-        f"{report['preset']}, {report['steps']} steps (median after {report['warmup']})"
+        f"{report['preset']}; {report['repeats']} interleaved rounds after "
+        f"{report['warmup']} untimed, median [min-max]; {report['machine']}"
     )
     calibration = report.get("link_calibration")
     if calibration is not None:
@@ -299,14 +332,18 @@ def format_table(report: dict) -> str:
     lines = [
         header,
         "",
-        "| schedule | step (ms) | compute-only (ms) | communication-only (ms) "
-        "| exposed communication (ms) | exposed / communication | tokens/s |",
-        "|---|---|---|---|---|---|---|",
+        f"| schedule | step (ms) | speedup vs {baseline} (per round) | compute-only (ms) "
+        "| communication-only (ms) | exposed communication (ms) | exposed / communication "
+        "| tokens/s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     communication = report["communication_only_s"]
     for row in report["schedules"]:
+        step = Spread(row["step_s"], row["step_min_s"], row["step_max_s"])
+        speedup = Spread(row["speedup"], row["speedup_min"], row["speedup_max"])
         lines.append(
-            f"| {row['schedule']} | {row['step_s'] * 1e3:.1f} | {row['compute_only_s'] * 1e3:.1f} "
+            f"| {row['schedule']} | {step.format()} | {speedup.format(1, 3)} "
+            f"| {row['compute_only_s'] * 1e3:.1f} "
             f"| {communication * 1e3:.1f} | {row['exposed_communication_s'] * 1e3:.1f} "
             f"| {row['exposed_communication_s'] / communication:.2f} "
             f"| {row['tokens_per_s']:,.0f} |"

@@ -120,13 +120,13 @@ def cluster(quick: bool) -> tuple[list[dict], str]:
     degrees = (2,) if quick else (2, 4, 8)
     schedules += [f"expert_pipeline:{degree}" for degree in degrees]
     names = {"async": "tutel-1", **{f"expert_pipeline:{d}": f"tutel-{d}" for d in degrees}}
-    steps, warmup = ("3", "1") if quick else ("8", "2")
+    repeats, warmup = ("3", "1") if quick else ("8", "2")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "cluster.json"
         argv = [
             "--hosts", "2", "--devices-per-host", "4", "--link-mbit", "50",
-            "--preset", "tiny", "--steps", steps, "--warmup", warmup,
-            "--schedules", ",".join(schedules), "--repeats", "1" if quick else "3",
+            "--preset", "tiny", "--repeats", repeats, "--warmup", warmup,
+            "--schedules", ",".join(schedules),
             "--json", str(out), "--train.batch_size", "64", "--train.schedule_profile", "cpu",
             "--train.schedule_link_mbit", "50", "--train.schedule_async_min_bytes", "262144",
         ]  # fmt: skip

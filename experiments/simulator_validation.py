@@ -50,11 +50,11 @@ LAYOUTS = {"tiny": ("1", "8"), "small": ("2", "4")}
 
 def cluster_argv(preset: str, quick: bool, out: Path, curves: Path) -> list[str]:
     data, expert = LAYOUTS[preset]
-    steps, warmup, repeats = ("4", "1", "1") if quick else ("6", "2", "3")
+    repeats, warmup = ("3", "1") if quick else ("6", "2")
     return [
         "--hosts", "2", "--devices-per-host", "4", "--link-mbit", "50", "--preset", preset,
-        "--steps", steps, "--warmup", warmup, "--schedules", ",".join(SCHEDULES),
-        "--repeats", repeats, "--json", str(out), "--sweep", str(curves),
+        "--repeats", repeats, "--warmup", warmup, "--schedules", ",".join(SCHEDULES),
+        "--json", str(out), "--sweep", str(curves),
         "--parallel.data", data, "--parallel.expert", expert, *PLANNING,
     ]  # fmt: skip
 
