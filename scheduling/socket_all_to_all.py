@@ -1,0 +1,279 @@
+"""An all-to-all that overlaps computation on the CPU backend: host callbacks over TCP.
+
+XLA:CPU compiles every async collective start/done pair back to a synchronous
+collective, so on CPU hosts a scheduled step cannot hide its communication. This module
+gives the all-to-all a start and a done of its own, each a ``jax.experimental.io_callback``:
+
+- the start hands the device's pieces to a background thread per peer process, which
+  sends them over one TCP connection per pair of processes (pieces for devices of the
+  same process are handed over in memory), and returns at once with a zero token;
+- the done waits until every piece for this device has arrived and returns them
+  concatenated, as ``lax.all_to_all`` (tiled) would: pure data movement, bit for bit.
+
+The order is kept by data dependence, not by the compiler's scheduler: the computation
+meant to run during the transfer consumes the start's token (``consume_token``, an exact
+``x - 0.0``), and the done takes a value of that computation as an operand (``after``).
+A done therefore cannot run before the computation, nor the computation before the start.
+
+Every device of every process takes part; the processes find each other through the JAX
+distributed runtime (``multihost_utils.process_allgather`` of each one's address and port),
+so ``SocketTransport.connect`` must be called by all processes, after
+``jax.distributed.initialize``. Pieces are matched by (key, source, destination) in
+arrival order, so each key must be started once per step on every device, in the same order.
+Use it only where the backend is CPU and the step spans processes; elsewhere XLA's own
+collectives are the better choice.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+import queue
+import socket
+import struct
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback, multihost_utils
+from jax.sharding import Mesh
+
+_HEADER = struct.Struct("!qiiq")  # key, source position, destination position, payload bytes
+_HELLO = struct.Struct("!i")  # the connecting process's index
+_RECEIVE_TIMEOUT_S = 600.0
+
+
+class _Mailbox:
+    """Pieces that arrived, by (key, source, destination), each a FIFO of raw bytes."""
+
+    def __init__(self) -> None:
+        self._pieces: dict[tuple[int, int, int], collections.deque[bytes]] = (
+            collections.defaultdict(collections.deque)
+        )
+        self._arrived = threading.Condition()
+        self.failure: BaseException | None = None
+
+    def put(self, key: tuple[int, int, int], payload: bytes) -> None:
+        with self._arrived:
+            self._pieces[key].append(payload)
+            self._arrived.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self._arrived:
+            self.failure = error
+            self._arrived.notify_all()
+
+    def take(self, key: tuple[int, int, int]) -> bytes:
+        with self._arrived:
+            ready = self._arrived.wait_for(
+                lambda: self._pieces[key] or self.failure is not None, _RECEIVE_TIMEOUT_S
+            )
+            if self._pieces[key]:
+                return self._pieces[key].popleft()
+            if self.failure is not None:
+                raise RuntimeError(f"socket all_to_all: a connection failed: {self.failure}")
+            assert not ready
+            raise TimeoutError(f"socket all_to_all: piece {key} did not arrive")
+
+
+def _receive_exactly(connection: socket.socket, size: int) -> bytes:
+    buffer = bytearray(size)
+    view, received = memoryview(buffer), 0
+    while received < size:
+        count = connection.recv_into(view[received:])
+        if not count:
+            raise ConnectionError(f"peer closed with {size - received} of {size} bytes unread")
+        received += count
+    return bytes(buffer)
+
+
+class SocketTransport:
+    """This process's TCP connections to every other process of the run, and its mailbox."""
+
+    def __init__(self, mesh: Mesh, connections: dict[int, socket.socket]):
+        self.mesh = mesh
+        self.process = jax.process_index()
+        self.mailbox = _Mailbox()
+        self._position_process = [device.process_index for device in mesh.devices.flat]
+        self._outboxes: dict[int, queue.Queue] = {}
+        self._threads: list[threading.Thread] = []
+        self._connections = connections
+        for peer, connection in connections.items():
+            outbox: queue.Queue = queue.Queue()
+            self._outboxes[peer] = outbox
+            for target in (self._send_loop, self._receive_loop):
+                thread = threading.Thread(
+                    target=target, args=(connection, outbox), daemon=True, name=f"a2a-{peer}"
+                )
+                thread.start()
+                self._threads.append(thread)
+
+    @classmethod
+    def connect(cls, mesh: Mesh, address: str | None = None) -> SocketTransport:
+        """Connect every pair of processes of ``mesh``; call in all processes at once.
+
+        ``address`` is where this process listens (default: what its host name resolves
+        to, as for gloo).
+        """
+        address = address or socket.gethostbyname(socket.gethostname())
+        server = socket.create_server((address, 0))
+        port = server.getsockname()[1]
+        packed = socket.inet_aton(address)
+        mine = np.array([*packed, port // 256, port % 256], np.int32)
+        everyone = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 6)
+        me, connections = jax.process_index(), {}
+        for peer in range(me + 1, len(everyone)):  # connect upward, accept from below
+            peer_address = socket.inet_ntoa(bytes(int(b) for b in everyone[peer, :4]))
+            peer_port = int(everyone[peer, 4]) * 256 + int(everyone[peer, 5])
+            connection = socket.create_connection((peer_address, peer_port), timeout=60)
+            connection.sendall(_HELLO.pack(me))
+            connections[peer] = connection
+        server.settimeout(60)
+        for _ in range(me):
+            connection, _ = server.accept()
+            (peer,) = _HELLO.unpack(_receive_exactly(connection, _HELLO.size))
+            connections[peer] = connection
+        server.close()
+        for connection in connections.values():
+            connection.settimeout(None)
+            connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return cls(mesh, connections)
+
+    def send(self, key: int, source: int, destination: int, piece: np.ndarray) -> None:
+        """Deliver ``piece`` from mesh position ``source`` to ``destination`` (returns at once)."""
+        payload = np.ascontiguousarray(piece).tobytes()
+        process = self._position_process[destination]
+        if process == self.process:
+            self.mailbox.put((key, source, destination), payload)
+        else:
+            self._outboxes[process].put(
+                (_HEADER.pack(key, source, destination, len(payload)), payload)
+            )
+
+    def _send_loop(self, connection: socket.socket, outbox: queue.Queue) -> None:
+        while (item := outbox.get()) is not None:
+            header, payload = item
+            try:
+                connection.sendall(header)
+                connection.sendall(payload)
+            except OSError as error:
+                self.mailbox.fail(error)
+                return
+
+    def _receive_loop(self, connection: socket.socket, outbox: queue.Queue) -> None:
+        try:
+            while True:
+                header = _receive_exactly(connection, _HEADER.size)
+                key, source, destination, size = _HEADER.unpack(header)
+                self.mailbox.put((key, source, destination), _receive_exactly(connection, size))
+        except (OSError, ConnectionError) as error:
+            self.mailbox.fail(error)
+
+    def close(self) -> None:
+        """Stop the sender threads and close the connections."""
+        for outbox in self._outboxes.values():
+            outbox.put(None)
+        for connection in self._connections.values():
+            with contextlib.suppress(OSError):  # the peer may have closed first
+                connection.shutdown(socket.SHUT_RDWR)
+            connection.close()
+
+
+def consume_token(x: jax.Array, token: jax.Array) -> jax.Array:
+    """``x`` made to depend on a start's token, exactly (``x - 0.0`` keeps every bit, -0.0 too)."""
+    return x - token.astype(x.dtype)
+
+
+class SocketAllToAll:
+    """``lax.all_to_all(x, axis_name, split_axis, concat_axis, tiled=True)`` as a start and a
+    done, for use inside a ``shard_map`` over ``transport.mesh`` with every axis manual."""
+
+    def __init__(self, transport: SocketTransport, axis_name: str):
+        mesh = transport.mesh
+        if axis_name not in mesh.axis_names:
+            raise ValueError(
+                f"axis_name {axis_name!r} is not an axis of the mesh {mesh.axis_names}"
+            )
+        self.transport = transport
+        self.axis_name = axis_name
+        self.axis = mesh.axis_names.index(axis_name)
+        self.axis_size = mesh.devices.shape[self.axis]
+        self._shape = mesh.devices.shape
+
+    def _position(self) -> jax.Array:
+        """This device's linear (C-order) position in the mesh, traced."""
+        position = jnp.int32(0)
+        for name, size in zip(self.transport.mesh.axis_names, self._shape, strict=True):
+            position = position * size + jax.lax.axis_index(name)
+        return position
+
+    def _peer(self, position: int, index: int) -> int:
+        """The position of the device at ``index`` along the axis, in ``position``'s group."""
+        coordinates = list(np.unravel_index(position, self._shape))
+        coordinates[self.axis] = index
+        return int(np.ravel_multi_index(coordinates, self._shape))
+
+    def start(self, x: jax.Array, *, key: int, split_axis: int) -> jax.Array:
+        """Send this device's pieces of ``x``; returns a float32 zero token at once."""
+        if x.shape[split_axis] % self.axis_size:
+            raise ValueError(
+                f"split_axis {split_axis} of shape {x.shape} does not divide into "
+                f"{self.axis_size} pieces"
+            )
+
+        def host_start(position: np.ndarray, value: np.ndarray) -> np.ndarray:
+            position = int(position)
+            pieces = np.split(np.asarray(value), self.axis_size, axis=split_axis)
+            for index, piece in enumerate(pieces):
+                self.transport.send(key, position, self._peer(position, index), piece)
+            return np.float32(0)
+
+        return io_callback(host_start, jax.ShapeDtypeStruct((), jnp.float32), self._position(), x)
+
+    def done(
+        self,
+        token: jax.Array,
+        after: jax.Array,
+        *,
+        key: int,
+        like: jax.ShapeDtypeStruct | jax.Array,
+        split_axis: int,
+        concat_axis: int,
+    ) -> jax.Array:
+        """Wait for this device's pieces (once ``after`` is computed) and return them joined.
+
+        ``like`` is the operand of the start (its shape and dtype).
+        """
+        shape = list(like.shape)
+        shape[split_axis] //= self.axis_size
+        piece_shape, dtype = tuple(shape), np.dtype(like.dtype)
+        shape[concat_axis] *= self.axis_size
+        result = jax.ShapeDtypeStruct(tuple(shape), like.dtype)
+
+        def host_done(position: np.ndarray, _token: np.ndarray, _after: np.ndarray) -> np.ndarray:
+            position = int(position)
+            pieces = [
+                np.frombuffer(
+                    self.transport.mailbox.take((key, self._peer(position, index), position)),
+                    dtype,
+                ).reshape(piece_shape)
+                for index in range(self.axis_size)
+            ]
+            return np.concatenate(pieces, axis=concat_axis)
+
+        return io_callback(host_done, result, self._position(), token, _scalar(after))
+
+
+def _scalar(x: jax.Array) -> jax.Array:
+    """One element of ``x``: enough for a data dependence, nothing to copy to the host."""
+    return jnp.ravel(x)[0] if math.prod(x.shape) else jnp.zeros((), x.dtype)
+
+
+def all_to_all_now(
+    op: SocketAllToAll, x: jax.Array, *, key: int, split_axis: int, concat_axis: int
+) -> jax.Array:
+    """Start and done back to back: the synchronous all-to-all over sockets."""
+    token = op.start(x, key=key, split_axis=split_axis)
+    return op.done(token, token, key=key, like=x, split_axis=split_axis, concat_axis=concat_axis)
