@@ -26,28 +26,29 @@ Before any of it, the shaped link is calibrated (``experiments.link_calibration`
 a large message must reach 90% of the rate and the same bytes in 8 pieces must take
 within 5% of it, or the run is refused (``--allow-uncalibrated`` runs it under a loud
 warning). ``--calibrate`` only calibrates. The calibration is recorded in every results
-file. Everything it creates is removed on exit, on errors and on Ctrl-C. Without the
-rights to create network namespaces it refuses with the reason.
+file. Then the overlap control (``experiments.overlap_control``) runs on the same hosts
+and link, and its result is printed beside the schedules and recorded with them: a
+schedule's gain is overlap only where the control shows overlap (``--no-control``
+skips it). Everything it creates is removed on exit, on errors and on Ctrl-C. Without
+the rights to create network namespaces it refuses with the reason.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import secrets
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from experiments.hosts import Cluster, machine
 from experiments.link_calibration import LinkCalibration, calibrate_link, ensure_calibrated
 from experiments.netns import EmulatedNetwork, LinkShape, namespaces_available
+from experiments.overlap_control import cluster_control_args, run_control
 from experiments.spread import Spread, round_ratios
 from jaxmoe.config import SCHEDULES, ConfigError
 from jaxmoe.train.cli import config_from_train_args
-from jaxmoe.train.launch import launch
 
 
 @dataclass
@@ -66,57 +67,6 @@ class ScheduleResult:
     speedup: float  # median over rounds of baseline step / this step, same round
     speedup_min: float
     speedup_max: float
-
-
-class Cluster:
-    """Runs commands as one process per emulated host; logs go to ``workdir``."""
-
-    def __init__(self, network: EmulatedNetwork, workdir: Path, name: str):
-        self.network = network
-        self.workdir = workdir
-        self.name = name
-
-    def run(self, label: str, command_args: list[str], module: str = "jaxmoe.train.cli") -> None:
-        log_path = self.workdir / f"{self.name}-{label}.log"
-        with log_path.open("w") as log:
-            status = launch(
-                command_args,
-                len(self.network.namespaces),
-                coordinator_host=self.network.host_addresses[0],
-                port=20000 + secrets.randbelow(20000),
-                wrap=self.network.command,
-                output=log,
-                module=module,
-            )
-        if status != 0:
-            tail = "".join(log_path.read_text().splitlines(keepends=True)[-20:])
-            raise RuntimeError(f"{label} on the {self.name} link failed; its log ends:\n{tail}")
-
-    def step_rounds(
-        self, config_path: Path, schedules: list[str], rounds: int, warmup: int
-    ) -> dict[str, list[float]]:
-        """Seconds per round of each schedule's training step (``experiments.step_rounds``)."""
-        out = self.workdir / f"{self.name}-rounds.json"
-        args = ["--config", str(config_path), "--schedules", ",".join(schedules)]
-        args += ["--rounds", str(rounds), "--warmup", str(warmup), "--json", str(out)]
-        self.run("step-rounds", args, module="experiments.step_rounds")
-        return json.loads(out.read_text())["seconds"]
-
-    def sweep(self, config, args: argparse.Namespace, out: Path) -> None:
-        source = (
-            f"emulated cluster: {args.hosts} hosts x {args.devices_per_host} devices, "
-            f"{args.link_mbit:g} Mbit/s, {args.delay_ms:g} ms"
-        )
-        command = ["--parallel-data", str(config.parallel.data)]
-        command += ["--parallel-expert", str(config.parallel.expert)]
-        command += ["--out", str(out), "--source", source]
-        self.run("collective-sweep", command, module="experiments.collective_sweep")
-
-    def collectives_only(self, config_path: Path, repeats: int) -> float:
-        out = self.workdir / f"{self.name}-collectives.json"
-        args = ["--config", str(config_path), "--json", str(out), "--repeats", str(repeats)]
-        self.run("collectives-only", args, module="experiments.collectives_only")
-        return json.loads(out.read_text())["median_s"]
 
 
 def schedule_results(
@@ -192,6 +142,11 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     )
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument(
+        "--no-control",
+        action="store_true",
+        help="skip the overlap control (experiments.overlap_control) run before the schedules",
+    )
+    parser.add_argument(
         "--calibrate",
         action="store_true",
         help="only calibrate the shaped link (exit status 1 when it fails its criteria)",
@@ -240,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         return _calibrate_only(args, shaped_link, command)
 
     measured: dict[str, dict[str, list[float]]] = {}
+    control = None
     communication: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="jaxmoe-cluster-") as tmp:
         workdir = Path(tmp)
@@ -255,6 +211,18 @@ def main(argv: list[str] | None = None) -> int:
                     ):
                         return 3
                 cluster = Cluster(network, workdir, name)
+                if name == "shaped" and not args.no_control:
+                    control = run_control(
+                        cluster,
+                        cluster_control_args(
+                            args.devices_per_host,
+                            args.hosts,
+                            args.link_mbit,
+                            args.repeats,
+                            args.warmup,
+                        ),
+                    )
+                    print(control.summary(), flush=True)
                 measured[name] = cluster.step_rounds(
                     config_path, schedules, args.repeats, args.warmup
                 )
@@ -281,16 +249,14 @@ def main(argv: list[str] | None = None) -> int:
         "communication_only_s": communication["shaped"],
         "communication_only_free_link_s": communication.get("free", float("nan")),
         "schedules": [asdict(row) for row in rows],
+        "overlap_control": None if control is None else control.to_json(),
     }
     print(format_table(report))
+    if control is not None:  # beside the schedules: overlap is claimed only if it shows here
+        print("\n" + control.summary())
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0
-
-
-def machine() -> str:
-    """The host, for results files (timings depend on its cores, shared by every process)."""
-    return f"{platform.machine()}, {os.cpu_count()} CPU cores"
 
 
 def record_calibration(path: Path, calibration: LinkCalibration, command: str) -> None:
