@@ -257,6 +257,10 @@ class TrainConfig:
     # partition every range that can be, even where the estimate does not improve.
     schedule_partition_chunks: int = 0
     schedule_partition_always: bool = False
+    # On the CPU backend across processes, run the scheduled all-to-alls over sockets
+    # (scheduling.socket_all_to_all), where they overlap computation; XLA:CPU runs its own
+    # async pairs synchronously. Ignored elsewhere.
+    schedule_socket_all_to_all: bool = False
     # Checkpoints (written under --out): every this many steps, and at the end of the run
     # and on SIGTERM/SIGINT; 0 = only at the end and on a signal. The last
     # keep_checkpoints are kept.

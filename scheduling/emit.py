@@ -11,6 +11,10 @@ the planned overlap. Only the critical collectives' windows are groups: a
 deferrable one (a gradient reduction, see ``scheduling.graph``) is left free,
 so the scheduler may move it off the link the critical path needs. The XLA
 flags that turn that scheduler on are given by :func:`xla_gpu_flags`.
+
+On the CPU backend, where XLA runs every async pair synchronously, a socket transport
+(``scheduling.socket_all_to_all``) can carry the all-to-alls instead: each pair is a
+start and a done host callback, and the planned order is kept by data dependence.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from scheduling import jax_adapter
 from scheduling.capture import Constant, Program, Value
 from scheduling.graph import Graph, Role
 from scheduling.passes.order import Schedule
+from scheduling.socket_all_to_all import EmittedOrder, SocketTransport
 
 
 def xla_gpu_flags() -> list[str]:
@@ -45,14 +50,21 @@ def scheduling_groups(graph: Graph, schedule: Schedule) -> dict[int, int]:
     return groups
 
 
-def per_device_function(graph: Graph, schedule: Schedule, use_async: bool):
-    """A function of the flattened per-device arguments that runs ``schedule``."""
+def per_device_function(
+    graph: Graph,
+    schedule: Schedule,
+    use_async: bool,
+    transport: SocketTransport | None = None,
+):
+    """A function of the flattened per-device arguments that runs ``schedule``; with a
+    ``transport``, the all-to-alls run over its sockets (``scheduling.socket_all_to_all``)."""
     program = graph.program
     groups = scheduling_groups(graph, schedule)
 
     def run(*flat_args: Any) -> tuple[Any, ...]:
         env: dict[Value, Any] = dict(zip(program.inputs, flat_args, strict=True))
         pending: dict[int, Any] = {}
+        sockets = EmittedOrder(transport) if transport is not None else None
 
         def read(atom: Value | Constant) -> Any:
             return atom.value if isinstance(atom, Constant) else env[atom]
@@ -69,6 +81,12 @@ def per_device_function(graph: Graph, schedule: Schedule, use_async: bool):
             with scope, jax_adapter.traced_as(op.eqn, op.name_stack):
                 if node.role is Role.START:
                     (operand,) = (read(a) for a in op.inputs)
+                    result_shape = op.outputs[0].aval.shape
+                    if sockets and sockets.supports(
+                        op.primitive, op.eqn.params, operand, result_shape
+                    ):
+                        sockets.start(node_id, operand, op.eqn.params)
+                        continue
                     if use_async:
                         pending[node_id] = jax_adapter.bind_start(
                             op.primitive, operand, op.eqn.params
@@ -76,9 +94,15 @@ def per_device_function(graph: Graph, schedule: Schedule, use_async: bool):
                     else:  # synchronous fallback: the collective runs at its start
                         pending[node_id] = jax_adapter.bind_equation(op.eqn, [operand])
                     continue
-                if node.role is Role.DONE:
+                if node.role is Role.DONE and sockets and sockets.is_pending(node.partner):
+                    results = [sockets.done(node.partner)]
+                elif node.role is Role.DONE:
                     future = pending.pop(node.partner)
                     results = [jax_adapter.bind_done(op.primitive, future)] if use_async else future
+                elif sockets is not None:
+                    inputs = sockets.pin(op.primitive, [read(a) for a in op.inputs])
+                    results = jax_adapter.bind_equation(op.eqn, inputs)
+                    sockets.record(results)
                 else:
                     results = jax_adapter.bind_equation(op.eqn, [read(a) for a in op.inputs])
             for value, result in zip(op.outputs, results, strict=True):
@@ -140,15 +164,19 @@ def emit(
     *,
     donate_argnums: Sequence[int] = (),
     fallback_to_sync: bool = False,
+    all_to_all_transport: SocketTransport | None = None,
 ) -> ScheduledStep:
     """A jit-compiled step running ``schedule`` with async collectives.
 
     With a JAX whose async primitives the adapter does not know, raises
     :class:`~scheduling.jax_adapter.AsyncCollectivesUnavailable`, or with
-    ``fallback_to_sync`` runs the same order with synchronous collectives.
+    ``fallback_to_sync`` runs the same order with synchronous collectives. With an
+    ``all_to_all_transport``, every all-to-all runs as a socket start/done pair, the
+    planned order pinned by data dependence (for the CPU backend across processes, where
+    XLA's own async pairs run synchronously).
     """
     use_async = jax_adapter.async_collectives_available()
     if not use_async and not fallback_to_sync:
         jax_adapter.require_async_collectives()
-    run = per_device_function(graph, schedule, use_async)
+    run = per_device_function(graph, schedule, use_async, all_to_all_transport)
     return ScheduledStep(graph.program, run, donate_argnums)

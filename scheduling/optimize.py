@@ -26,6 +26,7 @@ from scheduling.passes.partition_search import (
 from scheduling.policy import PACKING_DW, PARTITIONING, SchedulePolicy
 from scheduling.profiling import OpProfiler, ProfiledCostModel, is_local
 from scheduling.report import ScheduleReport
+from scheduling.socket_all_to_all import SocketTransport
 from scheduling.step_estimate import StepEstimates, node_seconds
 
 __all__ = ["Plan", "batch_inputs", "build_report", "cost_model", "node_seconds", "optimize", "plan"]
@@ -61,11 +62,20 @@ def optimize(
         planned.schedule,
         donate_argnums=donate_argnums,
         fallback_to_sync=policy.fallback_to_sync,
+        all_to_all_transport=socket_transport(policy, mesh),
     )
     report = build_report(planned, cost, policy, program)
     if isinstance(cost, ProfiledCostModel):
         cost.profiler.save()
     return step, report
+
+
+def socket_transport(policy: SchedulePolicy, mesh: Mesh) -> SocketTransport | None:
+    """Connections for socket all-to-alls, where the policy asks for them and they help:
+    on the CPU backend with more than one process (every process must call this)."""
+    if not policy.socket_all_to_all or jax.default_backend() != "cpu" or jax.process_count() < 2:
+        return None
+    return SocketTransport.connect(mesh)
 
 
 def cost_model(policy: SchedulePolicy, mesh: Mesh) -> CostModel:

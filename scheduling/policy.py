@@ -48,6 +48,10 @@ class SchedulePolicy:
     # Partition every range that can be, even where the estimate does not improve (for
     # measuring, and for checking exactness); the best estimate among those is kept.
     partition_always: bool = False
+    # On the CPU backend across processes: all-to-alls as socket start/done pairs
+    # (scheduling.socket_all_to_all), which overlap the computation planned between
+    # them; XLA:CPU runs its own async pairs synchronously. Ignored elsewhere.
+    socket_all_to_all: bool = False
 
     def __post_init__(self) -> None:
         if self.name not in POLICIES:

@@ -33,6 +33,8 @@ import queue
 import socket
 import struct
 import threading
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -277,3 +279,126 @@ def all_to_all_now(
     """Start and done back to back: the synchronous all-to-all over sockets."""
     token = op.start(x, key=key, split_axis=split_axis)
     return op.done(token, token, key=key, like=x, split_axis=split_axis, concat_axis=concat_axis)
+
+
+def _is_float(x: jax.Array) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating)
+
+
+class EmittedOrder:
+    """Socket all-to-alls in an emitted program, its order pinned by data dependence.
+
+    The emitter (``scheduling.emit``) walks the planned order and calls ``start`` and
+    ``done`` for each all-to-all pair this supports, ``pin`` on the inputs of every other
+    op and ``record`` after it. The matmuls (``dot_general``), the bulk of the work, are
+    the anchors that keep the planned order:
+
+    - a matmul after a start consumes that start's token (exactly, on its last floating
+      operand), unless one of its inputs already comes after it; a start's operand is
+      pinned the same way, so the latest token orders an op after every earlier start;
+    - a done takes a running scalar of the first operand of every matmul recorded before
+      it, so it waits until all the matmuls planned before it can run.
+
+    Only matmuls, and those operands, are touched because each extra consumer can change
+    how XLA fuses the producer, and with it the rounding: pinning every op, or reading
+    every op's output, changed gradients by an ulp; this rule keeps the scheduled steps bit
+    for bit (tests/train/test_socket_schedule.py checks it).
+    """
+
+    def __init__(self, transport: SocketTransport):
+        self.transport = transport
+        self._ops: dict[str, SocketAllToAll] = {}
+        self._pending: dict[int, tuple[SocketAllToAll, jax.Array, Any, dict]] = {}
+        self._token: jax.Array | None = None
+        self._starts = 0  # starts so far; an op's inputs carry the count they come after
+        # id(traced value) -> (starts it comes after, the value)
+        self._after_starts: dict[int, tuple[int, Any]] = {}
+        self._pinned_after = 0
+        self._progress: jax.Array | None = None
+
+    def supports(
+        self, primitive: str, params: dict, operand: Any, result_shape: Sequence[int]
+    ) -> bool:
+        """An all-to-all over one mesh axis whose result is the tiled one (the step's are)."""
+        if primitive != "all_to_all" or params.get("axis_index_groups") is not None:
+            return False
+        axis = params["axis_name"]
+        axis = axis[0] if isinstance(axis, tuple) and len(axis) == 1 else axis
+        if axis not in self.transport.mesh.axis_names:
+            return False
+        size = self.transport.mesh.shape[axis]
+        shape = list(operand.shape)
+        if shape[params["split_axis"]] % size:
+            return False
+        shape[params["split_axis"]] //= size
+        shape[params["concat_axis"]] *= size
+        return tuple(shape) == tuple(result_shape)
+
+    def _comes_after(self, x: Any) -> int:
+        return self._after_starts.get(id(x), (0, None))[0]
+
+    def _note(self, value: Any, starts: int) -> None:
+        # The value is kept alive with its count, so that its id is not reused.
+        self._after_starts[id(value)] = (starts, value)
+
+    def pin(self, primitive: str, inputs: list[Any]) -> list[Any]:
+        """``inputs`` with the latest start's token consumed where the op needs it; the
+        op's outputs are then to be passed to ``record``."""
+        after = max(map(self._comes_after, inputs), default=0)
+        self._pinned_operand = None
+        if primitive != "dot_general":
+            self._pinned_after = after
+            return inputs
+        self._pinned_operand = next(
+            (v for v in inputs if isinstance(v, jax.Array) and _is_float(v) and v.size), None
+        )
+        if self._token is not None and after < self._starts:
+            for index, value in reversed(list(enumerate(inputs))):
+                if isinstance(value, jax.Array) and _is_float(value):
+                    inputs = list(inputs)
+                    inputs[index] = consume_token(value, self._token)
+                    after = self._starts
+                    break
+        self._pinned_after = after
+        return inputs
+
+    def record(self, outputs: Sequence[Any]) -> None:
+        """Note what the outputs of the op just pinned come after, and add one of their
+        scalars to the progress that the next done waits for."""
+        for output in outputs:
+            self._note(output, self._pinned_after)
+        if self._pinned_operand is not None:
+            scalar = _scalar(self._pinned_operand).astype(jnp.float32)
+            self._progress = scalar if self._progress is None else self._progress + scalar
+
+    def start(self, node: int, operand: jax.Array, params: dict) -> None:
+        axis = params["axis_name"]
+        axis = axis[0] if isinstance(axis, tuple) else axis
+        op = self._ops.setdefault(axis, SocketAllToAll(self.transport, axis))
+        (operand,) = self.pin("dot_general", [operand])
+        token = op.start(operand, key=node, split_axis=params["split_axis"])
+        self._pending[node] = (
+            op,
+            token,
+            jax.ShapeDtypeStruct(operand.shape, operand.dtype),
+            params,
+        )
+        self._starts += 1
+        self._token = token
+
+    def is_pending(self, node: int) -> bool:
+        return node in self._pending
+
+    def done(self, node: int) -> jax.Array:
+        op, token, like, params = self._pending.pop(node)
+        after = token if self._progress is None else self._progress + token
+        result = op.done(
+            token,
+            after,
+            key=node,
+            like=like,
+            split_axis=params["split_axis"],
+            concat_axis=params["concat_axis"],
+        )
+        self._note(result, self._starts)
+        return result
