@@ -86,6 +86,7 @@ def schedule_policy(config: Config) -> scheduling.SchedulePolicy:
         collective_curves=train.schedule_link_curves,
         partition_chunks=train.schedule_partition_chunks or None,
         partition_always=train.schedule_partition_always,
+        exchange_decomposition=train.schedule_exchange or None,
     )
 
 
