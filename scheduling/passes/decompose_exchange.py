@@ -87,6 +87,18 @@ def materialize(program: Program, plan: RegionPlan, remap: dict[Value, Atom]) ->
     if rounds:
         (sent,) = dispatch.inputs
         by_destination = rotate(read(sent), source_split, "destination")
+
+    def run_piece(position: int, piece: int) -> None:
+        op = program.ops[position]
+        how = plan.chunkings[position]
+        inputs = [
+            operand(atom, cut, piece) for atom, cut in zip(op.inputs, how.inputs, strict=True)
+        ]
+        copy = chunk_ops.chunk_copy(op, how, n, inputs)
+        ops_out.append(copy)
+        pieces.update({(v, piece): r for v, r in zip(op.outputs, copy.outputs, strict=True)})
+
+    # Every piece's transfer is issued first, so each goes out as soon as the link allows.
     for piece in range(n):
         if rounds:
             block = emit(
@@ -97,15 +109,12 @@ def materialize(program: Program, plan: RegionPlan, remap: dict[Value, Atom]) ->
                     exchange_ops.send_round(block, piece, n, axis_name, axis_env, stack, phase)
                 )
             pieces[dispatch.outputs[0], piece] = block
-        for position in plan.chunked:
-            op = program.ops[position]
-            how = plan.chunkings[position]
-            inputs = [
-                operand(atom, cut, piece) for atom, cut in zip(op.inputs, how.inputs, strict=True)
-            ]
-            copy = chunk_ops.chunk_copy(op, how, n, inputs)
-            ops_out.append(copy)
-            pieces.update({(v, piece): r for v, r in zip(op.outputs, copy.outputs, strict=True)})
+        else:
+            run_piece(exchange.dispatch, piece)
+    computed = [p for p in plan.chunked if p != exchange.dispatch]
+    for piece in range(n):
+        for position in computed:
+            run_piece(position, piece)
         if rounds:
             block = pieces[combine.inputs[0], piece]
             if piece:

@@ -4,8 +4,8 @@ In round ``r`` of ``G`` every device ``i`` sends its block for device
 ``(i + r) % G`` and receives the block of source ``(i - r) % G``; round 0 is
 the local block and needs no transfer. Per-device code cannot pick "the block
 for device ``i + r``" with a static slice, so a value is *rotated* once into
-round order (a dynamic slice of the value concatenated with itself, at an
-offset read from ``axis_index``) and then cut with static slices. Rotations
+round order (a gather at indices computed from ``axis_index``) and then cut
+with static slices. Rotations
 only move data: the decomposed program computes the same values.
 
 Like ``chunk_ops``, each helper is a small ``jax.lax`` function traced once per
@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from scheduling.capture import Atom, Op, Phase, Value, inline_jaxpr
@@ -37,23 +38,24 @@ def _grouped(x: jax.Array, split: Split, pieces: int) -> tuple[jax.Array, int]:
 
 
 def _rotate(x: jax.Array, *, axis_name: Any, split: Split, pieces: int, toward: str) -> jax.Array:
-    """Rotate the ``pieces`` blocks of ``x`` along ``split`` by this device's index.
+    """Reorder the ``pieces`` blocks of ``x`` along ``split`` by this device's index ``i``.
 
-    ``toward="destination"``: ``y[r] = x[(i + r) % G]`` (a block to send in round r).
+    ``toward="destination"``: ``y[r] = x[(i + r) % G]`` (the block to send in round r).
     ``toward="source"``: ``y[r] = x[(i - r) % G]`` (its own inverse).
     ``toward="back"``: ``y[k] = x[(k - i) % G]``, the inverse of ``"destination"``.
+    One gather: it only moves data.
     """
     index = lax.axis_index(axis_name)
     grouped, axis = _grouped(x, split, pieces)
-    if toward == "source":
-        grouped = lax.rev(grouped, (axis,))
-        start = pieces - 1 - index
-    elif toward == "destination":
-        start = index
+    offsets = lax.iota(jnp.int32, pieces)
+    if toward == "destination":
+        taken = index + offsets
+    elif toward == "source":
+        taken = index - offsets + pieces
     else:
-        start = pieces - index
-    doubled = lax.concatenate([grouped, grouped], axis)
-    rotated = lax.dynamic_slice_in_dim(doubled, start, pieces, axis=axis)
+        taken = offsets - index + pieces
+    taken = lax.rem(taken, jnp.int32(pieces))
+    rotated = jnp.take(grouped, taken, axis=axis, mode="clip")
     return rotated.reshape(x.shape)
 
 
