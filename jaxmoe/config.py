@@ -21,7 +21,9 @@ DTYPES = ("float32", "bfloat16")
 SCHEDULES = (
     "none", "async", "dw", "partition", "lancet", "expert_pipeline", "comet", "lancet+comet"
 )  # fmt: skip
-SCHEDULE_PROFILES = ("a100", "v100", "cpu", "a100-8x-nvlink-400g", "v100-8x-nvlink-100g")
+SCHEDULE_PROFILES = (
+    "a100", "v100", "cpu", "a100-8x-nvlink-400g", "v100-8x-nvlink-100g", "h100-8x-nvlink-3200g"
+)  # fmt: skip
 OP_COSTS = ("analytic", "measured")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ON_NONFINITE = ("stop", "skip")

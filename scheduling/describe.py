@@ -161,15 +161,13 @@ def build_report(
 
 
 def _exchange_report(choice: ExchangeChoice) -> ExchangeReport:
-    decomposition = "none" if choice.plan is None else str(choice.plan.decomposition)
-    planned = choice.estimates.get(decomposition, choice.undecomposed_seconds)
     return ExchangeReport(
         layer=choice.layer,
-        phase=choice.phase,
-        decomposition=decomposition,
+        phases=choice.phases,
+        decomposition=choice.chosen or "none",
         undecomposed_seconds=choice.undecomposed_seconds,
-        estimated_seconds=planned,
-        estimated_gain_seconds=choice.undecomposed_seconds - planned,
+        estimated_seconds=choice.estimated_seconds,
+        estimated_gain_seconds=choice.undecomposed_seconds - choice.estimated_seconds,
         candidates=dict(choice.estimates),
         why=choice.why,
     )

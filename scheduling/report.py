@@ -46,15 +46,16 @@ class PartitionReport:
 
 @dataclass
 class ExchangeReport:
-    """One MoE layer's exchange region, forward or backward (``comet`` policies)."""
+    """One MoE layer's exchange regions, forward and backward (``comet`` policies)."""
 
     layer: str
-    phase: str
-    decomposition: str  # "rounds:G", "chunks:N", or "none"
-    undecomposed_seconds: float  # the region alone, as captured, on two streams
-    estimated_seconds: float  # the region as planned
+    phases: list[str]  # of its exchanges, in program order
+    # "rounds:G", "chunks:N", "... (forward only)", "... (backward only)", or "none"
+    decomposition: str
+    undecomposed_seconds: float  # its regions alone, as captured, on two streams, summed
+    estimated_seconds: float  # the regions as planned
     estimated_gain_seconds: float
-    candidates: dict[str, float]  # every decomposition that applies -> its region estimate
+    candidates: dict[str, float]  # every decomposition that applies -> its estimate
     why: str = ""  # why it was left undecomposed (or "forced")
 
 
@@ -175,7 +176,7 @@ class ScheduleReport:
         for x in self.exchanges:
             tried = ", ".join(f"{k} {v * 1e6:.1f}" for k, v in x.candidates.items()) or "none"
             lines.append(
-                f"exchange {x.layer} ({x.phase}): {x.decomposition}, estimate "
+                f"MoE layer {x.layer} ({', '.join(x.phases)}): {x.decomposition}, estimate "
                 f"{x.estimated_seconds * 1e6:.1f} us (was {x.undecomposed_seconds * 1e6:.1f}, "
                 f"gain {x.estimated_gain_seconds * 1e6:.1f}); tried: {tried}"
                 + (f"; {x.why}" if x.why else "")

@@ -15,22 +15,75 @@ the ordering pass (which starts a collective as soon as its operand exists and
 waits only where its result is needed) overlaps piece ``r``'s computation with
 the transfers of the others. Piece results read outside the region are
 reassembled (and in ``rounds`` rotated back to source order) after the last
-piece; deferred ops then run on them. Each op computes what it computed in the
+piece; deferred ops then run on them. A backward region decomposed like its
+layer's forward region takes the forward's residual pieces as they are, so a
+residual read only there is never reassembled. Each op computes what it computed in the
 original program: only data movement is added.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from scheduling.capture import Atom, Op, Program, Value
 from scheduling.passes import chunk_ops, exchange_ops
 from scheduling.passes.exchange_regions import RegionPlan
+from scheduling.passes.partition_forward import consumers_of
 from scheduling.passes.partition_rules import Split
 
 
-def materialize(program: Program, plan: RegionPlan, remap: dict[Value, Atom]) -> list[Op]:
-    """The ops that replace the region; ``remap`` gains each escaping value's reassembly."""
+def signature(plan: RegionPlan) -> tuple:
+    """Regions of equal signature cut their shared values into the same pieces."""
+    d = plan.decomposition
+    return (d.kind, d.pieces, d.piece_axis, plan.piece_size, plan.exchange.group)
+
+
+def _cuts(program: Program, plan: RegionPlan, position: int, value: Value) -> bool:
+    """Whether chunked op ``position`` of ``plan`` reads ``value`` piece by piece."""
+    if position not in plan.chunkings or position not in plan.chunked:
+        return False
+    op = program.ops[position]
+    how = plan.chunkings[position]
+    return any(a is value and cut is not None for a, cut in zip(op.inputs, how.inputs, strict=True))
+
+
+def values_needed_whole(program: Program, plans: Sequence[RegionPlan]) -> set[Value]:
+    """The escaping piece results that some reader needs whole. A later region of the same
+    signature that cuts one (a backward region reading a forward residual) takes its
+    pieces as they are: neither reassembled nor rotated nor cut again."""
+    consumers = consumers_of(program)
+    needed: set[Value] = set()
+    for plan in plans:
+        for value in plan.escaping:
+            for reader in consumers.get(value, ()):
+                if reader in plan.chunked:
+                    continue
+                shared = any(
+                    other.begin > plan.begin
+                    and signature(other) == signature(plan)
+                    and _cuts(program, other, reader, value)
+                    for other in plans
+                )
+                if not shared:
+                    needed.add(value)
+    return needed
+
+
+def materialize(
+    program: Program,
+    plan: RegionPlan,
+    remap: dict[Value, Atom],
+    shared: dict[tuple, list[Value]] | None = None,
+    needed_whole: set[Value] | None = None,
+) -> list[Op]:
+    """The ops that replace the region; ``remap`` gains each escaping value's reassembly.
+
+    ``shared`` holds the pieces of earlier regions' escaping values by signature; this
+    region reads its seeds from it where it can, and adds its own. Escaping values not in
+    ``needed_whole`` (None: all) are not reassembled.
+    """
+    shared = {} if shared is None else shared
     exchange = plan.exchange
     dispatch, combine = program.ops[exchange.dispatch], program.ops[exchange.combine]
     phase, stack = dispatch.phase, dispatch.name_stack
@@ -56,6 +109,8 @@ def materialize(program: Program, plan: RegionPlan, remap: dict[Value, Atom]) ->
         return emit(exchange_ops.rotate(atom, split, n, toward, axis_name, axis_env, stack, phase))
 
     def seed_piece(atom: Value, piece: int) -> Value:
+        if (signature(plan), atom) in shared:
+            return shared[signature(plan), atom][piece]
         if (atom, piece) not in cut_seeds:
             split = plan.layouts[atom]
             whole: Atom = read(atom)
@@ -129,6 +184,9 @@ def materialize(program: Program, plan: RegionPlan, remap: dict[Value, Atom]) ->
     for value in plan.escaping:
         split = plan.layouts[value]
         parts = [pieces[value, piece] for piece in range(n)]
+        shared[signature(plan), value] = parts
+        if needed_whole is not None and value not in needed_whole:
+            continue
         joined = emit(chunk_ops.join_chunks(parts, split, stack, phase))
         remap[value] = rotate(joined, split, "source") if rounds else joined
 
@@ -141,13 +199,15 @@ def materialize(program: Program, plan: RegionPlan, remap: dict[Value, Atom]) ->
 def decompose_program(program: Program, plans: list[RegionPlan]) -> Program:
     """``program`` with each (non-overlapping) region replaced by its pieces."""
     remap: dict[Value, Atom] = {}
+    shared: dict[tuple, list[Value]] = {}
+    needed = values_needed_whole(program, plans)
     starts = {plan.begin: plan for plan in plans}
     new_ops: list[Op] = []
     position = 0
     while position < len(program.ops):
         plan = starts.get(position)
         if plan is not None:
-            new_ops.extend(materialize(program, plan, remap))
+            new_ops.extend(materialize(program, plan, remap, shared, needed))
             position = plan.end
             continue
         op = program.ops[position]
