@@ -12,9 +12,9 @@ step is shorter without it, and all are dropped if together they do not beat
 none.
 
 ``lancet+comet`` takes the best (shortest simulated step, then least exposed
-all-to-all) of: ``lancet``'s plan; ``comet`` with and without dW packing; and
-the exchanges of ``lancet``'s partitioned program decomposed in the same way,
-with its dW packing. Being among the candidates, neither ``lancet`` nor
+all-to-all) of: ``lancet``'s plan; ``comet``'s, without and with dW packing;
+and the exchanges of ``lancet``'s partitioned program decomposed in the same
+way, with its dW packing. Being among the candidates, neither ``lancet`` nor
 ``comet`` can be estimated faster than it.
 """
 
@@ -216,12 +216,12 @@ def lancet_comet_plan(
     lancet = lancet_plan(estimates, counts)
     if forced is not None:
         return decompose(estimates, lancet.partitions, lancet.pack_dw, forced=forced)
-    alone = choose_exchanges(estimates.program, estimates.seconds, EXCHANGE_CHUNKS)
+    comet, layers = decompose(estimates, [], pack_dw=False)
     candidates = [
         (lancet, []),
-        decompose(estimates, [], pack_dw=False, choices=alone),
-        decompose(estimates, [], pack_dw=True, choices=alone),
+        (comet, layers),
+        # comet's layers with dW packed into the windows the decomposition leaves.
+        (estimates([], True, comet.decompositions), layers),
+        decompose(estimates, lancet.partitions, lancet.pack_dw),
     ]
-    if lancet.partitions:
-        candidates.append(decompose(estimates, lancet.partitions, lancet.pack_dw))
     return min(candidates, key=lambda candidate: candidate[0].rank)

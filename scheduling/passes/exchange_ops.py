@@ -56,7 +56,9 @@ def _rotate(x: jax.Array, *, axis_name: Any, split: Split, pieces: int, toward: 
         taken = offsets - index + pieces
     taken = lax.rem(taken, jnp.int32(pieces))
     rotated = jnp.take(grouped, taken, axis=axis, mode="clip")
-    return rotated.reshape(x.shape)
+    # As for a join (``chunk_ops``): a reduction of the result must not be fused into
+    # the gather, where XLA would sum in another order.
+    return lax.optimization_barrier(rotated.reshape(x.shape))
 
 
 def _ppermute(x: jax.Array, *, axis_name: Any, shift: int, pieces: int) -> jax.Array:
