@@ -16,7 +16,7 @@
 
 Every figure here is the simulator's (the cost model and the two-stream timeline).
 
-    python -m experiments.comet_eval [--quick]
+    python -m experiments.comet_eval [--quick] [--step-gpus 16,32] [--step-models M1;M2]
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -250,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS / "comet_eval.md")
+    parser.add_argument("--step-gpus", default="16,32", help="(b): device counts, comma-separated")
+    parser.add_argument("--step-models", help="(b): models of lancet_eval, ';'-separated")
     parser.add_argument("--layers", type=int, help=argparse.SUPPRESS)  # worker: GPUs
     parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)  # worker: GPUs
     parser.add_argument("--models", help=argparse.SUPPRESS)
@@ -267,8 +270,10 @@ def main(argv: list[str] | None = None) -> int:
     quick = ["--quick"] if args.quick else []
     layers = _in_workers("layers", (8,) if args.quick else (8, 16), quick)
     models = list(MODELS)[:1] if args.quick else list(MODELS)
-    steps = _in_workers("steps", (16,) if args.quick else (16, 32), ["--models", ";".join(models)])
-    command = "python -m experiments.comet_eval " + " ".join(argv or sys.argv[1:])
+    models = args.step_models.split(";") if args.step_models else models
+    gpu_counts = (16,) if args.quick else tuple(int(g) for g in args.step_gpus.split(","))
+    steps = _in_workers("steps", gpu_counts, ["--models", ";".join(models)])
+    command = "python -m experiments.comet_eval " + shlex.join(argv or sys.argv[1:])
     sections = [
         "# COMET evaluation",
         "",
