@@ -271,9 +271,11 @@ def plan_region(
     plan.seeds = list(seeds)
     consumers = consumers_of(program) if consumers is None else consumers
     skip = {b} if rounds else set()  # rounds: B's operand goes back piece by piece
+    # In program order (not set order), so that the plan is the same from run to run.
+    results = [value for p in chunked for value in program.ops[p].outputs]
     plan.escaping = [
         value
-        for value in region - set(dispatch.outputs if rounds else ())
+        for value in results
         if any(r not in inside and r not in skip for r in consumers.get(value, ()))
     ]
     if rounds:  # A's result itself is never whole: any other reader needs it joined
