@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         "figure. `none` is the captured program in its own order, every collective",
         "synchronous; tutel-N pipelines each MoE layer's all-to-alls and experts in N chunks",
         "(`expert_pipeline`); `comet` decomposes each exchange, forward and backward, per",
-        "source (rounds) or in chunks, chosen per exchange by the cost model. The speedup",
+        "source (rounds) or in chunks, chosen per MoE layer by the cost model. The speedup",
         "bound is none / max(compute, communication) of the captured program.",
         "",
         "## (a) One MoE layer, forward and backward",
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         *_layer_table(layers),
         "",
-        "comet's choice per exchange:",
+        "comet's choice per MoE layer (forward and backward together):",
         "",
         *sorted(
             {
