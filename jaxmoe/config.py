@@ -18,8 +18,12 @@ from typing import Any
 DTYPES = ("float32", "bfloat16")
 # The policies of scheduling.SchedulePolicy (kept here so that reading a config does not
 # import JAX; a test checks that the two agree).
-SCHEDULES = ("none", "async", "dw", "partition", "lancet", "expert_pipeline")
-SCHEDULE_PROFILES = ("a100", "v100", "cpu", "a100-8x-nvlink-400g", "v100-8x-nvlink-100g")
+SCHEDULES = (
+    "none", "async", "dw", "partition", "lancet", "expert_pipeline", "comet", "lancet+comet"
+)  # fmt: skip
+SCHEDULE_PROFILES = (
+    "a100", "v100", "cpu", "a100-8x-nvlink-400g", "v100-8x-nvlink-100g", "h100-8x-nvlink-3200g"
+)  # fmt: skip
 OP_COSTS = ("analytic", "measured")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ON_NONFINITE = ("stop", "skip")
@@ -261,6 +265,9 @@ class TrainConfig:
     # (scheduling.socket_all_to_all), where they overlap computation; XLA:CPU runs its own
     # async pairs synchronously. Ignored elsewhere.
     schedule_socket_all_to_all: bool = False
+    # comet: decompose every MoE exchange this way ("rounds:G", "chunks:N") whatever the
+    # estimate ("": the cost model chooses per layer).
+    schedule_exchange: str = ""
     # Checkpoints (written under --out): every this many steps, and at the end of the run
     # and on SIGTERM/SIGINT; 0 = only at the end and on a signal. The last
     # keep_checkpoints are kept.
@@ -328,6 +335,18 @@ class TrainConfig:
             self.schedule != "expert_pipeline" or self.schedule_partition_chunks,
             "train.schedule=expert_pipeline needs its degree: set train.schedule_partition_chunks "
             "to 2..8 (degree 1 is --schedule async)",
+        )
+        kind, _, pieces = self.schedule_exchange.partition(":")
+        _require(
+            not self.schedule_exchange
+            or (kind in ("rounds", "chunks") and pieces.isdigit() and int(pieces) >= 2),
+            f"train.schedule_exchange={self.schedule_exchange!r}: write rounds:G (G the expert "
+            "group) or chunks:N (N >= 2), or leave it empty for the cost model's choice",
+        )
+        _require(
+            not self.schedule_exchange or self.schedule in ("comet", "lancet+comet"),
+            f"train.schedule_exchange applies to --schedule comet or lancet+comet, not "
+            f"{self.schedule!r}",
         )
         _require(
             self.schedule_op_costs in OP_COSTS,

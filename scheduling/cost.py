@@ -24,7 +24,16 @@ from scheduling.link_model import CollectiveCurves
 
 # Ops that only relabel or view memory.
 FREE_PRIMITIVES = frozenset(
-    {"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "stop_gradient", "copy_p", "pvary"}
+    {
+        "reshape",
+        "squeeze",
+        "expand_dims",
+        "broadcast_in_dim",
+        "stop_gradient",
+        "copy_p",
+        "pvary",
+        "optimization_barrier",
+    }
 )
 # Elementwise ops that cost several FLOPs per element.
 TRANSCENDENTAL = frozenset(
@@ -149,12 +158,10 @@ def _group_size(op: Op, axis_sizes: dict[str, int]) -> int:
     return math.prod(axis_sizes.get(axis, 1) for axis in _group_axes(op))
 
 
-def members_per_node(axes: tuple[str, ...], axis_sizes: dict[str, int], per_node: int) -> int:
-    """Members of a collective group over ``axes`` that share a node with its first member.
-
-    Devices are numbered row-major over the mesh axes (in ``axis_sizes`` order), and
-    nodes hold ``per_node`` consecutive devices.
-    """
+def group_members(axes: tuple[str, ...], axis_sizes: dict[str, int]) -> list[int]:
+    """Device ids of the collective group over ``axes`` that holds device 0, in the order of
+    the group's own (linear) index. Devices are numbered row-major over the mesh axes (in
+    ``axis_sizes`` order)."""
     strides, stride = {}, 1
     for name in reversed(list(axis_sizes)):
         strides[name] = stride
@@ -163,7 +170,13 @@ def members_per_node(axes: tuple[str, ...], axis_sizes: dict[str, int], per_node
     for axis in axes:
         if axis in axis_sizes:
             members = [m + k * strides[axis] for m in members for k in range(axis_sizes[axis])]
-    return sum(1 for m in members if m < per_node)
+    return members
+
+
+def members_per_node(axes: tuple[str, ...], axis_sizes: dict[str, int], per_node: int) -> int:
+    """Members of a collective group over ``axes`` that share a node with its first member
+    (nodes hold ``per_node`` consecutive devices)."""
+    return sum(1 for m in group_members(axes, axis_sizes) if m < per_node)
 
 
 def collective_wire_bytes(op: Op, axis_sizes: dict[str, int]) -> float:
@@ -225,11 +238,35 @@ class CostModel:
             if measured is not None:
                 return measured
         profile = self.profile
+        if profile.devices_per_node and op.primitive == "ppermute":
+            return self._permutation(op)
         if profile.devices_per_node:
             local = members_per_node(_group_axes(op), self.axis_sizes, profile.devices_per_node)
             if local < group:
                 return self._across_nodes(op, group, local)
         return profile.link_latency_s + wire / profile.link_bytes_per_s
+
+    def _permutation(self, op: Op) -> float:
+        """A ``ppermute`` on a profile with nodes: pairs inside a node use the device link;
+        the pairs that leave (or enter) a node share its node link."""
+        profile = self.profile
+        operand = sum(aval_bytes(a.aval) for a in op.inputs)
+        members = group_members(_group_axes(op), self.axis_sizes)
+        node = [member // profile.devices_per_node for member in members]
+        crossing: dict[tuple[str, int], int] = {}
+        inside = False
+        for source, target in op.eqn.params["perm"]:
+            if node[source] == node[target]:
+                inside = inside or source != target
+                continue
+            for key in (("out", node[source]), ("in", node[target])):
+                crossing[key] = crossing.get(key, 0) + 1
+        seconds = operand / profile.link_bytes_per_s if inside else 0.0
+        latency = profile.link_latency_s
+        if crossing:
+            latency += profile.node_link_latency_s
+            seconds = max(seconds, max(crossing.values()) * operand / profile.node_link_bytes_per_s)
+        return latency + seconds
 
     def _across_nodes(self, op: Op, group: int, local: int) -> float:
         """A collective whose group spans ``group // local`` nodes of ``local`` members.

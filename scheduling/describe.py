@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING
 
 from scheduling.capture import Phase, Program
 from scheduling.cost import CostModel, collective_wire_bytes
+from scheduling.exchange_plan import ExchangeChoice
 from scheduling.graph import Graph, Kind, Node, Role
 from scheduling.passes.partition_search import PartitionChoice
 from scheduling.passes.split_async import splittable
 from scheduling.policy import SchedulePolicy
-from scheduling.report import CollectiveReport, PartitionReport, ScheduleReport
+from scheduling.report import CollectiveReport, ExchangeReport, PartitionReport, ScheduleReport
 from scheduling.simulate import CollectiveTiming, Timeline, simulate
 from scheduling.step_estimate import node_seconds
 from scheduling.trace import chrome_trace
@@ -153,8 +154,22 @@ def build_report(
         exposed_communication_seconds=timeline.exposed_communication_seconds,
         not_understood=not_understood,
         partitions=[_partition_report(original, choice) for choice in planned.partitions],
+        exchanges=[_exchange_report(choice) for choice in planned.exchanges],
         kept_synchronous=kept_synchronous,
         trace=chrome_trace(graph, timeline, name=f"schedule {policy.name}"),
+    )
+
+
+def _exchange_report(choice: ExchangeChoice) -> ExchangeReport:
+    return ExchangeReport(
+        layer=choice.layer,
+        phases=choice.phases,
+        decomposition=choice.chosen or "none",
+        undecomposed_seconds=choice.undecomposed_seconds,
+        estimated_seconds=choice.estimated_seconds,
+        estimated_gain_seconds=choice.undecomposed_seconds - choice.estimated_seconds,
+        candidates=dict(choice.estimates),
+        why=choice.why,
     )
 
 

@@ -12,6 +12,7 @@ from scheduling.capture import Program, Value, capture
 from scheduling.cost import CostModel
 from scheduling.describe import build_report
 from scheduling.emit import ScheduledStep, emit
+from scheduling.exchange_plan import ExchangeChoice, comet_plan, lancet_comet_plan
 from scheduling.graph import Graph
 from scheduling.joint_plan import lancet_plan, partition_plan
 from scheduling.link_model import CollectiveCurves
@@ -107,6 +108,7 @@ class Plan(NamedTuple):
     graph: Graph  # of the program as rewritten (partitioned ranges included)
     schedule: Schedule
     partitions: list[PartitionChoice]
+    exchanges: Sequence[ExchangeChoice] = ()  # comet: every exchange, what was done with it
 
 
 def plan(
@@ -131,7 +133,12 @@ def plan(
     estimates = StepEstimates(program, layouts, policy, cost)
     counts = CHUNK_COUNTS if policy.partition_chunks is None else (policy.partition_chunks,)
     pack_dw = policy.name in PACKING_DW
-    if policy.name == "expert_pipeline":
+    exchanges: list[ExchangeChoice] = []
+    if policy.name == "comet":
+        best, exchanges = comet_plan(estimates, policy.exchange_decomposition)
+    elif policy.name == "lancet+comet":
+        best, exchanges = lancet_comet_plan(estimates, counts, policy.exchange_decomposition)
+    elif policy.name == "expert_pipeline":
         assert layouts is not None and policy.partition_chunks is not None
         pipelines = expert_pipelines(program, layouts, policy.partition_chunks, cost.seconds)
         best = estimates(pipelines, pack_dw=False)
@@ -141,4 +148,4 @@ def plan(
         best = partition_plan(estimates, counts, policy.partition_always, pack_dw)
     else:
         best = estimates([], pack_dw)
-    return Plan(best.graph, best.schedule, best.partitions)
+    return Plan(best.graph, best.schedule, best.partitions, exchanges)

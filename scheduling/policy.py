@@ -6,9 +6,11 @@ from dataclasses import dataclass
 
 from scheduling.cost import PROFILES, DeviceProfile
 
-POLICIES = ("none", "async", "dw", "partition", "lancet", "expert_pipeline")
+POLICIES = (
+    "none", "async", "dw", "partition", "lancet", "expert_pipeline", "comet", "lancet+comet"
+)  # fmt: skip
 # Policies that partition forward ranges around the MoE layers, and that pack dW work.
-PARTITIONING = frozenset({"partition", "lancet", "expert_pipeline"})
+PARTITIONING = frozenset({"partition", "lancet", "expert_pipeline", "lancet+comet"})
 PACKING_DW = frozenset({"dw", "lancet"})
 
 
@@ -23,6 +25,10 @@ class SchedulePolicy:
     ``expert_pipeline``: the Tutel-style baseline: only each MoE layer's dispatch
     all-to-all, experts and return all-to-all, cut into ``partition_chunks`` chunks
     (the pipelining degree), with no search.
+    ``comet``: ``async`` plus each MoE layer's exchange, forward and backward,
+    decomposed so that the expert computation runs piece by piece as its tokens
+    arrive (per-source rounds or chunks, chosen per layer by the cost model).
+    ``lancet+comet``: the best of ``lancet``, ``comet`` and the two composed.
     """
 
     name: str = "dw"
@@ -52,6 +58,9 @@ class SchedulePolicy:
     # (scheduling.socket_all_to_all), which overlap the computation planned between
     # them; XLA:CPU runs its own async pairs synchronously. Ignored elsewhere.
     socket_all_to_all: bool = False
+    # comet: decompose every exchange this way ("rounds:G", "chunks:N") wherever it applies,
+    # whatever the estimate (for measuring, and for checking exactness).
+    exchange_decomposition: str | None = None
 
     def __post_init__(self) -> None:
         if self.name not in POLICIES:
@@ -77,6 +86,18 @@ class SchedulePolicy:
                 "SchedulePolicy.partition_chunks: expert_pipeline needs the pipelining degree "
                 "(2..8; degree 1 is the 'async' policy)"
             )
+        if self.exchange_decomposition is not None:
+            kind, _, pieces = self.exchange_decomposition.partition(":")
+            if kind not in ("rounds", "chunks") or not pieces.isdigit() or int(pieces) < 2:
+                raise ValueError(
+                    f"SchedulePolicy.exchange_decomposition={self.exchange_decomposition!r}: "
+                    "write 'rounds:G' (G the exchange's group) or 'chunks:N' (N >= 2)"
+                )
+            if self.name not in ("comet", "lancet+comet"):
+                raise ValueError(
+                    "SchedulePolicy.exchange_decomposition applies to the comet and "
+                    f"lancet+comet policies, not {self.name!r}"
+                )
         if self.op_costs not in ("analytic", "measured"):
             raise ValueError(
                 f"SchedulePolicy.op_costs={self.op_costs!r}: choose 'analytic' or 'measured'"

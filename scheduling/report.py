@@ -45,6 +45,21 @@ class PartitionReport:
 
 
 @dataclass
+class ExchangeReport:
+    """One MoE layer's exchange regions, forward and backward (``comet`` policies)."""
+
+    layer: str
+    phases: list[str]  # of its exchanges, in program order
+    # "rounds:G", "chunks:N", "... (forward only)", "... (backward only)", or "none"
+    decomposition: str
+    undecomposed_seconds: float  # its regions alone, as captured, on two streams, summed
+    estimated_seconds: float  # the regions as planned
+    estimated_gain_seconds: float
+    candidates: dict[str, float]  # every decomposition that applies -> its estimate
+    why: str = ""  # why it was left undecomposed (or "forced")
+
+
+@dataclass
 class ScheduleReport:
     policy: str
     profile: str
@@ -70,6 +85,7 @@ class ScheduleReport:
     not_understood: list[str] = field(default_factory=list)  # opaque ops, collectives w/o async
     kept_synchronous: list[str] = field(default_factory=list)  # by policy (kinds, min bytes)
     partitions: list[PartitionReport] = field(default_factory=list)
+    exchanges: list[ExchangeReport] = field(default_factory=list)
     # The simulated timeline as a Chrome trace (see scheduling.trace); not part of to_json.
     trace: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -156,6 +172,14 @@ class ScheduleReport:
                 f"{p.deferred_ops} deferred; estimate {p.estimated_seconds * 1e6:.1f} us "
                 f"(was {p.unpartitioned_seconds * 1e6:.1f}, gain "
                 f"{p.estimated_gain_seconds * 1e6:.1f})"
+            )
+        for x in self.exchanges:
+            tried = ", ".join(f"{k} {v * 1e6:.1f}" for k, v in x.candidates.items()) or "none"
+            lines.append(
+                f"MoE layer {x.layer} ({', '.join(x.phases)}): {x.decomposition}, estimate "
+                f"{x.estimated_seconds * 1e6:.1f} us (was {x.undecomposed_seconds * 1e6:.1f}, "
+                f"gain {x.estimated_gain_seconds * 1e6:.1f}); tried: {tried}"
+                + (f"; {x.why}" if x.why else "")
             )
         if self.kept_synchronous:
             lines.append(f"kept synchronous by policy: {len(self.kept_synchronous)} collectives")

@@ -10,13 +10,15 @@ across the many candidates one plan weighs.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scheduling.capture import Op, Program
 from scheduling.cost import CostModel
 from scheduling.graph import Graph, Node, Role
 from scheduling.passes import Placement, order, schedule_dw, split_async
 from scheduling.passes.batch_layout import BatchLayouts
+from scheduling.passes.decompose_exchange import decompose_program
+from scheduling.passes.exchange_regions import RegionPlan
 from scheduling.passes.order import Schedule
 from scheduling.passes.partition_forward import partition_program
 from scheduling.passes.partition_search import PartitionChoice
@@ -59,6 +61,8 @@ class StepEstimate:
     graph: Graph
     schedule: Schedule
     timeline: Timeline
+    # Exchange regions decomposed (positions in the program after partitioning).
+    decompositions: list[RegionPlan] = field(default_factory=list)
 
     @property
     def step_seconds(self) -> float:
@@ -100,19 +104,43 @@ class StepEstimates:
         self.seconds_of_op = cost.seconds
         self.seconds = node_seconds(cost)
         self._memo: dict[tuple, StepEstimate] = {}
+        self._programs: dict[tuple, Program] = {}
 
-    def __call__(self, partitions: Sequence[PartitionChoice], pack_dw: bool) -> StepEstimate:
-        key = (tuple((c.plan.begin, c.plan.end, c.plan.n) for c in partitions), pack_dw)
-        if key not in self._memo:
+    def partitioned(self, partitions: Sequence[PartitionChoice]) -> Program:
+        """The program with ``partitions`` applied (memoised)."""
+        key = tuple((c.plan.begin, c.plan.end, c.plan.n) for c in partitions)
+        if key not in self._programs:
             program = self.program
             if partitions:
                 assert self.layouts is not None, "partitioning needs the batch layouts"
                 plans = [choice.plan for choice in partitions]
                 program = partition_program(self.program, self.layouts, plans)
+            self._programs[key] = program
+        return self._programs[key]
+
+    def __call__(
+        self,
+        partitions: Sequence[PartitionChoice],
+        pack_dw: bool,
+        decompositions: Sequence[RegionPlan] = (),
+    ) -> StepEstimate:
+        key = (
+            tuple((c.plan.begin, c.plan.end, c.plan.n) for c in partitions),
+            pack_dw,
+            tuple(
+                (d.begin, str(d.decomposition), d.decomposition.piece_axis) for d in decompositions
+            ),
+        )
+        if key not in self._memo:
+            program = self.partitioned(partitions)
+            if decompositions:
+                program = decompose_program(program, list(decompositions))
             graph, schedule, timeline = schedule_program(
                 program, self.policy, self.seconds, pack_dw
             )
-            self._memo[key] = StepEstimate(list(partitions), pack_dw, graph, schedule, timeline)
+            self._memo[key] = StepEstimate(
+                list(partitions), pack_dw, graph, schedule, timeline, list(decompositions)
+            )
         return self._memo[key]
 
     def keep_what_pays(

@@ -87,6 +87,7 @@ def schedule_policy(config: Config) -> scheduling.SchedulePolicy:
         partition_chunks=train.schedule_partition_chunks or None,
         partition_always=train.schedule_partition_always,
         socket_all_to_all=train.schedule_socket_all_to_all,
+        exchange_decomposition=train.schedule_exchange or None,
     )
 
 

@@ -4,7 +4,10 @@
 pipelined chunks (rules in ``partition_rules``, layouts from
 ``batch_layout``, new ops from ``chunk_ops``); ``split_async`` turns
 collectives into start/done pairs; ``schedule_dw`` packs dW work into the
-backward all-to-all windows; ``order`` produces the final order.
+backward all-to-all windows; ``exchange_regions`` recognises each MoE layer's
+dispatch/combine all-to-all pair and ``decompose_exchange`` rewrites it into
+per-source rounds or chunks (new ops from ``exchange_ops``); ``order``
+produces the final order.
 """
 
 from scheduling.passes.order import Schedule, order

@@ -79,19 +79,29 @@ def _traced(fn: Callable[..., Any], keywords: tuple[tuple[str, Any], ...], signa
 
 
 def _inline(
-    fn: Callable[..., Any], args: Sequence[Atom], name_stack: str, **keywords: Any
+    fn: Callable[..., Any],
+    args: Sequence[Atom],
+    name_stack: str,
+    phase: Phase = Phase.FORWARD,
+    **keywords: Any,
 ) -> tuple[list[Op], Value]:
-    """``fn(*args, **keywords)`` as ops over ``args`` (traced once per signature)."""
+    """``fn(*args, **keywords)`` as ops over ``args`` in ``phase`` (traced once per signature)."""
     signature = tuple(
         (tuple(a.aval.shape), a.aval.dtype, bool(getattr(a.aval, "weak_type", False))) for a in args
     )
     closed = _traced(fn, tuple(sorted(keywords.items())), signature)
-    ops, (result,) = inline_jaxpr(closed, args, name_stack, Phase.FORWARD)
+    ops, (result,) = inline_jaxpr(closed, args, name_stack, phase)
     return ops, result
 
 
 def take_chunk(
-    value: Atom, split: Split, batch_size: int, n: int, chunk: int, name_stack: str
+    value: Atom,
+    split: Split,
+    batch_size: int,
+    n: int,
+    chunk: int,
+    name_stack: str,
+    phase: Phase = Phase.FORWARD,
 ) -> tuple[list[Op], Value]:
     """Ops that cut chunk ``chunk`` of ``n`` out of a split value."""
     rows = batch_size // n * split.inner
@@ -99,6 +109,7 @@ def take_chunk(
         _take,
         [value],
         name_stack,
+        phase,
         axis=split.axis,
         outer=split.outer,
         start=chunk * rows,
@@ -106,15 +117,19 @@ def take_chunk(
     )
 
 
-def take_slice(value: Atom, axis: int, n: int, name_stack: str) -> tuple[list[Op], Value]:
+def take_slice(
+    value: Atom, axis: int, n: int, name_stack: str, phase: Phase = Phase.FORWARD
+) -> tuple[list[Op], Value]:
     """A ``1/n`` slice along ``axis`` of a value that is uniform along it."""
     rows = value.aval.shape[axis] // n
-    return _inline(_take, [value], name_stack, axis=axis, outer=1, start=0, rows=rows)
+    return _inline(_take, [value], name_stack, phase, axis=axis, outer=1, start=0, rows=rows)
 
 
-def join_chunks(chunks: Sequence[Value], split: Split, name_stack: str) -> tuple[list[Op], Value]:
+def join_chunks(
+    chunks: Sequence[Value], split: Split, name_stack: str, phase: Phase = Phase.FORWARD
+) -> tuple[list[Op], Value]:
     """Ops that reassemble a split value from its chunks."""
-    return _inline(_join, chunks, name_stack, axis=split.axis, outer=split.outer)
+    return _inline(_join, chunks, name_stack, phase, axis=split.axis, outer=split.outer)
 
 
 def apply_carry(

@@ -35,7 +35,7 @@ from scheduling.capture import Op
 
 ELEMENTWISE = frozenset(
     {
-        "abs", "acos", "acosh", "add", "and", "asin", "asinh", "atan", "atan2", "atanh",
+        "abs", "acos", "acosh", "add", "add_any", "and", "asin", "asinh", "atan", "atan2", "atanh",
         "cbrt", "ceil", "clamp", "clz", "convert_element_type", "copy", "copy_p", "cos",
         "cosh", "div", "eq", "erf", "erf_inv", "erfc", "exp", "exp2", "expm1", "floor",
         "ge", "gt", "integer_pow", "is_finite", "le", "lgamma", "digamma", "log", "log1p",

@@ -152,7 +152,7 @@ def test_report_lists_every_collective_by_kind(policy):
 
 def test_report_of_dw_places_work_and_saves(tmp_path):
     _, report = _optimized("dw")
-    graph, schedule, _ = scheduling.plan(_program(), SchedulePolicy(name="dw"))
+    graph, schedule, *_ = scheduling.plan(_program(), SchedulePolicy(name="dw"))
     assert report.dw_ops == sum(kind is Kind.BACKWARD_DW for kind in graph.kinds) > 0
     assert report.forced_placements == len(schedule.placement.forced)
     assert report.withdrawn_placements == len(schedule.withdrawn)
@@ -174,7 +174,7 @@ def test_report_of_none_is_the_baseline():
 
 
 def test_plan_for_none_splits_nothing():
-    graph, schedule, _ = scheduling.plan(_program(), SchedulePolicy(name="none"))
+    graph, schedule, *_ = scheduling.plan(_program(), SchedulePolicy(name="none"))
     assert not [n for n in graph.nodes if n.role is not Role.COMPUTE]
     assert schedule.order == list(range(len(graph.nodes)))
 
@@ -232,8 +232,10 @@ def test_schedule_policy_profiles():
     assert SchedulePolicy().device_profile is scheduling.policy.PROFILES["a100"]
     custom = scheduling.policy.PROFILES["cpu"].with_link(1e9)
     assert SchedulePolicy(profile=custom).device_profile is custom
-    # The partitioning policies need batch arguments: they are tested in test_partition.
-    assert set(scheduling.POLICIES) == {*POLICY_NAMES, "partition", "lancet", "expert_pipeline"}
+    # The partitioning policies need batch arguments: they are tested in test_partition;
+    # the exchange decompositions in test_exchange.
+    partitioning = {"partition", "lancet", "expert_pipeline", "lancet+comet"}
+    assert set(scheduling.POLICIES) == {*POLICY_NAMES, *partitioning, "comet"}
 
 
 def test_xla_gpu_flags():

@@ -1,0 +1,71 @@
+"""The train step with MoE exchanges decomposed (schedules ``comet`` and ``lancet+comet``)
+computes what the plain one computes.
+
+Per-source rounds and chunks of the slots only move data around the same
+arithmetic: each op of the expert computation runs on fewer rows, the weight
+and bias gradients run once on the reassembled values, and routing (hence
+which tokens are dropped) happens before the exchange, so dropped tokens are
+compared exactly. But XLA:CPU compiles the pieces differently from the whole:
+a GEMM's blocking of the contracted axis depends on its row count, and the
+elementwise work around the pieces is fused (and contracted into FMAs)
+differently. Values then move by a few ulps from the second or third step on
+(the toy layer in ``tests/scheduling/test_exchange.py`` is bit for bit), so
+the partitioned step's tolerances apply (``tests/train/test_partitioned.py``).
+"""
+
+import dataclasses
+
+import pytest
+
+from jaxmoe.config import Config, ConfigError, MoEConfig, ParallelConfig, TrainConfig
+from jaxmoe.parallel import build_mesh
+from jaxmoe.presets import preset
+from jaxmoe.train.scheduled import plan_train_step
+from tests.train.test_partitioned import assert_same_training
+from tests.train.test_scheduled import run, small, with_schedule
+
+
+def comet(config: Config, schedule: str, exchange: str) -> Config:
+    train = dataclasses.replace(config.train, schedule=schedule, schedule_exchange=exchange)
+    return dataclasses.replace(config, train=train)
+
+
+def test_comet_trains_like_none_over_five_steps():
+    moe = MoEConfig(8, top_k=2, capacity_factor=1.0)
+    config = small(ParallelConfig(2, 4), moe, layers=2, moe_every=1)
+    reference = run(with_schedule(config, "none"), steps=5)
+    assert any(m["dropped_fraction"] > 0 for m in reference[0])
+    assert_same_training(run(comet(config, "comet", "rounds:4"), steps=5), reference)
+
+
+@pytest.mark.parametrize(
+    ("mesh", "moe", "schedule", "exchange"),
+    [
+        ((4, 2), MoEConfig(4, top_k=1, capacity_factor=None), "comet", "chunks:2"),
+        ((2, 4), MoEConfig(8, top_k=2, capacity_factor=None), "lancet+comet", "rounds:4"),
+    ],
+    ids=["4x2-top1-dropless-chunks", "2x4-top2-dropless-lancet+comet"],
+)
+def test_other_layouts_and_lancet_comet_train_like_none(mesh, moe, schedule, exchange):
+    config = small(ParallelConfig(*mesh), moe, layers=2, moe_every=1)
+    reference = run(with_schedule(config, "none"), steps=2)
+    assert_same_training(run(comet(config, schedule, exchange), steps=2), reference)
+
+
+def test_report_gives_every_moe_layer_its_decomposition():
+    config = with_schedule(preset("tiny"), "comet")
+    report = plan_train_step(config, build_mesh(config.parallel)).report
+    moe_layers = {c.layer for c in report.collectives if c.kind == "all_to_all"}
+    assert {x.layer for x in report.exchanges} == moe_layers
+    for layer in report.exchanges:
+        assert layer.phases == ["forward", "backward"]
+        assert layer.candidates and (layer.decomposition != "none" or layer.why)
+    table = report.table()
+    assert all(f"MoE layer {layer}" in table for layer in moe_layers)
+
+
+def test_schedule_exchange_is_checked():
+    with pytest.raises(ConfigError, match="rounds:G"):
+        TrainConfig(schedule="comet", schedule_exchange="rounds")
+    with pytest.raises(ConfigError, match="applies to --schedule comet"):
+        TrainConfig(schedule="dw", schedule_exchange="chunks:2")
