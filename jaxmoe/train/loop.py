@@ -143,7 +143,7 @@ def train(
     log = RunLog(out_dir, config, first_step)
     if grad_sync_choice is not None:
         log.write_grad_sync_choice(grad_sync_choice)
-        if progress and primary:
+        if primary:  # a decision made for the user: said even without progress output
             print(grad_sync_choice.table(), flush=True)
     if planned.report is not None:
         log.write_schedule_report(planned.report)

@@ -35,24 +35,24 @@ EXACT = frozenset({"allreduce", "bucketed", "hierarchical"})
 def make_grad_sync(train: TrainConfig, mesh: Mesh | None = None) -> GradSync:
     """The algorithm ``train.grad_sync`` names, with its settings from ``train``.
 
-    ``mesh`` is needed to build the step of ``hierarchical`` (its hosts); the state's
-    shape and specs need no mesh.
+    ``mesh`` is needed to build the step of ``hierarchical`` and ``int8`` (their hosts);
+    the state's shape and specs need no mesh.
     """
     if train.grad_sync == "auto":
         raise ValueError("train.grad_sync='auto' must be resolved first (grad_sync_choice)")
 
-    def hierarchical() -> Hierarchical:
-        per_host = train.grad_sync_devices_per_host
-        if mesh is not None:
-            per_host = devices_per_host(per_host, mesh)
-        return Hierarchical(train.grad_bucket_bytes, per_host or 1)
+    # Host size: needed only to build the step (the state does not depend on it).
+    per_host = train.grad_sync_devices_per_host
+    if mesh is not None:
+        per_host = devices_per_host(per_host, mesh)
+    per_host = per_host or 1
 
     builders = {
         "allreduce": AllReduce,
         "bucketed": lambda: Bucketed(train.grad_bucket_bytes),
-        "hierarchical": hierarchical,
-        "int8": Int8,
-        "decentralized": Decentralized,
+        "hierarchical": lambda: Hierarchical(train.grad_bucket_bytes, per_host),
+        "int8": lambda: Int8(train.grad_bucket_bytes, per_host),
+        "decentralized": lambda: Decentralized(train.grad_bucket_bytes),
         "decentralized-int8": lambda: DecentralizedInt8(train.grad_bucket_bytes),
         "delayed": Delayed,
     }
