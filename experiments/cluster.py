@@ -18,8 +18,12 @@ measures, side by side in one run:
 - ``exposed communication`` = step - compute-only: the communication that the
   step does not hide behind computation.
 
-Everything it creates is removed on exit, on errors and on Ctrl-C. Without
-the rights to create network namespaces it refuses with the reason.
+Before any of it, the shaped link is calibrated (``experiments.link_calibration``):
+a large message must reach 90% of the rate and the same bytes in 8 pieces must take
+within 5% of it, or the run is refused (``--allow-uncalibrated`` runs it under a loud
+warning). ``--calibrate`` only calibrates. The calibration is recorded in every results
+file. Everything it creates is removed on exit, on errors and on Ctrl-C. Without the
+rights to create network namespaces it refuses with the reason.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from experiments.link_calibration import LinkCalibration, calibrate_link, ensure_calibrated
 from experiments.netns import EmulatedNetwork, LinkShape, namespaces_available
 from jaxmoe.config import SCHEDULES, ConfigError
 from jaxmoe.train.cli import config_from_train_args
@@ -142,6 +147,16 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     )
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="only calibrate the shaped link (exit status 1 when it fails its criteria)",
+    )
+    parser.add_argument(
+        "--allow-uncalibrated",
+        action="store_true",
+        help="run on a link that fails calibration (warned, and recorded in the results)",
+    )
+    parser.add_argument(
         "--sweep",
         type=Path,
         help="also sweep collective sizes on the shaped link and write the fitted curves here",
@@ -175,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     if not available:
         print(f"experiments.cluster: cannot create network namespaces: {reason}", file=sys.stderr)
         return 2
+    command = "python -m experiments.cluster " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.calibrate:
+        return _calibrate_only(args, shaped_link, command)
 
     results: dict[str, dict[str, float]] = {name: {} for name in schedules}
     with tempfile.TemporaryDirectory(prefix="jaxmoe-cluster-") as tmp:
@@ -184,6 +202,12 @@ def main(argv: list[str] | None = None) -> int:
         links = [("shaped", shaped_link), ("free", LinkShape(rate_mbit=None))]
         for name, link in links[:1] if args.shaped_only else links:
             with EmulatedNetwork(args.hosts, link) as network:
+                if name == "shaped":
+                    calibration = calibrate_link(network)
+                    if not ensure_calibrated(
+                        calibration, allow_uncalibrated=args.allow_uncalibrated
+                    ):
+                        return 3
                 cluster = Cluster(network, workdir, name)
                 for schedule in schedules:
                     step, tokens_per_s = cluster.train(
@@ -196,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
                 if name == "shaped" and args.sweep is not None:
                     cluster.sweep(config, args, args.sweep.resolve())
+                    record_calibration(args.sweep, calibration, command)
 
     unmeasured = float("nan")  # --shaped-only: no run on the free link
     rows = []
@@ -213,9 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     communication = results["collectives_shaped"]["seconds"]
     residual = results.get("collectives_free", {}).get("seconds", unmeasured)
     report = {
-        "command": "python -m experiments.cluster "
-        + " ".join(sys.argv[1:] if argv is None else argv),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores",
+        "command": command,
+        "machine": machine(),
+        "link_calibration": calibration.to_dict(),
         "hosts": args.hosts,
         "devices_per_host": args.devices_per_host,
         "link_mbit": args.link_mbit,
@@ -234,12 +259,43 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def machine() -> str:
+    """The host, for results files (timings depend on its cores, shared by every process)."""
+    return f"{platform.machine()}, {os.cpu_count()} CPU cores"
+
+
+def record_calibration(path: Path, calibration: LinkCalibration, command: str) -> None:
+    """Add the link's calibration (and the command) to a JSON results file written by another
+    module on this cluster."""
+    data = json.loads(path.read_text())
+    data["link_calibration"] = calibration.to_dict()
+    data.setdefault("command", command)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def _calibrate_only(args: argparse.Namespace, link: LinkShape, command: str) -> int:
+    with EmulatedNetwork(max(args.hosts, 2), link) as network:
+        calibration = calibrate_link(network)
+    print(calibration.summary())
+    if args.json is not None:
+        report = {"command": command, "machine": machine(), **calibration.to_dict()}
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0 if calibration.passed else 1
+
+
 def format_table(report: dict) -> str:
     header = (
         f"{report['hosts']} hosts x {report['devices_per_host']} devices, link "
         f"{report['link_mbit']:g} Mbit/s, delay {report['delay_ms']:g} ms, preset "
         f"{report['preset']}, {report['steps']} steps (median after {report['warmup']})"
     )
+    calibration = report.get("link_calibration")
+    if calibration is not None:
+        verdict = "calibrated" if calibration["passed"] else "NOT CALIBRATED"
+        header += (
+            f"\nlink {verdict}: a large message at {calibration['rate_fraction']:.1%} of the "
+            f"rate, {calibration['pieces']} pieces {calibration['pieces_ratio']:.3f}x one message"
+        )
     lines = [
         header,
         "",

@@ -71,13 +71,18 @@ BRIDGE = "br0"
 """Name of the bridge inside the switch namespace."""
 
 TBF_LATENCY_MS = 50
-"""Longest a packet may wait in a ``tbf`` queue before it is dropped (sets the queue size)."""
+"""Longest a packet may wait in a ``tbf`` queue before it is dropped (sets the queue size):
+far above the round trip between namespaces, so TCP fills the link without drops."""
 
-TBF_MIN_BURST_BYTES = 32 * 1024
-"""Smallest ``tbf`` bucket: a few full-size packets, so a single GSO burst is not starved."""
+TBF_MIN_BURST_BYTES = 4096
+"""Smallest ``tbf`` bucket: two full-size frames and a little (tbf splits GSO bursts)."""
 
-TBF_BURST_SECONDS = 0.01
-"""Above the minimum, the bucket holds 10 ms worth of line rate (timer granularity slack)."""
+TBF_BURST_SECONDS = 0.000125
+"""Above the minimum, the bucket holds 0.125 ms of line rate. A bucket refills while the
+link is idle (during computation) and then lets that much out at memory speed, so it must
+be small against a message: a 10 ms bucket let 8 pieces of a 2 MB exchange through at
+nearly twice the line rate. A fraction of a millisecond still lets TCP reach line rate on
+these hosts up to a few hundred Mbit/s (``experiments.link_calibration`` measures it)."""
 
 NETEM_LIMIT_PACKETS = 100_000
 """Packets netem may hold while delaying them (its default of 1000 drops at high rates)."""
@@ -115,6 +120,13 @@ class LinkShape:
                 f"got {self.delay_ms!r}"
             )
 
+    @property
+    def bucket_bytes(self) -> int | None:
+        """Size of the ``tbf`` bucket that shapes the rate (``None`` when unshaped)."""
+        if self.rate_mbit is None:
+            return None
+        return max(TBF_MIN_BURST_BYTES, round(self.rate_mbit * 1e6 / 8 * TBF_BURST_SECONDS))
+
     def tc_commands(self, namespace: str, device: str, *, with_delay: bool) -> list[list[str]]:
         """The ``tc`` commands that shape egress of ``device`` in ``namespace``.
 
@@ -135,13 +147,12 @@ class LinkShape:
             )
         if self.rate_mbit is not None:
             rate_bit = max(1, round(self.rate_mbit * 1_000_000))
-            burst_bytes = max(TBF_MIN_BURST_BYTES, round(rate_bit / 8 * TBF_BURST_SECONDS))
             parent = ("parent", "1:1", "handle", "10:") if delay else ("root", "handle", "10:")
             commands.append(
                 [
                     *tc,
                     *parent,
-                    *("tbf", "rate", f"{rate_bit}bit", "burst", str(burst_bytes)),
+                    *("tbf", "rate", f"{rate_bit}bit", "burst", str(self.bucket_bytes)),
                     *("latency", f"{TBF_LATENCY_MS}ms"),
                 ]
             )
