@@ -2,7 +2,8 @@
 
     sudo .venv/bin/python -m experiments.grad_sync_eval [--links 50,300,1000] [--repeats 2]
 
-On the emulated cluster (``experiments.cluster``, ``experiments.netns``): 2 hosts x 4
+On the emulated cluster (``experiments.cluster``, ``experiments.netns``), each link
+calibrated first (``experiments.link_calibration``; refused if it fails): 2 hosts x 4
 fake devices, layout data 2 x expert 4 (each expert group inside one host, so the link
 between hosts carries the data-parallel gradient synchronisation and the metric
 reductions). For each link speed, every algorithm trains the same run side by side,
@@ -32,6 +33,7 @@ from pathlib import Path
 
 from experiments.cluster import Cluster
 from experiments.grad_sync_report import write_report
+from experiments.link_calibration import calibrate_link, ensure_calibrated
 from experiments.netns import EmulatedNetwork, LinkShape, namespaces_available
 from jaxmoe.parallel.grad_sync import ALGORITHMS
 from jaxmoe.train.cli import config_from_train_args, ensure_host_devices
@@ -112,7 +114,11 @@ def _parse(argv):
     parser.add_argument(
         "--link-curves", type=Path, help="measured link curves to give auto (its cost model)"
     )
-    parser.add_argument("--calibration", help="how the link was calibrated, for the record")
+    parser.add_argument(
+        "--allow-uncalibrated",
+        action="store_true",
+        help="measure on a link that fails calibration (warned, and recorded in the results)",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke test: 50 Mbit/s, 6 steps")
     parser.add_argument("--out", type=Path, default=RESULTS / "grad_sync_eval.md")
     return parser.parse_known_args(argv)
@@ -130,12 +136,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     ensure_host_devices(HOSTS * DEVICES_PER_HOST)  # for auto's estimates, in this process
     runs: list[dict] = []
-    choices = {}
+    choices, calibrations = {}, {}
     with tempfile.TemporaryDirectory(prefix="jaxmoe-grad-sync-") as tmp:
         for link in links:
             choices[link] = auto_choice(args, extra, link)
             print(f"{link:g} Mbit/s: auto -> {choices[link]['chosen']}", flush=True)
             with EmulatedNetwork(HOSTS, LinkShape(rate_mbit=link)) as network:
+                calibration = calibrate_link(network)
+                calibrations[f"{link:g}"] = calibration.to_dict()
+                if not ensure_calibrated(calibration, allow_uncalibrated=args.allow_uncalibrated):
+                    return 1
                 cluster = Cluster(network, Path(tmp), f"{link:g}mbit")
                 runs += measure_link(cluster, args, extra, algorithms, link)
     argv_text = " ".join(sys.argv[1:] if argv is None else argv)
@@ -144,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores",
         "hosts": HOSTS,
         "devices_per_host": DEVICES_PER_HOST,
-        "calibration": args.calibration,
+        "link_calibration": calibrations,
         "config": config_from_train_args(train_args(args, extra)).to_dict(),
         "steps": args.steps,
         "warmup": args.warmup,

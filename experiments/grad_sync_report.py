@@ -93,7 +93,15 @@ def format_markdown(result: dict, table: dict[str, dict[str, dict]]) -> str:
         "data-parallel gradient synchronisation), preset tiny, batch "
         f"{config['train']['batch_size']}, {result['steps']} steps per run, links shaped with "
         "`tc tbf`.",
-        f"Link calibration: {result['calibration'] or 'none recorded'}.",
+        "Link calibration (`experiments.link_calibration`, run before each link's "
+        "measurements): "
+        + "; ".join(
+            f"{link} Mbit/s: a {c['message_bytes'] / 2**20:.2f} MiB message at "
+            f"{c['rate_fraction']:.1%} of the rate, 8 pieces {c['pieces_ratio']:.3f}x one "
+            f"message, {'calibrated' if c['passed'] else 'NOT CALIBRATED'}"
+            for link, c in result["link_calibration"].items()
+        )
+        + ".",
         "",
         "- **step**: median step time after the first "
         f"{result['warmup']} steps, median over repeats (spread: min-max of the repeats);",
