@@ -135,34 +135,35 @@ def main(argv: list[str] | None = None) -> int:
         print(f"grad_sync_eval: cannot create network namespaces: {reason}", file=sys.stderr)
         return 2
     ensure_host_devices(HOSTS * DEVICES_PER_HOST)  # for auto's estimates, in this process
-    runs: list[dict] = []
-    choices, calibrations = {}, {}
-    with tempfile.TemporaryDirectory(prefix="jaxmoe-grad-sync-") as tmp:
-        for link in links:
-            choices[link] = auto_choice(args, extra, link)
-            print(f"{link:g} Mbit/s: auto -> {choices[link]['chosen']}", flush=True)
-            with EmulatedNetwork(HOSTS, LinkShape(rate_mbit=link)) as network:
-                calibration = calibrate_link(network)
-                calibrations[f"{link:g}"] = calibration.to_dict()
-                if not ensure_calibrated(calibration, allow_uncalibrated=args.allow_uncalibrated):
-                    return 1
-                cluster = Cluster(network, Path(tmp), f"{link:g}mbit")
-                runs += measure_link(cluster, args, extra, algorithms, link)
     argv_text = " ".join(sys.argv[1:] if argv is None else argv)
     result = {
         "command": f"sudo .venv/bin/python -m experiments.grad_sync_eval {argv_text}".strip(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores",
         "hosts": HOSTS,
         "devices_per_host": DEVICES_PER_HOST,
-        "link_calibration": calibrations,
+        "link_calibration": {},
         "config": config_from_train_args(train_args(args, extra)).to_dict(),
         "steps": args.steps,
         "warmup": args.warmup,
         "target_fraction": args.target_fraction,
         "smoothing": SMOOTHING,
-        "runs": runs,
-        "auto": {f"{link:g}": choice for link, choice in choices.items()},
+        "runs": [],
+        "auto": {},
     }
+    with tempfile.TemporaryDirectory(prefix="jaxmoe-grad-sync-") as tmp:
+        for link in links:
+            choice = auto_choice(args, extra, link)
+            result["auto"][f"{link:g}"] = choice
+            print(f"{link:g} Mbit/s: auto -> {choice['chosen']}", flush=True)
+            with EmulatedNetwork(HOSTS, LinkShape(rate_mbit=link)) as network:
+                calibration = calibrate_link(network)
+                result["link_calibration"][f"{link:g}"] = calibration.to_dict()
+                if not ensure_calibrated(calibration, allow_uncalibrated=args.allow_uncalibrated):
+                    return 1
+                cluster = Cluster(network, Path(tmp), f"{link:g}mbit")
+                result["runs"] += measure_link(cluster, args, extra, algorithms, link)
+            if not args.quick:  # the links measured so far, in case a later one fails
+                write_report(result, args.out)
     text = write_report(result, None if args.quick else args.out)
     print(text)
     return 0
