@@ -86,6 +86,7 @@ def format_markdown(result: dict, table: dict[str, dict[str, dict]]) -> str:
         "",
         f"Command: `{result['command']}`",
         "",
+        *([f"**Note.** {result['note']}", ""] if result.get("note") else []),
         "Instrument 1 (emulated cluster): "
         f"{result['hosts']} hosts x {result['devices_per_host']} fake CPU devices "
         f"({result['machine']}), layout data {config['parallel']['data']} x expert "
