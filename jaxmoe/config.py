@@ -28,7 +28,17 @@ OP_COSTS = ("analytic", "measured")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ON_NONFINITE = ("stop", "skip")
 # The algorithms of jaxmoe.parallel.grad_sync (a test checks that the two agree).
-GRAD_SYNCS = ("allreduce", "bucketed", "int8", "decentralized", "delayed")
+GRAD_SYNCS = (
+    "allreduce",
+    "bucketed",
+    "hierarchical",
+    "int8",
+    "decentralized",
+    "decentralized-int8",
+    "delayed",
+)
+# ``train.grad_sync`` may also be "auto": chosen from the cost model at start-up.
+GRAD_SYNC_CHOICES = (*GRAD_SYNCS, "auto")
 
 
 class ConfigError(ValueError):
@@ -277,11 +287,17 @@ class TrainConfig:
     # saved), or skip (drop that update, keep training, count it in the metrics).
     on_nonfinite: str = "stop"
     # How gradients are synchronised across replicas (jaxmoe/parallel/grad_sync/):
-    # allreduce (exact), bucketed (fused psums), int8 (8-bit codes with error feedback),
-    # decentralized (ring gossip), delayed (one step stale).
+    # allreduce (exact), bucketed (fused psums), hierarchical (inside each host, then across
+    # hosts), int8 (8-bit codes with error feedback), decentralized (ring gossip),
+    # decentralized-int8 (ring gossip of 8-bit codes), delayed (one step stale), or auto
+    # (the one the cost model estimates fastest on the link it is told).
     grad_sync: str = "allreduce"
-    # bucketed: the largest bucket of fused gradients (25 MiB, PyTorch DDP's default).
+    # bucketed, hierarchical, decentralized-int8: the largest bucket of fused gradients
+    # (25 MiB, PyTorch DDP's default).
     grad_bucket_bytes: int = 25 * 2**20
+    # hierarchical and auto: consecutive devices of the mesh (row-major) that form one host.
+    # 0: each process is a host (one host in a single-process run).
+    grad_sync_devices_per_host: int = 0
 
     def __post_init__(self) -> None:
         _check_types("train", self)
@@ -364,10 +380,16 @@ class TrainConfig:
             f"train.on_nonfinite={self.on_nonfinite!r}: choose one of {', '.join(ON_NONFINITE)}",
         )
         _require(
-            self.grad_sync in GRAD_SYNCS,
-            f"train.grad_sync={self.grad_sync!r}: choose one of {', '.join(GRAD_SYNCS)}",
+            self.grad_sync in GRAD_SYNC_CHOICES,
+            f"train.grad_sync={self.grad_sync!r}: choose one of {', '.join(GRAD_SYNC_CHOICES)}",
         )
         _positive_int("train", "grad_bucket_bytes", self.grad_bucket_bytes)
+        _require(
+            isinstance(self.grad_sync_devices_per_host, int)
+            and self.grad_sync_devices_per_host >= 0,
+            f"train.grad_sync_devices_per_host={self.grad_sync_devices_per_host!r}: must be an "
+            "integer >= 0 (0: each process is a host)",
+        )
         _require(
             self.schedule_profile in SCHEDULE_PROFILES,
             f"train.schedule_profile={self.schedule_profile!r}: choose one of "
@@ -402,6 +424,13 @@ class Config:
             self.model.vocab_size >= 256 or self.data.path is not None,
             f"model.vocab_size={self.model.vocab_size}: the default byte-level corpus "
             "needs at least 256",
+        )
+        per_host = train.grad_sync_devices_per_host
+        _require(
+            per_host == 0 or parallel.num_devices % per_host == 0,
+            f"train.grad_sync_devices_per_host={per_host} does not divide the "
+            f"{parallel.num_devices} devices (parallel.data x parallel.expert): choose a "
+            "divisor, or 0 for one host per process",
         )
         tokens_per_device = self.tokens_per_device
         _require(

@@ -9,8 +9,9 @@ rebuilds a jit-compiled step, and ``report`` says what was done. Entry point: :f
 """
 
 from scheduling.capture import Program, capture
-from scheduling.cost import PROFILES, DeviceProfile
+from scheduling.cost import PROFILES, CostModel, DeviceProfile
 from scheduling.emit import ScheduledStep, xla_gpu_flags
+from scheduling.link_model import CollectiveCurves
 from scheduling.optimize import optimize, plan
 from scheduling.policy import POLICIES, SchedulePolicy
 from scheduling.report import ScheduleReport
@@ -18,6 +19,8 @@ from scheduling.report import ScheduleReport
 __all__ = [
     "POLICIES",
     "PROFILES",
+    "CollectiveCurves",
+    "CostModel",
     "DeviceProfile",
     "Program",
     "SchedulePolicy",

@@ -154,7 +154,15 @@ def _group_axes(op: Op) -> tuple[str, ...]:
     return tuple(axis for axis in axes if isinstance(axis, str))
 
 
+def _index_groups(op: Op) -> tuple[tuple[int, ...], ...] | None:
+    """The op's ``axis_index_groups`` (subgroups of the devices along its axes), if any."""
+    return op.eqn.params.get("axis_index_groups")
+
+
 def _group_size(op: Op, axis_sizes: dict[str, int]) -> int:
+    groups = _index_groups(op)
+    if groups:
+        return len(groups[0])
     return math.prod(axis_sizes.get(axis, 1) for axis in _group_axes(op))
 
 
@@ -173,10 +181,20 @@ def group_members(axes: tuple[str, ...], axis_sizes: dict[str, int]) -> list[int
     return members
 
 
-def members_per_node(axes: tuple[str, ...], axis_sizes: dict[str, int], per_node: int) -> int:
-    """Members of a collective group over ``axes`` that share a node with its first member
-    (nodes hold ``per_node`` consecutive devices)."""
-    return sum(1 for m in group_members(axes, axis_sizes) if m < per_node)
+def members_per_node(
+    axes: tuple[str, ...],
+    axis_sizes: dict[str, int],
+    per_node: int,
+    index_groups: tuple[tuple[int, ...], ...] | None = None,
+) -> int:
+    """Members of a collective group over ``axes`` (the first of ``index_groups`` when
+    given) that share a node with its first member; nodes hold ``per_node`` consecutive
+    devices."""
+    members = group_members(axes, axis_sizes)
+    if index_groups:
+        members = [members[i] for i in index_groups[0]]
+    node = members[0] // per_node
+    return sum(1 for m in members if m // per_node == node)
 
 
 def collective_wire_bytes(op: Op, axis_sizes: dict[str, int]) -> float:
@@ -241,7 +259,9 @@ class CostModel:
         if profile.devices_per_node and op.primitive == "ppermute":
             return self._permutation(op)
         if profile.devices_per_node:
-            local = members_per_node(_group_axes(op), self.axis_sizes, profile.devices_per_node)
+            local = members_per_node(
+                _group_axes(op), self.axis_sizes, profile.devices_per_node, _index_groups(op)
+            )
             if local < group:
                 return self._across_nodes(op, group, local)
         return profile.link_latency_s + wire / profile.link_bytes_per_s
@@ -273,7 +293,8 @@ class CostModel:
 
         All-to-all: the in-node share goes over each device's link while the rest crosses
         the node link, shared by the node's members, at the same time. Reductions and
-        gathers run hierarchically: within the node, then across nodes.
+        gathers run hierarchically: within the node, then across nodes, where the node's
+        ``per_node / local`` groups (every device runs the collective) share the node link.
         """
         profile = self.profile
         nodes = group // local
@@ -292,9 +313,10 @@ class CostModel:
             volume, passes = operand, 1
         else:  # ppermute and the rest: the whole operand over the node link
             return latency + operand / profile.node_link_bytes_per_s
+        groups_per_node = max(1, profile.devices_per_node // local)
         inside = passes * volume * (local - 1) / local / profile.link_bytes_per_s
         across = passes * volume * (nodes - 1) / nodes / profile.node_link_bytes_per_s
-        return latency + inside + across
+        return latency + inside + across * groups_per_node
 
     def seconds(self, op: Op) -> float:
         return self.collective_seconds(op) if op.is_collective else self.compute_seconds(op)

@@ -119,9 +119,9 @@ def check_compatible(saved: dict[str, Any], config: Config, step: int) -> list[s
             "resume with the saved values, or start a new run with --overwrite"
         )
     # The gradient-sync state is part of the train state, shaped by its algorithm (and,
-    # for int8's per-device residuals, by the layout).
+    # for the per-device residuals of int8 and decentralized-int8, by the layout).
     sync_fields = {"train.grad_sync"}
-    if config.train.grad_sync == "int8":
+    if config.train.grad_sync in ("int8", "decentralized-int8"):
         sync_fields |= {"parallel.data", "parallel.expert"}
     sync = [
         f"{name} {changes[name][0]!r} -> {changes[name][1]!r}"

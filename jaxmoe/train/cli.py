@@ -255,6 +255,8 @@ def _train(config: Config, args: argparse.Namespace) -> int:
     from absl import logging as absl_logging
 
     from jaxmoe.parallel.distributed import initialize
+    from jaxmoe.parallel.mesh import build_mesh
+    from jaxmoe.train.grad_sync_choice import resolve_grad_sync
     from jaxmoe.train.loop import RunStopped, train
     from jaxmoe.train.profiler import parse_profile_steps
 
@@ -268,6 +270,8 @@ def _train(config: Config, args: argparse.Namespace) -> int:
     distributed = _distributed_config(args)
     _prepare_out(args, distributed)
     initialize(distributed)  # before anything starts JAX's backends
+    # Before the resume check: a checkpoint's gradient-sync state fits one algorithm.
+    config, choice = resolve_grad_sync(config, build_mesh(config.parallel))
     resume_step = _resume_point(config, args)
     step_timeout = args.step_timeout
     if step_timeout is None and distributed.enabled:
@@ -280,6 +284,7 @@ def _train(config: Config, args: argparse.Namespace) -> int:
             step_timeout_s=step_timeout,
             resume=resume_step is not None,
             profile_steps=profile,
+            grad_sync_choice=choice,
         )
     except RunStopped as stopped:
         if jax.process_index() == 0:
@@ -301,6 +306,7 @@ def _train(config: Config, args: argparse.Namespace) -> int:
 
 def _schedule(config: Config, args: argparse.Namespace) -> int:
     from jaxmoe.parallel.mesh import build_mesh
+    from jaxmoe.train.grad_sync_choice import CHOICE_FILE, resolve_grad_sync
     from jaxmoe.train.profiler import compare_with_trace, find_trace
     from jaxmoe.train.scheduled import plan_train_step
     from scheduling import gantt
@@ -310,11 +316,17 @@ def _schedule(config: Config, args: argparse.Namespace) -> int:
             "--schedule none leaves the step as it is: choose async, dw, partition or lancet"
         )
     trace = None if args.trace is None else find_trace(args.trace)
-    planned = plan_train_step(config, build_mesh(config.parallel))
+    mesh = build_mesh(config.parallel)
+    config, choice = resolve_grad_sync(config, mesh)
+    if choice is not None:
+        print(choice.table())
+    planned = plan_train_step(config, mesh)
     print(planned.report.table())
     if args.out is not None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
+        if choice is not None:
+            choice.save(out / CHOICE_FILE)
         planned.report.save(out / "schedule_report.json")
         planned.report.save_trace(out / "schedule_timeline.json")
         if gantt.available():

@@ -25,6 +25,7 @@ from jaxmoe.config import Config
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.train.checkpoint import RunCheckpoints
 from jaxmoe.train.data import BatchSampler, load_splits, put_on_mesh
+from jaxmoe.train.grad_sync_choice import GradSyncChoice, resolve_grad_sync
 from jaxmoe.train.metrics import RunLog, host_row
 from jaxmoe.train.profiler import StepProfiler
 from jaxmoe.train.scheduled import plan_train_step
@@ -105,6 +106,7 @@ def train(
     step_timeout_s: float | None = None,
     resume: bool = False,
     profile_steps: tuple[int, int] | None = None,
+    grad_sync_choice: GradSyncChoice | None = None,
 ) -> list[dict[str, Any]]:
     """Train ``config`` up to ``config.train.steps`` steps; returns this run's metric rows.
 
@@ -113,9 +115,13 @@ def train(
     a step (or validation pass) that takes longer ends the process (see
     :mod:`jaxmoe.train.watchdog`): in a multi-process run, a peer died. With
     ``profile_steps=(A, B)``, steps A..B are traced (:mod:`jaxmoe.train.profiler`).
+    ``train.grad_sync auto`` is resolved here unless the caller did (``grad_sync_choice``:
+    its choice, logged with the run).
     """
     profiler = StepProfiler(profile_steps, config.train.steps, out_dir)
     mesh = build_mesh(config.parallel)
+    if config.train.grad_sync == "auto":
+        config, grad_sync_choice = resolve_grad_sync(config, mesh)
     seq_len, batch = config.model.seq_len, config.train.batch_size
     splits = load_splits(config)
     train_batches = BatchSampler(splits.train, seq_len, batch, config.train.seed)
@@ -135,6 +141,10 @@ def train(
 
     primary = jax.process_index() == 0
     log = RunLog(out_dir, config, first_step)
+    if grad_sync_choice is not None:
+        log.write_grad_sync_choice(grad_sync_choice)
+        if primary:  # a decision made for the user: said even without progress output
+            print(grad_sync_choice.table(), flush=True)
     if planned.report is not None:
         log.write_schedule_report(planned.report)
         if progress and primary:

@@ -91,6 +91,11 @@ class RunLog:
             if gantt.available():
                 report.save_gantt(self.out_dir / "schedule_timeline.png")
 
+    def write_grad_sync_choice(self, choice: Any) -> None:
+        """``grad_sync_choice.json``: what ``train.grad_sync auto`` chose and why."""
+        if self.active:
+            choice.save(self.out_dir / "grad_sync_choice.json")
+
     def write(self, row: dict[str, Any]) -> None:
         """Append ``row`` as one line, whole: on a failed write the file is cut back."""
         if self._fd is None:

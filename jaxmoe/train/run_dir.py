@@ -32,6 +32,7 @@ RUN_FILES = (
     "schedule_report.json",
     "schedule_timeline.json",
     "schedule_timeline.png",
+    "grad_sync_choice.json",
     "placement.jsonl",
     "profile",
     CHECKPOINT_DIR,

@@ -102,7 +102,7 @@ def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
     # on_nonfinite=skip keeps the old parameters and optimizer state where a step's loss or
     # gradient norm is not finite; with 'stop' the loop ends the run and the step is as is.
     skip_nonfinite = config.train.on_nonfinite == "skip"
-    grad_sync = make_grad_sync(config.train)
+    grad_sync = make_grad_sync(config.train, mesh)
     mesh_axes = mesh_axis_sizes(config.parallel)
 
     def per_device(state: TrainState, batch: jax.Array) -> tuple[TrainState, Metrics]:

@@ -1,4 +1,5 @@
-"""The gradient-sync building blocks on their own: quantiser, error feedback, buckets, ring."""
+"""The gradient-sync building blocks on their own: quantiser, error feedback, buckets, ring,
+hosts."""
 
 import functools
 
@@ -9,11 +10,21 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxmoe.config import GRAD_SYNCS, ConfigError, TrainConfig
+from jaxmoe.config import (
+    GRAD_SYNC_CHOICES,
+    GRAD_SYNCS,
+    Config,
+    ConfigError,
+    ParallelConfig,
+    TrainConfig,
+)
+from jaxmoe.parallel import build_mesh
 from jaxmoe.parallel.grad_sync import ALGORITHMS, make_grad_sync
 from jaxmoe.parallel.grad_sync.bucketed import plan_buckets
 from jaxmoe.parallel.grad_sync.decentralized import ring_average
-from jaxmoe.parallel.grad_sync.int8 import Int8
+from jaxmoe.parallel.grad_sync.decentralized_int8 import quantized_ring_average
+from jaxmoe.parallel.grad_sync.hierarchical import devices_per_host, hierarchical_sum, host_groups
+from jaxmoe.parallel.grad_sync.int8 import Int8, hierarchical_quantized_sum
 from jaxmoe.parallel.grad_sync.quantize import LEVELS, dequantize, quantize
 from jaxmoe.parallel.mesh import MESH_AXES
 
@@ -22,12 +33,83 @@ P = PartitionSpec
 
 def test_config_names_every_algorithm():
     assert GRAD_SYNCS == ALGORITHMS
+    assert (*ALGORITHMS, "auto") == GRAD_SYNC_CHOICES
     for name in ALGORITHMS:
         make_grad_sync(TrainConfig(grad_sync=name))
+    with pytest.raises(ValueError, match="resolved first"):
+        make_grad_sync(TrainConfig(grad_sync="auto"))
     with pytest.raises(ConfigError, match=r"train\.grad_sync='ring'"):
         TrainConfig(grad_sync="ring")
     with pytest.raises(ConfigError, match=r"train\.grad_bucket_bytes"):
         TrainConfig(grad_bucket_bytes=0)
+    with pytest.raises(ConfigError, match=r"train\.grad_sync_devices_per_host=-1"):
+        TrainConfig(grad_sync_devices_per_host=-1)
+    with pytest.raises(ConfigError, match=r"grad_sync_devices_per_host=3 does not divide"):
+        Config(train=TrainConfig(grad_sync_devices_per_host=3))
+
+
+def test_hosts_cut_replica_groups_into_in_host_and_cross_host_groups():
+    axes = {"data": 2, "expert": 4}
+    # Dense gradients (replicated everywhere), hosts of 4: one row of the mesh each.
+    inside, across = host_groups(("data", "expert"), axes, 4)
+    assert inside == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert across == ((0, 4), (1, 5), (2, 6), (3, 7))
+    # Expert gradients (replicated over data): one member per host, nothing in-host.
+    assert host_groups(("data",), axes, 4) == (((0,), (1,)), ((0, 1),))
+    # Hosts of 2 split each expert group in two.
+    inside, _ = host_groups(("expert",), axes, 2)
+    assert inside == ((0, 1), (2, 3))
+    # Hosts of 4 over expert groups of 6 leave groups of 4 and 2 members: refused.
+    with pytest.raises(ConfigError, match="grad_sync_devices_per_host=4"):
+        host_groups(("expert",), {"data": 2, "expert": 6}, 4)
+
+
+def test_devices_per_host_follows_the_processes():
+    mesh = build_mesh(ParallelConfig(data=2, expert=4))
+    assert devices_per_host(4, mesh) == 4
+    assert devices_per_host(0, mesh) == 8  # one process: one host
+
+
+def test_hierarchical_sum_is_the_sum_and_crosses_hosts_with_a_quarter():
+    """Within float tolerance of the plain sum, the same on every device; the cross-host
+    reduction carries 1/4 of the bucket (hosts of 4)."""
+    values = jnp.asarray(np.random.default_rng(2).normal(size=(8, 1001)), jnp.float32)
+    inside, across = host_groups(("data",), {"data": 8, "expert": 1}, 4)
+    summed = on_mesh(lambda v: hierarchical_sum(v, ("data",), inside, across), 8)
+    got = np.asarray(summed(values))
+    np.testing.assert_allclose(
+        got, np.broadcast_to(values.sum(axis=0), got.shape), rtol=1e-5, atol=1e-5
+    )
+    chex.assert_trees_all_equal(*got)  # every replica applies the same sum
+    cross = [
+        eqn
+        for eqn in all_eqns(jax.make_jaxpr(summed)(values).jaxpr)
+        if eqn.primitive.name == "psum"
+    ]
+    assert [eqn.params["axis_index_groups"] for eqn in cross] == [across]
+    assert cross[0].invars[0].aval.shape == (1004 // 4,)  # padded to a multiple of 4
+
+
+def test_decentralized_int8_mixes_decoded_codes_and_keeps_the_residual():
+    devices, chunk = 8, 64
+    values = jnp.asarray(np.random.default_rng(3).normal(size=(devices, 300)), jnp.float32)
+    mixed, residual = on_mesh(
+        functools.partial(quantized_ring_average, axes=("data",), replicas=devices, chunk=chunk),
+        devices,
+    )(values)
+    decoded = np.asarray(
+        jax.vmap(lambda v: dequantize(quantize(v, chunk), v.shape, v.dtype))(values)
+    )
+    expected = (np.roll(decoded, 1, axis=0) + decoded + np.roll(decoded, -1, axis=0)) * 8 / 3
+    np.testing.assert_allclose(mixed, expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(residual, np.asarray(values) - decoded, atol=1e-6)
+    # The mean over replicas is the sum of what was sent: the residuals hold the rest.
+    np.testing.assert_allclose(
+        np.asarray(mixed).mean(axis=0) + np.asarray(residual).sum(axis=0),
+        np.asarray(values).sum(axis=0),
+        rtol=1e-4,
+        atol=1e-4,
+    )
 
 
 def test_quantiser_error_is_at_most_half_a_step():
@@ -48,6 +130,16 @@ def test_quantiser_is_exact_on_constant_chunks():
     x = jnp.concatenate([jnp.full((64,), 0.123), jnp.full((64,), -7.5), jnp.zeros((64,))])
     q = quantize(x, chunk=64)
     chex.assert_trees_all_equal(dequantize(q, x.shape, x.dtype), x)
+
+
+def all_eqns(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs inside it."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                yield from all_eqns(inner)
 
 
 def on_mesh(fn, devices: int):
@@ -134,3 +226,22 @@ def test_ring_average_mixes_exactly_the_two_neighbours(devices):
     np.testing.assert_allclose(got, expected, rtol=1e-6)
     # Doubly stochastic: the mean over devices is the all-reduced sum.
     np.testing.assert_allclose(got.mean(axis=0), v.sum(axis=0), rtol=1e-5, atol=1e-6)
+
+
+def test_int8_quantises_only_the_cross_host_step_and_keeps_the_rest():
+    """Hosts of 4: each device quantises the in-host sum of its quarter; what was not sent
+    stays in its residual, at that quarter's place, so applied + residuals = exact."""
+    values = jnp.asarray(np.random.default_rng(4).normal(size=(8, 301)), jnp.float32)
+    inside, across = host_groups(("data",), {"data": 8, "expert": 1}, 4)
+    summed, residual = on_mesh(
+        lambda v: hierarchical_quantized_sum(v, ("data",), inside, across, 64), 8
+    )(values)
+    summed, residual, exact = np.asarray(summed), np.asarray(residual), np.asarray(values)
+    chex.assert_trees_all_equal(*summed)  # replicas stay identical
+    np.testing.assert_allclose(summed[0] + residual.sum(axis=0), exact.sum(axis=0), atol=1e-5)
+    assert 0 < np.abs(summed[0] - exact.sum(axis=0)).max() < 0.1  # quantised, not exact
+    # Padded to 304, each device holds a shard of 76: its residual lives there only.
+    for device in range(8):
+        outside = np.ones(301, bool)
+        outside[(device % 4) * 76 : (device % 4 + 1) * 76] = False
+        assert not residual[device][outside].any()

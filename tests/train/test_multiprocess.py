@@ -55,6 +55,38 @@ def test_two_processes_train_like_one(tmp_path):
         assert abs(a - b) <= 1e-5 * abs(a), (single_losses, double_losses)
 
 
+def test_hierarchical_takes_each_process_as_a_host(tmp_path):
+    """Two processes of 4 devices, hosts from the processes: the same grouping, hence the
+    same losses, as one process told that hosts hold 4 devices."""
+    common = ["--steps", "3", *SMALL, "--parallel.data", "2", "--parallel.expert", "4"]
+    common += ["--train.grad_sync", "hierarchical"]
+    one = subprocess.run(
+        jaxmoe(
+            "train",
+            *common,
+            "--train.grad_sync_devices_per_host",
+            "4",
+            "--out",
+            str(tmp_path / "one"),
+        ),
+        env=child_environment(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = subprocess.run(
+        jaxmoe("launch", "-n", "2", "--", "train", *common, "--out", str(tmp_path / "two")),
+        env=child_environment(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert two.returncode == 0, two.stdout[-3000:]
+    for a, b in zip(losses(tmp_path / "one"), losses(tmp_path / "two"), strict=True):
+        assert abs(a - b) <= 1e-5 * abs(a)
+
+
 def test_killing_one_process_stops_the_other_within_the_bound(tmp_path):
     port = free_port()
     common = ["train", "--steps", "5000", *SMALL, "--heartbeat-timeout", "10"]

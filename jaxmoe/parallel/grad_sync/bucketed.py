@@ -20,6 +20,7 @@ about ``lr * sign(g)``, which hides such differences; later ones show them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import jax
@@ -58,22 +59,43 @@ def plan_buckets(
     return done + list(open_buckets.values())
 
 
+# Reduces one flat bucket over the given mesh axes; returns one or more flat arrays of
+# the bucket's size (e.g. the reduced values and a residual).
+BucketFn = Callable[[jax.Array, tuple[str, ...]], tuple[jax.Array, ...]]
+
+
+def map_buckets(
+    grads: PyTree,
+    specs: PyTree,
+    bucket_bytes: int,
+    reduce: BucketFn,
+    num_outputs: int = 1,
+) -> tuple[PyTree, ...]:
+    """``reduce`` applied to each bucket of ``grads`` (see :func:`plan_buckets`); one tree
+    per output of ``reduce`` (``num_outputs``). Leaves sharded on every axis are passed
+    through as they are, into every output."""
+    leaves, treedef = jax.tree.flatten(grads)
+    axes = [replicated_axes(spec) for spec in treedef.flatten_up_to(specs)]
+    outputs = [list(leaves) for _ in range(num_outputs)]
+    for number, bucket in enumerate(plan_buckets(leaves, axes, bucket_bytes)):
+        with jax.named_scope(f"grad_reduce/bucket{number}"):
+            flat = jnp.concatenate([leaves[i].ravel() for i in bucket.leaves])
+            reduced = reduce(flat, bucket.axes)
+            for output, values in zip(outputs, reduced, strict=True):
+                offset = 0
+                for i in bucket.leaves:
+                    size = leaves[i].size
+                    output[i] = values[offset : offset + size].reshape(leaves[i].shape)
+                    offset += size
+    return tuple(jax.tree.unflatten(treedef, output) for output in outputs)
+
+
 @dataclass(frozen=True)
 class Bucketed(GradSync):
     bucket_bytes: int
 
     def __call__(self, grads: PyTree, state: PyTree, specs: PyTree, mesh_axes: MeshAxes) -> Synced:
         del mesh_axes
-        leaves, treedef = jax.tree.flatten(grads)
-        axes = [replicated_axes(spec) for spec in treedef.flatten_up_to(specs)]
-        reduced = list(leaves)
-        for number, bucket in enumerate(plan_buckets(leaves, axes, self.bucket_bytes)):
-            with jax.named_scope(f"grad_reduce/bucket{number}"):
-                flat = jnp.concatenate([leaves[i].ravel() for i in bucket.leaves])
-                flat = jax.lax.psum(flat, bucket.axes)
-                offset = 0
-                for i in bucket.leaves:
-                    size = leaves[i].size
-                    reduced[i] = flat[offset : offset + size].reshape(leaves[i].shape)
-                    offset += size
-        return Synced(jax.tree.unflatten(treedef, reduced), state)
+        psum = lambda flat, axes: (jax.lax.psum(flat, axes),)
+        (reduced,) = map_buckets(grads, specs, self.bucket_bytes, psum)
+        return Synced(reduced, state)

@@ -8,7 +8,9 @@ is replicated on form a ring (in mesh order); device i applies
 of the all-reduced sum), exchanged by two ``ppermute``s: each device sends and
 receives 2 x its gradient whatever n is, against about 2 (n - 1) / n x for a
 ring all-reduce, but in one hop to a neighbour instead of 2 (n - 1) latency
-steps. With 2 replicas it is the all-reduce; with 1 it does nothing.
+steps. With 2 replicas it is the all-reduce; with 1 it does nothing. Gradients
+are fused into buckets as in :mod:`.bucketed`: two ``ppermute`` per bucket, not
+per parameter.
 
 What it changes: the mixing matrix W (1/3 on the diagonal and the two ring
 neighbours) replaces the averaging matrix J = 11^T / n, so replicas apply
@@ -31,11 +33,12 @@ one replica's parameters (a resumed run starts from that consensus).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import jax
 
-from jaxmoe.parallel.grad_sync.base import GradSync, MeshAxes, PyTree, Synced, path_name
-from jaxmoe.parallel.sharding import replicated_axes
+from jaxmoe.parallel.grad_sync.base import GradSync, MeshAxes, PyTree, Synced
+from jaxmoe.parallel.grad_sync.bucketed import map_buckets
 
 
 def ring_average(value: jax.Array, axes: tuple[str, ...], replicas: int) -> jax.Array:
@@ -49,11 +52,13 @@ def ring_average(value: jax.Array, axes: tuple[str, ...], replicas: int) -> jax.
     return (left + value + right) * (replicas / 3)
 
 
+@dataclass(frozen=True)
 class Decentralized(GradSync):
-    def __call__(self, grads: PyTree, state: PyTree, specs: PyTree, mesh_axes: MeshAxes) -> Synced:
-        def sync(path, grad, spec):
-            axes = replicated_axes(spec)
-            with jax.named_scope("grad_reduce/" + path_name(path)):
-                return ring_average(grad, axes, math.prod(mesh_axes[a] for a in axes))
+    bucket_bytes: int = 25 * 2**20
 
-        return Synced(jax.tree_util.tree_map_with_path(sync, grads, specs), state)
+    def __call__(self, grads: PyTree, state: PyTree, specs: PyTree, mesh_axes: MeshAxes) -> Synced:
+        def mix(flat, axes):
+            return (ring_average(flat, axes, math.prod(mesh_axes[a] for a in axes)),)
+
+        (mixed,) = map_buckets(grads, specs, self.bucket_bytes, mix)
+        return Synced(mixed, state)
