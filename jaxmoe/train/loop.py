@@ -43,9 +43,12 @@ class RunStopped(Exception):
         self.rows = rows
 
 
-def _evaluate(eval_step: Callable, params: Any, sampler: BatchSampler, batches: int, mesh) -> float:
+def _evaluate(eval_step: Callable, state: Any, sampler: BatchSampler, batches: int, mesh) -> float:
     """Mean validation cross-entropy over a fixed set of batches (the same every time)."""
-    losses = [eval_step(params, put_on_mesh(sampler, index, mesh)) for index in range(batches)]
+    losses = [
+        eval_step(state.params, put_on_mesh(sampler, index, mesh), state.placement)
+        for index in range(batches)
+    ]
     return float(sum(jax.device_get(losses)) / batches)
 
 
@@ -131,7 +134,12 @@ def train(
     planned = plan_train_step(config, mesh)
     # Compiled ahead so that the first step's time is a step, not a compilation.
     train_step = planned.compile()
-    eval_step = build_eval_step(config, mesh).jit().lower(state.params, first_batch).compile()
+    eval_step = (
+        build_eval_step(config, mesh)
+        .jit()
+        .lower(state.params, first_batch, state.placement)
+        .compile()
+    )
 
     primary = jax.process_index() == 0
     log = RunLog(out_dir, config, first_step)
@@ -182,7 +190,7 @@ def train(
                 if done % config.train.eval_every == 0 or done == last_step:
                     with watchdog.step(step):
                         row["val_loss"] = _evaluate(
-                            eval_step, state.params, val_batches, config.train.eval_batches, mesh
+                            eval_step, state, val_batches, config.train.eval_batches, mesh
                         )
                     if primary:
                         bar.write(f"step {done}: val_loss {row['val_loss']:.4f}")
