@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmoe.parallel.placement import replica_weights
+from jaxmoe.parallel.placement import slot_weights
 from jaxmoe.parallel.sharding import ExpertParam
 
 
@@ -36,12 +36,10 @@ class Experts(nnx.Module):
         The slots are the local experts, followed, with a replica table
         (:mod:`jaxmoe.parallel.placement`), by this device's replica slots.
         """
-        weights = [self.w_in[...], self.b_in[...], self.w_out[...], self.b_out[...]]
-        if replica_table is not None:
-            weights = [
-                jnp.concatenate([home, replica_weights(home, replica_table)]) for home in weights
-            ]
-        w_in, b_in, w_out, b_out = weights
+        w_in, b_in, w_out, b_out = (
+            slot_weights(home[...], replica_table)
+            for home in (self.w_in, self.b_in, self.w_out, self.b_out)
+        )
         slots, d_model, _ = w_in.shape
         chex.assert_shape(
             x, (slots, None, d_model), custom_message="experts input [slots, tokens, d_model]"

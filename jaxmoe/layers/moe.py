@@ -45,6 +45,9 @@ class RoutingStats(NamedTuple):
     assignments: jax.Array  # assignments made (tokens * top_k)
     # With a replica table: [expert_axis * slots_per_device] assignments kept per slot.
     slot_load: jax.Array | None = None
+    # With a replica table: [num_experts, max_copies] assignments each expert would keep with
+    # 1, 2, ... copies (sum over groups of min(routed, copies * capacity)), for the planner.
+    kept_by_copies: jax.Array | None = None
 
 
 def all_reduce_stats(stats: RoutingStats, axes: tuple[str, ...]) -> RoutingStats:
@@ -56,6 +59,9 @@ def all_reduce_stats(stats: RoutingStats, axes: tuple[str, ...]) -> RoutingStats
         dropped=jax.lax.psum(stats.dropped, axes),
         assignments=jax.lax.psum(stats.assignments, axes),
         slot_load=None if stats.slot_load is None else jax.lax.psum(stats.slot_load, axes),
+        kept_by_copies=None
+        if stats.kept_by_copies is None
+        else jax.lax.psum(stats.kept_by_copies, axes),
     )
 
 
@@ -172,15 +178,18 @@ class MoELayer(nnx.Module):
         outputs = outputs.reshape(num_groups, num_slots * capacity, width)
         y = combine(outputs, plan, route.combine_weight).astype(x.dtype)
         kept_slot = jnp.where(plan.kept, plan.slot // capacity, num_slots)
+        routed = jnp.sum(
+            jax.nn.one_hot(route.expert_index, num_experts, dtype=jnp.int32), axis=(1, 2)
+        )  # [G, E]
+        places = capacity * jnp.arange(1, num_slots - num_experts + 2, dtype=jnp.int32)
         stats = RoutingStats(
             aux_loss=route.aux_loss,
             z_loss=route.z_loss,
-            tokens_per_expert=jnp.sum(
-                jax.nn.one_hot(route.expert_index, num_experts, dtype=jnp.int32), axis=(0, 1, 2)
-            ),
+            tokens_per_expert=jnp.sum(routed, axis=0),
             dropped=jnp.sum(~plan.kept, dtype=jnp.int32),
             assignments=jnp.asarray(plan.kept.size, jnp.int32),
             slot_load=jnp.sum(jax.nn.one_hot(kept_slot, num_slots, dtype=jnp.int32), (0, 1, 2)),
+            kept_by_copies=jnp.sum(jnp.minimum(routed[:, :, None], places), axis=0),
         )
         return y.reshape(batch, seq, width), stats
 

@@ -75,3 +75,10 @@ def replica_weights(home: jax.Array, replica_table: jax.Array) -> jax.Array:
     taken = jnp.take(every_expert, jnp.maximum(row, 0), axis=0)
     filled = (row >= 0).reshape(-1, *([1] * (home.ndim - 1)))
     return jnp.where(filled, taken, jnp.zeros_like(taken))
+
+
+def slot_weights(home: jax.Array, replica_table: jax.Array | None) -> jax.Array:
+    """``[slots_per_device, ...]``: this device's home experts, then its replica slots."""
+    if replica_table is None:
+        return home
+    return jnp.concatenate([home, replica_weights(home, replica_table)])

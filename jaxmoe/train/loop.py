@@ -25,7 +25,8 @@ from jaxmoe.config import Config
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.train.checkpoint import RunCheckpoints
 from jaxmoe.train.data import BatchSampler, load_splits, put_on_mesh
-from jaxmoe.train.metrics import RunLog, host_row
+from jaxmoe.train.metrics import METRICS_FILE, RunLog, host_row, read_rows
+from jaxmoe.train.placement_planner import PlacementLog, plan_placement
 from jaxmoe.train.profiler import StepProfiler
 from jaxmoe.train.scheduled import plan_train_step
 from jaxmoe.train.state import init_train_state
@@ -82,6 +83,21 @@ def _checkpoint(
     if final:
         checkpoints.wait()
     return time.perf_counter() - started
+
+
+def _rebalance(
+    state: Any, rows: list[dict[str, Any]], config: Config, done: int, log: PlacementLog
+) -> Any:
+    """After ``done`` steps, every ``moe.rebalance_every``: a new placement from the window's
+    routing counts. The table is a step input: nothing recompiles."""
+    every = config.moe.rebalance_every
+    if not every or done % every or done == config.train.steps:
+        return state
+    window = [row for row in rows if row["step"] >= done - every]
+    table, decisions = plan_placement(jax.device_get(state.placement), window, config, done)
+    log.write(decisions)
+    # The layout the step returns it in: an equal layout spelt otherwise would recompile.
+    return state._replace(placement=jax.device_put(table, state.placement.sharding))
 
 
 def _nonfinite_stop(
@@ -142,7 +158,11 @@ def train(
     )
 
     primary = jax.process_index() == 0
+    # The planner's window may begin before a resumed run's first step.
+    history = read_rows(Path(out_dir) / METRICS_FILE) if out_dir and first_step else []
+    history = [row for row in history if row["step"] < first_step]
     log = RunLog(out_dir, config, first_step)
+    placement_log = PlacementLog(out_dir, first_step, primary)
     if planned.report is not None:
         log.write_schedule_report(planned.report)
         if progress and primary:
@@ -195,6 +215,7 @@ def train(
                     if primary:
                         bar.write(f"step {done}: val_loss {row['val_loss']:.4f}")
                 stop = signals.stop_after(done)
+                state = _rebalance(state, [*history, *rows, row], config, done, placement_log)
                 if checkpoints is not None:
                     row["checkpoint_s"] = _checkpoint(checkpoints, state, config, done, stop)
                 rows.append(row)

@@ -30,7 +30,7 @@ from jaxmoe.config import Config
 from jaxmoe.layers import RoutingStats
 from jaxmoe.parallel.grad_sync import make_grad_sync
 from jaxmoe.parallel.mesh import mesh_axis_sizes, token_spec
-from jaxmoe.parallel.placement import replicas_per_expert
+from jaxmoe.parallel.placement import replicas_per_expert, slot_experts
 from jaxmoe.parallel.sharding import global_norm
 from jaxmoe.train.optimizer import learning_rate_schedule, make_optimizer
 from jaxmoe.train.state import TrainState, model_graphdef_and_specs, state_specs
@@ -82,13 +82,19 @@ def _forward_losses(
 
 
 def _placement_metrics(stats: RoutingStats, placement: jax.Array, axes: tuple[str, ...]) -> Metrics:
-    """Per-device load (assignments kept by each expert-axis device's slots, summed over the
-    data axis) and copies of each expert, per MoE layer."""
-    expert_axis = placement.shape[1]
+    """Per MoE layer: assignments kept by each expert-axis device's slots (summed over the
+    data axis), assignments kept per expert, and the copies of each expert."""
+    moe_layers, expert_axis, _ = placement.shape
+    num_experts = stats.tokens_per_expert.shape[-1]
     slot_load = jax.lax.psum(stats.slot_load, axes)  # [moe_layers, expert_axis * slots]
+    holds = jax.nn.one_hot(
+        jax.vmap(slot_experts, in_axes=(0, None))(placement, num_experts), num_experts
+    )
     return {
-        "device_load": jnp.sum(slot_load.reshape(slot_load.shape[0], expert_axis, -1), axis=-1),
-        "replicas_per_expert": replicas_per_expert(placement, stats.tokens_per_expert.shape[-1]),
+        "device_load": jnp.sum(slot_load.reshape(moe_layers, expert_axis, -1), axis=-1),
+        "kept_per_expert": jnp.einsum("ls,lse->le", slot_load, holds.astype(slot_load.dtype)),
+        "replicas_per_expert": replicas_per_expert(placement, num_experts),
+        "kept_by_copies": jax.lax.psum(stats.kept_by_copies, axes),
     }
 
 
