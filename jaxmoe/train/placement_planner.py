@@ -19,12 +19,14 @@ back within the next window:
 Units. A kept assignment is valued at the link time of the all-to-all bytes it
 carries (dispatch and return, forward and backward), the traffic that raising
 the capacity would add to keep it; a move's device-load gain at the expert
-FLOPs it takes off the slowest device. A change costs the bytes of the expert
-parameters it writes into a slot, over the cost model's link
-(``train.schedule_profile``, ``train.schedule_link_mbit``). In this
-implementation replicas are gathered from their home shards in every step, so a
-change adds no transfer of its own; the cost is what a placement that stores its
-replicas (FlexMoE's) pays, and keeps the planner from churning.
+FLOPs it takes off the slowest device, both over the cost model's device
+(``train.schedule_profile``, ``train.schedule_link_mbit``). A change costs the
+bytes it moves over that link (``PlanCosts.slot_write_bytes`` per slot written).
+Here that is nothing: a replica's weights are gathered from its home shard in
+every step (:mod:`jaxmoe.parallel.placement`), a standing cost of every run with
+replica slots that no change adds to. A placement that stores its replicas, as
+FlexMoE's does, would set it to an expert's parameter bytes, and then only
+changes whose gain over the window exceeds the transfer are made.
 
 Each decision (applied or, when nothing pays back, the best candidate refused)
 is one line of ``placement.jsonl`` under ``--out``.
@@ -50,7 +52,9 @@ PLACEMENT_FILE = "placement.jsonl"
 class PlanCosts:
     """What the planner's estimates are made of, from the config and the cost model."""
 
-    expert_bytes: int  # parameters of one expert
+    # Bytes a change moves per slot it writes, beyond the step's own traffic: none here,
+    # since the step gathers every replica from its home shard anyway.
+    slot_write_bytes: int
     assignment_bytes: int  # all-to-all bytes one kept assignment carries
     assignment_flops: float  # expert FLOPs of one assignment, forward and backward
     link_bytes_per_s: float
@@ -66,7 +70,7 @@ class PlanCosts:
         hidden = moe.d_expert or model.d_ff
         width_bytes = model.d_model * (2 if model.dtype == "bfloat16" else 4)
         return cls(
-            expert_bytes=4 * (2 * model.d_model * hidden + hidden + model.d_model),
+            slot_write_bytes=0,
             assignment_bytes=4 * width_bytes,
             assignment_flops=3 * 4 * model.d_model * hidden,
             link_bytes_per_s=profile.link_bytes_per_s,
@@ -75,47 +79,58 @@ class PlanCosts:
         )
 
     def transfer_s(self, slots_written: int) -> float:
-        return slots_written * (self.expert_bytes / self.link_bytes_per_s + self.link_latency_s)
+        if not self.slot_write_bytes:
+            return 0.0
+        return slots_written * (self.slot_write_bytes / self.link_bytes_per_s + self.link_latency_s)
 
 
-def _window_mean(rows: list[dict[str, Any]], key: str) -> np.ndarray:
-    """Mean per step of a metric over the window's steps."""
-    return np.mean([np.asarray(row[key], np.float64) for row in rows], axis=0)
+def _halves_mean(rows: list[dict[str, Any]], key: str) -> np.ndarray:
+    """Mean per step of a metric over each half of the window: ``[2, ...]`` (one row for a
+    window of one step)."""
+    values = np.asarray([row[key] for row in rows], np.float64)
+    return np.stack([part.mean(axis=0) for part in np.array_split(values, min(2, len(values)))])
 
 
 class _LayerPlan:
     """The greedy plan of one MoE layer; ``table`` is changed in place.
 
-    ``kept_by_copies[e, n - 1]``: assignments per step expert ``e`` keeps with ``n``
-    copies, measured over the window for every ``n`` (each copy adds ``capacity``
-    places per group; an expert keeps its first ``n * capacity`` assignments of a
-    group whatever the other experts do). The marginal gains fall with ``n``, so the
-    greedy exchange of one copy at a time ends at the best allocation of the slots.
+    ``kept_by_copies[h, e, n - 1]``: assignments per step expert ``e`` keeps with
+    ``n`` copies, measured in half ``h`` of the window for every ``n`` (each copy adds
+    ``capacity`` places per group; an expert keeps its first ``n * capacity``
+    assignments of a group whatever the other experts do). Routing drifts, so a copy's
+    gain is the smaller of the two halves' and a dropped copy's loss the larger: a
+    change must pay in both. The marginal gains fall with ``n``, so the greedy exchange
+    of one copy at a time ends at the best allocation the estimates allow.
     """
 
     def __init__(self, table: np.ndarray, kept_by_copies: np.ndarray):
         self.table, self.kept_by_copies = table, kept_by_copies
         self.expert_axis, self.spare = table.shape
-        self.num_experts = kept_by_copies.shape[0]
+        self.num_experts = kept_by_copies.shape[1]
         self.local = self.num_experts // self.expert_axis
 
     def copies(self) -> np.ndarray:
         return replicas_per_expert(self.table, self.num_experts)
 
-    def kept(self, expert: int, copies: int) -> float:
+    def kept(self, expert: int, copies: int) -> np.ndarray:
+        """Per half of the window."""
         if copies == 0:
-            return 0.0
-        return float(self.kept_by_copies[expert, min(copies, self.kept_by_copies.shape[1]) - 1])
+            return np.zeros(self.kept_by_copies.shape[0])
+        return self.kept_by_copies[:, expert, min(copies, self.kept_by_copies.shape[2]) - 1]
 
     def gain_of_copy(self, expert: int, copies: np.ndarray) -> float:
-        return self.kept(expert, copies[expert] + 1) - self.kept(expert, copies[expert])
+        gains = self.kept(expert, copies[expert] + 1) - self.kept(expert, copies[expert])
+        return float(gains.min())
 
     def loss_of_dropping(self, expert: int, copies: np.ndarray) -> float:
-        return self.kept(expert, copies[expert]) - self.kept(expert, copies[expert] - 1)
+        losses = self.kept(expert, copies[expert]) - self.kept(expert, copies[expert] - 1)
+        return float(losses.max())
 
     def per_copy_load(self) -> np.ndarray:
         copies = self.copies()
-        return np.array([self.kept(e, copies[e]) / copies[e] for e in range(self.num_experts)])
+        return np.array(
+            [self.kept(e, copies[e]).mean() / copies[e] for e in range(self.num_experts)]
+        )
 
     def device_loads(self) -> np.ndarray:
         per_copy = self.per_copy_load()
@@ -165,12 +180,13 @@ def plan_placement(
     ``rows`` (metrics of its steps), and the decisions taken (see the module docstring)."""
     costs = PlanCosts.of(config)
     window = config.moe.rebalance_every
-    kept_by_copies = _window_mean(rows, "kept_by_copies")  # [moe_layers, experts, copies]
+    # [halves, moe_layers, experts, copies]
+    kept_by_copies = _halves_mean(rows, "kept_by_copies")
     tables = np.array(placement, np.int32, copy=True)
     decisions: list[dict[str, Any]] = []
     value_s = costs.assignment_bytes / costs.link_bytes_per_s  # of one kept assignment
     for layer in range(tables.shape[0]):
-        plan = _LayerPlan(tables[layer], kept_by_copies[layer])
+        plan = _LayerPlan(tables[layer], kept_by_copies[:, layer])
         refused = None
         for _ in range(plan.table.size):
             best = plan.best_reassignment()
@@ -188,7 +204,7 @@ def plan_placement(
                 "replaces": held,
                 "gain_assignments": net * window,
                 "gain_s": net * window * value_s,
-                "cost_bytes": costs.expert_bytes,
+                "cost_bytes": costs.slot_write_bytes,
                 "cost_s": costs.transfer_s(1),
             }
             if net <= 0 or record["gain_s"] <= record["cost_s"]:
@@ -226,7 +242,7 @@ def plan_placement(
                 "swapped_with": int(plan.table[slot_b]),
                 "gain_device_load": lowered * window,
                 "gain_s": saved / costs.flops_per_s,
-                "cost_bytes": 2 * costs.expert_bytes,
+                "cost_bytes": 2 * costs.slot_write_bytes,
                 "cost_s": costs.transfer_s(2),
             }
             if record["gain_s"] <= record["cost_s"]:
