@@ -162,7 +162,7 @@ def train(
     history = read_rows(Path(out_dir) / METRICS_FILE) if out_dir and first_step else []
     history = [row for row in history if row["step"] < first_step]
     log = RunLog(out_dir, config, first_step)
-    placement_log = PlacementLog(out_dir, first_step, primary)
+    placement_log = PlacementLog(out_dir, first_step, primary and config.moe.rebalance_every > 0)
     if planned.report is not None:
         log.write_schedule_report(planned.report)
         if progress and primary:

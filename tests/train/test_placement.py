@@ -7,6 +7,7 @@ schedules compute what the plain step computes; checkpoints keep the placement.
 """
 
 import dataclasses
+import json
 
 import chex
 import jax
@@ -20,6 +21,9 @@ from jaxmoe.parallel import build_mesh
 from jaxmoe.parallel.mesh import EXPERT_AXIS
 from jaxmoe.parallel.placement import EMPTY, slot_weights
 from jaxmoe.train.checkpoint import RunCheckpoints, check_compatible
+from jaxmoe.train.cli import main
+from jaxmoe.train.metrics import METRICS_FILE, read_rows
+from jaxmoe.train.placement_planner import PLACEMENT_FILE
 from jaxmoe.train.scheduled import plan_train_step
 from jaxmoe.train.state import init_train_state, model_graphdef_and_specs
 from jaxmoe.train.step import build_train_step
@@ -170,3 +174,18 @@ def test_a_checkpoint_keeps_the_placement(tmp_path):
     np.testing.assert_array_equal(jax.device_get(restored.placement), SKEWED)
     with pytest.raises(ConfigError, match="placement"):
         check_compatible(config.to_dict(), config_with(3), 0)
+
+
+def test_dynamic_placement_drops_fewer_than_static_at_equal_buffers(tmp_path):
+    """The CLI run on the `tiny` preset: 2 slots per device either way; the dynamic one
+    re-plans after every step and logs its decisions."""
+    runs = {}
+    for name, every in (("static", "0"), ("dynamic", "1")):
+        out = tmp_path / name
+        argv = ["train", "--moe.slots_per_device", "2", "--moe.rebalance_every", every]
+        assert main([*argv, "--steps", "40", "--out", str(out), "--no-progress"]) == 0
+        runs[name] = [row["dropped_fraction"] for row in read_rows(out / METRICS_FILE)]
+    decisions = (tmp_path / "dynamic" / PLACEMENT_FILE).read_text().splitlines()
+    assert decisions and all(json.loads(line)["step"] <= 40 for line in decisions)
+    assert not (tmp_path / "static" / PLACEMENT_FILE).exists()
+    assert np.mean(runs["dynamic"][-10:]) < np.mean(runs["static"][-10:])
