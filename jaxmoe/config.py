@@ -154,6 +154,11 @@ class MoEConfig:
     jitter: float = 0.0
     # Hidden width of each expert; None = model.d_ff.
     d_expert: int | None = None
+    # Expert slots per device (None = experts per device); the spare slots hold replicas
+    # placed by a runtime table (jaxmoe/parallel/placement.py). Capacity is per slot.
+    slots_per_device: int | None = None
+    # Re-plan the replicas every this many steps from the routing counts (0: static).
+    rebalance_every: int = 0
 
     def __post_init__(self) -> None:
         _check_types("moe", self)
@@ -176,6 +181,12 @@ class MoEConfig:
             _positive_int("moe", "group_size", self.group_size)
         if self.d_expert is not None:
             _positive_int("moe", "d_expert", self.d_expert)
+        if self.slots_per_device is not None:
+            _positive_int("moe", "slots_per_device", self.slots_per_device)
+        _require(
+            isinstance(self.rebalance_every, int) and self.rebalance_every >= 0,
+            f"moe.rebalance_every={self.rebalance_every!r}: must be an integer >= 0 (0: static)",
+        )
         _require(
             self.score_function in SCORE_FUNCTIONS,
             f"moe.score_function={self.score_function!r}: must be one of "
@@ -432,6 +443,17 @@ class Config:
             f"{parallel.num_devices} devices (parallel.data x parallel.expert): choose a "
             "divisor, or 0 for one host per process",
         )
+        local = moe.num_experts // parallel.expert
+        _require(
+            moe.slots_per_device is None or moe.slots_per_device >= local,
+            f"moe.slots_per_device={moe.slots_per_device} is fewer than the {local} experts per "
+            "device (moe.num_experts / parallel.expert): use at least that many",
+        )
+        _require(
+            not moe.rebalance_every or self.replica_slots > 0,
+            f"moe.rebalance_every={moe.rebalance_every} needs spare slots to place replicas in: "
+            f"set moe.slots_per_device above the {local} experts per device",
+        )
         tokens_per_device = self.tokens_per_device
         _require(
             tokens_per_device % self.group_size == 0,
@@ -455,6 +477,12 @@ class Config:
         return capacity_per_expert(
             self.group_size, self.moe.top_k, self.moe.capacity_factor, self.moe.num_experts
         )
+
+    @property
+    def replica_slots(self) -> int:
+        """Spare expert slots per device, beyond its own experts (0: no placement table)."""
+        local = self.moe.num_experts // self.parallel.expert
+        return (self.moe.slots_per_device or local) - local
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -18,6 +18,13 @@ is what runs on CPU, where ``ragged_all_to_all`` does not). The price is
 memory and bytes: the dispatch buffer, each all-to-all and the expert GEMMs
 cover ``num_experts * group_size`` slots per group, ``num_experts / top_k``
 times the ``group_size * top_k`` assignments that carry tokens.
+
+With replicas (:func:`plan_replicated_dispatch`) the buffer has ``capacity``
+slots per *expert slot*, and an expert with ``n`` copies takes its assignments,
+in the same priority order, round-robin over its copies: assignment ``r`` goes
+to copy ``r mod n`` at position ``r // n``. So an expert keeps its first
+``n * capacity`` assignments, its copies fill evenly, and with one copy each the
+rule is the one above.
 """
 
 from __future__ import annotations
@@ -34,20 +41,53 @@ class DispatchPlan(NamedTuple):
     kept: jax.Array  # [groups, group_size, top_k] bool
 
 
+def _priority_rank(expert_index: jax.Array, num_experts: int) -> jax.Array:
+    """``[G, S, k]``: how many assignments to the same expert come before each one, in
+    priority order (choice-major, then token order)."""
+    groups, group_size, top_k = expert_index.shape
+    one_hot = jax.nn.one_hot(expert_index, num_experts, dtype=jnp.int32)  # [G, S, k, E]
+    by_priority = one_hot.transpose(0, 2, 1, 3).reshape(groups, top_k * group_size, num_experts)
+    position_in_expert = jnp.cumsum(by_priority, axis=1) - 1
+    position = jnp.sum(position_in_expert * by_priority, axis=-1)  # [G, k * S]
+    return position.reshape(groups, top_k, group_size).transpose(0, 2, 1)
+
+
 def plan_dispatch(expert_index: jax.Array, num_experts: int, capacity: int) -> DispatchPlan:
     """Slot of every assignment under the rule in the module docstring."""
     chex.assert_rank(expert_index, 3)
     chex.assert_type(expert_index, int)
-    groups, group_size, top_k = expert_index.shape
-    one_hot = jax.nn.one_hot(expert_index, num_experts, dtype=jnp.int32)  # [G, S, k, E]
-    # Priority order: choice-major, then token order.
-    by_priority = one_hot.transpose(0, 2, 1, 3).reshape(groups, top_k * group_size, num_experts)
-    position_in_expert = jnp.cumsum(by_priority, axis=1) - 1
-    position = jnp.sum(position_in_expert * by_priority, axis=-1)  # [G, k * S]
-    position = position.reshape(groups, top_k, group_size).transpose(0, 2, 1)
+    position = _priority_rank(expert_index, num_experts)
     kept = position < capacity
     dropped_slot = num_experts * capacity
     slot = jnp.where(kept, expert_index * capacity + position, dropped_slot)
+    return DispatchPlan(slot=slot.astype(jnp.int32), kept=kept)
+
+
+def plan_replicated_dispatch(
+    expert_index: jax.Array, slot_expert: jax.Array, num_experts: int, capacity: int
+) -> DispatchPlan:
+    """Slots of every assignment when expert slot ``i`` holds expert ``slot_expert[i]``
+    (-1: empty; every expert needs at least one slot). Buffer: ``capacity`` per slot."""
+    chex.assert_rank([expert_index, slot_expert], [3, 1])
+    chex.assert_type([expert_index, slot_expert], int)
+    num_slots = slot_expert.shape[0]
+    rank = _priority_rank(expert_index, num_experts)
+    holds = jax.nn.one_hot(slot_expert, num_experts, dtype=jnp.int32)  # [slots, E]; -1: none
+    copies = jnp.sum(holds, axis=0)  # [E]
+    copy_index = jnp.sum((jnp.cumsum(holds, axis=0) - 1) * holds, axis=1)  # [slots]
+    # slot_of[e, c]: the slot of expert e's copy c (in slot order); empty slots index past
+    # the end (a negative index would wrap) and are dropped.
+    held = jnp.where(slot_expert >= 0, slot_expert, num_experts)
+    slot_of = (
+        jnp.zeros((num_experts, num_slots), jnp.int32)
+        .at[held, copy_index]
+        .set(jnp.arange(num_slots, dtype=jnp.int32), mode="drop")
+    )
+    expert_copies = jnp.maximum(copies[expert_index], 1)
+    position = rank // expert_copies
+    kept = position < capacity
+    target = slot_of[expert_index, rank % expert_copies]
+    slot = jnp.where(kept, target * capacity + position, num_slots * capacity)
     return DispatchPlan(slot=slot.astype(jnp.int32), kept=kept)
 
 

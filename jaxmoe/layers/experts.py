@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxmoe.parallel.placement import slot_weights
 from jaxmoe.parallel.sharding import ExpertParam
 
 
@@ -29,16 +30,22 @@ class Experts(nnx.Module):
         self.w_out = ExpertParam(init(rngs.params(), (num_experts, d_hidden, d_model)))
         self.b_out = ExpertParam(jnp.zeros((num_experts, d_model)))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """``[experts, slots, d_model] -> [experts, slots, d_model]``, expert e on row e."""
-        local_experts, d_model, _ = self.w_in.shape
+    def __call__(self, x: jax.Array, replica_table: jax.Array | None = None) -> jax.Array:
+        """``[slots, tokens, d_model] -> [slots, tokens, d_model]``, slot i on row i.
+
+        The slots are the local experts, followed, with a replica table
+        (:mod:`jaxmoe.parallel.placement`), by this device's replica slots.
+        """
+        w_in, b_in, w_out, b_out = (
+            slot_weights(home[...], replica_table)
+            for home in (self.w_in, self.b_in, self.w_out, self.b_out)
+        )
+        slots, d_model, _ = w_in.shape
         chex.assert_shape(
-            x,
-            (local_experts, None, d_model),
-            custom_message="experts input [experts, slots, d_model]",
+            x, (slots, None, d_model), custom_message="experts input [slots, tokens, d_model]"
         )
         x = x.astype(self.dtype)
-        hidden = jnp.einsum("esd,edh->esh", x, self.w_in[...].astype(self.dtype))
-        hidden = jax.nn.gelu(hidden + self.b_in[...][:, None, :].astype(self.dtype))
-        out = jnp.einsum("esh,ehd->esd", hidden, self.w_out[...].astype(self.dtype))
-        return out + self.b_out[...][:, None, :].astype(self.dtype)
+        hidden = jnp.einsum("esd,edh->esh", x, w_in.astype(self.dtype))
+        hidden = jax.nn.gelu(hidden + b_in[:, None, :].astype(self.dtype))
+        out = jnp.einsum("esh,ehd->esd", hidden, w_out.astype(self.dtype))
+        return out + b_out[:, None, :].astype(self.dtype)

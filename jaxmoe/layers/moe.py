@@ -26,11 +26,12 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxmoe.config import MoEConfig, capacity_per_expert
-from jaxmoe.layers.dispatch import combine, dispatch, plan_dispatch
+from jaxmoe.layers.dispatch import combine, dispatch, plan_dispatch, plan_replicated_dispatch
 from jaxmoe.layers.experts import Experts
 from jaxmoe.layers.router import Router
 from jaxmoe.parallel.collectives import dispatch_to_experts, manual_axes, return_from_experts
 from jaxmoe.parallel.mesh import EXPERT_AXIS
+from jaxmoe.parallel.placement import slot_experts
 from jaxmoe.parallel.sharding import param_specs
 
 
@@ -42,6 +43,11 @@ class RoutingStats(NamedTuple):
     tokens_per_expert: jax.Array  # [num_experts] assignments routed to each expert, pre-drop
     dropped: jax.Array  # assignments dropped for lack of capacity
     assignments: jax.Array  # assignments made (tokens * top_k)
+    # With a replica table: [expert_axis * slots_per_device] assignments kept per slot.
+    slot_load: jax.Array | None = None
+    # With a replica table: [num_experts, max_copies] assignments each expert would keep with
+    # 1, 2, ... copies (sum over groups of min(routed, copies * capacity)), for the planner.
+    kept_by_copies: jax.Array | None = None
 
 
 def all_reduce_stats(stats: RoutingStats, axes: tuple[str, ...]) -> RoutingStats:
@@ -52,6 +58,10 @@ def all_reduce_stats(stats: RoutingStats, axes: tuple[str, ...]) -> RoutingStats
         tokens_per_expert=jax.lax.psum(stats.tokens_per_expert, axes),
         dropped=jax.lax.psum(stats.dropped, axes),
         assignments=jax.lax.psum(stats.assignments, axes),
+        slot_load=None if stats.slot_load is None else jax.lax.psum(stats.slot_load, axes),
+        kept_by_copies=None
+        if stats.kept_by_copies is None
+        else jax.lax.psum(stats.kept_by_copies, axes),
     )
 
 
@@ -74,17 +84,32 @@ class MoELayer(nnx.Module):
         )
 
     def __call__(
-        self, x: jax.Array, jitter_key: jax.Array | None = None
+        self,
+        x: jax.Array,
+        jitter_key: jax.Array | None = None,
+        replica_table: jax.Array | None = None,
     ) -> tuple[jax.Array, RoutingStats]:
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty or EXPERT_AXIS in manual_axes():
-            return self.per_device(x, jitter_key)
+            return self.per_device(x, jitter_key, replica_table)
+        if replica_table is not None:
+            raise ValueError("a replica table needs the whole-step shard_map (or no mesh)")
         return self._shard_mapped(x, jitter_key, tuple(mesh.axis_names))
 
     def per_device(
-        self, x: jax.Array, jitter_key: jax.Array | None = None
+        self,
+        x: jax.Array,
+        jitter_key: jax.Array | None = None,
+        replica_table: jax.Array | None = None,
     ) -> tuple[jax.Array, RoutingStats]:
-        """The layer on this device's tokens ``[batch, seq, d]``; stats are local."""
+        """The layer on this device's tokens ``[batch, seq, d]``; stats are local.
+
+        ``replica_table`` (``[expert_axis, replica_slots]``, :mod:`jaxmoe.parallel.placement`)
+        adds replica slots: assignments spread over every copy of their expert, and
+        capacity is counted per slot.
+        """
+        if replica_table is not None:
+            return self._replicated(x, jitter_key, replica_table)
         chex.assert_shape(
             x, (None, None, self.router.d_model), custom_message="MoE input [batch, seq, d_model]"
         )
@@ -123,6 +148,48 @@ class MoELayer(nnx.Module):
             ),
             dropped=jnp.sum(~plan.kept, dtype=jnp.int32),
             assignments=jnp.asarray(plan.kept.size, jnp.int32),
+        )
+        return y.reshape(batch, seq, width), stats
+
+    def _replicated(
+        self, x: jax.Array, jitter_key: jax.Array | None, replica_table: jax.Array
+    ) -> tuple[jax.Array, RoutingStats]:
+        batch, seq, width = x.shape
+        group_size = self.config.group_size or seq
+        num_groups = batch * seq // group_size
+        num_experts = self.config.num_experts
+        slot_expert = slot_experts(replica_table, num_experts)
+        num_slots = slot_expert.shape[0]
+        capacity = capacity_per_expert(
+            group_size, self.config.top_k, self.config.capacity_factor, num_slots
+        )
+
+        grouped = x.reshape(num_groups, group_size, width)
+        route = self.router(grouped, jitter_key)
+        plan = plan_replicated_dispatch(route.expert_index, slot_expert, num_experts, capacity)
+        slots = dispatch(grouped, plan, num_slots * capacity)  # [G, slots * C, d]
+        slots = slots.reshape(num_groups, num_slots, capacity, width).transpose(1, 0, 2, 3)
+        slots = slots.reshape(num_slots, num_groups * capacity, width)
+
+        received = dispatch_to_experts(slots)
+        outputs = return_from_experts(self.experts(received, replica_table))
+
+        outputs = outputs.reshape(num_slots, num_groups, capacity, width).transpose(1, 0, 2, 3)
+        outputs = outputs.reshape(num_groups, num_slots * capacity, width)
+        y = combine(outputs, plan, route.combine_weight).astype(x.dtype)
+        kept_slot = jnp.where(plan.kept, plan.slot // capacity, num_slots)
+        routed = jnp.sum(
+            jax.nn.one_hot(route.expert_index, num_experts, dtype=jnp.int32), axis=(1, 2)
+        )  # [G, E]
+        places = capacity * jnp.arange(1, num_slots - num_experts + 2, dtype=jnp.int32)
+        stats = RoutingStats(
+            aux_loss=route.aux_loss,
+            z_loss=route.z_loss,
+            tokens_per_expert=jnp.sum(routed, axis=0),
+            dropped=jnp.sum(~plan.kept, dtype=jnp.int32),
+            assignments=jnp.asarray(plan.kept.size, jnp.int32),
+            slot_load=jnp.sum(jax.nn.one_hot(kept_slot, num_slots, dtype=jnp.int32), (0, 1, 2)),
+            kept_by_copies=jnp.sum(jnp.minimum(routed[:, :, None], places), axis=0),
         )
         return y.reshape(batch, seq, width), stats
 

@@ -37,14 +37,17 @@ class Block(nnx.Module):
         return isinstance(self.ffn, MoELayer)
 
     def __call__(
-        self, x: jax.Array, jitter_key: jax.Array | None = None
+        self,
+        x: jax.Array,
+        jitter_key: jax.Array | None = None,
+        replica_table: jax.Array | None = None,
     ) -> tuple[jax.Array, RoutingStats | None]:
         with jax.named_scope("attention"):
             x = x + self.attention(self.attention_norm(x))
         with jax.named_scope("moe" if self.is_moe else "ffn"):
             normed = self.ffn_norm(x)
             if self.is_moe:
-                update, stats = self.ffn(normed, jitter_key)
+                update, stats = self.ffn(normed, jitter_key, replica_table)
             else:
                 update, stats = self.ffn(normed), None
         return x + update, stats
@@ -70,10 +73,16 @@ class GPTMoE(nnx.Module):
         self.final_norm = nnx.LayerNorm(model.d_model, dtype=dtype, rngs=rngs)
 
     def __call__(
-        self, tokens: jax.Array, jitter_key: jax.Array | None = None
+        self,
+        tokens: jax.Array,
+        jitter_key: jax.Array | None = None,
+        placement: jax.Array | None = None,
     ) -> tuple[jax.Array, RoutingStats]:
         """``tokens [batch, seq]`` -> float32 logits ``[batch, seq, vocab]`` and routing stats
-        stacked over the MoE layers (leading axis: MoE layer, in depth order)."""
+        stacked over the MoE layers (leading axis: MoE layer, in depth order).
+
+        ``placement``: the replica tables of the MoE layers, ``[moe_layers, expert_axis,
+        replica_slots]`` (:mod:`jaxmoe.parallel.placement`), or None for no replicas."""
         chex.assert_rank(tokens, 2)
         chex.assert_type(tokens, int)
         chex.assert_axis_dimension_lteq(tokens, 1, self.position_embed.shape[0])
@@ -82,10 +91,13 @@ class GPTMoE(nnx.Module):
         layer_stats = []
         for index, block in enumerate(self.blocks):
             key = None if jitter_key is None else jax.random.fold_in(jitter_key, index)
+            table = None
+            if placement is not None and block.is_moe:
+                table = placement[len(layer_stats)]
             # Named scopes put the layer into every equation's name stack, where the
             # scheduler's reports find it.
             with jax.named_scope(f"layer_{index}"):
-                x, stats = block(x, key)
+                x, stats = block(x, key, table)
             if stats is not None:
                 layer_stats.append(stats)
         with jax.named_scope("head"):

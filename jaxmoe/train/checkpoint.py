@@ -123,16 +123,21 @@ def check_compatible(saved: dict[str, Any], config: Config, step: int) -> list[s
     sync_fields = {"train.grad_sync"}
     if config.train.grad_sync in ("int8", "decentralized-int8"):
         sync_fields |= {"parallel.data", "parallel.expert"}
-    sync = [
-        f"{name} {changes[name][0]!r} -> {changes[name][1]!r}"
-        for name in sorted(sync_fields & set(changes))
-    ]
-    if sync:
-        raise ConfigError(
-            f"the checkpoint of step {step} holds gradient-sync state that does not fit "
-            f"({', '.join(sync)}): resume with the saved values, or start a new run with "
-            "--overwrite"
-        )
+    # The placement table is [moe_layers, expert axis, replica slots].
+    placement_fields = {"moe.slots_per_device"}
+    if config.replica_slots:
+        placement_fields |= {"parallel.expert"}
+    for fields, what in ((sync_fields, "gradient-sync state"), (placement_fields, "a placement")):
+        differ = [
+            f"{name} {changes[name][0]!r} -> {changes[name][1]!r}"
+            for name in sorted(fields & set(changes))
+        ]
+        if differ:
+            raise ConfigError(
+                f"the checkpoint of step {step} holds {what} that does not fit "
+                f"({', '.join(differ)}): resume with the saved values, or start a new run with "
+                "--overwrite"
+            )
     return sorted(changes)
 
 

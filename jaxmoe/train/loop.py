@@ -26,7 +26,8 @@ from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.train.checkpoint import RunCheckpoints
 from jaxmoe.train.data import BatchSampler, load_splits, put_on_mesh
 from jaxmoe.train.grad_sync_choice import GradSyncChoice, resolve_grad_sync
-from jaxmoe.train.metrics import RunLog, host_row
+from jaxmoe.train.metrics import METRICS_FILE, RunLog, host_row, read_rows
+from jaxmoe.train.placement_planner import PlacementLog, plan_placement
 from jaxmoe.train.profiler import StepProfiler
 from jaxmoe.train.scheduled import plan_train_step
 from jaxmoe.train.state import init_train_state
@@ -44,9 +45,12 @@ class RunStopped(Exception):
         self.rows = rows
 
 
-def _evaluate(eval_step: Callable, params: Any, sampler: BatchSampler, batches: int, mesh) -> float:
+def _evaluate(eval_step: Callable, state: Any, sampler: BatchSampler, batches: int, mesh) -> float:
     """Mean validation cross-entropy over a fixed set of batches (the same every time)."""
-    losses = [eval_step(params, put_on_mesh(sampler, index, mesh)) for index in range(batches)]
+    losses = [
+        eval_step(state.params, put_on_mesh(sampler, index, mesh), state.placement)
+        for index in range(batches)
+    ]
     return float(sum(jax.device_get(losses)) / batches)
 
 
@@ -80,6 +84,21 @@ def _checkpoint(
     if final:
         checkpoints.wait()
     return time.perf_counter() - started
+
+
+def _rebalance(
+    state: Any, rows: list[dict[str, Any]], config: Config, done: int, log: PlacementLog
+) -> Any:
+    """After ``done`` steps, every ``moe.rebalance_every``: a new placement from the window's
+    routing counts. The table is a step input: nothing recompiles."""
+    every = config.moe.rebalance_every
+    if not every or done % every or done == config.train.steps:
+        return state
+    window = [row for row in rows if row["step"] >= done - every]
+    table, decisions = plan_placement(jax.device_get(state.placement), window, config, done)
+    log.write(decisions)
+    # The layout the step returns it in: an equal layout spelt otherwise would recompile.
+    return state._replace(placement=jax.device_put(table, state.placement.sharding))
 
 
 def _nonfinite_stop(
@@ -137,14 +156,23 @@ def train(
     planned = plan_train_step(config, mesh)
     # Compiled ahead so that the first step's time is a step, not a compilation.
     train_step = planned.compile()
-    eval_step = build_eval_step(config, mesh).jit().lower(state.params, first_batch).compile()
+    eval_step = (
+        build_eval_step(config, mesh)
+        .jit()
+        .lower(state.params, first_batch, state.placement)
+        .compile()
+    )
 
     primary = jax.process_index() == 0
+    # The planner's window may begin before a resumed run's first step.
+    history = read_rows(Path(out_dir) / METRICS_FILE) if out_dir and first_step else []
+    history = [row for row in history if row["step"] < first_step]
     log = RunLog(out_dir, config, first_step)
     if grad_sync_choice is not None:
         log.write_grad_sync_choice(grad_sync_choice)
         if primary:  # a decision made for the user: said even without progress output
             print(grad_sync_choice.table(), flush=True)
+    placement_log = PlacementLog(out_dir, first_step, primary and config.moe.rebalance_every > 0)
     if planned.report is not None:
         log.write_schedule_report(planned.report)
         if progress and primary:
@@ -192,11 +220,12 @@ def train(
                 if done % config.train.eval_every == 0 or done == last_step:
                     with watchdog.step(step):
                         row["val_loss"] = _evaluate(
-                            eval_step, state.params, val_batches, config.train.eval_batches, mesh
+                            eval_step, state, val_batches, config.train.eval_batches, mesh
                         )
                     if primary:
                         bar.write(f"step {done}: val_loss {row['val_loss']:.4f}")
                 stop = signals.stop_after(done)
+                state = _rebalance(state, [*history, *rows, row], config, done, placement_log)
                 if checkpoints is not None:
                     row["checkpoint_s"] = _checkpoint(checkpoints, state, config, done, stop)
                 rows.append(row)

@@ -14,6 +14,7 @@ from jaxmoe.config import Config
 from jaxmoe.layers import GPTMoE
 from jaxmoe.parallel.grad_sync import make_grad_sync
 from jaxmoe.parallel.mesh import mesh_axis_sizes
+from jaxmoe.parallel.placement import static_placement
 from jaxmoe.parallel.sharding import param_specs
 from jaxmoe.train.optimizer import make_optimizer
 
@@ -25,6 +26,9 @@ class TrainState(NamedTuple):
     # The gradient-sync algorithm's state (``{}`` for stateless ones): residuals, pending
     # gradients. Checkpointed with the rest.
     grad_sync: Any
+    # Replica tables [moe_layers, expert_axis, replica_slots] int32 when moe.slots_per_device
+    # leaves spare slots (jaxmoe.parallel.placement), else None. Replicated on every device.
+    placement: Any = None
 
 
 def build_model(config: Config) -> GPTMoE:
@@ -45,8 +49,22 @@ def _initial_state(config: Config) -> TrainState:
         params, specs, mesh_axis_sizes(config.parallel)
     )
     return TrainState(
-        step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, grad_sync=grad_sync
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=opt_state,
+        grad_sync=grad_sync,
+        placement=initial_placement(config),
     )
+
+
+def initial_placement(config: Config) -> jax.Array | None:
+    """Every MoE layer starts from the static placement (None without spare slots)."""
+    if not config.replica_slots:
+        return None
+    table = static_placement(
+        config.moe.num_experts, config.parallel.expert, config.moe.slots_per_device
+    )
+    return jnp.tile(jnp.asarray(table), (len(config.model.moe_layers), 1, 1))
 
 
 def abstract_train_state(config: Config) -> TrainState:
@@ -71,6 +89,7 @@ def state_specs(config: Config) -> TrainState:
         params=specs,
         opt_state=opt_specs,
         grad_sync=make_grad_sync(config.train).state_specs(specs),
+        placement=PartitionSpec() if config.replica_slots else None,
     )
 
 

@@ -30,6 +30,7 @@ from jaxmoe.config import Config
 from jaxmoe.layers import RoutingStats
 from jaxmoe.parallel.grad_sync import make_grad_sync
 from jaxmoe.parallel.mesh import mesh_axis_sizes, token_spec
+from jaxmoe.parallel.placement import replicas_per_expert, slot_experts
 from jaxmoe.parallel.sharding import global_norm
 from jaxmoe.train.optimizer import learning_rate_schedule, make_optimizer
 from jaxmoe.train.state import TrainState, model_graphdef_and_specs, state_specs
@@ -60,11 +61,16 @@ class ShardedStep:
 
 
 def _forward_losses(
-    config: Config, graphdef: nnx.GraphDef, params: Any, batch: jax.Array, key: jax.Array | None
+    config: Config,
+    graphdef: nnx.GraphDef,
+    params: Any,
+    batch: jax.Array,
+    key: jax.Array | None,
+    placement: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, RoutingStats]:
     """Local total loss (cross-entropy + aux + z) and its parts, on this device's rows."""
     model = nnx.merge(graphdef, params)
-    logits, stats = model(batch[:, :-1], key)
+    logits, stats = model(batch[:, :-1], key, placement)
     cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
     # Auxiliary losses are added per MoE layer (summed over layers), as in Switch/Megatron.
     total = (
@@ -73,6 +79,23 @@ def _forward_losses(
         + config.moe.z_loss_coef * jnp.sum(stats.z_loss)
     )
     return total, cross_entropy, stats
+
+
+def _placement_metrics(stats: RoutingStats, placement: jax.Array, axes: tuple[str, ...]) -> Metrics:
+    """Per MoE layer: assignments kept by each expert-axis device's slots (summed over the
+    data axis), assignments kept per expert, and the copies of each expert."""
+    moe_layers, expert_axis, _ = placement.shape
+    num_experts = stats.tokens_per_expert.shape[-1]
+    slot_load = jax.lax.psum(stats.slot_load, axes)  # [moe_layers, expert_axis * slots]
+    holds = jax.nn.one_hot(
+        jax.vmap(slot_experts, in_axes=(0, None))(placement, num_experts), num_experts
+    )
+    return {
+        "device_load": jnp.sum(slot_load.reshape(moe_layers, expert_axis, -1), axis=-1),
+        "kept_per_expert": jnp.einsum("ls,lse->le", slot_load, holds.astype(slot_load.dtype)),
+        "replicas_per_expert": replicas_per_expert(placement, num_experts),
+        "kept_by_copies": jax.lax.psum(stats.kept_by_copies, axes),
+    }
 
 
 def _routing_metrics(stats: RoutingStats, axes: tuple[str, ...], shards: int) -> Metrics:
@@ -112,7 +135,9 @@ def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
             key = jax.random.fold_in(key, jax.lax.axis_index(axes))
 
         def loss_fn(params):
-            total, cross_entropy, stats = _forward_losses(config, graphdef, params, batch, key)
+            total, cross_entropy, stats = _forward_losses(
+                config, graphdef, params, batch, key, state.placement
+            )
             return total / shards, (total, cross_entropy, stats)
 
         (_, (total, cross_entropy, stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
@@ -142,6 +167,8 @@ def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
                 "learning_rate": schedule(state.step),
                 **_routing_metrics(stats, axes, shards),
             }
+            if state.placement is not None:
+                metrics.update(_placement_metrics(stats, state.placement, axes))
         if skip_nonfinite:
             # Both are global values, so every device takes the same decision.
             finite = jnp.isfinite(metrics["total_loss"]) & jnp.isfinite(grad_norm)
@@ -152,7 +179,7 @@ def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
                 (state.params, state.opt_state, state.grad_sync),
             )
             metrics["skipped"] = jnp.logical_not(finite).astype(jnp.int32)
-        return TrainState(state.step + 1, params, opt_state, sync_state), metrics
+        return TrainState(state.step + 1, params, opt_state, sync_state, state.placement), metrics
 
     specs = state_specs(config)
     return ShardedStep(
@@ -166,18 +193,20 @@ def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
 
 
 def build_eval_step(config: Config, mesh: Mesh) -> ShardedStep:
-    """``(params, batch) -> mean cross-entropy`` over the global batch, per device."""
+    """``(params, batch, placement) -> mean cross-entropy`` over the global batch, per device.
+
+    ``placement`` is the state's (None without replica slots)."""
     graphdef, param_spec_tree = model_graphdef_and_specs(config)
     shards = config.parallel.token_shards
     axes = tuple(mesh.axis_names)
 
-    def per_device(params: Any, batch: jax.Array) -> jax.Array:
-        _, cross_entropy, _ = _forward_losses(config, graphdef, params, batch, None)
+    def per_device(params: Any, batch: jax.Array, placement: Any) -> jax.Array:
+        _, cross_entropy, _ = _forward_losses(config, graphdef, params, batch, None, placement)
         return jax.lax.psum(cross_entropy / shards, axes)
 
     return ShardedStep(
         per_device=per_device,
         mesh=mesh,
-        in_specs=(param_spec_tree, token_spec()),
+        in_specs=(param_spec_tree, token_spec(), state_specs(config).placement),
         out_specs=PartitionSpec(),
     )
