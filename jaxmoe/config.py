@@ -10,10 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
-import typing
 from dataclasses import dataclass, field
 from typing import Any
+
+# ConfigError is part of this module's interface: raised by every check below.
+from jaxmoe.config_checks import ConfigError as ConfigError
+from jaxmoe.config_checks import (
+    check_types,
+    non_negative,
+    positive_int,
+    require,
+)
 
 DTYPES = ("float32", "bfloat16")
 # The policies of scheduling.SchedulePolicy (kept here so that reading a config does not
@@ -41,56 +48,6 @@ GRAD_SYNCS = (
 GRAD_SYNC_CHOICES = (*GRAD_SYNCS, "auto")
 
 
-class ConfigError(ValueError):
-    """An invalid configuration value; the message names the field and the fix."""
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
-
-
-def _matches(value: Any, annotation: Any) -> bool:
-    """Whether ``value`` has the field type ``annotation`` (int, float, str, bool, X | None)."""
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return any(_matches(value, option) for option in typing.get_args(annotation))
-    if annotation is type(None):
-        return value is None
-    if annotation is bool:
-        return isinstance(value, bool)
-    if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if annotation is float:
-        return (
-            isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-        )
-    return isinstance(value, annotation)
-
-
-def _check_types(section: str, instance: Any) -> None:
-    """Refuse a field whose value is not of its declared type (names the field)."""
-    hints = typing.get_type_hints(type(instance))
-    for item in dataclasses.fields(instance):
-        value, expected = getattr(instance, item.name), hints[item.name]
-        if not _matches(value, expected):
-            kind = getattr(expected, "__name__", str(expected))
-            raise ConfigError(f"{section}.{item.name}={value!r}: expected a finite {kind}")
-
-
-def _positive_int(section: str, name: str, value: Any) -> None:
-    _require(
-        isinstance(value, int) and not isinstance(value, bool) and value > 0,
-        f"{section}.{name}={value!r}: must be a positive integer",
-    )
-
-
-def _non_negative(section: str, name: str, value: Any) -> None:
-    _require(
-        isinstance(value, int | float) and not isinstance(value, bool) and value >= 0,
-        f"{section}.{name}={value!r}: must be a number >= 0",
-    )
-
-
 @dataclass(frozen=True)
 class ModelConfig:
     """A GPT-style decoder whose FFN is a Mixture of Experts every ``moe_every`` layers."""
@@ -107,21 +64,21 @@ class ModelConfig:
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        _check_types("model", self)
+        check_types("model", self)
         for name in ("vocab_size", "d_model", "num_heads", "num_layers", "d_ff", "seq_len"):
-            _positive_int("model", name, getattr(self, name))
-        _positive_int("model", "moe_every", self.moe_every)
-        _require(
+            positive_int("model", name, getattr(self, name))
+        positive_int("model", "moe_every", self.moe_every)
+        require(
             self.moe_every <= self.num_layers,
             f"model.moe_every={self.moe_every} is larger than model.num_layers="
             f"{self.num_layers}: the model would have no MoE layer; use at most num_layers",
         )
-        _require(
+        require(
             self.d_model % self.num_heads == 0,
             f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}: "
             "choose a width that is a multiple of the number of heads",
         )
-        _require(
+        require(
             self.dtype in DTYPES,
             f"model.dtype={self.dtype!r}: must be one of {', '.join(DTYPES)}",
         )
@@ -161,16 +118,16 @@ class MoEConfig:
     rebalance_every: int = 0
 
     def __post_init__(self) -> None:
-        _check_types("moe", self)
-        _positive_int("moe", "num_experts", self.num_experts)
-        _positive_int("moe", "top_k", self.top_k)
-        _require(
+        check_types("moe", self)
+        positive_int("moe", "num_experts", self.num_experts)
+        positive_int("moe", "top_k", self.top_k)
+        require(
             self.top_k <= self.num_experts,
             f"moe.top_k={self.top_k} is larger than moe.num_experts={self.num_experts}: "
             "a token cannot be sent to more experts than exist",
         )
         if self.capacity_factor is not None:
-            _require(
+            require(
                 isinstance(self.capacity_factor, int | float)
                 and not isinstance(self.capacity_factor, bool)
                 and self.capacity_factor > 0,
@@ -178,23 +135,23 @@ class MoEConfig:
                 "or None for dropless routing",
             )
         if self.group_size is not None:
-            _positive_int("moe", "group_size", self.group_size)
+            positive_int("moe", "group_size", self.group_size)
         if self.d_expert is not None:
-            _positive_int("moe", "d_expert", self.d_expert)
+            positive_int("moe", "d_expert", self.d_expert)
         if self.slots_per_device is not None:
-            _positive_int("moe", "slots_per_device", self.slots_per_device)
-        _require(
+            positive_int("moe", "slots_per_device", self.slots_per_device)
+        require(
             isinstance(self.rebalance_every, int) and self.rebalance_every >= 0,
             f"moe.rebalance_every={self.rebalance_every!r}: must be an integer >= 0 (0: static)",
         )
-        _require(
+        require(
             self.score_function in SCORE_FUNCTIONS,
             f"moe.score_function={self.score_function!r}: must be one of "
             f"{', '.join(SCORE_FUNCTIONS)}",
         )
         for name in ("aux_loss_coef", "z_loss_coef"):
-            _non_negative("moe", name, getattr(self, name))
-        _require(
+            non_negative("moe", name, getattr(self, name))
+        require(
             isinstance(self.jitter, int | float) and 0 <= self.jitter < 1,
             f"moe.jitter={self.jitter!r}: must be in [0, 1)",
         )
@@ -212,9 +169,9 @@ class ParallelConfig:
     expert: int = 8
 
     def __post_init__(self) -> None:
-        _check_types("parallel", self)
-        _positive_int("parallel", "data", self.data)
-        _positive_int("parallel", "expert", self.expert)
+        check_types("parallel", self)
+        positive_int("parallel", "data", self.data)
+        positive_int("parallel", "expert", self.expert)
 
     @property
     def num_devices(self) -> int:
@@ -237,13 +194,13 @@ class DataConfig:
     max_bytes: int | None = 8_000_000
 
     def __post_init__(self) -> None:
-        _check_types("data", self)
-        _require(
+        check_types("data", self)
+        require(
             isinstance(self.val_fraction, float | int) and 0 < self.val_fraction < 1,
             f"data.val_fraction={self.val_fraction!r}: must be in (0, 1)",
         )
         if self.max_bytes is not None:
-            _positive_int("data", "max_bytes", self.max_bytes)
+            positive_int("data", "max_bytes", self.max_bytes)
 
 
 @dataclass(frozen=True)
@@ -311,97 +268,97 @@ class TrainConfig:
     grad_sync_devices_per_host: int = 0
 
     def __post_init__(self) -> None:
-        _check_types("train", self)
+        check_types("train", self)
         for name in ("batch_size", "steps", "eval_every", "eval_batches"):
-            _positive_int("train", name, getattr(self, name))
-        _require(
+            positive_int("train", name, getattr(self, name))
+        require(
             isinstance(self.warmup_steps, int) and self.warmup_steps >= 0,
             f"train.warmup_steps={self.warmup_steps!r}: must be an integer >= 0",
         )
-        _require(
+        require(
             isinstance(self.learning_rate, int | float) and self.learning_rate > 0,
             f"train.learning_rate={self.learning_rate!r}: must be > 0",
         )
-        _require(
+        require(
             isinstance(self.min_lr_ratio, int | float) and 0 <= self.min_lr_ratio <= 1,
             f"train.min_lr_ratio={self.min_lr_ratio!r}: must be in [0, 1]",
         )
-        _non_negative("train", "weight_decay", self.weight_decay)
+        non_negative("train", "weight_decay", self.weight_decay)
         for name in ("adam_b1", "adam_b2"):
             value = getattr(self, name)
-            _require(0 <= value < 1, f"train.{name}={value!r}: must be in [0, 1)")
+            require(0 <= value < 1, f"train.{name}={value!r}: must be in [0, 1)")
         if self.grad_clip_norm is not None:
-            _require(
+            require(
                 self.grad_clip_norm > 0,
                 f"train.grad_clip_norm={self.grad_clip_norm!r}: must be > 0, or None to disable",
             )
-        _require(
+        require(
             isinstance(self.seed, int) and self.seed >= 0,
             f"train.seed={self.seed!r}: must be an integer >= 0",
         )
-        _require(
+        require(
             self.schedule in SCHEDULES,
             f"train.schedule={self.schedule!r}: choose one of {', '.join(SCHEDULES)}",
         )
-        _require(
+        require(
             isinstance(self.schedule_async_min_bytes, int) and self.schedule_async_min_bytes >= 0,
             f"train.schedule_async_min_bytes={self.schedule_async_min_bytes!r}: must be an "
             "integer >= 0",
         )
-        _require(
+        require(
             self.schedule_link_mbit >= 0,
             f"train.schedule_link_mbit={self.schedule_link_mbit!r}: must be >= 0 (0 keeps the "
             "profile's link)",
         )
-        _require(
+        require(
             self.schedule_partition_chunks == 0 or 2 <= self.schedule_partition_chunks <= 8,
             f"train.schedule_partition_chunks={self.schedule_partition_chunks!r}: choose 2..8, "
             "or 0 to let the search choose",
         )
-        _require(
+        require(
             self.schedule != "expert_pipeline" or self.schedule_partition_chunks,
             "train.schedule=expert_pipeline needs its degree: set train.schedule_partition_chunks "
             "to 2..8 (degree 1 is --schedule async)",
         )
         kind, _, pieces = self.schedule_exchange.partition(":")
-        _require(
+        require(
             not self.schedule_exchange
             or (kind in ("rounds", "chunks") and pieces.isdigit() and int(pieces) >= 2),
             f"train.schedule_exchange={self.schedule_exchange!r}: write rounds:G (G the expert "
             "group) or chunks:N (N >= 2), or leave it empty for the cost model's choice",
         )
-        _require(
+        require(
             not self.schedule_exchange or self.schedule in ("comet", "lancet+comet"),
             f"train.schedule_exchange applies to --schedule comet or lancet+comet, not "
             f"{self.schedule!r}",
         )
-        _require(
+        require(
             self.schedule_op_costs in OP_COSTS,
             f"train.schedule_op_costs={self.schedule_op_costs!r}: choose one of "
             f"{', '.join(OP_COSTS)}",
         )
-        _require(
+        require(
             isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0,
             f"train.checkpoint_every={self.checkpoint_every!r}: must be an integer >= 0 "
             "(0 saves only at the end of the run and on a stop signal)",
         )
-        _positive_int("train", "keep_checkpoints", self.keep_checkpoints)
-        _require(
+        positive_int("train", "keep_checkpoints", self.keep_checkpoints)
+        require(
             self.on_nonfinite in ON_NONFINITE,
             f"train.on_nonfinite={self.on_nonfinite!r}: choose one of {', '.join(ON_NONFINITE)}",
         )
-        _require(
+        require(
             self.grad_sync in GRAD_SYNC_CHOICES,
             f"train.grad_sync={self.grad_sync!r}: choose one of {', '.join(GRAD_SYNC_CHOICES)}",
         )
-        _positive_int("train", "grad_bucket_bytes", self.grad_bucket_bytes)
-        _require(
+        positive_int("train", "grad_bucket_bytes", self.grad_bucket_bytes)
+        require(
             isinstance(self.grad_sync_devices_per_host, int)
             and self.grad_sync_devices_per_host >= 0,
             f"train.grad_sync_devices_per_host={self.grad_sync_devices_per_host!r}: must be an "
             "integer >= 0 (0: each process is a host)",
         )
-        _require(
+        require(
             self.schedule_profile in SCHEDULE_PROFILES,
             f"train.schedule_profile={self.schedule_profile!r}: choose one of "
             f"{', '.join(SCHEDULE_PROFILES)}",
@@ -420,42 +377,42 @@ class Config:
 
     def __post_init__(self) -> None:
         moe, parallel, train = self.moe, self.parallel, self.train
-        _require(
+        require(
             moe.num_experts % parallel.expert == 0,
             f"moe.num_experts={moe.num_experts} is not divisible by "
             f"parallel.expert={parallel.expert}: use a multiple of the expert axis size",
         )
-        _require(
+        require(
             train.batch_size % parallel.token_shards == 0,
             f"train.batch_size={train.batch_size} is not divisible by the "
             f"{parallel.token_shards} token shards (parallel.data x parallel.expert): "
             "use a multiple of it",
         )
-        _require(
+        require(
             self.model.vocab_size >= 256 or self.data.path is not None,
             f"model.vocab_size={self.model.vocab_size}: the default byte-level corpus "
             "needs at least 256",
         )
         per_host = train.grad_sync_devices_per_host
-        _require(
+        require(
             per_host == 0 or parallel.num_devices % per_host == 0,
             f"train.grad_sync_devices_per_host={per_host} does not divide the "
             f"{parallel.num_devices} devices (parallel.data x parallel.expert): choose a "
             "divisor, or 0 for one host per process",
         )
         local = moe.num_experts // parallel.expert
-        _require(
+        require(
             moe.slots_per_device is None or moe.slots_per_device >= local,
             f"moe.slots_per_device={moe.slots_per_device} is fewer than the {local} experts per "
             "device (moe.num_experts / parallel.expert): use at least that many",
         )
-        _require(
+        require(
             not moe.rebalance_every or self.replica_slots > 0,
             f"moe.rebalance_every={moe.rebalance_every} needs spare slots to place replicas in: "
             f"set moe.slots_per_device above the {local} experts per device",
         )
         tokens_per_device = self.tokens_per_device
-        _require(
+        require(
             tokens_per_device % self.group_size == 0,
             f"moe.group_size={self.group_size} does not divide the {tokens_per_device} "
             "tokens per device (train.batch_size / token shards x model.seq_len): "
@@ -491,7 +448,7 @@ class Config:
     def from_dict(cls, values: dict[str, Any]) -> Config:
         sections = {f.name: f.type for f in dataclasses.fields(cls)}
         unknown = set(values) - set(sections)
-        _require(not unknown, f"unknown config sections {sorted(unknown)}")
+        require(not unknown, f"unknown config sections {sorted(unknown)}")
         defaults = cls()
         built = {}
         for name in sections:
@@ -499,7 +456,7 @@ class Config:
             given = values.get(name, {})
             known = {item.name for item in dataclasses.fields(section_type)}
             unknown_fields = sorted(set(given) - known)
-            _require(
+            require(
                 not unknown_fields,
                 f"unknown fields {', '.join(f'{name}.{f}' for f in unknown_fields)}: "
                 f"{name} has {', '.join(sorted(known))}",
