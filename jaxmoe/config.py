@@ -34,7 +34,7 @@ SCHEDULE_PROFILES = (
 OP_COSTS = ("analytic", "measured")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ON_NONFINITE = ("stop", "skip")
-# The algorithms of jaxmoe.parallel.grad_sync (a test checks that the two agree).
+# The algorithms of jaxmoe.parallel.grad_sync, one module each.
 GRAD_SYNCS = (
     "allreduce",
     "bucketed",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from jax.sharding import Mesh
 
-from jaxmoe.config import TrainConfig
+from jaxmoe.config import GRAD_SYNCS, TrainConfig
 from jaxmoe.parallel.grad_sync.allreduce import AllReduce
 from jaxmoe.parallel.grad_sync.base import GradSync, MeshAxes, Synced
 from jaxmoe.parallel.grad_sync.bucketed import Bucketed
@@ -19,15 +19,8 @@ from jaxmoe.parallel.grad_sync.delayed import Delayed
 from jaxmoe.parallel.grad_sync.hierarchical import Hierarchical, devices_per_host
 from jaxmoe.parallel.grad_sync.int8 import Int8
 
-ALGORITHMS = (
-    "allreduce",
-    "bucketed",
-    "hierarchical",
-    "int8",
-    "decentralized",
-    "decentralized-int8",
-    "delayed",
-)
+# The names live in the config, which must be readable without importing JAX.
+ALGORITHMS = GRAD_SYNCS
 # Exact up to float rounding; the others change what is applied (see their modules).
 EXACT = frozenset({"allreduce", "bucketed", "hierarchical"})
 

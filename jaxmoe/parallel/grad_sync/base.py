@@ -90,3 +90,23 @@ def per_device_specs(specs: PyTree) -> PyTree:
     return jax.tree.map(
         lambda _: PER_DEVICE_SPEC, specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
     )
+
+
+class ErrorFeedback(GradSync):
+    """State of the algorithms that carry each step's compression error into the next:
+    one residual per device and parameter block (``error_feedback`` is a field of each
+    subclass; tests turn it off to show what it is for)."""
+
+    error_feedback: bool
+
+    def init_state(self, params: PyTree, specs: PyTree, mesh_axes: MeshAxes) -> PyTree:
+        return {"residual": per_device_zeros(params, specs, mesh_axes)}
+
+    def state_specs(self, specs: PyTree) -> PyTree:
+        return {"residual": per_device_specs(specs)}
+
+    def with_residual(self, grads: PyTree, state: PyTree) -> PyTree:
+        """This step's gradients plus the error carried from the last step."""
+        if not self.error_feedback:
+            return grads
+        return jax.tree.map(lambda g, e: g + e[0], grads, state["residual"])

@@ -36,12 +36,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxmoe.parallel.grad_sync.base import (
-    GradSync,
+    ErrorFeedback,
     MeshAxes,
     PyTree,
     Synced,
-    per_device_specs,
-    per_device_zeros,
 )
 from jaxmoe.parallel.grad_sync.bucketed import map_buckets
 from jaxmoe.parallel.grad_sync.quantize import DEFAULT_CHUNK, Quantized, dequantize, quantize
@@ -71,22 +69,14 @@ def quantized_ring_average(
 
 
 @dataclass(frozen=True)
-class DecentralizedInt8(GradSync):
+class DecentralizedInt8(ErrorFeedback):
     bucket_bytes: int
     chunk: int = DEFAULT_CHUNK
     # Tests turn it off to show what error feedback is for.
     error_feedback: bool = True
 
-    def init_state(self, params: PyTree, specs: PyTree, mesh_axes: MeshAxes) -> PyTree:
-        return {"residual": per_device_zeros(params, specs, mesh_axes)}
-
-    def state_specs(self, specs: PyTree) -> PyTree:
-        return {"residual": per_device_specs(specs)}
-
     def __call__(self, grads: PyTree, state: PyTree, specs: PyTree, mesh_axes: MeshAxes) -> Synced:
-        values = grads
-        if self.error_feedback:
-            values = jax.tree.map(lambda g, e: g + e[0], grads, state["residual"])
+        values = self.with_residual(grads, state)
 
         def exchange(flat, axes):
             replicas = math.prod(mesh_axes[a] for a in axes)

@@ -47,12 +47,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxmoe.parallel.grad_sync.base import (
-    GradSync,
+    ErrorFeedback,
     MeshAxes,
     PyTree,
     Synced,
-    per_device_specs,
-    per_device_zeros,
 )
 from jaxmoe.parallel.grad_sync.bucketed import map_buckets
 from jaxmoe.parallel.grad_sync.hierarchical import Groups, host_groups
@@ -95,7 +93,7 @@ def hierarchical_quantized_sum(
 
 
 @dataclass(frozen=True)
-class Int8(GradSync):
+class Int8(ErrorFeedback):
     bucket_bytes: int = 25 * 2**20
     # Hosts (see hierarchical.py); 1: every device its own host, every exchange quantised.
     devices_per_host: int = 1
@@ -103,16 +101,8 @@ class Int8(GradSync):
     # Tests turn it off to show what error feedback is for.
     error_feedback: bool = True
 
-    def init_state(self, params: PyTree, specs: PyTree, mesh_axes: MeshAxes) -> PyTree:
-        return {"residual": per_device_zeros(params, specs, mesh_axes)}
-
-    def state_specs(self, specs: PyTree) -> PyTree:
-        return {"residual": per_device_specs(specs)}
-
     def __call__(self, grads: PyTree, state: PyTree, specs: PyTree, mesh_axes: MeshAxes) -> Synced:
-        values = grads
-        if self.error_feedback:
-            values = jax.tree.map(lambda g, e: g + e[0], grads, state["residual"])
+        values = self.with_residual(grads, state)
 
         def exchange(flat, axes):
             inside, across = host_groups(axes, mesh_axes, self.devices_per_host)
