@@ -47,7 +47,8 @@ from experiments.link_calibration import LinkCalibration, calibrate_link, ensure
 from experiments.netns import EmulatedNetwork, LinkShape, namespaces_available
 from experiments.overlap_control import cluster_control_args, run_control
 from experiments.spread import Spread, round_ratios
-from jaxmoe.config import SCHEDULES, ConfigError
+from jaxmoe.config import ConfigError
+from jaxmoe.config_choices import SCHEDULES
 from jaxmoe.train.cli import config_from_train_args
 
 

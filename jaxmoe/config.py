@@ -13,39 +13,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxmoe import config_choices as choices
+
 # ConfigError is part of this module's interface: raised by every check below.
 from jaxmoe.config_checks import ConfigError as ConfigError
-from jaxmoe.config_checks import (
-    check_types,
-    non_negative,
-    positive_int,
-    require,
-)
-
-DTYPES = ("float32", "bfloat16")
-# The policies of scheduling.SchedulePolicy (kept here so that reading a config does not
-# import JAX; a test checks that the two agree).
-SCHEDULES = (
-    "none", "async", "dw", "partition", "lancet", "expert_pipeline", "comet", "lancet+comet"
-)  # fmt: skip
-SCHEDULE_PROFILES = (
-    "a100", "v100", "cpu", "a100-8x-nvlink-400g", "v100-8x-nvlink-100g", "h100-8x-nvlink-3200g"
-)  # fmt: skip
-OP_COSTS = ("analytic", "measured")
-SCORE_FUNCTIONS = ("softmax", "sigmoid")
-ON_NONFINITE = ("stop", "skip")
-# The algorithms of jaxmoe.parallel.grad_sync, one module each.
-GRAD_SYNCS = (
-    "allreduce",
-    "bucketed",
-    "hierarchical",
-    "int8",
-    "decentralized",
-    "decentralized-int8",
-    "delayed",
-)
-# ``train.grad_sync`` may also be "auto": chosen from the cost model at start-up.
-GRAD_SYNC_CHOICES = (*GRAD_SYNCS, "auto")
+from jaxmoe.config_checks import check_types, non_negative, positive_int, require
+from jaxmoe.layout import LayoutError, check_layout, check_split_widths
 
 
 @dataclass(frozen=True)
@@ -79,8 +52,8 @@ class ModelConfig:
             "choose a width that is a multiple of the number of heads",
         )
         require(
-            self.dtype in DTYPES,
-            f"model.dtype={self.dtype!r}: must be one of {', '.join(DTYPES)}",
+            self.dtype in choices.DTYPES,
+            f"model.dtype={self.dtype!r}: must be one of {', '.join(choices.DTYPES)}",
         )
 
     @property
@@ -116,6 +89,10 @@ class MoEConfig:
     slots_per_device: int | None = None
     # Re-plan the replicas every this many steps from the routing counts (0: static).
     rebalance_every: int = 0
+    # all_to_all: each device sends every expert only its slots (bytes ~ capacity).
+    # all_gather: the expert group gathers every token and reduce-scatters the outputs;
+    # more bytes, but no permutation between layouts (small groups, expert_tensor > 1).
+    dispatcher: str = "all_to_all"
 
     def __post_init__(self) -> None:
         check_types("moe", self)
@@ -145,9 +122,13 @@ class MoEConfig:
             f"moe.rebalance_every={self.rebalance_every!r}: must be an integer >= 0 (0: static)",
         )
         require(
-            self.score_function in SCORE_FUNCTIONS,
+            self.dispatcher in choices.DISPATCHERS,
+            f"moe.dispatcher={self.dispatcher!r}: must be one of {', '.join(choices.DISPATCHERS)}",
+        )
+        require(
+            self.score_function in choices.SCORE_FUNCTIONS,
             f"moe.score_function={self.score_function!r}: must be one of "
-            f"{', '.join(SCORE_FUNCTIONS)}",
+            f"{', '.join(choices.SCORE_FUNCTIONS)}",
         )
         for name in ("aux_loss_coef", "z_loss_coef"):
             non_negative("moe", name, getattr(self, name))
@@ -163,24 +144,41 @@ class MoEConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Sizes of the mesh axes. Their product must equal the number of devices."""
+    """The two parallel layouts folded onto the devices (jaxmoe/layout.py).
+
+    MoE layers: ``data x expert x expert_tensor`` devices (expert-data replicas,
+    the expert group, each expert's hidden dimension split). Attention and dense
+    layers: ``tensor``-way tensor (and sequence) parallelism over the same
+    devices, data parallelism over the rest.
+    """
 
     data: int = 1
     expert: int = 8
+    tensor: int = 1
+    expert_tensor: int = 1
 
     def __post_init__(self) -> None:
         check_types("parallel", self)
-        positive_int("parallel", "data", self.data)
-        positive_int("parallel", "expert", self.expert)
+        for name in ("data", "expert", "tensor", "expert_tensor"):
+            positive_int("parallel", name, getattr(self, name))
+        try:
+            check_layout(self.num_devices, self.tensor, self.expert, self.expert_tensor)
+        except LayoutError as error:
+            raise ConfigError(str(error)) from None
 
     @property
     def num_devices(self) -> int:
-        return self.data * self.expert
+        return self.data * self.expert * self.expert_tensor
+
+    @property
+    def batch_shards(self) -> int:
+        """Attention's data parallelism: the batch is split this many ways."""
+        return self.num_devices // self.tensor
 
     @property
     def token_shards(self) -> int:
-        """Tokens are sharded over both axes, so every device holds a distinct slice."""
-        return self.data * self.expert
+        """Every device holds distinct tokens (its batch rows, its sequence slice)."""
+        return self.num_devices
 
 
 @dataclass(frozen=True)
@@ -297,8 +295,8 @@ class TrainConfig:
             f"train.seed={self.seed!r}: must be an integer >= 0",
         )
         require(
-            self.schedule in SCHEDULES,
-            f"train.schedule={self.schedule!r}: choose one of {', '.join(SCHEDULES)}",
+            self.schedule in choices.SCHEDULES,
+            f"train.schedule={self.schedule!r}: choose one of {', '.join(choices.SCHEDULES)}",
         )
         require(
             isinstance(self.schedule_async_min_bytes, int) and self.schedule_async_min_bytes >= 0,
@@ -333,9 +331,9 @@ class TrainConfig:
             f"{self.schedule!r}",
         )
         require(
-            self.schedule_op_costs in OP_COSTS,
+            self.schedule_op_costs in choices.OP_COSTS,
             f"train.schedule_op_costs={self.schedule_op_costs!r}: choose one of "
-            f"{', '.join(OP_COSTS)}",
+            f"{', '.join(choices.OP_COSTS)}",
         )
         require(
             isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0,
@@ -344,12 +342,14 @@ class TrainConfig:
         )
         positive_int("train", "keep_checkpoints", self.keep_checkpoints)
         require(
-            self.on_nonfinite in ON_NONFINITE,
-            f"train.on_nonfinite={self.on_nonfinite!r}: choose one of {', '.join(ON_NONFINITE)}",
+            self.on_nonfinite in choices.ON_NONFINITE,
+            f"train.on_nonfinite={self.on_nonfinite!r}: choose one of "
+            f"{', '.join(choices.ON_NONFINITE)}",
         )
         require(
-            self.grad_sync in GRAD_SYNC_CHOICES,
-            f"train.grad_sync={self.grad_sync!r}: choose one of {', '.join(GRAD_SYNC_CHOICES)}",
+            self.grad_sync in choices.GRAD_SYNC_CHOICES,
+            f"train.grad_sync={self.grad_sync!r}: choose one of "
+            f"{', '.join(choices.GRAD_SYNC_CHOICES)}",
         )
         positive_int("train", "grad_bucket_bytes", self.grad_bucket_bytes)
         require(
@@ -359,9 +359,9 @@ class TrainConfig:
             "integer >= 0 (0: each process is a host)",
         )
         require(
-            self.schedule_profile in SCHEDULE_PROFILES,
+            self.schedule_profile in choices.SCHEDULE_PROFILES,
             f"train.schedule_profile={self.schedule_profile!r}: choose one of "
-            f"{', '.join(SCHEDULE_PROFILES)}",
+            f"{', '.join(choices.SCHEDULE_PROFILES)}",
         )
 
 
@@ -383,11 +383,23 @@ class Config:
             f"parallel.expert={parallel.expert}: use a multiple of the expert axis size",
         )
         require(
-            train.batch_size % parallel.token_shards == 0,
+            train.batch_size % parallel.batch_shards == 0,
             f"train.batch_size={train.batch_size} is not divisible by the "
-            f"{parallel.token_shards} token shards (parallel.data x parallel.expert): "
+            f"{parallel.batch_shards} batch shards (devices / parallel.tensor): "
             "use a multiple of it",
         )
+        try:
+            check_split_widths(
+                tensor=parallel.tensor,
+                expert_tensor=parallel.expert_tensor,
+                seq_len=self.model.seq_len,
+                num_heads=self.model.num_heads,
+                d_ff=self.model.d_ff,
+                d_expert=moe.d_expert or self.model.d_ff,
+                d_expert_field="moe.d_expert" if moe.d_expert else "model.d_ff",
+            )
+        except LayoutError as error:
+            raise ConfigError(str(error)) from None
         require(
             self.model.vocab_size >= 256 or self.data.path is not None,
             f"model.vocab_size={self.model.vocab_size}: the default byte-level corpus "
@@ -397,7 +409,7 @@ class Config:
         require(
             per_host == 0 or parallel.num_devices % per_host == 0,
             f"train.grad_sync_devices_per_host={per_host} does not divide the "
-            f"{parallel.num_devices} devices (parallel.data x parallel.expert): choose a "
+            f"{parallel.num_devices} devices: choose a "
             "divisor, or 0 for one host per process",
         )
         local = moe.num_experts // parallel.expert
@@ -421,12 +433,14 @@ class Config:
 
     @property
     def tokens_per_device(self) -> int:
-        return self.train.batch_size // self.parallel.token_shards * self.model.seq_len
+        rows = self.train.batch_size // self.parallel.batch_shards
+        return rows * self.model.seq_len // self.parallel.tensor
 
     @property
     def group_size(self) -> int:
-        """Tokens per routing group, with the default (one sequence) resolved."""
-        return self.moe.group_size or self.model.seq_len
+        """Tokens per routing group, with the default resolved: the slice of one sequence
+        a device holds (the whole sequence without sequence parallelism)."""
+        return self.moe.group_size or self.model.seq_len // self.parallel.tensor
 
     @property
     def capacity_per_expert(self) -> int:

@@ -51,7 +51,7 @@ from jaxmoe.presets import PRESETS, preset
             lambda: Config(
                 parallel=ParallelConfig(data=2, expert=4), train=TrainConfig(batch_size=12)
             ),
-            "train.batch_size=12 is not divisible by the 8 token shards",
+            "train.batch_size=12 is not divisible by the 8 batch shards",
         ),
         (
             lambda: Config(

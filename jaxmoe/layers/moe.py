@@ -30,7 +30,6 @@ from jaxmoe.layers.dispatch import combine, dispatch, plan_dispatch, plan_replic
 from jaxmoe.layers.experts import Experts
 from jaxmoe.layers.router import Router
 from jaxmoe.parallel.collectives import dispatch_to_experts, manual_axes, return_from_experts
-from jaxmoe.parallel.mesh import EXPERT_AXIS
 from jaxmoe.parallel.placement import slot_experts
 from jaxmoe.parallel.sharding import param_specs
 
@@ -90,7 +89,7 @@ class MoELayer(nnx.Module):
         replica_table: jax.Array | None = None,
     ) -> tuple[jax.Array, RoutingStats]:
         mesh = jax.sharding.get_abstract_mesh()
-        if mesh.empty or EXPERT_AXIS in manual_axes():
+        if mesh.empty or manual_axes():
             return self.per_device(x, jitter_key, replica_table)
         if replica_table is not None:
             raise ValueError("a replica table needs the whole-step shard_map (or no mesh)")

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import jax
 
-from jaxmoe.parallel.mesh import EXPERT_AXIS
+from jaxmoe.layout import EXPERT
+from jaxmoe.parallel.mesh import role_axes, role_size
 
 
 def manual_axes() -> frozenset[str]:
@@ -18,18 +19,17 @@ def manual_axes() -> frozenset[str]:
 
 
 def expert_axis_size() -> int:
-    """Devices in this device's expert group (1 outside a manual expert axis)."""
-    if EXPERT_AXIS not in manual_axes():
-        return 1
-    return jax.lax.axis_size(EXPERT_AXIS)
+    """Devices in this device's expert group (1 outside a manual region)."""
+    return role_size(EXPERT)
 
 
 def dispatch_to_experts(buffer: jax.Array) -> jax.Array:
     """[num_experts, slots, d] per source device -> [local_experts, group * slots, d].
 
     Row block ``i`` of the expert dimension goes to device ``i`` of the expert
-    group; each device receives the slots of its own experts from every device
-    of the group, ordered by source device.
+    group (numbered over the mesh axes of the expert role, :mod:`jaxmoe.layout`);
+    each device receives the slots of its own experts from every device of the
+    group, ordered by source device.
     """
     group = expert_axis_size()
     num_experts, slots, width = buffer.shape
@@ -37,7 +37,7 @@ def dispatch_to_experts(buffer: jax.Array) -> jax.Array:
     if group == 1:
         return buffer
     parts = buffer.reshape(group, local_experts, slots, width)
-    received = jax.lax.all_to_all(parts, EXPERT_AXIS, split_axis=0, concat_axis=0)
+    received = jax.lax.all_to_all(parts, role_axes(EXPERT), split_axis=0, concat_axis=0)
     return received.transpose(1, 0, 2, 3).reshape(local_experts, group * slots, width)
 
 
@@ -50,5 +50,5 @@ def return_from_experts(buffer: jax.Array) -> jax.Array:
     local_experts, total_slots, width = buffer.shape
     slots = total_slots // group
     parts = buffer.reshape(local_experts, group, slots, width).transpose(1, 0, 2, 3)
-    returned = jax.lax.all_to_all(parts, EXPERT_AXIS, split_axis=0, concat_axis=0)
+    returned = jax.lax.all_to_all(parts, role_axes(EXPERT), split_axis=0, concat_axis=0)
     return returned.reshape(group * local_experts, slots, width)

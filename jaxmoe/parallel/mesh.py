@@ -1,8 +1,12 @@
-"""The device mesh: axis names, their roles, and how it is built from the layout.
+"""The device mesh: built from the folded layout, and the mesh axes of each role.
 
-Two axes. ``data`` replicates the model; ``expert`` shards the experts. Tokens
-(the batch dimension) are sharded over both, so every device holds distinct
-tokens and the expert all-to-all runs within each ``expert`` group.
+The mesh's axes are the common refinement of the attention layout (data x
+tensor) and the MoE layout (expert data x expert x expert tensor), as
+:mod:`jaxmoe.layout` derives them. Without tensor or expert-tensor
+parallelism it is ``(data, expert)``: ``data`` replicates the model and
+``expert`` shards the experts. Layers find the axes of their groups with
+:func:`role_axes` at trace time, so the same code runs on every layout and,
+with no mesh, on one device.
 """
 
 from __future__ import annotations
@@ -14,36 +18,63 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxmoe.config import ConfigError, ParallelConfig
+from jaxmoe.layout import ATTENTION_DATA, axes_for_role, mesh_axes
 
 DATA_AXIS = "data"
 EXPERT_AXIS = "expert"
-MESH_AXES = (DATA_AXIS, EXPERT_AXIS)
-# The batch dimension is split over every axis: each device sees its own tokens.
-TOKEN_AXES = (DATA_AXIS, EXPERT_AXIS)
-
-
-def token_spec() -> PartitionSpec:
-    """Spec of a [batch, ...] array of tokens: batch sharded over all mesh axes."""
-    return PartitionSpec(TOKEN_AXES)
 
 
 def mesh_axis_sizes(parallel: ParallelConfig) -> dict[str, int]:
-    """Mesh axis name -> size, in mesh order."""
-    return {DATA_AXIS: parallel.data, EXPERT_AXIS: parallel.expert}
+    """Mesh axis name -> size, in mesh order (outermost first)."""
+    axes = mesh_axes(parallel.data, parallel.tensor, parallel.expert, parallel.expert_tensor)
+    return {axis.name: axis.size for axis in axes}
+
+
+def mesh_axis_names(parallel: ParallelConfig) -> tuple[str, ...]:
+    return tuple(mesh_axis_sizes(parallel))
+
+
+def batch_axes(parallel: ParallelConfig) -> tuple[str, ...]:
+    """The mesh axes the batch is split over: attention's data parallelism."""
+    return axes_for_role(ATTENTION_DATA, mesh_axis_names(parallel))
+
+
+def token_spec(mesh: Mesh) -> PartitionSpec:
+    """Spec of a ``[batch, ...]`` array of token rows on ``mesh``: batch split over the data
+    axes, replicated over the tensor axes (each tensor rank takes its sequence slice)."""
+    return PartitionSpec(axes_for_role(ATTENTION_DATA, tuple(mesh.axis_names)))
+
+
+def role_axes(role: str) -> tuple[str, ...]:
+    """The manual mesh axes forming this device's group of ``role`` (see
+    :mod:`jaxmoe.layout`), at trace time; ``()`` outside a shard_map (one device)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    manual = mesh.manual_axes
+    return tuple(name for name in axes_for_role(role, mesh.axis_names) if name in manual)
+
+
+def role_size(role: str) -> int:
+    """Devices in this device's group of ``role`` (1 outside a shard_map)."""
+    axes = role_axes(role)
+    return jax.lax.axis_size(axes) if axes else 1
 
 
 def build_mesh(parallel: ParallelConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A (data, expert) mesh over ``devices`` (default: every device of every process).
+    """The folded mesh over ``devices`` (default: every device of every process).
 
-    Neighbouring devices share an expert group, so on a multi-host cluster the
-    all-to-all stays inside a host where the expert axis fits in one.
+    Devices are numbered in the given order; the innermost axes group neighbours,
+    so on a multi-host cluster the tensor and expert groups stay inside a host
+    where they fit in one.
     """
     devices = list(jax.devices() if devices is None else devices)
     if parallel.num_devices != len(devices):
         raise ConfigError(
-            f"parallel.data x parallel.expert = {parallel.data} x {parallel.expert} = "
-            f"{parallel.num_devices}, but there are {len(devices)} devices: choose axis sizes "
-            f"whose product is {len(devices)}"
+            f"parallel.data x parallel.expert x parallel.expert_tensor = {parallel.data} x "
+            f"{parallel.expert} x {parallel.expert_tensor} = {parallel.num_devices}, but there "
+            f"are {len(devices)} devices: choose axis sizes whose product is {len(devices)}"
         )
-    grid = np.asarray(devices, dtype=object).reshape(parallel.data, parallel.expert)
-    return Mesh(grid, MESH_AXES, axis_types=(jax.sharding.AxisType.Explicit,) * len(MESH_AXES))
+    sizes = mesh_axis_sizes(parallel)
+    grid = np.asarray(devices, dtype=object).reshape(tuple(sizes.values()))
+    return Mesh(grid, tuple(sizes), axis_types=(jax.sharding.AxisType.Explicit,) * len(sizes))

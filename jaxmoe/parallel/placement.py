@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmoe.parallel.collectives import expert_axis_size, manual_axes
-from jaxmoe.parallel.mesh import EXPERT_AXIS
+from jaxmoe.layout import EXPERT
+from jaxmoe.parallel.mesh import role_axes
 
 EMPTY = -1
 
@@ -67,9 +67,10 @@ def replica_weights(home: jax.Array, replica_table: jax.Array) -> jax.Array:
     ``home`` is ``[experts_per_device, ...]`` inside a manual expert axis (every expert
     outside one). Empty slots get zeros; no assignment is sent to them.
     """
-    if EXPERT_AXIS in manual_axes() and expert_axis_size() > 1:
-        every_expert = jax.lax.all_gather(home, EXPERT_AXIS, axis=0, tiled=True)
-        row = replica_table[jax.lax.axis_index(EXPERT_AXIS)]
+    expert_axes = role_axes(EXPERT)
+    if expert_axes and jax.lax.axis_size(expert_axes) > 1:
+        every_expert = jax.lax.all_gather(home, expert_axes, axis=0, tiled=True)
+        row = replica_table[jax.lax.axis_index(expert_axes)]
     else:
         every_expert, row = home, replica_table[0]
     taken = jnp.take(every_expert, jnp.maximum(row, 0), axis=0)

@@ -1,10 +1,14 @@
-"""Sharding rules for parameters, derived from their variable types.
+"""Sharding rules for parameters, from the roles their dimensions are split over.
 
-Expert weights are declared as :class:`ExpertParam`; their leading axis is the
-expert index and is sharded over the ``expert`` mesh axis. Every other
-parameter is replicated. From a parameter's spec follow both its layout and
-its gradient reduction: a gradient is summed over every mesh axis that the
-parameter is *not* sharded over (replicated: data and expert; experts: data).
+A parameter may carry ``parallel_axes`` metadata: for each dimension, the
+role it is split over (``tensor``, ``expert``, ``expert_tensor``; see
+:mod:`jaxmoe.layout`) or None. :class:`ExpertParam` splits its leading axis
+over ``expert`` unless it says more. Every other parameter is replicated. A
+role becomes the mesh axes that form its group on the layout at hand, so one
+model declaration shards correctly on every folded layout. From a
+parameter's spec follow both its layout and its gradient reduction: a
+gradient is summed over every mesh axis that the parameter is *not* split
+over.
 """
 
 from __future__ import annotations
@@ -17,22 +21,51 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jaxmoe.parallel.mesh import EXPERT_AXIS, MESH_AXES
+from jaxmoe.layout import EXPERT, axes_for_role
+from jaxmoe.parallel.mesh import DATA_AXIS, EXPERT_AXIS
 
 PyTree = Any
+# The mesh of the unfolded layout, for specs asked for outside any mesh.
+DEFAULT_AXIS_NAMES = (DATA_AXIS, EXPERT_AXIS)
 
 
 class ExpertParam(nnx.Param):
-    """A parameter whose leading axis indexes experts; sharded over the expert axis."""
+    """A parameter whose leading axis indexes experts; split over the expert group."""
 
 
-def param_specs(state: nnx.State) -> dict:
-    """PartitionSpecs for the pure-dict form of ``state`` (see ``nnx.to_pure_dict``)."""
+def split_roles(variable: nnx.Variable) -> tuple[str | None, ...]:
+    """The role each dimension of ``variable`` is split over (None: not split)."""
+    roles = variable.get_metadata().get("parallel_axes")
+    if roles is not None:
+        return tuple(roles)
+    return (EXPERT,) if isinstance(variable, ExpertParam) else ()
 
-    def spec(variable: nnx.Variable) -> PartitionSpec:
-        return PartitionSpec(EXPERT_AXIS) if isinstance(variable, ExpertParam) else PartitionSpec()
 
-    specs = jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+def _current_axis_names() -> tuple[str, ...]:
+    mesh = jax.sharding.get_abstract_mesh()
+    return DEFAULT_AXIS_NAMES if mesh.empty else tuple(mesh.axis_names)
+
+
+def spec_for(roles: tuple[str | None, ...], axis_names: tuple[str, ...]) -> PartitionSpec:
+    """A PartitionSpec splitting each dimension over the mesh axes of its role."""
+    entries = []
+    for role in roles:
+        axes = axes_for_role(role, axis_names) if role is not None else ()
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return PartitionSpec(*entries)
+
+
+def param_specs(state: nnx.State, axis_names: tuple[str, ...] | None = None) -> dict:
+    """PartitionSpecs for the pure-dict form of ``state`` (see ``nnx.to_pure_dict``), on a
+    mesh with ``axis_names`` (default: the current mesh's, or the unfolded layout's)."""
+    names = _current_axis_names() if axis_names is None else tuple(axis_names)
+    specs = jax.tree.map(
+        lambda variable: spec_for(split_roles(variable), names),
+        state,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
     return nnx.to_pure_dict(specs)
 
 
@@ -46,10 +79,15 @@ def sharded_axes(spec: PartitionSpec) -> frozenset[str]:
     return frozenset(axes)
 
 
-def replicated_axes(spec: PartitionSpec) -> tuple[str, ...]:
-    """Mesh axes a parameter is replicated over: where its gradient must be summed."""
+def replicated_axes(
+    spec: PartitionSpec, axis_names: tuple[str, ...] | None = None
+) -> tuple[str, ...]:
+    """Mesh axes a parameter is replicated over: where its gradient must be summed.
+
+    ``axis_names``: the mesh's (default: the current mesh's, or the unfolded layout's)."""
     sharded = sharded_axes(spec)
-    return tuple(axis for axis in MESH_AXES if axis not in sharded)
+    names = _current_axis_names() if axis_names is None else axis_names
+    return tuple(axis for axis in names if axis not in sharded)
 
 
 def reduce_gradients(grads: PyTree, specs: PyTree) -> PyTree:

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from jaxmoe import exit_codes
-from jaxmoe.config import SCHEDULES, Config, ConfigError
+from jaxmoe.config import Config, ConfigError
+from jaxmoe.config_choices import SCHEDULES
 from jaxmoe.parallel.distributed import DistributedConfig
 from jaxmoe.presets import PRESETS, preset
 

@@ -136,7 +136,7 @@ def put_on_mesh(sampler: BatchSampler, step: int, mesh: Mesh) -> jax.Array:
     Each process builds only the rows that its own devices hold, whatever the order
     of the mesh's devices.
     """
-    sharding = NamedSharding(mesh, token_spec())
+    sharding = NamedSharding(mesh, token_spec(mesh))
     shape = (sampler.global_batch, sampler.seq_len + 1)
 
     def rows_of(index: tuple[slice, ...]) -> np.ndarray:

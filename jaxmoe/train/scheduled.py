@@ -35,7 +35,7 @@ def abstract_step_args(config: Config, mesh: Mesh) -> tuple[TrainState, jax.Shap
     batch = jax.ShapeDtypeStruct(
         (config.train.batch_size, config.model.seq_len + 1),
         jax.numpy.int32,
-        sharding=NamedSharding(mesh, token_spec()),
+        sharding=NamedSharding(mesh, token_spec(mesh)),
     )
     return state, batch
 

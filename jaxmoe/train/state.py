@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxmoe.config import Config
 from jaxmoe.layers import GPTMoE
 from jaxmoe.parallel.grad_sync import make_grad_sync
-from jaxmoe.parallel.mesh import mesh_axis_sizes
+from jaxmoe.parallel.mesh import mesh_axis_names, mesh_axis_sizes
 from jaxmoe.parallel.placement import static_placement
 from jaxmoe.parallel.sharding import param_specs
 from jaxmoe.train.optimizer import make_optimizer
@@ -38,7 +38,7 @@ def build_model(config: Config) -> GPTMoE:
 def model_graphdef_and_specs(config: Config) -> tuple[nnx.GraphDef, dict]:
     """The model's structure and parameter specs, without allocating parameters."""
     graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: build_model(config)))
-    return graphdef, param_specs(abstract_state)
+    return graphdef, param_specs(abstract_state, mesh_axis_names(config.parallel))
 
 
 def _initial_state(config: Config) -> TrainState:
@@ -88,7 +88,7 @@ def state_specs(config: Config) -> TrainState:
         step=PartitionSpec(),
         params=specs,
         opt_state=opt_specs,
-        grad_sync=make_grad_sync(config.train).state_specs(specs),
+        grad_sync=make_grad_sync(config.train).state_specs(specs, mesh_axis_sizes(config.parallel)),
         placement=PartitionSpec() if config.replica_slots else None,
     )
 

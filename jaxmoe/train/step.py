@@ -185,7 +185,7 @@ def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
     return ShardedStep(
         per_device=per_device,
         mesh=mesh,
-        in_specs=(specs, token_spec()),
+        in_specs=(specs, token_spec(mesh)),
         out_specs=(specs, PartitionSpec()),
         donate_argnums=(0,),
         batch_argnums=(1,),
@@ -207,6 +207,6 @@ def build_eval_step(config: Config, mesh: Mesh) -> ShardedStep:
     return ShardedStep(
         per_device=per_device,
         mesh=mesh,
-        in_specs=(param_spec_tree, token_spec(), state_specs(config).placement),
+        in_specs=(param_spec_tree, token_spec(mesh), state_specs(config).placement),
         out_specs=PartitionSpec(),
     )

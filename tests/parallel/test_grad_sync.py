@@ -11,13 +11,12 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxmoe.config import (
-    GRAD_SYNC_CHOICES,
-    GRAD_SYNCS,
     Config,
     ConfigError,
     ParallelConfig,
     TrainConfig,
 )
+from jaxmoe.config_choices import GRAD_SYNC_CHOICES, GRAD_SYNCS
 from jaxmoe.parallel import build_mesh
 from jaxmoe.parallel.grad_sync import ALGORITHMS, make_grad_sync
 from jaxmoe.parallel.grad_sync.bucketed import plan_buckets
@@ -26,7 +25,9 @@ from jaxmoe.parallel.grad_sync.decentralized_int8 import quantized_ring_average
 from jaxmoe.parallel.grad_sync.hierarchical import devices_per_host, hierarchical_sum, host_groups
 from jaxmoe.parallel.grad_sync.int8 import Int8, hierarchical_quantized_sum
 from jaxmoe.parallel.grad_sync.quantize import LEVELS, dequantize, quantize
-from jaxmoe.parallel.mesh import MESH_AXES
+from jaxmoe.parallel.mesh import DATA_AXIS, EXPERT_AXIS
+
+MESH_AXES = (DATA_AXIS, EXPERT_AXIS)
 
 P = PartitionSpec
 

@@ -21,7 +21,7 @@ def test_mesh_axes_and_device_order():
 
 
 def test_mesh_must_cover_every_device():
-    with pytest.raises(ConfigError, match="2 x 2 = 4, but there are 8 devices"):
+    with pytest.raises(ConfigError, match="2 x 2 x 1 = 4, but there are 8 devices"):
         build_mesh(ParallelConfig(data=2, expert=2))
 
 

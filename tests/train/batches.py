@@ -11,4 +11,4 @@ from jaxmoe.parallel import token_spec
 def random_batch(rng: np.random.Generator, config: Config, mesh: Mesh) -> jax.Array:
     """``[batch, seq_len + 1]`` byte tokens, sharded over the token axes."""
     rows = rng.integers(0, 256, (config.train.batch_size, config.model.seq_len + 1))
-    return jax.device_put(rows.astype(np.int32), NamedSharding(mesh, token_spec()))
+    return jax.device_put(rows.astype(np.int32), NamedSharding(mesh, token_spec(mesh)))

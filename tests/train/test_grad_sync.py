@@ -50,7 +50,7 @@ def counting_batch(rng: np.random.Generator, config: Config, mesh) -> jax.Array:
     start = rng.integers(0, 256, (rows, 1))
     stride = rng.integers(1, 4, (rows, 1))
     tokens = (start + stride * np.arange(length)) % 256
-    return jax.device_put(tokens.astype(np.int32), NamedSharding(mesh, token_spec()))
+    return jax.device_put(tokens.astype(np.int32), NamedSharding(mesh, token_spec(mesh)))
 
 
 def train(config: Config):

@@ -18,14 +18,13 @@ from hypothesis import strategies as st
 
 import scheduling
 from jaxmoe.config import (
-    SCHEDULE_PROFILES,
-    SCHEDULES,
     Config,
     ModelConfig,
     MoEConfig,
     ParallelConfig,
     TrainConfig,
 )
+from jaxmoe.config_choices import SCHEDULE_PROFILES, SCHEDULES
 from jaxmoe.parallel import build_mesh
 from jaxmoe.presets import preset
 from jaxmoe.train.cli import main

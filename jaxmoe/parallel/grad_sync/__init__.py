@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from jax.sharding import Mesh
 
-from jaxmoe.config import GRAD_SYNCS, TrainConfig
+from jaxmoe.config import TrainConfig
+from jaxmoe.config_choices import GRAD_SYNCS
 from jaxmoe.parallel.grad_sync.allreduce import AllReduce
 from jaxmoe.parallel.grad_sync.base import GradSync, MeshAxes, Synced
 from jaxmoe.parallel.grad_sync.bucketed import Bucketed

@@ -19,8 +19,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxmoe.parallel.mesh import MESH_AXES
-
 PyTree = Any
 # Mesh axis name -> size, in mesh order.
 MeshAxes = Mapping[str, int]
@@ -44,9 +42,9 @@ class GradSync(abc.ABC):
         del params, specs, mesh_axes
         return {}
 
-    def state_specs(self, specs: PyTree) -> PyTree:
+    def state_specs(self, specs: PyTree, mesh_axes: MeshAxes) -> PyTree:
         """PartitionSpecs of :meth:`init_state`'s tree."""
-        del specs
+        del specs, mesh_axes
         return {}
 
     @abc.abstractmethod
@@ -56,11 +54,6 @@ class GradSync(abc.ABC):
 
 def path_name(path: tuple[Any, ...]) -> str:
     return "/".join(str(getattr(key, "key", key)) for key in path)
-
-
-# Per-device state (one value per device, e.g. a quantisation residual) is stored as a
-# global array with a leading axis of one entry per device, sharded over every mesh axis.
-PER_DEVICE_SPEC = PartitionSpec(MESH_AXES)
 
 
 def local_shape(shape: tuple[int, ...], spec: PartitionSpec, mesh_axes: MeshAxes) -> tuple:
@@ -86,10 +79,11 @@ def per_device_zeros(params: PyTree, specs: PyTree, mesh_axes: MeshAxes) -> PyTr
     )
 
 
-def per_device_specs(specs: PyTree) -> PyTree:
-    return jax.tree.map(
-        lambda _: PER_DEVICE_SPEC, specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
-    )
+def per_device_specs(specs: PyTree, mesh_axes: MeshAxes) -> PyTree:
+    """Per-device state (one value per device, e.g. a quantisation residual) is stored as a
+    global array with a leading axis of one entry per device, split over every mesh axis."""
+    per_device = PartitionSpec(tuple(mesh_axes))
+    return jax.tree.map(lambda _: per_device, specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 class ErrorFeedback(GradSync):
@@ -102,8 +96,8 @@ class ErrorFeedback(GradSync):
     def init_state(self, params: PyTree, specs: PyTree, mesh_axes: MeshAxes) -> PyTree:
         return {"residual": per_device_zeros(params, specs, mesh_axes)}
 
-    def state_specs(self, specs: PyTree) -> PyTree:
-        return {"residual": per_device_specs(specs)}
+    def state_specs(self, specs: PyTree, mesh_axes: MeshAxes) -> PyTree:
+        return {"residual": per_device_specs(specs, mesh_axes)}
 
     def with_residual(self, grads: PyTree, state: PyTree) -> PyTree:
         """This step's gradients plus the error carried from the last step."""

@@ -39,7 +39,8 @@ class Delayed(GradSync):
             "valid": jnp.zeros((), jnp.bool_),
         }
 
-    def state_specs(self, specs: PyTree) -> PyTree:
+    def state_specs(self, specs: PyTree, mesh_axes: MeshAxes) -> PyTree:
+        del mesh_axes
         # Reduced gradients are laid out like their parameters.
         return {"pending": specs, "valid": PartitionSpec()}
 

@@ -1,0 +1,151 @@
+"""Parallel folding: the attention layout and the MoE layout, folded onto one mesh.
+
+The devices are numbered ``0 .. N-1`` (row-major over the mesh). Two layouts
+split that numbering, each as a mixed radix with its innermost factor first:
+
+- **attention** (and the dense layers): ``tensor`` (Megatron tensor
+  parallelism, with sequence parallelism outside the tensor-parallel regions),
+  then ``data`` (every other device);
+- **MoE**: ``expert_tensor`` (each expert's hidden dimension split), then
+  ``expert`` (experts spread, the all-to-all group), then ``expert_data``.
+
+``parallel.data x parallel.expert x parallel.expert_tensor`` is the device
+count, so today's ``--parallel.data D --parallel.expert E`` keeps its meaning;
+``parallel.tensor`` only re-reads the same devices for attention.
+
+JAX collectives name mesh axes, not process groups, so each group of either
+layout must be a tuple of mesh axes. The mesh is therefore the common
+refinement of the two layouts: its axes are the intervals between the cut
+points ``{1, tensor, expert_tensor, expert_tensor x expert, N}`` of the
+device numbering, which must form a divisibility chain (otherwise some group
+is not a set of mesh axes, and :func:`check_layout` says what to change). Each
+mesh axis plays one attention role and one MoE role, and is named after them:
+
+==========  ===============  ====================
+mesh axis   attention role   MoE role
+==========  ===============  ====================
+data        data             expert_data
+expert      data             expert
+expert_tensor data           expert_tensor
+tensor      tensor           expert_tensor
+tensor_expert tensor         expert
+tensor_expert_data tensor    expert_data
+==========  ===============  ====================
+
+Without tensor or expert-tensor parallelism the mesh is today's
+``(data, expert)``. This module is arithmetic only (no JAX), so a config is
+checked before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+# Roles of the two layouts.
+ATTENTION_DATA = "data"
+TENSOR = "tensor"
+EXPERT_DATA = "expert_data"
+EXPERT = "expert"
+EXPERT_TENSOR = "expert_tensor"
+ATTENTION_ROLES = (ATTENTION_DATA, TENSOR)
+MOE_ROLES = (EXPERT_DATA, EXPERT, EXPERT_TENSOR)
+
+# (attention role, MoE role) -> mesh axis name; see the table in the module docstring.
+AXIS_NAMES = {
+    (ATTENTION_DATA, EXPERT_DATA): "data",
+    (ATTENTION_DATA, EXPERT): "expert",
+    (ATTENTION_DATA, EXPERT_TENSOR): "expert_tensor",
+    (TENSOR, EXPERT_TENSOR): "tensor",
+    (TENSOR, EXPERT): "tensor_expert",
+    (TENSOR, EXPERT_DATA): "tensor_expert_data",
+}
+AXIS_ROLES = {name: roles for roles, name in AXIS_NAMES.items()}
+# Always in the mesh (size 1 when unused), so that code and specs written for the
+# (data, expert) mesh keep working on every layout.
+ALWAYS_PRESENT = ("data", "expert")
+
+
+class LayoutError(ValueError):
+    """A parallel layout that cannot be folded onto one mesh (raised as a ConfigError)."""
+
+
+@dataclass(frozen=True)
+class MeshAxis:
+    name: str
+    size: int
+    stride: int  # distance in the device numbering between neighbours along this axis
+
+
+def check_layout(devices: int, tensor: int, expert: int, expert_tensor: int) -> None:
+    """Raise :class:`LayoutError` naming the fields when the two layouts do not fold."""
+    moe_group = expert * expert_tensor
+    if devices % tensor:
+        raise LayoutError(
+            f"parallel.tensor={tensor} does not divide the {devices} devices "
+            "(parallel.data x parallel.expert x parallel.expert_tensor): choose a divisor of "
+            f"{devices}"
+        )
+    cuts = sorted({1, tensor, expert_tensor, moe_group, devices})
+    for inner, outer in itertools.pairwise(cuts):
+        if outer % inner:
+            raise LayoutError(
+                f"parallel.tensor={tensor} does not fold with parallel.expert_tensor="
+                f"{expert_tensor} x parallel.expert={expert}: each of tensor, expert_tensor "
+                f"and expert_tensor x expert (= {moe_group}) must divide the next larger one "
+                f"(here {inner} does not divide {outer}), so that every group is a set of "
+                "mesh axes; choose sizes that nest, e.g. powers of two"
+            )
+
+
+def mesh_axes(data: int, tensor: int, expert: int, expert_tensor: int) -> tuple[MeshAxis, ...]:
+    """The folded mesh's axes, outermost (largest stride) first."""
+    devices = data * expert * expert_tensor
+    check_layout(devices, tensor, expert, expert_tensor)
+    cuts = sorted({1, tensor, expert_tensor, expert * expert_tensor, devices})
+    axes = []
+    for inner, outer in itertools.pairwise(cuts):
+        attention_role = TENSOR if outer <= tensor else ATTENTION_DATA
+        if outer <= expert_tensor:
+            moe_role = EXPERT_TENSOR
+        elif outer <= expert * expert_tensor:
+            moe_role = EXPERT
+        else:
+            moe_role = EXPERT_DATA
+        axes.append(MeshAxis(AXIS_NAMES[attention_role, moe_role], outer // inner, inner))
+    present = {axis.name for axis in axes}
+    # Size-1 placeholders sit outermost; a size-1 axis has no place in the numbering.
+    missing = [MeshAxis(name, 1, devices) for name in ALWAYS_PRESENT if name not in present]
+    return (*missing, *reversed(axes))
+
+
+def axes_for_role(role: str, axis_names: tuple[str, ...]) -> tuple[str, ...]:
+    """The mesh axes (of ``axis_names``, in their order) that make up a group of ``role``."""
+    if role not in ATTENTION_ROLES + MOE_ROLES:
+        raise ValueError(f"unknown role {role!r}: one of {ATTENTION_ROLES + MOE_ROLES}")
+    return tuple(name for name in axis_names if name in AXIS_ROLES and role in AXIS_ROLES[name])
+
+
+def check_split_widths(
+    *,
+    tensor: int,
+    expert_tensor: int,
+    seq_len: int,
+    num_heads: int,
+    d_ff: int,
+    d_expert: int,
+    d_expert_field: str = "moe.d_expert",
+) -> None:
+    """Raise :class:`LayoutError` when a split dimension does not divide evenly."""
+    splits = (
+        ("model.seq_len", seq_len, "parallel.tensor", tensor, "sequence parallelism"),
+        ("model.num_heads", num_heads, "parallel.tensor", tensor, "heads split"),
+        ("model.d_ff", d_ff, "parallel.tensor", tensor, "dense FFN hidden split"),
+        (d_expert_field, d_expert, "parallel.expert_tensor", expert_tensor, "expert hidden split"),
+    )
+    for field, size, axis_field, ways, what in splits:
+        if size % ways:
+            raise LayoutError(
+                f"{field}={size} is not divisible by {axis_field}={ways} ({what}): choose a "
+                f"{axis_field} that divides {size}, or make {field} a multiple of {ways}"
+            )
