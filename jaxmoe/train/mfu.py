@@ -146,7 +146,12 @@ class EstimatedMfu:
 
 def estimated_mfu(config: Config, report: Any, devices: int) -> EstimatedMfu:
     """The estimated MFU of a step that the scheduler planned for ``config`` (``report``:
-    its :class:`scheduling.ScheduleReport`) on ``devices`` devices."""
+    its :class:`scheduling.ScheduleReport`) on ``devices`` devices.
+
+    The peak is the one compute figure of ``train.schedule_profile``, the figure the
+    simulated step was costed with, whatever ``model.dtype`` is (the GPU profiles give
+    TF32, or FP16 for the V100).
+    """
     import scheduling
 
     profile = scheduling.PROFILES[config.train.schedule_profile]
