@@ -17,7 +17,7 @@ from jaxmoe import config_choices as choices
 
 # ConfigError is part of this module's interface: raised by every check below.
 from jaxmoe.config_checks import ConfigError as ConfigError
-from jaxmoe.config_checks import check_types, non_negative, positive_int, require
+from jaxmoe.config_checks import check_types, non_negative, positive_int, positive_or_none, require
 from jaxmoe.layout import LayoutError, check_layout, check_split_widths
 
 
@@ -264,6 +264,8 @@ class TrainConfig:
     # hierarchical and auto: consecutive devices of the mesh (row-major) that form one host.
     # 0: each process is a host (one host in a single-process run).
     grad_sync_devices_per_host: int = 0
+    # One device's dense peak TFLOP/s for the mfu metric; None: its datasheet's, if known.
+    peak_tflops: float | None = None
 
     def __post_init__(self) -> None:
         check_types("train", self)
@@ -285,11 +287,8 @@ class TrainConfig:
         for name in ("adam_b1", "adam_b2"):
             value = getattr(self, name)
             require(0 <= value < 1, f"train.{name}={value!r}: must be in [0, 1)")
-        if self.grad_clip_norm is not None:
-            require(
-                self.grad_clip_norm > 0,
-                f"train.grad_clip_norm={self.grad_clip_norm!r}: must be > 0, or None to disable",
-            )
+        positive_or_none("train", "grad_clip_norm", self.grad_clip_norm, "to disable")
+        positive_or_none("train", "peak_tflops", self.peak_tflops, "for the device's datasheet")
         require(
             isinstance(self.seed, int) and self.seed >= 0,
             f"train.seed={self.seed!r}: must be an integer >= 0",

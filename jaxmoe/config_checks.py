@@ -62,3 +62,11 @@ def non_negative(section: str, name: str, value: Any) -> None:
         isinstance(value, int | float) and not isinstance(value, bool) and value >= 0,
         f"{section}.{name}={value!r}: must be a number >= 0",
     )
+
+
+def positive_or_none(section: str, name: str, value: Any, none_means: str) -> None:
+    """A number > 0, or None, which ``none_means`` explains ("to disable", ...)."""
+    require(
+        value is None or value > 0,
+        f"{section}.{name}={value!r}: must be > 0, or None {none_means}",
+    )

@@ -308,6 +308,7 @@ def _train(config: Config, args: argparse.Namespace) -> int:
 def _schedule(config: Config, args: argparse.Namespace) -> int:
     from jaxmoe.parallel.mesh import build_mesh
     from jaxmoe.train.grad_sync_choice import CHOICE_FILE, resolve_grad_sync
+    from jaxmoe.train.mfu import estimated_mfu
     from jaxmoe.train.profiler import compare_with_trace, find_trace
     from jaxmoe.train.scheduled import plan_train_step
     from scheduling import gantt
@@ -323,6 +324,7 @@ def _schedule(config: Config, args: argparse.Namespace) -> int:
         print(choice.table())
     planned = plan_train_step(config, mesh)
     print(planned.report.table())
+    print(estimated_mfu(config, planned.report, mesh.devices.size).line())
     if args.out is not None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

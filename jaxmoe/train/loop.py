@@ -27,6 +27,7 @@ from jaxmoe.train.checkpoint import RunCheckpoints
 from jaxmoe.train.data import BatchSampler, load_splits, put_on_mesh
 from jaxmoe.train.grad_sync_choice import GradSyncChoice, resolve_grad_sync
 from jaxmoe.train.metrics import METRICS_FILE, RunLog, host_row, read_rows
+from jaxmoe.train.mfu import estimated_mfu, mfu_meter, no_peak_message
 from jaxmoe.train.placement_planner import PlacementLog, plan_placement
 from jaxmoe.train.profiler import StepProfiler
 from jaxmoe.train.scheduled import plan_train_step
@@ -164,6 +165,8 @@ def train(
     )
 
     primary = jax.process_index() == 0
+    device_kind = mesh.devices.flat[0].device_kind
+    meter = mfu_meter(config, mesh.devices.size, device_kind)
     # The planner's window may begin before a resumed run's first step.
     history = read_rows(Path(out_dir) / METRICS_FILE) if out_dir and first_step else []
     history = [row for row in history if row["step"] < first_step]
@@ -177,6 +180,9 @@ def train(
         log.write_schedule_report(planned.report)
         if progress and primary:
             print(planned.report.table(max_rows=24), flush=True)
+            print(estimated_mfu(config, planned.report, mesh.devices.size).line(), flush=True)
+    if progress and primary:
+        print(meter.describe() if meter else no_peak_message(config, device_kind), flush=True)
     if first_step and primary:
         print(f"resuming from the checkpoint of step {first_step}", flush=True)
     rows: list[dict[str, Any]] = []
@@ -208,6 +214,8 @@ def train(
                     state, metrics = train_step(state, batch_array)
                     metrics = jax.device_get(metrics)  # waits for the step
                 row = host_row(step, metrics, time.perf_counter() - started, batch * seq_len)
+                if meter is not None:
+                    row["mfu"] = meter(row["step_time_s"], row["dropped_fraction"])
                 profiler.after_step(step)
                 skipped += row.get("skipped", 0)
                 if "skipped" in row:

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxmoe.config import Config, ParallelConfig
 from jaxmoe.parallel import build_mesh, token_spec
 from jaxmoe.parallel.grad_sync.allreduce import AllReduce
-from jaxmoe.parallel.grad_sync.base import PER_DEVICE_SPEC, Synced, local_shape, per_device_specs
+from jaxmoe.parallel.grad_sync.base import Synced, local_shape, per_device_specs
 from jaxmoe.parallel.grad_sync.bucketed import Bucketed
 from jaxmoe.parallel.mesh import mesh_axis_sizes
 from jaxmoe.parallel.sharding import reduce_gradients
@@ -125,11 +125,11 @@ def test_bucketed_reduces_gradients_bit_for_bit_like_allreduce():
         mapped = jax.shard_map(
             per_device,
             mesh=mesh,
-            in_specs=(per_device_specs(specs),),
+            in_specs=(per_device_specs(specs, axes),),
             out_specs=specs,
             check_vma=False,
         )
-        placed = jax.device_put(grads, NamedSharding(mesh, PER_DEVICE_SPEC))
+        placed = jax.device_put(grads, NamedSharding(mesh, PartitionSpec(mesh.axis_names)))
         return jax.device_get(jax.jit(mapped)(placed))
 
     # 16 KiB buckets: several for the dense gradients (about 180 kB).

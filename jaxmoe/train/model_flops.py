@@ -1,0 +1,88 @@
+"""Model FLOPs of one training step, counted from the configuration.
+
+The count follows the usual model-FLOPs conventions (Kaplan et al. 2020,
+"Scaling Laws for Neural Language Models", section 2.1; Narayanan et al. 2021,
+"Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM", appendix; Chowdhery et al. 2022, "PaLM", appendix B):
+
+- Only matrix multiplications count, at 2 FLOPs per multiply-add: ``[m, k] @
+  [k, n]`` is ``2 m k n``. Norms, softmax, GELU, biases, residuals, the loss and
+  the optimizer are left out.
+- The backward pass is twice the forward pass (the gradients of both operands of
+  every matmul), so a step is 3 x forward.
+- Attention's two matmuls (query-key scores, weights x values) count the whole
+  ``seq x seq`` matrix, ``4 seq d_model`` per token and layer, although the causal
+  mask makes half of it irrelevant: PaLM's MFU (``6N + 12 L H Q T`` per token) and
+  Megatron-LM's count do the same, and :mod:`jaxmoe.layers.attention` computes the
+  full matrix before masking it. (Counting only the unmasked half, as some
+  causal-attention benchmarks do, would halve this term.)
+- The token embedding is a lookup (no FLOPs); the output head, tied to it, is a
+  ``d_model x vocab`` matmul per token and counts.
+- An MoE layer counts its router (``d_model x num_experts`` per token) and the
+  ``top_k`` experts each token is routed to: the active parameters only. What the
+  implementation computes beyond that is not model FLOPs: the empty capacity slots
+  that the expert GEMMs run over (capacity padding, and dropless mode's
+  ``num_experts / top_k`` times larger buffers), and the weighted sum that combines
+  a token's ``top_k`` outputs. Dropped assignments are not model FLOPs either: the
+  experts never compute them. A configuration cannot know how many will drop, so
+  :meth:`ModelFlops.train_step` takes the fraction a step measured (``dropped_fraction``
+  in the metrics); without it every assignment counts as kept.
+
+The count does not depend on the parallel layout: it is the work of the whole
+step, over every device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from jaxmoe.config import Config
+
+# Forward + backward: the backward pass computes both operands' gradients of each matmul.
+TRAIN_STEP_FACTOR = 3
+
+
+@dataclass(frozen=True)
+class ModelFlops:
+    """Forward model FLOPs of one step's tokens (``batch_size x seq_len``), by part."""
+
+    attention_projections: int  # query, key, value and output projections
+    attention_matmuls: int  # scores and weighted values, the full seq x seq matrix
+    dense_ffn: int  # the FFN of the layers that are not MoE layers
+    router: int
+    experts: int  # top_k experts per token, every assignment kept
+    output_head: int
+
+    @property
+    def forward(self) -> int:
+        return sum(getattr(self, part.name) for part in fields(self))
+
+    def train_step(self, dropped_fraction: float = 0.0) -> float:
+        """Forward and backward FLOPs of a step whose MoE layers dropped
+        ``dropped_fraction`` of their assignments (all MoE layers together: they all
+        have the same cost per assignment)."""
+        if not 0.0 <= dropped_fraction <= 1.0:
+            raise ValueError(f"dropped_fraction={dropped_fraction!r}: must be in [0, 1]")
+        kept = self.forward - dropped_fraction * self.experts
+        return TRAIN_STEP_FACTOR * kept
+
+
+def model_flops(config: Config) -> ModelFlops:
+    """The forward model FLOPs of one training step of ``config`` (see the module notes)."""
+    model, moe = config.model, config.moe
+    tokens = config.train.batch_size * model.seq_len
+    width, layers = model.d_model, model.num_layers
+    moe_layers = len(model.moe_layers)
+    d_expert = moe.d_expert or model.d_ff
+
+    def matmul(rows: int, contracted: int, columns: int) -> int:
+        return 2 * rows * contracted * columns
+
+    return ModelFlops(
+        attention_projections=layers * matmul(tokens, width, 4 * width),
+        attention_matmuls=layers * 2 * matmul(tokens, width, model.seq_len),
+        dense_ffn=(layers - moe_layers) * 2 * matmul(tokens, width, model.d_ff),
+        router=moe_layers * matmul(tokens, width, moe.num_experts),
+        experts=moe_layers * 2 * matmul(tokens * moe.top_k, width, d_expert),
+        output_head=matmul(tokens, width, model.vocab_size),
+    )
