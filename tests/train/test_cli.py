@@ -21,7 +21,7 @@ REFUSED_WITHIN_S = 15.0
     [
         (["train", "--moe.top_k", "9"], "moe.top_k=9 is larger than moe.num_experts=8"),
         (["train", "--moe.capacity_factor", "abc"], "--moe.capacity_factor: cannot read 'abc'"),
-        (["train", "--parallel.data", "2"], "2 x 8 = 16, but there are 8 devices"),
+        (["train", "--parallel.data", "2"], "2 x 8 x 1 = 16, but there are 8 devices"),
         (["train", "--preset", "huge"], "invalid choice: 'huge'"),
         (["train", "--no-such-flag", "1"], "unrecognized arguments: --no-such-flag"),
         (["train", "--steps", "many"], "invalid int value: 'many'"),
