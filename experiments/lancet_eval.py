@@ -5,8 +5,8 @@
     calibrated 50 Mbit/s link, every all-to-all over the socket transport (``none``
     synchronously), with the overlap control beside the schedules. Schedules ``none``,
     ``async`` (the Tutel-style baseline at degree 1), ``partition`` and ``lancet``, in
-    interleaved rounds; ``--cluster-json FILE`` takes a saved run of that regime
-    (``experiments.cluster --json``) instead of running it.
+    interleaved rounds; one run per rate of ``--links`` (default 50), or ``--cluster-json
+    FILE`` (repeatable) takes saved runs of that regime (``experiments.cluster --json``).
 (b) Simulator (cost model and two-stream timeline): Lancet's GPT-2 MoE, 12 layers of
     width 768 and 24 of width 1024, 16 heads, sequence 512, MoE every second layer,
     experts = 2 x GPUs, capacity factor 1.0, top-1, 8 sequences per GPU, on 16 and 32
@@ -24,7 +24,8 @@ schedule of that program, max(compute, communication) of the unpartitioned progr
 launches, cuts, joins and latencies), and the speedup over ``none`` it allows. Where
 that bound is under 1.3x, the table says 1.3x is out of reach.
 
-    python -m experiments.lancet_eval [--quick] [--skip-cluster | --cluster-json FILE]
+    python -m experiments.lancet_eval [--quick] [--links 50,200 | --cluster-json FILE ...]
+        [--skip-cluster] [--skip-simulator]
 """
 
 from __future__ import annotations
@@ -114,16 +115,18 @@ def simulate(gpus: int, models: list[str]) -> list[dict]:
     return rows
 
 
-def cluster(quick: bool, saved: Path | None = None) -> list[str]:
-    """Section (a): one emulated-cluster run of the regime (or a saved one), its table with
-    per-round speedups over ``none``, its calibration and its control."""
+def cluster(quick: bool, link_mbit: float, saved: Path | None = None) -> list[str]:
+    """One part of section (a): an emulated-cluster run of the regime on a ``link_mbit``
+    link (or a saved run), its table with per-round speedups over ``none``, its calibration
+    and its control."""
     from experiments import cluster as emulated
     from experiments import overlap_regime as regime
 
     if saved is None:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "cluster.json"
-            if emulated.main(regime.cluster_argv(quick, out)) != 0:
+            argv = regime.cluster_argv(out, link_mbit=link_mbit, quick=quick)
+            if emulated.main(argv) != 0:
                 raise RuntimeError("the emulated-cluster run failed (see its output above)")
             report = json.loads(out.read_text())
         command = report["command"].replace(str(out), "cluster.json")
@@ -131,12 +134,9 @@ def cluster(quick: bool, saved: Path | None = None) -> list[str]:
         report = json.loads(saved.read_text())
         command = report["command"]
     return [
-        "## (a) Emulated cluster",
+        f"### {regime.label(report['link_mbit'])}",
         "",
         f"`{command}`",
-        "",
-        f"{regime.LABEL}. `async` is the Tutel-style baseline at degree 1 (every collective",
-        "split, nothing pipelined).",
         "",
         regime.summary(report),
         "",
@@ -235,8 +235,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="keep (b) and what follows it from the results file it overwrites",
     )
+    parser.add_argument("--links", default="50", help="(a): link rates in Mbit/s, one run each")
     parser.add_argument(
-        "--cluster-json", type=Path, help="(a) from this saved run of the regime (cluster --json)"
+        "--cluster-json",
+        type=Path,
+        action="append",
+        help="(a) from this saved run of the regime (cluster --json); may be repeated",
     )
     parser.add_argument("--out", type=Path, default=RESULTS / "lancet_eval.md")
     parser.add_argument("--simulate", type=int, help=argparse.SUPPRESS)  # worker: GPUs
@@ -262,7 +266,19 @@ def main(argv: list[str] | None = None) -> int:
         "",
     ]
     if not args.skip_cluster:
-        sections += cluster(args.quick, args.cluster_json)
+        sections += [
+            "## (a) Emulated cluster",
+            "",
+            "`async` is the Tutel-style baseline at degree 1 (every collective split, nothing",
+            "pipelined).",
+            "",
+        ]
+        if args.cluster_json:
+            for saved in args.cluster_json:
+                sections += cluster(args.quick, float("nan"), saved)
+        else:
+            for link in args.links.split(","):
+                sections += cluster(args.quick, float(link))
     else:
         sections += _kept_section(args.out, "## (a)", "## (b)", "--skip-cluster")
     if args.skip_simulator:

@@ -16,37 +16,52 @@ import statistics
 from pathlib import Path
 
 PRESET = "tiny"
-HOSTS, DEVICES_PER_HOST, LINK_MBIT = 2, 1, 50
+HOSTS, DEVICES_PER_HOST, LINK_MBIT = 2, 1, 50.0
 SCHEDULES = ("none", "async", "partition", "lancet")
-# Layout, routing, batch, the planning (the analytic CPU profile told the link's rate,
-# small reductions left synchronous), and the transport of the all-to-alls.
-REGIME = [
-    "--parallel.data", "1", "--parallel.expert", "2", "--moe.top_k", "2",
-    "--train.batch_size", "128", "--train.schedule_profile", "cpu",
-    "--train.schedule_link_mbit", str(LINK_MBIT), "--train.schedule_async_min_bytes", "262144",
-    "--train.schedule_socket_all_to_all", "true",
-]  # fmt: skip
-LABEL = (
-    f"{PRESET}, top-2, 128 sequences, {HOSTS} hosts x {DEVICES_PER_HOST} device, "
-    f"{LINK_MBIT} Mbit/s, socket all-to-alls"
-)
 
 
-def cluster_argv(quick: bool, out: Path, curves: Path | None = None) -> list[str]:
-    """``experiments.cluster`` arguments for the regime (``--quick``: 3 rounds, no runs on
-    the unshaped link); ``curves``: also sweep the link's collective costs into it."""
+def train_flags(link_mbit: float = LINK_MBIT) -> list[str]:
+    """Layout, routing, batch, the planning (the analytic CPU profile told the link's rate,
+    small reductions left synchronous), and the transport of the all-to-alls."""
+    return [
+        "--parallel.data", "1", "--parallel.expert", "2", "--moe.top_k", "2",
+        "--train.batch_size", "128", "--train.schedule_profile", "cpu",
+        "--train.schedule_link_mbit", f"{link_mbit:g}",
+        "--train.schedule_async_min_bytes", "262144",
+        "--train.schedule_socket_all_to_all", "true",
+    ]  # fmt: skip
+
+
+def label(link_mbit: float = LINK_MBIT) -> str:
+    return (
+        f"{PRESET}, top-2, 128 sequences, {HOSTS} hosts x {DEVICES_PER_HOST} device, "
+        f"{link_mbit:g} Mbit/s, socket all-to-alls"
+    )
+
+
+def cluster_argv(
+    out: Path,
+    curves: Path | None = None,
+    *,
+    link_mbit: float = LINK_MBIT,
+    quick: bool = False,
+    shaped_only: bool = False,
+) -> list[str]:
+    """``experiments.cluster`` arguments for the regime; ``curves``: also sweep the link's
+    collective costs into it. ``quick``: 3 rounds and ``shaped_only``; ``shaped_only``: no
+    runs on the unshaped link (no compute-only figures)."""
     repeats, warmup = ("3", "1") if quick else ("6", "2")
     argv = [
         "--hosts", str(HOSTS), "--devices-per-host", str(DEVICES_PER_HOST),
-        "--link-mbit", str(LINK_MBIT), "--preset", PRESET,
+        "--link-mbit", f"{link_mbit:g}", "--preset", PRESET,
         "--repeats", repeats, "--warmup", warmup, "--schedules", ",".join(SCHEDULES),
         "--json", str(out),
     ]  # fmt: skip
     if curves is not None:
         argv += ["--sweep", str(curves)]
-    if quick:
+    if quick or shaped_only:
         argv.append("--shaped-only")
-    return [*argv, *REGIME]
+    return [*argv, *train_flags(link_mbit)]
 
 
 def summary(report: dict) -> str:

@@ -1,26 +1,17 @@
-"""The validation's instrument description and tables, and the regime it runs."""
+"""The validation's tables, and the regime it runs."""
 
+import json
 from pathlib import Path
 
 import pytest
 
-from experiments import overlap_regime, simulator_validation
+from experiments import instrument_model, overlap_regime, simulator_validation
 
 
-def test_socket_all_to_all_costs_the_bytes_that_leave_the_host():
-    sweep = [{"bytes": 1024, "seconds": 0.5}, {"bytes": 4096, "seconds": 2.0}]
-    # Over 2 hosts of one device, half the operand crosses; over 4, three quarters.
-    assert simulator_validation.socket_all_to_all_samples(sweep, 2) == [(2048, 0.5), (8192, 2.0)]
-    samples = simulator_validation.socket_all_to_all_samples(sweep, 4)
-    assert [size for size, _ in samples] == pytest.approx([1024 * 4 / 3, 4096 * 4 / 3])
-
-
-def _readings(instrument, all_async, in_place):
+def _readings(*steps):
     return {
         name: {"step_s": step, "compute_s": 0.5, "communication_s": 1.0, "exposed_s": 0.25}
-        for name, step in zip(
-            simulator_validation.READINGS, (instrument, all_async, in_place), strict=True
-        )
+        for name, step in zip(instrument_model.READINGS, steps, strict=True)
     }
 
 
@@ -31,19 +22,23 @@ def test_control_table_sets_measured_per_round_ratios_beside_predicted_ones():
         "unchunked": [120.0, 200.0, 100.0],
     }
     predicted = {
-        "independent": _readings(1.0, 1.0, 2.0),
-        "chained": _readings(1.5, 1.5, 2.0),
-        "unchunked": _readings(2.0, 2.0, 2.0),
+        "independent": _readings(1.0, 0.5, 1.0, 2.0),
+        "chained": _readings(1.5, 0.6, 1.5, 2.0),
+        "unchunked": _readings(2.0, 0.5, 2.0, 2.0),
     }
     lines = simulator_validation.control_table(control, predicted)
     (chained,) = [line for line in lines if line.startswith("| chained / independent")]
-    # Per round 1.5, 1.2, 1.3: median 1.3 [1.2-1.5]; predicted 1.5, 1.5 and 1.0.
-    assert chained == "| chained / independent | 1.300 [1.200-1.500] | 1.500 | 1.500 | 1.000 |"
+    # Per round 1.5, 1.2, 1.3: median 1.3 [1.2-1.5]; predicted 1.5, 1.2, 1.5 and 1.0.
+    assert chained == (
+        "| chained / independent | 1.300 [1.200-1.500] | 1.500 | 1.200 | 1.500 | 1.000 |"
+    )
     (independent,) = [line for line in lines if line.startswith("| independent |")]
-    assert independent == "| independent | 100.0 [100.0-200.0] | 1000.0 | 1000.0 | 2000.0 |"
+    assert independent == (
+        "| independent | 100.0 [100.0-200.0] | 1000.0 | 500.0 | 1000.0 | 2000.0 |"
+    )
 
 
-def test_schedule_table_gives_the_error_of_each_reading_and_the_predicted_speedup():
+def test_schedule_table_gives_each_reading_its_error_and_speedup():
     def row(schedule, step, speedup):
         return {
             "schedule": schedule,
@@ -56,17 +51,34 @@ def test_schedule_table_gives_the_error_of_each_reading_and_the_predicted_speedu
         }
 
     measured = {"schedules": [row("none", 2.0, 1.0), row("lancet", 1.6, 1.25)]}
-    predicted = {"none": _readings(2.2, 2.0, 2.2), "lancet": _readings(1.76, 1.2, 2.4)}
+    predicted = {
+        "none": _readings(2.2, 2.0, 2.0, 2.2),
+        "lancet": _readings(1.76, 1.6, 1.2, 2.4),
+    }
     lines = simulator_validation.schedule_table(measured, predicted)
     (lancet,) = [line for line in lines if line.startswith("| lancet |")]
     cells = [cell.strip() for cell in lancet.strip("|").split("|")]
     assert cells[3:6] == ["1760.0", "+10.0%", "1.250"]  # 1.76 / 1.6 - 1; 2.2 / 1.76
-    assert cells[-4:] == ["1200.0", "-25.0%", "2400.0", "+50.0%"]
+    assert cells[6:9] == ["1600.0", "+0.0%", "1.250"]
+    assert cells[-3:] == ["2400.0", "+50.0%", "0.917"]
     assert simulator_validation.worst_error(measured, predicted) == pytest.approx(0.1)
+    assert simulator_validation.worst_error(measured, predicted, "scaled") == pytest.approx(0.0)
+
+
+def test_compute_only_comes_from_the_run_or_from_a_full_run_of_the_same_step(tmp_path):
+    def report(compute):
+        return {"schedules": [{"schedule": "none", "compute_only_s": compute}]}
+
+    assert simulator_validation.compute_only(report(1.5), None) == 1.5
+    full = tmp_path / "full.json"
+    full.write_text(json.dumps(report(1.25)))
+    assert simulator_validation.compute_only(report(float("nan")), full) == 1.25
+    with pytest.raises(ValueError, match="--compute-only-from"):
+        simulator_validation.compute_only(report(float("nan")), None)
 
 
 def test_the_regime_runs_every_all_to_all_on_sockets_with_none_first(tmp_path: Path):
-    argv = overlap_regime.cluster_argv(False, tmp_path / "m", tmp_path / "c")
+    argv = overlap_regime.cluster_argv(tmp_path / "m", tmp_path / "c")
     flags = dict(zip(argv[::2], argv[1::2], strict=False))
     assert flags["--train.schedule_socket_all_to_all"] == "true"
     assert flags["--schedules"].split(",")[0] == "none"
@@ -74,7 +86,10 @@ def test_the_regime_runs_every_all_to_all_on_sockets_with_none_first(tmp_path: P
     assert (flags["--parallel.data"], flags["--parallel.expert"]) == ("1", "2")
     assert flags["--sweep"] == str(tmp_path / "c")
     assert "--shaped-only" not in argv  # the breakdown needs the step on the unshaped link
-    assert "--shaped-only" in overlap_regime.cluster_argv(True, tmp_path / "m")
+    assert "--shaped-only" in overlap_regime.cluster_argv(tmp_path / "m", quick=True)
+    fast = overlap_regime.cluster_argv(tmp_path / "m", link_mbit=200, shaped_only=True)
+    flags = dict(zip(fast[::2], fast[1::2], strict=False))
+    assert flags["--link-mbit"] == "200" and "--shaped-only" in fast
 
 
 def test_summary_gives_calibration_control_and_breakdown():
