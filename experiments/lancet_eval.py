@@ -133,8 +133,9 @@ def cluster(quick: bool, link_mbit: float, saved: Path | None = None) -> list[st
     else:
         report = json.loads(saved.read_text())
         command = report["command"]
+    shaped_only = " (shaped link only)" if "--shaped-only" in command else ""
     return [
-        f"### {regime.label(report['link_mbit'])}",
+        f"### {regime.label(report['link_mbit'])}{shaped_only}",
         "",
         f"`{command}`",
         "",
@@ -195,7 +196,8 @@ def _kept_section(path: Path, heading: str, end: str | None, flag: str) -> list[
     stop = len(text) if end is None else text.index(end)
     section = text[text.index(heading) : stop].rstrip().splitlines()
     note = f"Kept from the previous run of the whole evaluation (`{flag}` does not rerun it)."
-    return [section[0], "", note, *section[1:], ""]
+    body = "\n".join(section[1:]).replace(f"\n{note}\n", "", 1).splitlines()  # kept twice
+    return [section[0], "", note, *body, ""]
 
 
 def _plot(rows: list[dict], path: Path) -> None:

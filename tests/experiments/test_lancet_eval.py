@@ -99,3 +99,6 @@ def test_skipped_sections_are_kept_from_the_file_they_overwrite(tmp_path):
     kept_b = lancet_eval._kept_section(path, "## (b)", None, "--skip-simulator")
     assert kept_b[-2] == "B rows" and "`--skip-simulator`" in kept_b[2]
     assert lancet_eval._kept_section(tmp_path / "missing.md", "## (a)", None, "x") == []
+    path.write_text("\n".join(kept_b))  # kept again: one note, not two
+    again = lancet_eval._kept_section(path, "## (b)", None, "--skip-simulator")
+    assert again == kept_b
