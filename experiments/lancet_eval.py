@@ -1,19 +1,22 @@
 """The Lancet evaluation, reproduced: emulated cluster at laptop scale, simulator at paper scale.
 
-(a) Emulated cluster (real steps): ``tiny`` with 64 sequences per step on 2 hosts x 4
-    devices over a 50 Mbit/s link. Schedules ``none``, ``dw``, ``partition``, ``lancet``
-    and the Tutel-style baseline (all-to-all and experts pipelined) at degrees 1, 2, 4,
-    8, side by side in one run.
+(a) Emulated cluster (real steps), in the regime of ``experiments.overlap_regime``:
+    ``tiny`` with top-2 and 128 sequences per step on 2 hosts x 1 device over a
+    calibrated 50 Mbit/s link, every all-to-all over the socket transport (``none``
+    synchronously), with the overlap control beside the schedules. Schedules ``none``,
+    ``async`` (the Tutel-style baseline at degree 1), ``partition`` and ``lancet``, in
+    interleaved rounds; one run per rate of ``--links`` (default 50), or ``--cluster-json
+    FILE`` (repeatable) takes saved runs of that regime (``experiments.cluster --json``).
 (b) Simulator (cost model and two-stream timeline): Lancet's GPT-2 MoE, 12 layers of
     width 768 and 24 of width 1024, 16 heads, sequence 512, MoE every second layer,
     experts = 2 x GPUs, capacity factor 1.0, top-1, 8 sequences per GPU, on 16 and 32
     GPUs of the 8xA100 (400 Gbit/s) and 8xV100 (100 Gbit/s) profiles.
 
 Writes ``experiments/results/lancet_eval.md`` and ``lancet_eval.png``. ``--quick`` runs a
-small version in under 10 minutes: fewer steps, Tutel-style degrees 1 and 2 only, no runs
-on the unshaped link (so no exposed communication for (a)), one model, 16 GPUs.
-``--skip-cluster`` leaves out (a), which needs root for network namespaces, and keeps
-the (a) section of the results file it overwrites.
+small version: 3 rounds, no runs on the unshaped link (so no exposed communication for
+(a)), one model, 16 GPUs. ``--skip-cluster`` leaves out (a), which needs root for network
+namespaces, and keeps the (a) section of the results file it overwrites; ``--skip-simulator``
+keeps (b) and what follows it.
 
 Each simulated row also gives the ideal step: the simulator's lower bound for any
 schedule of that program, max(compute, communication) of the unpartitioned program
@@ -21,7 +24,8 @@ schedule of that program, max(compute, communication) of the unpartitioned progr
 launches, cuts, joins and latencies), and the speedup over ``none`` it allows. Where
 that bound is under 1.3x, the table says 1.3x is out of reach.
 
-    python -m experiments.lancet_eval [--quick] [--skip-cluster]
+    python -m experiments.lancet_eval [--quick] [--links 50,200 | --cluster-json FILE ...]
+        [--skip-cluster] [--skip-simulator]
 """
 
 from __future__ import annotations
@@ -111,44 +115,35 @@ def simulate(gpus: int, models: list[str]) -> list[dict]:
     return rows
 
 
-def cluster(quick: bool) -> tuple[list[dict], str]:
-    """Rows of (a), from one emulated-cluster run of every schedule."""
+def cluster(quick: bool, link_mbit: float, saved: Path | None = None) -> list[str]:
+    """One part of section (a): an emulated-cluster run of the regime on a ``link_mbit``
+    link (or a saved run), its table with per-round speedups over ``none``, its calibration
+    and its control."""
     from experiments import cluster as emulated
+    from experiments import overlap_regime as regime
 
-    # --quick: the four schedules and two Tutel-style degrees, fewer steps.
-    schedules = ["none", "dw", "partition", "lancet", "async"]
-    degrees = (2,) if quick else (2, 4, 8)
-    schedules += [f"expert_pipeline:{degree}" for degree in degrees]
-    names = {"async": "tutel-1", **{f"expert_pipeline:{d}": f"tutel-{d}" for d in degrees}}
-    repeats, warmup = ("3", "1") if quick else ("8", "2")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "cluster.json"
-        argv = [
-            "--hosts", "2", "--devices-per-host", "4", "--link-mbit", "50",
-            "--preset", "tiny", "--repeats", repeats, "--warmup", warmup,
-            "--schedules", ",".join(schedules),
-            "--json", str(out), "--train.batch_size", "64", "--train.schedule_profile", "cpu",
-            "--train.schedule_link_mbit", "50", "--train.schedule_async_min_bytes", "262144",
-        ]  # fmt: skip
-        if quick:  # no runs on the free link: no exposed communication, half the time
-            argv.append("--shaped-only")
-        emulated.main(argv)
-        report = json.loads(out.read_text())
-    rows = []
-    for result in report["schedules"]:
-        rows.append(
-            {
-                "instrument": "emulated cluster",
-                "config": "tiny x 64 sequences, 2 hosts x 4 devices, 50 Mbit/s",
-                "schedule": names.get(result["schedule"], result["schedule"]),
-                "step_s": result["step_s"],
-                "compute_s": result["compute_only_s"],
-                "communication_s": report["communication_only_s"],
-                "exposed_s": result["exposed_communication_s"],
-            }
-        )
-    shown = [("cluster.json" if arg == str(out) else arg) for arg in argv]
-    return rows, "python -m experiments.cluster " + " ".join(shown)
+    if saved is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "cluster.json"
+            argv = regime.cluster_argv(out, link_mbit=link_mbit, quick=quick)
+            if emulated.main(argv) != 0:
+                raise RuntimeError("the emulated-cluster run failed (see its output above)")
+            report = json.loads(out.read_text())
+        command = report["command"].replace(str(out), "cluster.json")
+    else:
+        report = json.loads(saved.read_text())
+        command = report["command"]
+    shaped_only = " (shaped link only)" if "--shaped-only" in command else ""
+    return [
+        f"### {regime.label(report['link_mbit'])}{shaped_only}",
+        "",
+        f"`{command}`",
+        "",
+        regime.summary(report),
+        "",
+        emulated.format_table(report),
+        "",
+    ]
 
 
 TARGET_SPEEDUP = 1.3
@@ -192,18 +187,17 @@ def _table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def _kept_cluster_section(path: Path) -> list[str]:
-    """The (a) section of an earlier results file, for runs that skip the cluster."""
-    if not path.exists():
+def _kept_section(path: Path, heading: str, end: str | None, flag: str) -> list[str]:
+    """The section of an earlier results file from ``heading`` up to ``end`` (or to the
+    end of the file), for runs that skip it."""
+    text = path.read_text() if path.exists() else ""
+    if heading not in text or (end is not None and end not in text):
         return []
-    text = path.read_text()
-    if "## (a)" not in text or "## (b)" not in text:
-        return []
-    section = text[text.index("## (a)") : text.index("## (b)")].rstrip().splitlines()
-    note = (
-        "Kept from the previous run of the whole evaluation (`--skip-cluster` does not rerun it)."
-    )
-    return [section[0], "", note, *section[1:], ""]
+    stop = len(text) if end is None else text.index(end)
+    section = text[text.index(heading) : stop].rstrip().splitlines()
+    note = f"Kept from the previous run of the whole evaluation (`{flag}` does not rerun it)."
+    body = "\n".join(section[1:]).replace(f"\n{note}\n", "", 1).splitlines()  # kept twice
+    return [section[0], "", note, *body, ""]
 
 
 def _plot(rows: list[dict], path: Path) -> None:
@@ -238,6 +232,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--skip-cluster", action="store_true")
+    parser.add_argument(
+        "--skip-simulator",
+        action="store_true",
+        help="keep (b) and what follows it from the results file it overwrites",
+    )
+    parser.add_argument("--links", default="50", help="(a): link rates in Mbit/s, one run each")
+    parser.add_argument(
+        "--cluster-json",
+        type=Path,
+        action="append",
+        help="(a) from this saved run of the regime (cluster --json); may be repeated",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "lancet_eval.md")
     parser.add_argument("--simulate", type=int, help=argparse.SUPPRESS)  # worker: GPUs
     parser.add_argument("--models", help=argparse.SUPPRESS)
@@ -255,20 +261,33 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"Command: `{command.strip()}`",
         "",
-        "Each row says which instrument produced it. Exposed communication is the time the",
-        "compute stream waits for collectives (simulator), or step minus the same step on an",
-        "unshaped link (emulated cluster), where the all-to-all share cannot be separated",
-        "(n/a). tutel-N pipelines each MoE layer's all-to-alls with its experts in N chunks",
-        "(tutel-1: no pipelining, collectives async).",
+        "(a) is measured on the emulated cluster, (b) is the simulator. Exposed communication",
+        "is step minus the same step on an unshaped link in (a), the time the compute stream",
+        "waits for collectives in (b). tutel-N pipelines each MoE layer's all-to-alls with its",
+        "experts in N chunks (tutel-1: no pipelining, collectives async).",
         "",
     ]
-    all_rows: list[dict] = []
     if not args.skip_cluster:
-        rows, cluster_command = cluster(args.quick)
-        all_rows += rows
-        sections += ["## (a) Emulated cluster", "", f"`{cluster_command}`", "", *_table(rows), ""]
+        sections += [
+            "## (a) Emulated cluster",
+            "",
+            "`async` is the Tutel-style baseline at degree 1 (every collective split, nothing",
+            "pipelined).",
+            "",
+        ]
+        if args.cluster_json:
+            for saved in args.cluster_json:
+                sections += cluster(args.quick, float("nan"), saved)
+        else:
+            for link in args.links.split(","):
+                sections += cluster(args.quick, float(link))
     else:
-        sections += _kept_cluster_section(args.out)
+        sections += _kept_section(args.out, "## (a)", "## (b)", "--skip-cluster")
+    if args.skip_simulator:
+        sections += _kept_section(args.out, "## (b)", None, "--skip-simulator")
+        args.out.write_text("\n".join(sections))
+        print(f"wrote {args.out}")
+        return 0
     gpu_counts = (16,) if args.quick else (16, 32)
     models = list(MODELS)[:1] if args.quick else list(MODELS)
     simulated: list[dict] = []
@@ -280,7 +299,6 @@ def main(argv: list[str] | None = None) -> int:
             worker += ["--models", ";".join(models), "--rows", str(rows_path)]
             subprocess.run(worker, env=env, check=True)
             simulated += json.loads(rows_path.read_text())
-    all_rows += simulated
     sections += ["## (b) Simulator at paper scale", "", *_table(simulated), ""]
     chosen = sorted({(r["config"], r["schedule"], tuple(r["partitions"])) for r in simulated})
     sections += ["Partitioned ranges chosen (chunks per range):", ""]

@@ -90,8 +90,24 @@ class ControlResult:
 def build_programs(mesh, axis: str, args: argparse.Namespace, transport=None) -> dict:
     """The three forms as jit-compiled whole-mesh functions of ``(x, w)``."""
     import jax
-    import jax.numpy as jnp
     from jax.sharding import PartitionSpec
+
+    spec = (PartitionSpec(axis), PartitionSpec())
+    return {
+        name: jax.jit(
+            jax.shard_map(
+                body, mesh=mesh, in_specs=spec, out_specs=PartitionSpec(axis), check_vma=False
+            )
+        )
+        for name, body in per_device_forms(axis, args, transport).items()
+    }
+
+
+def per_device_forms(axis: str, args: argparse.Namespace, transport=None) -> dict:
+    """The three forms as per-device functions of ``(x, w)`` (inside a ``shard_map`` over
+    ``axis``); without a ``transport``, with ``lax.all_to_all``."""
+    import jax
+    import jax.numpy as jnp
 
     from scheduling.socket_all_to_all import SocketAllToAll, all_to_all_now, consume_token
 
@@ -154,19 +170,10 @@ def build_programs(mesh, axis: str, args: argparse.Namespace, transport=None) ->
         outs.append(compute(received, w))
         return jnp.concatenate(outs)
 
-    forms = {
+    return {
         "independent": independent_xla if transport is None else independent_socket,
         "chained": chained,
         "unchunked": unchunked,
-    }
-    spec = (PartitionSpec(axis), PartitionSpec())
-    return {
-        name: jax.jit(
-            jax.shard_map(
-                body, mesh=mesh, in_specs=spec, out_specs=PartitionSpec(axis), check_vma=False
-            )
-        )
-        for name, body in forms.items()
     }
 
 

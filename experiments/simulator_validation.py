@@ -1,198 +1,310 @@
-"""The simulator against the emulated cluster: predicted and measured step times, side by side.
+"""The simulator against the emulated cluster: first the overlap control, then the schedules.
 
-    sudo python -m experiments.simulator_validation [--presets tiny,small] [--quick]
+    sudo python -m experiments.simulator_validation [--link-mbit 50] [--shaped-only]
+        [--compute-only-from RUN.json] [--quick] [--keep DIR | --from DIR]
 
-For each preset, one emulated-cluster run (``experiments.cluster``: 2 hosts x 4
-devices, a 50 Mbit/s link) measures the real step of every schedule and sweeps
-the link's collective costs. Then the simulator predicts the same steps from a
-description of that instrument, measured, not fitted to the steps:
-
-- ops: each distinct op timed on all 8 fake devices at once, as in the step,
-  where they share the machine's cores (``scheduling.profiling``, what one more
-  copy adds); layout ops are free, elementwise ops cost their memory traffic
-  (XLA's CPU backend fuses them as the GPU one does);
-- collectives: the piecewise-linear curves of the sweep on the shaped link;
-- overlap: XLA's CPU backend compiles start/done pairs back to synchronous
-  collectives, but its runtime runs independent ops while a collective waits on
-  the network, so the program is replayed with its collectives asynchronous.
-  The table also gives the other reading, every collective run where its start
-  stands with nothing beside it (``asynchronous=False``), to show what overlap
-  the instrument has.
-
-The programs simulated are the ones the runs executed: each schedule planned
-with the run's own policy. Writes ``experiments/results/simulator_validation.md``.
-``--from DIR`` predicts again from a run's saved measurements (``cluster-*.json``
-and ``curves-*.json`` in DIR) without the cluster.
+One emulated-cluster run (``experiments.cluster``) measures the instrument in the regime
+of ``experiments.overlap_regime`` (2 hosts x 1 device, ``tiny`` with top-2 and 128
+sequences, every all-to-all over the socket transport; a calibrated 50 Mbit/s link unless
+``--link-mbit`` says otherwise), with the overlap control beside the schedules, the step on
+the unshaped link (compute-only; ``--shaped-only`` skips it and takes it from
+``--compute-only-from``), and a sweep of the link's collective costs. Then the simulator
+predicts, from the instrument's measured description and in four readings
+(``experiments.instrument_model``), first the control's three forms (with
+``lax.all_to_all``, so that the simulator sees the exchanges, in the order their socket
+forms run), set against the measured per-round ratios, then each schedule, planned as the
+run planned it. Writes one section per run to ``--out``; ``--keep DIR`` saves the run's
+measurements (``cluster-tiny.json``, ``curves-tiny.json``), ``--from DIR`` predicts again
+from them without the cluster.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 
+from experiments import instrument_model as model
+from experiments import overlap_regime as regime
+from experiments.spread import Spread, round_ratios
+
 RESULTS = Path(__file__).parent / "results"
-SCHEDULES = ("none", "dw", "partition", "lancet")
 TOLERANCE = 0.15
-# The runs' own planning, as in experiments.lancet_eval: the analytic CPU profile told
-# the link's rate, small reductions left synchronous.
-PLANNING = [
-    "--train.batch_size", "64", "--train.schedule_profile", "cpu",
-    "--train.schedule_link_mbit", "50", "--train.schedule_async_min_bytes", "262144",
-]  # fmt: skip
-LAYOUTS = {"tiny": ("1", "8"), "small": ("2", "4")}
 
 
-def cluster_argv(preset: str, quick: bool, out: Path, curves: Path) -> list[str]:
-    data, expert = LAYOUTS[preset]
-    repeats, warmup = ("3", "1") if quick else ("6", "2")
-    return [
-        "--hosts", "2", "--devices-per-host", "4", "--link-mbit", "50", "--preset", preset,
-        "--repeats", repeats, "--warmup", warmup, "--schedules", ",".join(SCHEDULES),
-        "--json", str(out), "--sweep", str(curves),
-        "--parallel.data", data, "--parallel.expert", expert, *PLANNING,
-    ]  # fmt: skip
-
-
-def predict(preset: str, curves_path: Path, cache: Path) -> dict[str, dict[str, float]]:
-    """Simulated step of each schedule; runs in a process with the run's 8 devices."""
+def _plans(link_mbit: float, cost) -> dict:
+    """Each schedule's graph, order and partitioned ranges, planned as the run planned it
+    (its own policy and cost model)."""
     from experiments.cluster import schedule_flags
     from jaxmoe.parallel import build_mesh
     from jaxmoe.train.cli import config_from_train_args
     from jaxmoe.train.scheduled import capture_train_step, schedule_policy
-    from scheduling.cost import PROFILES
-    from scheduling.link_model import CollectiveCurves
-    from scheduling.optimize import batch_inputs, cost_model, node_seconds, plan
-    from scheduling.profiling import OpProfiler, ProfiledCostModel
-    from scheduling.simulate import simulate
+    from scheduling.optimize import batch_inputs, cost_model, plan
 
-    data, expert = LAYOUTS[preset]
-    argv = ["--preset", preset, "--parallel.data", data, "--parallel.expert", expert, *PLANNING]
+    argv = ["--preset", regime.PRESET, *regime.train_flags(link_mbit)]
     config = config_from_train_args(argv)
     mesh = build_mesh(config.parallel)
     # The schedule fields do not change the step: one capture serves every schedule.
     program, sharded = capture_train_step(config, mesh)
     batch = batch_inputs(program, sharded.batch_argnums)
-    instrument = replace(PROFILES["cpu"], name="emulated cluster", fused_elementwise=True)
-    profiler = OpProfiler(cache, mesh=mesh)
-    curves = CollectiveCurves.load(curves_path)
-    instrument_cost = ProfiledCostModel(instrument, dict(mesh.shape), profiler, curves)
-    predictions = {}
-    for schedule in SCHEDULES:
-        # Planned as the run planned it: the run's own policy and cost model.
+    plans = {}
+    for schedule in regime.SCHEDULES:
         policy = schedule_policy(config_from_train_args([*argv, *schedule_flags(schedule)]))
         planned = plan(program, policy, cost_model(policy, mesh), batch)
-        order = planned.schedule.order
-        seconds = node_seconds(instrument_cost)  # memoised per node id: one per graph
-        timeline = simulate(planned.graph, order, seconds)
-        # The alternative reading of the backend: every collective where its start stands.
-        in_place = simulate(planned.graph, order, seconds, asynchronous=False)
-        predictions[schedule] = {
-            "step_s": timeline.step_seconds,
-            "compute_s": timeline.compute_seconds,
-            "communication_s": timeline.communication_seconds,
-            "exposed_s": timeline.exposed_communication_seconds,
-            "in_place_step_s": in_place.step_seconds,
-        }
-        print(f"  {preset} {schedule}: {timeline.step_seconds * 1e3:.1f} ms predicted")
-    profiler.save()
-    return predictions
+        ranges = [
+            f"ops {c.plan.begin}-{c.plan.end - 1} in {c.plan.n} chunks" for c in planned.partitions
+        ]
+        plans[schedule] = (planned.graph, planned.schedule.order, ranges)
+    return plans
 
 
-def _table(preset: str, measured: dict, predicted: dict) -> list[str]:
+def _control_plans(mesh, settings: dict) -> dict:
+    """The control's forms with ``lax.all_to_all`` over the expert axis of ``mesh`` (the
+    step's, whose devices the op profiler times), in the order their socket forms run."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from experiments.overlap_control import per_device_forms
+    from jaxmoe.parallel.mesh import EXPERT_AXIS
+    from scheduling.capture import capture
+    from scheduling.graph import Graph
+
+    args = argparse.Namespace(**{k: settings[k] for k in ("rows", "width", "layers", "chunks")})
+    specs = (PartitionSpec(EXPERT_AXIS), PartitionSpec())
+    x = jax.ShapeDtypeStruct(
+        (args.rows * mesh.devices.size, args.width),
+        "float32",
+        sharding=NamedSharding(mesh, specs[0]),
+    )
+    w = jax.ShapeDtypeStruct(
+        (args.width, args.width), "float32", sharding=NamedSharding(mesh, specs[1])
+    )
+    plans = {}
+    for form, body in per_device_forms(EXPERT_AXIS, args).items():
+        program = capture(body, x, w, mesh=mesh, in_specs=specs, out_specs=specs[0])
+        graph = Graph(program, split=lambda op: op.primitive == "all_to_all")
+        plans[form] = (graph, model.pipelined_order(graph), [])
+    return plans
+
+
+def predict(measured_path: Path, curves_path: Path, cache: Path, compute_only_s: float) -> dict:
+    """Runs in a process with the cluster's devices (one per host). ``compute_only_s``: the
+    measured step of ``none`` on the unshaped link (for the ``scaled`` reading)."""
+    from jaxmoe.parallel import build_mesh
+    from jaxmoe.train.cli import config_from_train_args
+    from scheduling.optimize import node_seconds
+    from scheduling.simulate import simulate
+
+    measured = json.loads(measured_path.read_text())
+    link_mbit = measured["link_mbit"]
+    config = config_from_train_args(["--preset", regime.PRESET, *regime.train_flags(link_mbit)])
+    mesh = build_mesh(config.parallel)
+    cost = model.instrument_cost(mesh, curves_path, measured["link_calibration"], cache)
+    control = measured["overlap_control"]
+    groups = {
+        "schedules": _plans(link_mbit, cost),
+        "control": _control_plans(mesh, {"rows": control["rows_per_device"], **control}),
+    }
+    graph, order, _ = groups["schedules"]["none"]
+    none_compute = simulate(graph, order, node_seconds(cost)).compute_seconds
+    factor = compute_only_s / none_compute
+    result: dict = {"compute_scale": factor}
+    for group, plans in groups.items():
+        result[group] = {}
+        for name, (graph, order, ranges) in plans.items():
+            result[group][name] = model.readings(graph, order, node_seconds(cost), factor)
+            result[group][name]["partitions"] = ranges
+            step = result[group][name]["instrument"]["step_s"]
+            print(f"  {group} {name}: {step * 1e3:.1f} ms predicted")
+    cost.profiler.save()
+    return result
+
+
+# -- the tables -----------------------------------------------------------------------------
+
+READING_NAMES = {
+    "instrument": "instrument",
+    "scaled": "instrument, compute scaled",
+    "all_async": "all asynchronous",
+    "in_place": "in place",
+}
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
+def control_table(control: dict, predicted: dict) -> list[str]:
+    """Measured (median [min-max] ms, per-round ratios) against predicted forms and ratios."""
+    names = " | ".join(f"predicted: {READING_NAMES[r]}" for r in model.READINGS)
+    lines = [f"| form | measured (ms) | {names} |", "|---|---|" + "---|" * len(model.READINGS)]
+    for form in ("independent", "chained", "unchunked"):
+        spread = Spread.of([ms / 1e3 for ms in control[form]])
+        guesses = " | ".join(_ms(predicted[form][r]["step_s"]) for r in model.READINGS)
+        lines.append(f"| {form} | {spread.format()} | {guesses} |")
+    lines += ["", f"| ratio | measured, per round | {names} |"]
+    lines.append("|---|---|" + "---|" * len(model.READINGS))
+    for form in ("chained", "unchunked"):
+        measured = Spread.of(round_ratios(control[form], control["independent"]))
+        guesses = " | ".join(
+            f"{predicted[form][r]['step_s'] / predicted['independent'][r]['step_s']:.3f}"
+            for r in model.READINGS
+        )
+        lines.append(f"| {form} / independent | {measured.format(1, 3)} | {guesses} |")
+    return lines
+
+
+def schedule_table(measured: dict, predicted: dict) -> list[str]:
+    """Per schedule: the measured step and speedup over ``none``, and per reading the
+    predicted step, its error and the predicted speedup over ``none``."""
+    names = "".join(f" {READING_NAMES[r]} (ms) | error | speedup |" for r in model.READINGS)
     lines = [
-        "| schedule | measured step (ms) | predicted step (ms) | error | predicted compute (ms) "
-        "| predicted communication (ms) | predicted exposed (ms) | in place: step (ms) | "
-        "in place: error |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| schedule | measured step (ms) | measured speedup vs none, per round |{names}",
+        "|---|---|---|" + "---|---|---|" * len(model.READINGS),
     ]
     for row in measured["schedules"]:
-        guess = predicted[row["schedule"]]
-        error = guess["step_s"] / row["step_s"] - 1
-        in_place_error = guess["in_place_step_s"] / row["step_s"] - 1
-        lines.append(
-            f"| {row['schedule']} | {row['step_s'] * 1e3:.1f} | {guess['step_s'] * 1e3:.1f} "
-            f"| {error:+.1%} | {guess['compute_s'] * 1e3:.1f} "
-            f"| {guess['communication_s'] * 1e3:.1f} | {guess['exposed_s'] * 1e3:.1f} "
-            f"| {guess['in_place_step_s'] * 1e3:.1f} | {in_place_error:+.1%} |"
-        )
-    measured_only = measured["communication_only_s"] * 1e3
-    lines += ["", f"The step's collectives alone on the shaped link: {measured_only:.1f} ms."]
+        step = Spread(row["step_s"], row["step_min_s"], row["step_max_s"])
+        speedup = Spread(row["speedup"], row["speedup_min"], row["speedup_max"])
+        cells = [row["schedule"], step.format(), speedup.format(1, 3)]
+        for reading in model.READINGS:
+            seconds = predicted[row["schedule"]][reading]["step_s"]
+            none = predicted["none"][reading]["step_s"]
+            cells += [_ms(seconds), f"{seconds / row['step_s'] - 1:+.1%}", f"{none / seconds:.3f}"]
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def breakdown_table(predicted: dict) -> list[str]:
+    """The instrument reading's compute, communication and exposed communication."""
+    lines = [
+        "| schedule | compute (ms) | all-to-alls (ms) | other collectives (ms) | exposed (ms) "
+        "| compute, scaled (ms) | exposed, scaled (ms) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for schedule, guess in predicted.items():
+        plain, scaled = guess["instrument"], guess["scaled"]
+        cells = [plain["compute_s"], guess["all_to_all_s"], guess["other_collectives_s"]]
+        cells += [plain["exposed_s"], scaled["compute_s"], scaled["exposed_s"]]
+        lines.append(f"| {schedule} | " + " | ".join(_ms(c) for c in cells) + " |")
+    return lines
+
+
+def worst_error(measured: dict, predicted: dict, reading: str = "instrument") -> float:
+    return max(
+        abs(predicted[row["schedule"]][reading]["step_s"] / row["step_s"] - 1)
+        for row in measured["schedules"]
+    )
+
+
+def compute_only(measured: dict, source: Path | None) -> float:
+    """The measured step of ``none`` on the unshaped link: from the run, or from ``source``
+    (a run of the same step on another link) where the run skipped the unshaped link."""
+    for report in (measured, *([json.loads(source.read_text())] if source else [])):
+        none = next(row for row in report["schedules"] if row["schedule"] == "none")
+        if math.isfinite(none["compute_only_s"]):
+            return none["compute_only_s"]
+    raise ValueError("no compute-only step of none: pass --compute-only-from a full run")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--presets", default="tiny,small")
-    parser.add_argument("--quick", action="store_true", help="fewer steps and repeats")
+    parser.add_argument("--quick", action="store_true", help="fewer rounds")
+    parser.add_argument("--link-mbit", type=float, default=regime.LINK_MBIT)
+    parser.add_argument(
+        "--shaped-only",
+        action="store_true",
+        help="no runs on the unshaped link (then --compute-only-from gives compute-only)",
+    )
+    parser.add_argument(
+        "--compute-only-from",
+        type=Path,
+        help="a cluster JSON of the same step with compute-only figures (another link)",
+    )
     parser.add_argument("--from", dest="source", type=Path, help="a saved run's directory")
     parser.add_argument("--keep", type=Path, help="save the run's measurements here")
     parser.add_argument("--out", type=Path, default=RESULTS / "simulator_validation.md")
-    parser.add_argument("--predict", help=argparse.SUPPRESS)  # worker: preset
+    parser.add_argument("--predict", type=Path, help=argparse.SUPPRESS)  # worker: measured
     parser.add_argument("--curves", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--compute-only-s", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--rows", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     cache = RESULTS.parent / ".op_costs"
 
-    if args.predict:  # a process with the cluster's 8 devices
-        args.rows.write_text(json.dumps(predict(args.predict, args.curves, cache)))
+    if args.predict:  # a process with the cluster's devices
+        result = predict(args.predict, args.curves, cache, args.compute_only_s)
+        args.rows.write_text(json.dumps(result))
         return 0
 
-    presets = [p for p in args.presets.split(",") if p]
-    unknown = sorted(set(presets) - set(LAYOUTS))
-    if unknown:
-        print(f"--presets: {unknown} not among {', '.join(LAYOUTS)}", file=sys.stderr)
-        return 2
-    # The command that reproduces the tables (--from and --keep only move the files).
-    command = f"python -m experiments.simulator_validation --presets {','.join(presets)}"
-    command += " --quick" if args.quick else ""
-    sections = [
-        "# Simulator validation",
-        "",
-        f"Command: `{command}`",
-        "",
-        "Measured: the emulated cluster's median step (real processes, gloo over a shaped",
-        "link). Predicted: the two-stream simulator on the instrument's measured description",
-        "(ops profiled on all 8 fake devices at once, collective curves swept on the same",
-        "link, collectives replayed asynchronously; see the module docstring). The target",
-        f"is an error within {TOLERANCE:.0%} for every schedule. 'In place' replays every",
-        "collective where its start stands, with nothing beside it.",
-        "",
-    ]
-    worst = 0.0
     with tempfile.TemporaryDirectory() as tmp:
         saved = args.source or args.keep or Path(tmp)
         saved.mkdir(parents=True, exist_ok=True)
-        for preset in presets:
-            measured_path = saved / f"cluster-{preset}.json"
-            curves_path = saved / f"curves-{preset}.json"
-            if args.source is None:
-                from experiments import cluster
+        measured_path = saved / f"cluster-{regime.PRESET}.json"
+        curves_path = saved / f"curves-{regime.PRESET}.json"
+        if args.source is None:
+            from experiments import cluster
 
-                cluster_args = cluster_argv(preset, args.quick, measured_path, curves_path)
-                if cluster.main(cluster_args) != 0:
-                    return 2
-            measured = json.loads(measured_path.read_text())
-            rows_path = Path(tmp) / f"predicted-{preset}.json"
-            env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-            worker = [sys.executable, "-m", "experiments.simulator_validation"]
-            worker += ["--predict", preset, "--curves", str(curves_path), "--rows", str(rows_path)]
-            subprocess.run(worker, env=env, check=True)
-            predicted = json.loads(rows_path.read_text())
-            for row in measured["schedules"]:
-                error = predicted[row["schedule"]]["step_s"] / row["step_s"] - 1
-                worst = max(worst, abs(error))
-            shown = measured["command"].replace(str(measured_path), measured_path.name)
-            shown = shown.replace(str(curves_path), curves_path.name)
-            sections += [f"## {preset}", "", f"`{shown}`", ""]
-            sections += [*_table(preset, measured, predicted), ""]
-    verdict = "within" if worst <= TOLERANCE else "outside"
-    sections += [f"Largest error: {worst:.1%}, {verdict} the {TOLERANCE:.0%} target.", ""]
+            cluster_argv = regime.cluster_argv(
+                measured_path,
+                curves_path,
+                link_mbit=args.link_mbit,
+                quick=args.quick,
+                shaped_only=args.shaped_only,
+            )
+            if cluster.main(cluster_argv) != 0:
+                return 2
+        measured = json.loads(measured_path.read_text())
+        rows_path = Path(tmp) / "predicted.json"
+        devices = regime.HOSTS * regime.DEVICES_PER_HOST
+        env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+        worker = [sys.executable, "-m", "experiments.simulator_validation"]
+        worker += ["--predict", str(measured_path), "--curves", str(curves_path)]
+        worker += ["--compute-only-s", str(compute_only(measured, args.compute_only_from))]
+        worker += ["--rows", str(rows_path)]
+        subprocess.run(worker, env=env, check=True)
+        predicted = json.loads(rows_path.read_text())
+    shown = measured["command"].replace(str(measured_path), measured_path.name)
+    shown = shown.replace(str(curves_path), curves_path.name)
+    schedules = predicted["schedules"]
+    sections = [
+        f"## {measured['link_mbit']:g} Mbit/s",
+        "",
+        f"Cluster run: `{shown}`",
+        "",
+        regime.summary(measured),
+        "",
+        "### The control",
+        "",
+        *control_table(measured["overlap_control"], predicted["control"]),
+        "",
+        "### The schedules",
+        "",
+        f"Compute scale of the `scaled` reading: {predicted['compute_scale']:.3f} (the measured "
+        "compute-only step of `none` over its predicted compute).",
+        "",
+        *schedule_table(measured, schedules),
+        "",
+        *breakdown_table(schedules),
+        "",
+        *(
+            f"Largest error, {READING_NAMES[r]}: {worst_error(measured, schedules, r):.1%} "
+            f"(target {TOLERANCE:.0%})."
+            for r in ("instrument", "scaled")
+        ),
+        "",
+        "Forward ranges partitioned by the run's own planning: "
+        + "; ".join(
+            f"{name}: {', '.join(schedules[name]['partitions']) or 'none'}"
+            for name in ("partition", "lancet")
+            if name in schedules
+        )
+        + ".",
+        "",
+    ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(sections))
     print("\n".join(sections))

@@ -14,7 +14,9 @@ flags that turn that scheduler on are given by :func:`xla_gpu_flags`.
 
 On the CPU backend, where XLA runs every async pair synchronously, a socket transport
 (``scheduling.socket_all_to_all``) can carry the all-to-alls instead: each pair is a
-start and a done host callback, and the planned order is kept by data dependence.
+start and a done host callback, and the planned order is kept by data dependence. An
+all-to-all that the plan left whole (schedule ``none``) then runs on the same sockets,
+start and done back to back, so that every schedule is measured on one transport.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import jax
 from jax.experimental.xla_metadata import set_xla_metadata
 
 from scheduling import jax_adapter
-from scheduling.capture import Constant, Program, Value
+from scheduling.capture import Constant, Op, Program, Value
 from scheduling.graph import Graph, Role
 from scheduling.passes.order import Schedule
 from scheduling.socket_all_to_all import EmittedOrder, SocketTransport
@@ -99,6 +101,10 @@ def per_device_function(
                 elif node.role is Role.DONE:
                     future = pending.pop(node.partner)
                     results = [jax_adapter.bind_done(op.primitive, future)] if use_async else future
+                elif sockets is not None and _runs_on_sockets(sockets, op, read):
+                    # An all-to-all left whole (schedule "none"): synchronous, on sockets.
+                    (operand,) = (read(a) for a in op.inputs)
+                    results = [sockets.now(node_id, operand, op.eqn.params)]
                 elif sockets is not None:
                     inputs = sockets.pin(op.primitive, [read(a) for a in op.inputs])
                     results = jax_adapter.bind_equation(op.eqn, inputs)
@@ -110,6 +116,15 @@ def per_device_function(
         return tuple(read(atom) for atom in program.outputs)
 
     return run
+
+
+def _runs_on_sockets(sockets: EmittedOrder, op: Op, read: Callable[[Any], Any]) -> bool:
+    """Whether ``op``, a node not split into start and done, is an all-to-all that the
+    socket transport carries."""
+    if op.primitive != "all_to_all" or len(op.inputs) != 1:
+        return False
+    operand = read(op.inputs[0])
+    return sockets.supports(op.primitive, op.eqn.params, operand, op.outputs[0].aval.shape)
 
 
 class ScheduledStep:
@@ -173,7 +188,8 @@ def emit(
     ``fallback_to_sync`` runs the same order with synchronous collectives. With an
     ``all_to_all_transport``, every all-to-all runs as a socket start/done pair, the
     planned order pinned by data dependence (for the CPU backend across processes, where
-    XLA's own async pairs run synchronously).
+    XLA's own async pairs run synchronously); one the plan did not split runs with its
+    done right after its start, and nothing planned after it runs during the transfer.
     """
     use_async = jax_adapter.async_collectives_available()
     if not use_async and not fallback_to_sync:

@@ -16,7 +16,9 @@ PACKING_DW = frozenset({"dw", "lancet"})
 
 @dataclass(frozen=True)
 class SchedulePolicy:
-    """``none``: the original order, synchronous collectives (the reference).
+    """``none``: the original order, synchronous collectives (the reference); with
+    ``socket_all_to_all``, its all-to-alls run synchronously over the sockets, so that
+    the reference uses the transport of the scheduled steps.
     ``async``: every collective split into start/done, started early, waited late.
     ``dw``: ``async`` plus dW work packed into the backward all-to-all windows.
     ``partition``: ``async`` plus forward ranges around each MoE layer cut into chunks
@@ -56,7 +58,8 @@ class SchedulePolicy:
     partition_always: bool = False
     # On the CPU backend across processes: all-to-alls as socket start/done pairs
     # (scheduling.socket_all_to_all), which overlap the computation planned between
-    # them; XLA:CPU runs its own async pairs synchronously. Ignored elsewhere.
+    # them; XLA:CPU runs its own async pairs synchronously. Ignored elsewhere. ``none``
+    # then runs each all-to-all over the sockets with its done right after its start.
     socket_all_to_all: bool = False
     # comet: decompose every exchange this way ("rounds:G", "chunks:N") wherever it applies,
     # whatever the estimate (for measuring, and for checking exactness).

@@ -7,9 +7,12 @@ A collective that was not split runs synchronously: the compute stream waits
 for it to get the link and then for the whole transfer. With
 ``asynchronous=False`` every collective runs so, a split one at its start: a
 backend that runs collectives where they stand in the program and lets nothing
-run beside them. (XLA's CPU backend compiles start/done pairs back to
-synchronous collectives, but its runtime still runs independent ops while one
-waits on the network, so it is closer to the asynchronous replay.)
+run beside them, as XLA's CPU backend does with its own collectives (it compiles
+start/done pairs back to synchronous ones; the overlap control of
+``experiments.overlap_control`` shows no overlap with them). ``asynchronous`` may
+also be a predicate of the start node: the split collectives it accepts overlap,
+the others run at their start (on the CPU backend: the socket all-to-alls of
+``scheduling.socket_all_to_all`` against XLA's own collectives).
 
 Which collective the link runs next. With ``priorities`` (the default), the
 collectives waiting for the link form two classes: critical ones first, then
@@ -112,11 +115,13 @@ def simulate(
     order: list[int],
     seconds: Callable[[Node], float],
     *,
-    asynchronous: bool = True,
+    asynchronous: bool | Callable[[Node], bool] = True,
     priorities: bool = True,
 ) -> Timeline:
+    overlaps = asynchronous if callable(asynchronous) else lambda node: asynchronous
     compute_clock = compute_total = 0.0
     timings: dict[int, CollectiveTiming] = {}
+    in_flight: dict[int, CollectiveTiming] = {}  # by start node: issued, not yet waited for
     events: list[Event] = []
     link = _Link(priorities, events)
 
@@ -140,11 +145,11 @@ def simulate(
 
     for node_id in order:
         node = graph.nodes[node_id]
-        if node.role is Role.START and asynchronous:
-            issue(node_id)
+        if node.role is Role.START and overlaps(node):
+            in_flight[node_id] = issue(node_id)
         elif node.role is Role.DONE:
-            if asynchronous:
-                wait(timings[node.partner])
+            if node.partner in in_flight:
+                wait(in_flight.pop(node.partner))
         elif node.is_collective:  # synchronous: the compute stream waits for all of it
             wait(issue(node_id))
         else:

@@ -243,10 +243,13 @@ class SocketAllToAll:
         like: jax.ShapeDtypeStruct | jax.Array,
         split_axis: int,
         concat_axis: int,
-    ) -> jax.Array:
+        release_token: bool = False,
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
         """Wait for this device's pieces (once ``after`` is computed) and return them joined.
 
-        ``like`` is the operand of the start (its shape and dtype).
+        ``like`` is the operand of the start (its shape and dtype). With ``release_token``,
+        also returns a float32 zero token made once the pieces are in: computation that
+        consumes it (``consume_token``) cannot run while the done waits.
         """
         shape = list(like.shape)
         shape[split_axis] //= self.axis_size
@@ -254,7 +257,7 @@ class SocketAllToAll:
         shape[concat_axis] *= self.axis_size
         result = jax.ShapeDtypeStruct(tuple(shape), like.dtype)
 
-        def host_done(position: np.ndarray, _token: np.ndarray, _after: np.ndarray) -> np.ndarray:
+        def host_done(position: np.ndarray, _token: np.ndarray, _after: np.ndarray) -> Any:
             position = int(position)
             pieces = [
                 np.frombuffer(
@@ -263,9 +266,11 @@ class SocketAllToAll:
                 ).reshape(piece_shape)
                 for index in range(self.axis_size)
             ]
-            return np.concatenate(pieces, axis=concat_axis)
+            joined = np.concatenate(pieces, axis=concat_axis)
+            return (joined, np.float32(0)) if release_token else joined
 
-        return io_callback(host_done, result, self._position(), token, _scalar(after))
+        shapes = (result, jax.ShapeDtypeStruct((), jnp.float32)) if release_token else result
+        return io_callback(host_done, shapes, self._position(), token, _scalar(after))
 
 
 def _scalar(x: jax.Array) -> jax.Array:
@@ -385,6 +390,28 @@ class EmittedOrder:
         )
         self._starts += 1
         self._token = token
+
+    def now(self, node: int, operand: jax.Array, params: dict) -> jax.Array:
+        """The all-to-all run synchronously: its start, then its done at once. The done
+        waits for every matmul recorded before it, and releases a token that every later
+        matmul consumes (unless it already uses the result), so no planned matmul runs
+        while the pieces travel: the same transport as the scheduled pairs, no overlap."""
+        self.start(node, operand, params)
+        op, token, like, params = self._pending.pop(node)
+        after = token if self._progress is None else self._progress + token
+        result, released = op.done(
+            token,
+            after,
+            key=node,
+            like=like,
+            split_axis=params["split_axis"],
+            concat_axis=params["concat_axis"],
+            release_token=True,
+        )
+        self._starts += 1  # what runs after this point must come after the done
+        self._token = released
+        self._note(result, self._starts)
+        return result
 
     def is_pending(self, node: int) -> bool:
         return node in self._pending

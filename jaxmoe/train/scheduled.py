@@ -2,7 +2,10 @@
 
 ``none`` is the plain ``jit`` of the whole-mesh ``shard_map``; any other
 schedule hands the per-device step to :func:`scheduling.optimize`, which
-returns an equivalent step and a report of what it overlapped.
+returns an equivalent step and a report of what it overlapped. ``none`` with
+``train.schedule_socket_all_to_all`` goes through it too: the original order,
+its all-to-alls synchronous over the socket transport that the other schedules
+use, so that a speedup over it is overlap, not a change of transport.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ class PlannedStep:
 
     step: Any  # a jit-wrapped function, or a scheduling.ScheduledStep
     example: tuple[Any, ...]  # abstract (state, batch)
-    report: scheduling.ScheduleReport | None  # None for schedule 'none'
+    report: scheduling.ScheduleReport | None  # None for the plain jit (schedule 'none')
 
     def compile(self) -> Callable[..., Any]:
         """``(state, batch) -> (state, metrics)``, compiled ahead of the first call."""
@@ -94,7 +97,7 @@ def schedule_policy(config: Config) -> scheduling.SchedulePolicy:
 def plan_train_step(config: Config, mesh: Mesh) -> PlannedStep:
     sharded = build_train_step(config, mesh)
     example = abstract_step_args(config, mesh)
-    if config.train.schedule == "none":
+    if config.train.schedule == "none" and not config.train.schedule_socket_all_to_all:
         return PlannedStep(sharded.jit(), example, None)
     policy = schedule_policy(config)
     step, report = scheduling.optimize(

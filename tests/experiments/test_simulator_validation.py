@@ -1,36 +1,121 @@
-"""The validation's tables: the error of each prediction against the measured step."""
+"""The validation's tables, and the regime it runs."""
 
-from experiments import simulator_validation
+import json
+from pathlib import Path
+
+import pytest
+
+from experiments import instrument_model, overlap_regime, simulator_validation
 
 
-def test_table_gives_each_schedule_its_error_in_both_readings():
-    measured = {
-        "schedules": [{"schedule": "none", "step_s": 2.0}, {"schedule": "lancet", "step_s": 1.6}],
-        "communication_only_s": 1.5,
+def _readings(*steps):
+    return {
+        name: {"step_s": step, "compute_s": 0.5, "communication_s": 1.0, "exposed_s": 0.25}
+        for name, step in zip(instrument_model.READINGS, steps, strict=True)
     }
 
-    def guess(step, in_place):
+
+def test_control_table_sets_measured_per_round_ratios_beside_predicted_ones():
+    control = {
+        "independent": [100.0, 200.0, 100.0],
+        "chained": [150.0, 240.0, 130.0],
+        "unchunked": [120.0, 200.0, 100.0],
+    }
+    predicted = {
+        "independent": _readings(1.0, 0.5, 1.0, 2.0),
+        "chained": _readings(1.5, 0.6, 1.5, 2.0),
+        "unchunked": _readings(2.0, 0.5, 2.0, 2.0),
+    }
+    lines = simulator_validation.control_table(control, predicted)
+    (chained,) = [line for line in lines if line.startswith("| chained / independent")]
+    # Per round 1.5, 1.2, 1.3: median 1.3 [1.2-1.5]; predicted 1.5, 1.2, 1.5 and 1.0.
+    assert chained == (
+        "| chained / independent | 1.300 [1.200-1.500] | 1.500 | 1.200 | 1.500 | 1.000 |"
+    )
+    (independent,) = [line for line in lines if line.startswith("| independent |")]
+    assert independent == (
+        "| independent | 100.0 [100.0-200.0] | 1000.0 | 500.0 | 1000.0 | 2000.0 |"
+    )
+
+
+def test_schedule_table_gives_each_reading_its_error_and_speedup():
+    def row(schedule, step, speedup):
         return {
+            "schedule": schedule,
             "step_s": step,
-            "compute_s": 0.5,
-            "communication_s": 1.5,
-            "exposed_s": step - 0.5,
-            "in_place_step_s": in_place,
+            "step_min_s": step,
+            "step_max_s": step,
+            "speedup": speedup,
+            "speedup_min": speedup,
+            "speedup_max": speedup,
         }
 
-    predicted = {"none": guess(2.2, 2.2), "lancet": guess(1.8, 2.4)}
-    lines = simulator_validation._table("tiny", measured, predicted)
-    (none,) = [line for line in lines if line.startswith("| none |")]
+    measured = {"schedules": [row("none", 2.0, 1.0), row("lancet", 1.6, 1.25)]}
+    predicted = {
+        "none": _readings(2.2, 2.0, 2.0, 2.2),
+        "lancet": _readings(1.76, 1.6, 1.2, 2.4),
+    }
+    lines = simulator_validation.schedule_table(measured, predicted)
     (lancet,) = [line for line in lines if line.startswith("| lancet |")]
-    assert "| +10.0% |" in none  # 2.2 / 2.0 - 1
-    assert "| +12.5% |" in lancet  # 1.8 / 1.6 - 1
-    assert lancet.endswith("| 2400.0 | +50.0% |")  # in place: 2.4 / 1.6 - 1
-    assert lines[-1].endswith("1500.0 ms.")
+    cells = [cell.strip() for cell in lancet.strip("|").split("|")]
+    assert cells[3:6] == ["1760.0", "+10.0%", "1.250"]  # 1.76 / 1.6 - 1; 2.2 / 1.76
+    assert cells[6:9] == ["1600.0", "+0.0%", "1.250"]
+    assert cells[-3:] == ["2400.0", "+50.0%", "0.917"]
+    assert simulator_validation.worst_error(measured, predicted) == pytest.approx(0.1)
+    assert simulator_validation.worst_error(measured, predicted, "scaled") == pytest.approx(0.0)
 
 
-def test_cluster_runs_use_the_layout_of_each_preset(tmp_path):
-    argv = simulator_validation.cluster_argv("small", True, tmp_path / "m", tmp_path / "c")
+def test_compute_only_comes_from_the_run_or_from_a_full_run_of_the_same_step(tmp_path):
+    def report(compute):
+        return {"schedules": [{"schedule": "none", "compute_only_s": compute}]}
+
+    assert simulator_validation.compute_only(report(1.5), None) == 1.5
+    full = tmp_path / "full.json"
+    full.write_text(json.dumps(report(1.25)))
+    assert simulator_validation.compute_only(report(float("nan")), full) == 1.25
+    with pytest.raises(ValueError, match="--compute-only-from"):
+        simulator_validation.compute_only(report(float("nan")), None)
+
+
+def test_the_regime_runs_every_all_to_all_on_sockets_with_none_first(tmp_path: Path):
+    argv = overlap_regime.cluster_argv(tmp_path / "m", tmp_path / "c")
     flags = dict(zip(argv[::2], argv[1::2], strict=False))
-    assert (flags["--parallel.data"], flags["--parallel.expert"]) == ("2", "4")
-    assert flags["--schedules"] == "none,dw,partition,lancet"
+    assert flags["--train.schedule_socket_all_to_all"] == "true"
+    assert flags["--schedules"].split(",")[0] == "none"
+    assert (flags["--hosts"], flags["--devices-per-host"]) == ("2", "1")
+    assert (flags["--parallel.data"], flags["--parallel.expert"]) == ("1", "2")
     assert flags["--sweep"] == str(tmp_path / "c")
+    assert "--shaped-only" not in argv  # the breakdown needs the step on the unshaped link
+    assert "--shaped-only" in overlap_regime.cluster_argv(tmp_path / "m", quick=True)
+    fast = overlap_regime.cluster_argv(tmp_path / "m", link_mbit=200, shaped_only=True)
+    flags = dict(zip(fast[::2], fast[1::2], strict=False))
+    assert flags["--link-mbit"] == "200" and "--shaped-only" in fast
+
+
+def test_summary_gives_calibration_control_and_breakdown():
+    report = {
+        "link_calibration": {
+            "passed": True,
+            "message_bytes": 2**20,
+            "rate_fraction": 0.957,
+            "rate_mbit": 50.0,
+            "pieces": 8,
+            "pieces_ratio": 0.984,
+        },
+        "overlap_control": {
+            "independent": [380.0, 390.0],
+            "chained": [480.0, 500.0],
+            "unchunked": [470.0, 490.0],
+            "chained_over_independent": [1.2, 1.3],
+            "overlap_shown": True,
+        },
+        "schedules": [{"schedule": "none", "step_s": 8.0, "compute_only_s": 2.0}],
+        "communication_only_s": 7.5,
+        "machine": "x86_64, 2 CPU cores",
+    }
+    text = overlap_regime.summary(report)
+    assert "calibrated: a 1.00 MiB message at 95.7% of 50 Mbit/s" in text
+    assert "chained / independent 1.250 at the median (overlap shown)" in text
+    assert "communication is 75% of it" in text
+    report["schedules"][0]["compute_only_s"] = float("nan")  # a --shaped-only run
+    assert "unshaped" not in overlap_regime.summary(report)

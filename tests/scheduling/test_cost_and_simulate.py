@@ -262,6 +262,21 @@ def test_synchronous_backend_runs_a_split_collective_at_its_start():
     assert timeline.compute_seconds == 6.0
 
 
+def test_a_predicate_chooses_which_split_collectives_overlap():
+    # The first all-to-all has the second one's input computation in its window; the
+    # predicate says which split collectives overlap (socket all-to-alls beside XLA's
+    # synchronous ones), the others run at their start.
+    graph = split_async(_two_a2a_program())
+    seconds = fixed_seconds({0: 3.0, 3: 3.0, 1: 4.0, 4: 4.0, 6: 1.0})
+    order = [0, 1, 3, 2, 4, 5, 6]
+
+    def step(asynchronous):
+        return simulate(graph, order, seconds, asynchronous=asynchronous).step_seconds
+
+    assert step(lambda node: node.id == 1) == step(True) == 3.0 + 3.0 + 1.0 + 4.0 + 1.0
+    assert step(lambda node: node.id == 4) == step(False) == 3.0 + 4.0 + 3.0 + 4.0 + 1.0
+
+
 def _two_a2a(x):
     t1 = jax.lax.all_to_all(x * 2.0, "x", 0, 0, tiled=True)
     t2 = jax.lax.all_to_all(x * 3.0, "x", 0, 0, tiled=True)

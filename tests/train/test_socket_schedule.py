@@ -44,7 +44,7 @@ def _plain():
     return _steps(plan_train_step(config, mesh).compile(), config, mesh)
 
 
-@pytest.mark.parametrize("schedule", ["dw", "partition"])
+@pytest.mark.parametrize("schedule", ["none", "dw", "partition"])
 def test_socket_all_to_alls_keep_the_step_bit_for_bit(schedule, monkeypatch):
     optimize = importlib.import_module("scheduling.optimize")
     # One process: force the transport that would be used across processes.

@@ -1,0 +1,141 @@
+"""The emulated cluster as the simulator sees it: costs measured on it, and four readings.
+
+Costs (``instrument_cost``), measured, not fitted to steps:
+
+- ops: each distinct op timed on every device of the step's mesh at once in one process
+  (the host processes share the machine's cores; ``scheduling.profiling``); layout ops
+  are free, elementwise ops cost their memory traffic (XLA fuses them);
+- collectives: an all-to-all over the socket transport, with one device per host, sends
+  ``(group - 1) / group`` of its operand out of each host over that host's own shaped link
+  (each direction is shaped on its own), so it costs what the link calibration's size
+  sweep measured for that many bytes; XLA's collectives (the gradient reductions, over
+  gloo) cost what ``experiments.collective_sweep`` measured on the same link.
+
+Readings of one program and order (``readings``), by the two-stream simulator:
+
+- ``instrument``: split all-to-alls overlap (the socket pairs do), every other collective
+  runs where its start stands (XLA:CPU runs its own async pairs synchronously);
+- ``scaled``: the same, with every op's cost times one factor, the measured compute-only
+  step of ``none`` over its predicted compute: the overlap model with the op costs set
+  right as a whole (one fitted number), to tell its errors from the op profiler's;
+- ``all_async``: every split collective overlaps (a GPU-like backend);
+- ``in_place``: nothing overlaps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+READINGS = ("instrument", "scaled", "all_async", "in_place")
+
+
+def socket_all_to_all_samples(sweep: list[dict], group: int) -> list[tuple[float, float]]:
+    """``(operand bytes, seconds)`` of a socket all-to-all over ``group`` hosts of one device
+    each, from the points ``{"bytes", "seconds"}`` of the link calibration's sweep."""
+    return [(point["bytes"] * group / (group - 1), point["seconds"]) for point in sweep]
+
+
+def instrument_cost(mesh, curves_path: Path, calibration: dict, cache: Path):
+    """The cost model of the cluster whose measurements are given (see the module)."""
+    from scheduling.cost import PROFILES
+    from scheduling.link_model import CollectiveCurves, PiecewiseLinear
+    from scheduling.profiling import OpProfiler, ProfiledCostModel
+
+    instrument = replace(PROFILES["cpu"], name="emulated cluster", fused_elementwise=True)
+    curves = CollectiveCurves.load(curves_path)
+    group = mesh.devices.size
+    samples = socket_all_to_all_samples(calibration["sweep"], group)
+    curves.curves[("all_to_all", group)] = PiecewiseLinear.fit(samples)
+    profiler = OpProfiler(cache, mesh=mesh)
+    return ProfiledCostModel(instrument, dict(mesh.shape), profiler, curves)
+
+
+def scaled_compute(seconds: Callable, factor: float) -> Callable:
+    """``seconds`` with every computation's cost times ``factor`` (collectives unchanged)."""
+
+    def scaled(node) -> float:
+        cost = seconds(node)
+        return cost if node.is_collective else cost * factor
+
+    return scaled
+
+
+def readings(graph, order: list[int], seconds: Callable, factor: float) -> dict[str, dict]:
+    """The program's step under each reading (``factor``: the ``scaled`` one's), and what
+    its all-to-alls and its other collectives cost on the link."""
+    from scheduling.graph import Role
+    from scheduling.simulate import simulate
+
+    def sockets_overlap(node) -> bool:
+        return node.op.primitive == "all_to_all"
+
+    cases = {
+        "instrument": (sockets_overlap, seconds),
+        "scaled": (sockets_overlap, scaled_compute(seconds, factor)),
+        "all_async": (True, seconds),
+        "in_place": (False, seconds),
+    }
+    result: dict = {}
+    for kind in ("all_to_all", "other_collectives"):  # their costs on the link, summed
+        result[f"{kind}_s"] = sum(
+            seconds(node)
+            for node in graph.nodes
+            if node.is_collective
+            and node.role is not Role.DONE
+            and (node.op.primitive == "all_to_all") == (kind == "all_to_all")
+        )
+    for name, (asynchronous, costs) in cases.items():
+        timeline = simulate(graph, order, costs, asynchronous=asynchronous)
+        result[name] = {
+            "step_s": timeline.step_seconds,
+            "compute_s": timeline.compute_seconds,
+            "communication_s": timeline.communication_seconds,
+            "exposed_s": timeline.exposed_communication_seconds,
+        }
+    return result
+
+
+def pipelined_order(graph) -> list[int]:
+    """The order in which the control's socket forms run (``experiments.overlap_control``):
+    with the all-to-alls' starts S0..Sk-1 in program order, S0 and what it needs, then for
+    each i: S(i+1) and what it needs, the work that became ready at D(i-1), and D(i). A
+    chained form serialises itself: S(i+1) needs D(i)."""
+    from scheduling.graph import Role
+
+    placed: set[int] = set()
+    order: list[int] = []
+
+    def add(nodes) -> None:
+        for node in sorted(nodes):
+            if node not in placed:
+                placed.add(node)
+                order.append(node)
+
+    def with_ancestors(node: int) -> list[int]:
+        mask, ancestors = graph.ancestors[node], []
+        while mask:
+            low = mask & -mask
+            ancestors.append(low.bit_length() - 1)
+            mask ^= low
+        return [*ancestors, node]
+
+    def ready_after(done: int) -> list[int]:
+        ready = []
+        for node in range(len(graph.nodes)):  # ids are a topological order
+            ok = graph.has_path(done, node) and graph.nodes[node].role is Role.COMPUTE
+            if ok and node not in placed and graph.preds[node] <= placed | set(ready):
+                ready.append(node)
+        return ready
+
+    starts = [node.id for node in graph.nodes if node.role is Role.START]
+    add(with_ancestors(starts[0]))
+    for i, start in enumerate(starts):
+        if i + 1 < len(starts):
+            add(with_ancestors(starts[i + 1]))
+        if i > 0:
+            add(ready_after(graph.nodes[starts[i - 1]].partner))
+        add([graph.nodes[start].partner])
+    add(range(len(graph.nodes)))
+    return order

@@ -1,0 +1,97 @@
+"""The emulated-cluster regime of the overlap evaluations, and how a run of it is summarised.
+
+``experiments.lancet_eval`` (a) and ``experiments.simulator_validation`` measure the same
+regime: ``tiny`` with top-2 routing and 128 sequences per step, on 2 hosts x 1 device
+(expert parallel over the link) joined by a calibrated 50 Mbit/s link. There the
+all-to-alls are most of the step (on the unshaped link the step takes a fraction of its
+time on the shaped one), so overlap has something to hide. Every all-to-all runs over the
+socket transport (``scheduling.socket_all_to_all``), ``none`` too (synchronously), so
+that speedups over ``none`` are overlap, not a change of transport. The gradient
+reductions are XLA's (gloo) in every schedule.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+PRESET = "tiny"
+HOSTS, DEVICES_PER_HOST, LINK_MBIT = 2, 1, 50.0
+SCHEDULES = ("none", "async", "partition", "lancet")
+
+
+def train_flags(link_mbit: float = LINK_MBIT) -> list[str]:
+    """Layout, routing, batch, the planning (the analytic CPU profile told the link's rate,
+    small reductions left synchronous), and the transport of the all-to-alls."""
+    return [
+        "--parallel.data", "1", "--parallel.expert", "2", "--moe.top_k", "2",
+        "--train.batch_size", "128", "--train.schedule_profile", "cpu",
+        "--train.schedule_link_mbit", f"{link_mbit:g}",
+        "--train.schedule_async_min_bytes", "262144",
+        "--train.schedule_socket_all_to_all", "true",
+    ]  # fmt: skip
+
+
+def label(link_mbit: float = LINK_MBIT) -> str:
+    return (
+        f"{PRESET}, top-2, 128 sequences, {HOSTS} hosts x {DEVICES_PER_HOST} device, "
+        f"{link_mbit:g} Mbit/s, socket all-to-alls"
+    )
+
+
+def cluster_argv(
+    out: Path,
+    curves: Path | None = None,
+    *,
+    link_mbit: float = LINK_MBIT,
+    quick: bool = False,
+    shaped_only: bool = False,
+) -> list[str]:
+    """``experiments.cluster`` arguments for the regime; ``curves``: also sweep the link's
+    collective costs into it. ``quick``: 3 rounds and ``shaped_only``; ``shaped_only``: no
+    runs on the unshaped link (no compute-only figures)."""
+    repeats, warmup = ("3", "1") if quick else ("6", "2")
+    argv = [
+        "--hosts", str(HOSTS), "--devices-per-host", str(DEVICES_PER_HOST),
+        "--link-mbit", f"{link_mbit:g}", "--preset", PRESET,
+        "--repeats", repeats, "--warmup", warmup, "--schedules", ",".join(SCHEDULES),
+        "--json", str(out),
+    ]  # fmt: skip
+    if curves is not None:
+        argv += ["--sweep", str(curves)]
+    if quick or shaped_only:
+        argv.append("--shaped-only")
+    return [*argv, *train_flags(link_mbit)]
+
+
+def summary(report: dict) -> str:
+    """The run's calibration, control verdict and breakdown of ``none``, in one paragraph."""
+    calibration = report["link_calibration"]
+    control = report["overlap_control"]
+    none = next(row for row in report["schedules"] if row["schedule"] == "none")
+    ratio = statistics.median(control["chained_over_independent"])
+    text = (
+        f"Link {'calibrated' if calibration['passed'] else 'NOT CALIBRATED'}: a "
+        f"{calibration['message_bytes'] / 2**20:.2f} MiB message at "
+        f"{calibration['rate_fraction']:.1%} of {calibration['rate_mbit']:g} Mbit/s, "
+        f"{calibration['pieces']} pieces {calibration['pieces_ratio']:.3f}x one message. "
+        f"Control in the same run: independent {_median_ms(control['independent'])}, chained "
+        f"{_median_ms(control['chained'])}, unchunked {_median_ms(control['unchunked'])} ms; "
+        f"chained / independent {ratio:.3f} at the median "
+        f"({'overlap shown' if control['overlap_shown'] else 'NO overlap shown'}). "
+        f"`none`: step {none['step_s'] * 1e3:.1f} ms"
+    )
+    compute = none["compute_only_s"]
+    if compute == compute:  # measured (not a --shaped-only run)
+        text += (
+            f", the same step on the unshaped link {compute * 1e3:.1f} ms, so communication "
+            f"is {1 - compute / none['step_s']:.0%} of it"
+        )
+    return (
+        text + f"; XLA's collectives of the step replayed alone on the shaped link "
+        f"{report['communication_only_s'] * 1e3:.1f} ms. Machine: {report['machine']}."
+    )
+
+
+def _median_ms(milliseconds: list[float]) -> str:
+    return f"{statistics.median(milliseconds):.1f}"
