@@ -366,7 +366,7 @@ def _schedule(config: Config, args: argparse.Namespace) -> int:
 
 
 def _plan(config: Config, args: argparse.Namespace) -> int:
-    from jaxmoe.train import planner
+    from jaxmoe.train import plan_table, planner
 
     schedules = [name.strip() for name in args.schedule.split(",") if name.strip()]
     if args.json is not None:
@@ -382,7 +382,7 @@ def _plan(config: Config, args: argparse.Namespace) -> int:
         cache_dir=None if args.no_cache else planner.default_cache_dir(),
         progress=lambda line: print(line, file=sys.stderr, flush=True),
     )
-    print(planner.table(result, verbose=args.verbose))
+    print(plan_table.table(result, verbose=args.verbose))
     if args.json is not None:
         command = "jaxmoe " + shlex.join(args.argv)
         Path(args.json).write_text(json.dumps(result.to_json(command), indent=2) + "\n")

@@ -41,6 +41,8 @@ from scheduling.capture import Program, aval_bytes
 from scheduling.optimize import batch_inputs, build_report, cost_model, plan
 from scheduling.saved_values import saved_for_backward
 
+# Modules that only present estimates: left out of the estimate cache's key.
+PRESENTATION = frozenset({"cli.py", "plan_table.py"})
 MEMORY_METHOD = (
     "per device: parameters, optimizer state (AdamW moments and counts, the gradient-sync "
     "state, the placement table) and the step counter are the local shards the captured "
@@ -164,14 +166,15 @@ def state_memory(program: Program, state: TrainState) -> MemoryPerDevice:
 
 
 def _source_digest() -> str:
-    """Of everything an estimate depends on besides its inputs: the code and JAX."""
+    """Of everything an estimate depends on besides its inputs: the code and JAX (the
+    command line and the table's layout aside)."""
     import jaxmoe
 
     digest = hashlib.sha256()
     for package in (jaxmoe, scheduling):
         root = Path(package.__file__).parent
         for path in sorted(root.rglob("*")):
-            if path.suffix in (".py", ".json"):
+            if path.suffix in (".py", ".json") and path.name not in PRESENTATION:
                 digest.update(str(path.relative_to(root)).encode())
                 digest.update(path.read_bytes())
     for name in ("jax", "jaxlib", "flax", "optax"):
@@ -265,11 +268,13 @@ def plan_mappings(
     *,
     cache_dir: Path | None = None,
     progress: Callable[[str], None] | None = None,
+    memory_capacity_bytes: float | None = None,
 ) -> PlanResult:
     """Estimate and rank every valid mapping of ``config``'s model on ``devices`` devices.
 
     Raises ConfigError (before tracing anything) for a bad input, or when no mapping is
-    valid. ``cache_dir``: where estimates are kept (None: nowhere)."""
+    valid. ``cache_dir``: where estimates are kept (None: nowhere).
+    ``memory_capacity_bytes``: the memory a device offers (default: the profile's)."""
     check_plan_inputs(config, devices, profile, schedules)
     device = scheduling.PROFILES[profile]
     space = enumerate_mappings(config, devices, device.devices_per_node)
@@ -279,6 +284,9 @@ def plan_mappings(
             f"no valid mapping of preset {preset!r} on {devices} devices; "
             f"{len(space.skipped)} refused, most often: {reasons[0] if reasons else 'none'}"
         )
+    if memory_capacity_bytes is not None:
+        device = dataclasses.replace(device, memory_capacity_bytes=memory_capacity_bytes)
+    capacity = device.memory_capacity_bytes
     cache = EstimateCache(cache_dir)
     flops = model_flops(config).train_step()
     estimates = []
@@ -286,7 +294,6 @@ def plan_mappings(
         assert candidate.config is not None
         memory, times = estimate_mapping(candidate.config, schedules, profile, cache)
         step = min(t.step for t in times.values())
-        capacity = device.memory_capacity_bytes
         estimates.append(
             MappingEstimate(
                 mapping=candidate.mapping,
@@ -307,63 +314,3 @@ def plan_mappings(
 
 def default_cache_dir() -> Path:
     return op_cost_cache() / "plan"
-
-
-def table(result: PlanResult, verbose: bool = False) -> str:
-    """The ranked mappings, every column, and what was dropped or skipped."""
-    largest = max((e.memory.total for e in result.estimates), default=0)
-    unit, scale, exponent = ("GB", 1e9, 9) if largest >= 1e9 else ("MB", 1e6, 6)
-    header = (
-        f"{'#':>3}  {'attention':>9}  {'MoE':>8}  {'dispatcher':<10}  {'schedule':<8}  "
-        f"{'step ms':>9}  {'MFU %':>6}  {'compute':>8}  {'comm':>8}  {'exposed':>8}  "
-        f"{'params':>7}  {'grads':>7}  {'optim':>7}  {'activ':>7}  {'total ' + unit:>8}"
-    )
-    capacity = result.profile.memory_capacity_bytes
-    lines = [
-        f"jaxmoe plan: preset {result.preset!r} on {result.devices} devices of profile "
-        f"{result.profile.name!r} ({result.profile.flops_per_s / 1e12:g} TFLOP/s peak, "
-        + (f"{capacity / 1e9:g} GB per device" if capacity else "no memory figure")
-        + f"); {result.model_flops_per_step / 1e12:.4g} TFLOP of model FLOPs per step; "
-        f"schedules {', '.join(result.schedules)}",
-        "attention = data x tensor; MoE = expert data x expert x expert tensor; times in ms; "
-        f"memory per device in {unit} (1e{exponent} bytes)",
-        header,
-        "-" * len(header),
-    ]
-
-    def size(size: int) -> str:
-        return f"{size / scale:.3f}"
-
-    def row(rank: str, e: MappingEstimate) -> str:
-        m, t, mem = e.mapping, e.best, e.memory
-        return (
-            f"{rank:>3}  {f'{m.attention_data}x{m.tensor}':>9}  "
-            f"{f'{m.expert_data}x{m.expert}x{m.expert_tensor}':>8}  {m.dispatcher:<10}  "
-            f"{e.schedule:<8}  {t.step * 1e3:>9.3f}  {e.mfu * 100:>6.3g}  "
-            f"{t.compute * 1e3:>8.3f}  {t.communication * 1e3:>8.3f}  "
-            f"{t.exposed_communication * 1e3:>8.3f}  {size(mem.parameters):>7}  "
-            f"{size(mem.gradients):>7}  {size(mem.optimizer):>7}  {size(mem.activations):>7}  "
-            f"{size(mem.total):>8}"
-        )
-
-    lines += [row(str(i + 1), e) for i, e in enumerate(result.ranked)]
-    if not result.ranked:
-        lines.append("  (no mapping fits in the device memory)")
-    over = result.over_memory
-    if over:
-        smallest = min(e.memory.total for e in over)
-        lines.append(
-            f"dropped {len(over)} mappings over {capacity / 1e9:g} GB per device (the "
-            f"smallest of them needs {smallest / 1e9:.3f} GB)"
-        )
-        if verbose:
-            lines += [row("-", e) for e in over]
-    skipped = result.space.skipped
-    lines.append(
-        f"{len(result.estimates)} mappings estimated, {len(skipped)} skipped"
-        + (":" if verbose and skipped else " (--verbose says why)" if skipped else "")
-    )
-    if verbose:
-        lines += [f"  {line}" for line in result.space.skipped_summary()]
-        lines.append(f"memory: {MEMORY_METHOD}")
-    return "\n".join(lines)
