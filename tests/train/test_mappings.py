@@ -23,9 +23,10 @@ def test_eight_devices_of_the_tiny_preset():
     assert Mapping(8, 2, 2, 2, 2, "all_gather") in valid  # folded: every axis split
     assert Mapping(8, 4, 1, 2, 4, "all_to_all") in valid
     reasons = {c.mapping: c.reason for c in space.skipped}
-    assert "model.num_heads=4 is not divisible by parallel.tensor=8" in reasons[
-        Mapping(8, 8, 1, 8, 1, "all_to_all")
-    ]
+    assert (
+        "model.num_heads=4 is not divisible by parallel.tensor=8"
+        in reasons[Mapping(8, 8, 1, 8, 1, "all_to_all")]
+    )
     assert reasons[Mapping(8, 2, 8, 1, 1, "all_gather")].startswith("no expert group")
     summary = space.skipped_summary()
     assert summary[0].startswith("20 x model.num_heads=4")
