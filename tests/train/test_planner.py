@@ -7,6 +7,7 @@ for tracing.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -158,16 +159,17 @@ def test_json_shape(planned):
 def test_table_has_every_column_and_a_row_per_mapping(planned):
     lines = table(planned, verbose=True).splitlines()
     header = next(line for line in lines if line.lstrip().startswith("#"))
-    for column in ("attention", "MoE", "dispatcher", "schedule", "step ms", "MFU %",
-                   "params", "grads", "optim", "activ", "total MB"):  # fmt: skip
-        assert column in header
+    columns = "attention MoE dispatcher schedule step_ms MFU_% params grads optim activ total_MB"
+    for column in columns.split():
+        assert column.replace("_", " ") in header
     rows = [line for line in lines if re.match(r"\s*\d+\s+\d+x\d+\s+\d+x\d+x\d+\s", line)]
     assert len(rows) == 10
     assert any("no expert group" in line for line in lines)
 
 
-def test_cli_prints_the_table_and_writes_json(cache_home, planned, no_tracing, tmp_path,
-                                              monkeypatch, capsys):  # fmt: skip
+def test_cli_prints_the_table_and_writes_json(
+    cache_home, planned, no_tracing, tmp_path, monkeypatch, capsys
+):
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache_home))
     out = tmp_path / "plan.json"
     argv = ["plan", *SMALL, "--devices", "2", "--profile", PROFILE, "--json", str(out)]
@@ -191,8 +193,7 @@ def test_cli_prints_the_table_and_writes_json(cache_home, planned, no_tracing, t
         (["--json", "/nonexistent/dir/plan.json"], "--json /nonexistent/dir/plan.json"),
     ],
 )
-def test_cli_refusals_are_one_line_before_anything_is_traced(extra, message, no_tracing,
-                                                             capsys):  # fmt: skip
+def test_cli_refusals_are_one_line_before_anything_is_traced(extra, message, no_tracing, capsys):
     args = {"--devices": "8", "--profile": PROFILE}
     flags = [a for pair in args.items() for a in pair if pair[0] not in extra]
     assert cli.main(["plan", "--preset", "tiny", *flags, *extra]) == cli.USAGE_ERROR
@@ -210,3 +211,21 @@ def test_cli_refuses_an_unknown_preset(capsys):
 def test_mapping_labels():
     mapping = Mapping(8, 2, 1, 4, 2, "all_gather")
     assert mapping.label() == "attention 4x2, MoE 1x4x2, all_gather"
+
+
+def test_with_several_schedules_the_fastest_counts(planned):
+    (candidate,) = [
+        c
+        for c in planned.space.valid
+        if (c.mapping.expert, c.mapping.tensor, c.mapping.dispatcher) == (2, 1, "all_to_all")
+    ]
+    memory, times = planner.estimate_mapping(
+        candidate.config, ["none", "async"], PROFILE, planner.EstimateCache(None)
+    )
+    unscheduled = _estimate(planned, tensor=1, expert=2, expert_tensor=1)
+    assert memory == unscheduled.memory  # the program's, whatever the schedule
+    assert times["none"] == unscheduled.times["none"]
+    # async starts the expert all-to-alls and gradient reductions early: it hides some.
+    assert times["async"].exposed_communication < times["none"].exposed_communication
+    estimate = dataclasses.replace(unscheduled, times=times)
+    assert estimate.schedule == "async" and estimate.best == times["async"]
