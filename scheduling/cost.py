@@ -72,12 +72,19 @@ class DeviceProfile:
     # The compiler fuses elementwise ops into the kernels around them (XLA on GPU): they
     # cost their memory traffic but no launch overhead of their own.
     fused_elementwise: bool = False
+    # One device's memory (bytes); 0: not known (nothing can be said to fit or not).
+    memory_capacity_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("flops_per_s", "memory_bytes_per_s", "link_bytes_per_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"DeviceProfile.{name} must be > 0")
-        for name in ("op_overhead_s", "link_latency_s", "node_link_latency_s"):
+        for name in (
+            "op_overhead_s",
+            "link_latency_s",
+            "node_link_latency_s",
+            "memory_capacity_bytes",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"DeviceProfile.{name} must be >= 0")
         if self.devices_per_node < 0:
@@ -109,10 +116,14 @@ def load_profile(path: str | Path) -> DeviceProfile:
 PROFILE_FILES = Path(__file__).parent / "profiles"
 
 PROFILES: dict[str, DeviceProfile] = {
-    # A100 SXM: 156 TFLOP/s TF32 dense, 1.55 TB/s HBM2; 200 Gbit/s network per GPU.
-    "a100": DeviceProfile("a100", 156e12, 1.55e12, 5e-6, 25e9, 10e-6),
-    # V100 SXM2: 125 TFLOP/s fp16 tensor cores, 0.9 TB/s HBM2; 100 Gbit/s per node of 8.
-    "v100": DeviceProfile("v100", 125e12, 0.9e12, 5e-6, 100e9 / 8 / 8, 10e-6),
+    # A100 SXM: 156 TFLOP/s TF32 dense, 1.55 TB/s and 40 GB of HBM2 (the 40 GB model's
+    # figures); 200 Gbit/s network per GPU.
+    "a100": DeviceProfile("a100", 156e12, 1.55e12, 5e-6, 25e9, 10e-6, memory_capacity_bytes=40e9),
+    # V100 SXM2: 125 TFLOP/s fp16 tensor cores, 0.9 TB/s and 32 GB of HBM2; 100 Gbit/s
+    # per node of 8.
+    "v100": DeviceProfile(
+        "v100", 125e12, 0.9e12, 5e-6, 100e9 / 8 / 8, 10e-6, memory_capacity_bytes=32e9
+    ),
     # One core of a CPU host running fake devices, joined by a 300 Mbit/s shaped link.
     "cpu": DeviceProfile("cpu", 20e9, 10e9, 5e-6, 300e6 / 8, 100e-6),
     # Multi-node clusters, from the files in scheduling/profiles/ (sources inside).

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
 
 from jaxmoe.config import ConfigError, ParallelConfig
 from jaxmoe.layout import ATTENTION_DATA, axes_for_role, mesh_axes
@@ -78,3 +78,12 @@ def build_mesh(parallel: ParallelConfig, devices: Sequence[jax.Device] | None = 
     sizes = mesh_axis_sizes(parallel)
     grid = np.asarray(devices, dtype=object).reshape(tuple(sizes.values()))
     return Mesh(grid, tuple(sizes), axis_types=(jax.sharding.AxisType.Explicit,) * len(sizes))
+
+
+def abstract_mesh(parallel: ParallelConfig) -> AbstractMesh:
+    """The folded mesh's axes and sizes without devices: enough to trace a step (and so
+    to capture and cost it) for a device count that this host does not have."""
+    sizes = mesh_axis_sizes(parallel)
+    return AbstractMesh(
+        tuple(sizes.values()), tuple(sizes), axis_types=(AxisType.Explicit,) * len(sizes)
+    )

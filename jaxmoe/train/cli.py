@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
+import shlex
 import sys
 import types
 import typing
@@ -77,12 +79,13 @@ def _override_fields() -> dict[str, tuple[str, str, Callable[[str], Any]]]:
     return fields
 
 
-def _add_config_arguments(command: argparse.ArgumentParser) -> None:
+def _add_config_arguments(command: argparse.ArgumentParser, shortcuts: bool = True) -> None:
     """The preset, the shortcuts and one ``--SECTION.FIELD`` flag per config field."""
     command.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    command.add_argument("--steps", type=int, help="shortcut for --train.steps")
-    command.add_argument("--data", help="a text file or a .bin of uint16 ids (--data.path)")
-    command.add_argument("--schedule", choices=SCHEDULES, help="shortcut for --train.schedule")
+    if shortcuts:
+        command.add_argument("--steps", type=int, help="shortcut for --train.steps")
+        command.add_argument("--data", help="a text file or a .bin of uint16 ids (--data.path)")
+        command.add_argument("--schedule", choices=SCHEDULES, help="shortcut for --train.schedule")
     overrides = command.add_argument_group("configuration overrides")
     for name in _override_fields():
         overrides.add_argument(f"--{name}", dest=f"override:{name}", metavar="VALUE")
@@ -131,6 +134,16 @@ def _build_parser() -> argparse.ArgumentParser:
         help="directory for schedule_report.json, schedule_timeline.json/.png, step.stablehlo.txt",
     )
     schedule.add_argument("--trace", help="compare with the op times of a --profile-steps trace")
+    plan = commands.add_parser("plan", help="estimate and rank every parallel mapping on N devices")
+    _add_config_arguments(plan, shortcuts=False)
+    plan.add_argument("--devices", type=int, required=True, help="devices to map onto")
+    plan.add_argument("--profile", required=True, help="the cost model's device profile")
+    plan.add_argument(
+        "--schedule", default="none", help="schedule(s), comma-separated: the fastest counts"
+    )
+    plan.add_argument("--json", metavar="FILE", help="write the ranking as JSON")
+    plan.add_argument("--verbose", action="store_true", help="why mappings were skipped")
+    plan.add_argument("--no-cache", action="store_true", help="estimate afresh, keep nothing")
     return parser
 
 
@@ -154,7 +167,7 @@ def _requested_values(args: argparse.Namespace) -> dict[str, Any]:
     fields = _override_fields()
     values = {name: _parse_override(name, text, fields[name][2]) for name, text in texts.items()}
     for shortcut, name in SHORTCUTS.items():
-        given = getattr(args, shortcut)
+        given = getattr(args, shortcut, None)
         if given is None:
             continue
         value = _parse_override(name, str(given), fields[name][2])
@@ -169,7 +182,13 @@ def _requested_values(args: argparse.Namespace) -> dict[str, Any]:
 def resolve_config(args: argparse.Namespace) -> Config:
     """The preset with every override applied; raises ConfigError on a bad value."""
     values = preset(args.preset).to_dict()
-    for name, value in _requested_values(args).items():
+    requested = _requested_values(args)
+    if args.command == "plan":  # the planner lays the model out itself; one device until then
+        laid_out = sorted(name for name in requested if name.startswith("parallel."))
+        if laid_out:
+            raise ConfigError(f"--{laid_out[0]}: jaxmoe plan chooses the layout itself")
+        values["parallel"] = {"data": 1, "expert": 1}
+    for name, value in requested.items():
         section, field = name.split(".")
         values[section][field] = value
     return Config.from_dict(values)
@@ -346,6 +365,31 @@ def _schedule(config: Config, args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(config: Config, args: argparse.Namespace) -> int:
+    from jaxmoe.train import plan_table, planner
+
+    schedules = [name.strip() for name in args.schedule.split(",") if name.strip()]
+    if args.json is not None:
+        folder = Path(args.json).parent
+        if not (folder.is_dir() and os.access(folder, os.W_OK)):
+            raise ConfigError(f"--json {args.json}: {folder} is not a writable directory")
+    result = planner.plan_mappings(
+        config,
+        args.preset,
+        args.devices,
+        args.profile,
+        schedules,
+        cache_dir=None if args.no_cache else planner.default_cache_dir(),
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
+    )
+    print(plan_table.table(result, verbose=args.verbose))
+    if args.json is not None:
+        command = "jaxmoe " + shlex.join(args.argv)
+        Path(args.json).write_text(json.dumps(result.to_json(command), indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
 def _launch(args: argparse.Namespace) -> int:
     from jaxmoe.train.launch import launch
 
@@ -397,11 +441,14 @@ def _devices_per_process(config: Config, args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if args.command == "launch":
             return _launch(args)
-        command = {"train": _train, "schedule": _schedule}[args.command]
+        command = {"train": _train, "schedule": _schedule, "plan": _plan}[args.command]
         config = resolve_config(args)
+        if args.command == "plan":  # traces on an abstract mesh: no devices needed
+            return command(config, args)
         if args.command == "train":
             _check_train_flags(args)
         # Before JAX creates its backends (at first use): the CPU platform's device count.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -10,7 +11,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxmoe.config import Config
+from jaxmoe.config import Config, ModelConfig, MoEConfig
 from jaxmoe.layers import GPTMoE
 from jaxmoe.parallel.grad_sync import make_grad_sync
 from jaxmoe.parallel.mesh import mesh_axis_names, mesh_axis_sizes
@@ -35,14 +36,27 @@ def build_model(config: Config) -> GPTMoE:
     return GPTMoE(config.model, config.moe, rngs=nnx.Rngs(config.train.seed))
 
 
+@functools.lru_cache(maxsize=16)
+def _abstract_model(model: ModelConfig, moe: MoEConfig, seed: int) -> tuple[nnx.GraphDef, Any]:
+    """The model's structure and the shapes of its state, without allocating parameters.
+
+    Kept per model: building it traces every initialiser, seconds for a large model, and a
+    step's specs and state shapes ask for it many times."""
+    return nnx.split(nnx.eval_shape(lambda: GPTMoE(model, moe, rngs=nnx.Rngs(seed))))
+
+
 def model_graphdef_and_specs(config: Config) -> tuple[nnx.GraphDef, dict]:
     """The model's structure and parameter specs, without allocating parameters."""
-    graphdef, abstract_state = nnx.split(nnx.eval_shape(lambda: build_model(config)))
+    graphdef, abstract_state = _abstract_model(config.model, config.moe, config.train.seed)
     return graphdef, param_specs(abstract_state, mesh_axis_names(config.parallel))
 
 
 def _initial_state(config: Config) -> TrainState:
-    params = nnx.to_pure_dict(nnx.state(build_model(config)))
+    return _state_around(config, nnx.to_pure_dict(nnx.state(build_model(config))))
+
+
+def _state_around(config: Config, params: Any) -> TrainState:
+    """The initial train state around ``params`` (a pure dict)."""
     opt_state = make_optimizer(config.train).init(params)
     _, specs = model_graphdef_and_specs(config)
     grad_sync = make_grad_sync(config.train).init_state(
@@ -69,7 +83,9 @@ def initial_placement(config: Config) -> jax.Array | None:
 
 def abstract_train_state(config: Config) -> TrainState:
     """Shapes and dtypes of the state, computed without allocating it."""
-    return jax.eval_shape(lambda: _initial_state(config))
+    _, abstract_state = _abstract_model(config.model, config.moe, config.train.seed)
+    params = nnx.to_pure_dict(abstract_state)
+    return jax.eval_shape(lambda params: _state_around(config, params), params)
 
 
 def state_specs(config: Config) -> TrainState:

@@ -1,0 +1,48 @@
+"""saved_for_backward: the forward values the backward pass reads, counted by hand on toys."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from scheduling.capture import capture
+from scheduling.saved_values import SavedValues, saved_for_backward
+from tests.scheduling.toys import mesh_x, sds
+
+ROWS, WIDTH, HIDDEN = 16, 8, 32
+F32 = 4
+
+
+def _program(loss):
+    def step(w, x):
+        return jax.grad(loss)(w, x)
+
+    mesh = mesh_x()
+    return capture(
+        step,
+        sds(mesh, (WIDTH, HIDDEN), P()),
+        sds(mesh, (ROWS * 8, WIDTH), P("x")),
+        mesh=mesh,
+        in_specs=(P(), P("x")),
+        out_specs=P(),
+    )
+
+
+def test_square_saves_one_activation():
+    # d/dw sum((x @ w)^2) = x^T (2 x @ w): the backward pass reads one [rows, hidden]
+    # value of the forward pass; x and w are inputs (the state's memory), not activations.
+    saved = saved_for_backward(_program(lambda w, x: jnp.sum(jnp.square(x @ w))))
+    assert (saved.count, saved.bytes) == (1, ROWS * HIDDEN * F32)
+
+
+def test_tanh_saves_its_output_and_one_minus_it():
+    # JAX differentiates y = tanh(h) as g (1 - y) + g (1 - y) y: the backward pass reads
+    # y and 1 - y, two [rows, hidden] values.
+    saved = saved_for_backward(_program(lambda w, x: jnp.sum(jnp.tanh(x @ w))))
+    assert (saved.count, saved.bytes) == (2, 2 * ROWS * HIDDEN * F32)
+
+
+def test_a_linear_loss_saves_nothing():
+    # Its gradient is x^T @ ones: nothing of the forward pass is needed.
+    assert saved_for_backward(_program(lambda w, x: jnp.sum(x @ w))) == SavedValues(0, 0)

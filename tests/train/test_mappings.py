@@ -1,0 +1,78 @@
+"""The mapping space of ``jaxmoe plan``: every layout of N devices, validated by Config."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from jaxmoe.config import Config, ConfigError, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
+from jaxmoe.presets import preset
+from jaxmoe.train.mappings import Mapping, enumerate_mappings
+
+
+def test_eight_devices_of_the_tiny_preset():
+    tiny = preset("tiny")  # 4 heads, 8 experts, batch 32, sequence 64
+    space = enumerate_mappings(tiny, 8)
+    # tensor in {1, 2, 4, 8}, data x expert x expert_tensor = 8 in 10 ways, 2 dispatchers:
+    # 80 candidates. tensor 8 does not divide the 4 heads (20); without an expert group
+    # (1 layout per valid tensor) all_gather is all_to_all's program (3).
+    assert (len(space.valid), len(space.skipped)) == (57, 23)
+    valid = {c.mapping for c in space.valid}
+    assert Mapping(8, 1, 1, 8, 1, "all_to_all") in valid  # the preset's own layout
+    assert Mapping(8, 2, 2, 2, 2, "all_gather") in valid  # folded: every axis split
+    assert Mapping(8, 4, 1, 2, 4, "all_to_all") in valid
+    reasons = {c.mapping: c.reason for c in space.skipped}
+    assert (
+        "model.num_heads=4 is not divisible by parallel.tensor=8"
+        in reasons[Mapping(8, 8, 1, 8, 1, "all_to_all")]
+    )
+    assert reasons[Mapping(8, 2, 8, 1, 1, "all_gather")].startswith("no expert group")
+    summary = space.skipped_summary()
+    assert summary[0].startswith("20 x model.num_heads=4")
+    assert summary[1].startswith("3 x no expert group")
+
+
+def test_every_valid_mapping_keeps_the_model_and_the_global_batch():
+    tiny = preset("tiny")
+    for candidate in enumerate_mappings(tiny, 8).valid:
+        config, mapping = candidate.config, candidate.mapping
+        assert config.model == tiny.model
+        assert config.train.batch_size == tiny.train.batch_size
+        assert config.parallel == ParallelConfig(
+            data=mapping.expert_data,
+            expert=mapping.expert,
+            tensor=mapping.tensor,
+            expert_tensor=mapping.expert_tensor,
+        )
+        assert config.moe.dispatcher == mapping.dispatcher
+        assert config.parallel.batch_shards == mapping.attention_data
+
+
+def test_layouts_that_do_not_fold_are_skipped_with_the_reason():
+    # 6 devices: tensor 2 and expert_tensor 3 are both valid widths, but 2 does not divide
+    # 3, so the tensor group is not a set of mesh axes of the MoE layout.
+    config = Config(
+        model=ModelConfig(d_model=36, num_heads=6, num_layers=2, d_ff=96, seq_len=12),
+        moe=MoEConfig(num_experts=6),
+        parallel=ParallelConfig(data=1, expert=1),
+        train=TrainConfig(batch_size=6),
+    )
+    space = enumerate_mappings(config, 6)
+    reasons = {c.mapping: c.reason for c in space.skipped}
+    assert "does not fold" in reasons[Mapping(6, 2, 2, 1, 3, "all_to_all")]
+    assert "does not fold" in reasons[Mapping(6, 3, 1, 3, 2, "all_to_all")]  # 2 into 3
+    valid = {c.mapping for c in space.valid}
+    assert Mapping(6, 2, 1, 1, 6, "all_gather") in valid  # tensor 2 inside expert_tensor 6
+    assert Mapping(6, 3, 1, 2, 3, "all_to_all") in valid  # tensor 3 = expert_tensor 3
+
+
+def test_gradient_sync_hosts_follow_the_modelled_nodes():
+    for candidate in enumerate_mappings(preset("tiny"), 4, devices_per_host=8).valid:
+        assert candidate.config.train.grad_sync_devices_per_host == math.gcd(4, 8)
+
+
+@pytest.mark.parametrize("devices", [0, -8])
+def test_device_count_must_be_positive(devices):
+    with pytest.raises(ConfigError, match="positive"):
+        enumerate_mappings(preset("tiny"), devices)

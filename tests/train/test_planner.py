@@ -1,0 +1,231 @@
+"""``jaxmoe plan``: estimates per mapping, memory against a hand count, ranking, JSON, CLI.
+
+One small model on 2 devices (10 mappings) is estimated once per module; the later
+tests read the estimates back from the on-disk cache, so that only the first pays
+for tracing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import pytest
+
+from jaxmoe.train import cli, planner
+from jaxmoe.train.mappings import Mapping
+from jaxmoe.train.mfu import mfu
+from jaxmoe.train.plan_table import table
+
+PROFILE = "h100-8x-nvlink-3200g"
+# vocabulary 256, width 32, 2 heads, 2 layers (layer 1 is MoE), dense FFN 64, sequence 16;
+# 4 experts of hidden width 64; 8 sequences per step.
+SMALL = [
+    "--preset", "tiny", "--model.d_model", "32", "--model.num_heads", "2",
+    "--model.num_layers", "2", "--model.d_ff", "64", "--model.seq_len", "16",
+    "--moe.num_experts", "4", "--train.batch_size", "8",
+]  # fmt: skip
+DEVICES = 2
+F32 = 4
+
+
+def _config():
+    args = cli._build_parser().parse_args(
+        ["plan", *SMALL, "--devices", str(DEVICES), "--profile", PROFILE]
+    )
+    return cli.resolve_config(args)
+
+
+@pytest.fixture(scope="module")
+def cache_home(tmp_path_factory):
+    return tmp_path_factory.mktemp("xdg_cache")
+
+
+@pytest.fixture(scope="module")
+def planned(cache_home):
+    cache = cache_home / "jaxmoe" / "plan"  # where the CLI looks (XDG_CACHE_HOME)
+    return planner.plan_mappings(_config(), "tiny", DEVICES, PROFILE, cache_dir=cache)
+
+
+@pytest.fixture
+def no_tracing(monkeypatch):
+    """Fail if anything is traced: every estimate must come from the cache (or nothing
+    may be estimated at all)."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("traced a step")
+
+    monkeypatch.setattr(planner, "capture_train_step", refuse)
+
+
+def _estimate(result, **layout):
+    (found,) = [
+        e
+        for e in result.estimates
+        if all(getattr(e.mapping, k) == v for k, v in layout.items())
+        and e.mapping.dispatcher == "all_to_all"
+    ]
+    return found
+
+
+def test_memory_per_device_against_a_hand_count(planned):
+    d, f, s, v, experts, hidden = 32, 64, 16, 256, 4, 64
+    norm = 2 * d  # scale and bias
+    attention = norm + d * 3 * d + (d * d + d)  # norm, qkv (no bias), out
+    replicated = (
+        v * d  # token embedding (tied output head)
+        + s * d  # position embedding
+        + norm  # final norm
+        + 2 * (attention + norm)  # two blocks: attention, FFN norm
+        + (d * f + f)
+        + (f * d + d)  # layer 0: dense FFN
+        + d * experts  # layer 1: router
+    )
+    expert_weights = experts * (d * hidden + hidden + hidden * d + d)
+    for expert_axis in (1, 2):
+        memory = _estimate(planned, tensor=1, expert=expert_axis, expert_tensor=1).memory
+        parameters = (replicated + expert_weights // expert_axis) * F32
+        assert memory.parameters == parameters
+        assert memory.gradients == parameters
+        # AdamW's two float32 moments per element; the int32 step, Adam's count and the
+        # learning-rate schedule's count; allreduce keeps no state.
+        assert memory.optimizer == 2 * parameters + 3 * 4
+        assert memory.activations > 0
+        assert memory.total == 4 * parameters + 12 + memory.activations
+
+
+def test_activations_follow_the_rows_per_device(planned):
+    # Without tensor parallelism each device holds batch / 2 rows; the same rows whatever
+    # the MoE layout, so the same saved activations.
+    by_layout = {
+        e.mapping.expert: e.memory.activations
+        for e in planned.estimates
+        if e.mapping.tensor == 1 and e.mapping.expert_tensor == 1
+    }
+    assert by_layout[1] == by_layout[2]
+
+
+def test_every_valid_mapping_is_estimated_and_ranked_by_mfu(planned):
+    assert len(planned.estimates) == len(planned.space.valid) == 10
+    assert all(e.fits for e in planned.estimates)  # a few MB in 80 GB
+    mfus = [e.mfu for e in planned.ranked]
+    assert mfus == sorted(mfus, reverse=True)
+    best = planned.ranked[0]
+    assert best.schedule == "none"
+    flops = planned.model_flops_per_step
+    assert best.mfu == pytest.approx(mfu(flops, best.best.step, DEVICES, 494.5e12))
+
+
+def test_mappings_over_the_memory_are_dropped(cache_home, planned, no_tracing):
+    totals = sorted(e.memory.total for e in planned.estimates)
+    limit = (totals[0] + totals[-1]) / 2
+    result = planner.plan_mappings(
+        _config(),
+        "tiny",
+        DEVICES,
+        PROFILE,
+        cache_dir=cache_home / "jaxmoe" / "plan",
+        memory_capacity_bytes=limit,
+    )
+    assert result.ranked and result.over_memory
+    assert all(e.memory.total <= limit for e in result.ranked)
+    assert all(e.memory.total > limit for e in result.over_memory)
+    text = table(result)
+    assert f"dropped {len(result.over_memory)} mappings over" in text
+
+
+def test_json_shape(planned):
+    data = json.loads(json.dumps(planned.to_json("jaxmoe plan ...")))
+    assert data["devices"] == DEVICES and data["profile"] == PROFILE
+    assert data["memory_capacity_bytes"] == 80e9
+    assert [row["rank"] for row in data["ranked"]] == list(range(1, 11))
+    row = data["ranked"][0]
+    assert set(row) == {
+        "rank", "mapping", "schedule", "step_seconds", "mfu", "memory_bytes", "fits",
+        "by_schedule",
+    }  # fmt: skip
+    assert set(row["mapping"]) == {
+        "devices", "tensor", "attention_data", "expert_data", "expert", "expert_tensor",
+        "dispatcher",
+    }  # fmt: skip
+    parts = ("parameters", "gradients", "optimizer", "activations")
+    assert row["memory_bytes"]["total"] == sum(row["memory_bytes"][p] for p in parts)
+    assert row["by_schedule"]["none"]["step"] == row["step_seconds"]
+    assert {"mapping", "reason"} == set(data["skipped"][0])
+    assert len(data["skipped"]) == 2  # all_gather without an expert group, twice
+
+
+def test_table_has_every_column_and_a_row_per_mapping(planned):
+    lines = table(planned, verbose=True).splitlines()
+    header = next(line for line in lines if line.lstrip().startswith("#"))
+    columns = "attention MoE dispatcher schedule step_ms MFU_% params grads optim activ total_MB"
+    for column in columns.split():
+        assert column.replace("_", " ") in header
+    rows = [line for line in lines if re.match(r"\s*\d+\s+\d+x\d+\s+\d+x\d+x\d+\s", line)]
+    assert len(rows) == 10
+    assert any("no expert group" in line for line in lines)
+
+
+def test_cli_prints_the_table_and_writes_json(
+    cache_home, planned, no_tracing, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache_home))
+    out = tmp_path / "plan.json"
+    argv = ["plan", *SMALL, "--devices", "2", "--profile", PROFILE, "--json", str(out)]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "jaxmoe plan: preset 'tiny' on 2 devices" in printed
+    data = json.loads(out.read_text())
+    assert data["command"].startswith("jaxmoe plan --preset tiny")
+    assert data["ranked"][0]["mapping"] == planned.ranked[0].mapping.to_json()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--profile", "tpu-v9"], "--profile 'tpu-v9': choose one of"),
+        (["--devices", "0"], "--devices 0: must be a positive number"),
+        (["--devices", "-4"], "--devices -4: must be a positive number"),
+        (["--devices", "3"], "no valid mapping of preset 'tiny' on 3 devices"),
+        (["--schedule", "fastest"], "train.schedule='fastest'"),
+        (["--parallel.expert", "2"], "--parallel.expert: jaxmoe plan chooses the layout"),
+        (["--json", "/nonexistent/dir/plan.json"], "--json /nonexistent/dir/plan.json"),
+    ],
+)
+def test_cli_refusals_are_one_line_before_anything_is_traced(extra, message, no_tracing, capsys):
+    args = {"--devices": "8", "--profile": PROFILE}
+    flags = [a for pair in args.items() for a in pair if pair[0] not in extra]
+    assert cli.main(["plan", "--preset", "tiny", *flags, *extra]) == cli.USAGE_ERROR
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+
+
+def test_cli_refuses_an_unknown_preset(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["plan", "--preset", "gpt9", "--devices", "8", "--profile", PROFILE])
+    assert stopped.value.code == cli.USAGE_ERROR
+    assert "invalid choice: 'gpt9'" in capsys.readouterr().err
+
+
+def test_mapping_labels():
+    mapping = Mapping(8, 2, 1, 4, 2, "all_gather")
+    assert mapping.label() == "attention 4x2, MoE 1x4x2, all_gather"
+
+
+def test_with_several_schedules_the_fastest_counts(planned):
+    (candidate,) = [
+        c
+        for c in planned.space.valid
+        if (c.mapping.expert, c.mapping.tensor, c.mapping.dispatcher) == (2, 1, "all_to_all")
+    ]
+    memory, times = planner.estimate_mapping(
+        candidate.config, ["none", "async"], PROFILE, planner.EstimateCache(None)
+    )
+    unscheduled = _estimate(planned, tensor=1, expert=2, expert_tensor=1)
+    assert memory == unscheduled.memory  # the program's, whatever the schedule
+    assert times["none"] == unscheduled.times["none"]
+    # async starts the expert all-to-alls and gradient reductions early: it hides some.
+    assert times["async"].exposed_communication < times["none"].exposed_communication
+    estimate = dataclasses.replace(unscheduled, times=times)
+    assert estimate.schedule == "async" and estimate.best == times["async"]
