@@ -88,8 +88,15 @@ def cost_model(policy: SchedulePolicy, mesh: Mesh) -> CostModel:
         # Fake CPU devices share the host's cores: time each op on all of them at once.
         shared_cores = jax.default_backend() == "cpu" and is_local(mesh)
         profiler = OpProfiler(policy.op_cost_cache, mesh=mesh if shared_cores else None)
-        return ProfiledCostModel(policy.device_profile, dict(mesh.shape), profiler, curves)
-    return CostModel(policy.device_profile, dict(mesh.shape), curves)
+        return ProfiledCostModel(
+            policy.device_profile, dict(mesh.shape), profiler, curves, mesh_device_ids(mesh)
+        )
+    return CostModel(policy.device_profile, dict(mesh.shape), curves, mesh_device_ids(mesh))
+
+
+def mesh_device_ids(mesh: Mesh) -> list[int]:
+    """The ids of the mesh's devices in mesh order (row-major over its axes)."""
+    return [device.id for device in mesh.devices.flat]
 
 
 def batch_inputs(program: Program, batch_argnums: Sequence[int]) -> list[Value]:
