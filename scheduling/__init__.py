@@ -9,6 +9,7 @@ rebuilds a jit-compiled step, and ``report`` says what was done. Entry point: :f
 """
 
 from scheduling.capture import Program, capture
+from scheduling.collective_purpose import AxisRoles
 from scheduling.cost import PROFILES, CostModel, DeviceProfile
 from scheduling.emit import ScheduledStep, xla_gpu_flags
 from scheduling.link_model import CollectiveCurves
@@ -19,6 +20,7 @@ from scheduling.report import ScheduleReport
 __all__ = [
     "POLICIES",
     "PROFILES",
+    "AxisRoles",
     "CollectiveCurves",
     "CostModel",
     "DeviceProfile",

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 from scheduling.capture import Op, aval_bytes
+from scheduling.collective_groups import GroupSpread, group_members, group_spread
 from scheduling.link_model import CollectiveCurves
 
 # Ops that only relabel or view memory.
@@ -177,37 +179,6 @@ def _group_size(op: Op, axis_sizes: dict[str, int]) -> int:
     return math.prod(axis_sizes.get(axis, 1) for axis in _group_axes(op))
 
 
-def group_members(axes: tuple[str, ...], axis_sizes: dict[str, int]) -> list[int]:
-    """Device ids of the collective group over ``axes`` that holds device 0, in the order of
-    the group's own (linear) index. Devices are numbered row-major over the mesh axes (in
-    ``axis_sizes`` order)."""
-    strides, stride = {}, 1
-    for name in reversed(list(axis_sizes)):
-        strides[name] = stride
-        stride *= axis_sizes[name]
-    members = [0]
-    for axis in axes:
-        if axis in axis_sizes:
-            members = [m + k * strides[axis] for m in members for k in range(axis_sizes[axis])]
-    return members
-
-
-def members_per_node(
-    axes: tuple[str, ...],
-    axis_sizes: dict[str, int],
-    per_node: int,
-    index_groups: tuple[tuple[int, ...], ...] | None = None,
-) -> int:
-    """Members of a collective group over ``axes`` (the first of ``index_groups`` when
-    given) that share a node with its first member; nodes hold ``per_node`` consecutive
-    devices."""
-    members = group_members(axes, axis_sizes)
-    if index_groups:
-        members = [members[i] for i in index_groups[0]]
-    node = members[0] // per_node
-    return sum(1 for m in members if m // per_node == node)
-
-
 def collective_wire_bytes(op: Op, axis_sizes: dict[str, int]) -> float:
     """Bytes each device sends for one collective."""
     n = _group_size(op, axis_sizes)
@@ -233,6 +204,9 @@ class CostModel:
 
     With ``curves`` (measured, see ``scheduling.link_model``), a collective whose kind
     and group size they cover costs what its curve gives for its operand bytes.
+    ``device_ids`` are the mesh's device ids in mesh order (row-major over
+    ``axis_sizes``; default: the ids in that order): on a profile with nodes they say
+    which members of each group (over any tuple of axes) share a node.
     """
 
     def __init__(
@@ -240,10 +214,22 @@ class CostModel:
         profile: DeviceProfile,
         axis_sizes: dict[str, int],
         curves: CollectiveCurves | None = None,
+        device_ids: Sequence[int] | None = None,
     ):
         self.profile = profile
         self.axis_sizes = dict(axis_sizes)
         self.curves = curves
+        self.device_ids = None if device_ids is None else tuple(device_ids)
+        self._spreads: dict[tuple, GroupSpread] = {}
+
+    def spread(self, op: Op) -> GroupSpread:
+        """How the groups of collective ``op`` lie over the profile's nodes."""
+        key = (_group_axes(op), _index_groups(op))
+        if key not in self._spreads:
+            self._spreads[key] = group_spread(
+                key[0], self.axis_sizes, self.profile.devices_per_node, self.device_ids, key[1]
+            )
+        return self._spreads[key]
 
     def compute_seconds(self, op: Op) -> float:
         if op.primitive in FREE_PRIMITIVES:
@@ -270,11 +256,9 @@ class CostModel:
         if profile.devices_per_node and op.primitive == "ppermute":
             return self._permutation(op)
         if profile.devices_per_node:
-            local = members_per_node(
-                _group_axes(op), self.axis_sizes, profile.devices_per_node, _index_groups(op)
-            )
-            if local < group:
-                return self._across_nodes(op, group, local)
+            spread = self.spread(op)
+            if spread.nodes > 1:
+                return self._across_nodes(op, spread)
         return profile.link_latency_s + wire / profile.link_bytes_per_s
 
     def _permutation(self, op: Op) -> float:
@@ -283,7 +267,8 @@ class CostModel:
         profile = self.profile
         operand = sum(aval_bytes(a.aval) for a in op.inputs)
         members = group_members(_group_axes(op), self.axis_sizes)
-        node = [member // profile.devices_per_node for member in members]
+        ids = self.device_ids or range(math.prod(self.axis_sizes.values()))
+        node = [ids[member] // profile.devices_per_node for member in members]
         crossing: dict[tuple[str, int], int] = {}
         inside = False
         for source, target in op.eqn.params["perm"]:
@@ -299,22 +284,24 @@ class CostModel:
             seconds = max(seconds, max(crossing.values()) * operand / profile.node_link_bytes_per_s)
         return latency + seconds
 
-    def _across_nodes(self, op: Op, group: int, local: int) -> float:
-        """A collective whose group spans ``group // local`` nodes of ``local`` members.
+    def _across_nodes(self, op: Op, spread: GroupSpread) -> float:
+        """A collective whose groups span ``spread.nodes`` nodes, ``spread.local`` members
+        on a node at most.
 
         All-to-all: the in-node share goes over each device's link while the rest crosses
-        the node link, shared by the node's members, at the same time. Reductions and
-        gathers run hierarchically: within the node, then across nodes, where the node's
-        ``per_node / local`` groups (every device runs the collective) share the node link.
+        the node link, shared by every member on the node (of every group), at the same
+        time. Reductions and gathers run hierarchically: within the node, then across
+        nodes, where the groups with members on the node (every device runs the
+        collective) share its link.
         """
         profile = self.profile
-        nodes = group // local
+        group, local, nodes = spread.size, spread.local, spread.nodes
         operand = sum(aval_bytes(a.aval) for a in op.inputs)
         result = sum(aval_bytes(v.aval) for v in op.outputs)
         latency = profile.link_latency_s + profile.node_link_latency_s
         if op.primitive == "all_to_all":
             inside = operand * (local - 1) / group / profile.link_bytes_per_s
-            across = local * operand * (group - local) / group / profile.node_link_bytes_per_s
+            across = spread.all_to_all_node_load * operand / profile.node_link_bytes_per_s
             return latency + max(inside, across)
         if op.primitive in ("psum", "psum_invariant", "pmax", "pmin"):
             volume, passes = operand, 2
@@ -324,10 +311,9 @@ class CostModel:
             volume, passes = operand, 1
         else:  # ppermute and the rest: the whole operand over the node link
             return latency + operand / profile.node_link_bytes_per_s
-        groups_per_node = max(1, profile.devices_per_node // local)
         inside = passes * volume * (local - 1) / local / profile.link_bytes_per_s
         across = passes * volume * (nodes - 1) / nodes / profile.node_link_bytes_per_s
-        return latency + inside + across * groups_per_node
+        return latency + inside + across * max(1, spread.groups_sharing_a_node)
 
     def seconds(self, op: Op) -> float:
         return self.collective_seconds(op) if op.is_collective else self.compute_seconds(op)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from scheduling.capture import Phase, Program
+from scheduling.collective_purpose import AxisRoles, collective_axes, collective_purposes
 from scheduling.cost import CostModel, collective_wire_bytes
 from scheduling.exchange_plan import ExchangeChoice
 from scheduling.graph import Graph, Kind, Node, Role
@@ -83,10 +84,16 @@ def why(
 
 
 def build_report(
-    planned: Plan, cost: CostModel, policy: SchedulePolicy, original: Program
+    planned: Plan,
+    cost: CostModel,
+    policy: SchedulePolicy,
+    original: Program,
+    axis_roles: AxisRoles | None = None,
 ) -> ScheduleReport:
-    """The report of ``planned``; the baseline is ``original`` as captured."""
+    """The report of ``planned``; the baseline is ``original`` as captured. Each
+    collective's purpose is named with ``axis_roles`` (default: read off the axis names)."""
     graph, schedule = planned.graph, planned.schedule
+    purposes = collective_purposes(graph.program, axis_roles)
     seconds = node_seconds(cost)
     timeline = simulate(graph, schedule.order, seconds)
     baseline_graph = Graph(original, split=lambda op: False)
@@ -121,6 +128,8 @@ def build_report(
                     duration,
                     placed_seconds if is_window and node.role is Role.START else None,
                 ),
+                axes=list(collective_axes(node.op)),
+                purpose=purposes.get(node.op, node.op.primitive),
             )
         )
 

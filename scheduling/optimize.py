@@ -9,6 +9,7 @@ import jax
 from jax.sharding import Mesh
 
 from scheduling.capture import Program, Value, capture
+from scheduling.collective_purpose import AxisRoles
 from scheduling.cost import CostModel
 from scheduling.describe import build_report
 from scheduling.emit import ScheduledStep, emit
@@ -42,6 +43,7 @@ def optimize(
     policy: SchedulePolicy | str = "dw",
     donate_argnums: Sequence[int] = (),
     batch_argnums: Sequence[int] = (),
+    axis_roles: AxisRoles | None = None,
 ) -> tuple[ScheduledStep, ScheduleReport]:
     """Schedule a per-device step for its whole mesh.
 
@@ -52,7 +54,9 @@ def optimize(
 
     ``batch_argnums`` names the arguments whose every leaf has the batch as its
     leading axis (per device); the ``partition`` and ``lancet`` policies cut the
-    forward pass into chunks along it.
+    forward pass into chunks along it. ``axis_roles`` names the role each mesh axis
+    plays in the attention and MoE layouts, for the report (default: read off the
+    folded mesh's axis names).
     """
     policy = SchedulePolicy(name=policy) if isinstance(policy, str) else policy
     program = capture(step_fn, *example_args, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
@@ -65,7 +69,7 @@ def optimize(
         fallback_to_sync=policy.fallback_to_sync,
         all_to_all_transport=socket_transport(policy, mesh),
     )
-    report = build_report(planned, cost, policy, program)
+    report = build_report(planned, cost, policy, program, axis_roles)
     if isinstance(cost, ProfiledCostModel):
         cost.profiler.save()
     return step, report
@@ -88,8 +92,15 @@ def cost_model(policy: SchedulePolicy, mesh: Mesh) -> CostModel:
         # Fake CPU devices share the host's cores: time each op on all of them at once.
         shared_cores = jax.default_backend() == "cpu" and is_local(mesh)
         profiler = OpProfiler(policy.op_cost_cache, mesh=mesh if shared_cores else None)
-        return ProfiledCostModel(policy.device_profile, dict(mesh.shape), profiler, curves)
-    return CostModel(policy.device_profile, dict(mesh.shape), curves)
+        return ProfiledCostModel(
+            policy.device_profile, dict(mesh.shape), profiler, curves, mesh_device_ids(mesh)
+        )
+    return CostModel(policy.device_profile, dict(mesh.shape), curves, mesh_device_ids(mesh))
+
+
+def mesh_device_ids(mesh: Mesh) -> list[int]:
+    """The ids of the mesh's devices in mesh order (row-major over its axes)."""
+    return [device.id for device in mesh.devices.flat]
 
 
 def batch_inputs(program: Program, batch_argnums: Sequence[int]) -> list[Value]:

@@ -29,6 +29,7 @@ import hashlib
 import json
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -201,8 +202,9 @@ class ProfiledCostModel(CostModel):
         axis_sizes: dict[str, int],
         profiler: OpProfiler,
         curves: CollectiveCurves | None = None,
+        device_ids: Sequence[int] | None = None,
     ):
-        super().__init__(profile, axis_sizes, curves)
+        super().__init__(profile, axis_sizes, curves, device_ids)
         self.profiler = profiler
 
     def compute_seconds(self, op: Op) -> float:

@@ -26,6 +26,9 @@ class CollectiveReport:
     overlap_seconds: float
     deferrable: bool = False  # served after the critical collectives (a gradient reduction)
     why: str = ""  # why the overlap is what it is (see scheduling.describe)
+    axes: list[str] = field(default_factory=list)  # the mesh axes of its group
+    # What it is for, e.g. "tensor all_gather (sequence)" (see scheduling.collective_purpose)
+    purpose: str = ""
 
 
 @dataclass
@@ -135,14 +138,16 @@ class ScheduleReport:
     def table(self, max_rows: int | None = None) -> str:
         """A readable table: one row per collective, then the totals."""
         header = (
-            f"{'#':>4} {'kind':<12} {'phase':<9} {'layer':<36} {'KiB':>9} "
+            f"{'#':>4} {'purpose':<34} {'axes':<24} {'phase':<9} {'layer':<24} {'KiB':>9} "
             f"{'est us':>9} {'async':<5} {'placed':>6} {'overlap us':>10}  why"
         )
         lines = [f"schedule '{self.policy}' on profile '{self.profile}'", header, "-" * len(header)]
         rows = self.collectives if max_rows is None else self.collectives[:max_rows]
         for c in rows:
+            axes = ",".join(c.axes) or "-"
             lines.append(
-                f"{c.index:>4} {c.kind:<12} {c.phase:<9} {c.layer[-36:]:<36} "
+                f"{c.index:>4} {(c.purpose or c.kind)[:34]:<34} {axes[-24:]:<24} {c.phase:<9} "
+                f"{c.layer[-24:]:<24} "
                 f"{c.bytes / 1024:>9.1f} {c.estimated_seconds * 1e6:>9.1f} "
                 f"{'yes' if c.is_async else 'no':<5} {len(c.placed_ops):>6} "
                 f"{c.overlap_seconds * 1e6:>10.1f}  {c.why}"

@@ -15,11 +15,13 @@ The chunks are independent but for explicit carries (prefix operations), so
 chunk ``c``'s all-to-all can run while chunk ``c + 1`` computes. The copies
 are emitted as a software pipeline: the range is cut into stages at its
 all-to-alls, and slot ``t`` runs stage ``s`` of chunk ``t - s`` for every
-stage, lowest first. Split values made before the range are cut into chunks
-where a chunk first reads them; every chunked result that is read after the
-range (the next layers, the deferred ops, residuals for the backward pass)
-is reassembled as soon as its last chunk exists. What the range computes is
-what the original computes, value for value.
+stage, lowest first (an all-gather or reduce-scatter of a tensor-parallel block
+starts a stage too, so it overlaps the neighbouring chunk's compute). Split
+values made before the range are cut into chunks where a chunk first reads
+them; every chunked result that is read after the range (the next layers, the
+deferred ops, residuals for the backward pass) is reassembled as soon as its
+last chunk exists. What the range computes is what the original computes, value
+for value.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from dataclasses import dataclass, field
 from scheduling.capture import Atom, Op, Phase, Program, Value
 from scheduling.passes import chunk_ops
 from scheduling.passes.batch_layout import BatchLayouts
+
+# Chunked collectives that end a pipeline stage: the next stage waits for them.
+PIPELINED_COLLECTIVES = frozenset({"all_to_all", "all_gather", "reduce_scatter"})
 
 
 @dataclass
@@ -44,7 +49,7 @@ class RangePlan:
     stages: dict[int, int]  # chunked op position -> pipeline stage
     replicated: list[int]
     deferred: list[int]
-    # Stages: an all-to-all in stage s is waited for by stage s + 1 (which may be empty).
+    # Stages: a collective in stage s is waited for by stage s + 1 (which may be empty).
     num_stages: int = 1
     seeds: list[Value] = field(default_factory=list)  # split values from before the range
     escaping: list[Value] = field(default_factory=list)  # chunked results read after it
@@ -100,7 +105,7 @@ def plan_range(
             stage = max((value_stage[a] for a in reads if a in value_stage), default=0)
             chunked.append(position)
             stages[position] = stage
-            after = stage + 1 if op.primitive == "all_to_all" else stage
+            after = stage + 1 if op.primitive in PIPELINED_COLLECTIVES else stage
             value_stage.update(dict.fromkeys(op.outputs, after))
         elif reads_chunked or reads_deferred:
             deferred.append(position)

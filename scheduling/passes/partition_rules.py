@@ -20,6 +20,12 @@ A value that is not split may still be *uniform* along some axes (the same
 along them: broadcasts, iotas, masks built from them); a chunked op can then
 take any ``1/n`` slice of it along such an axis.
 
+Collectives are per-device programs too: when every device runs the same chunk,
+an all-gather, reduce-scatter or all-reduce along an axis other than the batch
+(the sequence of a tensor-parallel block, over its tuple of mesh axes) makes
+exactly the rows of its result that belong to the chunk. Along the batch axis
+they do only where the devices' blocks are whole outer factors.
+
 Prefix operations along the batch axis (``cumsum``, ``cumprod``, ``cummax``,
 ``cummin``) are chunked with a carry: each chunk's prefix plus the running
 total of the chunks before it.
@@ -309,6 +315,58 @@ def _all_to_all(op: Op, layouts, uniform) -> Chunking | None:
     return Chunking((layout.axis,), (layout,), _same_params(op))
 
 
+def _all_gather(op: Op, layouts, uniform) -> Chunking | None:
+    """Every device gathers the same chunk of its rows: a chunk of the gathered result.
+
+    Along another axis (a sequence gathered over the tensor axes) the batch stays
+    where it is; an untiled gather inserts the group axis. Gathered tiled along the
+    batch axis, the devices' pieces follow one another: ``k`` more outer blocks.
+    """
+    (layout,) = layouts
+    if layout is None:
+        return None
+    params = op.eqn.params
+    dim, group = params["all_gather_dimension"], params["axis_size"]
+    if not params["tiled"]:
+        out = layout.moved(layout.axis + (dim <= layout.axis))
+    elif dim == layout.axis:
+        out = layout.moved(layout.axis, outer=layout.outer * group)
+    else:
+        out = layout
+    return Chunking((layout.axis,), (out,), _same_params(op))
+
+
+def _reduce_scatter(op: Op, layouts, uniform) -> Chunking | None:
+    """Summed across devices elementwise, then cut along ``scatter_dimension``.
+
+    Cut along another axis (the sequence, back to its slice) each chunk's rows stay
+    whole. Cut along the batch axis, device ``i`` keeps block ``i`` of the axis: that
+    commutes with taking rows only when the blocks are whole outer blocks (``outer``
+    a multiple of the group); otherwise device ``i`` would keep different examples of
+    each chunk than of the whole batch, so it has no rule.
+    """
+    (layout,) = layouts
+    if layout is None:
+        return None
+    params = op.eqn.params
+    dim, group = params["scatter_dimension"], params["axis_size"]
+    if dim != layout.axis:
+        axis = layout.axis if params["tiled"] else layout.axis - (dim < layout.axis)
+        return Chunking((layout.axis,), (layout.moved(axis),), _same_params(op))
+    if not params["tiled"] or layout.outer % group:
+        return None
+    return Chunking(
+        (layout.axis,), (layout.moved(layout.axis, outer=layout.outer // group),), _same_params(op)
+    )
+
+
+def _all_reduce(op: Op, layouts, uniform) -> Chunking | None:
+    """psum and its kin reduce across devices elementwise: every operand chunked alike."""
+    if any(layout is None for layout in layouts):
+        return None  # an unsplit operand would be reduced once per chunk
+    return Chunking(tuple(layout.axis for layout in layouts), tuple(layouts), _same_params(op))
+
+
 def _gather(op: Op, layouts, uniform) -> Chunking | None:
     operand, indices = layouts
     numbers = op.eqn.params["dimension_numbers"]
@@ -404,6 +462,9 @@ RULES: dict[str, Callable[[Op, Sequence[Layout], Sequence[frozenset[int]]], Chun
     "top_k": _along_other_axis("axis"),
     "sort": _along_other_axis("dimension"),
     "all_to_all": _all_to_all,
+    "all_gather": _all_gather,
+    "reduce_scatter": _reduce_scatter,
+    **dict.fromkeys(("psum", "psum_invariant", "pmax", "pmin"), _all_reduce),
     "gather": _gather,
     "scatter-add": _scatter,
     "scatter_add": _scatter,

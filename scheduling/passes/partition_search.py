@@ -21,7 +21,12 @@ from dataclasses import dataclass
 from scheduling.capture import Op, Phase, Program, Value
 from scheduling.passes import chunk_ops
 from scheduling.passes.batch_layout import BatchLayouts
-from scheduling.passes.partition_forward import RangePlan, consumers_of, plan_range
+from scheduling.passes.partition_forward import (
+    PIPELINED_COLLECTIVES,
+    RangePlan,
+    consumers_of,
+    plan_range,
+)
 
 CHUNK_COUNTS = tuple(range(2, 9))
 # With ``always``, each kept range lowers the objective by this much, so the programme
@@ -130,7 +135,7 @@ class _RangeCosts:
         collectives = [0.0] * (plan.num_stages - 1)
         for position in plan.chunked:
             stage = plan.stages[position]
-            if self.program.ops[position].primitive == "all_to_all":
+            if self.program.ops[position].primitive in PIPELINED_COLLECTIVES:
                 collectives[stage] += self.chunk(position, n)
             else:
                 compute[stage] += self.chunk(position, n)

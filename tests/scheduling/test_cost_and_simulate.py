@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from scheduling.capture import capture
+from scheduling.collective_groups import members_per_node
 from scheduling.cost import (
     PROFILE_FILES,
     PROFILES,
@@ -17,7 +18,6 @@ from scheduling.cost import (
     DeviceProfile,
     collective_wire_bytes,
     load_profile,
-    members_per_node,
     op_bytes,
     op_flops,
 )
