@@ -13,7 +13,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from scheduling.capture import Constant, Phase, Program, Value
-from scheduling.passes.partition_rules import Chunking, Layout, Split, chunking, uniform_axes
+from scheduling.passes.partition_rules import Chunking, Layout, Split, chunking
+from scheduling.passes.uniform_axes import uniform_axes
 
 
 @dataclass

@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 
 from scheduling.capture import Constant, Op, Phase, Program, Value
 from scheduling.passes.partition_forward import consumers_of
-from scheduling.passes.partition_rules import Chunking, Split, chunking, uniform_axes
+from scheduling.passes.partition_rules import Chunking, Split, chunking
+from scheduling.passes.uniform_axes import uniform_axes
 
 
 @dataclass(frozen=True)

@@ -482,28 +482,3 @@ def chunking(
     if rule is None or op.is_opaque:
         return None
     return rule(op, layouts, uniform)
-
-
-def uniform_axes(op: Op, uniform: Sequence[frozenset[int]]) -> list[frozenset[int]]:
-    """Axes along which each result of an unsplit op is the same everywhere."""
-    out_shapes = [tuple(getattr(v.aval, "shape", ())) for v in op.outputs]
-    params = op.eqn.params
-    if op.primitive == "iota":
-        return [frozenset(range(len(out_shapes[0]))) - {params["dimension"]}]
-    if op.primitive == "broadcast_in_dim":
-        dims = params["broadcast_dimensions"]
-        in_shape = _shape(op.inputs[0])
-        flat = {dims[d] for d in uniform[0]} | {dims[d] for d, s in enumerate(in_shape) if s == 1}
-        return [frozenset(range(len(out_shapes[0]))) - set(dims) | flat]
-    if op.primitive in ELEMENTWISE:
-        (shape,) = out_shapes
-        flat = set(range(len(shape)))
-        for atom, axes in zip(op.inputs, uniform, strict=True):
-            in_shape = _shape(atom)
-            if len(in_shape) == len(shape):
-                flat &= set(axes) | {d for d, s in enumerate(in_shape) if s == 1}
-        return [frozenset(flat)]
-    if op.primitive == "transpose":
-        permutation = params["permutation"]
-        return [frozenset(i for i, d in enumerate(permutation) if d in uniform[0])]
-    return [frozenset() for _ in op.outputs]
