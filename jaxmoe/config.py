@@ -423,6 +423,9 @@ class Config:
             f"moe.rebalance_every={moe.rebalance_every} needs spare slots to place replicas in: "
             f"set moe.slots_per_device above the {local} experts per device",
         )
+        replicas = f"moe.slots_per_device={moe.slots_per_device} (replicas)"
+        require(not self.replica_slots or moe.dispatcher == "all_to_all",
+                f"{replicas} needs moe.dispatcher=all_to_all, not {moe.dispatcher!r}")  # fmt: skip
         tokens_per_device = self.tokens_per_device
         require(
             tokens_per_device % self.group_size == 0,
