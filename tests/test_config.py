@@ -62,7 +62,14 @@ from jaxmoe.presets import PRESETS, preset
         (lambda: Config(model=ModelConfig(vocab_size=100)), "model.vocab_size=100"),
         (
             lambda: Config(moe=MoEConfig(slots_per_device=2, dispatcher="all_gather")),
-            "moe.slots_per_device=2 (replicas) needs moe.dispatcher=all_to_all, not 'all_gather'",
+            "moe.slots_per_device=2 (replicas) needs moe.dispatcher=all_to_all, parallel.expert_te",
+        ),
+        (
+            lambda: Config(
+                moe=MoEConfig(slots_per_device=3),
+                parallel=ParallelConfig(data=1, expert=4, expert_tensor=2),
+            ),
+            "moe.slots_per_device=3 (replicas) needs moe.dispatcher=all_to_all, parallel.expert_te",
         ),
     ],
 )
