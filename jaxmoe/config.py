@@ -89,9 +89,9 @@ class MoEConfig:
     slots_per_device: int | None = None
     # Re-plan the replicas every this many steps from the routing counts (0: static).
     rebalance_every: int = 0
-    # all_to_all: each device sends every expert only its slots (bytes ~ capacity).
-    # all_gather: the expert group gathers every token and reduce-scatters the outputs;
-    # more bytes, but no permutation between layouts (small groups, expert_tensor > 1).
+    # jaxmoe/layers/dispatchers.py. all_to_all (default): bytes ~ tokens x top_k x capacity
+    # factor (x expert_tensor); all_gather: tokens x (expert x expert_tensor - 1), so it wins
+    # for small MoE groups, with expert_tensor > 1, and in dropless mode.
     dispatcher: str = "all_to_all"
 
     def __post_init__(self) -> None:
@@ -422,6 +422,9 @@ class Config:
             f"moe.rebalance_every={moe.rebalance_every} needs spare slots to place replicas in: "
             f"set moe.slots_per_device above the {local} experts per device",
         )
+        plain = moe.dispatcher == "all_to_all" and parallel.expert_tensor == 1
+        replicas = f"moe.slots_per_device={moe.slots_per_device} (replicas) needs moe.dispatcher"
+        require(not self.replica_slots or plain, f"{replicas}=all_to_all, parallel.expert_tensor=1")
         tokens_per_device = self.tokens_per_device
         require(
             tokens_per_device % self.group_size == 0,

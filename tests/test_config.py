@@ -60,6 +60,17 @@ from jaxmoe.presets import PRESETS, preset
             "moe.group_size=48 does not divide the 256 tokens per device",
         ),
         (lambda: Config(model=ModelConfig(vocab_size=100)), "model.vocab_size=100"),
+        (
+            lambda: Config(moe=MoEConfig(slots_per_device=2, dispatcher="all_gather")),
+            "moe.slots_per_device=2 (replicas) needs moe.dispatcher=all_to_all, parallel.expert_te",
+        ),
+        (
+            lambda: Config(
+                moe=MoEConfig(slots_per_device=3),
+                parallel=ParallelConfig(data=1, expert=4, expert_tensor=2),
+            ),
+            "moe.slots_per_device=3 (replicas) needs moe.dispatcher=all_to_all, parallel.expert_te",
+        ),
     ],
 )
 def test_invalid_values_are_refused_with_the_field_named(build, message):

@@ -4,10 +4,11 @@ Per device, a layer takes its local tokens ``[batch, seq, d]`` and:
 
 1. groups them into routing groups and routes each token to its top-k experts;
 2. scatters them into per-expert capacity slots, ``[E, groups * C, d]``;
-3. ``all_to_all`` over the expert axis: each device receives the slots of its
-   local experts from every device of its expert group;
-4. applies the local experts;
-5. ``all_to_all`` back, and combines each token's kept choices by weight.
+3. sends them to the devices holding their experts, which apply them, and
+   brings each token's combined output back (``moe.dispatcher``,
+   :mod:`jaxmoe.layers.dispatchers`: ``all_to_all`` over the expert group, or
+   ``all_gather`` over the MoE group; either with each expert's hidden
+   dimension split over the expert-tensor group).
 
 Inside the whole-step ``shard_map`` (the expert axis is manual) the layer
 calls the collectives directly. Called from global-view code under a mesh
@@ -26,10 +27,11 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxmoe.config import MoEConfig, capacity_per_expert
-from jaxmoe.layers.dispatch import combine, dispatch, plan_dispatch, plan_replicated_dispatch
+from jaxmoe.layers.dispatch import plan_dispatch, plan_replicated_dispatch
+from jaxmoe.layers.dispatchers import all_gather_dispatch, all_to_all_dispatch
 from jaxmoe.layers.experts import Experts
 from jaxmoe.layers.router import Router
-from jaxmoe.parallel.collectives import dispatch_to_experts, manual_axes, return_from_experts
+from jaxmoe.parallel.collectives import manual_axes
 from jaxmoe.parallel.placement import slot_experts
 from jaxmoe.parallel.sharding import param_specs
 
@@ -128,16 +130,11 @@ class MoELayer(nnx.Module):
         grouped = x.reshape(num_groups, group_size, width)
         route = self.router(grouped, jitter_key)
         plan = plan_dispatch(route.expert_index, num_experts, capacity)
-        slots = dispatch(grouped, plan, num_experts * capacity)  # [G, E * C, d]
-        # Expert-major layout for the exchange: [E, G * C, d].
-        slots = slots.reshape(num_groups, num_experts, capacity, width).transpose(1, 0, 2, 3)
-        slots = slots.reshape(num_experts, num_groups * capacity, width)
-
-        outputs = return_from_experts(self.experts(dispatch_to_experts(slots)))
-
-        outputs = outputs.reshape(num_experts, num_groups, capacity, width).transpose(1, 0, 2, 3)
-        outputs = outputs.reshape(num_groups, num_experts * capacity, width)
-        y = combine(outputs, plan, route.combine_weight).astype(x.dtype)
+        dispatcher = (
+            all_gather_dispatch if self.config.dispatcher == "all_gather" else all_to_all_dispatch
+        )
+        y = dispatcher(self.experts, grouped, plan, route.combine_weight, num_experts, capacity)
+        y = y.astype(x.dtype)
 
         stats = RoutingStats(
             aux_loss=route.aux_loss,
@@ -166,16 +163,9 @@ class MoELayer(nnx.Module):
         grouped = x.reshape(num_groups, group_size, width)
         route = self.router(grouped, jitter_key)
         plan = plan_replicated_dispatch(route.expert_index, slot_expert, num_experts, capacity)
-        slots = dispatch(grouped, plan, num_slots * capacity)  # [G, slots * C, d]
-        slots = slots.reshape(num_groups, num_slots, capacity, width).transpose(1, 0, 2, 3)
-        slots = slots.reshape(num_slots, num_groups * capacity, width)
-
-        received = dispatch_to_experts(slots)
-        outputs = return_from_experts(self.experts(received, replica_table))
-
-        outputs = outputs.reshape(num_slots, num_groups, capacity, width).transpose(1, 0, 2, 3)
-        outputs = outputs.reshape(num_groups, num_slots * capacity, width)
-        y = combine(outputs, plan, route.combine_weight).astype(x.dtype)
+        y = all_to_all_dispatch(
+            self.experts, grouped, plan, route.combine_weight, num_slots, capacity, replica_table
+        ).astype(x.dtype)
         kept_slot = jnp.where(plan.kept, plan.slot // capacity, num_slots)
         routed = jnp.sum(
             jax.nn.one_hot(route.expert_index, num_experts, dtype=jnp.int32), axis=(1, 2)

@@ -13,6 +13,9 @@ Differentiating through that gather sums every replica's gradient into its
 home expert (the transpose of ``all_gather`` is a reduce-scatter), so the
 optimizer updates each expert once and the replicas are identical by
 construction.
+
+Replica slots assume the all_to_all dispatcher and whole experts on each device
+(``parallel.expert_tensor=1``); the configuration refuses the other combinations.
 """
 
 from __future__ import annotations
