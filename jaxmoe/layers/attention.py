@@ -1,4 +1,19 @@
-"""Causal multi-head self-attention (the caller applies the pre-norm and residual)."""
+"""Causal multi-head self-attention (the caller applies the pre-norm and residual).
+
+With tensor parallelism the heads are split over the tensor group (Megatron):
+the sequence slices are all-gathered on entry, each device projects and
+attends with its own heads over the full sequence, and the row-parallel output
+projection reduce-scatters back to the sequence slices.
+
+The fused query/key/value kernel is ``[d_model, 3, d_model]`` (q/k/v, then
+heads x head_dim), split over the tensor group on its last axis: a contiguous
+block of it holds whole heads of each of q, k and v, while the projection
+stays one GEMM. (A ``[d_model, 3 * d_model]`` kernel ordered (3, heads,
+head_dim) would be cut between q, k and v.) Its values at initialisation are
+those of the former ``[d_model, 3 * d_model]`` kernel, reshaped; a checkpoint
+of that kernel does not restore into this one (the shapes differ), rather than
+restoring into a different meaning.
+"""
 
 from __future__ import annotations
 
@@ -9,30 +24,48 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxmoe.layers.parallel_linear import RowParallelLinear
+from jaxmoe.layout import TENSOR
+from jaxmoe.parallel.tensor_parallel import gather_sequence
+
 
 class CausalSelfAttention(nnx.Module):
     def __init__(self, d_model: int, num_heads: int, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         self.num_heads = num_heads
+        self.head_dim = d_model // num_heads
         # No bias: a key bias has an exactly zero gradient (softmax ignores a per-query
         # constant), and Adam would turn its round-off into full-size updates.
-        self.qkv = nnx.Linear(d_model, 3 * d_model, use_bias=False, dtype=dtype, rngs=rngs)
-        self.out = nnx.Linear(d_model, d_model, dtype=dtype, rngs=rngs)
+        self.qkv = nnx.Einsum(
+            "bsd,dtf->bstf",
+            (d_model, 3, d_model),
+            dtype=dtype,
+            # LeCun normal over fan-in d_model, as nnx.Linear's default.
+            kernel_init=nnx.initializers.variance_scaling(
+                1.0, "fan_in", "truncated_normal", in_axis=0, out_axis=(1, 2)
+            ),
+            kernel_metadata={"parallel_axes": (None, None, TENSOR)},
+            rngs=rngs,
+        )
+        self.out = RowParallelLinear(d_model, d_model, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """``[batch, seq, d_model] -> [batch, seq, d_model]``; position i sees 0..i."""
+        """``[batch, seq, d_model] -> [batch, seq, d_model]``; position i sees 0..i.
+
+        Under tensor parallelism ``seq`` is this device's slice, in and out."""
         chex.assert_shape(
             x,
-            (None, None, self.out.in_features),
+            (None, None, self.out.out_features),
             custom_message="attention input [batch, seq, d_model]",
         )
-        batch, seq, width = x.shape
-        head_dim = width // self.num_heads
-        qkv = self.qkv(x).reshape(batch, seq, 3, self.num_heads, head_dim)
+        x = gather_sequence(x)
+        batch, seq, _ = x.shape
+        qkv = self.qkv(x)  # [batch, seq, 3, local heads * head_dim]
+        qkv = qkv.reshape(batch, seq, 3, -1, self.head_dim)
         query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         logits = jnp.einsum("bqhd,bkhd->bhqk", query, key).astype(jnp.float32)
-        logits = logits / math.sqrt(head_dim)
+        logits = logits / math.sqrt(self.head_dim)
         causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
         logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
         weights = jax.nn.softmax(logits, axis=-1).astype(value.dtype)
         attended = jnp.einsum("bhqk,bkhd->bqhd", weights, value)
-        return self.out(attended.reshape(batch, seq, width))
+        return self.out(attended.reshape(batch, seq, -1))

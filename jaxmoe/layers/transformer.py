@@ -3,6 +3,13 @@
 Layers are a Python loop, not a ``scan``: the scheduler must see each layer's
 collectives separately to overlap them with the computation of neighbouring
 layers.
+
+Under tensor parallelism the model runs sequence-parallel between the
+tensor-parallel regions: each device embeds only its slice of the sequence
+(:mod:`jaxmoe.parallel.tensor_parallel`), norms, residuals and the MoE layers
+work on that slice, and the logits are this device's positions. The token
+embedding (and so the tied head) stays replicated: a vocabulary-parallel
+embedding is not implemented.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from jaxmoe.config import ModelConfig, MoEConfig
 from jaxmoe.layers.attention import CausalSelfAttention
 from jaxmoe.layers.mlp import DenseFFN
 from jaxmoe.layers.moe import MoELayer, RoutingStats
+from jaxmoe.parallel.tensor_parallel import sequence_slice
 
 
 class Block(nnx.Module):
@@ -81,13 +89,17 @@ class GPTMoE(nnx.Module):
         """``tokens [batch, seq]`` -> float32 logits ``[batch, seq, vocab]`` and routing stats
         stacked over the MoE layers (leading axis: MoE layer, in depth order).
 
+        Under tensor parallelism ``tokens`` are the whole rows and the logits are for this
+        device's slice of the positions (:func:`~jaxmoe.parallel.tensor_parallel.sequence_slice`).
+
         ``placement``: the replica tables of the MoE layers, ``[moe_layers, expert_axis,
         replica_slots]`` (:mod:`jaxmoe.parallel.placement`), or None for no replicas."""
         chex.assert_rank(tokens, 2)
         chex.assert_type(tokens, int)
         chex.assert_axis_dimension_lteq(tokens, 1, self.position_embed.shape[0])
         seq = tokens.shape[1]
-        x = self.token_embed(tokens) + self.position_embed[...][:seq].astype(self.dtype)
+        positions = sequence_slice(self.position_embed[...][None, :seq])
+        x = self.token_embed(sequence_slice(tokens)) + positions.astype(self.dtype)
         layer_stats = []
         for index, block in enumerate(self.blocks):
             key = None if jitter_key is None else jax.random.fold_in(jitter_key, index)

@@ -122,7 +122,12 @@ def check_compatible(saved: dict[str, Any], config: Config, step: int) -> list[s
     # for the per-device residuals of int8 and decentralized-int8, by the layout).
     sync_fields = {"train.grad_sync"}
     if config.train.grad_sync in ("int8", "decentralized-int8"):
-        sync_fields |= {"parallel.data", "parallel.expert"}
+        sync_fields |= {
+            "parallel.data",
+            "parallel.expert",
+            "parallel.tensor",
+            "parallel.expert_tensor",
+        }
     # The placement table is [moe_layers, expert axis, replica slots].
     placement_fields = {"moe.slots_per_device"}
     if config.replica_slots:

@@ -3,9 +3,14 @@
 Inside it: the forward pass, the loss, ``jax.value_and_grad``, the explicit
 gradient synchronisation (``train.grad_sync``, :mod:`jaxmoe.parallel.grad_sync`),
 global-norm clipping and the AdamW update. Every
-collective (the expert all-to-alls of forward and backward, the gradient
-psums) is an equation of one per-device program, next to all of the
-computation — which is what the scheduling layer rewrites.
+collective (the expert all-to-alls of forward and backward, the tensor-parallel
+all-gathers and reduce-scatters and their transposes, the gradient psums) is
+an equation of one per-device program, next to all of the computation — which
+is what the scheduling layer rewrites.
+
+Each device gets whole rows of the batch (replicated over its tensor group)
+and computes the loss on its own tokens: its slice of the positions under
+tensor (sequence) parallelism, all of them otherwise.
 
 ``check_vma=False``: the step reduces gradients itself. Each device
 differentiates its own loss divided by the number of token shards, so summing
@@ -32,6 +37,7 @@ from jaxmoe.parallel.grad_sync import make_grad_sync
 from jaxmoe.parallel.mesh import mesh_axis_sizes, token_spec
 from jaxmoe.parallel.placement import replicas_per_expert, slot_experts
 from jaxmoe.parallel.sharding import global_norm
+from jaxmoe.parallel.tensor_parallel import sequence_slice
 from jaxmoe.train.optimizer import learning_rate_schedule, make_optimizer
 from jaxmoe.train.state import TrainState, model_graphdef_and_specs, state_specs
 
@@ -68,10 +74,12 @@ def _forward_losses(
     key: jax.Array | None,
     placement: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, RoutingStats]:
-    """Local total loss (cross-entropy + aux + z) and its parts, on this device's rows."""
+    """Local total loss (cross-entropy + aux + z) and its parts, on this device's tokens:
+    its rows, and under tensor parallelism its slice of their positions."""
     model = nnx.merge(graphdef, params)
     logits, stats = model(batch[:, :-1], key, placement)
-    cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+    labels = sequence_slice(batch[:, 1:])
+    cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
     # Auxiliary losses are added per MoE layer (summed over layers), as in Switch/Megatron.
     total = (
         cross_entropy

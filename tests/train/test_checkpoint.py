@@ -6,10 +6,11 @@ import chex
 import jax
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
 
 from jaxmoe.config import Config, ConfigError, ParallelConfig
 from jaxmoe.exit_codes import PREEMPTED as PREEMPTED_EXIT_CODE
-from jaxmoe.parallel.mesh import build_mesh
+from jaxmoe.parallel.mesh import build_mesh, token_spec
 from jaxmoe.train import loop
 from jaxmoe.train.checkpoint import RunCheckpoints, check_compatible, latest_checkpoint
 from jaxmoe.train.metrics import read_rows
@@ -73,6 +74,41 @@ def test_restore_into_another_layout_gives_the_saved_values(tmp_path, layout):
     assert np.isfinite(metrics["loss"])
 
 
+def test_a_checkpoint_without_tensor_parallelism_restores_and_trains_with_it(tmp_path):
+    # Routing groups of 32 positions lie inside one device's half of a 64-position row under
+    # tensor=2 too, so both layouts route (and drop) the same tokens.
+    saved_config = small_config(steps=2)
+    saved_config = dataclasses.replace(
+        saved_config, moe=dataclasses.replace(saved_config.moe, group_size=32)
+    )
+    mesh, state = _state_on(saved_config)
+    step = build_train_step(saved_config, mesh).jit()
+    rng = np.random.default_rng(0)
+    state, _ = step(state, random_batch(rng, saved_config, mesh))
+    with RunCheckpoints(tmp_path, saved_config) as checkpoints:
+        checkpoints.save(state)
+        checkpoints.wait()
+    saved = jax.device_get(state)  # the next step donates the state
+    next_rows = rng.integers(
+        0, 256, (saved_config.train.batch_size, saved_config.model.seq_len + 1)
+    ).astype(np.int32)
+    _, expected = step(state, jax.device_put(next_rows, NamedSharding(mesh, token_spec(mesh))))
+
+    config = dataclasses.replace(saved_config, parallel=ParallelConfig(data=1, expert=8, tensor=2))
+    new_mesh = build_mesh(config.parallel)
+    with RunCheckpoints(tmp_path, config) as checkpoints:
+        restored = checkpoints.restore(1, new_mesh)
+    chex.assert_trees_all_equal(jax.device_get(restored), saved)
+    qkv = restored.params["blocks"][0]["attention"]["qkv"]["kernel"]
+    assert tuple(qkv.sharding.spec) == (None, None, "tensor_expert")
+    new_step = build_train_step(config, new_mesh).jit()
+    _, metrics = new_step(
+        restored, jax.device_put(next_rows, NamedSharding(new_mesh, token_spec(new_mesh)))
+    )
+    np.testing.assert_allclose(metrics["loss"], expected["loss"], rtol=1e-6)
+    np.testing.assert_array_equal(metrics["tokens_per_expert"], expected["tokens_per_expert"])
+
+
 def test_a_checkpoint_of_another_shape_is_refused():
     saved = small_config().to_dict()
     wider = dataclasses.replace(
@@ -94,6 +130,10 @@ def test_a_checkpoint_of_another_shape_is_refused():
     int8_other_layout = dataclasses.replace(int8, parallel=ParallelConfig(data=2, expert=4))
     with pytest.raises(ConfigError, match=r"parallel\.data 1 -> 2"):
         check_compatible(int8.to_dict(), int8_other_layout, step=7)
+    # Its per-device residuals follow each device's block of the parameters.
+    int8_tensor = dataclasses.replace(int8, parallel=ParallelConfig(data=1, expert=8, tensor=2))
+    with pytest.raises(ConfigError, match=r"parallel\.tensor 1 -> 2"):
+        check_compatible(int8.to_dict(), int8_tensor, step=7)
 
 
 def test_only_the_last_checkpoints_are_kept(tmp_path):

@@ -1,0 +1,62 @@
+"""Column- and row-parallel linear layers (Megatron tensor parallelism).
+
+Both are ``nnx.Linear`` with the same parameter names, shapes and
+initialisation, so the parameter tree (and a checkpoint) is the same with or
+without tensor parallelism; they only declare how their parameters split over
+the ``tensor`` role (``parallel_axes``, :mod:`jaxmoe.parallel.sharding`).
+Inside the whole-step shard_map each device holds its block and the layers
+compute on it:
+
+- :class:`ColumnParallelLinear` splits the output features (kernel columns
+  and bias): each device computes its block of the outputs from the whole
+  input, no collective.
+- :class:`RowParallelLinear` splits the input features (kernel rows): each
+  device computes a partial sum over its input block; the partial sums are
+  reduce-scattered along the sequence and the (replicated) bias is added once,
+  after the reduction, to this device's slice.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxmoe.layout import TENSOR
+from jaxmoe.parallel.tensor_parallel import scatter_sequence
+
+
+class ColumnParallelLinear(nnx.Linear):
+    """``nnx.Linear`` whose output features are split over the tensor group."""
+
+    def __init__(self, in_features: int, out_features: int, **kwargs):
+        super().__init__(
+            in_features,
+            out_features,
+            kernel_metadata={"parallel_axes": (None, TENSOR)},
+            bias_metadata={"parallel_axes": (TENSOR,)},
+            **kwargs,
+        )
+
+
+class RowParallelLinear(nnx.Linear):
+    """``nnx.Linear`` whose input features are split over the tensor group; its output
+    leaves the tensor-parallel region: ``[rows, seq, in / tensor] -> [rows, seq / tensor,
+    out]``."""
+
+    def __init__(self, in_features: int, out_features: int, **kwargs):
+        super().__init__(
+            in_features, out_features, kernel_metadata={"parallel_axes": (TENSOR, None)}, **kwargs
+        )
+
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        kernel = self.kernel[...]
+        bias = self.bias[...] if self.bias is not None else None
+        inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
+        partial = jax.lax.dot_general(
+            inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())), precision=self.precision
+        )
+        y = scatter_sequence(partial)
+        if bias is not None:
+            y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+        return y

@@ -1,0 +1,170 @@
+"""Tensor and sequence parallelism: folded layouts train exactly as the unfolded one.
+
+Routing groups are ``moe.group_size = 4`` consecutive positions of one row in
+every layout: 4 divides the ``seq_len / tensor`` positions a device holds
+(16 / 4 at most), so each group lies inside one device's sequence slice and
+is the same set of tokens whatever the layout. Capacity is counted per group,
+so the same assignments are dropped (and, dropless, the per-group auxiliary
+loss is the same). The runs then differ only in the order of floating-point
+reductions.
+"""
+
+import functools
+
+import chex
+import jax
+import numpy as np
+import pytest
+
+from jaxmoe.config import Config, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
+from jaxmoe.layout import TENSOR, axes_for_role
+from jaxmoe.parallel import build_mesh, token_spec
+from jaxmoe.parallel.sharding import reduce_gradients
+from jaxmoe.train.scheduled import capture_train_step
+from jaxmoe.train.state import init_train_state, model_graphdef_and_specs
+from jaxmoe.train.step import _forward_losses, build_train_step
+from scheduling.capture import Phase
+from tests.train.batches import random_batch
+
+STEPS = 3
+UNFOLDED = ParallelConfig(data=2, expert=4)
+CAPACITY = MoEConfig(num_experts=8, top_k=2, capacity_factor=1.0, group_size=4)
+DROPLESS = MoEConfig(num_experts=8, top_k=1, capacity_factor=None, group_size=4)
+# tensor groups inside the data axis; tensor groups spanning the whole expert group; tensor
+# groups of 4 over two mesh axes, the expert group straddling tensor and data.
+FOLDED = {
+    "d2e4t2": ParallelConfig(data=2, expert=4, tensor=2),
+    "d1e8t2": ParallelConfig(data=1, expert=8, tensor=2),
+    "d4e2t4": ParallelConfig(data=4, expert=2, tensor=4),
+}
+
+
+def small_config(parallel: ParallelConfig, moe: MoEConfig) -> Config:
+    # Layer 0 has a dense FFN, layer 1 an MoE FFN; 4 heads split 2 or 4 ways.
+    return Config(
+        model=ModelConfig(d_model=32, num_heads=4, num_layers=2, d_ff=64, seq_len=16),
+        moe=moe,
+        parallel=parallel,
+        train=TrainConfig(batch_size=16, steps=STEPS, warmup_steps=1, learning_rate=1e-2),
+    )
+
+
+@functools.cache
+def run_steps(parallel: ParallelConfig, moe: MoEConfig):
+    config = small_config(parallel, moe)
+    mesh = build_mesh(config.parallel)
+    state = init_train_state(config, mesh)
+    step = build_train_step(config, mesh).jit()
+    rng = np.random.default_rng(0)
+    history = []
+    for _ in range(STEPS):
+        state, metrics = step(state, random_batch(rng, config, mesh))
+        history.append(jax.device_get(metrics))
+    return history, jax.device_get(state.params)
+
+
+@functools.cache
+def first_gradients(parallel: ParallelConfig):
+    """The reduced gradients of the first step (the global mean loss's gradient)."""
+    config = small_config(parallel, CAPACITY)
+    mesh = build_mesh(config.parallel)
+    graphdef, specs = model_graphdef_and_specs(config)
+    shards = config.parallel.token_shards
+
+    def per_device(params, batch):
+        loss = lambda p: _forward_losses(config, graphdef, p, batch, None)[0] / shards
+        return reduce_gradients(jax.grad(loss)(params), specs)
+
+    gradients = jax.shard_map(
+        per_device,
+        mesh=mesh,
+        in_specs=(specs, token_spec(mesh)),
+        out_specs=specs,
+        check_vma=False,
+    )
+    batch = random_batch(np.random.default_rng(0), config, mesh)
+    return jax.device_get(jax.jit(gradients)(init_train_state(config, mesh).params, batch))
+
+
+@pytest.mark.parametrize("layout", ["d4e2t4"])
+def test_gradients_equal_the_unfolded_layouts_within_a_few_ulps(layout):
+    reference = first_gradients(UNFOLDED)
+    gradients = first_gradients(FOLDED[layout])
+    # Relative to each parameter's largest gradient: elements that are sums of cancelling
+    # terms have no relative precision of their own. 1e-6 is about 8 float32 ulps of 1.
+    scale = jax.tree.map(lambda g: np.max(np.abs(g)), reference)
+    chex.assert_trees_all_close(
+        jax.tree.map(np.divide, gradients, scale),
+        jax.tree.map(np.divide, reference, scale),
+        rtol=0,
+        atol=1e-6,
+    )
+
+
+@pytest.mark.parametrize("layout", list(FOLDED))
+@pytest.mark.parametrize("moe", [CAPACITY, DROPLESS], ids=["top2-capacity", "top1-dropless"])
+def test_folded_layouts_train_as_the_unfolded_one(layout, moe):
+    if moe is DROPLESS and layout != "d4e2t4":
+        pytest.skip("dropless: the widest layout is enough (each layout compiles twice)")
+    reference, reference_params = run_steps(UNFOLDED, moe)
+    history, params = run_steps(FOLDED[layout], moe)
+    dropped = [m["dropped_fraction"] for m in reference]
+    assert all(d == 0 for d in dropped) if moe.dropless else all(d > 0 for d in dropped)
+    for name in ("loss", "total_loss", "aux_loss", "z_loss", "grad_norm"):
+        # About 8 ulps: the sums over devices come in another order.
+        np.testing.assert_allclose(
+            [m[name] for m in history], [m[name] for m in reference], rtol=1e-6, err_msg=name
+        )
+    for name in ("dropped_fraction", "tokens_per_expert"):
+        np.testing.assert_array_equal(
+            [m[name] for m in history], [m[name] for m in reference], err_msg=name
+        )
+    # Adam's update is lr * m / (sqrt(v) + 1e-8): for an element whose gradient is near 1e-8
+    # (a sum of cancelling terms) a round-off difference in the gradient moves the update by
+    # a fraction of lr = 1e-2. The gradients themselves agree to a few ulps (test above).
+    chex.assert_trees_all_close(params, reference_params, rtol=0, atol=1e-4)
+
+
+def test_tensor_collectives_are_equations_of_the_step_over_the_tensor_axes():
+    config = small_config(FOLDED["d4e2t4"], CAPACITY)
+    mesh = build_mesh(config.parallel)
+    program, _ = capture_train_step(config, mesh)
+    tensor_axes = axes_for_role(TENSOR, mesh.axis_names)
+    assert tensor_axes == ("tensor_expert_data", "tensor_expert")
+
+    def over_tensor(primitive: str, phase: Phase) -> int:
+        ops = [op for op in program.collectives() if op.primitive == primitive]
+        return sum(
+            op.phase is phase and tuple(op.eqn.params["axis_name"]) == tensor_axes for op in ops
+        )
+
+    # Forward: an all-gather into and a reduce-scatter out of each attention and the dense
+    # FFN (2 layers, 1 dense); backward: each one's transpose.
+    assert over_tensor("all_gather", Phase.FORWARD) == 3
+    assert over_tensor("reduce_scatter", Phase.FORWARD) == 3
+    assert over_tensor("all_gather", Phase.BACKWARD) == 3
+    assert over_tensor("reduce_scatter", Phase.BACKWARD) == 3
+
+    unfolded, _ = capture_train_step(small_config(UNFOLDED, CAPACITY), build_mesh(UNFOLDED))
+    assert not {"all_gather", "reduce_scatter"} & {op.primitive for op in unfolded.collectives()}
+
+
+def test_parameters_split_over_the_tensor_axes():
+    config = small_config(FOLDED["d4e2t4"], CAPACITY)
+    mesh = build_mesh(config.parallel)
+    params = init_train_state(config, mesh).params
+    tensor = ("tensor_expert_data", "tensor_expert")
+    attention, ffn = params["blocks"][0]["attention"], params["blocks"][0]["ffn"]
+    expected = {
+        "qkv": (attention["qkv"]["kernel"], (None, None, tensor)),
+        "out": (attention["out"]["kernel"], (tensor,)),
+        "out bias": (attention["out"]["bias"], ()),
+        "up": (ffn["up"]["kernel"], (None, tensor)),
+        "up bias": (ffn["up"]["bias"], (tensor,)),
+        "down": (ffn["down"]["kernel"], (tensor,)),
+        "down bias": (ffn["down"]["bias"], ()),
+    }
+    for name, (array, spec) in expected.items():
+        assert tuple(array.sharding.spec) == spec, name
+    # A device's qkv block holds whole heads of each of q, k and v: [32, 3, 32 / 4].
+    assert attention["qkv"]["kernel"].addressable_shards[0].data.shape == (32, 3, 8)
