@@ -99,7 +99,12 @@ def cost_model(policy: SchedulePolicy, mesh: Mesh) -> CostModel:
 
 
 def mesh_device_ids(mesh: Mesh) -> list[int]:
-    """The ids of the mesh's devices in mesh order (row-major over its axes)."""
+    """The ids of the mesh's devices in mesh order (row-major over its axes).
+
+    A device-less (abstract) mesh, as used to plan for more devices than this host
+    has, numbers its devices in mesh order."""
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        return list(range(mesh.size))
     return [device.id for device in mesh.devices.flat]
 
 
