@@ -96,14 +96,15 @@ def test_memory_per_device_against_a_hand_count(planned):
 
 
 def test_activations_follow_the_rows_per_device(planned):
-    # Without tensor parallelism each device holds batch / 2 rows; the same rows whatever
-    # the MoE layout, so the same saved activations.
+    # Without tensor parallelism each device holds batch / 2 rows whatever the MoE layout,
+    # so nearly the same saved activations: the layout changes only which exchange buffers
+    # the backward pass keeps (with an expert group, the slots received and returned).
     by_layout = {
         e.mapping.expert: e.memory.activations
         for e in planned.estimates
         if e.mapping.tensor == 1 and e.mapping.expert_tensor == 1
     }
-    assert by_layout[1] == by_layout[2]
+    assert by_layout[1] == pytest.approx(by_layout[2], rel=0.05)
 
 
 def test_every_valid_mapping_is_estimated_and_ranked_by_mfu(planned):
