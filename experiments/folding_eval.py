@@ -17,7 +17,7 @@ trains as the unfolded layout does.
 (b) The planner's comparison on published model shapes: ``experiments.folding_models``
     (not run here).
 
-    python -m experiments.folding_eval [--steps 3] [--limit K]
+    python -m experiments.folding_eval [--steps 3] [--limit K] [--skip K] [--out FILE]
 """
 
 from __future__ import annotations
@@ -254,6 +254,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--limit", type=int, default=0, help="run only the first K layouts")
+    parser.add_argument(
+        "--skip", type=int, default=0, help="leave out the K layouts after the reference"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "folding_eval.md")
     args = parser.parse_args(argv)
     flags = os.environ.get("XLA_FLAGS", "")
@@ -265,7 +268,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     config = eval_config(steps=args.steps)
     candidates = ordered_layouts(config)
-    chosen = candidates[: args.limit] if args.limit else candidates
+    chosen = candidates[:1] + candidates[1 + args.skip :]
+    chosen = chosen[: args.limit] if args.limit else chosen
 
     def write(comparisons: list[Comparison]) -> None:
         args.out.write_text(report(comparisons, len(candidates), args.steps, command.strip()))
