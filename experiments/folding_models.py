@@ -11,9 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from jaxmoe.config import Config, ModelConfig, MoEConfig, TrainConfig
 from jaxmoe.train.mappings import Mapping
+
+if TYPE_CHECKING:  # the planner imports JAX
+    from jaxmoe.train.planner import MappingEstimate
 
 # Sequence length and global batch of the planned runs (sequences), chosen here: 4096
 # tokens per sequence, 1024 sequences per step (4M tokens).
@@ -25,8 +29,8 @@ def _published(
     *, layers: int, width: int, heads: int, experts: int, top_k: int, expert_width: int,
     vocab: int
 ) -> Config:  # fmt: skip
-    """Every layer an MoE layer, bfloat16 activations, capacity factor 1.0 (as the
-    parallel folding paper's token-dropping runs)."""
+    """Every layer an MoE layer (as in both models), bfloat16 activations; capacity
+    factor 1.0 is chosen here."""
     return Config(
         model=ModelConfig(
             vocab_size=vocab,
@@ -84,8 +88,8 @@ class FoldingComparison:
 
     model: str
     devices: int
-    best_folded: object | None  # a jaxmoe.train.planner.MappingEstimate
-    best_reused: object | None
+    best_folded: MappingEstimate | None
+    best_reused: MappingEstimate | None
 
     @property
     def speedup(self) -> float | None:
@@ -95,7 +99,7 @@ class FoldingComparison:
         return self.best_reused.best.step / self.best_folded.best.step
 
 
-def compare_folding(model: str, ranked: Sequence) -> FoldingComparison:
+def compare_folding(model: str, ranked: Sequence[MappingEstimate]) -> FoldingComparison:
     """From a plan's ranked estimates (those that fit memory, best MFU first)."""
     reused = [e for e in ranked if reuses_attention_layout(e.mapping)]
     devices = ranked[0].mapping.devices if ranked else 0
