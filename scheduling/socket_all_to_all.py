@@ -397,17 +397,7 @@ class EmittedOrder:
         matmul consumes (unless it already uses the result), so no planned matmul runs
         while the pieces travel: the same transport as the scheduled pairs, no overlap."""
         self.start(node, operand, params)
-        op, token, like, params = self._pending.pop(node)
-        after = token if self._progress is None else self._progress + token
-        result, released = op.done(
-            token,
-            after,
-            key=node,
-            like=like,
-            split_axis=params["split_axis"],
-            concat_axis=params["concat_axis"],
-            release_token=True,
-        )
+        result, released = self._finish(node, release_token=True)
         self._starts += 1  # what runs after this point must come after the done
         self._token = released
         self._note(result, self._starts)
@@ -417,15 +407,20 @@ class EmittedOrder:
         return node in self._pending
 
     def done(self, node: int) -> jax.Array:
+        result = self._finish(node)
+        self._note(result, self._starts)
+        return result
+
+    def _finish(self, node: int, **done_options):
+        """The done of ``node``'s pending all-to-all, after every matmul recorded so far."""
         op, token, like, params = self._pending.pop(node)
         after = token if self._progress is None else self._progress + token
-        result = op.done(
+        return op.done(
             token,
             after,
             key=node,
             like=like,
             split_axis=params["split_axis"],
             concat_axis=params["concat_axis"],
+            **done_options,
         )
-        self._note(result, self._starts)
-        return result

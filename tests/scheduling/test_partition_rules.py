@@ -37,16 +37,17 @@ def _check_against_chunks(fn, shapes, layouts, n, dtype=jnp.float32):
                 pieces.append(array)
                 chunk_inputs.append(atom)
             else:
-                pieces.append(_take(array, layout, n, chunk))
+                pieces.append(take_chunk(array, layout, n, chunk))
                 chunk_inputs.append(Value(chunk_aval(atom.aval, cut, n)))
         copy = chunk_copy(op, how, n, chunk_inputs)
         results = jax_adapter.bind_equation(copy.eqn, pieces)
         for result, expected, split in zip(results, whole, how.outputs, strict=True):
-            np.testing.assert_array_equal(result, _take(expected, split, n, chunk))
+            np.testing.assert_array_equal(result, take_chunk(expected, split, n, chunk))
     return how
 
 
-def _take(array, split: Split, n: int, chunk: int):
+def take_chunk(array, split: Split, n: int, chunk: int):
+    """The rows of chunk ``chunk`` of ``n`` of an array laid out by ``split``."""
     shape = array.shape
     axis = split.axis
     grouped = array.reshape((*shape[:axis], split.outer, -1, *shape[axis + 1 :]))

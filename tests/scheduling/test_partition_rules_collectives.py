@@ -20,6 +20,7 @@ from scheduling.capture import capture
 from scheduling.passes.chunk_ops import chunk_copy
 from scheduling.passes.partition_rules import Split, chunking
 from tests.scheduling.folding_toys import FOLDED
+from tests.scheduling.test_partition_rules import take_chunk
 from tests.scheduling.toys import put, sds
 
 MESH = FOLDED.mesh
@@ -27,6 +28,19 @@ ALL_AXES = FOLDED.axis_names
 TENSOR = FOLDED.tensor  # ('tensor_expert',)
 EXPERT = FOLDED.expert  # ('expert', 'tensor_expert'): a group of 4
 DEVICES = 8
+
+
+def _on_every_device(per_device):
+    """``per_device`` jitted under shard_map over every axis of the mesh, with two results."""
+    return jax.jit(
+        jax.shard_map(
+            per_device,
+            mesh=MESH,
+            in_specs=P(ALL_AXES),
+            out_specs=(P(ALL_AXES), P(ALL_AXES)),
+            check_vma=False,
+        )
+    )
 
 
 def _collective(fn, shape):
@@ -42,15 +56,6 @@ def _collective(fn, shape):
     return op
 
 
-def _take(array, split: Split, n: int, chunk: int):
-    shape = array.shape
-    axis = split.axis
-    grouped = array.reshape((*shape[:axis], split.outer, -1, *shape[axis + 1 :]))
-    rows = grouped.shape[axis + 1] // n
-    taken = grouped[(slice(None),) * (axis + 1) + (slice(chunk * rows, (chunk + 1) * rows),)]
-    return taken.reshape((*shape[:axis], -1, *shape[axis + 1 :]))
-
-
 def _check_on_chunks(fn, shape, layout: Split, n: int):
     """The rule's chunk copies, run on every device, give the rows the rule promises."""
     op = _collective(fn, shape)
@@ -63,24 +68,16 @@ def _check_on_chunks(fn, shape, layout: Split, n: int):
         (whole,) = jax_adapter.bind_equation(op.eqn, [x])
         expected, got = [], []
         for chunk in range(n):
-            piece = _take(x, layout, n, chunk)
+            piece = take_chunk(x, layout, n, chunk)
             copy = chunk_copy(op, how, n, [op.inputs[0]])
             (result,) = jax_adapter.bind_equation(copy.eqn, [piece])
             got.append(result)
-            expected.append(_take(whole, out_split, n, chunk))
+            expected.append(take_chunk(whole, out_split, n, chunk))
         return jnp.stack(got)[None], jnp.stack(expected)[None]
 
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.integers(0, 9, (DEVICES * shape[0], *shape[1:])), jnp.float32)
-    run = jax.jit(
-        jax.shard_map(
-            per_device,
-            mesh=MESH,
-            in_specs=P(ALL_AXES),
-            out_specs=(P(ALL_AXES), P(ALL_AXES)),
-            check_vma=False,
-        )
-    )
+    run = _on_every_device(per_device)
     got, expected = run(put(MESH, x, P(ALL_AXES)))
     assert cut == layout.axis
     np.testing.assert_array_equal(got, expected)
@@ -169,15 +166,7 @@ def test_a_chunked_reduce_scatter_of_the_batch_would_be_wrong():
         return whole[None], first[None]
 
     x = jnp.arange(DEVICES * 4, dtype=jnp.float32).reshape(DEVICES * 4, 1)
-    run = jax.jit(
-        jax.shard_map(
-            per_device,
-            mesh=MESH,
-            in_specs=P(ALL_AXES),
-            out_specs=(P(ALL_AXES), P(ALL_AXES)),
-            check_vma=False,
-        )
-    )
+    run = _on_every_device(per_device)
     whole, first = (np.asarray(a) for a in run(put(MESH, x, P(ALL_AXES))))
     # Device 1 of the pair keeps rows 2..3 of the sum; of chunk 0 it keeps row 1.
     assert not np.array_equal(first[1], whole[1][:1])

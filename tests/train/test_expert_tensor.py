@@ -24,8 +24,7 @@ import pytest
 from jaxmoe.config import MoEConfig, ParallelConfig
 from jaxmoe.parallel import build_mesh
 from jaxmoe.train.state import init_train_state
-from jaxmoe.train.step import build_train_step
-from tests.train.batches import random_batch
+from tests.train.batches import train_steps
 from tests.train.test_step import small_config
 
 STEPS = 3
@@ -41,15 +40,8 @@ MAPPINGS = {
 @functools.cache
 def train(parallel: ParallelConfig, dispatcher: str):
     config = small_config(parallel, dataclasses.replace(MOE, dispatcher=dispatcher))
-    mesh = build_mesh(config.parallel)
-    state = init_train_state(config, mesh)
-    step = build_train_step(config, mesh).jit()
-    rng = np.random.default_rng(0)
-    history = []
-    for _ in range(STEPS):
-        state, metrics = step(state, random_batch(rng, config, mesh))
-        history.append(jax.device_get(metrics))
-    return history, jax.device_get(state.params), config
+    history, params = train_steps(config, steps=STEPS)
+    return history, params, config
 
 
 def experts_of(params):

@@ -11,10 +11,7 @@ import numpy as np
 import pytest
 
 from jaxmoe.config import Config, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
-from jaxmoe.parallel import build_mesh
-from jaxmoe.train.state import init_train_state
-from jaxmoe.train.step import build_train_step
-from tests.train.batches import random_batch
+from tests.train.batches import train_steps
 
 STEPS = 5
 
@@ -28,16 +25,7 @@ def small_config(parallel: ParallelConfig, moe: MoEConfig) -> Config:
     )
 
 
-def run_steps(config: Config, devices=None):
-    mesh = build_mesh(config.parallel, devices)
-    state = init_train_state(config, mesh)
-    step = build_train_step(config, mesh).jit()
-    rng = np.random.default_rng(0)
-    history = []
-    for _ in range(STEPS):
-        state, metrics = step(state, random_batch(rng, config, mesh))
-        history.append(jax.device_get(metrics))
-    return history, jax.device_get(state.params)
+run_steps = train_steps
 
 
 @pytest.mark.parametrize(

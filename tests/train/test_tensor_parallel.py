@@ -22,9 +22,9 @@ from jaxmoe.parallel import build_mesh, token_spec
 from jaxmoe.parallel.sharding import reduce_gradients
 from jaxmoe.train.scheduled import capture_train_step
 from jaxmoe.train.state import init_train_state, model_graphdef_and_specs
-from jaxmoe.train.step import _forward_losses, build_train_step
+from jaxmoe.train.step import _forward_losses
 from scheduling.capture import Phase
-from tests.train.batches import random_batch
+from tests.train.batches import random_batch, train_steps
 
 STEPS = 3
 UNFOLDED = ParallelConfig(data=2, expert=4)
@@ -51,16 +51,7 @@ def small_config(parallel: ParallelConfig, moe: MoEConfig) -> Config:
 
 @functools.cache
 def run_steps(parallel: ParallelConfig, moe: MoEConfig):
-    config = small_config(parallel, moe)
-    mesh = build_mesh(config.parallel)
-    state = init_train_state(config, mesh)
-    step = build_train_step(config, mesh).jit()
-    rng = np.random.default_rng(0)
-    history = []
-    for _ in range(STEPS):
-        state, metrics = step(state, random_batch(rng, config, mesh))
-        history.append(jax.device_get(metrics))
-    return history, jax.device_get(state.params)
+    return train_steps(small_config(parallel, moe))
 
 
 @functools.cache
