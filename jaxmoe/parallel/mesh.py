@@ -34,11 +34,6 @@ def mesh_axis_names(parallel: ParallelConfig) -> tuple[str, ...]:
     return tuple(mesh_axis_sizes(parallel))
 
 
-def batch_axes(parallel: ParallelConfig) -> tuple[str, ...]:
-    """The mesh axes the batch is split over: attention's data parallelism."""
-    return axes_for_role(ATTENTION_DATA, mesh_axis_names(parallel))
-
-
 def token_spec(mesh: Mesh) -> PartitionSpec:
     """Spec of a ``[batch, ...]`` array of token rows on ``mesh``: batch split over the data
     axes, replicated over the tensor axes (each tensor rank takes its sequence slice)."""
