@@ -144,6 +144,11 @@ def _build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", metavar="FILE", help="write the ranking as JSON")
     plan.add_argument("--verbose", action="store_true", help="why mappings were skipped")
     plan.add_argument("--no-cache", action="store_true", help="estimate afresh, keep nothing")
+    plan.add_argument(
+        "--trace-every-layer",
+        action="store_true",
+        help="trace each mapping's whole depth (default: one and two blocks, extrapolated)",
+    )
     return parser
 
 
@@ -381,6 +386,7 @@ def _plan(config: Config, args: argparse.Namespace) -> int:
         schedules,
         cache_dir=None if args.no_cache else planner.default_cache_dir(),
         progress=lambda line: print(line, file=sys.stderr, flush=True),
+        extrapolate_layers=not args.trace_every_layer,
     )
     print(plan_table.table(result, verbose=args.verbose))
     if args.json is not None:

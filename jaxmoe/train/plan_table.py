@@ -23,7 +23,12 @@ def table(result: PlanResult, verbose: bool = False) -> str:
         + f"); {result.model_flops_per_step / 1e12:.4g} TFLOP of model FLOPs per step; "
         f"schedules {', '.join(result.schedules)}",
         "attention = data x tensor; MoE = expert data x expert x expert tensor; times in ms; "
-        f"memory per device in {unit} (1e{exponent} bytes)",
+        f"memory per device in {unit} (1e{exponent} bytes)"
+        + (
+            "; the model's depth extrapolated from one- and two-block traces"
+            if result.extrapolated
+            else ""
+        ),
         header,
         "-" * len(header),
     ]

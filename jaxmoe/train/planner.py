@@ -32,6 +32,7 @@ import jax
 import scheduling
 from jaxmoe.config import Config, ConfigError
 from jaxmoe.parallel.mesh import abstract_mesh
+from jaxmoe.train.layer_extrapolation import block_count, extrapolate, extrapolates, with_blocks
 from jaxmoe.train.mappings import Mapping, MappingSpace, enumerate_mappings
 from jaxmoe.train.mfu import mfu
 from jaxmoe.train.model_flops import model_flops
@@ -118,6 +119,7 @@ class PlanResult:
     model_flops_per_step: float
     space: MappingSpace
     estimates: list[MappingEstimate]  # ranked: those that fit, best MFU first, then the rest
+    extrapolated: bool = False  # estimated from one- and two-block traces
 
     @property
     def ranked(self) -> list[MappingEstimate]:
@@ -138,6 +140,9 @@ class PlanResult:
             "schedules": list(self.schedules),
             "model_flops_per_step": self.model_flops_per_step,
             "memory_method": MEMORY_METHOD,
+            "depth": "extrapolated from one- and two-block traces"
+            if self.extrapolated
+            else "traced whole",
             "ranked": [{"rank": i + 1, **e.to_json()} for i, e in enumerate(self.ranked)],
             "over_memory": [e.to_json() for e in self.over_memory],
             "skipped": [
@@ -183,32 +188,42 @@ def _source_digest() -> str:
 
 
 class EstimateCache:
-    """Estimates on disk, one file per (mapped config, profile, schedule)."""
+    """Estimates on disk, one file per (mapped config, profile, schedule, method: traced
+    whole or extrapolated from shallow traces)."""
 
     def __init__(self, root: Path | None):
         self.root = root
         self._digest = _source_digest() if root is not None else ""
 
-    def _path(self, config: Config, schedule: str) -> Path:
+    def _path(self, config: Config, schedule: str, method: str) -> Path:
         assert self.root is not None
-        key = json.dumps([config.to_dict(), schedule, self._digest], sort_keys=True)
+        key = json.dumps([config.to_dict(), schedule, method, self._digest], sort_keys=True)
         return self.root / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
 
-    def load(self, config: Config, schedule: str) -> tuple[MemoryPerDevice, StepTime] | None:
+    def load(
+        self, config: Config, schedule: str, method: str
+    ) -> tuple[MemoryPerDevice, StepTime] | None:
         if self.root is None:
             return None
         try:
-            data = json.loads(self._path(config, schedule).read_text())
+            data = json.loads(self._path(config, schedule, method).read_text())
             return MemoryPerDevice(**data["memory"]), StepTime(**data["time"])
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
-    def save(self, config: Config, schedule: str, memory: MemoryPerDevice, time: StepTime):
+    def save(
+        self,
+        config: Config,
+        schedule: str,
+        method: str,
+        memory: MemoryPerDevice,
+        time: StepTime,
+    ):
         if self.root is None:
             return
         self.root.mkdir(parents=True, exist_ok=True)
         record = {"memory": dataclasses.asdict(memory), "time": dataclasses.asdict(time)}
-        self._path(config, schedule).write_text(json.dumps(record) + "\n")
+        self._path(config, schedule, method).write_text(json.dumps(record) + "\n")
 
 
 def _with_schedule(config: Config, schedule: str, profile: str) -> Config:
@@ -217,24 +232,17 @@ def _with_schedule(config: Config, schedule: str, profile: str) -> Config:
     return Config.from_dict(values)
 
 
-def estimate_mapping(
-    config: Config, schedules: Sequence[str], profile: str, cache: EstimateCache
+def _traced_estimate(
+    config: Config, schedules: Sequence[str], profile: str
 ) -> tuple[MemoryPerDevice, dict[str, StepTime]]:
-    """Memory per device and the simulated step of each schedule, for a mapped config.
-
-    The step is captured (traced) once, and only when some schedule is not cached."""
-    found = {s: cache.load(_with_schedule(config, s, profile), s) for s in schedules}
-    if all(found.values()):
-        memory = next(iter(found.values()))[0]  # type: ignore[index]
-        return memory, {s: hit[1] for s, hit in found.items()}  # type: ignore[index]
+    """Memory per device and each schedule's simulated step, from one trace of the step."""
     mesh = abstract_mesh(config.parallel)
     program, sharded = capture_train_step(config, mesh)
     memory = state_memory(program, abstract_train_state(config))
     batch = batch_inputs(program, sharded.batch_argnums)
     times = {}
     for schedule in schedules:
-        scheduled = _with_schedule(config, schedule, profile)
-        policy = schedule_policy(scheduled)
+        policy = schedule_policy(_with_schedule(config, schedule, profile))
         cost = cost_model(policy, mesh)
         report = build_report(plan(program, policy, cost, batch), cost, policy, program)
         times[schedule] = StepTime(
@@ -243,7 +251,41 @@ def estimate_mapping(
             report.communication_seconds,
             report.exposed_communication_seconds,
         )
-        cache.save(scheduled, schedule, memory, times[schedule])
+    return memory, times
+
+
+def estimate_mapping(
+    config: Config,
+    schedules: Sequence[str],
+    profile: str,
+    cache: EstimateCache,
+    *,
+    extrapolate_layers: bool = True,
+) -> tuple[MemoryPerDevice, dict[str, StepTime]]:
+    """Memory per device and the simulated step of each schedule, for a mapped config.
+
+    Nothing is traced when every schedule is cached. Otherwise the step is traced once
+    for all schedules, or, with ``extrapolate_layers`` and a model of at least
+    :data:`~jaxmoe.train.layer_extrapolation.MIN_BLOCKS` repeating blocks, once with
+    one block and once with two, and the figures are extrapolated to the model's depth
+    (:mod:`jaxmoe.train.layer_extrapolation`)."""
+    method = "extrapolated" if extrapolate_layers and extrapolates(config) else "traced"
+    keyed = {s: _with_schedule(config, s, profile) for s in schedules}
+    found = {s: cache.load(keyed[s], s, method) for s in schedules}
+    if all(found.values()):
+        memory = next(iter(found.values()))[0]  # type: ignore[index]
+        return memory, {s: hit[1] for s, hit in found.items()}  # type: ignore[index]
+    if method == "traced":
+        memory, times = _traced_estimate(config, schedules, profile)
+    else:
+        blocks = block_count(config)
+        assert blocks is not None
+        one = _traced_estimate(with_blocks(config, 1), schedules, profile)
+        two = _traced_estimate(with_blocks(config, 2), schedules, profile)
+        memory = extrapolate(one[0], two[0], blocks)
+        times = {s: extrapolate(one[1][s], two[1][s], blocks) for s in schedules}
+    for schedule in schedules:
+        cache.save(keyed[schedule], schedule, method, memory, times[schedule])
     return memory, times
 
 
@@ -269,12 +311,15 @@ def plan_mappings(
     cache_dir: Path | None = None,
     progress: Callable[[str], None] | None = None,
     memory_capacity_bytes: float | None = None,
+    extrapolate_layers: bool = True,
 ) -> PlanResult:
     """Estimate and rank every valid mapping of ``config``'s model on ``devices`` devices.
 
     Raises ConfigError (before tracing anything) for a bad input, or when no mapping is
     valid. ``cache_dir``: where estimates are kept (None: nowhere).
-    ``memory_capacity_bytes``: the memory a device offers (default: the profile's)."""
+    ``memory_capacity_bytes``: the memory a device offers (default: the profile's).
+    ``extrapolate_layers``: estimate deep models from one- and two-block traces (see
+    :func:`estimate_mapping`)."""
     check_plan_inputs(config, devices, profile, schedules)
     device = scheduling.PROFILES[profile]
     space = enumerate_mappings(config, devices, device.devices_per_node)
@@ -292,7 +337,9 @@ def plan_mappings(
     estimates = []
     for index, candidate in enumerate(space.valid):
         assert candidate.config is not None
-        memory, times = estimate_mapping(candidate.config, schedules, profile, cache)
+        memory, times = estimate_mapping(
+            candidate.config, schedules, profile, cache, extrapolate_layers=extrapolate_layers
+        )
         step = min(t.step for t in times.values())
         estimates.append(
             MappingEstimate(
@@ -309,7 +356,10 @@ def plan_mappings(
                 f"{step * 1e3:.3f} ms, {memory.total / 1e9:.3f} GB"
             )
     estimates.sort(key=lambda e: (not e.fits, -e.mfu, e.memory.total))
-    return PlanResult(preset, devices, device, tuple(schedules), flops, space, estimates)
+    extrapolated = extrapolate_layers and extrapolates(config)
+    return PlanResult(
+        preset, devices, device, tuple(schedules), flops, space, estimates, extrapolated
+    )
 
 
 def default_cache_dir() -> Path:

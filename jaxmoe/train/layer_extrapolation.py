@@ -1,0 +1,69 @@
+"""Estimates of a deep model from two shallow ones: what the planner reads off one
+repeating block of layers.
+
+A model of ``num_layers`` layers whose FFN is an MoE every ``moe_every`` layers is
+``num_layers / moe_every`` copies of one block (``moe_every - 1`` dense layers, then
+an MoE layer) between the same embedding and head. A quantity that each block adds
+to in the same measure — parameters, optimizer state, saved activations, and the
+simulated step when blocks run one after another — is therefore affine in the block
+count ``n``::
+
+    q(n) = q(1) + (n - 1) * (q(2) - q(1))
+
+so tracing the model with one and with two blocks gives the deep model's figure,
+at the price of two shallow traces instead of one deep one (Mixtral-shaped models
+have 56 layers; one of their traces takes tens of seconds, a one-block trace about
+one). It is exact where the blocks are alike and run in sequence: the ``none``
+schedule, and the memory of every schedule. Where a schedule overlaps work across
+block boundaries, or the gradient sync packs buckets across blocks, the deep
+model's step differs from the line by what happens at the boundaries; the planner's
+tests measure that difference against full traces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TypeVar
+
+from jaxmoe.config import Config
+
+Numbers = TypeVar("Numbers")  # a dataclass whose fields are all numbers
+
+# Fewer blocks than this are traced whole: two shallow traces would cost as much.
+MIN_BLOCKS = 3
+
+
+def block_count(config: Config) -> int | None:
+    """How many repeating blocks ``config``'s model has, or None when its layers do not
+    split into whole blocks (the last layer is then not an MoE layer)."""
+    model = config.model
+    if model.num_layers % model.moe_every:
+        return None
+    return model.num_layers // model.moe_every
+
+
+def extrapolates(config: Config) -> bool:
+    """Whether the planner estimates ``config`` from one- and two-block traces."""
+    blocks = block_count(config)
+    return blocks is not None and blocks >= MIN_BLOCKS
+
+
+def with_blocks(config: Config, blocks: int) -> Config:
+    """``config`` with its model cut (or grown) to ``blocks`` repeating blocks."""
+    values = config.to_dict()
+    values["model"]["num_layers"] = blocks * config.model.moe_every
+    return Config.from_dict(values)
+
+
+def extrapolate(one_block: Numbers, two_blocks: Numbers, blocks: int) -> Numbers:
+    """The figures of a ``blocks``-block model from those of one and two blocks.
+
+    Integer fields (bytes) stay integers: their per-block step is an exact integer."""
+    if blocks < 1:
+        raise ValueError(f"blocks={blocks}: a model has at least one block")
+    fields = {}
+    for field in dataclasses.fields(one_block):  # type: ignore[arg-type]
+        first = getattr(one_block, field.name)
+        second = getattr(two_blocks, field.name)
+        fields[field.name] = first + (blocks - 1) * (second - first)
+    return dataclasses.replace(one_block, **fields)  # type: ignore[type-var]
