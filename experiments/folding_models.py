@@ -2,9 +2,9 @@
 against the best mapping whose MoE reuses attention's layout.
 
 The model shapes are the published ones (layers, width, heads, experts, top-k, expert
-width); what jaxmoe's model cannot express is listed with each. Planning them on 64-256
-devices traces one step per mapping and is slow on a small CPU host; it is run with
-:func:`plan_and_compare` where there is time for it.
+width); what jaxmoe's model cannot express is listed with each. The planner estimates
+them from one- and two-layer traces (:mod:`jaxmoe.train.layer_extrapolation`), so every
+mapping on 64-256 devices is planned in seconds; ``experiments.folding_scale`` runs it.
 """
 
 from __future__ import annotations
@@ -19,10 +19,12 @@ from jaxmoe.train.mappings import Mapping
 if TYPE_CHECKING:  # the planner imports JAX
     from jaxmoe.train.planner import MappingEstimate
 
-# Sequence length and global batch of the planned runs (sequences), chosen here: 4096
-# tokens per sequence, 1024 sequences per step (4M tokens).
+# Sequence length of the planned runs, chosen here (the models' pretraining length).
 SEQ_LEN = 4096
-GLOBAL_BATCH = 1024
+# Sequences per step and device, chosen here: one, Megatron-Core's usual micro-batch. A
+# step of N devices then holds N sequences (jaxmoe has no gradient accumulation, so the
+# step is one micro-batch round and synchronises gradients every time).
+SEQUENCES_PER_DEVICE = 1
 
 
 def _published(
@@ -43,8 +45,17 @@ def _published(
             dtype="bfloat16",
         ),
         moe=MoEConfig(num_experts=experts, top_k=top_k, capacity_factor=1.0, d_expert=expert_width),
-        train=TrainConfig(batch_size=GLOBAL_BATCH),
+        train=TrainConfig(batch_size=8 * SEQUENCES_PER_DEVICE),  # see planned_config
     )
+
+
+def planned_config(model: str, devices: int, **model_fields) -> Config:
+    """``model``'s published shape with the batch of ``devices`` devices, and any model
+    field overridden (e.g. ``recompute``)."""
+    values = MODELS[model].to_dict()
+    values["train"]["batch_size"] = devices * SEQUENCES_PER_DEVICE
+    values["model"].update(model_fields)
+    return Config.from_dict(values)
 
 
 # The shapes as each model's config.json on the Hugging Face hub gives them.
@@ -118,7 +129,7 @@ def plan_and_compare(
     """Plan every mapping of ``model`` (or ``config``) on ``devices`` devices and compare."""
     from jaxmoe.train.planner import default_cache_dir, plan_mappings
 
-    config = config or MODELS[model]
+    config = config or planned_config(model, devices)
     result = plan_mappings(
         config, model, devices, profile, schedules, cache_dir=default_cache_dir()
     )
