@@ -100,6 +100,34 @@ def test_folding_comparison_picks_the_best_reusing_mapping():
 
 @pytest.mark.parametrize("model", list(folding_models.MODELS))
 def test_published_shapes_have_folded_and_reusing_mappings_on_64_devices(model):
-    valid = enumerate_mappings(folding_models.MODELS[model], 64).valid
+    valid = enumerate_mappings(folding_models.planned_config(model, 64), 64).valid
     reusing = [c for c in valid if folding_models.reuses_attention_layout(c.mapping)]
     assert reusing and len(reusing) < len(valid)
+
+
+def test_scale_report_sets_the_best_folded_against_the_best_reused():
+    from experiments import folding_scale
+
+    folded = estimate(tensor=2, expert_tensor=1, step=1.0)
+    reused = estimate(tensor=4, expert_tensor=4, step=1.5)
+    fitting = folding_scale._compare("m", 64, [folded, reused])
+    nothing_fits = folding_scale._compare("m", 64, [])
+    rows = [
+        {"model": "m", "devices": 64, "mappings": 2, "fits": 2, "seconds": 3.0,
+         "fitting": fitting, "all": fitting},
+        {"model": "m", "devices": 128, "mappings": 2, "fits": 0, "seconds": 3.0,
+         "fitting": dataclasses.replace(nothing_fits, devices=128), "all": fitting},
+    ]  # fmt: skip
+    text = folding_scale.report(rows, "cmd", ["none"], {"recompute": "attention"})
+    assert "    cmd" in text and "model.recompute=attention" in text
+    assert "- m on 64: best folded step 1.500x faster than best reused" in text
+    assert "| m | 128 | best folded: none fits | | | |" in text
+    assert "## What the simulator leaves out" in text
+
+
+def test_scale_refuses_an_unknown_model_before_planning(capsys):
+    from experiments import folding_scale
+
+    with pytest.raises(SystemExit):
+        folding_scale.main(["--models", "gpt-9"])
+    assert "--models: unknown gpt-9" in capsys.readouterr().err
