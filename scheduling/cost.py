@@ -20,6 +20,9 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
+import numpy as np
+
 from scheduling.capture import Op, aval_bytes
 from scheduling.collective_groups import GroupSpread, group_members, group_spread
 from scheduling.link_model import CollectiveCurves
@@ -38,6 +41,8 @@ FREE_PRIMITIVES = frozenset(
     }
 )
 # Elementwise ops that cost several FLOPs per element.
+# Operand dtypes that run at a profile's half-precision peak.
+HALF_PRECISION = frozenset({np.dtype(jnp.bfloat16), np.dtype(jnp.float16)})
 TRANSCENDENTAL = frozenset(
     {"exp", "exp2", "log", "log1p", "tanh", "logistic", "erf", "erf_inv", "sin", "cos", "pow"}
 )
@@ -76,6 +81,8 @@ class DeviceProfile:
     fused_elementwise: bool = False
     # One device's memory (bytes); 0: not known (nothing can be said to fit or not).
     memory_capacity_bytes: float = 0.0
+    # The matmul peak with 16-bit float operands (bfloat16, float16); 0: ``flops_per_s``.
+    half_precision_flops_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("flops_per_s", "memory_bytes_per_s", "link_bytes_per_s"):
@@ -86,6 +93,7 @@ class DeviceProfile:
             "link_latency_s",
             "node_link_latency_s",
             "memory_capacity_bytes",
+            "half_precision_flops_per_s",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"DeviceProfile.{name} must be >= 0")
@@ -95,6 +103,12 @@ class DeviceProfile:
             raise ValueError(
                 "DeviceProfile.node_link_bytes_per_s must be > 0 when devices_per_node is set"
             )
+
+    def peak_flops_per_s(self, dtype: Any) -> float:
+        """The compute peak for operands of ``dtype`` (16-bit floats have their own)."""
+        if self.half_precision_flops_per_s and np.dtype(dtype) in HALF_PRECISION:
+            return self.half_precision_flops_per_s
+        return self.flops_per_s
 
     def with_link(self, bytes_per_s: float, latency_s: float | None = None) -> DeviceProfile:
         return replace(
@@ -118,9 +132,18 @@ def load_profile(path: str | Path) -> DeviceProfile:
 PROFILE_FILES = Path(__file__).parent / "profiles"
 
 PROFILES: dict[str, DeviceProfile] = {
-    # A100 SXM: 156 TFLOP/s TF32 dense, 1.55 TB/s and 40 GB of HBM2 (the 40 GB model's
-    # figures); 200 Gbit/s network per GPU.
-    "a100": DeviceProfile("a100", 156e12, 1.55e12, 5e-6, 25e9, 10e-6, memory_capacity_bytes=40e9),
+    # A100 SXM: 156 TFLOP/s TF32 and 312 TFLOP/s BF16 dense, 1.55 TB/s and 40 GB of HBM2
+    # (the 40 GB model's figures); 200 Gbit/s network per GPU.
+    "a100": DeviceProfile(
+        "a100",
+        156e12,
+        1.55e12,
+        5e-6,
+        25e9,
+        10e-6,
+        memory_capacity_bytes=40e9,
+        half_precision_flops_per_s=312e12,
+    ),
     # V100 SXM2: 125 TFLOP/s fp16 tensor cores, 0.9 TB/s and 32 GB of HBM2; 100 Gbit/s
     # per node of 8.
     "v100": DeviceProfile(
@@ -235,8 +258,10 @@ class CostModel:
         if op.primitive in FREE_PRIMITIVES:
             return 0.0
         profile = self.profile
+        operand = op.inputs[0] if op.inputs else op.outputs[0]
         roofline = max(
-            op_flops(op) / profile.flops_per_s, op_bytes(op) / profile.memory_bytes_per_s
+            op_flops(op) / profile.peak_flops_per_s(operand.aval.dtype),
+            op_bytes(op) / profile.memory_bytes_per_s,
         )
         if profile.fused_elementwise and op.primitive in FUSIBLE:
             return roofline

@@ -148,9 +148,8 @@ def estimated_mfu(config: Config, report: Any, devices: int) -> EstimatedMfu:
     """The estimated MFU of a step that the scheduler planned for ``config`` (``report``:
     its :class:`scheduling.ScheduleReport`) on ``devices`` devices.
 
-    The peak is the one compute figure of ``train.schedule_profile``, the figure the
-    simulated step was costed with, whatever ``model.dtype`` is (the GPU profiles give
-    TF32, or FP16 for the V100).
+    The peak is ``train.schedule_profile``'s for ``model.dtype`` (its half-precision
+    peak for bfloat16 where it gives one), the figure the step's matmuls were costed at.
     """
     import scheduling
 
@@ -158,7 +157,7 @@ def estimated_mfu(config: Config, report: Any, devices: int) -> EstimatedMfu:
     return EstimatedMfu(
         model_flops_per_step=model_flops(config).train_step(),
         devices=devices,
-        peak_flops_per_s=profile.flops_per_s,
+        peak_flops_per_s=profile.peak_flops_per_s(config.model.dtype),
         profile=profile.name,
         step_seconds=report.step_seconds,
         baseline_step_seconds=report.baseline_step_seconds,

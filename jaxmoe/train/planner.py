@@ -120,6 +120,7 @@ class PlanResult:
     space: MappingSpace
     estimates: list[MappingEstimate]  # ranked: those that fit, best MFU first, then the rest
     extrapolated: bool = False  # estimated from one- and two-block traces
+    peak_flops_per_s: float = 0.0  # the profile's for the model's dtype (the MFU's peak)
 
     @property
     def ranked(self) -> list[MappingEstimate]:
@@ -135,7 +136,7 @@ class PlanResult:
             "preset": self.preset,
             "devices": self.devices,
             "profile": self.profile.name,
-            "peak_flops_per_s": self.profile.flops_per_s,
+            "peak_flops_per_s": self.peak_flops_per_s,
             "memory_capacity_bytes": self.profile.memory_capacity_bytes or None,
             "schedules": list(self.schedules),
             "model_flops_per_step": self.model_flops_per_step,
@@ -334,6 +335,7 @@ def plan_mappings(
     capacity = device.memory_capacity_bytes
     cache = EstimateCache(cache_dir)
     flops = model_flops(config).train_step()
+    peak = device.peak_flops_per_s(config.model.dtype)
     estimates = []
     for index, candidate in enumerate(space.valid):
         assert candidate.config is not None
@@ -346,7 +348,7 @@ def plan_mappings(
                 mapping=candidate.mapping,
                 memory=memory,
                 times=times,
-                mfu=mfu(flops, step, devices, device.flops_per_s),
+                mfu=mfu(flops, step, devices, peak),
                 fits=not capacity or memory.total <= capacity,
             )
         )
@@ -358,7 +360,7 @@ def plan_mappings(
     estimates.sort(key=lambda e: (not e.fits, -e.mfu, e.memory.total))
     extrapolated = extrapolate_layers and extrapolates(config)
     return PlanResult(
-        preset, devices, device, tuple(schedules), flops, space, estimates, extrapolated
+        preset, devices, device, tuple(schedules), flops, space, estimates, extrapolated, peak
     )
 
 

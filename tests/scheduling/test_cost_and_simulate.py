@@ -413,3 +413,29 @@ def test_fused_elementwise_ops_pay_no_launch_overhead():
     tanh, dot = ops["tanh"], ops["dot_general"]
     assert separate.seconds(tanh) - fused.seconds(tanh) == pytest.approx(PROFILE.op_overhead_s)
     assert fused.seconds(dot) == separate.seconds(dot)  # a matmul still launches a kernel
+
+
+def test_half_precision_matmuls_run_at_their_own_peak():
+    mesh = mesh_x()
+    # Large enough that the matmul is compute-bound on both peaks.
+    rows = 512
+    costs = CostModel(
+        dataclasses.replace(PROFILE, memory_bytes_per_s=1e15, half_precision_flops_per_s=4e9),
+        {"x": 8},
+    )
+    seconds = {}
+    for dtype in (jnp.float32, jnp.bfloat16):
+        ops, _ = _ops(
+            lambda a, b: a @ b,
+            sds(mesh, (rows, rows), P(), dtype),
+            sds(mesh, (rows, rows), P(), dtype),
+            in_specs=(P(), P()),
+            out_specs=P(),
+        )
+        dot = ops["dot_general"]
+        seconds[dtype] = costs.seconds(dot) - PROFILE.op_overhead_s
+        assert seconds[dtype] == pytest.approx(
+            op_flops(dot) / costs.profile.peak_flops_per_s(dtype)
+        )
+    assert seconds[jnp.float32] == pytest.approx(4 * seconds[jnp.bfloat16])
+    assert PROFILE.peak_flops_per_s(jnp.bfloat16) == PROFILE.flops_per_s  # none given

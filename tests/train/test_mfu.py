@@ -98,3 +98,19 @@ def test_schedule_reports_the_estimated_mfu(tmp_path, capsys):
         assert math.isclose(printed, expected, rel_tol=5e-3), (printed, expected)
     # The ideal step is the simulator's lower bound for any schedule.
     assert ideal >= scheduled
+
+
+def test_the_estimated_mfu_of_a_bfloat16_model_is_against_the_half_precision_peak():
+    from types import SimpleNamespace
+
+    from jaxmoe.train.mfu import estimated_mfu
+
+    report = SimpleNamespace(step_seconds=1.0, baseline_step_seconds=2.0, ideal_step_seconds=0.5)
+    for dtype, profile in (("float32", "a100"), ("bfloat16", "a100")):
+        config = config_from_train_args(
+            ["--model.dtype", dtype, "--train.schedule_profile", profile]
+        )
+        estimate = estimated_mfu(config, report, devices=8)
+        expected = 312e12 if dtype == "bfloat16" else 156e12  # A100 dense BF16, TF32
+        assert estimate.peak_flops_per_s == expected
+        assert estimate.of(1.0) == pytest.approx(model_flops(config).train_step() / (8 * expected))
