@@ -18,11 +18,12 @@ recomputation with the forward values it repeats, and keeps them alive again.
 Each op keeps where it came from: the layer (its name stack with the AD
 transforms stripped, e.g. ``layer_3/moe``) and the phase. AD writes the
 phase into the name stack: ``jvp(...)`` is the forward pass and
-``transpose(jvp(...))`` the backward pass; ops outside AD that depend on the
-backward pass (gradient reduction, clipping, the optimizer update) are the
-optimizer phase. The remaining ops outside AD — before it, or after it but
-not fed by the backward pass (e.g. reducing the loss for a metric) — are
-labelled forward.
+``transpose(jvp(...))`` the backward pass (a recomputation inlined from a remat
+body of the backward pass carries that stack, so it is backward too); ops
+outside AD that depend on the backward pass (gradient reduction, clipping, the
+optimizer update) are the optimizer phase. The remaining ops outside AD —
+before it, or after it but not fed by the backward pass (e.g. reducing the
+loss for a metric) — are labelled forward.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ restoring into a different meaning.
 activation recomputation: the core attention (QK^T, scale, causal mask, softmax,
 x V) runs under ``jax.checkpoint``, so the backward pass recomputes it from q, k
 and v instead of keeping its ``[batch, heads, seq, seq]`` weights, the one
-activation that grows with seq^2. It costs the two seq x seq matmuls once more.
+activation that grows with seq^2. It costs QK^T and the softmax once more.
 """
 
 from __future__ import annotations
