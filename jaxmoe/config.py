@@ -17,7 +17,14 @@ from jaxmoe import config_choices as choices
 
 # ConfigError is part of this module's interface: raised by every check below.
 from jaxmoe.config_checks import ConfigError as ConfigError
-from jaxmoe.config_checks import check_types, non_negative, positive_int, positive_or_none, require
+from jaxmoe.config_checks import (
+    check_types,
+    non_negative,
+    one_of,
+    positive_int,
+    positive_or_none,
+    require,
+)
 from jaxmoe.layout import LayoutError, check_layout, check_split_widths
 
 
@@ -35,6 +42,9 @@ class ModelConfig:
     moe_every: int = 2
     # Compute dtype of activations; parameters and the optimizer stay in float32.
     dtype: str = "float32"
+    # The backward pass recomputes this instead of keeping its activations: "none", or
+    # "attention" (softmax(QK^T) V, whose weights are O(seq^2) per head).
+    recompute: str = "none"
 
     def __post_init__(self) -> None:
         check_types("model", self)
@@ -51,10 +61,8 @@ class ModelConfig:
             f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}: "
             "choose a width that is a multiple of the number of heads",
         )
-        require(
-            self.dtype in choices.DTYPES,
-            f"model.dtype={self.dtype!r}: must be one of {', '.join(choices.DTYPES)}",
-        )
+        one_of("model", "dtype", self.dtype, choices.DTYPES)
+        one_of("model", "recompute", self.recompute, choices.RECOMPUTE)
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -121,15 +129,8 @@ class MoEConfig:
             isinstance(self.rebalance_every, int) and self.rebalance_every >= 0,
             f"moe.rebalance_every={self.rebalance_every!r}: must be an integer >= 0 (0: static)",
         )
-        require(
-            self.dispatcher in choices.DISPATCHERS,
-            f"moe.dispatcher={self.dispatcher!r}: must be one of {', '.join(choices.DISPATCHERS)}",
-        )
-        require(
-            self.score_function in choices.SCORE_FUNCTIONS,
-            f"moe.score_function={self.score_function!r}: must be one of "
-            f"{', '.join(choices.SCORE_FUNCTIONS)}",
-        )
+        one_of("moe", "dispatcher", self.dispatcher, choices.DISPATCHERS)
+        one_of("moe", "score_function", self.score_function, choices.SCORE_FUNCTIONS)
         for name in ("aux_loss_coef", "z_loss_coef"):
             non_negative("moe", name, getattr(self, name))
         require(

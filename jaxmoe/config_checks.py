@@ -70,3 +70,7 @@ def positive_or_none(section: str, name: str, value: Any, none_means: str) -> No
         value is None or value > 0,
         f"{section}.{name}={value!r}: must be > 0, or None {none_means}",
     )
+
+
+def one_of(section: str, name: str, value: Any, options: tuple[str, ...]) -> None:
+    require(value in options, f"{section}.{name}={value!r}: must be one of {', '.join(options)}")

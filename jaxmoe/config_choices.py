@@ -2,6 +2,9 @@
 import it)."""
 
 DTYPES = ("float32", "bfloat16")
+# What the backward pass recomputes instead of keeping: nothing, or the core attention
+# (softmax(QK^T) V; Megatron-Core's selective recomputation).
+RECOMPUTE = ("none", "attention")
 # The policies of scheduling.SchedulePolicy (kept here so that reading a config does not
 # import JAX; a test checks that the two agree).
 SCHEDULES = (

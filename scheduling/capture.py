@@ -10,18 +10,20 @@ it as a whole and never looks inside (a collective inside it stays
 synchronous; the report lists such ops).
 
 Remat bodies are inlined like the others, so that the collectives in them are
-visible; the ``optimization_barrier`` that JAX's remat lowering puts around a
-recomputation is not re-emitted, and XLA may then reuse forward values in
-place of the recomputation (less recomputation, more memory).
+visible. Where JAX's lowering puts an ``optimization_barrier`` on a
+recomputation's inputs (a differentiated body with ``prevent_cse``), capture
+adds that barrier as an op before the inlined body: without it XLA merges the
+recomputation with the forward values it repeats, and keeps them alive again.
 
 Each op keeps where it came from: the layer (its name stack with the AD
 transforms stripped, e.g. ``layer_3/moe``) and the phase. AD writes the
 phase into the name stack: ``jvp(...)`` is the forward pass and
-``transpose(jvp(...))`` the backward pass; ops outside AD that depend on the
-backward pass (gradient reduction, clipping, the optimizer update) are the
-optimizer phase. The remaining ops outside AD — before it, or after it but
-not fed by the backward pass (e.g. reducing the loss for a metric) — are
-labelled forward.
+``transpose(jvp(...))`` the backward pass (a recomputation inlined from a remat
+body of the backward pass carries that stack, so it is backward too); ops
+outside AD that depend on the backward pass (gradient reduction, clipping, the
+optimizer update) are the optimizer phase. The remaining ops outside AD —
+before it, or after it but not fed by the backward pass (e.g. reducing the
+loss for a metric) — are labelled forward.
 """
 
 from __future__ import annotations
@@ -178,6 +180,22 @@ def _join_stacks(outer: str, inner: str) -> str:
     return "/".join(part for part in (outer, inner) if part)
 
 
+def _recomputes_behind_a_barrier(eqn: Any) -> bool:
+    """A remat body that JAX lowers behind an ``optimization_barrier`` on its inputs."""
+    return (
+        eqn.primitive.name in ("remat2", "checkpoint")
+        and bool(eqn.params.get("prevent_cse"))
+        and bool(eqn.params.get("differentiated"))
+    )
+
+
+def _barrier_equation(avals: Sequence[Any]) -> Any:
+    """An ``optimization_barrier`` equation over values of ``avals``."""
+    operands = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals)
+    (eqn,) = jax.make_jaxpr(jax.lax.optimization_barrier)(operands).jaxpr.eqns
+    return eqn
+
+
 class _Flattener:
     """Inlines nested bodies into one list of ops over fresh :class:`Value` objects."""
 
@@ -202,6 +220,8 @@ class _Flattener:
             eqn_stack = _join_stacks(stack, str(eqn.source_info.name_stack))
             body = _body_of(eqn)
             if body is not None:
+                if _recomputes_behind_a_barrier(eqn):
+                    inputs = self.barrier(inputs, eqn_stack)
                 results = self.run(body[0], body[1], inputs, eqn_stack)
                 for var, result in zip(eqn.outvars, results, strict=True):
                     env[var] = result
@@ -211,6 +231,17 @@ class _Flattener:
                 env[var] = value
             self.ops.append(Op(len(self.ops), eqn, tuple(inputs), outputs, eqn_stack))
         return [self.atom(env, var) for var in jaxpr.outvars]
+
+    def barrier(self, inputs: Sequence[Atom], stack: str) -> list[Atom]:
+        """``inputs`` with each value passed through one ``optimization_barrier`` op."""
+        values = list(dict.fromkeys(a for a in inputs if isinstance(a, Value)))
+        if not values:
+            return list(inputs)
+        eqn = _barrier_equation([value.aval for value in values])
+        outputs = tuple(Value(value.aval) for value in values)
+        self.ops.append(Op(len(self.ops), eqn, tuple(values), outputs, stack))
+        behind = dict(zip(values, outputs, strict=True))
+        return [behind.get(a, a) for a in inputs]
 
 
 def inline_jaxpr(

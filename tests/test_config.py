@@ -24,6 +24,11 @@ from jaxmoe.presets import PRESETS, preset
         (lambda: ModelConfig(num_layers=0), "model.num_layers=0: must be a positive integer"),
         (lambda: ModelConfig(num_layers=2, moe_every=3), "model.moe_every=3 is larger"),
         (lambda: ModelConfig(dtype="float16"), "model.dtype='float16'"),
+        (
+            lambda: ModelConfig(recompute="full"),
+            "model.recompute='full': must be one of none, attention",
+        ),
+        (lambda: MoEConfig(dispatcher="ring"), "moe.dispatcher='ring': must be one of all_to_all"),
         (lambda: MoEConfig(num_experts=4, top_k=5), "moe.top_k=5 is larger than moe.num_experts"),
         (lambda: MoEConfig(capacity_factor=0.0), "moe.capacity_factor=0.0: must be > 0"),
         (lambda: MoEConfig(capacity_factor=-1.0), "moe.capacity_factor=-1.0: must be > 0"),

@@ -13,6 +13,12 @@ head_dim) would be cut between q, k and v.) Its values at initialisation are
 those of the former ``[d_model, 3 * d_model]`` kernel, reshaped; a checkpoint
 of that kernel does not restore into this one (the shapes differ), rather than
 restoring into a different meaning.
+
+``recompute=True`` (``model.recompute="attention"``) is Megatron-Core's selective
+activation recomputation: the core attention (QK^T, scale, causal mask, softmax,
+x V) runs under ``jax.checkpoint``, so the backward pass recomputes it from q, k
+and v instead of keeping its ``[batch, heads, seq, seq]`` weights, the one
+activation that grows with seq^2. It costs QK^T and the softmax once more.
 """
 
 from __future__ import annotations
@@ -29,9 +35,34 @@ from jaxmoe.layout import TENSOR
 from jaxmoe.parallel.tensor_parallel import gather_sequence
 
 
+def core_attention(query: jax.Array, key: jax.Array, value: jax.Array) -> jax.Array:
+    """Causal ``softmax(q k^T / sqrt(head_dim)) v`` over ``[batch, seq, heads, head_dim]``."""
+    seq, head_dim = query.shape[1], query.shape[-1]
+    logits = jnp.einsum("bqhd,bkhd->bhqk", query, key).astype(jnp.float32)
+    logits = logits / math.sqrt(head_dim)
+    causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+    logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(logits, axis=-1).astype(value.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, value)
+
+
+# The barrier keeps XLA from merging the backward pass's recomputation with the forward
+# values, which would keep the weights alive again (the layers are unrolled, not a scan).
+recomputed_core_attention = jax.checkpoint(core_attention, prevent_cse=True)
+
+
 class CausalSelfAttention(nnx.Module):
-    def __init__(self, d_model: int, num_heads: int, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        *,
+        dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+        recompute: bool = False,
+    ):
         self.num_heads = num_heads
+        self.recompute = recompute
         self.head_dim = d_model // num_heads
         # No bias: a key bias has an exactly zero gradient (softmax ignores a per-query
         # constant), and Adam would turn its round-off into full-size updates.
@@ -62,10 +93,6 @@ class CausalSelfAttention(nnx.Module):
         qkv = self.qkv(x)  # [batch, seq, 3, local heads * head_dim]
         qkv = qkv.reshape(batch, seq, 3, -1, self.head_dim)
         query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        logits = jnp.einsum("bqhd,bkhd->bhqk", query, key).astype(jnp.float32)
-        logits = logits / math.sqrt(self.head_dim)
-        causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
-        logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
-        weights = jax.nn.softmax(logits, axis=-1).astype(value.dtype)
-        attended = jnp.einsum("bhqk,bkhd->bqhd", weights, value)
+        attend = recomputed_core_attention if self.recompute else core_attention
+        attended = attend(query, key, value)
         return self.out(attended.reshape(batch, seq, -1))

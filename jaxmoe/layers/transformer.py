@@ -33,7 +33,13 @@ class Block(nnx.Module):
         self, model: ModelConfig, moe: MoEConfig | None, *, dtype: jnp.dtype, rngs: nnx.Rngs
     ):
         self.attention_norm = nnx.LayerNorm(model.d_model, dtype=dtype, rngs=rngs)
-        self.attention = CausalSelfAttention(model.d_model, model.num_heads, dtype=dtype, rngs=rngs)
+        self.attention = CausalSelfAttention(
+            model.d_model,
+            model.num_heads,
+            dtype=dtype,
+            rngs=rngs,
+            recompute=model.recompute == "attention",
+        )
         self.ffn_norm = nnx.LayerNorm(model.d_model, dtype=dtype, rngs=rngs)
         if moe is None:
             self.ffn = DenseFFN(model.d_model, model.d_ff, dtype=dtype, rngs=rngs)

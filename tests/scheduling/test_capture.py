@@ -272,3 +272,33 @@ def test_closed_over_constants_become_constant_atoms_and_emit_correctly():
     expected = reference(_step_with_constants, mesh, in_specs, out_specs)(w, x)
     got = step(w, x)
     chex.assert_trees_all_equal(got, expected)
+
+
+@pytest.mark.parametrize("prevent_cse", [True, False], ids=["prevent_cse", "cse_allowed"])
+def test_a_recomputation_stays_behind_its_barrier(prevent_cse):
+    # JAX lowers a differentiated remat body with prevent_cse behind an optimization
+    # barrier on its inputs; without it XLA merges the recomputation with the forward
+    # values it repeats, and the emitted step would keep them alive after all.
+    def step(w, x):
+        recomputed = jax.checkpoint(jnp.tanh, prevent_cse=prevent_cse)
+        return jax.grad(lambda w: jnp.sum(recomputed(x @ w)))(w)
+
+    mesh = mesh_x()
+    in_specs, out_specs = (P(), P("x")), P()
+    w = put(mesh, jnp.eye(D, dtype=jnp.float32) * 0.5, P())
+    x = put(mesh, jnp.arange(64 * D, dtype=jnp.float32).reshape(64, D) / 100.0, P("x"))
+    program = capture(step, w, x, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    barriers = [op for op in program.ops if op.primitive == "optimization_barrier"]
+    if not prevent_cse:
+        assert barriers == []
+        return
+    (barrier,) = barriers
+    _, recomputation = (op for op in program.ops if op.primitive == "tanh")
+    assert barrier.phase is recomputation.phase is Phase.BACKWARD
+    assert recomputation.inputs[0] in barrier.outputs
+
+    emitted, _ = scheduling.optimize(
+        step, w, x, mesh=mesh, in_specs=in_specs, out_specs=out_specs, policy="async"
+    )
+    assert "optimization_barrier" in emitted.lower(w, x).as_text()
+    chex.assert_trees_all_equal(emitted(w, x), reference(step, mesh, in_specs, out_specs)(w, x))

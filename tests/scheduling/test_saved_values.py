@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from scheduling.capture import capture
+from scheduling.capture import Phase, capture
 from scheduling.saved_values import SavedValues, saved_for_backward
 from tests.scheduling.toys import mesh_x, sds
 
@@ -46,3 +46,13 @@ def test_tanh_saves_its_output_and_one_minus_it():
 def test_a_linear_loss_saves_nothing():
     # Its gradient is x^T @ ones: nothing of the forward pass is needed.
     assert saved_for_backward(_program(lambda w, x: jnp.sum(x @ w))) == SavedValues(0, 0)
+
+
+def test_a_checkpointed_region_saves_its_input_and_is_recomputed_in_the_backward_pass():
+    # Under jax.checkpoint the backward pass recomputes tanh from h = x @ w: it reads h
+    # alone, not y and 1 - y as above. The recomputation is inlined from the backward
+    # pass's remat body; labelled forward, it would count y and 1 - y as saved again.
+    program = _program(lambda w, x: jnp.sum(jax.checkpoint(jnp.tanh)(x @ w)))
+    assert saved_for_backward(program) == SavedValues(1, ROWS * HIDDEN * F32)
+    tanhs = [op for op in program.ops if op.primitive == "tanh"]
+    assert [op.phase for op in tanhs] == [Phase.FORWARD, Phase.BACKWARD]
