@@ -14,8 +14,8 @@ trains as the unfolded layout does.
     Layouts run in a fixed order (the reference first, then round-robin over the
     tensor sizes, so a partial run covers every attention layout); the results file
     says which ran.
-(b) The planner's comparison on published model shapes: ``experiments.folding_models``
-    (not run here).
+(b) The planner's comparison on published model shapes at 64-256 devices is
+    ``experiments.folding_scale`` (results in ``folding_scale.md``).
 
     python -m experiments.folding_eval [--steps 3] [--limit K] [--skip K] [--out FILE]
 """
@@ -245,6 +245,9 @@ def report(comparisons: Sequence[Comparison], total: int, steps: int, command: s
         "arguments, the `alias` column, are counted twice). CPU backend figures.",
         "",
         *table(comparisons),
+        "",
+        "Part (b), the planner on Mixtral- and Qwen2-shaped models at 64-256 H100s: "
+        "`folding_scale.md`.",
         "",
     ]
     return "\n".join(lines)
