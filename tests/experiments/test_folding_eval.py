@@ -114,9 +114,10 @@ def test_scale_report_sets_the_best_folded_against_the_best_reused():
     nothing_fits = folding_scale._compare("m", 64, [])
     rows = [
         {"model": "m", "devices": 64, "mappings": 2, "fits": 2, "seconds": 3.0,
-         "least_memory": 1e9, "least_reused_memory": 2e9, "fitting": fitting, "all": fitting},
+         "least_memory": 1e9, "least_reused_memory": 2e9, "least_memory_activations": 5e8,
+         "fitting": fitting, "all": fitting},
         {"model": "m", "devices": 128, "mappings": 2, "fits": 0, "seconds": 3.0,
-         "least_memory": 1e9, "least_reused_memory": 2e9,
+         "least_memory": 1e9, "least_reused_memory": 2e9, "least_memory_activations": 5e8,
          "fitting": dataclasses.replace(nothing_fits, devices=128), "all": fitting},
     ]  # fmt: skip
     text = folding_scale.report(rows, "cmd", ["none"], {"recompute": "attention"})
@@ -124,6 +125,7 @@ def test_scale_report_sets_the_best_folded_against_the_best_reused():
     assert "- m on 64: best folded step 1.500x faster than best reused" in text
     assert "| m | 128 | best folded: none fits | | | |" in text
     assert "| m | 64 | 2 | 2 | 1.0 | 2.0 | 3 |" in text
+    assert "- m on 64: activations are 0.5 of the least-memory mapping's 1.0 GB" in text
     assert "## What the simulator leaves out" in text
 
 
