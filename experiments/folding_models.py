@@ -110,10 +110,14 @@ class FoldingComparison:
         return self.best_reused.best.step / self.best_folded.best.step
 
 
-def compare_folding(model: str, ranked: Sequence[MappingEstimate]) -> FoldingComparison:
-    """From a plan's ranked estimates (those that fit memory, best MFU first)."""
+def compare_folding(
+    model: str, ranked: Sequence[MappingEstimate], devices: int | None = None
+) -> FoldingComparison:
+    """From a plan's ranked estimates (those that fit memory, best MFU first) on
+    ``devices`` devices (default: the first estimate's; 0 when there is none)."""
     reused = [e for e in ranked if reuses_attention_layout(e.mapping)]
-    devices = ranked[0].mapping.devices if ranked else 0
+    if devices is None:
+        devices = ranked[0].mapping.devices if ranked else 0
     return FoldingComparison(
         model, devices, ranked[0] if ranked else None, reused[0] if reused else None
     )
@@ -133,7 +137,7 @@ def plan_and_compare(
     result = plan_mappings(
         config, model, devices, profile, schedules, cache_dir=default_cache_dir()
     )
-    return compare_folding(model, result.ranked)
+    return compare_folding(model, result.ranked, devices)
 
 
 def comparison_table(comparisons: Sequence[FoldingComparison]) -> list[str]:

@@ -15,7 +15,6 @@ of them. Deep models are estimated from one- and two-layer traces
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import shlex
 import sys
 import time
@@ -68,10 +67,6 @@ def plan_model(model: str, devices: int, schedules: Sequence[str], model_fields:
     seconds = time.perf_counter() - started
     print(f"{model} on {devices}: {len(result.estimates)} mappings, {seconds:.0f} s", flush=True)
     return result, seconds
-
-
-def _compare(model: str, devices: int, ranked) -> FoldingComparison:
-    return dataclasses.replace(compare_folding(model, ranked), devices=devices)
 
 
 def speedup_lines(comparisons: Sequence[FoldingComparison]) -> list[str]:
@@ -174,6 +169,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for model in models:
         for devices in device_counts:
             result, seconds = plan_model(model, devices, schedules, fields)
+            least = min(result.estimates, key=lambda e: e.memory.total)
             rows.append(
                 {
                     "model": model,
@@ -181,17 +177,17 @@ def main(argv: Sequence[str] | None = None) -> None:
                     "mappings": len(result.estimates),
                     "fits": len(result.ranked),
                     "seconds": seconds,
-                    "least_memory": min(e.memory.total for e in result.estimates),
-                    "least_memory_activations": min(
-                        result.estimates, key=lambda e: e.memory.total
-                    ).memory.activations,
+                    "least_memory": least.memory.total,
+                    "least_memory_activations": least.memory.activations,
                     "least_reused_memory": min(
                         e.memory.total
                         for e in result.estimates
                         if reuses_attention_layout(e.mapping)
                     ),
-                    "fitting": _compare(model, devices, result.ranked),
-                    "all": _compare(model, devices, sorted(result.estimates, key=lambda e: -e.mfu)),
+                    "fitting": compare_folding(model, result.ranked, devices),
+                    "all": compare_folding(
+                        model, sorted(result.estimates, key=lambda e: -e.mfu), devices
+                    ),
                 }
             )
             args.out.write_text(report(rows, command.strip(), schedules, fields))

@@ -110,8 +110,8 @@ def test_scale_report_sets_the_best_folded_against_the_best_reused():
 
     folded = estimate(tensor=2, expert_tensor=1, step=1.0)
     reused = estimate(tensor=4, expert_tensor=4, step=1.5)
-    fitting = folding_scale._compare("m", 64, [folded, reused])
-    nothing_fits = folding_scale._compare("m", 64, [])
+    fitting = folding_models.compare_folding("m", [folded, reused], 64)
+    nothing_fits = folding_models.compare_folding("m", [], 64)
     rows = [
         {"model": "m", "devices": 64, "mappings": 2, "fits": 2, "seconds": 3.0,
          "least_memory": 1e9, "least_reused_memory": 2e9, "least_memory_activations": 5e8,
