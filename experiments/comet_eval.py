@@ -10,13 +10,17 @@
 (b) End to end: Lancet's GPT-2 MoE configurations from ``experiments.lancet_eval`` on
     16 and 32 GPUs of its profiles, with ``none``, ``lancet``, ``comet`` and
     ``lancet+comet`` (the other schedules are in ``lancet_eval.md``).
-(c) The emulated cluster is not run here: its instrument is being reworked (a
-    calibrated link, interleaved repeats and an overlap control); until then its gains
-    are artifacts of the link shaper (see DESIGN.md, "Checked in round 2").
+(c) The emulated cluster (``experiments.comet_cluster``): the overlap regime's step on 2
+    hosts over a calibrated link with ``none``, ``async``, ``expert_pipeline:2``,
+    ``comet``, ``lancet`` and ``lancet+comet``, measured side by side, and each predicted
+    by the simulator from the instrument's description. Needs root (network namespaces);
+    ``--cluster-from DIR`` predicts again from a saved run, ``--skip-cluster`` keeps (c).
 
-Every figure here is the simulator's (the cost model and the two-stream timeline).
+(a) and (b) are the simulator's (the cost model and the two-stream timeline);
+``--skip-simulator`` keeps them from the results file it overwrites.
 
     python -m experiments.comet_eval [--quick] [--step-gpus 16,32] [--step-models M1;M2]
+        [--skip-simulator] [--skip-cluster | --cluster-from DIR]
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from experiments import comet_cluster
+from experiments.results_file import kept_section
 
 RESULTS = Path(__file__).parent / "results"
 LAYER_PROFILES = ("a100-8x-nvlink-400g", "h100-8x-nvlink-3200g")
@@ -247,24 +254,8 @@ def _in_workers(kind: str, gpu_counts: tuple[int, ...], extra: list[str]) -> lis
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", type=Path, default=RESULTS / "comet_eval.md")
-    parser.add_argument("--step-gpus", default="16,32", help="(b): device counts, comma-separated")
-    parser.add_argument("--step-models", help="(b): models of lancet_eval, ';'-separated")
-    parser.add_argument("--layers", type=int, help=argparse.SUPPRESS)  # worker: GPUs
-    parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)  # worker: GPUs
-    parser.add_argument("--models", help=argparse.SUPPRESS)
-    parser.add_argument("--rows", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.layers:  # one process per device count: XLA reads it once, at start
-        args.rows.write_text(json.dumps(simulate_layers(args.layers, args.quick)))
-        return 0
-    if args.steps:
-        args.rows.write_text(json.dumps(simulate_steps(args.steps, args.models.split(";"))))
-        return 0
-
+def _simulated(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """Sections (a) and (b), and the targets read off them."""
     from experiments.lancet_eval import MODELS
 
     quick = ["--quick"] if args.quick else []
@@ -273,19 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     models = args.step_models.split(";") if args.step_models else models
     gpu_counts = (16,) if args.quick else tuple(int(g) for g in args.step_gpus.split(","))
     steps = _in_workers("steps", gpu_counts, ["--models", ";".join(models)])
-    command = "python -m experiments.comet_eval " + shlex.join(argv or sys.argv[1:])
-    sections = [
-        "# COMET evaluation",
-        "",
-        f"Command: `{command.strip()}`",
-        "",
-        "Instrument: the simulator (analytic cost model and two-stream timeline) for every",
-        "figure. `none` is the captured program in its own order, every collective",
-        "synchronous; tutel-N pipelines each MoE layer's all-to-alls and experts in N chunks",
-        "(`expert_pipeline`); `comet` decomposes each exchange, forward and backward, per",
-        "source (rounds) or in chunks, chosen per MoE layer by the cost model. The speedup",
-        "bound is none / max(compute, communication) of the captured program.",
-        "",
+    simulated = [
         "## (a) One MoE layer, forward and backward",
         "",
         f"{TOKENS_PER_GPU[0]} x {TOKENS_PER_GPU[1]} tokens per GPU, capacity factor 1.0, float32.",
@@ -323,16 +302,78 @@ def main(argv: list[str] | None = None) -> int:
             }
         ),
         "",
-        "## (c) Emulated cluster",
+    ]
+    return simulated, ["## Targets", "", *_targets(layers, steps), ""]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=Path, default=RESULTS / "comet_eval.md")
+    parser.add_argument("--step-gpus", default="16,32", help="(b): device counts, comma-separated")
+    parser.add_argument("--step-models", help="(b): models of lancet_eval, ';'-separated")
+    parser.add_argument(
+        "--skip-simulator",
+        action="store_true",
+        help="keep (a), (b) and the targets from the results file it overwrites",
+    )
+    parser.add_argument(
+        "--skip-cluster", action="store_true", help="keep (c) from the results file it overwrites"
+    )
+    parser.add_argument(
+        "--cluster-from",
+        type=Path,
+        help="(c) predicted again from this saved run's measurements, without the cluster "
+        f"(the committed run: {comet_cluster.MEASUREMENTS.relative_to(RESULTS.parent.parent)})",
+    )
+    parser.add_argument("--layers", type=int, help=argparse.SUPPRESS)  # worker: GPUs
+    parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)  # worker: GPUs
+    parser.add_argument("--models", help=argparse.SUPPRESS)
+    parser.add_argument("--rows", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.layers:  # one process per device count: XLA reads it once, at start
+        args.rows.write_text(json.dumps(simulate_layers(args.layers, args.quick)))
+        return 0
+    if args.steps:
+        args.rows.write_text(json.dumps(simulate_steps(args.steps, args.models.split(";"))))
+        return 0
+    if args.cluster_from is not None and not args.cluster_from.is_dir():
+        parser.error(f"--cluster-from {args.cluster_from}: no such directory")
+
+    if args.skip_simulator:
+        simulated = kept_section(args.out, "## (a)", "## (c)", "--skip-simulator")
+        targets = kept_section(args.out, "## Targets", None, "--skip-simulator")
+    else:
+        simulated, targets = _simulated(args)
+    if args.skip_cluster:
+        cluster = kept_section(args.out, "## (c)", "## Targets", "--skip-cluster")
+    else:
+        cluster = [
+            "## (c) Emulated cluster",
+            "",
+            *comet_cluster.section(
+                saved=args.cluster_from,
+                keep=None if args.cluster_from else comet_cluster.MEASUREMENTS,
+                quick=args.quick,
+            ),
+        ]
+    command = "python -m experiments.comet_eval " + shlex.join(argv or sys.argv[1:])
+    sections = [
+        "# COMET evaluation",
         "",
-        "Not run: the emulated cluster's instrument is being reworked (calibrated link,",
-        "interleaved repeats, an overlap control beside every claim). Until that lands its",
-        "gains are artifacts of the link shaper (DESIGN.md, round 2).",
+        f"Command: `{command.strip()}`",
         "",
-        "## Targets",
+        "Instrument: the simulator (analytic cost model and two-stream timeline) for (a) and",
+        "(b); the emulated cluster, measured, beside the simulator's prediction of it, for (c).",
+        "`none` is the captured program in its own order, every collective",
+        "synchronous; tutel-N pipelines each MoE layer's all-to-alls and experts in N chunks",
+        "(`expert_pipeline`); `comet` decomposes each exchange, forward and backward, per",
+        "source (rounds) or in chunks, chosen per MoE layer by the cost model. The speedup",
+        "bound is none / max(compute, communication) of the captured program.",
         "",
-        *_targets(layers, steps),
-        "",
+        *simulated,
+        *cluster,
+        *targets,
     ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(sections))

@@ -39,6 +39,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from experiments.results_file import kept_section
+
 RESULTS = Path(__file__).parent / "results"
 PROFILES = ("a100-8x-nvlink-400g", "v100-8x-nvlink-100g")
 # Name in the tables -> (policy, chunk count). Degree 1 of the Tutel-style baseline is the
@@ -187,19 +189,6 @@ def _table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def _kept_section(path: Path, heading: str, end: str | None, flag: str) -> list[str]:
-    """The section of an earlier results file from ``heading`` up to ``end`` (or to the
-    end of the file), for runs that skip it."""
-    text = path.read_text() if path.exists() else ""
-    if heading not in text or (end is not None and end not in text):
-        return []
-    stop = len(text) if end is None else text.index(end)
-    section = text[text.index(heading) : stop].rstrip().splitlines()
-    note = f"Kept from the previous run of the whole evaluation (`{flag}` does not rerun it)."
-    body = "\n".join(section[1:]).replace(f"\n{note}\n", "", 1).splitlines()  # kept twice
-    return [section[0], "", note, *body, ""]
-
-
 def _plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -282,9 +271,9 @@ def main(argv: list[str] | None = None) -> int:
             for link in args.links.split(","):
                 sections += cluster(args.quick, float(link))
     else:
-        sections += _kept_section(args.out, "## (a)", "## (b)", "--skip-cluster")
+        sections += kept_section(args.out, "## (a)", "## (b)", "--skip-cluster")
     if args.skip_simulator:
-        sections += _kept_section(args.out, "## (b)", None, "--skip-simulator")
+        sections += kept_section(args.out, "## (b)", None, "--skip-simulator")
         args.out.write_text("\n".join(sections))
         print(f"wrote {args.out}")
         return 0

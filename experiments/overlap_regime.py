@@ -46,15 +46,17 @@ def cluster_argv(
     link_mbit: float = LINK_MBIT,
     quick: bool = False,
     shaped_only: bool = False,
+    schedules: tuple[str, ...] = SCHEDULES,
 ) -> list[str]:
     """``experiments.cluster`` arguments for the regime; ``curves``: also sweep the link's
     collective costs into it. ``quick``: 3 rounds and ``shaped_only``; ``shaped_only``: no
-    runs on the unshaped link (no compute-only figures)."""
+    runs on the unshaped link (no compute-only figures); ``schedules``: cluster entries
+    (``NAME`` or ``NAME:N``), the first the baseline of the speedups."""
     repeats, warmup = ("3", "1") if quick else ("6", "2")
     argv = [
         "--hosts", str(HOSTS), "--devices-per-host", str(DEVICES_PER_HOST),
         "--link-mbit", f"{link_mbit:g}", "--preset", PRESET,
-        "--repeats", repeats, "--warmup", warmup, "--schedules", ",".join(SCHEDULES),
+        "--repeats", repeats, "--warmup", warmup, "--schedules", ",".join(schedules),
         "--json", str(out),
     ]  # fmt: skip
     if curves is not None:

@@ -2,6 +2,7 @@
 
     sudo python -m experiments.simulator_validation [--link-mbit 50] [--shaped-only]
         [--compute-only-from RUN.json] [--quick] [--keep DIR | --from DIR]
+        [--schedules none,async,partition,lancet]
 
 One emulated-cluster run (``experiments.cluster``) measures the instrument in the regime
 of ``experiments.overlap_regime`` (2 hosts x 1 device, ``tiny`` with top-2 and 128
@@ -37,9 +38,9 @@ RESULTS = Path(__file__).parent / "results"
 TOLERANCE = 0.15
 
 
-def _plans(link_mbit: float, cost) -> dict:
-    """Each schedule's graph, order and partitioned ranges, planned as the run planned it
-    (its own policy and cost model)."""
+def _plans(link_mbit: float, cost, schedules: list[str]) -> dict:
+    """Each schedule's graph, order and what its planning did (partitioned ranges, MoE
+    layers decomposed), planned as the run planned it (its own policy and cost model)."""
     from experiments.cluster import schedule_flags
     from jaxmoe.parallel import build_mesh
     from jaxmoe.train.cli import config_from_train_args
@@ -53,13 +54,15 @@ def _plans(link_mbit: float, cost) -> dict:
     program, sharded = capture_train_step(config, mesh)
     batch = batch_inputs(program, sharded.batch_argnums)
     plans = {}
-    for schedule in regime.SCHEDULES:
+    for schedule in schedules:
         policy = schedule_policy(config_from_train_args([*argv, *schedule_flags(schedule)]))
         planned = plan(program, policy, cost_model(policy, mesh), batch)
         ranges = [
             f"ops {c.plan.begin}-{c.plan.end - 1} in {c.plan.n} chunks" for c in planned.partitions
         ]
-        plans[schedule] = (planned.graph, planned.schedule.order, ranges)
+        decomposed = [f"{c.layer} {c.chosen}" for c in planned.exchanges if c.chosen]
+        done = {"partitions": ranges, "exchanges": decomposed}
+        plans[schedule] = (planned.graph, planned.schedule.order, done)
     return plans
 
 
@@ -88,7 +91,7 @@ def _control_plans(mesh, settings: dict) -> dict:
     for form, body in per_device_forms(EXPERT_AXIS, args).items():
         program = capture(body, x, w, mesh=mesh, in_specs=specs, out_specs=specs[0])
         graph = Graph(program, split=lambda op: op.primitive == "all_to_all")
-        plans[form] = (graph, model.pipelined_order(graph), [])
+        plans[form] = (graph, model.pipelined_order(graph), {"partitions": [], "exchanges": []})
     return plans
 
 
@@ -107,7 +110,7 @@ def predict(measured_path: Path, curves_path: Path, cache: Path, compute_only_s:
     cost = model.instrument_cost(mesh, curves_path, measured["link_calibration"], cache)
     control = measured["overlap_control"]
     groups = {
-        "schedules": _plans(link_mbit, cost),
+        "schedules": _plans(link_mbit, cost, [row["schedule"] for row in measured["schedules"]]),
         "control": _control_plans(mesh, {"rows": control["rows_per_device"], **control}),
     }
     graph, order, _ = groups["schedules"]["none"]
@@ -116,9 +119,9 @@ def predict(measured_path: Path, curves_path: Path, cache: Path, compute_only_s:
     result: dict = {"compute_scale": factor}
     for group, plans in groups.items():
         result[group] = {}
-        for name, (graph, order, ranges) in plans.items():
+        for name, (graph, order, done) in plans.items():
             result[group][name] = model.readings(graph, order, node_seconds(cost), factor)
-            result[group][name]["partitions"] = ranges
+            result[group][name].update(done)
             step = result[group][name]["instrument"]["step_s"]
             print(f"  {group} {name}: {step * 1e3:.1f} ms predicted")
     cost.profiler.save()
@@ -133,6 +136,20 @@ READING_NAMES = {
     "all_async": "all asynchronous",
     "in_place": "in place",
 }
+
+
+def _planning_lines(schedules: dict) -> list[str]:
+    """What each schedule's own planning did: partitioned ranges, decomposed exchanges."""
+    lines = []
+    for key, what in (("partitions", "Forward ranges partitioned"), ("exchanges", "MoE layers")):
+        done = [
+            f"{name}: {', '.join(plan.get(key, [])) or 'none'}"
+            for name, plan in schedules.items()
+            if (key == "partitions" and name in ("partition", "lancet")) or plan.get(key)
+        ]
+        if done:
+            lines.append(f"{what} by the run's own planning: {'; '.join(done)}.")
+    return lines
 
 
 def _ms(seconds: float) -> str:
@@ -216,6 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
     parser.add_argument("--link-mbit", type=float, default=regime.LINK_MBIT)
     parser.add_argument(
+        "--schedules",
+        default=",".join(regime.SCHEDULES),
+        help="cluster entries (NAME or NAME:N), the first the baseline of the speedups",
+    )
+    parser.add_argument(
         "--shaped-only",
         action="store_true",
         help="no runs on the unshaped link (then --compute-only-from gives compute-only)",
@@ -228,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--from", dest="source", type=Path, help="a saved run's directory")
     parser.add_argument("--keep", type=Path, help="save the run's measurements here")
     parser.add_argument("--out", type=Path, default=RESULTS / "simulator_validation.md")
+    parser.add_argument("--save-predicted", type=Path, help="also write the predictions here")
     parser.add_argument("--predict", type=Path, help=argparse.SUPPRESS)  # worker: measured
     parser.add_argument("--curves", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--compute-only-s", type=float, help=argparse.SUPPRESS)
@@ -254,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                 link_mbit=args.link_mbit,
                 quick=args.quick,
                 shaped_only=args.shaped_only,
+                schedules=tuple(s for s in args.schedules.split(",") if s),
             )
             if cluster.main(cluster_argv) != 0:
                 return 2
@@ -267,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         worker += ["--rows", str(rows_path)]
         subprocess.run(worker, env=env, check=True)
         predicted = json.loads(rows_path.read_text())
+        if args.save_predicted is not None:
+            args.save_predicted.write_text(json.dumps(predicted))
     shown = measured["command"].replace(str(measured_path), measured_path.name)
     shown = shown.replace(str(curves_path), curves_path.name)
     schedules = predicted["schedules"]
@@ -296,13 +322,7 @@ def main(argv: list[str] | None = None) -> int:
             for r in ("instrument", "scaled")
         ),
         "",
-        "Forward ranges partitioned by the run's own planning: "
-        + "; ".join(
-            f"{name}: {', '.join(schedules[name]['partitions']) or 'none'}"
-            for name in ("partition", "lancet")
-            if name in schedules
-        )
-        + ".",
+        *_planning_lines(schedules),
         "",
     ]
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import statistics
 import time
 from collections.abc import Sequence
@@ -182,9 +183,14 @@ class OpProfiler:
         return statistics.median(timings)
 
     def save(self) -> None:
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text(json.dumps(self.table, indent=0, sort_keys=True) + "\n")
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Written aside and renamed into place: a process reading the cache while another
+        # saves it sees the old table or the new one, never half of one.
+        partial = self.path.with_name(f"{self.path.name}.{os.getpid()}.partial")
+        partial.write_text(json.dumps(self.table, indent=0, sort_keys=True) + "\n")
+        os.replace(partial, self.path)
 
 
 class ProfiledCostModel(CostModel):

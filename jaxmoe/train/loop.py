@@ -87,7 +87,7 @@ def _checkpoint(
     return time.perf_counter() - started
 
 
-def _rebalance(
+def rebalance(
     state: Any, rows: list[dict[str, Any]], config: Config, done: int, log: PlacementLog
 ) -> Any:
     """After ``done`` steps, every ``moe.rebalance_every``: a new placement from the window's
@@ -233,7 +233,7 @@ def train(
                     if primary:
                         bar.write(f"step {done}: val_loss {row['val_loss']:.4f}")
                 stop = signals.stop_after(done)
-                state = _rebalance(state, [*history, *rows, row], config, done, placement_log)
+                state = rebalance(state, [*history, *rows, row], config, done, placement_log)
                 if checkpoints is not None:
                     row["checkpoint_s"] = _checkpoint(checkpoints, state, config, done, stop)
                 rows.append(row)

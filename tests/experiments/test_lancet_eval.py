@@ -88,17 +88,3 @@ def test_results_have_lancet_no_slower_than_partition_or_dw_in_every_simulated_r
     for config in configs:
         lancet = steps[config, "lancet"]
         assert lancet <= min(steps[config, "partition"], steps[config, "dw"]), config
-
-
-def test_skipped_sections_are_kept_from_the_file_they_overwrite(tmp_path):
-    path = tmp_path / "lancet_eval.md"
-    path.write_text("# T\n\n## (a) Emulated cluster\n\nA rows\n\n## (b) Simulator\n\nB rows\n")
-    kept_a = lancet_eval._kept_section(path, "## (a)", "## (b)", "--skip-cluster")
-    assert kept_a[0] == "## (a) Emulated cluster"
-    assert "A rows" in kept_a and "B rows" not in kept_a
-    kept_b = lancet_eval._kept_section(path, "## (b)", None, "--skip-simulator")
-    assert kept_b[-2] == "B rows" and "`--skip-simulator`" in kept_b[2]
-    assert lancet_eval._kept_section(tmp_path / "missing.md", "## (a)", None, "x") == []
-    path.write_text("\n".join(kept_b))  # kept again: one note, not two
-    again = lancet_eval._kept_section(path, "## (b)", None, "--skip-simulator")
-    assert again == kept_b
