@@ -22,7 +22,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 test: lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto --dist worksteal
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -3,8 +3,9 @@
 Each case is a layout of 8 fake devices with tensor (and sequence) parallelism,
 expert-tensor parallelism, or both, folded with the expert group. ``async`` and
 ``dw`` must be bit for bit equal to the unscheduled step. ``partition`` and
-``lancet`` drop the same tokens and give the same losses and metrics within the
-tolerances of tests/train/test_partitioned.py (XLA compiles matmuls of fewer
+``lancet`` (and ``comet``, whose pieces are matmuls of fewer rows too) drop the
+same tokens and give the same losses and metrics within the tolerances of
+tests/train/test_partitioned.py (XLA compiles matmuls of fewer
 rows with other roundings); the parameters after five AdamW steps are compared
 to 1e-3, a tenth of one step's update at learning rate 1e-2: Adam divides by
 the root of the second moment, so a gradient near zero that moves by an ulp
@@ -25,9 +26,10 @@ import pytest
 
 from jaxmoe.config import MoEConfig, ParallelConfig
 from jaxmoe.parallel import build_mesh
-from jaxmoe.train.scheduled import capture_train_step
+from jaxmoe.train.scheduled import capture_train_step, plan_train_step
 from scheduling.capture import Phase
 from scheduling.collective_purpose import collective_purposes
+from tests.train.test_comet import comet
 from tests.train.test_partitioned import EXACT_METRICS, partitioned
 from tests.train.test_scheduled import run, small, with_schedule
 
@@ -113,3 +115,25 @@ def test_the_folded_expert_exchange_is_named_from_the_program():
     # Today's step on a folded mesh: the expert group spans the tensor axis.
     purposes = _forward_purposes("tensor2-folded")
     assert {"expert all_to_all (dispatch)", "expert all_to_all (combine)"} <= purposes
+
+
+@pytest.mark.parametrize(
+    ("case", "exchange"),
+    [
+        ("tensor2-folded", "chunks:2"),
+        ("tensor2-folded", "rounds:4"),
+        ("expert_tensor2", "chunks:2"),
+        ("tensor2-expert_tensor2", "rounds:2"),
+    ],
+)
+def test_comet_decomposes_the_folded_exchange_and_matches(case, exchange):
+    # tensor2-folded: the expert group (4) spans the tensor axis, so the all-to-all runs over
+    # an axis tuple; with expert_tensor the pieces' GEMMs sit between expert-tensor gathers.
+    _skip_until_the_layout_changes_the_program(case)
+    config = comet(_config(case), "comet", exchange)
+    report = plan_train_step(config, build_mesh(config.parallel)).report
+    assert report.exchanges, "no MoE exchange recognised on the folded mesh"
+    assert [layer.decomposition for layer in report.exchanges] == [exchange] * 2, [
+        (layer.decomposition, layer.why) for layer in report.exchanges
+    ]
+    _assert_same_training(run(config, steps=STEPS), _reference(case))
