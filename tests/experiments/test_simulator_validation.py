@@ -119,3 +119,19 @@ def test_summary_gives_calibration_control_and_breakdown():
     assert "communication is 75% of it" in text
     report["schedules"][0]["compute_only_s"] = float("nan")  # a --shaped-only run
     assert "unshaped" not in overlap_regime.summary(report)
+
+
+def test_other_schedules_reach_the_cluster_and_their_planning_is_reported(tmp_path: Path):
+    schedules = ("none", "comet", "lancet+comet")
+    argv = overlap_regime.cluster_argv(tmp_path / "m", schedules=schedules)
+    flags = dict(zip(argv[::2], argv[1::2], strict=False))
+    assert flags["--schedules"] == "none,comet,lancet+comet"
+    planned = {
+        "none": {"partitions": [], "exchanges": []},
+        "lancet": {"partitions": ["ops 0-9 in 8 chunks"], "exchanges": []},
+        "comet": {"partitions": [], "exchanges": ["layer_1/moe chunks:2"]},
+    }
+    assert simulator_validation._planning_lines(planned) == [
+        "Forward ranges partitioned by the run's own planning: lancet: ops 0-9 in 8 chunks.",
+        "MoE layers by the run's own planning: comet: layer_1/moe chunks:2.",
+    ]
