@@ -42,7 +42,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from experiments.hosts import Cluster, machine
+from experiments.hosts import Cluster, check_hosts_fill_layout, machine
 from experiments.link_calibration import LinkCalibration, calibrate_link, ensure_calibrated
 from experiments.netns import EmulatedNetwork, LinkShape, namespaces_available
 from experiments.overlap_control import cluster_control_args, run_control
@@ -176,13 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--schedules: {unknown} not among {', '.join(SCHEDULES)}")
         train_args = ["--preset", args.preset, *overrides]
         config = config_from_train_args(train_args)
-        devices = args.hosts * args.devices_per_host
-        if config.parallel.num_devices != devices:
-            raise ConfigError(
-                f"parallel.data x parallel.expert = {config.parallel.num_devices}, but "
-                f"{args.hosts} hosts x {args.devices_per_host} devices = {devices}: "
-                "pass --parallel.data/--parallel.expert to match"
-            )
+        check_hosts_fill_layout(config, args.hosts, args.devices_per_host)
         shaped_link = LinkShape(rate_mbit=args.link_mbit, delay_ms=args.delay_ms)
     except (ConfigError, ValueError) as error:
         print(f"experiments.cluster: error: {error}", file=sys.stderr)

@@ -13,6 +13,19 @@ from experiments.netns import EmulatedNetwork
 from jaxmoe.train.launch import launch
 
 
+def check_hosts_fill_layout(config, hosts: int, devices_per_host: int) -> None:
+    """Refuse a layout whose device count is not ``hosts x devices_per_host``."""
+    from jaxmoe.config import ConfigError
+
+    devices = hosts * devices_per_host
+    if config.parallel.num_devices != devices:
+        raise ConfigError(
+            f"parallel.data x parallel.expert = {config.parallel.num_devices}, but "
+            f"{hosts} hosts x {devices_per_host} devices = {devices}: "
+            "pass --parallel.data/--parallel.expert to match"
+        )
+
+
 def machine() -> str:
     """The host, for results files (timings depend on its cores, shared by every process)."""
     return f"{platform.machine()}, {os.cpu_count()} CPU cores"

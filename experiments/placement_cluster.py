@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from experiments.hosts import Cluster, machine
+from experiments.hosts import Cluster, check_hosts_fill_layout, machine
 from experiments.link_calibration import calibrate_link, ensure_calibrated
 from experiments.netns import EmulatedNetwork, LinkShape, namespaces_available
 from experiments.placement_rounds import VARIANTS, variant_configs
@@ -64,13 +64,7 @@ def _check(args: argparse.Namespace, overrides: list[str]):
     """The run's config, checked (with the hosts and the output) before anything starts."""
     config = config_from_train_args(["--preset", args.preset, *DEFAULT_OVERRIDES, *overrides])
     variant_configs(config)
-    devices = args.hosts * args.devices_per_host
-    if config.parallel.num_devices != devices:
-        raise ConfigError(
-            f"parallel.data x parallel.expert = {config.parallel.num_devices}, but "
-            f"{args.hosts} hosts x {args.devices_per_host} devices = {devices}: "
-            "pass --parallel.data/--parallel.expert to match"
-        )
+    check_hosts_fill_layout(config, args.hosts, args.devices_per_host)
     if args.repeats < 1 or args.warmup < 0:
         raise ConfigError("--repeats must be at least 1 and --warmup at least 0")
     for path in (args.out, args.json):

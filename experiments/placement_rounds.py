@@ -23,14 +23,12 @@ each step, and for ``dynamic`` the seconds its re-planning took and the slots it
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
 import time
-from pathlib import Path
 
-from experiments.step_rounds import round_order
+from experiments.step_rounds import round_order, rounds_parser, start_host
 
 VARIANTS = ("no replicas", "static", "dynamic")
 
@@ -56,41 +54,20 @@ def variant_configs(config) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", type=Path, required=True, help="a resolved config.json")
-    parser.add_argument("--rounds", type=int, default=10, help="timed rounds")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
-    parser.add_argument("--json", type=Path, required=True)
-    parser.add_argument("--coordinator")
-    parser.add_argument("--num-processes", type=int)
-    parser.add_argument("--process-id", type=int)
-    args = parser.parse_args(argv)
-
-    from jaxmoe.config import Config
-    from jaxmoe.parallel.distributed import DistributedConfig, initialize
-    from jaxmoe.train.cli import ensure_host_devices
-
-    config = Config.from_dict(json.loads(args.config.read_text()))
+    args = rounds_parser(__doc__.splitlines()[0]).parse_args(argv)
+    config, mesh, sampler = start_host(args)
     configs = variant_configs(config)
-    distributed = DistributedConfig(args.coordinator, args.num_processes, args.process_id)
-    ensure_host_devices(config.parallel.num_devices // distributed.process_count_hint())
-    initialize(distributed)
 
     import jax
     import numpy as np
 
-    from jaxmoe.parallel.mesh import build_mesh
-    from jaxmoe.train.data import BatchSampler, load_splits, put_on_mesh
+    from jaxmoe.train.data import put_on_mesh
     from jaxmoe.train.loop import rebalance
     from jaxmoe.train.metrics import host_row
     from jaxmoe.train.placement_planner import PlacementLog
     from jaxmoe.train.scheduled import plan_train_step
     from jaxmoe.train.state import init_train_state
 
-    mesh = build_mesh(config.parallel)
-    sampler = BatchSampler(
-        load_splits(config).train, config.model.seq_len, config.train.batch_size, config.train.seed
-    )
     tokens = config.train.batch_size * config.model.seq_len
     no_log = PlacementLog(None, 0, active=False)
     # static and dynamic run one compiled step: only the table they pass it differs.

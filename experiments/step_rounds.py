@@ -21,6 +21,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 
 def with_schedule(config, schedule: str):
@@ -37,19 +38,23 @@ def round_order(schedules: list[str], round_index: int) -> list[str]:
     return list(schedules) if round_index % 2 == 0 else list(reversed(schedules))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def rounds_parser(description: str) -> argparse.ArgumentParser:
+    """The arguments of a host's rounds: the config, rounds, output, and the process's place
+    in the distributed run (``jaxmoe.train.launch`` passes those)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", type=Path, required=True, help="a resolved config.json")
-    parser.add_argument("--schedules", required=True, help="comma-separated NAME or NAME:N")
     parser.add_argument("--rounds", type=int, default=10, help="timed rounds")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--coordinator")
     parser.add_argument("--num-processes", type=int)
     parser.add_argument("--process-id", type=int)
-    args = parser.parse_args(argv)
-    schedules = [s for s in args.schedules.split(",") if s]
+    return parser
 
+
+def start_host(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """This host's part of the run: ``(config, mesh, batch sampler)``, with its fake devices
+    set and the distributed runtime joined."""
     from jaxmoe.config import Config
     from jaxmoe.parallel.distributed import DistributedConfig, initialize
     from jaxmoe.train.cli import ensure_host_devices
@@ -59,17 +64,28 @@ def main(argv: list[str] | None = None) -> int:
     ensure_host_devices(config.parallel.num_devices // distributed.process_count_hint())
     initialize(distributed)
 
-    import jax
-
     from jaxmoe.parallel.mesh import build_mesh
-    from jaxmoe.train.data import BatchSampler, load_splits, put_on_mesh
-    from jaxmoe.train.scheduled import plan_train_step
-    from jaxmoe.train.state import init_train_state
+    from jaxmoe.train.data import BatchSampler, load_splits
 
-    mesh = build_mesh(config.parallel)
     sampler = BatchSampler(
         load_splits(config).train, config.model.seq_len, config.train.batch_size, config.train.seed
     )
+    return config, build_mesh(config.parallel), sampler
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = rounds_parser(__doc__.splitlines()[0])
+    parser.add_argument("--schedules", required=True, help="comma-separated NAME or NAME:N")
+    args = parser.parse_args(argv)
+    schedules = [s for s in args.schedules.split(",") if s]
+    config, mesh, sampler = start_host(args)
+
+    import jax
+
+    from jaxmoe.train.data import put_on_mesh
+    from jaxmoe.train.scheduled import plan_train_step
+    from jaxmoe.train.state import init_train_state
+
     steps, states, compile_s = {}, {}, {}
     for schedule in schedules:
         started = time.perf_counter()
