@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     import dataclasses
 
-    from jaxmoe.parallel import build_mesh
+    from jaxmoe.parallel.mesh import build_mesh
     from jaxmoe.presets import preset
     from jaxmoe.train.scheduled import plan_train_step
 

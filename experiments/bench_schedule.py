@@ -27,8 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
 
+    from jaxmoe.cli.main import ensure_host_devices
     from jaxmoe.presets import preset
-    from jaxmoe.train.cli import ensure_host_devices
 
     config = preset(args.preset)
     ensure_host_devices(config.parallel.num_devices)
@@ -36,10 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     import scheduling
-    from jaxmoe.parallel import build_mesh
+    from jaxmoe.parallel.mesh import build_mesh
     from jaxmoe.train.scheduled import abstract_step_args, capture_train_step
-    from scheduling.emit import emit
     from scheduling.optimize import batch_inputs, build_report, cost_model, plan
+    from scheduling.runtime.emit import emit
 
     mesh = build_mesh(config.parallel)
     example = abstract_step_args(config, mesh)

@@ -29,15 +29,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
 
+    from jaxmoe.cli.main import ensure_host_devices
     from jaxmoe.presets import preset
-    from jaxmoe.train.cli import ensure_host_devices
 
     config = preset(args.preset)
     ensure_host_devices(config.parallel.num_devices)
 
     import jax
 
-    from jaxmoe.parallel import build_mesh
+    from jaxmoe.parallel.mesh import build_mesh
     from jaxmoe.train.data import BatchSampler, TokenSplits, load_tokens, put_on_mesh
     from jaxmoe.train.state import init_train_state
     from jaxmoe.train.step import build_train_step

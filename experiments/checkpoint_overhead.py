@@ -35,8 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
 
+    from jaxmoe.cli.main import ensure_host_devices
     from jaxmoe.presets import preset
-    from jaxmoe.train.cli import ensure_host_devices
 
     config = preset(args.preset)
     ensure_host_devices(config.parallel.num_devices)

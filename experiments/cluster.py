@@ -47,9 +47,9 @@ from experiments.link_calibration import LinkCalibration, calibrate_link, ensure
 from experiments.netns import EmulatedNetwork, LinkShape, namespaces_available
 from experiments.overlap_control import cluster_control_args, run_control
 from experiments.spread import Spread, round_ratios
+from jaxmoe.cli.main import config_from_train_args
 from jaxmoe.config import ConfigError
-from jaxmoe.config_choices import SCHEDULES
-from jaxmoe.train.cli import config_from_train_args
+from jaxmoe.config.choices import SCHEDULES
 
 
 @dataclass

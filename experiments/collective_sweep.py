@@ -6,7 +6,7 @@
 Times ``all_to_all`` over the ``expert`` axis and ``psum`` over ``data``,
 ``expert`` and both, at operand sizes from ``--min-bytes`` to ``--max-bytes``
 (each 4x the last), ``--repeats`` times each after a warm-up, and writes the
-fitted ``scheduling.link_model.CollectiveCurves`` (process 0).
+fitted ``scheduling.costs.link_model.CollectiveCurves`` (process 0).
 
 Each sample is what one more collective adds: ``--chain`` collectives in one
 program, each fed by the result of the one before (so that XLA can neither
@@ -38,9 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--process-id", type=int)
     args = parser.parse_args(argv)
 
+    from jaxmoe.cli.main import ensure_host_devices
     from jaxmoe.config import ParallelConfig
     from jaxmoe.parallel.distributed import DistributedConfig, initialize
-    from jaxmoe.train.cli import ensure_host_devices
 
     parallel = ParallelConfig(data=args.parallel_data, expert=args.parallel_expert)
     distributed = DistributedConfig(args.coordinator, args.num_processes, args.process_id)
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from experiments.timing import time_per_device
     from jaxmoe.parallel.mesh import DATA_AXIS, EXPERT_AXIS, build_mesh
-    from scheduling.link_model import CollectiveCurves, PiecewiseLinear
+    from scheduling.costs.link_model import CollectiveCurves, PiecewiseLinear
 
     mesh = build_mesh(parallel)
     sizes = []

@@ -35,9 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--process-id", type=int)
     args = parser.parse_args(argv)
 
+    from jaxmoe.cli.main import ensure_host_devices
     from jaxmoe.config import Config
     from jaxmoe.parallel.distributed import DistributedConfig, initialize
-    from jaxmoe.train.cli import ensure_host_devices
 
     config = Config.from_dict(json.loads(args.config.read_text()))
     distributed = DistributedConfig(args.coordinator, args.num_processes, args.process_id)
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     from experiments.timing import time_per_device
     from jaxmoe.parallel.mesh import build_mesh
     from jaxmoe.train.scheduled import capture_train_step
-    from scheduling.jax_adapter import bind_equation
+    from scheduling.program.jax_adapter import bind_equation
 
     mesh = build_mesh(config.parallel)
     program, _ = capture_train_step(config, mesh)

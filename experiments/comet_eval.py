@@ -65,8 +65,9 @@ def layer_program(width: int, hidden: int, experts: int, top_k: int, gpus: int):
 
     from jaxmoe.config import MoEConfig, ParallelConfig
     from jaxmoe.layers.moe import MoELayer
-    from jaxmoe.parallel import build_mesh, param_specs
-    from scheduling.capture import capture
+    from jaxmoe.parallel.mesh import build_mesh
+    from jaxmoe.parallel.sharding import param_specs
+    from scheduling.program.capture import capture
 
     mesh = build_mesh(ParallelConfig(data=1, expert=gpus))
     config = MoEConfig(num_experts=experts, top_k=top_k, capacity_factor=1.0)
@@ -109,7 +110,7 @@ def layer_program(width: int, hidden: int, experts: int, top_k: int, gpus: int):
 def simulate_layers(gpus: int, quick: bool) -> list[dict]:
     """Rows of (a) for ``gpus`` devices; runs in a process with that many fake devices."""
     from scheduling.optimize import build_report, cost_model, plan
-    from scheduling.policy import SchedulePolicy
+    from scheduling.planning.policy import SchedulePolicy
 
     rows = []
     shapes = list(LAYER_SHAPES)[:1] if quick else list(LAYER_SHAPES)
@@ -148,10 +149,10 @@ def simulate_layers(gpus: int, quick: bool) -> list[dict]:
 def simulate_steps(gpus: int, models: list[str]) -> list[dict]:
     """Rows of (b) for ``gpus`` devices."""
     from experiments.lancet_eval import MODELS, PROFILES, paper_config
-    from jaxmoe.parallel import build_mesh
+    from jaxmoe.parallel.mesh import build_mesh
     from jaxmoe.train.scheduled import capture_train_step
     from scheduling.optimize import batch_inputs, build_report, cost_model, plan
-    from scheduling.policy import SchedulePolicy
+    from scheduling.planning.policy import SchedulePolicy
 
     rows = []
     for model in models:

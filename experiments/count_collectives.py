@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schedules", default="none,dw")
     args, overrides = parser.parse_known_args(argv)
 
-    from jaxmoe.train.cli import config_from_train_args, ensure_host_devices
+    from jaxmoe.cli.main import config_from_train_args, ensure_host_devices
 
     config = config_from_train_args(["--preset", args.preset, *overrides])
     ensure_host_devices(config.parallel.num_devices)

@@ -43,13 +43,13 @@ class Outcome:
 
 
 def _env() -> dict[str, str]:
-    from jaxmoe.train.launch import child_environment
+    from jaxmoe.cli.launch import child_environment
 
     return child_environment()
 
 
 def _jaxmoe(*args: str) -> list[str]:
-    return [sys.executable, "-m", "jaxmoe.train.cli", *args]
+    return [sys.executable, "-m", "jaxmoe.cli", *args]
 
 
 def _rows(out: Path) -> list[dict]:

@@ -2,7 +2,7 @@
 trains as the unfolded layout does.
 
 (a) Each valid mapping of the ``small`` preset onto 8 devices
-    (:func:`jaxmoe.train.mappings.enumerate_mappings`: attention data x tensor, MoE
+    (:func:`jaxmoe.plan.mappings.enumerate_mappings`: attention data x tensor, MoE
     expert data x expert x expert tensor, both dispatchers) trains a few steps from
     the same seed on the same batches as the reference layout (attention 8x1, MoE
     1x8x1, all_to_all). ``moe.group_size`` is fixed to one that divides seq_len /
@@ -124,7 +124,7 @@ def eval_config(preset_name: str = "small", group_size: int = GROUP_SIZE, steps:
 def ordered_layouts(config, devices: int = DEVICES, reference: str = REFERENCE) -> list:
     """The valid mappings (``Candidate``s): the reference first, then round-robin over
     the attention tensor sizes, each in enumeration order."""
-    from jaxmoe.train.mappings import enumerate_mappings
+    from jaxmoe.plan.mappings import enumerate_mappings
 
     valid = enumerate_mappings(config, devices).valid
     labels = [c.mapping.label() for c in valid]
@@ -153,7 +153,7 @@ def run_layout(label: str, config, host_batches: Sequence[np.ndarray]) -> Layout
     import jax
     from jax.sharding import NamedSharding
 
-    from jaxmoe.parallel import build_mesh, token_spec
+    from jaxmoe.parallel.mesh import build_mesh, token_spec
     from jaxmoe.train.state import init_train_state
     from jaxmoe.train.step import build_train_step
 

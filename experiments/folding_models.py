@@ -3,7 +3,7 @@ against the best mapping whose MoE reuses attention's layout.
 
 The model shapes are the published ones (layers, width, heads, experts, top-k, expert
 width); what jaxmoe's model cannot express is listed with each. The planner estimates
-them from one- and two-layer traces (:mod:`jaxmoe.train.layer_extrapolation`), so every
+them from one- and two-layer traces (:mod:`jaxmoe.plan.layer_extrapolation`), so every
 mapping on 64-256 devices is planned in seconds; ``experiments.folding_scale`` runs it.
 """
 
@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from jaxmoe.config import Config, ModelConfig, MoEConfig, TrainConfig
-from jaxmoe.train.mappings import Mapping
+from jaxmoe.plan.mappings import Mapping
 
 if TYPE_CHECKING:  # the planner imports JAX
-    from jaxmoe.train.planner import MappingEstimate
+    from jaxmoe.plan.planner import MappingEstimate
 
 # Sequence length of the planned runs, chosen here (the models' pretraining length).
 SEQ_LEN = 4096
@@ -84,7 +84,7 @@ def reuses_attention_layout(mapping: Mapping) -> bool:
 
     Precisely: ``expert_tensor == tensor``, so each expert-tensor group is exactly one
     attention tensor group (both are the innermost ``tensor`` devices of the numbering,
-    :mod:`jaxmoe.layout`), and the expert group, the next ``expert`` such groups, lies
+    :mod:`jaxmoe.parallel.layout`), and the expert group, the next ``expert`` such groups, lies
     inside attention's data axis: its devices differ only in their attention data index,
     never in their tensor index (Megatron-Core without folding: EP divides DP, ETP = TP).
     A folded mapping is any valid one; it may also put the expert group across the
@@ -131,7 +131,7 @@ def plan_and_compare(
     config: Config | None = None,
 ) -> FoldingComparison:
     """Plan every mapping of ``model`` (or ``config``) on ``devices`` devices and compare."""
-    from jaxmoe.train.planner import default_cache_dir, plan_mappings
+    from jaxmoe.plan.planner import default_cache_dir, plan_mappings
 
     config = config or planned_config(model, devices)
     result = plan_mappings(

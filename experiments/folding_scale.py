@@ -6,7 +6,7 @@ the best folded mapping is set against the best mapping whose MoE reuses attenti
 layout (:func:`~experiments.folding_models.reuses_attention_layout`): step time, MFU
 and memory per device, among the mappings that fit the device's memory and among all
 of them. Deep models are estimated from one- and two-layer traces
-(:mod:`jaxmoe.train.layer_extrapolation`).
+(:mod:`jaxmoe.plan.layer_extrapolation`).
 
     python -m experiments.folding_scale [--models M,...] [--devices 64,128,256]
         [--schedules none] [--recompute attention] [--out FILE]
@@ -57,7 +57,7 @@ LEFT_OUT = [
 
 
 def plan_model(model: str, devices: int, schedules: Sequence[str], model_fields: dict):
-    from jaxmoe.train.planner import default_cache_dir, plan_mappings
+    from jaxmoe.plan.planner import default_cache_dir, plan_mappings
 
     config = planned_config(model, devices, **model_fields)
     started = time.perf_counter()

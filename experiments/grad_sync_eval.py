@@ -35,8 +35,8 @@ from experiments.cluster import Cluster
 from experiments.grad_sync_report import write_report
 from experiments.link_calibration import calibrate_link, ensure_calibrated
 from experiments.netns import EmulatedNetwork, LinkShape, namespaces_available
+from jaxmoe.cli.main import config_from_train_args, ensure_host_devices
 from jaxmoe.parallel.grad_sync import ALGORITHMS
-from jaxmoe.train.cli import config_from_train_args, ensure_host_devices
 
 HOSTS, DEVICES_PER_HOST = 2, 4
 SMOOTHING = 5  # steps in the loss average that the target is checked against
@@ -86,7 +86,7 @@ def measure_link(cluster: Cluster, args, extra, algorithms: list[str], link: flo
 def auto_choice(args, extra, link: float) -> dict:
     """What ``--train.grad_sync auto`` picks when told this link (estimates included)."""
     from jaxmoe.parallel.mesh import build_mesh
-    from jaxmoe.train.grad_sync_choice import choose_grad_sync
+    from jaxmoe.plan.grad_sync_choice import choose_grad_sync
 
     told = [
         *("--train.schedule_profile", "cpu", "--train.schedule_link_mbit", f"{link:g}"),

@@ -10,7 +10,7 @@ import secrets
 from pathlib import Path
 
 from experiments.netns import EmulatedNetwork
-from jaxmoe.train.launch import launch
+from jaxmoe.cli.launch import launch
 
 
 def check_hosts_fill_layout(config, hosts: int, devices_per_host: int) -> None:
@@ -39,7 +39,7 @@ class Cluster:
         self.workdir = workdir
         self.name = name
 
-    def run(self, label: str, command_args: list[str], module: str = "jaxmoe.train.cli") -> None:
+    def run(self, label: str, command_args: list[str], module: str = "jaxmoe.cli") -> None:
         log_path = self.workdir / f"{self.name}-{label}.log"
         with log_path.open("w") as log:
             status = launch(

@@ -3,7 +3,7 @@
 Costs (``instrument_cost``), measured, not fitted to steps:
 
 - ops: each distinct op timed on every device of the step's mesh at once in one process
-  (the host processes share the machine's cores; ``scheduling.profiling``); layout ops
+  (the host processes share the machine's cores; ``scheduling.costs.profiling``); layout ops
   are free, elementwise ops cost their memory traffic (XLA fuses them);
 - collectives: an all-to-all over the socket transport, with one device per host, sends
   ``(group - 1) / group`` of its operand out of each host over that host's own shaped link
@@ -39,9 +39,9 @@ def socket_all_to_all_samples(sweep: list[dict], group: int) -> list[tuple[float
 
 def instrument_cost(mesh, curves_path: Path, calibration: dict, cache: Path):
     """The cost model of the cluster whose measurements are given (see the module)."""
-    from scheduling.cost import PROFILES
-    from scheduling.link_model import CollectiveCurves, PiecewiseLinear
-    from scheduling.profiling import OpProfiler, ProfiledCostModel
+    from scheduling.costs.link_model import CollectiveCurves, PiecewiseLinear
+    from scheduling.costs.profiles import PROFILES
+    from scheduling.costs.profiling import OpProfiler, ProfiledCostModel
 
     instrument = replace(PROFILES["cpu"], name="emulated cluster", fused_elementwise=True)
     curves = CollectiveCurves.load(curves_path)
@@ -65,8 +65,8 @@ def scaled_compute(seconds: Callable, factor: float) -> Callable:
 def readings(graph, order: list[int], seconds: Callable, factor: float) -> dict[str, dict]:
     """The program's step under each reading (``factor``: the ``scaled`` one's), and what
     its all-to-alls and its other collectives cost on the link."""
-    from scheduling.graph import Role
-    from scheduling.simulate import simulate
+    from scheduling.costs.simulate import simulate
+    from scheduling.program.graph import Role
 
     def sockets_overlap(node) -> bool:
         return node.op.primitive == "all_to_all"
@@ -102,7 +102,7 @@ def pipelined_order(graph) -> list[int]:
     with the all-to-alls' starts S0..Sk-1 in program order, S0 and what it needs, then for
     each i: S(i+1) and what it needs, the work that became ready at D(i-1), and D(i). A
     chained form serialises itself: S(i+1) needs D(i)."""
-    from scheduling.graph import Role
+    from scheduling.program.graph import Role
 
     placed: set[int] = set()
     order: list[int] = []

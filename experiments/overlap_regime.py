@@ -5,7 +5,7 @@ regime: ``tiny`` with top-2 routing and 128 sequences per step, on 2 hosts x 1 d
 (expert parallel over the link) joined by a calibrated 50 Mbit/s link. There the
 all-to-alls are most of the step (on the unshaped link the step takes a fraction of its
 time on the shaped one), so overlap has something to hide. Every all-to-all runs over the
-socket transport (``scheduling.socket_all_to_all``), ``none`` too (synchronously), so
+socket transport (``scheduling.runtime.socket_all_to_all``), ``none`` too (synchronously), so
 that speedups over ``none`` are overlap, not a change of transport. The gradient
 reductions are XLA's (gloo) in every schedule.
 """

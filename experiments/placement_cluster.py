@@ -30,8 +30,8 @@ from experiments.link_calibration import calibrate_link, ensure_calibrated
 from experiments.netns import EmulatedNetwork, LinkShape, namespaces_available
 from experiments.placement_rounds import VARIANTS, variant_configs
 from experiments.spread import Spread, round_ratios
+from jaxmoe.cli.main import config_from_train_args
 from jaxmoe.config import ConfigError
-from jaxmoe.train.cli import config_from_train_args
 
 RESULTS = Path(__file__).parent / "results"
 DEFAULT_OVERRIDES = ("--moe.slots_per_device", "2", "--moe.rebalance_every", "1")

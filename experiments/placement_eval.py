@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS / "placement_eval.md")
     args = parser.parse_args(argv)
 
-    from jaxmoe.train.cli import ensure_host_devices
+    from jaxmoe.cli.main import ensure_host_devices
 
     ensure_host_devices(8)
     every = args.rebalance_every

@@ -40,7 +40,7 @@ def round_order(schedules: list[str], round_index: int) -> list[str]:
 
 def rounds_parser(description: str) -> argparse.ArgumentParser:
     """The arguments of a host's rounds: the config, rounds, output, and the process's place
-    in the distributed run (``jaxmoe.train.launch`` passes those)."""
+    in the distributed run (``jaxmoe.cli.launch`` passes those)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--config", type=Path, required=True, help="a resolved config.json")
     parser.add_argument("--rounds", type=int, default=10, help="timed rounds")
@@ -55,9 +55,9 @@ def rounds_parser(description: str) -> argparse.ArgumentParser:
 def start_host(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """This host's part of the run: ``(config, mesh, batch sampler)``, with its fake devices
     set and the distributed runtime joined."""
+    from jaxmoe.cli.main import ensure_host_devices
     from jaxmoe.config import Config
     from jaxmoe.parallel.distributed import DistributedConfig, initialize
-    from jaxmoe.train.cli import ensure_host_devices
 
     config = Config.from_dict(json.loads(args.config.read_text()))
     distributed = DistributedConfig(args.coordinator, args.num_processes, args.process_id)

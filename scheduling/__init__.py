@@ -8,14 +8,15 @@ forward ranges into pipelined chunks and place and order the work, ``emit``
 rebuilds a jit-compiled step, and ``report`` says what was done. Entry point: :func:`optimize`.
 """
 
-from scheduling.capture import Program, capture
-from scheduling.collective_purpose import AxisRoles
-from scheduling.cost import PROFILES, CostModel, DeviceProfile
-from scheduling.emit import ScheduledStep, xla_gpu_flags
-from scheduling.link_model import CollectiveCurves
+from scheduling.costs.cost_model import CostModel
+from scheduling.costs.link_model import CollectiveCurves
+from scheduling.costs.profiles import PROFILES, DeviceProfile
 from scheduling.optimize import optimize, plan
-from scheduling.policy import POLICIES, SchedulePolicy
-from scheduling.report import ScheduleReport
+from scheduling.planning.policy import POLICIES, SchedulePolicy
+from scheduling.program.capture import Program, capture
+from scheduling.program.collective_purpose import AxisRoles
+from scheduling.reports.report import ScheduleReport
+from scheduling.runtime.emit import ScheduledStep, xla_gpu_flags
 
 __all__ = [
     "POLICIES",

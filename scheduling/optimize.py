@@ -8,28 +8,28 @@ from typing import Any, NamedTuple
 import jax
 from jax.sharding import Mesh
 
-from scheduling.capture import Program, Value, capture
-from scheduling.collective_purpose import AxisRoles
-from scheduling.cost import CostModel
-from scheduling.describe import build_report
-from scheduling.emit import ScheduledStep, emit
-from scheduling.exchange_plan import ExchangeChoice, comet_plan, lancet_comet_plan
-from scheduling.graph import Graph
-from scheduling.joint_plan import lancet_plan, partition_plan
-from scheduling.link_model import CollectiveCurves
+from scheduling.costs.cost_model import CostModel
+from scheduling.costs.link_model import CollectiveCurves
+from scheduling.costs.profiling import OpProfiler, ProfiledCostModel, is_local
 from scheduling.passes import Placement, order
-from scheduling.passes.batch_layout import analyze
 from scheduling.passes.order import Schedule
-from scheduling.passes.partition_search import (
+from scheduling.planning.exchange_plan import ExchangeChoice, comet_plan, lancet_comet_plan
+from scheduling.planning.joint_plan import lancet_plan, partition_plan
+from scheduling.planning.partition_search import (
     CHUNK_COUNTS,
     PartitionChoice,
     expert_pipelines,
 )
-from scheduling.policy import PACKING_DW, PARTITIONING, SchedulePolicy
-from scheduling.profiling import OpProfiler, ProfiledCostModel, is_local
-from scheduling.report import ScheduleReport
-from scheduling.socket_all_to_all import SocketTransport
-from scheduling.step_estimate import StepEstimates, node_seconds
+from scheduling.planning.policy import PACKING_DW, PARTITIONING, SchedulePolicy
+from scheduling.planning.step_estimate import StepEstimates, node_seconds
+from scheduling.program.batch_layout import analyze
+from scheduling.program.capture import Program, Value, capture
+from scheduling.program.collective_purpose import AxisRoles
+from scheduling.program.graph import Graph
+from scheduling.reports.describe import build_report
+from scheduling.reports.report import ScheduleReport
+from scheduling.runtime.emit import ScheduledStep, emit
+from scheduling.runtime.socket_all_to_all import SocketTransport
 
 __all__ = ["Plan", "batch_inputs", "build_report", "cost_model", "node_seconds", "optimize", "plan"]
 

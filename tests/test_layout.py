@@ -6,7 +6,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmoe.config import Config, ConfigError, ModelConfig, MoEConfig, ParallelConfig
-from jaxmoe.layout import axes_for_role, mesh_axes
+from jaxmoe.parallel.layout import axes_for_role, mesh_axes
 from jaxmoe.parallel.mesh import build_mesh, role_axes, token_spec
 
 

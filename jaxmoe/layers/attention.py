@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmoe.layers.parallel_linear import RowParallelLinear
-from jaxmoe.layout import TENSOR
+from jaxmoe.parallel.layout import TENSOR
 from jaxmoe.parallel.tensor_parallel import gather_sequence
 
 

@@ -40,8 +40,8 @@ import jax.numpy as jnp
 
 from jaxmoe.layers.dispatch import DispatchPlan, combine, dispatch
 from jaxmoe.layers.experts import Experts
-from jaxmoe.layout import EXPERT, EXPERT_TENSOR
 from jaxmoe.parallel.collectives import dispatch_to_experts, return_from_experts
+from jaxmoe.parallel.layout import EXPERT, EXPERT_TENSOR
 from jaxmoe.parallel.mesh import role_axes, role_size
 
 

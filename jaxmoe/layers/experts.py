@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmoe.layout import EXPERT, EXPERT_TENSOR
+from jaxmoe.parallel.layout import EXPERT, EXPERT_TENSOR
 from jaxmoe.parallel.placement import slot_weights
 from jaxmoe.parallel.sharding import ExpertParam
 

@@ -2,7 +2,7 @@
 
 The mesh's axes are the common refinement of the attention layout (data x
 tensor) and the MoE layout (expert data x expert x expert tensor), as
-:mod:`jaxmoe.layout` derives them. Without tensor or expert-tensor
+:mod:`jaxmoe.parallel.layout` derives them. Without tensor or expert-tensor
 parallelism it is ``(data, expert)``: ``data`` replicates the model and
 ``expert`` shards the experts. Layers find the axes of their groups with
 :func:`role_axes` at trace time, so the same code runs on every layout and,
@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
 
 from jaxmoe.config import ConfigError, ParallelConfig
-from jaxmoe.layout import ATTENTION_DATA, axes_for_role, mesh_axes
+from jaxmoe.parallel.layout import ATTENTION_DATA, axes_for_role, mesh_axes
 
 DATA_AXIS = "data"
 EXPERT_AXIS = "expert"
@@ -42,7 +42,7 @@ def token_spec(mesh: Mesh) -> PartitionSpec:
 
 def role_axes(role: str) -> tuple[str, ...]:
     """The manual mesh axes forming this device's group of ``role`` (see
-    :mod:`jaxmoe.layout`), at trace time; ``()`` outside a shard_map (one device)."""
+    :mod:`jaxmoe.parallel.layout`), at trace time; ``()`` outside a shard_map (one device)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return ()

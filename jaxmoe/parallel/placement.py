@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmoe.layout import EXPERT
+from jaxmoe.parallel.layout import EXPERT
 from jaxmoe.parallel.mesh import role_axes
 
 EMPTY = -1

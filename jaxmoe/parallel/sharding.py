@@ -2,7 +2,7 @@
 
 A parameter may carry ``parallel_axes`` metadata: for each dimension, the
 role it is split over (``tensor``, ``expert``, ``expert_tensor``; see
-:mod:`jaxmoe.layout`) or None. :class:`ExpertParam` splits its leading axis
+:mod:`jaxmoe.parallel.layout`) or None. :class:`ExpertParam` splits its leading axis
 over ``expert`` unless it says more. Every other parameter is replicated. A
 role becomes the mesh axes that form its group on the layout at hand, so one
 model declaration shards correctly on every folded layout. From a
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jaxmoe.layout import EXPERT, axes_for_role
+from jaxmoe.parallel.layout import EXPERT, axes_for_role
 from jaxmoe.parallel.mesh import DATA_AXIS, EXPERT_AXIS
 
 PyTree = Any

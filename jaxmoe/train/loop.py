@@ -23,9 +23,9 @@ from tqdm import tqdm
 from jaxmoe import exit_codes
 from jaxmoe.config import Config
 from jaxmoe.parallel.mesh import build_mesh
+from jaxmoe.plan.grad_sync_choice import GradSyncChoice, resolve_grad_sync
 from jaxmoe.train.checkpoint import RunCheckpoints
 from jaxmoe.train.data import BatchSampler, load_splits, put_on_mesh
-from jaxmoe.train.grad_sync_choice import GradSyncChoice, resolve_grad_sync
 from jaxmoe.train.metrics import METRICS_FILE, RunLog, host_row, read_rows
 from jaxmoe.train.mfu import estimated_mfu, mfu_meter, no_peak_message
 from jaxmoe.train.placement_planner import PlacementLog, plan_placement

@@ -83,7 +83,7 @@ class RunLog:
         """``schedule_report.json``: what the scheduling layer did to the step, and
         ``schedule_timeline.json``: its simulated timeline (open in Perfetto's UI), and
         ``schedule_timeline.png`` drawn from it when matplotlib is installed."""
-        from scheduling import gantt
+        from scheduling.reports import gantt
 
         if self.active:
             report.save(self.out_dir / "schedule_report.json")

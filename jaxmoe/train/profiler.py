@@ -13,7 +13,7 @@ opens. In a multi-process run each process traces its own devices, into
 
 :func:`compare_with_trace` is ``jaxmoe schedule --trace``: the planned step's
 estimated op times beside those measured in such a trace
-(:mod:`scheduling.measured_trace` says how ops are matched).
+(:mod:`scheduling.reports.measured_trace` says how ops are matched).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import jax
 
 from jaxmoe.config import ConfigError
 from jaxmoe.train.scheduled import PlannedStep
-from scheduling import measured_trace
+from scheduling.reports import measured_trace
 
 PROFILE_SUBDIR = "profile"
 

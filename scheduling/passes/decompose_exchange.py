@@ -26,11 +26,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from scheduling.capture import Atom, Op, Program, Value
 from scheduling.passes import chunk_ops, exchange_ops
 from scheduling.passes.exchange_regions import RegionPlan
 from scheduling.passes.partition_forward import consumers_of
 from scheduling.passes.partition_rules import Split
+from scheduling.program.capture import Atom, Op, Program, Value
 
 
 def signature(plan: RegionPlan) -> tuple:

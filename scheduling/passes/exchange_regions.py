@@ -41,10 +41,10 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from scheduling.capture import Constant, Op, Phase, Program, Value
 from scheduling.passes.partition_forward import consumers_of
 from scheduling.passes.partition_rules import Chunking, Split, chunking
-from scheduling.passes.uniform_axes import uniform_axes
+from scheduling.program.capture import Constant, Op, Phase, Program, Value
+from scheduling.program.uniform_axes import uniform_axes
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ topological order; the keys only choose among valid orders:
 - a collective start runs right after the last producer of its operand
   ("as soon as its inputs exist"); where several become ready at once, the
   critical ones start first and the deferrable ones (gradient reductions, see
-  ``scheduling.graph``) after the windows opened there, so that a runtime
+  ``scheduling.program.graph``) after the windows opened there, so that a runtime
   serving collectives in start order gives the critical path the link first;
 - the dW nodes placed in a window run right after the window's start, in
   placement order;
@@ -28,9 +28,9 @@ import copy
 import heapq
 from dataclasses import dataclass
 
-from scheduling.capture import Value, aval_bytes
-from scheduling.graph import Graph, Role
 from scheduling.passes.schedule_dw import Placement
+from scheduling.program.capture import Value, aval_bytes
+from scheduling.program.graph import Graph, Role
 
 _STEP = 1e-3  # key offset between neighbours: far below the gap between program positions
 

@@ -30,9 +30,9 @@ import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from scheduling.capture import Atom, Op, Phase, Program, Value
 from scheduling.passes import chunk_ops
-from scheduling.passes.batch_layout import BatchLayouts
+from scheduling.program.batch_layout import BatchLayouts
+from scheduling.program.capture import Atom, Op, Phase, Program, Value
 
 # Chunked collectives that end a pipeline stage: the next stage waits for them.
 PIPELINED_COLLECTIVES = frozenset({"all_to_all", "all_gather", "reduce_scatter"})

@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from scheduling.capture import Op
+from scheduling.program.capture import Op
 
 ELEMENTWISE = frozenset(
     {

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from scheduling.graph import Graph, Node
+from scheduling.program.graph import Graph, Node
 
 
 @dataclass

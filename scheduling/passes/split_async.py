@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from scheduling import jax_adapter
-from scheduling.capture import Op, Program, aval_bytes
-from scheduling.graph import Graph
+from scheduling.program import jax_adapter
+from scheduling.program.capture import Op, Program, aval_bytes
+from scheduling.program.graph import Graph
 
 # Collectives that XLA's combiners merge when they stay synchronous; ``min_bytes``
 # applies to these only. An all-to-all is never combined, and a partitioned range

@@ -6,7 +6,7 @@ import json
 
 import experiments.cluster as cluster
 from experiments import step_rounds
-from jaxmoe.train.cli import config_from_train_args
+from jaxmoe.cli.main import config_from_train_args
 
 
 def test_refuses_without_namespace_rights(monkeypatch, capsys):
@@ -99,8 +99,8 @@ def test_collective_sweep_writes_curves_the_scheduler_loads(tmp_path):
     import subprocess
     import sys
 
-    from jaxmoe.train.launch import child_environment
-    from scheduling.link_model import CollectiveCurves
+    from jaxmoe.cli.launch import child_environment
+    from scheduling.costs.link_model import CollectiveCurves
 
     out = tmp_path / "curves.json"
     result = subprocess.run(

@@ -2,7 +2,7 @@
 
 from experiments import comet_cluster, comet_eval
 from scheduling.optimize import build_report, cost_model, plan
-from scheduling.policy import SchedulePolicy
+from scheduling.planning.policy import SchedulePolicy
 
 
 def test_single_layer_program_has_both_exchanges_and_comet_never_loses():

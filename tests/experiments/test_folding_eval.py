@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from experiments import folding_eval, folding_models
-from jaxmoe.train.mappings import Mapping, enumerate_mappings
+from jaxmoe.plan.mappings import Mapping, enumerate_mappings
 from tests.train.runs import small_config
 
 MEMORY = folding_eval.DeviceMemory(argument=100, output=100, temp=50, alias=90)

@@ -6,9 +6,9 @@ import json
 import math
 
 from experiments.grad_sync_report import format_markdown, summarise, target_loss
+from jaxmoe.cli.launch import launch
 from jaxmoe.config import ParallelConfig
 from jaxmoe.parallel.grad_sync import ALGORITHMS
-from jaxmoe.train.launch import launch
 from tests.train.runs import small_config
 
 

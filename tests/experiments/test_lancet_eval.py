@@ -3,12 +3,12 @@
 import pytest
 
 from experiments import lancet_eval
-from jaxmoe.parallel import build_mesh
+from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.train.scheduled import capture_train_step
+from scheduling.costs.simulate import simulate
 from scheduling.optimize import batch_inputs, cost_model, node_seconds, plan
-from scheduling.policy import SchedulePolicy
-from scheduling.simulate import simulate
-from scheduling.step_estimate import exposed_all_to_all
+from scheduling.planning.policy import SchedulePolicy
+from scheduling.planning.step_estimate import exposed_all_to_all
 
 
 @pytest.mark.parametrize(("layers", "width", "gpus"), [(12, 768, 16), (24, 1024, 32)])

@@ -7,8 +7,8 @@ import pytest
 
 import experiments.placement_cluster as placement_cluster
 from experiments import placement_rounds
+from jaxmoe.cli.main import config_from_train_args
 from jaxmoe.config import ConfigError
-from jaxmoe.train.cli import config_from_train_args
 
 SMALL = [
     *("--model.num_layers", "2", "--model.seq_len", "16", "--train.batch_size", "8"),

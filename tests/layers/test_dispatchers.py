@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmoe.config import ParallelConfig
-from jaxmoe.parallel import build_mesh
+from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.parallel.sharding import param_specs
 from tests.layers.test_moe import Case, inputs, make_layer
 

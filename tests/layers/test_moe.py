@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmoe.config import MoEConfig, ParallelConfig
 from jaxmoe.layers.moe import MoELayer
-from jaxmoe.parallel import build_mesh
+from jaxmoe.parallel.mesh import build_mesh
 
 BATCH, SEQ, D_MODEL, D_HIDDEN, NUM_EXPERTS = 8, 8, 16, 32, 8
 

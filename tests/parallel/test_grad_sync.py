@@ -16,8 +16,7 @@ from jaxmoe.config import (
     ParallelConfig,
     TrainConfig,
 )
-from jaxmoe.config_choices import GRAD_SYNC_CHOICES, GRAD_SYNCS
-from jaxmoe.parallel import build_mesh
+from jaxmoe.config.choices import GRAD_SYNC_CHOICES, GRAD_SYNCS
 from jaxmoe.parallel.grad_sync import ALGORITHMS, make_grad_sync
 from jaxmoe.parallel.grad_sync.bucketed import plan_buckets
 from jaxmoe.parallel.grad_sync.decentralized import ring_average
@@ -25,7 +24,7 @@ from jaxmoe.parallel.grad_sync.decentralized_int8 import quantized_ring_average
 from jaxmoe.parallel.grad_sync.hierarchical import devices_per_host, hierarchical_sum, host_groups
 from jaxmoe.parallel.grad_sync.int8 import Int8, hierarchical_quantized_sum
 from jaxmoe.parallel.grad_sync.quantize import LEVELS, dequantize, quantize
-from jaxmoe.parallel.mesh import DATA_AXIS, EXPERT_AXIS
+from jaxmoe.parallel.mesh import DATA_AXIS, EXPERT_AXIS, build_mesh
 
 MESH_AXES = (DATA_AXIS, EXPERT_AXIS)
 

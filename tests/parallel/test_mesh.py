@@ -9,8 +9,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmoe.config import ConfigError, MoEConfig, ParallelConfig
 from jaxmoe.layers.moe import MoELayer
-from jaxmoe.parallel import build_mesh, param_specs
-from jaxmoe.parallel.sharding import global_norm, reduce_gradients, replicated_axes
+from jaxmoe.parallel.mesh import build_mesh
+from jaxmoe.parallel.sharding import global_norm, param_specs, reduce_gradients, replicated_axes
 
 
 def test_mesh_axes_and_device_order():

@@ -6,9 +6,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmoe.config import ParallelConfig
-from jaxmoe.layout import TENSOR
-from jaxmoe.parallel import build_mesh
-from jaxmoe.parallel.mesh import role_axes
+from jaxmoe.parallel.layout import TENSOR
+from jaxmoe.parallel.mesh import build_mesh, role_axes
 from jaxmoe.parallel.tensor_parallel import gather_sequence, scatter_sequence, sequence_slice
 
 # Tensor groups of 4 devices that span two mesh axes (tensor_expert_data, tensor_expert).

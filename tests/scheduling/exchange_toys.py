@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from scheduling.capture import Program, capture
+from scheduling.program.capture import Program, capture
 from tests.scheduling.toys import mesh_2x4, mesh_x, put, sds
 
 D, H = 8, 16  # width, expert hidden size

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from scheduling.capture import Program, capture
+from scheduling.program.capture import Program, capture
 from tests.scheduling.toys import put, sds
 
 BATCH = 8  # rows per device

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from scheduling.capture import capture
+from scheduling.program.capture import capture
 from tests.scheduling.toys import N, mesh_x, put, sds
 
 BATCH = 8  # examples per device

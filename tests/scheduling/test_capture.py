@@ -11,7 +11,7 @@ from jax.extend import core as jcore
 from jax.sharding import PartitionSpec as P
 
 import scheduling
-from scheduling.capture import Constant, Phase, capture
+from scheduling.program.capture import Constant, Phase, capture
 from tests.scheduling.toys import (
     ROWS,
     TOY_IN_SPECS,

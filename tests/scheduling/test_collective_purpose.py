@@ -8,9 +8,9 @@ from collections import Counter
 import pytest
 
 import scheduling
-from scheduling.capture import Phase
-from scheduling.collective_purpose import AxisRoles, collective_purposes
-from scheduling.policy import SchedulePolicy
+from scheduling.planning.policy import SchedulePolicy
+from scheduling.program.capture import Phase
+from scheduling.program.collective_purpose import AxisRoles, collective_purposes
 from tests.scheduling import folding_toys as toys
 from tests.scheduling.toys import toy_program
 

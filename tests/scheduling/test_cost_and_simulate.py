@@ -9,21 +9,13 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from scheduling.capture import capture
-from scheduling.collective_groups import members_per_node
-from scheduling.cost import (
-    PROFILE_FILES,
-    PROFILES,
-    CostModel,
-    DeviceProfile,
-    collective_wire_bytes,
-    load_profile,
-    op_bytes,
-    op_flops,
-)
-from scheduling.graph import Graph, Role
+from scheduling.costs.collective_groups import members_per_node
+from scheduling.costs.cost_model import CostModel, collective_wire_bytes, op_bytes, op_flops
+from scheduling.costs.profiles import PROFILE_FILES, PROFILES, DeviceProfile, load_profile
+from scheduling.costs.simulate import simulate
 from scheduling.passes import split_async
-from scheduling.simulate import simulate
+from scheduling.program.capture import capture
+from scheduling.program.graph import Graph, Role
 from tests.scheduling.toys import fixed_seconds, mesh_2x4, mesh_x, sds
 
 M, K, N_COLS = 3, 5, 7

@@ -17,11 +17,12 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from scheduling.capture import aval_bytes, capture
-from scheduling.collective_groups import collective_groups, group_spread
-from scheduling.cost import CostModel, DeviceProfile
+from scheduling.costs.collective_groups import collective_groups, group_spread
+from scheduling.costs.cost_model import CostModel
+from scheduling.costs.profiles import DeviceProfile
 from scheduling.optimize import cost_model
-from scheduling.policy import SchedulePolicy
+from scheduling.planning.policy import SchedulePolicy
+from scheduling.program.capture import aval_bytes, capture
 from tests.scheduling.folding_toys import FOLDED
 from tests.scheduling.toys import sds
 

@@ -8,14 +8,15 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import scheduling
-from scheduling.capture import Op, Phase, Value
-from scheduling.cost import PROFILES, CostModel, DeviceProfile
-from scheduling.exchange_plan import choose_exchanges
+from scheduling.costs.cost_model import CostModel
+from scheduling.costs.profiles import PROFILES, DeviceProfile
 from scheduling.optimize import plan
 from scheduling.passes.decompose_exchange import decompose_program, values_needed_whole
 from scheduling.passes.exchange_regions import find_exchanges, plan_all
-from scheduling.policy import SchedulePolicy
-from scheduling.step_estimate import node_seconds
+from scheduling.planning.exchange_plan import choose_exchanges
+from scheduling.planning.policy import SchedulePolicy
+from scheduling.planning.step_estimate import node_seconds
+from scheduling.program.capture import Op, Phase, Value
 from tests.scheduling import exchange_toys as toys
 from tests.scheduling.toys import mesh_2x4, mesh_x, reference
 

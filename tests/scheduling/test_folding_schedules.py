@@ -18,13 +18,13 @@ import chex
 import pytest
 
 import scheduling
-from scheduling.capture import Phase
-from scheduling.emit import emit
 from scheduling.optimize import batch_inputs, cost_model
-from scheduling.passes.batch_layout import analyze
 from scheduling.passes.partition_forward import consumers_of, partition_program, plan_range
-from scheduling.policy import SchedulePolicy
-from scheduling.step_estimate import node_seconds, schedule_program
+from scheduling.planning.policy import SchedulePolicy
+from scheduling.planning.step_estimate import node_seconds, schedule_program
+from scheduling.program.batch_layout import analyze
+from scheduling.program.capture import Phase
+from scheduling.runtime.emit import emit
 from tests.scheduling import folding_toys as toys
 from tests.scheduling.toys import reference
 

@@ -6,10 +6,10 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from scheduling import jax_adapter
-from scheduling.capture import Phase, capture
-from scheduling.graph import Graph, Kind, Role
 from scheduling.passes import split_async
+from scheduling.program import jax_adapter
+from scheduling.program.capture import Phase, capture
+from scheduling.program.graph import Graph, Kind, Role
 from tests.scheduling.toys import (
     brute_ancestors,
     mesh_2x4,

@@ -10,11 +10,12 @@ from __future__ import annotations
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from scheduling.cost import CostModel, DeviceProfile
+from scheduling.costs.cost_model import CostModel
+from scheduling.costs.profiles import DeviceProfile
+from scheduling.costs.simulate import simulate
 from scheduling.optimize import batch_inputs, plan
-from scheduling.policy import SchedulePolicy
-from scheduling.simulate import simulate
-from scheduling.step_estimate import exposed_all_to_all, node_seconds
+from scheduling.planning.policy import SchedulePolicy
+from scheduling.planning.step_estimate import exposed_all_to_all, node_seconds
 from tests.scheduling import partition_toys as toys
 
 LOSSES = {

@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from scheduling.cost import PROFILES, CostModel
-from scheduling.link_model import CollectiveCurves, PiecewiseLinear
+from scheduling.costs.cost_model import CostModel
+from scheduling.costs.link_model import CollectiveCurves, PiecewiseLinear
+from scheduling.costs.profiles import PROFILES
 from tests.scheduling.toys import toy_program
 
 

@@ -8,11 +8,11 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from scheduling.capture import capture
-from scheduling.describe import link_holders, why
-from scheduling.emit import scheduling_groups
+from scheduling.costs.simulate import simulate
 from scheduling.passes import Placement, order, split_async
-from scheduling.simulate import simulate
+from scheduling.program.capture import capture
+from scheduling.reports.describe import link_holders, why
+from scheduling.runtime.emit import scheduling_groups
 from tests.scheduling.toys import fixed_seconds, mesh_x, sds
 
 

@@ -9,8 +9,8 @@ import jax
 import pytest
 
 import scheduling
-from scheduling import measured_trace
-from scheduling.measured_trace import HloOpKeys, compare, hlo_op_keys, key_of, read_trace
+from scheduling.reports import measured_trace
+from scheduling.reports.measured_trace import HloOpKeys, compare, hlo_op_keys, key_of, read_trace
 from tests.scheduling.toys import in_specs as toy_in_specs
 from tests.scheduling.toys import mesh_x, out_specs, toy_args, toy_step
 

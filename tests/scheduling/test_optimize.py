@@ -15,10 +15,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import scheduling
-from scheduling import jax_adapter
-from scheduling.capture import capture
-from scheduling.graph import Kind, Role
-from scheduling.policy import SchedulePolicy
+from scheduling.planning.policy import SchedulePolicy
+from scheduling.program import jax_adapter
+from scheduling.program.capture import capture
+from scheduling.program.graph import Kind, Role
 from tests.scheduling.toys import (
     in_specs,
     mesh_x,
@@ -229,8 +229,8 @@ def test_optimize_rejects_an_unknown_policy_name():
 
 
 def test_schedule_policy_profiles():
-    assert SchedulePolicy().device_profile is scheduling.policy.PROFILES["a100"]
-    custom = scheduling.policy.PROFILES["cpu"].with_link(1e9)
+    assert SchedulePolicy().device_profile is scheduling.planning.policy.PROFILES["a100"]
+    custom = scheduling.planning.policy.PROFILES["cpu"].with_link(1e9)
     assert SchedulePolicy(profile=custom).device_profile is custom
     # The partitioning policies need batch arguments: they are tested in test_partition;
     # the exchange decompositions in test_exchange.

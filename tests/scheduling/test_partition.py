@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 import scheduling
-from scheduling.capture import Phase, aval_bytes
 from scheduling.optimize import batch_inputs
-from scheduling.passes.batch_layout import analyze
 from scheduling.passes.partition_forward import consumers_of, partition_program, plan_range
-from scheduling.passes.partition_search import op_groups, pipeline_seconds, search
-from scheduling.policy import SchedulePolicy
+from scheduling.planning.partition_search import op_groups, pipeline_seconds, search
+from scheduling.planning.policy import SchedulePolicy
+from scheduling.program.batch_layout import analyze
+from scheduling.program.capture import Phase, aval_bytes
 from tests.scheduling import partition_toys as toys
 from tests.scheduling.toys import reference
 

@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from scheduling import jax_adapter
-from scheduling.capture import Phase, Value, inline_jaxpr
 from scheduling.passes.chunk_ops import chunk_aval, chunk_copy
 from scheduling.passes.partition_rules import Split, chunking
+from scheduling.program import jax_adapter
+from scheduling.program.capture import Phase, Value, inline_jaxpr
 
 IN_BOUNDS = jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS
 

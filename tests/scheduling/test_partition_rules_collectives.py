@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from scheduling import jax_adapter
-from scheduling.capture import capture
 from scheduling.passes.chunk_ops import chunk_copy
 from scheduling.passes.partition_rules import Split, chunking
+from scheduling.program import jax_adapter
+from scheduling.program.capture import capture
 from tests.scheduling.folding_toys import FOLDED
 from tests.scheduling.test_partition_rules import take_chunk
 from tests.scheduling.toys import put, sds

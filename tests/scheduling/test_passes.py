@@ -8,11 +8,12 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from scheduling.capture import capture
-from scheduling.cost import PROFILES, CostModel
-from scheduling.graph import Graph, Role
+from scheduling.costs.cost_model import CostModel
+from scheduling.costs.profiles import PROFILES
 from scheduling.passes import Placement, order, schedule_dw, split_async
 from scheduling.passes.order import peak_live_bytes
+from scheduling.program.capture import capture
+from scheduling.program.graph import Graph, Role
 from tests.scheduling.toys import as_backward, fixed_seconds, mesh_x, sds, toy_program
 
 # Synthetic "backward passes": forward-only programs whose ops are all marked backward,

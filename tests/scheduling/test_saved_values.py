@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from scheduling.capture import Phase, capture
-from scheduling.saved_values import SavedValues, saved_for_backward
+from scheduling.program.capture import Phase, capture
+from scheduling.program.saved_values import SavedValues, saved_for_backward
 from tests.scheduling.toys import mesh_x, sds
 
 ROWS, WIDTH, HIDDEN = 16, 8, 32

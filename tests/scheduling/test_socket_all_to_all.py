@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from scheduling.socket_all_to_all import (
+from scheduling.runtime.socket_all_to_all import (
     SocketAllToAll,
     SocketTransport,
     all_to_all_now,
@@ -118,7 +118,7 @@ WORKER = textwrap.dedent(
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec
-    from scheduling.socket_all_to_all import SocketAllToAll, SocketTransport, all_to_all_now
+    from scheduling.runtime.socket_all_to_all import SocketAllToAll, SocketTransport, all_to_all_now
 
     mesh = jax.make_mesh((4,), ("x",))
     spec = PartitionSpec("x")
@@ -140,7 +140,7 @@ WORKER = textwrap.dedent(
 
 
 def test_across_two_processes_it_equals_the_gloo_all_to_all(tmp_path):
-    from jaxmoe.train.launch import child_environment, free_port
+    from jaxmoe.cli.launch import child_environment, free_port
 
     environment = child_environment()
     environment["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
@@ -166,10 +166,10 @@ def test_across_two_processes_it_equals_the_gloo_all_to_all(tmp_path):
 def _body_on_sockets(policy_name: str):
     """The per-device program that ``policy_name`` emits for a toy step with socket
     all-to-alls: an exchange, then a matmul that needs nothing from it."""
-    from scheduling.capture import capture
-    from scheduling.emit import per_device_function
     from scheduling.optimize import plan
-    from scheduling.policy import SchedulePolicy
+    from scheduling.planning.policy import SchedulePolicy
+    from scheduling.program.capture import capture
+    from scheduling.runtime.emit import per_device_function
 
     mesh = jax.make_mesh((8,), ("x",))
     specs = (PartitionSpec("x"), PartitionSpec())

@@ -5,12 +5,13 @@ import json
 
 import pytest
 
-from scheduling.cost import PROFILES, CostModel
-from scheduling.graph import Graph
+from scheduling.costs.cost_model import CostModel
+from scheduling.costs.profiles import PROFILES
+from scheduling.costs.simulate import simulate
 from scheduling.optimize import node_seconds
 from scheduling.passes import Placement, order, schedule_dw, split_async
-from scheduling.simulate import simulate
-from scheduling.trace import chrome_trace
+from scheduling.program.graph import Graph
+from scheduling.reports.chrome_trace import chrome_trace
 from tests.scheduling.toys import toy_program
 
 
@@ -61,7 +62,7 @@ def test_synchronous_collectives_are_waits_on_the_compute_stream():
 def test_gantt_chart_draws_both_streams_and_the_waits(tmp_path):
     import matplotlib.image
 
-    from scheduling.gantt import COLLECTIVE_COLOURS, WAIT_COLOUR, gantt_png
+    from scheduling.reports.gantt import COLLECTIVE_COLOURS, WAIT_COLOUR, gantt_png
 
     def span(tid, name, cat, ts, dur):
         return {"ph": "X", "pid": 0, "tid": tid, "name": name, "cat": cat, "ts": ts, "dur": dur}

@@ -10,8 +10,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from scheduling.capture import Phase, Program, capture
-from scheduling.graph import Graph, Role
+from scheduling.program.capture import Phase, Program, capture
+from scheduling.program.graph import Graph, Role
 
 D = 4  # model width
 N = 8  # devices on the 'x' axis

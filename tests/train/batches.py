@@ -6,7 +6,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jaxmoe.config import Config
-from jaxmoe.parallel import build_mesh, token_spec
+from jaxmoe.parallel.mesh import build_mesh, token_spec
 from jaxmoe.train.state import init_train_state
 from jaxmoe.train.step import build_train_step
 

@@ -8,8 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from jaxmoe.train import launch as launch_module
-from jaxmoe.train.cli import config_from_train_args, main
+from jaxmoe.cli import launch as launch_module
+from jaxmoe.cli.main import config_from_train_args, main
 
 # A refusal takes a parse and a file read; a compilation of even the smallest step takes
 # far longer on these hosts, so a refusal within this bound proves none happened.
@@ -130,7 +130,7 @@ def test_refusals_are_quick_in_a_fresh_process(input_files):
     ):
         started = time.monotonic()
         result = subprocess.run(
-            [sys.executable, "-m", "jaxmoe.train.cli", *argv],
+            [sys.executable, "-m", "jaxmoe.cli", *argv],
             capture_output=True,
             text=True,
             timeout=60,
@@ -143,7 +143,7 @@ def test_refusals_are_quick_in_a_fresh_process(input_files):
 
 def test_console_exit_status_in_a_fresh_process():
     result = subprocess.run(
-        [sys.executable, "-m", "jaxmoe.train.cli", "train", "--moe.capacity_factor", "0"],
+        [sys.executable, "-m", "jaxmoe.cli", "train", "--moe.capacity_factor", "0"],
         capture_output=True,
         text=True,
         timeout=60,

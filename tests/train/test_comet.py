@@ -18,7 +18,7 @@ import dataclasses
 import pytest
 
 from jaxmoe.config import Config, ConfigError, MoEConfig, ParallelConfig, TrainConfig
-from jaxmoe.parallel import build_mesh
+from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.presets import preset
 from jaxmoe.train.scheduled import plan_train_step
 from tests.train.test_partitioned import assert_same_training

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxmoe.config import Config, ConfigError, DataConfig, ModelConfig, ParallelConfig
-from jaxmoe.parallel import build_mesh
+from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.train.data import (
     BatchSampler,
     TokenSplits,

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from jaxmoe.config import MoEConfig, ParallelConfig
-from jaxmoe.parallel import build_mesh
+from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.train.state import init_train_state
 from tests.train.batches import train_steps
 from tests.train.test_step import small_config

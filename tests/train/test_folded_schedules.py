@@ -15,7 +15,7 @@ unpartitioned layouts of today's step, ``lancet`` in 2 chunks).
 A case runs once the model's program has the collectives of its layout: a
 forward tensor all-gather (``parallel.tensor``) or expert-tensor gather/scatter
 (``parallel.expert_tensor``), found in the captured program by
-:mod:`scheduling.collective_purpose`. Until then it is skipped, saying why.
+:mod:`scheduling.program.collective_purpose`. Until then it is skipped, saying why.
 """
 
 import dataclasses
@@ -25,10 +25,10 @@ import chex
 import pytest
 
 from jaxmoe.config import MoEConfig, ParallelConfig
-from jaxmoe.parallel import build_mesh
+from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.train.scheduled import capture_train_step, plan_train_step
-from scheduling.capture import Phase
-from scheduling.collective_purpose import collective_purposes
+from scheduling.program.capture import Phase
+from scheduling.program.collective_purpose import collective_purposes
 from tests.train.test_comet import comet
 from tests.train.test_partitioned import EXACT_METRICS, partitioned
 from tests.train.test_scheduled import run, small, with_schedule

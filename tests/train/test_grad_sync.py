@@ -18,11 +18,10 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmoe.config import Config, ParallelConfig
-from jaxmoe.parallel import build_mesh, token_spec
 from jaxmoe.parallel.grad_sync.allreduce import AllReduce
 from jaxmoe.parallel.grad_sync.base import Synced, local_shape, per_device_specs
 from jaxmoe.parallel.grad_sync.bucketed import Bucketed
-from jaxmoe.parallel.mesh import mesh_axis_sizes
+from jaxmoe.parallel.mesh import build_mesh, mesh_axis_sizes, token_spec
 from jaxmoe.parallel.sharding import reduce_gradients
 from jaxmoe.train import step as step_module
 from jaxmoe.train.scheduled import abstract_step_args

@@ -5,11 +5,11 @@ import json
 
 import pytest
 
+from jaxmoe.cli.main import main
 from jaxmoe.config import ParallelConfig
-from jaxmoe.parallel import build_mesh
 from jaxmoe.parallel.grad_sync import ALGORITHMS, EXACT
-from jaxmoe.train.cli import main
-from jaxmoe.train.grad_sync_choice import RELAXED_SPEEDUP, choose_grad_sync, resolve_grad_sync
+from jaxmoe.parallel.mesh import build_mesh
+from jaxmoe.plan.grad_sync_choice import RELAXED_SPEEDUP, choose_grad_sync, resolve_grad_sync
 
 from .runs import small_config
 

@@ -17,15 +17,15 @@ import heapq
 import pytest
 
 from jaxmoe.config import ParallelConfig
-from jaxmoe.parallel import build_mesh
+from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.train.scheduled import capture_train_step, schedule_policy
 from scheduling import plan
-from scheduling.capture import Phase
-from scheduling.describe import link_holders
-from scheduling.graph import Role
+from scheduling.costs.simulate import simulate
 from scheduling.optimize import cost_model
-from scheduling.simulate import simulate
-from scheduling.step_estimate import node_seconds
+from scheduling.planning.step_estimate import node_seconds
+from scheduling.program.capture import Phase
+from scheduling.program.graph import Role
+from scheduling.reports.describe import link_holders
 
 from .runs import small_config
 

@@ -8,15 +8,16 @@ import dataclasses
 
 import pytest
 
+from jaxmoe.cli import main as cli
 from jaxmoe.config import Config, ConfigError, ModelConfig
-from jaxmoe.train import cli, planner
-from jaxmoe.train.layer_extrapolation import (
+from jaxmoe.plan import planner
+from jaxmoe.plan.layer_extrapolation import (
     block_count,
     extrapolate,
     extrapolates,
     with_blocks,
 )
-from jaxmoe.train.mappings import enumerate_mappings
+from jaxmoe.plan.mappings import enumerate_mappings
 
 PROFILE = "h100-8x-nvlink-3200g"
 

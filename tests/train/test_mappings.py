@@ -7,8 +7,8 @@ import math
 import pytest
 
 from jaxmoe.config import Config, ConfigError, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
+from jaxmoe.plan.mappings import Mapping, enumerate_mappings
 from jaxmoe.presets import preset
-from jaxmoe.train.mappings import Mapping, enumerate_mappings
 
 
 def test_eight_devices_of_the_tiny_preset():

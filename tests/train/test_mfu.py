@@ -8,8 +8,8 @@ import re
 import jax
 import pytest
 
+from jaxmoe.cli.main import config_from_train_args, main
 from jaxmoe.config import ConfigError, MoEConfig, TrainConfig
-from jaxmoe.train.cli import config_from_train_args, main
 from jaxmoe.train.loop import train
 from jaxmoe.train.mfu import datasheet_peak_tflops, mfu_meter
 from jaxmoe.train.model_flops import model_flops

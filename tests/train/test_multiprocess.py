@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 
+from jaxmoe.cli.launch import child_environment, failure_message, free_port, launch
 from jaxmoe.parallel.distributed import PEER_FAILURE_SIGNS
-from jaxmoe.train.launch import child_environment, failure_message, free_port, launch
 
 SMALL = ["--model.num_layers", "2", "--model.d_model", "64", "--data.max_bytes", "300000"]
 SMALL += ["--no-progress", "--train.eval_every", "1000"]
 
 
 def jaxmoe(*args: str) -> list[str]:
-    return [sys.executable, "-m", "jaxmoe.train.cli", *args]
+    return [sys.executable, "-m", "jaxmoe.cli", *args]
 
 
 def losses(run_dir: Path) -> list[float]:

@@ -4,16 +4,16 @@ import subprocess
 import sys
 import time
 
+from jaxmoe.cli.launch import child_environment
 from jaxmoe.exit_codes import PREEMPTED
 from jaxmoe.train.checkpoint import latest_checkpoint
-from jaxmoe.train.launch import child_environment
 from jaxmoe.train.metrics import read_rows
 
 from .test_multiprocess import SMALL
 
 
 def jaxmoe(*args: str) -> list[str]:
-    return [sys.executable, "-m", "jaxmoe.train.cli", *args]
+    return [sys.executable, "-m", "jaxmoe.cli", *args]
 
 
 def test_a_preempted_two_process_run_resumes_in_one_process(tmp_path):

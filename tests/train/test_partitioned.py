@@ -18,12 +18,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jaxmoe.config import Config, MoEConfig, ParallelConfig
-from jaxmoe.parallel import build_mesh
+from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.presets import preset
 from jaxmoe.train.scheduled import capture_train_step, plan_train_step
-from scheduling.capture import aval_bytes
 from scheduling.optimize import batch_inputs, plan
-from scheduling.policy import SchedulePolicy
+from scheduling.planning.policy import SchedulePolicy
+from scheduling.program.capture import aval_bytes
 from tests.train.test_scheduled import run, small, with_schedule
 
 EXACT_METRICS = ("dropped_fraction", "expert_imbalance")

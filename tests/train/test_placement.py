@@ -16,12 +16,11 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
+from jaxmoe.cli.main import main
 from jaxmoe.config import Config, ConfigError, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
-from jaxmoe.parallel import build_mesh
-from jaxmoe.parallel.mesh import EXPERT_AXIS
+from jaxmoe.parallel.mesh import EXPERT_AXIS, build_mesh
 from jaxmoe.parallel.placement import EMPTY, slot_weights
 from jaxmoe.train.checkpoint import RunCheckpoints, check_compatible
-from jaxmoe.train.cli import main
 from jaxmoe.train.metrics import METRICS_FILE, read_rows
 from jaxmoe.train.placement_planner import PLACEMENT_FILE
 from jaxmoe.train.scheduled import plan_train_step

@@ -13,10 +13,11 @@ import re
 
 import pytest
 
-from jaxmoe.train import cli, planner
-from jaxmoe.train.mappings import Mapping
+from jaxmoe.cli import main as cli
+from jaxmoe.plan import planner
+from jaxmoe.plan.mappings import Mapping
+from jaxmoe.plan.plan_table import table
 from jaxmoe.train.mfu import mfu
-from jaxmoe.train.plan_table import table
 
 PROFILE = "h100-8x-nvlink-3200g"
 # vocabulary 256, width 32, 2 heads, 2 layers (layer 1 is MoE), dense FFN 64, sequence 16;

@@ -17,11 +17,11 @@ import functools
 import chex
 import pytest
 
+from jaxmoe.cli.main import config_from_train_args
 from jaxmoe.config import Config, MoEConfig, ParallelConfig
-from jaxmoe.parallel import build_mesh
-from jaxmoe.train.cli import config_from_train_args
+from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.train.scheduled import capture_train_step
-from scheduling.saved_values import saved_for_backward
+from scheduling.program.saved_values import saved_for_backward
 from tests.train.test_partitioned import assert_same_training, partitioned
 from tests.train.test_scheduled import run, small, with_schedule
 

@@ -16,6 +16,8 @@ import jax
 import numpy as np
 import pytest
 
+from jaxmoe.cli.launch import child_environment
+from jaxmoe.cli.main import main
 from jaxmoe.config import ConfigError
 from jaxmoe.exit_codes import IO_ERROR as IO_ERROR_EXIT_CODE
 from jaxmoe.exit_codes import NONFINITE as NONFINITE_EXIT_CODE
@@ -23,8 +25,6 @@ from jaxmoe.exit_codes import PREEMPTED as PREEMPTED_EXIT_CODE
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.train import metrics as metrics_module
 from jaxmoe.train.checkpoint import latest_checkpoint
-from jaxmoe.train.cli import main
-from jaxmoe.train.launch import child_environment
 from jaxmoe.train.metrics import RunLog, read_rows
 from jaxmoe.train.state import init_train_state
 from jaxmoe.train.step import build_train_step
@@ -37,7 +37,7 @@ SMALL += ["--no-progress", "--train.eval_every", "3"]
 
 
 def jaxmoe(*args: str) -> list[str]:
-    return [sys.executable, "-m", "jaxmoe.train.cli", *args]
+    return [sys.executable, "-m", "jaxmoe.cli", *args]
 
 
 def strict_rows(run_dir: Path) -> list[dict]:
@@ -237,7 +237,7 @@ def test_overwrite_deletes_the_run_files_and_nothing_else(tmp_path):
 
 
 def test_too_little_free_space_is_refused(tmp_path, monkeypatch):
-    from jaxmoe.train import run_dir
+    from jaxmoe.cli import run_dir
 
     usage = SimpleNamespace(total=10**9, used=10**9 - 10**6, free=10**6)
     monkeypatch.setattr(run_dir.shutil, "disk_usage", lambda path: usage)

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import scheduling
+from jaxmoe.cli.main import main
 from jaxmoe.config import (
     Config,
     ModelConfig,
@@ -24,10 +25,9 @@ from jaxmoe.config import (
     ParallelConfig,
     TrainConfig,
 )
-from jaxmoe.config_choices import SCHEDULE_PROFILES, SCHEDULES
-from jaxmoe.parallel import build_mesh
+from jaxmoe.config.choices import SCHEDULE_PROFILES, SCHEDULES
+from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.presets import preset
-from jaxmoe.train.cli import main
 from jaxmoe.train.scheduled import capture_train_step, plan_train_step
 from jaxmoe.train.state import init_train_state
 from tests.train.batches import random_batch

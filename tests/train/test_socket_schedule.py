@@ -13,12 +13,12 @@ import importlib
 import chex
 import pytest
 
+from jaxmoe.cli.main import config_from_train_args
 from jaxmoe.parallel.mesh import build_mesh
-from jaxmoe.train.cli import config_from_train_args
 from jaxmoe.train.data import BatchSampler, load_splits, put_on_mesh
 from jaxmoe.train.scheduled import plan_train_step
 from jaxmoe.train.state import init_train_state
-from scheduling.socket_all_to_all import SocketTransport
+from scheduling.runtime.socket_all_to_all import SocketTransport
 
 SMALL = [
     *("--model.num_layers", "2", "--model.seq_len", "16", "--train.batch_size", "8"),
@@ -63,7 +63,7 @@ def test_socket_all_to_alls_keep_the_step_bit_for_bit(schedule, monkeypatch):
 
 def test_the_socket_transport_is_used_only_across_processes_on_cpu():
     optimize = importlib.import_module("scheduling.optimize")
-    from scheduling.policy import SchedulePolicy
+    from scheduling.planning.policy import SchedulePolicy
 
     mesh = build_mesh(config_from_train_args(SMALL).parallel)
     assert optimize.socket_transport(SchedulePolicy(socket_all_to_all=True), mesh) is None

@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 
 from jaxmoe.config import Config, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
-from jaxmoe.layout import TENSOR, axes_for_role
-from jaxmoe.parallel import build_mesh, token_spec
+from jaxmoe.parallel.layout import TENSOR, axes_for_role
+from jaxmoe.parallel.mesh import build_mesh, token_spec
 from jaxmoe.parallel.sharding import reduce_gradients
 from jaxmoe.train.scheduled import capture_train_step
 from jaxmoe.train.state import init_train_state, model_graphdef_and_specs
 from jaxmoe.train.step import _forward_losses
-from scheduling.capture import Phase
+from scheduling.program.capture import Phase
 from tests.train.batches import random_batch, train_steps
 
 STEPS = 3

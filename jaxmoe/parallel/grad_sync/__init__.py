@@ -2,7 +2,7 @@
 
 One module per algorithm behind :class:`~jaxmoe.parallel.grad_sync.base.GradSync`;
 ``train.grad_sync`` names one of :data:`ALGORITHMS` (or ``auto``, resolved before
-the step is built: :mod:`jaxmoe.train.grad_sync_choice`).
+the step is built: :mod:`jaxmoe.plan.grad_sync_choice`).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from jax.sharding import Mesh
 
 from jaxmoe.config import TrainConfig
-from jaxmoe.config_choices import GRAD_SYNCS
+from jaxmoe.config.choices import GRAD_SYNCS
 from jaxmoe.parallel.grad_sync.allreduce import AllReduce
 from jaxmoe.parallel.grad_sync.base import GradSync, MeshAxes, Synced
 from jaxmoe.parallel.grad_sync.bucketed import Bucketed

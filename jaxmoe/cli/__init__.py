@@ -1,0 +1,1 @@
+"""The ``jaxmoe`` command line: parsing, the subcommands, the launcher and run directories."""

@@ -1,0 +1,40 @@
+"""The files a run reads, checked before anything compiles.
+
+A configuration names files (``data.path``, ``train.schedule_link_curves``)
+that are only opened deep inside a run, some after a long compilation. The
+command line calls :func:`check_input_files` first, so that a missing,
+unreadable or malformed file is one :class:`~jaxmoe.config.ConfigError` line
+within seconds. The checks read the files rather than trust their names; the
+configuration itself does no I/O (it is built and compared in many places).
+"""
+
+from __future__ import annotations
+
+from jaxmoe.config import Config, ConfigError, TrainConfig
+from jaxmoe.train.data import load_splits
+from scheduling.costs.link_model import CollectiveCurves
+
+
+def check_link_curves(train: TrainConfig) -> None:
+    """``train.schedule_link_curves`` is a curve set the scheduler's cost model can use."""
+    path = train.schedule_link_curves
+    if path is None:
+        return
+    where = f"train.schedule_link_curves={path!r}"
+    try:
+        CollectiveCurves.load(path)
+    except OSError as error:
+        reason = (error.strerror or str(error)).lower()
+        raise ConfigError(
+            f"{where}: {reason}; give a file written by experiments.collective_sweep"
+        ) from None
+    except ValueError as error:
+        raise ConfigError(f"{where}: {error}") from None
+
+
+def check_input_files(config: Config) -> None:
+    """Read and validate every file the configuration names; ConfigError on the first bad one."""
+    # The default corpus (the standard library) is not a user's file; the run reads it.
+    if config.data.path is not None:
+        load_splits(config)
+    check_link_curves(config.train)

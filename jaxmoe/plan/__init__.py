@@ -1,0 +1,1 @@
+"""Choices made before a run: the parallel mapping planner and automatic configuration."""

@@ -1,0 +1,71 @@
+"""The table of ``jaxmoe plan``: the ranked mappings with every column, then what was
+dropped for memory and what was skipped, and why."""
+
+from __future__ import annotations
+
+from jaxmoe.plan.planner import MEMORY_METHOD, MappingEstimate, PlanResult
+
+
+def table(result: PlanResult, verbose: bool = False) -> str:
+    """The ranked mappings, every column, and what was dropped or skipped."""
+    largest = max((e.memory.total for e in result.estimates), default=0)
+    unit, scale, exponent = ("GB", 1e9, 9) if largest >= 1e9 else ("MB", 1e6, 6)
+    header = (
+        f"{'#':>3}  {'attention':>9}  {'MoE':>8}  {'dispatcher':<10}  {'schedule':<8}  "
+        f"{'step ms':>9}  {'MFU %':>6}  {'compute':>8}  {'comm':>8}  {'exposed':>8}  "
+        f"{'params':>7}  {'grads':>7}  {'optim':>7}  {'activ':>7}  {'total ' + unit:>8}"
+    )
+    capacity = result.profile.memory_capacity_bytes
+    lines = [
+        f"jaxmoe plan: preset {result.preset!r} on {result.devices} devices of profile "
+        f"{result.profile.name!r} ({result.peak_flops_per_s / 1e12:g} TFLOP/s peak, "
+        + (f"{capacity / 1e9:g} GB per device" if capacity else "no memory figure")
+        + f"); {result.model_flops_per_step / 1e12:.4g} TFLOP of model FLOPs per step; "
+        f"schedules {', '.join(result.schedules)}",
+        "attention = data x tensor; MoE = expert data x expert x expert tensor; times in ms; "
+        f"memory per device in {unit} (1e{exponent} bytes)"
+        + (
+            "; the model's depth extrapolated from one- and two-block traces"
+            if result.extrapolated
+            else ""
+        ),
+        header,
+        "-" * len(header),
+    ]
+
+    def size(size: int) -> str:
+        return f"{size / scale:.3f}"
+
+    def row(rank: str, e: MappingEstimate) -> str:
+        m, t, mem = e.mapping, e.best, e.memory
+        return (
+            f"{rank:>3}  {f'{m.attention_data}x{m.tensor}':>9}  "
+            f"{f'{m.expert_data}x{m.expert}x{m.expert_tensor}':>8}  {m.dispatcher:<10}  "
+            f"{e.schedule:<8}  {t.step * 1e3:>9.3f}  {e.mfu * 100:>6.3g}  "
+            f"{t.compute * 1e3:>8.3f}  {t.communication * 1e3:>8.3f}  "
+            f"{t.exposed_communication * 1e3:>8.3f}  {size(mem.parameters):>7}  "
+            f"{size(mem.gradients):>7}  {size(mem.optimizer):>7}  {size(mem.activations):>7}  "
+            f"{size(mem.total):>8}"
+        )
+
+    lines += [row(str(i + 1), e) for i, e in enumerate(result.ranked)]
+    if not result.ranked:
+        lines.append("  (no mapping fits in the device memory)")
+    over = result.over_memory
+    if over:
+        smallest = min(e.memory.total for e in over)
+        lines.append(
+            f"dropped {len(over)} mappings over {capacity / 1e9:g} GB per device (the "
+            f"smallest of them needs {smallest / 1e9:.3f} GB)"
+        )
+        if verbose:
+            lines += [row("-", e) for e in over]
+    skipped = result.space.skipped
+    lines.append(
+        f"{len(result.estimates)} mappings estimated, {len(skipped)} skipped"
+        + (":" if verbose and skipped else " (--verbose says why)" if skipped else "")
+    )
+    if verbose:
+        lines += [f"  {line}" for line in result.space.skipped_summary()]
+        lines.append(f"memory: {MEMORY_METHOD}")
+    return "\n".join(lines)

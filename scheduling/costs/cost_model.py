@@ -1,0 +1,237 @@
+"""A first, analytic cost model: seconds per op from FLOPs and bytes over a device profile.
+
+Compute: ``overhead + max(flops / peak_flops, bytes / memory_bandwidth)``, a
+roofline with a fixed per-op cost (kernel launch, dispatch). Layout-only ops
+(reshape, squeeze, ...) cost nothing: XLA makes them views or fuses them.
+Collectives: ``latency + bytes_on_the_wire / link_bandwidth`` with the usual
+algorithmic factors over a group of ``n`` devices (all-to-all and gathers move
+``(n - 1) / n`` of the buffer, a ring all-reduce twice that).
+
+The device figures come from a :class:`~scheduling.costs.profiles.DeviceProfile`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from scheduling.costs.collective_groups import GroupSpread, group_members, group_spread
+from scheduling.costs.link_model import CollectiveCurves
+from scheduling.costs.profiles import DeviceProfile
+from scheduling.program.capture import Op, aval_bytes
+
+# Ops that only relabel or view memory.
+FREE_PRIMITIVES = frozenset(
+    {
+        "reshape",
+        "squeeze",
+        "expand_dims",
+        "broadcast_in_dim",
+        "stop_gradient",
+        "copy_p",
+        "pvary",
+        "optimization_barrier",
+    }
+)
+# Elementwise ops that cost several FLOPs per element.
+TRANSCENDENTAL = frozenset(
+    {"exp", "exp2", "log", "log1p", "tanh", "logistic", "erf", "erf_inv", "sin", "cos", "pow"}
+)
+REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin", "cumsum"})
+# Ops that a fusing compiler folds into a neighbouring kernel (see fused_elementwise).
+FUSIBLE = frozenset(
+    {"add", "sub", "mul", "div", "max", "min", "neg", "abs", "sign", "square", "sqrt",
+     "rsqrt", "integer_pow", "convert_element_type", "select_n", "eq", "ne", "lt", "le",
+     "gt", "ge", "and", "or", "not", "is_finite", "iota", "copy", "slice", "concatenate",
+     "transpose", "pad"}
+    | TRANSCENDENTAL
+)  # fmt: skip
+
+
+def _size(aval: Any) -> int:
+    return math.prod(getattr(aval, "shape", ()))
+
+
+def op_flops(op: Op) -> float:
+    """Floating-point operations of one (non-collective) op."""
+    name = op.primitive
+    if name == "dot_general":
+        (lhs_contract, _), _ = op.eqn.params["dimension_numbers"]
+        lhs_shape = op.inputs[0].aval.shape
+        contracted = math.prod(lhs_shape[d] for d in lhs_contract)
+        return 2.0 * sum(_size(v.aval) for v in op.outputs) * contracted
+    if name in FREE_PRIMITIVES:
+        return 0.0
+    if name in REDUCTIONS:
+        return float(sum(_size(a.aval) for a in op.inputs))
+    elements = float(sum(_size(v.aval) for v in op.outputs))
+    return elements * (8.0 if name in TRANSCENDENTAL else 1.0)
+
+
+def op_bytes(op: Op) -> int:
+    """Bytes an op reads and writes."""
+    if op.primitive in FREE_PRIMITIVES:
+        return 0
+    return sum(aval_bytes(a.aval) for a in op.inputs) + sum(aval_bytes(v.aval) for v in op.outputs)
+
+
+def _group_axes(op: Op) -> tuple[str, ...]:
+    params = op.eqn.params
+    axes = params.get("axes", params.get("axis_name", ()))
+    axes = axes if isinstance(axes, tuple | list) else (axes,)
+    return tuple(axis for axis in axes if isinstance(axis, str))
+
+
+def _index_groups(op: Op) -> tuple[tuple[int, ...], ...] | None:
+    """The op's ``axis_index_groups`` (subgroups of the devices along its axes), if any."""
+    return op.eqn.params.get("axis_index_groups")
+
+
+def _group_size(op: Op, axis_sizes: dict[str, int]) -> int:
+    groups = _index_groups(op)
+    if groups:
+        return len(groups[0])
+    return math.prod(axis_sizes.get(axis, 1) for axis in _group_axes(op))
+
+
+def collective_wire_bytes(op: Op, axis_sizes: dict[str, int]) -> float:
+    """Bytes each device sends for one collective."""
+    n = _group_size(op, axis_sizes)
+    if n <= 1:
+        return 0.0
+    operand = sum(aval_bytes(a.aval) for a in op.inputs)
+    result = sum(aval_bytes(v.aval) for v in op.outputs)
+    share = (n - 1) / n
+    return {
+        "all_to_all": operand * share,
+        "all_gather": result * share,
+        "reduce_scatter": operand * share,
+        "psum": 2 * operand * share,
+        "psum_invariant": 2 * operand * share,
+        "pmax": 2 * operand * share,
+        "pmin": 2 * operand * share,
+        "ppermute": operand,
+    }.get(op.primitive, operand)
+
+
+class CostModel:
+    """Estimated seconds of ops and collectives on one device profile.
+
+    With ``curves`` (measured, see ``scheduling.costs.link_model``), a collective whose kind
+    and group size they cover costs what its curve gives for its operand bytes.
+    ``device_ids`` are the mesh's device ids in mesh order (row-major over
+    ``axis_sizes``; default: the ids in that order): on a profile with nodes they say
+    which members of each group (over any tuple of axes) share a node.
+    """
+
+    def __init__(
+        self,
+        profile: DeviceProfile,
+        axis_sizes: dict[str, int],
+        curves: CollectiveCurves | None = None,
+        device_ids: Sequence[int] | None = None,
+    ):
+        self.profile = profile
+        self.axis_sizes = dict(axis_sizes)
+        self.curves = curves
+        self.device_ids = None if device_ids is None else tuple(device_ids)
+        self._spreads: dict[tuple, GroupSpread] = {}
+
+    def spread(self, op: Op) -> GroupSpread:
+        """How the groups of collective ``op`` lie over the profile's nodes."""
+        key = (_group_axes(op), _index_groups(op))
+        if key not in self._spreads:
+            self._spreads[key] = group_spread(
+                key[0], self.axis_sizes, self.profile.devices_per_node, self.device_ids, key[1]
+            )
+        return self._spreads[key]
+
+    def compute_seconds(self, op: Op) -> float:
+        if op.primitive in FREE_PRIMITIVES:
+            return 0.0
+        profile = self.profile
+        operand = op.inputs[0] if op.inputs else op.outputs[0]
+        roofline = max(
+            op_flops(op) / profile.peak_flops_per_s(operand.aval.dtype),
+            op_bytes(op) / profile.memory_bytes_per_s,
+        )
+        if profile.fused_elementwise and op.primitive in FUSIBLE:
+            return roofline
+        return profile.op_overhead_s + roofline
+
+    def collective_seconds(self, op: Op) -> float:
+        wire = collective_wire_bytes(op, self.axis_sizes)
+        if wire == 0:
+            return 0.0
+        group = _group_size(op, self.axis_sizes)
+        if self.curves is not None:
+            operand = sum(aval_bytes(a.aval) for a in op.inputs)
+            measured = self.curves.seconds(op.primitive, group, operand)
+            if measured is not None:
+                return measured
+        profile = self.profile
+        if profile.devices_per_node and op.primitive == "ppermute":
+            return self._permutation(op)
+        if profile.devices_per_node:
+            spread = self.spread(op)
+            if spread.nodes > 1:
+                return self._across_nodes(op, spread)
+        return profile.link_latency_s + wire / profile.link_bytes_per_s
+
+    def _permutation(self, op: Op) -> float:
+        """A ``ppermute`` on a profile with nodes: pairs inside a node use the device link;
+        the pairs that leave (or enter) a node share its node link."""
+        profile = self.profile
+        operand = sum(aval_bytes(a.aval) for a in op.inputs)
+        members = group_members(_group_axes(op), self.axis_sizes)
+        ids = self.device_ids or range(math.prod(self.axis_sizes.values()))
+        node = [ids[member] // profile.devices_per_node for member in members]
+        crossing: dict[tuple[str, int], int] = {}
+        inside = False
+        for source, target in op.eqn.params["perm"]:
+            if node[source] == node[target]:
+                inside = inside or source != target
+                continue
+            for key in (("out", node[source]), ("in", node[target])):
+                crossing[key] = crossing.get(key, 0) + 1
+        seconds = operand / profile.link_bytes_per_s if inside else 0.0
+        latency = profile.link_latency_s
+        if crossing:
+            latency += profile.node_link_latency_s
+            seconds = max(seconds, max(crossing.values()) * operand / profile.node_link_bytes_per_s)
+        return latency + seconds
+
+    def _across_nodes(self, op: Op, spread: GroupSpread) -> float:
+        """A collective whose groups span ``spread.nodes`` nodes, ``spread.local`` members
+        on a node at most.
+
+        All-to-all: the in-node share goes over each device's link while the rest crosses
+        the node link, shared by every member on the node (of every group), at the same
+        time. Reductions and gathers run hierarchically: within the node, then across
+        nodes, where the groups with members on the node (every device runs the
+        collective) share its link.
+        """
+        profile = self.profile
+        group, local, nodes = spread.size, spread.local, spread.nodes
+        operand = sum(aval_bytes(a.aval) for a in op.inputs)
+        result = sum(aval_bytes(v.aval) for v in op.outputs)
+        latency = profile.link_latency_s + profile.node_link_latency_s
+        if op.primitive == "all_to_all":
+            inside = operand * (local - 1) / group / profile.link_bytes_per_s
+            across = spread.all_to_all_node_load * operand / profile.node_link_bytes_per_s
+            return latency + max(inside, across)
+        if op.primitive in ("psum", "psum_invariant", "pmax", "pmin"):
+            volume, passes = operand, 2
+        elif op.primitive == "all_gather":
+            volume, passes = result, 1
+        elif op.primitive == "reduce_scatter":
+            volume, passes = operand, 1
+        else:  # ppermute and the rest: the whole operand over the node link
+            return latency + operand / profile.node_link_bytes_per_s
+        inside = passes * volume * (local - 1) / local / profile.link_bytes_per_s
+        across = passes * volume * (nodes - 1) / nodes / profile.node_link_bytes_per_s
+        return latency + inside + across * max(1, spread.groups_sharing_a_node)
+
+    def seconds(self, op: Op) -> float:
+        return self.collective_seconds(op) if op.is_collective else self.compute_seconds(op)

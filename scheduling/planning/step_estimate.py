@@ -1,0 +1,166 @@
+"""The whole step, scheduled and simulated: how every planning decision is scored.
+
+A choice of partitioned ranges is judged by what it does to the whole step,
+not to the range alone: the program is partitioned, split into start/done
+pairs, dW work is packed into the backward all-to-all windows (where asked),
+ordered and simulated. :class:`StepEstimates` memoises op costs and estimates
+across the many candidates one plan weighs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from scheduling.costs.cost_model import CostModel
+from scheduling.costs.simulate import Timeline, simulate
+from scheduling.passes import Placement, order, schedule_dw, split_async
+from scheduling.passes.decompose_exchange import decompose_program
+from scheduling.passes.exchange_regions import RegionPlan
+from scheduling.passes.order import Schedule
+from scheduling.passes.partition_forward import partition_program
+from scheduling.planning.partition_search import PartitionChoice
+from scheduling.planning.policy import SchedulePolicy
+from scheduling.program.batch_layout import BatchLayouts
+from scheduling.program.capture import Op, Program
+from scheduling.program.graph import Graph, Node, Role
+
+
+def node_seconds(
+    cost: CostModel | Callable[[Op], float], memo: dict[Op, float] | None = None
+) -> Callable[[Node], float]:
+    """Seconds of each graph node under ``cost`` (a done costs nothing), memoised per op."""
+    op_seconds = cost.seconds if isinstance(cost, CostModel) else cost
+    memo = {} if memo is None else memo
+
+    def seconds(node: Node) -> float:
+        if node.role is Role.DONE:
+            return 0.0
+        if node.op not in memo:
+            memo[node.op] = op_seconds(node.op)
+        return memo[node.op]
+
+    return seconds
+
+
+def exposed_all_to_all(graph: Graph, timeline: Timeline) -> float:
+    """Seconds the step waits on all-to-alls (their stalls in ``timeline``)."""
+    return sum(
+        timing.stall
+        for node, timing in timeline.collectives.items()
+        if graph.nodes[node].op.primitive == "all_to_all"
+    )
+
+
+@dataclass
+class StepEstimate:
+    """One candidate plan, scheduled and simulated."""
+
+    partitions: list[PartitionChoice]
+    pack_dw: bool
+    graph: Graph
+    schedule: Schedule
+    timeline: Timeline
+    # Exchange regions decomposed (positions in the program after partitioning).
+    decompositions: list[RegionPlan] = field(default_factory=list)
+
+    @property
+    def step_seconds(self) -> float:
+        return self.timeline.step_seconds
+
+    @property
+    def exposed_all_to_all_seconds(self) -> float:
+        return exposed_all_to_all(self.graph, self.timeline)
+
+    @property
+    def rank(self) -> tuple[float, float]:
+        """Shorter step first; at equal steps, less exposed all-to-all."""
+        return (self.step_seconds, self.exposed_all_to_all_seconds)
+
+
+def schedule_program(
+    program: Program, policy: SchedulePolicy, seconds: Callable[[Node], float], pack_dw: bool
+) -> tuple[Graph, Schedule, Timeline]:
+    """Split, place dW work (if ``pack_dw``), order; and the simulated timeline."""
+    graph = split_async(program, min_bytes=policy.async_min_bytes)
+    placement = schedule_dw(graph, seconds) if pack_dw else Placement()
+    schedule = order(graph, placement, policy.max_live_bytes_growth)
+    return graph, schedule, simulate(graph, schedule.order, seconds)
+
+
+class StepEstimates:
+    """Estimates of one program under one policy and cost model, memoised by choice."""
+
+    def __init__(
+        self,
+        program: Program,
+        layouts: BatchLayouts | None,
+        policy: SchedulePolicy,
+        cost: CostModel,
+    ):
+        self.program = program
+        self.layouts = layouts
+        self.policy = policy
+        self.seconds_of_op = cost.seconds
+        self.seconds = node_seconds(cost)
+        self._memo: dict[tuple, StepEstimate] = {}
+        self._programs: dict[tuple, Program] = {}
+
+    def partitioned(self, partitions: Sequence[PartitionChoice]) -> Program:
+        """The program with ``partitions`` applied (memoised)."""
+        key = tuple((c.plan.begin, c.plan.end, c.plan.n) for c in partitions)
+        if key not in self._programs:
+            program = self.program
+            if partitions:
+                assert self.layouts is not None, "partitioning needs the batch layouts"
+                plans = [choice.plan for choice in partitions]
+                program = partition_program(self.program, self.layouts, plans)
+            self._programs[key] = program
+        return self._programs[key]
+
+    def __call__(
+        self,
+        partitions: Sequence[PartitionChoice],
+        pack_dw: bool,
+        decompositions: Sequence[RegionPlan] = (),
+    ) -> StepEstimate:
+        key = (
+            tuple((c.plan.begin, c.plan.end, c.plan.n) for c in partitions),
+            pack_dw,
+            tuple(
+                (d.begin, str(d.decomposition), d.decomposition.piece_axis) for d in decompositions
+            ),
+        )
+        if key not in self._memo:
+            program = self.partitioned(partitions)
+            if decompositions:
+                program = decompose_program(program, list(decompositions))
+            graph, schedule, timeline = schedule_program(
+                program, self.policy, self.seconds, pack_dw
+            )
+            self._memo[key] = StepEstimate(
+                list(partitions), pack_dw, graph, schedule, timeline, list(decompositions)
+            )
+        return self._memo[key]
+
+    def keep_what_pays(
+        self, choices: Sequence[PartitionChoice], pack_dw: bool
+    ) -> list[PartitionChoice]:
+        """The ranges whose partition shortens the whole simulated step.
+
+        The search scores each range on its own; in the whole step its chunked
+        all-to-alls share the link with every other collective (and, with dW packing,
+        the windows it leaves). Each range is dropped in turn if the step is estimated
+        shorter without it; then all are dropped if together they do not beat the
+        unpartitioned step.
+        """
+        if not choices:
+            return []
+        kept = list(choices)
+        best = self(kept, pack_dw).step_seconds
+        for choice in choices:
+            trial = [c for c in kept if c is not choice]
+            seconds = self(trial, pack_dw).step_seconds
+            if seconds < best:
+                kept, best = trial, seconds
+        return kept if kept and best < self([], pack_dw).step_seconds else []

@@ -1,0 +1,42 @@
+"""Uniform axes: along which axes an unsplit value is the same everywhere.
+
+Broadcasts, iotas and the masks built from them are uniform along the axes
+they were broadcast over; a chunked op may take any ``1/n`` slice of such a
+value along them (see :mod:`scheduling.passes.partition_rules`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from scheduling.passes.partition_rules import ELEMENTWISE
+from scheduling.program.capture import Op
+
+
+def _shape(atom) -> tuple[int, ...]:
+    return tuple(getattr(atom.aval, "shape", ()))
+
+
+def uniform_axes(op: Op, uniform: Sequence[frozenset[int]]) -> list[frozenset[int]]:
+    """Axes along which each result of an unsplit op is the same everywhere."""
+    out_shapes = [tuple(getattr(v.aval, "shape", ())) for v in op.outputs]
+    params = op.eqn.params
+    if op.primitive == "iota":
+        return [frozenset(range(len(out_shapes[0]))) - {params["dimension"]}]
+    if op.primitive == "broadcast_in_dim":
+        dims = params["broadcast_dimensions"]
+        in_shape = _shape(op.inputs[0])
+        flat = {dims[d] for d in uniform[0]} | {dims[d] for d, s in enumerate(in_shape) if s == 1}
+        return [frozenset(range(len(out_shapes[0]))) - set(dims) | flat]
+    if op.primitive in ELEMENTWISE:
+        (shape,) = out_shapes
+        flat = set(range(len(shape)))
+        for atom, axes in zip(op.inputs, uniform, strict=True):
+            in_shape = _shape(atom)
+            if len(in_shape) == len(shape):
+                flat &= set(axes) | {d for d, s in enumerate(in_shape) if s == 1}
+        return [frozenset(flat)]
+    if op.primitive == "transpose":
+        permutation = params["permutation"]
+        return [frozenset(i for i, d in enumerate(permutation) if d in uniform[0])]
+    return [frozenset() for _ in op.outputs]
