@@ -36,8 +36,8 @@ def main(argv: list[str] | None = None) -> None:
     print("| schedule | phase | all-to-all (us) | exposed (us) | exposed share |")
     print("|---|---|---|---|---|")
     for schedule in args.schedules.split(","):
-        train = dataclasses.replace(config.train, schedule=schedule, schedule_profile=args.profile)
-        report = plan_train_step(dataclasses.replace(config, train=train), mesh).report
+        section = dataclasses.replace(config.schedule, name=schedule, profile=args.profile)
+        report = plan_train_step(dataclasses.replace(config, schedule=section), mesh).report
         for phase in ("forward", "backward"):
             rows = [c for c in report.collectives if c.kind == "all_to_all" and c.phase == phase]
             total = sum(c.estimated_seconds for c in rows)

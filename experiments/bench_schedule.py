@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
 
-    from jaxmoe.cli.main import ensure_host_devices
+    from jaxmoe.parallel.host_devices import ensure_host_devices
     from jaxmoe.presets import preset
 
     config = preset(args.preset)
@@ -38,12 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     import scheduling
     from jaxmoe.parallel.mesh import build_mesh
     from jaxmoe.train.scheduled import abstract_step_args, capture_train_step
-    from scheduling.optimize import batch_inputs, build_report, cost_model, plan
-    from scheduling.runtime.emit import emit
+    from scheduling import batch_inputs, build_report, cost_model, emit, plan
 
     mesh = build_mesh(config.parallel)
     example = abstract_step_args(config, mesh)
-    policy = scheduling.SchedulePolicy(name=args.schedule, profile=config.train.schedule_profile)
+    policy = scheduling.SchedulePolicy(name=args.schedule, profile=config.schedule.profile)
 
     timings = {}
     started = time.perf_counter()

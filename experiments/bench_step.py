@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
 
-    from jaxmoe.cli.main import ensure_host_devices
+    from jaxmoe.parallel.host_devices import ensure_host_devices
     from jaxmoe.presets import preset
 
     config = preset(args.preset)

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
 
-    from jaxmoe.cli.main import ensure_host_devices
+    from jaxmoe.parallel.host_devices import ensure_host_devices
     from jaxmoe.presets import preset
 
     config = preset(args.preset)
@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
+    from jaxmoe.prepare import prepare_run
     from jaxmoe.train.loop import train
 
     variants = ("no checkpoints", f"every {config.train.checkpoint_every} steps")
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in order:
             with tempfile.TemporaryDirectory() as scratch:
                 out = None if name == variants[0] else Path(scratch) / "run"
-                rows = train(config, out, progress=False)
+                rows = train(prepare_run(config), out, progress=False)
                 if out is not None:
                     saves = len(list((out / "checkpoints").iterdir()))
             seconds[name].append(_loop_seconds(rows))

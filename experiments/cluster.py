@@ -47,9 +47,9 @@ from experiments.link_calibration import LinkCalibration, calibrate_link, ensure
 from experiments.netns import EmulatedNetwork, LinkShape, namespaces_available
 from experiments.overlap_control import cluster_control_args, run_control
 from experiments.spread import Spread, round_ratios
-from jaxmoe.cli.main import config_from_train_args
+from jaxmoe.cli.parser import config_from_train_args
 from jaxmoe.config import ConfigError
-from jaxmoe.config.choices import SCHEDULES
+from scheduling.names import POLICIES as SCHEDULES
 
 
 @dataclass
@@ -106,7 +106,7 @@ def schedule_flags(schedule: str) -> list[str]:
     name, _, chunks = schedule.partition(":")
     flags = ["--schedule", name]
     if chunks:
-        flags += ["--train.schedule_partition_chunks", chunks]
+        flags += ["--schedule.partition_chunks", chunks]
     return flags
 
 

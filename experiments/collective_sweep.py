@@ -38,9 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--process-id", type=int)
     args = parser.parse_args(argv)
 
-    from jaxmoe.cli.main import ensure_host_devices
     from jaxmoe.config import ParallelConfig
     from jaxmoe.parallel.distributed import DistributedConfig, initialize
+    from jaxmoe.parallel.host_devices import ensure_host_devices
 
     parallel = ParallelConfig(data=args.parallel_data, expert=args.parallel_expert)
     distributed = DistributedConfig(args.coordinator, args.num_processes, args.process_id)
@@ -50,9 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import jax.numpy as jnp
 
-    from experiments.timing import time_per_device
     from jaxmoe.parallel.mesh import DATA_AXIS, EXPERT_AXIS, build_mesh
-    from scheduling.costs.link_model import CollectiveCurves, PiecewiseLinear
+    from jaxmoe.parallel.timing import time_per_device
+    from scheduling import CollectiveCurves, PiecewiseLinear
 
     mesh = build_mesh(parallel)
     sizes = []

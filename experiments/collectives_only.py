@@ -35,9 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--process-id", type=int)
     args = parser.parse_args(argv)
 
-    from jaxmoe.cli.main import ensure_host_devices
     from jaxmoe.config import Config
     from jaxmoe.parallel.distributed import DistributedConfig, initialize
+    from jaxmoe.parallel.host_devices import ensure_host_devices
 
     config = Config.from_dict(json.loads(args.config.read_text()))
     distributed = DistributedConfig(args.coordinator, args.num_processes, args.process_id)
@@ -47,10 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import jax.numpy as jnp
 
-    from experiments.timing import time_per_device
     from jaxmoe.parallel.mesh import build_mesh
+    from jaxmoe.parallel.timing import time_per_device
     from jaxmoe.train.scheduled import capture_train_step
-    from scheduling.program.jax_adapter import bind_equation
 
     mesh = build_mesh(config.parallel)
     program, _ = capture_train_step(config, mesh)
@@ -64,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
             # barriers before it merges equal collectives.
             fill = (seed + total * 1e-30).astype(operand.aval.dtype)
             value = jnp.full(operand.aval.shape, fill, operand.aval.dtype)
-            (result,) = bind_equation(op.eqn, [value])
+            (result,) = op.bind([value])
             total = total + jnp.sum(result).astype(jnp.float32)
         return total
 

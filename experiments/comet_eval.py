@@ -67,7 +67,7 @@ def layer_program(width: int, hidden: int, experts: int, top_k: int, gpus: int):
     from jaxmoe.layers.moe import MoELayer
     from jaxmoe.parallel.mesh import build_mesh
     from jaxmoe.parallel.sharding import param_specs
-    from scheduling.program.capture import capture
+    from scheduling import capture
 
     mesh = build_mesh(ParallelConfig(data=1, expert=gpus))
     config = MoEConfig(num_experts=experts, top_k=top_k, capacity_factor=1.0)
@@ -109,8 +109,7 @@ def layer_program(width: int, hidden: int, experts: int, top_k: int, gpus: int):
 
 def simulate_layers(gpus: int, quick: bool) -> list[dict]:
     """Rows of (a) for ``gpus`` devices; runs in a process with that many fake devices."""
-    from scheduling.optimize import build_report, cost_model, plan
-    from scheduling.planning.policy import SchedulePolicy
+    from scheduling import SchedulePolicy, build_report, cost_model, plan
 
     rows = []
     shapes = list(LAYER_SHAPES)[:1] if quick else list(LAYER_SHAPES)
@@ -151,8 +150,7 @@ def simulate_steps(gpus: int, models: list[str]) -> list[dict]:
     from experiments.lancet_eval import MODELS, PROFILES, paper_config
     from jaxmoe.parallel.mesh import build_mesh
     from jaxmoe.train.scheduled import capture_train_step
-    from scheduling.optimize import batch_inputs, build_report, cost_model, plan
-    from scheduling.planning.policy import SchedulePolicy
+    from scheduling import SchedulePolicy, batch_inputs, build_report, cost_model, plan
 
     rows = []
     for model in models:

@@ -1,7 +1,7 @@
 """How many collectives the compiled train step has, per schedule.
 
     python -m experiments.count_collectives [--preset tiny] [--schedules none,dw] \\
-        [jaxmoe train overrides, e.g. --train.schedule_async_min_bytes 262144]
+        [jaxmoe train overrides, e.g. --schedule.async_min_bytes 262144]
 
 Compiles the step for each schedule and counts the all-reduce and all-to-all
 instructions XLA kept: splitting reductions into async pairs stops XLA's
@@ -21,7 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schedules", default="none,dw")
     args, overrides = parser.parse_known_args(argv)
 
-    from jaxmoe.cli.main import config_from_train_args, ensure_host_devices
+    from jaxmoe.cli.parser import config_from_train_args
+    from jaxmoe.parallel.host_devices import ensure_host_devices
 
     config = config_from_train_args(["--preset", args.preset, *overrides])
     ensure_host_devices(config.parallel.num_devices)
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| schedule | all-reduce | all-to-all |\n|---|---|---|")
     for schedule in args.schedules.split(","):
         scheduled = dataclasses.replace(
-            config, train=dataclasses.replace(config.train, schedule=schedule)
+            config, schedule=dataclasses.replace(config.schedule, name=schedule)
         )
         planned = plan_train_step(scheduled, mesh)
         text = planned.step.lower(*planned.example).compile().as_text()

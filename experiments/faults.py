@@ -329,7 +329,7 @@ def _bad_inputs(scratch: Path) -> list[Outcome]:
         *(
             (
                 f"link curves: {kind} file",
-                ["train", "--schedule", "dw", "--train.schedule_link_curves", str(path)],
+                ["train", "--schedule", "dw", "--schedule.link_curves", str(path)],
             )
             for kind, path in curves.items()
         ),

@@ -15,7 +15,7 @@ coordination service's heartbeats included, so per step they are a slight upper 
 From them: median step time, bytes per step, loss after N steps, and the wall-clock time
 (sum of step times) until the loss, averaged over 5 steps, first reaches the target (the
 loss ``allreduce`` reaches after ``--target-fraction`` of the steps). ``auto``'s choice
-for each link (the cost model told the link speed, ``--train.schedule_link_mbit``) is
+for each link (the cost model told the link speed, ``--schedule.link_mbit``) is
 set beside the measured winner. Writes ``experiments/results/grad_sync_eval.md``,
 ``.json`` and ``.png``; ``--quick`` is a smoke test (one speed, few steps, no files).
 """
@@ -35,8 +35,9 @@ from experiments.cluster import Cluster
 from experiments.grad_sync_report import write_report
 from experiments.link_calibration import calibrate_link, ensure_calibrated
 from experiments.netns import EmulatedNetwork, LinkShape, namespaces_available
-from jaxmoe.cli.main import config_from_train_args, ensure_host_devices
+from jaxmoe.cli.parser import config_from_train_args
 from jaxmoe.parallel.grad_sync import ALGORITHMS
+from jaxmoe.parallel.host_devices import ensure_host_devices
 
 HOSTS, DEVICES_PER_HOST = 2, 4
 SMOOTHING = 5  # steps in the loss average that the target is checked against
@@ -89,11 +90,11 @@ def auto_choice(args, extra, link: float) -> dict:
     from jaxmoe.plan.grad_sync_choice import choose_grad_sync
 
     told = [
-        *("--train.schedule_profile", "cpu", "--train.schedule_link_mbit", f"{link:g}"),
+        *("--schedule.profile", "cpu", "--schedule.link_mbit", f"{link:g}"),
         *("--train.grad_sync_devices_per_host", str(DEVICES_PER_HOST)),
     ]
     if args.link_curves:
-        told += ["--train.schedule_link_curves", str(args.link_curves)]
+        told += ["--schedule.link_curves", str(args.link_curves)]
     config = config_from_train_args(train_args(args, [*extra, *told]))
     return choose_grad_sync(config, build_mesh(config.parallel)).to_json()
 

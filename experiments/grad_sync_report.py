@@ -115,7 +115,7 @@ def format_markdown(result: dict, table: dict[str, dict[str, dict]]) -> str:
         f"{result['smoothing']} steps) first reaches {target:.3f}, the loss allreduce reaches "
         f"after {result['target_fraction']:.0%} of the steps;",
         "- **auto**: what `--train.grad_sync auto` picks when told the link speed "
-        "(`--train.schedule_link_mbit`, profile cpu), and its estimated step.",
+        "(`--schedule.link_mbit`, profile cpu), and its estimated step.",
         "",
     ]
     slowest = min(table, key=float)

@@ -44,9 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--process-id", type=int)
     args = parser.parse_args(argv)
 
-    from jaxmoe.cli.main import ensure_host_devices
     from jaxmoe.config import Config
     from jaxmoe.parallel.distributed import DistributedConfig, initialize
+    from jaxmoe.parallel.host_devices import ensure_host_devices
 
     config = Config.from_dict(json.loads(args.config.read_text()))
     distributed = DistributedConfig(args.coordinator, args.num_processes, args.process_id)
@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
+    from jaxmoe.prepare import prepare_run
     from jaxmoe.train.loop import train
 
     if args.compilation_cache is not None:
@@ -66,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         for algorithm in rotated(algorithms, repeat):
             train_config = dataclasses.replace(config.train, grad_sync=algorithm)
             before = sent_bytes()
-            rows = train(dataclasses.replace(config, train=train_config), progress=False)
+            rows = train(
+                prepare_run(dataclasses.replace(config, train=train_config)), progress=False
+            )
             after = sent_bytes()
             sent = None if before is None or after is None else after - before
             runs.append(

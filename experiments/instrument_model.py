@@ -39,9 +39,13 @@ def socket_all_to_all_samples(sweep: list[dict], group: int) -> list[tuple[float
 
 def instrument_cost(mesh, curves_path: Path, calibration: dict, cache: Path):
     """The cost model of the cluster whose measurements are given (see the module)."""
-    from scheduling.costs.link_model import CollectiveCurves, PiecewiseLinear
-    from scheduling.costs.profiles import PROFILES
-    from scheduling.costs.profiling import OpProfiler, ProfiledCostModel
+    from scheduling import (
+        PROFILES,
+        CollectiveCurves,
+        OpProfiler,
+        PiecewiseLinear,
+        ProfiledCostModel,
+    )
 
     instrument = replace(PROFILES["cpu"], name="emulated cluster", fused_elementwise=True)
     curves = CollectiveCurves.load(curves_path)
@@ -65,8 +69,7 @@ def scaled_compute(seconds: Callable, factor: float) -> Callable:
 def readings(graph, order: list[int], seconds: Callable, factor: float) -> dict[str, dict]:
     """The program's step under each reading (``factor``: the ``scaled`` one's), and what
     its all-to-alls and its other collectives cost on the link."""
-    from scheduling.costs.simulate import simulate
-    from scheduling.program.graph import Role
+    from scheduling import Role, simulate
 
     def sockets_overlap(node) -> bool:
         return node.op.primitive == "all_to_all"
@@ -102,7 +105,7 @@ def pipelined_order(graph) -> list[int]:
     with the all-to-alls' starts S0..Sk-1 in program order, S0 and what it needs, then for
     each i: S(i+1) and what it needs, the work that became ready at D(i-1), and D(i). A
     chained form serialises itself: S(i+1) needs D(i)."""
-    from scheduling.program.graph import Role
+    from scheduling import Role
 
     placed: set[int] = set()
     order: list[int] = []

@@ -81,8 +81,7 @@ def simulate(gpus: int, models: list[str]) -> list[dict]:
     """Rows of (b) for ``gpus`` devices; runs in a process with that many fake devices."""
     from jaxmoe.parallel.mesh import build_mesh
     from jaxmoe.train.scheduled import capture_train_step
-    from scheduling.optimize import batch_inputs, build_report, cost_model, plan
-    from scheduling.planning.policy import SchedulePolicy
+    from scheduling import SchedulePolicy, batch_inputs, build_report, cost_model, plan
 
     rows = []
     for model in models:

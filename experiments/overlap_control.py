@@ -109,7 +109,7 @@ def per_device_forms(axis: str, args: argparse.Namespace, transport=None) -> dic
     import jax
     import jax.numpy as jnp
 
-    from scheduling.runtime.socket_all_to_all import SocketAllToAll, all_to_all_now, consume_token
+    from scheduling import SocketAllToAll, all_to_all_now, consume_token
 
     def compute(x, w):
         for _ in range(args.layers):
@@ -193,7 +193,7 @@ def worker(args: argparse.Namespace) -> int:
     mesh = jax.make_mesh((jax.device_count(),), (axis,))
     transport = None
     if args.collectives == "socket":
-        from scheduling.runtime.socket_all_to_all import SocketTransport
+        from scheduling import SocketTransport
 
         transport = SocketTransport.connect(mesh)
     programs = build_programs(mesh, axis, args, transport)
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--process-id", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        from jaxmoe.cli.main import ensure_host_devices
+        from jaxmoe.parallel.host_devices import ensure_host_devices
 
         ensure_host_devices(args.devices_per_host)
         return worker(args)

@@ -25,10 +25,10 @@ def train_flags(link_mbit: float = LINK_MBIT) -> list[str]:
     small reductions left synchronous), and the transport of the all-to-alls."""
     return [
         "--parallel.data", "1", "--parallel.expert", "2", "--moe.top_k", "2",
-        "--train.batch_size", "128", "--train.schedule_profile", "cpu",
-        "--train.schedule_link_mbit", f"{link_mbit:g}",
-        "--train.schedule_async_min_bytes", "262144",
-        "--train.schedule_socket_all_to_all", "true",
+        "--train.batch_size", "128", "--schedule.profile", "cpu",
+        "--schedule.link_mbit", f"{link_mbit:g}",
+        "--schedule.async_min_bytes", "262144",
+        "--schedule.transport", "socket",
     ]  # fmt: skip
 
 

@@ -30,7 +30,7 @@ from experiments.link_calibration import calibrate_link, ensure_calibrated
 from experiments.netns import EmulatedNetwork, LinkShape, namespaces_available
 from experiments.placement_rounds import VARIANTS, variant_configs
 from experiments.spread import Spread, round_ratios
-from jaxmoe.cli.main import config_from_train_args
+from jaxmoe.cli.parser import config_from_train_args
 from jaxmoe.config import ConfigError
 
 RESULTS = Path(__file__).parent / "results"

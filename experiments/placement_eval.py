@@ -50,11 +50,12 @@ def _config(name: str, steps: int, slots: int, rebalance: int, capacity_factor: 
 
 
 def _run(config) -> tuple[list[dict], list[dict], float]:
+    from jaxmoe.prepare import prepare_run
     from jaxmoe.train.loop import train
 
     with tempfile.TemporaryDirectory() as scratch:
         started = time.perf_counter()
-        rows = train(config, scratch, progress=False)
+        rows = train(prepare_run(config), scratch, progress=False)
         seconds = time.perf_counter() - started
         log = Path(scratch) / "placement.jsonl"
         decisions = (
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS / "placement_eval.md")
     args = parser.parse_args(argv)
 
-    from jaxmoe.cli.main import ensure_host_devices
+    from jaxmoe.parallel.host_devices import ensure_host_devices
 
     ensure_host_devices(8)
     every = args.rebalance_every

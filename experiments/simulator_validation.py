@@ -42,10 +42,10 @@ def _plans(link_mbit: float, cost, schedules: list[str]) -> dict:
     """Each schedule's graph, order and what its planning did (partitioned ranges, MoE
     layers decomposed), planned as the run planned it (its own policy and cost model)."""
     from experiments.cluster import schedule_flags
-    from jaxmoe.cli.main import config_from_train_args
+    from jaxmoe.cli.parser import config_from_train_args
     from jaxmoe.parallel.mesh import build_mesh
     from jaxmoe.train.scheduled import capture_train_step, schedule_policy
-    from scheduling.optimize import batch_inputs, cost_model, plan
+    from scheduling import batch_inputs, cost_model, plan
 
     argv = ["--preset", regime.PRESET, *regime.train_flags(link_mbit)]
     config = config_from_train_args(argv)
@@ -74,8 +74,7 @@ def _control_plans(mesh, settings: dict) -> dict:
 
     from experiments.overlap_control import per_device_forms
     from jaxmoe.parallel.mesh import EXPERT_AXIS
-    from scheduling.program.capture import capture
-    from scheduling.program.graph import Graph
+    from scheduling import Graph, capture
 
     args = argparse.Namespace(**{k: settings[k] for k in ("rows", "width", "layers", "chunks")})
     specs = (PartitionSpec(EXPERT_AXIS), PartitionSpec())
@@ -98,10 +97,9 @@ def _control_plans(mesh, settings: dict) -> dict:
 def predict(measured_path: Path, curves_path: Path, cache: Path, compute_only_s: float) -> dict:
     """Runs in a process with the cluster's devices (one per host). ``compute_only_s``: the
     measured step of ``none`` on the unshaped link (for the ``scaled`` reading)."""
-    from jaxmoe.cli.main import config_from_train_args
+    from jaxmoe.cli.parser import config_from_train_args
     from jaxmoe.parallel.mesh import build_mesh
-    from scheduling.costs.simulate import simulate
-    from scheduling.optimize import node_seconds
+    from scheduling import node_seconds, simulate
 
     measured = json.loads(measured_path.read_text())
     link_mbit = measured["link_mbit"]

@@ -25,12 +25,12 @@ from typing import Any
 
 
 def with_schedule(config, schedule: str):
-    """``config`` with ``train.schedule`` set from a cluster entry ``NAME`` or ``NAME:N``."""
+    """``config`` with ``schedule.name`` set from a cluster entry ``NAME`` or ``NAME:N``."""
     name, _, chunks = schedule.partition(":")
-    train = dataclasses.replace(
-        config.train, schedule=name, schedule_partition_chunks=int(chunks or 0)
+    section = dataclasses.replace(
+        config.schedule, name=name, partition_chunks=int(chunks) if chunks else None
     )
-    return dataclasses.replace(config, train=train)
+    return dataclasses.replace(config, schedule=section)
 
 
 def round_order(schedules: list[str], round_index: int) -> list[str]:
@@ -55,9 +55,9 @@ def rounds_parser(description: str) -> argparse.ArgumentParser:
 def start_host(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """This host's part of the run: ``(config, mesh, batch sampler)``, with its fake devices
     set and the distributed runtime joined."""
-    from jaxmoe.cli.main import ensure_host_devices
     from jaxmoe.config import Config
     from jaxmoe.parallel.distributed import DistributedConfig, initialize
+    from jaxmoe.parallel.host_devices import ensure_host_devices
 
     config = Config.from_dict(json.loads(args.config.read_text()))
     distributed = DistributedConfig(args.coordinator, args.num_processes, args.process_id)

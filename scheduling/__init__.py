@@ -1,36 +1,104 @@
 """The scheduling layer: rewrites a whole per-device training step so that
 collectives run asynchronously behind computation.
 
-It works on jaxprs alone and knows nothing of Flax or of jaxmoe:
-``capture`` traces the step to one flat per-device program, ``graph`` makes
-it a dataflow graph with collectives as start/done pairs, ``passes`` cut
-forward ranges into pipelined chunks and place and order the work, ``emit``
-rebuilds a jit-compiled step, and ``report`` says what was done. Entry point: :func:`optimize`.
+It works on jaxprs alone and knows nothing of Flax or of jaxmoe. The pipeline,
+and the public API for each stage (everything outside the package uses these
+names only):
+
+- **capture** a per-device step into one flat :class:`Program`
+  (:mod:`scheduling.program`);
+- **plan** it under a :class:`SchedulePolicy` and a cost model: the graph with
+  collectives as start/done pairs, partitioned and decomposed where it pays, and
+  the order of its nodes (:mod:`scheduling.planning`, :mod:`scheduling.passes`);
+- **estimate** a plan on the two-stream simulator (:mod:`scheduling.costs`);
+- **emit** a jit-compiled step that runs the plan through a transport
+  (:mod:`scheduling.runtime`);
+- **report** what was overlapped (:mod:`scheduling.reports`).
+
+:func:`optimize` does all five. The names a configuration chooses from (policies,
+profiles, op costs, transports) are in :mod:`scheduling.names`, which imports no JAX;
+so that importing this package stays as cheap, the API below is loaded on first use.
 """
 
-from scheduling.costs.cost_model import CostModel
-from scheduling.costs.link_model import CollectiveCurves
-from scheduling.costs.profiles import PROFILES, DeviceProfile
-from scheduling.optimize import optimize, plan
-from scheduling.planning.policy import POLICIES, SchedulePolicy
-from scheduling.program.capture import Program, capture
-from scheduling.program.collective_purpose import AxisRoles
-from scheduling.reports.report import ScheduleReport
-from scheduling.runtime.emit import ScheduledStep, xla_gpu_flags
+from __future__ import annotations
 
-__all__ = [
-    "POLICIES",
-    "PROFILES",
-    "AxisRoles",
-    "CollectiveCurves",
-    "CostModel",
-    "DeviceProfile",
-    "Program",
-    "SchedulePolicy",
-    "ScheduleReport",
-    "ScheduledStep",
-    "capture",
-    "optimize",
-    "plan",
-    "xla_gpu_flags",
-]
+import importlib
+from typing import Any
+
+# Public name -> the module that defines it.
+_API = {
+    # capture: the program
+    "capture": "scheduling.program.capture",
+    "Program": "scheduling.program.capture",
+    "Op": "scheduling.program.capture",
+    "Phase": "scheduling.program.capture",
+    "aval_bytes": "scheduling.program.capture",
+    "Graph": "scheduling.program.graph",
+    "Role": "scheduling.program.graph",
+    "AxisRoles": "scheduling.program.collective_purpose",
+    "collective_purposes": "scheduling.program.collective_purpose",
+    "saved_for_backward": "scheduling.program.saved_values",
+    # costs
+    "CostModel": "scheduling.costs.cost_model",
+    "op_flops": "scheduling.costs.cost_model",
+    "DeviceProfile": "scheduling.costs.profiles",
+    "PROFILES": "scheduling.costs.profiles",
+    "CollectiveCurves": "scheduling.costs.link_model",
+    "PiecewiseLinear": "scheduling.costs.link_model",
+    "OpProfiler": "scheduling.costs.profiling",
+    "ProfiledCostModel": "scheduling.costs.profiling",
+    "simulate": "scheduling.costs.simulate",
+    "Timeline": "scheduling.costs.simulate",
+    # plan
+    "SchedulePolicy": "scheduling.planning.policy",
+    "PolicyError": "scheduling.planning.policy",
+    "check_policy_fields": "scheduling.planning.policy",
+    "plan": "scheduling.planning.plan",
+    "Plan": "scheduling.planning.plan",
+    "cost_model": "scheduling.planning.plan",
+    "batch_inputs": "scheduling.planning.plan",
+    # estimate
+    "estimate": "scheduling.planning.step_estimate",
+    "node_seconds": "scheduling.planning.step_estimate",
+    "exposed_all_to_all": "scheduling.planning.step_estimate",
+    # emit
+    "emit": "scheduling.runtime.emit",
+    "ScheduledStep": "scheduling.runtime.emit",
+    "xla_gpu_flags": "scheduling.runtime.emit",
+    "connect_transport": "scheduling.runtime.transports",
+    "socket_applies": "scheduling.runtime.transports",
+    "SocketTransport": "scheduling.runtime.socket_all_to_all",
+    "SocketAllToAll": "scheduling.runtime.socket_all_to_all",
+    "all_to_all_now": "scheduling.runtime.socket_all_to_all",
+    "consume_token": "scheduling.runtime.socket_all_to_all",
+    # report
+    "build_report": "scheduling.reports.describe",
+    "ScheduleReport": "scheduling.reports.report",
+    "gantt_available": "scheduling.reports.gantt",
+    "find_trace_file": "scheduling.reports.measured_trace",
+    "read_trace": "scheduling.reports.measured_trace",
+    "compare_trace": "scheduling.reports.measured_trace",
+    "side_by_side": "scheduling.reports.measured_trace",
+    # all of it
+    "optimize": "scheduling.pipeline",
+}
+# Where a public name differs from the name in its module.
+_RENAMED = {
+    "connect_transport": "connect",
+    "gantt_available": "available",
+    "compare_trace": "compare",
+}
+
+__all__ = sorted(_API)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _API:
+        raise AttributeError(f"module 'scheduling' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_API[name]), _RENAMED.get(name, name))
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

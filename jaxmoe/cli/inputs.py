@@ -1,6 +1,6 @@
 """The files a run reads, checked before anything compiles.
 
-A configuration names files (``data.path``, ``train.schedule_link_curves``)
+A configuration names files (``data.path``, ``schedule.link_curves``)
 that are only opened deep inside a run, some after a long compilation. The
 command line calls :func:`check_input_files` first, so that a missing,
 unreadable or malformed file is one :class:`~jaxmoe.config.ConfigError` line
@@ -10,17 +10,17 @@ configuration itself does no I/O (it is built and compared in many places).
 
 from __future__ import annotations
 
-from jaxmoe.config import Config, ConfigError, TrainConfig
+from jaxmoe.config import Config, ConfigError, ScheduleConfig
 from jaxmoe.train.data import load_splits
-from scheduling.costs.link_model import CollectiveCurves
+from scheduling import CollectiveCurves
 
 
-def check_link_curves(train: TrainConfig) -> None:
-    """``train.schedule_link_curves`` is a curve set the scheduler's cost model can use."""
-    path = train.schedule_link_curves
+def check_link_curves(schedule: ScheduleConfig) -> None:
+    """``schedule.link_curves`` is a curve set the scheduler's cost model can use."""
+    path = schedule.link_curves
     if path is None:
         return
-    where = f"train.schedule_link_curves={path!r}"
+    where = f"schedule.link_curves={path!r}"
     try:
         CollectiveCurves.load(path)
     except OSError as error:
@@ -37,4 +37,4 @@ def check_input_files(config: Config) -> None:
     # The default corpus (the standard library) is not a user's file; the run reads it.
     if config.data.path is not None:
         load_splits(config)
-    check_link_curves(config.train)
+    check_link_curves(config.schedule)

@@ -5,11 +5,11 @@ of it costed by the scheduling layer's cost model on the link the run is told:
 
 - hosts: :func:`~jaxmoe.parallel.grad_sync.hierarchical.devices_per_host`
   (``train.grad_sync_devices_per_host``, or one host per process);
-- the link between hosts: ``train.schedule_link_mbit`` (shared by a host's
+- the link between hosts: ``schedule.link_mbit`` (shared by a host's
   devices), else the profile's node link (a multi-node profile) or its link;
   inside a host, a multi-node profile's device link, or for a flat profile the
   device's memory bandwidth (devices of one host exchange through memory);
-- ``train.schedule_link_curves``: collectives whose kind and group size the
+- ``schedule.link_curves``: collectives whose kind and group size the
   measured curves cover cost what the curves say.
 
 The estimate of a step is the sum of its ops' seconds (no overlap of compute
@@ -82,11 +82,11 @@ class GradSyncChoice:
 
 def choice_cost_model(config: Config, mesh: Mesh) -> tuple[scheduling.CostModel, str]:
     """The cost model of the link ``config`` describes, and that link in words."""
-    train = config.train
-    base = scheduling.PROFILES[train.schedule_profile]
+    train, schedule = config.train, config.schedule
+    base = scheduling.PROFILES[schedule.profile]
     per_host = devices_per_host(train.grad_sync_devices_per_host, mesh)
     hosts = mesh.devices.size // per_host
-    told = train.schedule_link_mbit * 1e6 / 8 if train.schedule_link_mbit else None
+    told = schedule.link_mbit * 1e6 / 8 if schedule.link_mbit else None
     if hosts == 1:
         profile = base.with_link(told) if told else base
     elif base.devices_per_node:
@@ -107,9 +107,9 @@ def choice_cost_model(config: Config, mesh: Mesh) -> tuple[scheduling.CostModel,
     if hosts > 1:
         words += f", {profile.node_link_bytes_per_s * 8 / 1e6:g} Mbit/s between hosts"
     curves = None
-    if train.schedule_link_curves:
-        curves = scheduling.CollectiveCurves.load(train.schedule_link_curves)
-        words += f", measured curves {Path(train.schedule_link_curves).name}"
+    if schedule.link_curves:
+        curves = scheduling.CollectiveCurves.load(schedule.link_curves)
+        words += f", measured curves {Path(schedule.link_curves).name}"
     return scheduling.CostModel(profile, dict(mesh.shape), curves), words
 
 

@@ -38,9 +38,15 @@ from jaxmoe.train.mfu import mfu
 from jaxmoe.train.model_flops import model_flops
 from jaxmoe.train.scheduled import capture_train_step, op_cost_cache, schedule_policy
 from jaxmoe.train.state import TrainState, abstract_train_state
-from scheduling.optimize import batch_inputs, build_report, cost_model, plan
-from scheduling.program.capture import Program, aval_bytes
-from scheduling.program.saved_values import saved_for_backward
+from scheduling import (
+    Program,
+    aval_bytes,
+    batch_inputs,
+    build_report,
+    cost_model,
+    plan,
+    saved_for_backward,
+)
 
 # Modules that only present estimates: left out of the estimate cache's key.
 PRESENTATION = frozenset({"cli.py", "plan_table.py"})
@@ -228,9 +234,9 @@ class EstimateCache:
 
 
 def _with_schedule(config: Config, schedule: str, profile: str) -> Config:
-    values = config.to_dict()
-    values["train"].update(schedule=schedule, schedule_profile=profile)
-    return Config.from_dict(values)
+    return dataclasses.replace(
+        config, schedule=dataclasses.replace(config.schedule, name=schedule, profile=profile)
+    )
 
 
 def _traced_estimate(

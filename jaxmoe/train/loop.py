@@ -22,8 +22,7 @@ from tqdm import tqdm
 
 from jaxmoe import exit_codes
 from jaxmoe.config import Config
-from jaxmoe.parallel.mesh import build_mesh
-from jaxmoe.plan.grad_sync_choice import GradSyncChoice, resolve_grad_sync
+from jaxmoe.prepare import PreparedRun
 from jaxmoe.train.checkpoint import RunCheckpoints
 from jaxmoe.train.data import BatchSampler, load_splits, put_on_mesh
 from jaxmoe.train.metrics import METRICS_FILE, RunLog, host_row, read_rows
@@ -119,29 +118,26 @@ def _nonfinite_stop(
 
 
 def train(
-    config: Config,
+    run: PreparedRun,
     out_dir: str | Path | None = None,
     *,
     progress: bool = True,
     step_timeout_s: float | None = None,
     resume: bool = False,
     profile_steps: tuple[int, int] | None = None,
-    grad_sync_choice: GradSyncChoice | None = None,
 ) -> list[dict[str, Any]]:
-    """Train ``config`` up to ``config.train.steps`` steps; returns this run's metric rows.
+    """Train the prepared run (:func:`jaxmoe.prepare.prepare_run`) up to
+    ``config.train.steps`` steps; returns this run's metric rows.
 
     With ``out_dir``, checkpoints are written there; with ``resume``, training continues
     from the latest complete one (a new run if there is none). With ``step_timeout_s``,
     a step (or validation pass) that takes longer ends the process (see
     :mod:`jaxmoe.train.watchdog`): in a multi-process run, a peer died. With
     ``profile_steps=(A, B)``, steps A..B are traced (:mod:`jaxmoe.train.profiler`).
-    ``train.grad_sync auto`` is resolved here unless the caller did (``grad_sync_choice``:
-    its choice, logged with the run).
+    What ``train.grad_sync auto`` chose is logged with the run.
     """
+    config, mesh, grad_sync_choice = run.config, run.mesh, run.grad_sync_choice
     profiler = StepProfiler(profile_steps, config.train.steps, out_dir)
-    mesh = build_mesh(config.parallel)
-    if config.train.grad_sync == "auto":
-        config, grad_sync_choice = resolve_grad_sync(config, mesh)
     seq_len, batch = config.model.seq_len, config.train.batch_size
     splits = load_splits(config)
     train_batches = BatchSampler(splits.train, seq_len, batch, config.train.seed)

@@ -83,12 +83,12 @@ class RunLog:
         """``schedule_report.json``: what the scheduling layer did to the step, and
         ``schedule_timeline.json``: its simulated timeline (open in Perfetto's UI), and
         ``schedule_timeline.png`` drawn from it when matplotlib is installed."""
-        from scheduling.reports import gantt
+        import scheduling
 
         if self.active:
             report.save(self.out_dir / "schedule_report.json")
             report.save_trace(self.out_dir / "schedule_timeline.json")
-            if gantt.available():
+            if scheduling.gantt_available():
                 report.save_gantt(self.out_dir / "schedule_timeline.png")
 
     def write_grad_sync_choice(self, choice: Any) -> None:

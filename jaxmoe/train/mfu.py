@@ -148,12 +148,12 @@ def estimated_mfu(config: Config, report: Any, devices: int) -> EstimatedMfu:
     """The estimated MFU of a step that the scheduler planned for ``config`` (``report``:
     its :class:`scheduling.ScheduleReport`) on ``devices`` devices.
 
-    The peak is ``train.schedule_profile``'s for ``model.dtype`` (its half-precision
+    The peak is ``schedule.profile``'s for ``model.dtype`` (its half-precision
     peak for bfloat16 where it gives one), the figure the step's matmuls were costed at.
     """
     import scheduling
 
-    profile = scheduling.PROFILES[config.train.schedule_profile]
+    profile = scheduling.PROFILES[config.schedule.profile]
     return EstimatedMfu(
         model_flops_per_step=model_flops(config).train_step(),
         devices=devices,

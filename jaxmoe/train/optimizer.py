@@ -7,6 +7,8 @@ and scales the gradients before the update.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import optax
 
@@ -42,7 +44,9 @@ def _decay_mask(params):
     return jax.tree_util.tree_map_with_path(decayed, params)
 
 
+@functools.cache
 def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
+    """AdamW for ``train`` (one per configuration: the state, its specs and the step share it)."""
     return optax.adamw(
         learning_rate_schedule(train),
         b1=train.adam_b1,

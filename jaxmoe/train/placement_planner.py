@@ -20,7 +20,7 @@ Units. A kept assignment is valued at the link time of the all-to-all bytes it
 carries (dispatch and return, forward and backward), the traffic that raising
 the capacity would add to keep it; a move's device-load gain at the expert
 FLOPs it takes off the slowest device, both over the cost model's device
-(``train.schedule_profile``, ``train.schedule_link_mbit``). A change costs the
+(``schedule.profile``, ``schedule.link_mbit``). A change costs the
 bytes it moves over that link (``PlanCosts.slot_write_bytes`` per slot written).
 Here that is nothing: a replica's weights are gathered from its home shard in
 every step (:mod:`jaxmoe.parallel.placement`), a standing cost of every run with
@@ -64,9 +64,9 @@ class PlanCosts:
     @classmethod
     def of(cls, config: Config) -> PlanCosts:
         model, moe = config.model, config.moe
-        profile = scheduling.PROFILES[config.train.schedule_profile]
-        if config.train.schedule_link_mbit:
-            profile = profile.with_link(config.train.schedule_link_mbit * 1e6 / 8)
+        profile = scheduling.PROFILES[config.schedule.profile]
+        if config.schedule.link_mbit:
+            profile = profile.with_link(config.schedule.link_mbit * 1e6 / 8)
         hidden = moe.d_expert or model.d_ff
         width_bytes = model.d_model * (2 if model.dtype == "bfloat16" else 4)
         return cls(

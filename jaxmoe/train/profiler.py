@@ -24,9 +24,9 @@ from typing import Any
 
 import jax
 
+import scheduling
 from jaxmoe.config import ConfigError
 from jaxmoe.train.scheduled import PlannedStep
-from scheduling.reports import measured_trace
 
 PROFILE_SUBDIR = "profile"
 
@@ -127,7 +127,7 @@ class StepProfiler:
 def find_trace(path: str | Path) -> Path:
     """The newest ``*.trace.json.gz`` at or under ``path``; ConfigError if there is none."""
     try:
-        return measured_trace.find_trace_file(path)
+        return scheduling.find_trace_file(path)
     except FileNotFoundError:
         raise ConfigError(
             f"--trace {path}: no *.trace.json.gz there; write one with "
@@ -144,16 +144,16 @@ def compare_with_trace(planned: PlannedStep, trace: Path, out_dir: str | Path | 
     ``trace_comparison.json`` and ``measured_vs_simulated.json`` (both timelines
     in one Chrome trace).
     """
-    measured = measured_trace.read_trace(trace)
+    measured = scheduling.read_trace(trace)
     hlo_text = planned.step.lower(*planned.example).compile().as_text()
     report = planned.report
-    comparison = measured_trace.compare(measured, hlo_text, report.trace, report.step_seconds)
+    comparison = scheduling.compare_trace(measured, hlo_text, report.trace, report.step_seconds)
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "trace_comparison.json").write_text(
             json.dumps(comparison.to_json(), indent=2) + "\n"
         )
-        both = measured_trace.side_by_side(report.trace, measured)
+        both = scheduling.side_by_side(report.trace, measured)
         (out / "measured_vs_simulated.json").write_text(json.dumps(both) + "\n")
     return comparison.table()

@@ -1,9 +1,9 @@
-"""The train step as the scheduling layer rewrites it (``train.schedule``).
+"""The train step as the scheduling layer rewrites it (``schedule.name``).
 
 ``none`` is the plain ``jit`` of the whole-mesh ``shard_map``; any other
 schedule hands the per-device step to :func:`scheduling.optimize`, which
 returns an equivalent step and a report of what it overlapped. ``none`` with
-``train.schedule_socket_all_to_all`` goes through it too: the original order,
+``schedule.transport socket`` goes through it too: the original order,
 its all-to-alls synchronous over the socket transport that the other schedules
 use, so that a speedup over it is overlap, not a change of transport.
 """
@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 
 import scheduling
 from jaxmoe.config import Config
+from jaxmoe.parallel.layout import AXIS_ROLES
 from jaxmoe.parallel.mesh import token_spec
 from jaxmoe.train.state import TrainState, abstract_sharded_state
 from jaxmoe.train.step import ShardedStep, build_train_step
@@ -58,7 +59,7 @@ def capture_train_step(config: Config, mesh: Mesh) -> tuple[scheduling.Program, 
 
 @dataclass(frozen=True)
 class PlannedStep:
-    """The train step for ``config.train.schedule``, before compilation."""
+    """The train step for ``config.schedule.name``, before compilation."""
 
     step: Any  # a jit-wrapped function, or a scheduling.ScheduledStep
     example: tuple[Any, ...]  # abstract (state, batch)
@@ -75,39 +76,29 @@ class PlannedStep:
 
 
 def schedule_policy(config: Config) -> scheduling.SchedulePolicy:
-    """The scheduling policy that ``config.train``'s ``schedule*`` fields describe."""
-    train = config.train
-    profile = scheduling.PROFILES[train.schedule_profile]
-    if train.schedule_link_mbit:
-        profile = profile.with_link(train.schedule_link_mbit * 1e6 / 8)
-    return scheduling.SchedulePolicy(
-        name=train.schedule,
-        profile=profile,
-        async_min_bytes=train.schedule_async_min_bytes,
-        op_costs=train.schedule_op_costs,
-        op_cost_cache=str(op_cost_cache()),
-        collective_curves=train.schedule_link_curves,
-        partition_chunks=train.schedule_partition_chunks or None,
-        partition_always=train.schedule_partition_always,
-        socket_all_to_all=train.schedule_socket_all_to_all,
-        exchange_decomposition=train.schedule_exchange or None,
-    )
+    """The scheduling policy of ``config.schedule``, measured op costs kept in the cache."""
+    return config.schedule.policy(op_cost_cache=str(op_cost_cache()))
+
+
+def axis_roles() -> scheduling.AxisRoles:
+    """The role each axis of the folded mesh plays in the attention and MoE layouts."""
+    return scheduling.AxisRoles(dict(AXIS_ROLES))
 
 
 def plan_train_step(config: Config, mesh: Mesh) -> PlannedStep:
     sharded = build_train_step(config, mesh)
     example = abstract_step_args(config, mesh)
-    if config.train.schedule == "none" and not config.train.schedule_socket_all_to_all:
+    if not config.schedule.rewrites:
         return PlannedStep(sharded.jit(), example, None)
-    policy = schedule_policy(config)
     step, report = scheduling.optimize(
         sharded.per_device,
         *example,
         mesh=mesh,
         in_specs=sharded.in_specs,
         out_specs=sharded.out_specs,
-        policy=policy,
+        policy=schedule_policy(config),
         donate_argnums=sharded.donate_argnums,
         batch_argnums=sharded.batch_argnums,
+        axis_roles=axis_roles(),
     )
     return PlannedStep(step, example, report)

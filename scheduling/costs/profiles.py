@@ -17,6 +17,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from scheduling import names
+
 # Operand dtypes that run at a profile's half-precision peak.
 HALF_PRECISION = frozenset({np.dtype(jnp.bfloat16), np.dtype(jnp.float16)})
 
@@ -93,7 +95,7 @@ def load_profile(path: str | Path) -> DeviceProfile:
     return DeviceProfile(**{name: value for name, value in data.items() if name in known})
 
 
-PROFILE_FILES = Path(__file__).parent / "profiles"
+PROFILE_FILES = names.PROFILE_DIRECTORY
 
 PROFILES: dict[str, DeviceProfile] = {
     # A100 SXM: 156 TFLOP/s TF32 and 312 TFLOP/s BF16 dense, 1.55 TB/s and 40 GB of HBM2
@@ -115,6 +117,6 @@ PROFILES: dict[str, DeviceProfile] = {
     ),
     # One core of a CPU host running fake devices, joined by a 300 Mbit/s shaped link.
     "cpu": DeviceProfile("cpu", 20e9, 10e9, 5e-6, 300e6 / 8, 100e-6),
-    # Multi-node clusters, from the files in scheduling/profiles/ (sources inside).
+    # Multi-node clusters, from the files in scheduling/costs/profiles/ (sources inside).
     **{p.name: p for p in map(load_profile, sorted(PROFILE_FILES.glob("*.json")))},
 }

@@ -65,6 +65,22 @@ class Timeline:
     def exposed_communication_seconds(self) -> float:
         return sum(timing.stall for timing in self.collectives.values())
 
+    def link_holders(self, begin: float, end: float) -> tuple[float, float]:
+        """Seconds of ``[begin, end)`` during which the link ran critical collectives, and
+        deferrable ones."""
+        critical = deferrable = 0.0
+        for event in self.events:
+            if event.stream != "communication":
+                continue
+            held = min(end, event.start + event.seconds) - max(begin, event.start)
+            if held <= 0:
+                continue
+            if self.collectives[event.node].deferrable:
+                deferrable += held
+            else:
+                critical += held
+        return critical, deferrable
+
 
 class _Link:
     """The communication stream: transfers waiting for it, and those it ran."""

@@ -26,7 +26,7 @@ def split_async(program: Program, kinds: Iterable[str] | None = None, min_bytes:
     ones, with an operand of at least ``min_bytes``) as a pair.
 
     Without async primitives in this JAX the plan still has the pairs; the emitter
-    then either refuses or binds the synchronous collective (``fallback_to_sync``).
+    then either refuses or binds the synchronous collective (transport ``sync``).
     """
     allowed = None if kinds is None else frozenset(kinds)
 

@@ -1,24 +1,33 @@
-"""How to schedule: which passes run, on which cost profile, within what memory."""
+"""How to schedule: which passes run, on which cost profile, within what memory.
+
+No JAX here (the profile is looked up by name when it is used), so a caller can
+check a policy, or its own copy of these fields, before anything compiles:
+:func:`check_policy_fields` raises :class:`PolicyError` naming the field.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from scheduling.costs.profiles import PROFILES, DeviceProfile
+from scheduling import names
 
-POLICIES = (
-    "none", "async", "dw", "partition", "lancet", "expert_pipeline", "comet", "lancet+comet"
-)  # fmt: skip
-# Policies that partition forward ranges around the MoE layers, and that pack dW work.
-PARTITIONING = frozenset({"partition", "lancet", "expert_pipeline", "lancet+comet"})
-PACKING_DW = frozenset({"dw", "lancet"})
+if TYPE_CHECKING:
+    from scheduling.costs.profiles import DeviceProfile
+
+
+class PolicyError(ValueError):
+    """A policy field with a value that cannot be used; ``fix`` says what to do."""
+
+    def __init__(self, field: str, value: Any, fix: str):
+        self.field, self.value, self.fix = field, value, fix
+        super().__init__(f"SchedulePolicy.{field}={value!r}: {fix}")
 
 
 @dataclass(frozen=True)
 class SchedulePolicy:
-    """``none``: the original order, synchronous collectives (the reference); with
-    ``socket_all_to_all``, its all-to-alls run synchronously over the sockets, so that
-    the reference uses the transport of the scheduled steps.
+    """``none``: the original order, synchronous collectives (the reference).
     ``async``: every collective split into start/done, started early, waited late.
     ``dw``: ``async`` plus dW work packed into the backward all-to-all windows.
     ``partition``: ``async`` plus forward ranges around each MoE layer cut into chunks
@@ -34,11 +43,20 @@ class SchedulePolicy:
     """
 
     name: str = "dw"
+    # A name of scheduling.names.PROFILES, or a DeviceProfile.
     profile: DeviceProfile | str = "a100"
+    # The cost model's link in Mbit/s per device instead of the profile's (0: the profile's).
+    link_mbit: float = 0.0
     # Allowed growth of peak live bytes over the original program, as a fraction.
     max_live_bytes_growth: float = 0.1
-    # On a JAX without known async primitives: keep the order with sync collectives.
-    fallback_to_sync: bool = False
+    # How the emitted program runs its collectives (scheduling.runtime.transports):
+    # "xla", XLA's async start/done pairs; "sync", the planned order with synchronous
+    # collectives (for a JAX whose async primitives the adapter does not know); "socket",
+    # on the CPU backend across processes, the all-to-alls as socket start/done pairs,
+    # which overlap the computation planned between them where XLA:CPU runs its own
+    # pairs synchronously (elsewhere "xla"). With "socket", ``none`` runs each
+    # all-to-all over the sockets with its done right after its start.
+    transport: str = "xla"
     # Reductions and gathers whose operand is smaller stay synchronous where they are.
     # Each async pair is launched on its own, so splitting many small reductions forgoes
     # XLA's combining of them into one; below latency x bandwidth they gain little
@@ -48,64 +66,86 @@ class SchedulePolicy:
     # on this backend (scheduling.costs.profiling), cached under op_cost_cache when given.
     op_costs: str = "analytic"
     op_cost_cache: str | None = None
-    # A CollectiveCurves file (scheduling.costs.link_model): measured collective costs, used
-    # for the collectives it covers instead of the profile's link figures.
-    collective_curves: str | None = None
-    # Partitioning: try only this chunk count (default: every n in 2..8 dividing the batch).
+    # A CollectiveCurves file (scheduling.costs.link_model): measured collective costs,
+    # used for the collectives it covers instead of the profile's link figures.
+    link_curves: str | None = None
+    # Partitioning: try only this chunk count (default: every n in 2..8 dividing the
+    # batch); expert_pipeline: its pipelining degree (required).
     partition_chunks: int | None = None
     # Partition every range that can be, even where the estimate does not improve (for
     # measuring, and for checking exactness); the best estimate among those is kept.
     partition_always: bool = False
-    # On the CPU backend across processes: all-to-alls as socket start/done pairs
-    # (scheduling.runtime.socket_all_to_all), which overlap the computation planned between
-    # them; XLA:CPU runs its own async pairs synchronously. Ignored elsewhere. ``none``
-    # then runs each all-to-all over the sockets with its done right after its start.
-    socket_all_to_all: bool = False
     # comet: decompose every exchange this way ("rounds:G", "chunks:N") wherever it applies,
     # whatever the estimate (for measuring, and for checking exactness).
-    exchange_decomposition: str | None = None
+    exchange: str | None = None
 
     def __post_init__(self) -> None:
-        if self.name not in POLICIES:
-            raise ValueError(
-                f"SchedulePolicy.name={self.name!r}: choose one of {', '.join(POLICIES)}"
-            )
-        if isinstance(self.profile, str) and self.profile not in PROFILES:
-            raise ValueError(
-                f"SchedulePolicy.profile={self.profile!r}: choose one of "
-                f"{', '.join(sorted(PROFILES))} or pass a DeviceProfile"
-            )
-        if self.max_live_bytes_growth < 0:
-            raise ValueError("SchedulePolicy.max_live_bytes_growth must be >= 0")
-        if self.async_min_bytes < 0:
-            raise ValueError("SchedulePolicy.async_min_bytes must be >= 0")
-        if self.partition_chunks is not None and not 2 <= self.partition_chunks <= 8:
-            raise ValueError(
-                f"SchedulePolicy.partition_chunks={self.partition_chunks}: choose 2..8, or None "
-                "to let the search choose"
-            )
-        if self.name == "expert_pipeline" and self.partition_chunks is None:
-            raise ValueError(
-                "SchedulePolicy.partition_chunks: expert_pipeline needs the pipelining degree "
-                "(2..8; degree 1 is the 'async' policy)"
-            )
-        if self.exchange_decomposition is not None:
-            kind, _, pieces = self.exchange_decomposition.partition(":")
-            if kind not in ("rounds", "chunks") or not pieces.isdigit() or int(pieces) < 2:
-                raise ValueError(
-                    f"SchedulePolicy.exchange_decomposition={self.exchange_decomposition!r}: "
-                    "write 'rounds:G' (G the exchange's group) or 'chunks:N' (N >= 2)"
-                )
-            if self.name not in ("comet", "lancet+comet"):
-                raise ValueError(
-                    "SchedulePolicy.exchange_decomposition applies to the comet and "
-                    f"lancet+comet policies, not {self.name!r}"
-                )
-        if self.op_costs not in ("analytic", "measured"):
-            raise ValueError(
-                f"SchedulePolicy.op_costs={self.op_costs!r}: choose 'analytic' or 'measured'"
-            )
+        check_policy_fields(
+            {name: getattr(self, name) for name in self.__dataclass_fields__},
+        )
 
     @property
     def device_profile(self) -> DeviceProfile:
-        return PROFILES[self.profile] if isinstance(self.profile, str) else self.profile
+        """The profile, with ``link_mbit`` applied."""
+        from scheduling.costs.profiles import PROFILES  # JAX: only when costs are needed
+
+        profile = PROFILES[self.profile] if isinstance(self.profile, str) else self.profile
+        return profile.with_link(self.link_mbit * 1e6 / 8) if self.link_mbit else profile
+
+
+def check_policy_fields(fields: Mapping[str, Any]) -> None:
+    """Raise :class:`PolicyError` for the first field of ``fields`` (named as in
+    :class:`SchedulePolicy`; any subset) whose value cannot be used."""
+    get = fields.get
+    if "name" in fields and get("name") not in names.POLICIES:
+        raise PolicyError("name", get("name"), f"choose one of {', '.join(names.POLICIES)}")
+    profile = get("profile")
+    if isinstance(profile, str) and profile not in names.PROFILES:
+        raise PolicyError(
+            "profile", profile, f"choose one of {', '.join(names.PROFILES)} or a DeviceProfile"
+        )
+    if not _number(get("link_mbit", 0)) or get("link_mbit", 0) < 0:
+        raise PolicyError("link_mbit", get("link_mbit"), "must be >= 0 (0 keeps the profile's)")
+    if not _number(get("max_live_bytes_growth", 0)) or get("max_live_bytes_growth", 0) < 0:
+        raise PolicyError("max_live_bytes_growth", get("max_live_bytes_growth"), "must be >= 0")
+    if get("transport", "xla") not in names.TRANSPORTS:
+        raise PolicyError(
+            "transport", get("transport"), f"choose one of {', '.join(names.TRANSPORTS)}"
+        )
+    async_min = get("async_min_bytes", 0)
+    if not isinstance(async_min, int) or isinstance(async_min, bool) or async_min < 0:
+        raise PolicyError("async_min_bytes", async_min, "must be an integer >= 0")
+    if get("op_costs", "analytic") not in names.OP_COSTS:
+        raise PolicyError("op_costs", get("op_costs"), f"choose one of {', '.join(names.OP_COSTS)}")
+    chunks = get("partition_chunks")
+    if chunks is not None and (not isinstance(chunks, int) or not 2 <= chunks <= 8):
+        raise PolicyError(
+            "partition_chunks", chunks, "choose 2..8, or none to let the search choose"
+        )
+    if get("name") == "expert_pipeline" and chunks is None:
+        raise PolicyError(
+            "partition_chunks",
+            chunks,
+            "expert_pipeline needs its pipelining degree: 2..8 (degree 1 is the async policy)",
+        )
+    exchange = get("exchange")
+    if exchange is not None:
+        kind, _, pieces = exchange.partition(":")
+        if kind not in ("rounds", "chunks") or not pieces.isdigit() or int(pieces) < 2:
+            raise PolicyError(
+                "exchange",
+                exchange,
+                "write rounds:G (G the exchange's group) or chunks:N (N >= 2), or none for "
+                "the cost model's choice",
+            )
+        if "name" in fields and get("name") not in names.DECOMPOSING:
+            raise PolicyError(
+                "exchange",
+                exchange,
+                f"applies to the {' and '.join(sorted(names.DECOMPOSING))} policies, not "
+                f"{get('name')!r}",
+            )
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)

@@ -43,6 +43,13 @@ def node_seconds(
     return seconds
 
 
+def estimate(graph: Graph, schedule: Schedule | Sequence[int], cost: CostModel) -> Timeline:
+    """The simulated timeline of ``graph`` run in ``schedule``'s order (a
+    :class:`~scheduling.passes.order.Schedule` or a list of node ids) under ``cost``."""
+    order_ = schedule.order if isinstance(schedule, Schedule) else list(schedule)
+    return simulate(graph, order_, node_seconds(cost))
+
+
 def exposed_all_to_all(graph: Graph, timeline: Timeline) -> float:
     """Seconds the step waits on all-to-alls (their stalls in ``timeline``)."""
     return sum(

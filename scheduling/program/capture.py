@@ -31,7 +31,6 @@ from __future__ import annotations
 import enum
 import itertools
 import math
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,17 +39,7 @@ import jax
 from jax.extend import core as jcore
 from jax.sharding import Mesh
 
-# Call-like primitives and the parameter that holds their body.
-INLINED_BODIES = {
-    "jit": "jaxpr",
-    "pjit": "jaxpr",
-    "closed_call": "call_jaxpr",
-    "core_call": "call_jaxpr",
-    "custom_jvp_call": "call_jaxpr",
-    "custom_vjp_call": "call_jaxpr",
-    "remat2": "jaxpr",
-    "checkpoint": "jaxpr",
-}
+from scheduling.program import jax_adapter
 
 COLLECTIVES = frozenset(
     {
@@ -124,8 +113,7 @@ class Op:
 
         ``transpose(jvp(layer_1))/moe`` becomes ``layer_1/moe``.
         """
-        stripped = re.sub(r"[A-Za-z_]\w*\(", "", self.name_stack).replace(")", "")
-        return "/".join(part for part in stripped.split("/") if part)
+        return jax_adapter.without_transforms(self.name_stack)
 
     @property
     def is_collective(self) -> bool:
@@ -137,12 +125,11 @@ class Op:
 
         A scatter's ``update_jaxpr`` only combines two scalars; it is not a sub-program.
         """
-        return any(
-            isinstance(p, jcore.Jaxpr | jcore.ClosedJaxpr)
-            or (isinstance(p, tuple) and any(isinstance(q, jcore.ClosedJaxpr) for q in p))
-            for name, p in self.eqn.params.items()
-            if name != "update_jaxpr"
-        )
+        return jax_adapter.carries_subprogram(self.eqn)
+
+    def bind(self, operands: Sequence[Any]) -> list[Any]:
+        """This op's equation applied to ``operands`` (arrays or tracers)."""
+        return jax_adapter.bind_equation(self.eqn, operands)
 
     def __repr__(self) -> str:
         return f"Op({self.index}: {self.primitive} [{self.phase.value}] {self.layer})"
@@ -165,28 +152,8 @@ class Program:
         return [op for op in self.ops if op.is_collective]
 
 
-def _body_of(eqn: Any) -> tuple[Any, Sequence[Any]] | None:
-    """``(jaxpr, consts)`` of a call-like equation to inline, else None."""
-    param = INLINED_BODIES.get(eqn.primitive.name)
-    if param is None or param not in eqn.params:
-        return None
-    body = eqn.params[param]
-    if isinstance(body, jcore.ClosedJaxpr):
-        return body.jaxpr, body.consts
-    return body, ()
-
-
 def _join_stacks(outer: str, inner: str) -> str:
     return "/".join(part for part in (outer, inner) if part)
-
-
-def _recomputes_behind_a_barrier(eqn: Any) -> bool:
-    """A remat body that JAX lowers behind an ``optimization_barrier`` on its inputs."""
-    return (
-        eqn.primitive.name in ("remat2", "checkpoint")
-        and bool(eqn.params.get("prevent_cse"))
-        and bool(eqn.params.get("differentiated"))
-    )
 
 
 def _barrier_equation(avals: Sequence[Any]) -> Any:
@@ -218,9 +185,9 @@ class _Flattener:
         for eqn in jaxpr.eqns:
             inputs = [self.atom(env, var) for var in eqn.invars]
             eqn_stack = _join_stacks(stack, str(eqn.source_info.name_stack))
-            body = _body_of(eqn)
+            body = jax_adapter.inlined_body(eqn)
             if body is not None:
-                if _recomputes_behind_a_barrier(eqn):
+                if jax_adapter.recomputes_behind_a_barrier(eqn):
                     inputs = self.barrier(inputs, eqn_stack)
                 results = self.run(body[0], body[1], inputs, eqn_stack)
                 for var, result in zip(eqn.outvars, results, strict=True):
@@ -258,9 +225,10 @@ def inline_jaxpr(
 def _assign_phases(ops: list[Op]) -> None:
     after_backward: set[Value] = set()
     for op in ops:
-        if "transpose(" in op.name_stack:
+        differentiated = jax_adapter.ad_pass(op.name_stack)
+        if differentiated == "backward":
             op.phase = Phase.BACKWARD
-        elif "jvp(" in op.name_stack:
+        elif differentiated == "forward":
             op.phase = Phase.FORWARD
         elif any(isinstance(a, Value) and a in after_backward for a in op.inputs):
             op.phase = Phase.OPTIMIZER
@@ -285,10 +253,10 @@ def capture(
         step_fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
     )
     closed, out_shapes = jax.make_jaxpr(mapped, return_shape=True)(*example_args)
-    if len(closed.jaxpr.eqns) != 1 or closed.jaxpr.eqns[0].primitive.name != "shard_map":
+    if len(closed.jaxpr.eqns) != 1:
         raise ValueError("capture expects the traced step to be exactly one whole-mesh shard_map")
     (eqn,) = closed.jaxpr.eqns
-    body = eqn.params["jaxpr"]
+    body, eqn_in_specs, eqn_out_specs = jax_adapter.shard_map_parts(eqn)
     outer_consts = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
 
     flattener = _Flattener()
@@ -306,7 +274,7 @@ def capture(
     position = {var: i for i, var in enumerate(closed.jaxpr.invars)}
     arguments = sorted(
         (position[outer_var], value, spec)
-        for outer_var, value, spec in zip(eqn.invars, inputs, eqn.params["in_specs"], strict=True)
+        for outer_var, value, spec in zip(eqn.invars, inputs, eqn_in_specs, strict=True)
         if outer_var not in outer_consts
     )
     argument_inputs = [value for _, value, _ in arguments]
@@ -317,7 +285,7 @@ def capture(
         outputs=outputs,
         mesh=mesh,
         in_specs=argument_specs,
-        out_specs=tuple(eqn.params["out_specs"]),
+        out_specs=tuple(eqn_out_specs),
         in_tree=jax.tree.structure(example_args),
         out_tree=jax.tree.structure(out_shapes),
     )

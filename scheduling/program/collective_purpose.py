@@ -4,10 +4,11 @@ Two things in an equation say it: the name scopes on its name stack (the model
 wraps its blocks in ``attention``, ``ffn``, ``moe``, the gradient reductions in
 ``grad_reduce/...``), and the mesh axes it runs over. A mesh axis of a folded
 layout plays one role in the attention layout and one in the MoE layout
-(:class:`AxisRoles`; by default read off the axis names, which the folded
-mesh builds from the roles: ``tensor_expert`` is tensor for attention and
-expert for the MoE). A collective inside an MoE block names its group by the
-MoE roles of its axes, elsewhere by the attention roles:
+(:class:`AxisRoles`, which the caller passes: jaxmoe's folded mesh names
+``tensor_expert`` the axis that is tensor for attention and expert for the MoE;
+without roles, an axis plays the role of its own name). A collective inside an
+MoE block names its group by the MoE roles of its axes, elsewhere by the
+attention roles:
 
 - ``tensor all_gather (sequence)`` / ``tensor reduce_scatter (sequence)``: the
   entry and exit of a sequence-parallel block (gathered or scattered along an
@@ -39,15 +40,6 @@ ROLE_NAMES = {
     "expert_tensor": "expert-tensor",
     "expert_data": "expert-data",
 }
-# Mesh axis names of the folded layout -> (attention role, MoE role).
-FOLDED_AXIS_ROLES: dict[str, tuple[str, str]] = {
-    "data": ("data", "expert_data"),
-    "expert": ("data", "expert"),
-    "expert_tensor": ("data", "expert_tensor"),
-    "tensor": ("tensor", "expert_tensor"),
-    "tensor_expert": ("tensor", "expert"),
-    "tensor_expert_data": ("tensor", "expert_data"),
-}
 
 
 @dataclass(frozen=True)
@@ -57,7 +49,7 @@ class AxisRoles:
     Axes missing from ``roles`` play the role of their own name in both layouts.
     """
 
-    roles: Mapping[str, tuple[str, str]] = field(default_factory=lambda: dict(FOLDED_AXIS_ROLES))
+    roles: Mapping[str, tuple[str, str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for axis, pair in self.roles.items():

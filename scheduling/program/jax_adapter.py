@@ -1,4 +1,4 @@
-"""The one module that touches JAX internals (``jax._src``).
+"""The one module that touches JAX internals (``jax._src``) and JAX's conventions.
 
 JAX 0.10.2 has asynchronous collective primitives, private to
 ``jax._src.lax.parallel``: ``<name>_start_p`` binds like the synchronous
@@ -8,15 +8,22 @@ have no differentiation rules, so they are bound only after AD, when the
 scheduled program is emitted. Everything else in ``scheduling`` goes through
 the functions here, so that another JAX version fails in one place, with a
 clear message, or falls back to synchronous collectives.
+
+It also holds the conventions of JAX's jaxprs that capture reads and that a new
+JAX version may change: which call-like primitives carry a body to inline, and in
+which parameter; where a ``shard_map`` keeps its body and specs; how a remat body
+is lowered; and how AD writes its passes into the name stack.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
+from jax.extend import core as jcore
 
 SUPPORTED_JAX_VERSIONS = ("0.10.2",)
 
@@ -59,7 +66,7 @@ def require_async_collectives() -> None:
         raise AsyncCollectivesUnavailable(
             f"jax {jax.__version__} is not a version whose async collectives this scheduler "
             f"supports ({', '.join(SUPPORTED_JAX_VERSIONS)}): install a supported jax, or pass "
-            "a policy with fallback_to_sync=True to keep the planned order with synchronous "
+            'a policy with transport="sync" to keep the planned order with synchronous '
             "collectives"
         )
 
@@ -117,3 +124,79 @@ def bind_equation(eqn: Any, operands: Sequence[Any]) -> list[Any]:
     with eqn.ctx.manager:
         result = eqn.primitive.bind(*operands, **params)
     return list(result) if eqn.primitive.multiple_results else [result]
+
+
+# -- Conventions of JAX's jaxprs ------------------------------------------------------
+
+# Call-like primitives and the parameter that holds their body.
+INLINED_BODIES = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "remat2": "jaxpr",
+    "checkpoint": "jaxpr",
+}
+REMAT_PRIMITIVES = frozenset({"remat2", "checkpoint"})
+
+
+def inlined_body(eqn: Any) -> tuple[Any, Sequence[Any]] | None:
+    """``(jaxpr, consts)`` of a call-like equation to inline, else None."""
+    param = INLINED_BODIES.get(eqn.primitive.name)
+    if param is None or param not in eqn.params:
+        return None
+    body = eqn.params[param]
+    if isinstance(body, jcore.ClosedJaxpr):
+        return body.jaxpr, body.consts
+    return body, ()
+
+
+def recomputes_behind_a_barrier(eqn: Any) -> bool:
+    """A remat body that JAX lowers behind an ``optimization_barrier`` on its inputs."""
+    return (
+        eqn.primitive.name in REMAT_PRIMITIVES
+        and bool(eqn.params.get("prevent_cse"))
+        and bool(eqn.params.get("differentiated"))
+    )
+
+
+def carries_subprogram(eqn: Any) -> bool:
+    """Whether the equation carries a sub-program (control flow) in its parameters.
+
+    A scatter's ``update_jaxpr`` only combines two scalars; it is not a sub-program.
+    """
+    return any(
+        isinstance(p, jcore.Jaxpr | jcore.ClosedJaxpr)
+        or (isinstance(p, tuple) and any(isinstance(q, jcore.ClosedJaxpr) for q in p))
+        for name, p in eqn.params.items()
+        if name != "update_jaxpr"
+    )
+
+
+def shard_map_parts(eqn: Any) -> tuple[Any, Sequence[Any], Sequence[Any]]:
+    """``(body jaxpr, in_specs, out_specs)`` of a ``shard_map`` equation."""
+    if eqn.primitive.name != "shard_map":
+        raise ValueError(
+            f"expected a shard_map equation, found {eqn.primitive.name!r}: capture expects "
+            "the traced step to be exactly one whole-mesh shard_map"
+        )
+    return eqn.params["jaxpr"], eqn.params["in_specs"], eqn.params["out_specs"]
+
+
+def ad_pass(name_stack: str) -> str | None:
+    """Which pass of AD an equation of ``name_stack`` belongs to: ``"backward"`` (inside
+    ``transpose(...)``), ``"forward"`` (inside ``jvp(...)``), or None (outside AD)."""
+    if "transpose(" in name_stack:
+        return "backward"
+    if "jvp(" in name_stack:
+        return "forward"
+    return None
+
+
+def without_transforms(name_stack: str) -> str:
+    """The name stack without AD transforms: ``transpose(jvp(layer_1))/moe`` becomes
+    ``layer_1/moe``."""
+    stripped = re.sub(r"[A-Za-z_]\w*\(", "", name_stack).replace(")", "")
+    return "/".join(part for part in stripped.split("/") if part)

@@ -9,13 +9,12 @@ how much dW work was placed in its window.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from scheduling.costs.cost_model import CostModel, collective_wire_bytes
 from scheduling.costs.simulate import CollectiveTiming, Timeline, simulate
 from scheduling.passes.split_async import splittable
 from scheduling.planning.exchange_plan import ExchangeChoice
 from scheduling.planning.partition_search import PartitionChoice
+from scheduling.planning.plan import Plan
 from scheduling.planning.policy import SchedulePolicy
 from scheduling.planning.step_estimate import node_seconds
 from scheduling.program.capture import Phase, Program
@@ -29,31 +28,11 @@ from scheduling.reports.report import (
     ScheduleReport,
 )
 
-if TYPE_CHECKING:
-    from scheduling.optimize import Plan
-
 _TINY = 1e-12  # seconds: below this a duration is a rounding error
 
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3g} ms"
-
-
-def link_holders(timeline: Timeline, begin: float, end: float) -> tuple[float, float]:
-    """Seconds of ``[begin, end)`` during which the link ran critical collectives, and
-    deferrable ones."""
-    critical = deferrable = 0.0
-    for event in timeline.events:
-        if event.stream != "communication":
-            continue
-        held = min(end, event.start + event.seconds) - max(begin, event.start)
-        if held <= 0:
-            continue
-        if timeline.collectives[event.node].deferrable:
-            deferrable += held
-        else:
-            critical += held
-    return critical, deferrable
 
 
 def why(
@@ -72,7 +51,7 @@ def why(
         reasons.append("hidden")
     queued = timing.began - timing.issued
     if queued > _TINY and timing.stall > _TINY:
-        critical, deferrable = link_holders(timeline, timing.issued, timing.began)
+        critical, deferrable = timeline.link_holders(timing.issued, timing.began)
         if deferrable > _TINY:
             reasons.append(f"link busy with gradient reductions {_ms(deferrable)}")
         if critical > _TINY:

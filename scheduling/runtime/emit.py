@@ -1,9 +1,10 @@
 """Emit: rebuild a jit-compiled step that runs the program in the planned order.
 
 The per-device program is re-evaluated op by op, in schedule order, inside a
-new whole-mesh ``shard_map`` under ``jax.jit``. A split collective binds the
-async start primitive at its start and the done primitive at its done (through
-the adapter). Every window — a collective's start, the computation placed in
+new whole-mesh ``shard_map`` under ``jax.jit``, every node through a transport
+(:mod:`scheduling.runtime.transports`): with XLA's, a split collective binds
+the async start primitive at its start and the done primitive at its done.
+Every window — a collective's start, the computation placed in
 it, and its done — is traced under
 ``set_xla_metadata(_scheduling_group_id=K)``, which XLA's GPU latency-hiding
 scheduler reads as "schedule these together", so the compiled program keeps
@@ -12,11 +13,8 @@ deferrable one (a gradient reduction, see ``scheduling.program.graph``) is left 
 so the scheduler may move it off the link the critical path needs. The XLA
 flags that turn that scheduler on are given by :func:`xla_gpu_flags`.
 
-On the CPU backend, where XLA runs every async pair synchronously, a socket transport
-(``scheduling.runtime.socket_all_to_all``) can carry the all-to-alls instead: each pair is a
-start and a done host callback, and the planned order is kept by data dependence. An
-all-to-all that the plan left whole (schedule ``none``) then runs on the same sockets,
-start and done back to back, so that every schedule is measured on one transport.
+On the CPU backend, where XLA runs every async pair synchronously, the socket
+transport carries the all-to-alls between processes instead, so that they overlap.
 """
 
 from __future__ import annotations
@@ -30,9 +28,10 @@ from jax.experimental.xla_metadata import set_xla_metadata
 
 from scheduling.passes.order import Schedule
 from scheduling.program import jax_adapter
-from scheduling.program.capture import Constant, Op, Program, Value
+from scheduling.program.capture import Constant, Program, Value
 from scheduling.program.graph import Graph, Role
-from scheduling.runtime.socket_all_to_all import EmittedOrder, SocketTransport
+from scheduling.runtime import transports
+from scheduling.runtime.transports import Transport, XlaAsync
 
 
 def xla_gpu_flags() -> list[str]:
@@ -53,20 +52,16 @@ def scheduling_groups(graph: Graph, schedule: Schedule) -> dict[int, int]:
 
 
 def per_device_function(
-    graph: Graph,
-    schedule: Schedule,
-    use_async: bool,
-    transport: SocketTransport | None = None,
+    graph: Graph, schedule: Schedule, transport: Callable[[], Transport] = XlaAsync
 ):
-    """A function of the flattened per-device arguments that runs ``schedule``; with a
-    ``transport``, the all-to-alls run over its sockets (see ``socket_all_to_all``)."""
+    """A function of the flattened per-device arguments that runs ``schedule``, every node
+    through a fresh transport from ``transport`` (:mod:`scheduling.runtime.transports`)."""
     program = graph.program
     groups = scheduling_groups(graph, schedule)
 
     def run(*flat_args: Any) -> tuple[Any, ...]:
         env: dict[Value, Any] = dict(zip(program.inputs, flat_args, strict=True))
-        pending: dict[int, Any] = {}
-        sockets = EmittedOrder(transport) if transport is not None else None
+        carrier = transport()
 
         def read(atom: Value | Constant) -> Any:
             return atom.value if isinstance(atom, Constant) else env[atom]
@@ -83,48 +78,17 @@ def per_device_function(
             with scope, jax_adapter.traced_as(op.eqn, op.name_stack):
                 if node.role is Role.START:
                     (operand,) = (read(a) for a in op.inputs)
-                    result_shape = op.outputs[0].aval.shape
-                    if sockets and sockets.supports(
-                        op.primitive, op.eqn.params, operand, result_shape
-                    ):
-                        sockets.start(node_id, operand, op.eqn.params)
-                        continue
-                    if use_async:
-                        pending[node_id] = jax_adapter.bind_start(
-                            op.primitive, operand, op.eqn.params
-                        )
-                    else:  # synchronous fallback: the collective runs at its start
-                        pending[node_id] = jax_adapter.bind_equation(op.eqn, [operand])
+                    carrier.start(node_id, op, operand)
                     continue
-                if node.role is Role.DONE and sockets and sockets.is_pending(node.partner):
-                    results = [sockets.done(node.partner)]
-                elif node.role is Role.DONE:
-                    future = pending.pop(node.partner)
-                    results = [jax_adapter.bind_done(op.primitive, future)] if use_async else future
-                elif sockets is not None and _runs_on_sockets(sockets, op, read):
-                    # An all-to-all left whole (schedule "none"): synchronous, on sockets.
-                    (operand,) = (read(a) for a in op.inputs)
-                    results = [sockets.now(node_id, operand, op.eqn.params)]
-                elif sockets is not None:
-                    inputs = sockets.pin(op.primitive, [read(a) for a in op.inputs])
-                    results = jax_adapter.bind_equation(op.eqn, inputs)
-                    sockets.record(results)
+                if node.role is Role.DONE:
+                    results = carrier.done(node.partner, op)
                 else:
-                    results = jax_adapter.bind_equation(op.eqn, [read(a) for a in op.inputs])
+                    results = carrier.run(node_id, op, [read(a) for a in op.inputs])
             for value, result in zip(op.outputs, results, strict=True):
                 env[value] = result
         return tuple(read(atom) for atom in program.outputs)
 
     return run
-
-
-def _runs_on_sockets(sockets: EmittedOrder, op: Op, read: Callable[[Any], Any]) -> bool:
-    """Whether ``op``, a node not split into start and done, is an all-to-all that the
-    socket transport carries."""
-    if op.primitive != "all_to_all" or len(op.inputs) != 1:
-        return False
-    operand = read(op.inputs[0])
-    return sockets.supports(op.primitive, op.eqn.params, operand, op.outputs[0].aval.shape)
 
 
 class ScheduledStep:
@@ -178,21 +142,15 @@ def emit(
     schedule: Schedule,
     *,
     donate_argnums: Sequence[int] = (),
-    fallback_to_sync: bool = False,
-    all_to_all_transport: SocketTransport | None = None,
+    transport: Callable[[], Transport] | None = None,
 ) -> ScheduledStep:
-    """A jit-compiled step running ``schedule`` with async collectives.
-
-    With a JAX whose async primitives the adapter does not know, raises
-    :class:`~scheduling.program.jax_adapter.AsyncCollectivesUnavailable`, or with
-    ``fallback_to_sync`` runs the same order with synchronous collectives. With an
-    ``all_to_all_transport``, every all-to-all runs as a socket start/done pair, the
-    planned order pinned by data dependence (for the CPU backend across processes, where
-    XLA's own async pairs run synchronously); one the plan did not split runs with its
-    done right after its start, and nothing planned after it runs during the transfer.
+    """A jit-compiled step running ``schedule``, its collectives through ``transport``
+    (a factory from :func:`scheduling.runtime.transports.connect`; default: XLA's async
+    collectives, which raises
+    :class:`~scheduling.program.jax_adapter.AsyncCollectivesUnavailable` on a JAX whose
+    async primitives the adapter does not know).
     """
-    use_async = jax_adapter.async_collectives_available()
-    if not use_async and not fallback_to_sync:
-        jax_adapter.require_async_collectives()
-    run = per_device_function(graph, schedule, use_async, all_to_all_transport)
+    if transport is None:
+        transport = transports.connect("xla", graph.program.mesh)
+    run = per_device_function(graph, schedule, transport)
     return ScheduledStep(graph.program, run, donate_argnums)

@@ -6,7 +6,7 @@ import json
 
 import experiments.cluster as cluster
 from experiments import step_rounds
-from jaxmoe.cli.main import config_from_train_args
+from jaxmoe.cli.parser import config_from_train_args
 
 
 def test_refuses_without_namespace_rights(monkeypatch, capsys):
@@ -90,9 +90,9 @@ def test_step_rounds_compiles_each_schedule_once_and_times_every_round(tmp_path)
 def test_a_schedule_entry_sets_the_chunk_count():
     config = config_from_train_args([])
     chunked = step_rounds.with_schedule(config, "expert_pipeline:4")
-    assert chunked.train.schedule == "expert_pipeline"
-    assert chunked.train.schedule_partition_chunks == 4
-    assert step_rounds.with_schedule(chunked, "dw").train.schedule_partition_chunks == 0
+    assert chunked.schedule.name == "expert_pipeline"
+    assert chunked.schedule.partition_chunks == 4
+    assert step_rounds.with_schedule(chunked, "dw").schedule.partition_chunks is None
 
 
 def test_collective_sweep_writes_curves_the_scheduler_loads(tmp_path):
@@ -100,7 +100,7 @@ def test_collective_sweep_writes_curves_the_scheduler_loads(tmp_path):
     import sys
 
     from jaxmoe.cli.launch import child_environment
-    from scheduling.costs.link_model import CollectiveCurves
+    from scheduling import CollectiveCurves
 
     out = tmp_path / "curves.json"
     result = subprocess.run(
@@ -136,6 +136,6 @@ def test_schedule_entries_with_a_chunk_count():
     assert cluster.schedule_flags("expert_pipeline:4") == [
         "--schedule",
         "expert_pipeline",
-        "--train.schedule_partition_chunks",
+        "--schedule.partition_chunks",
         "4",
     ]

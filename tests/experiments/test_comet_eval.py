@@ -1,8 +1,7 @@
 """The COMET evaluation's single-layer program and its reading of the targets."""
 
 from experiments import comet_cluster, comet_eval
-from scheduling.optimize import build_report, cost_model, plan
-from scheduling.planning.policy import SchedulePolicy
+from scheduling import SchedulePolicy, build_report, cost_model, plan
 
 
 def test_single_layer_program_has_both_exchanges_and_comet_never_loses():

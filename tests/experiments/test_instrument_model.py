@@ -9,8 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from experiments import instrument_model
 from experiments.overlap_control import per_device_forms
-from scheduling.program.capture import capture
-from scheduling.program.graph import Graph, Role
+from scheduling import Graph, Role, capture
 
 
 def test_socket_all_to_all_costs_the_bytes_that_leave_the_host():

@@ -5,10 +5,15 @@ import pytest
 from experiments import lancet_eval
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.train.scheduled import capture_train_step
-from scheduling.costs.simulate import simulate
-from scheduling.optimize import batch_inputs, cost_model, node_seconds, plan
-from scheduling.planning.policy import SchedulePolicy
-from scheduling.planning.step_estimate import exposed_all_to_all
+from scheduling import (
+    SchedulePolicy,
+    batch_inputs,
+    cost_model,
+    exposed_all_to_all,
+    node_seconds,
+    plan,
+    simulate,
+)
 
 
 @pytest.mark.parametrize(("layers", "width", "gpus"), [(12, 768, 16), (24, 1024, 32)])

@@ -7,7 +7,7 @@ import pytest
 
 import experiments.placement_cluster as placement_cluster
 from experiments import placement_rounds
-from jaxmoe.cli.main import config_from_train_args
+from jaxmoe.cli.parser import config_from_train_args
 from jaxmoe.config import ConfigError
 
 SMALL = [

@@ -80,7 +80,7 @@ def test_compute_only_comes_from_the_run_or_from_a_full_run_of_the_same_step(tmp
 def test_the_regime_runs_every_all_to_all_on_sockets_with_none_first(tmp_path: Path):
     argv = overlap_regime.cluster_argv(tmp_path / "m", tmp_path / "c")
     flags = dict(zip(argv[::2], argv[1::2], strict=False))
-    assert flags["--train.schedule_socket_all_to_all"] == "true"
+    assert flags["--schedule.transport"] == "socket"
     assert flags["--schedules"].split(",")[0] == "none"
     assert (flags["--hosts"], flags["--devices-per-host"]) == ("2", "1")
     assert (flags["--parallel.data"], flags["--parallel.expert"]) == ("1", "2")

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from scheduling import AxisRoles
 from scheduling.program.capture import Program, capture
 from tests.scheduling.toys import put, sds
 
@@ -76,6 +77,20 @@ EXPERT_TENSOR = FoldedLayout(
     ("data", "expert", "tensor"), tensor=("tensor",), expert=("expert",), expert_tensor=("tensor",)
 )
 LAYOUTS = {"folded": FOLDED, "expert_tensor": EXPERT_TENSOR}
+
+
+# The role each axis name of these toys plays in the attention and MoE layouts (the
+# names of jaxmoe's folded mesh, given to scheduling as data, as jaxmoe gives them).
+AXIS_ROLES = AxisRoles(
+    {
+        "data": ("data", "expert_data"),
+        "expert": ("data", "expert"),
+        "expert_tensor": ("data", "expert_tensor"),
+        "tensor": ("tensor", "expert_tensor"),
+        "tensor_expert": ("tensor", "expert"),
+        "tensor_expert_data": ("tensor", "expert_data"),
+    }
+)
 
 
 @functools.cache

@@ -17,7 +17,7 @@ from tests.scheduling.toys import toy_program
 
 def _purposes(layout):
     program = toys.program(layout)
-    named = collective_purposes(program)
+    named = collective_purposes(program, toys.AXIS_ROLES)
     return Counter((named[op], op.phase.value) for op in program.collectives())
 
 
@@ -47,7 +47,7 @@ def test_the_same_axis_is_tensor_for_attention_and_expert_tensor_for_the_moe():
 
 def test_dispatch_and_combine_follow_the_data_flow_not_the_order():
     program = toys.program(toys.FOLDED)
-    named = collective_purposes(program)
+    named = collective_purposes(program, toys.AXIS_ROLES)
     forward = [
         named[op]
         for op in program.ops
@@ -81,6 +81,7 @@ def _report(layout_name, policy):
         out_specs=toys.out_specs(layout),
         policy=SchedulePolicy(name=policy, partition_chunks=2, partition_always=True),
         batch_argnums=(1,),
+        axis_roles=toys.AXIS_ROLES,
     )
     return report
 

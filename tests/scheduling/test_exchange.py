@@ -10,10 +10,10 @@ from jax.sharding import PartitionSpec as P
 import scheduling
 from scheduling.costs.cost_model import CostModel
 from scheduling.costs.profiles import PROFILES, DeviceProfile
-from scheduling.optimize import plan
 from scheduling.passes.decompose_exchange import decompose_program, values_needed_whole
 from scheduling.passes.exchange_regions import find_exchanges, plan_all
 from scheduling.planning.exchange_plan import choose_exchanges
+from scheduling.planning.plan import plan
 from scheduling.planning.policy import SchedulePolicy
 from scheduling.planning.step_estimate import node_seconds
 from scheduling.program.capture import Op, Phase, Value
@@ -66,7 +66,7 @@ def test_rounds_and_chunks_apply_and_mixing_sources_stops_rounds():
 
 @pytest.mark.parametrize("decomposition", ["rounds:8", "chunks:2", "chunks:8"])
 def test_decomposed_step_is_bitwise_equal(decomposition):
-    policy = SchedulePolicy(name="comet", exchange_decomposition=decomposition)
+    policy = SchedulePolicy(name="comet", exchange=decomposition)
     optimized, expected, report = _optimized(policy)
     args = toys.args()
     chex.assert_trees_all_equal(optimized(*args), expected(*args))
@@ -74,7 +74,7 @@ def test_decomposed_step_is_bitwise_equal(decomposition):
 
 
 def test_decomposed_step_on_a_two_axis_mesh_is_bitwise_equal():
-    policy = SchedulePolicy(name="comet", exchange_decomposition="rounds:4")
+    policy = SchedulePolicy(name="comet", exchange="rounds:4")
     spec = P(("data", "expert"))
     optimized, expected, _ = _optimized(
         policy, mesh=mesh_2x4(), in_specs=toys.IN_SPECS_2X4, token_spec=spec
@@ -84,7 +84,7 @@ def test_decomposed_step_on_a_two_axis_mesh_is_bitwise_equal():
 
 
 def test_rounds_send_every_peer_once_and_keep_the_local_block():
-    policy = SchedulePolicy(name="comet", exchange_decomposition="rounds:8")
+    policy = SchedulePolicy(name="comet", exchange="rounds:8")
     planned = plan(toys.program(), policy)
     collectives = Counter(op.primitive for op in planned.graph.program.ops if op.is_collective)
     # Two exchanges, each 7 rounds out and 7 back; round 0 stays on the device.
@@ -183,9 +183,9 @@ def test_ppermute_cost_follows_its_pairs_on_a_node_profile():
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"name": "comet", "exchange_decomposition": "rounds"}, "rounds:G"),
-        ({"name": "comet", "exchange_decomposition": "chunks:1"}, "chunks:N"),
-        ({"name": "dw", "exchange_decomposition": "chunks:2"}, "comet"),
+        ({"name": "comet", "exchange": "rounds"}, "rounds:G"),
+        ({"name": "comet", "exchange": "chunks:1"}, "chunks:N"),
+        ({"name": "dw", "exchange": "chunks:2"}, "comet"),
     ],
 )
 def test_policy_checks_the_forced_decomposition(fields, message):

@@ -18,8 +18,8 @@ import chex
 import pytest
 
 import scheduling
-from scheduling.optimize import batch_inputs, cost_model
 from scheduling.passes.partition_forward import consumers_of, partition_program, plan_range
+from scheduling.planning.plan import batch_inputs, cost_model
 from scheduling.planning.policy import SchedulePolicy
 from scheduling.planning.step_estimate import node_seconds, schedule_program
 from scheduling.program.batch_layout import analyze

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 from scheduling.costs.simulate import simulate
 from scheduling.passes import Placement, order, split_async
 from scheduling.program.capture import capture
-from scheduling.reports.describe import link_holders, why
+from scheduling.reports.describe import why
 from scheduling.runtime.emit import scheduling_groups
 from tests.scheduling.toys import fixed_seconds, mesh_x, sds
 
@@ -126,13 +126,13 @@ def test_the_report_says_what_held_the_link_before_a_stalled_collective():
     fifo = simulate(graph, ORDER, SECONDS, priorities=False)
     # The second all-to-all, issued at 3, began at 9: the first all-to-all held the link
     # until 5, then the gradient reduction until 9.
-    assert link_holders(fifo, 3.0, 9.0) == (2.0, 4.0)
+    assert fifo.link_holders(3.0, 9.0) == (2.0, 4.0)
     reason = why(graph, fifo, fifo.collectives[7], 4.0, None)
     assert "link busy with gradient reductions" in reason
     assert "link busy with critical collectives" in reason
     # With priorities it waits for the first all-to-all alone.
     ranked = simulate(graph, ORDER, SECONDS)
-    assert link_holders(ranked, 3.0, 5.0) == (2.0, 0.0)
+    assert ranked.link_holders(3.0, 5.0) == (2.0, 0.0)
     assert "gradient reductions" not in why(graph, ranked, ranked.collectives[7], 4.0, None)
     # The first one was awaited after one op of work: 3 s of its 4 s are exposed.
     assert why(graph, ranked, ranked.collectives[1], 4.0, None).startswith("3e+03 ms of work")

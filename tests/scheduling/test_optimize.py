@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import scheduling
+import scheduling.names
 from scheduling.planning.policy import SchedulePolicy
 from scheduling.program import jax_adapter
 from scheduling.program.capture import capture
@@ -190,12 +191,12 @@ def test_without_async_primitives_optimize_refuses_with_a_clear_message(no_async
         scheduling.optimize(STEP, *_args(), mesh=mesh_x(), in_specs=IN_SPECS, out_specs=OUT_SPECS)
     message = str(error.value)
     assert jax.__version__ in message
-    assert "fallback_to_sync" in message
+    assert 'transport="sync"' in message
 
 
-def test_without_async_primitives_fallback_to_sync_is_exact(no_async):
+def test_without_async_primitives_the_sync_transport_is_exact(no_async):
     params, x = _args()
-    policy = SchedulePolicy(name="dw", fallback_to_sync=True)
+    policy = SchedulePolicy(name="dw", transport="sync")
     step, report = scheduling.optimize(
         STEP, params, x, mesh=mesh_x(), in_specs=IN_SPECS, out_specs=OUT_SPECS, policy=policy
     )
@@ -229,13 +230,16 @@ def test_optimize_rejects_an_unknown_policy_name():
 
 
 def test_schedule_policy_profiles():
-    assert SchedulePolicy().device_profile is scheduling.planning.policy.PROFILES["a100"]
-    custom = scheduling.planning.policy.PROFILES["cpu"].with_link(1e9)
+    assert SchedulePolicy().device_profile is scheduling.PROFILES["a100"]
+    custom = scheduling.PROFILES["cpu"].with_link(1e9)
     assert SchedulePolicy(profile=custom).device_profile is custom
+    slower = SchedulePolicy(profile="cpu", link_mbit=8.0).device_profile
+    assert slower.link_bytes_per_s == 1e6
+    assert slower.flops_per_s == scheduling.PROFILES["cpu"].flops_per_s
     # The partitioning policies need batch arguments: they are tested in test_partition;
     # the exchange decompositions in test_exchange.
     partitioning = {"partition", "lancet", "expert_pipeline", "lancet+comet"}
-    assert set(scheduling.POLICIES) == {*POLICY_NAMES, *partitioning, "comet"}
+    assert set(scheduling.names.POLICIES) == {*POLICY_NAMES, *partitioning, "comet"}
 
 
 def test_xla_gpu_flags():

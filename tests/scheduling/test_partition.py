@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import scheduling
-from scheduling.optimize import batch_inputs
 from scheduling.passes.partition_forward import consumers_of, partition_program, plan_range
 from scheduling.planning.partition_search import op_groups, pipeline_seconds, search
+from scheduling.planning.plan import batch_inputs
 from scheduling.planning.policy import SchedulePolicy
 from scheduling.program.batch_layout import analyze
 from scheduling.program.capture import Phase, aval_bytes

@@ -166,10 +166,11 @@ def test_across_two_processes_it_equals_the_gloo_all_to_all(tmp_path):
 def _body_on_sockets(policy_name: str):
     """The per-device program that ``policy_name`` emits for a toy step with socket
     all-to-alls: an exchange, then a matmul that needs nothing from it."""
-    from scheduling.optimize import plan
+    from scheduling.planning.plan import plan
     from scheduling.planning.policy import SchedulePolicy
     from scheduling.program.capture import capture
     from scheduling.runtime.emit import per_device_function
+    from scheduling.runtime.transports import SocketAllToAlls, XlaAsync
 
     mesh = jax.make_mesh((8,), ("x",))
     specs = (PartitionSpec("x"), PartitionSpec())
@@ -182,8 +183,10 @@ def _body_on_sockets(policy_name: str):
         return exchanged + independent
 
     program = capture(step, x, w, mesh=mesh, in_specs=specs, out_specs=specs[0])
-    planned = plan(program, SchedulePolicy(name=policy_name, socket_all_to_all=True))
-    run = per_device_function(planned.graph, planned.schedule, True, SocketTransport(mesh, {}))
+    planned = plan(program, SchedulePolicy(name=policy_name, transport="socket"))
+    connection = SocketTransport(mesh, {})
+    carrier = lambda: SocketAllToAlls(connection, XlaAsync())
+    run = per_device_function(planned.graph, planned.schedule, carrier)
     mapped = jax.shard_map(
         run, mesh=mesh, in_specs=program.in_specs, out_specs=program.out_specs, check_vma=False
     )

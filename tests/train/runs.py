@@ -19,6 +19,13 @@ EXACT_KEYS = (
 )
 
 
+def with_schedule(config: Config, name: str | None = None, **fields) -> Config:
+    """``config`` with its schedule section's ``name`` and any other ``fields`` replaced."""
+    if name is not None:
+        fields["name"] = name
+    return dataclasses.replace(config, schedule=dataclasses.replace(config.schedule, **fields))
+
+
 def small_config(**train_fields) -> Config:
     """The ``tiny`` preset cut to 2 layers of width 64 on 300 kB of text: compiles in seconds."""
     tiny = preset("tiny")

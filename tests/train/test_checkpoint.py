@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding
 from jaxmoe.config import Config, ConfigError, ParallelConfig
 from jaxmoe.exit_codes import PREEMPTED as PREEMPTED_EXIT_CODE
 from jaxmoe.parallel.mesh import build_mesh, token_spec
+from jaxmoe.prepare import prepare_run
 from jaxmoe.train import loop
 from jaxmoe.train.checkpoint import RunCheckpoints, check_compatible, latest_checkpoint
 from jaxmoe.train.metrics import read_rows
@@ -24,16 +25,16 @@ from .runs import EXACT_KEYS, small_config
 
 def test_resume_after_a_stop_is_the_uninterrupted_run_bit_for_bit(tmp_path, monkeypatch):
     config = small_config(steps=6, eval_every=2)
-    uninterrupted = loop.train(config, tmp_path / "whole", progress=False)
+    uninterrupted = loop.train(prepare_run(config), tmp_path / "whole", progress=False)
 
     # A stop request after 3 steps, as a signal would make (signals: test_run_control.py).
     monkeypatch.setattr(StopSignals, "stop_after", lambda self, done: done == 3)
     with pytest.raises(loop.RunStopped) as stopped:
-        loop.train(config, tmp_path / "parts", progress=False)
+        loop.train(prepare_run(config), tmp_path / "parts", progress=False)
     assert stopped.value.status == PREEMPTED_EXIT_CODE
     assert latest_checkpoint(tmp_path / "parts") == 3
     monkeypatch.undo()
-    resumed = loop.train(config, tmp_path / "parts", progress=False, resume=True)
+    resumed = loop.train(prepare_run(config), tmp_path / "parts", progress=False, resume=True)
 
     assert [row["step"] for row in resumed] == [3, 4, 5]
     pick = lambda rows: [{key: row.get(key) for key in EXACT_KEYS} for row in rows]
@@ -138,5 +139,5 @@ def test_a_checkpoint_of_another_shape_is_refused():
 
 def test_only_the_last_checkpoints_are_kept(tmp_path):
     config = small_config(steps=5, checkpoint_every=1, keep_checkpoints=2)
-    loop.train(config, tmp_path, progress=False)
+    loop.train(prepare_run(config), tmp_path, progress=False)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["4", "5"]

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from jaxmoe.cli import launch as launch_module
-from jaxmoe.cli.main import config_from_train_args, main
+from jaxmoe.cli.main import main
+from jaxmoe.cli.parser import config_from_train_args
 
 # A refusal takes a parse and a file read; a compilation of even the smallest step takes
 # far longer on these hosts, so a refusal within this bound proves none happened.
@@ -54,7 +55,7 @@ def input_files(tmp_path):
     return tmp_path
 
 
-CURVES = "--train.schedule_link_curves"
+CURVES = "--schedule.link_curves"
 
 
 @pytest.mark.parametrize(
@@ -77,7 +78,7 @@ CURVES = "--train.schedule_link_curves"
         (["--data", "{dir}/wide.bin"], "the data holds token id 999"),
         (["--steps", "3", "--train.steps", "5"], "--steps 3 and --train.steps 5 disagree"),
         (["--data", "a.txt", "--data.path", "b.txt"], "--data a.txt and --data.path b.txt"),
-        (["--schedule", "dw", "--train.schedule", "async"], "--schedule dw and --train.sch"),
+        (["--schedule", "dw", "--schedule.name", "async"], "--schedule dw and --schedule.name"),
     ],
 )
 def test_bad_inputs_are_refused_before_compiling(input_files, argv, message, capsys):
@@ -96,9 +97,9 @@ def test_bad_inputs_are_refused_before_compiling(input_files, argv, message, cap
 
 def test_a_shortcut_and_its_field_may_repeat_the_same_value():
     config = config_from_train_args(
-        ["--steps", "5", "--train.steps", "5", "--schedule", "dw", "--train.schedule", "dw"]
+        ["--steps", "5", "--train.steps", "5", "--schedule", "dw", "--schedule.name", "dw"]
     )
-    assert config.train.steps == 5 and config.train.schedule == "dw"
+    assert config.train.steps == 5 and config.schedule.name == "dw"
     config = config_from_train_args(["--data", "corpus.txt", "--data.path", "corpus.txt"])
     assert config.data.path == "corpus.txt"
 

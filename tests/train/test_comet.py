@@ -13,21 +13,19 @@ differently. Values then move by a few ulps from the second or third step on
 the partitioned step's tolerances apply (``tests/train/test_partitioned.py``).
 """
 
-import dataclasses
-
 import pytest
 
-from jaxmoe.config import Config, ConfigError, MoEConfig, ParallelConfig, TrainConfig
+from jaxmoe.config import Config, ConfigError, MoEConfig, ParallelConfig, ScheduleConfig
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.presets import preset
 from jaxmoe.train.scheduled import plan_train_step
+from tests.train.runs import with_schedule
 from tests.train.test_partitioned import assert_same_training
-from tests.train.test_scheduled import run, small, with_schedule
+from tests.train.test_scheduled import run, small
 
 
-def comet(config: Config, schedule: str, exchange: str) -> Config:
-    train = dataclasses.replace(config.train, schedule=schedule, schedule_exchange=exchange)
-    return dataclasses.replace(config, train=train)
+def comet(config: Config, schedule: str, exchange: str | None) -> Config:
+    return with_schedule(config, schedule, exchange=exchange)
 
 
 def test_comet_trains_like_none_over_five_steps():
@@ -66,6 +64,6 @@ def test_report_gives_every_moe_layer_its_decomposition():
 
 def test_schedule_exchange_is_checked():
     with pytest.raises(ConfigError, match="rounds:G"):
-        TrainConfig(schedule="comet", schedule_exchange="rounds")
-    with pytest.raises(ConfigError, match="applies to --schedule comet"):
-        TrainConfig(schedule="dw", schedule_exchange="chunks:2")
+        ScheduleConfig(name="comet", exchange="rounds")
+    with pytest.raises(ConfigError, match="applies to the comet and lancet"):
+        ScheduleConfig(name="dw", exchange="chunks:2")

@@ -26,12 +26,12 @@ import pytest
 
 from jaxmoe.config import MoEConfig, ParallelConfig
 from jaxmoe.parallel.mesh import build_mesh
-from jaxmoe.train.scheduled import capture_train_step, plan_train_step
-from scheduling.program.capture import Phase
-from scheduling.program.collective_purpose import collective_purposes
+from jaxmoe.train.scheduled import axis_roles, capture_train_step, plan_train_step
+from scheduling import Phase, collective_purposes
+from tests.train.runs import with_schedule
 from tests.train.test_comet import comet
 from tests.train.test_partitioned import EXACT_METRICS, partitioned
-from tests.train.test_scheduled import run, small, with_schedule
+from tests.train.test_scheduled import run, small
 
 # As tests/train/test_partitioned.py: its tolerances hold for five steps of 32 rows.
 STEPS = 5
@@ -62,7 +62,9 @@ def _forward_purposes(case: str) -> frozenset[str]:
     config = _config(case)
     program, _ = capture_train_step(config, build_mesh(config.parallel))
     return frozenset(
-        purpose for op, purpose in collective_purposes(program).items() if op.phase is Phase.FORWARD
+        purpose
+        for op, purpose in collective_purposes(program, axis_roles()).items()
+        if op.phase is Phase.FORWARD
     )
 
 

@@ -11,17 +11,12 @@ from jaxmoe.parallel.grad_sync import ALGORITHMS, EXACT
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.plan.grad_sync_choice import RELAXED_SPEEDUP, choose_grad_sync, resolve_grad_sync
 
-from .runs import small_config
+from .runs import small_config, with_schedule
 
 
 def config_told(link_mbit: float, **train_fields):
-    config = small_config(
-        grad_sync="auto",
-        schedule_profile="cpu",
-        schedule_link_mbit=link_mbit,
-        grad_sync_devices_per_host=4,
-        **train_fields,
-    )
+    config = small_config(grad_sync="auto", grad_sync_devices_per_host=4, **train_fields)
+    config = with_schedule(config, profile="cpu", link_mbit=link_mbit)
     return dataclasses.replace(config, parallel=ParallelConfig(data=2, expert=4))
 
 
@@ -62,8 +57,8 @@ def test_train_says_what_auto_chose_and_runs_it(tmp_path, capsys):
     out = tmp_path / "run"
     argv = ["train", "--steps", "2", "--no-progress", "--out", str(out)]
     argv += ["--parallel.data", "2", "--parallel.expert", "4", "--train.grad_sync", "auto"]
-    argv += ["--train.grad_sync_devices_per_host", "4", "--train.schedule_profile", "cpu"]
-    argv += ["--train.schedule_link_mbit", "1", "--model.num_layers", "2"]
+    argv += ["--train.grad_sync_devices_per_host", "4", "--schedule.profile", "cpu"]
+    argv += ["--schedule.link_mbit", "1", "--model.num_layers", "2"]
     assert main(argv) == 0
     chosen = json.loads((out / "grad_sync_choice.json").read_text())
     assert chosen["chosen"] in ALGORITHMS

@@ -19,26 +19,15 @@ import pytest
 from jaxmoe.config import ParallelConfig
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.train.scheduled import capture_train_step, schedule_policy
-from scheduling import plan
-from scheduling.costs.simulate import simulate
-from scheduling.optimize import cost_model
-from scheduling.planning.step_estimate import node_seconds
-from scheduling.program.capture import Phase
-from scheduling.program.graph import Role
-from scheduling.reports.describe import link_holders
+from scheduling import Phase, Role, cost_model, node_seconds, plan, simulate
 
-from .runs import small_config
+from .runs import small_config, with_schedule
 
 
 @pytest.fixture(scope="module")
 def planned():
-    config = small_config(
-        grad_sync="bucketed",
-        grad_bucket_bytes=16 * 1024,
-        schedule="dw",
-        schedule_profile="cpu",
-        schedule_link_mbit=50.0,
-    )
+    config = small_config(grad_sync="bucketed", grad_bucket_bytes=16 * 1024)
+    config = with_schedule(config, "dw", profile="cpu", link_mbit=50.0)
     # Four layers: the buckets of layer 3 are ready before layer 1's all-to-alls.
     config = dataclasses.replace(
         config,
@@ -113,7 +102,7 @@ def test_buckets_never_delay_a_backward_all_to_all(planned):
     timeline = simulate(graph, chosen.schedule.order, seconds)
     for start in graph.backward_all_to_alls():
         waits = timeline.collectives[start.id]
-        _, held_by_buckets = link_holders(timeline, waits.issued, waits.began)
+        _, held_by_buckets = timeline.link_holders(waits.issued, waits.began)
         assert held_by_buckets == 0.0
     # Buckets started as early as possible: still none goes before a waiting all-to-all.
     eager = eager_buckets(graph, chosen.schedule.order)

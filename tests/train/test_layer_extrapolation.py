@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from jaxmoe.cli import main as cli
+from jaxmoe.cli import parser as cli
 from jaxmoe.config import Config, ConfigError, ModelConfig
 from jaxmoe.plan import planner
 from jaxmoe.plan.layer_extrapolation import (
@@ -49,7 +49,7 @@ def test_extrapolate_is_the_line_through_one_and_two_blocks():
 def six_layer_mappings():
     """Two mappings of a six-layer (three-block) model on 4 devices: an expert group
     alone, and tensor with expert-tensor parallelism."""
-    args = cli._build_parser().parse_args(
+    args = cli.parse(
         ["plan", "--preset", "tiny", "--model.num_layers", "6", "--model.d_model", "32",
          "--model.num_heads", "2", "--model.d_ff", "64", "--model.seq_len", "16",
          "--moe.num_experts", "4", "--train.batch_size", "8",

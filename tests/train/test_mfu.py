@@ -8,8 +8,10 @@ import re
 import jax
 import pytest
 
-from jaxmoe.cli.main import config_from_train_args, main
+from jaxmoe.cli.main import main
+from jaxmoe.cli.parser import config_from_train_args
 from jaxmoe.config import ConfigError, MoEConfig, TrainConfig
+from jaxmoe.prepare import prepare_run
 from jaxmoe.train.loop import train
 from jaxmoe.train.mfu import datasheet_peak_tflops, mfu_meter
 from jaxmoe.train.model_flops import model_flops
@@ -60,7 +62,7 @@ def test_metrics_have_mfu_from_the_logged_step_time(tmp_path):
     # Capacity factor 0.5 drops at least half the assignments: the mfu must not count them.
     base = small_config(steps=3, peak_tflops=0.01)
     config = dataclasses.replace(base, moe=MoEConfig(num_experts=8, capacity_factor=0.5))
-    train(config, tmp_path, progress=False)
+    train(prepare_run(config), tmp_path, progress=False)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3
     flops = model_flops(config)
@@ -107,9 +109,7 @@ def test_the_estimated_mfu_of_a_bfloat16_model_is_against_the_half_precision_pea
 
     report = SimpleNamespace(step_seconds=1.0, baseline_step_seconds=2.0, ideal_step_seconds=0.5)
     for dtype, profile in (("float32", "a100"), ("bfloat16", "a100")):
-        config = config_from_train_args(
-            ["--model.dtype", dtype, "--train.schedule_profile", profile]
-        )
+        config = config_from_train_args(["--model.dtype", dtype, "--schedule.profile", profile])
         estimate = estimated_mfu(config, report, devices=8)
         expected = 312e12 if dtype == "bfloat16" else 156e12  # A100 dense BF16, TF32
         assert estimate.peak_flops_per_s == expected

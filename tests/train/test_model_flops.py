@@ -9,7 +9,7 @@ from jaxmoe.config import Config, ModelConfig, MoEConfig, ParallelConfig, TrainC
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.train.model_flops import model_flops
 from jaxmoe.train.scheduled import capture_train_step
-from scheduling.costs.cost_model import op_flops
+from scheduling import op_flops
 
 
 def tiny(**moe_fields) -> Config:

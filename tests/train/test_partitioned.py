@@ -21,22 +21,15 @@ from jaxmoe.config import Config, MoEConfig, ParallelConfig
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.presets import preset
 from jaxmoe.train.scheduled import capture_train_step, plan_train_step
-from scheduling.optimize import batch_inputs, plan
-from scheduling.planning.policy import SchedulePolicy
-from scheduling.program.capture import aval_bytes
-from tests.train.test_scheduled import run, small, with_schedule
+from scheduling import SchedulePolicy, aval_bytes, batch_inputs, plan
+from tests.train.runs import with_schedule
+from tests.train.test_scheduled import run, small
 
 EXACT_METRICS = ("dropped_fraction", "expert_imbalance")
 
 
-def partitioned(config: Config, schedule: str, chunks: int = 0) -> Config:
-    train = dataclasses.replace(
-        config.train,
-        schedule=schedule,
-        schedule_partition_always=True,
-        schedule_partition_chunks=chunks,
-    )
-    return dataclasses.replace(config, train=train)
+def partitioned(config: Config, schedule: str, chunks: int | None = None) -> Config:
+    return with_schedule(config, schedule, partition_always=True, partition_chunks=chunks)
 
 
 def assert_same_training(result, reference):
@@ -58,7 +51,7 @@ CASES = {
         (2, 4),
         MoEConfig(8, top_k=2, capacity_factor=None),
         "partition",
-        0,
+        None,
     ),
 }
 

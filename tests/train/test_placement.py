@@ -6,7 +6,6 @@ new placement neither recompiles nor changes a parameter; the scheduler's
 schedules compute what the plain step computes; checkpoints keep the placement.
 """
 
-import dataclasses
 import json
 
 import chex
@@ -27,6 +26,7 @@ from jaxmoe.train.scheduled import plan_train_step
 from jaxmoe.train.state import init_train_state, model_graphdef_and_specs
 from jaxmoe.train.step import build_train_step
 from tests.train.batches import random_batch
+from tests.train.runs import with_schedule
 
 # One MoE layer (the second of two), 8 experts on a 2 x 4 mesh: 2 experts per device.
 SKEWED = np.asarray([[[0, 0], [0, 1], [EMPTY, 2], [0, 7]]], np.int32)  # expert 0: 5 copies
@@ -146,11 +146,9 @@ def test_a_placement_change_never_changes_parameter_values():
 
 @pytest.mark.parametrize("schedule", ["async", "dw", "partition", "lancet"])
 def test_schedules_compute_the_plain_step_with_a_placement(schedule):
-    config = config_with(4, capacity_factor=0.5, schedule_partition_always=True)
+    config = with_schedule(config_with(4, capacity_factor=0.5), partition_always=True)
     mesh = build_mesh(config.parallel)
-    scheduled_config = dataclasses.replace(
-        config, train=dataclasses.replace(config.train, schedule=schedule)
-    )
+    scheduled_config = with_schedule(config, schedule)
     reference = run(config, 2, SKEWED)
     scheduled = run(scheduled_config, 2, SKEWED, plan_train_step(scheduled_config, mesh).compile())
     if schedule in ("async", "dw"):

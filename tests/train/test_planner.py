@@ -13,7 +13,9 @@ import re
 
 import pytest
 
-from jaxmoe.cli import main as cli
+from jaxmoe import exit_codes
+from jaxmoe.cli import parser as cli
+from jaxmoe.cli.main import main
 from jaxmoe.plan import planner
 from jaxmoe.plan.mappings import Mapping
 from jaxmoe.plan.plan_table import table
@@ -32,9 +34,7 @@ F32 = 4
 
 
 def _config():
-    args = cli._build_parser().parse_args(
-        ["plan", *SMALL, "--devices", str(DEVICES), "--profile", PROFILE]
-    )
+    args = cli.parse(["plan", *SMALL, "--devices", str(DEVICES), "--profile", PROFILE])
     return cli.resolve_config(args)
 
 
@@ -175,7 +175,7 @@ def test_cli_prints_the_table_and_writes_json(
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache_home))
     out = tmp_path / "plan.json"
     argv = ["plan", *SMALL, "--devices", "2", "--profile", PROFILE, "--json", str(out)]
-    assert cli.main(argv) == 0
+    assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "jaxmoe plan: preset 'tiny' on 2 devices" in printed
     data = json.loads(out.read_text())
@@ -190,7 +190,7 @@ def test_cli_prints_the_table_and_writes_json(
         (["--devices", "0"], "--devices 0: must be a positive number"),
         (["--devices", "-4"], "--devices -4: must be a positive number"),
         (["--devices", "3"], "no valid mapping of preset 'tiny' on 3 devices"),
-        (["--schedule", "fastest"], "train.schedule='fastest'"),
+        (["--schedule", "fastest"], "schedule.name='fastest'"),
         (["--parallel.expert", "2"], "--parallel.expert: jaxmoe plan chooses the layout"),
         (["--json", "/nonexistent/dir/plan.json"], "--json /nonexistent/dir/plan.json"),
     ],
@@ -198,15 +198,15 @@ def test_cli_prints_the_table_and_writes_json(
 def test_cli_refusals_are_one_line_before_anything_is_traced(extra, message, no_tracing, capsys):
     args = {"--devices": "8", "--profile": PROFILE}
     flags = [a for pair in args.items() for a in pair if pair[0] not in extra]
-    assert cli.main(["plan", "--preset", "tiny", *flags, *extra]) == cli.USAGE_ERROR
+    assert main(["plan", "--preset", "tiny", *flags, *extra]) == exit_codes.USAGE_ERROR
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err
 
 
 def test_cli_refuses_an_unknown_preset(capsys):
     with pytest.raises(SystemExit) as stopped:
-        cli.main(["plan", "--preset", "gpt9", "--devices", "8", "--profile", PROFILE])
-    assert stopped.value.code == cli.USAGE_ERROR
+        main(["plan", "--preset", "gpt9", "--devices", "8", "--profile", PROFILE])
+    assert stopped.value.code == exit_codes.USAGE_ERROR
     assert "invalid choice: 'gpt9'" in capsys.readouterr().err
 
 

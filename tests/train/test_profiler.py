@@ -10,7 +10,7 @@ import pytest
 from jaxmoe.cli.main import main
 from jaxmoe.config import ConfigError
 from jaxmoe.train.profiler import parse_profile_steps
-from scheduling.reports.measured_trace import read_trace
+from scheduling import read_trace
 from tests.train.test_multiprocess import SMALL
 
 # The model and data of SMALL, for both commands (--no-progress is train's alone).

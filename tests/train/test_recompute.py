@@ -17,13 +17,14 @@ import functools
 import chex
 import pytest
 
-from jaxmoe.cli.main import config_from_train_args
+from jaxmoe.cli.parser import config_from_train_args
 from jaxmoe.config import Config, MoEConfig, ParallelConfig
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.train.scheduled import capture_train_step
-from scheduling.program.saved_values import saved_for_backward
+from scheduling import saved_for_backward
+from tests.train.runs import with_schedule
 from tests.train.test_partitioned import assert_same_training, partitioned
-from tests.train.test_scheduled import run, small, with_schedule
+from tests.train.test_scheduled import run, small
 
 LAYOUTS = {
     "2x4": ParallelConfig(data=2, expert=4),

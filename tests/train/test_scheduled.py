@@ -17,28 +17,27 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import scheduling
+import scheduling.names
 from jaxmoe.cli.main import main
 from jaxmoe.config import (
     Config,
+    ConfigError,
     ModelConfig,
     MoEConfig,
     ParallelConfig,
+    ScheduleConfig,
     TrainConfig,
 )
-from jaxmoe.config.choices import SCHEDULE_PROFILES, SCHEDULES
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.presets import preset
 from jaxmoe.train.scheduled import capture_train_step, plan_train_step
 from jaxmoe.train.state import init_train_state
 from tests.train.batches import random_batch
-
-
-def with_schedule(config: Config, schedule: str) -> Config:
-    return dataclasses.replace(config, train=dataclasses.replace(config.train, schedule=schedule))
+from tests.train.runs import with_schedule
 
 
 def run(config: Config, steps: int):
-    """Metrics of every step and the final state, with ``config.train.schedule``."""
+    """Metrics of every step and the final state, with ``config.schedule.name``."""
     mesh = build_mesh(config.parallel)
     state = init_train_state(config, mesh)
     step = plan_train_step(config, mesh).compile()
@@ -148,9 +147,23 @@ def test_default_preset_places_dw_work_in_every_backward_all_to_all_window():
     json.dumps(report.to_json())
 
 
-def test_config_schedules_are_the_scheduler_policies():
-    assert SCHEDULES == scheduling.POLICIES
-    assert set(SCHEDULE_PROFILES) == set(scheduling.PROFILES)
+def test_the_schedule_section_is_the_scheduling_policy_field_for_field():
+    policy_fields = {f.name for f in dataclasses.fields(scheduling.SchedulePolicy)}
+    section_fields = {f.name for f in dataclasses.fields(ScheduleConfig)}
+    assert section_fields == policy_fields - {"op_cost_cache"}
+    section = ScheduleConfig(name="lancet", profile="cpu", link_mbit=50.0, partition_chunks=4)
+    policy = section.policy(op_cost_cache="/cache")
+    assert all(getattr(policy, name) == getattr(section, name) for name in section_fields)
+    assert policy.op_cost_cache == "/cache"
+    # The same checks, each naming the field as the caller knows it.
+    with pytest.raises(ConfigError, match=r"^schedule\.partition_chunks=9: choose 2\.\.8"):
+        ScheduleConfig(name="lancet", partition_chunks=9)
+    with pytest.raises(ValueError, match=r"^SchedulePolicy\.partition_chunks=9: choose 2\.\.8"):
+        scheduling.SchedulePolicy(name="lancet", partition_chunks=9)
+
+
+def test_profile_names_without_jax_are_the_profiles():
+    assert tuple(scheduling.PROFILES) == scheduling.names.PROFILES
 
 
 def test_schedule_command_writes_report_and_stablehlo(tmp_path, capsys):
@@ -173,16 +186,13 @@ def test_train_with_schedule_saves_the_report(tmp_path):
     argv += ["--model.num_layers", "2", "--data.max_bytes", "300000"]
     assert main(argv) == 0
     assert json.loads((out / "schedule_report.json").read_text())["policy"] == "dw"
-    assert json.loads((out / "config.json").read_text())["train"]["schedule"] == "dw"
+    assert json.loads((out / "config.json").read_text())["schedule"]["name"] == "dw"
 
 
 def test_small_collectives_can_stay_synchronous_and_combined():
     threshold = 4096
     base = small(ParallelConfig(2, 4), MoEConfig(num_experts=8, top_k=2))
-    config = dataclasses.replace(
-        base,
-        train=dataclasses.replace(base.train, schedule="dw", schedule_async_min_bytes=threshold),
-    )
+    config = with_schedule(base, "dw", async_min_bytes=threshold)
     program, planned = _captured_program(config)
     large = [
         op

@@ -13,12 +13,12 @@ import importlib
 import chex
 import pytest
 
-from jaxmoe.cli.main import config_from_train_args
+import scheduling
+from jaxmoe.cli.parser import config_from_train_args
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.train.data import BatchSampler, load_splits, put_on_mesh
 from jaxmoe.train.scheduled import plan_train_step
 from jaxmoe.train.state import init_train_state
-from scheduling.runtime.socket_all_to_all import SocketTransport
 
 SMALL = [
     *("--model.num_layers", "2", "--model.seq_len", "16", "--train.batch_size", "8"),
@@ -46,14 +46,13 @@ def _plain():
 
 @pytest.mark.parametrize("schedule", ["none", "dw", "partition"])
 def test_socket_all_to_alls_keep_the_step_bit_for_bit(schedule, monkeypatch):
-    optimize = importlib.import_module("scheduling.optimize")
+    transports = importlib.import_module("scheduling.runtime.transports")
     # One process: force the transport that would be used across processes.
+    monkeypatch.setattr(transports, "socket_applies", lambda: True)
     monkeypatch.setattr(
-        optimize,
-        "socket_transport",
-        lambda policy, mesh: SocketTransport(mesh, {}) if policy.socket_all_to_all else None,
+        transports.SocketTransport, "connect", classmethod(lambda cls, mesh: cls(mesh, {}))
     )
-    flags = ["--schedule", schedule, "--train.schedule_socket_all_to_all", "true"]
+    flags = ["--schedule", schedule, "--schedule.transport", "socket"]
     config = config_from_train_args([*SMALL, *flags])
     mesh = build_mesh(config.parallel)
     planned = plan_train_step(config, mesh)
@@ -62,9 +61,8 @@ def test_socket_all_to_alls_keep_the_step_bit_for_bit(schedule, monkeypatch):
 
 
 def test_the_socket_transport_is_used_only_across_processes_on_cpu():
-    optimize = importlib.import_module("scheduling.optimize")
-    from scheduling.planning.policy import SchedulePolicy
-
+    # One process: the socket transport falls back to XLA's collectives.
+    assert not scheduling.socket_applies()
     mesh = build_mesh(config_from_train_args(SMALL).parallel)
-    assert optimize.socket_transport(SchedulePolicy(socket_all_to_all=True), mesh) is None
-    assert optimize.socket_transport(SchedulePolicy(), mesh) is None
+    socket = scheduling.connect_transport("socket", mesh)
+    assert socket is scheduling.connect_transport("xla", mesh)

@@ -3,6 +3,7 @@
 import dataclasses
 
 from jaxmoe.config import DataConfig
+from jaxmoe.prepare import prepare_run
 from jaxmoe.presets import preset
 from jaxmoe.train.loop import train
 
@@ -14,7 +15,7 @@ def test_thirty_steps_lower_the_loss_on_the_standard_library(tmp_path):
         train=dataclasses.replace(config.train, steps=30, eval_every=30, eval_batches=2),
         data=DataConfig(max_bytes=2_000_000),
     )
-    rows = train(config, tmp_path, progress=False)
+    rows = train(prepare_run(config), tmp_path, progress=False)
     assert len(rows) == 30
     first, last_five = rows[0]["loss"], [row["loss"] for row in rows[-5:]]
     assert max(last_five) < first - 1.0, (first, last_five)

@@ -7,6 +7,8 @@ the step is built: :mod:`jaxmoe.plan.grad_sync_choice`).
 
 from __future__ import annotations
 
+import functools
+
 from jax.sharding import Mesh
 
 from jaxmoe.config import TrainConfig
@@ -26,8 +28,10 @@ ALGORITHMS = GRAD_SYNCS
 EXACT = frozenset({"allreduce", "bucketed", "hierarchical"})
 
 
+@functools.cache
 def make_grad_sync(train: TrainConfig, mesh: Mesh | None = None) -> GradSync:
-    """The algorithm ``train.grad_sync`` names, with its settings from ``train``.
+    """The algorithm ``train.grad_sync`` names, with its settings from ``train`` (one per
+    configuration and mesh: the state, its specs and the step share it).
 
     ``mesh`` is needed to build the step of ``hierarchical`` and ``int8`` (their hosts);
     the state's shape and specs need no mesh.

@@ -1,13 +1,20 @@
-"""``optimize``: capture, split, place, order and emit a whole training step."""
+"""``plan``: what a policy makes of a captured program, scored by a cost model.
+
+The entry point of planning: from a :class:`~scheduling.program.capture.Program`,
+a :class:`~scheduling.planning.policy.SchedulePolicy` and a cost model, the graph
+(partitioned and decomposed where the policy chose to), the order of its nodes with
+the dW placement, and what was chosen for each range and exchange.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 from jax.sharding import Mesh
 
+from scheduling import names
 from scheduling.costs.cost_model import CostModel
 from scheduling.costs.link_model import CollectiveCurves
 from scheduling.costs.profiling import OpProfiler, ProfiledCostModel, is_local
@@ -15,79 +22,24 @@ from scheduling.passes import Placement, order
 from scheduling.passes.order import Schedule
 from scheduling.planning.exchange_plan import ExchangeChoice, comet_plan, lancet_comet_plan
 from scheduling.planning.joint_plan import lancet_plan, partition_plan
-from scheduling.planning.partition_search import (
-    CHUNK_COUNTS,
-    PartitionChoice,
-    expert_pipelines,
-)
-from scheduling.planning.policy import PACKING_DW, PARTITIONING, SchedulePolicy
-from scheduling.planning.step_estimate import StepEstimates, node_seconds
+from scheduling.planning.partition_search import CHUNK_COUNTS, PartitionChoice, expert_pipelines
+from scheduling.planning.policy import SchedulePolicy
+from scheduling.planning.step_estimate import StepEstimates
 from scheduling.program.batch_layout import analyze
-from scheduling.program.capture import Program, Value, capture
-from scheduling.program.collective_purpose import AxisRoles
+from scheduling.program.capture import Program, Value
 from scheduling.program.graph import Graph
-from scheduling.reports.describe import build_report
-from scheduling.reports.report import ScheduleReport
-from scheduling.runtime.emit import ScheduledStep, emit
-from scheduling.runtime.socket_all_to_all import SocketTransport
-
-__all__ = ["Plan", "batch_inputs", "build_report", "cost_model", "node_seconds", "optimize", "plan"]
 
 
-def optimize(
-    step_fn: Callable[..., Any],
-    *example_args: Any,
-    mesh: Mesh,
-    in_specs: Any,
-    out_specs: Any,
-    policy: SchedulePolicy | str = "dw",
-    donate_argnums: Sequence[int] = (),
-    batch_argnums: Sequence[int] = (),
-    axis_roles: AxisRoles | None = None,
-) -> tuple[ScheduledStep, ScheduleReport]:
-    """Schedule a per-device step for its whole mesh.
-
-    ``step_fn`` is written per device (collectives with mesh axis names), as it
-    would be passed to ``jax.shard_map(step_fn, mesh=mesh, in_specs=...,
-    out_specs=..., check_vma=False)``. Returns the jit-compiled scheduled step,
-    which computes exactly what that ``shard_map`` computes, and its report.
-
-    ``batch_argnums`` names the arguments whose every leaf has the batch as its
-    leading axis (per device); the ``partition`` and ``lancet`` policies cut the
-    forward pass into chunks along it. ``axis_roles`` names the role each mesh axis
-    plays in the attention and MoE layouts, for the report (default: read off the
-    folded mesh's axis names).
-    """
-    policy = SchedulePolicy(name=policy) if isinstance(policy, str) else policy
-    program = capture(step_fn, *example_args, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
-    cost = cost_model(policy, mesh)
-    planned = plan(program, policy, cost, batch_inputs(program, batch_argnums))
-    step = emit(
-        planned.graph,
-        planned.schedule,
-        donate_argnums=donate_argnums,
-        fallback_to_sync=policy.fallback_to_sync,
-        all_to_all_transport=socket_transport(policy, mesh),
-    )
-    report = build_report(planned, cost, policy, program, axis_roles)
-    if isinstance(cost, ProfiledCostModel):
-        cost.profiler.save()
-    return step, report
-
-
-def socket_transport(policy: SchedulePolicy, mesh: Mesh) -> SocketTransport | None:
-    """Connections for socket all-to-alls, where the policy asks for them and they help:
-    on the CPU backend with more than one process (every process must call this)."""
-    if not policy.socket_all_to_all or jax.default_backend() != "cpu" or jax.process_count() < 2:
-        return None
-    return SocketTransport.connect(mesh)
+class Plan(NamedTuple):
+    graph: Graph  # of the program as rewritten (partitioned ranges included)
+    schedule: Schedule
+    partitions: list[PartitionChoice]
+    exchanges: Sequence[ExchangeChoice] = ()  # comet: every exchange, what was done with it
 
 
 def cost_model(policy: SchedulePolicy, mesh: Mesh) -> CostModel:
     """The policy's cost model: analytic or measured ops; profile or measured links."""
-    curves = None
-    if policy.collective_curves is not None:
-        curves = CollectiveCurves.load(policy.collective_curves)
+    curves = None if policy.link_curves is None else CollectiveCurves.load(policy.link_curves)
     if policy.op_costs == "measured":
         # Fake CPU devices share the host's cores: time each op on all of them at once.
         shared_cores = jax.default_backend() == "cpu" and is_local(mesh)
@@ -120,13 +72,6 @@ def batch_inputs(program: Program, batch_argnums: Sequence[int]) -> list[Value]:
     return values
 
 
-class Plan(NamedTuple):
-    graph: Graph  # of the program as rewritten (partitioned ranges included)
-    schedule: Schedule
-    partitions: list[PartitionChoice]
-    exchanges: Sequence[ExchangeChoice] = ()  # comet: every exchange, what was done with it
-
-
 def plan(
     program: Program,
     policy: SchedulePolicy,
@@ -139,7 +84,7 @@ def plan(
         graph = Graph(program, split=lambda op: False)
         return Plan(graph, order(graph, Placement(), policy.max_live_bytes_growth), [])
     layouts = None
-    if policy.name in PARTITIONING:
+    if policy.name in names.PARTITIONING:
         if not batch_inputs:
             raise ValueError(
                 f"schedule {policy.name!r} partitions along the batch: pass batch_argnums, "
@@ -148,19 +93,19 @@ def plan(
         layouts = analyze(program, batch_inputs)
     estimates = StepEstimates(program, layouts, policy, cost)
     counts = CHUNK_COUNTS if policy.partition_chunks is None else (policy.partition_chunks,)
-    pack_dw = policy.name in PACKING_DW
+    pack_dw = policy.name in names.PACKING_DW
     exchanges: list[ExchangeChoice] = []
     if policy.name == "comet":
-        best, exchanges = comet_plan(estimates, policy.exchange_decomposition)
+        best, exchanges = comet_plan(estimates, policy.exchange)
     elif policy.name == "lancet+comet":
-        best, exchanges = lancet_comet_plan(estimates, counts, policy.exchange_decomposition)
+        best, exchanges = lancet_comet_plan(estimates, counts, policy.exchange)
     elif policy.name == "expert_pipeline":
         assert layouts is not None and policy.partition_chunks is not None
         pipelines = expert_pipelines(program, layouts, policy.partition_chunks, cost.seconds)
         best = estimates(pipelines, pack_dw=False)
     elif policy.name == "lancet" and not policy.partition_always:
         best = lancet_plan(estimates, counts)
-    elif policy.name in PARTITIONING:
+    elif policy.name in names.PARTITIONING:
         best = partition_plan(estimates, counts, policy.partition_always, pack_dw)
     else:
         best = estimates([], pack_dw)

@@ -1,0 +1,237 @@
+"""The command line's parser: subcommands, flags, and the configuration they describe.
+
+Every configuration field is a flag named after it, ``--SECTION.FIELD VALUE``
+(``--moe.top_k 2``, ``--moe.capacity_factor none``, ``--parallel.data 2``), on top
+of a named preset; the shortcuts ``--steps N``, ``--data FILE`` and ``--schedule
+NAME`` set ``train.steps``, ``data.path`` and ``schedule.name`` (a shortcut and its
+field may both be given only with the same value). The configuration is resolved here,
+once: :func:`resolve_config`. A usage error is one line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+import scheduling.names
+from jaxmoe import exit_codes
+from jaxmoe.config import Config, ConfigError
+from jaxmoe.config.schedule import RENAMED_TRAIN_FIELDS
+from jaxmoe.presets import PRESETS, preset
+
+# Shortcut flags and the configuration field each one sets.
+SHORTCUTS = {"steps": "train.steps", "data": "data.path", "schedule": "schedule.name"}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (no usage block) and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(exit_codes.USAGE_ERROR, f"{self.prog}: error: {message}\n")
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.lower()
+    if lowered in ("true", "1", "yes", "on"):
+        return True
+    if lowered in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def _value_parser(annotation: Any) -> Callable[[str], Any]:
+    """A str -> value converter for a config field's type; ``X | None`` accepts 'none'."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in args:
+        (inner,) = (arg for arg in args if arg is not type(None))
+        parse_inner = _value_parser(inner)
+        return lambda text: None if text.lower() in ("none", "null") else parse_inner(text)
+    if annotation is bool:
+        return _parse_bool
+    if annotation in (int, float, str):
+        return annotation
+    raise TypeError(f"no command-line parser for {annotation!r}")
+
+
+def override_fields() -> dict[str, tuple[str, str, Callable[[str], Any]]]:
+    """``'section.field' -> (section, field, parser)`` for every configuration field."""
+    fields = {}
+    for section in dataclasses.fields(Config):
+        section_type = type(getattr(Config(), section.name))
+        hints = typing.get_type_hints(section_type)
+        for field in dataclasses.fields(section_type):
+            fields[f"{section.name}.{field.name}"] = (
+                section.name,
+                field.name,
+                _value_parser(hints[field.name]),
+            )
+    return fields
+
+
+class _Renamed(argparse.Action):
+    """A flag that was renamed: refused with the new name, before anything runs."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        raise ConfigError(f"{option_string} is now {self.help}: use that flag instead")
+
+
+def add_config_arguments(command: argparse.ArgumentParser, shortcuts: bool = True) -> None:
+    """The preset, the shortcuts and one ``--SECTION.FIELD`` flag per config field."""
+    command.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    if shortcuts:
+        command.add_argument("--steps", type=int, help="shortcut for --train.steps")
+        command.add_argument("--data", help="a text file or a .bin of uint16 ids (--data.path)")
+        command.add_argument(
+            "--schedule", choices=scheduling.names.POLICIES, help="shortcut for --schedule.name"
+        )
+    overrides = command.add_argument_group("configuration overrides")
+    for name in override_fields():
+        overrides.add_argument(f"--{name}", dest=f"override:{name}", metavar="VALUE")
+    for old, new in RENAMED_TRAIN_FIELDS.items():
+        command.add_argument(f"--train.{old}", action=_Renamed, help=f"--schedule.{new}")
+
+
+def add_process_arguments(command: argparse.ArgumentParser) -> None:
+    """The flags of one process of a multi-process run."""
+    cluster = command.add_argument_group("multi-process runs")
+    cluster.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address")
+    cluster.add_argument("--num-processes", type=int)
+    cluster.add_argument("--process-id", type=int)
+    cluster.add_argument(
+        "--distributed", choices=["auto"], help="detect the cluster (SLURM, MPI, ...)"
+    )
+    cluster.add_argument("--heartbeat-timeout", type=int, default=30, metavar="SECONDS")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="jaxmoe", description="Mixture-of-Experts training in JAX.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    train = commands.add_parser("train", help="train a preset, with overrides")
+    add_config_arguments(train)
+    train.add_argument("--out", help="directory for config.json, metrics.jsonl and the report")
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    existing = train.add_mutually_exclusive_group()
+    existing.add_argument(
+        "--resume", action="store_true", help="continue the run in --out from its last checkpoint"
+    )
+    existing.add_argument(
+        "--overwrite", action="store_true", help="delete the run in --out first, start again"
+    )
+    train.add_argument("--profile-steps", metavar="A:B", help="trace steps A..B to DIR/profile")
+    add_process_arguments(train)
+    train.add_argument(
+        "--step-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="end the process if a step hangs this long (default: 120 when multi-process)",
+    )
+
+    launch = commands.add_parser(
+        "launch", help="start N processes of a command on this machine (for testing)"
+    )
+    launch.add_argument("-n", "--num-processes", type=int, required=True)
+    launch.add_argument("command_args", nargs=argparse.REMAINDER, metavar="-- train ARGS")
+
+    schedule = commands.add_parser(
+        "schedule", help="schedule the train step without training, for inspection"
+    )
+    add_config_arguments(schedule)
+    schedule.add_argument(
+        "--out",
+        help="directory for schedule_report.json, schedule_timeline.json/.png, step.stablehlo.txt",
+    )
+    schedule.add_argument("--trace", help="compare with the op times of a --profile-steps trace")
+
+    plan = commands.add_parser("plan", help="estimate and rank every parallel mapping on N devices")
+    add_config_arguments(plan, shortcuts=False)
+    plan.add_argument("--devices", type=int, required=True, help="devices to map onto")
+    plan.add_argument("--profile", required=True, help="the cost model's device profile")
+    plan.add_argument(
+        "--schedule", default="none", help="schedule(s), comma-separated: the fastest counts"
+    )
+    plan.add_argument("--json", metavar="FILE", help="write the ranking as JSON")
+    plan.add_argument("--verbose", action="store_true", help="why mappings were skipped")
+    plan.add_argument("--no-cache", action="store_true", help="estimate afresh, keep nothing")
+    plan.add_argument(
+        "--trace-every-layer",
+        action="store_true",
+        help="trace each mapping's whole depth (default: one and two blocks, extrapolated)",
+    )
+
+    curves = commands.add_parser(
+        "link-curves",
+        help="time collectives on the mesh and fit the curves of --schedule.link_curves",
+    )
+    add_config_arguments(curves, shortcuts=False)
+    curves.add_argument("--out", required=True, help="the curves file to write (JSON)")
+    curves.add_argument("--source", default="this machine", help="where it was measured")
+    curves.add_argument("--min-bytes", type=int, default=4096)
+    curves.add_argument("--max-bytes", type=int, default=4 << 20)
+    curves.add_argument("--repeats", type=int, default=5)
+    curves.add_argument("--chain", type=int, default=4, help="collectives per timed program")
+    add_process_arguments(curves)
+    return parser
+
+
+def _parse_override(name: str, text: str, parse: Callable[[str], Any]) -> Any:
+    try:
+        return parse(text)
+    except ValueError:
+        raise ConfigError(f"--{name}: cannot read {text!r} as a value of this field") from None
+
+
+def _requested_values(args: argparse.Namespace) -> dict[str, Any]:
+    """``'section.field' -> value`` for every override and shortcut flag given.
+
+    A shortcut and its field flag must agree: ``--steps 3 --train.steps 5`` is refused.
+    """
+    texts = {
+        key.removeprefix("override:"): text
+        for key, text in vars(args).items()
+        if key.startswith("override:") and text is not None
+    }
+    fields = override_fields()
+    values = {name: _parse_override(name, text, fields[name][2]) for name, text in texts.items()}
+    for shortcut, name in SHORTCUTS.items():
+        given = getattr(args, shortcut, None)
+        if given is None or (args.command == "plan" and shortcut == "schedule"):
+            continue
+        value = _parse_override(name, str(given), fields[name][2])
+        if name in values and values[name] != value:
+            raise ConfigError(
+                f"--{shortcut} {given} and --{name} {texts[name]} disagree: give only one of them"
+            )
+        values[name] = value
+    return values
+
+
+def resolve_config(args: argparse.Namespace) -> Config:
+    """The preset with every override applied; raises ConfigError on a bad value."""
+    values = preset(args.preset).to_dict()
+    requested = _requested_values(args)
+    if args.command == "plan":  # the planner lays the model out itself; one device until then
+        laid_out = sorted(name for name in requested if name.startswith("parallel."))
+        if laid_out:
+            raise ConfigError(f"--{laid_out[0]}: jaxmoe plan chooses the layout itself")
+        values["parallel"] = {"data": 1, "expert": 1}
+    for name, value in requested.items():
+        section, field = name.split(".")
+        values[section][field] = value
+    return Config.from_dict(values)
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    """The parsed command line (``ConfigError`` for a renamed flag)."""
+    args = build_parser().parse_args(argv)
+    args.argv = list(argv)
+    return args
+
+
+def config_from_train_args(argv: Sequence[str]) -> Config:
+    """The configuration that ``jaxmoe train ARGV`` would run (preset plus overrides)."""
+    return resolve_config(parse(["train", *argv]))

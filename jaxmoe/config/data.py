@@ -1,0 +1,27 @@
+"""The data section: where the training text comes from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jaxmoe.config.checks import check_types, positive_int, require
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the training text comes from."""
+
+    # A text file, or a .bin of uint16 token ids; None = the Python standard library sources.
+    path: str | None = None
+    val_fraction: float = 0.05
+    # Read at most this many bytes of the default corpus (None = all of it).
+    max_bytes: int | None = 8_000_000
+
+    def __post_init__(self) -> None:
+        check_types("data", self)
+        require(
+            isinstance(self.val_fraction, float | int) and 0 < self.val_fraction < 1,
+            f"data.val_fraction={self.val_fraction!r}: must be in (0, 1)",
+        )
+        if self.max_bytes is not None:
+            positive_int("data", "max_bytes", self.max_bytes)

@@ -1,0 +1,95 @@
+"""The MoE section: routing, capacity, experts, dispatch and expert placement."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from jaxmoe.config import choices
+from jaxmoe.config.checks import check_types, non_negative, one_of, positive_int, require
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Routing and expert settings shared by every MoE layer."""
+
+    num_experts: int = 8
+    top_k: int = 1
+    # Capacity per expert = ceil(group_size * top_k * capacity_factor / num_experts).
+    # None selects dropless dispatch (no token is ever dropped).
+    capacity_factor: float | None = 1.0
+    # Tokens per routing group; capacity is counted per group (GShard). None = one sequence,
+    # which keeps routing independent of how the batch is sharded.
+    group_size: int | None = None
+    score_function: str = "softmax"
+    # Renormalise the top-k weights to sum to one. Ignored for top_k == 1, where it would
+    # make every weight 1 and cut the router off from the task loss.
+    normalize_top_k: bool = True
+    aux_loss_coef: float = 1e-2
+    z_loss_coef: float = 1e-3
+    # Multiplicative input noise U(1 - jitter, 1 + jitter) on the router during training.
+    jitter: float = 0.0
+    # Hidden width of each expert; None = model.d_ff.
+    d_expert: int | None = None
+    # Expert slots per device (None = experts per device); the spare slots hold replicas
+    # placed by a runtime table (jaxmoe/parallel/placement.py). Capacity is per slot.
+    slots_per_device: int | None = None
+    # Re-plan the replicas every this many steps from the routing counts (0: static).
+    rebalance_every: int = 0
+    # jaxmoe/layers/dispatchers.py. all_to_all (default): bytes ~ tokens x top_k x capacity
+    # factor (x expert_tensor); all_gather: tokens x (expert x expert_tensor - 1), so it wins
+    # for small MoE groups, with expert_tensor > 1, and in dropless mode.
+    dispatcher: str = "all_to_all"
+
+    def __post_init__(self) -> None:
+        check_types("moe", self)
+        positive_int("moe", "num_experts", self.num_experts)
+        positive_int("moe", "top_k", self.top_k)
+        require(
+            self.top_k <= self.num_experts,
+            f"moe.top_k={self.top_k} is larger than moe.num_experts={self.num_experts}: "
+            "a token cannot be sent to more experts than exist",
+        )
+        if self.capacity_factor is not None:
+            require(
+                isinstance(self.capacity_factor, int | float)
+                and not isinstance(self.capacity_factor, bool)
+                and self.capacity_factor > 0,
+                f"moe.capacity_factor={self.capacity_factor!r}: must be > 0, "
+                "or None for dropless routing",
+            )
+        if self.group_size is not None:
+            positive_int("moe", "group_size", self.group_size)
+        if self.d_expert is not None:
+            positive_int("moe", "d_expert", self.d_expert)
+        if self.slots_per_device is not None:
+            positive_int("moe", "slots_per_device", self.slots_per_device)
+        require(
+            isinstance(self.rebalance_every, int) and self.rebalance_every >= 0,
+            f"moe.rebalance_every={self.rebalance_every!r}: must be an integer >= 0 (0: static)",
+        )
+        one_of("moe", "dispatcher", self.dispatcher, choices.DISPATCHERS)
+        one_of("moe", "score_function", self.score_function, choices.SCORE_FUNCTIONS)
+        for name in ("aux_loss_coef", "z_loss_coef"):
+            non_negative("moe", name, getattr(self, name))
+        require(
+            isinstance(self.jitter, int | float) and 0 <= self.jitter < 1,
+            f"moe.jitter={self.jitter!r}: must be in [0, 1)",
+        )
+
+    @property
+    def dropless(self) -> bool:
+        return self.capacity_factor is None
+
+
+def capacity_per_expert(
+    group_size: int, top_k: int, capacity_factor: float | None, num_experts: int
+) -> int:
+    """ceil(group_size * top_k * capacity_factor / num_experts); dropless: group_size.
+
+    In dropless mode an expert can receive at most every token of the group once
+    (a token's top-k experts are distinct), so ``group_size`` slots never drop.
+    """
+    if capacity_factor is None:
+        return group_size
+    return max(1, math.ceil(group_size * top_k * capacity_factor / num_experts))

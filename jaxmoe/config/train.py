@@ -1,0 +1,105 @@
+"""The train section: optimisation, checkpoints and gradient synchronisation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jaxmoe.config import choices
+from jaxmoe.config.checks import (
+    check_types,
+    non_negative,
+    positive_int,
+    positive_or_none,
+    require,
+)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation: batch, schedule (linear warm-up then cosine decay), AdamW, clipping."""
+
+    batch_size: int = 32  # sequences per step, across all devices
+    steps: int = 300
+    learning_rate: float = 3e-3
+    warmup_steps: int = 20
+    # The cosine decays to learning_rate * min_lr_ratio at the last step.
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    adam_b1: float = 0.9
+    adam_b2: float = 0.95
+    grad_clip_norm: float | None = 1.0
+    seed: int = 0
+    eval_every: int = 50
+    eval_batches: int = 4
+    # Checkpoints (written under --out): every this many steps, and at the end of the run
+    # and on SIGTERM/SIGINT; 0 = only at the end and on a signal. The last
+    # keep_checkpoints are kept.
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 3
+    # A step whose loss or gradient norm is not finite: stop the run (its update is not
+    # saved), or skip (drop that update, keep training, count it in the metrics).
+    on_nonfinite: str = "stop"
+    # How gradients are synchronised across replicas (jaxmoe/parallel/grad_sync/):
+    # allreduce (exact), bucketed (fused psums), hierarchical (inside each host, then across
+    # hosts), int8 (8-bit codes with error feedback), decentralized (ring gossip),
+    # decentralized-int8 (ring gossip of 8-bit codes), delayed (one step stale), or auto
+    # (the one the cost model estimates fastest on the link it is told).
+    grad_sync: str = "allreduce"
+    # bucketed, hierarchical, decentralized-int8: the largest bucket of fused gradients
+    # (25 MiB, PyTorch DDP's default).
+    grad_bucket_bytes: int = 25 * 2**20
+    # hierarchical and auto: consecutive devices of the mesh (row-major) that form one host.
+    # 0: each process is a host (one host in a single-process run).
+    grad_sync_devices_per_host: int = 0
+    # One device's dense peak TFLOP/s for the mfu metric; None: its datasheet's, if known.
+    peak_tflops: float | None = None
+
+    def __post_init__(self) -> None:
+        check_types("train", self)
+        for name in ("batch_size", "steps", "eval_every", "eval_batches"):
+            positive_int("train", name, getattr(self, name))
+        require(
+            isinstance(self.warmup_steps, int) and self.warmup_steps >= 0,
+            f"train.warmup_steps={self.warmup_steps!r}: must be an integer >= 0",
+        )
+        require(
+            isinstance(self.learning_rate, int | float) and self.learning_rate > 0,
+            f"train.learning_rate={self.learning_rate!r}: must be > 0",
+        )
+        require(
+            isinstance(self.min_lr_ratio, int | float) and 0 <= self.min_lr_ratio <= 1,
+            f"train.min_lr_ratio={self.min_lr_ratio!r}: must be in [0, 1]",
+        )
+        non_negative("train", "weight_decay", self.weight_decay)
+        for name in ("adam_b1", "adam_b2"):
+            value = getattr(self, name)
+            require(0 <= value < 1, f"train.{name}={value!r}: must be in [0, 1)")
+        positive_or_none("train", "grad_clip_norm", self.grad_clip_norm, "to disable")
+        positive_or_none("train", "peak_tflops", self.peak_tflops, "for the device's datasheet")
+        require(
+            isinstance(self.seed, int) and self.seed >= 0,
+            f"train.seed={self.seed!r}: must be an integer >= 0",
+        )
+        require(
+            isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0,
+            f"train.checkpoint_every={self.checkpoint_every!r}: must be an integer >= 0 "
+            "(0 saves only at the end of the run and on a stop signal)",
+        )
+        positive_int("train", "keep_checkpoints", self.keep_checkpoints)
+        require(
+            self.on_nonfinite in choices.ON_NONFINITE,
+            f"train.on_nonfinite={self.on_nonfinite!r}: choose one of "
+            f"{', '.join(choices.ON_NONFINITE)}",
+        )
+        require(
+            self.grad_sync in choices.GRAD_SYNC_CHOICES,
+            f"train.grad_sync={self.grad_sync!r}: choose one of "
+            f"{', '.join(choices.GRAD_SYNC_CHOICES)}",
+        )
+        positive_int("train", "grad_bucket_bytes", self.grad_bucket_bytes)
+        require(
+            isinstance(self.grad_sync_devices_per_host, int)
+            and self.grad_sync_devices_per_host >= 0,
+            f"train.grad_sync_devices_per_host={self.grad_sync_devices_per_host!r}: must be an "
+            "integer >= 0 (0: each process is a host)",
+        )

@@ -1,0 +1,36 @@
+"""The names a user chooses from: policies, device profiles, op costs, transports.
+
+No JAX here: a configuration is checked against these names before anything
+imports JAX or compiles.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# scheduling.planning.policy.SchedulePolicy describes each one.
+POLICIES = (
+    "none", "async", "dw", "partition", "lancet", "expert_pipeline", "comet", "lancet+comet"
+)  # fmt: skip
+# Policies that partition forward ranges around the MoE layers, and that pack dW work.
+PARTITIONING = frozenset({"partition", "lancet", "expert_pipeline", "lancet+comet"})
+PACKING_DW = frozenset({"dw", "lancet"})
+# Policies that may decompose an expert exchange (COMET).
+DECOMPOSING = frozenset({"comet", "lancet+comet"})
+
+# Multi-node cluster profiles are files (scheduling/costs/profiles/NAME.json); three
+# single-device profiles are written in scheduling/costs/profiles.py.
+PROFILE_DIRECTORY = Path(__file__).parent / "costs" / "profiles"
+SINGLE_DEVICE_PROFILES = ("a100", "v100", "cpu")
+PROFILES = (
+    *SINGLE_DEVICE_PROFILES,
+    *sorted(path.stem for path in PROFILE_DIRECTORY.glob("*.json")),
+)
+
+# How op costs are found: FLOPs and bytes over the profile, or timed on this backend.
+OP_COSTS = ("analytic", "measured")
+
+# How the emitted program runs its collectives (scheduling.runtime.transports):
+# XLA's async start/done pairs; the planned order with synchronous collectives; or the
+# all-to-alls over sockets between processes of a CPU run (the emulated cluster).
+TRANSPORTS = ("xla", "sync", "socket")
