@@ -90,8 +90,7 @@ def run(config: Config, args: argparse.Namespace) -> int:
     import jax
     from absl import logging as absl_logging
 
-    from jaxmoe.parallel.distributed import initialize
-    from jaxmoe.prepare import prepare_run
+    from jaxmoe.prepare import start_process
     from jaxmoe.train.loop import RunStopped, train
     from jaxmoe.train.profiler import parse_profile_steps
 
@@ -104,9 +103,8 @@ def run(config: Config, args: argparse.Namespace) -> int:
     absl_logging.set_verbosity(absl_logging.FATAL)
     distributed = distributed_config(args)
     _prepare_out(args, distributed)
-    initialize(distributed)  # before anything starts JAX's backends
     # Before the resume check: a checkpoint's gradient-sync state fits one algorithm.
-    prepared = prepare_run(config)
+    prepared = start_process(config, distributed)
     resume_step = _resume_point(prepared.config, args)
     step_timeout = args.step_timeout
     if step_timeout is None and distributed.enabled:

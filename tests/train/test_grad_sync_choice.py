@@ -4,9 +4,11 @@ import dataclasses
 import json
 
 import pytest
+from jax.sharding import Mesh
 
 from jaxmoe.cli.main import main
 from jaxmoe.config import ParallelConfig
+from jaxmoe.parallel import mesh as mesh_module
 from jaxmoe.parallel.grad_sync import ALGORITHMS, EXACT
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.plan.grad_sync_choice import RELAXED_SPEEDUP, choose_grad_sync, resolve_grad_sync
@@ -53,13 +55,18 @@ def test_resolve_leaves_a_named_algorithm_alone():
     assert resolve_grad_sync(config, build_mesh(config.parallel)) == (config, None)
 
 
-def test_train_says_what_auto_chose_and_runs_it(tmp_path, capsys):
+def test_train_says_what_auto_chose_and_runs_it(tmp_path, capsys, monkeypatch):
+    built = []
+    counted = lambda *args, **kwargs: built.append(Mesh(*args, **kwargs)) or built[-1]
+    monkeypatch.setattr(mesh_module, "Mesh", counted)
     out = tmp_path / "run"
     argv = ["train", "--steps", "2", "--no-progress", "--out", str(out)]
     argv += ["--parallel.data", "2", "--parallel.expert", "4", "--train.grad_sync", "auto"]
     argv += ["--train.grad_sync_devices_per_host", "4", "--schedule.profile", "cpu"]
     argv += ["--schedule.link_mbit", "1", "--model.num_layers", "2"]
     assert main(argv) == 0
+    # One preparation: the mesh is built once, the choice made once, for the whole run.
+    assert len(built) == 1
     chosen = json.loads((out / "grad_sync_choice.json").read_text())
     assert chosen["chosen"] in ALGORITHMS
     assert {e["name"] for e in chosen["estimates"]} == set(ALGORITHMS)
