@@ -20,7 +20,7 @@ from jaxmoe.config import Config, ConfigError
 from jaxmoe.train.checkpoint import (
     CHECKPOINT_DIR,
     check_compatible,
-    latest_checkpoint,
+    checkpoint_steps,
     saved_config,
 )
 from jaxmoe.train.metrics import METRICS_FILE
@@ -111,12 +111,18 @@ def prepare_run_dir(
 def resume_point(out: str | os.PathLike, config: Config) -> RunStart:
     """The checkpoint a ``--resume`` run continues from, checked against ``config``.
 
+    The newest checkpoint whose configuration can be read is checked; the training loop
+    then restores the newest one whose state can be read, saying which it passes over.
     Reads checkpoint metadata through Orbax, which starts JAX's backends: in a
     multi-process run, call it after ``jax.distributed.initialize``.
     """
     out = Path(out)
-    step = latest_checkpoint(out)
-    if step is None:
-        return RunStart(resume_step=None)
-    changed = check_compatible(saved_config(out, step), config, step)
-    return RunStart(resume_step=step, changed_fields=tuple(changed))
+    steps = checkpoint_steps(out)
+    for step in steps:
+        try:
+            saved = saved_config(out, step)
+        except Exception:  # unreadable: the loop says why when it passes over it
+            continue
+        changed = check_compatible(saved, config, step)
+        return RunStart(resume_step=steps[0], changed_fields=tuple(changed))
+    return RunStart(resume_step=steps[0] if steps else None)

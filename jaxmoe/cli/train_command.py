@@ -91,8 +91,10 @@ def run(config: Config, args: argparse.Namespace) -> int:
     from absl import logging as absl_logging
 
     from jaxmoe.prepare import start_process
+    from jaxmoe.train.host_memory import check_host_memory
     from jaxmoe.train.loop import RunStopped, train
     from jaxmoe.train.profiler import parse_profile_steps
+    from jaxmoe.train.stop_signals import StopSignals
 
     profile = args.profile_steps
     if profile is not None:  # checked before anything starts or compiles
@@ -103,25 +105,29 @@ def run(config: Config, args: argparse.Namespace) -> int:
     absl_logging.set_verbosity(absl_logging.FATAL)
     distributed = distributed_config(args)
     _prepare_out(args, distributed)
-    # Before the resume check: a checkpoint's gradient-sync state fits one algorithm.
-    prepared = start_process(config, distributed)
-    resume_step = _resume_point(prepared.config, args)
     step_timeout = args.step_timeout
     if step_timeout is None and distributed.enabled:
         step_timeout = 120.0
-    try:
-        rows = train(
-            prepared,
-            args.out,
-            progress=not args.no_progress,
-            step_timeout_s=step_timeout,
-            resume=resume_step is not None,
-            profile_steps=profile,
-        )
-    except RunStopped as stopped:
-        if jax.process_index() == 0:
-            print(f"jaxmoe train: {stopped}", file=sys.stderr, flush=True)
-        return stopped.status
+    # From here on a signal ends the run promptly, whatever stage it is in.
+    with StopSignals(multi_process=distributed.enabled) as signals:
+        # Before the resume check: a checkpoint's gradient-sync state fits one algorithm.
+        prepared = start_process(config, distributed)
+        check_host_memory(prepared.config)
+        resume_step = _resume_point(prepared.config, args)
+        try:
+            rows = train(
+                prepared,
+                args.out,
+                progress=not args.no_progress,
+                step_timeout_s=step_timeout,
+                resume=resume_step is not None,
+                profile_steps=profile,
+                signals=signals,
+            )
+        except RunStopped as stopped:
+            if jax.process_index() == 0:
+                print(f"jaxmoe train: {stopped}", file=sys.stderr, flush=True)
+            return stopped.status
     if jax.process_index() != 0:
         return 0
     if not rows:

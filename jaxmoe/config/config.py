@@ -16,6 +16,7 @@ from jaxmoe.config.model import ModelConfig
 from jaxmoe.config.moe import MoEConfig, capacity_per_expert
 from jaxmoe.config.parallel import ParallelConfig
 from jaxmoe.config.schedule import ScheduleConfig, schedule_fields_from_train
+from jaxmoe.config.sizes import check_array_sizes
 from jaxmoe.config.train import TrainConfig
 from jaxmoe.parallel.layout import LayoutError, check_split_widths
 
@@ -32,6 +33,7 @@ class Config:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
 
     def __post_init__(self) -> None:
+        check_array_sizes(self)
         moe, parallel, train = self.moe, self.parallel, self.train
         require(
             moe.num_experts % parallel.expert == 0,

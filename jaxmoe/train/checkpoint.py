@@ -80,13 +80,19 @@ def _manager(directory: Path, keep: int) -> ocp.CheckpointManager:
     )
 
 
-def latest_checkpoint(out_dir: Path) -> int | None:
-    """The step of the newest complete checkpoint under ``out_dir``, or None.
+def checkpoint_steps(out_dir: Path) -> list[int]:
+    """The steps of the complete checkpoints under ``out_dir``, newest first.
 
-    Reads the directory only: a half-written checkpoint does not count.
+    Reads the directory only: a half-written checkpoint does not count, nor one set aside
+    as unreadable.
     """
-    steps = ocp.utils.checkpoint_steps(out_dir / CHECKPOINT_DIR)
-    return max(steps, default=None)
+    return sorted(ocp.utils.checkpoint_steps(out_dir / CHECKPOINT_DIR), reverse=True)
+
+
+def latest_checkpoint(out_dir: Path) -> int | None:
+    """The step of the newest complete checkpoint under ``out_dir``, or None."""
+    steps = checkpoint_steps(out_dir)
+    return steps[0] if steps else None
 
 
 def saved_config(out_dir: Path, step: int) -> dict[str, Any]:
@@ -144,6 +150,15 @@ def check_compatible(saved: dict[str, Any], config: Config, step: int) -> list[s
                 "--overwrite"
             )
     return sorted(changes)
+
+
+def _first_line(error: BaseException) -> str:
+    """Why reading failed, in one line: the first line of the error that caused the others
+    (Orbax wraps TensorStore's), at most 200 characters."""
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__
+    text = str(error).strip().splitlines()
+    return (text[0] if text else type(error).__name__)[:200]
 
 
 class CheckpointWriteError(OSError):
@@ -228,6 +243,50 @@ class RunCheckpoints:
             ),
         )
         return restored.state
+
+    def restore_newest(self, mesh: Mesh) -> tuple[TrainState, int] | None:
+        """The newest checkpoint that can be read, laid out for ``mesh``, and its step
+        (None without any checkpoint).
+
+        A checkpoint that cannot be read (a truncated data file, missing metadata) is said
+        in one line and moved aside to ``<step>.unreadable`` (nothing is deleted), so that
+        the run can write that step again; the one before is tried. ConfigError when none
+        can be read.
+        """
+        unreadable: dict[int, str] = {}
+        for step in sorted(self._manager.all_steps(), reverse=True):
+            try:
+                state = self.restore(step, mesh)
+            except Exception as error:  # whatever Orbax or TensorStore raise for a bad file
+                reason = unreadable[step] = _first_line(error)
+                if jax.process_index() == 0:
+                    print(
+                        f"--resume: the checkpoint of step {step} cannot be read ({reason}): "
+                        "trying the one before it",
+                        flush=True,
+                    )
+                continue
+            self._set_aside(list(unreadable))
+            return state, step
+        if unreadable:
+            reasons = "; ".join(f"step {step} ({why})" for step, why in unreadable.items())
+            raise ConfigError(
+                f"--resume: no checkpoint in {self.directory} can be read: {reasons}; "
+                "start a new run with --overwrite"
+            )
+        return None
+
+    def _set_aside(self, steps: list[int]) -> None:
+        """Rename the checkpoints of ``steps`` to ``<step>.unreadable`` (process 0)."""
+        if not steps:
+            return
+        if jax.process_index() == 0:
+            for step in steps:
+                source = self.directory / str(step)
+                target = self.directory / f"{step}.unreadable"
+                if source.exists() and not target.exists():
+                    source.rename(target)
+        self._manager.reload()
 
     def wait(self) -> None:
         """Block until every save started so far is on disk (raises its error if any)."""

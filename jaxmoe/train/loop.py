@@ -1,8 +1,10 @@
 """The training loop: data, state, compiled steps, validation, logging, checkpoints.
 
-A run ends in one of four ways: it finishes (checkpoint at the end); a stop signal
-arrives (it finishes the step, writes a checkpoint and raises :class:`RunStopped`
-with :data:`~jaxmoe.exit_codes.PREEMPTED`); a step's loss or
+A run ends in one of five ways: it finishes (checkpoint at the end); a stop signal
+arrives while it starts (the process exits at once, see
+:mod:`jaxmoe.train.stop_signals`) or while it trains (it finishes the step, writes a
+checkpoint and raises :class:`RunStopped` with :data:`~jaxmoe.exit_codes.PREEMPTED`);
+a step's loss or
 gradient norm is not finite under ``train.on_nonfinite=stop`` (:class:`RunStopped`
 with :data:`~jaxmoe.exit_codes.NONFINITE`, leaving the last good checkpoint as the latest);
 or writing its files fails (:class:`RunStopped` with :data:`~jaxmoe.exit_codes.IO_ERROR`).
@@ -14,6 +16,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +32,7 @@ from jaxmoe.train.metrics import METRICS_FILE, RunLog, host_row, read_rows
 from jaxmoe.train.mfu import estimated_mfu, mfu_meter, no_peak_message
 from jaxmoe.train.placement_planner import PlacementLog, plan_placement
 from jaxmoe.train.profiler import StepProfiler
-from jaxmoe.train.scheduled import plan_train_step
+from jaxmoe.train.scheduled import PlannedStep, plan_train_step
 from jaxmoe.train.state import init_train_state
 from jaxmoe.train.step import build_eval_step
 from jaxmoe.train.stop_signals import StopSignals
@@ -117,6 +120,64 @@ def _nonfinite_stop(
     )
 
 
+@dataclass
+class _Started:
+    """What a run has once it has started: its state, data and compiled steps."""
+
+    state: Any
+    first_step: int
+    train_batches: BatchSampler
+    val_batches: BatchSampler
+    first_batch: jax.Array
+    planned: PlannedStep
+    train_step: Callable[..., Any]
+    eval_step: Callable[..., Any]
+
+
+def _start(
+    run: PreparedRun,
+    checkpoints: RunCheckpoints | None,
+    resume: bool,
+    signals: StopSignals,
+) -> _Started:
+    """The state (restored from the newest readable checkpoint when resuming), the data and
+    the compiled steps; a signal meanwhile ends the process at once."""
+    config, mesh = run.config, run.mesh
+    seq_len, batch = config.model.seq_len, config.train.batch_size
+    splits = load_splits(config)
+    train_batches = BatchSampler(splits.train, seq_len, batch, config.train.seed)
+    val_batches = BatchSampler(splits.val, seq_len, batch, config.train.seed + 1)
+    restored = None
+    if checkpoints is not None and resume:
+        restored = signals.interruptible(lambda: checkpoints.restore_newest(mesh))
+    if restored is not None:
+        state, first_step = restored
+    else:
+        state, first_step = signals.interruptible(lambda: init_train_state(config, mesh)), 0
+    first_batch = put_on_mesh(train_batches, first_step, mesh)
+    planned = signals.interruptible(lambda: plan_train_step(config, mesh))
+    # Compiled ahead so that the first step's time is a step, not a compilation.
+    train_step = signals.interruptible(planned.compile)
+    eval_step = signals.interruptible(
+        lambda: (
+            build_eval_step(config, mesh)
+            .jit()
+            .lower(state.params, first_batch, state.placement)
+            .compile()
+        )
+    )
+    return _Started(
+        state,
+        first_step,
+        train_batches,
+        val_batches,
+        first_batch,
+        planned,
+        train_step,
+        eval_step,
+    )
+
+
 def train(
     run: PreparedRun,
     out_dir: str | Path | None = None,
@@ -125,40 +186,41 @@ def train(
     step_timeout_s: float | None = None,
     resume: bool = False,
     profile_steps: tuple[int, int] | None = None,
+    signals: StopSignals | None = None,
 ) -> list[dict[str, Any]]:
     """Train the prepared run (:func:`jaxmoe.prepare.prepare_run`) up to
     ``config.train.steps`` steps; returns this run's metric rows.
 
     With ``out_dir``, checkpoints are written there; with ``resume``, training continues
-    from the latest complete one (a new run if there is none). With ``step_timeout_s``,
-    a step (or validation pass) that takes longer ends the process (see
-    :mod:`jaxmoe.train.watchdog`): in a multi-process run, a peer died. With
+    from the newest one that can be read (a new run if there is none). With
+    ``step_timeout_s``, a step (or validation pass) that takes longer ends the process
+    (see :mod:`jaxmoe.train.watchdog`): in a multi-process run, a peer died. With
     ``profile_steps=(A, B)``, steps A..B are traced (:mod:`jaxmoe.train.profiler`).
-    What ``train.grad_sync auto`` chose is logged with the run.
+    What ``train.grad_sync auto`` chose is logged with the run. ``signals``: the stop
+    signals the caller installed when the process started (default: installed here).
     """
+    with contextlib.ExitStack() as stack:
+        if signals is None:
+            signals = stack.enter_context(StopSignals(jax.process_count() > 1))
+        return _train(run, out_dir, progress, step_timeout_s, resume, profile_steps, signals)
+
+
+def _train(
+    run: PreparedRun,
+    out_dir: str | Path | None,
+    progress: bool,
+    step_timeout_s: float | None,
+    resume: bool,
+    profile_steps: tuple[int, int] | None,
+    signals: StopSignals,
+) -> list[dict[str, Any]]:
     config, mesh, grad_sync_choice = run.config, run.mesh, run.grad_sync_choice
     profiler = StepProfiler(profile_steps, config.train.steps, out_dir)
     seq_len, batch = config.model.seq_len, config.train.batch_size
-    splits = load_splits(config)
-    train_batches = BatchSampler(splits.train, seq_len, batch, config.train.seed)
-    val_batches = BatchSampler(splits.val, seq_len, batch, config.train.seed + 1)
-
     checkpoints = RunCheckpoints(out_dir, config) if out_dir is not None else None
-    first_step = 0
-    if checkpoints is not None and resume and (latest := checkpoints.latest_step()) is not None:
-        state, first_step = checkpoints.restore(latest, mesh), latest
-    else:
-        state = init_train_state(config, mesh)
-    first_batch = put_on_mesh(train_batches, first_step, mesh)
-    planned = plan_train_step(config, mesh)
-    # Compiled ahead so that the first step's time is a step, not a compilation.
-    train_step = planned.compile()
-    eval_step = (
-        build_eval_step(config, mesh)
-        .jit()
-        .lower(state.params, first_batch, state.placement)
-        .compile()
-    )
+    started = _start(run, checkpoints, resume, signals)
+    state, first_step, planned = started.state, started.first_step, started.planned
+    train_step, eval_step = started.train_step, started.eval_step
 
     primary = jax.process_index() == 0
     device_kind = mesh.devices.flat[0].device_kind
@@ -191,9 +253,9 @@ def train(
         desc="train",
         unit="step",
     )
+    signals.start_training()
     try:
         with (
-            StopSignals() as signals,
             StepWatchdog(step_timeout_s) as watchdog,
             contextlib.closing(log),
             checkpoints or contextlib.nullcontext(),
@@ -202,14 +264,16 @@ def train(
         ):
             for step in range(first_step, last_step):
                 profiler.before_step(step)
-                started = time.perf_counter()
+                started_s = time.perf_counter()
                 batch_array = (
-                    first_batch if step == first_step else put_on_mesh(train_batches, step, mesh)
+                    started.first_batch
+                    if step == first_step
+                    else put_on_mesh(started.train_batches, step, mesh)
                 )
                 with watchdog.step(step):
                     state, metrics = train_step(state, batch_array)
                     metrics = jax.device_get(metrics)  # waits for the step
-                row = host_row(step, metrics, time.perf_counter() - started, batch * seq_len)
+                row = host_row(step, metrics, time.perf_counter() - started_s, batch * seq_len)
                 if meter is not None:
                     row["mfu"] = meter(row["step_time_s"], row["dropped_fraction"])
                 profiler.after_step(step)
@@ -224,7 +288,7 @@ def train(
                 if done % config.train.eval_every == 0 or done == last_step:
                     with watchdog.step(step):
                         row["val_loss"] = _evaluate(
-                            eval_step, state, val_batches, config.train.eval_batches, mesh
+                            eval_step, state, started.val_batches, config.train.eval_batches, mesh
                         )
                     if primary:
                         bar.write(f"step {done}: val_loss {row['val_loss']:.4f}")

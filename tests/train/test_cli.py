@@ -79,6 +79,9 @@ CURVES = "--schedule.link_curves"
         (["--steps", "3", "--train.steps", "5"], "--steps 3 and --train.steps 5 disagree"),
         (["--data", "a.txt", "--data.path", "b.txt"], "--data a.txt and --data.path b.txt"),
         (["--schedule", "dw", "--schedule.name", "async"], "--schedule dw and --schedule.name"),
+        (["--train.schedule", "dw"], "--train.schedule is now --schedule.name"),
+        (["--model.d_model", "1000000000"], "the attention projections would have 3e+18"),
+        (["--model.d_ff", str(10**16)], "the dense FFN weights would have 1.28e+18"),
     ],
 )
 def test_bad_inputs_are_refused_before_compiling(input_files, argv, message, capsys):
@@ -93,6 +96,16 @@ def test_bad_inputs_are_refused_before_compiling(input_files, argv, message, cap
     assert error.count("\n") == 1, error
     assert elapsed < REFUSED_WITHIN_S, elapsed
     assert not (input_files / "run").exists()
+
+
+def test_a_run_larger_than_the_host_is_refused_before_anything_is_allocated(tmp_path, capsys):
+    started = time.monotonic()
+    assert main(["train", "--model.seq_len", "100000", "--out", str(tmp_path / "run")]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1, error
+    assert "the attention scores of one step would take" in error
+    assert "model.seq_len=100000" in error
+    assert time.monotonic() - started < REFUSED_WITHIN_S
 
 
 def test_a_shortcut_and_its_field_may_repeat_the_same_value():

@@ -24,7 +24,7 @@ from jaxmoe.exit_codes import NONFINITE as NONFINITE_EXIT_CODE
 from jaxmoe.exit_codes import PREEMPTED as PREEMPTED_EXIT_CODE
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.train import metrics as metrics_module
-from jaxmoe.train.checkpoint import latest_checkpoint
+from jaxmoe.train.checkpoint import checkpoint_steps, latest_checkpoint
 from jaxmoe.train.metrics import RunLog, read_rows
 from jaxmoe.train.state import init_train_state
 from jaxmoe.train.step import build_train_step
@@ -272,3 +272,64 @@ def test_a_full_disk_stops_the_run_in_one_line_and_keeps_its_checkpoints(small_d
     saved = latest_checkpoint(out)
     assert saved is not None and f"the last checkpoint is step {saved}" in result.stderr
     strict_rows(out)  # every line whole
+
+
+def _truncate_largest_data_file(checkpoint: Path) -> None:
+    largest = max(
+        (p for p in (checkpoint / "state").rglob("*") if p.is_file()), key=os.path.getsize
+    )
+    with largest.open("r+b") as data:
+        data.truncate(largest.stat().st_size // 2)
+
+
+def test_resume_passes_over_unreadable_checkpoints_and_deletes_nothing(
+    tmp_path, capsys, uninterrupted
+):
+    out = tmp_path / "run"
+    every = ["--train.checkpoint_every", "1", "--out", str(out)]
+    assert main(["train", *SMALL, "--steps", "3", *every]) == 0
+    checkpoints = out / "checkpoints"
+    _truncate_largest_data_file(checkpoints / "3")
+    (checkpoints / "2" / "state" / "_METADATA").unlink()
+    capsys.readouterr()
+
+    assert main(["train", *SMALL, "--steps", "4", *every, "--resume"]) == 0
+    printed = capsys.readouterr().out
+    assert "the checkpoint of step 3 cannot be read (OUT_OF_RANGE" in printed
+    assert "the checkpoint of step 2 cannot be read" in printed
+    assert "resuming from the checkpoint of step 1" in printed
+    # Set aside, not deleted; the run wrote steps 2 to 4 again.
+    assert {"2.unreadable", "3.unreadable"} <= {p.name for p in checkpoints.iterdir()}
+    assert latest_checkpoint(out) == 4
+    rows = {row["step"]: row for row in strict_rows(out)}
+    assert exact([rows[step] for step in range(3)]) == exact(uninterrupted[:3])
+
+    # None readable: one line, status 2, nothing deleted or set aside.
+    for step in checkpoint_steps(out):
+        (checkpoints / str(step) / "state" / "_METADATA").unlink()
+    before = sorted(p.name for p in checkpoints.iterdir())
+    assert main(["train", *SMALL, "--steps", "5", *every, "--resume"]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "no checkpoint in" in error[0] and "can be read" in error[0]
+    assert sorted(p.name for p in checkpoints.iterdir()) == before
+
+
+def test_a_signal_while_starting_ends_the_run_at_once_without_a_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    process = start_run(out, "--steps", "5000")
+    # The checkpoint directory is made just before the state is built and the steps
+    # compiled: seconds of start-up still to go.
+    deadline = time.monotonic() + 120
+    while not (out / "checkpoints").exists():
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "the run did not start"
+        time.sleep(0.01)
+    process.send_signal(signal.SIGINT)
+    sent = time.monotonic()
+    _, stderr = process.communicate(timeout=30)
+    assert time.monotonic() - sent < 5
+    assert process.returncode == PREEMPTED_EXIT_CODE, stderr
+    assert "SIGINT while starting: stopped before the first step" in stderr
+    assert "Traceback" not in stderr
+    assert latest_checkpoint(out) is None
+    assert read_rows(out / "metrics.jsonl") == []
