@@ -33,7 +33,7 @@ class Config:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
 
     def __post_init__(self) -> None:
-        check_array_sizes(self)
+        check_array_sizes(self.model, self.moe, self.train)
         moe, parallel, train = self.moe, self.parallel, self.train
         require(
             moe.num_experts % parallel.expert == 0,

@@ -12,12 +12,11 @@ scores, the logits, the expert buffers), over the global batch.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from jaxmoe.config.checks import ConfigError
-
-if TYPE_CHECKING:
-    from jaxmoe.config.config import Config
+from jaxmoe.config.model import ModelConfig
+from jaxmoe.config.moe import MoEConfig
+from jaxmoe.config.train import TrainConfig
 
 # The largest element count of one array, with room for the bytes of an 8-byte element.
 MAX_ELEMENTS = 2**63 // 8
@@ -26,15 +25,14 @@ MAX_ELEMENTS = 2**63 // 8
 Shape = tuple[tuple[str, int], ...]  # each dimension: the field it comes from, its size
 
 
-def array_shapes(config: Config) -> dict[str, Shape]:
+def array_shapes(model: ModelConfig, moe: MoEConfig, train: TrainConfig) -> dict[str, Shape]:
     """The largest arrays of a run, each as its dimensions named by the fields they come
     from (global shapes: the batch is the whole batch, experts all experts)."""
-    return {**parameter_shapes(config), **activation_shapes(config)}
+    return {**parameter_shapes(model, moe), **activation_shapes(model, moe, train)}
 
 
-def parameter_shapes(config: Config) -> dict[str, Shape]:
+def parameter_shapes(model: ModelConfig, moe: MoEConfig) -> dict[str, Shape]:
     """The largest weights."""
-    model, moe = config.model, config.moe
     d_expert = moe.d_expert or model.d_ff
     d_expert_field = "moe.d_expert" if moe.d_expert else "model.d_ff"
     width = ("model.d_model", model.d_model)
@@ -50,9 +48,8 @@ def parameter_shapes(config: Config) -> dict[str, Shape]:
     }
 
 
-def activation_shapes(config: Config) -> dict[str, Shape]:
+def activation_shapes(model: ModelConfig, moe: MoEConfig, train: TrainConfig) -> dict[str, Shape]:
     """The largest activations of one step."""
-    model, moe, train = config.model, config.moe, config.train
     d_expert = moe.d_expert or model.d_ff
     d_expert_field = "moe.d_expert" if moe.d_expert else "model.d_ff"
     batch = ("train.batch_size", train.batch_size)
@@ -72,10 +69,10 @@ def activation_shapes(config: Config) -> dict[str, Shape]:
     }
 
 
-def check_array_sizes(config: Config) -> None:
+def check_array_sizes(model: ModelConfig, moe: MoEConfig, train: TrainConfig) -> None:
     """Refuse a configuration with an array that cannot exist (its element count overflows
     XLA's 64-bit extents), naming the array and the fields it comes from."""
-    for what, dimensions in array_shapes(config).items():
+    for what, dimensions in array_shapes(model, moe, train).items():
         elements = math.prod(size for _, size in dimensions)
         if elements > MAX_ELEMENTS:
             values = dict(reversed(dimensions))  # a field named twice: its first size

@@ -46,7 +46,8 @@ def state_bytes(config: Config) -> int:
 def largest_activation(config: Config) -> tuple[str, Shape, int]:
     """The largest activation of a step: what it is, its shape and its bytes (float32)."""
     what, shape = max(
-        activation_shapes(config).items(), key=lambda item: math.prod(s for _, s in item[1])
+        activation_shapes(config.model, config.moe, config.train).items(),
+        key=lambda item: math.prod(s for _, s in item[1]),
     )
     return what, shape, 4 * math.prod(size for _, size in shape)
 

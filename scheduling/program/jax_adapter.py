@@ -18,6 +18,7 @@ is lowered; and how AD writes its passes into the name stack.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -200,3 +201,86 @@ def without_transforms(name_stack: str) -> str:
     ``layer_1/moe``."""
     stripped = re.sub(r"[A-Za-z_]\w*\(", "", name_stack).replace(")", "")
     return "/".join(part for part in stripped.split("/") if part)
+
+
+# -- host callbacks that take their operands as NumPy arrays ---------------------------------
+#
+# ``jax.experimental.io_callback`` first puts its operands on the process's first CPU device
+# (``io_callback_impl``: ``device_put``), and reading one (``np.asarray``) waits for that copy,
+# which XLA:CPU makes on the client's thread pool when the operand has 100 KiB or more. With
+# one device per process, the program and its callbacks run on the Python thread that called
+# it. With several, each device's program runs on a worker of that same pool, and the
+# callback, blocking that worker, waits for a copy queued from it: in a process with two
+# devices, about half the runs hang there for good, every other worker of the pool idle.
+# ``host_callback`` emits the same custom call, but hands the host function the NumPy arrays
+# that XLA passes to the callback, placed on no device: there is no copy to wait for.
+
+
+@functools.cache
+def _host_callback_primitive() -> Any | None:
+    if jax.__version__ not in SUPPORTED_JAX_VERSIONS:
+        return None
+    try:
+        from jax._src import callback, core, dispatch
+        from jax._src.interpreters import mlir
+    except ImportError:
+        return None
+    primitive = core.Primitive("host_callback")
+    primitive.multiple_results = True
+    dispatch.prim_requires_devices_during_lowering.add(primitive)
+    primitive.def_impl(functools.partial(dispatch.apply_primitive, primitive))
+
+    def abstract_eval(*avals: Any, host_function: Any, result_avals: tuple) -> Any:
+        return result_avals, {callback._IOEffect}
+
+    def lowering(ctx: Any, *operands: Any, host_function: Any, result_avals: tuple) -> Any:
+        sharding = callback._callback_op_sharding(
+            ctx.module_context.axis_context, None, ctx.avals_out
+        )
+        results, _, _ = callback.emit_python_callback(
+            ctx,
+            host_function,
+            None,
+            list(operands),
+            ctx.avals_in,
+            ctx.avals_out,
+            has_side_effect=True,
+            returns_token=False,
+            sharding=sharding,
+        )
+        return results
+
+    primitive.def_effectful_abstract_eval(abstract_eval)
+    mlir.register_lowering(primitive, lowering, cacheable=False)
+    return primitive
+
+
+def host_callback_available() -> bool:
+    """Whether :func:`host_callback` skips the device copy (else it is ``io_callback``)."""
+    return _host_callback_primitive() is not None
+
+
+HOST_CALLBACK_NAMES = ("host_callback", "io_callback")  # the primitive's name, either way
+
+
+def host_callback(function: Any, result_shapes: Any, *args: Any) -> Any:
+    """``jax.experimental.io_callback(function, result_shapes, *args)`` (unordered), whose
+    ``function`` gets NumPy arrays that are on no device (see above).
+
+    It may block, also with several devices per process, as long as what it waits for does
+    not need XLA's threads. Without the primitive (another JAX), it is ``io_callback``.
+    """
+    primitive = _host_callback_primitive()
+    if primitive is None:
+        from jax.experimental import io_callback
+
+        return io_callback(function, result_shapes, *args)
+    flat_args, in_tree = jax.tree.flatten(args)
+    flat_shapes, out_tree = jax.tree.flatten(result_shapes)
+    result_avals = tuple(jax.core.ShapedArray(s.shape, s.dtype) for s in flat_shapes)
+
+    def host_function(*flat: Any) -> tuple:
+        return tuple(jax.tree.leaves(function(*jax.tree.unflatten(in_tree, flat))))
+
+    results = primitive.bind(*flat_args, host_function=host_function, result_avals=result_avals)
+    return jax.tree.unflatten(out_tree, results)

@@ -2,7 +2,9 @@
 
 XLA:CPU compiles every async collective start/done pair back to a synchronous
 collective, so on CPU hosts a scheduled step cannot hide its communication. This module
-gives the all-to-all a start and a done of its own, each a ``jax.experimental.io_callback``:
+gives the all-to-all a start and a done of its own, each a host callback
+(``scheduling.program.jax_adapter.host_callback``, an ``io_callback`` whose operands
+stay NumPy arrays):
 
 - the start hands the device's pieces to a background thread per peer process, which
   sends them over one TCP connection per pair of processes (pieces for devices of the
@@ -15,6 +17,12 @@ meant to run during the transfer consumes the start's token (``consume_token``, 
 ``x - 0.0``), and the done takes a value of that computation as an operand (``after``).
 A done therefore cannot run before the computation, nor the computation before the start.
 
+With several devices per process, each device's program runs on its own thread of
+XLA's pool, so a done may block its thread while the other devices of the process go
+on to their starts. The callbacks must not wait for anything that needs XLA's threads,
+which is why their operands are not placed on a device (``jax.experimental.io_callback``
+would copy them there, and with several devices per process reading them could hang).
+
 Every device of every process takes part; the processes find each other through the JAX
 distributed runtime (``multihost_utils.process_allgather`` of each one's address and port),
 so ``SocketTransport.connect`` must be called by all processes, after
@@ -22,6 +30,12 @@ so ``SocketTransport.connect`` must be called by all processes, after
 arrival order, so each key must be started once per step on every device, in the same order.
 Use it only where the backend is CPU and the step spans processes; elsewhere XLA's own
 collectives are the better choice.
+
+A done fails, in one line, rather than wait forever: when a process whose piece it
+lacks has closed its connection (it exited or was killed) or the connection broke, when
+another done of this process failed, when the transport was closed or aborted, or when
+its pieces are later than the bound (``SocketTransport.receive_bound_s``: the time for
+peers to reach their start plus a generous transfer time at the link's rate).
 """
 
 from __future__ import annotations
@@ -33,91 +47,141 @@ import queue
 import socket
 import struct
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import io_callback, multihost_utils
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
+
+from scheduling.program.jax_adapter import host_callback, host_callback_available
 
 _HEADER = struct.Struct("!qiiq")  # key, source position, destination position, payload bytes
 _HELLO = struct.Struct("!i")  # the connecting process's index
-_RECEIVE_TIMEOUT_S = 600.0
+DEFAULT_LINK_MBIT = 100.0  # the link rate a transport assumes when it is not told
+DEFAULT_WAIT_S = 60.0  # how long a done allows the peers to reach their start
+_TRANSFER_MARGIN = 4.0  # the bound allows this many times the transfer at the link rate
+_CLOSE_WAIT_S = 10.0  # how long ``close`` lets the sender threads finish
 
 
 class _Mailbox:
-    """Pieces that arrived, by (key, source, destination), each a FIFO of raw bytes."""
+    """Pieces that arrived, by (key, source, destination), each a FIFO of raw bytes; and why
+    pieces will not come: a peer process whose connection ended, or a failure of them all."""
 
     def __init__(self) -> None:
         self._pieces: dict[tuple[int, int, int], collections.deque[bytes]] = (
             collections.defaultdict(collections.deque)
         )
-        self._arrived = threading.Condition()
-        self.failure: BaseException | None = None
+        self._changed = threading.Condition()
+        self._ended: dict[int, str] = {}  # peer process -> why its pieces stopped
+        self.failure: str | None = None  # set: every piece still missing fails at once
 
     def put(self, key: tuple[int, int, int], payload: bytes) -> None:
-        with self._arrived:
+        with self._changed:
             self._pieces[key].append(payload)
-            self._arrived.notify_all()
+            self._changed.notify_all()
 
-    def fail(self, error: BaseException) -> None:
-        with self._arrived:
-            self.failure = error
-            self._arrived.notify_all()
+    def end(self, process: int, reason: str) -> None:
+        """No more pieces will come from ``process``."""
+        with self._changed:
+            self._ended.setdefault(process, reason)
+            self._changed.notify_all()
 
-    def take(self, key: tuple[int, int, int]) -> bytes:
-        with self._arrived:
-            ready = self._arrived.wait_for(
-                lambda: self._pieces[key] or self.failure is not None, _RECEIVE_TIMEOUT_S
-            )
-            if self._pieces[key]:
-                return self._pieces[key].popleft()
-            if self.failure is not None:
-                raise RuntimeError(f"socket all_to_all: a connection failed: {self.failure}")
-            assert not ready
-            raise TimeoutError(f"socket all_to_all: piece {key} did not arrive")
+    def fail(self, reason: str) -> None:
+        """No piece still missing will come (the first reason is kept)."""
+        with self._changed:
+            if self.failure is None:
+                self.failure = reason
+            self._changed.notify_all()
+
+    def take(self, key: tuple[int, int, int], process: int, deadline: float) -> bytes:
+        """The next piece under ``key``, which ``process`` sends; waits until ``deadline``
+        (``time.monotonic()``). Raises ``ConnectionError`` if it will not come, or
+        ``TimeoutError`` (the message is completed by the caller)."""
+        with self._changed:
+            while True:
+                if self._pieces[key]:
+                    return self._pieces[key].popleft()
+                if process in self._ended:
+                    raise ConnectionError(self._ended[process])
+                if self.failure is not None:
+                    raise ConnectionError(self.failure)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                self._changed.wait(left)
 
 
-def _receive_exactly(connection: socket.socket, size: int) -> bytes:
+def _receive_exactly(connection: socket.socket, size: int) -> bytes | None:
+    """``size`` bytes, or None if the peer closed before the first one."""
     buffer = bytearray(size)
     view, received = memoryview(buffer), 0
     while received < size:
         count = connection.recv_into(view[received:])
         if not count:
-            raise ConnectionError(f"peer closed with {size - received} of {size} bytes unread")
+            if received == 0:
+                return None
+            raise ConnectionError(f"closed {size - received} bytes short of a {size}-byte read")
         received += count
     return bytes(buffer)
 
 
 class SocketTransport:
-    """This process's TCP connections to every other process of the run, and its mailbox."""
+    """This process's TCP connections to every other process of the run, and its mailbox.
 
-    def __init__(self, mesh: Mesh, connections: dict[int, socket.socket]):
+    ``link_mbit`` (the rate of the link between processes; default ``DEFAULT_LINK_MBIT``)
+    and ``wait_s`` (how long a done allows its peers to reach their start: their skew,
+    a first step's compilation) set how long a done waits (``receive_bound_s``).
+    """
+
+    def __init__(
+        self,
+        mesh: Mesh,
+        connections: dict[int, socket.socket],
+        *,
+        link_mbit: float | None = None,
+        wait_s: float = DEFAULT_WAIT_S,
+    ):
         self.mesh = mesh
         self.process = jax.process_index()
         self.mailbox = _Mailbox()
-        self._position_process = [device.process_index for device in mesh.devices.flat]
+        self.link_mbit = DEFAULT_LINK_MBIT if link_mbit is None else float(link_mbit)
+        self.wait_s = float(wait_s)
+        if self.link_mbit <= 0 or self.wait_s < 0:
+            raise ValueError(f"link_mbit {link_mbit} must be > 0 and wait_s {wait_s} >= 0")
+        self.position_process = [device.process_index for device in mesh.devices.flat]
+        self.local_devices = self.position_process.count(self.process)
         self._outboxes: dict[int, queue.Queue] = {}
-        self._threads: list[threading.Thread] = []
+        self._senders: list[threading.Thread] = []
         self._connections = connections
+        self._closing = False
         for peer, connection in connections.items():
             outbox: queue.Queue = queue.Queue()
             self._outboxes[peer] = outbox
             for target in (self._send_loop, self._receive_loop):
                 thread = threading.Thread(
-                    target=target, args=(connection, outbox), daemon=True, name=f"a2a-{peer}"
+                    target=target, args=(peer, connection, outbox), daemon=True, name=f"a2a-{peer}"
                 )
                 thread.start()
-                self._threads.append(thread)
+                if target == self._send_loop:
+                    self._senders.append(thread)
 
     @classmethod
-    def connect(cls, mesh: Mesh, address: str | None = None) -> SocketTransport:
+    def connect(
+        cls,
+        mesh: Mesh,
+        address: str | None = None,
+        *,
+        link_mbit: float | None = None,
+        wait_s: float = DEFAULT_WAIT_S,
+    ) -> SocketTransport:
         """Connect every pair of processes of ``mesh``; call in all processes at once.
 
         ``address`` is where this process listens (default: what its host name resolves
-        to, as for gloo).
+        to, as for gloo). ``link_mbit`` and ``wait_s``: see the class.
         """
         address = address or socket.gethostbyname(socket.gethostname())
         server = socket.create_server((address, 0))
@@ -135,18 +199,27 @@ class SocketTransport:
         server.settimeout(60)
         for _ in range(me):
             connection, _ = server.accept()
-            (peer,) = _HELLO.unpack(_receive_exactly(connection, _HELLO.size))
+            hello = _receive_exactly(connection, _HELLO.size)
+            if hello is None:
+                raise ConnectionError("socket all_to_all: a peer closed before saying who it is")
+            (peer,) = _HELLO.unpack(hello)
             connections[peer] = connection
         server.close()
         for connection in connections.values():
             connection.settimeout(None)
             connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return cls(mesh, connections)
+        return cls(mesh, connections, link_mbit=link_mbit, wait_s=wait_s)
+
+    def receive_bound_s(self, remote_bytes: int) -> float:
+        """How long a done waits when this process is to receive ``remote_bytes`` from
+        other processes in its exchange: ``wait_s``, plus ``_TRANSFER_MARGIN`` times the
+        transfer at ``link_mbit``."""
+        return self.wait_s + _TRANSFER_MARGIN * remote_bytes * 8 / (self.link_mbit * 1e6)
 
     def send(self, key: int, source: int, destination: int, piece: np.ndarray) -> None:
         """Deliver ``piece`` from mesh position ``source`` to ``destination`` (returns at once)."""
         payload = np.ascontiguousarray(piece).tobytes()
-        process = self._position_process[destination]
+        process = self.position_process[destination]
         if process == self.process:
             self.mailbox.put((key, source, destination), payload)
         else:
@@ -154,33 +227,57 @@ class SocketTransport:
                 (_HEADER.pack(key, source, destination, len(payload)), payload)
             )
 
-    def _send_loop(self, connection: socket.socket, outbox: queue.Queue) -> None:
+    def take(self, key: int, source: int, destination: int, deadline: float) -> bytes:
+        """The piece ``send`` delivered from ``source`` to ``destination`` under ``key``;
+        waits until ``deadline`` (``time.monotonic()``)."""
+        process = self.position_process[source]
+        return self.mailbox.take((key, source, destination), process, deadline)
+
+    def _send_loop(self, peer: int, connection: socket.socket, outbox: queue.Queue) -> None:
         while (item := outbox.get()) is not None:
             header, payload = item
             try:
                 connection.sendall(header)
                 connection.sendall(payload)
             except OSError as error:
-                self.mailbox.fail(error)
+                self.mailbox.fail(f"sending to process {peer} failed ({error}): it probably died")
                 return
 
-    def _receive_loop(self, connection: socket.socket, outbox: queue.Queue) -> None:
+    def _receive_loop(self, peer: int, connection: socket.socket, outbox: queue.Queue) -> None:
         try:
-            while True:
-                header = _receive_exactly(connection, _HEADER.size)
+            while (header := _receive_exactly(connection, _HEADER.size)) is not None:
                 key, source, destination, size = _HEADER.unpack(header)
-                self.mailbox.put((key, source, destination), _receive_exactly(connection, size))
+                payload = _receive_exactly(connection, size)
+                if payload is None:
+                    raise ConnectionError(f"closed before a {size}-byte piece")
+                self.mailbox.put((key, source, destination), payload)
+            if not self._closing:
+                self.mailbox.end(
+                    peer, f"process {peer} closed its connection (it ended or was killed)"
+                )
         except (OSError, ConnectionError) as error:
-            self.mailbox.fail(error)
+            if not self._closing:
+                self.mailbox.end(
+                    peer, f"the connection to process {peer} broke ({error}): it probably died"
+                )
+
+    def abort(self, reason: str) -> None:
+        """Make every done that waits, or will wait, for a piece fail at once with ``reason``."""
+        self.mailbox.fail(reason)
 
     def close(self) -> None:
-        """Stop the sender threads and close the connections."""
+        """Send what is queued, then close the connections (each peer sees its end)."""
+        self._closing = True
         for outbox in self._outboxes.values():
             outbox.put(None)
+        deadline = time.monotonic() + _CLOSE_WAIT_S
+        for thread in self._senders:
+            thread.join(max(0.0, deadline - time.monotonic()))
         for connection in self._connections.values():
             with contextlib.suppress(OSError):  # the peer may have closed first
                 connection.shutdown(socket.SHUT_RDWR)
             connection.close()
+        self.mailbox.fail("the socket transport was closed")
 
 
 def consume_token(x: jax.Array, token: jax.Array) -> jax.Array:
@@ -203,6 +300,11 @@ class SocketAllToAll:
         self.axis = mesh.axis_names.index(axis_name)
         self.axis_size = mesh.devices.shape[self.axis]
         self._shape = mesh.devices.shape
+        if transport.local_devices > 1 and not host_callback_available():
+            raise ValueError(
+                f"socket all_to_all: with jax {jax.__version__}, only one device per process "
+                f"(this one has {transport.local_devices}): its host callbacks could hang"
+            )
 
     def _position(self) -> jax.Array:
         """This device's linear (C-order) position in the mesh, traced."""
@@ -227,12 +329,11 @@ class SocketAllToAll:
 
         def host_start(position: np.ndarray, value: np.ndarray) -> np.ndarray:
             position = int(position)
-            pieces = np.split(np.asarray(value), self.axis_size, axis=split_axis)
-            for index, piece in enumerate(pieces):
+            for index, piece in enumerate(np.split(value, self.axis_size, axis=split_axis)):
                 self.transport.send(key, position, self._peer(position, index), piece)
             return np.float32(0)
 
-        return io_callback(host_start, jax.ShapeDtypeStruct((), jnp.float32), self._position(), x)
+        return host_callback(host_start, jax.ShapeDtypeStruct((), jnp.float32), self._position(), x)
 
     def done(
         self,
@@ -257,20 +358,41 @@ class SocketAllToAll:
         shape[concat_axis] *= self.axis_size
         result = jax.ShapeDtypeStruct(tuple(shape), like.dtype)
 
+        transport = self.transport
+        piece_bytes = math.prod(piece_shape) * dtype.itemsize
+
         def host_done(position: np.ndarray, _token: np.ndarray, _after: np.ndarray) -> Any:
             position = int(position)
-            pieces = [
-                np.frombuffer(
-                    self.transport.mailbox.take((key, self._peer(position, index), position)),
-                    dtype,
-                ).reshape(piece_shape)
-                for index in range(self.axis_size)
-            ]
+            sources = [self._peer(position, index) for index in range(self.axis_size)]
+            remote = sum(transport.position_process[s] != transport.process for s in sources)
+            # Every local device receives as much at once, over the same link.
+            bound = transport.receive_bound_s(remote * piece_bytes * transport.local_devices)
+            deadline = time.monotonic() + bound
+            pieces = []
+            for source in sources:
+                try:
+                    payload = transport.take(key, source, position, deadline)
+                except (ConnectionError, TimeoutError) as error:
+                    cause = str(error) or self._late(source, bound)
+                    message = f"socket all_to_all {key} at mesh position {position}: {cause}"
+                    # The step is lost: the other dones of this process give up too.
+                    transport.abort(f"another all-to-all of this process failed ({message})")
+                    raise type(error)(message) from None
+                pieces.append(np.frombuffer(payload, dtype).reshape(piece_shape))
             joined = np.concatenate(pieces, axis=concat_axis)
             return (joined, np.float32(0)) if release_token else joined
 
         shapes = (result, jax.ShapeDtypeStruct((), jnp.float32)) if release_token else result
-        return io_callback(host_done, shapes, self._position(), token, _scalar(after))
+        return host_callback(host_done, shapes, self._position(), token, _scalar(after))
+
+    def _late(self, source: int, bound: float) -> str:
+        transport = self.transport
+        return (
+            f"the piece from mesh position {source} (process "
+            f"{transport.position_process[source]}) did not arrive within {bound:.3g} s "
+            f"(wait_s {transport.wait_s:g} s + {_TRANSFER_MARGIN:g}x the transfer at "
+            f"link_mbit {transport.link_mbit:g}): that process is stuck or far behind"
+        )
 
 
 def _scalar(x: jax.Array) -> jax.Array:

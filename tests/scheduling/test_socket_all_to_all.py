@@ -4,6 +4,7 @@ transfer so that computation placed before the done runs during it."""
 from __future__ import annotations
 
 import argparse
+import signal
 import subprocess
 import sys
 import textwrap
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
+from scheduling.program.jax_adapter import HOST_CALLBACK_NAMES
 from scheduling.runtime.socket_all_to_all import (
     SocketAllToAll,
     SocketTransport,
@@ -109,46 +111,127 @@ def test_the_pipelined_chunks_overlap_their_transfers_and_chained_ones_do_not():
     assert seconds["independent"] < 3 * delay_s, seconds
 
 
-WORKER = textwrap.dedent(
-    """
-    import sys
-    import jax
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(sys.argv[1], 2, int(sys.argv[2]))
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec
-    from scheduling.runtime.socket_all_to_all import SocketAllToAll, SocketTransport, all_to_all_now
+def test_operands_past_100_kib_exchange_between_the_devices_of_one_process():
+    # XLA:CPU copies a device operand of 100 KiB or more on its thread pool; with several
+    # devices in a process, io_callback's copy of one could hang the callback for good.
+    mesh = jax.make_mesh((2, 4), ("data", "expert"))
+    spec = PartitionSpec(("data", "expert"))
+    x = jax.random.normal(jax.random.key(1), (8 * 64, 512))  # 128 KiB per device
+    x = jax.device_put(x, NamedSharding(mesh, spec))
+    op = SocketAllToAll(SocketTransport(mesh, connections={}), "expert")
+    expected = _run(mesh, spec, lambda b: jax.lax.all_to_all(b, "expert", 0, 1, tiled=True), x)
+    for _ in range(3):
+        ours = _run(
+            mesh, spec, lambda b: all_to_all_now(op, b, key=4, split_axis=0, concat_axis=1), x
+        )
+        chex.assert_trees_all_equal(ours, expected)
 
-    mesh = jax.make_mesh((4,), ("x",))
+
+def test_a_done_gives_up_after_its_bound_with_one_line():
+    mesh = jax.make_mesh((8,), ("x",))
     spec = PartitionSpec("x")
-    x = jax.make_array_from_callback(
-        (16, 8), NamedSharding(mesh, spec),
-        lambda index: np.arange(128, dtype=np.float32).reshape(16, 8)[index] * 1.5 - 7)
-    op = SocketAllToAll(SocketTransport.connect(mesh, "127.0.0.1"), "x")
-    def run(body):
-        f = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
-        out = jax.jit(f)(x)
-        return [np.asarray(s.data) for s in out.addressable_shards]
-    ours = run(lambda b: all_to_all_now(op, b, key=3, split_axis=1, concat_axis=0))
-    theirs = run(lambda b: jax.lax.all_to_all(b, "x", 1, 0, tiled=True))
-    same = all(np.array_equal(a, b) for a, b in zip(ours, theirs, strict=True))
-    print("same" if same else "different", flush=True)
-    op.transport.close()
+    x = jax.device_put(jnp.ones((8 * 8, 4)), NamedSharding(mesh, spec))
+    op = SocketAllToAll(SocketTransport(mesh, connections={}, wait_s=0.5), "x")
+
+    def never_started(block):  # a done whose pieces no start sends
+        return op.done(block[0, 0], block, key=5, like=block, split_axis=0, concat_axis=0)
+
+    mapped = jax.shard_map(never_started, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+    compiled = jax.jit(mapped).lower(x).compile()
+    started = time.monotonic()
+    with pytest.raises(Exception, match=r"socket all_to_all 5 at mesh position \d: the piece from"):
+        jax.block_until_ready(compiled(x))
+    assert time.monotonic() - started < 10
+    # A new transport works (and its run replaces the failed one's token, which JAX keeps).
+    op = SocketAllToAll(SocketTransport(mesh, connections={}), "x")
+    _run(mesh, spec, lambda b: all_to_all_now(op, b, key=5, split_axis=0, concat_axis=0), x)
+
+
+_WORKER_START = """
+import os, signal, sys, time
+import jax
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(sys.argv[1], 2, int(sys.argv[2]))
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from scheduling.runtime.socket_all_to_all import (
+    SocketAllToAll, SocketTransport, all_to_all_now, consume_token)
+
+def run(mesh, spec, body, x):
+    f = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+    return [np.asarray(s.data) for s in jax.jit(f)(x).addressable_shards]
+
+def operand(mesh, spec, rows, columns, seed):  # 128 KiB per device with rows x 256
+    values = np.random.default_rng(seed).standard_normal((rows, columns)).astype(np.float32)
+    values[0, 0] = -0.0
+    return jax.make_array_from_callback(
+        (rows, columns), NamedSharding(mesh, spec), lambda index: values[index])
+"""
+
+EQUALS_WORKER = _WORKER_START + textwrap.dedent(
+    """
+    # Four devices in a row: each exchange moves two pieces in memory and two over TCP;
+    # two exchanges in flight at once, with computation between start and done.
+    flat = jax.make_mesh((4,), ("x",))
+    spec = PartitionSpec("x")
+    x = operand(flat, spec, 4 * 128, 256, 0)
+    transport = SocketTransport.connect(flat, "127.0.0.1")
+    op = SocketAllToAll(transport, "x")
+
+    def pipelined(b):
+        first = op.start(b, key=1, split_axis=0)
+        second = op.start(jnp.tanh(consume_token(b, first)), key=2, split_axis=1)
+        a = op.done(first, second, key=1, like=b, split_axis=0, concat_axis=1)
+        c = op.done(second, a[0, 0], key=2, like=b, split_axis=1, concat_axis=0)
+        return jnp.concatenate([a.reshape(b.shape), c.reshape(b.shape)])
+
+    def reference(b):
+        a = jax.lax.all_to_all(b, "x", 0, 1, tiled=True)
+        c = jax.lax.all_to_all(jnp.tanh(b), "x", 1, 0, tiled=True)
+        return jnp.concatenate([a.reshape(b.shape), c.reshape(b.shape)])
+
+    results = {"flat": (run(flat, spec, pipelined, x), run(flat, spec, reference, x))}
+    # Hosts x local devices: one exchange over TCP, one in memory, at the same time.
+    grid = Mesh(np.array(jax.devices()).reshape(2, 2), ("host", "local"))
+    spec = PartitionSpec(("host", "local"))
+    x = operand(grid, spec, 4 * 128, 256, 1)
+    transport.close()
+    transport = SocketTransport.connect(grid, "127.0.0.1")
+    across, within = SocketAllToAll(transport, "host"), SocketAllToAll(transport, "local")
+
+    def both(b):
+        t1 = across.start(b, key=3, split_axis=0)
+        t2 = within.start(b, key=4, split_axis=1)
+        a = across.done(t1, t2, key=3, like=b, split_axis=0, concat_axis=0)
+        c = within.done(t2, a[0, 0], key=4, like=b, split_axis=1, concat_axis=1)
+        return a + c
+
+    def both_reference(b):
+        a = jax.lax.all_to_all(b, "host", 0, 0, tiled=True)
+        return a + jax.lax.all_to_all(b, "local", 1, 1, tiled=True)
+
+    results["grid"] = (run(grid, spec, both, x), run(grid, spec, both_reference, x))
+    for name, (ours, theirs) in results.items():
+        same = all(
+            a.tobytes() == b.tobytes() for a, b in zip(ours, theirs, strict=True))
+        print(name, "same" if same else "different", flush=True)
+    transport.close()
     """
 )
 
 
-def test_across_two_processes_it_equals_the_gloo_all_to_all(tmp_path):
+def _start_two(script: str) -> list[subprocess.Popen]:
+    """The two processes of a run with 2 devices each, on this machine."""
     from jaxmoe.cli.launch import child_environment, free_port
 
     environment = child_environment()
     environment["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     environment["PYTHONPATH"] = str(REPO_ROOT)
     coordinator = f"127.0.0.1:{free_port('127.0.0.1')}"
-    processes = [
+    return [
         subprocess.Popen(
-            [sys.executable, "-c", WORKER, coordinator, str(index)],
+            [sys.executable, "-c", script, coordinator, str(index)],
             env=environment,
             cwd=REPO_ROOT,
             stdout=subprocess.PIPE,
@@ -157,10 +240,61 @@ def test_across_two_processes_it_equals_the_gloo_all_to_all(tmp_path):
         )
         for index in range(2)
     ]
+
+
+def test_two_processes_of_two_devices_equal_the_gloo_all_to_all_bit_for_bit():
+    processes = _start_two(EQUALS_WORKER)
     outputs = [process.communicate(timeout=120) for process in processes]
     for process, (stdout, stderr) in zip(processes, outputs, strict=True):
         assert process.returncode == 0, stderr[-2000:]
-        assert stdout.strip().splitlines()[-1] == "same", stdout
+        assert stdout.splitlines()[-2:] == ["flat same", "grid same"], stdout
+
+
+DEATH_WORKER = _WORKER_START + textwrap.dedent(
+    """
+    # As experiments/overlap_control.py: SIGTERM ends the process, not JAX's preemption notice.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    mesh = jax.make_mesh((4,), ("x",))
+    spec = PartitionSpec("x")
+    x = operand(mesh, spec, 4 * 128, 256, 0)
+    op = SocketAllToAll(SocketTransport.connect(mesh, "127.0.0.1", wait_s=300), "x")
+    # Each process waits for pieces the other never sends (different keys): both block.
+    key = 10 + jax.process_index()
+    step = jax.jit(jax.shard_map(
+        lambda b: all_to_all_now(op, b, key=key, split_axis=0, concat_axis=0),
+        mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)).lower(x).compile()
+    print("waiting", flush=True)
+    try:
+        jax.block_until_ready(step(x))
+    except Exception as error:
+        line = next(l for l in str(error).splitlines() if "socket all_to_all" in l)
+        print(f"raised at {time.time():.3f}: {line}", flush=True)
+        os._exit(0)
+    """
+)
+
+
+def test_a_worker_blocked_in_a_done_ends_on_sigterm_and_its_peer_raises_at_once():
+    processes = _start_two(DEATH_WORKER)
+    guard = threading.Timer(120, lambda: [process.kill() for process in processes])
+    guard.start()
+    try:
+        for process in processes:  # gloo's lines come first
+            assert "waiting\n" in iter(process.stdout.readline, ""), "a worker ended early"
+        time.sleep(1.0)  # both now wait in a done (the other never starts that key)
+        killed_at = time.time()
+        processes[1].send_signal(signal.SIGTERM)
+        assert processes[1].wait(timeout=10) == -signal.SIGTERM
+        stdout, stderr = processes[0].communicate(timeout=30)
+    finally:
+        guard.cancel()
+        for process in processes:
+            process.kill()
+    line = stdout.strip().splitlines()[-1]
+    assert line.startswith("raised at "), stderr[-2000:]
+    raised_at = float(line.split()[2].rstrip(":"))
+    assert raised_at - killed_at < 10, line
+    assert "process 1" in line and "socket all_to_all 10" in line, line
 
 
 def _body_on_sockets(policy_name: str):
@@ -196,7 +330,7 @@ def _body_on_sockets(policy_name: str):
 
 def _last_matmul_waits_for_the_done(body) -> bool:
     """Whether the last matmul depends, through data, on an output of the last done."""
-    callbacks = [e for e in body.eqns if e.primitive.name == "io_callback"]
+    callbacks = [e for e in body.eqns if e.primitive.name in HOST_CALLBACK_NAMES]
     done = callbacks[-1]
     after_done: set = set()
     waits = False
