@@ -50,7 +50,7 @@ def optimize(
         planned.graph,
         planned.schedule,
         donate_argnums=donate_argnums,
-        transport=transports.connect(policy.transport, mesh),
+        transport=transports.connect(policy.transport, mesh, policy.link_mbit or None),
     )
     report = build_report(planned, cost, policy, program, axis_roles)
     if isinstance(cost, ProfiledCostModel):

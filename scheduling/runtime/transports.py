@@ -109,19 +109,20 @@ class SocketAllToAlls:
         return results
 
 
-def connect(kind: str, mesh: Mesh) -> Callable[[], Transport]:
+def connect(kind: str, mesh: Mesh, link_mbit: float | None = None) -> Callable[[], Transport]:
     """A factory of transports of ``kind`` (``xla``, ``sync`` or ``socket``) for ``mesh``.
 
     ``socket`` connects every process of the run (all of them must call this); where it
-    does not apply (another backend than CPU, one process) it is ``xla``. ``xla`` on a
-    JAX whose async primitives the adapter does not know raises
-    :class:`~scheduling.program.jax_adapter.AsyncCollectivesUnavailable`.
+    does not apply (another backend than CPU, one process) it is ``xla``. ``link_mbit``:
+    the link's rate between processes, which bounds how long a socket done waits (default:
+    the transport's). ``xla`` on a JAX whose async primitives the adapter does not know
+    raises :class:`~scheduling.program.jax_adapter.AsyncCollectivesUnavailable`.
     """
     if kind == "sync":
         return Synchronous
     jax_adapter.require_async_collectives()
     if kind == "socket" and socket_applies():
-        connection = SocketTransport.connect(mesh)
+        connection = SocketTransport.connect(mesh, link_mbit=link_mbit)
         return lambda: SocketAllToAlls(connection, XlaAsync())
     return XlaAsync
 
