@@ -50,7 +50,7 @@ def test_socket_all_to_alls_keep_the_step_bit_for_bit(schedule, monkeypatch):
     # One process: force the transport that would be used across processes.
     monkeypatch.setattr(transports, "socket_applies", lambda: True)
     monkeypatch.setattr(
-        transports.SocketTransport, "connect", classmethod(lambda cls, mesh: cls(mesh, {}))
+        transports.SocketTransport, "connect", classmethod(lambda cls, mesh, **_: cls(mesh, {}))
     )
     flags = ["--schedule", schedule, "--schedule.transport", "socket"]
     config = config_from_train_args([*SMALL, *flags])
