@@ -23,7 +23,13 @@ from jaxmoe.presets import PRESETS, preset
     [
         (lambda: ModelConfig(d_model=100, num_heads=3), "model.d_model=100 is not divisible"),
         (lambda: ModelConfig(num_layers=0), "model.num_layers=0: must be a positive integer"),
-        (lambda: ModelConfig(num_layers=2, moe_every=3), "model.moe_every=3 is larger"),
+        (lambda: ModelConfig(num_layers=2, moe_every=3), "model.moe_every=3 and model.first"),
+        (lambda: ModelConfig(num_layers=2, first_dense_layers=2), "leave no MoE layer"),
+        (lambda: ModelConfig(num_heads=4, num_kv_heads=3), "model.num_kv_heads=3 does not"),
+        (lambda: ModelConfig(position="rope", head_dim=7), "needs an even width"),
+        (lambda: ModelConfig(norm="batchnorm"), "model.norm='batchnorm'"),
+        (lambda: ModelConfig(rope_scaling_factor=0.5), "model.rope_scaling_factor=0.5"),
+        (lambda: MoEConfig(shared_expert_gate=True), "set moe.num_shared_experts"),
         (lambda: ModelConfig(dtype="float16"), "model.dtype='float16'"),
         (
             lambda: ModelConfig(recompute="full"),
@@ -126,7 +132,7 @@ def test_capacity_and_moe_layers():
         (lambda: MoEConfig(normalize_top_k=1), "moe.normalize_top_k=1: expected a finite bool"),
         (
             lambda: Config.from_dict({"model": {"widht": 3}}),
-            "unknown fields model.widht: model has d_ff, d_model",
+            "unknown fields model.widht: model has activation, attention_bias, d_ff, d_model",
         ),
     ],
 )

@@ -6,6 +6,10 @@ DTYPES = ("float32", "bfloat16")
 # What the backward pass recomputes instead of keeping: nothing, or the core attention
 # (softmax(QK^T) V; Megatron-Core's selective recomputation).
 RECOMPUTE = ("none", "attention")
+NORMS = ("layernorm", "rmsnorm")
+POSITIONS = ("learned", "rope")
+ROPE_SCALINGS = ("none", "linear", "yarn")
+ACTIVATIONS = ("gelu", "swiglu")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ON_NONFINITE = ("stop", "skip")
 # How tokens reach the experts (jaxmoe/layers/dispatchers.py).

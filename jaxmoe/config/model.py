@@ -1,4 +1,14 @@
-"""The model section: a GPT-style decoder with an MoE FFN every ``moe_every`` layers."""
+"""The model section: a decoder-only transformer whose FFN is a Mixture of Experts in
+chosen layers, with the blocks of the model families it covers.
+
+Two families of blocks share one configuration. The GPT-2 family (the default):
+LayerNorm, learned positions, multi-head attention with a fused bias-free projection,
+GELU FFNs with biases, the output head tied to the token embedding. The
+Llama-derived families (Mixtral, Qwen-MoE, DeepSeek-style; the presets in
+:mod:`jaxmoe.presets`): RMSNorm, rotary positions, grouped-query attention, SwiGLU
+FFNs without biases, an untied output head. Each block is its own field, so the
+families are presets, not code paths.
+"""
 
 from __future__ import annotations
 
@@ -10,21 +20,53 @@ from jaxmoe.config.checks import check_types, one_of, positive_int, require
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A GPT-style decoder whose FFN is a Mixture of Experts every ``moe_every`` layers."""
+    """The shape of the decoder and the kind of each of its blocks."""
 
     vocab_size: int = 256
     d_model: int = 128
     num_heads: int = 4
     num_layers: int = 4
+    # Hidden width of the dense FFN (and of each expert unless moe.d_expert says otherwise).
     d_ff: int = 512
     seq_len: int = 128
-    # Layers k-1, 2k-1, ... are MoE layers (Lancet and GShard use k = 2).
+    # Layers k-1, 2k-1, ... are MoE layers (Lancet and GShard use k = 2; Mixtral and Qwen 1),
+    # after the first ``first_dense_layers`` layers, which are dense (DeepSeek-V3: 3).
     moe_every: int = 2
-    # Compute dtype of activations; parameters and the optimizer stay in float32.
+    first_dense_layers: int = 0
+    # Compute dtype of activations and of the parameters as they enter each matmul:
+    # "bfloat16" is mixed precision (the parameters, their gradients and the optimizer
+    # state stay float32; the router, the logits and the loss are float32).
     dtype: str = "float32"
     # The backward pass recomputes this instead of keeping its activations: "none", or
     # "attention" (softmax(QK^T) V, whose weights are O(seq^2) per head).
     recompute: str = "none"
+    # "layernorm" (with a bias, GPT-2) or "rmsnorm" (Llama, Mixtral, Qwen, DeepSeek).
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    # "learned" (an embedding per position, GPT-2) or "rope" (rotary, on query and key).
+    position: str = "learned"
+    rope_theta: float = 10000.0
+    # Rotary scaling for contexts beyond the trained one: "none", "linear" (position
+    # interpolation: positions divided by rope_scaling_factor) or "yarn" (YaRN, as in
+    # DeepSeek-V3: frequencies interpolated by band, attention scaled).
+    rope_scaling: str = "none"
+    rope_scaling_factor: float = 1.0
+    # yarn: the context the model was trained on before scaling.
+    rope_original_seq_len: int = 4096
+    # Key/value heads: grouped-query attention shares each among num_heads / num_kv_heads
+    # query heads (Mixtral 8, Qwen3-MoE 4); None: one per query head (multi-head).
+    num_kv_heads: int | None = None
+    # Width of one head; None: d_model / num_heads (Qwen3 sets 128 whatever the width).
+    head_dim: int | None = None
+    # Biases on the query, key and value projections (Qwen2); never on the output.
+    attention_bias: bool = False
+    # RMSNorm over each query and key head before the rotation (Qwen3).
+    qk_norm: bool = False
+    # "gelu" (two matrices and biases, GPT-2) or "swiglu" (gate, up and down matrices
+    # without biases: silu(x W_gate) * (x W_up) W_down) for the dense FFN and the experts.
+    activation: str = "gelu"
+    # The output head is the token embedding, transposed (GPT-2), or a matrix of its own.
+    tie_embeddings: bool = True
 
     def __post_init__(self) -> None:
         check_types("model", self)
@@ -32,19 +74,65 @@ class ModelConfig:
             positive_int("model", name, getattr(self, name))
         positive_int("model", "moe_every", self.moe_every)
         require(
-            self.moe_every <= self.num_layers,
-            f"model.moe_every={self.moe_every} is larger than model.num_layers="
-            f"{self.num_layers}: the model would have no MoE layer; use at most num_layers",
+            isinstance(self.first_dense_layers, int) and self.first_dense_layers >= 0,
+            f"model.first_dense_layers={self.first_dense_layers!r}: must be an integer >= 0",
         )
         require(
-            self.d_model % self.num_heads == 0,
-            f"model.d_model={self.d_model} is not divisible by model.num_heads={self.num_heads}: "
-            "choose a width that is a multiple of the number of heads",
+            bool(self.moe_layers),
+            f"model.moe_every={self.moe_every} and model.first_dense_layers="
+            f"{self.first_dense_layers} leave no MoE layer among model.num_layers="
+            f"{self.num_layers}: use fewer dense layers or a smaller moe_every",
         )
         one_of("model", "dtype", self.dtype, choices.DTYPES)
         one_of("model", "recompute", self.recompute, choices.RECOMPUTE)
+        one_of("model", "norm", self.norm, choices.NORMS)
+        one_of("model", "position", self.position, choices.POSITIONS)
+        one_of("model", "rope_scaling", self.rope_scaling, choices.ROPE_SCALINGS)
+        one_of("model", "activation", self.activation, choices.ACTIVATIONS)
+        require(self.norm_eps > 0, f"model.norm_eps={self.norm_eps!r}: must be > 0 (1e-5 or 1e-6)")
+        require(self.rope_theta > 0, f"model.rope_theta={self.rope_theta!r}: must be > 0")
+        require(
+            self.rope_scaling_factor >= 1,
+            f"model.rope_scaling_factor={self.rope_scaling_factor!r}: must be >= 1 (1: no scaling)",
+        )
+        positive_int("model", "rope_original_seq_len", self.rope_original_seq_len)
+        if self.head_dim is None:
+            require(
+                self.d_model % self.num_heads == 0,
+                f"model.d_model={self.d_model} is not divisible by model.num_heads="
+                f"{self.num_heads}: choose a width that is a multiple of the number of heads, "
+                "or set model.head_dim",
+            )
+        else:
+            positive_int("model", "head_dim", self.head_dim)
+        require(
+            self.position != "rope" or self.attention_head_dim % 2 == 0,
+            f"model.head_dim={self.attention_head_dim}: rotary positions rotate pairs of "
+            "features, so a head needs an even width",
+        )
+        if self.num_kv_heads is not None:
+            positive_int("model", "num_kv_heads", self.num_kv_heads)
+            require(
+                self.num_heads % self.num_kv_heads == 0,
+                f"model.num_kv_heads={self.num_kv_heads} does not divide model.num_heads="
+                f"{self.num_heads}: each key/value head serves a whole number of query heads",
+            )
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
         """Indices of the layers whose FFN is a Mixture of Experts."""
-        return tuple(i for i in range(self.num_layers) if (i + 1) % self.moe_every == 0)
+        return tuple(
+            i
+            for i in range(self.first_dense_layers, self.num_layers)
+            if (i + 1) % self.moe_every == 0
+        )
+
+    @property
+    def attention_head_dim(self) -> int:
+        """The width of one attention head."""
+        return self.head_dim or self.d_model // self.num_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (``num_heads`` without grouped-query attention)."""
+        return self.num_kv_heads or self.num_heads

@@ -31,6 +31,14 @@ class MoEConfig:
     jitter: float = 0.0
     # Hidden width of each expert; None = model.d_ff.
     d_expert: int | None = None
+    # Shared experts: always-on experts beside the routed ones, applied to every token and
+    # added to the routed output (DeepSeek, Qwen-MoE). Their total hidden width is
+    # num_shared_experts x d_shared_expert (None: moe.d_expert, else model.d_ff), computed
+    # as one FFN replicated like the dense layers'.
+    num_shared_experts: int = 0
+    d_shared_expert: int | None = None
+    # Qwen-MoE's gate on the shared output: sigmoid(x w) per token.
+    shared_expert_gate: bool = False
     # Expert slots per device (None = experts per device); the spare slots hold replicas
     # placed by a runtime table (jaxmoe/parallel/placement.py). Capacity is per slot.
     slots_per_device: int | None = None
@@ -62,6 +70,16 @@ class MoEConfig:
             positive_int("moe", "group_size", self.group_size)
         if self.d_expert is not None:
             positive_int("moe", "d_expert", self.d_expert)
+        require(
+            isinstance(self.num_shared_experts, int) and self.num_shared_experts >= 0,
+            f"moe.num_shared_experts={self.num_shared_experts!r}: must be an integer >= 0",
+        )
+        if self.d_shared_expert is not None:
+            positive_int("moe", "d_shared_expert", self.d_shared_expert)
+        require(
+            not self.shared_expert_gate or self.num_shared_experts > 0,
+            "moe.shared_expert_gate=True gates the shared experts: set moe.num_shared_experts",
+        )
         if self.slots_per_device is not None:
             positive_int("moe", "slots_per_device", self.slots_per_device)
         require(
