@@ -68,8 +68,18 @@ def all_reduce_stats(stats: RoutingStats, axes: tuple[str, ...]) -> RoutingStats
 
 class MoELayer(nnx.Module):
     def __init__(
-        self, d_model: int, d_hidden: int, config: MoEConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs
+        self,
+        d_model: int,
+        d_hidden: int,
+        config: MoEConfig,
+        *,
+        activation: str = "gelu",
+        bias: bool = True,
+        dtype: jnp.dtype,
+        rngs: nnx.Rngs,
     ):
+        """``activation`` and ``bias``: the experts' form (``model.activation``,
+        ``model.linear_bias``; :mod:`jaxmoe.layers.experts`)."""
         self.config = config
         self.router = Router(
             d_model,
@@ -81,7 +91,13 @@ class MoELayer(nnx.Module):
             rngs=rngs,
         )
         self.experts = Experts(
-            config.num_experts, d_model, config.d_expert or d_hidden, dtype=dtype, rngs=rngs
+            config.num_experts,
+            d_model,
+            config.d_expert or d_hidden,
+            activation=activation,
+            bias=bias,
+            dtype=dtype,
+            rngs=rngs,
         )
 
     def __call__(
