@@ -5,7 +5,10 @@ that are only opened deep inside a run, some after a long compilation. The
 command line calls :func:`check_input_files` first, so that a missing,
 unreadable or malformed file is one :class:`~jaxmoe.config.ConfigError` line
 within seconds. The checks read the files rather than trust their names; the
-configuration itself does no I/O (it is built and compared in many places).
+configuration itself does no I/O (it is built and compared in many places). A ``.bin``
+corpus is checked through its sidecar (:mod:`jaxmoe.data.corpus`: dtype, size, the
+tokenizer's vocabulary against ``model.vocab_size``, the end-of-document id that
+``data.mask_across_documents`` needs) without reading its ids.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from jaxmoe import exit_codes
 from jaxmoe.cli import (
+    data_command,
     link_curves_command,
     plan_command,
     schedule_command,
@@ -27,6 +28,7 @@ COMMANDS = {
     "schedule": schedule_command.run,
     "plan": plan_command.run,
     "link-curves": link_curves_command.run,
+    "data": data_command.run,
 }
 
 
@@ -83,6 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parse(argv)
         if args.command == "launch":
             return _launch(args)
+        if args.command == "data":  # no run configuration, no devices
+            return COMMANDS["data"](None, args)
         config = resolve_config(args)
         if args.command == "plan":  # traces on an abstract mesh: no devices needed
             return COMMANDS["plan"](config, args)

@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 
 import scheduling.names
 from jaxmoe import exit_codes
+from jaxmoe.cli import data_command
 from jaxmoe.config import Config, ConfigError
 from jaxmoe.config.schedule import RENAMED_TRAIN_FIELDS
 from jaxmoe.presets import PRESETS, preset
@@ -175,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     curves.add_argument("--repeats", type=int, default=5)
     curves.add_argument("--chain", type=int, default=4, help="collectives per timed program")
     add_process_arguments(curves)
+
+    data = commands.add_parser("data", help="tokenize text, JSON lines or Parquet into a corpus")
+    data_command.add_arguments(data)
     return parser
 
 

@@ -3,7 +3,10 @@
 The default corpus is real text that every Python install carries: the source
 files of the standard library, read in sorted path order, as bytes (the
 token ids are byte values, vocabulary 256). ``DataConfig.path`` takes a text
-file (bytes again) or a ``.bin`` (any case) of little-endian uint16 token ids.
+file (bytes again) or a ``.bin`` (any case) of little-endian token ids: with a
+sidecar ``NAME.json`` (what ``jaxmoe data`` writes, :mod:`jaxmoe.data.corpus`) in the
+sidecar's dtype (uint16 or uint32), its vocabulary and end-of-document id known;
+without one, uint16 ids. A ``.bin`` is memory-mapped, not read whole.
 :func:`load_splits` reads and checks it all, so that a bad file is refused
 before anything compiles.
 
@@ -16,6 +19,7 @@ only its own rows.
 from __future__ import annotations
 
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -23,6 +27,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jaxmoe.config import Config, ConfigError, DataConfig
+from jaxmoe.data.corpus import CorpusInfo, read_info
 from jaxmoe.parallel.mesh import token_spec
 
 
@@ -48,39 +53,86 @@ def _read_stdlib(max_bytes: int | None) -> np.ndarray:
     return np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8)
 
 
-def _read_file(data: DataConfig) -> bytes:
-    """The bytes of ``data.path``; ConfigError saying why when it cannot be read."""
+def _check_file(data: DataConfig) -> Path:
+    """``data.path``, a file; ConfigError saying why not."""
     path = Path(data.path)
     where = f"data.path={data.path!r}"
     if path.is_dir():
         raise ConfigError(f"{where} is a directory; give a text file or a .bin of token ids")
     if not path.exists():
         raise ConfigError(f"{where}: no such file; give a text file or a .bin of token ids")
+    return path
+
+
+def _cannot_read(data: DataConfig, error: OSError) -> ConfigError:
+    return ConfigError(f"data.path={data.path!r}: cannot read it ({error.strerror or error})")
+
+
+def _read_file(data: DataConfig) -> bytes:
+    """The bytes of ``data.path``; ConfigError saying why when it cannot be read."""
+    path = _check_file(data)
     try:
         return path.read_bytes()
     except OSError as error:
-        raise ConfigError(f"{where}: cannot read it ({error.strerror or error})") from None
+        raise _cannot_read(data, error) from None
+
+
+def _map_ids(data: DataConfig, path: Path, dtype: str) -> np.ndarray:
+    """The ids of a ``.bin``, memory-mapped read-only (an empty file: no ids)."""
+    try:
+        if path.stat().st_size == 0:
+            return np.zeros(0, dtype=dtype)
+        return np.memmap(path, dtype=dtype, mode="r")
+    except OSError as error:
+        raise _cannot_read(data, error) from None
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """The token ids of a corpus, and its sidecar's description when it has one."""
+
+    tokens: np.ndarray
+    info: CorpusInfo | None = None
+
+
+def load_corpus(data: DataConfig) -> Corpus:
+    """The corpus of ``data``: a 1-D array of ids (uint16, or the sidecar's dtype)."""
+    if data.path is None:
+        return Corpus(_read_stdlib(data.max_bytes).astype(np.uint16))
+    path = _check_file(data)
+    if path.suffix.lower() != ".bin":
+        return Corpus(np.frombuffer(_read_file(data), dtype=np.uint8).astype(np.uint16))
+    info = read_info(path, f"data.path={data.path!r}")
+    if info is not None:
+        return Corpus(_map_ids(data, path, info.numpy_dtype), info)
+    try:
+        size = path.stat().st_size
+    except OSError as error:
+        raise _cannot_read(data, error) from None
+    if size % 2:
+        raise ConfigError(
+            f"data.path={data.path!r}: a .bin must hold uint16 token ids (even byte count)"
+        )
+    return Corpus(_map_ids(data, path, "<u2"))
 
 
 def load_tokens(data: DataConfig) -> np.ndarray:
-    """All token ids of the corpus as a 1-D ``uint16`` array."""
-    if data.path is None:
-        return _read_stdlib(data.max_bytes).astype(np.uint16)
-    content = _read_file(data)
-    if Path(data.path).suffix.lower() == ".bin":
-        if len(content) % 2:
-            raise ConfigError(
-                f"data.path={data.path!r}: a .bin must hold uint16 token ids (even byte count)"
-            )
-        return np.frombuffer(content, dtype="<u2")
-    return np.frombuffer(content, dtype=np.uint8).astype(np.uint16)
+    """All token ids of the corpus as a 1-D array (uint16, or uint32 as its sidecar says)."""
+    return load_corpus(data).tokens
 
 
 class TokenSplits:
     """The corpus split into a training head and a validation tail."""
 
-    def __init__(self, tokens: np.ndarray, val_fraction: float, seq_len: int):
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        val_fraction: float,
+        seq_len: int,
+        info: CorpusInfo | None = None,
+    ):
         self.seq_len = seq_len
+        self.info = info
         split = int(len(tokens) * (1 - val_fraction))
         self.train, self.val = tokens[:split], tokens[split:]
         for name, part in (("training", self.train), ("validation", self.val)):
@@ -94,18 +146,40 @@ class TokenSplits:
     def max_token_id(self) -> int:
         return int(max(self.train.max(), self.val.max()))
 
+    @property
+    def eod_id(self) -> int | None:
+        """The end-of-document id (from the corpus's sidecar), None when there is none."""
+        return None if self.info is None else self.info.eod_id
+
 
 def load_splits(config: Config) -> TokenSplits:
     """The corpus of ``config``, split, with every token id inside the vocabulary.
 
-    Raises ConfigError for a file that cannot be read, a malformed ``.bin``, too little
-    data for one sequence in either split, or a token id the model cannot embed.
+    Raises ConfigError for a file that cannot be read, a malformed ``.bin`` or sidecar,
+    too little data for one sequence in either split, a token id (or, with a sidecar, a
+    tokenizer's vocabulary) the model cannot embed, or ``data.mask_across_documents``
+    without an end-of-document id.
     """
-    splits = TokenSplits(load_tokens(config.data), config.data.val_fraction, config.model.seq_len)
-    if splits.max_token_id >= config.model.vocab_size:
+    data, vocab = config.data, config.model.vocab_size
+    corpus = load_corpus(data)
+    splits = TokenSplits(corpus.tokens, data.val_fraction, config.model.seq_len, corpus.info)
+    if corpus.info is not None:  # the sidecar's vocabulary bounds every id: no scan
+        if corpus.info.vocab_size > vocab:
+            raise ConfigError(
+                f"model.vocab_size={vocab}, but the tokenizer of data.path={data.path!r} has "
+                f"{corpus.info.vocab_size} tokens: use --model.vocab_size "
+                f"{corpus.info.vocab_size} or more"
+            )
+    elif splits.max_token_id >= vocab:
         raise ConfigError(
-            f"model.vocab_size={config.model.vocab_size}, but the data holds token id "
+            f"model.vocab_size={vocab}, but the data holds token id "
             f"{splits.max_token_id}: use a vocabulary of at least {splits.max_token_id + 1}"
+        )
+    if data.mask_across_documents and splits.eod_id is None:
+        raise ConfigError(
+            f"data.mask_across_documents=True, but data.path={data.path!r} has no "
+            "end-of-document id (only a .bin with the sidecar that `jaxmoe data` writes has "
+            "one): make the corpus with jaxmoe data, or leave the flag out"
         )
     return splits
 

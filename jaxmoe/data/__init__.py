@@ -1,0 +1,12 @@
+"""Token corpora: the files ``jaxmoe data`` writes and the document structure of a batch.
+
+- :mod:`jaxmoe.data.corpus`: ``NAME.bin`` (little-endian token ids) and its sidecar
+  ``NAME.json`` (dtype, vocabulary, end-of-document id, tokenizer, counts); no JAX.
+- :mod:`jaxmoe.data.sources`: documents read from text, JSON lines and Parquet files.
+- :mod:`jaxmoe.data.build`: a Hugging Face ``tokenizers`` tokenizer (given or trained on
+  the inputs) and the corpus written with it.
+- :mod:`jaxmoe.data.documents`: from a batch of token rows and the end-of-document id,
+  the loss mask, segment ids and per-document positions (JAX, pure).
+
+Importing this package imports none of them.
+"""
