@@ -11,8 +11,9 @@ all-to-all time and the part of it the compute stream still waits for.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
+
+from experiments.shared.results_file import command_line
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -22,17 +23,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--schedules", default="async,dw,partition,lancet")
     args = parser.parse_args(argv)
 
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     import dataclasses
 
-    from jaxmoe.parallel.mesh import build_mesh
+    from jaxmoe.parallel.distributed import DistributedConfig
+    from jaxmoe.prepare import start_process
     from jaxmoe.presets import preset
     from jaxmoe.train.scheduled import plan_train_step
 
-    config = preset(args.preset)
-    mesh = build_mesh(config.parallel)
-    command = "python -m experiments.backward_overlap " + " ".join(argv or sys.argv[1:])
-    print(f"Command: `{command.strip()}`\n")
+    prepared = start_process(preset(args.preset), DistributedConfig())
+    config, mesh = prepared.config, prepared.mesh
+    command = command_line("experiments.backward_overlap", sys.argv[1:] if argv is None else argv)
+    print(f"Command: `{command}`\n")
     print("| schedule | phase | all-to-all (us) | exposed (us) | exposed share |")
     print("|---|---|---|---|---|")
     for schedule in args.schedules.split(","):

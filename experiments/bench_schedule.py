@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from experiments.shared.results_file import command_line
+
 RESULTS = Path(__file__).parent / "results" / "bench_schedule.md"
 
 
@@ -27,20 +29,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
 
-    from jaxmoe.parallel.host_devices import ensure_host_devices
+    from jaxmoe.parallel.distributed import DistributedConfig
+    from jaxmoe.prepare import start_process
     from jaxmoe.presets import preset
 
-    config = preset(args.preset)
-    ensure_host_devices(config.parallel.num_devices)
+    prepared = start_process(preset(args.preset), DistributedConfig())
+    config, mesh = prepared.config, prepared.mesh
 
     import jax
 
     import scheduling
-    from jaxmoe.parallel.mesh import build_mesh
     from jaxmoe.train.scheduled import abstract_step_args, capture_train_step
     from scheduling import batch_inputs, build_report, cost_model, emit, plan
 
-    mesh = build_mesh(config.parallel)
     example = abstract_step_args(config, mesh)
     policy = scheduling.SchedulePolicy(name=args.schedule, profile=config.schedule.profile)
 
@@ -62,11 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(timings.values())
 
     model = config.model
-    command = "python -m experiments.bench_schedule " + " ".join(argv or sys.argv[1:])
+    command = command_line("experiments.bench_schedule", sys.argv[1:] if argv is None else argv)
     lines = [
         "# Scheduling-layer time on a whole train step",
         "",
-        f"Command: `{command.strip()}`",
+        f"Command: `{command}`",
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores, jax {jax.__version__}, "
         f"{jax.device_count()} {jax.devices()[0].platform} devices.",

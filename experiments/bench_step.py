@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from experiments.shared.results_file import command_line
+
 RESULTS = Path(__file__).parent / "results" / "bench_step.md"
 
 
@@ -29,20 +31,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
 
-    from jaxmoe.parallel.host_devices import ensure_host_devices
+    from jaxmoe.parallel.distributed import DistributedConfig
+    from jaxmoe.prepare import start_process
     from jaxmoe.presets import preset
 
-    config = preset(args.preset)
-    ensure_host_devices(config.parallel.num_devices)
+    prepared = start_process(preset(args.preset), DistributedConfig())
+    config, mesh = prepared.config, prepared.mesh
 
     import jax
 
-    from jaxmoe.parallel.mesh import build_mesh
     from jaxmoe.train.data import BatchSampler, TokenSplits, load_tokens, put_on_mesh
     from jaxmoe.train.state import init_train_state
     from jaxmoe.train.step import build_train_step
 
-    mesh = build_mesh(config.parallel)
     splits = TokenSplits(load_tokens(config.data), config.data.val_fraction, config.model.seq_len)
     sampler = BatchSampler(
         splits.train, config.model.seq_len, config.train.batch_size, config.train.seed
@@ -67,13 +68,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{jax.devices()[0].platform} devices, jax {jax.__version__}, Python "
         f"{platform.python_version()}"
     )
-    command = "python -m experiments.bench_step " + " ".join(argv or sys.argv[1:])
+    command = command_line("experiments.bench_step", sys.argv[1:] if argv is None else argv)
     layout = f"data {config.parallel.data} x expert {config.parallel.expert}"
     report = "\n".join(
         [
             "# Train-step throughput",
             "",
-            f"Command: `{command.strip()}`",
+            f"Command: `{command}`",
             "",
             f"Machine: {machine}.",
             "",

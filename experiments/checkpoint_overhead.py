@@ -35,15 +35,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
 
-    from jaxmoe.parallel.host_devices import ensure_host_devices
+    from jaxmoe.parallel.distributed import DistributedConfig
+    from jaxmoe.prepare import start_process
     from jaxmoe.presets import preset
 
-    config = preset(args.preset)
-    ensure_host_devices(config.parallel.num_devices)
+    prepared = start_process(preset(args.preset), DistributedConfig())
+    config = prepared.config
 
     import jax
 
-    from jaxmoe.prepare import prepare_run
     from jaxmoe.train.loop import train
 
     variants = ("no checkpoints", f"every {config.train.checkpoint_every} steps")
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in order:
             with tempfile.TemporaryDirectory() as scratch:
                 out = None if name == variants[0] else Path(scratch) / "run"
-                rows = train(prepare_run(config), out, progress=False)
+                rows = train(prepared, out, progress=False)
                 if out is not None:
                     saves = len(list((out / "checkpoints").iterdir()))
             seconds[name].append(_loop_seconds(rows))

@@ -1,15 +1,15 @@
 """Part (c) of the COMET evaluation: comet on the emulated cluster, measured and predicted.
 
-The regime of ``experiments.overlap_regime`` (``tiny``, top-2, 128 sequences, 2 hosts x 1
-device over a calibrated 50 Mbit/s link, every all-to-all over the socket transport,
-``none`` synchronously on it), with the schedules that (c) compares: ``none``, ``async``
-(nothing placed in the windows), ``expert_pipeline:2`` (the Tutel-style baseline),
-``comet``, ``lancet`` and ``lancet+comet``. One run of ``experiments.simulator_validation``
-measures them side by side (interleaved rounds, the overlap control, the same step on the
-unshaped link, a sweep of the link's collectives) and predicts each schedule from the
-instrument's measured description, as its own planning planned it. Its section, headings
-one level down, is (c)'s body; the lines after it set each schedule's measured speedup
-beside the predicted one.
+The regime of ``experiments.emulation.overlap_regime`` (``tiny``, top-2, 128 sequences,
+2 hosts x 1 device over a calibrated 50 Mbit/s link, every all-to-all over the socket
+transport, ``none`` synchronously on it), with the schedules that (c) compares:
+``none``, ``async`` (nothing placed in the windows), ``expert_pipeline:2`` (the
+Tutel-style baseline), ``comet``, ``lancet`` and ``lancet+comet``. One validation
+(``experiments.simulator_validation.validate``) measures them side by side (interleaved
+rounds, the overlap control, the same step on the unshaped link, a sweep of the link's
+collectives) and predicts each schedule from the instrument's measured description, as
+its own planning planned it. Its section, headings one level down, is (c)'s body; the
+lines after it set each schedule's measured speedup beside the predicted one.
 
 On this instrument a ``chunks`` decomposition's smaller all-to-alls go over the socket
 transport and overlap; a ``rounds`` decomposition's ``ppermute``\\ s are XLA's, which the
@@ -18,13 +18,10 @@ CPU runtime runs where they start, so (c) can only show ``chunks``.
 
 from __future__ import annotations
 
-import json
-import tempfile
 from pathlib import Path
 
-from experiments import overlap_regime as regime
-from experiments import simulator_validation
-from experiments.spread import Spread, round_ratios
+from experiments.shared.spread import Spread, round_ratios
+from experiments.simulator_validation import validate
 
 SCHEDULES = ("none", "async", "expert_pipeline:2", "comet", "lancet", "lancet+comet")
 MEASUREMENTS = Path(__file__).parent / "results" / "simulator_validation" / "50mbit_comet"
@@ -32,24 +29,15 @@ MEASUREMENTS = Path(__file__).parent / "results" / "simulator_validation" / "50m
 
 def section(saved: Path | None = None, keep: Path | None = None, quick: bool = False) -> list[str]:
     """(c): a new cluster run (its measurements kept in ``keep``), or ``saved``'s again."""
-    with tempfile.TemporaryDirectory() as tmp:
-        measured_dir = saved or keep or Path(tmp) / "measured"
-        out, predicted = Path(tmp) / "section.md", Path(tmp) / "predicted.json"
-        argv = ["--schedules", ",".join(SCHEDULES), "--out", str(out)]
-        argv += ["--from" if saved else "--keep", str(measured_dir)]
-        argv += ["--save-predicted", str(predicted), *(["--quick"] if quick else [])]
-        if simulator_validation.main(argv) != 0:
-            raise RuntimeError("the emulated-cluster run failed (see its output above)")
-        body = out.read_text().splitlines()
-        measured = json.loads((measured_dir / f"cluster-{regime.PRESET}.json").read_text())
-        predictions = json.loads(predicted.read_text())
+    validation = validate(SCHEDULES, source=saved, keep=keep, quick=quick)
+    body = "\n".join(validation.section()).splitlines()
     lines = ["#" + line if line.startswith("#") else line for line in body]
     return [
         *lines,
         "",
-        *comparison(measured, predictions),
+        *comparison(validation.measured, validation.predicted),
         "",
-        *composition(measured, predictions),
+        *composition(validation.measured, validation.predicted),
         "",
         WHY,
         "",

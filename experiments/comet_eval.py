@@ -26,16 +26,12 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shlex
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from experiments import comet_cluster
-from experiments.results_file import kept_section
+from experiments.shared.device_process import call_with_devices
+from experiments.shared.results_file import command_line, kept_section
 
 RESULTS = Path(__file__).parent / "results"
 LAYER_PROFILES = ("a100-8x-nvlink-400g", "h100-8x-nvlink-3200g")
@@ -240,29 +236,22 @@ def _targets(layers: list[dict], steps: list[dict]) -> list[str]:
     return lines
 
 
-def _in_workers(kind: str, gpu_counts: tuple[int, ...], extra: list[str]) -> list[dict]:
-    rows: list[dict] = []
-    for gpus in gpu_counts:
-        with tempfile.TemporaryDirectory() as tmp:
-            rows_path = Path(tmp) / "rows.json"
-            env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={gpus}"}
-            worker = [sys.executable, "-m", "experiments.comet_eval", f"--{kind}", str(gpus)]
-            worker += ["--rows", str(rows_path), *extra]
-            subprocess.run(worker, env=env, check=True)
-            rows += json.loads(rows_path.read_text())
-    return rows
-
-
 def _simulated(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """Sections (a) and (b), and the targets read off them."""
     from experiments.lancet_eval import MODELS
 
-    quick = ["--quick"] if args.quick else []
-    layers = _in_workers("layers", (8,) if args.quick else (8, 16), quick)
+    # One process per device count: XLA reads it once, at start.
+    layers = [
+        row
+        for gpus in ((8,) if args.quick else (8, 16))
+        for row in call_with_devices(gpus, simulate_layers, gpus, args.quick)
+    ]
     models = list(MODELS)[:1] if args.quick else list(MODELS)
     models = args.step_models.split(";") if args.step_models else models
     gpu_counts = (16,) if args.quick else tuple(int(g) for g in args.step_gpus.split(","))
-    steps = _in_workers("steps", gpu_counts, ["--models", ";".join(models)])
+    steps = [
+        row for gpus in gpu_counts for row in call_with_devices(gpus, simulate_steps, gpus, models)
+    ]
     simulated = [
         "## (a) One MoE layer, forward and backward",
         "",
@@ -325,17 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         help="(c) predicted again from this saved run's measurements, without the cluster "
         f"(the committed run: {comet_cluster.MEASUREMENTS.relative_to(RESULTS.parent.parent)})",
     )
-    parser.add_argument("--layers", type=int, help=argparse.SUPPRESS)  # worker: GPUs
-    parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)  # worker: GPUs
-    parser.add_argument("--models", help=argparse.SUPPRESS)
-    parser.add_argument("--rows", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.layers:  # one process per device count: XLA reads it once, at start
-        args.rows.write_text(json.dumps(simulate_layers(args.layers, args.quick)))
-        return 0
-    if args.steps:
-        args.rows.write_text(json.dumps(simulate_steps(args.steps, args.models.split(";"))))
-        return 0
     if args.cluster_from is not None and not args.cluster_from.is_dir():
         parser.error(f"--cluster-from {args.cluster_from}: no such directory")
 
@@ -356,11 +335,11 @@ def main(argv: list[str] | None = None) -> int:
                 quick=args.quick,
             ),
         ]
-    command = "python -m experiments.comet_eval " + shlex.join(argv or sys.argv[1:])
+    command = command_line("experiments.comet_eval", sys.argv[1:] if argv is None else argv)
     sections = [
         "# COMET evaluation",
         "",
-        f"Command: `{command.strip()}`",
+        f"Command: `{command}`",
         "",
         "Instrument: the simulator (analytic cost model and two-stream timeline) for (a) and",
         "(b); the emulated cluster, measured, beside the simulator's prediction of it, for (c).",

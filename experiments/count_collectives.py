@@ -22,15 +22,15 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parser.parse_known_args(argv)
 
     from jaxmoe.cli.parser import config_from_train_args
-    from jaxmoe.parallel.host_devices import ensure_host_devices
+    from jaxmoe.parallel.distributed import DistributedConfig
+    from jaxmoe.prepare import start_process
 
     config = config_from_train_args(["--preset", args.preset, *overrides])
-    ensure_host_devices(config.parallel.num_devices)
+    prepared = start_process(config, DistributedConfig())
+    config, mesh = prepared.config, prepared.mesh
 
-    from jaxmoe.parallel.mesh import build_mesh
     from jaxmoe.train.scheduled import plan_train_step
 
-    mesh = build_mesh(config.parallel)
     print("| schedule | all-reduce | all-to-all |\n|---|---|---|")
     for schedule in args.schedules.split(","):
         scheduled = dataclasses.replace(

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from experiments.shared.results_file import command_line
 
 RESULTS = Path(__file__).parent / "results"
 DEVICES = 8
@@ -262,20 +263,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--out", type=Path, default=RESULTS / "folding_eval.md")
     args = parser.parse_args(argv)
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={DEVICES}"
+    from jaxmoe.parallel.host_devices import ensure_host_devices
+
+    ensure_host_devices(DEVICES)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    command = "python -m experiments.folding_eval " + shlex.join(
-        sys.argv[1:] if argv is None else argv
-    )
+    command = command_line("experiments.folding_eval", sys.argv[1:] if argv is None else argv)
     config = eval_config(steps=args.steps)
     candidates = ordered_layouts(config)
     chosen = candidates[:1] + candidates[1 + args.skip :]
     chosen = chosen[: args.limit] if args.limit else chosen
 
     def write(comparisons: list[Comparison]) -> None:
-        args.out.write_text(report(comparisons, len(candidates), args.steps, command.strip()))
+        args.out.write_text(report(comparisons, len(candidates), args.steps, command))
 
     evaluate(config, chosen, args.steps, write)
 

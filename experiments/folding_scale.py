@@ -15,7 +15,6 @@ of them. Deep models are estimated from one- and two-layer traces
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -31,6 +30,7 @@ from experiments.folding_models import (
     planned_config,
     reuses_attention_layout,
 )
+from experiments.shared.results_file import command_line
 
 RESULTS = Path(__file__).parent / "results"
 PROFILE = "h100-8x-nvlink-3200g"
@@ -162,9 +162,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             planned_config(model, devices, **fields)
     if not args.out.parent.is_dir():
         parser.error(f"--out: {args.out.parent} is not a directory")
-    command = "python -m experiments.folding_scale " + shlex.join(
-        sys.argv[1:] if argv is None else argv
-    )
+    command = command_line("experiments.folding_scale", sys.argv[1:] if argv is None else argv)
     rows = []
     for model in models:
         for devices in device_counts:
@@ -190,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     ),
                 }
             )
-            args.out.write_text(report(rows, command.strip(), schedules, fields))
+            args.out.write_text(report(rows, command, schedules, fields))
 
 
 if __name__ == "__main__":

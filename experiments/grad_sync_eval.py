@@ -2,13 +2,13 @@
 
     sudo .venv/bin/python -m experiments.grad_sync_eval [--links 50,300,1000] [--repeats 2]
 
-On the emulated cluster (``experiments.cluster``, ``experiments.netns``), each link
-calibrated first (``experiments.link_calibration``; refused if it fails): 2 hosts x 4
+On the emulated cluster (``experiments.emulation``), each link calibrated first
+(``experiments.emulation.link_calibration``; refused if it fails): 2 hosts x 4
 fake devices, layout data 2 x expert 4 (each expert group inside one host, so the link
 between hosts carries the data-parallel gradient synchronisation and the metric
 reductions). For each link speed, every algorithm trains the same run side by side,
 repeated in rotated order, all from one start of the host processes per link
-(``experiments.grad_sync_runner``). Per run it records the step times, the loss curve,
+(``experiments.emulation.grad_sync_runs``). Per run it records the step times, the loss curve,
 and the bytes the hosts sent over the link (the ``eth0`` transmit counter of each host's
 namespace, read before and after the run: compilation, the final validation pass and the
 coordination service's heartbeats included, so per step they are a slight upper bound).
@@ -23,21 +23,20 @@ set beside the measured winner. Writes ``experiments/results/grad_sync_eval.md``
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
+import dataclasses
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from experiments.cluster import Cluster
+from experiments.emulation.grad_sync_runs import run_grad_sync
+from experiments.emulation.hosts import EmulatedHosts, machine
+from experiments.emulation.link_calibration import LinkNotCalibrated, calibrated_network
+from experiments.emulation.network import LinkShape, namespaces_available
 from experiments.grad_sync_report import write_report
-from experiments.link_calibration import calibrate_link, ensure_calibrated
-from experiments.netns import EmulatedNetwork, LinkShape, namespaces_available
+from experiments.shared.results_file import command_line
 from jaxmoe.cli.parser import config_from_train_args
-from jaxmoe.parallel.grad_sync import ALGORITHMS
-from jaxmoe.parallel.host_devices import ensure_host_devices
+from jaxmoe.config.choices import GRAD_SYNCS as ALGORITHMS
 
 HOSTS, DEVICES_PER_HOST = 2, 4
 SMOOTHING = 5  # steps in the loss average that the target is checked against
@@ -56,23 +55,15 @@ def train_args(args: argparse.Namespace, extra: list[str]) -> list[str]:
     ]
 
 
-def measure_link(cluster: Cluster, args, extra, algorithms: list[str], link: float) -> list:
+def measure_link(hosts: EmulatedHosts, args, extra, algorithms: list[str], link: float) -> list:
     """Every algorithm's runs on this link, from one start of the host processes."""
-    config_path = cluster.workdir / "config.json"
-    config = config_from_train_args(train_args(args, extra))
-    config_path.write_text(json.dumps(config.to_dict()))
-    prefix = cluster.workdir / f"{cluster.name}-runs"
-    command = ["--config", str(config_path), "--algorithms", ",".join(algorithms)]
-    command += ["--repeats", str(args.repeats), "--json-prefix", str(prefix)]
-    command += ["--compilation-cache", str(cluster.workdir / "compilation-cache")]
-    cluster.run("runs", command, module="experiments.grad_sync_runner")
-    per_host = [
-        json.loads(prefix.with_name(f"{prefix.name}.{i}.json").read_text()) for i in range(HOSTS)
-    ]
+    config_path = hosts.write_config(config_from_train_args(train_args(args, extra)))
+    cache = hosts.workdir / "compilation-cache"
+    per_host = run_grad_sync(hosts, config_path, algorithms, args.repeats, cache)
     runs = []
     for host_runs in zip(*per_host, strict=True):
-        run = dict(host_runs[0], link_mbit=link)
-        run["link_bytes"] = sum(r["link_bytes"] for r in host_runs)  # sent by every host
+        run = dict(dataclasses.asdict(host_runs[0]), link_mbit=link)
+        run["link_bytes"] = sum(r.link_bytes for r in host_runs)  # sent by every host
         runs.append(run)
         print(
             f"{link:g} Mbit/s {run['algorithm']} #{run['repeat']}: median step "
@@ -85,7 +76,8 @@ def measure_link(cluster: Cluster, args, extra, algorithms: list[str], link: flo
 
 
 def auto_choice(args, extra, link: float) -> dict:
-    """What ``--train.grad_sync auto`` picks when told this link (estimates included)."""
+    """What ``--train.grad_sync auto`` picks when told this link (estimates included);
+    run in a process with the cluster's devices (``main``: ``ensure_host_devices``)."""
     from jaxmoe.parallel.mesh import build_mesh
     from jaxmoe.plan.grad_sync_choice import choose_grad_sync
 
@@ -135,11 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     if not available:
         print(f"grad_sync_eval: cannot create network namespaces: {reason}", file=sys.stderr)
         return 2
+    from jaxmoe.parallel.host_devices import ensure_host_devices
+
     ensure_host_devices(HOSTS * DEVICES_PER_HOST)  # for auto's estimates, in this process
-    argv_text = " ".join(sys.argv[1:] if argv is None else argv)
+    command = command_line("experiments.grad_sync_eval", sys.argv[1:] if argv is None else argv)
     result = {
-        "command": f"sudo .venv/bin/python -m experiments.grad_sync_eval {argv_text}".strip(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores",
+        "command": f"sudo .venv/bin/{command}",
+        "machine": machine(),
         "hosts": HOSTS,
         "devices_per_host": DEVICES_PER_HOST,
         "link_calibration": {},
@@ -156,13 +150,15 @@ def main(argv: list[str] | None = None) -> int:
             choice = auto_choice(args, extra, link)
             result["auto"][f"{link:g}"] = choice
             print(f"{link:g} Mbit/s: auto -> {choice['chosen']}", flush=True)
-            with EmulatedNetwork(HOSTS, LinkShape(rate_mbit=link)) as network:
-                calibration = calibrate_link(network)
-                result["link_calibration"][f"{link:g}"] = calibration.to_dict()
-                if not ensure_calibrated(calibration, allow_uncalibrated=args.allow_uncalibrated):
-                    return 1
-                cluster = Cluster(network, Path(tmp), f"{link:g}mbit")
-                result["runs"] += measure_link(cluster, args, extra, algorithms, link)
+            try:
+                with calibrated_network(
+                    HOSTS, LinkShape(rate_mbit=link), allow_uncalibrated=args.allow_uncalibrated
+                ) as (network, calibration):
+                    result["link_calibration"][f"{link:g}"] = calibration.to_dict()
+                    hosts = EmulatedHosts(network, Path(tmp), f"{link:g}mbit")
+                    result["runs"] += measure_link(hosts, args, extra, algorithms, link)
+            except LinkNotCalibrated:
+                return 1
             if not args.quick:  # the links measured so far, in case a later one fails
                 write_report(result, args.out)
     text = write_report(result, None if args.quick else args.out)

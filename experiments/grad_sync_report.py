@@ -94,7 +94,7 @@ def format_markdown(result: dict, table: dict[str, dict[str, dict]]) -> str:
         "data-parallel gradient synchronisation), preset tiny, batch "
         f"{config['train']['batch_size']}, {result['steps']} steps per run, links shaped with "
         "`tc tbf`.",
-        "Link calibration (`experiments.link_calibration`, run before each link's "
+        "Link calibration (`experiments.emulation.link_calibration`, run before each link's "
         "measurements): "
         + "; ".join(
             f"{link} Mbit/s: a {c['message_bytes'] / 2**20:.2f} MiB message at "

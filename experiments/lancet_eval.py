@@ -1,12 +1,13 @@
 """The Lancet evaluation, reproduced: emulated cluster at laptop scale, simulator at paper scale.
 
-(a) Emulated cluster (real steps), in the regime of ``experiments.overlap_regime``:
+(a) Emulated cluster (real steps), in the regime of ``experiments.emulation.overlap_regime``:
     ``tiny`` with top-2 and 128 sequences per step on 2 hosts x 1 device over a
     calibrated 50 Mbit/s link, every all-to-all over the socket transport (``none``
     synchronously), with the overlap control beside the schedules. Schedules ``none``,
     ``async`` (the Tutel-style baseline at degree 1), ``partition`` and ``lancet``, in
     interleaved rounds; one run per rate of ``--links`` (default 50), or ``--cluster-json
-    FILE`` (repeatable) takes saved runs of that regime (``experiments.cluster --json``).
+    FILE`` (repeatable) takes saved runs of that regime (``experiments.cluster --json``,
+    ``experiments.simulator_validation --keep``).
 (b) Simulator (cost model and two-stream timeline): Lancet's GPT-2 MoE, 12 layers of
     width 768 and 24 of width 1024, 16 heads, sequence 512, MoE every second layer,
     experts = 2 x GPUs, capacity factor 1.0, top-1, 8 sequences per GPU, on 16 and 32
@@ -33,13 +34,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-from experiments.results_file import kept_section
+from experiments.shared.device_process import call_with_devices
+from experiments.shared.results_file import command_line, kept_section
 
 RESULTS = Path(__file__).parent / "results"
 PROFILES = ("a100-8x-nvlink-400g", "v100-8x-nvlink-100g")
@@ -78,7 +77,8 @@ def paper_config(layers: int, width: int, gpus: int):
 
 
 def simulate(gpus: int, models: list[str]) -> list[dict]:
-    """Rows of (b) for ``gpus`` devices; runs in a process with that many fake devices."""
+    """Rows of (b) for ``gpus`` devices; runs in a process with that many fake devices
+    (``call_with_devices``)."""
     from jaxmoe.parallel.mesh import build_mesh
     from jaxmoe.train.scheduled import capture_train_step
     from scheduling import SchedulePolicy, batch_inputs, build_report, cost_model, plan
@@ -120,20 +120,15 @@ def cluster(quick: bool, link_mbit: float, saved: Path | None = None) -> list[st
     """One part of section (a): an emulated-cluster run of the regime on a ``link_mbit``
     link (or a saved run), its table with per-round speedups over ``none``, its calibration
     and its control."""
-    from experiments import cluster as emulated
-    from experiments import overlap_regime as regime
+    from experiments.emulation import overlap_regime as regime
+    from experiments.emulation.schedule_runs import format_table, measure_schedules
 
     if saved is None:
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "cluster.json"
-            argv = regime.cluster_argv(out, link_mbit=link_mbit, quick=quick)
-            if emulated.main(argv) != 0:
-                raise RuntimeError("the emulated-cluster run failed (see its output above)")
-            report = json.loads(out.read_text())
-        command = report["command"].replace(str(out), "cluster.json")
+        request = regime.request(link_mbit=link_mbit, quick=quick)
+        report = measure_schedules(request, request.command("cluster.json")).to_json()
     else:
         report = json.loads(saved.read_text())
-        command = report["command"]
+    command = report["command"]
     shaped_only = " (shaped link only)" if "--shaped-only" in command else ""
     return [
         f"### {regime.label(report['link_mbit'])}{shaped_only}",
@@ -142,7 +137,7 @@ def cluster(quick: bool, link_mbit: float, saved: Path | None = None) -> list[st
         "",
         regime.summary(report),
         "",
-        emulated.format_table(report),
+        format_table(report),
         "",
     ]
 
@@ -233,21 +228,13 @@ def main(argv: list[str] | None = None) -> int:
         help="(a) from this saved run of the regime (cluster --json); may be repeated",
     )
     parser.add_argument("--out", type=Path, default=RESULTS / "lancet_eval.md")
-    parser.add_argument("--simulate", type=int, help=argparse.SUPPRESS)  # worker: GPUs
-    parser.add_argument("--models", help=argparse.SUPPRESS)
-    parser.add_argument("--rows", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
-    if args.simulate:  # one process per device count: XLA reads it once, at start
-        rows = simulate(args.simulate, args.models.split(";"))
-        args.rows.write_text(json.dumps(rows))
-        return 0
-
-    command = "python -m experiments.lancet_eval " + " ".join(argv or sys.argv[1:])
+    command = command_line("experiments.lancet_eval", sys.argv[1:] if argv is None else argv)
     sections = [
         "# Lancet evaluation",
         "",
-        f"Command: `{command.strip()}`",
+        f"Command: `{command}`",
         "",
         "(a) is measured on the emulated cluster, (b) is the simulator. Exposed communication",
         "is step minus the same step on an unshaped link in (a), the time the compute stream",
@@ -267,8 +254,13 @@ def main(argv: list[str] | None = None) -> int:
             for saved in args.cluster_json:
                 sections += cluster(args.quick, float("nan"), saved)
         else:
-            for link in args.links.split(","):
-                sections += cluster(args.quick, float(link))
+            from experiments.emulation.link_calibration import LinkNotCalibrated
+
+            try:
+                for link in args.links.split(","):
+                    sections += cluster(args.quick, float(link))
+            except LinkNotCalibrated:
+                return 2
     else:
         sections += kept_section(args.out, "## (a)", "## (b)", "--skip-cluster")
     if args.skip_simulator:
@@ -278,15 +270,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     gpu_counts = (16,) if args.quick else (16, 32)
     models = list(MODELS)[:1] if args.quick else list(MODELS)
-    simulated: list[dict] = []
-    for gpus in gpu_counts:
-        with tempfile.TemporaryDirectory() as tmp:
-            rows_path = Path(tmp) / "rows.json"
-            env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={gpus}"}
-            worker = [sys.executable, "-m", "experiments.lancet_eval", "--simulate", str(gpus)]
-            worker += ["--models", ";".join(models), "--rows", str(rows_path)]
-            subprocess.run(worker, env=env, check=True)
-            simulated += json.loads(rows_path.read_text())
+    # One process per device count: XLA reads it once, at start.
+    simulated = [
+        row for gpus in gpu_counts for row in call_with_devices(gpus, simulate, gpus, models)
+    ]
     sections += ["## (b) Simulator at paper scale", "", *_table(simulated), ""]
     chosen = sorted({(r["config"], r["schedule"], tuple(r["partitions"])) for r in simulated})
     sections += ["Partitioned ranges chosen (chunks per range):", ""]

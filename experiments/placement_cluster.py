@@ -9,7 +9,7 @@ The issue's step-time comparison of ``experiments.placement_eval``, on real step
 processes: each host is a network namespace running one process, the hosts joined by a
 calibrated shaped link (``experiments.cluster``'s instrument: the run is refused unless
 the link passes calibration, ``--allow-uncalibrated`` aside). On every host
-``experiments.placement_rounds`` runs the three variants (no replicas, static, dynamic) in
+``experiments.emulation.placement_rounds`` runs the three variants (no replicas, static, dynamic) in
 interleaved rounds at equal per-device buffers; the same rounds run again on the unshaped
 link (compute-only) unless ``--shaped-only``. Defaults: ``tiny`` with 2 replica slots per
 device and re-planning after every step, as ``placement_eval`` trains it, on 2 hosts x 4
@@ -25,11 +25,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-from experiments.hosts import Cluster, check_hosts_fill_layout, machine
-from experiments.link_calibration import calibrate_link, ensure_calibrated
-from experiments.netns import EmulatedNetwork, LinkShape, namespaces_available
-from experiments.placement_rounds import VARIANTS, variant_configs
-from experiments.spread import Spread, round_ratios
+from experiments.emulation.hosts import EmulatedHosts, check_hosts_fill_layout, machine
+from experiments.emulation.link_calibration import LinkNotCalibrated, calibrated_network
+from experiments.emulation.network import EmulatedNetwork, LinkShape, namespaces_available
+from experiments.emulation.placement_rounds import (
+    VARIANTS,
+    run_placement_rounds,
+    variant_configs,
+)
+from experiments.shared.results_file import command_line
+from experiments.shared.spread import Spread, round_ratios
 from jaxmoe.cli.parser import config_from_train_args
 from jaxmoe.config import ConfigError
 
@@ -65,6 +70,7 @@ def _check(args: argparse.Namespace, overrides: list[str]):
     config = config_from_train_args(["--preset", args.preset, *DEFAULT_OVERRIDES, *overrides])
     variant_configs(config)
     check_hosts_fill_layout(config, args.hosts, args.devices_per_host)
+    LinkShape(rate_mbit=args.link_mbit)  # raises ValueError for a bad rate
     if args.repeats < 1 or args.warmup < 0:
         raise ConfigError("--repeats must be at least 1 and --warmup at least 0")
     for path in (args.out, args.json):
@@ -89,31 +95,23 @@ def main(argv: list[str] | None = None) -> int:
     if not available:
         print(f"experiments.placement_cluster: no network namespaces: {reason}", file=sys.stderr)
         return 2
-    command = "python -m experiments.placement_cluster " + " ".join(
-        sys.argv[1:] if argv is None else argv
-    )
-    links = {"shaped": LinkShape(rate_mbit=args.link_mbit), "free": LinkShape(rate_mbit=None)}
+    command = command_line("experiments.placement_cluster", sys.argv[1:] if argv is None else argv)
     measured: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="jaxmoe-placement-") as tmp:
         workdir = Path(tmp)
-        config_path = workdir / "config.json"
-        config_path.write_text(json.dumps(config.to_dict()))
-        for name, link in links.items():
-            if name == "free" and args.shaped_only:
-                continue
-            with EmulatedNetwork(args.hosts, link) as network:
-                if name == "shaped":
-                    calibration = calibrate_link(network)
-                    allowed = args.allow_uncalibrated
-                    if not ensure_calibrated(calibration, allow_uncalibrated=allowed):
-                        return 3
-                out = workdir / f"{name}.json"
-                rounds = ["--config", str(config_path), "--json", str(out)]
-                rounds += ["--rounds", str(args.repeats), "--warmup", str(args.warmup)]
-                Cluster(network, workdir, name).run(
-                    "placement-rounds", rounds, module="experiments.placement_rounds"
-                )
-                measured[name] = json.loads(out.read_text())
+        try:
+            with calibrated_network(
+                args.hosts,
+                LinkShape(rate_mbit=args.link_mbit),
+                allow_uncalibrated=args.allow_uncalibrated,
+            ) as (network, calibration):
+                shaped = EmulatedHosts(network, workdir, "shaped")
+                measured["shaped"] = _rounds(shaped, config, args)
+        except LinkNotCalibrated:
+            return 3
+        if not args.shaped_only:
+            with EmulatedNetwork(args.hosts, LinkShape(rate_mbit=None)) as network:
+                measured["free"] = _rounds(EmulatedHosts(network, workdir, "free"), config, args)
     report = {
         "command": command,
         "machine": machine(),
@@ -132,6 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
     return 0
+
+
+def _rounds(hosts: EmulatedHosts, config, args: argparse.Namespace) -> dict:
+    config_path = hosts.write_config(config)
+    return run_placement_rounds(hosts, config_path, args.repeats, args.warmup).to_json()
 
 
 def report_lines(report: dict) -> list[str]:

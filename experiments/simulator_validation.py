@@ -4,19 +4,21 @@
         [--compute-only-from RUN.json] [--quick] [--keep DIR | --from DIR]
         [--schedules none,async,partition,lancet]
 
-One emulated-cluster run (``experiments.cluster``) measures the instrument in the regime
-of ``experiments.overlap_regime`` (2 hosts x 1 device, ``tiny`` with top-2 and 128
+One emulated-cluster run (``experiments.emulation.schedule_runs``, ``experiments.cluster``'s
+measurement) measures the instrument in the regime of
+``experiments.emulation.overlap_regime`` (2 hosts x 1 device, ``tiny`` with top-2 and 128
 sequences, every all-to-all over the socket transport; a calibrated 50 Mbit/s link unless
 ``--link-mbit`` says otherwise), with the overlap control beside the schedules, the step on
 the unshaped link (compute-only; ``--shaped-only`` skips it and takes it from
 ``--compute-only-from``), and a sweep of the link's collective costs. Then the simulator
 predicts, from the instrument's measured description and in four readings
-(``experiments.instrument_model``), first the control's three forms (with
+(``experiments.emulation.instrument_model``), first the control's three forms (with
 ``lax.all_to_all``, so that the simulator sees the exchanges, in the order their socket
 forms run), set against the measured per-round ratios, then each schedule, planned as the
 run planned it. Writes one section per run to ``--out``; ``--keep DIR`` saves the run's
 measurements (``cluster-tiny.json``, ``curves-tiny.json``), ``--from DIR`` predicts again
-from them without the cluster.
+from them without the cluster. ``validate`` is the whole of it as a function
+(``experiments.comet_cluster`` calls it).
 """
 
 from __future__ import annotations
@@ -24,24 +26,27 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from experiments import instrument_model as model
-from experiments import overlap_regime as regime
-from experiments.spread import Spread, round_ratios
+from experiments.emulation import instrument_model as model
+from experiments.emulation import overlap_regime as regime
+from experiments.emulation.link_calibration import LinkNotCalibrated
+from experiments.emulation.schedule_runs import measure_schedules
+from experiments.shared.device_process import call_with_devices
+from experiments.shared.spread import Spread, round_ratios
 
 RESULTS = Path(__file__).parent / "results"
+OP_COSTS = RESULTS.parent / ".op_costs"
 TOLERANCE = 0.15
 
 
 def _plans(link_mbit: float, cost, schedules: list[str]) -> dict:
     """Each schedule's graph, order and what its planning did (partitioned ranges, MoE
     layers decomposed), planned as the run planned it (its own policy and cost model)."""
-    from experiments.cluster import schedule_flags
+    from experiments.emulation.step_rounds import with_schedule
     from jaxmoe.cli.parser import config_from_train_args
     from jaxmoe.parallel.mesh import build_mesh
     from jaxmoe.train.scheduled import capture_train_step, schedule_policy
@@ -55,7 +60,7 @@ def _plans(link_mbit: float, cost, schedules: list[str]) -> dict:
     batch = batch_inputs(program, sharded.batch_argnums)
     plans = {}
     for schedule in schedules:
-        policy = schedule_policy(config_from_train_args([*argv, *schedule_flags(schedule)]))
+        policy = schedule_policy(with_schedule(config, schedule))
         planned = plan(program, policy, cost_model(policy, mesh), batch)
         ranges = [
             f"ops {c.plan.begin}-{c.plan.end - 1} in {c.plan.n} chunks" for c in planned.partitions
@@ -72,35 +77,39 @@ def _control_plans(mesh, settings: dict) -> dict:
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from experiments.overlap_control import per_device_forms
+    from experiments.emulation.overlap_control import ControlProgram, per_device_forms
     from jaxmoe.parallel.mesh import EXPERT_AXIS
     from scheduling import Graph, capture
 
-    args = argparse.Namespace(**{k: settings[k] for k in ("rows", "width", "layers", "chunks")})
+    program = ControlProgram(
+        "xla", settings["rows"], settings["width"], settings["layers"], settings["chunks"]
+    )
     specs = (PartitionSpec(EXPERT_AXIS), PartitionSpec())
     x = jax.ShapeDtypeStruct(
-        (args.rows * mesh.devices.size, args.width),
+        (program.rows * mesh.devices.size, program.width),
         "float32",
         sharding=NamedSharding(mesh, specs[0]),
     )
     w = jax.ShapeDtypeStruct(
-        (args.width, args.width), "float32", sharding=NamedSharding(mesh, specs[1])
+        (program.width, program.width), "float32", sharding=NamedSharding(mesh, specs[1])
     )
     plans = {}
-    for form, body in per_device_forms(EXPERT_AXIS, args).items():
+    for form, body in per_device_forms(EXPERT_AXIS, program).items():
         program = capture(body, x, w, mesh=mesh, in_specs=specs, out_specs=specs[0])
         graph = Graph(program, split=lambda op: op.primitive == "all_to_all")
         plans[form] = (graph, model.pipelined_order(graph), {"partitions": [], "exchanges": []})
     return plans
 
 
-def predict(measured_path: Path, curves_path: Path, cache: Path, compute_only_s: float) -> dict:
-    """Runs in a process with the cluster's devices (one per host). ``compute_only_s``: the
-    measured step of ``none`` on the unshaped link (for the ``scaled`` reading)."""
+def predict(measured_path: str, curves_path: str, cache: str, compute_only_s: float) -> dict:
+    """Runs in a process with the cluster's devices (one per host: ``call_with_devices``).
+    ``compute_only_s``: the measured step of ``none`` on the unshaped link (for the
+    ``scaled`` reading)."""
     from jaxmoe.cli.parser import config_from_train_args
     from jaxmoe.parallel.mesh import build_mesh
     from scheduling import node_seconds, simulate
 
+    measured_path, curves_path, cache = Path(measured_path), Path(curves_path), Path(cache)
     measured = json.loads(measured_path.read_text())
     link_mbit = measured["link_mbit"]
     config = config_from_train_args(["--preset", regime.PRESET, *regime.train_flags(link_mbit)])
@@ -226,6 +235,93 @@ def compute_only(measured: dict, source: Path | None) -> float:
     raise ValueError("no compute-only step of none: pass --compute-only-from a full run")
 
 
+@dataclass(frozen=True)
+class Validation:
+    """One validation: the cluster run (as saved), the predictions, and the cluster run's
+    command (its files named as in the saved directory)."""
+
+    measured: dict
+    predicted: dict
+    command: str
+
+    def section(self) -> list[str]:
+        """The results file's section of this run."""
+        measured, predicted = self.measured, self.predicted
+        schedules = predicted["schedules"]
+        return [
+            f"## {measured['link_mbit']:g} Mbit/s",
+            "",
+            f"Cluster run: `{self.command}`",
+            "",
+            regime.summary(measured),
+            "",
+            "### The control",
+            "",
+            *control_table(measured["overlap_control"], predicted["control"]),
+            "",
+            "### The schedules",
+            "",
+            f"Compute scale of the `scaled` reading: {predicted['compute_scale']:.3f} (the "
+            "measured compute-only step of `none` over its predicted compute).",
+            "",
+            *schedule_table(measured, schedules),
+            "",
+            *breakdown_table(schedules),
+            "",
+            *(
+                f"Largest error, {READING_NAMES[r]}: {worst_error(measured, schedules, r):.1%} "
+                f"(target {TOLERANCE:.0%})."
+                for r in ("instrument", "scaled")
+            ),
+            "",
+            *_planning_lines(schedules),
+            "",
+        ]
+
+
+def validate(
+    schedules: tuple[str, ...] = regime.SCHEDULES,
+    *,
+    link_mbit: float = regime.LINK_MBIT,
+    quick: bool = False,
+    shaped_only: bool = False,
+    compute_only_from: Path | None = None,
+    source: Path | None = None,
+    keep: Path | None = None,
+) -> Validation:
+    """Measure the schedules on the cluster (saved in ``keep`` when given) or read the run
+    saved in ``source``, then predict them and the control.
+
+    Raises:
+        LinkNotCalibrated, HostRunFailed: the cluster run could not be made.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        saved = source or keep or Path(tmp)
+        saved.mkdir(parents=True, exist_ok=True)
+        measured_path = saved / f"cluster-{regime.PRESET}.json"
+        curves_path = saved / f"curves-{regime.PRESET}.json"
+        if source is None:
+            request = regime.request(
+                link_mbit=link_mbit,
+                quick=quick,
+                shaped_only=shaped_only,
+                schedules=schedules,
+                sweep=curves_path,
+            )
+            # The command as the saved directory names its files.
+            shown = replace(request, sweep=Path(curves_path.name)).command(measured_path.name)
+            measurement = measure_schedules(request, shown)
+            measured_path.write_text(json.dumps(measurement.to_json(), indent=2) + "\n")
+        measured = json.loads(measured_path.read_text())
+        compute = compute_only(measured, compute_only_from)
+        devices = regime.HOSTS * regime.DEVICES_PER_HOST
+        predicted = call_with_devices(
+            devices, predict, str(measured_path), str(curves_path), str(OP_COSTS), compute
+        )
+    command = measured["command"].replace(str(measured_path), measured_path.name)
+    return Validation(measured, predicted, command.replace(str(curves_path), curves_path.name))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds")
@@ -249,80 +345,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", type=Path, help="save the run's measurements here")
     parser.add_argument("--out", type=Path, default=RESULTS / "simulator_validation.md")
     parser.add_argument("--save-predicted", type=Path, help="also write the predictions here")
-    parser.add_argument("--predict", type=Path, help=argparse.SUPPRESS)  # worker: measured
-    parser.add_argument("--curves", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--compute-only-s", type=float, help=argparse.SUPPRESS)
-    parser.add_argument("--rows", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    cache = RESULTS.parent / ".op_costs"
-
-    if args.predict:  # a process with the cluster's devices
-        result = predict(args.predict, args.curves, cache, args.compute_only_s)
-        args.rows.write_text(json.dumps(result))
-        return 0
-
-    with tempfile.TemporaryDirectory() as tmp:
-        saved = args.source or args.keep or Path(tmp)
-        saved.mkdir(parents=True, exist_ok=True)
-        measured_path = saved / f"cluster-{regime.PRESET}.json"
-        curves_path = saved / f"curves-{regime.PRESET}.json"
-        if args.source is None:
-            from experiments import cluster
-
-            cluster_argv = regime.cluster_argv(
-                measured_path,
-                curves_path,
-                link_mbit=args.link_mbit,
-                quick=args.quick,
-                shaped_only=args.shaped_only,
-                schedules=tuple(s for s in args.schedules.split(",") if s),
-            )
-            if cluster.main(cluster_argv) != 0:
-                return 2
-        measured = json.loads(measured_path.read_text())
-        rows_path = Path(tmp) / "predicted.json"
-        devices = regime.HOSTS * regime.DEVICES_PER_HOST
-        env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-        worker = [sys.executable, "-m", "experiments.simulator_validation"]
-        worker += ["--predict", str(measured_path), "--curves", str(curves_path)]
-        worker += ["--compute-only-s", str(compute_only(measured, args.compute_only_from))]
-        worker += ["--rows", str(rows_path)]
-        subprocess.run(worker, env=env, check=True)
-        predicted = json.loads(rows_path.read_text())
-        if args.save_predicted is not None:
-            args.save_predicted.write_text(json.dumps(predicted))
-    shown = measured["command"].replace(str(measured_path), measured_path.name)
-    shown = shown.replace(str(curves_path), curves_path.name)
-    schedules = predicted["schedules"]
-    sections = [
-        f"## {measured['link_mbit']:g} Mbit/s",
-        "",
-        f"Cluster run: `{shown}`",
-        "",
-        regime.summary(measured),
-        "",
-        "### The control",
-        "",
-        *control_table(measured["overlap_control"], predicted["control"]),
-        "",
-        "### The schedules",
-        "",
-        f"Compute scale of the `scaled` reading: {predicted['compute_scale']:.3f} (the measured "
-        "compute-only step of `none` over its predicted compute).",
-        "",
-        *schedule_table(measured, schedules),
-        "",
-        *breakdown_table(schedules),
-        "",
-        *(
-            f"Largest error, {READING_NAMES[r]}: {worst_error(measured, schedules, r):.1%} "
-            f"(target {TOLERANCE:.0%})."
-            for r in ("instrument", "scaled")
-        ),
-        "",
-        *_planning_lines(schedules),
-        "",
-    ]
+    if args.source is not None and not args.source.is_dir():
+        parser.error(f"--from {args.source}: no such directory")
+    try:
+        validation = validate(
+            tuple(s for s in args.schedules.split(",") if s),
+            link_mbit=args.link_mbit,
+            quick=args.quick,
+            shaped_only=args.shaped_only,
+            compute_only_from=args.compute_only_from,
+            source=args.source,
+            keep=args.keep,
+        )
+    except LinkNotCalibrated:
+        return 2
+    if args.save_predicted is not None:
+        args.save_predicted.write_text(json.dumps(validation.predicted))
+    sections = validation.section()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(sections))
     print("\n".join(sections))

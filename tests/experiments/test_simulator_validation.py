@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from experiments import instrument_model, overlap_regime, simulator_validation
+from experiments import simulator_validation
+from experiments.emulation import instrument_model, overlap_regime
 
 
 def _readings(*steps):
@@ -78,18 +79,20 @@ def test_compute_only_comes_from_the_run_or_from_a_full_run_of_the_same_step(tmp
 
 
 def test_the_regime_runs_every_all_to_all_on_sockets_with_none_first(tmp_path: Path):
-    argv = overlap_regime.cluster_argv(tmp_path / "m", tmp_path / "c")
-    flags = dict(zip(argv[::2], argv[1::2], strict=False))
-    assert flags["--schedule.transport"] == "socket"
-    assert flags["--schedules"].split(",")[0] == "none"
-    assert (flags["--hosts"], flags["--devices-per-host"]) == ("2", "1")
-    assert (flags["--parallel.data"], flags["--parallel.expert"]) == ("1", "2")
-    assert flags["--sweep"] == str(tmp_path / "c")
-    assert "--shaped-only" not in argv  # the breakdown needs the step on the unshaped link
-    assert "--shaped-only" in overlap_regime.cluster_argv(tmp_path / "m", quick=True)
-    fast = overlap_regime.cluster_argv(tmp_path / "m", link_mbit=200, shaped_only=True)
-    flags = dict(zip(fast[::2], fast[1::2], strict=False))
-    assert flags["--link-mbit"] == "200" and "--shaped-only" in fast
+    request = overlap_regime.request(sweep=tmp_path / "c")
+    config = request.check()
+    assert config.schedule.transport == "socket"
+    assert request.schedules[0] == "none"
+    assert (request.hosts, request.devices_per_host) == (2, 1)
+    assert (config.parallel.data, config.parallel.expert) == (1, 2)
+    assert request.sweep == tmp_path / "c"
+    assert not request.shaped_only  # the breakdown needs the step on the unshaped link
+    assert request.control  # the control runs beside the schedules
+    quick = overlap_regime.request(quick=True)
+    assert quick.shaped_only and (quick.repeats, quick.warmup) == (3, 1)
+    fast = overlap_regime.request(link_mbit=200, shaped_only=True)
+    assert fast.link_mbit == 200 and fast.shaped_only
+    assert "--link-mbit 200 " in fast.command() and "--schedule.link_mbit 200" in fast.command()
 
 
 def test_summary_gives_calibration_control_and_breakdown():
@@ -121,11 +124,10 @@ def test_summary_gives_calibration_control_and_breakdown():
     assert "unshaped" not in overlap_regime.summary(report)
 
 
-def test_other_schedules_reach_the_cluster_and_their_planning_is_reported(tmp_path: Path):
+def test_other_schedules_reach_the_cluster_and_their_planning_is_reported():
     schedules = ("none", "comet", "lancet+comet")
-    argv = overlap_regime.cluster_argv(tmp_path / "m", schedules=schedules)
-    flags = dict(zip(argv[::2], argv[1::2], strict=False))
-    assert flags["--schedules"] == "none,comet,lancet+comet"
+    request = overlap_regime.request(schedules=schedules)
+    assert "--schedules none,comet,lancet+comet" in request.command()
     planned = {
         "none": {"partitions": [], "exchanges": []},
         "lancet": {"partitions": ["ops 0-9 in 8 chunks"], "exchanges": []},

@@ -1,7 +1,10 @@
 """Training-step times of several schedules, interleaved: compile each once, then run rounds.
 
-    python -m experiments.step_rounds --config CONFIG.json --schedules none,dw --rounds 10 \\
-        --warmup 2 --json OUT.json [--coordinator HOST:PORT --num-processes N --process-id I]
+The host program (run on every emulated host by ``run_step_rounds``)::
+
+    python -m experiments.emulation.step_rounds --config CONFIG.json --schedules none,dw \\
+        --rounds 10 --warmup 2 --json OUT.json [--coordinator HOST:PORT --num-processes N \\
+        --process-id I]
 
 Every schedule's step is compiled once in this process, each with its own train state
 (the same initial state for all). Then each round runs one training step of every
@@ -9,23 +12,44 @@ schedule, in the listed order in even rounds and reversed in odd ones, so that a
 the machine (other work on its cores, a warming cache) falls on every schedule alike and
 a schedule's position in the round does not favour it. All schedules of a round train on
 the same batch. ``--warmup`` rounds run first and are not timed. Process 0 writes, per
-schedule, the seconds of each timed round (index r of every list is round r) and the
-order of every round; ``experiments.cluster`` runs it on each emulated host.
+schedule, the seconds of each timed round (index r of every list is round r), the order
+of every round and each compilation's seconds: a ``StepRounds``.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+from experiments.emulation.host_process import round_order, rounds_parser, start_host, train_batches
+from experiments.emulation.hosts import EmulatedHosts
+
+
+@dataclass(frozen=True)
+class StepRounds:
+    """Per schedule, the seconds of each timed round; the order of each round; per
+    schedule, the seconds its compilation took."""
+
+    seconds: dict[str, tuple[float, ...]]
+    orders: tuple[tuple[str, ...], ...]
+    compile_s: dict[str, float]
+
+    @classmethod
+    def from_json(cls, data: dict) -> StepRounds:
+        return cls(
+            {name: tuple(values) for name, values in data["seconds"].items()},
+            tuple(tuple(order) for order in data["orders"]),
+            dict(data["compile_s"]),
+        )
 
 
 def with_schedule(config, schedule: str):
-    """``config`` with ``schedule.name`` set from a cluster entry ``NAME`` or ``NAME:N``."""
+    """``config`` with its schedule section set from a cluster entry ``NAME`` or ``NAME:N``
+    (N: the chunk count or pipelining degree)."""
     name, _, chunks = schedule.partition(":")
     section = dataclasses.replace(
         config.schedule, name=name, partition_chunks=int(chunks) if chunks else None
@@ -33,44 +57,15 @@ def with_schedule(config, schedule: str):
     return dataclasses.replace(config, schedule=section)
 
 
-def round_order(schedules: list[str], round_index: int) -> list[str]:
-    """The order of a round: as listed in even rounds, reversed in odd ones."""
-    return list(schedules) if round_index % 2 == 0 else list(reversed(schedules))
-
-
-def rounds_parser(description: str) -> argparse.ArgumentParser:
-    """The arguments of a host's rounds: the config, rounds, output, and the process's place
-    in the distributed run (``jaxmoe.cli.launch`` passes those)."""
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--config", type=Path, required=True, help="a resolved config.json")
-    parser.add_argument("--rounds", type=int, default=10, help="timed rounds")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
-    parser.add_argument("--json", type=Path, required=True)
-    parser.add_argument("--coordinator")
-    parser.add_argument("--num-processes", type=int)
-    parser.add_argument("--process-id", type=int)
-    return parser
-
-
-def start_host(args: argparse.Namespace) -> tuple[Any, Any, Any]:
-    """This host's part of the run: ``(config, mesh, batch sampler)``, with its fake devices
-    set and the distributed runtime joined."""
-    from jaxmoe.config import Config
-    from jaxmoe.parallel.distributed import DistributedConfig, initialize
-    from jaxmoe.parallel.host_devices import ensure_host_devices
-
-    config = Config.from_dict(json.loads(args.config.read_text()))
-    distributed = DistributedConfig(args.coordinator, args.num_processes, args.process_id)
-    ensure_host_devices(config.parallel.num_devices // distributed.process_count_hint())
-    initialize(distributed)
-
-    from jaxmoe.parallel.mesh import build_mesh
-    from jaxmoe.train.data import BatchSampler, load_splits
-
-    sampler = BatchSampler(
-        load_splits(config).train, config.model.seq_len, config.train.batch_size, config.train.seed
-    )
-    return config, build_mesh(config.parallel), sampler
+def run_step_rounds(
+    hosts: EmulatedHosts, config_path: Path, schedules: list[str], rounds: int, warmup: int
+) -> StepRounds:
+    """The schedules' training steps in interleaved rounds on every host."""
+    out = hosts.path("rounds.json")
+    args = ["--config", str(config_path), "--schedules", ",".join(schedules)]
+    args += ["--rounds", str(rounds), "--warmup", str(warmup), "--json", str(out)]
+    hosts.run("step-rounds", args, module=__name__)
+    return StepRounds.from_json(json.loads(out.read_text()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schedules", required=True, help="comma-separated NAME or NAME:N")
     args = parser.parse_args(argv)
     schedules = [s for s in args.schedules.split(",") if s]
-    config, mesh, sampler = start_host(args)
+    prepared = start_host(args)
+    config, mesh = prepared.config, prepared.mesh
+    sampler = train_batches(config)
 
     import jax
 

@@ -1,15 +1,18 @@
 """The emulated cluster as the simulator sees it: costs measured on it, and four readings.
 
+``experiments.simulator_validation`` predicts the cluster's steps with it.
+
 Costs (``instrument_cost``), measured, not fitted to steps:
 
 - ops: each distinct op timed on every device of the step's mesh at once in one process
-  (the host processes share the machine's cores; ``scheduling.costs.profiling``); layout ops
+  (the host processes share the machine's cores; ``scheduling.OpProfiler``); layout ops
   are free, elementwise ops cost their memory traffic (XLA fuses them);
 - collectives: an all-to-all over the socket transport, with one device per host, sends
   ``(group - 1) / group`` of its operand out of each host over that host's own shaped link
   (each direction is shaped on its own), so it costs what the link calibration's size
   sweep measured for that many bytes; XLA's collectives (the gradient reductions, over
-  gloo) cost what ``experiments.collective_sweep`` measured on the same link.
+  gloo) cost what ``jaxmoe link-curves`` measured on the same link
+  (``experiments.cluster --sweep``).
 
 Readings of one program and order (``readings``), by the two-stream simulator:
 
@@ -101,10 +104,11 @@ def readings(graph, order: list[int], seconds: Callable, factor: float) -> dict[
 
 
 def pipelined_order(graph) -> list[int]:
-    """The order in which the control's socket forms run (``experiments.overlap_control``):
-    with the all-to-alls' starts S0..Sk-1 in program order, S0 and what it needs, then for
-    each i: S(i+1) and what it needs, the work that became ready at D(i-1), and D(i). A
-    chained form serialises itself: S(i+1) needs D(i)."""
+    """The order in which the control's socket forms run
+    (``experiments.emulation.overlap_control``): with the all-to-alls' starts S0..Sk-1 in
+    program order, S0 and what it needs, then for each i: S(i+1) and what it needs, the
+    work that became ready at D(i-1), and D(i). A chained form serialises itself: S(i+1)
+    needs D(i)."""
     from scheduling import Role
 
     placed: set[int] = set()

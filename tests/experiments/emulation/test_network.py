@@ -1,4 +1,5 @@
-"""Tests for experiments.netns: emulated hosts in network namespaces (needs root + iproute2).
+"""Tests for experiments.emulation.network: emulated hosts in network namespaces (needs
+root and iproute2).
 
 All traffic stays inside the namespaces the tests create; every test removes what it made.
 """
@@ -19,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from experiments import netns
-from experiments.netns import (
+from experiments.emulation import network
+from experiments.emulation.network import (
     EmulatedNetwork,
     LinkShape,
     namespace_exists,
@@ -32,7 +33,7 @@ _AVAILABLE, _REASON = namespaces_available()
 if not _AVAILABLE:
     pytest.skip(_REASON, allow_module_level=True)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 STEP_TIMEOUT_S = 15.0
 
 # Listens on (address, any port), prints the port, then answers one connection: echoes what
@@ -195,13 +196,13 @@ def test_enter_creates_namespaces_with_addresses_and_exit_removes_them() -> None
         assert set(names) <= _listed_namespaces()
         for name, address in zip(net.namespaces, net.host_addresses, strict=True):
             shown = subprocess.run(
-                ["ip", "-n", name, "-4", "-o", "addr", "show", "dev", netns.HOST_INTERFACE],
+                ["ip", "-n", name, "-4", "-o", "addr", "show", "dev", network.HOST_INTERFACE],
                 capture_output=True,
                 text=True,
                 check=True,
             ).stdout
             assert f"inet {address}/24" in shown
-            assert (netns.NETNS_CONFIG_DIR / name / "hosts").is_file()
+            assert (network.NETNS_CONFIG_DIR / name / "hosts").is_file()
         assert len(set(net.host_addresses)) == 3
     _assert_removed(names, config_dirs)
     net.close()  # idempotent
@@ -221,7 +222,7 @@ def test_half_built_network_is_removed_when_a_command_fails(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     net = EmulatedNetwork(2, LinkShape(rate_mbit=10))
-    real_run = netns.run_command
+    real_run = network.run_command
     calls: list[list[str]] = []
 
     def fail_on_second_host(argv: list[str]) -> str:
@@ -230,7 +231,7 @@ def test_half_built_network_is_removed_when_a_command_fails(
             return real_run(["ip", "link", "show", "dev", "no-such-device-jm"])
         return real_run(argv)
 
-    monkeypatch.setattr(netns, "run_command", fail_on_second_host)
+    monkeypatch.setattr(network, "run_command", fail_on_second_host)
     with pytest.raises(RuntimeError, match="no-such-device-jm"), net:
         pass
     assert any(argv[3:4] == [net.namespaces[0]] for argv in calls)  # got half-way
@@ -239,7 +240,7 @@ def test_half_built_network_is_removed_when_a_command_fails(
 
 def test_command_failures_name_the_command_and_its_stderr() -> None:
     with pytest.raises(RuntimeError) as raised:
-        netns.run_command(["ip", "link", "show", "dev", "no-such-device-jm"])
+        network.run_command(["ip", "link", "show", "dev", "no-such-device-jm"])
     message = str(raised.value)
     assert "ip link show dev no-such-device-jm" in message
     assert "does not exist" in message or "Cannot find" in message
@@ -248,7 +249,7 @@ def test_command_failures_name_the_command_and_its_stderr() -> None:
 def test_enter_raises_permission_error_when_namespaces_are_unavailable(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(netns, "namespaces_available", lambda: (False, "not running as root"))
+    monkeypatch.setattr(network, "namespaces_available", lambda: (False, "not running as root"))
     net = EmulatedNetwork(2, LinkShape(rate_mbit=None))
     with pytest.raises(PermissionError, match=r"needs root and iproute2.*not running as root"):
         net.__enter__()
@@ -267,7 +268,7 @@ def test_signal_tears_the_network_down_before_the_process_exits(signum: int) -> 
     script = textwrap.dedent(
         """
         import json, signal, time
-        from experiments.netns import EmulatedNetwork, LinkShape
+        from experiments.emulation.network import EmulatedNetwork, LinkShape
         # A background job of a non-interactive shell starts with SIGINT ignored (and then
         # EmulatedNetwork leaves it alone); act like a foreground program instead.
         signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -1,11 +1,19 @@
-"""Sections of a results file kept from its previous run, for runs that skip a part."""
+"""Results files: the command line they record, and the sections a run that skips a part
+keeps from the file it overwrites."""
 
 from __future__ import annotations
 
 import re
+import shlex
+from collections.abc import Sequence
 from pathlib import Path
 
 KEPT = "Kept from an earlier run"
+
+
+def command_line(module: str, argv: Sequence[str]) -> str:
+    """``python -m MODULE ARGV``, quoted for a shell: how a results file names its command."""
+    return shlex.join(["python", "-m", module, *argv])
 
 
 def kept_section(path: Path, heading: str, end: str | None, flag: str) -> list[str]:

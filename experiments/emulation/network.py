@@ -82,7 +82,8 @@ TBF_BURST_SECONDS = 0.000125
 link is idle (during computation) and then lets that much out at memory speed, so it must
 be small against a message: a 10 ms bucket let 8 pieces of a 2 MB exchange through at
 nearly twice the line rate. A fraction of a millisecond still lets TCP reach line rate on
-these hosts up to a few hundred Mbit/s (``experiments.link_calibration`` measures it)."""
+these hosts up to a few hundred Mbit/s (``experiments.emulation.link_calibration``
+measures it)."""
 
 NETEM_LIMIT_PACKETS = 100_000
 """Packets netem may hold while delaying them (its default of 1000 drops at high rates)."""

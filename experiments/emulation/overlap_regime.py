@@ -1,11 +1,12 @@
 """The emulated-cluster regime of the overlap evaluations, and how a run of it is summarised.
 
-``experiments.lancet_eval`` (a) and ``experiments.simulator_validation`` measure the same
+``experiments.lancet_eval`` (a), ``experiments.simulator_validation`` and
+``experiments.comet_cluster`` (through the validation) measure the same
 regime: ``tiny`` with top-2 routing and 128 sequences per step, on 2 hosts x 1 device
 (expert parallel over the link) joined by a calibrated 50 Mbit/s link. There the
 all-to-alls are most of the step (on the unshaped link the step takes a fraction of its
 time on the shaped one), so overlap has something to hide. Every all-to-all runs over the
-socket transport (``scheduling.runtime.socket_all_to_all``), ``none`` too (synchronously), so
+socket transport (``scheduling.SocketAllToAll``), ``none`` too (synchronously), so
 that speedups over ``none`` are overlap, not a change of transport. The gradient
 reductions are XLA's (gloo) in every schedule.
 """
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import statistics
 from pathlib import Path
+
+from experiments.emulation.schedule_runs import ScheduleRequest
 
 PRESET = "tiny"
 HOSTS, DEVICES_PER_HOST, LINK_MBIT = 2, 1, 50.0
@@ -39,31 +42,31 @@ def label(link_mbit: float = LINK_MBIT) -> str:
     )
 
 
-def cluster_argv(
-    out: Path,
-    curves: Path | None = None,
+def request(
     *,
     link_mbit: float = LINK_MBIT,
     quick: bool = False,
     shaped_only: bool = False,
     schedules: tuple[str, ...] = SCHEDULES,
-) -> list[str]:
-    """``experiments.cluster`` arguments for the regime; ``curves``: also sweep the link's
-    collective costs into it. ``quick``: 3 rounds and ``shaped_only``; ``shaped_only``: no
-    runs on the unshaped link (no compute-only figures); ``schedules``: cluster entries
-    (``NAME`` or ``NAME:N``), the first the baseline of the speedups."""
-    repeats, warmup = ("3", "1") if quick else ("6", "2")
-    argv = [
-        "--hosts", str(HOSTS), "--devices-per-host", str(DEVICES_PER_HOST),
-        "--link-mbit", f"{link_mbit:g}", "--preset", PRESET,
-        "--repeats", repeats, "--warmup", warmup, "--schedules", ",".join(schedules),
-        "--json", str(out),
-    ]  # fmt: skip
-    if curves is not None:
-        argv += ["--sweep", str(curves)]
-    if quick or shaped_only:
-        argv.append("--shaped-only")
-    return [*argv, *train_flags(link_mbit)]
+    sweep: Path | None = None,
+) -> ScheduleRequest:
+    """The measurement of the regime (``schedule_runs.measure_schedules``); ``sweep``: also
+    write the link's collective curves there. ``quick``: 3 rounds and ``shaped_only``;
+    ``shaped_only``: no runs on the unshaped link (no compute-only figures); ``schedules``:
+    cluster entries (``NAME`` or ``NAME:N``), the first the baseline of the speedups."""
+    repeats, warmup = (3, 1) if quick else (6, 2)
+    return ScheduleRequest(
+        schedules=tuple(schedules),
+        preset=PRESET,
+        overrides=tuple(train_flags(link_mbit)),
+        hosts=HOSTS,
+        devices_per_host=DEVICES_PER_HOST,
+        link_mbit=link_mbit,
+        repeats=repeats,
+        warmup=warmup,
+        shaped_only=quick or shaped_only,
+        sweep=sweep,
+    )
 
 
 def summary(report: dict) -> str:

@@ -1,6 +1,6 @@
 """Sections kept from a results file's previous run."""
 
-from experiments.results_file import kept_section
+from experiments.shared.results_file import command_line, kept_section
 
 
 def test_skipped_sections_are_kept_from_the_file_they_overwrite(tmp_path):
@@ -21,3 +21,8 @@ def test_skipped_sections_are_kept_from_the_file_they_overwrite(tmp_path):
     again = kept_section(path, "## (b)", None, "--skip-simulator")
     assert again == kept_b
     assert kept_section(path, "## (b)", "## (z)", "x") == []  # no end after the heading
+
+
+def test_the_command_line_is_quoted_for_a_shell():
+    line = command_line("experiments.comet_eval", ["--step-models", "gpt2-moe-12 (12 x 768)"])
+    assert line == "python -m experiments.comet_eval --step-models 'gpt2-moe-12 (12 x 768)'"

@@ -7,13 +7,13 @@ import json
 import pytest
 
 from experiments import overlap_control
-from experiments.netns import namespaces_available
-from experiments.overlap_control import ControlResult
+from experiments.emulation.network import namespaces_available
+from experiments.emulation.overlap_control import ControlProgram, ControlResult, ControlSettings
 
 
 def _result(independent, chained):
     seconds = {"independent": independent, "chained": chained, "unchunked": [0.3] * 3}
-    return ControlResult(seconds, {"collectives": "socket", "chunks": 8})
+    return ControlResult(seconds, ControlSettings())
 
 
 def test_overlap_is_shown_only_beyond_the_spread():
@@ -35,6 +35,17 @@ def test_summary_and_json_carry_every_round_in_milliseconds():
     assert report["chained_over_independent"] == pytest.approx(
         [0.55 / 0.40, 0.56 / 0.42, 0.54 / 0.41]
     )
+    assert report["rows_per_device"] == 2048 and report["all_to_all_bytes_per_device"] == 2**22
+
+
+def test_settings_share_a_cluster_hosts_rows_among_its_devices_and_check_the_chunks():
+    assert ControlSettings.for_cluster(2, 1, 50.0, 6, 2).program.rows == 2048
+    assert ControlSettings.for_cluster(2, 4, 50.0, 6, 2).program.rows == 512
+    assert ControlSettings.for_cluster(3, 1, 50.0, 6, 2).program.rows == 2040  # 85 x 24
+    with pytest.raises(ValueError, match="divide into 8 chunks"):
+        ControlSettings(ControlProgram(rows=100), hosts=2)
+    with pytest.raises(ValueError, match="collectives"):
+        ControlProgram(collectives="mpi")
 
 
 _AVAILABLE, _REASON = namespaces_available()
@@ -52,3 +63,4 @@ def test_a_small_control_runs_on_the_cluster_and_writes_its_rounds(tmp_path, cap
     for form in ("independent", "chained", "unchunked"):
         assert len(report[form]) == 2 and all(ms > 0 for ms in report[form])
     assert "pieces_ratio" in report["link_calibration"] and report["command"].endswith(str(out))
+    assert report["rows_per_device"] == 64 and report["hosts"] == 2

@@ -1,12 +1,15 @@
-"""Step times of expert placements at equal buffers, interleaved (one emulated host's process).
+"""Step times of expert placements at equal buffers, interleaved, on every emulated host.
 
-    python -m experiments.placement_rounds --config CONFIG.json --rounds 10 --warmup 2 \\
-        --json OUT.json [--coordinator HOST:PORT --num-processes N --process-id I]
+The host program (run on every host by ``run_placement_rounds``, for
+``experiments.placement_cluster``)::
+
+    python -m experiments.emulation.placement_rounds --config CONFIG.json --rounds 10 \\
+        --warmup 2 --json OUT.json [--coordinator HOST:PORT --num-processes N --process-id I]
 
 ``CONFIG`` has replica slots (``moe.slots_per_device`` above the experts per device) and
 ``moe.rebalance_every`` > 0. Three variants train side by side, each from the same initial
 state, every round on the same batch, the order reversed every other round (as in
-``experiments.step_rounds``):
+``experiments.emulation.step_rounds``):
 
 - ``no replicas``: ``moe.slots_per_device`` = experts per device, today's step. Capacity
   is per slot and sized over all slots, so its per-device buffers (and all-to-all bytes)
@@ -18,7 +21,8 @@ state, every round on the same batch, the order reversed every other round (as i
   routing counts and the new table is put on the devices. That time is part of its round.
 
 Process 0 writes, per variant, the seconds of each timed round, the dropped fraction of
-each step, and for ``dynamic`` the seconds its re-planning took and the slots it changed.
+each step, and for ``dynamic`` the seconds its re-planning took and the slots it changed:
+a ``PlacementRounds``.
 """
 
 from __future__ import annotations
@@ -27,10 +31,43 @@ import dataclasses
 import json
 import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
-from experiments.step_rounds import round_order, rounds_parser, start_host
+from experiments.emulation.host_process import round_order, rounds_parser, start_host, train_batches
+from experiments.emulation.hosts import EmulatedHosts
 
 VARIANTS = ("no replicas", "static", "dynamic")
+
+
+@dataclass(frozen=True)
+class PlacementRounds:
+    """Per variant, the seconds of each timed round and each step's dropped fraction; for
+    ``dynamic``, each re-planning's seconds and the slots it changed."""
+
+    seconds: dict[str, tuple[float, ...]]
+    dropped_fraction: dict[str, tuple[float, ...]]
+    planning_s: tuple[float, ...]
+    changed_slots: tuple[int, ...]
+
+    @classmethod
+    def from_json(cls, data: dict) -> PlacementRounds:
+        return cls(
+            {name: tuple(values) for name, values in data["seconds"].items()},
+            {name: tuple(values) for name, values in data["dropped_fraction"].items()},
+            tuple(data["planning_s"]),
+            tuple(data["changed_slots"]),
+        )
+
+    def to_json(self) -> dict:
+        return {
+            "seconds": {name: list(values) for name, values in self.seconds.items()},
+            "dropped_fraction": {
+                name: list(values) for name, values in self.dropped_fraction.items()
+            },
+            "planning_s": list(self.planning_s),
+            "changed_slots": list(self.changed_slots),
+        }
 
 
 def variant_configs(config) -> dict:
@@ -53,9 +90,22 @@ def variant_configs(config) -> dict:
     }
 
 
+def run_placement_rounds(
+    hosts: EmulatedHosts, config_path: Path, rounds: int, warmup: int
+) -> PlacementRounds:
+    """The three variants in interleaved rounds on every host."""
+    out = hosts.path("placement-rounds.json")
+    args = ["--config", str(config_path), "--json", str(out)]
+    args += ["--rounds", str(rounds), "--warmup", str(warmup)]
+    hosts.run("placement-rounds", args, module=__name__)
+    return PlacementRounds.from_json(json.loads(out.read_text()))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = rounds_parser(__doc__.splitlines()[0]).parse_args(argv)
-    config, mesh, sampler = start_host(args)
+    prepared = start_host(args)
+    config, mesh = prepared.config, prepared.mesh
+    sampler = train_batches(config)
     configs = variant_configs(config)
 
     import jax

@@ -7,9 +7,15 @@ import json
 import pytest
 
 import experiments.cluster as cluster
-from experiments import link_calibration, netns
-from experiments.link_calibration import LinkCalibration, calibrate_link, ensure_calibrated
-from experiments.netns import EmulatedNetwork, LinkShape, namespaces_available
+from experiments.emulation import link_calibration, network
+from experiments.emulation.link_calibration import (
+    LinkCalibration,
+    LinkNotCalibrated,
+    calibrate_link,
+    calibrated_network,
+    ensure_calibrated,
+)
+from experiments.emulation.network import EmulatedNetwork, LinkShape, namespaces_available
 
 
 def _calibration(message_s: float, pieces_s: float) -> LinkCalibration:
@@ -78,17 +84,19 @@ def test_the_shaped_link_is_calibrated():
 @needs_namespaces
 def test_a_large_bucket_fails_calibration(monkeypatch):
     # The bucket the cluster had before: 10 ms of line rate refills between pieces.
-    monkeypatch.setattr(netns, "TBF_BURST_SECONDS", 0.01)
-    with EmulatedNetwork(2, LinkShape(rate_mbit=200)) as network:
-        calibration = calibrate_link(network, message_bytes=1 << 20, repeats=2)
+    monkeypatch.setattr(network, "TBF_BURST_SECONDS", 0.01)
+    with EmulatedNetwork(2, LinkShape(rate_mbit=200)) as shaped:
+        calibration = calibrate_link(shaped, message_bytes=1 << 20, repeats=2)
     assert calibration.pieces_ratio < 0.95, calibration.summary()
     assert not calibration.passed
 
 
 @needs_namespaces
 def test_cluster_calibrate_writes_its_figures(tmp_path, capsys):
+    # One device per host: --calibrate checks no training layout.
     out = tmp_path / "calibration.json"
-    status = cluster.main(["--calibrate", "--link-mbit", "200", "--json", str(out)])
+    argv = ["--calibrate", "--hosts", "2", "--devices-per-host", "1", "--link-mbit", "200"]
+    status = cluster.main([*argv, "--json", str(out)])
     report = json.loads(out.read_text())
     # Whether it passes depends on the host's load; the exit status must say which.
     assert status == (0 if report["passed"] else 1)
@@ -100,7 +108,15 @@ def test_cluster_calibrate_writes_its_figures(tmp_path, capsys):
 
 
 @needs_namespaces
-def test_cluster_refuses_an_uncalibrated_link_before_training(monkeypatch, capsys):
-    monkeypatch.setattr(cluster, "calibrate_link", lambda network: _calibration(0.105, 0.056))
-    assert cluster.main(["--steps", "1"]) == 3
+def test_an_uncalibrated_link_is_refused_before_anything_runs_on_it(monkeypatch, capsys):
+    failing = _calibration(0.105, 0.056)
+    monkeypatch.setattr(link_calibration, "calibrate_link", lambda network: failing)
+    with (
+        pytest.raises(LinkNotCalibrated, match="bucket"),
+        calibrated_network(2, LinkShape(rate_mbit=200)),
+    ):
+        raise AssertionError("ran on an uncalibrated link")
     assert "refusing to run experiments" in capsys.readouterr().err
+    with calibrated_network(2, LinkShape(rate_mbit=200), allow_uncalibrated=True) as (_, found):
+        assert found is failing
+    assert cluster.main(["--steps", "1"]) == 3  # the cluster's measurement goes through it

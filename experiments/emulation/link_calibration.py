@@ -5,24 +5,27 @@ line rate says whatever way it is cut: a large message must reach (nearly) the r
 the same bytes in pieces, each sent after an idle gap, must take no less than the whole
 (a shaper's token bucket refills in the gaps, and a large bucket lets pieces out at memory
 speed: then chunking pays on the link alone, without any overlap). ``calibrate_link``
-measures both, and a sweep of sizes, with ``experiments.link_probe`` between two hosts of
-an ``EmulatedNetwork``; ``LinkCalibration.problems`` says which criterion fails.
+measures both, and a sweep of sizes, with ``experiments.emulation.link_probe`` between two
+hosts of an ``EmulatedNetwork``; ``LinkCalibration.problems`` says which criterion fails.
 
-Experiment scripts call ``calibrate_link`` on the network they measure on, refuse to go on
-when it fails (``ensure_calibrated``), and record ``LinkCalibration.to_dict()`` in their
-results.
+Experiments measure on a shaped link inside ``calibrated_network``, which builds the
+network, calibrates its link and refuses to go on when the calibration fails
+(``LinkNotCalibrated``; ``allow_uncalibrated`` goes on under a loud warning); they record
+``LinkCalibration.to_dict()`` in their results. ``calibrate_hosts`` only calibrates.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import TextIO
 
-from experiments.netns import TBF_LATENCY_MS, EmulatedNetwork
+from experiments.emulation.network import TBF_LATENCY_MS, EmulatedNetwork, LinkShape
 
 MIN_RATE_FRACTION = 0.90
 """A large message must carry at least this fraction of the configured rate in payload
@@ -209,7 +212,7 @@ def calibrate_link(
 def _run_probe(
     network: EmulatedNetwork, plan: dict, source: int, sink: int
 ) -> dict[str, list[float]]:
-    probe = [sys.executable, "-m", "experiments.link_probe"]
+    probe = [sys.executable, "-m", "experiments.emulation.link_probe"]
     address = network.host_addresses[sink]
     server = subprocess.Popen(
         network.command(sink, [*probe, "serve", address]),
@@ -264,3 +267,34 @@ def ensure_calibrated(
         file=stream,
     )
     return False
+
+
+class LinkNotCalibrated(RuntimeError):
+    """The shaped link failed its calibration, and running on it was not allowed."""
+
+    def __init__(self, calibration: LinkCalibration):
+        super().__init__("; ".join(calibration.problems()))
+        self.calibration = calibration
+
+
+@contextlib.contextmanager
+def calibrated_network(
+    hosts: int, link: LinkShape, *, allow_uncalibrated: bool = False
+) -> Iterator[tuple[EmulatedNetwork, LinkCalibration]]:
+    """An ``EmulatedNetwork`` of ``hosts`` hosts on the shaped ``link``, calibrated first
+    (hosts 0 and 1; the calibration is printed to standard error).
+
+    Raises:
+        LinkNotCalibrated: the link failed and ``allow_uncalibrated`` is false.
+    """
+    with EmulatedNetwork(hosts, link) as network:
+        calibration = calibrate_link(network)
+        if not ensure_calibrated(calibration, allow_uncalibrated=allow_uncalibrated):
+            raise LinkNotCalibrated(calibration)
+        yield network, calibration
+
+
+def calibrate_hosts(hosts: int, link: LinkShape) -> LinkCalibration:
+    """Only calibrate ``link``, on a network of ``hosts`` hosts (at least two)."""
+    with EmulatedNetwork(max(hosts, 2), link) as network:
+        return calibrate_link(network)

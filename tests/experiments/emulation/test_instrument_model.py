@@ -1,14 +1,12 @@
 """The cluster as the simulator sees it: socket all-to-all costs, the control's order, the
 readings."""
 
-import argparse
-
 import jax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from experiments import instrument_model
-from experiments.overlap_control import per_device_forms
+from experiments.emulation import instrument_model
+from experiments.emulation.overlap_control import ControlProgram, per_device_forms
 from scheduling import Graph, Role, capture
 
 
@@ -23,11 +21,11 @@ def test_socket_all_to_all_costs_the_bytes_that_leave_the_host():
 
 def _control_graph(form: str) -> Graph:
     mesh = jax.make_mesh((8,), ("x",))
-    args = argparse.Namespace(rows=64, width=16, layers=1, chunks=4)
+    program = ControlProgram("xla", rows=64, width=16, layers=1, chunks=4)
     specs = (PartitionSpec("x"), PartitionSpec())
     x = jax.ShapeDtypeStruct((64 * 8, 16), "float32", sharding=NamedSharding(mesh, specs[0]))
     w = jax.ShapeDtypeStruct((16, 16), "float32", sharding=NamedSharding(mesh, specs[1]))
-    body = per_device_forms("x", args)[form]
+    body = per_device_forms("x", program)[form]
     program = capture(body, x, w, mesh=mesh, in_specs=specs, out_specs=specs[0])
     return Graph(program, split=lambda op: op.primitive == "all_to_all")
 

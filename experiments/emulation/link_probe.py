@@ -1,7 +1,7 @@
 """Time messages over one TCP connection between two emulated hosts: the link's own figures.
 
-    python -m experiments.link_probe serve ADDRESS           # prints its port, then serves
-    python -m experiments.link_probe measure ADDRESS PORT --plan PLAN.json
+    python -m experiments.emulation.link_probe serve ADDRESS  # prints its port, then serves
+    python -m experiments.emulation.link_probe measure ADDRESS PORT --plan PLAN.json
 
 The measuring side sends each message of the plan as a length header and the bytes; the
 serving side answers one byte once it has them all, so a message's time runs from its first
