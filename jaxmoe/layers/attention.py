@@ -1,24 +1,28 @@
-"""Causal multi-head self-attention (the caller applies the pre-norm and residual).
+"""Causal self-attention with grouped-query heads (the caller applies the pre-norm and
+the residual).
+
+Projections: ``query`` ``[d_model, heads, head_dim]`` and ``key_value``
+``[d_model, 2, kv_heads, head_dim]`` (keys, then values; one GEMM), each with a bias
+when ``model.attention_bias`` (Qwen2), and ``out`` ``[heads * head_dim, d_model]``,
+with a bias when ``model.linear_bias`` (GPT-2). Grouped-query attention
+(``model.num_kv_heads``): query head ``h`` reads key/value head
+``h // (heads / kv_heads)``. ``model.qk_norm`` (Qwen3) applies an RMSNorm to each
+query and key head; with ``model.position = "rope"`` queries and keys are then
+rotated (:mod:`jaxmoe.layers.rotary`).
 
 With tensor parallelism the heads are split over the tensor group (Megatron):
-the sequence slices are all-gathered on entry, each device projects and
-attends with its own heads over the full sequence, and the row-parallel output
-projection reduce-scatters back to the sequence slices.
-
-The fused query/key/value kernel is ``[d_model, 3, d_model]`` (q/k/v, then
-heads x head_dim), split over the tensor group on its last axis: a contiguous
-block of it holds whole heads of each of q, k and v, while the projection
-stays one GEMM. (A ``[d_model, 3 * d_model]`` kernel ordered (3, heads,
-head_dim) would be cut between q, k and v.) Its values at initialisation are
-those of the former ``[d_model, 3 * d_model]`` kernel, reshaped; a checkpoint
-of that kernel does not restore into this one (the shapes differ), rather than
-restoring into a different meaning.
+the sequence slices are all-gathered on entry, each device projects and attends
+with its own query heads over the full sequence, and the row-parallel output
+projection reduce-scatters back to the sequence slices. Key/value heads are split
+too when the group divides them; when there are fewer key/value heads than tensor
+devices they are replicated (Megatron-Core does the same), and each device uses the
+one its query heads read.
 
 ``recompute=True`` (``model.recompute="attention"``) is Megatron-Core's selective
-activation recomputation: the core attention (QK^T, scale, causal mask, softmax,
-x V) runs under ``jax.checkpoint``, so the backward pass recomputes it from q, k
-and v instead of keeping its ``[batch, heads, seq, seq]`` weights, the one
-activation that grows with seq^2. It costs QK^T and the softmax once more.
+activation recomputation: the core attention (QK^T, scale, mask, softmax, x V) runs
+under ``jax.checkpoint``, so the backward pass recomputes it from q, k and v instead
+of keeping its ``[batch, heads, seq, seq]`` weights, the one activation that grows
+with seq^2. It costs QK^T and the softmax once more.
 """
 
 from __future__ import annotations
@@ -30,20 +34,38 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmoe.layers.parallel_linear import RowParallelLinear
-from jaxmoe.parallel.layout import TENSOR
-from jaxmoe.parallel.tensor_parallel import gather_sequence
+from jaxmoe.config import ModelConfig
+from jaxmoe.layers.parallel_linear import HeadProjection, RowParallelLinear
+from jaxmoe.layers.rotary import rotate
+from jaxmoe.parallel.layout import TENSOR, TENSOR_IF_DIVIDES
+from jaxmoe.parallel.mesh import role_axes
+from jaxmoe.parallel.tensor_parallel import gather_sequence, tensor_group_size
 
 
-def core_attention(query: jax.Array, key: jax.Array, value: jax.Array) -> jax.Array:
-    """Causal ``softmax(q k^T / sqrt(head_dim)) v`` over ``[batch, seq, heads, head_dim]``."""
-    seq, head_dim = query.shape[1], query.shape[-1]
-    logits = jnp.einsum("bqhd,bkhd->bhqk", query, key).astype(jnp.float32)
+def core_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    segment_ids: jax.Array | None = None,
+) -> jax.Array:
+    """Causal ``softmax(q k^T / sqrt(head_dim)) v`` over ``[batch, seq, heads, head_dim]``;
+    ``key`` and ``value`` may have fewer heads, each shared by a group of query heads.
+
+    ``segment_ids [batch, seq]``: positions attend only within their own segment
+    (documents packed into one row)."""
+    batch, seq, heads, head_dim = query.shape
+    groups = heads // key.shape[2]
+    query = query.reshape(batch, seq, key.shape[2], groups, head_dim)
+    logits = jnp.einsum("bqkgd,bskd->bkgqs", query, key).astype(jnp.float32)
     logits = logits / math.sqrt(head_dim)
-    causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
-    logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
+    allowed = jnp.tril(jnp.ones((seq, seq), dtype=bool))[None, None, None]
+    if segment_ids is not None:
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]
+        allowed = allowed & same[:, None, None]
+    logits = jnp.where(allowed, logits, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(logits, axis=-1).astype(value.dtype)
-    return jnp.einsum("bhqk,bkhd->bqhd", weights, value)
+    attended = jnp.einsum("bkgqs,bskd->bqkgd", weights, value)
+    return attended.reshape(batch, seq, heads, head_dim)
 
 
 # The barrier keeps XLA from merging the backward pass's recomputation with the forward
@@ -51,48 +73,86 @@ def core_attention(query: jax.Array, key: jax.Array, value: jax.Array) -> jax.Ar
 recomputed_core_attention = jax.checkpoint(core_attention, prevent_cse=True)
 
 
+def kv_heads_split(kv_heads: int) -> bool:
+    """Whether this device holds its own share of the key/value heads (the tensor group
+    divides them) rather than all of them, replicated."""
+    return kv_heads % tensor_group_size() == 0
+
+
 class CausalSelfAttention(nnx.Module):
-    def __init__(
-        self,
-        d_model: int,
-        num_heads: int,
-        *,
-        dtype: jnp.dtype,
-        rngs: nnx.Rngs,
-        recompute: bool = False,
-    ):
-        self.num_heads = num_heads
-        self.recompute = recompute
-        self.head_dim = d_model // num_heads
-        # No bias: a key bias has an exactly zero gradient (softmax ignores a per-query
-        # constant), and Adam would turn its round-off into full-size updates.
-        self.qkv = nnx.Einsum(
-            "bsd,dtf->bstf",
-            (d_model, 3, d_model),
+    def __init__(self, model: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.num_heads = model.num_heads
+        self.num_kv_heads = model.kv_heads
+        self.head_dim = model.attention_head_dim
+        self.recompute = model.recompute == "attention"
+        self.rope = model.position == "rope"
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        self.query = HeadProjection(
+            model.d_model,
+            (heads, head_dim),
+            parallel_axes=(TENSOR, None),
+            use_bias=model.attention_bias,
             dtype=dtype,
-            # LeCun normal over fan-in d_model, as nnx.Linear's default.
-            kernel_init=nnx.initializers.variance_scaling(
-                1.0, "fan_in", "truncated_normal", in_axis=0, out_axis=(1, 2)
-            ),
-            kernel_metadata={"parallel_axes": (None, None, TENSOR)},
             rngs=rngs,
         )
-        self.out = RowParallelLinear(d_model, d_model, dtype=dtype, rngs=rngs)
+        self.key_value = HeadProjection(
+            model.d_model,
+            (2, kv_heads, head_dim),
+            parallel_axes=(None, TENSOR_IF_DIVIDES, None),
+            use_bias=model.attention_bias,
+            dtype=dtype,
+            rngs=rngs,
+        )
+        # Qwen3's query and key norms: an RMSNorm over each head's features, one scale of
+        # head_dim shared by the heads.
+        norm = lambda: nnx.RMSNorm(head_dim, epsilon=model.norm_eps, dtype=dtype, rngs=rngs)
+        self.query_norm = norm() if model.qk_norm else None
+        self.key_norm = norm() if model.qk_norm else None
+        self.out = RowParallelLinear(
+            heads * head_dim, model.d_model, use_bias=model.linear_bias, dtype=dtype, rngs=rngs
+        )
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def _local_key_value(self, key: jax.Array, value: jax.Array):
+        """The key/value heads this device's query heads read, when every device holds all
+        of them (fewer key/value heads than tensor devices): one head."""
+        group = tensor_group_size()
+        if group == 1 or kv_heads_split(self.num_kv_heads):
+            return key, value
+        # The group's query heads h = rank * heads / group ... all read kv head
+        # rank * kv_heads / group (kv_heads divides group: checked by the configuration).
+        head = jax.lax.axis_index(role_axes(TENSOR)) * self.num_kv_heads // group
+        pick = lambda x: jax.lax.dynamic_slice_in_dim(x, head, 1, axis=2)
+        return pick(key), pick(value)
+
+    def __call__(
+        self,
+        x: jax.Array,
+        rotary: tuple[jax.Array, jax.Array] | None = None,
+        segment_ids: jax.Array | None = None,
+    ) -> jax.Array:
         """``[batch, seq, d_model] -> [batch, seq, d_model]``; position i sees 0..i.
 
-        Under tensor parallelism ``seq`` is this device's slice, in and out."""
+        Under tensor parallelism ``seq`` is this device's slice, in and out. ``rotary``:
+        the ``cos`` and ``sin`` tables of the full sequence's positions
+        (:func:`~jaxmoe.layers.rotary.rotary_tables`), with rotary positions.
+        ``segment_ids [batch, full seq]``: attention stays inside each segment."""
         chex.assert_shape(
             x,
             (None, None, self.out.out_features),
             custom_message="attention input [batch, seq, d_model]",
         )
         x = gather_sequence(x)
-        batch, seq, _ = x.shape
-        qkv = self.qkv(x)  # [batch, seq, 3, local heads * head_dim]
-        qkv = qkv.reshape(batch, seq, 3, -1, self.head_dim)
-        query, key, value = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        query = self.query(x)  # [batch, seq, local heads, head_dim]
+        key_value = self.key_value(x)  # [batch, seq, 2, local kv heads, head_dim]
+        key, value = key_value[:, :, 0], key_value[:, :, 1]
+        if self.query_norm is not None:
+            query, key = self.query_norm(query), self.key_norm(key)
+        if self.rope:
+            if rotary is None:
+                raise ValueError("rotary positions need the cos and sin tables")
+            query, key = rotate(query, *rotary), rotate(key, *rotary)
+        key, value = self._local_key_value(key, value)
         attend = recomputed_core_attention if self.recompute else core_attention
-        attended = attend(query, key, value)
+        attended = attend(query, key, value, segment_ids)
+        batch, seq = attended.shape[:2]
         return self.out(attended.reshape(batch, seq, -1))

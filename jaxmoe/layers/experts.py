@@ -1,13 +1,17 @@
-"""The experts: one two-layer GELU MLP per expert, applied as batched GEMMs.
+"""The experts: one feed-forward block per expert, applied as batched GEMMs.
+
+``model.activation`` picks the form, as for the dense FFN (:mod:`jaxmoe.layers.mlp`):
+``gelu``, ``w_in`` ``[E, d, h]`` and ``w_out`` ``[E, h, d]`` with biases ``b_in``,
+``b_out`` when ``model.linear_bias``; ``swiglu``, ``w_in`` ``[E, d, 2, h]`` (gate and
+up, one GEMM) and ``w_out`` ``[E, h, d]``, ``silu(x W_gate) * (x W_up) W_down``.
 
 Weights carry the expert index as their leading axis and are declared as
-:class:`~jaxmoe.parallel.sharding.ExpertParam`, so under the whole-step
-shard_map each device holds and computes only its local experts. The hidden
-dimension is split over the expert-tensor group (``parallel.expert_tensor``):
-``w_in`` and ``b_in`` by column, ``w_out`` by row, ``b_out`` replicated. A
-device then computes a partial output (its hidden slice's share, without
-``b_out``); the dispatcher sums the partials over the group and adds ``b_out``
-once (:mod:`jaxmoe.layers.dispatchers`).
+:class:`~jaxmoe.parallel.sharding.ExpertParam`, so under the whole-step shard_map
+each device holds and computes only its local experts. The hidden dimension is split
+over the expert-tensor group (``parallel.expert_tensor``): ``w_in`` and ``b_in`` by
+column, ``w_out`` by row, ``b_out`` replicated. A device then computes a partial output
+(its hidden slice's share, without ``b_out``); the dispatcher sums the partials over
+the group and adds the output bias once (:mod:`jaxmoe.layers.dispatchers`).
 """
 
 from __future__ import annotations
@@ -23,27 +27,54 @@ from jaxmoe.parallel.sharding import ExpertParam
 
 # The role each weight dimension is split over (jaxmoe/parallel/sharding.py).
 HIDDEN_COLUMNS = (EXPERT, None, EXPERT_TENSOR)  # w_in [E, d, h]
+GATE_UP_COLUMNS = (EXPERT, None, None, EXPERT_TENSOR)  # w_in [E, d, 2, h]
 HIDDEN_BIAS = (EXPERT, EXPERT_TENSOR)  # b_in [E, h]
 HIDDEN_ROWS = (EXPERT, EXPERT_TENSOR, None)  # w_out [E, h, d]
 
 
 class Experts(nnx.Module):
     def __init__(
-        self, num_experts: int, d_model: int, d_hidden: int, *, dtype: jnp.dtype, rngs: nnx.Rngs
+        self,
+        num_experts: int,
+        d_model: int,
+        d_hidden: int,
+        *,
+        activation: str = "gelu",
+        bias: bool = True,
+        dtype: jnp.dtype,
+        rngs: nnx.Rngs,
     ):
         self.dtype = dtype
-        # Fan-in is the second-to-last axis; the leading expert axis is a batch axis.
+        self.swiglu = activation == "swiglu"
+        # Fan-in is the model width; the leading expert axis is a batch axis.
         init = nnx.initializers.variance_scaling(
-            1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1, batch_axis=(0,)
+            1.0, "fan_in", "truncated_normal", in_axis=1, out_axis=-1, batch_axis=(0,)
         )
-        self.w_in = ExpertParam(
-            init(rngs.params(), (num_experts, d_model, d_hidden)), parallel_axes=HIDDEN_COLUMNS
-        )
-        self.b_in = ExpertParam(jnp.zeros((num_experts, d_hidden)), parallel_axes=HIDDEN_BIAS)
+        if self.swiglu:
+            gate_up_init = nnx.initializers.variance_scaling(
+                1.0, "fan_in", "truncated_normal", in_axis=1, out_axis=(2, 3), batch_axis=(0,)
+            )
+            w_in = gate_up_init(rngs.params(), (num_experts, d_model, 2, d_hidden))
+            self.w_in = ExpertParam(w_in, parallel_axes=GATE_UP_COLUMNS)
+        else:
+            w_in = init(rngs.params(), (num_experts, d_model, d_hidden))
+            self.w_in = ExpertParam(w_in, parallel_axes=HIDDEN_COLUMNS)
         self.w_out = ExpertParam(
             init(rngs.params(), (num_experts, d_hidden, d_model)), parallel_axes=HIDDEN_ROWS
         )
-        self.b_out = ExpertParam(jnp.zeros((num_experts, d_model)))
+        biases = bias and not self.swiglu
+        self.b_in = (
+            ExpertParam(jnp.zeros((num_experts, d_hidden)), parallel_axes=HIDDEN_BIAS)
+            if biases
+            else None
+        )
+        self.b_out = ExpertParam(jnp.zeros((num_experts, d_model))) if biases else None
+
+    @property
+    def num_experts(self) -> int:
+        """The experts this module holds (on one device of the whole-step shard_map: its
+        local experts)."""
+        return self.w_in.shape[0]
 
     def __call__(self, x: jax.Array, replica_table: jax.Array | None = None) -> jax.Array:
         """``[slots, tokens, d_model] -> [slots, tokens, d_model]``, slot i on row i.
@@ -56,19 +87,28 @@ class Experts(nnx.Module):
         return self.partial_output(x, replica_table) + self.output_bias(replica_table)
 
     def partial_output(self, x: jax.Array, replica_table: jax.Array | None = None) -> jax.Array:
-        """This device's hidden slice's share of each output, ``b_out`` not added."""
-        w_in, b_in, w_out = (
-            slot_weights(home[...], replica_table) for home in (self.w_in, self.b_in, self.w_out)
-        )
-        slots, d_model, _ = w_in.shape
+        """This device's hidden slice's share of each output, the output bias not added."""
+        w_in, w_out = (slot_weights(w[...], replica_table) for w in (self.w_in, self.w_out))
+        slots, d_model = w_in.shape[:2]
         chex.assert_shape(
             x, (slots, None, d_model), custom_message="experts input [slots, tokens, d_model]"
         )
         x = x.astype(self.dtype)
-        hidden = jnp.einsum("esd,edh->esh", x, w_in.astype(self.dtype))
-        hidden = jax.nn.gelu(hidden + b_in[:, None, :].astype(self.dtype))
+        if self.swiglu:
+            gate_up = jnp.einsum("esd,edth->esth", x, w_in.astype(self.dtype))
+            hidden = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
+        else:
+            hidden = jnp.einsum("esd,edh->esh", x, w_in.astype(self.dtype))
+            if self.b_in is not None:
+                b_in = slot_weights(self.b_in[...], replica_table)
+                hidden = hidden + b_in[:, None, :].astype(self.dtype)
+            hidden = jax.nn.gelu(hidden)
         return jnp.einsum("esh,ehd->esd", hidden, w_out.astype(self.dtype))
 
     def output_bias(self, replica_table: jax.Array | None = None) -> jax.Array:
-        """``b_out`` of each slot, ``[slots, 1, d_model]``, to add once per output."""
+        """The output bias of each slot, ``[slots, 1, d_model]``, to add once per output
+        (zeros without biases)."""
+        if self.b_out is None:
+            slots, _, d_model = slot_weights(self.w_out[...], replica_table).shape
+            return jnp.zeros((slots, 1, d_model), self.dtype)
         return slot_weights(self.b_out[...], replica_table)[:, None, :].astype(self.dtype)

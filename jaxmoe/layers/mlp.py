@@ -1,7 +1,13 @@
-"""The dense feed-forward block used in the layers that are not MoE layers.
+"""The dense feed-forward blocks: the FFN of the layers that are not MoE layers, and the
+shared experts beside the routed ones.
 
-With tensor parallelism (Megatron) the hidden layer is split over the tensor
-group: the sequence slices are all-gathered on entry, ``up`` is
+``model.activation`` picks the form: ``gelu``, two matrices (``up``, ``down``) with
+biases when ``model.linear_bias`` (GPT-2); ``swiglu``, ``silu(x W_gate) * (x W_up)``
+then ``W_down`` (the Llama-derived families), its gate and up matrices one kernel
+``[d_model, 2, d_hidden]`` so that they are one GEMM.
+
+With tensor parallelism (Megatron) the hidden layer is split over the tensor group:
+the sequence slices are all-gathered on entry, the first matrix (or matrices) is
 column-parallel, ``down`` row-parallel and reduce-scatters back to the slices.
 """
 
@@ -11,16 +17,44 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmoe.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from jaxmoe.config import ModelConfig
+from jaxmoe.layers.parallel_linear import (
+    ColumnParallelLinear,
+    HeadProjection,
+    RowParallelLinear,
+)
+from jaxmoe.parallel.layout import TENSOR
 from jaxmoe.parallel.tensor_parallel import gather_sequence
 
 
 class DenseFFN(nnx.Module):
-    def __init__(self, d_model: int, d_hidden: int, *, dtype: jnp.dtype, rngs: nnx.Rngs):
-        self.up = ColumnParallelLinear(d_model, d_hidden, dtype=dtype, rngs=rngs)
-        self.down = RowParallelLinear(d_hidden, d_model, dtype=dtype, rngs=rngs)
+    def __init__(self, model: ModelConfig, d_hidden: int, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.swiglu = model.activation == "swiglu"
+        bias = model.linear_bias
+        if self.swiglu:
+            self.gate_up = HeadProjection(
+                model.d_model,
+                (2, d_hidden),
+                parallel_axes=(None, TENSOR),
+                use_bias=bias,
+                dtype=dtype,
+                rngs=rngs,
+            )
+        else:
+            self.up = ColumnParallelLinear(
+                model.d_model, d_hidden, use_bias=bias, dtype=dtype, rngs=rngs
+            )
+        self.down = RowParallelLinear(
+            d_hidden, model.d_model, use_bias=bias, dtype=dtype, rngs=rngs
+        )
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """``[batch, seq, d_model] -> [batch, seq, d_model]`` (``seq``: this device's slice
         under tensor parallelism)."""
-        return self.down(jax.nn.gelu(self.up(gather_sequence(x))))
+        x = gather_sequence(x)
+        if self.swiglu:
+            gate_up = self.gate_up(x)
+            hidden = jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
+        else:
+            hidden = jax.nn.gelu(self.up(x))
+        return self.down(hidden)

@@ -60,3 +60,41 @@ class RowParallelLinear(nnx.Linear):
         if bias is not None:
             y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
         return y
+
+
+class HeadProjection(nnx.Module):
+    """``x [..., d_model] -> [..., *features]``: a kernel ``[d_model, *features]`` and an
+    optional bias ``[*features]``, both split over the roles of ``parallel_axes`` (one per
+    feature axis), the split applied as it is found in the arrays (a shard inside the
+    whole-step shard_map). The projections into heads (query, keys and values) and the
+    fused gate and up matrices of SwiGLU use it; ``nnx.Einsum`` reshapes its bias to the
+    declared shape, which a shard does not have."""
+
+    def __init__(
+        self,
+        d_model: int,
+        features: tuple[int, ...],
+        *,
+        parallel_axes: tuple[str | None, ...],
+        use_bias: bool,
+        dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+    ):
+        self.dtype = dtype
+        out_axes = tuple(range(1, len(features) + 1))
+        init = nnx.initializers.variance_scaling(
+            1.0, "fan_in", "truncated_normal", in_axis=0, out_axis=out_axes
+        )
+        self.kernel = nnx.Param(
+            init(rngs.params(), (d_model, *features)), parallel_axes=(None, *parallel_axes)
+        )
+        self.bias = (
+            nnx.Param(jnp.zeros(features), parallel_axes=parallel_axes) if use_bias else None
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.kernel[...].astype(self.dtype)
+        y = jnp.tensordot(x.astype(self.dtype), kernel, axes=((x.ndim - 1,), (0,)))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y

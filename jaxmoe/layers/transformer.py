@@ -1,15 +1,21 @@
-"""The GPT-MoE decoder: pre-norm blocks, an MoE FFN every k-th layer, layers unrolled.
+"""The decoder: embeddings, pre-norm blocks with an MoE FFN in chosen layers, a final
+norm and the output head; layers unrolled.
 
 Layers are a Python loop, not a ``scan``: the scheduler must see each layer's
 collectives separately to overlap them with the computation of neighbouring
 layers.
 
+Which blocks it is built of follows :class:`~jaxmoe.config.ModelConfig`: learned or
+rotary positions, LayerNorm or RMSNorm, GELU or SwiGLU feed-forward blocks, the
+output head tied to the token embedding or a matrix of its own, shared experts beside
+the routed ones (:class:`~jaxmoe.config.MoEConfig`).
+
 Under tensor parallelism the model runs sequence-parallel between the
 tensor-parallel regions: each device embeds only its slice of the sequence
 (:mod:`jaxmoe.parallel.tensor_parallel`), norms, residuals and the MoE layers
 work on that slice, and the logits are this device's positions. The token
-embedding (and so the tied head) stays replicated: a vocabulary-parallel
-embedding is not implemented.
+embedding and the output head stay replicated: a vocabulary-parallel embedding is
+not implemented.
 """
 
 from __future__ import annotations
@@ -23,28 +29,39 @@ from jaxmoe.config import ModelConfig, MoEConfig
 from jaxmoe.layers.attention import CausalSelfAttention
 from jaxmoe.layers.mlp import DenseFFN
 from jaxmoe.layers.moe import MoELayer, RoutingStats
+from jaxmoe.layers.norms import make_norm
+from jaxmoe.layers.rotary import rotary_tables
+from jaxmoe.layers.shared_experts import SharedExperts
 from jaxmoe.parallel.tensor_parallel import sequence_slice
 
 
 class Block(nnx.Module):
-    """``x + attention(norm(x))``, then ``x + ffn(norm(x))``; the FFN is dense or MoE."""
+    """``x + attention(norm(x))``, then ``x + ffn(norm(x))``; the FFN is dense, or MoE
+    (with its shared experts, when the model has them)."""
 
     def __init__(
         self, model: ModelConfig, moe: MoEConfig | None, *, dtype: jnp.dtype, rngs: nnx.Rngs
     ):
-        self.attention_norm = nnx.LayerNorm(model.d_model, dtype=dtype, rngs=rngs)
-        self.attention = CausalSelfAttention(
-            model.d_model,
-            model.num_heads,
-            dtype=dtype,
-            rngs=rngs,
-            recompute=model.recompute == "attention",
+        self.attention_norm = make_norm(model, model.d_model, dtype=dtype, rngs=rngs)
+        self.attention = CausalSelfAttention(model, dtype=dtype, rngs=rngs)
+        self.ffn_norm = make_norm(model, model.d_model, dtype=dtype, rngs=rngs)
+        self.shared = (
+            SharedExperts(model, moe, dtype=dtype, rngs=rngs)
+            if moe is not None and moe.num_shared_experts
+            else None
         )
-        self.ffn_norm = nnx.LayerNorm(model.d_model, dtype=dtype, rngs=rngs)
         if moe is None:
-            self.ffn = DenseFFN(model.d_model, model.d_ff, dtype=dtype, rngs=rngs)
+            self.ffn = DenseFFN(model, model.d_ff, dtype=dtype, rngs=rngs)
         else:
-            self.ffn = MoELayer(model.d_model, model.d_ff, moe, dtype=dtype, rngs=rngs)
+            self.ffn = MoELayer(
+                model.d_model,
+                model.d_ff,
+                moe,
+                activation=model.activation,
+                bias=model.linear_bias,
+                dtype=dtype,
+                rngs=rngs,
+            )
 
     @property
     def is_moe(self) -> bool:
@@ -55,28 +72,36 @@ class Block(nnx.Module):
         x: jax.Array,
         jitter_key: jax.Array | None = None,
         replica_table: jax.Array | None = None,
+        rotary: tuple[jax.Array, jax.Array] | None = None,
+        segment_ids: jax.Array | None = None,
     ) -> tuple[jax.Array, RoutingStats | None]:
         with jax.named_scope("attention"):
-            x = x + self.attention(self.attention_norm(x))
-        with jax.named_scope("moe" if self.is_moe else "ffn"):
-            normed = self.ffn_norm(x)
-            if self.is_moe:
-                update, stats = self.ffn(normed, jitter_key, replica_table)
-            else:
-                update, stats = self.ffn(normed), None
+            x = x + self.attention(self.attention_norm(x), rotary, segment_ids)
+        if not self.is_moe:
+            with jax.named_scope("ffn"):
+                return x + self.ffn(self.ffn_norm(x)), None
+        normed = self.ffn_norm(x)
+        with jax.named_scope("moe"):
+            update, stats = self.ffn(normed, jitter_key, replica_table)
+        if self.shared is not None:
+            with jax.named_scope("shared"):
+                update = update + self.shared(normed)
         return x + update, stats
 
 
 class GPTMoE(nnx.Module):
-    """Token and position embeddings, the blocks, a final norm, and a tied output head."""
+    """Token embeddings (and learned positions), the blocks, a final norm, the output head."""
 
     def __init__(self, model: ModelConfig, moe: MoEConfig, *, rngs: nnx.Rngs):
         dtype = jnp.dtype(model.dtype)
+        self.config = model
         self.dtype = dtype
         moe_layers = set(model.moe_layers)
         self.token_embed = nnx.Embed(model.vocab_size, model.d_model, dtype=dtype, rngs=rngs)
-        self.position_embed = nnx.Param(
-            nnx.initializers.normal(0.02)(rngs.params(), (model.seq_len, model.d_model))
+        self.position_embed = (
+            nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (model.seq_len, model.d_model)))
+            if model.position == "learned"
+            else None
         )
         self.blocks = nnx.List(
             [
@@ -84,13 +109,20 @@ class GPTMoE(nnx.Module):
                 for i in range(model.num_layers)
             ]
         )
-        self.final_norm = nnx.LayerNorm(model.d_model, dtype=dtype, rngs=rngs)
+        self.final_norm = make_norm(model, model.d_model, dtype=dtype, rngs=rngs)
+        self.head = (
+            None
+            if model.tie_embeddings
+            else nnx.Linear(model.d_model, model.vocab_size, use_bias=False, dtype=dtype, rngs=rngs)
+        )
 
     def __call__(
         self,
         tokens: jax.Array,
         jitter_key: jax.Array | None = None,
         placement: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
     ) -> tuple[jax.Array, RoutingStats]:
         """``tokens [batch, seq]`` -> float32 logits ``[batch, seq, vocab]`` and routing stats
         stacked over the MoE layers (leading axis: MoE layer, in depth order).
@@ -99,13 +131,23 @@ class GPTMoE(nnx.Module):
         device's slice of the positions (:func:`~jaxmoe.parallel.tensor_parallel.sequence_slice`).
 
         ``placement``: the replica tables of the MoE layers, ``[moe_layers, expert_axis,
-        replica_slots]`` (:mod:`jaxmoe.parallel.placement`), or None for no replicas."""
+        replica_slots]`` (:mod:`jaxmoe.parallel.placement`), or None for no replicas.
+        ``positions [batch, seq]``: each token's position (default ``0 .. seq - 1``;
+        documents packed into a row restart at 0). ``segment_ids [batch, seq]``: attention
+        stays inside each segment (default: one segment per row)."""
         chex.assert_rank(tokens, 2)
         chex.assert_type(tokens, int)
-        chex.assert_axis_dimension_lteq(tokens, 1, self.position_embed.shape[0])
         seq = tokens.shape[1]
-        positions = sequence_slice(self.position_embed[...][None, :seq])
-        x = self.token_embed(sequence_slice(tokens)) + positions.astype(self.dtype)
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(seq), tokens.shape)
+        x = self.token_embed(sequence_slice(tokens))
+        rotary = None
+        if self.position_embed is not None:
+            chex.assert_axis_dimension_lteq(tokens, 1, self.position_embed.shape[0])
+            learned = jnp.take(self.position_embed[...], sequence_slice(positions), axis=0)
+            x = x + learned.astype(self.dtype)
+        else:
+            rotary = rotary_tables(self.config, positions)
         layer_stats = []
         for index, block in enumerate(self.blocks):
             key = None if jitter_key is None else jax.random.fold_in(jitter_key, index)
@@ -115,10 +157,12 @@ class GPTMoE(nnx.Module):
             # Named scopes put the layer into every equation's name stack, where the
             # scheduler's reports find it.
             with jax.named_scope(f"layer_{index}"):
-                x, stats = block(x, key, table)
+                x, stats = block(x, key, table, rotary, segment_ids)
             if stats is not None:
                 layer_stats.append(stats)
         with jax.named_scope("head"):
-            logits = self.token_embed.attend(self.final_norm(x)).astype(jnp.float32)
+            normed = self.final_norm(x)
+            tied = self.head is None
+            logits = self.token_embed.attend(normed) if tied else self.head(normed)
         stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *layer_stats)
-        return logits, stacked
+        return logits.astype(jnp.float32), stacked

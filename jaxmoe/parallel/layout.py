@@ -50,6 +50,9 @@ EXPERT = "expert"
 EXPERT_TENSOR = "expert_tensor"
 ATTENTION_ROLES = (ATTENTION_DATA, TENSOR)
 MOE_ROLES = (EXPERT_DATA, EXPERT, EXPERT_TENSOR)
+# A parameter dimension split over the tensor group where the group divides it and
+# replicated where it does not (key/value heads fewer than the tensor devices).
+TENSOR_IF_DIVIDES = "tensor_if_divides"
 
 # (attention role, MoE role) -> mesh axis name; see the table in the module docstring.
 AXIS_NAMES = {
@@ -121,6 +124,8 @@ def mesh_axes(data: int, tensor: int, expert: int, expert_tensor: int) -> tuple[
 
 def axes_for_role(role: str, axis_names: tuple[str, ...]) -> tuple[str, ...]:
     """The mesh axes (of ``axis_names``, in their order) that make up a group of ``role``."""
+    if role == TENSOR_IF_DIVIDES:
+        role = TENSOR
     if role not in ATTENTION_ROLES + MOE_ROLES:
         raise ValueError(f"unknown role {role!r}: one of {ATTENTION_ROLES + MOE_ROLES}")
     return tuple(name for name in axis_names if name in AXIS_ROLES and role in AXIS_ROLES[name])
@@ -135,13 +140,21 @@ def check_split_widths(
     d_ff: int,
     d_expert: int,
     d_expert_field: str = "moe.d_expert",
+    kv_heads: int | None = None,
+    d_shared: int = 0,
+    d_shared_field: str = "moe.d_shared_expert",
 ) -> None:
-    """Raise :class:`LayoutError` when a split dimension does not divide evenly."""
+    """Raise :class:`LayoutError` when a split dimension does not divide evenly.
+
+    Key/value heads (``kv_heads``) are split over the tensor group where it divides them
+    and replicated where there are fewer of them than tensor devices; then the group
+    must be a multiple of them, so that each device's query heads read one of them."""
     splits = (
         ("model.seq_len", seq_len, "parallel.tensor", tensor, "sequence parallelism"),
         ("model.num_heads", num_heads, "parallel.tensor", tensor, "heads split"),
         ("model.d_ff", d_ff, "parallel.tensor", tensor, "dense FFN hidden split"),
         (d_expert_field, d_expert, "parallel.expert_tensor", expert_tensor, "expert hidden split"),
+        (d_shared_field, d_shared, "parallel.tensor", tensor, "shared experts hidden split"),
     )
     for field, size, axis_field, ways, what in splits:
         if size % ways:
@@ -149,3 +162,10 @@ def check_split_widths(
                 f"{field}={size} is not divisible by {axis_field}={ways} ({what}): choose a "
                 f"{axis_field} that divides {size}, or make {field} a multiple of {ways}"
             )
+    if kv_heads is not None and kv_heads % tensor and tensor % kv_heads:
+        raise LayoutError(
+            f"model.num_kv_heads={kv_heads} and parallel.tensor={tensor}: key/value heads are "
+            "split over the tensor group when it divides them, and replicated when it is a "
+            "multiple of them; choose a parallel.tensor that divides or is divided by "
+            f"{kv_heads}"
+        )

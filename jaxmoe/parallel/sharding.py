@@ -2,7 +2,9 @@
 
 A parameter may carry ``parallel_axes`` metadata: for each dimension, the
 role it is split over (``tensor``, ``expert``, ``expert_tensor``; see
-:mod:`jaxmoe.parallel.layout`) or None. :class:`ExpertParam` splits its leading axis
+:mod:`jaxmoe.parallel.layout`) or None; ``tensor_if_divides`` splits over the
+tensor group only where the group's size divides the dimension, and replicates it
+otherwise. :class:`ExpertParam` splits its leading axis
 over ``expert`` unless it says more. Every other parameter is replicated. A
 role becomes the mesh axes that form its group on the layout at hand, so one
 model declaration shards correctly on every folded layout. From a
@@ -14,6 +16,7 @@ over.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -21,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jaxmoe.parallel.layout import EXPERT, axes_for_role
+from jaxmoe.parallel.layout import EXPERT, TENSOR_IF_DIVIDES, axes_for_role
 from jaxmoe.parallel.mesh import DATA_AXIS, EXPERT_AXIS
 
 PyTree = Any
@@ -46,23 +49,42 @@ def _current_axis_names() -> tuple[str, ...]:
     return DEFAULT_AXIS_NAMES if mesh.empty else tuple(mesh.axis_names)
 
 
-def spec_for(roles: tuple[str | None, ...], axis_names: tuple[str, ...]) -> PartitionSpec:
-    """A PartitionSpec splitting each dimension over the mesh axes of its role."""
+def _current_axis_sizes() -> dict[str, int]:
+    mesh = jax.sharding.get_abstract_mesh()
+    return dict.fromkeys(DEFAULT_AXIS_NAMES, 1) if mesh.empty else dict(mesh.shape)
+
+
+def spec_for(
+    roles: tuple[str | None, ...],
+    axis_sizes: Mapping[str, int],
+    shape: Sequence[int] | None = None,
+) -> PartitionSpec:
+    """A PartitionSpec splitting each dimension over the mesh axes of its role, on a mesh
+    of ``axis_sizes`` (name -> size, in mesh order), for a parameter of ``shape``."""
     entries = []
-    for role in roles:
-        axes = axes_for_role(role, axis_names) if role is not None else ()
+    for dimension, role in enumerate(roles):
+        axes = axes_for_role(role, tuple(axis_sizes)) if role is not None else ()
+        if role == TENSOR_IF_DIVIDES and shape is not None:
+            group = 1
+            for axis in axes:
+                group *= axis_sizes[axis]
+            if shape[dimension] % group:
+                axes = ()
         entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
     while entries and entries[-1] is None:
         entries.pop()
     return PartitionSpec(*entries)
 
 
-def param_specs(state: nnx.State, axis_names: tuple[str, ...] | None = None) -> dict:
+def param_specs(state: nnx.State, axis_sizes: Mapping[str, int] | None = None) -> dict:
     """PartitionSpecs for the pure-dict form of ``state`` (see ``nnx.to_pure_dict``), on a
-    mesh with ``axis_names`` (default: the current mesh's, or the unfolded layout's)."""
-    names = _current_axis_names() if axis_names is None else tuple(axis_names)
+    mesh of ``axis_sizes`` (``mesh.shape``; default: the current mesh's, or the unfolded
+    layout's)."""
+    sizes = _current_axis_sizes() if axis_sizes is None else dict(axis_sizes)
     specs = jax.tree.map(
-        lambda variable: spec_for(split_roles(variable), names),
+        lambda variable: spec_for(
+            split_roles(variable), sizes, getattr(variable.get_value(), "shape", None)
+        ),
         state,
         is_leaf=lambda x: isinstance(x, nnx.Variable),
     )

@@ -10,14 +10,19 @@ Megatron-LM", appendix; Chowdhery et al. 2022, "PaLM", appendix B):
   the optimizer are left out.
 - The backward pass is twice the forward pass (the gradients of both operands of
   every matmul), so a step is 3 x forward.
+- Attention's projections count each matrix at its shape: queries ``d_model x heads x
+  head_dim``, keys and values ``d_model x kv_heads x head_dim`` each (grouped-query
+  attention has fewer), the output ``heads x head_dim x d_model``.
 - Attention's two matmuls (query-key scores, weights x values) count the whole
-  ``seq x seq`` matrix, ``4 seq d_model`` per token and layer, although the causal
-  mask makes half of it irrelevant: PaLM's MFU (``6N + 12 L H Q T`` per token) and
-  Megatron-LM's count do the same, and :mod:`jaxmoe.layers.attention` computes the
-  full matrix before masking it. (Counting only the unmasked half, as some
-  causal-attention benchmarks do, would halve this term.)
-- The token embedding is a lookup (no FLOPs); the output head, tied to it, is a
-  ``d_model x vocab`` matmul per token and counts.
+  ``seq x seq`` matrix, ``4 seq heads head_dim`` per token and layer, although the
+  causal mask makes half of it irrelevant: PaLM's MFU (``6N + 12 L H Q T`` per token)
+  and Megatron-LM's count do the same, and :mod:`jaxmoe.layers.attention` computes the
+  full matrix before masking it. MaxText now counts only the unmasked half; this count
+  does not halve it (halving would lower the attention term, and MFU, accordingly).
+- Feed-forward blocks count two matrices (GELU) or three (SwiGLU's gate, up and down),
+  for the dense FFN, the routed experts and the shared experts alike.
+- The token embedding is a lookup (no FLOPs); the output head, tied to it or not, is
+  a ``d_model x vocab`` matmul per token and counts.
 - An MoE layer counts its router (``d_model x num_experts`` per token) and the
   ``top_k`` experts each token is routed to: the active parameters only. What the
   implementation computes beyond that is not model FLOPs: the empty capacity slots
@@ -26,7 +31,8 @@ Megatron-LM", appendix; Chowdhery et al. 2022, "PaLM", appendix B):
   a token's ``top_k`` outputs. Dropped assignments are not model FLOPs either: the
   experts never compute them. A configuration cannot know how many will drop, so
   :meth:`ModelFlops.train_step` takes the fraction a step measured (``dropped_fraction``
-  in the metrics); without it every assignment counts as kept.
+  in the metrics); without it every assignment counts as kept. Shared experts see every
+  token: they count in full.
 
 The count does not depend on the parallel layout: it is the work of the whole
 step, over every device.
@@ -37,6 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from jaxmoe.config import Config
+from jaxmoe.config.moe import shared_width
 
 # Forward + backward: the backward pass computes both operands' gradients of each matmul.
 TRAIN_STEP_FACTOR = 3
@@ -51,6 +58,7 @@ class ModelFlops:
     dense_ffn: int  # the FFN of the layers that are not MoE layers
     router: int
     experts: int  # top_k experts per token, every assignment kept
+    shared_experts: int
     output_head: int
 
     @property
@@ -74,15 +82,21 @@ def model_flops(config: Config) -> ModelFlops:
     width, layers = model.d_model, model.num_layers
     moe_layers = len(model.moe_layers)
     d_expert = moe.d_expert or model.d_ff
+    heads = model.num_heads * model.attention_head_dim  # all query heads, side by side
+    kv_heads = model.kv_heads * model.attention_head_dim
+    matrices = 3 if model.activation == "swiglu" else 2  # per feed-forward block
 
     def matmul(rows: int, contracted: int, columns: int) -> int:
         return 2 * rows * contracted * columns
 
     return ModelFlops(
-        attention_projections=layers * matmul(tokens, width, 4 * width),
-        attention_matmuls=layers * 2 * matmul(tokens, width, model.seq_len),
-        dense_ffn=(layers - moe_layers) * 2 * matmul(tokens, width, model.d_ff),
-        router=moe_layers * matmul(tokens, width, moe.num_experts),
-        experts=moe_layers * 2 * matmul(tokens * moe.top_k, width, d_expert),
+        attention_projections=layers
+        * (matmul(tokens, width, heads + 2 * kv_heads) + matmul(tokens, heads, width)),
+        attention_matmuls=layers * 2 * matmul(tokens, heads, model.seq_len),
+        dense_ffn=(layers - moe_layers) * matrices * matmul(tokens, width, model.d_ff),
+        # The router's logits, and Qwen-MoE's gate on the shared experts.
+        router=moe_layers * matmul(tokens, width, moe.num_experts + moe.shared_expert_gate),
+        experts=moe_layers * matrices * matmul(tokens * moe.top_k, width, d_expert),
+        shared_experts=moe_layers * matrices * matmul(tokens, width, shared_width(model, moe)),
         output_head=matmul(tokens, width, model.vocab_size),
     )

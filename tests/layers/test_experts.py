@@ -206,7 +206,7 @@ def test_expert_tensor_split_sums_to_the_unsplit_output_and_gradients(layout):
     experts = make_experts()
     graphdef, state = nnx.split(experts)
     params = nnx.to_pure_dict(state)
-    specs = param_specs(state, mesh.axis_names)
+    specs = param_specs(state, mesh.shape)
     slots = PartitionSpec(expert_axes or None)
     local_shapes = []
 
@@ -242,3 +242,31 @@ def test_expert_tensor_split_sums_to_the_unsplit_output_and_gradients(layout):
     )
     for name in NAMES:
         np.testing.assert_allclose(grads[name], expected[name], rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+# --- SwiGLU experts --------------------------------------------------------------------------
+
+
+def test_swiglu_experts_match_the_per_expert_reference():
+    experts = Experts(
+        NUM_EXPERTS,
+        D_MODEL,
+        D_HIDDEN,
+        activation="swiglu",
+        bias=False,
+        dtype=jnp.float32,
+        rngs=nnx.Rngs(0),
+    )
+    params = params_of(experts)
+    assert set(params) == {"w_in", "w_out"}
+    assert params["w_in"].shape == (NUM_EXPERTS, D_MODEL, 2, D_HIDDEN)
+    x = slot_input()
+
+    y = experts(jnp.asarray(x))
+
+    for expert in range(NUM_EXPERTS):
+        gate = x[expert] @ params["w_in"][expert, :, 0]
+        up = x[expert] @ params["w_in"][expert, :, 1]
+        expected = (jax.nn.silu(gate) * up) @ params["w_out"][expert]
+        np.testing.assert_allclose(y[expert], expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(experts.output_bias(), np.zeros((NUM_EXPERTS, 1, D_MODEL)))

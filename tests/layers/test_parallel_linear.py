@@ -101,7 +101,7 @@ def test_parameters_split_over_the_tensor_axes():
     mesh = build_mesh(TP_LAYOUTS["tensor2"])
     (tensor_axis,) = axes_for_role(TENSOR, mesh.axis_names)
 
-    specs = param_specs(nnx.state(Pair()), mesh.axis_names)
+    specs = param_specs(nnx.state(Pair()), mesh.shape)
 
     assert specs["column"]["kernel"] == PartitionSpec(None, tensor_axis)  # by output feature
     assert specs["column"]["bias"] == PartitionSpec(tensor_axis)
@@ -117,7 +117,7 @@ def test_column_then_row_parallel_equals_the_dense_matmuls(layout):
     pair = Pair()
     graphdef, state = nnx.split(pair)
     params = nnx.to_pure_dict(state)
-    specs = param_specs(state, mesh.axis_names)
+    specs = param_specs(state, mesh.shape)
     rows = PartitionSpec(*token_spec(mesh), tensor_axes)  # each rank: its sequence slice
     local_shapes = []
 
@@ -163,7 +163,7 @@ def test_row_parallel_adds_its_bias_once_not_once_per_rank():
     row.kernel[...] = jnp.zeros_like(row.kernel[...])
     row.bias[...] = jnp.ones((D_OUT,), jnp.float32)
     graphdef, state = nnx.split(row)
-    specs = param_specs(state, mesh.axis_names)
+    specs = param_specs(state, mesh.shape)
     # Replicated over the data axes, so the input is the hidden activation of every rank.
     hidden = PartitionSpec(None, None, tensor_axes)
     out = PartitionSpec(None, tensor_axes)

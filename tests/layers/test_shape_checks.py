@@ -53,9 +53,9 @@ WRONG_CALLS = {
         "experts input",
     ),
     "attention d_model": (
-        lambda: CausalSelfAttention(D_MODEL, 2, dtype=jnp.float32, rngs=nnx.Rngs(0))(
-            jnp.zeros((2, 3, D_MODEL * 2))
-        ),
+        lambda: CausalSelfAttention(
+            ModelConfig(d_model=D_MODEL, num_heads=2), dtype=jnp.float32, rngs=nnx.Rngs(0)
+        )(jnp.zeros((2, 3, D_MODEL * 2))),
         "attention input",
     ),
     "dispatch groups": (

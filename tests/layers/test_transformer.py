@@ -200,7 +200,7 @@ def test_the_same_seed_gives_the_same_parameters():
 
 def test_blocks_are_initialised_independently():
     model, _ = compiled()
-    kernels = [np.asarray(block.attention.qkv.kernel[...]) for block in model.blocks]
+    kernels = [np.asarray(block.attention.query.kernel[...]) for block in model.blocks]
     for i in range(1, len(kernels)):
         assert not np.allclose(kernels[i], kernels[0]), f"layer {i} repeats layer 0"
 

@@ -100,8 +100,8 @@ def test_a_checkpoint_without_tensor_parallelism_restores_and_trains_with_it(tmp
     with RunCheckpoints(tmp_path, config) as checkpoints:
         restored = checkpoints.restore(1, new_mesh)
     chex.assert_trees_all_equal(jax.device_get(restored), saved)
-    qkv = restored.params["blocks"][0]["attention"]["qkv"]["kernel"]
-    assert tuple(qkv.sharding.spec) == (None, None, "tensor_expert")
+    query = restored.params["blocks"][0]["attention"]["query"]["kernel"]
+    assert tuple(query.sharding.spec) == (None, "tensor_expert")
     new_step = build_train_step(config, new_mesh).jit()
     _, metrics = new_step(
         restored, jax.device_put(next_rows, NamedSharding(new_mesh, token_spec(new_mesh)))

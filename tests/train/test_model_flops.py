@@ -140,3 +140,31 @@ def test_the_traced_step_computes_the_count_where_capacity_has_no_padding(data, 
         3 * flops.experts,
         rel_tol=1e-12,
     )
+
+
+def test_the_traced_step_of_the_llama_blocks_computes_the_count():
+    # Grouped-query attention with a head width of its own, SwiGLU (three matrices), a gated
+    # shared expert and an untied head; no capacity padding (8 experts, top 2, factor 1).
+    config = Config(
+        model=ModelConfig(
+            vocab_size=256, d_model=16, num_heads=4, num_kv_heads=2, head_dim=8,
+            num_layers=2, d_ff=32, seq_len=8, norm="rmsnorm", position="rope",
+            activation="swiglu", linear_bias=False, tie_embeddings=False,
+        ),
+        moe=MoEConfig(
+            num_experts=8, top_k=2, capacity_factor=1.0, d_expert=8, num_shared_experts=2,
+            shared_expert_gate=True,
+        ),
+        parallel=ParallelConfig(data=2, expert=4),
+        train=TrainConfig(batch_size=16),
+    )  # fmt: skip
+    flops = model_flops(config)
+    tokens = 16 * 8
+    assert flops.attention_projections == 2 * (
+        2 * tokens * 16 * (32 + 2 * 16) + 2 * tokens * 32 * 16
+    )
+    assert flops.experts == 3 * 2 * (2 * tokens) * 16 * 8  # one MoE layer, three matrices
+    assert flops.shared_experts == 3 * 2 * tokens * 16 * 16
+    assert math.isclose(
+        traced_matmul_flops(config), flops.train_step() + combine_flops(config), rel_tol=1e-12
+    )

@@ -24,7 +24,7 @@ def test_weights_are_decayed_and_biases_and_scales_are_not():
     experts = "['blocks'][1]['ffn']['experts']"
     assert flat[f"{experts}['w_in']"] and flat[f"{experts}['w_out']"]
     assert not flat[f"{experts}['b_in']"] and not flat[f"{experts}['b_out']"]  # [E, d]
-    assert flat["['blocks'][0]['attention']['qkv']['kernel']"]
+    assert flat["['blocks'][0]['attention']['query']['kernel']"]
     assert not flat["['blocks'][0]['ffn']['up']['bias']"]
     assert not flat["['blocks'][0]['attention_norm']['scale']"]
     assert flat["['token_embed']['embedding']"] and flat["['position_embed']"]
