@@ -27,7 +27,6 @@ from experiments.emulation.overlap_control import (
     COLLECTIVES,
     ControlProgram,
     ControlSettings,
-    build_programs,  # noqa: F401 (tests/scheduling/test_socket_all_to_all.py imports it here)
     run_control,
 )
 from experiments.shared.results_file import command_line

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -254,7 +255,7 @@ def run_control(hosts: EmulatedHosts, settings: ControlSettings) -> ControlResul
     args += ["--collectives", program.collectives, "--rows", str(program.rows)]
     args += ["--width", str(program.width), "--layers", str(program.layers)]
     args += ["--chunks", str(program.chunks), "--repeats", str(settings.repeats)]
-    args += ["--warmup", str(settings.warmup)]
+    args += ["--warmup", str(settings.warmup), "--link-mbit", str(settings.link_mbit)]
     hosts.run("overlap-control", args, module=__name__)
     seconds = json.loads(out.read_text())
     return ControlResult({form: tuple(seconds[form]) for form in FORMS}, settings)
@@ -269,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--collectives", choices=COLLECTIVES, default="socket")
     for name in ("rows", "width", "layers", "chunks", "repeats", "warmup"):
         parser.add_argument(f"--{name}", type=int, required=True)
+    parser.add_argument("--link-mbit", type=float, required=True)
     parser.add_argument("--coordinator", required=True)
     parser.add_argument("--num-processes", type=int, required=True)
     parser.add_argument("--process-id", type=int, required=True)
@@ -281,6 +283,10 @@ def main(argv: list[str] | None = None) -> int:
 
     ensure_host_devices(args.devices_per_host)
     initialize(DistributedConfig(args.coordinator, args.num_processes, args.process_id))
+    # This program has no step to finish: SIGTERM ends it at once, also while a thread
+    # waits in a host callback (the preemption handler that initialize installs only takes
+    # note).
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
     import jax
     import jax.numpy as jnp
@@ -293,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     if program.collectives == "socket":
         from scheduling import SocketTransport
 
-        transport = SocketTransport.connect(mesh)
+        transport = SocketTransport.connect(mesh, link_mbit=args.link_mbit)
     programs = build_programs(mesh, axis, program, transport)
     rows = program.rows * jax.device_count()
     host = np.random.default_rng(0)

@@ -29,7 +29,7 @@ def check_link_curves(schedule: ScheduleConfig) -> None:
     except OSError as error:
         reason = (error.strerror or str(error)).lower()
         raise ConfigError(
-            f"{where}: {reason}; give a file written by experiments.collective_sweep"
+            f"{where}: {reason}; give a file written by jaxmoe link-curves"
         ) from None
     except ValueError as error:
         raise ConfigError(f"{where}: {error}") from None

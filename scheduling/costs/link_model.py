@@ -1,8 +1,8 @@
 """Measured collective costs: piecewise-linear curves of seconds against message size.
 
 A sweep times each collective kind over each group size at a series of
-operand sizes (``experiments/collective_sweep.py`` does it on any cluster,
-the emulated one included). :meth:`PiecewiseLinear.fit` turns the samples
+operand sizes (``jaxmoe link-curves`` does it on any cluster, the emulated
+one included). :meth:`PiecewiseLinear.fit` turns the samples
 into a curve: the median at each size, made non-decreasing, interpolated
 linearly between sizes and extrapolated with the last segment's slope (below
 the smallest size, the smallest size's time: latency dominates there). A

@@ -87,7 +87,7 @@ class _DelayedTransport(SocketTransport):
 
 
 def test_the_pipelined_chunks_overlap_their_transfers_and_chained_ones_do_not():
-    from experiments.overlap_control import build_programs
+    from experiments.emulation.overlap_control import build_programs
 
     mesh = jax.make_mesh((8,), ("devices",))
     args = argparse.Namespace(rows=64, width=32, layers=1, chunks=4)
