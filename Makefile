@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/jaxmoe train --preset tiny --out runs/demo
+	$(BIN)/jaxmoe train --preset tiny --out runs/demo --overwrite
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
