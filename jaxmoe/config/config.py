@@ -84,12 +84,29 @@ class Config:
         plain = moe.dispatcher == "all_to_all" and parallel.expert_tensor == 1
         replicas = f"moe.slots_per_device={moe.slots_per_device} (replicas) needs moe.dispatcher"
         require(not self.replica_slots or plain, f"{replicas}=all_to_all, parallel.expert_tensor=1")
-        tokens_per_device = self.tokens_per_device
+        self._check_routing_groups()
+
+    def _check_routing_groups(self) -> None:
+        """A routing group lies inside a device's tokens, or (under tensor parallelism) is
+        whole sequences of the rows a device holds: see ``moe.group_size``."""
+        group, seq_len, tensor = self.group_size, self.model.seq_len, self.parallel.tensor
+        rows = self.train.batch_size // self.parallel.batch_shards
+        if tensor == 1:
+            tokens = self.tokens_per_device
+            require(
+                tokens % group == 0,
+                f"moe.group_size={group} does not divide the {tokens} tokens per device "
+                "(train.batch_size / token shards x model.seq_len): choose a divisor of it",
+            )
+            return
+        positions = seq_len // tensor
+        whole = group % seq_len == 0 and rows % (group // seq_len) == 0
         require(
-            tokens_per_device % self.group_size == 0,
-            f"moe.group_size={self.group_size} does not divide the {tokens_per_device} "
-            "tokens per device (train.batch_size / token shards x model.seq_len): "
-            "choose a divisor of it",
+            positions % group == 0 or whole,
+            f"moe.group_size={group}: under parallel.tensor={tensor} a routing group must "
+            f"divide the {positions} positions a device holds of each row (model.seq_len / "
+            f"parallel.tensor), or be whole sequences (a multiple of model.seq_len={seq_len}) "
+            f"whose count divides the {rows} rows per device; leave it unset for one sequence",
         )
 
     @property
@@ -99,9 +116,9 @@ class Config:
 
     @property
     def group_size(self) -> int:
-        """Tokens per routing group, with the default resolved: the slice of one sequence
-        a device holds (the whole sequence without sequence parallelism)."""
-        return self.moe.group_size or self.model.seq_len // self.parallel.tensor
+        """Tokens per routing group, with the default resolved: one whole sequence, in
+        every layout."""
+        return self.moe.group_size or self.model.seq_len
 
     @property
     def capacity_per_expert(self) -> int:

@@ -18,14 +18,38 @@ class MoEConfig:
     # Capacity per expert = ceil(group_size * top_k * capacity_factor / num_experts).
     # None selects dropless dispatch (no token is ever dropped).
     capacity_factor: float | None = 1.0
-    # Tokens per routing group; capacity is counted per group (GShard). None = one sequence,
-    # which keeps routing independent of how the batch is sharded.
+    # Tokens per routing group; capacity is counted per group (GShard). None = one whole
+    # sequence (model.seq_len tokens), whatever the layout: under tensor parallelism the
+    # group is planned from choices gathered over the tensor group, so no parallel layout
+    # changes which tokens are dropped. Else a divisor of the tokens a device holds; under
+    # tensor parallelism a divisor of its seq_len / tensor positions of a row, or a multiple
+    # of seq_len whose rows divide a device's.
     group_size: int | None = None
+    # softmax (GShard, Switch, Mixtral, Qwen-MoE) or sigmoid (DeepSeek-V3).
     score_function: str = "softmax"
-    # Renormalise the top-k weights to sum to one. Ignored for top_k == 1, where it would
-    # make every weight 1 and cut the router off from the task loss.
+    # Renormalise the top-k weights to sum to one (Mixtral; Qwen's and DeepSeek-V3's
+    # norm_topk_prob). Ignored for top_k == 1, where it would make every weight 1 and cut
+    # the router off from the task loss.
     normalize_top_k: bool = True
+    # The routed experts' weights are multiplied by this (DeepSeek-V3: 2.5).
+    routed_scaling_factor: float = 1.0
+    # Group-limited routing (DeepSeek-V3's n_group, topk_group): the experts form this many
+    # groups of consecutive indices, each scored by the sum of its two best (biased)
+    # scores; a token's experts are chosen among the top_k_expert_groups best groups only
+    # (None: every group).
+    num_expert_groups: int = 1
+    top_k_expert_groups: int | None = None
+    # Auxiliary-loss-free balancing (DeepSeek-V3; 0 = off, DeepSeek uses 0.001): a
+    # per-expert bias added to the scores for choosing experts (not to their weights),
+    # moved after every step by this rate towards balance: bias_e += rate *
+    # sign(mean load - load_e) over the step's routed assignments. Part of the train state
+    # (not a parameter: no gradient, no optimizer).
+    expert_bias_rate: float = 0.0
     aux_loss_coef: float = 1e-2
+    # DeepSeek-V3's complementary sequence-wise balance loss: the load-balancing loss over
+    # each sequence (row), averaged over rows. With the default routing group (one
+    # sequence) it equals the aux loss above.
+    seq_aux_loss_coef: float = 0.0
     z_loss_coef: float = 1e-3
     # Multiplicative input noise U(1 - jitter, 1 + jitter) on the router during training.
     jitter: float = 0.0
@@ -88,8 +112,34 @@ class MoEConfig:
         )
         one_of("moe", "dispatcher", self.dispatcher, choices.DISPATCHERS)
         one_of("moe", "score_function", self.score_function, choices.SCORE_FUNCTIONS)
-        for name in ("aux_loss_coef", "z_loss_coef"):
+        for name in ("aux_loss_coef", "seq_aux_loss_coef", "z_loss_coef", "expert_bias_rate"):
             non_negative("moe", name, getattr(self, name))
+        require(
+            isinstance(self.routed_scaling_factor, int | float)
+            and not isinstance(self.routed_scaling_factor, bool)
+            and self.routed_scaling_factor > 0,
+            f"moe.routed_scaling_factor={self.routed_scaling_factor!r}: must be > 0",
+        )
+        positive_int("moe", "num_expert_groups", self.num_expert_groups)
+        require(
+            self.num_experts % self.num_expert_groups == 0,
+            f"moe.num_expert_groups={self.num_expert_groups} does not divide "
+            f"moe.num_experts={self.num_experts}: the groups must be equal",
+        )
+        if self.top_k_expert_groups is not None:
+            positive_int("moe", "top_k_expert_groups", self.top_k_expert_groups)
+            require(
+                self.top_k_expert_groups <= self.num_expert_groups,
+                f"moe.top_k_expert_groups={self.top_k_expert_groups} is more than the "
+                f"moe.num_expert_groups={self.num_expert_groups} groups",
+            )
+            per_group = self.num_experts // self.num_expert_groups
+            require(
+                self.top_k <= self.top_k_expert_groups * per_group,
+                f"moe.top_k={self.top_k} is more than the {self.top_k_expert_groups} x "
+                f"{per_group} experts of the moe.top_k_expert_groups best groups: raise "
+                "moe.top_k_expert_groups or lower moe.top_k",
+            )
         require(
             isinstance(self.jitter, int | float) and 0 <= self.jitter < 1,
             f"moe.jitter={self.jitter!r}: must be in [0, 1)",
@@ -111,3 +161,4 @@ def capacity_per_expert(
     if capacity_factor is None:
         return group_size
     return max(1, math.ceil(group_size * top_k * capacity_factor / num_experts))
+

@@ -25,6 +25,11 @@ in the same priority order, round-robin over its copies: assignment ``r`` goes
 to copy ``r mod n`` at position ``r // n``. So an expert keeps its first
 ``n * capacity`` assignments, its copies fill evenly, and with one copy each the
 rule is the one above.
+
+Under sequence parallelism (:mod:`jaxmoe.layers.moe`) every device of a tensor group
+plans its groups (whole sequences) alike from the group's gathered choices, and packs
+the assignments it keeps of its own tokens into a buffer of its own
+(:func:`local_plan`): the same assignments are kept and dropped as on one device.
 """
 
 from __future__ import annotations
@@ -88,6 +93,28 @@ def plan_replicated_dispatch(
     kept = position < capacity
     target = slot_of[expert_index, rank % expert_copies]
     slot = jnp.where(kept, target * capacity + position, num_slots * capacity)
+    return DispatchPlan(slot=slot.astype(jnp.int32), kept=kept)
+
+
+def local_plan(
+    slot_index: jax.Array, kept: jax.Array, num_slots: int, capacity: int
+) -> DispatchPlan:
+    """This device's share of a group's plan, packed into a buffer of its own.
+
+    Under sequence parallelism a routing group (whole sequences) is planned identically
+    on every device of the tensor group, each holding some of its tokens.
+    ``slot_index [G, S, k]`` is the expert slot (the expert, or a replica slot) of each
+    assignment of this device's tokens under that plan and ``kept`` whether the plan
+    keeps it; each kept assignment gets the next free position of its slot in a buffer
+    of ``capacity`` per slot, in priority order (choice-major, then token order), so
+    the device dispatches its own tokens only. ``capacity`` must bound the kept
+    assignments of any slot: ``min(group capacity, S)`` does (a token sends at most one
+    assignment to each slot).
+    """
+    chex.assert_equal_shape((slot_index, kept))
+    index = jnp.where(kept, slot_index, num_slots)  # dropped ones rank among themselves
+    position = _priority_rank(index, num_slots + 1)
+    slot = jnp.where(kept, slot_index * capacity + position, num_slots * capacity)
     return DispatchPlan(slot=slot.astype(jnp.int32), kept=kept)
 
 

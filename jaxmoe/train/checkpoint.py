@@ -3,7 +3,8 @@
 A checkpoint is a directory ``OUT/checkpoints/<step>`` of three items:
 
 - ``state``: the whole :class:`~jaxmoe.train.state.TrainState` (step, parameters,
-  optimizer state) as sharded arrays; every process writes only its own shards.
+  optimizer state, and the model state such as the expert biases of auxiliary-loss-free
+  balancing) as sharded arrays; every process writes only its own shards.
 - ``run``: where the run stands besides the state: the next step, the data position
   and the random streams. Batches and router noise are functions of
   ``(train.seed, step)`` (:class:`~jaxmoe.train.data.BatchSampler`,
@@ -134,6 +135,16 @@ def check_compatible(saved: dict[str, Any], config: Config, step: int) -> list[s
             "parallel.tensor",
             "parallel.expert_tensor",
         }
+    # The expert biases of auxiliary-loss-free balancing exist only with a positive rate
+    # (a checkpoint written before the field existed has none).
+    saved_rate = saved.get("moe", {}).get("expert_bias_rate", 0.0)
+    if (saved_rate > 0) != (config.moe.expert_bias_rate > 0):
+        held = "holds expert biases" if saved_rate > 0 else "holds no expert biases"
+        raise ConfigError(
+            f"the checkpoint of step {step} {held} (moe.expert_bias_rate {saved_rate!r} -> "
+            f"{config.moe.expert_bias_rate!r}): resume with a rate that is "
+            f"{'positive' if saved_rate > 0 else '0'}, or start a new run with --overwrite"
+        )
     # The placement table is [moe_layers, expert axis, replica slots].
     placement_fields = {"moe.slots_per_device"}
     if config.replica_slots:

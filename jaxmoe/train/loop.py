@@ -51,7 +51,9 @@ class RunStopped(Exception):
 def _evaluate(eval_step: Callable, state: Any, sampler: BatchSampler, batches: int, mesh) -> float:
     """Mean validation cross-entropy over a fixed set of batches (the same every time)."""
     losses = [
-        eval_step(state.params, put_on_mesh(sampler, index, mesh), state.placement)
+        eval_step(
+            state.params, put_on_mesh(sampler, index, mesh), state.placement, state.model_state
+        )
         for index in range(batches)
     ]
     return float(sum(jax.device_get(losses)) / batches)
@@ -162,7 +164,7 @@ def _start(
         lambda: (
             build_eval_step(config, mesh)
             .jit()
-            .lower(state.params, first_batch, state.placement)
+            .lower(state.params, first_batch, state.placement, state.model_state)
             .compile()
         )
     )

@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxmoe.config import Config, ModelConfig, MoEConfig
 from jaxmoe.layers import GPTMoE
+from jaxmoe.layers.router import ExpertBias
 from jaxmoe.parallel.grad_sync import make_grad_sync
 from jaxmoe.parallel.mesh import mesh_axis_names, mesh_axis_sizes
 from jaxmoe.parallel.placement import static_placement
@@ -30,6 +31,11 @@ class TrainState(NamedTuple):
     # Replica tables [moe_layers, expert_axis, replica_slots] int32 when moe.slots_per_device
     # leaves spare slots (jaxmoe.parallel.placement), else None. Replicated on every device.
     placement: Any = None
+    # The model's variables that are not parameters (no gradient, no optimizer state), as a
+    # pure dict like ``params``: the routers' expert biases (jaxmoe.layers.router.ExpertBias)
+    # under moe.expert_bias_rate > 0, which the step updates from the routed load; else
+    # None. Replicated on every device, checkpointed with the rest.
+    model_state: Any = None
 
 
 def build_model(config: Config) -> GPTMoE:
@@ -37,26 +43,44 @@ def build_model(config: Config) -> GPTMoE:
 
 
 @functools.lru_cache(maxsize=16)
-def _abstract_model(model: ModelConfig, moe: MoEConfig, seed: int) -> tuple[nnx.GraphDef, Any]:
-    """The model's structure and the shapes of its state, without allocating parameters.
+def _abstract_model(
+    model: ModelConfig, moe: MoEConfig, seed: int
+) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """The model's structure and the shapes of its parameters and of its other state
+    (:func:`split_model`), without allocating anything.
 
     Kept per model: building it traces every initialiser, seconds for a large model, and a
     step's specs and state shapes ask for it many times."""
-    return nnx.split(nnx.eval_shape(lambda: GPTMoE(model, moe, rngs=nnx.Rngs(seed))))
+    return split_model(nnx.eval_shape(lambda: GPTMoE(model, moe, rngs=nnx.Rngs(seed))))
+
+
+def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """``(graphdef, params, model_state)``: the trained parameters (every variable but the
+    expert biases) and the state the step updates itself (the expert biases). ``nnx.merge(
+    graphdef, params, model_state)`` takes their pure dicts."""
+    graphdef, model_state, params = nnx.split(model, ExpertBias, ...)
+    return graphdef, params, model_state
+
+
+def pure_model_state(model_state: nnx.State) -> Any:
+    """The pure dict of the model state, or None when the model has none."""
+    pure = nnx.to_pure_dict(model_state)
+    return pure if jax.tree.leaves(pure) else None
 
 
 def model_graphdef_and_specs(config: Config) -> tuple[nnx.GraphDef, dict]:
     """The model's structure and parameter specs, without allocating parameters."""
-    graphdef, abstract_state = _abstract_model(config.model, config.moe, config.train.seed)
+    graphdef, abstract_state, _ = _abstract_model(config.model, config.moe, config.train.seed)
     return graphdef, param_specs(abstract_state, mesh_axis_names(config.parallel))
 
 
 def _initial_state(config: Config) -> TrainState:
-    return _state_around(config, nnx.to_pure_dict(nnx.state(build_model(config))))
+    _, params, model_state = split_model(build_model(config))
+    return _state_around(config, nnx.to_pure_dict(params), pure_model_state(model_state))
 
 
-def _state_around(config: Config, params: Any) -> TrainState:
-    """The initial train state around ``params`` (a pure dict)."""
+def _state_around(config: Config, params: Any, model_state: Any = None) -> TrainState:
+    """The initial train state around ``params`` and ``model_state`` (pure dicts)."""
     opt_state = make_optimizer(config.train).init(params)
     _, specs = model_graphdef_and_specs(config)
     grad_sync = make_grad_sync(config.train).init_state(
@@ -68,6 +92,7 @@ def _state_around(config: Config, params: Any) -> TrainState:
         opt_state=opt_state,
         grad_sync=grad_sync,
         placement=initial_placement(config),
+        model_state=model_state,
     )
 
 
@@ -83,9 +108,12 @@ def initial_placement(config: Config) -> jax.Array | None:
 
 def abstract_train_state(config: Config) -> TrainState:
     """Shapes and dtypes of the state, computed without allocating it."""
-    _, abstract_state = _abstract_model(config.model, config.moe, config.train.seed)
-    params = nnx.to_pure_dict(abstract_state)
-    return jax.eval_shape(lambda params: _state_around(config, params), params)
+    _, abstract_params, abstract_model_state = _abstract_model(
+        config.model, config.moe, config.train.seed
+    )
+    params = nnx.to_pure_dict(abstract_params)
+    model_state = pure_model_state(abstract_model_state)
+    return jax.eval_shape(lambda p, m: _state_around(config, p, m), params, model_state)
 
 
 def state_specs(config: Config) -> TrainState:
@@ -106,6 +134,7 @@ def state_specs(config: Config) -> TrainState:
         opt_state=opt_specs,
         grad_sync=make_grad_sync(config.train).state_specs(specs, mesh_axis_sizes(config.parallel)),
         placement=PartitionSpec() if config.replica_slots else None,
+        model_state=jax.tree.map(lambda _: PartitionSpec(), shapes.model_state),
     )
 
 

@@ -2,7 +2,8 @@
 
 Inside it: the forward pass, the loss, ``jax.value_and_grad``, the explicit
 gradient synchronisation (``train.grad_sync``, :mod:`jaxmoe.parallel.grad_sync`),
-global-norm clipping and the AdamW update. Every
+global-norm clipping, the AdamW update, and (``moe.expert_bias_rate``) the routers'
+expert biases moved from the step's global routed counts, outside the optimizer. Every
 collective (the expert all-to-alls of forward and backward, the tensor-parallel
 all-gathers and reduce-scatters and their transposes, the gradient psums) is
 an equation of one per-device program, next to all of the computation — which
@@ -33,6 +34,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from jaxmoe.config import Config
 from jaxmoe.layers import RoutingStats
+from jaxmoe.layers.router import update_expert_bias
 from jaxmoe.parallel.grad_sync import make_grad_sync
 from jaxmoe.parallel.mesh import mesh_axis_sizes, token_spec
 from jaxmoe.parallel.placement import replicas_per_expert, slot_experts
@@ -73,10 +75,13 @@ def _forward_losses(
     batch: jax.Array,
     key: jax.Array | None,
     placement: jax.Array | None = None,
+    model_state: Any = None,
 ) -> tuple[jax.Array, jax.Array, RoutingStats]:
-    """Local total loss (cross-entropy + aux + z) and its parts, on this device's tokens:
-    its rows, and under tensor parallelism its slice of their positions."""
-    model = nnx.merge(graphdef, params)
+    """Local total loss (cross-entropy + aux + seq-aux + z) and its parts, on this device's
+    tokens: its rows, and under tensor parallelism its slice of their positions.
+
+    ``model_state``: the state's (the expert biases), or None when the model has none."""
+    model = nnx.merge(graphdef, params, *([] if model_state is None else [model_state]))
     logits, stats = model(batch[:, :-1], key, placement)
     labels = sequence_slice(batch[:, 1:])
     cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
@@ -84,6 +89,7 @@ def _forward_losses(
     total = (
         cross_entropy
         + config.moe.aux_loss_coef * jnp.sum(stats.aux_loss)
+        + config.moe.seq_aux_loss_coef * jnp.sum(stats.seq_aux_loss)
         + config.moe.z_loss_coef * jnp.sum(stats.z_loss)
     )
     return total, cross_entropy, stats
@@ -106,14 +112,19 @@ def _placement_metrics(stats: RoutingStats, placement: jax.Array, axes: tuple[st
     }
 
 
-def _routing_metrics(stats: RoutingStats, axes: tuple[str, ...], shards: int) -> Metrics:
+def _routing_metrics(
+    config: Config, stats: RoutingStats, axes: tuple[str, ...], shards: int
+) -> Metrics:
     tokens_per_expert = jax.lax.psum(stats.tokens_per_expert, axes)  # [moe_layers, experts]
     per_layer_imbalance = jnp.max(tokens_per_expert, axis=-1) / jnp.mean(
         tokens_per_expert.astype(jnp.float32), axis=-1
     )
+    losses = {"aux_loss": stats.aux_loss, "z_loss": stats.z_loss}
+    if config.moe.seq_aux_loss_coef > 0:
+        losses["seq_aux_loss"] = stats.seq_aux_loss
     return {
-        "aux_loss": jax.lax.psum(jnp.mean(stats.aux_loss) / shards, axes),
-        "z_loss": jax.lax.psum(jnp.mean(stats.z_loss) / shards, axes),
+        # Means over MoE layers of the global means.
+        **{name: jax.lax.psum(jnp.mean(value) / shards, axes) for name, value in losses.items()},
         "dropped_fraction": jax.lax.psum(jnp.sum(stats.dropped), axes)
         / jax.lax.psum(jnp.sum(stats.assignments), axes),
         "tokens_per_expert": tokens_per_expert,
@@ -133,6 +144,7 @@ def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
     # on_nonfinite=skip keeps the old parameters and optimizer state where a step's loss or
     # gradient norm is not finite; with 'stop' the loop ends the run and the step is as is.
     skip_nonfinite = config.train.on_nonfinite == "skip"
+    bias_rate = config.moe.expert_bias_rate
     grad_sync = make_grad_sync(config.train, mesh)
     mesh_axes = mesh_axis_sizes(config.parallel)
 
@@ -144,7 +156,7 @@ def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
 
         def loss_fn(params):
             total, cross_entropy, stats = _forward_losses(
-                config, graphdef, params, batch, key, state.placement
+                config, graphdef, params, batch, key, state.placement, state.model_state
             )
             return total / shards, (total, cross_entropy, stats)
 
@@ -173,21 +185,32 @@ def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
                 "total_loss": jax.lax.psum(total / shards, axes),
                 "grad_norm": grad_norm,
                 "learning_rate": schedule(state.step),
-                **_routing_metrics(stats, axes, shards),
+                **_routing_metrics(config, stats, axes, shards),
             }
             if state.placement is not None:
                 metrics.update(_placement_metrics(stats, state.placement, axes))
+        model_state = state.model_state
+        if model_state is not None:
+            # Auxiliary-loss-free balancing, outside the optimizer: from the step's global
+            # routed counts (the same psum on every device, so the same bias everywhere).
+            with jax.named_scope("expert_bias"):
+                model_state = _update_expert_biases(
+                    model_state, metrics["tokens_per_expert"], bias_rate
+                )
         if skip_nonfinite:
             # Both are global values, so every device takes the same decision.
             finite = jnp.isfinite(metrics["total_loss"]) & jnp.isfinite(grad_norm)
             # The sync state too: a non-finite residual would poison every later step.
-            params, opt_state, sync_state = jax.tree.map(
+            params, opt_state, sync_state, model_state = jax.tree.map(
                 lambda new, old: jnp.where(finite, new, old),
-                (params, opt_state, sync_state),
-                (state.params, state.opt_state, state.grad_sync),
+                (params, opt_state, sync_state, model_state),
+                (state.params, state.opt_state, state.grad_sync, state.model_state),
             )
             metrics["skipped"] = jnp.logical_not(finite).astype(jnp.int32)
-        return TrainState(state.step + 1, params, opt_state, sync_state, state.placement), metrics
+        new_state = TrainState(
+            state.step + 1, params, opt_state, sync_state, state.placement, model_state
+        )
+        return new_state, metrics
 
     specs = state_specs(config)
     return ShardedStep(
@@ -201,20 +224,45 @@ def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
 
 
 def build_eval_step(config: Config, mesh: Mesh) -> ShardedStep:
-    """``(params, batch, placement) -> mean cross-entropy`` over the global batch, per device.
+    """``(params, batch, placement, model_state) -> mean cross-entropy`` over the global
+    batch, per device.
 
-    ``placement`` is the state's (None without replica slots)."""
+    ``placement`` and ``model_state`` are the state's (None without replica slots, or
+    without expert biases)."""
     graphdef, param_spec_tree = model_graphdef_and_specs(config)
     shards = config.parallel.token_shards
     axes = tuple(mesh.axis_names)
+    specs = state_specs(config)
 
-    def per_device(params: Any, batch: jax.Array, placement: Any) -> jax.Array:
-        _, cross_entropy, _ = _forward_losses(config, graphdef, params, batch, None, placement)
+    def per_device(params: Any, batch: jax.Array, placement: Any, model_state: Any) -> jax.Array:
+        _, cross_entropy, _ = _forward_losses(
+            config, graphdef, params, batch, None, placement, model_state
+        )
         return jax.lax.psum(cross_entropy / shards, axes)
 
     return ShardedStep(
         per_device=per_device,
         mesh=mesh,
-        in_specs=(param_spec_tree, token_spec(mesh), state_specs(config).placement),
+        in_specs=(param_spec_tree, token_spec(mesh), specs.placement, specs.model_state),
         out_specs=PartitionSpec(),
     )
+
+
+def _update_expert_biases(model_state: Any, load: jax.Array, rate: float) -> Any:
+    """Each MoE layer's expert bias moved by its row of ``load [moe_layers, experts]``.
+
+    The biases are the leaves of ``model_state``, one per MoE layer; the layers are in
+    depth order when sorted by the integer keys of their paths (the block indices)."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(model_state)
+    if len(leaves) != load.shape[0]:
+        raise ValueError(f"{len(leaves)} expert biases for {load.shape[0]} MoE layers")
+
+    def depth(path: Any) -> tuple[int, ...]:
+        keys = (getattr(entry, "key", getattr(entry, "idx", None)) for entry in path)
+        return tuple(key for key in keys if isinstance(key, int))
+
+    order = sorted(range(len(leaves)), key=lambda i: depth(leaves[i][0]))
+    updated = [None] * len(leaves)
+    for layer, i in enumerate(order):
+        updated[i] = update_expert_bias(leaves[i][1], load[layer], rate)
+    return jax.tree_util.tree_unflatten(treedef, updated)

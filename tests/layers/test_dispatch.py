@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxmoe.config import capacity_per_expert
-from jaxmoe.layers.dispatch import DispatchPlan, combine, dispatch, plan_dispatch
+from jaxmoe.layers.dispatch import DispatchPlan, combine, dispatch, local_plan, plan_dispatch
 
 # --- capacity_per_expert ---------------------------------------------------------------------
 
@@ -237,3 +237,53 @@ def test_combine_ignores_expert_output_in_unused_slots():
     y = combine(outputs, plan, jnp.ones((1, 2, 1)))
 
     np.testing.assert_array_equal(y, [[[5.0], [0.0]]])
+
+
+# --- local_plan: a device's share of a group split over a tensor group -----------------------
+
+
+def test_local_plans_keep_the_group_plan_and_pack_each_half_from_slot_zero():
+    group = plan_dispatch(jnp.asarray(HAND_INDEX), num_experts=3, capacity=2)
+    expert = np.where(np.asarray(group.kept), np.asarray(group.slot) // 2, 3)
+
+    halves = [
+        local_plan(jnp.asarray(expert[:, part]), group.kept[:, part], num_slots=3, capacity=2)
+        for part in (slice(0, 3), slice(3, 6))
+    ]
+
+    for half, part in zip(halves, (slice(0, 3), slice(3, 6)), strict=True):
+        np.testing.assert_array_equal(half.kept, HAND_KEPT[:, part])
+    # First half, in priority order: t0->e0, t1->e0, t2->e1 (first choices), t1->e2.
+    np.testing.assert_array_equal(halves[0].slot, [[[0, 6], [1, 4], [2, 6]]])
+    # Second half: t3 dropped entirely, t4->e2 and t5->e1 each first in their expert.
+    np.testing.assert_array_equal(halves[1].slot, [[[6, 6], [4, 6], [2, 6]]])
+
+
+def test_the_halves_of_a_group_combine_to_the_whole_groups_output():
+    rng = np.random.default_rng(0)
+    first = rng.integers(0, 4, (2, 8))
+    second = (first + rng.integers(1, 4, (2, 8))) % 4  # distinct from the first choice
+    index = np.stack([first, second], axis=-1).astype(np.int32)
+    tokens = jnp.asarray(rng.normal(size=(2, 8, 3)), jnp.float32)
+    weight = jnp.asarray(rng.uniform(size=(2, 8, 2)), jnp.float32)
+    group = plan_dispatch(jnp.asarray(index), num_experts=4, capacity=3)
+    assert not np.all(group.kept)  # some assignments are dropped
+
+    def apply(x, w, plan):  # expert e multiplies by e + 1
+        slots = dispatch(x, plan, 4 * 3).reshape(x.shape[0], 4, 3, -1)
+        outputs = slots * jnp.arange(1.0, 5.0)[:, None, None]
+        return combine(outputs.reshape(x.shape[0], 12, -1), plan, w)
+
+    expert = jnp.where(group.kept, group.slot // 3, 4)
+    parts = [
+        apply(
+            tokens[:, part],
+            weight[:, part],
+            local_plan(expert[:, part], group.kept[:, part], num_slots=4, capacity=3),
+        )
+        for part in (slice(0, 4), slice(4, 8))
+    ]
+
+    np.testing.assert_allclose(
+        jnp.concatenate(parts, axis=1), apply(tokens, weight, group), rtol=1e-6
+    )

@@ -392,3 +392,44 @@ def test_jitter_noise_differs_between_devices_on_the_mesh():
     np.testing.assert_array_equal(noisy, again)
     for device in range(1, BATCH):
         assert not np.allclose(noisy[device], noisy[0]), f"device {device} saw device 0's noise"
+
+
+def test_sequence_aux_loss_and_group_aux_loss_on_a_hand_computed_example():
+    # Four experts, top-1, routing groups of two tokens in rows of four. The router's kernel
+    # is the identity, so each token's logits are log(p): its softmax scores are p.
+    config = MoEConfig(
+        num_experts=4, top_k=1, capacity_factor=None, group_size=2, seq_aux_loss_coef=1.0
+    )
+    layer = MoELayer(4, 8, config, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    layer.router.kernel[...] = jnp.eye(4, dtype=jnp.float32)
+    p = np.array(
+        [
+            [
+                [0.7, 0.1, 0.1, 0.1],
+                [0.7, 0.1, 0.1, 0.1],
+                [0.1, 0.7, 0.1, 0.1],
+                [0.4, 0.3, 0.2, 0.1],
+            ],
+            [[0.25] * 4] * 4,  # every expert ties: every token goes to expert 0
+        ],
+        np.float32,
+    )
+
+    _, stats = layer.per_device(jnp.log(jnp.asarray(p)))
+
+    # Row 0 sends 3 tokens to expert 0 and 1 to expert 1: f = E / (K T) x counts = (3, 1, 0,
+    # 0); P = mean score = (1.9, 1.2, 0.5, 0.4) / 4; f . P = 3 x 0.475 + 0.3 = 1.725.
+    # Row 1: f = (4, 0, 0, 0), P = 0.25 each: 1.0. The sequence-wise loss is their mean.
+    np.testing.assert_allclose(stats.seq_aux_loss, (1.725 + 1.0) / 2, rtol=1e-6)
+    # Per group of two: (t0, t1) 4 x 0.7 = 2.8; (t2, t3) 4 x (0.5 x 0.25 + 0.5 x 0.5) = 1.5;
+    # row 1's groups 1.0 each.
+    np.testing.assert_allclose(stats.aux_loss, (2.8 + 1.5 + 1.0 + 1.0) / 4, rtol=1e-6)
+    np.testing.assert_array_equal(stats.tokens_per_expert, [7, 1, 0, 0])
+
+
+def test_sequence_aux_loss_is_zero_when_its_coefficient_is():
+    case = CASES[1]
+    _, x, _ = inputs(case)
+    _, stats = make_layer(case).per_device(jnp.asarray(x))
+
+    assert float(stats.seq_aux_loss) == 0.0

@@ -12,10 +12,13 @@ from flax import nnx
 
 from jaxmoe.layers.router import (
     Router,
+    balance_loss,
     load_balancing_loss,
     router_scores,
     router_z_loss,
+    select_experts,
     top_k_experts,
+    update_expert_bias,
 )
 
 # Three tokens, three experts. Token 2 ties experts 0 and 1.
@@ -276,3 +279,196 @@ def test_router_jitter_scales_the_input_so_a_zero_input_stays_zero():
     x = jnp.zeros((1, 3, D_MODEL))
 
     assert_outputs_equal(router(x, jax.random.key(5)), router(x))
+
+
+# --- The routing families against Hugging Face's routers, on fixed logits ----------------------
+#
+# The references below restate, in numpy, what Hugging Face's MixtralSparseMoeBlock,
+# Qwen2MoeSparseMoeBlock / Qwen3MoeSparseMoeBlock (norm_topk_prob) and DeepseekV3TopkRouter
+# compute. torch.topk leaves the order of ties unspecified; the references break them to
+# the lower index (a stable sort), as the router does.
+
+EXPERTS = 8
+FIXED_LOGITS = np.array(
+    [
+        [0.3, -1.2, 1.7, 0.4, -0.6, 1.1, 0.0, -0.2],
+        [1.5, 1.5, -0.3, 0.9, 0.2, -1.0, 0.9, 0.4],  # ties: experts 0 and 1, 3 and 6
+        [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],  # every expert ties
+        [-0.5, 0.8, 0.8, -1.5, 1.9, 0.1, -0.4, 1.2],
+        [1.0, 0.2, 0.9, 1.3, -0.7, 1.3, 0.5, 0.6],  # ties: experts 3 and 5
+    ],
+    np.float32,
+)
+BIAS = np.array([0.1, -0.05, 0.0, 0.2, -0.1, 0.0, 0.05, 0.3], np.float32)
+
+
+def stable_top(values, k):
+    """Indices of the k largest values per row, ties to the lower index."""
+    return np.argsort(-values, axis=-1, kind="stable")[..., :k]
+
+
+def hf_softmax_router(logits, top_k, norm_topk_prob):
+    """Mixtral (always renormalises) and Qwen2/3-MoE (``norm_topk_prob``)."""
+    logits = logits.astype(np.float64)
+    probabilities = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    index = stable_top(probabilities, top_k)
+    weights = np.take_along_axis(probabilities, index, -1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(-1, keepdims=True)
+    return index, weights
+
+
+def hf_deepseek_v3_router(logits, bias, top_k, n_group, topk_group, norm_topk_prob, scaling):
+    """DeepseekV3TopkRouter: sigmoid scores, selection by scores + bias within the best
+    groups (each scored by its two best biased scores), weights the unbiased scores."""
+    scores = 1 / (1 + np.exp(-logits.astype(np.float64)))
+    choice = scores + bias
+    per_group = EXPERTS // n_group
+    grouped = choice.reshape(len(choice), n_group, per_group)
+    group_scores = np.sort(grouped, axis=-1)[..., -2:].sum(-1)
+    group_mask = np.zeros((len(choice), n_group), bool)
+    np.put_along_axis(group_mask, stable_top(group_scores, topk_group), True, -1)
+    masked = np.where(np.repeat(group_mask, per_group, -1), choice, 0.0)  # HF fills with 0.0
+    index = stable_top(masked, top_k)
+    weights = np.take_along_axis(scores, index, -1)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return index, weights * scaling
+
+
+def router_on_logits(logits, bias=None, **options):
+    """The Router with an identity kernel, so its logits are its input ``[tokens, E]``."""
+    router = Router(EXPERTS, EXPERTS, expert_bias=bias is not None, rngs=nnx.Rngs(0), **options)
+    router.kernel[...] = jnp.eye(EXPERTS, dtype=jnp.float32)
+    if bias is not None:
+        router.expert_bias[...] = jnp.asarray(bias)
+    out = router(jnp.asarray(logits)[None])
+    return np.asarray(out.expert_index[0]), np.asarray(out.combine_weight[0])
+
+
+@pytest.mark.parametrize(
+    ("family", "top_k", "normalize"),
+    [("mixtral", 2, True), ("qwen2-moe", 4, False), ("qwen3-moe", 4, True)],
+)
+def test_softmax_routing_matches_hugging_face(family, top_k, normalize):
+    expected_index, expected_weights = hf_softmax_router(FIXED_LOGITS, top_k, normalize)
+
+    index, weights = router_on_logits(FIXED_LOGITS, top_k=top_k, normalize_top_k=normalize)
+
+    np.testing.assert_array_equal(index, expected_index, err_msg=family)
+    np.testing.assert_allclose(weights, expected_weights, rtol=1e-6, err_msg=family)
+    np.testing.assert_array_equal(index[1, :2], [0, 1])  # the tie goes to the lower index
+    np.testing.assert_array_equal(index[2], np.arange(top_k))
+
+
+DEEPSEEK = dict(score_function="sigmoid", normalize_top_k=True, routed_scaling_factor=2.5)
+
+
+@pytest.mark.parametrize(
+    ("groups", "top_groups", "top_k"),
+    [(1, None, 3), (4, 2, 3), (4, 1, 2), (2, 1, 4)],
+    ids=["no-groups", "4-groups-keep-2", "4-groups-keep-1", "2-groups-keep-1"],
+)
+def test_deepseek_v3_routing_matches_hugging_face(groups, top_groups, top_k):
+    expected_index, expected_weights = hf_deepseek_v3_router(
+        FIXED_LOGITS, BIAS, top_k, groups, top_groups or groups, True, 2.5
+    )
+
+    index, weights = router_on_logits(
+        FIXED_LOGITS,
+        BIAS,
+        top_k=top_k,
+        num_expert_groups=groups,
+        top_k_expert_groups=top_groups,
+        **DEEPSEEK,
+    )
+
+    np.testing.assert_array_equal(index, expected_index)
+    np.testing.assert_allclose(weights, expected_weights, rtol=1e-6)
+    np.testing.assert_allclose(weights.sum(-1), 2.5, rtol=1e-6)
+
+
+def test_the_bias_chooses_the_experts_but_does_not_weigh_them():
+    logits = FIXED_LOGITS[:1]  # expert 2 (1.7), then 5 (1.1), 3 (0.4), 0 (0.3)
+    bias = np.zeros(EXPERTS, np.float32)
+    bias[0] = 1.0  # lifts expert 0 past all the others
+
+    plain, plain_weights = router_on_logits(logits, np.zeros(EXPERTS), top_k=2, **DEEPSEEK)
+    biased, biased_weights = router_on_logits(logits, bias, top_k=2, **DEEPSEEK)
+
+    np.testing.assert_array_equal(plain, [[2, 5]])
+    np.testing.assert_array_equal(biased, [[0, 2]])
+    sigmoid = 1 / (1 + np.exp(-logits[0, [0, 2]].astype(np.float64)))
+    np.testing.assert_allclose(biased_weights[0], 2.5 * sigmoid / sigmoid.sum(), rtol=1e-6)
+    assert not np.allclose(plain_weights, biased_weights)
+
+
+def test_tied_groups_go_to_the_lower_group_and_only_their_experts_are_chosen():
+    # Groups of two. Groups 0 (experts 0, 1) and 1 (experts 2, 3) tie exactly at
+    # sigmoid(1.0) + sigmoid(0.5) = 1.353; group 2 scores sigmoid(1.2) + sigmoid(0) = 1.269.
+    logits = np.array([[1.0, 0.5, 0.5, 1.0, 1.2, 0.0, -3.0, -3.0]], np.float32)
+    options = dict(top_k=2, num_expert_groups=4, score_function="sigmoid")
+
+    one_group, _ = router_on_logits(logits, top_k_expert_groups=1, **options)
+    two_groups, _ = router_on_logits(logits, top_k_expert_groups=2, **options)
+    ungrouped, _ = router_on_logits(logits, top_k=2, score_function="sigmoid")
+
+    np.testing.assert_array_equal(one_group, [[0, 1]])  # the tie goes to group 0
+    np.testing.assert_array_equal(two_groups, [[0, 3]])  # experts 0 and 3 tie at 1.0
+    np.testing.assert_array_equal(ungrouped, [[4, 0]])  # expert 4 is the best on its own
+
+
+def test_a_masked_group_is_never_chosen_even_below_zero():
+    # Every eligible biased score is negative; Hugging Face fills the masked ones with 0.0
+    # and would pick them, the router fills them with -inf.
+    logits = np.full((1, EXPERTS), -4.0, np.float32)
+    logits[0, :2] = 0.0  # group 0 (experts 0, 1) is the best group
+    bias = np.full(EXPERTS, -0.6, np.float32)
+
+    index, _ = router_on_logits(
+        logits, bias, top_k=2, num_expert_groups=4, top_k_expert_groups=1, **DEEPSEEK
+    )
+
+    np.testing.assert_array_equal(index, [[0, 1]])
+
+
+def test_routed_scaling_factor_scales_the_softmax_weights_too():
+    index, weights = router_on_logits(FIXED_LOGITS, top_k=2, routed_scaling_factor=2.0)
+    _, expected = hf_softmax_router(FIXED_LOGITS, 2, True)
+
+    np.testing.assert_array_equal(index, hf_softmax_router(FIXED_LOGITS, 2, True)[0])
+    np.testing.assert_allclose(weights, 2.0 * expected, rtol=1e-6)
+
+
+def test_select_experts_with_groups_but_no_limit_is_plain_top_k():
+    logits = jnp.asarray(FIXED_LOGITS)
+    scores = jax.nn.sigmoid(logits)
+
+    limited = select_experts(logits, scores, 3, num_groups=4, top_k_groups=4)
+
+    np.testing.assert_array_equal(limited, select_experts(logits, scores, 3))
+
+
+def test_update_expert_bias_moves_against_the_load():
+    bias = jnp.array([0.0, 0.5, -0.5, 0.0])
+    load = jnp.array([10, 2, 4, 4])  # mean 5: expert 0 over, the others under
+
+    updated = update_expert_bias(bias, load, 0.01)
+
+    np.testing.assert_array_equal(updated, np.float32([0.0 - 0.01, 0.51, -0.49, 0.01]))
+    np.testing.assert_array_equal(update_expert_bias(bias, jnp.array([3, 3, 3, 3]), 0.01), bias)
+
+
+def test_balance_loss_of_partial_sums_adds_up_to_the_whole_group():
+    rng = np.random.default_rng(0)
+    probabilities = rng.dirichlet(np.ones(4), size=6).astype(np.float32)  # 6 tokens
+    counts = jnp.array([5, 4, 2, 1])  # the whole group's, top-2
+
+    whole = balance_loss(counts, probabilities.sum(0), tokens=6, top_k=2)
+    halves = sum(
+        balance_loss(counts, part.sum(0), tokens=6, top_k=2) for part in np.split(probabilities, 2)
+    )
+
+    np.testing.assert_allclose(halves, whole, rtol=1e-6)
+    expected = 4 * np.sum(np.array([5, 4, 2, 1]) / 12 * probabilities.mean(0))
+    np.testing.assert_allclose(whole, expected, rtol=1e-6)

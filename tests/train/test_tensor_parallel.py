@@ -1,12 +1,13 @@
 """Tensor and sequence parallelism: folded layouts train exactly as the unfolded one.
 
-Routing groups are ``moe.group_size = 4`` consecutive positions of one row in
-every layout: 4 divides the ``seq_len / tensor`` positions a device holds
-(16 / 4 at most), so each group lies inside one device's sequence slice and
-is the same set of tokens whatever the layout. Capacity is counted per group,
-so the same assignments are dropped (and, dropless, the per-group auxiliary
-loss is the same). The runs then differ only in the order of floating-point
-reductions.
+Routing groups are one whole sequence by default in every layout: under tensor
+parallelism each device holds a slice of each row's positions, and the layer plans the
+group from the choices gathered over the tensor group. So the same assignments are
+dropped (capacity is per group), the per-group and per-sequence balance losses are the
+same, and so is the expert bias of auxiliary-loss-free balancing, which follows the
+routed counts. ``group_size = 4`` divides the ``seq_len / tensor`` positions a device
+holds (16 / 2), so those groups need no gather; ``group_size = 32`` is two whole rows.
+The runs then differ only in the order of floating-point reductions.
 """
 
 import functools
@@ -28,14 +29,29 @@ from tests.train.batches import random_batch, train_steps
 
 STEPS = 3
 UNFOLDED = ParallelConfig(data=2, expert=4)
-CAPACITY = MoEConfig(num_experts=8, top_k=2, capacity_factor=1.0, group_size=4)
-DROPLESS = MoEConfig(num_experts=8, top_k=1, capacity_factor=None, group_size=4)
+SEQUENCE = MoEConfig(num_experts=8, top_k=2, capacity_factor=1.0, seq_aux_loss_coef=1e-2)
+LOCAL = MoEConfig(num_experts=8, top_k=2, capacity_factor=1.0, group_size=4, seq_aux_loss_coef=1e-2)
+# DeepSeek-V3's routing, dropless, in groups of two rows.
+DEEPSEEK = MoEConfig(
+    num_experts=8,
+    top_k=2,
+    capacity_factor=None,
+    group_size=32,
+    score_function="sigmoid",
+    routed_scaling_factor=2.5,
+    num_expert_groups=4,
+    top_k_expert_groups=2,
+    expert_bias_rate=1e-2,
+)
+CAPACITY = SEQUENCE
 # tensor groups inside the data axis; tensor groups spanning the whole expert group; tensor
-# groups of 4 over two mesh axes, the expert group straddling tensor and data.
+# groups of 4 over two mesh axes, the expert group straddling tensor and data; tensor and
+# expert-tensor parallelism together.
 FOLDED = {
     "d2e4t2": ParallelConfig(data=2, expert=4, tensor=2),
     "d1e8t2": ParallelConfig(data=1, expert=8, tensor=2),
     "d4e2t4": ParallelConfig(data=4, expert=2, tensor=4),
+    "d2e2t2et2": ParallelConfig(data=2, expert=2, tensor=2, expert_tensor=2),
 }
 
 
@@ -93,21 +109,29 @@ def test_gradients_equal_the_unfolded_layouts_within_a_few_ulps(layout):
     )
 
 
-# Dropless: the widest layout is enough (each case compiles two steps).
-CASES = [(layout, CAPACITY) for layout in FOLDED] + [("d4e2t4", DROPLESS)]
+# Each case compiles two steps (its layout's and, once per MoE config, the unfolded one's).
+CASES = [
+    ("d2e4t2", LOCAL, "groups4"),
+    ("d1e8t2", SEQUENCE, "sequence"),
+    ("d2e2t2et2", SEQUENCE, "sequence"),
+    ("d4e2t4", DEEPSEEK, "deepseek-two-rows-dropless"),
+]
 
 
 @pytest.mark.parametrize(
     ("layout", "moe"),
-    CASES,
-    ids=[f"{name}-{'dropless' if m.dropless else 'top2'}" for name, m in CASES],
+    [case[:2] for case in CASES],
+    ids=[f"{name}-{label}" for name, _, label in CASES],
 )
 def test_folded_layouts_train_as_the_unfolded_one(layout, moe):
     reference, reference_params = run_steps(UNFOLDED, moe)
     history, params = run_steps(FOLDED[layout], moe)
     dropped = [m["dropped_fraction"] for m in reference]
     assert all(d == 0 for d in dropped) if moe.dropless else all(d > 0 for d in dropped)
-    for name in ("loss", "total_loss", "aux_loss", "z_loss", "grad_norm"):
+    names = ["loss", "total_loss", "aux_loss", "z_loss", "grad_norm"]
+    if moe.seq_aux_loss_coef:
+        names.append("seq_aux_loss")
+    for name in names:
         # About 8 ulps: the sums over devices come in another order.
         np.testing.assert_allclose(
             [m[name] for m in history], [m[name] for m in reference], rtol=1e-6, err_msg=name
@@ -145,11 +169,18 @@ def test_tensor_collectives_are_equations_of_the_step_over_the_tensor_axes():
         )
 
     # Forward: an all-gather into and a reduce-scatter out of each attention and the dense
-    # FFN (2 layers, 1 dense); backward: each one's transpose.
-    assert over_tensor("all_gather", Phase.FORWARD) == 3
+    # FFN (2 layers, 1 dense), and the MoE layer's all-gather of its expert choices (the
+    # routing group is the whole sequence); backward: the transposes of the first six.
+    assert over_tensor("all_gather", Phase.FORWARD) == 4
     assert over_tensor("reduce_scatter", Phase.FORWARD) == 3
     assert over_tensor("all_gather", Phase.BACKWARD) == 3
     assert over_tensor("reduce_scatter", Phase.BACKWARD) == 3
+    choices = [
+        op.eqn.invars[0].aval
+        for op in program.collectives()
+        if op.primitive == "all_gather" and op.eqn.invars[0].aval.dtype == np.int32
+    ]
+    assert [aval.shape for aval in choices] == [(8, 16 // 4, 2)]  # [rows, seq / tensor, k]
 
     unfolded, _ = capture_train_step(small_config(UNFOLDED, CAPACITY), build_mesh(UNFOLDED))
     assert not {"all_gather", "reduce_scatter"} & {op.primitive for op in unfolded.collectives()}
@@ -162,7 +193,8 @@ def test_parameters_split_over_the_tensor_axes():
     tensor = ("tensor_expert_data", "tensor_expert")
     attention, ffn = params["blocks"][0]["attention"], params["blocks"][0]["ffn"]
     expected = {
-        "qkv": (attention["qkv"]["kernel"], (None, None, tensor)),
+        "query": (attention["query"]["kernel"], (None, tensor)),
+        "key_value": (attention["key_value"]["kernel"], (None, None, tensor)),
         "out": (attention["out"]["kernel"], (tensor,)),
         "out bias": (attention["out"]["bias"], ()),
         "up": (ffn["up"]["kernel"], (None, tensor)),
@@ -172,5 +204,6 @@ def test_parameters_split_over_the_tensor_axes():
     }
     for name, (array, spec) in expected.items():
         assert tuple(array.sharding.spec) == spec, name
-    # A device's qkv block holds whole heads of each of q, k and v: [32, 3, 32 / 4].
-    assert attention["qkv"]["kernel"].addressable_shards[0].data.shape == (32, 3, 8)
+    # A device's blocks hold whole heads: 4 heads of 8 split 4 ways, keys and values alike.
+    assert attention["query"]["kernel"].addressable_shards[0].data.shape == (32, 1, 8)
+    assert attention["key_value"]["kernel"].addressable_shards[0].data.shape == (32, 2, 1, 8)
