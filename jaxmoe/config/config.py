@@ -13,7 +13,7 @@ from typing import Any
 from jaxmoe.config.checks import ConfigError, require
 from jaxmoe.config.data import DataConfig
 from jaxmoe.config.model import ModelConfig
-from jaxmoe.config.moe import MoEConfig, capacity_per_expert
+from jaxmoe.config.moe import MoEConfig, capacity_per_expert, shared_width
 from jaxmoe.config.parallel import ParallelConfig
 from jaxmoe.config.schedule import ScheduleConfig, schedule_fields_from_train
 from jaxmoe.config.sizes import check_array_sizes
@@ -55,6 +55,8 @@ class Config:
                 d_ff=self.model.d_ff,
                 d_expert=moe.d_expert or self.model.d_ff,
                 d_expert_field="moe.d_expert" if moe.d_expert else "model.d_ff",
+                kv_heads=self.model.kv_heads,
+                d_shared=shared_width(self.model, moe) if moe.num_shared_experts else 0,
             )
         except LayoutError as error:
             raise ConfigError(str(error)) from None

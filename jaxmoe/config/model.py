@@ -42,7 +42,7 @@ class ModelConfig:
     recompute: str = "none"
     # "layernorm" (with a bias, GPT-2) or "rmsnorm" (Llama, Mixtral, Qwen, DeepSeek).
     norm: str = "layernorm"
-    norm_eps: float = 1e-5
+    norm_eps: float = 1e-6
     # "learned" (an embedding per position, GPT-2) or "rope" (rotary, on query and key).
     position: str = "learned"
     rope_theta: float = 10000.0
@@ -58,8 +58,11 @@ class ModelConfig:
     num_kv_heads: int | None = None
     # Width of one head; None: d_model / num_heads (Qwen3 sets 128 whatever the width).
     head_dim: int | None = None
-    # Biases on the query, key and value projections (Qwen2); never on the output.
+    # Biases on the query, key and value projections (Qwen2).
     attention_bias: bool = False
+    # Biases on the other linear layers: attention's output, the FFNs and the experts
+    # (GPT-2); the Llama-derived families have none.
+    linear_bias: bool = True
     # RMSNorm over each query and key head before the rotation (Qwen3).
     qk_norm: bool = False
     # "gelu" (two matrices and biases, GPT-2) or "swiglu" (gate, up and down matrices

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from jaxmoe.config import choices
 from jaxmoe.config.checks import check_types, non_negative, one_of, positive_int, require
+from jaxmoe.config.model import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -162,3 +163,7 @@ def capacity_per_expert(
         return group_size
     return max(1, math.ceil(group_size * top_k * capacity_factor / num_experts))
 
+
+def shared_width(model: ModelConfig, moe: MoEConfig) -> int:
+    """The hidden width of the shared experts together (0 without them)."""
+    return moe.num_shared_experts * (moe.d_shared_expert or moe.d_expert or model.d_ff)

@@ -15,7 +15,7 @@ from jaxmoe.config import Config, ModelConfig, MoEConfig
 from jaxmoe.layers import GPTMoE
 from jaxmoe.layers.router import ExpertBias
 from jaxmoe.parallel.grad_sync import make_grad_sync
-from jaxmoe.parallel.mesh import mesh_axis_names, mesh_axis_sizes
+from jaxmoe.parallel.mesh import mesh_axis_sizes
 from jaxmoe.parallel.placement import static_placement
 from jaxmoe.parallel.sharding import param_specs
 from jaxmoe.train.optimizer import make_optimizer
@@ -71,7 +71,7 @@ def pure_model_state(model_state: nnx.State) -> Any:
 def model_graphdef_and_specs(config: Config) -> tuple[nnx.GraphDef, dict]:
     """The model's structure and parameter specs, without allocating parameters."""
     graphdef, abstract_state, _ = _abstract_model(config.model, config.moe, config.train.seed)
-    return graphdef, param_specs(abstract_state, mesh_axis_names(config.parallel))
+    return graphdef, param_specs(abstract_state, mesh_axis_sizes(config.parallel))
 
 
 def _initial_state(config: Config) -> TrainState:
