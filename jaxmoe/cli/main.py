@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from jaxmoe import exit_codes
 from jaxmoe.cli import (
+    convert_command,
     data_command,
     link_curves_command,
     plan_command,
@@ -29,6 +30,7 @@ COMMANDS = {
     "plan": plan_command.run,
     "link-curves": link_curves_command.run,
     "data": data_command.run,
+    "convert": convert_command.run,
 }
 
 
@@ -85,8 +87,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parse(argv)
         if args.command == "launch":
             return _launch(args)
-        if args.command == "data":  # no run configuration, no devices
-            return COMMANDS["data"](None, args)
+        if args.command in ("data", "convert"):  # no preset's configuration, no devices
+            return COMMANDS[args.command](None, args)
         config = resolve_config(args)
         if args.command == "plan":  # traces on an abstract mesh: no devices needed
             return COMMANDS["plan"](config, args)

@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 import scheduling.names
 from jaxmoe import exit_codes
-from jaxmoe.cli import data_command
+from jaxmoe.cli import convert_command, data_command
 from jaxmoe.config import Config, ConfigError
 from jaxmoe.config.schedule import RENAMED_TRAIN_FIELDS
 from jaxmoe.presets import PRESETS, preset
@@ -179,6 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = commands.add_parser("data", help="tokenize text, JSON lines or Parquet into a corpus")
     data_command.add_arguments(data)
+
+    convert = commands.add_parser(
+        "convert", help="Hugging Face checkpoints (Mixtral, Qwen-MoE) in and out of a run"
+    )
+    convert_command.add_arguments(convert, override_fields())
     return parser
 
 

@@ -1,0 +1,493 @@
+"""A Hugging Face ``config.json`` and jaxmoe's model and MoE sections, both ways.
+
+Read: :func:`read_architecture` checks the file's ``model_type`` (``mixtral``,
+``qwen2_moe``, ``qwen3_moe``) and every field that shapes the model, and returns the
+jaxmoe fields of that model (:class:`Architecture`): RMSNorm and its epsilon, rotary
+positions (theta; linear or YaRN scaling, from ``rope_scaling`` or transformers 5's
+``rope_parameters``), grouped-query attention (key/value heads, head width), the
+query/key/value biases (Qwen2-MoE), the query/key norms (Qwen3-MoE), SwiGLU without
+biases, the untied or tied head, the experts (count, top-k, width, ``norm_topk_prob``),
+Qwen2-MoE's gated shared expert, and the dense layers (``decoder_sparse_step`` as
+``model.moe_every``, ``mlp_only_layers`` = the first k layers as
+``model.first_dense_layers``). The models are dropless: ``moe.capacity_factor`` None.
+What jaxmoe cannot compute the same way is refused in one line naming the field: a
+sliding window shorter than ``model.seq_len``, a rotary scaling other than linear or
+YaRN (or YaRN with other constants), an activation other than SiLU, Qwen3-MoE's
+``attention_bias`` (its output projection's bias), dense layers anywhere but first.
+Fields that only matter to training in transformers (``router_aux_loss_coef``,
+``router_jitter_noise``, dropout) are not mapped.
+
+Write: :func:`hf_config` gives the ``config.json`` of a jaxmoe configuration, on top of
+the one it was converted from when there is one (token ids, ``max_position_embeddings``
+and the other fields jaxmoe has no use for are kept), refusing a configuration that the
+family cannot express. No JAX here: reading a configuration must not start it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from jaxmoe.config import Config, ConfigError, ModelConfig
+from jaxmoe.config.moe import shared_width
+
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+ARCHITECTURES = {
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+# transformers' defaults for fields a config.json may leave out.
+DEFAULT_ROPE_THETA = {"mixtral": 1e6, "qwen2_moe": 10000.0, "qwen3_moe": 10000.0}
+# Names other model families are known by, with why they cannot be converted.
+UNSUPPORTED = {
+    "deepseek_v3": "its multi-head latent attention is not implemented in jaxmoe",
+    "deepseek_v2": "its multi-head latent attention is not implemented in jaxmoe",
+}
+# The configuration fields that give the experts' count, per family (transformers 5 saves
+# Qwen3-MoE's as num_local_experts, the hub's files say num_experts).
+EXPERT_COUNT = {
+    "mixtral": ("num_local_experts", "num_experts"),
+    "qwen2_moe": ("num_experts",),
+    "qwen3_moe": ("num_experts", "num_local_experts"),
+}
+YARN_BETA_FAST, YARN_BETA_SLOW = 32, 1
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What a ``config.json`` says, as jaxmoe fields.
+
+    ``model`` and ``moe``: values of ``model.*`` and ``moe.*`` fields (the rest keep the
+    family preset's). ``sliding_window``: the attention window, when one applies and
+    jaxmoe must check it against ``model.seq_len``."""
+
+    family: str
+    source: str
+    values: dict[str, Any]
+    model: dict[str, Any]
+    moe: dict[str, Any]
+    sliding_window: int | None
+    dtype: str | None
+
+    def check_config(self, config: Config) -> None:
+        """What depends on fields the command line may change (``model.seq_len``)."""
+        window = self.sliding_window
+        if window is not None and window < config.model.seq_len:
+            raise ConfigError(
+                f"{self.source}: sliding_window={window} is shorter than model.seq_len="
+                f"{config.model.seq_len}, and jaxmoe attends over the whole sequence: "
+                f"convert with --model.seq_len {window} or less"
+            )
+
+
+class _Fields:
+    """The fields of one ``config.json``, read with messages naming the file and field."""
+
+    def __init__(self, values: dict[str, Any], source: str):
+        self.values = values
+        self.source = source
+
+    def error(self, name: str, problem: str) -> ConfigError:
+        return ConfigError(f"{self.source}: {name}={self.values.get(name)!r}: {problem}")
+
+    def has(self, name: str) -> bool:
+        return self.values.get(name) is not None
+
+    def get(self, name: str, default: Any = None) -> Any:
+        value = self.values.get(name)
+        return default if value is None else value
+
+    def first(self, names: tuple[str, ...]) -> str:
+        """The first of ``names`` the file has (the first name when it has none)."""
+        return next((name for name in names if self.has(name)), names[0])
+
+    def integer(self, name: str, default: int | None = None, minimum: int = 1) -> int:
+        value = self.get(name, default)
+        if value is None:
+            raise ConfigError(f"{self.source}: {name} is missing: a {self._model} needs it")
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise self.error(name, f"must be an integer >= {minimum}")
+        return value
+
+    def number(self, name: str, default: float | None = None) -> float:
+        value = self.get(name, default)
+        if value is None:
+            raise ConfigError(f"{self.source}: {name} is missing: a {self._model} needs it")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise self.error(name, "must be a number > 0")
+        return float(value)
+
+    def boolean(self, name: str, default: bool) -> bool:
+        value = self.get(name, default)
+        if not isinstance(value, bool):
+            raise self.error(name, "must be true or false")
+        return value
+
+    @property
+    def _model(self) -> str:
+        return f"{self.values.get('model_type')} model"
+
+
+def model_type_of(values: dict[str, Any], source: str) -> str:
+    """The family of a ``config.json``, refused unless jaxmoe converts it."""
+    model_type = values.get("model_type")
+    if model_type in UNSUPPORTED:
+        raise ConfigError(
+            f"{source}: model_type={model_type!r} is not supported: {UNSUPPORTED[model_type]}; "
+            f"jaxmoe converts {', '.join(FAMILIES)}"
+        )
+    if model_type not in FAMILIES:
+        raise ConfigError(
+            f"{source}: model_type={model_type!r} is not supported: jaxmoe converts "
+            f"{', '.join(FAMILIES)}"
+        )
+    architectures = values.get("architectures")
+    if architectures is not None and architectures != [ARCHITECTURES[model_type]]:
+        raise ConfigError(
+            f"{source}: architectures={architectures!r}: jaxmoe converts the causal language "
+            f"model, [{ARCHITECTURES[model_type]!r}]"
+        )
+    return model_type
+
+
+def read_architecture(values: dict[str, Any], source: str) -> Architecture:
+    """The jaxmoe fields of the model a ``config.json`` (parsed: ``values``) describes.
+
+    ``source`` names the file in messages. Raises :class:`ConfigError` in one line."""
+    family = model_type_of(values, source)
+    fields = _Fields(values, source)
+    if fields.get("hidden_act", "silu") != "silu":
+        raise fields.error("hidden_act", "jaxmoe's SwiGLU (model.activation swiglu) uses silu")
+    heads = fields.integer("num_attention_heads")
+    hidden = fields.integer("hidden_size")
+    layers = fields.integer("num_hidden_layers")
+    model: dict[str, Any] = dict(
+        vocab_size=fields.integer("vocab_size"),
+        d_model=hidden,
+        num_heads=heads,
+        num_layers=layers,
+        num_kv_heads=fields.integer("num_key_value_heads", heads),
+        head_dim=None,
+        norm="rmsnorm",
+        norm_eps=fields.number("rms_norm_eps", 1e-5 if family == "mixtral" else 1e-6),
+        position="rope",
+        activation="swiglu",
+        linear_bias=False,
+        tie_embeddings=fields.boolean("tie_word_embeddings", False),
+        attention_bias=False,
+        qk_norm=False,
+        seq_len=min(fields.integer("max_position_embeddings", 4096), 4096),
+        dtype="float32",
+        moe_every=1,
+        first_dense_layers=0,
+    )
+    if fields.has("head_dim"):
+        model["head_dim"] = fields.integer("head_dim")
+    elif hidden % heads:
+        raise fields.error(
+            "num_attention_heads", f"does not divide hidden_size={hidden}, and head_dim is unset"
+        )
+    model.update(_rope_fields(fields, family))
+    experts_field = fields.first(EXPERT_COUNT[family])
+    moe: dict[str, Any] = dict(
+        num_experts=fields.integer(experts_field),
+        top_k=fields.integer("num_experts_per_tok"),
+        capacity_factor=None,
+        score_function="softmax",
+        normalize_top_k=True,
+        d_expert=None,
+        num_shared_experts=0,
+        d_shared_expert=None,
+        shared_expert_gate=False,
+    )
+    window = None
+    if family == "mixtral":
+        model["d_ff"] = fields.integer("intermediate_size")
+        window = fields.get("sliding_window")
+        if window is not None:
+            window = fields.integer("sliding_window")
+    else:
+        moe["normalize_top_k"] = fields.boolean("norm_topk_prob", False)
+        moe["d_expert"] = fields.integer("moe_intermediate_size")
+        model.update(_dense_layers(fields, layers))
+        dense = model["first_dense_layers"] > 0 or model["moe_every"] > 1
+        # The dense layers' width; with none, the experts' (as the presets have it), so
+        # that an unused intermediate_size cannot refuse a layout.
+        model["d_ff"] = fields.integer("intermediate_size") if dense else moe["d_expert"]
+        if fields.boolean("use_sliding_window", False) and fields.get("sliding_window"):
+            window = fields.integer("sliding_window")
+    if family == "qwen2_moe":
+        model["attention_bias"] = fields.boolean("qkv_bias", True)
+        moe.update(
+            num_shared_experts=1,
+            d_shared_expert=fields.integer("shared_expert_intermediate_size"),
+            shared_expert_gate=True,
+        )
+    if family == "qwen3_moe":
+        model["qk_norm"] = True
+        if fields.boolean("attention_bias", False):
+            raise fields.error(
+                "attention_bias",
+                "Qwen3-MoE's biases include the output projection's, which jaxmoe has only "
+                "with model.linear_bias (on every layer): not supported",
+            )
+    dtype = values.get("dtype", values.get("torch_dtype"))
+    return Architecture(family, source, values, model, moe, window, dtype)
+
+
+def _dense_layers(fields: _Fields, layers: int) -> dict[str, int]:
+    """``decoder_sparse_step`` and ``mlp_only_layers`` as ``model.moe_every`` and
+    ``model.first_dense_layers``: jaxmoe's dense layers are the first k, then every layer
+    whose index + 1 is not a multiple of moe_every (transformers' rule for the step)."""
+    step = fields.integer("decoder_sparse_step", 1)
+    only = fields.get("mlp_only_layers", [])
+    if not isinstance(only, list) or only != list(range(len(only))):
+        raise fields.error(
+            "mlp_only_layers",
+            "jaxmoe's dense layers must be the first ones (model.first_dense_layers): "
+            "only [0, 1, ..., k - 1] can be converted",
+        )
+    if len(only) >= layers:
+        raise fields.error("mlp_only_layers", f"leaves no MoE layer among {layers} layers")
+    return {"moe_every": step, "first_dense_layers": len(only)}
+
+
+def _rope_parameters(fields: _Fields, family: str) -> tuple[float, dict[str, Any], str]:
+    """The rotary parameters, from transformers 5's ``rope_parameters`` or the older
+    ``rope_theta`` and ``rope_scaling``: (theta, the scaling dict, its field's name)."""
+    parameters = fields.get("rope_parameters")
+    if parameters is not None:
+        name = "rope_parameters"
+        if not isinstance(parameters, dict) or any(
+            isinstance(value, dict) for value in parameters.values()
+        ):
+            raise fields.error(name, "jaxmoe reads one set of rotary parameters for every layer")
+        theta = parameters.get("rope_theta", fields.get("rope_theta"))
+    else:
+        name = "rope_scaling"
+        parameters = fields.get(name, {})
+        if not isinstance(parameters, dict):
+            raise fields.error(name, "must be an object or null")
+        theta = fields.get("rope_theta")
+    theta = DEFAULT_ROPE_THETA[family] if theta is None else theta
+    if isinstance(theta, bool) or not isinstance(theta, int | float) or theta <= 0:
+        raise fields.error(name, f"rope_theta={theta!r} must be a number > 0")
+    return float(theta), parameters, name
+
+
+def _rope_fields(fields: _Fields, family: str) -> dict[str, Any]:
+    """``model.rope_theta``, ``model.rope_scaling``, its factor and original context."""
+    theta, parameters, name = _rope_parameters(fields, family)
+    kind = parameters.get("rope_type", parameters.get("type", "default"))
+    values: dict[str, Any] = dict(rope_theta=theta, rope_scaling="none", rope_scaling_factor=1.0)
+    partial = parameters.get("partial_rotary_factor", fields.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise fields.error(name, f"partial_rotary_factor={partial!r}: jaxmoe rotates whole heads")
+    if kind == "default":
+        return values
+    if kind not in ("linear", "yarn"):
+        raise fields.error(
+            name,
+            f"rotary scaling {kind!r} is not supported: jaxmoe has linear and yarn "
+            "(model.rope_scaling)",
+        )
+    factor = parameters.get("factor")
+    original = parameters.get(
+        "original_max_position_embeddings",
+        fields.get("original_max_position_embeddings", fields.get("max_position_embeddings")),
+    )
+    if factor is None and kind == "yarn" and original:
+        factor = fields.integer("max_position_embeddings") / original
+    if isinstance(factor, bool) or not isinstance(factor, int | float) or factor < 1:
+        raise fields.error(name, f"factor={factor!r}: must be a number >= 1")
+    values.update(rope_scaling=kind, rope_scaling_factor=float(factor))
+    if kind == "linear":
+        return values
+    if isinstance(original, float) and original.is_integer():
+        original = int(original)
+    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+        raise fields.error(name, f"original_max_position_embeddings={original!r}: must be >= 1")
+    values["rope_original_seq_len"] = original
+    expected = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    constants = {
+        "beta_fast": (parameters.get("beta_fast"), (None, YARN_BETA_FAST)),
+        "beta_slow": (parameters.get("beta_slow"), (None, YARN_BETA_SLOW)),
+        "truncate": (parameters.get("truncate"), (None, True)),
+    }
+    for key, (value, allowed) in constants.items():
+        if value not in allowed:
+            raise fields.error(name, f"yarn {key}={value!r}: jaxmoe's YaRN has {allowed[1]}")
+    attention = parameters.get("attention_factor")
+    mscale, mscale_all = parameters.get("mscale"), parameters.get("mscale_all_dim")
+    if attention is None and mscale and mscale_all:
+        scaled = lambda m: 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+        attention = scaled(mscale) / scaled(mscale_all)
+    if attention is not None and not math.isclose(attention, expected, rel_tol=1e-9):
+        raise fields.error(
+            name,
+            f"yarn attention factor {attention!r}: jaxmoe's YaRN scales by 0.1 ln(factor) + 1 "
+            f"= {expected!r}",
+        )
+    return values
+
+
+# -- jaxmoe -> config.json ---------------------------------------------------------------------
+
+
+def _refuse(family: str, field: str, value: Any, why: str) -> ConfigError:
+    return ConfigError(f"--to-hf: {field}={value!r}: {why} in a {family} model")
+
+
+def check_expressible(config: Config, family: str) -> None:
+    """Refuse, in one line naming the field, a configuration that ``family``'s
+    transformers model cannot express."""
+    model, moe = config.model, config.moe
+    required = {
+        "model.norm": (model.norm, "rmsnorm"),
+        "model.position": (model.position, "rope"),
+        "model.activation": (model.activation, "swiglu"),
+        "model.linear_bias": (model.linear_bias, False),
+        "moe.score_function": (moe.score_function, "softmax"),
+        "moe.routed_scaling_factor": (getattr(moe, "routed_scaling_factor", 1.0), 1.0),
+        "moe.num_expert_groups": (getattr(moe, "num_expert_groups", 1), 1),
+        "moe.expert_bias_rate": (getattr(moe, "expert_bias_rate", 0.0), 0.0),
+        "model.qk_norm": (model.qk_norm, family == "qwen3_moe"),
+    }
+    if family == "mixtral":
+        required.update(
+            {
+                "model.attention_bias": (model.attention_bias, False),
+                "moe.num_shared_experts": (moe.num_shared_experts, 0),
+                "model.moe_every": (model.moe_every, 1),
+                "model.first_dense_layers": (model.first_dense_layers, 0),
+                "moe.normalize_top_k": (moe.normalize_top_k, True),
+                "moe.d_expert": (moe.d_expert or model.d_ff, model.d_ff),
+            }
+        )
+    if family == "qwen2_moe":
+        required["moe.shared_expert_gate"] = (moe.shared_expert_gate, True)
+    if family == "qwen3_moe":
+        required["model.attention_bias"] = (model.attention_bias, False)
+        required["moe.num_shared_experts"] = (moe.num_shared_experts, 0)
+    for field, (value, needed) in required.items():
+        if value != needed:
+            raise _refuse(family, field, value, f"must be {needed!r}")
+
+
+def _put(values: dict[str, Any], names: tuple[str, ...], value: Any) -> None:
+    """Set every one of ``names`` the file has (the first name when it has none)."""
+    present = [name for name in names if name in values]
+    for name in present or names[:1]:
+        values[name] = value
+
+
+def _rope_entries(model: ModelConfig, base: dict[str, Any], family: str) -> dict[str, Any]:
+    """The rotary fields of ``config.json``, in the format of ``base`` (transformers 5's
+    ``rope_parameters``, else ``rope_theta`` and ``rope_scaling``); ``base``'s entries
+    unchanged when they already say what ``model`` does."""
+    fields = _Fields(base, "config.json")
+    try:
+        if base and _rope_fields(fields, family) == _rope_fields_of(model):
+            return {
+                key: base[key]
+                for key in ("rope_parameters", "rope_theta", "rope_scaling")
+                if key in base
+            }
+    except ConfigError:
+        pass
+    scaling: dict[str, Any] = {}
+    if model.rope_scaling != "none":
+        scaling = {"rope_type": model.rope_scaling, "factor": model.rope_scaling_factor}
+        if model.rope_scaling == "yarn":
+            scaling["original_max_position_embeddings"] = model.rope_original_seq_len
+    if "rope_parameters" in base:
+        return {
+            "rope_parameters": {"rope_theta": model.rope_theta, "rope_type": "default", **scaling}
+        }
+    return {"rope_theta": model.rope_theta, "rope_scaling": scaling or None}
+
+
+def _rope_fields_of(model: ModelConfig) -> dict[str, Any]:
+    values: dict[str, Any] = dict(
+        rope_theta=model.rope_theta,
+        rope_scaling=model.rope_scaling,
+        rope_scaling_factor=model.rope_scaling_factor if model.rope_scaling != "none" else 1.0,
+    )
+    if model.rope_scaling == "yarn":
+        values["rope_original_seq_len"] = model.rope_original_seq_len
+    return values
+
+
+def hf_config(config: Config, family: str, dtype: str, base: dict[str, Any] | None) -> dict:
+    """The ``config.json`` of ``config`` as a ``family`` model whose weights are stored in
+    ``dtype``, on top of ``base`` (the file it was converted from, or None)."""
+    check_expressible(config, family)
+    model, moe = config.model, config.moe
+    values = dict(base or {})
+    values.update(
+        architectures=[ARCHITECTURES[family]],
+        model_type=family,
+        vocab_size=model.vocab_size,
+        hidden_size=model.d_model,
+        num_attention_heads=model.num_heads,
+        num_hidden_layers=model.num_layers,
+        num_key_value_heads=model.kv_heads,
+        hidden_act="silu",
+        rms_norm_eps=model.norm_eps,
+        tie_word_embeddings=model.tie_embeddings,
+        num_experts_per_tok=moe.top_k,
+    )
+    context = model.seq_len
+    if model.rope_scaling == "yarn":
+        context = max(context, int(model.rope_original_seq_len * model.rope_scaling_factor))
+    values.setdefault("max_position_embeddings", context)
+    if model.head_dim is not None or family == "qwen3_moe" or values.get("head_dim") is not None:
+        values["head_dim"] = model.attention_head_dim
+    for key in ("rope_parameters", "rope_theta", "rope_scaling"):
+        values.pop(key, None)
+    values.update(_rope_entries(model, base or {}, family))
+    _put(values, EXPERT_COUNT[family], moe.num_experts)
+    if family == "mixtral":
+        values["intermediate_size"] = model.d_ff
+        window = values.get("sliding_window")
+        if window is not None and window < model.seq_len:
+            values["sliding_window"] = None
+    else:
+        dense = model.first_dense_layers > 0 or model.moe_every > 1
+        if dense or "intermediate_size" not in values:
+            values["intermediate_size"] = model.d_ff
+        values.update(
+            moe_intermediate_size=moe.d_expert or model.d_ff,
+            norm_topk_prob=moe.normalize_top_k,
+            decoder_sparse_step=model.moe_every,
+        )
+        if model.first_dense_layers or "mlp_only_layers" in values:
+            values["mlp_only_layers"] = list(range(model.first_dense_layers))
+        window = values.get("sliding_window")
+        if values.get("use_sliding_window") and window and window < model.seq_len:
+            values["use_sliding_window"] = False
+    if family == "qwen2_moe":
+        values["shared_expert_intermediate_size"] = shared_width(model, moe)
+        if "qkv_bias" in values or not model.attention_bias:
+            values["qkv_bias"] = model.attention_bias
+        if "layer_types" in values and not values.get("use_sliding_window"):
+            values["layer_types"] = ["full_attention"] * model.num_layers
+    if family == "qwen3_moe":
+        values["attention_bias"] = False
+    _put(values, ("dtype", "torch_dtype"), dtype)
+    return dict(sorted(values.items()))
+
+
+def architecture_of(config: Config, base: dict[str, Any] | None, family: str | None) -> str:
+    """The family to write ``config`` as: ``family`` when given, else the one its
+    ``config.json`` was converted from."""
+    if family is not None:
+        return family
+    if base is None:
+        raise ConfigError(
+            "--to-hf: the run was not converted from a Hugging Face model, so its "
+            f"architecture is unknown: name it with --model-type ({', '.join(FAMILIES)})"
+        )
+    return model_type_of(base, "the run's hf/config.json")

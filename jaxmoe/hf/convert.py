@@ -1,0 +1,409 @@
+"""Hugging Face checkpoints in and out of jaxmoe runs.
+
+In (:func:`plan_from_hf`, then :func:`from_hf`): a transformers model directory
+(``config.json`` and safetensors shards) becomes a run directory whose checkpoint of step
+0 holds the model's weights, a fresh optimizer state and the configuration
+(:mod:`jaxmoe.hf.architectures`), written by the run's own checkpoint code
+(:class:`~jaxmoe.train.checkpoint.RunCheckpoints`), so that ``jaxmoe train --resume``
+continues from it on any layout. Everything is checked before a tensor is read: the
+configuration, every tensor's presence, shape and dtype against it. The tensors are then
+read shard by shard, one at a time, each placed into its jaxmoe parameter (a transpose
+and a reshape, :mod:`jaxmoe.hf.tensors`); a parameter goes to the device once all its
+parts are in, so the model is held once, plus the parameters still being filled. The
+conversion runs on one device of the host (the CPU), whatever layout the run will train
+on: restoring reshards. The source's ``config.json`` and tokenizer files are kept in
+``RUN/hf/``.
+
+Out (:func:`to_hf`): the parameters of a run's checkpoint (restored alone, without the
+optimizer state) become safetensors shards named as transformers names them, in
+float32 or bfloat16, with the ``config.json`` of the model (on top of the source's, when
+the run was converted from one) and the tokenizer files the run kept.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxmoe.config import Config, ConfigError
+from jaxmoe.hf.architectures import Architecture, architecture_of, hf_config, read_architecture
+from jaxmoe.hf.files import (
+    CONFIG,
+    READ_DTYPES,
+    WRITE_DTYPES,
+    TensorInfo,
+    copy_side_files,
+    model_files,
+    plan_shards,
+    read_config,
+    read_headers,
+    read_tensors,
+    shard_names,
+    write_config,
+    write_index,
+    write_shard,
+)
+from jaxmoe.hf.tensors import IGNORED_SUFFIXES, TensorRule, tensor_rules
+from jaxmoe.presets import preset
+
+HF_DIR = "hf"  # RUN/hf/: the source's config.json and tokenizer files
+# The fields a converted configuration may take from the command line although
+# config.json sets them: the training sequence, the compute dtype, token dropping.
+FREE_FIELDS = {"model.seq_len", "model.dtype", "moe.capacity_factor"}
+
+
+# -- Hugging Face -> jaxmoe ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FromHF:
+    """A checked conversion: the model directory, its architecture, the run's
+    configuration, and every tensor with its rule."""
+
+    directory: Path
+    architecture: Architecture
+    config: Config
+    headers: dict[str, TensorInfo]
+    rules: dict[str, TensorRule]
+
+
+def converted_config(architecture: Architecture, overrides: dict[str, Any]) -> Config:
+    """The run configuration of a converted model: the family's ``-tiny`` preset for
+    training, the model and MoE sections from ``config.json``, one device (restoring
+    reshards), then ``overrides`` (``section.field`` -> value; the fields config.json
+    sets are refused, but for :data:`FREE_FIELDS`)."""
+    values = preset(f"{architecture.family}-tiny").to_dict()
+    values["model"].update(architecture.model)
+    values["moe"].update(architecture.moe)
+    values["parallel"].update(data=1, expert=1, tensor=1, expert_tensor=1)
+    for name, value in overrides.items():
+        section, field = name.split(".")
+        owned = architecture.model if section == "model" else architecture.moe
+        if section in ("model", "moe") and field in owned and name not in FREE_FIELDS:
+            raise ConfigError(
+                f"--{name}: {architecture.source} sets it; a converted model keeps its "
+                f"architecture (the free fields: {', '.join(sorted(FREE_FIELDS))})"
+            )
+        values[section][field] = value
+    config = Config.from_dict(values)
+    architecture.check_config(config)
+    return config
+
+
+def abstract_leaves(config: Config) -> dict[str, Any]:
+    """Collection (``params``, and ``model_state`` when the model has one) -> the pure dict
+    of its shapes, nothing allocated."""
+    from jaxmoe.train.state import abstract_train_state
+
+    state = abstract_train_state(config)
+    trees = {"params": state.params}
+    model_state = getattr(state, "model_state", None)
+    if model_state is not None:
+        trees["model_state"] = model_state
+    return trees
+
+
+def _rules_for(family: str, trees: dict[str, Any]) -> dict[str, TensorRule]:
+    from jaxmoe.hf.tensors import leaf_shapes
+
+    return tensor_rules(family, {name: leaf_shapes(tree) for name, tree in trees.items()})
+
+
+def _ignorable(name: str, config: Config) -> bool:
+    return name.endswith(IGNORED_SUFFIXES) or (
+        name == "lm_head.weight" and config.model.tie_embeddings
+    )
+
+
+def _unexpected_hint(name: str, config: Config, family: str) -> str:
+    """Which config.json field a tensor beyond the model points at."""
+    parts = name.split(".")
+    if parts[:2] == ["model", "layers"] and parts[2].isdigit():
+        if int(parts[2]) >= config.model.num_layers:
+            return f" (config.json's num_hidden_layers is {config.model.num_layers})"
+        if "experts" in parts:
+            expert = parts[parts.index("experts") + 1]
+            if expert.isdigit() and int(expert) >= config.moe.num_experts:
+                return f" (config.json has {config.moe.num_experts} experts)"
+    return ""
+
+
+def check_tensors(
+    directory: Path,
+    headers: dict[str, TensorInfo],
+    rules: dict[str, TensorRule],
+    config: Config,
+    family: str,
+) -> None:
+    """Every tensor the model needs is there, of its shape and a float dtype, and no other."""
+    missing = [name for name in rules if name not in headers]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ConfigError(
+            f"--from-hf {directory}: {missing[0]}{more} is missing from the safetensors "
+            f"files: they do not hold the {family} model config.json describes"
+        )
+    unexpected = sorted(n for n in headers if n not in rules and not _ignorable(n, config))
+    if unexpected:
+        name = unexpected[0]
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise ConfigError(
+            f"{headers[name].file}: {name}{more} is not a tensor of the {family} model "
+            f"config.json describes{_unexpected_hint(name, config, family)}: the weights and "
+            "config.json are of different models"
+        )
+    for name, rule in rules.items():
+        info = headers[name]
+        if info.shape != rule.hf_shape:
+            raise ConfigError(
+                f"{info.file}: {name} is {list(info.shape)}, but config.json's "
+                f"[{', '.join(rule.dims)}] = {list(rule.hf_shape)}: the weights and "
+                "config.json are of different models"
+            )
+        if info.dtype not in READ_DTYPES:
+            raise ConfigError(
+                f"{info.file}: {name} is {info.dtype}: jaxmoe reads "
+                f"{', '.join(READ_DTYPES)} weights (dequantize the model first)"
+            )
+
+
+def plan_from_hf(directory: str | Path, overrides: dict[str, Any] | None = None) -> FromHF:
+    """Read and check a model directory against the configuration it gives, reading no
+    tensor data: what :func:`from_hf` converts. One-line :class:`ConfigError` otherwise."""
+    directory = Path(directory)
+    values = read_config(directory)
+    architecture = read_architecture(values, str(directory / CONFIG))
+    config = converted_config(architecture, overrides or {})
+    headers = read_headers(directory)
+    rules = _rules_for(architecture.family, abstract_leaves(config))
+    check_tensors(directory, headers, rules, config, architecture.family)
+    return FromHF(directory, architecture, config, headers, rules)
+
+
+def load_weights(plan: FromHF, device: Any) -> dict[str, Any]:
+    """The converted collections (pure dicts of arrays on ``device``), read shard by shard.
+
+    A leaf is filled in a host buffer of its dtype as its parts arrive and put on the
+    device once complete, so the host holds the leaves being filled, not the model."""
+    import jax
+
+    trees = abstract_leaves(plan.config)
+    flat = {name: dict(zip(*_paths_and_leaves(tree), strict=True)) for name, tree in trees.items()}
+    remaining: dict[tuple, int] = {}
+    for rule in plan.rules.values():
+        key = (rule.collection, rule.path)
+        remaining[key] = remaining.get(key, 0) + 1
+    buffers: dict[tuple, np.ndarray] = {}
+    placed: dict[tuple, Any] = {}
+    files: dict[Path, list[str]] = {}
+    for name in plan.rules:
+        files.setdefault(plan.headers[name].file, []).append(name)
+    for name, tensor in read_tensors(files):
+        rule = plan.rules[name]
+        key = (rule.collection, rule.path)
+        abstract = flat[rule.collection][rule.path]
+        if key not in buffers:
+            buffers[key] = np.empty(abstract.shape, abstract.dtype)
+        buffers[key][rule.index] = rule.to_jaxmoe(tensor).astype(abstract.dtype)
+        del tensor
+        remaining[key] -= 1
+        if not remaining[key]:
+            placed[key] = jax.device_put(buffers.pop(key), device)
+    return {
+        name: _rebuild(tree, {path: placed[(name, path)] for path in flat[name]})
+        for name, tree in trees.items()
+    }
+
+
+def _paths_and_leaves(tree: Any) -> tuple[list[tuple], list[Any]]:
+    import jax
+
+    from jaxmoe.hf.tensors import _key
+
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return [tuple(_key(e) for e in path) for path, _ in flat], [leaf for _, leaf in flat]
+
+
+def _rebuild(tree: Any, leaves: dict[tuple, Any]) -> Any:
+    import jax
+
+    paths, _ = _paths_and_leaves(tree)
+    treedef = jax.tree_util.tree_structure(tree)
+    return jax.tree_util.tree_unflatten(treedef, [leaves[path] for path in paths])
+
+
+def host_device() -> Any:
+    """The device a conversion runs on: the host's CPU (the first one)."""
+    import jax
+
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:  # a platform list without the CPU
+        return jax.devices()[0]
+
+
+def from_hf(plan: FromHF, out: str | Path) -> int:
+    """Write ``plan``'s model as the step-0 checkpoint of the run directory ``out``, with
+    a fresh optimizer state (the caller has checked ``out``). Returns the tensors read."""
+    import jax
+
+    from jaxmoe.train.checkpoint import RunCheckpoints
+    from jaxmoe.train.state import _state_around
+
+    out = Path(out)
+    device = host_device()
+    collections = load_weights(plan, device)
+    with jax.default_device(device):
+        extra = {"model_state": collections["model_state"]} if "model_state" in collections else {}
+        state = _state_around(plan.config, collections["params"], **extra)
+    with RunCheckpoints(out, plan.config) as checkpoints:
+        checkpoints.save(state)
+    kept = out / HF_DIR
+    shutil.rmtree(kept, ignore_errors=True)
+    kept.mkdir(parents=True)
+    shutil.copyfile(plan.directory / CONFIG, kept / CONFIG)
+    copy_side_files(plan.directory, kept)
+    return len(plan.rules)
+
+
+# -- jaxmoe -> Hugging Face ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ToHF:
+    """A checked export: the run, its checkpoint's step and configuration, the family,
+    dtype and ``config.json`` to write."""
+
+    run: Path
+    step: int
+    config: Config
+    family: str
+    dtype: str
+    hf_values: dict[str, Any]
+
+
+def plan_to_hf(
+    run: str | Path, step: int | None = None, family: str | None = None, dtype: str | None = None
+) -> ToHF:
+    """The checkpoint to export (the newest, or ``step``) and what it becomes, checked
+    before anything is restored."""
+    from jaxmoe.train.checkpoint import checkpoint_steps, saved_config
+
+    run = Path(run)
+    steps = checkpoint_steps(run)
+    if not steps:
+        raise ConfigError(f"--out {run}: holds no checkpoint to convert")
+    if step is None:
+        step = steps[0]
+    elif step not in steps:
+        raise ConfigError(
+            f"--step {step}: {run} has checkpoints of steps {', '.join(map(str, steps))}"
+        )
+    try:
+        config = Config.from_dict(saved_config(run, step))
+    except ConfigError:
+        raise
+    except Exception as error:
+        raise ConfigError(f"--out {run}: the checkpoint of step {step} cannot be read") from error
+    base_path = run / HF_DIR / CONFIG
+    base = read_config(run / HF_DIR) if base_path.is_file() else None
+    family = architecture_of(config, base, family)
+    if dtype is None:
+        stored = (base or {}).get("dtype", (base or {}).get("torch_dtype"))
+        dtype = stored if stored in WRITE_DTYPES else "float32"
+    return ToHF(run, step, config, family, dtype, hf_config(config, family, dtype, base))
+
+
+def restore_params(run: Path, step: int, config: Config, device: Any) -> dict[str, Any]:
+    """The parameters (and model state) of the checkpoint of ``step``, alone, on ``device``."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    from jaxmoe.train.checkpoint import CHECKPOINT_DIR
+
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    trees = abstract_leaves(config)
+    target = jax.tree.map(
+        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), trees
+    )
+    path = (run / CHECKPOINT_DIR / str(step) / "state").absolute()
+    with ocp.PyTreeCheckpointer() as reader:
+        restored = reader.restore(
+            path,
+            args=ocp.args.PyTreeRestore(
+                item=target,
+                restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                partial_restore=True,
+            ),
+        )
+    return dict(restored)
+
+
+def write_hf(
+    collections: dict[str, Any],
+    family: str,
+    config: Config,
+    directory: str | Path,
+    dtype: str = "float32",
+    max_shard_bytes: int = 5 * 10**9,
+) -> dict[str, str]:
+    """Write the model's tensors (``collections``: ``params`` and maybe ``model_state``,
+    pure dicts of arrays) into ``directory`` as transformers names them; returns the
+    weight map (tensor -> file). The config.json is the caller's."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    rules = _rules_for(family, collections)
+    leaves = {
+        name: dict(zip(*_paths_and_leaves(tree), strict=True)) for name, tree in collections.items()
+    }
+    target = WRITE_DTYPES[dtype]
+    itemsize = np.dtype(target).itemsize
+    sizes = [(name, int(np.prod(rule.hf_shape)) * itemsize) for name, rule in rules.items()]
+    shards = plan_shards(sizes, max_shard_bytes)
+    files = shard_names(len(shards))
+    weight_map = {}
+    for file, names in zip(files, shards, strict=True):
+        tensors = {}
+        for name in names:
+            rule = rules[name]
+            leaf = np.asarray(leaves[rule.collection][rule.path])
+            tensors[name] = rule.to_hf(leaf[rule.index]).astype(target)
+            weight_map[name] = file
+        write_shard(directory / file, tensors)
+        del tensors
+    if len(files) > 1:
+        write_index(directory, weight_map, sum(size for _, size in sizes))
+    return weight_map
+
+
+def to_hf(plan: ToHF, directory: str | Path, max_shard_bytes: int = 5 * 10**9) -> int:
+    """Export ``plan``'s checkpoint into ``directory`` (the caller has cleared it): the
+    shards, config.json and the tokenizer files the run kept. Returns the shard count."""
+    directory = Path(directory)
+    collections = restore_params(plan.run, plan.step, plan.config, host_device())
+    weight_map = write_hf(
+        collections, plan.family, plan.config, directory, plan.dtype, max_shard_bytes
+    )
+    write_config(directory, plan.hf_values)
+    kept = plan.run / HF_DIR
+    if kept.is_dir():
+        copy_side_files(kept, directory)
+    return len(set(weight_map.values()))
+
+
+def clear_model_files(directory: Path, overwrite: bool) -> None:
+    """Refuse a directory that holds a model unless ``overwrite``; then remove its
+    weights, index and config.json (nothing else)."""
+    existing = model_files(directory)
+    if existing and not overwrite:
+        names = ", ".join(sorted(path.name for path in existing)[:3])
+        raise ConfigError(
+            f"--to-hf {directory}: already holds a model ({names}): add --overwrite to "
+            "replace it, or choose another directory"
+        )
+    for path in existing:
+        path.unlink()

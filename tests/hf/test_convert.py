@@ -1,0 +1,298 @@
+"""Hugging Face checkpoints in and out, against the real implementation.
+
+The fixtures (``tests/fixtures/hf/<family>``, made by ``tools/make_hf_fixtures.py`` with
+transformers) hold a tiny random model's weights and config.json, token ids and the
+logits transformers computes for them. Here: the converted model's logits on 8 devices
+match (one forward per family); HF -> jaxmoe -> HF is bit-exact, through a checkpoint
+restored in each layout, and through several shards; every bad input is refused in one
+line before a tensor is read.
+"""
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jaxmoe.cli.main import main
+from jaxmoe.cli.parser import config_from_train_args
+from jaxmoe.config import Config, ConfigError, ParallelConfig
+from jaxmoe.hf.convert import from_hf, plan_from_hf, plan_to_hf, to_hf, write_hf
+from jaxmoe.parallel.layout import ATTENTION_DATA, TENSOR, axes_for_role
+from jaxmoe.parallel.mesh import build_mesh, token_spec
+from jaxmoe.train.checkpoint import RunCheckpoints, saved_config
+from jaxmoe.train.state import model_graphdef_and_specs
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "hf"
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+SEQ = 16  # the fixtures' token rows
+LAYOUTS = {
+    "expert 8": dict(data=1, expert=8),
+    "tensor 2": dict(data=1, expert=8, tensor=2),
+    "expert_tensor 2": dict(data=1, expert=4, expert_tensor=2),
+}
+
+
+def tensors_of(directory: Path) -> dict[str, np.ndarray]:
+    tensors = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(file, "numpy") as handle:
+            tensors.update({name: handle.get_tensor(name) for name in handle.keys()})  # noqa: SIM118
+    return tensors
+
+
+def assert_bit_exact(got: dict[str, np.ndarray], family: str) -> None:
+    expected = tensors_of(FIXTURES / family)
+    assert sorted(got) == sorted(expected)
+    for name, tensor in expected.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+        assert got[name].tobytes() == tensor.tobytes(), name
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """family -> the run directory of its converted fixture (converted once)."""
+    runs = {}
+    for family in FAMILIES:
+        out = tmp_path_factory.mktemp(f"run-{family}")
+        from_hf(plan_from_hf(FIXTURES / family, {"model.seq_len": SEQ}), out)
+        runs[family] = out
+    return runs
+
+
+def layout_config(run: Path, **parallel) -> Config:
+    config = Config.from_dict(saved_config(run, 0))
+    return dataclasses.replace(
+        config,
+        parallel=ParallelConfig(**parallel),
+        train=dataclasses.replace(config.train, batch_size=8),
+    )
+
+
+def restored_params(run: Path, **parallel):
+    config = layout_config(run, **parallel)
+    mesh = build_mesh(config.parallel)
+    return config, mesh, RunCheckpoints(run, config).restore(0, mesh).params
+
+
+def logits_on_mesh(config: Config, mesh, params, tokens: np.ndarray) -> np.ndarray:
+    """The model's float32 logits for ``tokens``, computed per device in the run's
+    shard_map (each device its rows; under tensor parallelism its positions)."""
+    graphdef, specs = model_graphdef_and_specs(config)
+    names = tuple(mesh.axis_names)
+
+    def per_device(params, tokens):
+        logits, _ = nnx.merge(graphdef, params)(tokens)
+        return logits
+
+    out = PartitionSpec(
+        axes_for_role(ATTENTION_DATA, names), axes_for_role(TENSOR, names) or None, None
+    )
+    forward = jax.jit(
+        jax.shard_map(
+            per_device,
+            mesh=mesh,
+            in_specs=(specs, token_spec(mesh)),
+            out_specs=out,
+            check_vma=False,
+        )
+    )
+    tokens = jax.device_put(tokens, NamedSharding(mesh, token_spec(mesh)))
+    return np.asarray(forward(params, tokens))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_converted_logits_match_transformers(converted, family):
+    config, mesh, params = restored_params(converted[family], **LAYOUTS["expert 8"])
+    ids = np.load(FIXTURES / family / "token_ids.npy")
+    expected = np.load(FIXTURES / family / "logits.npy")
+    copies = 8 // ids.shape[0]  # a row per device
+
+    logits = logits_on_mesh(config, mesh, params, np.tile(ids, (copies, 1)))
+
+    np.testing.assert_allclose(logits, np.tile(expected, (copies, 1, 1)), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_to_jaxmoe_to_hf_is_bit_exact(converted, family, tmp_path):
+    plan = plan_to_hf(converted[family])
+    assert plan.dtype == ("bfloat16" if family == "mixtral" else "float32")  # as stored
+
+    assert to_hf(plan, tmp_path) == 1
+    assert_bit_exact(tensors_of(tmp_path), family)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written == json.loads((FIXTURES / family / "config.json").read_text())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_checkpoint_restores_in_every_layout_to_the_same_tensors(
+    converted, family, layout, tmp_path
+):
+    config, _, params = restored_params(converted[family], **LAYOUTS[layout])
+    assert jax.tree.leaves(params)[0].sharding.mesh.size == 8
+
+    dtype = plan_to_hf(converted[family]).dtype
+    write_hf({"params": params}, family, config, tmp_path, dtype=dtype)
+
+    assert_bit_exact(tensors_of(tmp_path), family)
+
+
+def test_sharded_checkpoints_are_read_and_written_shard_by_shard(converted, tmp_path):
+    exported, again, back = tmp_path / "sharded", tmp_path / "run", tmp_path / "back"
+    to_hf(plan_to_hf(converted["qwen2_moe"]), exported, max_shard_bytes=64_000)
+    index = json.loads((exported / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) == 4 and files[0] == "model-00001-of-00004.safetensors"
+    assert all((exported / file).stat().st_size < 64_000 + 8_000 for file in files)
+
+    from_hf(plan_from_hf(exported, {"model.seq_len": SEQ}), again)
+    to_hf(plan_to_hf(again), back)
+
+    assert_bit_exact(tensors_of(back), "qwen2_moe")
+
+
+def run_cli(argv, capsys):
+    status = main(argv)
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def test_the_cli_converts_and_prints_the_train_line_that_resumes(tmp_path, capsys):
+    out, hf = tmp_path / "run", tmp_path / "hf"
+    family = "qwen3_moe"
+    source = ["--from-hf", str(FIXTURES / family), "--out", str(out)]
+    flags = ["--model.seq_len", str(SEQ), "--parallel.expert", "8"]
+    status, printed, _ = run_cli(["convert", *source, *flags], capsys)
+    assert status == 0, printed
+    line = printed.splitlines()[-1].split()
+    assert line[:3] == ["jaxmoe", "train", "--preset"] and line[-1] == "--resume"
+    resumed = config_from_train_args(line[2:])
+    saved = Config.from_dict(saved_config(out, 0))
+    assert resumed == saved and resumed.parallel.expert == 8
+    assert (out / "hf" / "config.json").is_file()
+
+    status, printed, _ = run_cli(["convert", "--to-hf", str(hf), "--out", str(out)], capsys)
+    assert status == 0 and "1 safetensors file and config.json" in printed
+    assert_bit_exact(tensors_of(hf), family)
+
+    status, _, error = run_cli(["convert", "--to-hf", str(hf), "--out", str(out)], capsys)
+    assert status == 2 and "already holds a model (config.json, model.safetensors)" in error
+    status, _, _ = run_cli(
+        ["convert", "--to-hf", str(hf), "--out", str(out), "--overwrite", "--dtype", "bfloat16"],
+        capsys,
+    )
+    assert status == 0
+    assert json.loads((hf / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def broken_copy(tmp_path: Path, family: str, config=None, drop=(), add=None) -> Path:
+    """A copy of a fixture with its config.json changed, tensors dropped or added."""
+    target = tmp_path / f"broken-{family}"
+    shutil.copytree(FIXTURES / family, target)
+    values = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**values, **(config or {})}))
+    if drop or add:
+        tensors = {k: v for k, v in tensors_of(target).items() if k not in drop}
+        save_file({**tensors, **(add or {})}, str(target / "model.safetensors"))
+    return target
+
+
+@pytest.mark.parametrize(
+    ("family", "broken", "message"),
+    [
+        (
+            "mixtral",
+            dict(drop=["model.layers.1.block_sparse_moe.experts.5.w3.weight"]),
+            "model.layers.1.block_sparse_moe.experts.5.w3.weight is missing from the "
+            "safetensors files",
+        ),
+        (
+            "qwen2_moe",
+            dict(config={"num_key_value_heads": 4}),
+            "model.layers.0.self_attn.k_proj.bias is [16], but config.json's "
+            "[num_key_value_heads x head_dim] = [32]",
+        ),
+        (
+            "qwen3_moe",
+            dict(config={"moe_intermediate_size": 8}),
+            "model.layers.0.mlp.experts.0.down_proj.weight is [32, 16], but config.json's "
+            "[hidden_size, moe_intermediate_size] = [32, 8]",
+        ),
+        (
+            "qwen3_moe",
+            dict(config={"num_hidden_layers": 1}),
+            "model.layers.1.input_layernorm.weight (and 32 more) is not a tensor of the "
+            "qwen3_moe model config.json describes (config.json's num_hidden_layers is 1)",
+        ),
+        ("qwen3_moe", dict(config={"model_type": "llama"}), "model_type='llama' is not"),
+        (
+            "mixtral",
+            dict(add={"model.layers.0.block_sparse_moe.gate.bias": np.zeros(8, np.int8)}),
+            "model.layers.0.block_sparse_moe.gate.bias is not a tensor of the mixtral model",
+        ),
+        (
+            "mixtral",
+            dict(config={"sliding_window": 8}),
+            "sliding_window=8 is shorter than model.seq_len=16",
+        ),
+    ],
+)
+def test_bad_checkpoints_are_refused_in_one_line_before_reading(
+    family, broken, message, tmp_path, capsys
+):
+    source = broken_copy(tmp_path, family, **broken)
+    out = tmp_path / "run"
+
+    status, _, error = run_cli(
+        ["convert", "--from-hf", str(source), "--out", str(out), "--model.seq_len", str(SEQ)],
+        capsys,
+    )
+
+    assert status == 2
+    assert message in error, error
+    assert error.startswith("jaxmoe convert: error: ") and error.count("\n") == 1
+    assert not (out / "checkpoints").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--from-hf", "nowhere"], "--from-hf nowhere: not a directory"),
+        (["--from-hf", str(FIXTURES / "mixtral"), "--step", "3"], "--step applies to --to-hf"),
+        (
+            ["--from-hf", str(FIXTURES / "mixtral"), "--model.num_heads", "8"],
+            "--model.num_heads: ",
+        ),
+        (["--to-hf", "x", "--model.seq_len", "8"], "--model.seq_len: configuration flags"),
+        (["--to-hf", "x", "--max-shard-size", "lots"], "--max-shard-size lots: give a size"),
+        (["--from-hf", str(FIXTURES / "mixtral"), "--to-hf", "x"], "not allowed with argument"),
+    ],
+)
+def test_bad_flags_are_refused_in_one_line(argv, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        raise SystemExit(main(["convert", *argv, "--out", str(tmp_path / "run")]))
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert message in error and error.count("\n") == 1, error
+
+
+def test_exporting_a_run_not_converted_from_hf_needs_its_architecture(converted, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(converted["mixtral"], run)
+    shutil.rmtree(run / "hf")
+    with pytest.raises(ConfigError, match="name it with --model-type"):
+        plan_to_hf(run)
+    with pytest.raises(ConfigError, match=r"--step 7: .* has checkpoints of steps 0"):
+        plan_to_hf(run, step=7, family="mixtral")
+
+    plan = plan_to_hf(run, family="mixtral")
+
+    assert plan.dtype == "float32" and plan.hf_values["num_local_experts"] == 8
