@@ -106,31 +106,48 @@ def train_command_line(config: Config, family: str, out: str) -> list[str]:
 
 
 def _from_hf(args: argparse.Namespace) -> int:
-    from jaxmoe.cli.run_dir import check_free_space, clear_run_files, prepare_run_dir
+    import shutil
+
+    import jax
+
+    from jaxmoe.cli.run_dir import RUN_FILES, check_free_space, clear_run_files, prepare_run_dir
     from jaxmoe.hf.convert import HF_DIR, abstract_leaves, from_hf, plan_from_hf
+    from jaxmoe.train.host_memory import host_memory_bytes
+    from jaxmoe.train.state import abstract_train_state
 
     given = [f"--{flag.replace('_', '-')}" for flag in _TO_HF_FLAGS if getattr(args, flag)]
     if given:
         raise ConfigError(f"{given[0]} applies to --to-hf, not --from-hf")
     out = Path(args.out)
-    prepare_run_dir(out, resume=False, overwrite=args.overwrite, primary=False)
+    existing = [name for name in (*RUN_FILES, HF_DIR) if (out / name).exists()]
+    if existing and not args.overwrite:
+        raise ConfigError(
+            f"--out {out} already holds a run ({', '.join(existing)}): add --overwrite to "
+            "replace it, or choose another directory"
+        )
+    prepare_run_dir(out, resume=False, overwrite=True, primary=False)  # writable, not cleared
     plan = plan_from_hf(args.from_hf, requested_values(args))
-    import jax
-
-    sizes = jax.tree.leaves(abstract_leaves(plan.config))
-    parameters = sum(leaf.size for leaf in sizes)
-    check_free_space(out, 3 * sum(leaf.size * leaf.dtype.itemsize for leaf in sizes))
+    parameters = sum(leaf.size for leaf in jax.tree.leaves(abstract_leaves(plan.config)))
+    state = sum(
+        leaf.size * leaf.dtype.itemsize
+        for leaf in jax.tree.leaves(abstract_train_state(plan.config))
+    )
+    check_free_space(out, state)
+    if state > host_memory_bytes():
+        raise ConfigError(
+            f"--from-hf: the checkpoint's state (the parameters and the optimizer's moments, "
+            f"float32) takes {state / 1e9:.1f} GB, more than this host's "
+            f"{host_memory_bytes() / 1e9:.1f} GB: convert on a larger host"
+        )
     if args.overwrite:
         clear_run_files(out)
-        import shutil
-
         shutil.rmtree(out / HF_DIR, ignore_errors=True)
     tensors = from_hf(plan, out)
     family = plan.architecture.family
     line = " ".join(train_command_line(plan.config, family, str(out)))
     print(
         f"converted {plan.directory} ({family}, {tensors} tensors, {parameters / 1e6:.2f}M "
-        f"parameters) into {out}: the checkpoint of step 0, with config.json and the "
+        f"parameters) into {out}: the checkpoint of step 0, and the source's config.json and "
         f"tokenizer files in {out / HF_DIR}\ntrain it (any layout: change --parallel.*):\n"
         f"  jaxmoe {line}"
     )

@@ -179,6 +179,11 @@ def test_the_cli_converts_and_prints_the_train_line_that_resumes(tmp_path, capsy
     assert resumed == saved and resumed.parallel.expert == 8
     assert (out / "hf" / "config.json").is_file()
 
+    status, _, error = run_cli(["convert", *source, *flags], capsys)
+    assert status == 2 and "already holds a run (checkpoints, hf): add --overwrite" in error
+    status, _, _ = run_cli(["convert", *source, *flags, "--overwrite"], capsys)
+    assert status == 0 and Config.from_dict(saved_config(out, 0)) == saved
+
     status, printed, _ = run_cli(["convert", "--to-hf", str(hf), "--out", str(out)], capsys)
     assert status == 0 and "1 safetensors file and config.json" in printed
     assert_bit_exact(tensors_of(hf), family)
