@@ -274,6 +274,24 @@ def _slice(op: Op, layouts, uniform) -> Chunking | None:
     )
 
 
+def _dynamic_slice(op: Op, layouts, uniform) -> Chunking | None:
+    """A slice along other axes (a device's slice of the sequence, say): the batch passes
+    through when the slice keeps all of it. A start index there is then clamped to 0
+    whatever it is, so every chunk takes its whole chunk."""
+    layout, *indices = layouts
+    if layout is None or any(index is not None for index in indices):
+        return None
+    axis = layout.axis
+    sizes = op.eqn.params["slice_sizes"]
+    if sizes[axis] != _shape(op.inputs[0])[axis]:
+        return None
+    return Chunking(
+        (axis, *(None for _ in indices)),
+        (layout,),
+        _with_param(op, "slice_sizes", lambda n: chunk_shape(sizes, axis, n)),
+    )
+
+
 def _pad(op: Op, layouts, uniform) -> Chunking | None:
     layout, padding_value = layouts
     if layout is None or padding_value is not None:
@@ -455,6 +473,7 @@ RULES: dict[str, Callable[[Op, Sequence[Layout], Sequence[frozenset[int]]], Chun
     "squeeze": _squeeze,
     "dot_general": _dot_general,
     "slice": _slice,
+    "dynamic_slice": _dynamic_slice,
     "pad": _pad,
     "concatenate": _concatenate,
     "split": _split,

@@ -112,6 +112,35 @@ def test_top_k_and_slice():
     assert chunking(op, [Split(0)], [frozenset()]) is None
 
 
+def test_a_dynamic_slice_along_another_axis_keeps_the_batch():
+    # A device's slice of the sequence (axis 1), as sequence parallelism takes it; the
+    # index is a traced scalar, like the tensor rank.
+    def traced(axis):
+        closed = jax.make_jaxpr(lambda x, i: jax.lax.dynamic_slice_in_dim(x, i, 2, axis=axis))(
+            jax.ShapeDtypeStruct((4, 6), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32)
+        )
+        inputs = [Value(v.aval) for v in closed.jaxpr.invars]
+        return inline_jaxpr(closed, inputs, "", Phase.FORWARD)[0][-1]
+
+    op = traced(axis=1)
+    indices = len(op.inputs) - 1
+    how = chunking(op, [Split(0)] + [None] * indices, [frozenset()] * (1 + indices))
+    assert how is not None and how.inputs[0] == 0 and how.outputs == (Split(0),)
+    assert how.params(2)["slice_sizes"] == (2, 2)
+    x = jnp.arange(24.0).reshape(4, 6)
+    index_values = [getattr(atom, "value", 3) for atom in op.inputs[1:]]  # rows 0, column 3
+    for chunk in range(2):
+        inputs = [Value(chunk_aval(op.inputs[0].aval, 0, 2)), *op.inputs[1:]]
+        copy = chunk_copy(op, how, 2, inputs)
+        rows = x[2 * chunk : 2 * chunk + 2]
+        (result,) = jax_adapter.bind_equation(copy.eqn, [rows, *index_values])
+        np.testing.assert_array_equal(result, rows[:, 3:5])
+    # A slice that cuts the batch itself has no rule.
+    op = traced(axis=0)
+    indices = len(op.inputs) - 1
+    assert chunking(op, [Split(0)] + [None] * indices, [frozenset()] * (1 + indices)) is None
+
+
 def test_gather_of_rows_by_split_indices():
     numbers = jax.lax.GatherDimensionNumbers(
         offset_dims=(2,), collapsed_slice_dims=(0,), start_index_map=(0,)
