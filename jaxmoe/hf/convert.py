@@ -252,14 +252,14 @@ def from_hf(plan: FromHF, out: str | Path) -> int:
     import jax
 
     from jaxmoe.train.checkpoint import RunCheckpoints
-    from jaxmoe.train.state import _state_around
+    from jaxmoe.train.state import train_state_around
 
     out = Path(out)
     device = host_device()
     collections = load_weights(plan, device)
     with jax.default_device(device):
         extra = {"model_state": collections["model_state"]} if "model_state" in collections else {}
-        state = _state_around(plan.config, collections["params"], **extra)
+        state = train_state_around(plan.config, collections["params"], **extra)
     with RunCheckpoints(out, plan.config) as checkpoints:
         checkpoints.save(state)
     kept = out / HF_DIR

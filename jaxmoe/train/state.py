@@ -76,10 +76,10 @@ def model_graphdef_and_specs(config: Config) -> tuple[nnx.GraphDef, dict]:
 
 def _initial_state(config: Config) -> TrainState:
     _, params, model_state = split_model(build_model(config))
-    return _state_around(config, nnx.to_pure_dict(params), pure_model_state(model_state))
+    return train_state_around(config, nnx.to_pure_dict(params), pure_model_state(model_state))
 
 
-def _state_around(config: Config, params: Any, model_state: Any = None) -> TrainState:
+def train_state_around(config: Config, params: Any, model_state: Any = None) -> TrainState:
     """The initial train state around ``params`` and ``model_state`` (pure dicts)."""
     opt_state = make_optimizer(config.train).init(params)
     _, specs = model_graphdef_and_specs(config)
@@ -113,7 +113,7 @@ def abstract_train_state(config: Config) -> TrainState:
     )
     params = nnx.to_pure_dict(abstract_params)
     model_state = pure_model_state(abstract_model_state)
-    return jax.eval_shape(lambda p, m: _state_around(config, p, m), params, model_state)
+    return jax.eval_shape(lambda p, m: train_state_around(config, p, m), params, model_state)
 
 
 def state_specs(config: Config) -> TrainState:
