@@ -33,8 +33,11 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxmoe.config import Config
+from jaxmoe.data.corpus import corpus_eod_id
+from jaxmoe.data.documents import document_masks
 from jaxmoe.layers import RoutingStats
 from jaxmoe.layers.router import update_expert_bias
+from jaxmoe.parallel.collectives import manual_axes
 from jaxmoe.parallel.grad_sync import make_grad_sync
 from jaxmoe.parallel.mesh import mesh_axis_sizes, token_spec
 from jaxmoe.parallel.placement import replicas_per_expert, slot_experts
@@ -76,15 +79,32 @@ def _forward_losses(
     key: jax.Array | None,
     placement: jax.Array | None = None,
     model_state: Any = None,
+    eod_id: int | None = None,
 ) -> tuple[jax.Array, jax.Array, RoutingStats]:
     """Local total loss (cross-entropy + aux + seq-aux + z) and its parts, on this device's
     tokens: its rows, and under tensor parallelism its slice of their positions.
 
-    ``model_state``: the state's (the expert biases), or None when the model has none."""
+    ``model_state``: the state's (the expert biases), or None when the model has none.
+    With ``data.mask_across_documents`` (the corpus's end-of-document id: ``eod_id``),
+    attention and positions restart at each document, the targets that cross into the
+    next document do not count, and the cross-entropy is the global mean over the targets
+    that count, scaled so that its sum over devices / token shards is that mean."""
     model = nnx.merge(graphdef, params, *([] if model_state is None else [model_state]))
-    logits, stats = model(batch[:, :-1], key, placement)
-    labels = sequence_slice(batch[:, 1:])
-    cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    tokens, labels = batch[:, :-1], sequence_slice(batch[:, 1:])
+    if eod_id is None:
+        logits, stats = model(tokens, key, placement)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+        cross_entropy = losses.mean()
+    else:
+        masks = document_masks(batch, eod_id)
+        logits, stats = model(tokens, key, placement, masks.positions, masks.segment_ids)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+        counted = sequence_slice(masks.loss_mask).astype(jnp.float32)
+        targets = jnp.sum(counted)  # per device, on average over the token shards:
+        if axes := manual_axes():
+            with jax.named_scope("metrics"):
+                targets = jax.lax.psum(targets, tuple(sorted(axes))) / config.parallel.token_shards
+        cross_entropy = jnp.sum(losses * counted) / jnp.maximum(targets, 1.0)
     # Auxiliary losses are added per MoE layer (summed over layers), as in Switch/Megatron.
     total = (
         cross_entropy
@@ -93,6 +113,14 @@ def _forward_losses(
         + config.moe.z_loss_coef * jnp.sum(stats.z_loss)
     )
     return total, cross_entropy, stats
+
+
+def document_eod_id(config: Config) -> int | None:
+    """The end-of-document id the loss and attention stop at (``data.mask_across_documents``;
+    the corpus's sidecar says it), or None."""
+    if not config.data.mask_across_documents:
+        return None
+    return corpus_eod_id(config.data.path)
 
 
 def _placement_metrics(stats: RoutingStats, placement: jax.Array, axes: tuple[str, ...]) -> Metrics:
@@ -145,6 +173,7 @@ def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
     # gradient norm is not finite; with 'stop' the loop ends the run and the step is as is.
     skip_nonfinite = config.train.on_nonfinite == "skip"
     bias_rate = config.moe.expert_bias_rate
+    eod_id = document_eod_id(config)
     grad_sync = make_grad_sync(config.train, mesh)
     mesh_axes = mesh_axis_sizes(config.parallel)
 
@@ -156,7 +185,7 @@ def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
 
         def loss_fn(params):
             total, cross_entropy, stats = _forward_losses(
-                config, graphdef, params, batch, key, state.placement, state.model_state
+                config, graphdef, params, batch, key, state.placement, state.model_state, eod_id
             )
             return total / shards, (total, cross_entropy, stats)
 
@@ -233,10 +262,11 @@ def build_eval_step(config: Config, mesh: Mesh) -> ShardedStep:
     shards = config.parallel.token_shards
     axes = tuple(mesh.axis_names)
     specs = state_specs(config)
+    eod_id = document_eod_id(config)
 
     def per_device(params: Any, batch: jax.Array, placement: Any, model_state: Any) -> jax.Array:
         _, cross_entropy, _ = _forward_losses(
-            config, graphdef, params, batch, None, placement, model_state
+            config, graphdef, params, batch, None, placement, model_state, eod_id
         )
         return jax.lax.psum(cross_entropy / shards, axes)
 
