@@ -131,6 +131,54 @@ def qwen3_moe(
     )
 
 
+def deepseek_v3(
+    *,
+    num_kv_heads: int,
+    head_dim: int,
+    d_ff: int,
+    d_expert: int,
+    experts: int,
+    top_k: int,
+    groups: int,
+    top_groups: int,
+    first_dense_layers: int,
+    **model,
+) -> tuple[ModelConfig, MoEConfig]:
+    """DeepSeek-V3 style: leading dense layers, fine-grained experts beside one shared
+    expert, sigmoid scores with auxiliary-loss-free balancing (a per-expert selection bias
+    moved by 0.001 a step), group-limited routing, the routed weights renormalised and
+    scaled by 2.5, a small sequence-wise balance loss. Multi-head latent attention is not
+    implemented: grouped-query attention takes its place (the number of key/value heads
+    is this configuration's choice, not the model's)."""
+    return (
+        ModelConfig(
+            **_LLAMA_BLOCKS,
+            moe_every=1,
+            first_dense_layers=first_dense_layers,
+            d_ff=d_ff,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            **model,
+        ),
+        MoEConfig(
+            num_experts=experts,
+            top_k=top_k,
+            capacity_factor=1.0,
+            d_expert=d_expert,
+            num_shared_experts=1,
+            score_function="sigmoid",
+            normalize_top_k=True,
+            routed_scaling_factor=2.5,
+            num_expert_groups=groups,
+            top_k_expert_groups=top_groups,
+            expert_bias_rate=0.001,
+            aux_loss_coef=0.0,
+            z_loss_coef=0.0,
+            seq_aux_loss_coef=1e-4,
+        ),
+    )
+
+
 def _preset(model: ModelConfig, moe: MoEConfig, train: TrainConfig, **sections) -> Config:
     return Config(model=model, moe=moe, train=train, **sections)
 
@@ -183,6 +231,20 @@ PRESETS: dict[str, Config] = {
     ),
     "qwen3_moe-tiny": _tiny(
         *qwen3_moe(num_kv_heads=2, head_dim=32, d_expert=64, experts=16, top_k=4, **_TINY_MODEL)
+    ),
+    "deepseek_v3-tiny": _tiny(
+        *deepseek_v3(
+            num_kv_heads=2,
+            head_dim=32,
+            d_ff=256,
+            d_expert=32,
+            experts=32,
+            top_k=4,
+            groups=4,
+            top_groups=2,
+            first_dense_layers=1,
+            **_TINY_MODEL,
+        )
     ),
     # -- The model families, published shapes (the model's config.json on the Hugging Face
     # hub) ------------------------------------------------------------------------------------
@@ -245,6 +307,33 @@ PRESETS: dict[str, Config] = {
             d_model=4096,
             num_heads=64,
             num_layers=94,
+        )
+    ),
+    # deepseek-ai/DeepSeek-V3: 61 layers (the first 3 dense, intermediate 18432), hidden
+    # 7168, 128 heads, 256 routed experts top-8 of moe_intermediate_size 2048 in 8 groups
+    # (top 4 groups) beside 1 shared expert, sigmoid scores with a correction bias,
+    # routed_scaling_factor 2.5, vocab 129280, rope_theta 10000 with YaRN (factor 40 over
+    # 4096 positions). Grouped-query attention (128 heads of 128, 8 key/value heads: this
+    # configuration's choice) in place of multi-head latent attention.
+    "deepseek_v3-671b": _full(
+        *deepseek_v3(
+            num_kv_heads=8,
+            head_dim=128,
+            d_ff=18432,
+            d_expert=2048,
+            experts=256,
+            top_k=8,
+            groups=8,
+            top_groups=4,
+            first_dense_layers=3,
+            vocab_size=129280,
+            d_model=7168,
+            num_heads=128,
+            num_layers=61,
+            rope_theta=10000.0,
+            rope_scaling="yarn",
+            rope_scaling_factor=40.0,
+            rope_original_seq_len=4096,
         )
     ),
 }
