@@ -1,8 +1,9 @@
 """The ``jaxmoe`` command: parse, resolve the configuration once, run one subcommand.
 
-``train``, ``schedule``, ``plan``, ``link-curves`` and ``launch`` (N local processes
-of ``train``, for testing). A bad flag, value or input file prints one line and exits
-with status 2, before anything compiles; each subcommand checks only what it uses.
+``train``, ``schedule``, ``plan``, ``link-curves``, ``data``, ``convert``, ``generate``
+and ``launch`` (N local processes of ``train``, for testing). A bad flag, value or input
+file prints one line and exits with status 2, before anything compiles; each
+subcommand checks only what it uses.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from jaxmoe import exit_codes
 from jaxmoe.cli import (
     convert_command,
     data_command,
+    generate_command,
     link_curves_command,
     plan_command,
     schedule_command,
@@ -30,6 +32,7 @@ COMMANDS = {
     "plan": plan_command.run,
     "link-curves": link_curves_command.run,
     "data": data_command.run,
+    "generate": generate_command.run,
     "convert": convert_command.run,
 }
 
@@ -87,7 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parse(argv)
         if args.command == "launch":
             return _launch(args)
-        if args.command in ("data", "convert"):  # no preset's configuration, no devices
+        if args.command in ("data", "convert", "generate"):  # no preset's configuration, no devices
             return COMMANDS[args.command](None, args)
         config = resolve_config(args)
         if args.command == "plan":  # traces on an abstract mesh: no devices needed

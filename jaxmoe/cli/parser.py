@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 import scheduling.names
 from jaxmoe import exit_codes
-from jaxmoe.cli import convert_command, data_command
+from jaxmoe.cli import convert_command, data_command, generate_command
 from jaxmoe.config import Config, ConfigError
 from jaxmoe.config.schedule import RENAMED_TRAIN_FIELDS
 from jaxmoe.presets import PRESETS, preset
@@ -184,6 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
         "convert", help="Hugging Face checkpoints (Mixtral, Qwen-MoE) in and out of a run"
     )
     convert_command.add_arguments(convert, override_fields())
+
+    generate = commands.add_parser(
+        "generate", help="continue a prompt with a run's checkpoint (greedy or sampled)"
+    )
+    generate_command.add_arguments(generate)
     return parser
 
 

@@ -23,11 +23,18 @@ activation recomputation: the core attention (QK^T, scale, mask, softmax, x V) r
 under ``jax.checkpoint``, so the backward pass recomputes it from q, k and v instead
 of keeping its ``[batch, heads, seq, seq]`` weights, the one activation that grows
 with seq^2. It costs QK^T and the softmax once more.
+
+Decoding (:meth:`CausalSelfAttention.decode`, :mod:`jaxmoe.generate`) keeps each
+layer's keys and values in a :class:`KVCache` ``[batch, max_len, kv_heads, head_dim]``:
+a call writes its tokens' keys and values at the cache position and attends over the
+whole cache, masked to the positions written so far. It runs on one device, without
+tensor parallelism.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import chex
 import jax
@@ -66,6 +73,33 @@ def core_attention(
     weights = jax.nn.softmax(logits, axis=-1).astype(value.dtype)
     attended = jnp.einsum("bkgqs,bskd->bqkgd", weights, value)
     return attended.reshape(batch, seq, heads, head_dim)
+
+
+def cached_attention(
+    query: jax.Array, key: jax.Array, value: jax.Array, positions: jax.Array
+) -> jax.Array:
+    """:func:`core_attention` of new queries over a key/value cache: ``query [batch, new,
+    heads, head_dim]`` at cache positions ``positions [new]``, ``key`` and ``value``
+    ``[batch, max_len, kv_heads, head_dim]``; the query at position ``p`` sees the cache's
+    positions ``0 .. p`` (the later ones are not written yet)."""
+    batch, new, heads, head_dim = query.shape
+    groups = heads // key.shape[2]
+    query = query.reshape(batch, new, key.shape[2], groups, head_dim)
+    logits = jnp.einsum("bqkgd,bskd->bkgqs", query, key).astype(jnp.float32)
+    logits = logits / math.sqrt(head_dim)
+    allowed = jnp.arange(key.shape[1])[None, :] <= positions[:, None]  # [new, max_len]
+    logits = jnp.where(allowed[None, None, None], logits, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(logits, axis=-1).astype(value.dtype)
+    attended = jnp.einsum("bkgqs,bskd->bqkgd", weights, value)
+    return attended.reshape(batch, new, heads, head_dim)
+
+
+class KVCache(NamedTuple):
+    """One layer's keys and values for decoding, ``[batch, max_len, kv_heads, head_dim]``
+    each (after the key norm and the rotation), in the model's dtype."""
+
+    key: jax.Array
+    value: jax.Array
 
 
 # The barrier keeps XLA from merging the backward pass's recomputation with the forward
@@ -142,6 +176,18 @@ class CausalSelfAttention(nnx.Module):
             custom_message="attention input [batch, seq, d_model]",
         )
         x = gather_sequence(x)
+        query, key, value = self._heads(x, rotary)
+        key, value = self._local_key_value(key, value)
+        attend = recomputed_core_attention if self.recompute else core_attention
+        attended = attend(query, key, value, segment_ids)
+        batch, seq = attended.shape[:2]
+        return self.out(attended.reshape(batch, seq, -1))
+
+    def _heads(
+        self, x: jax.Array, rotary: tuple[jax.Array, jax.Array] | None
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries ``[batch, seq, local heads, head_dim]``, keys and values ``[batch, seq,
+        local kv heads, head_dim]`` of ``x``, normed and rotated as the model says."""
         query = self.query(x)  # [batch, seq, local heads, head_dim]
         key_value = self.key_value(x)  # [batch, seq, 2, local kv heads, head_dim]
         key, value = key_value[:, :, 0], key_value[:, :, 1]
@@ -151,8 +197,38 @@ class CausalSelfAttention(nnx.Module):
             if rotary is None:
                 raise ValueError("rotary positions need the cos and sin tables")
             query, key = rotate(query, *rotary), rotate(key, *rotary)
-        key, value = self._local_key_value(key, value)
-        attend = recomputed_core_attention if self.recompute else core_attention
-        attended = attend(query, key, value, segment_ids)
-        batch, seq = attended.shape[:2]
-        return self.out(attended.reshape(batch, seq, -1))
+        return query, key, value
+
+    def init_cache(self, batch: int, max_len: int, dtype: jnp.dtype) -> KVCache:
+        """An empty cache of ``max_len`` positions."""
+        shape = (batch, max_len, self.num_kv_heads, self.head_dim)
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+    def decode(
+        self,
+        x: jax.Array,
+        cache: KVCache,
+        index: jax.Array,
+        rotary: tuple[jax.Array, jax.Array] | None = None,
+    ) -> tuple[jax.Array, KVCache]:
+        """``x [batch, new, d_model]``, the tokens at cache positions ``index .. index + new
+        - 1`` -> their attention output ``[batch, new, d_model]`` and the cache with their
+        keys and values written in (``lax.dynamic_update_slice``). ``rotary``: the tables
+        of those positions. One device: no tensor parallelism."""
+        if tensor_group_size() != 1:
+            raise ValueError("decoding with a key/value cache runs without tensor parallelism")
+        chex.assert_shape(
+            x,
+            (None, None, self.out.out_features),
+            custom_message="attention input [batch, new, d_model]",
+        )
+        query, key, value = self._heads(x, rotary)
+        start = (0, index, 0, 0)
+        cache = KVCache(
+            jax.lax.dynamic_update_slice(cache.key, key.astype(cache.key.dtype), start),
+            jax.lax.dynamic_update_slice(cache.value, value.astype(cache.value.dtype), start),
+        )
+        positions = index + jnp.arange(x.shape[1])
+        attended = cached_attention(query, cache.key, cache.value, positions)
+        batch, new = attended.shape[:2]
+        return self.out(attended.reshape(batch, new, -1)), cache

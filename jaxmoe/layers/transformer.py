@@ -16,6 +16,10 @@ tensor-parallel regions: each device embeds only its slice of the sequence
 work on that slice, and the logits are this device's positions. The token
 embedding and the output head stay replicated: a vocabulary-parallel embedding is
 not implemented.
+
+Decoding (:mod:`jaxmoe.generate`) runs the same blocks through :meth:`GPTMoE.decode`:
+the new tokens at the cache position, each attention layer reading and extending its
+key/value cache (:class:`~jaxmoe.layers.attention.KVCache`), on one device.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmoe.config import ModelConfig, MoEConfig
-from jaxmoe.layers.attention import CausalSelfAttention
+from jaxmoe.layers.attention import CausalSelfAttention, KVCache
 from jaxmoe.layers.mlp import DenseFFN
 from jaxmoe.layers.moe import MoELayer, RoutingStats
 from jaxmoe.layers.norms import make_norm
@@ -77,6 +81,30 @@ class Block(nnx.Module):
     ) -> tuple[jax.Array, RoutingStats | None]:
         with jax.named_scope("attention"):
             x = x + self.attention(self.attention_norm(x), rotary, segment_ids)
+        return self._feed_forward(x, jitter_key, replica_table)
+
+    def decode(
+        self,
+        x: jax.Array,
+        cache: KVCache,
+        index: jax.Array,
+        rotary: tuple[jax.Array, jax.Array] | None = None,
+    ) -> tuple[jax.Array, KVCache]:
+        """The block on new tokens ``x [batch, new, d_model]`` at cache positions ``index``
+        on (:meth:`CausalSelfAttention.decode`); the FFN as in training, without router
+        noise or replicas."""
+        with jax.named_scope("attention"):
+            update, cache = self.attention.decode(self.attention_norm(x), cache, index, rotary)
+        x, _ = self._feed_forward(x + update)
+        return x, cache
+
+    def _feed_forward(
+        self,
+        x: jax.Array,
+        jitter_key: jax.Array | None = None,
+        replica_table: jax.Array | None = None,
+    ) -> tuple[jax.Array, RoutingStats | None]:
+        """``x + ffn(norm(x))`` and the MoE layer's routing stats (None when dense)."""
         if not self.is_moe:
             with jax.named_scope("ffn"):
                 return x + self.ffn(self.ffn_norm(x)), None
@@ -160,9 +188,54 @@ class GPTMoE(nnx.Module):
                 x, stats = block(x, key, table, rotary, segment_ids)
             if stats is not None:
                 layer_stats.append(stats)
+        logits = self._head(x)
+        stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *layer_stats)
+        return logits.astype(jnp.float32), stacked
+
+    def _head(self, x: jax.Array) -> jax.Array:
+        """The final norm and the output head: logits in the compute dtype."""
         with jax.named_scope("head"):
             normed = self.final_norm(x)
             tied = self.head is None
-            logits = self.token_embed.attend(normed) if tied else self.head(normed)
-        stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *layer_stats)
-        return logits.astype(jnp.float32), stacked
+            return self.token_embed.attend(normed) if tied else self.head(normed)
+
+    def init_cache(self, batch: int, max_len: int) -> tuple[KVCache, ...]:
+        """Empty key/value caches of ``max_len`` positions, one per layer, for
+        :meth:`decode`. Learned positions bound ``max_len`` by ``model.seq_len``."""
+        if self.position_embed is not None and max_len > self.position_embed.shape[0]:
+            raise ValueError(
+                f"a cache of {max_len} positions: learned positions stop at "
+                f"model.seq_len={self.position_embed.shape[0]}"
+            )
+        return tuple(
+            block.attention.init_cache(batch, max_len, self.dtype) for block in self.blocks
+        )
+
+    def decode(
+        self, tokens: jax.Array, cache: tuple[KVCache, ...], index: jax.Array
+    ) -> tuple[jax.Array, tuple[KVCache, ...]]:
+        """``tokens [batch, new]`` at positions ``index .. index + new - 1`` (``index``: an
+        int scalar, the same for every row; the caches hold the positions before it) ->
+        float32 logits ``[batch, new, vocab]`` and the caches with the new keys and values.
+
+        A prompt is one call at ``index`` 0 (the prefill), each generated token one call
+        of ``new = 1``. Positions are ``index`` on (learned positions or rotary tables);
+        MoE layers route every token as in training, without router noise; their
+        routing stats are dropped. One device, no mesh."""
+        chex.assert_rank(tokens, 2)
+        chex.assert_type(tokens, int)
+        chex.assert_equal(len(cache), len(self.blocks))
+        positions = index + jnp.arange(tokens.shape[1])
+        x = self.token_embed(tokens)
+        rotary = None
+        if self.position_embed is not None:
+            learned = jnp.take(self.position_embed[...], positions, axis=0)
+            x = x + learned.astype(self.dtype)[None]
+        else:
+            rotary = rotary_tables(self.config, positions)
+        caches = []
+        for number, (block, layer_cache) in enumerate(zip(self.blocks, cache, strict=True)):
+            with jax.named_scope(f"layer_{number}"):
+                x, layer_cache = block.decode(x, layer_cache, index, rotary)
+            caches.append(layer_cache)
+        return self._head(x).astype(jnp.float32), tuple(caches)
