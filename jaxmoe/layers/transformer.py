@@ -166,16 +166,17 @@ class GPTMoE(nnx.Module):
         chex.assert_rank(tokens, 2)
         chex.assert_type(tokens, int)
         seq = tokens.shape[1]
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(seq), tokens.shape)
         x = self.token_embed(sequence_slice(tokens))
         rotary = None
         if self.position_embed is not None:
             chex.assert_axis_dimension_lteq(tokens, 1, self.position_embed.shape[0])
-            learned = jnp.take(self.position_embed[...], sequence_slice(positions), axis=0)
+            if positions is None:  # every row at 0 .. seq - 1: one slice, broadcast
+                learned = sequence_slice(self.position_embed[...][None, :seq])
+            else:
+                learned = jnp.take(self.position_embed[...], sequence_slice(positions), axis=0)
             x = x + learned.astype(self.dtype)
         else:
-            rotary = rotary_tables(self.config, positions)
+            rotary = rotary_tables(self.config, jnp.arange(seq) if positions is None else positions)
         layer_stats = []
         for index, block in enumerate(self.blocks):
             key = None if jitter_key is None else jax.random.fold_in(jitter_key, index)
