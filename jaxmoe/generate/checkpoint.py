@@ -13,16 +13,20 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import jax
-import orbax.checkpoint as ocp
 from flax import nnx
 
 from jaxmoe.config import Config, ConfigError
 from jaxmoe.generate.decoder import inference_moe
 from jaxmoe.layers import GPTMoE
-from jaxmoe.train.checkpoint import CHECKPOINT_DIR, checkpoint_steps, saved_config
+from jaxmoe.train.checkpoint import (
+    CHECKPOINT_DIR,
+    checkpoint_steps,
+    error_reason,
+    restore_model,
+    saved_config,
+)
 
 
 @dataclass(frozen=True)
@@ -34,14 +38,6 @@ class RunModel:
     step: int
 
 
-def _first_line(error: BaseException) -> str:
-    """The first line of the error at the root of ``error``'s chain, at most 200 characters."""
-    while error.__cause__ is not None or error.__context__ is not None:
-        error = error.__cause__ or error.__context__
-    text = str(error).strip().splitlines()
-    return (text[0] if text else type(error).__name__)[:200]
-
-
 def _abstract_model(config: Config) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
     """The decoding model's structure, its parameters' and its other variables' shapes
     (the expert biases: not parameters, saved apart as ``model_state``)."""
@@ -51,32 +47,10 @@ def _abstract_model(config: Config) -> tuple[nnx.GraphDef, nnx.State, nnx.State]
     return nnx.split(model, nnx.Param, ...)
 
 
-def _restore(path: Path, params: Any, model_state: Any, device: jax.Device) -> dict[str, Any]:
-    """The ``params`` (and ``model_state``, when not None) of the ``state`` item at
-    ``path``, as arrays on ``device``; the rest of the state is not read."""
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    place = lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
-    target = {"params": jax.tree.map(place, params)}
-    if model_state is not None:
-        target["model_state"] = jax.tree.map(place, model_state)
-    restore_args = ocp.checkpoint_utils.construct_restore_args(target)
-    with ocp.PyTreeCheckpointer() as reader:
-        return reader.restore(
-            path.absolute(),
-            args=ocp.args.PyTreeRestore(target, restore_args=restore_args, partial_restore=True),
-        )
-
-
 def _load_step(run_dir: Path, step: int, device: jax.Device) -> RunModel:
     config = Config.from_dict(saved_config(run_dir, step))
     graphdef, params, rest = _abstract_model(config)
-    pure_rest = nnx.to_pure_dict(rest)
-    restored = _restore(
-        run_dir / CHECKPOINT_DIR / str(step) / "state",
-        nnx.to_pure_dict(params),
-        pure_rest if jax.tree.leaves(pure_rest) else None,
-        device,
-    )
+    restored = restore_model(run_dir, step, config, device)
     nnx.replace_by_pure_dict(params, restored["params"])
     if "model_state" in restored:
         nnx.replace_by_pure_dict(rest, restored["model_state"])
@@ -102,7 +76,7 @@ def load_run_model(run_dir: str | Path, device: jax.Device | None = None) -> Run
         try:
             return _load_step(run_dir, step, device)
         except Exception as error:  # whatever Orbax, TensorStore or the config raise
-            unreadable[step] = _first_line(error)
+            unreadable[step] = error_reason(error)
             if step == steps[-1]:
                 break
             print(

@@ -320,27 +320,9 @@ def plan_to_hf(
 
 def restore_params(run: Path, step: int, config: Config, device: Any) -> dict[str, Any]:
     """The parameters (and model state) of the checkpoint of ``step``, alone, on ``device``."""
-    import jax
-    import orbax.checkpoint as ocp
+    from jaxmoe.train.checkpoint import restore_model
 
-    from jaxmoe.train.checkpoint import CHECKPOINT_DIR
-
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    trees = abstract_leaves(config)
-    target = jax.tree.map(
-        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), trees
-    )
-    path = (run / CHECKPOINT_DIR / str(step) / "state").absolute()
-    with ocp.PyTreeCheckpointer() as reader:
-        restored = reader.restore(
-            path,
-            args=ocp.args.PyTreeRestore(
-                item=target,
-                restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-                partial_restore=True,
-            ),
-        )
-    return dict(restored)
+    return restore_model(run, step, config, device)
 
 
 def write_hf(

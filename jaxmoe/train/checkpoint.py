@@ -38,7 +38,7 @@ from jax.sharding import Mesh
 from orbax.checkpoint import type_handlers
 
 from jaxmoe.config import Config, ConfigError
-from jaxmoe.train.state import TrainState, abstract_sharded_state
+from jaxmoe.train.state import TrainState, abstract_sharded_state, abstract_train_state
 
 CHECKPOINT_DIR = "checkpoints"
 # Fields whose change gives parameters (or their optimizer state) other shapes.
@@ -88,6 +88,31 @@ def checkpoint_steps(out_dir: Path) -> list[int]:
     as unreadable.
     """
     return sorted(ocp.utils.checkpoint_steps(out_dir / CHECKPOINT_DIR), reverse=True)
+
+
+def restore_model(out_dir: Path, step: int, config: Config, device: Any) -> dict[str, Any]:
+    """The parameters (and the model state, when the model has one: the routers' expert
+    biases) of the checkpoint of ``step``, alone, as arrays on ``device``: the optimizer
+    state is not read. ``{"params": ..., "model_state": ...}`` of pure dicts."""
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    state = abstract_train_state(config)
+    trees = {"params": state.params}
+    if jax.tree.leaves(state.model_state):
+        trees["model_state"] = state.model_state
+    target = jax.tree.map(
+        lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding), trees
+    )
+    path = (out_dir / CHECKPOINT_DIR / str(step) / "state").absolute()
+    with ocp.PyTreeCheckpointer() as reader:
+        restored = reader.restore(
+            path,
+            args=ocp.args.PyTreeRestore(
+                item=target,
+                restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                partial_restore=True,
+            ),
+        )
+    return dict(restored)
 
 
 def latest_checkpoint(out_dir: Path) -> int | None:
@@ -163,7 +188,7 @@ def check_compatible(saved: dict[str, Any], config: Config, step: int) -> list[s
     return sorted(changes)
 
 
-def _first_line(error: BaseException) -> str:
+def error_reason(error: BaseException) -> str:
     """Why reading failed, in one line: the first line of the error that caused the others
     (Orbax wraps TensorStore's), at most 200 characters."""
     while error.__cause__ is not None or error.__context__ is not None:
@@ -269,7 +294,7 @@ class RunCheckpoints:
             try:
                 state = self.restore(step, mesh)
             except Exception as error:  # whatever Orbax or TensorStore raise for a bad file
-                reason = unreadable[step] = _first_line(error)
+                reason = unreadable[step] = error_reason(error)
                 if jax.process_index() == 0:
                     print(
                         f"--resume: the checkpoint of step {step} cannot be read ({reason}): "
