@@ -10,7 +10,9 @@ environment that has ``transformers`` and PyTorch (the CPU build is enough)::
 Each family's directory holds what ``save_pretrained`` writes for the model
 (``model.safetensors``, ``config.json``; the generation config is dropped), and
 ``token_ids.npy`` (int32 ``[2, 16]``) with ``logits.npy`` (float32 ``[2, 16, vocab]``):
-the Hugging Face forward pass of those ids, in float32 with eager attention.
+the Hugging Face forward pass of those ids, in float32 with eager attention; and
+``greedy_ids.npy`` (int32 ``[2, 16]``): ``generate`` from the first 8 ids, 8 new tokens,
+greedy, with no end-of-sequence id to stop early.
 
 The models cover what the converter maps: grouped-query attention everywhere; Mixtral
 stored in bfloat16 (its logits are those of the bfloat16 weights computed in float32),
@@ -140,6 +142,9 @@ def routing_margin(router_logits: tuple[torch.Tensor, ...], top_k: int) -> float
     return min(margins)
 
 
+PROMPT = 8  # ids the greedy continuation starts from
+
+
 def make_family(name: str, out: Path, first_seed: int) -> None:
     config, model_class, dtype = family_models()[name]
     config._attn_implementation = "eager"
@@ -163,6 +168,17 @@ def make_family(name: str, out: Path, first_seed: int) -> None:
     (target / "generation_config.json").unlink(missing_ok=True)
     np.save(target / "token_ids.npy", ids.numpy().astype(np.int32))
     np.save(target / "logits.npy", output.logits.float().numpy())
+    with torch.no_grad():
+        prompt = ids[:, :PROMPT]
+        greedy = model.float().generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),  # every id is a token, none padding
+            max_new_tokens=SEQ - PROMPT,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    np.save(target / "greedy_ids.npy", greedy.numpy().astype(np.int32))
     saved = json.loads((target / "config.json").read_text())
     sizes = {path.name: path.stat().st_size for path in sorted(target.iterdir())}
     print(f"{name}: seed {seed}, routing margin {margin:.4f}, dtype {saved.get('dtype')}, {sizes}")

@@ -1,9 +1,10 @@
 """Cached decoding of the converted ``transformers`` fixture models (``tests/fixtures/hf``,
 ``tools/make_hf_fixtures.py``) against the logits ``transformers`` computed.
 
-The fixtures hold a forward pass over fixed ids (``token_ids.npy``, ``logits.npy``), no
-greedy continuation: fed the same ids one at a time after a prefill, the cache must give
-the same logits at every position, and the first greedy token is theirs."""
+The fixtures hold a forward pass over fixed ids (``token_ids.npy``, ``logits.npy``) and
+the greedy continuation ``generate`` gave from their first 8 ids (``greedy_ids.npy``):
+fed the same ids one at a time after a prefill, the cache must give the same logits at
+every position, and greedy decoding the same continuation."""
 
 from pathlib import Path
 
@@ -35,5 +36,7 @@ def test_cached_decoding_of_a_converted_model_gives_the_transformers_logits(fami
         steps.append(np.asarray(logits))
     np.testing.assert_allclose(np.concatenate(steps, axis=1), expected, rtol=1e-4, atol=1e-4)
 
-    first = decoder.generate(ids[:, :PREFILL], 1)
-    assert first == np.argmax(expected[:, PREFILL - 1], axis=-1)[:, None].tolist()
+    greedy = np.load(FIXTURES / family / "greedy_ids.npy")
+    prompt = 8
+    continuation = decoder.generate(greedy[:, :prompt], greedy.shape[1] - prompt)
+    assert continuation == greedy[:, prompt:].tolist()
