@@ -28,9 +28,7 @@ def check_link_curves(schedule: ScheduleConfig) -> None:
         CollectiveCurves.load(path)
     except OSError as error:
         reason = (error.strerror or str(error)).lower()
-        raise ConfigError(
-            f"{where}: {reason}; give a file written by jaxmoe link-curves"
-        ) from None
+        raise ConfigError(f"{where}: {reason}; give a file written by jaxmoe link-curves") from None
     except ValueError as error:
         raise ConfigError(f"{where}: {error}") from None
 
