@@ -1,8 +1,7 @@
 """Parallel folding in the planner: published MoE shapes, and the best folded mapping
 against the best mapping whose MoE reuses attention's layout.
 
-The model shapes are the published ones (layers, width, heads, experts, top-k, expert
-width); what jaxmoe's model cannot express is listed with each. The planner estimates
+The models are the published architectures (jaxmoe/presets.py). The planner estimates
 them from one- and two-layer traces (:mod:`jaxmoe.plan.layer_extrapolation`), so every
 mapping on 64-256 devices is planned in seconds; ``experiments.folding_scale`` runs it.
 """
@@ -13,8 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from jaxmoe.config import Config, ModelConfig, MoEConfig, TrainConfig
+from jaxmoe.config import Config
 from jaxmoe.plan.mappings import Mapping
+from jaxmoe.presets import preset
 
 if TYPE_CHECKING:  # the planner imports JAX
     from jaxmoe.plan.planner import MappingEstimate
@@ -27,28 +27,6 @@ SEQ_LEN = 4096
 SEQUENCES_PER_DEVICE = 1
 
 
-def _published(
-    *, layers: int, width: int, heads: int, experts: int, top_k: int, expert_width: int,
-    vocab: int
-) -> Config:  # fmt: skip
-    """Every layer an MoE layer (as in both models), bfloat16 activations; capacity
-    factor 1.0 is chosen here."""
-    return Config(
-        model=ModelConfig(
-            vocab_size=vocab,
-            d_model=width,
-            num_heads=heads,
-            num_layers=layers,
-            d_ff=expert_width,  # no dense FFN layer: moe_every=1
-            seq_len=SEQ_LEN,
-            moe_every=1,
-            dtype="bfloat16",
-        ),
-        moe=MoEConfig(num_experts=experts, top_k=top_k, capacity_factor=1.0, d_expert=expert_width),
-        train=TrainConfig(batch_size=8 * SEQUENCES_PER_DEVICE),  # see planned_config
-    )
-
-
 def planned_config(model: str, devices: int, **model_fields) -> Config:
     """``model``'s published shape with the batch of ``devices`` devices, and any model
     field overridden (e.g. ``recompute``)."""
@@ -58,24 +36,13 @@ def planned_config(model: str, devices: int, **model_fields) -> Config:
     return Config.from_dict(values)
 
 
-# The shapes as each model's config.json on the Hugging Face hub gives them.
+# The models' true architectures (jaxmoe/presets.py: the shapes and blocks as each model's
+# config.json on the Hugging Face hub gives them: grouped-query attention, SwiGLU experts,
+# Qwen2's gated shared expert), with bfloat16 activations, sequences of SEQ_LEN tokens
+# and capacity factor 1.0 (chosen here).
 MODELS: dict[str, Config] = {
-    # mistral-community/Mixtral-8x22B-v0.1 config.json: num_hidden_layers 56, hidden_size
-    # 6144, num_attention_heads 48 (num_key_value_heads 8), num_local_experts 8,
-    # num_experts_per_tok 2, intermediate_size 16384, vocab_size 32000.
-    # Left out: grouped-query attention (8 KV heads; here every head has its own K, V)
-    # and SwiGLU experts (three matrices; here two).
-    "mixtral-8x22b": _published(
-        layers=56, width=6144, heads=48, experts=8, top_k=2, expert_width=16384, vocab=32000
-    ),
-    # Qwen/Qwen2-57B-A14B config.json: num_hidden_layers 28, hidden_size 3584,
-    # num_attention_heads 28 (num_key_value_heads 4), num_experts 64, num_experts_per_tok 8,
-    # moe_intermediate_size 2560, decoder_sparse_step 1, vocab_size 151936.
-    # Left out: the shared expert (shared_expert_intermediate_size 20480, in every layer),
-    # grouped-query attention and SwiGLU experts.
-    "qwen2-57b-a14b": _published(
-        layers=28, width=3584, heads=28, experts=64, top_k=8, expert_width=2560, vocab=151936
-    ),
+    "mixtral-8x22b": preset("mixtral-8x22b"),
+    "qwen2-57b-a14b": preset("qwen2_moe-57b-a14b"),
 }
 
 

@@ -49,8 +49,6 @@ LEFT_OUT = [
     "(nothing fused), and attention is the plain softmax(QK^T)V of jaxmoe's model, with "
     "its [heads, seq, seq] weights, not a fused flash attention; both lower the MFU "
     "against Megatron-Core's (TransformerEngine, grouped GEMMs).",
-    "Grouped-query attention, SwiGLU experts and Qwen2's shared expert (listed with "
-    "each shape in experiments/folding_models.py).",
     "Load imbalance: routing is costed at the capacity buffers (capacity factor 1.0), "
     "the same for every mapping.",
 ]
