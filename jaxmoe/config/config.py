@@ -87,6 +87,24 @@ class Config:
         replicas = f"moe.slots_per_device={moe.slots_per_device} (replicas) needs moe.dispatcher"
         require(not self.replica_slots or plain, f"{replicas}=all_to_all, parallel.expert_tensor=1")
         self._check_routing_groups()
+        self._check_microbatches()
+
+    def _check_microbatches(self) -> None:
+        """A microbatch is whole rows of a device, and whole routing groups."""
+        microbatches = self.train.microbatches
+        rows = self.train.batch_size // self.parallel.batch_shards
+        require(
+            rows % microbatches == 0,
+            f"train.microbatches={microbatches} does not divide the {rows} rows a device "
+            "holds (train.batch_size / batch shards): choose a divisor of it",
+        )
+        group_rows = self.group_size // self.model.seq_len
+        require(
+            group_rows <= 1 or (rows // microbatches) % group_rows == 0,
+            f"train.microbatches={microbatches}: a microbatch of {rows // microbatches} rows "
+            f"would cut a routing group of {group_rows} rows (moe.group_size="
+            f"{self.group_size}): choose fewer microbatches or smaller groups",
+        )
 
     def _check_routing_groups(self) -> None:
         """A routing group lies inside a device's tokens, or (under tensor parallelism) is

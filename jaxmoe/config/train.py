@@ -19,6 +19,10 @@ class TrainConfig:
     """Optimisation: batch, schedule (linear warm-up then cosine decay), AdamW, clipping."""
 
     batch_size: int = 32  # sequences per step, across all devices
+    # Gradient accumulation inside the step: each device's rows in this many microbatches,
+    # their gradients summed before one synchronisation and update (jaxmoe/train/
+    # microbatches.py).
+    microbatches: int = 1
     steps: int = 300
     learning_rate: float = 3e-3
     warmup_steps: int = 20
@@ -56,7 +60,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_types("train", self)
-        for name in ("batch_size", "steps", "eval_every", "eval_batches"):
+        for name in ("batch_size", "microbatches", "steps", "eval_every", "eval_batches"):
             positive_int("train", name, getattr(self, name))
         require(
             isinstance(self.warmup_steps, int) and self.warmup_steps >= 0,

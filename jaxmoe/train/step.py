@@ -1,7 +1,8 @@
 """The training step, written per device: one ``shard_map`` over the whole mesh.
 
-Inside it: the forward pass, the loss, ``jax.value_and_grad``, the explicit
-gradient synchronisation (``train.grad_sync``, :mod:`jaxmoe.parallel.grad_sync`),
+Inside it: the forward pass, the loss (:mod:`jaxmoe.train.losses`), ``jax.value_and_grad``
+on each microbatch (:mod:`jaxmoe.train.microbatches`), the explicit gradient
+synchronisation (``train.grad_sync``, :mod:`jaxmoe.parallel.grad_sync`),
 global-norm clipping, the AdamW update, and (``moe.expert_bias_rate``) the routers'
 expert biases moved from the step's global routed counts, outside the optimizer. Every
 collective (the expert all-to-alls of forward and backward, the tensor-parallel
@@ -29,20 +30,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxmoe.config import Config
-from jaxmoe.data.corpus import corpus_eod_id
-from jaxmoe.data.documents import document_masks
 from jaxmoe.layers import RoutingStats
 from jaxmoe.layers.router import update_expert_bias
-from jaxmoe.parallel.collectives import manual_axes
 from jaxmoe.parallel.grad_sync import make_grad_sync
 from jaxmoe.parallel.mesh import mesh_axis_sizes, token_spec
 from jaxmoe.parallel.placement import replicas_per_expert, slot_experts
 from jaxmoe.parallel.sharding import global_norm
-from jaxmoe.parallel.tensor_parallel import sequence_slice
+from jaxmoe.train.losses import document_eod_id, forward_losses, targets_per_shard
+from jaxmoe.train.microbatches import accumulate, combine_stats
 from jaxmoe.train.optimizer import learning_rate_schedule, make_optimizer
 from jaxmoe.train.state import TrainState, model_graphdef_and_specs, state_specs
 
@@ -69,58 +67,6 @@ class ShardedStep:
             check_vma=False,
         )
         return jax.jit(mapped, donate_argnums=self.donate_argnums)
-
-
-def _forward_losses(
-    config: Config,
-    graphdef: nnx.GraphDef,
-    params: Any,
-    batch: jax.Array,
-    key: jax.Array | None,
-    placement: jax.Array | None = None,
-    model_state: Any = None,
-    eod_id: int | None = None,
-) -> tuple[jax.Array, jax.Array, RoutingStats]:
-    """Local total loss (cross-entropy + aux + seq-aux + z) and its parts, on this device's
-    tokens: its rows, and under tensor parallelism its slice of their positions.
-
-    ``model_state``: the state's (the expert biases), or None when the model has none.
-    With ``data.mask_across_documents`` (the corpus's end-of-document id: ``eod_id``),
-    attention and positions restart at each document, the targets that cross into the
-    next document do not count, and the cross-entropy is the global mean over the targets
-    that count, scaled so that its sum over devices / token shards is that mean."""
-    model = nnx.merge(graphdef, params, *([] if model_state is None else [model_state]))
-    tokens, labels = batch[:, :-1], sequence_slice(batch[:, 1:])
-    if eod_id is None:
-        logits, stats = model(tokens, key, placement)
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-        cross_entropy = losses.mean()
-    else:
-        masks = document_masks(batch, eod_id)
-        logits, stats = model(tokens, key, placement, masks.positions, masks.segment_ids)
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-        counted = sequence_slice(masks.loss_mask).astype(jnp.float32)
-        targets = jnp.sum(counted)  # per device, on average over the token shards:
-        if axes := manual_axes():
-            with jax.named_scope("metrics"):
-                targets = jax.lax.psum(targets, tuple(sorted(axes))) / config.parallel.token_shards
-        cross_entropy = jnp.sum(losses * counted) / jnp.maximum(targets, 1.0)
-    # Auxiliary losses are added per MoE layer (summed over layers), as in Switch/Megatron.
-    total = (
-        cross_entropy
-        + config.moe.aux_loss_coef * jnp.sum(stats.aux_loss)
-        + config.moe.seq_aux_loss_coef * jnp.sum(stats.seq_aux_loss)
-        + config.moe.z_loss_coef * jnp.sum(stats.z_loss)
-    )
-    return total, cross_entropy, stats
-
-
-def document_eod_id(config: Config) -> int | None:
-    """The end-of-document id the loss and attention stop at (``data.mask_across_documents``;
-    the corpus's sidecar says it), or None."""
-    if not config.data.mask_across_documents:
-        return None
-    return corpus_eod_id(config.data.path)
 
 
 def _placement_metrics(stats: RoutingStats, placement: jax.Array, axes: tuple[str, ...]) -> Metrics:
@@ -173,6 +119,7 @@ def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
     # gradient norm is not finite; with 'stop' the loop ends the run and the step is as is.
     skip_nonfinite = config.train.on_nonfinite == "skip"
     bias_rate = config.moe.expert_bias_rate
+    microbatches = config.train.microbatches
     eod_id = document_eod_id(config)
     grad_sync = make_grad_sync(config.train, mesh)
     mesh_axes = mesh_axis_sizes(config.parallel)
@@ -183,15 +130,25 @@ def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
             key = jax.random.fold_in(jax.random.key(config.train.seed), state.step)
             key = jax.random.fold_in(key, jax.lax.axis_index(axes))
 
-        def loss_fn(params):
-            total, cross_entropy, stats = _forward_losses(
-                config, graphdef, params, batch, key, state.placement, state.model_state, eod_id
-            )
-            return total / shards, (total, cross_entropy, stats)
+        denominator = targets_per_shard(config, batch, eod_id)
 
-        (_, (total, cross_entropy, stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            state.params
-        )
+        def microbatch(rows: jax.Array, index: int):
+            mkey = key if key is None or microbatches == 1 else jax.random.fold_in(key, index)
+
+            def loss_fn(params):
+                losses = forward_losses(
+                    config, graphdef, params, rows, mkey, state.placement, state.model_state,
+                    eod_id, denominator, microbatches,
+                )  # fmt: skip
+                return losses.total / shards, losses
+
+            (_, losses), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+            return losses, grads
+
+        parts, grads = accumulate(microbatch, batch, microbatches)
+        total = sum(part.total for part in parts)
+        cross_entropy = sum(part.cross_entropy for part in parts)
+        stats = combine_stats([part.stats for part in parts])
         grads, sync_state, apply = grad_sync(grads, state.grad_sync, param_spec_tree, mesh_axes)
         with jax.named_scope("clip"):
             grad_norm = global_norm(grads, param_spec_tree)
@@ -265,10 +222,10 @@ def build_eval_step(config: Config, mesh: Mesh) -> ShardedStep:
     eod_id = document_eod_id(config)
 
     def per_device(params: Any, batch: jax.Array, placement: Any, model_state: Any) -> jax.Array:
-        _, cross_entropy, _ = _forward_losses(
+        losses = forward_losses(
             config, graphdef, params, batch, None, placement, model_state, eod_id
         )
-        return jax.lax.psum(cross_entropy / shards, axes)
+        return jax.lax.psum(losses.cross_entropy / shards, axes)
 
     return ShardedStep(
         per_device=per_device,

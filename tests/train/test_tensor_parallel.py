@@ -21,9 +21,9 @@ from jaxmoe.config import Config, ModelConfig, MoEConfig, ParallelConfig, TrainC
 from jaxmoe.parallel.layout import TENSOR, axes_for_role
 from jaxmoe.parallel.mesh import build_mesh, token_spec
 from jaxmoe.parallel.sharding import reduce_gradients
+from jaxmoe.train.losses import forward_losses
 from jaxmoe.train.scheduled import capture_train_step
 from jaxmoe.train.state import init_train_state, model_graphdef_and_specs
-from jaxmoe.train.step import _forward_losses
 from scheduling import Phase
 from tests.train.batches import random_batch, train_steps
 
@@ -79,7 +79,7 @@ def first_gradients(parallel: ParallelConfig):
     shards = config.parallel.token_shards
 
     def per_device(params, batch):
-        loss = lambda p: _forward_losses(config, graphdef, p, batch, None)[0] / shards
+        loss = lambda p: forward_losses(config, graphdef, p, batch, None).total / shards
         return reduce_gradients(jax.grad(loss)(params), specs)
 
     gradients = jax.shard_map(
