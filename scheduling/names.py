@@ -10,13 +10,18 @@ from pathlib import Path
 
 # scheduling.planning.policy.SchedulePolicy describes each one.
 POLICIES = (
-    "none", "async", "dw", "partition", "lancet", "expert_pipeline", "comet", "lancet+comet"
+    "none", "async", "dw", "partition", "lancet", "expert_pipeline", "comet", "lancet+comet",
+    "pair",
 )  # fmt: skip
 # Policies that partition forward ranges around the MoE layers, and that pack dW work.
 PARTITIONING = frozenset({"partition", "lancet", "expert_pipeline", "lancet+comet"})
-PACKING_DW = frozenset({"dw", "lancet"})
+PACKING_DW = frozenset({"dw", "lancet", "pair"})
 # Policies that may decompose an expert exchange (COMET).
 DECOMPOSING = frozenset({"comet", "lancet+comet"})
+
+# The name scope of a step's microbatch i (gradient accumulation inside one step): the
+# ``pair`` policies run microbatch i+1's forward pass beside microbatch i's backward pass.
+MICROBATCH_SCOPE = "microbatch_{}"
 
 # Multi-node cluster profiles are files (scheduling/costs/profiles/NAME.json); three
 # single-device profiles are written in scheduling/costs/profiles.py.

@@ -46,6 +46,9 @@ class ScheduleConfig:
     # comet, lancet+comet: decompose every MoE exchange this way ("rounds:G", "chunks:N";
     # none: the cost model chooses per layer).
     exchange: str | None = None
+    # Run microbatch i+1's forward pass beside microbatch i's backward pass (with
+    # train.microbatches > 1; the pair policy always does, any other but none may).
+    pair_microbatches: bool = False
 
     def __post_init__(self) -> None:
         check_types("schedule", self)

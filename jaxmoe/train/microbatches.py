@@ -19,9 +19,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+import scheduling.names
 from jaxmoe.layers import RoutingStats
 
-SCOPE = "microbatch_{}"
+# The scheduler reads the microbatches of a step from this scope.
+SCOPE = scheduling.names.MICROBATCH_SCOPE
 
 
 def microbatch_rows(batch: jax.Array, microbatches: int) -> list[jax.Array]:

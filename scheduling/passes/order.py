@@ -4,7 +4,8 @@ A list scheduler over the dataflow graph. Each node gets a priority key and
 the ready node with the smallest key runs next, so the result is always a
 topological order; the keys only choose among valid orders:
 
-- a compute node keeps its program position;
+- a compute node keeps its program position, or the priority a pass gave it (paired
+  microbatches, :mod:`scheduling.passes.pair_microbatches`);
 - a collective start runs right after the last producer of its operand
   ("as soon as its inputs exist"); where several become ready at once, the
   critical ones start first and the deferrable ones (gradient reductions, see
@@ -46,8 +47,12 @@ class Schedule:
     live_bytes_bound_exceeded: bool = False
 
 
-def _keys(graph: Graph, placement: Placement) -> list[float]:
+def _keys(
+    graph: Graph, placement: Placement, priorities: dict[int, float] | None = None
+) -> list[float]:
     keys = [float(node.id) for node in graph.nodes]
+    for node, key in (priorities or {}).items():
+        keys[node] = key
     starts = [node.id for node in graph.nodes if node.role is Role.START]
     # A start follows its operand's producer, which may be a placed node whose key follows
     # another window's start: iterate to the fixed point (a chain of windows is finite).
@@ -83,7 +88,9 @@ class CyclicPlacement(Exception):
         self.placed = placed
 
 
-def topological_order(graph: Graph, placement: Placement) -> list[int]:
+def topological_order(
+    graph: Graph, placement: Placement, priorities: dict[int, float] | None = None
+) -> list[int]:
     """Ready node with the smallest key first; window edges keep placed nodes inside.
 
     Raises :class:`CyclicPlacement` when the window edges make the graph cyclic (two
@@ -99,7 +106,7 @@ def topological_order(graph: Graph, placement: Placement) -> list[int]:
     for node, node_preds in enumerate(preds):
         for pred in node_preds:
             succs[pred].append(node)
-    keys = _keys(graph, placement)
+    keys = _keys(graph, placement, priorities)
     waiting = [len(p) for p in preds]
     ready = [(keys[n], n) for n in range(len(graph.nodes)) if waiting[n] == 0]
     heapq.heapify(ready)
@@ -154,11 +161,19 @@ def peak_live_bytes(graph: Graph, order: list[int]) -> int:
     return peak
 
 
-def order(graph: Graph, placement: Placement, max_live_bytes_growth: float = 0.1) -> Schedule:
-    """A topological order honouring ``placement`` (a copy is kept) within the bound.
+def order(
+    graph: Graph,
+    placement: Placement,
+    max_live_bytes_growth: float = 0.1,
+    priorities: dict[int, float] | None = None,
+) -> Schedule:
+    """A topological order honouring ``placement`` (a copy is kept) within the bound, the
+    compute nodes of ``priorities`` at those keys instead of their program positions.
 
     Placements that close a cycle are withdrawn first (the last placed of those caught
     in it, one at a time), then, while the peak is over the bound, the largest outputs.
+    (Priorities are not withdrawn: running two microbatches at once holds both's
+    activations, which the schedule's peak reports.)
     """
     placement = copy.deepcopy(placement)
     baseline = peak_live_bytes(graph, list(range(len(graph.nodes))))
@@ -166,7 +181,7 @@ def order(graph: Graph, placement: Placement, max_live_bytes_growth: float = 0.1
     withdrawn: list[int] = []
     while True:
         try:
-            result = topological_order(graph, placement)
+            result = topological_order(graph, placement, priorities)
         except CyclicPlacement as cycle:
             last = max(cycle.placed, key=_placement_rank(placement))
             placement.remove(last)

@@ -40,6 +40,11 @@ class SchedulePolicy:
     decomposed so that the expert computation runs piece by piece as its tokens
     arrive (per-source rounds or chunks, chosen per layer by the cost model).
     ``lancet+comet``: the best of ``lancet``, ``comet`` and the two composed.
+    ``pair``: ``dw`` across microbatches: with a step of several microbatches (gradient
+    accumulation), microbatch i+1's forward pass runs beside microbatch i's backward
+    pass, so that each one's all-to-alls run under the other's computation, and dW work
+    fills the windows that remain (:mod:`scheduling.passes.pair_microbatches`).
+    ``pair_microbatches`` adds the pairing to any other policy (``lancet``, ``comet``).
     """
 
     name: str = "dw"
@@ -78,11 +83,19 @@ class SchedulePolicy:
     # comet: decompose every exchange this way ("rounds:G", "chunks:N") wherever it applies,
     # whatever the estimate (for measuring, and for checking exactness).
     exchange: str | None = None
+    # Run microbatch i+1's forward pass beside microbatch i's backward pass (with any
+    # policy but none; the pair policy always does).
+    pair_microbatches: bool = False
 
     def __post_init__(self) -> None:
         check_policy_fields(
             {name: getattr(self, name) for name in self.__dataclass_fields__},
         )
+
+    @property
+    def pairs_microbatches(self) -> bool:
+        """Whether the plan interleaves microbatches."""
+        return self.name == "pair" or (self.pair_microbatches and self.name != "none")
 
     @property
     def device_profile(self) -> DeviceProfile:

@@ -239,7 +239,8 @@ def test_schedule_policy_profiles():
     # The partitioning policies need batch arguments: they are tested in test_partition;
     # the exchange decompositions in test_exchange.
     partitioning = {"partition", "lancet", "expert_pipeline", "lancet+comet"}
-    assert set(scheduling.names.POLICIES) == {*POLICY_NAMES, *partitioning, "comet"}
+    # The pair policy needs microbatches: tested in tests/train/test_pair_schedule.py.
+    assert set(scheduling.names.POLICIES) == {*POLICY_NAMES, *partitioning, "comet", "pair"}
 
 
 def test_xla_gpu_flags():
