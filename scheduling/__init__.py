@@ -79,11 +79,14 @@ _API = {
     "read_trace": "scheduling.reports.measured_trace",
     "compare_trace": "scheduling.reports.measured_trace",
     "side_by_side": "scheduling.reports.measured_trace",
+    "hlo_windows": "scheduling.reports.hlo_windows",
+    "broken_windows": "scheduling.reports.hlo_windows",
     # all of it
     "optimize": "scheduling.pipeline",
 }
 # Where a public name differs from the name in its module.
 _RENAMED = {
+    "hlo_windows": "windows",
     "connect_transport": "connect",
     "gantt_available": "available",
     "compare_trace": "compare",

@@ -39,3 +39,8 @@ OP_COSTS = ("analytic", "measured")
 # XLA's async start/done pairs; the planned order with synchronous collectives; or the
 # all-to-alls over sockets between processes of a CPU run (the emulated cluster).
 TRANSPORTS = ("xla", "sync", "socket")
+
+# XLA flags under which the GPU compiler keeps a scheduled step's planned windows: the
+# latency-hiding scheduler, which honours scheduling groups (off by default; without it an
+# async pair with nothing between start and done becomes a synchronous collective).
+XLA_GPU_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true",)

@@ -12,6 +12,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+import scheduling.names
 from jaxmoe import exit_codes
 from jaxmoe.cli import (
     convert_command,
@@ -24,7 +25,7 @@ from jaxmoe.cli import (
 )
 from jaxmoe.cli.parser import parse, resolve_config
 from jaxmoe.config import Config, ConfigError
-from jaxmoe.parallel.host_devices import ensure_host_devices
+from jaxmoe.parallel.host_devices import ensure_host_devices, ensure_xla_flags
 
 COMMANDS = {
     "train": train_command.run,
@@ -97,8 +98,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return COMMANDS["plan"](config, args)
         if args.command == "train":
             train_command.check_train_flags(args)
-        # Before JAX creates its backends (at first use): the CPU platform's device count.
+        # Before JAX creates its backends (at first use): the CPU platform's device count,
+        # and on GPU the scheduler that keeps a scheduled step's windows.
         ensure_host_devices(_devices_per_process(config, args))
+        if config.schedule.rewrites:
+            ensure_xla_flags(list(scheduling.names.XLA_GPU_FLAGS))
         _check_input_files(config, args)
         return COMMANDS[args.command](config, args)
     except ConfigError as error:

@@ -26,6 +26,7 @@ from typing import Any
 import jax
 from jax.experimental.xla_metadata import set_xla_metadata
 
+from scheduling import names
 from scheduling.passes.order import Schedule
 from scheduling.program import jax_adapter
 from scheduling.program.capture import Constant, Program, Value
@@ -36,7 +37,7 @@ from scheduling.runtime.transports import Transport, XlaAsync
 
 def xla_gpu_flags() -> list[str]:
     """XLA flags under which the GPU compiler keeps the planned windows."""
-    return ["--xla_gpu_enable_latency_hiding_scheduler=true"]
+    return list(names.XLA_GPU_FLAGS)
 
 
 def scheduling_groups(graph: Graph, schedule: Schedule) -> dict[int, int]:
@@ -127,14 +128,25 @@ class ScheduledStep:
         """Lower for arguments like ``args`` (arrays or ``jax.ShapeDtypeStruct``s)."""
         return self._jitted.lower(*self._flatten(args))
 
-    def compile(self, *args: Any) -> Callable[..., Any]:
+    def compile(self, *args: Any) -> CompiledStep:
         """Compile ahead of time; the result is called like the step itself."""
-        compiled = self.lower(*args).compile()
+        return CompiledStep(self, self.lower(*args).compile())
 
-        def call(*call_args: Any) -> Any:
-            return jax.tree.unflatten(self.program.out_tree, compiled(*self._flatten(call_args)))
 
-        return call
+class CompiledStep:
+    """A compiled :class:`ScheduledStep`: called like the original step; ``as_text`` is
+    the optimized HLO module (on GPU, in the order the compiler scheduled it)."""
+
+    def __init__(self, step: ScheduledStep, compiled: Any):
+        self._step = step
+        self._compiled = compiled
+
+    def __call__(self, *args: Any) -> Any:
+        outputs = self._compiled(*self._step._flatten(args))
+        return jax.tree.unflatten(self._step.program.out_tree, outputs)
+
+    def as_text(self) -> str:
+        return self._compiled.as_text()
 
 
 def emit(

@@ -1,0 +1,42 @@
+"""Reading the planned windows back from a scheduled HLO module."""
+
+from scheduling.reports.hlo_windows import broken_windows, windows
+
+G0 = 'frontend_attributes={_scheduling_group_id="0"}'
+G1 = 'frontend_attributes={_scheduling_group_id="1"}'
+T = "f32[8,4]{1,0}"
+KEPT = f"""HloModule step, is_scheduled=true
+
+ENTRY %main (p0: f32[8,4]) -> f32[8,4] {{
+  %p0 = {T} parameter(0)
+  %a2a-start = ({T}, {T}) all-to-all-start(%p0), {G0}
+  %fusion.1 = {T} fusion(%p0), kind=kLoop, calls=%f, {G0}
+  %dot.2 = {T} dot(%fusion.1, %p0), {G0}
+  %a2a-done = {T} all-to-all-done(%a2a-start), {G0}
+  %ar-start = {T} all-reduce-start(%dot.2), {G1}
+  %ar-done = {T} all-reduce-done(%ar-start), {G1}
+  ROOT %add = {T} add(%a2a-done, %ar-done)
+}}
+"""
+
+
+def test_a_kept_window_and_one_turned_synchronous():
+    found = windows(KEPT)
+    assert set(found) == {0, 1}
+    assert found[0].kept and (found[0].start, found[0].done) == (1, 4)
+    assert found[0].inside == [2, 3]
+    # Nothing between start and done: the compiler runs it synchronously.
+    assert [w.group for w in broken_windows(KEPT)] == [1]
+
+
+def test_compute_moved_out_of_its_window_is_reported():
+    moved = KEPT.replace(
+        "  %a2a-done = f32[8,4]{1,0} all-to-all-done(%a2a-start), "
+        'frontend_attributes={_scheduling_group_id="0"}\n',
+        "",
+    ).replace(
+        "  %fusion.1 =",
+        "  %a2a-done = f32[8,4]{1,0} all-to-all-done(%a2a-start), "
+        'frontend_attributes={_scheduling_group_id="0"}\n  %fusion.1 =',
+    )
+    assert 0 in [w.group for w in broken_windows(moved)]
