@@ -22,7 +22,8 @@ from jaxmoe.config.train import TrainConfig
 MAX_ELEMENTS = 2**63 // 8
 
 
-Shape = tuple[tuple[str, int], ...]  # each dimension: the field it comes from, its size
+# Each dimension: the field it comes from ("" for a constant), its size.
+Shape = tuple[tuple[str, int], ...]
 
 
 def array_shapes(model: ModelConfig, moe: MoEConfig, train: TrainConfig) -> dict[str, Shape]:
@@ -38,7 +39,7 @@ def parameter_shapes(model: ModelConfig, moe: MoEConfig) -> dict[str, Shape]:
     width = ("model.d_model", model.d_model)
     return {
         "the token embedding": (("model.vocab_size", model.vocab_size), width),
-        "the attention projections": (width, width, ("3 (query, key, value)", 3)),
+        "the attention projections": (width, width, ("", 3)),  # query, key and value
         "the dense FFN weights": (width, ("model.d_ff", model.d_ff)),
         "the expert weights": (
             ("moe.num_experts", moe.num_experts),
@@ -76,7 +77,7 @@ def check_array_sizes(model: ModelConfig, moe: MoEConfig, train: TrainConfig) ->
         elements = math.prod(size for _, size in dimensions)
         if elements > MAX_ELEMENTS:
             values = dict(reversed(dimensions))  # a field named twice: its first size
-            fields = ", ".join(f"{name}={values[name]}" for name in dict(dimensions))
+            fields = ", ".join(f"{name}={values[name]}" for name in dict(dimensions) if name)
             raise ConfigError(
                 f"{what} would have {elements:.3g} elements ({fields}), more than any array "
                 f"can hold (2^60): make these fields smaller"

@@ -268,6 +268,9 @@ class RunCheckpoints:
 
     def restore(self, step: int, mesh: Mesh) -> TrainState:
         """The state saved at ``step``, laid out for ``mesh`` and the current config."""
+        metadata = self.directory / str(step) / "state" / "_METADATA"
+        if not metadata.exists():  # Orbax would say only that the tree does not match
+            raise FileNotFoundError(f"its tree metadata ({metadata.name}) is missing")
         target = abstract_sharded_state(self.config, mesh)
         restored = self._manager.restore(
             step,
