@@ -5,8 +5,9 @@
 Every fault runs the ``jaxmoe`` command in fresh processes on a small model (the
 ``tiny`` preset cut to 2 layers of width 64): signals and kills mid-run and
 mid-checkpoint, a killed process of a two-process run, a resume into another
-layout, a diverging loss, a full disk (a small tmpfs; needs root, skipped
-without it) and the bad inputs of the issue that asked for this drill. For each it
+layout, damaged newest checkpoints and none readable, a signal while the run
+starts, a diverging loss, a full disk (a small tmpfs; needs root, skipped
+without it) and bad inputs, an impossible shape among them. For each it
 records what the user sees (the exit status and the message), the time from the
 fault to the exit, the steps of work lost (done before the fault, not in the
 checkpoint it resumes from), and whether the resumed run logs the same metrics as
@@ -253,6 +254,9 @@ def drill(steps: int, scratch: Path) -> list[Outcome]:
         )
     )
 
+    outcomes.extend(_corrupt_checkpoints(scratch, common, reference))
+    outcomes.extend(_early_signals(scratch, common))
+
     out = scratch / "nan"
     started = time.monotonic()
     nan = _run("train", *common, "--out", str(out), "--train.learning_rate", "1e6")
@@ -269,6 +273,103 @@ def drill(steps: int, scratch: Path) -> list[Outcome]:
     )
     outcomes.append(_full_disk(scratch, common))
     outcomes.extend(_bad_inputs(scratch))
+    return outcomes
+
+
+def _truncate_largest_data_file(checkpoint: Path) -> None:
+    largest = max(
+        (p for p in (checkpoint / "state").rglob("*") if p.is_file()), key=os.path.getsize
+    )
+    with largest.open("r+b") as data:
+        data.truncate(largest.stat().st_size // 2)
+
+
+def _resume_past(name: str, out: Path, common: list[str], reference: list[dict]) -> Outcome:
+    """``--resume`` of the run in ``out`` (whose newest checkpoints were damaged): what the
+    user sees, and whether the run then logs the same metrics as the reference."""
+    started = time.monotonic()
+    resumed = _run("train", *common, "--out", str(out), "--resume")
+    seconds = time.monotonic() - started
+    skipped = [line for line in resumed.stdout.splitlines() if "cannot be read" in line]
+    resuming = [line for line in resumed.stdout.splitlines() if "resuming from" in line]
+    seen = f"status {resumed.returncode}: " + " / ".join([*skipped, *resuming][:3])
+    matched = (
+        _compare(_rows(out), reference)
+        if resumed.returncode == 0
+        else f"resume failed: {_last_message(resumed.stderr + resumed.stdout)}"
+    )
+    return Outcome(name, seen, seconds, None, matched)
+
+
+def _corrupt_checkpoints(scratch: Path, common: list[str], reference: list[dict]) -> list[Outcome]:
+    """The newest checkpoint truncated, then also the next one without its metadata:
+    ``--resume`` passes over them to the newest intact one; with none intact it refuses."""
+    out = scratch / "corrupt"
+    half = [*common[:1], str(int(common[1]) // 2), *common[2:]]
+    first = _run("train", *half, "--out", str(out))
+    assert first.returncode == 0, first.stderr[-2000:]
+    checkpoints = out / "checkpoints"
+    newest = _checkpoint_step(out)
+    _truncate_largest_data_file(checkpoints / str(newest))
+    outcomes = []
+    outcome = _resume_past(
+        f"--resume with the newest checkpoint (step {newest}) half truncated",
+        out,
+        common,
+        reference,
+    )
+    outcomes.append(outcome)
+    newest = _checkpoint_step(out)
+    _truncate_largest_data_file(checkpoints / str(newest))
+    (checkpoints / str(newest - 2) / "state" / "_METADATA").unlink()
+    outcome = _resume_past(
+        f"--resume with checkpoint {newest} truncated and {newest - 2} without its metadata",
+        out,
+        common,
+        reference,
+    )
+    outcomes.append(outcome)
+    for entry in checkpoints.iterdir():
+        if entry.name.isdigit():
+            (entry / "state" / "_METADATA").unlink()
+    before = sorted(p.name for p in checkpoints.iterdir())
+    started = time.monotonic()
+    none = _run("train", *common, "--out", str(out), "--resume")
+    after = sorted(p.name for p in checkpoints.iterdir())
+    outcomes.append(
+        Outcome(
+            "--resume with no readable checkpoint",
+            _seen(none.returncode, none.stderr),
+            time.monotonic() - started,
+            None,
+            f"n/a (checkpoints untouched: {before == after})",
+        )
+    )
+    return outcomes
+
+
+def _early_signals(scratch: Path, common: list[str]) -> list[Outcome]:
+    """SIGINT and SIGTERM while the run starts (the state being built, the step
+    compiling): it ends at once with status 75 and leaves no checkpoint."""
+    outcomes = []
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        out = scratch / f"early-{signum.name}"
+        process, output, stop_s, _ = _interrupt(
+            out,
+            common,
+            lambda out: (out / "checkpoints").exists(),
+            lambda p, signum=signum: p.send_signal(signum),
+        )
+        rows = _rows(out)
+        outcomes.append(
+            Outcome(
+                f"{signum.name} while starting (compiling)",
+                _seen(process.returncode, output),
+                stop_s,
+                None,
+                f"n/a (checkpoint left: {_checkpoint_step(out)}; metrics lines: {len(rows)})",
+            )
+        )
     return outcomes
 
 
@@ -337,11 +438,14 @@ def _bad_inputs(scratch: Path) -> list[Outcome]:
         ("--data a directory", ["train", "--data", str(data_dir)]),
         ("--steps 3 --train.steps 5", ["train", "--steps", "3", "--train.steps", "5"]),
         ("launch -n 3 on 8 devices", ["launch", "-n", "3", "--", "train"]),
+        ("--model.d_model 1000000000", ["train", "--model.d_model", "1000000000"]),
     ]
     outcomes = []
     for name, argv in cases:
         started = time.monotonic()
-        result = _run(*argv, *([] if argv[0] == "launch" else SMALL), timeout=120)
+        # The case's own flags after SMALL's, so that they win.
+        flags = [] if argv[0] == "launch" else SMALL
+        result = _run(argv[0], *flags, *argv[1:], timeout=120)
         seconds = time.monotonic() - started
         lines = result.stderr.strip().splitlines()
         outcomes.append(
