@@ -1,0 +1,147 @@
+"""The blocks' parameters stacked by pipeline stage, and back.
+
+The model's parameters (``nnx.to_pure_dict`` of :class:`~jaxmoe.layers.GPTMoE`) hold the
+blocks as ``params["blocks"][layer]``. Under ``parallel.pipeline`` P with
+``parallel.virtual_stages`` V the train state holds them as ``params["stage_blocks"][j]``
+instead: for each position ``j`` in a chunk of ``per_chunk`` layers, every array of that
+block stacked into ``[V, P, *shape]``, element ``[v, s]`` being layer
+``(v P + s) per_chunk + j`` (chunk ``v P + s`` on stage ``s``, see
+:mod:`jaxmoe.parallel.pipeline_schedule`). The stage dimension is split over the
+``pipeline`` mesh axis, so a device holds its stage's V chunks, ``[V, 1, *shape]``, and
+nothing of the others: parameters, gradients and optimizer moments of ``1 / P`` of the
+blocks. Every chunk position holds blocks of one structure (the configuration checks
+it), which is what stacking needs.
+
+Everything outside the blocks (embeddings, final norm, output head) keeps its place and
+its spec: replicated over the pipeline axis, its gradient summed over it like over any
+axis it is not split over (:mod:`jaxmoe.parallel.sharding`); a stacked block's spec
+names the pipeline axis, so its gradient is not.
+
+The other trees shaped like the parameters (the optimizer's moments, a gradient-sync
+state) are converted alike by :func:`convert_param_trees`; checkpoints use it to restore
+a state saved in one pipeline layout into another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+BLOCKS = "blocks"
+STAGE_BLOCKS = "stage_blocks"
+PIPELINE_AXIS = "pipeline"
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """``stages`` x ``virtual`` chunks of ``per_chunk`` layers each."""
+
+    stages: int
+    virtual: int
+    per_chunk: int
+
+    @property
+    def chunks(self) -> int:
+        return self.stages * self.virtual
+
+    @property
+    def num_layers(self) -> int:
+        return self.chunks * self.per_chunk
+
+    def layer(self, virtual: int, stage: int, position: int) -> int:
+        return (virtual * self.stages + stage) * self.per_chunk + position
+
+
+def is_stacked(params: Any) -> bool:
+    return isinstance(params, dict) and STAGE_BLOCKS in params
+
+
+def _is_param_tree(x: Any) -> bool:
+    return isinstance(x, dict) and (BLOCKS in x or STAGE_BLOCKS in x)
+
+
+def stack_blocks(params: dict, layout: StageLayout) -> dict:
+    """``params["blocks"]`` -> ``params["stage_blocks"]`` (see the module docstring)."""
+    blocks = params[BLOCKS]
+    if len(blocks) != layout.num_layers:
+        raise ValueError(f"{len(blocks)} blocks for {layout.num_layers} pipelined layers")
+    stacked = {}
+    for j in range(layout.per_chunk):
+        rows = [
+            [blocks[layout.layer(v, s, j)] for s in range(layout.stages)]
+            for v in range(layout.virtual)
+        ]
+        stacked[j] = jax.tree.map(
+            lambda *leaves: jnp.stack(leaves).reshape(
+                layout.virtual, layout.stages, *leaves[0].shape
+            ),
+            *[block for row in rows for block in row],
+        )
+    rest = {key: value for key, value in params.items() if key != BLOCKS}
+    return {**rest, STAGE_BLOCKS: stacked}
+
+
+def unstack_blocks(params: dict, layout: StageLayout) -> dict:
+    """``params["stage_blocks"]`` -> ``params["blocks"]``: the inverse of
+    :func:`stack_blocks`."""
+    stacked = params[STAGE_BLOCKS]
+    blocks = {}
+    for j, tree in stacked.items():
+        for v in range(layout.virtual):
+            for s in range(layout.stages):
+                blocks[layout.layer(v, s, j)] = jax.tree.map(lambda a, v=v, s=s: a[v, s], tree)
+    rest = {key: value for key, value in params.items() if key != STAGE_BLOCKS}
+    return {**rest, BLOCKS: dict(sorted(blocks.items()))}
+
+
+def stacked_specs(specs: dict, layout: StageLayout) -> dict:
+    """The specs of the stacked parameters from the model's: a stacked block's spec is
+    its layer's with ``(None, "pipeline")`` in front."""
+    blocks = specs[BLOCKS]
+    stacked = {}
+    for j in range(layout.per_chunk):
+        first = blocks[layout.layer(0, 0, j)]
+        for v in range(layout.virtual):
+            for s in range(layout.stages):
+                if blocks[layout.layer(v, s, j)] != first:
+                    raise ValueError(
+                        f"layer {layout.layer(v, s, j)} is split unlike layer "
+                        f"{layout.layer(0, 0, j)}: pipelined chunks must hold alike blocks"
+                    )
+        stacked[j] = jax.tree.map(
+            lambda spec: PartitionSpec(None, PIPELINE_AXIS, *spec),
+            first,
+            is_leaf=lambda x: isinstance(x, PartitionSpec),
+        )
+    rest = {key: value for key, value in specs.items() if key != BLOCKS}
+    return {**rest, STAGE_BLOCKS: stacked}
+
+
+def convert_param_trees(tree: Any, convert: Callable[[dict], dict]) -> Any:
+    """``tree`` with ``convert`` applied to every sub-tree shaped like the parameters (a
+    dict holding ``blocks`` or ``stage_blocks``): the parameters themselves, the
+    optimizer's moments, a gradient-sync state."""
+    return jax.tree.map(
+        lambda x: convert(x) if _is_param_tree(x) else x, tree, is_leaf=_is_param_tree
+    )
+
+
+def to_layout(tree: Any, source: StageLayout | None, target: StageLayout | None) -> Any:
+    """Every parameter-shaped sub-tree of ``tree`` moved from the ``source`` layout to the
+    ``target`` one (None: the model's own, unstacked)."""
+    if source == target:
+        return tree
+
+    def convert(params: dict) -> dict:
+        if source is not None:
+            params = unstack_blocks(params, source)
+        if target is not None:
+            params = stack_blocks(params, target)
+        return params
+
+    return convert_param_trees(tree, convert)
