@@ -13,6 +13,23 @@ from jaxmoe.config.checks import (
     require,
 )
 
+# ZeRO stages (train.zero): none, the distributed optimizer, fully sharded parameters.
+ZERO_STAGES = (0, 1, 3)
+# Why each gradient-sync algorithm but allreduce and bucketed does not compose with ZeRO,
+# which reduce-scatters every gradient onto the shards of its parameter's replicas.
+_NOT_WITH_ZERO = {
+    "auto": "auto picks among algorithms that do not all shard gradients",
+    "hierarchical": "its in-host reduce-scatter, cross-host sum and in-host gather end "
+    "in whole gradients, not in the shards ZeRO updates",
+    "int8": "its error-feedback residuals are kept for whole per-device gradient blocks "
+    "and its quantised sums end in whole gradients",
+    "decentralized": "its replicas keep parameters of their own (gossip), which cannot be "
+    "shards of one parameter",
+    "decentralized-int8": "its replicas keep parameters of their own (gossip), which cannot "
+    "be shards of one parameter",
+    "delayed": "its pending gradient is kept whole on every replica",
+}
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -57,6 +74,13 @@ class TrainConfig:
     grad_sync_devices_per_host: int = 0
     # One device's dense peak TFLOP/s for the mfu metric; None: its datasheet's, if known.
     peak_tflops: float | None = None
+    # ZeRO over the replicas of each parameter (jaxmoe/parallel/zero.py): 0 every replica
+    # holds the whole float32 parameters, gradients and AdamW moments; 1 the distributed
+    # optimizer (parameters, moments and reduced gradients sharded over the replicas, the
+    # parameters gathered at the start of the step, gradients reduce-scattered); 3 fully
+    # sharded (each block also gathers its parameters right before it runs, forward and
+    # backward). Needs grad_sync allreduce or bucketed.
+    zero: int = 0
 
     def __post_init__(self) -> None:
         check_types("train", self)
@@ -101,6 +125,15 @@ class TrainConfig:
             f"{', '.join(choices.GRAD_SYNC_CHOICES)}",
         )
         positive_int("train", "grad_bucket_bytes", self.grad_bucket_bytes)
+        require(
+            self.zero in ZERO_STAGES,
+            f"train.zero={self.zero!r}: choose one of {', '.join(map(str, ZERO_STAGES))}",
+        )
+        require(
+            not self.zero or self.grad_sync not in _NOT_WITH_ZERO,
+            f"train.grad_sync={self.grad_sync} with train.zero={self.zero}: "
+            f"{_NOT_WITH_ZERO.get(self.grad_sync)}; choose allreduce or bucketed",
+        )
         require(
             isinstance(self.grad_sync_devices_per_host, int)
             and self.grad_sync_devices_per_host >= 0,

@@ -36,6 +36,7 @@ from jaxmoe.layers.moe import MoELayer, RoutingStats
 from jaxmoe.layers.norms import make_norm
 from jaxmoe.layers.rotary import rotary_tables
 from jaxmoe.layers.shared_experts import SharedExperts
+from jaxmoe.parallel.fsdp import call_block
 from jaxmoe.parallel.tensor_parallel import sequence_slice
 
 
@@ -184,9 +185,10 @@ class GPTMoE(nnx.Module):
             if placement is not None and block.is_moe:
                 table = placement[len(layer_stats)]
             # Named scopes put the layer into every equation's name stack, where the
-            # scheduler's reports find it.
+            # scheduler's reports find it. call_block: the plain call, or under fully
+            # sharded parameters the block's gather and call (jaxmoe.parallel.fsdp).
             with jax.named_scope(f"layer_{index}"):
-                x, stats = block(x, key, table, rotary, segment_ids)
+                x, stats = call_block(block, index, x, key, table, rotary, segment_ids)
             if stats is not None:
                 layer_stats.append(stats)
         logits = self._head(x)

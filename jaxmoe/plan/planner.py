@@ -34,6 +34,7 @@ from jaxmoe.config import Config, ConfigError
 from jaxmoe.parallel.mesh import abstract_mesh
 from jaxmoe.plan.layer_extrapolation import block_count, extrapolate, extrapolates, with_blocks
 from jaxmoe.plan.mappings import Mapping, MappingSpace, enumerate_mappings
+from jaxmoe.train.memory import memory_per_device
 from jaxmoe.train.mfu import mfu
 from jaxmoe.train.model_flops import model_flops
 from jaxmoe.train.scheduled import capture_train_step, op_cost_cache, schedule_policy
@@ -57,7 +58,13 @@ MEMORY_METHOD = (
     "forward values the backward pass reads in the captured program (its residuals, "
     "alive together when the backward pass begins). The total is their sum, an upper "
     "bound on these parts at once (activations are freed as gradients appear), without "
-    "XLA's working buffers and fusions."
+    "XLA's working buffers and fusions. Under train.zero (jaxmoe/train/memory.py): the "
+    "parameters and optimizer state are the shards; ZeRO-1 keeps one gradient per local "
+    "parameter element (reduce-scattered after the backward pass) and its gathered "
+    "parameters are among the activations the backward pass reads; ZeRO-3 keeps the "
+    "gradient shards plus one block's whole gradients, and adds to the parameters those "
+    "gathered outside the blocks and one block's (released after its forward and its "
+    "backward pass)."
 )
 
 
@@ -158,9 +165,11 @@ class PlanResult:
         }
 
 
-def state_memory(program: Program, state: TrainState) -> MemoryPerDevice:
+def state_memory(
+    program: Program, state: TrainState, config: Config | None = None
+) -> MemoryPerDevice:
     """The memory per device of the captured step ``program``, whose first argument has
-    the structure of ``state``."""
+    the structure of ``state`` (of ``config``, whose ``train.zero`` it follows)."""
     leaves = [len(jax.tree.leaves(field)) for field in state]
     if sum(leaves) >= len(program.inputs):
         raise ValueError("the program's inputs are not (state, batch)")
@@ -169,9 +178,15 @@ def state_memory(program: Program, state: TrainState) -> MemoryPerDevice:
         sizes[name] = sum(aval_bytes(v.aval) for v in program.inputs[offset : offset + count])
         offset += count
     parameters = sizes.pop("params")
+    gradients = parameters
+    if config is not None and config.train.zero:
+        zero = memory_per_device(config)
+        gradients = zero.gradients
+        if config.train.zero == 3:
+            parameters += zero.gathered
     return MemoryPerDevice(
         parameters=parameters,
-        gradients=parameters,
+        gradients=gradients,
         optimizer=sum(sizes.values()),
         activations=saved_for_backward(program).bytes,
     )
@@ -245,7 +260,7 @@ def _traced_estimate(
     """Memory per device and each schedule's simulated step, from one trace of the step."""
     mesh = abstract_mesh(config.parallel)
     program, sharded = capture_train_step(config, mesh)
-    memory = state_memory(program, abstract_train_state(config))
+    memory = state_memory(program, abstract_train_state(config), config)
     batch = batch_inputs(program, sharded.batch_argnums)
     times = {}
     for schedule in schedules:

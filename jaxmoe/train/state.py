@@ -6,18 +6,20 @@ import functools
 from typing import Any, NamedTuple
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxmoe.config import Config, ModelConfig, MoEConfig
+from jaxmoe.config import Config, ModelConfig, MoEConfig, ParallelConfig
 from jaxmoe.layers import GPTMoE
 from jaxmoe.layers.router import ExpertBias
 from jaxmoe.parallel.grad_sync import make_grad_sync
 from jaxmoe.parallel.mesh import mesh_axis_sizes
 from jaxmoe.parallel.placement import static_placement
 from jaxmoe.parallel.sharding import param_specs
+from jaxmoe.parallel.zero import ZeroPlan, plan_zero
 from jaxmoe.train.optimizer import make_optimizer
 
 
@@ -74,6 +76,76 @@ def model_graphdef_and_specs(config: Config) -> tuple[nnx.GraphDef, dict]:
     return graphdef, param_specs(abstract_state, mesh_axis_sizes(config.parallel))
 
 
+def zero_plan(config: Config) -> ZeroPlan | None:
+    """Where each parameter's shards lie under ``train.zero`` (None without ZeRO):
+    :mod:`jaxmoe.parallel.zero`."""
+    if not config.train.zero:
+        return None
+    return _zero_plan(
+        config.model, config.moe, config.parallel, config.train.seed, config.train.zero
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _zero_plan(
+    model: ModelConfig, moe: MoEConfig, parallel: ParallelConfig, seed: int, stage: int
+) -> ZeroPlan:
+    _, abstract_params, _ = _abstract_model(model, moe, seed)
+    axes = mesh_axis_sizes(parallel)
+    return plan_zero(
+        stage,
+        nnx.to_pure_dict(abstract_params),
+        param_specs(abstract_params, axes),
+        axes,
+        gather_dtypes(model, moe, seed),
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def gather_dtypes(model: ModelConfig, moe: MoEConfig, seed: int) -> Any:
+    """For each parameter, the dtype ZeRO gathers it in (a name): the compute dtype where
+    the forward pass reads the parameter once, through a cast to that dtype (so gathering
+    the cast shards gives the model the very values it computes with, and the gradient is
+    the cast cotangent, as in the plain step), else the parameter's own dtype (a norm's
+    scale or the router's kernel, which compute in float32; a tied embedding, read twice).
+
+    Read from the jaxpr of the model's forward pass on one device, traced on abstract
+    parameters (nothing is allocated)."""
+    graphdef, abstract_params, abstract_model_state = _abstract_model(model, moe, seed)
+    params = nnx.to_pure_dict(abstract_params)
+    own = jax.tree.map(lambda leaf: jnp.dtype(leaf.dtype).name, params)
+    compute = jnp.dtype(model.dtype)
+    if all(jnp.dtype(name) == compute for name in jax.tree.leaves(own)):
+        return own
+    model_state = pure_model_state(abstract_model_state)
+    rows = max(1, (moe.group_size or model.seq_len) // model.seq_len)
+    tokens = jax.ShapeDtypeStruct((rows, model.seq_len), jnp.int32)
+
+    def forward(params: Any, model_state: Any, tokens: jax.Array) -> jax.Array:
+        states = [params] if model_state is None else [params, model_state]
+        return nnx.merge(graphdef, *states)(tokens)[0]
+
+    jaxpr = jax.make_jaxpr(forward)(params, model_state, tokens).jaxpr
+    leaves, treedef = jax.tree.flatten(own)
+    readers: dict[Any, list[Any]] = {var: [] for var in jaxpr.invars[: len(leaves)]}
+    for eqn in jaxpr.eqns:
+        for var in eqn.invars:
+            if not isinstance(var, jax.extend.core.Literal) and var in readers:
+                readers[var].append(eqn)
+    returned = {var for var in jaxpr.outvars if not isinstance(var, jax.extend.core.Literal)}
+    chosen = []
+    for var, name in zip(jaxpr.invars, leaves, strict=False):
+        eqns = readers[var]
+        cast_once = (
+            len(eqns) == 1
+            and var not in returned
+            and eqns[0].primitive.name == "convert_element_type"
+            and jnp.dtype(eqns[0].params["new_dtype"]) == compute
+        )
+        chosen.append(compute.name if cast_once else name)
+    return jax.tree.unflatten(treedef, chosen)
+
+
 def _initial_state(config: Config) -> TrainState:
     _, params, model_state = split_model(build_model(config))
     return train_state_around(config, nnx.to_pure_dict(params), pure_model_state(model_state))
@@ -82,7 +154,7 @@ def _initial_state(config: Config) -> TrainState:
 def train_state_around(config: Config, params: Any, model_state: Any = None) -> TrainState:
     """The initial train state around ``params`` and ``model_state`` (pure dicts)."""
     opt_state = make_optimizer(config.train).init(params)
-    _, specs = model_graphdef_and_specs(config)
+    specs = param_state_specs(config)
     grad_sync = make_grad_sync(config.train).init_state(
         params, specs, mesh_axis_sizes(config.parallel)
     )
@@ -116,9 +188,17 @@ def abstract_train_state(config: Config) -> TrainState:
     return jax.eval_shape(lambda p, m: train_state_around(config, p, m), params, model_state)
 
 
+def param_state_specs(config: Config) -> Any:
+    """The specs of the state's parameters: the model's (:func:`model_graphdef_and_specs`),
+    or under ``train.zero`` their shards' (:mod:`jaxmoe.parallel.zero`)."""
+    plan = zero_plan(config)
+    return model_graphdef_and_specs(config)[1] if plan is None else plan.specs
+
+
 def state_specs(config: Config) -> TrainState:
-    """PartitionSpecs of the whole state: optimizer moments follow their parameters."""
-    _, specs = model_graphdef_and_specs(config)
+    """PartitionSpecs of the whole state: optimizer moments follow their parameters (under
+    ``train.zero``, the parameters' shards)."""
+    specs = param_state_specs(config)
     shapes = abstract_train_state(config)
     opt_specs = optax.tree_map_params(
         make_optimizer(config.train),

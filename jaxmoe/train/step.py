@@ -23,6 +23,7 @@ the expert group through the backward all-to-all).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,14 +36,16 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxmoe.config import Config
 from jaxmoe.layers import RoutingStats
 from jaxmoe.layers.router import update_expert_bias
+from jaxmoe.parallel.fsdp import sharded_blocks
 from jaxmoe.parallel.grad_sync import make_grad_sync
 from jaxmoe.parallel.mesh import mesh_axis_sizes, token_spec
 from jaxmoe.parallel.placement import replicas_per_expert, slot_experts
 from jaxmoe.parallel.sharding import global_norm
+from jaxmoe.parallel.zero import ZeroPlan, gather_all, gather_outside_blocks, sync_gradients
 from jaxmoe.train.losses import document_eod_id, forward_losses, targets_per_shard
 from jaxmoe.train.microbatches import accumulate, combine_stats
 from jaxmoe.train.optimizer import learning_rate_schedule, make_optimizer
-from jaxmoe.train.state import TrainState, model_graphdef_and_specs, state_specs
+from jaxmoe.train.state import TrainState, model_graphdef_and_specs, state_specs, zero_plan
 
 Metrics = dict[str, jax.Array]
 
@@ -107,6 +110,16 @@ def _routing_metrics(
     }
 
 
+def _model_params(plan: ZeroPlan | None, params: Any) -> tuple[Any, Any]:
+    """What the forward pass reads for the state's ``params`` under ``train.zero``, and the
+    context to trace it in: the parameters themselves (no ZeRO, or ZeRO-1's parameters
+    already gathered); under ZeRO-3 those outside the blocks gathered and the blocks'
+    shards, which each block gathers itself (:mod:`jaxmoe.parallel.fsdp`)."""
+    if plan is None or plan.stage == 1:
+        return params, contextlib.nullcontext()
+    return gather_outside_blocks(params, plan), sharded_blocks(plan)
+
+
 def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
     """``(state, batch [B, seq_len + 1]) -> (state, metrics)``, per device."""
     graphdef, param_spec_tree = model_graphdef_and_specs(config)
@@ -123,6 +136,9 @@ def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
     eod_id = document_eod_id(config)
     grad_sync = make_grad_sync(config.train, mesh)
     mesh_axes = mesh_axis_sizes(config.parallel)
+    plan = zero_plan(config)
+    # The specs of what the optimizer updates: the parameters, or under ZeRO their shards.
+    update_specs = param_spec_tree if plan is None else plan.specs
 
     def per_device(state: TrainState, batch: jax.Array) -> tuple[TrainState, Metrics]:
         key = None
@@ -131,27 +147,42 @@ def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
             key = jax.random.fold_in(key, jax.lax.axis_index(axes))
 
         denominator = targets_per_shard(config, batch, eod_id)
+        # ZeRO-1: every parameter gathered once, before the first microbatch; the gradients
+        # are those of the gathered parameters, reduce-scattered after the last one.
+        weights = gather_all(state.params, plan) if plan and plan.stage == 1 else state.params
 
         def microbatch(rows: jax.Array, index: int):
             mkey = key if key is None or microbatches == 1 else jax.random.fold_in(key, index)
 
             def loss_fn(params):
-                losses = forward_losses(
-                    config, graphdef, params, rows, mkey, state.placement, state.model_state,
-                    eod_id, denominator, microbatches,
-                )  # fmt: skip
+                params, context = _model_params(plan, params)
+                with context:
+                    losses = forward_losses(
+                        config, graphdef, params, rows, mkey, state.placement, state.model_state,
+                        eod_id, denominator, microbatches,
+                    )  # fmt: skip
                 return losses.total / shards, losses
 
-            (_, losses), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+            (_, losses), grads = jax.value_and_grad(loss_fn, has_aux=True)(weights)
+            if plan is not None and plan.stage == 1:
+                # Gathered in the compute dtype: accumulate and reduce in the parameters'.
+                grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
             return losses, grads
 
         parts, grads = accumulate(microbatch, batch, microbatches)
         total = sum(part.total for part in parts)
         cross_entropy = sum(part.cross_entropy for part in parts)
         stats = combine_stats([part.stats for part in parts])
-        grads, sync_state, apply = grad_sync(grads, state.grad_sync, param_spec_tree, mesh_axes)
+        if plan is None:
+            grads, sync_state, apply = grad_sync(grads, state.grad_sync, param_spec_tree, mesh_axes)
+        else:
+            # Reduce-scattered onto the shards (config: allreduce or bucketed, stateless).
+            grads = sync_gradients(
+                grads, plan, config.train.grad_sync, config.train.grad_bucket_bytes
+            )
+            sync_state, apply = state.grad_sync, None
         with jax.named_scope("clip"):
-            grad_norm = global_norm(grads, param_spec_tree)
+            grad_norm = global_norm(grads, update_specs)
         if clip_norm is not None:
             scale = jnp.minimum(1.0, clip_norm / (grad_norm + 1e-6))
             grads = jax.tree.map(lambda g: g * scale, grads)
@@ -215,22 +246,27 @@ def build_eval_step(config: Config, mesh: Mesh) -> ShardedStep:
 
     ``placement`` and ``model_state`` are the state's (None without replica slots, or
     without expert biases)."""
-    graphdef, param_spec_tree = model_graphdef_and_specs(config)
+    graphdef, _ = model_graphdef_and_specs(config)
     shards = config.parallel.token_shards
     axes = tuple(mesh.axis_names)
     specs = state_specs(config)
     eod_id = document_eod_id(config)
+    plan = zero_plan(config)
 
     def per_device(params: Any, batch: jax.Array, placement: Any, model_state: Any) -> jax.Array:
-        losses = forward_losses(
-            config, graphdef, params, batch, None, placement, model_state, eod_id
-        )
+        if plan is not None and plan.stage == 1:
+            params = gather_all(params, plan)
+        params, context = _model_params(plan, params)
+        with context:
+            losses = forward_losses(
+                config, graphdef, params, batch, None, placement, model_state, eod_id
+            )
         return jax.lax.psum(losses.cross_entropy / shards, axes)
 
     return ShardedStep(
         per_device=per_device,
         mesh=mesh,
-        in_specs=(param_spec_tree, token_spec(mesh), specs.placement, specs.model_state),
+        in_specs=(specs.params, token_spec(mesh), specs.placement, specs.model_state),
         out_specs=PartitionSpec(),
     )
 

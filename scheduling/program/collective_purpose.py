@@ -18,7 +18,9 @@ attention roles:
   reads what a dispatch of its layer sent; in the backward pass the order is
   reversed);
 - ``expert-tensor all_gather``: around the expert GEMMs of split experts;
-- ``gradient psum``: anything under ``grad_reduce``.
+- ``gradient psum``: anything under ``grad_reduce``;
+- ``parameter all_gather``: anything under ``param_gather`` (sharded weights gathered
+  before use).
 """
 
 from __future__ import annotations
@@ -32,7 +34,12 @@ from scheduling.program.capture import Op, Phase, Program, Value
 # blocks does.
 MOE_SCOPES = frozenset({"moe"})
 DENSE_SCOPES = frozenset({"attention", "ffn", "dense", "mlp", "head"})
-TASK_SCOPES = {"grad_reduce": "gradient", "clip": "gradient-norm", "metrics": "metrics"}
+TASK_SCOPES = {
+    "grad_reduce": "gradient",
+    "param_gather": "parameter",
+    "clip": "gradient-norm",
+    "metrics": "metrics",
+}
 ROLE_NAMES = {
     "data": "data",
     "tensor": "tensor",
