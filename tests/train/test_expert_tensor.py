@@ -9,8 +9,9 @@ gradients reduced over other mesh axes), a few ulps of each gradient. AdamW turn
 gradient ``g`` into an update of about ``lr * g / |g|``, so where a gradient element is
 itself round-off (it cancels) a few ulps of it move the update by much more than a few
 ulps of the parameter. Hence the tolerance on parameters is absolute and stated in
-updates: ``lr / 1000`` (1e-5; measured at most 2.6e-6 on the expert parameters and
-6.5e-6 on all parameters of these runs).
+updates: ``lr / 200`` (5e-5; measured at most 2.6e-6 on the expert parameters and
+6.5e-6 on all parameters of these runs here, and 1.6e-5 on an expert parameter on another
+CPU, whose XLA groups the sums otherwise).
 """
 
 import dataclasses
@@ -64,7 +65,7 @@ def test_same_training_as_the_unfolded_layout(mapping):
         np.testing.assert_allclose(
             [m[name] for m in history], [m[name] for m in reference], rtol=1e-6, err_msg=name
         )
-    tolerance = config.train.learning_rate / 1000
+    tolerance = config.train.learning_rate / 200
     chex.assert_trees_all_close(
         experts_of(params), experts_of(reference_params), atol=tolerance, rtol=0
     )
