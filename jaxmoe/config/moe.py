@@ -9,6 +9,11 @@ from jaxmoe.config import choices
 from jaxmoe.config.checks import check_types, non_negative, one_of, positive_int, require
 from jaxmoe.config.model import ModelConfig
 
+# How dropless routing (capacity_factor None) moves and computes its tokens
+# (jaxmoe/layers/ragged.py): padded per-expert buffers of group_size slots, or only the
+# routed rows, sorted by expert, exchanged ragged and computed as one grouped GEMM.
+DROPLESS_DISPATCHES = ("padded", "ragged")
+
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -73,6 +78,18 @@ class MoEConfig:
     # factor (x expert_tensor); all_gather: tokens x (expert x expert_tensor - 1), so it wins
     # for small MoE groups, with expert_tensor > 1, and in dropless mode.
     dispatcher: str = "all_to_all"
+    # Dropless only (capacity_factor None). padded: every expert's buffer has group_size
+    # slots (num_experts / top_k times the routed rows move and are multiplied). ragged:
+    # only the routed rows move (ragged all-to-all) and the experts are one grouped GEMM
+    # (ragged_dot); needs the all_to_all dispatcher and parallel.expert_tensor 1.
+    dropless_dispatch: str = "padded"
+    # ragged only: the rows a device's receive buffer holds, as a multiple of the routed
+    # rows each device receives under even routing (tokens per device x top_k); never more
+    # than the worst case (every token of the expert group sending its min(top_k, slots per
+    # device) rows to one device). None: the worst case, which no step can exceed. A step
+    # whose rows for a device exceed the buffer drops the rows past it (counted in
+    # dropped_fraction, as capacity drops are).
+    ragged_buffer_factor: float | None = None
 
     def __post_init__(self) -> None:
         check_types("moe", self)
@@ -112,6 +129,30 @@ class MoEConfig:
             f"moe.rebalance_every={self.rebalance_every!r}: must be an integer >= 0 (0: static)",
         )
         one_of("moe", "dispatcher", self.dispatcher, choices.DISPATCHERS)
+        one_of("moe", "dropless_dispatch", self.dropless_dispatch, DROPLESS_DISPATCHES)
+        if self.dropless_dispatch == "ragged":
+            require(
+                self.capacity_factor is None,
+                f"moe.dropless_dispatch=ragged is a dropless dispatch: set "
+                f"moe.capacity_factor none (it is {self.capacity_factor}) or "
+                "moe.dropless_dispatch padded",
+            )
+            require(
+                self.dispatcher == "all_to_all",
+                "moe.dropless_dispatch=ragged exchanges rows with an all-to-all: set "
+                "moe.dispatcher all_to_all",
+            )
+        if self.ragged_buffer_factor is not None:
+            require(
+                self.dropless_dispatch == "ragged",
+                f"moe.ragged_buffer_factor={self.ragged_buffer_factor} sizes the ragged "
+                "receive buffer: set moe.dropless_dispatch ragged, or leave it none",
+            )
+            require(
+                self.ragged_buffer_factor > 0,
+                f"moe.ragged_buffer_factor={self.ragged_buffer_factor!r}: must be > 0, or "
+                "none for the worst case",
+            )
         one_of("moe", "score_function", self.score_function, choices.SCORE_FUNCTIONS)
         for name in ("aux_loss_coef", "seq_aux_loss_coef", "z_loss_coef", "expert_bias_rate"):
             non_negative("moe", name, getattr(self, name))

@@ -17,7 +17,10 @@ token at most once, so nothing is ever dropped and shapes stay static (this
 is what runs on CPU, where ``ragged_all_to_all`` does not). The price is
 memory and bytes: the dispatch buffer, each all-to-all and the expert GEMMs
 cover ``num_experts * group_size`` slots per group, ``num_experts / top_k``
-times the ``group_size * top_k`` assignments that carry tokens.
+times the ``group_size * top_k`` assignments that carry tokens. The ragged dropless
+dispatch (``moe.dropless_dispatch ragged``, :mod:`jaxmoe.layers.ragged`) moves and
+computes only the routed rows instead; with replicas it spreads an expert's
+assignments over its copies by :func:`replica_slots`.
 
 With replicas (:func:`plan_replicated_dispatch`) the buffer has ``capacity``
 slots per *expert slot*, and an expert with ``n`` copies takes its assignments,
@@ -77,6 +80,18 @@ def plan_replicated_dispatch(
     chex.assert_type([expert_index, slot_expert], int)
     num_slots = slot_expert.shape[0]
     rank = _priority_rank(expert_index, num_experts)
+    target, position = _round_robin(expert_index, rank, slot_expert, num_experts)
+    kept = position < capacity
+    slot = jnp.where(kept, target * capacity + position, num_slots * capacity)
+    return DispatchPlan(slot=slot.astype(jnp.int32), kept=kept)
+
+
+def _round_robin(
+    expert_index: jax.Array, rank: jax.Array, slot_expert: jax.Array, num_experts: int
+) -> tuple[jax.Array, jax.Array]:
+    """The slot of each assignment of priority ``rank`` under its expert (copy ``rank mod
+    copies``) and its position among that copy's assignments (``rank // copies``)."""
+    num_slots = slot_expert.shape[0]
     holds = jax.nn.one_hot(slot_expert, num_experts, dtype=jnp.int32)  # [slots, E]; -1: none
     copies = jnp.sum(holds, axis=0)  # [E]
     copy_index = jnp.sum((jnp.cumsum(holds, axis=0) - 1) * holds, axis=1)  # [slots]
@@ -89,11 +104,17 @@ def plan_replicated_dispatch(
         .set(jnp.arange(num_slots, dtype=jnp.int32), mode="drop")
     )
     expert_copies = jnp.maximum(copies[expert_index], 1)
-    position = rank // expert_copies
-    kept = position < capacity
-    target = slot_of[expert_index, rank % expert_copies]
-    slot = jnp.where(kept, target * capacity + position, num_slots * capacity)
-    return DispatchPlan(slot=slot.astype(jnp.int32), kept=kept)
+    return slot_of[expert_index, rank % expert_copies], rank // expert_copies
+
+
+def replica_slots(expert_index: jax.Array, slot_expert: jax.Array, num_experts: int) -> jax.Array:
+    """The expert slot of every assignment ``[G, S, k]`` when nothing drops (ragged
+    dropless dispatch): an expert's assignments go round-robin over its copies in
+    priority order, as :func:`plan_replicated_dispatch` places them without a capacity."""
+    chex.assert_rank([expert_index, slot_expert], [3, 1])
+    rank = _priority_rank(expert_index, num_experts)
+    slot, _ = _round_robin(expert_index, rank, slot_expert, num_experts)
+    return slot.astype(jnp.int32)
 
 
 def local_plan(

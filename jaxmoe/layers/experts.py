@@ -1,4 +1,6 @@
-"""The experts: one feed-forward block per expert, applied as batched GEMMs.
+"""The experts: one feed-forward block per expert, applied as batched GEMMs (padded
+slots) or as one grouped GEMM over rows sorted by expert (:meth:`Experts.grouped`, the
+ragged dropless dispatch).
 
 ``model.activation`` picks the form, as for the dense FFN (:mod:`jaxmoe.layers.mlp`):
 ``gelu``, ``w_in`` ``[E, d, h]`` and ``w_out`` ``[E, h, d]`` with biases ``b_in``,
@@ -104,6 +106,47 @@ class Experts(nnx.Module):
                 hidden = hidden + b_in[:, None, :].astype(self.dtype)
             hidden = jax.nn.gelu(hidden)
         return jnp.einsum("esh,ehd->esd", hidden, w_out.astype(self.dtype))
+
+    def grouped(
+        self, x: jax.Array, group_sizes: jax.Array, replica_table: jax.Array | None = None
+    ) -> jax.Array:
+        """The slots as one grouped GEMM (``jax.lax.ragged_dot``) on rows sorted by slot:
+        ``[rows, d_model] -> [rows, d_model]``, the first ``group_sizes[0]`` rows through
+        slot 0, the next ``group_sizes[1]`` through slot 1, and so on; rows past
+        ``sum(group_sizes)`` give zeros. Whole experts only (no expert-tensor split).
+
+        ``ragged_dot`` is differentiable in both operands. On GPU and TPU it lowers to a
+        grouped GEMM over the groups' rows; on CPU, JAX lowers it to a masked dense matmul
+        per group (``slots x rows`` rows of work)."""
+        w_in, w_out = (slot_weights(w[...], replica_table) for w in (self.w_in, self.w_out))
+        slots, d_model = w_in.shape[:2]
+        chex.assert_shape(x, (None, d_model), custom_message="grouped input [rows, d_model]")
+        chex.assert_shape(group_sizes, (slots,), custom_message="group_sizes [slots]")
+        rows = x.shape[0]
+        x = x.astype(self.dtype)
+        # The slot of each row (``slots`` past the groups), for the biases.
+        ends = jnp.cumsum(group_sizes)
+        row_slot = jnp.sum(ends[None, :] <= jnp.arange(rows, dtype=ends.dtype)[:, None], axis=1)
+
+        def per_row(bias: jax.Array) -> jax.Array:
+            bias = slot_weights(bias, replica_table).astype(self.dtype)
+            return jnp.take(bias, row_slot, axis=0, mode="fill", fill_value=0)
+
+        if self.swiglu:
+            hidden_width = w_in.shape[-1]
+            gate_up = jax.lax.ragged_dot(
+                x, w_in.reshape(slots, d_model, 2 * hidden_width).astype(self.dtype), group_sizes
+            ).reshape(rows, 2, hidden_width)
+            hidden = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
+        else:
+            hidden = jax.lax.ragged_dot(x, w_in.astype(self.dtype), group_sizes)
+            if self.b_in is not None:
+                hidden = hidden + per_row(self.b_in[...])
+            hidden = jax.nn.gelu(hidden)
+        out = jax.lax.ragged_dot(hidden, w_out.astype(self.dtype), group_sizes)
+        if self.b_out is not None:
+            out = out + per_row(self.b_out[...])
+        return out
 
     def output_bias(self, replica_table: jax.Array | None = None) -> jax.Array:
         """The output bias of each slot, ``[slots, 1, d_model]``, to add once per output

@@ -9,7 +9,10 @@ Per device, a layer takes its local tokens ``[batch, seq, d]`` and:
    brings each token's combined output back (``moe.dispatcher``,
    :mod:`jaxmoe.layers.dispatchers`: ``all_to_all`` over the expert group, or
    ``all_gather`` over the MoE group; either with each expert's hidden
-   dimension split over the expert-tensor group).
+   dimension split over the expert-tensor group). In dropless mode with
+   ``moe.dropless_dispatch ragged`` steps 2-3 move and compute only the routed rows
+   instead (:mod:`jaxmoe.layers.ragged`: sorted by expert, a ragged exchange, one
+   grouped GEMM).
 
 Routing groups (``moe.group_size``, capacity counted per group) are one whole sequence
 by default, whatever the layout. Under tensor (sequence) parallelism a device holds
@@ -41,13 +44,19 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxmoe.config import MoEConfig, capacity_per_expert
-from jaxmoe.layers.dispatch import local_plan, plan_dispatch, plan_replicated_dispatch
+from jaxmoe.layers.dispatch import (
+    local_plan,
+    plan_dispatch,
+    plan_replicated_dispatch,
+    replica_slots,
+)
 from jaxmoe.layers.dispatchers import all_gather_dispatch, all_to_all_dispatch
 from jaxmoe.layers.experts import Experts
+from jaxmoe.layers.ragged import ragged_dispatch
 from jaxmoe.layers.router import Router, balance_loss
 from jaxmoe.parallel.collectives import manual_axes
-from jaxmoe.parallel.layout import TENSOR
-from jaxmoe.parallel.mesh import role_axes
+from jaxmoe.parallel.layout import EXPERT_TENSOR, TENSOR
+from jaxmoe.parallel.mesh import role_axes, role_size
 from jaxmoe.parallel.placement import slot_experts
 from jaxmoe.parallel.sharding import param_specs
 from jaxmoe.parallel.tensor_parallel import (
@@ -177,6 +186,8 @@ class MoELayer(nnx.Module):
             num_slots = slot_expert.shape[0]
         capacity = capacity_per_expert(group_size, top_k, config.capacity_factor, num_slots)
 
+        ragged = config.dropless and config.dropless_dispatch == "ragged"
+
         def plan(expert_index):
             if slot_expert is None:
                 return plan_dispatch(expert_index, num_experts, capacity)
@@ -184,6 +195,7 @@ class MoELayer(nnx.Module):
 
         route = self.router(x, jitter_key)  # [batch, seq, ...]: this device's positions
         local_index = route.expert_index
+        dispatch_plan = None
         if gathered:
             # Whole sequences: every member plans the group's assignments alike from
             # the gathered choices and keeps those of its own positions.
@@ -191,17 +203,18 @@ class MoELayer(nnx.Module):
             num_groups = batch * full_seq // group_size
             local_group = group_size // tensor
             group_index = full_index.reshape(num_groups, group_size, top_k)
-            group_plan = plan(group_index)
-
-            def own(a):  # [G, group_size, k] -> this device's positions, [G, local_group, k]
-                a = sequence_slice(a.reshape(batch, full_seq, top_k))
-                return a.reshape(num_groups, local_group, top_k)
-
             local_capacity = min(capacity, local_group)
-            slot_index = jnp.where(group_plan.kept, group_plan.slot // capacity, num_slots)
-            dispatch_plan = local_plan(
-                own(slot_index), own(group_plan.kept), num_slots, local_capacity
-            )
+            if not ragged:  # dropless ragged: nothing drops, each device sends its own
+                group_plan = plan(group_index)
+
+                def own(a):  # [G, group_size, k] -> this device's positions, [G, local_group, k]
+                    a = sequence_slice(a.reshape(batch, full_seq, top_k))
+                    return a.reshape(num_groups, local_group, top_k)
+
+                slot_index = jnp.where(group_plan.kept, group_plan.slot // capacity, num_slots)
+                dispatch_plan = local_plan(
+                    own(slot_index), own(group_plan.kept), num_slots, local_capacity
+                )
         else:
             if (batch * seq) % group_size:
                 raise ValueError(
@@ -211,12 +224,31 @@ class MoELayer(nnx.Module):
             num_groups = batch * seq // group_size
             local_group = group_size
             group_index = local_index.reshape(num_groups, group_size, top_k)
-            dispatch_plan = plan(group_index)
+            if not ragged:
+                dispatch_plan = plan(group_index)
             local_capacity = capacity
 
         grouped = x.reshape(num_groups, local_group, width)
         weight = route.combine_weight.reshape(num_groups, local_group, top_k)
-        if slot_expert is not None:
+        if ragged:
+            if role_size(EXPERT_TENSOR) > 1:
+                raise ValueError(
+                    "moe.dropless_dispatch=ragged needs whole experts on each device: set "
+                    "parallel.expert_tensor 1, or moe.dropless_dispatch padded"
+                )
+            flat_index = local_index.reshape(1, -1, top_k)
+            if slot_expert is not None:
+                flat_index = replica_slots(flat_index, slot_expert, num_experts)
+            y, kept_rows = ragged_dispatch(
+                self.experts,
+                x.reshape(-1, width),
+                flat_index[0],
+                route.combine_weight.reshape(-1, top_k),
+                num_slots,
+                buffer_factor=config.ragged_buffer_factor,
+                replica_table=replica_table,
+            )
+        elif slot_expert is not None:
             y = all_to_all_dispatch(
                 self.experts,
                 grouped,
@@ -257,26 +289,32 @@ class MoELayer(nnx.Module):
         else:
             seq_aux_loss = jnp.zeros((), jnp.float32)
 
+        made = batch * seq * top_k  # this device's assignments
         stats = RoutingStats(
             aux_loss=aux_loss,
             z_loss=route.z_loss,
             seq_aux_loss=seq_aux_loss,
             tokens_per_expert=_counts(local_index, num_experts, axes=(0, 1, 2)),
-            dropped=jnp.sum(~dispatch_plan.kept, dtype=jnp.int32),
-            assignments=jnp.asarray(dispatch_plan.kept.size, jnp.int32),
+            dropped=made - jnp.sum(kept_rows)
+            if ragged
+            else jnp.sum(~dispatch_plan.kept, dtype=jnp.int32),
+            assignments=jnp.asarray(made, jnp.int32),
         )
         if slot_expert is not None:
-            kept_slot = jnp.where(
-                dispatch_plan.kept, dispatch_plan.slot // local_capacity, num_slots
-            )
+            if ragged:
+                slot_load = kept_rows
+            else:
+                kept_slot = jnp.where(
+                    dispatch_plan.kept, dispatch_plan.slot // local_capacity, num_slots
+                )
+                slot_load = jnp.sum(
+                    jax.nn.one_hot(kept_slot, num_slots, dtype=jnp.int32), (0, 1, 2)
+                )
             places = capacity * jnp.arange(1, num_slots - num_experts + 2, dtype=jnp.int32)
             kept_by_copies = jnp.sum(jnp.minimum(group_counts[:, :, None], places), axis=0)
             if gathered:  # every member holds the whole groups' counts: count them once
                 kept_by_copies = jnp.where(sequence_shard_index() == 0, kept_by_copies, 0)
-            stats = stats._replace(
-                slot_load=jnp.sum(jax.nn.one_hot(kept_slot, num_slots, dtype=jnp.int32), (0, 1, 2)),
-                kept_by_copies=kept_by_copies,
-            )
+            stats = stats._replace(slot_load=slot_load, kept_by_copies=kept_by_copies)
         return y.reshape(batch, seq, width), stats
 
     def _shard_mapped(

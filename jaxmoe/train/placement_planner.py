@@ -1,12 +1,18 @@
 """The placement planner: where the replica slots' copies go, from live routing counts.
 
 Every ``moe.rebalance_every`` steps the loop hands the planner the metrics of the
-window just ended. The step measures, per MoE layer, how many assignments each
-expert would have kept with 1, 2, ... copies (``kept_by_copies``: an expert keeps
-its first ``copies * capacity`` assignments of each routing group, whatever the
-other experts do). From these the planner, as FlexMoE does, weighs each
-candidate change's gain against its cost and applies only the changes that pay
-back within the next window:
+window just ended. The planner folds them into a smoothed routing history
+(:class:`RoutingHistory`) and plans from its prediction of the next steps: the last step
+blended with an exponentially weighted mean (``SMOOTHING``), so that one step's burst
+does not move the copies as far as it would alone. What it optimises depends on the
+routing.
+
+**Capacity mode** (``moe.capacity_factor`` set): fewer dropped assignments. The step
+measures, per MoE layer, how many assignments each expert would have kept with 1, 2, ...
+copies (``kept_by_copies``: an expert keeps its first ``copies * capacity`` assignments of
+each routing group, whatever the other experts do). From these the planner, as FlexMoE
+does, weighs each candidate change's gain against its cost and applies only the changes
+that pay back within the next window:
 
 - *replicate* expert ``e`` into a replica slot: the assignments its next copy
   keeps. The slot is an empty one, or one whose copy of another expert is worth
@@ -16,17 +22,32 @@ back within the next window:
   loaded devices) when it lowers the largest per-device load: on backends with
   ragged exchanges that load is the slowest device's expert compute.
 
+The gains are those of the predicted next steps (``kept_by_copies`` as
+:class:`RoutingHistory` predicts it).
+
+**Dropless mode**: nothing drops, so what placement changes is the slowest device's
+expert load (rows received and multiplied: with the ragged dispatch, the step time of the
+busiest device). An expert's routed assignments split evenly over its copies (each
+source device deals them round-robin), so a device's load is the sum of its copies'
+shares. From the predicted routed counts (``tokens_per_expert``) the planner gives the
+replica slots, one at a time, to the expert with the largest load per copy (at most one
+copy per device), places those copies largest first on the least loaded device that has a
+free slot and no copy of that expert (home experts stay where they are), keeps copies in
+the slots they already hold, then, from that table or the current one (whichever is
+better), makes the single-slot change that most lowers the largest device load (then
+the spread of the others) until none does, and applies the result when it lowers the
+largest device load (``place``).
+
 Units. A kept assignment is valued at the link time of the all-to-all bytes it
 carries (dispatch and return, forward and backward), the traffic that raising
-the capacity would add to keep it; a move's device-load gain at the expert
-FLOPs it takes off the slowest device, both over the cost model's device
-(``schedule.profile``, ``schedule.link_mbit``). A change costs the
-bytes it moves over that link (``PlanCosts.slot_write_bytes`` per slot written).
-Here that is nothing: a replica's weights are gathered from its home shard in
-every step (:mod:`jaxmoe.parallel.placement`), a standing cost of every run with
-replica slots that no change adds to. A placement that stores its replicas, as
-FlexMoE's does, would set it to an expert's parameter bytes, and then only
-changes whose gain over the window exceeds the transfer are made.
+the capacity would add to keep it; a lower device load at the expert FLOPs it takes off
+the slowest device, both over the cost model's device (``schedule.profile``,
+``schedule.link_mbit``). A change costs the bytes it moves over that link
+(``PlanCosts.slot_write_bytes`` per slot written). Here that is nothing: a replica's
+weights are gathered from its home shard in every step (:mod:`jaxmoe.parallel.placement`),
+a standing cost of every run with replica slots that no change adds to. A placement that
+stores its replicas, as FlexMoE's does, would set it to an expert's parameter bytes, and
+then only changes whose gain over the window exceeds the transfer are made.
 
 Each decision (applied or, when nothing pays back, the best candidate refused)
 is one line of ``placement.jsonl`` under ``--out``.
@@ -84,23 +105,94 @@ class PlanCosts:
         return slots_written * (self.slot_write_bytes / self.link_bytes_per_s + self.link_latency_s)
 
 
-def _halves_mean(rows: list[dict[str, Any]], key: str) -> np.ndarray:
-    """Mean per step of a metric over each half of the window: ``[2, ...]`` (one row for a
-    window of one step)."""
-    values = np.asarray([row[key] for row in rows], np.float64)
-    return np.stack([part.mean(axis=0) for part in np.array_split(values, min(2, len(values)))])
+# How the next steps' routing is predicted, per metric: ``(half_life, latest)``, the
+# prediction being ``latest x the last step + (1 - latest) x the exponentially weighted
+# mean whose step weights halve every half_life steps`` (the best linear prediction of a
+# series that returns to its mean, as routing does under the balancing losses). Measured
+# on the routing of 300-step `tiny` runs (experiments/results/dropless_eval.md): routed
+# loads per expert move from step to step (correlation 0.8 with the next step, 0.3 five
+# steps later) around a persistent mean, and this blend planned better than the last step
+# alone or the mean alone, for the device load (dropless) and for drops (capacity).
+SMOOTHING = {"tokens_per_expert": (64.0, 0.8), "kept_by_copies": (64.0, 0.8)}
+# A new dropless table must lower the largest device load by more than this (relative to
+# the mean load): smaller gains are noise, and moving copies for them churns the table.
+MIN_LOAD_GAIN = 0.005
+
+
+class RoutingHistory:
+    """The routing metrics of the steps seen so far, smoothed: for each metric of
+    ``smoothing`` (``{key: (half_life, latest)}``, default :data:`SMOOTHING`) an
+    exponentially weighted mean (a step's weight halves every ``half_life`` steps) and the
+    last step, blended by :meth:`predict`. A window that starts at or before the last step
+    seen (a new run, a resumed one) starts the history again."""
+
+    def __init__(self, smoothing: dict[str, tuple[float, float]] | None = None):
+        self.smoothing = dict(SMOOTHING if smoothing is None else smoothing)
+        for key, (half_life, latest) in self.smoothing.items():
+            if not half_life > 0 or not 0 <= latest <= 1:
+                raise ValueError(
+                    f"smoothing[{key!r}]=({half_life}, {latest}): the half-life must be > 0 "
+                    "steps and the last step's weight in [0, 1]"
+                )
+        self._restart()
+
+    def _restart(self) -> None:
+        self.last_step: int | None = None
+        self._sums: dict[str, np.ndarray] = {}
+        self._weights: dict[str, float] = {}
+        self._last: dict[str, np.ndarray] = {}
+
+    def update(self, rows: list[dict[str, Any]]) -> None:
+        """Fold in the metrics of ``rows`` (one per step)."""
+        rows = sorted(rows, key=lambda row: row["step"])
+        if rows and self.last_step is not None and rows[0]["step"] <= self.last_step:
+            self._restart()
+        for row in rows:
+            for key, (half_life, _) in self.smoothing.items():
+                if key in row:
+                    decay = 0.5 ** (1.0 / half_life)
+                    value = np.asarray(row[key], np.float64)
+                    self._sums[key] = decay * self._sums.get(key, 0.0) + value
+                    self._weights[key] = decay * self._weights.get(key, 0.0) + 1.0
+                    self._last[key] = value
+            self.last_step = row["step"]
+
+    def mean(self, key: str) -> np.ndarray:
+        """The exponentially weighted mean of metric ``key`` per step."""
+        if key not in self._sums:
+            raise KeyError(f"no step with {key!r} seen yet")
+        return self._sums[key] / self._weights[key]
+
+    def predict(self, key: str) -> np.ndarray:
+        """The next step's metric ``key``: the last step and the mean, blended."""
+        latest = self.smoothing[key][1]
+        return latest * self._last[key] + (1.0 - latest) * self.mean(key)
+
+
+# The planner's own histories, one per configuration, for callers that pass none.
+_HISTORIES: dict[Config, RoutingHistory] = {}
+_MAX_HISTORIES = 8
+
+
+def _history_for(config: Config) -> RoutingHistory:
+    if config not in _HISTORIES:
+        while len(_HISTORIES) >= _MAX_HISTORIES:
+            _HISTORIES.pop(next(iter(_HISTORIES)))
+        _HISTORIES[config] = RoutingHistory()
+    return _HISTORIES[config]
 
 
 class _LayerPlan:
-    """The greedy plan of one MoE layer; ``table`` is changed in place.
+    """The greedy plan of one MoE layer in capacity mode; ``table`` is changed in place.
 
     ``kept_by_copies[h, e, n - 1]``: assignments per step expert ``e`` keeps with
-    ``n`` copies, measured in half ``h`` of the window for every ``n`` (each copy adds
-    ``capacity`` places per group; an expert keeps its first ``n * capacity``
-    assignments of a group whatever the other experts do). Routing drifts, so a copy's
-    gain is the smaller of the two halves' and a dropped copy's loss the larger: a
-    change must pay in both. The marginal gains fall with ``n``, so the greedy exchange
-    of one copy at a time ends at the best allocation the estimates allow.
+    ``n`` copies, for every ``n`` (each copy adds ``capacity`` places per group; an
+    expert keeps its first ``n * capacity`` assignments of a group whatever the other
+    experts do), under each estimate ``h`` of the routing (the planner passes one, the
+    prediction). With several, a copy's gain is the smallest and a dropped copy's loss the
+    largest: a change must pay under all. The marginal gains fall with ``n``, so the
+    greedy exchange of one copy at a time ends at the best allocation the estimates
+    allow.
     """
 
     def __init__(self, table: np.ndarray, kept_by_copies: np.ndarray):
@@ -173,16 +265,166 @@ class _LayerPlan:
         return best
 
 
+def copy_loads(table: np.ndarray, load: np.ndarray) -> np.ndarray:
+    """Each expert's load per copy under ``table`` (``[expert_axis, replica_slots]``)."""
+    return load / replicas_per_expert(table, load.shape[0])
+
+
+def device_loads(table: np.ndarray, load: np.ndarray) -> np.ndarray:
+    """``[expert_axis]``: the routed assignments each device's slots take under ``table``
+    when expert ``e`` has ``load[e]`` and its copies share it evenly (ragged dropless)."""
+    per_copy = copy_loads(table, load)
+    expert_axis = table.shape[0]
+    home = per_copy.reshape(expert_axis, -1).sum(axis=1)
+    replicas = np.where(table >= 0, per_copy[np.maximum(table, 0)], 0.0)
+    return home + replicas.sum(axis=1)
+
+
+def _score(table: np.ndarray, load: np.ndarray) -> tuple[float, float]:
+    """What balancing minimises: the largest device load, then the sum of squared loads
+    (which moves the other devices of a tie towards the mean)."""
+    loads = device_loads(table, load)
+    return float(loads.max()), float(np.sum(loads**2))
+
+
+def _improve(table: np.ndarray, load: np.ndarray, local: int) -> np.ndarray:
+    """Local search from ``table``: the best single-slot change that lowers the score,
+    until none does. A change either gives a replica slot of the busiest device to
+    another expert, or writes a copy of one of its experts into another device's slot."""
+    table = table.copy()
+    expert_axis, spare = table.shape
+    num_experts = load.shape[0]
+    best = _score(table, load)
+    for _ in range(4 * table.size + num_experts):
+        busiest = int(np.argmax(device_loads(table, load)))
+        held = set(range(busiest * local, (busiest + 1) * local)) | set(table[busiest].tolist())
+        candidates = [
+            (busiest, slot, expert)
+            for slot in range(spare)
+            for expert in range(num_experts)
+            if expert not in held
+        ]
+        for expert in sorted(e for e in held if e >= 0):
+            for device in range(expert_axis):
+                home = set(range(device * local, (device + 1) * local))
+                if device != busiest and expert not in home and expert not in table[device]:
+                    candidates += [(device, slot, expert) for slot in range(spare)]
+        chosen = None
+        for device, slot, expert in candidates:
+            previous = table[device, slot]
+            table[device, slot] = expert
+            score = _score(table, load)
+            table[device, slot] = previous
+            if score < best and (chosen is None or score < chosen[0]):
+                chosen = (score, device, slot, expert)
+        if chosen is None:
+            break
+        best, device, slot, expert = chosen
+        table[device, slot] = expert
+    return table
+
+
+def balanced_table(table: np.ndarray, load: np.ndarray) -> np.ndarray:
+    """A replica table that spreads ``load`` (per expert) evenly over the devices, starting
+    from ``table`` (whose copies stay in their slots where they are placed again; see the
+    module docstring, dropless mode)."""
+    expert_axis, spare = table.shape
+    num_experts = load.shape[0]
+    local = num_experts // expert_axis
+    copies = np.ones(num_experts, np.int64)
+    for _ in range(table.size):
+        per_copy = np.where(copies < expert_axis, load / copies, -np.inf)
+        expert = int(np.argmax(per_copy))
+        if not per_copy[expert] > 0:
+            break
+        copies[expert] += 1
+    holds = [set(range(d * local, (d + 1) * local)) for d in range(expert_axis)]
+    loads = np.array([sum(load[e] / copies[e] for e in held) for held in holds])
+    placed: list[list[int]] = [[] for _ in range(expert_axis)]
+    extra = [(load[e] / copies[e], e) for e in range(num_experts) for _ in range(copies[e] - 1)]
+    for share, expert in sorted(extra, key=lambda item: (-item[0], item[1])):
+        free = [d for d in range(expert_axis) if len(placed[d]) < spare and expert not in holds[d]]
+        if not free:
+            continue  # every device with room holds it already: one copy fewer
+        device = min(free, key=lambda d: (loads[d], d))
+        placed[device].append(expert)
+        holds[device].add(expert)
+        loads[device] += share
+    packed = np.full_like(table, EMPTY)
+    for device, experts in enumerate(placed):
+        kept = [slot for slot in range(spare) if table[device, slot] in experts]
+        for slot in kept:
+            packed[device, slot] = table[device, slot]
+        rest = [e for e in experts if e not in set(table[device, kept].tolist())]
+        free_slots = [slot for slot in range(spare) if slot not in kept]
+        for slot, expert in zip(free_slots, rest, strict=False):
+            packed[device, slot] = expert
+    start = min((table, packed), key=lambda t: _score(t, load))
+    return _improve(start, load, local)
+
+
+def _plan_dropless(
+    tables: np.ndarray,
+    history: RoutingHistory,
+    config: Config,
+    step: int,
+    costs: PlanCosts,
+) -> list[dict[str, Any]]:
+    """Dropless mode: each layer's table re-placed for an even device load (in place)."""
+    window = config.moe.rebalance_every
+    loads = history.predict("tokens_per_expert")  # [moe_layers, experts]
+    decisions = []
+    for layer in range(tables.shape[0]):
+        load, table = loads[layer], tables[layer]
+        mean = load.sum() / table.shape[0]
+        if not mean > 0:
+            continue
+        before = device_loads(table, load).max()
+        candidate = balanced_table(table, load)
+        after = device_loads(candidate, load).max()
+        written = int(np.sum(candidate != table))
+        record = {
+            "step": step,
+            "layer": layer,
+            "change": "place",
+            "slots_written": written,
+            "max_over_mean_before": float(before / mean),
+            "max_over_mean_after": float(after / mean),
+            "gain_device_load": float(before - after) * window,
+            "gain_s": float(before - after) * window * costs.assignment_flops / costs.flops_per_s,
+            "cost_bytes": written * costs.slot_write_bytes,
+            "cost_s": costs.transfer_s(written),
+        }
+        if not written:
+            continue
+        applied = before - after > MIN_LOAD_GAIN * mean and record["gain_s"] > record["cost_s"]
+        if applied:
+            tables[layer] = candidate
+        decisions.append({**record, "applied": bool(applied)})
+    return decisions
+
+
 def plan_placement(
-    placement: np.ndarray, rows: list[dict[str, Any]], config: Config, step: int
+    placement: np.ndarray,
+    rows: list[dict[str, Any]],
+    config: Config,
+    step: int,
+    history: RoutingHistory | None = None,
 ) -> tuple[np.ndarray, list[dict[str, Any]]]:
     """The new replica tables ``[moe_layers, expert_axis, replica_slots]`` after the window
-    ``rows`` (metrics of its steps), and the decisions taken (see the module docstring)."""
+    ``rows`` (metrics of its steps), and the decisions taken (see the module docstring).
+
+    ``history``: the run's smoothed routing (:attr:`PlacementLog.history`), which ``rows``
+    are folded into; None: the planner's own for ``config`` (one per configuration in this
+    process, started again when a window starts before the last step it saw)."""
     costs = PlanCosts.of(config)
     window = config.moe.rebalance_every
-    # [halves, moe_layers, experts, copies]
-    kept_by_copies = _halves_mean(rows, "kept_by_copies")
+    history = _history_for(config) if history is None else history
+    history.update(rows)
     tables = np.array(placement, np.int32, copy=True)
+    if config.moe.dropless:
+        return tables, _plan_dropless(tables, history, config, step, costs)
+    kept_by_copies = history.predict("kept_by_copies")[None]  # [1, layers, experts, copies]
     decisions: list[dict[str, Any]] = []
     value_s = costs.assignment_bytes / costs.link_bytes_per_s  # of one kept assignment
     for layer in range(tables.shape[0]):
@@ -256,9 +498,12 @@ def plan_placement(
 
 class PlacementLog:
     """``placement.jsonl``: one line per decision (process 0 only). A resumed run keeps the
-    lines of the steps before ``first_step``."""
+    lines of the steps before ``first_step``. Also holds the run's routing history."""
 
     def __init__(self, out_dir: str | Path | None, first_step: int, active: bool):
+        # The run's smoothed routing, for plan_placement(history=...); every process
+        # keeps one (they all plan), whether or not it writes the log.
+        self.history = RoutingHistory()
         self.path = None if out_dir is None or not active else Path(out_dir) / PLACEMENT_FILE
         if self.path is None:
             return

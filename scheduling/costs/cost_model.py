@@ -7,12 +7,24 @@ Collectives: ``latency + bytes_on_the_wire / link_bandwidth`` with the usual
 algorithmic factors over a group of ``n`` devices (all-to-all and gathers move
 ``(n - 1) / n`` of the buffer, a ring all-reduce twice that).
 
+Ragged exchanges (dropless MoE layers that move only their routed rows) are priced by
+the rows they carry, not by their buffers: ``jax.lax.ragged_all_to_all`` by the smaller of
+its operand's and its output's rows (the sender's routed rows, or the returned ones), and
+every op under a name scope ``ragged_rows_N`` (:data:`RAGGED_SCOPE`; the model puts its
+ragged exchanges and grouped GEMMs there, ``N`` the rows they carry under even routing)
+as carrying ``N`` rows: an ``all_to_all`` of pieces ``[G, rows, ...]`` (the static form
+of a ragged exchange, where XLA cannot run one) moves ``N`` of its ``G x rows`` rows, a
+grouped GEMM (``ragged_dot_general``) multiplies ``N`` of its buffer's rows. Where routing
+is uneven the busiest device receives more than ``N``: ``CostModel(ragged_load=)`` is that
+max/mean, from routing statistics (1: even routing).
+
 The device figures come from a :class:`~scheduling.costs.profiles.DeviceProfile`.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,13 +61,40 @@ FUSIBLE = frozenset(
 )  # fmt: skip
 
 
+# The name scope of ops that carry ragged rows; the number is their rows under even routing.
+RAGGED_SCOPE = re.compile(r"ragged_rows_(\d+)")
+
+
 def _size(aval: Any) -> int:
     return math.prod(getattr(aval, "shape", ()))
+
+
+def ragged_rows(op: Op) -> int | None:
+    """The rows ``op`` carries by its ``ragged_rows_N`` scope (the innermost), or None."""
+    found = RAGGED_SCOPE.findall(op.name_stack)
+    return int(found[-1]) if found else None
+
+
+def _ragged_dot_flops(op: Op) -> float:
+    """A grouped GEMM: ``2 x lhs elements x the rhs's free dimensions`` (every lhs row meets
+    one group's matrix), over the rows of its ``ragged_rows`` scope where it has one."""
+    numbers = op.eqn.params["ragged_dot_dimension_numbers"]
+    (_, rhs_contract), (_, rhs_batch) = numbers.dot_dimension_numbers
+    lhs_shape, rhs_shape = op.inputs[0].aval.shape, op.inputs[1].aval.shape
+    bound = set(rhs_contract) | set(rhs_batch) | set(numbers.rhs_group_dimensions)
+    free = math.prod(size for d, size in enumerate(rhs_shape) if d not in bound)
+    flops = 2.0 * math.prod(lhs_shape) * free
+    rows, (ragged,) = ragged_rows(op), numbers.lhs_ragged_dimensions
+    if rows is not None and lhs_shape[ragged]:
+        flops *= min(1.0, rows / lhs_shape[ragged])
+    return flops
 
 
 def op_flops(op: Op) -> float:
     """Floating-point operations of one (non-collective) op."""
     name = op.primitive
+    if name == "ragged_dot_general":
+        return _ragged_dot_flops(op)
     if name == "dot_general":
         (lhs_contract, _), _ = op.eqn.params["dimension_numbers"]
         lhs_shape = op.inputs[0].aval.shape
@@ -95,16 +134,55 @@ def _group_size(op: Op, axis_sizes: dict[str, int]) -> int:
     return math.prod(axis_sizes.get(axis, 1) for axis in _group_axes(op))
 
 
-def collective_wire_bytes(op: Op, axis_sizes: dict[str, int]) -> float:
-    """Bytes each device sends for one collective."""
+def is_ragged_exchange(op: Op) -> bool:
+    """A ragged all-to-all: ``ragged_all_to_all``, or an ``all_to_all`` under a
+    ``ragged_rows`` scope (its static form)."""
+    return op.primitive == "ragged_all_to_all" or (
+        op.primitive == "all_to_all" and ragged_rows(op) is not None
+    )
+
+
+def _routed_bytes(op: Op) -> float | None:
+    """The bytes of the rows a ragged exchange carries (None for any other op)."""
+    if op.primitive == "ragged_all_to_all":
+        operand, output = op.inputs[0].aval, op.inputs[1].aval
+        rows = min(operand.shape[0], output.shape[0])
+        row_bytes = aval_bytes(operand) / max(1, operand.shape[0])
+    elif op.primitive == "all_to_all" and ragged_rows(op) is not None:
+        operand = op.inputs[0].aval
+        if len(operand.shape) < 2 or op.eqn.params["split_axis"] != 0:
+            return None  # not the pieces [G, rows, ...] of a ragged exchange
+        rows = operand.shape[0] * operand.shape[1]
+        row_bytes = aval_bytes(operand) / max(1, rows)
+    else:
+        return None
+    scoped = ragged_rows(op)
+    if scoped is not None:
+        rows = min(rows, scoped)
+    return rows * row_bytes
+
+
+def _operand_bytes(op: Op, ragged_load: float = 1.0) -> float:
+    """The operand bytes a collective is priced by: a ragged exchange's routed rows (on its
+    busiest device, ``ragged_load`` times the mean), else its operands."""
+    routed = _routed_bytes(op)
+    if routed is not None:  # never more than its largest buffer
+        static = max(aval_bytes(op.inputs[0].aval), aval_bytes(op.outputs[0].aval))
+        return min(static, routed * ragged_load)
+    return sum(aval_bytes(a.aval) for a in op.inputs)
+
+
+def collective_wire_bytes(op: Op, axis_sizes: dict[str, int], ragged_load: float = 1.0) -> float:
+    """Bytes each device sends for one collective (a ragged exchange: its routed rows)."""
     n = _group_size(op, axis_sizes)
     if n <= 1:
         return 0.0
-    operand = sum(aval_bytes(a.aval) for a in op.inputs)
+    operand = _operand_bytes(op, ragged_load)
     result = sum(aval_bytes(v.aval) for v in op.outputs)
     share = (n - 1) / n
     return {
         "all_to_all": operand * share,
+        "ragged_all_to_all": operand * share,
         "all_gather": result * share,
         "reduce_scatter": operand * share,
         "psum": 2 * operand * share,
@@ -122,7 +200,9 @@ class CostModel:
     and group size they cover costs what its curve gives for its operand bytes.
     ``device_ids`` are the mesh's device ids in mesh order (row-major over
     ``axis_sizes``; default: the ids in that order): on a profile with nodes they say
-    which members of each group (over any tuple of axes) share a node.
+    which members of each group (over any tuple of axes) share a node. ``ragged_load``:
+    the expected max/mean of the rows the devices receive in a ragged exchange (routing
+    statistics; 1 for even routing), see the module docstring.
     """
 
     def __init__(
@@ -131,7 +211,11 @@ class CostModel:
         axis_sizes: dict[str, int],
         curves: CollectiveCurves | None = None,
         device_ids: Sequence[int] | None = None,
+        ragged_load: float = 1.0,
     ):
+        if ragged_load < 1.0:
+            raise ValueError(f"ragged_load={ragged_load}: a max/mean load is at least 1")
+        self.ragged_load = float(ragged_load)
         self.profile = profile
         self.axis_sizes = dict(axis_sizes)
         self.curves = curves
@@ -161,13 +245,14 @@ class CostModel:
         return profile.op_overhead_s + roofline
 
     def collective_seconds(self, op: Op) -> float:
-        wire = collective_wire_bytes(op, self.axis_sizes)
+        wire = collective_wire_bytes(op, self.axis_sizes, self.ragged_load)
         if wire == 0:
             return 0.0
         group = _group_size(op, self.axis_sizes)
         if self.curves is not None:
-            operand = sum(aval_bytes(a.aval) for a in op.inputs)
-            measured = self.curves.seconds(op.primitive, group, operand)
+            operand = _operand_bytes(op, self.ragged_load)
+            kind = "all_to_all" if op.primitive == "ragged_all_to_all" else op.primitive
+            measured = self.curves.seconds(kind, group, operand)
             if measured is not None:
                 return measured
         profile = self.profile
@@ -214,10 +299,10 @@ class CostModel:
         """
         profile = self.profile
         group, local, nodes = spread.size, spread.local, spread.nodes
-        operand = sum(aval_bytes(a.aval) for a in op.inputs)
+        operand = _operand_bytes(op, self.ragged_load)
         result = sum(aval_bytes(v.aval) for v in op.outputs)
         latency = profile.link_latency_s + profile.node_link_latency_s
-        if op.primitive == "all_to_all":
+        if op.primitive in ("all_to_all", "ragged_all_to_all"):
             inside = operand * (local - 1) / group / profile.link_bytes_per_s
             across = spread.all_to_all_node_load * operand / profile.node_link_bytes_per_s
             return latency + max(inside, across)
@@ -234,4 +319,6 @@ class CostModel:
         return latency + inside + across * max(1, spread.groups_sharing_a_node)
 
     def seconds(self, op: Op) -> float:
-        return self.collective_seconds(op) if op.is_collective else self.compute_seconds(op)
+        if op.is_collective or op.primitive == "ragged_all_to_all":
+            return self.collective_seconds(op)
+        return self.compute_seconds(op)

@@ -34,6 +34,12 @@ The layouts come from one propagation per MoE layer and piece axis over the
 whole span from the layer's forward dispatch to its backward combine, so a
 backward region can cut the forward residuals (e.g. the experts' hidden
 activations) into the same pieces.
+
+Ragged exchanges (a dropless layer that moves only its routed rows:
+``ragged_all_to_all``, or its static form, an ``all_to_all`` under a
+``ragged_rows`` scope) are recognised and refused (:data:`RAGGED_REFUSAL`): their
+rows are placed by counts known only when the step runs, so no fixed piece of them
+is one source's tokens or one chunk's. They run whole, as captured.
 """
 
 from __future__ import annotations
@@ -41,10 +47,16 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from scheduling.costs.cost_model import is_ragged_exchange
 from scheduling.passes.partition_forward import consumers_of
 from scheduling.passes.partition_rules import Chunking, Split, chunking
 from scheduling.program.capture import Constant, Op, Phase, Program, Value
 from scheduling.program.uniform_axes import uniform_axes
+
+RAGGED_REFUSAL = (
+    "a ragged exchange: its rows are placed by counts known only when the step runs, so "
+    "no fixed piece of it is one source's or one chunk's; it runs whole"
+)
 
 
 @dataclass(frozen=True)
@@ -55,6 +67,8 @@ class Exchange:
     combine: int
     axis: int  # the split and concat axis
     group: int  # G: devices in the exchange
+    # Why it is not decomposed whatever the plan ("" where it may be): RAGGED_REFUSAL.
+    refused: str = field(default="", compare=False)
 
     def layer(self, program: Program) -> str:
         return program.ops[self.dispatch].layer
@@ -140,7 +154,9 @@ def find_exchanges(program: Program) -> list[Exchange]:
                     and other.inputs[0].aval.shape[axis] == group
                 )
                 if same:
-                    exchanges.append(Exchange(a, b, axis, group))
+                    ragged = is_ragged_exchange(op) or is_ragged_exchange(other)
+                    refused = RAGGED_REFUSAL if ragged else ""
+                    exchanges.append(Exchange(a, b, axis, group, refused))
                     paired.add(b)
                 break
             reached.update(other.outputs)
@@ -300,12 +316,15 @@ def candidate_decompositions(
 
 
 def plan_all(program: Program, chunk_counts: tuple[int, ...]) -> dict[Exchange, list[RegionPlan]]:
-    """Every recognised exchange with its plan for each decomposition that applies."""
+    """Every recognised exchange with its plan for each decomposition that applies (none
+    for a refused one)."""
     exchanges = find_exchanges(program)
     # Forward and backward exchanges of one layer share their layouts (the backward cuts
     # the forward's residuals), where their operands have the same shape.
     by_layer: dict[tuple, list[Exchange]] = defaultdict(list)
     for exchange in exchanges:
+        if exchange.refused:
+            continue
         shape = program.ops[exchange.dispatch].inputs[0].aval.shape
         by_layer[exchange.layer(program), shape, exchange.axis].append(exchange)
     consumers = consumers_of(program)

@@ -29,6 +29,10 @@ they do only where the devices' blocks are whole outer factors.
 Prefix operations along the batch axis (``cumsum``, ``cumprod``, ``cummax``,
 ``cummin``) are chunked with a carry: each chunk's prefix plus the running
 total of the chunks before it.
+
+Ragged ops (``ragged_dot_general``, a grouped GEMM; ``ragged_all_to_all``) are refused
+(:func:`_ragged`): their rows are grouped by sizes known only when the step runs, so
+no chunk of the batch is a fixed block of them.
 """
 
 from __future__ import annotations
@@ -463,6 +467,11 @@ def _scatter(op: Op, layouts, uniform) -> Chunking | None:
     )
 
 
+def _ragged(op: Op, layouts, uniform) -> Chunking | None:
+    """Refused: rows grouped by run-time sizes hold no fixed block of the batch."""
+    return None
+
+
 RULES: dict[str, Callable[[Op, Sequence[Layout], Sequence[frozenset[int]]], Chunking | None]] = {
     **dict.fromkeys(ELEMENTWISE, _elementwise),
     **dict.fromkeys(REDUCTIONS, _reduction),
@@ -488,6 +497,8 @@ RULES: dict[str, Callable[[Op, Sequence[Layout], Sequence[frozenset[int]]], Chun
     "scatter-add": _scatter,
     "scatter_add": _scatter,
     "scatter": _scatter,
+    "ragged_dot_general": _ragged,
+    "ragged_all_to_all": _ragged,
 }
 
 

@@ -12,6 +12,13 @@ stay NumPy arrays):
 - the done waits until every piece for this device has arrived and returns them
   concatenated, as ``lax.all_to_all`` (tiled) would: pure data movement, bit for bit.
 
+A *trimmed* start (``trim``: the static form of a ragged exchange, pieces ``[1, rows,
+...]`` of an operand split along axis 0 whose rows past the routed ones are zeros) sends
+each piece only up to its last row with a non-zero byte; the done pads the rows it did
+not get with zeros, which is what they were, so the result is the same bit for bit and
+only the routed rows travel. ``SocketTransport.traffic`` counts the bytes of the pieces
+sent and what they would have been whole, to other processes and within one.
+
 The order is kept by data dependence, not by the compiler's scheduler: the computation
 meant to run during the transfer consumes the start's token (``consume_token``, an exact
 ``x - 0.0``), and the done takes a value of that computation as an operand (``after``).
@@ -49,7 +56,7 @@ import struct
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -135,7 +142,14 @@ class SocketTransport:
     ``link_mbit`` (the rate of the link between processes; default ``DEFAULT_LINK_MBIT``)
     and ``wait_s`` (how long a done allows its peers to reach their start: their skew,
     a first step's compilation) set how long a done waits (``receive_bound_s``).
+
+    ``traffic`` (one per process, over every transport it made): bytes of the pieces
+    sent, ``remote`` (to other processes) and ``local`` (handed over in memory), and
+    ``remote_whole``/``local_whole``, what they would have been untrimmed.
     """
+
+    traffic: ClassVar[collections.Counter] = collections.Counter()
+    _traffic_lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(
         self,
@@ -216,10 +230,21 @@ class SocketTransport:
         transfer at ``link_mbit``."""
         return self.wait_s + _TRANSFER_MARGIN * remote_bytes * 8 / (self.link_mbit * 1e6)
 
-    def send(self, key: int, source: int, destination: int, piece: np.ndarray) -> None:
-        """Deliver ``piece`` from mesh position ``source`` to ``destination`` (returns at once)."""
-        payload = np.ascontiguousarray(piece).tobytes()
+    def send(
+        self, key: int, source: int, destination: int, piece: np.ndarray, trim: bool = False
+    ) -> None:
+        """Deliver ``piece`` from mesh position ``source`` to ``destination`` (returns at once);
+        ``trim``: only its rows (axis 1) up to the last with a non-zero byte."""
+        piece = np.ascontiguousarray(piece)
+        whole = piece.nbytes
+        if trim:
+            piece = piece[:, : _rows_in_use(piece)]
+        payload = piece.tobytes()
         process = self.position_process[destination]
+        where = "local" if process == self.process else "remote"
+        with self._traffic_lock:
+            SocketTransport.traffic[where] += len(payload)
+            SocketTransport.traffic[f"{where}_whole"] += whole
         if process == self.process:
             self.mailbox.put((key, source, destination), payload)
         else:
@@ -280,6 +305,28 @@ class SocketTransport:
         self.mailbox.fail("the socket transport was closed")
 
 
+def _rows_in_use(piece: np.ndarray) -> int:
+    """Rows (axis 1) of ``piece`` up to the last with a non-zero byte (0 if all are zero)."""
+    if piece.ndim < 2 or not piece.size:
+        return piece.shape[1] if piece.ndim >= 2 else 0
+    rows = np.moveaxis(piece, 1, 0).reshape(piece.shape[1], -1).view(np.uint8)
+    used = np.flatnonzero(rows.any(axis=1))
+    return int(used[-1]) + 1 if used.size else 0
+
+
+def _padded(payload: bytes, dtype: np.dtype, piece_shape: tuple[int, ...]) -> np.ndarray:
+    """A piece from its payload: whole, or its first rows (axis 1) followed by zero rows."""
+    whole = math.prod(piece_shape) * dtype.itemsize
+    values = np.frombuffer(payload, dtype)
+    if len(payload) == whole:
+        return values.reshape(piece_shape)
+    row = (piece_shape[0], 1, *piece_shape[2:])
+    rows = values.size // math.prod(row)
+    piece = np.zeros(piece_shape, dtype)
+    piece[:, :rows] = values.reshape(piece_shape[0], rows, *piece_shape[2:])
+    return piece
+
+
 def consume_token(x: jax.Array, token: jax.Array) -> jax.Array:
     """``x`` made to depend on a start's token, exactly (``x - 0.0`` keeps every bit, -0.0 too)."""
     return x - token.astype(x.dtype)
@@ -319,18 +366,22 @@ class SocketAllToAll:
         coordinates[self.axis] = index
         return int(np.ravel_multi_index(coordinates, self._shape))
 
-    def start(self, x: jax.Array, *, key: int, split_axis: int) -> jax.Array:
-        """Send this device's pieces of ``x``; returns a float32 zero token at once."""
+    def start(self, x: jax.Array, *, key: int, split_axis: int, trim: bool = False) -> jax.Array:
+        """Send this device's pieces of ``x``; returns a float32 zero token at once.
+
+        ``trim`` (a ragged exchange's pieces, ``split_axis`` 0): each piece only up to its
+        last row with a non-zero byte (see the module docstring)."""
         if x.shape[split_axis] % self.axis_size:
             raise ValueError(
                 f"split_axis {split_axis} of shape {x.shape} does not divide into "
                 f"{self.axis_size} pieces"
             )
+        trim = trim and split_axis == 0 and x.ndim >= 2
 
         def host_start(position: np.ndarray, value: np.ndarray) -> np.ndarray:
             position = int(position)
             for index, piece in enumerate(np.split(value, self.axis_size, axis=split_axis)):
-                self.transport.send(key, position, self._peer(position, index), piece)
+                self.transport.send(key, position, self._peer(position, index), piece, trim)
             return np.float32(0)
 
         return host_callback(host_start, jax.ShapeDtypeStruct((), jnp.float32), self._position(), x)
@@ -378,7 +429,7 @@ class SocketAllToAll:
                     # The step is lost: the other dones of this process give up too.
                     transport.abort(f"another all-to-all of this process failed ({message})")
                     raise type(error)(message) from None
-                pieces.append(np.frombuffer(payload, dtype).reshape(piece_shape))
+                pieces.append(_padded(payload, dtype, piece_shape))
             joined = np.concatenate(pieces, axis=concat_axis)
             return (joined, np.float32(0)) if release_token else joined
 
@@ -498,12 +549,12 @@ class EmittedOrder:
             scalar = _scalar(self._pinned_operand).astype(jnp.float32)
             self._progress = scalar if self._progress is None else self._progress + scalar
 
-    def start(self, node: int, operand: jax.Array, params: dict) -> None:
+    def start(self, node: int, operand: jax.Array, params: dict, trim: bool = False) -> None:
         axis = params["axis_name"]
         axis = axis[0] if isinstance(axis, tuple) else axis
         op = self._ops.setdefault(axis, SocketAllToAll(self.transport, axis))
         (operand,) = self.pin("dot_general", [operand])
-        token = op.start(operand, key=node, split_axis=params["split_axis"])
+        token = op.start(operand, key=node, split_axis=params["split_axis"], trim=trim)
         self._pending[node] = (
             op,
             token,
@@ -513,12 +564,12 @@ class EmittedOrder:
         self._starts += 1
         self._token = token
 
-    def now(self, node: int, operand: jax.Array, params: dict) -> jax.Array:
+    def now(self, node: int, operand: jax.Array, params: dict, trim: bool = False) -> jax.Array:
         """The all-to-all run synchronously: its start, then its done at once. The done
         waits for every matmul recorded before it, and releases a token that every later
         matmul consumes (unless it already uses the result), so no planned matmul runs
         while the pieces travel: the same transport as the scheduled pairs, no overlap."""
-        self.start(node, operand, params)
+        self.start(node, operand, params, trim)
         result, released = self._finish(node, release_token=True)
         self._starts += 1  # what runs after this point must come after the done
         self._token = released

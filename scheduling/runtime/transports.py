@@ -14,7 +14,9 @@ op to run where it stands. Three transports exist (``SchedulePolicy.transport``)
   by data dependence, so that they overlap the computation planned between them; the
   other collectives as ``xla``. An all-to-all the plan left whole runs on the sockets
   too, its done right after its start, so that every schedule is measured on one
-  transport. Elsewhere (another backend, one process) ``socket`` is ``xla``.
+  transport. Elsewhere (another backend, one process) ``socket`` is ``xla``. The pieces
+  of a ragged exchange (an ``all_to_all`` under a ``ragged_rows`` scope) are sent trimmed
+  to their routed rows.
 
 A transport object lives for one trace of the step: :func:`connect` returns a factory
 that makes a fresh one each time the step is traced.
@@ -28,6 +30,7 @@ from typing import Any, Protocol
 import jax
 from jax.sharding import Mesh
 
+from scheduling.costs.cost_model import is_ragged_exchange
 from scheduling.program import jax_adapter
 from scheduling.program.capture import Op
 from scheduling.runtime.socket_all_to_all import EmittedOrder, SocketTransport
@@ -91,7 +94,7 @@ class SocketAllToAlls:
 
     def start(self, node: int, op: Op, operand: Any) -> None:
         if self._carries(op, operand):
-            self._sockets.start(node, operand, op.eqn.params)
+            self._sockets.start(node, operand, op.eqn.params, is_ragged_exchange(op))
         else:
             self._others.start(node, op, operand)
 
@@ -103,7 +106,7 @@ class SocketAllToAlls:
     def run(self, node: int, op: Op, inputs: list[Any]) -> list[Any]:
         if op.primitive == "all_to_all" and len(inputs) == 1 and self._carries(op, inputs[0]):
             # An all-to-all the plan left whole (schedule "none"): synchronous, on sockets.
-            return [self._sockets.now(node, inputs[0], op.eqn.params)]
+            return [self._sockets.now(node, inputs[0], op.eqn.params, is_ragged_exchange(op))]
         results = self._others.run(node, op, self._sockets.pin(op.primitive, inputs))
         self._sockets.record(results)
         return results

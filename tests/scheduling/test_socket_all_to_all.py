@@ -80,7 +80,7 @@ class _DelayedTransport(SocketTransport):
         super().__init__(mesh, connections={})
         self.delay_s = delay_s
 
-    def send(self, key, source, destination, piece):
+    def send(self, key, source, destination, piece, trim=False):
         payload = np.ascontiguousarray(piece).tobytes()
         deliver = self.mailbox.put
         threading.Timer(self.delay_s, deliver, ((key, source, destination), payload)).start()
