@@ -195,6 +195,8 @@ def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
                 (params, opt_state),
                 (state.params, state.opt_state),
             )
+        if plan is None:
+            params = grad_sync.after_update(params, state.step, param_spec_tree, mesh_axes)
 
         with jax.named_scope("metrics"):
             metrics = {

@@ -51,6 +51,15 @@ class GradSync(abc.ABC):
     def __call__(self, grads: PyTree, state: PyTree, specs: PyTree, mesh_axes: MeshAxes) -> Synced:
         """Per device: this device's gradients and state -> what to apply, and the next state."""
 
+    def after_update(
+        self, params: PyTree, step: jax.Array, specs: PyTree, mesh_axes: MeshAxes
+    ) -> PyTree:
+        """Per device: the parameters the optimizer just updated -> the step's parameters.
+        The identity, except for algorithms whose replicas keep parameters of their own and
+        mix them with their peers' (decentralized SGD); ``step`` is the step's index."""
+        del step, specs, mesh_axes
+        return params
+
 
 def path_name(path: tuple[Any, ...]) -> str:
     return "/".join(str(getattr(key, "key", key)) for key in path)
