@@ -1,0 +1,853 @@
+"""Dropless dispatch evaluated: capacity 1.25, padded dropless and ragged dropless on the
+Mixtral-like and DeepSeek-like tiny presets, and expert placement for dropless routing.
+
+    python -m experiments.dropless_eval [--steps 3] [--repeats 5] [--placement-steps 300]
+        [--socket | --cluster-link-mbit MBIT] [--skip-dispatch] [--skip-placement]
+    python -m experiments.dropless_eval --from experiments/results/dropless_eval.json
+
+**Dispatch** (``--skip-dispatch`` leaves it out). On 8 fake CPU devices in this process
+(``mixtral-tiny`` and ``deepseek_v3-tiny`` as their presets define them, layout 1 x 8, the
+byte corpus), every variant of the MoE layers' dispatch (``VARIANTS``: capacity factor
+1.25, padded dropless, ragged dropless with the worst-case receive buffer, ragged
+dropless with a buffer of twice the rows of even routing):
+
+- bytes exchanged per device and step by the MoE layers (dispatch and return, forward and
+  backward): what the step's ``all_to_all`` operands hold (read from the captured
+  program; for the ragged variants the pieces of the static form that XLA:CPU runs, since
+  it cannot run ``ragged_all_to_all``), and the rows ``ragged_all_to_all`` moves on GPU
+  and TPU: every kept assignment's row once per exchange, counted from each step's
+  routing (the capacity and padded buffers move whole on every backend);
+- expert FLOPs per device and step (forward and backward): over the rows a grouped GEMM
+  multiplies (the kept assignments; the padded buffers), over what XLA:CPU multiplies
+  (JAX lowers ``ragged_dot`` there to a masked dense matmul per local slot: slots x
+  receive buffer rows), and the compiled step's FLOPs from XLA's cost analysis;
+- step time: ``--repeats`` rounds of ``--steps`` steps per variant after 2 untimed rounds,
+  variants interleaved (the order reversed every other round), all on the same batches;
+  the median of each round, then the median and range over rounds, and each round's
+  ratio to capacity 1.25. Compiled memory: ``memory_analysis`` of the step;
+- the dropped fraction, and the largest device's routed assignments over the mean.
+
+**Sockets**. ``--cluster-link-mbit MBIT`` (root): the emulated cluster, 2 hosts x 4
+devices joined by a link shaped to MBIT and calibrated first (``experiments.emulation``),
+each variant's step over the socket transport (schedule ``none``) in interleaved rounds:
+the bytes each host's devices sent to the other host (``SocketTransport.traffic``, the
+pieces of a ragged exchange trimmed to their routed rows), what those pieces were whole,
+and the step times. ``--socket``: the same on loopback, without root (bytes; times
+without a slow link).
+
+**Placement** (``--skip-placement`` leaves it out). ``tiny`` (8 experts, top-1, 8
+devices, 2 expert slots per device: each device's own expert and one replica slot),
+``--placement-steps`` steps of training each, static placement (every expert two
+copies) against dynamic (re-planned after every step): in dropless mode (ragged) the
+largest device load over the mean (``device_load``: the rows each device's slots took),
+in capacity mode (1.25) the dropped fraction. Then the planner replayed on the static
+runs' routing, with the routing predicted by its smoothed history, by the last step
+alone, by the smoothed mean alone, and with hindsight (each step planned from its own
+routing); a sweep of the history's constants (``SMOOTHING_GRID``); and how far the
+routed loads persist from step to step. In dropless mode routing does not depend on the
+placement (the step is exact), so the replays are what those tables would have done; in
+capacity mode drops change training, so they replay the static run's routing.
+
+Writes ``experiments/results/dropless_eval.md`` and ``.json``; a run that leaves a part
+out keeps that part's figures (and its command) from the JSON it overwrites. ``--from``
+writes the results file from a saved JSON without running anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+MODULE = "experiments.dropless_eval"  # this program, also as the host program (--host)
+RESULTS = Path(__file__).parent / "results"
+PRESETS = ("mixtral-tiny", "deepseek_v3-tiny")
+BASELINE = "capacity 1.25"
+VARIANTS = {
+    BASELINE: {"capacity_factor": 1.25},
+    "padded dropless": {"capacity_factor": None, "dropless_dispatch": "padded"},
+    "ragged dropless": {"capacity_factor": None, "dropless_dispatch": "ragged"},
+    "ragged dropless, 2x buffer": {
+        "capacity_factor": None,
+        "dropless_dispatch": "ragged",
+        "ragged_buffer_factor": 2.0,
+    },
+}
+WARMUP = 2  # untimed rounds first
+SOCKET_HOSTS = 2
+BYTES_TARGET = 1.1  # ragged dropless moves at most this times the bytes of capacity 1.25
+PLACEMENT_TARGET = 0.5  # dynamic placement: at most this times static's excess load, drops
+PLACEMENT_SLOTS = 2  # expert slots per device in the placement runs
+# The routing history's constants swept by the replays: (half-life in steps, last step's
+# weight), as jaxmoe.train.placement_planner.SMOOTHING gives them.
+SMOOTHING_GRID = tuple(
+    (half_life, latest) for half_life in (4.0, 16.0, 64.0) for latest in (0.0, 0.5, 0.8, 1.0)
+)
+PERSISTENCE_LAGS = (1, 5, 20)
+REPLAYS = ("static", "smoothed", "last", "mean", "hindsight")
+
+
+def variant_config(name: str, variant: str, steps: int = 100):
+    from jaxmoe.presets import preset
+
+    base = preset(name)
+    moe = dataclasses.replace(base.moe, **VARIANTS[variant])
+    train = dataclasses.replace(base.train, steps=steps, checkpoint_every=0, eval_every=steps)
+    return dataclasses.replace(base, moe=moe, train=train)
+
+
+def _is_ragged(config) -> bool:
+    return config.moe.dropless and config.moe.dropless_dispatch == "ragged"
+
+
+def _row_bytes(config) -> int:
+    import jax.numpy as jnp
+
+    return config.model.d_model * jnp.dtype(config.model.dtype).itemsize
+
+
+def _tokens_per_device(config) -> int:
+    return config.train.batch_size * config.model.seq_len // config.parallel.num_devices
+
+
+# --- What each variant moves and computes ---------------------------------------------------
+
+
+def program_exchanges(config, mesh) -> dict[str, float]:
+    """From the captured step: bytes per device and step of its ``all_to_all`` operands
+    (the MoE exchanges), of its ``all_gather`` operands (the ragged dispatch's counts), and
+    the ragged variants' receive buffer rows (the grouped GEMM's left operand)."""
+    import scheduling
+    from jaxmoe.train.scheduled import capture_train_step
+
+    program, _ = capture_train_step(config, mesh)
+
+    def operand_bytes(primitive: str) -> float:
+        ops = [op for op in program.ops if op.primitive == primitive]
+        return float(sum(scheduling.aval_bytes(op.inputs[0].aval) for op in ops))
+
+    grouped = [op for op in program.ops if op.primitive == "ragged_dot_general"]
+    return {
+        "a2a_bytes": operand_bytes("all_to_all"),
+        "count_bytes": operand_bytes("all_gather"),
+        "bound_rows": grouped[0].inputs[0].aval.shape[0] if grouped else None,
+    }
+
+
+def buffer_rows(config, bound_rows: int | None) -> dict[str, int | None]:
+    """Rows of one MoE layer's expert buffers per device (forward): ``static``, the padded
+    buffers that capacity and padded dropless multiply on every backend (None for ragged),
+    and ``cpu``, what XLA:CPU multiplies (ragged: slots x receive buffer rows)."""
+    moe, group = config.moe, config.parallel.expert
+    local = moe.num_experts // group
+    if _is_ragged(config):
+        return {"static": None, "cpu": local * bound_rows}
+    groups = _tokens_per_device(config) // config.group_size
+    rows = local * group * groups * config.capacity_per_expert
+    return {"static": rows, "cpu": rows}
+
+
+def flops_per_row(config) -> float:
+    """FLOPs of one row through one expert, forward and backward (3x the forward)."""
+    hidden = config.moe.d_expert or config.model.d_ff
+    matrices = 3 if config.model.activation == "swiglu" else 2
+    return 3 * 2.0 * matrices * config.model.d_model * hidden
+
+
+def kept_rows_per_device(config, metrics: dict) -> float:
+    """Assignments kept per device in one step, over every MoE layer (measured)."""
+    routed = float(np.sum(metrics["tokens_per_expert"]))
+    return routed * (1.0 - float(metrics["dropped_fraction"])) / config.parallel.num_devices
+
+
+def max_over_mean_load(metrics: dict, config) -> float:
+    """The largest device's routed assignments over the mean, averaged over MoE layers
+    (without replicas a device's load is its experts' routed assignments)."""
+    per_expert = np.asarray(metrics["tokens_per_expert"], np.float64)  # [layers, experts]
+    per_device = per_expert.reshape(per_expert.shape[0], config.parallel.expert, -1).sum(-1)
+    return float(np.mean(per_device.max(axis=1) / per_device.mean(axis=1)))
+
+
+def measure_variants(name: str, steps: int, repeats: int) -> dict[str, dict]:
+    """Every variant of preset ``name`` in this process: compiled, then timed in rounds."""
+    import jax
+
+    from experiments.emulation.host_process import round_order, train_batches
+    from jaxmoe.parallel.mesh import build_mesh
+    from jaxmoe.train.data import put_on_mesh
+    from jaxmoe.train.scheduled import plan_train_step
+    from jaxmoe.train.state import init_train_state
+
+    configs = {variant: variant_config(name, variant) for variant in VARIANTS}
+    results, compiled, states = {}, {}, {}
+    for variant, config in configs.items():
+        mesh = build_mesh(config.parallel)
+        planned = plan_train_step(config, mesh)
+        started = time.perf_counter()
+        step = planned.compile()
+        compile_s = time.perf_counter() - started
+        memory = step.memory_analysis()
+        cost = step.cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        results[variant] = {
+            **program_exchanges(config, mesh),
+            "compiled_flops": float(cost.get("flops", float("nan"))),
+            "temp_bytes": int(memory.temp_size_in_bytes),
+            "argument_bytes": int(memory.argument_size_in_bytes),
+            "output_bytes": int(memory.output_size_in_bytes),
+            "compile_s": compile_s,
+            "seconds": [],
+        }
+        compiled[variant] = (step, mesh)
+        states[variant] = init_train_state(config, mesh)
+        print(f"{name} {variant}: compiled in {compile_s:.0f} s", flush=True)
+    sampler = train_batches(next(iter(configs.values())))
+    metrics: dict[str, list[dict]] = {variant: [] for variant in VARIANTS}
+    for round_index in range(WARMUP + repeats):
+        timed = round_index >= WARMUP
+        for variant in round_order(list(VARIANTS), round_index):
+            step, mesh = compiled[variant]
+            times = []
+            for index in range(steps if timed else 1):
+                batch = put_on_mesh(sampler, round_index * steps + index, mesh)
+                jax.block_until_ready(batch)
+                started = time.perf_counter()
+                states[variant], values = step(states[variant], batch)
+                values = jax.device_get(values)  # waits for the step
+                times.append(time.perf_counter() - started)
+                if timed:
+                    metrics[variant].append(values)
+            if timed:
+                results[variant]["seconds"].append(statistics.median(times))
+    for variant, result in results.items():
+        config, rows = configs[variant], metrics[variant]
+        layers = len(config.model.moe_layers)
+        kept = float(np.mean([kept_rows_per_device(config, row) for row in rows]))
+        buffers = buffer_rows(config, result["bound_rows"])
+        # Four exchanges per MoE layer: dispatch and return, forward and backward.
+        moved = result["a2a_bytes"] if buffers["static"] else 4 * kept * _row_bytes(config)
+        gemm_rows = kept if buffers["static"] is None else buffers["static"] * layers
+        result.update(
+            routed_bytes=moved,
+            expert_flops_gemm=gemm_rows * flops_per_row(config),
+            expert_flops_cpu=buffers["cpu"] * layers * flops_per_row(config),
+            dropped_fraction=float(np.mean([row["dropped_fraction"] for row in rows])),
+            max_over_mean_load=float(np.mean([max_over_mean_load(row, config) for row in rows])),
+        )
+    return results
+
+
+# --- Over the socket transport: on loopback, or on the emulated cluster -------------------
+
+
+def host_main(argv: list[str]) -> int:
+    """The host program of the socket runs: every variant's step over the socket transport
+    (schedule ``none``), in interleaved rounds on the same batches; per timed step, its
+    seconds and the bytes this process's devices sent. Process 0 writes."""
+    from experiments.emulation.host_process import round_order, rounds_parser, start_host
+
+    parser = rounds_parser("dropless_eval on hosts")
+    parser.add_argument("--variants", type=Path, required=True, help="{variant: config}")
+    args = parser.parse_args(argv)
+    prepared = start_host(args)
+
+    import jax
+
+    import scheduling
+    from experiments.emulation.host_process import train_batches
+    from jaxmoe.config import Config
+    from jaxmoe.train.data import put_on_mesh
+    from jaxmoe.train.scheduled import plan_train_step
+    from jaxmoe.train.state import init_train_state
+
+    mesh = prepared.mesh
+    configs = {
+        variant: Config.from_dict(values)
+        for variant, values in json.loads(args.variants.read_text()).items()
+    }
+    steps = {
+        variant: plan_train_step(config, mesh).compile() for variant, config in configs.items()
+    }
+    states = {variant: init_train_state(config, mesh) for variant, config in configs.items()}
+    sampler = train_batches(prepared.config)
+    keys = ("remote", "remote_whole", "local", "local_whole")
+    out = {variant: {"seconds": [], **{key: [] for key in keys}} for variant in configs}
+    for round_index in range(args.warmup + args.rounds):
+        batch = put_on_mesh(sampler, round_index, mesh)
+        jax.block_until_ready(batch)
+        for variant in round_order(list(configs), round_index):
+            before = dict(scheduling.SocketTransport.traffic)
+            started = time.perf_counter()
+            states[variant], metrics = steps[variant](states[variant], batch)
+            jax.device_get(metrics)  # waits for the step
+            seconds = time.perf_counter() - started
+            after = dict(scheduling.SocketTransport.traffic)
+            if round_index < args.warmup:
+                continue
+            out[variant]["seconds"].append(seconds)
+            for key in keys:
+                out[variant][key].append(after.get(key, 0) - before.get(key, 0))
+    if jax.process_index() == 0:
+        report = {"devices_per_process": len(mesh.local_devices), "variants": out}
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def measure_sockets(
+    steps: int, repeats: int, link_mbit: float | None
+) -> tuple[dict[str, dict], dict | None]:
+    """Every preset's variants over the socket transport (2 processes x 4 devices), on
+    loopback or, with ``link_mbit``, on the emulated cluster: per preset, process 0's
+    rounds; and the link's calibration (None on loopback)."""
+    from experiments.emulation.hosts import EmulatedHosts
+    from jaxmoe.cli.launch import launch
+    from jaxmoe.config import ScheduleConfig
+
+    schedule = dataclasses.replace(ScheduleConfig(), name="none", transport="socket")
+    with tempfile.TemporaryDirectory(prefix="jaxmoe-dropless-") as tmp:
+        work = Path(tmp)
+
+        def rounds(name: str, hosts: EmulatedHosts | None) -> dict:
+            configs = {
+                variant: dataclasses.replace(variant_config(name, variant), schedule=schedule)
+                for variant in VARIANTS
+            }
+            variants, config = work / f"{name}-variants.json", work / f"{name}-config.json"
+            variants.write_text(json.dumps({v: c.to_dict() for v, c in configs.items()}))
+            config.write_text(json.dumps(configs[BASELINE].to_dict()))
+            out = work / f"{name}-out.json"
+            args = ["--host", "--config", str(config), "--json", str(out), "--variants"]
+            args += [str(variants), "--rounds", str(repeats * steps), "--warmup", str(WARMUP)]
+            if hosts is None:
+                if launch(args, SOCKET_HOSTS, module=MODULE):
+                    raise RuntimeError(f"the socket rounds of {name} failed")
+            else:
+                hosts.run(name, args, module=MODULE)
+            print(f"{name}: socket rounds done", flush=True)
+            return json.loads(out.read_text())
+
+        if link_mbit is None:
+            return {name: rounds(name, None) for name in PRESETS}, None
+        from experiments.emulation.link_calibration import calibrated_network
+        from experiments.emulation.network import LinkShape
+
+        with calibrated_network(SOCKET_HOSTS, LinkShape(rate_mbit=link_mbit)) as (
+            network,
+            calibration,
+        ):
+            hosts = EmulatedHosts(network, work, f"{link_mbit:g}mbit")
+            return {name: rounds(name, hosts) for name in PRESETS}, calibration.to_dict()
+
+
+# --- Placement ------------------------------------------------------------------------------
+
+
+def placement_config(steps: int, rebalance: int, dropless: bool):
+    base = variant_config("tiny", "ragged dropless" if dropless else BASELINE, steps)
+    moe = dataclasses.replace(base.moe, slots_per_device=PLACEMENT_SLOTS, rebalance_every=rebalance)
+    return dataclasses.replace(base, moe=moe, train=dataclasses.replace(base.train, eval_batches=4))
+
+
+def excess_load(loads: np.ndarray) -> float:
+    """``loads [layers, devices]``: (largest over mean) - 1, averaged over the layers."""
+    loads = np.asarray(loads, np.float64)
+    return float(np.mean(loads.max(axis=1) / loads.mean(axis=1) - 1))
+
+
+def _history(mode: str, smoothing: tuple[float, float] | None = None):
+    """The planner's routing history for a replay ``mode``: ``smoothed`` (its own
+    constants, or ``smoothing`` for both metrics), ``last`` (the last step alone),
+    ``mean`` (the smoothed mean alone) or ``hindsight`` (a fresh one every step)."""
+    from jaxmoe.train.placement_planner import SMOOTHING, RoutingHistory
+
+    if mode == "smoothed" and smoothing is not None:
+        return RoutingHistory({key: smoothing for key in SMOOTHING})
+    if mode == "last":
+        return RoutingHistory({key: (1.0, 1.0) for key in SMOOTHING})
+    if mode == "mean":
+        return RoutingHistory({key: (half_life, 0.0) for key, (half_life, _) in SMOOTHING.items()})
+    return RoutingHistory()
+
+
+def replay(
+    rows: list[dict], config, mode: str, smoothing: tuple[float, float] | None = None
+) -> list[float]:
+    """The planner's tables (re-planned after every step) applied to the routing of
+    ``rows``, per step: dropless, the device load's (max / mean) - 1; capacity, the dropped
+    fraction (exact from ``kept_by_copies``). ``mode``, ``smoothing``: see ``_history``;
+    mode ``static``: the initial table throughout."""
+    from jaxmoe.parallel.placement import replicas_per_expert
+    from jaxmoe.train.placement_planner import device_loads, plan_placement
+    from jaxmoe.train.state import initial_placement
+
+    history = _history(mode, smoothing)
+    table = np.asarray(initial_placement(config))
+    values = []
+    for index, row in enumerate(rows):
+        if mode == "static":
+            pass
+        elif mode == "hindsight":
+            table, _ = plan_placement(table, [row], config, row["step"], _history(mode))
+        elif index:
+            table, _ = plan_placement(table, [rows[index - 1]], config, row["step"], history)
+        load = np.asarray(row["tokens_per_expert"], np.float64)  # [layers, experts]
+        if config.moe.dropless:
+            per_layer = [device_loads(table[layer], load[layer]) for layer in range(len(load))]
+            values.append(excess_load(per_layer))
+            continue
+        kept = np.asarray(row["kept_by_copies"])  # [layers, experts, copies]
+        copies = np.minimum(replicas_per_expert(table, config.moe.num_experts), kept.shape[2])
+        total = np.take_along_axis(kept, copies[..., None] - 1, axis=2).sum()
+        values.append(float(1 - total / load.sum()))
+    return values
+
+
+def persistence(rows: list[dict]) -> dict[str, float]:
+    """How far each expert's share of the routed assignments persists: the correlation,
+    over experts, layers and steps, of its deviation from its mean over ``rows`` with the
+    deviation ``lag`` steps later, for each lag of ``PERSISTENCE_LAGS``."""
+    load = np.asarray([row["tokens_per_expert"] for row in rows], np.float64)
+    share = load / load.sum(axis=-1, keepdims=True)  # [steps, layers, experts]
+    deviation = share - share.mean(axis=0)
+    return {
+        str(lag): float(np.corrcoef(deviation[:-lag].ravel(), deviation[lag:].ravel())[0, 1])
+        for lag in PERSISTENCE_LAGS
+    }
+
+
+def _placement_figure(rows: list[dict], dropless: bool) -> float:
+    """Dropless: the mean of each step's device load max/mean - 1; capacity: the dropped
+    fraction (every step makes as many assignments)."""
+    if dropless:
+        return float(np.mean([excess_load(row["device_load"]) for row in rows]))
+    return float(np.mean([row["dropped_fraction"] for row in rows]))
+
+
+def measure_placement_mode(steps: int, dropless: bool) -> dict:
+    """Static and dynamic runs of one mode, and the replays on the static run's routing
+    (figures over the last half of the steps, and over the whole run)."""
+    from experiments.placement_eval import _run
+
+    runs, applied = {}, 0
+    for label, rebalance in (("static", 0), ("dynamic", 1)):
+        rows, decisions, seconds = _run(placement_config(steps, rebalance, dropless))
+        runs[label] = rows
+        applied += sum(bool(decision.get("applied")) for decision in decisions)
+        print(f"placement, dropless {dropless}, {label}: {seconds:.0f} s", flush=True)
+    static, dynamic = runs["static"], runs["dynamic"]
+    config, half = placement_config(steps, 1, dropless), steps // 2
+
+    def replayed(mode: str, smoothing: tuple[float, float] | None = None) -> float:
+        return float(np.mean(replay(static, config, mode, smoothing)[half:]))
+
+    return {
+        "static": _placement_figure(static[half:], dropless),
+        "dynamic": _placement_figure(dynamic[half:], dropless),
+        "static_whole": _placement_figure(static, dropless),
+        "dynamic_whole": _placement_figure(dynamic, dropless),
+        "changes_applied": applied,
+        "largest_dropped": max(row["dropped_fraction"] for row in static + dynamic),
+        "loss_static": float(np.mean([row["loss"] for row in static[-20:]])),
+        "loss_dynamic": float(np.mean([row["loss"] for row in dynamic[-20:]])),
+        "replay": {mode: replayed(mode) for mode in REPLAYS},
+        "sweep": [[h, w, replayed("smoothed", (h, w))] for h, w in SMOOTHING_GRID],
+        "persistence": persistence(static[half:]),
+    }
+
+
+def measure_placement(steps: int) -> dict:
+    return {
+        mode: measure_placement_mode(steps, dropless)
+        for mode, dropless in (("dropless", True), ("capacity", False))
+    }
+
+
+# --- The results file -----------------------------------------------------------------------
+
+
+def _mib(value: float) -> str:
+    return f"{value / 2**20:.2f}"
+
+
+def _kib_counts(dispatch: dict) -> str:
+    counts = [dispatch[name]["ragged dropless"]["count_bytes"] for name in dispatch]
+    return " and ".join(f"{value / 2**10:.2f} KiB" for value in counts)
+
+
+def _ratios(values: list[float], baseline: list[float]):
+    from experiments.shared.spread import Spread, round_ratios
+
+    return Spread.of(round_ratios(values, baseline))
+
+
+def _dispatch_tables(name: str, results: dict) -> list[str]:
+    from experiments.shared.spread import Spread
+
+    base = results[BASELINE]
+    lines = [
+        f"### `{name}`",
+        "",
+        "| variant | all-to-all operands (MiB) | moved by `ragged_all_to_all` (MiB) "
+        "| / capacity 1.25 | expert GFLOPs: grouped GEMM | expert GFLOPs: XLA:CPU "
+        "| compiled step GFLOPs | dropped | max/mean device load |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for variant, r in results.items():
+        lines.append(
+            f"| {variant} | {_mib(r['a2a_bytes'])} | {_mib(r['routed_bytes'])} | "
+            f"{r['routed_bytes'] / base['routed_bytes']:.3f} | "
+            f"{r['expert_flops_gemm'] / 1e9:.3f} | {r['expert_flops_cpu'] / 1e9:.3f} | "
+            f"{r['compiled_flops'] / 1e9:.2f} | {r['dropped_fraction']:.4f} | "
+            f"{r['max_over_mean_load']:.3f} |"
+        )
+    lines += [
+        "",
+        "| variant | step (ms), median [range] | / capacity 1.25, per round "
+        "| temp (MiB) | arguments + outputs (MiB) | receive buffer rows |",
+        "|---|---|---|---|---|---|",
+    ]
+    for variant, r in results.items():
+        lines.append(
+            f"| {variant} | {Spread.of(r['seconds']).format()} | "
+            f"{_ratios(r['seconds'], base['seconds']).format(1, 3)} | {_mib(r['temp_bytes'])} | "
+            f"{_mib(r['argument_bytes'] + r['output_bytes'])} | {r['bound_rows'] or '-'} |"
+        )
+    return [*lines, ""]
+
+
+def _socket_figures(measured: dict) -> dict[str, dict]:
+    """Per variant: mean bytes per device and step sent to the other host (trimmed and
+    whole) and the step seconds of each round."""
+    devices = measured["devices_per_process"]
+    return {
+        variant: {
+            "remote": float(np.mean(v["remote"])) / devices,
+            "remote_whole": float(np.mean(v["remote_whole"])) / devices,
+            "seconds": v["seconds"],
+        }
+        for variant, v in measured["variants"].items()
+    }
+
+
+def _socket_table(name: str, measured: dict, shaped: bool) -> list[str]:
+    from experiments.shared.spread import Spread
+
+    figures = _socket_figures(measured)
+    base = figures[BASELINE]
+    where = "shaped link" if shaped else "loopback"
+    lines = [
+        f"### `{name}`",
+        "",
+        "| variant | sent to the other host (MiB) | / capacity 1.25 | the same pieces whole "
+        f"(MiB) | step on the {where} (ms), median [range] | / capacity 1.25, per round |",
+        "|---|---|---|---|---|---|",
+    ]
+    for variant, f in figures.items():
+        lines.append(
+            f"| {variant} | {_mib(f['remote'])} | {f['remote'] / base['remote']:.3f} | "
+            f"{_mib(f['remote_whole'])} | {Spread.of(f['seconds']).format()} | "
+            f"{_ratios(f['seconds'], base['seconds']).format(1, 3)} |"
+        )
+    return [*lines, ""]
+
+
+def _inside(spread) -> str:
+    return "inside the spread" if spread.low <= 1.0 <= spread.high else "outside the spread"
+
+
+def _met(value: float, target: float) -> str:
+    return "met" if value <= target else "missed"
+
+
+def _preset_reading(name: str, results: dict, moe: dict) -> str:
+    """What one preset's dispatch figures say, each statement read off them."""
+    base, ragged = results[BASELINE], results["ragged dropless"]
+    padded, bounded = results["padded dropless"], results["ragged dropless, 2x buffer"]
+    ratio = ragged["routed_bytes"] / base["routed_bytes"]
+    time_ragged = _ratios(ragged["seconds"], padded["seconds"])
+    time_bounded = _ratios(bounded["seconds"], padded["seconds"])
+    cpu_ragged = ragged["expert_flops_cpu"] / padded["expert_flops_cpu"]
+    cpu_bounded = bounded["expert_flops_cpu"] / padded["expert_flops_cpu"]
+    return (
+        f"`{name}` ({moe['num_experts']} experts, top-{moe['top_k']}): ragged dropless "
+        f"moves {ratio:.3f}x the bytes of capacity 1.25 where `ragged_all_to_all` runs "
+        f"(target <= {BYTES_TARGET}: {_met(ratio, BYTES_TARGET)}), padded dropless "
+        f"{padded['routed_bytes'] / base['routed_bytes']:.2f}x (E/k = "
+        f"{moe['num_experts'] / moe['top_k']:g}); nothing dropped "
+        f"({ragged['dropped_fraction']:.4f}). On XLA:CPU the static form's all-to-all "
+        f"operands are {ragged['a2a_bytes'] / padded['a2a_bytes']:.2f}x the padded ones, and "
+        f"its grouped GEMM multiplies {cpu_ragged:.2f}x the padded rows (the worst-case "
+        "buffer, masked per slot) where a grouped GEMM multiplies "
+        f"{ragged['expert_flops_gemm'] / padded['expert_flops_gemm']:.3f}x; its step takes "
+        f"{time_ragged.format(1, 3)}x the padded step ({_inside(time_ragged)}) and its "
+        f"temporaries {ragged['temp_bytes'] / padded['temp_bytes']:.2f}x. With the 2x buffer: "
+        f"{cpu_bounded:.2f}x the padded rows on CPU, step {time_bounded.format(1, 3)}x "
+        f"({_inside(time_bounded)}), temporaries "
+        f"{bounded['temp_bytes'] / padded['temp_bytes']:.2f}x, and "
+        f"{bounded['dropped_fraction']:.4f} of the assignments dropped past the buffer."
+    )
+
+
+def _socket_reading(name: str, measured: dict) -> str:
+    figures = _socket_figures(measured)
+    ragged, padded = figures["ragged dropless"], figures["padded dropless"]
+    ratio = ragged["remote"] / figures[BASELINE]["remote"]
+    time_padded = _ratios(ragged["seconds"], padded["seconds"])
+    time_base = _ratios(ragged["seconds"], figures[BASELINE]["seconds"])
+    return (
+        f"Sockets, `{name}`: ragged dropless sent {ratio:.3f}x the bytes of capacity 1.25 to "
+        f"the other host (target <= {BYTES_TARGET}: {_met(ratio, BYTES_TARGET)}), its pieces "
+        f"{ragged['remote'] / ragged['remote_whole']:.3f}x their whole size; its step took "
+        f"{time_padded.format(1, 3)}x the padded step ({_inside(time_padded)}) and "
+        f"{time_base.format(1, 3)}x the capacity 1.25 step ({_inside(time_base)}), per round."
+    )
+
+
+def _dispatch_reading(result: dict) -> list[str]:
+    lines = []
+    for name in PRESETS:
+        if name in result["dispatch"]:
+            text = _preset_reading(name, result["dispatch"][name], result["presets"][name])
+            lines += [text, ""]
+    for name in PRESETS:
+        if name in result.get("sockets", {}).get("measured", {}):
+            lines += [_socket_reading(name, result["sockets"]["measured"][name]), ""]
+    return lines
+
+
+def _placement_lines(result: dict) -> list[str]:
+    from jaxmoe.train.placement_planner import SMOOTHING
+
+    p, steps = result["placement"], result["placement_steps"]
+    d, c = p["dropless"], p["capacity"]
+    half = steps // 2
+
+    def ratio(entry: dict, key: str = "") -> float:
+        return entry[f"dynamic{key}"] / entry[f"static{key}"]
+
+    lines = [
+        f"## Placement: `tiny`, {steps} steps, {PLACEMENT_SLOTS} slots per device, static "
+        "against dynamic (re-planned after every step)",
+        "",
+        "8 experts, top-1, 8 devices: each device's own expert and one replica slot. Static: "
+        "every expert two copies. Figures over the last half of the run (steps "
+        f"{half}-{steps - 1}) unless they say otherwise.",
+        "",
+        "| | static | dynamic | dynamic / static |",
+        "|---|---|---|---|",
+        f"| dropless (ragged): device load max/mean - 1 | {d['static']:.4f} | "
+        f"{d['dynamic']:.4f} | **{ratio(d):.3f}** |",
+        f"| the same, whole run | {d['static_whole']:.4f} | {d['dynamic_whole']:.4f} | "
+        f"{ratio(d, '_whole'):.3f} |",
+        f"| dropless: largest dropped fraction of any step | {d['largest_dropped']:.4f} | | |",
+        f"| dropless: loss, mean of the last 20 steps | {d['loss_static']:.4f} | "
+        f"{d['loss_dynamic']:.4f} | |",
+        f"| capacity 1.25: dropped fraction | {c['static']:.4f} | {c['dynamic']:.4f} | "
+        f"**{ratio(c):.3f}** |",
+        f"| the same, whole run | {c['static_whole']:.4f} | {c['dynamic_whole']:.4f} | "
+        f"{ratio(c, '_whole'):.3f} |",
+        f"| capacity 1.25: loss, mean of the last 20 steps | {c['loss_static']:.4f} | "
+        f"{c['loss_dynamic']:.4f} | |",
+        "",
+        f"Targets (dynamic at most {PLACEMENT_TARGET}x static): dropless excess load "
+        f"{ratio(d):.3f}x, {_met(ratio(d), PLACEMENT_TARGET)}; capacity-mode drops "
+        f"{ratio(c):.3f}x, {_met(ratio(c), PLACEMENT_TARGET)}.",
+        "",
+        "The planner replayed on the static runs' routing (re-planned after every step; "
+        "last half; in parentheses, over the replayed static placement), the routing it "
+        "plans from predicted in four ways. *Static, replayed*: the static table on that "
+        "routing, which checks the replay against the run (dropless: each expert's rows "
+        "split evenly over its copies; capacity: `kept_by_copies`, exact):",
+        "",
+        "| | static, replayed | smoothed history (the planner: "
+        f"{SMOOTHING['tokens_per_expert']}) | last step alone | smoothed mean alone "
+        "| hindsight (each step's own routing) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, entry in (("dropless: device load max/mean - 1", d), ("capacity: dropped", c)):
+        r = entry["replay"]
+        cells = [f"{r[mode]:.4f} ({r[mode] / r['static']:.3f}x)" for mode in REPLAYS[1:]]
+        lines.append(f"| {label} | {r['static']:.4f} | " + " | ".join(cells) + " |")
+    grid = [(h, w) for h, w, _ in d["sweep"]]
+    lines += [
+        "",
+        "The history's constants swept (half-life in steps, the last step's weight), "
+        "replayed as above:",
+        "",
+        "| | " + " | ".join(f"({h:g}, {w:g})" for h, w in grid) + " |",
+        "|---|" + "---|" * len(grid),
+    ]
+    for label, entry in (("dropless: max/mean - 1", d), ("capacity: dropped", c)):
+        values = [value for _, _, value in entry["sweep"]]
+        best = min(values)
+        cells = [f"**{v:.4f}**" if v == best else f"{v:.4f}" for v in values]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lags = list(d["persistence"])
+    lines += [
+        "",
+        "Persistence of the routed loads (static runs, last half): the correlation of each "
+        "expert's share's deviation from its mean with the same deviation later:",
+        "",
+        "| | " + " | ".join(f"{lag} step{'s' if lag != '1' else ''} later" for lag in lags) + " |",
+        "|---|" + "---|" * len(lags),
+    ]
+    for label, entry in (("dropless", d), ("capacity 1.25", c)):
+        values = " | ".join(f"{entry['persistence'][lag]:.3f}" for lag in lags)
+        lines.append(f"| {label} | {values} |")
+    return [*lines, ""]
+
+
+def write_report(result: dict, path: Path) -> str:
+    lines = [
+        "# Dropless dispatch: capacity, padded and ragged; placement for dropless routing",
+        "",
+        *(f"Command ({part}): `{command}`" for part, command in result["commands"].items()),
+        "",
+        f"Machine: {result['host']}. Every figure is per device and per step unless it says "
+        "otherwise. The presets as defined (no width or step count shrunk for the dispatch "
+        "runs).",
+        "",
+    ]
+    if "dispatch" in result:
+        lines += [
+            "## Bytes, FLOPs, time and memory on 8 fake CPU devices",
+            "",
+            "One process, layout 1 x 8 (data x expert), the byte corpus. *All-to-all "
+            "operands*: what the step's all-to-alls carry here, read from the captured "
+            "program (whole operands: for ragged, the pieces of the static form that XLA:CPU "
+            "runs, since it cannot run `ragged_all_to_all`). *Moved by `ragged_all_to_all`*: "
+            "every kept assignment's row once per exchange (dispatch and return, forward and "
+            "backward), counted from each timed step's routing: what moves on GPU and TPU; "
+            "capacity and padded buffers move whole on every backend, so there it is their "
+            "operands. The ragged dispatch also all-gathers its counts first "
+            f"({_kib_counts(result['dispatch'])} per step here, left out above). "
+            "*Expert GFLOPs*: the routed experts' GEMMs forward and backward over the rows "
+            "a grouped GEMM multiplies (GPU/TPU) and over what XLA:CPU multiplies "
+            "(`ragged_dot` lowers there to a masked dense matmul per "
+            "local slot: slots x receive buffer rows). *Compiled step GFLOPs*: XLA's cost "
+            "analysis of the whole step. *Step*: "
+            f"{result['repeats']} rounds of {result['steps']} steps per variant after "
+            f"{WARMUP} untimed rounds, the variants interleaved (order reversed every other "
+            "round) on the same batches; median and range of the round medians, and of each "
+            "round's ratio. *Temp*, *arguments + outputs*: `memory_analysis` of the compiled "
+            "step. *Max/mean device load*: the routed assignments of the busiest device over "
+            "the mean, per MoE layer (routing at the start of training is skewed).",
+            "",
+        ]
+        for name in PRESETS:
+            if name in result["dispatch"]:
+                lines += _dispatch_tables(name, result["dispatch"][name])
+    if "sockets" in result:
+        sockets = result["sockets"]
+        calibration = sockets.get("calibration")
+        where = (
+            f"the emulated cluster: {SOCKET_HOSTS} hosts (network namespaces) x 4 devices, "
+            f"joined by a {sockets['link_mbit']:g} Mbit/s link"
+            if calibration
+            else f"loopback: {SOCKET_HOSTS} processes x 4 devices"
+        )
+        lines += [
+            "## Over the socket transport",
+            "",
+            f"On {where}; layout 1 x 8, so half of every exchange crosses to the other host. "
+            "Schedule `none` over the socket transport; every variant's step in interleaved "
+            f"rounds on the same batches ({sockets['rounds']} timed rounds after {WARMUP}). "
+            "*Sent to the other host*: the transport's own counter "
+            "(`SocketTransport.traffic`), host 0's bytes over its 4 devices, per device and "
+            "step: a ragged exchange's pieces are sent only up to their last routed row. "
+            "*Whole*: what those pieces are untrimmed.",
+            "",
+        ]
+        if calibration:
+            lines += [
+                f"Link calibrated: a {calibration['message_bytes'] / 2**20:.2f} MiB message at "
+                f"{calibration['rate_fraction']:.1%} of the rate, {calibration['pieces']} "
+                f"pieces {calibration['pieces_ratio']:.3f}x one message "
+                f"({'passed' if calibration['passed'] else 'NOT passed'}).",
+                "",
+            ]
+        for name in PRESETS:
+            if name in sockets["measured"]:
+                lines += _socket_table(name, sockets["measured"][name], bool(calibration))
+    if "dispatch" in result:
+        lines += ["## Reading", "", *_dispatch_reading(result)]
+    if "placement" in result:
+        lines += _placement_lines(result)
+    lines += result.get("notes", [])
+    text = "\n".join(lines) + "\n"
+    path.write_text(text)
+    path.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--host"]:
+        return host_main(argv[1:])
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {MODULE}", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per round")
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds")
+    parser.add_argument("--placement-steps", type=int, default=300)
+    sockets = parser.add_mutually_exclusive_group()
+    sockets.add_argument("--socket", action="store_true", help="socket runs on loopback")
+    sockets.add_argument("--cluster-link-mbit", type=float, help="socket runs on the cluster")
+    parser.add_argument("--skip-dispatch", action="store_true")
+    parser.add_argument("--skip-placement", action="store_true")
+    parser.add_argument("--out", type=Path, default=RESULTS / "dropless_eval.md")
+    parser.add_argument("--from", dest="source", type=Path, help="only write the results file")
+    args = parser.parse_args(argv)
+    if args.source is not None:
+        print(write_report(json.loads(args.source.read_text()), args.out))
+        return 0
+
+    from experiments.shared.results_file import command_line
+    from jaxmoe.parallel.host_devices import ensure_host_devices
+
+    ensure_host_devices(8)
+    command = command_line(MODULE, argv)
+    previous = args.out.with_suffix(".json")
+    # The parts not measured this time are kept, with their command.
+    result: dict = json.loads(previous.read_text()) if previous.exists() else {}
+    result["host"] = f"{platform.machine()}, {os.cpu_count()} CPU cores, Python " + (
+        platform.python_version()
+    )
+    result.setdefault("commands", {})
+    if not args.skip_dispatch:
+        result["dispatch"] = {
+            name: measure_variants(name, args.steps, args.repeats) for name in PRESETS
+        }
+        result["presets"] = {
+            name: dataclasses.asdict(variant_config(name, BASELINE).moe) for name in PRESETS
+        }
+        result.update(steps=args.steps, repeats=args.repeats)
+        result["commands"]["dispatch"] = command
+    if args.socket or args.cluster_link_mbit:
+        measured, calibration = measure_sockets(args.steps, args.repeats, args.cluster_link_mbit)
+        result["sockets"] = {
+            "measured": measured,
+            "calibration": calibration,
+            "link_mbit": args.cluster_link_mbit,
+            "rounds": args.steps * args.repeats,
+        }
+        result["commands"]["sockets"] = command
+    if not args.skip_placement:
+        result["placement"] = measure_placement(args.placement_steps)
+        result["placement_steps"] = args.placement_steps
+        result["commands"]["placement"] = command
+    print(write_report(result, args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
