@@ -44,9 +44,11 @@ in capacity mode (1.25) the dropped fraction. Then the planner replayed on the s
 runs' routing, with the routing predicted by its smoothed history, by the last step
 alone, by the smoothed mean alone, and with hindsight (each step planned from its own
 routing); a sweep of the history's constants (``SMOOTHING_GRID``); and how far the
-routed loads persist from step to step. In dropless mode routing does not depend on the
-placement (the step is exact), so the replays are what those tables would have done; in
-capacity mode drops change training, so they replay the static run's routing.
+routed loads persist from step to step. In dropless mode the placement changes only the
+rounding of the step (the runs' routing drifts apart slowly), so the replays are what
+those tables would have done; in capacity mode drops change training, so they replay the
+static run's routing. The ratios' spread: the same ratio in each of ``PLACEMENT_BLOCKS``
+blocks of the last half's steps.
 
 Writes ``experiments/results/dropless_eval.md`` and ``.json``; a run that leaves a part
 out keeps that part's figures (and its command) from the JSON it overwrites. ``--from``
@@ -89,11 +91,12 @@ PLACEMENT_TARGET = 0.5  # dynamic placement: at most this times static's excess 
 PLACEMENT_SLOTS = 2  # expert slots per device in the placement runs
 # The routing history's constants swept by the replays: (half-life in steps, last step's
 # weight), as jaxmoe.train.placement_planner.SMOOTHING gives them.
-SMOOTHING_GRID = tuple(
-    (half_life, latest) for half_life in (4.0, 16.0, 64.0) for latest in (0.0, 0.5, 0.8, 1.0)
-)
+SMOOTHING_HALF_LIVES = (8.0, 32.0, 128.0)
+SMOOTHING_LATEST = (0.0, 0.5, 0.7, 0.8, 0.9, 1.0)
+SMOOTHING_GRID = tuple((h, w) for h in SMOOTHING_HALF_LIVES for w in SMOOTHING_LATEST)
+PLACEMENT_BLOCKS = 5  # the last half's steps in this many blocks, for the ratios' spread
 PERSISTENCE_LAGS = (1, 5, 20)
-REPLAYS = ("static", "smoothed", "last", "mean", "hindsight")
+REPLAYS = ("static", "smoothed", "last", "mean", "fitted", "hindsight")
 
 
 def variant_config(name: str, variant: str, steps: int = 100):
@@ -302,9 +305,7 @@ def host_main(argv: list[str]) -> int:
     return 0
 
 
-def measure_sockets(
-    steps: int, repeats: int, link_mbit: float | None
-) -> tuple[dict[str, dict], dict | None]:
+def measure_sockets(repeats: int, link_mbit: float | None) -> tuple[dict[str, dict], dict | None]:
     """Every preset's variants over the socket transport (2 processes x 4 devices), on
     loopback or, with ``link_mbit``, on the emulated cluster: per preset, process 0's
     rounds; and the link's calibration (None on loopback)."""
@@ -326,7 +327,7 @@ def measure_sockets(
             config.write_text(json.dumps(configs[BASELINE].to_dict()))
             out = work / f"{name}-out.json"
             args = ["--host", "--config", str(config), "--json", str(out), "--variants"]
-            args += [str(variants), "--rounds", str(repeats * steps), "--warmup", str(WARMUP)]
+            args += [str(variants), "--rounds", str(repeats), "--warmup", str(WARMUP)]
             if hosts is None:
                 if launch(args, SOCKET_HOSTS, module=MODULE):
                     raise RuntimeError(f"the socket rounds of {name} failed")
@@ -378,18 +379,36 @@ def _history(mode: str, smoothing: tuple[float, float] | None = None):
     return RoutingHistory()
 
 
+def fitted_loads(rows: list[dict], start: int) -> np.ndarray:
+    """``[steps - start, layers, experts]``: from step ``start`` on, each layer's routed
+    loads as the least-squares affine function of the step before (every expert's load),
+    fitted on those very steps: what the best one-step linear predictor could do, the fit
+    made with hindsight."""
+    load = np.asarray([row["tokens_per_expert"] for row in rows], np.float64)
+    previous = load[start - 1 : -1]
+    fitted = np.empty_like(load[start:])
+    for layer in range(load.shape[1]):
+        x = np.concatenate([previous[:, layer], np.ones((len(previous), 1))], axis=1)
+        coefficients, *_ = np.linalg.lstsq(x, load[start:, layer], rcond=None)
+        fitted[:, layer] = np.maximum(x @ coefficients, 0.0)
+    return fitted
+
+
 def replay(
     rows: list[dict], config, mode: str, smoothing: tuple[float, float] | None = None
 ) -> list[float]:
     """The planner's tables (re-planned after every step) applied to the routing of
     ``rows``, per step: dropless, the device load's (max / mean) - 1; capacity, the dropped
     fraction (exact from ``kept_by_copies``). ``mode``, ``smoothing``: see ``_history``;
-    mode ``static``: the initial table throughout."""
+    mode ``static``: the initial table throughout; ``fitted`` (dropless): planned from
+    ``fitted_loads`` over the last half (before it, from the last step)."""
     from jaxmoe.parallel.placement import replicas_per_expert
     from jaxmoe.train.placement_planner import device_loads, plan_placement
     from jaxmoe.train.state import initial_placement
 
-    history = _history(mode, smoothing)
+    history = _history("last" if mode == "fitted" else mode, smoothing)
+    half = len(rows) // 2
+    fitted = fitted_loads(rows, half) if mode == "fitted" else None
     table = np.asarray(initial_placement(config))
     values = []
     for index, row in enumerate(rows):
@@ -397,6 +416,9 @@ def replay(
             pass
         elif mode == "hindsight":
             table, _ = plan_placement(table, [row], config, row["step"], _history(mode))
+        elif fitted is not None and index >= half:
+            predicted = {"step": row["step"], "tokens_per_expert": fitted[index - half]}
+            table, _ = plan_placement(table, [predicted], config, row["step"], _history(mode))
         elif index:
             table, _ = plan_placement(table, [rows[index - 1]], config, row["step"], history)
         load = np.asarray(row["tokens_per_expert"], np.float64)  # [layers, experts]
@@ -424,12 +446,23 @@ def persistence(rows: list[dict]) -> dict[str, float]:
     }
 
 
-def _placement_figure(rows: list[dict], dropless: bool) -> float:
-    """Dropless: the mean of each step's device load max/mean - 1; capacity: the dropped
-    fraction (every step makes as many assignments)."""
+def _placement_series(rows: list[dict], dropless: bool) -> np.ndarray:
+    """Per step: dropless, the device load's max/mean - 1; capacity, the dropped fraction."""
     if dropless:
-        return float(np.mean([excess_load(row["device_load"]) for row in rows]))
-    return float(np.mean([row["dropped_fraction"] for row in rows]))
+        return np.array([excess_load(row["device_load"]) for row in rows])
+    return np.array([row["dropped_fraction"] for row in rows])
+
+
+def block_ratios(numerator: np.ndarray, denominator: np.ndarray) -> list[float]:
+    """The ratio of the two series' means in each of ``PLACEMENT_BLOCKS`` blocks."""
+    return [
+        float(np.mean(n) / np.mean(d))
+        for n, d in zip(
+            np.array_split(numerator, PLACEMENT_BLOCKS),
+            np.array_split(denominator, PLACEMENT_BLOCKS),
+            strict=True,
+        )
+    ]
 
 
 def measure_placement_mode(steps: int, dropless: bool) -> dict:
@@ -445,21 +478,25 @@ def measure_placement_mode(steps: int, dropless: bool) -> dict:
         print(f"placement, dropless {dropless}, {label}: {seconds:.0f} s", flush=True)
     static, dynamic = runs["static"], runs["dynamic"]
     config, half = placement_config(steps, 1, dropless), steps // 2
-
-    def replayed(mode: str, smoothing: tuple[float, float] | None = None) -> float:
-        return float(np.mean(replay(static, config, mode, smoothing)[half:]))
-
+    measured = {label: _placement_series(rows, dropless) for label, rows in runs.items()}
+    modes = [mode for mode in REPLAYS if dropless or mode != "fitted"]
+    replays = {mode: np.array(replay(static, config, mode)) for mode in modes}
     return {
-        "static": _placement_figure(static[half:], dropless),
-        "dynamic": _placement_figure(dynamic[half:], dropless),
-        "static_whole": _placement_figure(static, dropless),
-        "dynamic_whole": _placement_figure(dynamic, dropless),
+        "static": float(np.mean(measured["static"][half:])),
+        "dynamic": float(np.mean(measured["dynamic"][half:])),
+        "static_whole": float(np.mean(measured["static"])),
+        "dynamic_whole": float(np.mean(measured["dynamic"])),
+        "blocks": block_ratios(measured["dynamic"][half:], measured["static"][half:]),
         "changes_applied": applied,
         "largest_dropped": max(row["dropped_fraction"] for row in static + dynamic),
         "loss_static": float(np.mean([row["loss"] for row in static[-20:]])),
         "loss_dynamic": float(np.mean([row["loss"] for row in dynamic[-20:]])),
-        "replay": {mode: replayed(mode) for mode in REPLAYS},
-        "sweep": [[h, w, replayed("smoothed", (h, w))] for h, w in SMOOTHING_GRID],
+        "replay": {mode: float(np.mean(values[half:])) for mode, values in replays.items()},
+        "replay_blocks": block_ratios(replays["smoothed"][half:], replays["static"][half:]),
+        "sweep": [
+            [h, w, float(np.mean(replay(static, config, "smoothed", (h, w))[half:]))]
+            for h, w in SMOOTHING_GRID
+        ],
         "persistence": persistence(static[half:]),
     }
 
@@ -624,6 +661,14 @@ def _dispatch_reading(result: dict) -> list[str]:
     return lines
 
 
+def _range(values: list[float]) -> str:
+    return f"[{min(values):.3f}-{max(values):.3f}]"
+
+
+def _replayed(entry: dict) -> float:
+    return entry["replay"]["smoothed"] / entry["replay"]["static"]
+
+
 def _placement_lines(result: dict) -> list[str]:
     from jaxmoe.train.placement_planner import SMOOTHING
 
@@ -640,19 +685,20 @@ def _placement_lines(result: dict) -> list[str]:
         "",
         "8 experts, top-1, 8 devices: each device's own expert and one replica slot. Static: "
         "every expert two copies. Figures over the last half of the run (steps "
-        f"{half}-{steps - 1}) unless they say otherwise.",
+        f"{half}-{steps - 1}) unless they say otherwise; a ratio's range is its value in "
+        f"each of {PLACEMENT_BLOCKS} blocks of those steps.",
         "",
-        "| | static | dynamic | dynamic / static |",
+        "| | static | dynamic | dynamic / static [range over blocks] |",
         "|---|---|---|---|",
         f"| dropless (ragged): device load max/mean - 1 | {d['static']:.4f} | "
-        f"{d['dynamic']:.4f} | **{ratio(d):.3f}** |",
+        f"{d['dynamic']:.4f} | **{ratio(d):.3f}** {_range(d['blocks'])} |",
         f"| the same, whole run | {d['static_whole']:.4f} | {d['dynamic_whole']:.4f} | "
         f"{ratio(d, '_whole'):.3f} |",
         f"| dropless: largest dropped fraction of any step | {d['largest_dropped']:.4f} | | |",
         f"| dropless: loss, mean of the last 20 steps | {d['loss_static']:.4f} | "
         f"{d['loss_dynamic']:.4f} | |",
         f"| capacity 1.25: dropped fraction | {c['static']:.4f} | {c['dynamic']:.4f} | "
-        f"**{ratio(c):.3f}** |",
+        f"**{ratio(c):.3f}** {_range(c['blocks'])} |",
         f"| the same, whole run | {c['static_whole']:.4f} | {c['dynamic_whole']:.4f} | "
         f"{ratio(c, '_whole'):.3f} |",
         f"| capacity 1.25: loss, mean of the last 20 steps | {c['loss_static']:.4f} | "
@@ -660,37 +706,49 @@ def _placement_lines(result: dict) -> list[str]:
         "",
         f"Targets (dynamic at most {PLACEMENT_TARGET}x static): dropless excess load "
         f"{ratio(d):.3f}x, {_met(ratio(d), PLACEMENT_TARGET)}; capacity-mode drops "
-        f"{ratio(c):.3f}x, {_met(ratio(c), PLACEMENT_TARGET)}.",
+        f"{ratio(c):.3f}x, {_met(ratio(c), PLACEMENT_TARGET)}. On the same routing (the "
+        f"replays below): {_replayed(d):.3f}x {_range(d['replay_blocks'])}, "
+        f"{_met(_replayed(d), PLACEMENT_TARGET)}, and {_replayed(c):.3f}x "
+        f"{_range(c['replay_blocks'])}, {_met(_replayed(c), PLACEMENT_TARGET)}.",
         "",
         "The planner replayed on the static runs' routing (re-planned after every step; "
         "last half; in parentheses, over the replayed static placement), the routing it "
-        "plans from predicted in four ways. *Static, replayed*: the static table on that "
-        "routing, which checks the replay against the run (dropless: each expert's rows "
-        "split evenly over its copies; capacity: `kept_by_copies`, exact):",
+        "plans from predicted in several ways. *Static, replayed*: the static table on "
+        "that routing, which checks the replay against the run (dropless: each expert's "
+        "rows split evenly over its copies; capacity: `kept_by_copies`, exact). *Linear, "
+        "fitted with hindsight*: each layer's loads as the least-squares affine function of "
+        "the step before, fitted on the very steps it predicts (an upper bound on any "
+        "one-step linear predictor; dropless only):",
         "",
         "| | static, replayed | smoothed history (the planner: "
         f"{SMOOTHING['tokens_per_expert']}) | last step alone | smoothed mean alone "
-        "| hindsight (each step's own routing) |",
-        "|---|---|---|---|---|---|",
+        "| linear, fitted with hindsight | hindsight (each step's own routing) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for label, entry in (("dropless: device load max/mean - 1", d), ("capacity: dropped", c)):
         r = entry["replay"]
-        cells = [f"{r[mode]:.4f} ({r[mode] / r['static']:.3f}x)" for mode in REPLAYS[1:]]
+        cells = [
+            f"{r[mode]:.4f} ({r[mode] / r['static']:.3f}x)" if mode in r else "-"
+            for mode in REPLAYS[1:]
+        ]
         lines.append(f"| {label} | {r['static']:.4f} | " + " | ".join(cells) + " |")
-    grid = [(h, w) for h, w, _ in d["sweep"]]
     lines += [
         "",
-        "The history's constants swept (half-life in steps, the last step's weight), "
-        "replayed as above:",
+        "The history's constants swept, replayed as above (rows: the half-life in steps; "
+        "columns: the last step's weight; the smallest in bold):",
         "",
-        "| | " + " | ".join(f"({h:g}, {w:g})" for h, w in grid) + " |",
-        "|---|" + "---|" * len(grid),
+        "| | half-life | " + " | ".join(f"{w:g}" for w in SMOOTHING_LATEST) + " |",
+        "|---|---|" + "---|" * len(SMOOTHING_LATEST),
     ]
     for label, entry in (("dropless: max/mean - 1", d), ("capacity: dropped", c)):
-        values = [value for _, _, value in entry["sweep"]]
-        best = min(values)
-        cells = [f"**{v:.4f}**" if v == best else f"{v:.4f}" for v in values]
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        values = {(h, w): value for h, w, value in entry["sweep"]}
+        best = min(values.values())
+        for h in SMOOTHING_HALF_LIVES:
+            cells = [
+                f"**{values[h, w]:.4f}**" if values[h, w] == best else f"{values[h, w]:.4f}"
+                for w in SMOOTHING_LATEST
+            ]
+            lines.append(f"| {label} | {h:g} | " + " | ".join(cells) + " |")
     lags = list(d["persistence"])
     lines += [
         "",
@@ -833,12 +891,12 @@ def main(argv: list[str] | None = None) -> int:
         result.update(steps=args.steps, repeats=args.repeats)
         result["commands"]["dispatch"] = command
     if args.socket or args.cluster_link_mbit:
-        measured, calibration = measure_sockets(args.steps, args.repeats, args.cluster_link_mbit)
+        measured, calibration = measure_sockets(args.repeats, args.cluster_link_mbit)
         result["sockets"] = {
             "measured": measured,
             "calibration": calibration,
             "link_mbit": args.cluster_link_mbit,
-            "rounds": args.steps * args.repeats,
+            "rounds": args.repeats,
         }
         result["commands"]["sockets"] = command
     if not args.skip_placement:

@@ -47,10 +47,8 @@ def _routing(dropless: bool) -> list[dict]:
 def test_replays_plan_before_each_step_and_hindsight_does_best(dropless):
     config = dropless_eval.placement_config(STEPS, 1, dropless)
     rows = _routing(dropless)
-    figures = {
-        mode: np.mean(dropless_eval.replay(rows, config, mode)[1:])
-        for mode in dropless_eval.REPLAYS
-    }
+    modes = [mode for mode in dropless_eval.REPLAYS if dropless or mode != "fitted"]
+    figures = {mode: np.mean(dropless_eval.replay(rows, config, mode)[1:]) for mode in modes}
     assert figures["hindsight"] <= min(figures.values()) + 1e-9
     assert figures["smoothed"] < 0.7 * figures["static"]
     swept = dropless_eval.replay(rows, config, "smoothed", SMOOTHING["tokens_per_expert"])
@@ -93,6 +91,8 @@ def _placement(static: float, dynamic: float) -> dict:
         "dynamic": dynamic,
         "static_whole": static,
         "dynamic_whole": dynamic,
+        "blocks": [dynamic / static] * 5,
+        "replay_blocks": [dynamic / static] * 5,
         "changes_applied": 3,
         "largest_dropped": 0.0,
         "loss_static": 2.0,
