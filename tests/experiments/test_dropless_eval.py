@@ -102,6 +102,7 @@ def _placement(static: float, dynamic: float) -> dict:
             "smoothed": dynamic,
             "last": static,
             "mean": static,
+            "fitted": dynamic,
             "hindsight": 0.01,
         },
         "sweep": [[h, w, dynamic + w / 100] for h, w in dropless_eval.SMOOTHING_GRID],
