@@ -29,10 +29,11 @@ last sources), and the layer counts them as dropped assignments, as capacity mod
 
 What lowers to what. Where XLA runs ``ragged_all_to_all`` (GPU, TPU), the exchange is
 ``jax.lax.ragged_all_to_all``: the routed rows move, nothing else. XLA:CPU compiles it but
-refuses to run it (jax 0.10.2, the newest release), so on CPU the exchange is
-:func:`emulated_ragged_all_to_all`, the same result from static collectives: each peer's
-slices packed into a piece of ``max_rows_per_peer`` rows (zeros after the routed ones),
-one ``all_to_all`` of the pieces, and a scatter of the received rows to their offsets. That
+refuses to run it (jax 0.10.2, the version pinned here, and 0.12.0.1 alike), so on CPU the
+exchange is :func:`emulated_ragged_all_to_all`, the same result from static collectives:
+each peer's slices packed into a piece of ``max_rows_per_peer`` rows (zeros after the
+routed ones), one ``all_to_all`` of the pieces, and a scatter of the received rows to
+their offsets. That
 ``all_to_all`` moves the bound, not the routed rows: ``G x b`` rows per device, ``b =
 min(T x min(k, S), B)``, as many as the padded dispatch when a device holds one expert.
 The scheduler's socket transport (the emulated cluster) sends each piece of such an
