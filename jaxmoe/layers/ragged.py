@@ -33,9 +33,9 @@ refuses to run it (jax 0.10.2, the version pinned here, and 0.12.0.1 alike), so 
 exchange is :func:`emulated_ragged_all_to_all`, the same result from static collectives:
 each peer's slices packed into a piece of ``max_rows_per_peer`` rows (zeros after the
 routed ones), one ``all_to_all`` of the pieces, and a scatter of the received rows to
-their offsets. That
-``all_to_all`` moves the bound, not the routed rows: ``G x b`` rows per device, ``b =
-min(T x min(k, S), B)``, as many as the padded dispatch when a device holds one expert.
+their offsets. That ``all_to_all`` moves the bound, not the routed rows: ``G x b`` rows
+per device, ``b = min(T x min(k, S), B)``, as many as the padded dispatch when a device
+holds one expert.
 The scheduler's socket transport (the emulated cluster) sends each piece of such an
 exchange only up to its last non-zero row, so there only the routed rows cross the wire.
 ``ragged_dot`` lowers to a grouped GEMM on GPU and TPU; on CPU, JAX lowers it to a masked
