@@ -1,6 +1,9 @@
-"""Bytes per device of the training state and of what the step adds to it, from the
-state's shapes and specs (nothing is traced or allocated): with and without ZeRO
-(``train.zero``, :mod:`jaxmoe.parallel.zero`).
+"""Bytes per device of a training step: the state, from its shapes and specs, and the
+step's peak, from its per-device program as XLA holds it.
+
+**The state** (:func:`memory_per_device`): nothing is traced or allocated; with and
+without ZeRO (``train.zero``, :mod:`jaxmoe.parallel.zero`). Exact: XLA's argument sizes
+agree to the byte.
 
 - ``parameters``: the state's parameters on one device: whole local blocks, or under ZeRO
   the float32 shards (the master copy).
@@ -15,32 +18,72 @@ state's shapes and specs (nothing is traced or allocated): with and without ZeRO
   start of the step to its backward pass; under ZeRO-3 those outside the blocks plus one
   block's (each block's are released after its forward and its backward pass; a
   schedule that prefetches a block's gather adds one more block per block of lead).
+
+**The step** (:func:`step_memory`): the captured per-device program walked in an order
+XLA may run it, the bytes of the buffers alive after each op summed; the peak is the
+step's memory. What gets a buffer, and for how long, follows what XLA does with the
+program:
+
+- *Fusion.* A value gets no buffer when XLA fuses it into every op that reads it: an
+  elementwise or layout op's value (:data:`FUSIBLE`) whose readers all take fused
+  operands (:data:`FUSING_READERS`: elementwise ops, reductions, slices) and which is
+  cheap or read once (XLA repeats a cheap fused op in each reader, never an expensive
+  one, :data:`EXPENSIVE`). Its operands then stay alive until its readers run. The rest
+  (matmuls, collectives, gathers, and what they read) get buffers.
+- *Aliases.* ``reduce_precision`` to a dtype's own precision (what JAX puts on the values
+  a remat region saves) is the identity. ``optimization_barrier`` passes its operands
+  through, and makes them buffers.
+- *Backends.* XLA:GPU keeps the barriers; XLA:CPU removes them before it schedules, after
+  which common-subexpression elimination merges a recomputation with the forward values
+  it repeats (``keeps_barriers=False``): recomputation (``model.recompute``, ZeRO-3's
+  second gather of a block) then saves nothing on CPU. XLA:CPU also computes bfloat16
+  matmuls in float32 (it converts their operands), which this walk does not model: on
+  CPU a bfloat16 step takes more memory than the walk says.
+- *Order.* Nothing in the step makes one microbatch's backward pass run before the next
+  microbatch's forward pass, and XLA:CPU runs every forward pass first (four
+  microbatches hold as much as one batch of four times the rows). The walk does the
+  same: each op as soon as its operands are ready, forward ops first. So gradient
+  accumulation lowers the estimate only by what the program's dependencies order.
+
+At the peak the live buffers are counted by kind (:class:`StepMemory`). The walk is
+checked against XLA:CPU's compiled memory analysis in ``tests/train/test_memory.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+import scheduling.names
 from jaxmoe.config import Config
 from jaxmoe.parallel.grad_sync.base import local_shape
 from jaxmoe.parallel.mesh import mesh_axis_sizes
+from jaxmoe.parallel.zero import GATHER_SCOPE
 from jaxmoe.train.state import (
+    TrainState,
     abstract_train_state,
     model_graphdef_and_specs,
     state_specs,
     zero_plan,
 )
+from scheduling import Phase, Program, aval_bytes
+from scheduling.program.capture import Value
+
+# -------------------------------------------------------------------------------------
+# The state.
 
 
 @dataclass(frozen=True)
 class StateMemory:
-    """Bytes per device (see the module docstring)."""
+    """Bytes per device of the state and of what the step adds to it (module docstring)."""
 
     parameters: int
     optimizer: int
@@ -114,3 +157,295 @@ def memory_per_device(config: Config) -> StateMemory:
 def _units(params: Any) -> list[tuple[str, int | None]]:
     """The gather units: the parameters outside the blocks, then each block."""
     return [("outside", None)] + [(f"layer_{i}", i) for i in params.get("blocks", {})]
+
+
+# -------------------------------------------------------------------------------------
+# The step.
+
+# Elementwise and layout ops: XLA fuses their values into the ops that read them.
+FUSIBLE = frozenset(
+    {"add", "add_any", "sub", "mul", "div", "rem", "neg", "abs", "sign", "square", "sqrt",
+     "rsqrt", "cbrt", "exp", "exp2", "expm1", "log", "log1p", "tanh", "logistic", "sin",
+     "cos", "atan2", "erf", "erf_inv", "pow", "integer_pow", "max", "min", "clamp",
+     "floor", "ceil", "round", "nextafter", "is_finite", "convert_element_type",
+     "select_n", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor",
+     "shift_left", "shift_right_logical", "shift_right_arithmetic", "population_count",
+     "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "iota", "copy",
+     "copy_p", "stop_gradient", "pvary"}
+)  # fmt: skip
+# Fused ops that XLA computes once rather than repeat in each reader.
+EXPENSIVE = frozenset(
+    {"div", "rem", "sqrt", "rsqrt", "cbrt", "exp", "exp2", "expm1", "log", "log1p", "tanh",
+     "logistic", "sin", "cos", "atan2", "erf", "erf_inv", "pow"}
+)  # fmt: skip
+# Ops that read fused operands (compute them inline): the fusible ops, reductions, and
+# slicing, padding and concatenation.
+FUSING_READERS = FUSIBLE | frozenset(
+    {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+     "argmax", "argmin", "cumsum", "cumlogsumexp", "cummax", "cummin", "slice",
+     "dynamic_slice", "pad", "concatenate"}
+)  # fmt: skip
+_IDENTITIES = frozenset({"reduce_precision"})
+_BARRIER = "optimization_barrier"
+_RANDOM = frozenset({"random_bits", "random_seed", "random_wrap", "rng_bit_generator"})
+# A recomputation's ops: JAX names the forward pass it runs again in the backward pass so.
+_RECOMPUTED = "rematted_computation"
+_MICROBATCH = re.compile(scheduling.names.MICROBATCH_SCOPE.format(r"(\d+)"))
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """Bytes per device at the peak of a train step (module docstring).
+
+    The state (``master``: the parameters as the state holds them, float32 or ZeRO's
+    shards; ``optimizer``: everything else in it) and the batch are there throughout; the
+    rest are the buffers alive at the peak: ``parameters`` the parameters as the step
+    computes with them (casts to the compute dtype, ZeRO's gathers), ``activations`` the
+    forward values (a recomputation's included), ``backward`` the backward pass's and the
+    update's values (gradients, their accumulators, working buffers), ``pipeline`` the
+    values other pipeline stages sent (``ppermute``)."""
+
+    master: int
+    optimizer: int
+    batch: int
+    parameters: int
+    activations: int
+    backward: int
+    pipeline: int
+    microbatches_in_flight: int  # microbatches with activations alive at the peak
+
+    @property
+    def total(self) -> int:
+        return (
+            self.master
+            + self.optimizer
+            + self.batch
+            + self.parameters
+            + self.activations
+            + self.backward
+            + self.pipeline
+        )
+
+    @property
+    def activations_per_microbatch(self) -> int:
+        return self.activations // max(1, self.microbatches_in_flight)
+
+    def to_json(self) -> dict[str, int]:
+        return {
+            **dataclasses.asdict(self),
+            "activations_per_microbatch": self.activations_per_microbatch,
+            "total": self.total,
+        }
+
+
+@dataclass(eq=False)
+class _Step:
+    """An op of the walk: what it reads (aliases resolved) and the buffers it makes."""
+
+    op: Any
+    reads: tuple[Value, ...]
+    makes: tuple[Value, ...]
+
+
+def step_memory(program: Program, state: TrainState, *, keeps_barriers: bool = True) -> StepMemory:
+    """The peak bytes per device of the captured train step ``program``, whose first
+    argument has the structure of ``state`` (module docstring). ``keeps_barriers``:
+    XLA:GPU's compilation (True) or XLA:CPU's (False)."""
+    state_leaves = sum(len(jax.tree.leaves(field)) for field in state)
+    if state_leaves >= len(program.inputs):
+        raise ValueError("the program's inputs are not (state, batch)")
+    steps, outputs = _walk_steps(program, keeps_barriers)
+    # The step's arguments stay alive throughout (XLA does not free them); the new state
+    # is written over the old (the state is donated), so it takes no buffer of its own.
+    new_state = set(outputs[:state_leaves]) - set(program.inputs)
+    buffers = _buffers(steps, program, set(outputs)) - new_state
+    order = _forward_first(steps)
+    last_read = _last_reads(order, buffers, set(outputs) | set(program.inputs))
+    ending: dict[int, list[Value]] = {}
+    for value, position in last_read.items():
+        ending.setdefault(position, []).append(value)
+    live = {value for value in program.inputs if value in last_read}
+    size = sum(aval_bytes(value.aval) for value in live)
+    peak, at_peak = size, set(live)
+    for position, step in enumerate(order):
+        made = [value for value in step.makes if value in buffers]
+        live.update(made)
+        size += sum(aval_bytes(value.aval) for value in made)
+        if size > peak:
+            peak, at_peak = size, set(live)
+        for value in ending.get(position, ()):
+            live.discard(value)
+            size -= aval_bytes(value.aval)
+        for value in made:
+            if value not in last_read:  # made and never read
+                live.discard(value)
+                size -= aval_bytes(value.aval)
+    return _by_kind(at_peak, steps, program, state_leaves, state)
+
+
+def _walk_steps(program: Program, keeps_barriers: bool) -> tuple[list[_Step], list[Value]]:
+    """The program's ops with aliases resolved: identities and (where the backend drops
+    them) barriers forward their operands; without barriers, an op that repeats an
+    earlier one (same primitive, parameters and operands) is merged into it."""
+    alias: dict[Value, Value] = {}
+    seen: dict[Any, tuple[Value, ...]] = {}
+
+    def resolved(atom: Any) -> Any:
+        return alias.get(atom, atom) if isinstance(atom, Value) else atom
+
+    steps = []
+    for op in program.ops:
+        reads = tuple(resolved(a) for a in op.inputs if isinstance(a, Value))
+        name = op.primitive
+        if name in _IDENTITIES or name == _BARRIER:
+            for source, value in zip(op.inputs, op.outputs, strict=True):
+                if isinstance(source, Value):
+                    alias[value] = resolved(source)
+            # A kept barrier reads its operands (they become buffers); it makes nothing.
+            kept = name == _BARRIER and keeps_barriers
+            steps.append(_Step(op, reads if kept else (), ()))
+            continue
+        if not keeps_barriers and name not in _RANDOM:
+            key = _equation_key(op, resolved)
+            if key is not None and key in seen:
+                for value, earlier in zip(op.outputs, seen[key], strict=True):
+                    alias[value] = earlier
+                steps.append(_Step(op, (), ()))
+                continue
+            if key is not None:
+                seen[key] = op.outputs
+        steps.append(_Step(op, reads, op.outputs))
+    outputs = [resolved(a) for a in program.outputs if isinstance(a, Value)]
+    return steps, outputs
+
+
+def _equation_key(op: Any, resolved: Any) -> Any:
+    """What makes two ops compute the same values, or None where it cannot be told."""
+    operands = []
+    for atom in op.inputs:
+        atom = resolved(atom)
+        if isinstance(atom, Value):
+            operands.append(atom.id)
+        elif getattr(atom.aval, "shape", None) == ():
+            operands.append(("literal", repr(atom.value), str(atom.aval)))
+        else:
+            operands.append(("constant", id(atom.value)))
+    try:
+        params = repr(sorted(op.eqn.params.items()))
+    except TypeError:
+        return None
+    return op.primitive, params, tuple(operands)
+
+
+def _buffers(steps: Sequence[_Step], program: Program, outputs: set[Value]) -> set[Value]:
+    """The values that get buffers: every input and output, and each op's values unless
+    XLA fuses them into all their readers."""
+    readers: dict[Value, list[str]] = {}
+    for step in steps:
+        for value in step.reads:
+            readers.setdefault(value, []).append(step.op.primitive)
+    buffers = set(program.inputs) | outputs
+    for step in steps:
+        fusible = step.op.primitive in FUSIBLE
+        for value in step.makes:
+            names = readers.get(value, [])
+            fused = (
+                fusible
+                and all(name in FUSING_READERS for name in names)
+                and (step.op.primitive not in EXPENSIVE or len(names) <= 1)
+            )
+            if not fused:
+                buffers.add(value)
+    return buffers
+
+
+def _last_reads(order: Sequence[_Step], buffers: set[Value], to_the_end: set[Value]) -> dict:
+    """For each buffer, the position in ``order`` of the last step that needs it (a fused
+    value's readers need its operands; ``to_the_end``: needed after the last step)."""
+    needed: dict[Value, int] = {}
+    for position in range(len(order) - 1, -1, -1):
+        step = order[position]
+        when = position
+        for value in step.makes:
+            if value not in buffers:
+                when = max(when, needed.get(value, position))
+        for value in step.reads:
+            needed[value] = max(needed.get(value, -1), when)
+    for value in to_the_end:
+        needed[value] = len(order)
+    return {value: when for value, when in needed.items() if value in buffers}
+
+
+def _forward_first(steps: Sequence[_Step]) -> list[_Step]:
+    """The steps in a dependency order that runs each one as soon as its operands are
+    ready, forward ops before backward ops before the update (module docstring)."""
+    made_by = {value: i for i, step in enumerate(steps) for value in step.op.outputs}
+    waiting = [0] * len(steps)
+    users: list[list[int]] = [[] for _ in steps]
+    for i, step in enumerate(steps):
+        sources = {made_by[a] for a in step.op.inputs if isinstance(a, Value) and a in made_by}
+        waiting[i] = len(sources)
+        for source in sources:
+            users[source].append(i)
+    rank = {Phase.FORWARD: 0, Phase.BACKWARD: 1, Phase.OPTIMIZER: 2}
+    ready = [(rank[step.op.phase], i) for i, step in enumerate(steps) if not waiting[i]]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, i = heapq.heappop(ready)
+        order.append(steps[i])
+        for user in users[i]:
+            waiting[user] -= 1
+            if not waiting[user]:
+                heapq.heappush(ready, (rank[steps[user].op.phase], user))
+    return order
+
+
+def _by_kind(
+    live: set[Value],
+    steps: Sequence[_Step],
+    program: Program,
+    state_leaves: int,
+    state: TrainState,
+) -> StepMemory:
+    counts = [len(jax.tree.leaves(field)) for field in state]
+    kinds: dict[Value, str] = {}
+    offset = 0
+    for name, count in zip(TrainState._fields, counts, strict=True):
+        for value in program.inputs[offset : offset + count]:
+            kinds[value] = "master" if name == "params" else "optimizer"
+        offset += count
+    for value in program.inputs[state_leaves:]:
+        kinds[value] = "batch"
+    microbatches = set()
+    for step in steps:
+        op = step.op
+        kind = _value_kind(op, kinds)
+        for value in step.makes:
+            kinds[value] = kind
+            if kind == "activations" and value in live:
+                found = _MICROBATCH.search(op.layer)
+                microbatches.add(found.group(1) if found else None)
+    totals = dict.fromkeys(
+        ("master", "optimizer", "batch", "parameters", "activations", "backward", "pipeline"), 0
+    )
+    for value in live:
+        totals[kinds[value]] += aval_bytes(value.aval)
+    # Activations outside any microbatch's scope (one microbatch: no scope) count as one.
+    in_flight = len(microbatches - {None}) or int(bool(microbatches))
+    return StepMemory(**totals, microbatches_in_flight=in_flight)
+
+
+def _value_kind(op: Any, kinds: dict[Value, str]) -> str:
+    """What the values of ``op`` hold (see :class:`StepMemory`)."""
+    if op.primitive == "ppermute":
+        return "pipeline"
+    if GATHER_SCOPE in op.layer and op.primitive == "all_gather":
+        return "parameters"
+    if op.primitive == "convert_element_type":
+        (source,) = [a for a in op.inputs if isinstance(a, Value)] or [None]
+        if source is not None and kinds.get(source) in ("master", "parameters"):
+            return "parameters"
+    if op.phase is Phase.FORWARD or _RECOMPUTED in op.name_stack:
+        return "activations"
+    return "backward"
