@@ -3,9 +3,10 @@ import it). The schedule section's choices are the scheduling layer's own
 (:mod:`scheduling.names`)."""
 
 DTYPES = ("float32", "bfloat16")
-# What the backward pass recomputes instead of keeping: nothing, or the core attention
-# (softmax(QK^T) V; Megatron-Core's selective recomputation).
-RECOMPUTE = ("none", "attention")
+# What the backward pass recomputes instead of keeping: nothing, the core attention
+# (softmax(QK^T) V; Megatron-Core's selective recomputation), or each whole block from
+# its input (full recomputation).
+RECOMPUTE = ("none", "attention", "layer")
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope")
 ROPE_SCALINGS = ("none", "linear", "yarn")

@@ -14,7 +14,7 @@ from jaxmoe.config.checks import ConfigError, require
 from jaxmoe.config.data import DataConfig
 from jaxmoe.config.model import ModelConfig
 from jaxmoe.config.moe import MoEConfig, capacity_per_expert, shared_width
-from jaxmoe.config.parallel import ParallelConfig
+from jaxmoe.config.parallel import ParallelConfig, check_pipeline
 from jaxmoe.config.schedule import ScheduleConfig, schedule_fields_from_train
 from jaxmoe.config.sizes import check_array_sizes
 from jaxmoe.config.train import TrainConfig
@@ -88,6 +88,7 @@ class Config:
         require(not self.replica_slots or plain, f"{replicas}=all_to_all, parallel.expert_tensor=1")
         self._check_routing_groups()
         self._check_microbatches()
+        check_pipeline(self)
 
     def _check_microbatches(self) -> None:
         """A microbatch is whole rows of a device, and whole routing groups."""

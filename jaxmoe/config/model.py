@@ -37,8 +37,9 @@ class ModelConfig:
     # "bfloat16" is mixed precision (the parameters, their gradients and the optimizer
     # state stay float32; the router, the logits and the loss are float32).
     dtype: str = "float32"
-    # The backward pass recomputes this instead of keeping its activations: "none", or
-    # "attention" (softmax(QK^T) V, whose weights are O(seq^2) per head).
+    # The backward pass recomputes this instead of keeping its activations: "none",
+    # "attention" (softmax(QK^T) V, whose weights are O(seq^2) per head), or "layer"
+    # (every block from its input, which is all a block keeps: jaxmoe/layers/recompute.py).
     recompute: str = "none"
     # "layernorm" (with a bias, GPT-2) or "rmsnorm" (Llama, Mixtral, Qwen, DeepSeek).
     norm: str = "layernorm"

@@ -34,9 +34,9 @@ from jaxmoe.layers.attention import CausalSelfAttention, KVCache
 from jaxmoe.layers.mlp import DenseFFN
 from jaxmoe.layers.moe import MoELayer, RoutingStats
 from jaxmoe.layers.norms import make_norm
+from jaxmoe.layers.recompute import call_block
 from jaxmoe.layers.rotary import rotary_tables
 from jaxmoe.layers.shared_experts import SharedExperts
-from jaxmoe.parallel.fsdp import call_block
 from jaxmoe.parallel.tensor_parallel import sequence_slice
 
 
@@ -164,20 +164,7 @@ class GPTMoE(nnx.Module):
         ``positions [batch, seq]``: each token's position (default ``0 .. seq - 1``;
         documents packed into a row restart at 0). ``segment_ids [batch, seq]``: attention
         stays inside each segment (default: one segment per row)."""
-        chex.assert_rank(tokens, 2)
-        chex.assert_type(tokens, int)
-        seq = tokens.shape[1]
-        x = self.token_embed(sequence_slice(tokens))
-        rotary = None
-        if self.position_embed is not None:
-            chex.assert_axis_dimension_lteq(tokens, 1, self.position_embed.shape[0])
-            if positions is None:  # every row at 0 .. seq - 1: one slice, broadcast
-                learned = sequence_slice(self.position_embed[...][None, :seq])
-            else:
-                learned = jnp.take(self.position_embed[...], sequence_slice(positions), axis=0)
-            x = x + learned.astype(self.dtype)
-        else:
-            rotary = rotary_tables(self.config, jnp.arange(seq) if positions is None else positions)
+        x, rotary = self.embed(tokens, positions)
         layer_stats = []
         for index, block in enumerate(self.blocks):
             key = None if jitter_key is None else jax.random.fold_in(jitter_key, index)
@@ -186,14 +173,41 @@ class GPTMoE(nnx.Module):
                 table = placement[len(layer_stats)]
             # Named scopes put the layer into every equation's name stack, where the
             # scheduler's reports find it. call_block: the plain call, or under fully
-            # sharded parameters the block's gather and call (jaxmoe.parallel.fsdp).
+            # sharded parameters the block's gather and call (jaxmoe.parallel.fsdp),
+            # recomputed in the backward pass under model.recompute="layer".
             with jax.named_scope(f"layer_{index}"):
-                x, stats = call_block(block, index, x, key, table, rotary, segment_ids)
+                x, stats = call_block(
+                    self.config.recompute, block, index, x, key, table, rotary, segment_ids
+                )
             if stats is not None:
                 layer_stats.append(stats)
-        logits = self._head(x)
         stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *layer_stats)
-        return logits.astype(jnp.float32), stacked
+        return self.logits(x), stacked
+
+    def embed(
+        self, tokens: jax.Array, positions: jax.Array | None = None
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        """What the first block reads: the embedded ``tokens [batch, seq]`` (this device's
+        positions under tensor parallelism) and the rotary tables (None under learned
+        positions); ``positions`` as in :meth:`__call__`."""
+        chex.assert_rank(tokens, 2)
+        chex.assert_type(tokens, int)
+        seq = tokens.shape[1]
+        x = self.token_embed(sequence_slice(tokens))
+        if self.position_embed is None:
+            return x, rotary_tables(
+                self.config, jnp.arange(seq) if positions is None else positions
+            )
+        chex.assert_axis_dimension_lteq(tokens, 1, self.position_embed.shape[0])
+        if positions is None:  # every row at 0 .. seq - 1: one slice, broadcast
+            learned = sequence_slice(self.position_embed[...][None, :seq])
+        else:
+            learned = jnp.take(self.position_embed[...], sequence_slice(positions), axis=0)
+        return x + learned.astype(self.dtype), None
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """The last block's output -> float32 logits."""
+        return self._head(x).astype(jnp.float32)
 
     def _head(self, x: jax.Array) -> jax.Array:
         """The final norm and the output head: logits in the compute dtype."""

@@ -33,8 +33,11 @@ tensor_expert_data tensor    expert_data
 ==========  ===============  ====================
 
 Without tensor or expert-tensor parallelism the mesh is today's
-``(data, expert)``. This module is arithmetic only (no JAX), so a config is
-checked before anything is compiled.
+``(data, expert)``. Under ``parallel.pipeline`` P > 1 those axes fold one pipeline
+stage's devices, and one more axis, ``pipeline`` (:data:`PIPELINE`, size P), sits
+outermost: it plays no role in either layout (its devices hold different layers and
+the same rows), so no group of a role spans stages. This module is arithmetic only
+(no JAX), so a config is checked before anything is compiled.
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ AXIS_NAMES = {
     (TENSOR, EXPERT_DATA): "tensor_expert_data",
 }
 AXIS_ROLES = {name: roles for roles, name in AXIS_NAMES.items()}
+# The outermost mesh axis under a pipeline: each of its indices is one stage.
+PIPELINE = "pipeline"
 # Always in the mesh (size 1 when unused), so that code and specs written for the
 # (data, expert) mesh keep working on every layout.
 ALWAYS_PRESENT = ("data", "expert")
@@ -101,8 +106,18 @@ def check_layout(devices: int, tensor: int, expert: int, expert_tensor: int) -> 
             )
 
 
-def mesh_axes(data: int, tensor: int, expert: int, expert_tensor: int) -> tuple[MeshAxis, ...]:
-    """The folded mesh's axes, outermost (largest stride) first."""
+def mesh_axes(
+    data: int, tensor: int, expert: int, expert_tensor: int, pipeline: int = 1
+) -> tuple[MeshAxis, ...]:
+    """The folded mesh's axes, outermost (largest stride) first; under a pipeline
+    (``pipeline`` > 1) the ``pipeline`` axis, then a stage's."""
+    devices = data * expert * expert_tensor
+    stages = (MeshAxis(PIPELINE, pipeline, devices),) if pipeline > 1 else ()
+    return (*stages, *_stage_axes(data, tensor, expert, expert_tensor))
+
+
+def _stage_axes(data: int, tensor: int, expert: int, expert_tensor: int) -> tuple[MeshAxis, ...]:
+    """The axes folding one stage's ``data x expert x expert_tensor`` devices."""
     devices = data * expert * expert_tensor
     check_layout(devices, tensor, expert, expert_tensor)
     cuts = sorted({1, tensor, expert_tensor, expert * expert_tensor, devices})

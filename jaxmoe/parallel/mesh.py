@@ -4,9 +4,10 @@ The mesh's axes are the common refinement of the attention layout (data x
 tensor) and the MoE layout (expert data x expert x expert tensor), as
 :mod:`jaxmoe.parallel.layout` derives them. Without tensor or expert-tensor
 parallelism it is ``(data, expert)``: ``data`` replicates the model and
-``expert`` shards the experts. Layers find the axes of their groups with
-:func:`role_axes` at trace time, so the same code runs on every layout and,
-with no mesh, on one device.
+``expert`` shards the experts. Under a pipeline the ``pipeline`` axis comes first
+(each of its indices a stage), the axes of one stage's devices after it. Layers find
+the axes of their groups with :func:`role_axes` at trace time, so the same code runs
+on every layout and, with no mesh, on one device.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ EXPERT_AXIS = "expert"
 
 def mesh_axis_sizes(parallel: ParallelConfig) -> dict[str, int]:
     """Mesh axis name -> size, in mesh order (outermost first)."""
-    axes = mesh_axes(parallel.data, parallel.tensor, parallel.expert, parallel.expert_tensor)
+    axes = mesh_axes(
+        parallel.data, parallel.tensor, parallel.expert, parallel.expert_tensor, parallel.pipeline
+    )
     return {axis.name: axis.size for axis in axes}
 
 
@@ -65,10 +68,13 @@ def build_mesh(parallel: ParallelConfig, devices: Sequence[jax.Device] | None = 
     """
     devices = list(jax.devices() if devices is None else devices)
     if parallel.num_devices != len(devices):
+        stages = "parallel.pipeline x " if parallel.pipeline > 1 else ""
+        sizes = f"{parallel.pipeline} x " if parallel.pipeline > 1 else ""
         raise ConfigError(
-            f"parallel.data x parallel.expert x parallel.expert_tensor = {parallel.data} x "
-            f"{parallel.expert} x {parallel.expert_tensor} = {parallel.num_devices}, but there "
-            f"are {len(devices)} devices: choose axis sizes whose product is {len(devices)}"
+            f"{stages}parallel.data x parallel.expert x parallel.expert_tensor = {sizes}"
+            f"{parallel.data} x {parallel.expert} x {parallel.expert_tensor} = "
+            f"{parallel.num_devices}, but there are {len(devices)} devices: choose axis sizes "
+            f"whose product is {len(devices)}"
         )
     sizes = mesh_axis_sizes(parallel)
     grid = np.asarray(devices, dtype=object).reshape(tuple(sizes.values()))

@@ -32,9 +32,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from jaxmoe.config import ParallelConfig
+from jaxmoe.parallel.layout import PIPELINE as PIPELINE_AXIS
+
 BLOCKS = "blocks"
 STAGE_BLOCKS = "stage_blocks"
-PIPELINE_AXIS = "pipeline"
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,14 @@ class StageLayout:
 
     def layer(self, virtual: int, stage: int, position: int) -> int:
         return (virtual * self.stages + stage) * self.per_chunk + position
+
+
+def stage_layout(parallel: ParallelConfig, num_layers: int) -> StageLayout | None:
+    """The chunks of ``parallel``'s pipeline over ``num_layers`` layers (None without a
+    pipeline; the configuration has checked that they are equal)."""
+    if parallel.pipeline == 1:
+        return None
+    return StageLayout(parallel.pipeline, parallel.virtual_stages, num_layers // parallel.chunks)
 
 
 def is_stacked(params: Any) -> bool:
@@ -99,9 +109,14 @@ def unstack_blocks(params: dict, layout: StageLayout) -> dict:
     return {**rest, BLOCKS: dict(sorted(blocks.items()))}
 
 
-def stacked_specs(specs: dict, layout: StageLayout) -> dict:
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, PartitionSpec)
+
+
+def stacked_specs(specs: dict, layout: StageLayout, stage_axis: str | None = PIPELINE_AXIS) -> dict:
     """The specs of the stacked parameters from the model's: a stacked block's spec is
-    its layer's with ``(None, "pipeline")`` in front."""
+    its layer's with ``(None, stage_axis)`` in front (``stage_axis`` None: the stacked
+    arrays on a mesh without a pipeline axis, every stage's chunks on every device)."""
     blocks = specs[BLOCKS]
     stacked = {}
     for j in range(layout.per_chunk):
@@ -114,12 +129,23 @@ def stacked_specs(specs: dict, layout: StageLayout) -> dict:
                         f"{layout.layer(0, 0, j)}: pipelined chunks must hold alike blocks"
                     )
         stacked[j] = jax.tree.map(
-            lambda spec: PartitionSpec(None, PIPELINE_AXIS, *spec),
-            first,
-            is_leaf=lambda x: isinstance(x, PartitionSpec),
+            lambda spec: PartitionSpec(None, stage_axis, *spec), first, is_leaf=_is_spec
         )
     rest = {key: value for key, value in specs.items() if key != BLOCKS}
     return {**rest, STAGE_BLOCKS: stacked}
+
+
+def unstacked_specs(specs: dict, layout: StageLayout) -> dict:
+    """The model's specs from the stacked parameters': the inverse of
+    :func:`stacked_specs`."""
+    blocks = {}
+    for j, tree in specs[STAGE_BLOCKS].items():
+        spec = jax.tree.map(lambda stacked: PartitionSpec(*stacked[2:]), tree, is_leaf=_is_spec)
+        for v in range(layout.virtual):
+            for s in range(layout.stages):
+                blocks[layout.layer(v, s, j)] = spec
+    rest = {key: value for key, value in specs.items() if key != STAGE_BLOCKS}
+    return {**rest, BLOCKS: dict(sorted(blocks.items()))}
 
 
 def convert_param_trees(tree: Any, convert: Callable[[dict], dict]) -> Any:
@@ -129,6 +155,27 @@ def convert_param_trees(tree: Any, convert: Callable[[dict], dict]) -> Any:
     return jax.tree.map(
         lambda x: convert(x) if _is_param_tree(x) else x, tree, is_leaf=_is_param_tree
     )
+
+
+def to_layout_specs(
+    specs: Any,
+    source: StageLayout | None,
+    target: StageLayout | None,
+    stage_axis: str | None = PIPELINE_AXIS,
+) -> Any:
+    """The specs of :func:`to_layout`'s result from those of its ``tree`` (``stage_axis``:
+    as in :func:`stacked_specs`)."""
+    if source == target:
+        return specs
+
+    def convert(params: dict) -> dict:
+        if source is not None:
+            params = unstacked_specs(params, source)
+        if target is not None:
+            params = stacked_specs(params, target, stage_axis)
+        return params
+
+    return convert_param_trees(specs, convert)
 
 
 def to_layout(tree: Any, source: StageLayout | None, target: StageLayout | None) -> Any:

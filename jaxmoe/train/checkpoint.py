@@ -19,8 +19,13 @@ they were, and the half-written one is ignored (and removed on the next start).
 
 Restoring reads into the current layout: each array lands with the sharding that the
 current mesh gives it, so a checkpoint written on ``data x expert = 1 x 8`` restores
-on ``2 x 4``, or in a run with a different number of processes. A checkpoint of a
-model of another shape is refused (:func:`check_compatible`).
+on ``2 x 4``, or in a run with a different number of processes. A checkpoint written
+under another pipeline (``parallel.pipeline``, ``parallel.virtual_stages``; the blocks
+stacked by stage, :mod:`jaxmoe.parallel.pipeline_params`) is read in the layout it was
+written in, each stacked array split as the current mesh splits its layers (over the
+pipeline axis, where the current mesh has one), and then moved into the current
+layout, values unchanged. A checkpoint of a model of another shape is refused
+(:func:`check_compatible`).
 """
 
 from __future__ import annotations
@@ -38,7 +43,19 @@ from jax.sharding import Mesh
 from orbax.checkpoint import type_handlers
 
 from jaxmoe.config import Config, ConfigError
-from jaxmoe.train.state import TrainState, abstract_sharded_state, abstract_train_state
+from jaxmoe.parallel.pipeline_params import (
+    PIPELINE_AXIS,
+    StageLayout,
+    to_layout,
+    to_layout_specs,
+)
+from jaxmoe.train.state import (
+    TrainState,
+    abstract_sharded_state,
+    abstract_train_state,
+    pipeline_layout,
+    state_specs,
+)
 
 CHECKPOINT_DIR = "checkpoints"
 # Fields whose change gives parameters (or their optimizer state) other shapes.
@@ -93,7 +110,8 @@ def checkpoint_steps(out_dir: Path) -> list[int]:
 def restore_model(out_dir: Path, step: int, config: Config, device: Any) -> dict[str, Any]:
     """The parameters (and the model state, when the model has one: the routers' expert
     biases) of the checkpoint of ``step``, alone, as arrays on ``device``: the optimizer
-    state is not read. ``{"params": ..., "model_state": ...}`` of pure dicts."""
+    state is not read. ``{"params": ..., "model_state": ...}`` of pure dicts, in the
+    model's layout (the blocks unstacked where ``config`` has a pipeline)."""
     sharding = jax.sharding.SingleDeviceSharding(device)
     state = abstract_train_state(config)
     trees = {"params": state.params}
@@ -112,7 +130,7 @@ def restore_model(out_dir: Path, step: int, config: Config, device: Any) -> dict
                 partial_restore=True,
             ),
         )
-    return dict(restored)
+    return to_layout(dict(restored), pipeline_layout(config), None)
 
 
 def latest_checkpoint(out_dir: Path) -> int | None:
@@ -170,6 +188,9 @@ def check_compatible(saved: dict[str, Any], config: Config, step: int) -> list[s
             f"{config.moe.expert_bias_rate!r}): resume with a rate that is "
             f"{'positive' if saved_rate > 0 else '0'}, or start a new run with --overwrite"
         )
+    # The per-device residuals are laid out by the mesh's devices, pipeline stages included.
+    if config.train.grad_sync in ("int8", "decentralized-int8"):
+        sync_fields |= {"parallel.pipeline", "parallel.virtual_stages"}
     # The placement table is [moe_layers, expert axis, replica slots].
     placement_fields = {"moe.slots_per_device"}
     if config.replica_slots:
@@ -271,7 +292,9 @@ class RunCheckpoints:
         metadata = self.directory / str(step) / "state" / "_METADATA"
         if not metadata.exists():  # Orbax would say only that the tree does not match
             raise FileNotFoundError(f"its tree metadata ({metadata.name}) is missing")
-        target = abstract_sharded_state(self.config, mesh)
+        current = abstract_sharded_state(self.config, mesh)
+        layout, saved = pipeline_layout(self.config), self._saved_layout(step)
+        target = current if saved == layout else self._abstract_state_in(saved, mesh)
         restored = self._manager.restore(
             step,
             args=ocp.args.Composite(
@@ -281,7 +304,42 @@ class RunCheckpoints:
                 run=ocp.args.JsonRestore(),
             ),
         )
-        return restored.state
+        if saved == layout:
+            return restored.state
+        shardings = jax.tree.map(lambda leaf: leaf.sharding, current)
+        return jax.jit(lambda state: to_layout(state, saved, layout), out_shardings=shardings)(
+            restored.state
+        )
+
+    def _saved_layout(self, step: int) -> StageLayout | None:
+        """The pipeline layout the checkpoint of ``step`` was written in (None: none; a
+        checkpoint without its configuration is taken to be in the current one)."""
+        if not (self.directory / str(step) / "config").exists():
+            return pipeline_layout(self.config)
+        parallel = saved_config(self.directory.parent, step).get("parallel", {})
+        stages, virtual = parallel.get("pipeline", 1), parallel.get("virtual_stages", 1)
+        if stages == 1:
+            return None
+        return StageLayout(stages, virtual, self.config.model.num_layers // (stages * virtual))
+
+    def _abstract_state_in(self, saved: StageLayout | None, mesh: Mesh) -> TrainState:
+        """The current state's shapes moved into the ``saved`` layout, on ``mesh``: each
+        stacked array split as the current specs split its layers, and over the
+        pipeline axis where ``mesh`` has one."""
+        layout = pipeline_layout(self.config)
+        shapes = jax.eval_shape(
+            lambda state: to_layout(state, layout, saved), abstract_train_state(self.config)
+        )
+        stage_axis = PIPELINE_AXIS if PIPELINE_AXIS in mesh.axis_names else None
+        specs = to_layout_specs(state_specs(self.config), layout, saved, stage_axis)
+        return jax.tree.map(
+            lambda shape, spec: jax.ShapeDtypeStruct(
+                shape.shape, shape.dtype, sharding=jax.sharding.NamedSharding(mesh, spec)
+            ),
+            shapes,
+            specs,
+            is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec),
+        )
 
     def restore_newest(self, mesh: Mesh) -> tuple[TrainState, int] | None:
         """The newest checkpoint that can be read, laid out for ``mesh``, and its step

@@ -22,11 +22,12 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxmoe.config import Config
+from jaxmoe.config import Config, MoEConfig
 from jaxmoe.data.corpus import corpus_eod_id
 from jaxmoe.data.documents import document_masks, loss_mask
 from jaxmoe.layers import RoutingStats
 from jaxmoe.parallel.collectives import manual_axes
+from jaxmoe.parallel.pipeline_params import PIPELINE_AXIS
 from jaxmoe.parallel.tensor_parallel import sequence_slice
 
 
@@ -56,12 +57,33 @@ def targets_per_shard(config: Config, batch: jax.Array, eod_id: int | None) -> j
     """The denominator of the step's cross-entropy: its counted targets on one device, on
     average over the token shards (every device's own count without document masks)."""
     targets = jnp.sum(_counted(batch, eod_id))
-    axes = manual_axes()
+    # The pipeline's stages hold the same rows: they are not token shards.
+    axes = manual_axes() - {PIPELINE_AXIS}
     if eod_id is None or not axes:
         return targets
     with jax.named_scope("metrics"):
         total = jax.lax.psum(targets, tuple(sorted(axes)))
     return total / config.parallel.token_shards
+
+
+def cross_entropy(
+    logits: jax.Array, batch: jax.Array, eod_id: int | None, denominator: jax.Array
+) -> jax.Array:
+    """This device's counted targets' cross-entropy (float32 ``logits`` of its positions
+    of ``batch``'s rows), summed and divided by ``denominator``."""
+    labels = sequence_slice(batch[:, 1:])
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    return jnp.sum(losses * _counted(batch, eod_id)) / jnp.maximum(denominator, 1.0)
+
+
+def router_losses(moe: MoEConfig, stats: RoutingStats) -> jax.Array:
+    """The routers' losses of the MoE layers of ``stats`` (stacked over layers), summed
+    over the layers with their coefficients."""
+    return (
+        moe.aux_loss_coef * jnp.sum(stats.aux_loss)
+        + moe.seq_aux_loss_coef * jnp.sum(stats.seq_aux_loss)
+        + moe.z_loss_coef * jnp.sum(stats.z_loss)
+    )
 
 
 def forward_losses(
@@ -80,7 +102,7 @@ def forward_losses(
     parallelism its slice of their positions); see the module docstring. ``denominator``:
     the step's (:func:`targets_per_shard`; default: this batch's own)."""
     model = nnx.merge(graphdef, params, *([] if model_state is None else [model_state]))
-    tokens, labels = batch[:, :-1], sequence_slice(batch[:, 1:])
+    tokens = batch[:, :-1]
     if eod_id is None:
         logits, stats = model(tokens, key, placement)
     else:
@@ -88,13 +110,6 @@ def forward_losses(
         logits, stats = model(tokens, key, placement, masks.positions, masks.segment_ids)
     if denominator is None:
         denominator = targets_per_shard(config, batch, eod_id)
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-    counted = _counted(batch, eod_id)
-    cross_entropy = jnp.sum(losses * counted) / jnp.maximum(denominator, 1.0)
-    moe = config.moe
-    routers = (
-        moe.aux_loss_coef * jnp.sum(stats.aux_loss)
-        + moe.seq_aux_loss_coef * jnp.sum(stats.seq_aux_loss)
-        + moe.z_loss_coef * jnp.sum(stats.z_loss)
-    )
-    return Losses(cross_entropy + routers / microbatches, cross_entropy, stats)
+    entropy = cross_entropy(logits, batch, eod_id, denominator)
+    routers = router_losses(config.moe, stats)
+    return Losses(entropy + routers / microbatches, entropy, stats)

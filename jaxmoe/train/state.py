@@ -1,4 +1,8 @@
-"""The training state, its partition specs, and its initialisation on the mesh."""
+"""The training state, its partition specs, and its initialisation on the mesh.
+
+Under a pipeline (``parallel.pipeline`` > 1) the state holds the blocks' parameters, and
+everything shaped like them, stacked by stage (:mod:`jaxmoe.parallel.pipeline_params`);
+:func:`model_graphdef_and_specs` stays the model's own layout."""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from jaxmoe.layers import GPTMoE
 from jaxmoe.layers.router import ExpertBias
 from jaxmoe.parallel.grad_sync import make_grad_sync
 from jaxmoe.parallel.mesh import mesh_axis_sizes
+from jaxmoe.parallel.pipeline_params import StageLayout, stacked_specs, stage_layout, to_layout
 from jaxmoe.parallel.placement import static_placement
 from jaxmoe.parallel.sharding import param_specs
 from jaxmoe.parallel.zero import ZeroPlan, plan_zero
@@ -152,7 +157,9 @@ def _initial_state(config: Config) -> TrainState:
 
 
 def train_state_around(config: Config, params: Any, model_state: Any = None) -> TrainState:
-    """The initial train state around ``params`` and ``model_state`` (pure dicts)."""
+    """The initial train state around ``params`` and ``model_state`` (pure dicts, in the
+    model's layout; under a pipeline the state stacks the blocks by stage)."""
+    params = to_layout(params, None, pipeline_layout(config))
     opt_state = make_optimizer(config.train).init(params)
     specs = param_state_specs(config)
     grad_sync = make_grad_sync(config.train).init_state(
@@ -188,11 +195,21 @@ def abstract_train_state(config: Config) -> TrainState:
     return jax.eval_shape(lambda p, m: train_state_around(config, p, m), params, model_state)
 
 
+def pipeline_layout(config: Config) -> StageLayout | None:
+    """The chunks of the blocks under ``parallel.pipeline`` (None without a pipeline)."""
+    return stage_layout(config.parallel, config.model.num_layers)
+
+
 def param_state_specs(config: Config) -> Any:
     """The specs of the state's parameters: the model's (:func:`model_graphdef_and_specs`),
-    or under ``train.zero`` their shards' (:mod:`jaxmoe.parallel.zero`)."""
+    under ``train.zero`` their shards' (:mod:`jaxmoe.parallel.zero`), under a pipeline the
+    stacked blocks' (:func:`~jaxmoe.parallel.pipeline_params.stacked_specs`)."""
     plan = zero_plan(config)
-    return model_graphdef_and_specs(config)[1] if plan is None else plan.specs
+    if plan is not None:
+        return plan.specs
+    specs = model_graphdef_and_specs(config)[1]
+    layout = pipeline_layout(config)
+    return specs if layout is None else stacked_specs(specs, layout)
 
 
 def state_specs(config: Config) -> TrainState:

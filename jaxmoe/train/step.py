@@ -1,7 +1,8 @@
 """The training step, written per device: one ``shard_map`` over the whole mesh.
 
 Inside it: the forward pass, the loss (:mod:`jaxmoe.train.losses`), ``jax.value_and_grad``
-on each microbatch (:mod:`jaxmoe.train.microbatches`), the explicit gradient
+on each microbatch (:mod:`jaxmoe.train.microbatches`) or, under ``parallel.pipeline``,
+the pipeline's ticks over the microbatches (:mod:`jaxmoe.train.pipeline`), the explicit gradient
 synchronisation (``train.grad_sync``, :mod:`jaxmoe.parallel.grad_sync`),
 global-norm clipping, the AdamW update, and (``moe.expert_bias_rate``) the routers'
 expert biases moved from the step's global routed counts, outside the optimizer. Every
@@ -39,13 +40,21 @@ from jaxmoe.layers.router import update_expert_bias
 from jaxmoe.parallel.fsdp import sharded_blocks
 from jaxmoe.parallel.grad_sync import make_grad_sync
 from jaxmoe.parallel.mesh import mesh_axis_sizes, token_spec
+from jaxmoe.parallel.pipeline_params import PIPELINE_AXIS
 from jaxmoe.parallel.placement import replicas_per_expert, slot_experts
 from jaxmoe.parallel.sharding import global_norm
 from jaxmoe.parallel.zero import ZeroPlan, gather_all, gather_outside_blocks, sync_gradients
 from jaxmoe.train.losses import document_eod_id, forward_losses, targets_per_shard
 from jaxmoe.train.microbatches import accumulate, combine_stats
 from jaxmoe.train.optimizer import learning_rate_schedule, make_optimizer
-from jaxmoe.train.state import TrainState, model_graphdef_and_specs, state_specs, zero_plan
+from jaxmoe.train.pipeline import pipelined_gradients, pipelined_losses
+from jaxmoe.train.state import (
+    TrainState,
+    model_graphdef_and_specs,
+    param_state_specs,
+    state_specs,
+    zero_plan,
+)
 
 Metrics = dict[str, jax.Array]
 
@@ -122,7 +131,7 @@ def _model_params(plan: ZeroPlan | None, params: Any) -> tuple[Any, Any]:
 
 def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
     """``(state, batch [B, seq_len + 1]) -> (state, metrics)``, per device."""
-    graphdef, param_spec_tree = model_graphdef_and_specs(config)
+    graphdef, _ = model_graphdef_and_specs(config)
     optimizer = make_optimizer(config.train)
     schedule = learning_rate_schedule(config.train)
     shards = config.parallel.token_shards
@@ -137,14 +146,18 @@ def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
     grad_sync = make_grad_sync(config.train, mesh)
     mesh_axes = mesh_axis_sizes(config.parallel)
     plan = zero_plan(config)
-    # The specs of what the optimizer updates: the parameters, or under ZeRO their shards.
-    update_specs = param_spec_tree if plan is None else plan.specs
+    # The specs of what the optimizer updates: the parameters (under a pipeline, its
+    # blocks stacked by stage), or under ZeRO their shards.
+    update_specs = param_state_specs(config)
+    pipelined = config.parallel.pipeline > 1
+    # The stages of a pipeline read the same rows: the same router noise.
+    key_axes = tuple(axis for axis in axes if axis != PIPELINE_AXIS)
 
     def per_device(state: TrainState, batch: jax.Array) -> tuple[TrainState, Metrics]:
         key = None
         if config.moe.jitter > 0:
             key = jax.random.fold_in(jax.random.key(config.train.seed), state.step)
-            key = jax.random.fold_in(key, jax.lax.axis_index(axes))
+            key = jax.random.fold_in(key, jax.lax.axis_index(key_axes))
 
         denominator = targets_per_shard(config, batch, eod_id)
         # ZeRO-1: every parameter gathered once, before the first microbatch; the gradients
@@ -169,12 +182,20 @@ def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
                 grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
             return losses, grads
 
-        parts, grads = accumulate(microbatch, batch, microbatches)
-        total = sum(part.total for part in parts)
-        cross_entropy = sum(part.cross_entropy for part in parts)
-        stats = combine_stats([part.stats for part in parts])
+        if pipelined:
+            # The pipeline's ticks replace the microbatch loop (same losses, same sums).
+            losses, grads = pipelined_gradients(
+                config, state.params, batch, key, state.placement, state.model_state, eod_id,
+                denominator,
+            )  # fmt: skip
+            total, cross_entropy, stats = losses
+        else:
+            parts, grads = accumulate(microbatch, batch, microbatches)
+            total = sum(part.total for part in parts)
+            cross_entropy = sum(part.cross_entropy for part in parts)
+            stats = combine_stats([part.stats for part in parts])
         if plan is None:
-            grads, sync_state, apply = grad_sync(grads, state.grad_sync, param_spec_tree, mesh_axes)
+            grads, sync_state, apply = grad_sync(grads, state.grad_sync, update_specs, mesh_axes)
         else:
             # Reduce-scattered onto the shards (config: allreduce or bucketed, stateless).
             grads = sync_gradients(
@@ -196,7 +217,7 @@ def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
                 (state.params, state.opt_state),
             )
         if plan is None:
-            params = grad_sync.after_update(params, state.step, param_spec_tree, mesh_axes)
+            params = grad_sync.after_update(params, state.step, update_specs, mesh_axes)
 
         with jax.named_scope("metrics"):
             metrics = {
@@ -256,6 +277,12 @@ def build_eval_step(config: Config, mesh: Mesh) -> ShardedStep:
     plan = zero_plan(config)
 
     def per_device(params: Any, batch: jax.Array, placement: Any, model_state: Any) -> jax.Array:
+        if config.parallel.pipeline > 1:
+            denominator = targets_per_shard(config, batch, eod_id)
+            losses = pipelined_losses(
+                config, params, batch, placement, model_state, eod_id, denominator
+            )
+            return jax.lax.psum(losses.cross_entropy / shards, axes)
         if plan is not None and plan.stage == 1:
             params = gather_all(params, plan)
         params, context = _model_params(plan, params)

@@ -1,0 +1,561 @@
+"""Pipeline parallelism inside the one per-device step (``parallel.pipeline``).
+
+The tick table (:mod:`jaxmoe.parallel.pipeline_schedule`) drives a Python loop, unrolled
+at trace time like the layers: each tick has a forward slot and a backward slot, and in
+each every stage runs the same chunk code on its own microbatch and chunk, picked from
+the table by the stage's index on the ``pipeline`` axis. Where the table says a stage is
+idle it runs that code on zeros with a zero cotangent, and what it computes is masked
+out (a slot no stage uses is not emitted at all). Between ticks one
+``jax.lax.ppermute`` over the pipeline axis hands each chunk's output to the next
+chunk's stage, and one hands each chunk's input gradient back; both are equations of
+the one per-device program, beside the expert all-to-alls, where the scheduler can
+overlap them like any other collective.
+
+**Forward and backward.** A forward slot runs ``jax.vjp`` of its chunk: the output goes
+on, and the VJP (a pytree of the residuals) is kept until the backward slot of the same
+microbatch and chunk, ``2 (C - 1 - c)`` ticks later. That distance depends on the chunk,
+so on the stage: a backward slot picks, per stage, the residuals of the right earlier
+forward slot (``lax.select_n`` over the at most P forward slots its stages need). Every
+forward slot traces the same function on arguments of the same types (the per-stage
+values it reads, the chunk and the microbatch, are traced even where every stage has
+the same), so their residuals line up leaf for leaf and the VJP of one applies to the
+residuals of another. Nothing is recomputed unless ``model.recompute`` says so
+(``"layer"``: a chunk then keeps its blocks' inputs alone).
+
+**Outside the blocks.** Every stage holds the embeddings, the final norm and the output
+head (replicated over the pipeline axis). Stage 0 takes the embedding of the microbatch
+entering the first chunk; the stage of the last chunk takes the logits and the loss,
+and starts the backward pass from them in the same tick. Each is traced once per
+microbatch and computed by every stage on its own activations, the loss weighted by a
+zero cotangent off the last stage: SPMD has no per-stage code. In the lockstep ticks
+this costs no time (the other stages wait for the last one anyway) but the head's
+FLOPs once per stage. Their gradients are summed over the pipeline axis by the gradient
+synchronisation, as for any parameter the axis does not split; the stages that did not
+use them add zeros.
+
+**What each microbatch sees** is what it sees without the pipeline: its rows
+(:func:`~jaxmoe.train.microbatches.microbatch_rows`), the same router noise (the step's
+key folded with the microbatch and the layer), the same replica table and expert bias
+of each layer, its document masks. The losses are scaled as in
+:mod:`jaxmoe.train.losses`, so the gradients sum to those of the step's mean loss;
+each block's gradients are summed over the microbatches in their order, as the
+microbatch loop sums them. The routing stats of a device's layers land in their rows
+of ``[moe_layers, ...]``, zeros elsewhere, summed over the pipeline axis with the
+metrics' other sums.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxmoe.config import Config, ModelConfig, MoEConfig
+from jaxmoe.data.documents import document_masks
+from jaxmoe.layers import GPTMoE, RoutingStats
+from jaxmoe.layers.recompute import call_block
+from jaxmoe.layers.rotary import rotary_tables
+from jaxmoe.layers.router import ExpertBias
+from jaxmoe.parallel.pipeline_params import (
+    PIPELINE_AXIS,
+    STAGE_BLOCKS,
+    StageLayout,
+    stage_layout,
+)
+from jaxmoe.parallel.pipeline_schedule import PipelineSchedule, Slot, Tick
+from jaxmoe.train.losses import Losses, cross_entropy, router_losses
+from jaxmoe.train.microbatches import microbatch_rows
+
+PyTree = Any
+# Where a slot's input comes from, per stage.
+_IDLE, _LOCAL, _RECEIVED = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class PipelineModel:
+    """The model cut for the pipeline: the parts outside the blocks, and the blocks of one
+    chunk (every chunk holds blocks of the same structure)."""
+
+    layout: StageLayout
+    schedule: PipelineSchedule
+    outside: nnx.GraphDef  # the model without its blocks: embeddings, final norm, head
+    blocks: tuple[nnx.GraphDef, ...]  # a chunk's blocks, in order
+    moe_rank: tuple[int | None, ...]  # each block's index among its chunk's MoE blocks
+
+    @property
+    def moe_per_chunk(self) -> int:
+        return sum(rank is not None for rank in self.moe_rank)
+
+
+def pipeline_model(config: Config) -> PipelineModel:
+    layout = stage_layout(config.parallel, config.model.num_layers)
+    if layout is None:
+        raise ValueError("parallel.pipeline=1: there is no pipeline")
+    return _pipeline_model(
+        config.model, config.moe, layout, config.train.microbatches, config.train.seed
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _pipeline_model(
+    model: ModelConfig, moe: MoEConfig, layout: StageLayout, microbatches: int, seed: int
+) -> PipelineModel:
+    abstract = nnx.eval_shape(lambda: GPTMoE(model, moe, rngs=nnx.Rngs(seed)))
+    blocks, ranks, moe_blocks = [], [], 0
+    for j in range(layout.per_chunk):
+        graphdef, _, _ = nnx.split(abstract.blocks[j], ExpertBias, ...)
+        blocks.append(graphdef)
+        ranks.append(moe_blocks if abstract.blocks[j].is_moe else None)
+        moe_blocks += abstract.blocks[j].is_moe
+    abstract.blocks = nnx.List([])
+    outside, _, _ = nnx.split(abstract, ExpertBias, ...)
+    return PipelineModel(
+        layout=layout,
+        schedule=PipelineSchedule(layout.stages, layout.virtual, microbatches),
+        outside=outside,
+        blocks=tuple(blocks),
+        moe_rank=tuple(ranks),
+    )
+
+
+@dataclass(frozen=True)
+class _Microbatch:
+    rows: jax.Array  # [rows, seq_len + 1]
+    positions: jax.Array | None  # [rows, seq_len] under document masks
+    segment_ids: jax.Array | None
+
+
+class _Stage:
+    """This device's stage (traced) and per-stage values of the tick table."""
+
+    def __init__(self, stages: int):
+        self.stages = stages
+        self.index = jax.lax.axis_index(PIPELINE_AXIS)
+
+    def pick(self, values: list[int]) -> int | jax.Array:
+        """``values[stage]``: a constant where every stage has the same."""
+        if len(set(values)) == 1:
+            return values[0]
+        return self.traced(values)
+
+    def traced(self, values: list[int]) -> jax.Array:
+        """``values[stage]``, traced even where every stage has the same."""
+        return jnp.asarray(values, jnp.int32)[self.index]
+
+    def where(self, sources: list[int], values: dict[int, jax.Array | None]) -> jax.Array:
+        """Per stage, the value its ``sources`` entry names."""
+        needed = sorted(set(sources))
+        if len(needed) == 1:
+            return values[needed[0]]
+        chosen = self.pick(sources)
+        result = values[needed[0]]
+        for source in needed[1:]:
+            result = jnp.where(chosen == source, values[source], result)
+        return result
+
+
+def _shift(x: jax.Array, stages: int, step: int, circular: bool) -> jax.Array:
+    """Each stage's ``x`` to the stage ``step`` after it (wrapping around if ``circular``;
+    a stage that nothing reaches gets zeros)."""
+    pairs = [(s, (s + step) % stages) for s in range(stages) if circular or 0 <= s + step < stages]
+    return jax.lax.ppermute(x, PIPELINE_AXIS, pairs)
+
+
+def _select_vjp(candidates: list[Any], which: int | jax.Array) -> Any:
+    """The VJP of ``candidates[which]`` (``which`` traced per stage): the residuals
+    selected leaf by leaf, applied by the first candidate's backward function."""
+    if len(candidates) == 1:
+        return candidates[0]
+    flat = [jax.tree.flatten(candidate) for candidate in candidates]
+    leaves = [candidate_leaves for candidate_leaves, _ in flat]
+    types = [jax.typeof(x) for x in leaves[0]]
+    for other in leaves[1:]:
+        if [jax.typeof(x) for x in other] != types:
+            raise AssertionError("forward slots saved residuals of different types")
+    selected = [
+        group[0] if all(x is group[0] for x in group) else jax.lax.select_n(which, *group)
+        for group in zip(*leaves, strict=True)
+    ]
+    return jax.tree.unflatten(flat[0][1], selected)
+
+
+def _index_tree(tree: PyTree, index: int | jax.Array) -> PyTree:
+    """Every leaf's ``[index]`` along its leading axis (static or traced)."""
+    if isinstance(index, int):
+        return jax.tree.map(lambda a: a[index], tree)
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False), tree)
+
+
+def _add_at(stack: PyTree, index: int | jax.Array, value: PyTree) -> PyTree:
+    """``stack[index] += value`` on every leaf (leading axis; one addition per element)."""
+
+    def add(a: jax.Array, v: jax.Array) -> jax.Array:
+        if isinstance(index, int):
+            return a.at[index].add(v)
+        row = jax.lax.dynamic_index_in_dim(a, index, keepdims=False)
+        return jax.lax.dynamic_update_index_in_dim(a, row + v, index, axis=0)
+
+    return jax.tree.map(add, stack, value)
+
+
+def _add(total: PyTree | None, value: PyTree) -> PyTree:
+    return value if total is None else jax.tree.map(jnp.add, total, value)
+
+
+class _Pipeline:
+    """One step's pipelined passes over this device's microbatches (see the module
+    docstring): :meth:`gradients` for the train step, :meth:`losses` (forward slots
+    alone) for evaluation."""
+
+    def __init__(
+        self,
+        config: Config,
+        params: PyTree,
+        batch: jax.Array,
+        key: jax.Array | None,
+        placement: jax.Array | None,
+        model_state: PyTree,
+        eod_id: int | None,
+        denominator: jax.Array,
+    ):
+        self.config = config
+        self.model = pipeline_model(config)
+        self.layout = self.model.layout
+        self.schedule = self.model.schedule
+        self.stage = _Stage(self.layout.stages)
+        self.outside = {name: value for name, value in params.items() if name != STAGE_BLOCKS}
+        # This device's chunks: [V, ...] (its block of the stage dimension is 1).
+        self.stacks = jax.tree.map(lambda a: a[:, 0], params[STAGE_BLOCKS])
+        self.key = key
+        self.placement = placement
+        self.eod_id = eod_id
+        self.denominator = denominator
+        self.shards = config.parallel.token_shards
+        self.microbatches = config.train.microbatches
+        self.inputs = [self._microbatch(rows) for rows in microbatch_rows(batch, self.microbatches)]
+        self.segment_ids = (
+            None if eod_id is None else jnp.stack([mb.segment_ids for mb in self.inputs])
+        )
+        self.rotary = self._rotary_tables()
+        self.biases = self._stacked_biases(model_state)
+        # What the ticks accumulate.
+        self.vjps: dict[int, Any] = {}  # forward tick -> the VJP of its chunk
+        self.embed_vjps: dict[int, Any] = {}  # microbatch -> the VJP of its embedding
+        self.received = self.received_grad = self.zeros = None
+        self.outside_grads = None
+        self.block_grads = None
+        self.cross_entropy = self.routers = jnp.float32(0)
+        self.stats: RoutingStats | None = None
+
+    # -- what a slot reads -------------------------------------------------------------
+
+    def _microbatch(self, rows: jax.Array) -> _Microbatch:
+        if self.eod_id is None:
+            return _Microbatch(rows, None, None)
+        masks = document_masks(rows, self.eod_id)
+        return _Microbatch(rows, masks.positions, masks.segment_ids)
+
+    def _rotary_tables(self) -> Any:
+        """Rotary tables: one for every microbatch, or ``[M, ...]`` stacked when document
+        masks give each row positions of its own (None: learned positions)."""
+        model = self.config.model
+        if model.position != "rope":
+            return None
+        if self.eod_id is None:
+            return rotary_tables(model, jnp.arange(model.seq_len))
+        tables = [rotary_tables(model, mb.positions) for mb in self.inputs]
+        return jax.tree.map(lambda *t: jnp.stack(t), *tables)
+
+    def _stacked_biases(self, model_state: PyTree) -> list[PyTree]:
+        """Per chunk position, its blocks' expert biases stacked over the chunks ``[C,
+        ...]`` (None: a dense position, or no biases)."""
+        if model_state is None:
+            return [None] * self.layout.per_chunk
+        blocks = model_state["blocks"]
+        stacked = []
+        for j in range(self.layout.per_chunk):
+            layers = [c * self.layout.per_chunk + j for c in range(self.layout.chunks)]
+            if layers[0] not in blocks:
+                stacked.append(None)
+                continue
+            stacked.append(jax.tree.map(lambda *b: jnp.stack(b), *[blocks[i] for i in layers]))
+        return stacked
+
+    def _outside_model(self, params: PyTree) -> GPTMoE:
+        return nnx.merge(self.model.outside, params)
+
+    # -- the chunk ---------------------------------------------------------------------
+
+    def _chunk_context(self, slots: tuple[Slot | None, ...]) -> dict[str, Any]:
+        """What the chunk each stage runs reads besides its parameters and input: traced
+        values only, so that every forward slot traces the same function."""
+        stage, layout = self.stage, self.layout
+        virtual = stage.traced([slot.virtual if slot else 0 for slot in slots])
+        microbatch = stage.traced([slot.microbatch if slot else 0 for slot in slots])
+        context: dict[str, Any] = {"chunk": virtual * layout.stages + stage.index}
+        if self.key is not None:
+            context["key"] = (
+                jax.random.fold_in(self.key, microbatch) if self.microbatches > 1 else self.key
+            )
+        if self.rotary is not None:
+            context["rotary"] = (
+                self.rotary if self.eod_id is None else _index_tree(self.rotary, microbatch)
+            )
+        if self.segment_ids is not None:
+            context["segment_ids"] = _index_tree(self.segment_ids, microbatch)
+        return context
+
+    def _run_chunk(
+        self, params: PyTree, x: jax.Array, context: dict[str, Any]
+    ) -> tuple[tuple[jax.Array, jax.Array], RoutingStats]:
+        """The chunk's blocks on ``x``: ``((y, its router losses), routing stats stacked
+        over its MoE blocks)``."""
+        layout, model = self.layout, self.model
+        chunk = context["chunk"]
+        layer_stats = []
+        for j, graphdef in enumerate(model.blocks):
+            states = [params[j]]
+            if self.biases[j] is not None:
+                states.append(_index_tree(self.biases[j], chunk))
+            block = nnx.merge(graphdef, *states)
+            layer = chunk * layout.per_chunk + j
+            key = None if "key" not in context else jax.random.fold_in(context["key"], layer)
+            table = None
+            rank = model.moe_rank[j]
+            if self.placement is not None and rank is not None:
+                table = _index_tree(self.placement, chunk * model.moe_per_chunk + rank)
+            with jax.named_scope(f"chunk_layer_{j}"):
+                x, stats = call_block(
+                    self.config.model.recompute, block, j, x, key, table,
+                    context.get("rotary"), context.get("segment_ids"),
+                )  # fmt: skip
+            if stats is not None:
+                layer_stats.append(stats)
+        stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *layer_stats)
+        return (x, router_losses(self.config.moe, stacked)), stacked
+
+    # -- the passes --------------------------------------------------------------------
+
+    def gradients(self) -> tuple[Losses, PyTree]:
+        """This device's losses and gradients (before their synchronisation)."""
+        self.block_grads = jax.tree.map(jnp.zeros_like, self.stacks)
+        for tick in self.schedule.ticks:
+            with jax.named_scope(f"tick_{tick.index}"):
+                head_grad = self._forward(tick, differentiate=True) if tick.has_forward else None
+                if tick.has_backward:
+                    self._backward(tick, head_grad)
+        grads = {
+            **self.outside_grads,
+            STAGE_BLOCKS: jax.tree.map(lambda g: g[:, None], self.block_grads),
+        }
+        return self._losses(), grads
+
+    def losses(self) -> Losses:
+        """This device's losses: the forward slots alone."""
+        for tick in self.schedule.ticks:
+            if tick.has_forward:
+                with jax.named_scope(f"tick_{tick.index}"):
+                    self._forward(tick, differentiate=False)
+        return self._losses()
+
+    def _losses(self) -> Losses:
+        total = self.cross_entropy + self.routers / self.microbatches
+        return Losses(total, self.cross_entropy, self._finish_stats(self.stats))
+
+    def _following(self, tick: Tick) -> Tick | None:
+        ticks = self.schedule.ticks
+        return ticks[tick.index + 1] if tick.index + 1 < len(ticks) else None
+
+    def _forward(self, tick: Tick, differentiate: bool) -> jax.Array | None:
+        """The forward slot: each stage's chunk on its input (the embedding on stage 0's
+        first chunk, else what the previous chunk's stage sent), the loss where the last
+        chunk ran. Differentiating, returns the loss's gradient for the last chunk's
+        output (None when no stage ran the last chunk)."""
+        stage, stages, virtual = self.stage, self.layout.stages, self.layout.virtual
+        slots = tick.forward
+        embedded = None
+        first = slots[0]
+        if first is not None and first.virtual == 0:
+            inputs = self.inputs[first.microbatch]
+            if differentiate:
+                embedded, self.embed_vjps[first.microbatch] = jax.vjp(
+                    lambda p: self._embed(p, inputs), self.outside
+                )
+            else:
+                embedded = self._embed(self.outside, inputs)
+            if self.zeros is None:
+                self.zeros = jnp.zeros_like(embedded)
+        sources = [
+            _IDLE if slot is None
+            else _LOCAL if s == 0 and slot.virtual == 0
+            else _RECEIVED
+            for s, slot in enumerate(slots)
+        ]  # fmt: skip
+        x = stage.where(sources, {_IDLE: self.zeros, _LOCAL: embedded, _RECEIVED: self.received})
+        context = self._chunk_context(slots)
+        params = _index_tree(self.stacks, stage.pick([s.virtual if s else 0 for s in slots]))
+        if differentiate:
+            (y, routers), self.vjps[tick.index], stats = jax.vjp(
+                lambda p, x_: self._run_chunk(p, x_, context), params, x, has_aux=True
+            )
+        else:
+            (y, routers), stats = self._run_chunk(params, x, context)
+        active = stage.pick([slot is not None for slot in slots])
+        self.routers = self.routers + jnp.where(active, routers, 0.0)
+        self.stats = self._add_stats(self.stats, stats, context["chunk"], active)
+        head_grad = None
+        last = slots[stages - 1]
+        if last is not None and last.virtual == virtual - 1:
+            loss, head_grad, grads = self._head(y, last.microbatch, differentiate)
+            self.cross_entropy = self.cross_entropy + loss
+            if differentiate:
+                self.outside_grads = _add(self.outside_grads, grads)
+        following = self._following(tick)
+        if following is not None and any(
+            slot is not None and (s > 0 or slot.virtual > 0)
+            for s, slot in enumerate(following.forward)
+        ):
+            with jax.named_scope("send_activations"):
+                self.received = _shift(y, stages, 1, circular=virtual > 1)
+        return head_grad
+
+    def _backward(self, tick: Tick, head_grad: jax.Array | None) -> None:
+        """The backward slot: each stage's chunk's VJP on the gradient of its output (the
+        loss's on the last chunk, else what the next chunk's stage sent), the gradients
+        added to its chunk's, and the embedding's backward where stage 0 ran chunk 0."""
+        stage, schedule = self.stage, self.schedule
+        stages, virtual = self.layout.stages, self.layout.virtual
+        slots = tick.backward
+        sources = [
+            _IDLE if slot is None
+            else _LOCAL if s == stages - 1 and slot.virtual == virtual - 1
+            else _RECEIVED
+            for s, slot in enumerate(slots)
+        ]  # fmt: skip
+        cotangent = stage.where(
+            sources, {_IDLE: self.zeros, _LOCAL: head_grad, _RECEIVED: self.received_grad}
+        )
+        forward_ticks = [
+            tick.index - schedule.distance(schedule.chunk(s, slot.virtual)) if slot else None
+            for s, slot in enumerate(slots)
+        ]
+        candidates = sorted({t for t in forward_ticks if t is not None})
+        which = stage.pick([candidates.index(t) if t is not None else 0 for t in forward_ticks])
+        vjp = _select_vjp([self.vjps[t] for t in candidates], which)
+        active = stage.pick([slot is not None for slot in slots])
+        weight = jnp.where(active, 1.0 / (self.microbatches * self.shards), 0.0)
+        chunk_grads, input_grad = vjp((cotangent, weight.astype(jnp.float32)))
+        virtual_index = stage.pick([slot.virtual if slot else 0 for slot in slots])
+        self.block_grads = _add_at(self.block_grads, virtual_index, chunk_grads)
+        first = slots[0]
+        if first is not None and first.virtual == 0:
+            (grads,) = self.embed_vjps.pop(first.microbatch)(
+                jnp.where(stage.index == 0, input_grad, jnp.zeros_like(input_grad))
+            )
+            self.outside_grads = _add(self.outside_grads, grads)
+        following = self._following(tick)
+        if following is not None and any(
+            slot is not None and not (s == stages - 1 and slot.virtual == virtual - 1)
+            for s, slot in enumerate(following.backward)
+        ):
+            with jax.named_scope("send_gradients"):
+                self.received_grad = _shift(input_grad, stages, -1, circular=virtual > 1)
+
+    def _embed(self, params: PyTree, microbatch: _Microbatch) -> jax.Array:
+        x, _ = self._outside_model(params).embed(microbatch.rows[:, :-1], microbatch.positions)
+        return x
+
+    def _head(
+        self, y: jax.Array, microbatch: int, differentiate: bool
+    ) -> tuple[jax.Array, jax.Array | None, PyTree]:
+        """The loss of ``microbatch`` from the last chunk's output ``y`` (every stage
+        computes it on its own ``y``; only the last stage's counts): ``(loss, its gradient
+        for y, its gradients for the parameters outside the blocks)``, the gradients None
+        unless ``differentiate``."""
+        rows = self.inputs[microbatch].rows
+        last = self.stage.index == self.layout.stages - 1
+
+        def loss(params: PyTree, y: jax.Array) -> jax.Array:
+            logits = self._outside_model(params).logits(y)
+            return cross_entropy(logits, rows, self.eod_id, self.denominator)
+
+        with jax.named_scope("head"):
+            if not differentiate:
+                return jnp.where(last, loss(self.outside, y), 0.0), None, None
+            value, vjp = jax.vjp(loss, self.outside, y)
+            grads, head_grad = vjp(jnp.where(last, 1.0 / self.shards, 0.0).astype(value.dtype))
+        return jnp.where(last, value, 0.0), head_grad, grads
+
+    # -- routing stats -----------------------------------------------------------------
+
+    def _add_stats(
+        self, total: RoutingStats | None, stats: RoutingStats, chunk: jax.Array, active: Any
+    ) -> RoutingStats:
+        """``total`` (``[moe_layers, ...]``) with this slot's stats added at its chunk's
+        rows (nothing where the slot is idle)."""
+        per_chunk = self.model.moe_per_chunk
+        layers = per_chunk * self.layout.chunks
+
+        def add(sum_: jax.Array | None, value: jax.Array | None) -> jax.Array | None:
+            if value is None:
+                return None
+            value = jnp.where(active, value, jnp.zeros_like(value))
+            if sum_ is None:
+                sum_ = jnp.zeros((layers, *value.shape[1:]), value.dtype)
+            rows = jax.lax.dynamic_slice_in_dim(sum_, chunk * per_chunk, per_chunk)
+            return jax.lax.dynamic_update_slice_in_dim(
+                sum_, rows + value, chunk * per_chunk, axis=0
+            )
+
+        previous = [None] * len(stats) if total is None else list(total)
+        return RoutingStats(*(add(s, v) for s, v in zip(previous, stats, strict=True)))
+
+    def _finish_stats(self, total: RoutingStats) -> RoutingStats:
+        """Counts summed over the microbatches, losses averaged (as
+        :func:`~jaxmoe.train.microbatches.combine_stats`)."""
+
+        def finish(value: jax.Array | None) -> jax.Array | None:
+            if value is None or jnp.issubdtype(value.dtype, jnp.integer):
+                return value
+            return value / self.microbatches
+
+        return RoutingStats(*(finish(value) for value in total))
+
+
+def pipelined_gradients(
+    config: Config,
+    params: PyTree,
+    batch: jax.Array,
+    key: jax.Array | None,
+    placement: jax.Array | None,
+    model_state: PyTree,
+    eod_id: int | None,
+    denominator: jax.Array,
+) -> tuple[Losses, PyTree]:
+    """This device's losses over its rows of ``batch`` (summed over the microbatches, as
+    the microbatch loop sums them), and the gradients of its stage's parameters (the
+    stacked layout of :mod:`jaxmoe.parallel.pipeline_params`), before their
+    synchronisation. Inside the whole-mesh ``shard_map``."""
+    return _Pipeline(
+        config, params, batch, key, placement, model_state, eod_id, denominator
+    ).gradients()
+
+
+def pipelined_losses(
+    config: Config,
+    params: PyTree,
+    batch: jax.Array,
+    placement: jax.Array | None,
+    model_state: PyTree,
+    eod_id: int | None,
+    denominator: jax.Array,
+) -> Losses:
+    """This device's losses over its rows of ``batch``, the forward slots alone (no router
+    noise): the evaluation step's. Inside the whole-mesh ``shard_map``."""
+    return _Pipeline(
+        config, params, batch, None, placement, model_state, eod_id, denominator
+    ).losses()

@@ -1,0 +1,264 @@
+"""Pipeline parallelism (``parallel.pipeline``) trains as the microbatch loop does.
+
+A pipelined run on 2 stages of 4 devices is compared with the unpipelined run of the same
+configuration on one stage's 4 devices (the same rows per device, the same microbatches,
+the same router noise), over 5 steps of 4 microbatches: 1F1B on the unfolded layout
+(chunks of a dense and an MoE block), and the interleaved schedule (2 virtual stages)
+on a folded layout (tensor, expert and expert-tensor parallelism over the same devices)
+with full-layer recomputation.
+
+Tolerances. The same tokens drop (``dropped_fraction`` and ``tokens_per_expert`` equal
+exactly). The pipeline computes each block as the loop does, but its chunks are separate
+VJPs and its sums run in another order (a chunk's router losses, the head's and the
+embedding's gradients), so XLA rounds differently: the losses agree to 2e-6 relative
+(measured: at most 2.4e-7), the gradient norm to 1e-5, the parameters after 5 AdamW
+steps of learning rate 1e-2 to 5e-5 absolute, lr / 200 (measured: at most 9e-6). A wrong
+stage order, a missing microbatch or a gradient not summed over the pipeline axis
+changes the first loss or the first update by far more. The scheduler's schedules
+(``dw``, ``async``) change nothing computed: bit for bit.
+"""
+
+import dataclasses
+import functools
+
+import chex
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec
+
+from jaxmoe.cli.parser import config_from_train_args
+from jaxmoe.config import (
+    Config,
+    ConfigError,
+    ModelConfig,
+    MoEConfig,
+    ParallelConfig,
+    ScheduleConfig,
+    TrainConfig,
+)
+from jaxmoe.parallel.mesh import build_mesh
+from jaxmoe.parallel.pipeline_params import PIPELINE_AXIS, stage_layout, to_layout
+from jaxmoe.parallel.pipeline_schedule import PipelineSchedule
+from jaxmoe.train.scheduled import capture_train_step, plan_train_step
+from jaxmoe.train.state import abstract_sharded_state, init_train_state
+from tests.train.batches import random_batch
+
+STEPS = 5
+MICROBATCHES = 4
+LR = 1e-2
+# One stage's devices, and the model on them.
+LAYOUTS = {
+    "plain": (ParallelConfig(data=1, expert=4), dict(moe_every=2)),
+    "folded": (ParallelConfig(data=1, expert=2, expert_tensor=2, tensor=2), dict(moe_every=1)),
+}
+# (layout, virtual stages, model.recompute) of each pipelined run.
+CASES = {"1f1b": ("plain", 1, "none"), "interleaved": ("folded", 2, "layer")}
+
+
+def config(
+    layout: str,
+    pipeline: int = 1,
+    virtual: int = 1,
+    recompute: str = "none",
+    schedule: str = "none",
+    **model_fields,
+) -> Config:
+    parallel, model = LAYOUTS[layout]
+    model = {"num_layers": 4, **model, **model_fields}
+    return Config(
+        model=ModelConfig(d_model=32, num_heads=2, d_ff=64, seq_len=16, recompute=recompute,
+                          **model),
+        moe=MoEConfig(num_experts=8, top_k=2, capacity_factor=1.0),
+        parallel=dataclasses.replace(parallel, pipeline=pipeline, virtual_stages=virtual),
+        train=TrainConfig(batch_size=16, warmup_steps=1, learning_rate=LR,
+                          microbatches=MICROBATCHES),
+        schedule=ScheduleConfig(name=schedule),
+    )  # fmt: skip
+
+
+def devices(config: Config) -> list:
+    return jax.devices()[: config.parallel.num_devices]
+
+
+@functools.cache
+def compiled(config: Config):
+    mesh = build_mesh(config.parallel, devices(config))
+    return mesh, plan_train_step(config, mesh).compile()
+
+
+@functools.cache
+def trained(config: Config, steps: int = STEPS):
+    """Every step's metrics and the final state (on the host), from seed 0's batches."""
+    mesh, step = compiled(config)
+    state = init_train_state(config, mesh)
+    rng = np.random.default_rng(0)
+    history = []
+    for _ in range(steps):
+        state, metrics = step(state, random_batch(rng, config, mesh))
+        history.append(metrics)
+    return jax.device_get(history), jax.device_get(state)
+
+
+def unstacked(config: Config, params):
+    return to_layout(params, stage_layout(config.parallel, config.model.num_layers), None)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_pipeline_trains_as_the_microbatch_loop(case):
+    layout, virtual, recompute = CASES[case]
+    pipelined = config(layout, 2, virtual, recompute)
+    (history, state), (expected, expected_state) = trained(pipelined), trained(config(layout))
+    for key in ("dropped_fraction", "tokens_per_expert"):
+        np.testing.assert_array_equal([m[key] for m in history], [m[key] for m in expected])
+    assert all(m["dropped_fraction"] > 0 for m in expected)
+    for key in ("loss", "total_loss", "aux_loss", "z_loss"):
+        np.testing.assert_allclose(
+            [m[key] for m in history], [m[key] for m in expected], rtol=2e-6, err_msg=key
+        )
+    np.testing.assert_allclose(
+        [m["grad_norm"] for m in history], [m["grad_norm"] for m in expected], rtol=2e-5
+    )
+    # The gradients: Adam's first moment after one step is (1 - b1) x the clipped gradient.
+    (_, first), (_, expected_first) = trained(pipelined, 1), trained(config(layout), 1)
+    chex.assert_trees_all_close(
+        unstacked(pipelined, first.opt_state[0].mu), expected_first.opt_state[0].mu,
+        rtol=1e-4, atol=1e-8,
+    )  # fmt: skip
+    # The parameters: Adam moves a parameter whose gradient nearly cancels by up to lr
+    # whatever the gradient's size, so rounding can move a few by far more than most.
+    params = unstacked(pipelined, state.params)
+    chex.assert_trees_all_close(params, expected_state.params, rtol=0, atol=LR / 20)
+    differences = np.concatenate(
+        [np.abs(a - b).ravel() for a, b in zip(jax.tree.leaves(params),
+                                                 jax.tree.leaves(expected_state.params),
+                                                 strict=True)]
+    )  # fmt: skip
+    assert np.quantile(differences, 0.999) < LR / 200
+
+
+@pytest.mark.parametrize("schedule", ["dw", "async"])
+def test_the_schedules_are_bit_for_bit_on_a_pipelined_step(schedule):
+    scheduled = trained(config("plain", 2, schedule=schedule))
+    chex.assert_trees_all_equal(scheduled, trained(config("plain", 2)))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_stages_exchange_activations_and_gradients_once_a_tick(case):
+    layout, virtual, recompute = CASES[case]
+    pipelined = config(layout, 2, virtual, recompute)
+    program, _ = capture_train_step(pipelined, build_mesh(pipelined.parallel, devices(pipelined)))
+    sends = [op for op in program.ops if op.primitive == "ppermute"]
+    assert {op.eqn.params["axis_name"] for op in sends} == {(PIPELINE_AXIS,)}
+    # A send after every tick but the last of each pass; none outside the ticks.
+    ticks = PipelineSchedule(2, virtual, MICROBATCHES).ticks
+    forward = sum(tick.has_forward for tick in ticks) - 1
+    backward = sum(tick.has_backward for tick in ticks) - 1
+    scopes = [op.layer.split("/") for op in sends]
+    assert sum("send_activations" in scope for scope in scopes) == forward
+    assert sum("send_gradients" in scope for scope in scopes) == backward
+    assert all(scope[0].startswith("tick_") for scope in scopes)
+    assert not any("microbatch_" in op.name_stack for op in program.ops)
+
+
+def test_a_pipelined_checkpoint_restores_in_every_pipeline_layout(tmp_path):
+    from jaxmoe.train.checkpoint import RunCheckpoints
+
+    pipelined, plain = config("plain", 2), config("plain")
+    _, saved = trained(pipelined)
+    mesh = build_mesh(pipelined.parallel, devices(pipelined))
+    shardings = jax.tree.map(lambda leaf: leaf.sharding, abstract_sharded_state(pipelined, mesh))
+    with RunCheckpoints(tmp_path, pipelined) as checkpoints:
+        checkpoints.save(jax.device_put(saved, shardings))
+        checkpoints.wait()
+        again = checkpoints.restore(STEPS, mesh)
+    chex.assert_trees_all_equal(jax.device_get(again), saved)
+    assert again.params["stage_blocks"][0]["attention_norm"]["scale"].sharding.spec[1] == (
+        PIPELINE_AXIS
+    )
+
+    # Into the unpipelined layout, on one stage's devices: the same values, unstacked.
+    plain_mesh, plain_step = compiled(plain)
+    with RunCheckpoints(tmp_path, plain) as checkpoints:
+        restored = checkpoints.restore(STEPS, plain_mesh)
+    layout = stage_layout(pipelined.parallel, pipelined.model.num_layers)
+    chex.assert_trees_all_equal(jax.device_get(restored), to_layout(saved, layout, None))
+
+    # And back: the unpipelined checkpoint restores stacked, on stages of 2 x 2 devices.
+    with RunCheckpoints(tmp_path / "plain", plain) as checkpoints:
+        checkpoints.save(restored)
+        checkpoints.wait()
+    other = dataclasses.replace(
+        pipelined, parallel=dataclasses.replace(pipelined.parallel, data=2, expert=2)
+    )
+    with RunCheckpoints(tmp_path / "plain", other) as checkpoints:
+        stacked = checkpoints.restore(STEPS, build_mesh(other.parallel))
+    chex.assert_trees_all_equal(jax.device_get(stacked), saved)
+    expert_weight = stacked.params["stage_blocks"][1]["ffn"]["experts"]["w_in"]
+    assert expert_weight.sharding.spec == PartitionSpec(None, PIPELINE_AXIS, "expert")
+
+    # The restored state trains in the unpipelined run's step.
+    _, metrics = plain_step(restored, random_batch(np.random.default_rng(1), plain, plain_mesh))
+    assert np.isfinite(metrics["loss"])
+
+
+def test_pipelined_evaluation_equals_the_unpipelined_one():
+    from jaxmoe.train.step import build_eval_step
+
+    losses = []
+    for each in (config("plain", 2, 2, moe_every=1), config("plain", moe_every=1)):
+        mesh = build_mesh(each.parallel, devices(each))
+        state = init_train_state(each, mesh)
+        batch = random_batch(np.random.default_rng(2), each, mesh)
+        evaluate = build_eval_step(each, mesh).jit()
+        losses.append(float(evaluate(state.params, batch, state.placement, state.model_state)))
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
+
+
+def test_the_flags_set_the_pipeline():
+    config = config_from_train_args(
+        ["--parallel.pipeline", "2", "--parallel.virtual_stages", "2", "--parallel.expert", "4",
+         "--train.microbatches", "4", "--model.num_layers", "4", "--model.moe_every", "1"]
+    )  # fmt: skip
+    assert (config.parallel.pipeline, config.parallel.virtual_stages) == (2, 2)
+    assert config.parallel.num_devices == 8 and config.parallel.token_shards == 4
+
+
+def _with(base: Config, section: str, **fields) -> Config:
+    replaced = dataclasses.replace(getattr(base, section), **fields)
+    return dataclasses.replace(base, **{section: replaced})
+
+
+REFUSED = {
+    "unequal chunks": (
+        lambda: config("plain", 2, 2, num_layers=6, moe_every=1),
+        "model.num_layers=6 does not split into parallel.pipeline x parallel.virtual_stages = 4",
+    ),
+    "mixed chunk positions": (
+        lambda: config("plain", 2, 1, moe_every=4),
+        "model.moe_every=4, model.first_dense_layers=0: the 2-layer chunks",
+    ),
+    "zero": (
+        lambda: _with(config("plain", 2), "train", zero=1),
+        "train.zero=1 with parallel.pipeline=2: ZeRO shards",
+    ),
+    "pair": (
+        lambda: config("plain", 2, schedule="pair"),
+        "schedule.name=pair with parallel.pipeline=2",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_what_cannot_compose_is_refused_in_one_line(case):
+    build, message = REFUSED[case]
+    with pytest.raises(ConfigError, match="^" + message) as refused:
+        build()
+    assert "\n" not in str(refused.value)
+
+
+def test_virtual_stages_need_a_pipeline():
+    with pytest.raises(ConfigError, match=r"^parallel.virtual_stages=2 needs parallel.pipeline"):
+        ParallelConfig(virtual_stages=2)
+    with pytest.raises(ConfigError, match=r"^parallel.pipeline=0: must be a positive integer"):
+        ParallelConfig(pipeline=0)
