@@ -34,13 +34,15 @@ from jax.sharding import Mesh
 import scheduling
 from jaxmoe.config import Config
 from jaxmoe.parallel.grad_sync import ALGORITHMS, EXACT
+from jaxmoe.parallel.grad_sync.decentralized import MIX_SCOPE
 from jaxmoe.parallel.grad_sync.hierarchical import devices_per_host
 from jaxmoe.train.scheduled import capture_train_step
 
 # How much faster per step (estimated) a relaxed algorithm must be to be chosen over the
 # best exact one. A rule, not a measurement: slower convergence per step has to be paid for.
 RELAXED_SPEEDUP = 1.2
-SYNC_SCOPE = "grad_reduce"
+# The name scopes of the synchronisation's ops: gradient reductions, parameter mixing.
+SYNC_SCOPES = ("grad_reduce", MIX_SCOPE)
 CHOICE_FILE = "grad_sync_choice.json"
 
 
@@ -121,7 +123,7 @@ def estimate(config: Config, mesh: Mesh, name: str, cost: scheduling.CostModel):
     sync = compute = communication = 0.0
     for op in program.ops:
         seconds = cost.seconds(op)
-        if SYNC_SCOPE in op.name_stack:
+        if any(scope in op.name_stack for scope in SYNC_SCOPES):
             sync += seconds
         elif op.is_collective:
             communication += seconds

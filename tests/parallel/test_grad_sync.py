@@ -1,7 +1,5 @@
-"""The gradient-sync building blocks on their own: quantiser, error feedback, buckets, ring,
-hosts."""
-
-import functools
+"""The gradient-sync building blocks on their own: quantiser, error feedback, buckets, hosts
+(the relaxed algorithms' mixing and compensation: test_grad_sync_relaxed.py)."""
 
 import chex
 import jax
@@ -19,8 +17,6 @@ from jaxmoe.config import (
 from jaxmoe.config.choices import GRAD_SYNC_CHOICES, GRAD_SYNCS
 from jaxmoe.parallel.grad_sync import ALGORITHMS, make_grad_sync
 from jaxmoe.parallel.grad_sync.bucketed import plan_buckets
-from jaxmoe.parallel.grad_sync.decentralized import ring_average
-from jaxmoe.parallel.grad_sync.decentralized_int8 import quantized_ring_average
 from jaxmoe.parallel.grad_sync.hierarchical import devices_per_host, hierarchical_sum, host_groups
 from jaxmoe.parallel.grad_sync.int8 import Int8, hierarchical_quantized_sum
 from jaxmoe.parallel.grad_sync.quantize import LEVELS, dequantize, quantize
@@ -88,28 +84,6 @@ def test_hierarchical_sum_is_the_sum_and_crosses_hosts_with_a_quarter():
     ]
     assert [eqn.params["axis_index_groups"] for eqn in cross] == [across]
     assert cross[0].invars[0].aval.shape == (1004 // 4,)  # padded to a multiple of 4
-
-
-def test_decentralized_int8_mixes_decoded_codes_and_keeps_the_residual():
-    devices, chunk = 8, 64
-    values = jnp.asarray(np.random.default_rng(3).normal(size=(devices, 300)), jnp.float32)
-    mixed, residual = on_mesh(
-        functools.partial(quantized_ring_average, axes=("data",), replicas=devices, chunk=chunk),
-        devices,
-    )(values)
-    decoded = np.asarray(
-        jax.vmap(lambda v: dequantize(quantize(v, chunk), v.shape, v.dtype))(values)
-    )
-    expected = (np.roll(decoded, 1, axis=0) + decoded + np.roll(decoded, -1, axis=0)) * 8 / 3
-    np.testing.assert_allclose(mixed, expected, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(residual, np.asarray(values) - decoded, atol=1e-6)
-    # The mean over replicas is the sum of what was sent: the residuals hold the rest.
-    np.testing.assert_allclose(
-        np.asarray(mixed).mean(axis=0) + np.asarray(residual).sum(axis=0),
-        np.asarray(values).sum(axis=0),
-        rtol=1e-4,
-        atol=1e-4,
-    )
 
 
 def test_quantiser_error_is_at_most_half_a_step():
@@ -209,23 +183,6 @@ def test_buckets_follow_reverse_order_size_and_axes():
         (("data",), [1]),
         (("data", "expert"), [0]),
     ]
-
-
-@pytest.mark.parametrize("devices", [1, 2, 8])
-def test_ring_average_mixes_exactly_the_two_neighbours(devices):
-    values = jnp.asarray(np.random.default_rng(1).normal(size=(devices, 5)), jnp.float32)
-    mixed = on_mesh(functools.partial(ring_average, axes=("data",), replicas=devices), devices)
-    got = np.asarray(mixed(values))
-    v = np.asarray(values)
-    if devices == 1:
-        expected = v
-    elif devices == 2:
-        expected = np.broadcast_to(v.sum(axis=0), v.shape)
-    else:
-        expected = (np.roll(v, 1, axis=0) + v + np.roll(v, -1, axis=0)) * devices / 3
-    np.testing.assert_allclose(got, expected, rtol=1e-6)
-    # Doubly stochastic: the mean over devices is the all-reduced sum.
-    np.testing.assert_allclose(got.mean(axis=0), v.sum(axis=0), rtol=1e-5, atol=1e-6)
 
 
 def test_int8_quantises_only_the_cross_host_step_and_keeps_the_rest():

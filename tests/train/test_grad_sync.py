@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmoe.config import Config, ParallelConfig
 from jaxmoe.parallel.grad_sync.allreduce import AllReduce
-from jaxmoe.parallel.grad_sync.base import Synced, local_shape, per_device_specs
+from jaxmoe.parallel.grad_sync.base import GradSync, Synced, local_shape, per_device_specs
 from jaxmoe.parallel.grad_sync.bucketed import Bucketed
 from jaxmoe.parallel.mesh import build_mesh, mesh_axis_sizes, token_spec
 from jaxmoe.parallel.sharding import reduce_gradients
@@ -93,11 +93,12 @@ def test_allreduce_is_the_reduce_gradients_step(monkeypatch):
         return str(jax.make_jaxpr(sharded.jit())(*example))
 
     ours = per_device_jaxpr()
-    monkeypatch.setattr(
-        step_module,
-        "make_grad_sync",
-        lambda *_: lambda grads, state, specs, axes: Synced(reduce_gradients(grads, specs), state),
-    )
+
+    class ReduceGradients(GradSync):
+        def __call__(self, grads, state, specs, mesh_axes):
+            return Synced(reduce_gradients(grads, specs), state)
+
+    monkeypatch.setattr(step_module, "make_grad_sync", lambda *_: ReduceGradients())
     assert per_device_jaxpr() == ours
 
 
@@ -167,34 +168,37 @@ def test_hierarchical_step_equals_allreduce_within_float_tolerance(runs):
     )
 
 
+# Hosts of 4 devices (the emulated cluster's, one data row each) for the relaxed algorithms:
+# inside a host they are exact, across hosts relaxed (grad_sync/workers.py).
+HOSTS = {"grad_sync_devices_per_host": 4}
 # Final loss (mean of the last 3 steps) may exceed allreduce's by at most this much.
-# Measured: allreduce ~1.9; int8 within 0.01; decentralized and decentralized-int8 ~1.0
-# above (each replica sees 3 of 8 devices' data and the replicas drift); delayed ~0.9
-# above at this learning rate.
-# Broken controls measured on the same run: no exchange at all (each replica applies its
-# own gradient) ends 1.74 above; a delayed step that never applies stays at ~5.5.
-MARGINS = {"int8": 0.05, "decentralized": 1.4, "decentralized-int8": 1.4, "delayed": 1.4}
+# Measured: allreduce 1.888; int8 1.888; decentralized 2.090 and decentralized-int8 2.086
+# (each host's AdamW steps on half the batch); delayed 2.244 (the compensation's fresh
+# local gradients inflate AdamW's second moment), at this high learning rate.
+# Broken controls measured on the same run: hosts that never mix their parameters end 0.52
+# above; a delayed step whose average never arrives (zeros) ends 2.12 above.
+MARGINS = {"int8": 0.05, "decentralized": 0.4, "decentralized-int8": 0.4, "delayed": 0.6}
 
 
 @pytest.mark.parametrize("name", sorted(MARGINS))
 def test_relaxed_algorithm_trains_close_to_allreduce(runs, name):
     reference = losses(runs("allreduce")[0])
-    relaxed = losses(runs(name)[0])
+    relaxed = losses(runs(name, **HOSTS)[0])
     assert reference[-3:].mean() < reference[0] - 3  # the task is learned
     assert relaxed[-3:].mean() <= reference[-3:].mean() + MARGINS[name], relaxed
 
 
-def test_delayed_applies_each_gradient_one_step_late(runs):
-    """Step 0 changes nothing; step 1 applies step 0's gradient exactly as allreduce's step 0
-    did (same gradient, same clipping, same learning rate: the optimizer count lags)."""
-    _, delayed = runs("delayed")  # before, after steps 0 and 1
-    _, synchronous = runs("allreduce")
-    assert not delayed[0].grad_sync["valid"]
-    chex.assert_trees_all_equal(delayed[1].params, delayed[0].params)
-    chex.assert_trees_all_equal(delayed[1].opt_state, delayed[0].opt_state)
-    assert delayed[1].grad_sync["valid"]
-    chex.assert_trees_all_equal(delayed[2].params, synchronous[1].params)
-    chex.assert_trees_all_equal(delayed[2].opt_state, synchronous[1].opt_state)
+@pytest.mark.parametrize("name", ["decentralized", "delayed"])
+def test_on_one_host_nothing_is_relaxed(runs, name):
+    """One host (the default in one process): the workers' gradients are summed exactly,
+    nothing is mixed or delayed, and the run is allreduce's."""
+    history, states = runs(name, grad_sync_devices_per_host=8)
+    reference, reference_states = runs("allreduce")
+    for metric in ("loss", "total_loss", "grad_norm"):
+        np.testing.assert_allclose(
+            [m[metric] for m in history], [m[metric] for m in reference], rtol=1e-6
+        )
+    chex.assert_trees_all_close(states[-1].params, reference_states[-1].params, atol=1e-6)
 
 
 def test_int8_keeps_a_residual_per_device(runs):
@@ -208,16 +212,8 @@ def test_int8_keeps_a_residual_per_device(runs):
     assert not np.array_equal(w_in[0], w_in[1])
 
 
-def test_int8_across_hosts_trains_close_to_allreduce(runs):
-    """Hosts of 4: only the cross-host shards are quantised (measured within 0.01)."""
-    reference = losses(runs("allreduce")[0])
-    relaxed = losses(runs("int8", grad_sync_devices_per_host=4)[0])
-    assert relaxed[-3:].mean() <= reference[-3:].mean() + MARGINS["int8"], relaxed
-
-
 def test_decentralized_int8_trains_like_decentralized(runs):
-    """Quantised gossip with error feedback ends where exact gossip does (measured: within
-    0.001). A broken exchange (each replica keeping its own gradient) ends ~0.7 above."""
-    exact = losses(runs("decentralized")[0])
-    quantised = losses(runs("decentralized-int8")[0])
+    """Gossip of 8-bit codes ends where exact gossip does (measured: within 0.004)."""
+    exact = losses(runs("decentralized", **HOSTS)[0])
+    quantised = losses(runs("decentralized-int8", **HOSTS)[0])
     assert abs(quantised[-3:].mean() - exact[-3:].mean()) <= 0.05, quantised

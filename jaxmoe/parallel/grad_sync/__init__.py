@@ -33,8 +33,9 @@ def make_grad_sync(train: TrainConfig, mesh: Mesh | None = None) -> GradSync:
     """The algorithm ``train.grad_sync`` names, with its settings from ``train`` (one per
     configuration and mesh: the state, its specs and the step share it).
 
-    ``mesh`` is needed to build the step of ``hierarchical`` and ``int8`` (their hosts);
-    the state's shape and specs need no mesh.
+    ``mesh`` is needed to build the step of the algorithms that treat hosts apart
+    (``hierarchical``, ``int8``, and the relaxed ones, whose workers are hosts); the
+    state's shape and specs need no mesh.
     """
     if train.grad_sync == "auto":
         raise ValueError("train.grad_sync='auto' must be resolved first (grad_sync_choice)")
@@ -50,9 +51,9 @@ def make_grad_sync(train: TrainConfig, mesh: Mesh | None = None) -> GradSync:
         "bucketed": lambda: Bucketed(train.grad_bucket_bytes),
         "hierarchical": lambda: Hierarchical(train.grad_bucket_bytes, per_host),
         "int8": lambda: Int8(train.grad_bucket_bytes, per_host),
-        "decentralized": lambda: Decentralized(train.grad_bucket_bytes),
-        "decentralized-int8": lambda: DecentralizedInt8(train.grad_bucket_bytes),
-        "delayed": Delayed,
+        "decentralized": lambda: Decentralized(train.grad_bucket_bytes, per_host),
+        "decentralized-int8": lambda: DecentralizedInt8(train.grad_bucket_bytes, per_host),
+        "delayed": lambda: Delayed(train.grad_bucket_bytes, per_host),
     }
     return builders[train.grad_sync]()
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from jaxmoe.parallel.grad_sync.base import GradSync, MeshAxes, PyTree, Synced
 from jaxmoe.parallel.sharding import replicated_axes
@@ -70,23 +71,38 @@ def map_buckets(
     bucket_bytes: int,
     reduce: BucketFn,
     num_outputs: int = 1,
+    *,
+    group_axes: Callable[[PartitionSpec], tuple[str, ...]] = replicated_axes,
+    align: int = 1,
+    scope: str = "grad_reduce",
 ) -> tuple[PyTree, ...]:
     """``reduce`` applied to each bucket of ``grads`` (see :func:`plan_buckets`); one tree
     per output of ``reduce`` (``num_outputs``). Leaves sharded on every axis are passed
-    through as they are, into every output."""
+    through as they are, into every output.
+
+    ``group_axes``: the mesh axes each leaf's exchange runs over, from its spec (by default
+    those it is replicated on); leaves with none are passed through. ``align``: each leaf
+    starts at a multiple of this many elements of its bucket (padded with its last value),
+    so that blocks of ``align`` (quantisation chunks) never mix two leaves. ``scope``: the
+    name scope of each bucket's ops (``{scope}/bucket{n}``)."""
     leaves, treedef = jax.tree.flatten(grads)
-    axes = [replicated_axes(spec) for spec in treedef.flatten_up_to(specs)]
+    axes = [group_axes(spec) for spec in treedef.flatten_up_to(specs)]
     outputs = [list(leaves) for _ in range(num_outputs)]
+
+    def padded(leaf: jax.Array) -> jax.Array:
+        flat = leaf.ravel()
+        return jnp.pad(flat, (0, -flat.size % align), mode="edge") if align > 1 else flat
+
     for number, bucket in enumerate(plan_buckets(leaves, axes, bucket_bytes)):
-        with jax.named_scope(f"grad_reduce/bucket{number}"):
-            flat = jnp.concatenate([leaves[i].ravel() for i in bucket.leaves])
-            reduced = reduce(flat, bucket.axes)
+        with jax.named_scope(f"{scope}/bucket{number}"):
+            pieces = [padded(leaves[i]) for i in bucket.leaves]
+            reduced = reduce(jnp.concatenate(pieces), bucket.axes)
             for output, values in zip(outputs, reduced, strict=True):
                 offset = 0
-                for i in bucket.leaves:
+                for i, piece in zip(bucket.leaves, pieces, strict=True):
                     size = leaves[i].size
                     output[i] = values[offset : offset + size].reshape(leaves[i].shape)
-                    offset += size
+                    offset += piece.size
     return tuple(jax.tree.unflatten(treedef, output) for output in outputs)
 
 

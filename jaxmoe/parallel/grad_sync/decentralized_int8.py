@@ -1,89 +1,105 @@
-"""``decentralized-int8``: ring gossip of 8-bit codes, with error feedback.
+"""``decentralized-int8``: ``decentralized`` with the parameters exchanged as 8-bit codes.
 
-``decentralized`` with the exchange quantised (BAGUA's low-precision
-decentralized SGD). Per bucket of gradients (fused as in :mod:`.bucketed`), on
-each device: ``v = g + e`` (gradient plus the residual kept from the previous
-step), ``q = Q(v)`` with the per-chunk min/max quantiser of :mod:`.quantize`,
-``e' = v - D(q)``; the codes (1 byte per value plus two floats per chunk) go
-to the two ring neighbours by ``ppermute``, and device i applies
-``n * (D(q_{i-1}) + D(q_i) + D(q_{i+1})) / 3``. It uses its own *decoded*
-value, not ``v``: then the mean over replicas of what is applied is the mean of
-the decoded values, whose error the residuals carry into the next step, as in
-``int8``. Each device sends 2 x 1 byte per value whatever the number of
-replicas, a quarter of ``decentralized``'s 2 x 4.
+Each worker (one host's replicas, :mod:`.workers`) steps on its own gradient, as in
+:mod:`.decentralized`; then, per bucket of parameters (fused as in :mod:`.bucketed`,
+each parameter starting on a chunk of its own so that a chunk's range is one
+parameter's), every worker quantises its parameters (each member of a host its share)
+with the per-chunk min/max quantiser of :mod:`.quantize`, sends the codes (1 byte per
+value plus two floats per chunk) to its neighbours on the ring of hosts, and moves by
+the ring's weights times the differences of the decoded values::
 
-What it changes: on top of ``decentralized``'s mixing matrix W (see
-:mod:`.decentralized`: replicas drift apart, their mean follows the mean
-gradient), the gossiped values are compressed. The convergence analysis is
-that of Tang et al., "Communication Compression for Decentralized Training"
-(NeurIPS 2018), and Koloskova et al., "Decentralized Stochastic Optimization
-and Gossip Algorithms with Compressed Communication" (CHOCO-SGD, ICML 2019):
-decentralized SGD with a compressor of bounded relative error
-(``||x - C(x)||^2 <= (1 - delta) ||x||^2``; this quantiser has
-``1 - delta <= c / 255^2`` over a chunk of c values, see :mod:`.int8`) keeps
-D-PSGD's rate when the compression error is fed back or averaged out, under
-D-PSGD's own condition, a spectral gap of W and a learning rate small against
-it. Without error feedback a deterministic quantiser's bias accumulates (the
-unit tests show the residual carried).
+    x_h <- x_h + sum_k w_hk (D(Q(x_k)) - D(Q(x_h)))
+
+(``w_hk`` = 1/3 for the two neighbours on a ring of 3 or more hosts, 1/2 for the peer
+of a pair). Its own exact ``x_h`` stays: only the differences go through the
+quantiser. This is the quantized gossip of Carli, Fagnani, Frasca and Zampieri
+("Gossip consensus algorithms via quantized communication", Automatica 2010), which
+has two properties that matter here. The mean over workers is exactly preserved (each
+difference is added to one worker and taken from another, W being doubly stochastic),
+so the mean follows the mean of the updates as in ``decentralized``. And the error is
+of the differences, not of the values: workers that agree send identical codes and do
+not move; workers that differ are pulled together to within about one quantisation
+step (a 255th of a chunk's range) of each other, where gossip of ``D(Q(x_k))`` in
+place of ``x_k`` would add the quantisation error of ``x`` itself at every step,
+however close the workers.
+
+BAGUA's low-precision decentralized SGD (after Tang et al., "Communication Compression
+for Decentralized Training", NeurIPS 2018) instead keeps copies of its neighbours'
+parameters and sends compressed differences to those copies, which removes the
+one-step floor at the cost of two parameter copies per replica and an exchange that
+must see the algorithm's state after the update (this one needs neither). A host
+sends 1 byte per value to each neighbour, a quarter of ``decentralized``'s 4.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 
-from jaxmoe.parallel.grad_sync.base import (
-    ErrorFeedback,
-    MeshAxes,
-    PyTree,
-    Synced,
-)
+from jaxmoe.parallel.grad_sync.base import GradSync, MeshAxes, PyTree, Synced
 from jaxmoe.parallel.grad_sync.bucketed import map_buckets
+from jaxmoe.parallel.grad_sync.decentralized import MIX_SCOPE
 from jaxmoe.parallel.grad_sync.quantize import DEFAULT_CHUNK, Quantized, dequantize, quantize
-from jaxmoe.parallel.sharding import replicated_axes
+from jaxmoe.parallel.grad_sync.workers import (
+    Replicas,
+    across_hosts,
+    exchanged_axes,
+    host_perm,
+    replicas_over,
+    ring_shifts,
+    worker_gradients,
+)
 
 
-def quantized_ring_average(
-    value: jax.Array, axes: tuple[str, ...], replicas: int, chunk: int
-) -> tuple[jax.Array, jax.Array]:
-    """``(replicas x the mean of this device's and its ring neighbours' decoded Q(value),
-    value - D(Q(value)))``."""
-    if replicas == 1:
-        return value, jnp.zeros_like(value)
+def quantized_ring_mix(value: jax.Array, group: Replicas, chunk: int) -> jax.Array:
+    """``value + sum_k w_hk (D(Q(x_k)) - D(Q(value)))`` over this worker's neighbours on the
+    ring of hosts (the peer of a pair; nothing for one host)."""
+    shifts = ring_shifts(group.hosts)
+    if not shifts:
+        return value
     q = quantize(value, chunk)
-    own = dequantize(q, value.shape, jnp.float32)
-
-    def from_neighbour(shift: int) -> jax.Array:
-        perm = [(i, (i + shift) % replicas) for i in range(replicas)]
-        received = Quantized(*(jax.lax.ppermute(part, axes, perm) for part in q))
-        return dequantize(received, value.shape, jnp.float32)
-
-    if replicas == 2:
-        mixed = own + from_neighbour(1)
-    else:
-        mixed = (from_neighbour(1) + own + from_neighbour(-1)) * (replicas / 3)
-    return mixed.astype(value.dtype), value - own.astype(value.dtype)
+    received = [
+        [jax.lax.ppermute(part, group.axes, host_perm(group.across, shift)) for part in q]
+        for shift in shifts
+    ]
+    # Own and received codes decoded by one computation: equal codes decode to equal
+    # values, so workers that agree do not move (two decodings may round differently).
+    stacked = Quantized(*(jnp.stack(parts) for parts in zip(q, *received, strict=True)))
+    decoded = dequantize(stacked, value.shape, jnp.float32)
+    pull = jnp.sum(decoded[1:] - decoded[0], axis=0)
+    return (value.astype(jnp.float32) + pull / (1 + len(shifts))).astype(value.dtype)
 
 
 @dataclass(frozen=True)
-class DecentralizedInt8(ErrorFeedback):
-    bucket_bytes: int
+class DecentralizedInt8(GradSync):
+    bucket_bytes: int = 25 * 2**20
+    # Hosts (see hierarchical.py); 1: every device a worker of its own.
+    devices_per_host: int = 1
     chunk: int = DEFAULT_CHUNK
-    # Tests turn it off to show what error feedback is for.
-    error_feedback: bool = True
 
     def __call__(self, grads: PyTree, state: PyTree, specs: PyTree, mesh_axes: MeshAxes) -> Synced:
-        values = self.with_residual(grads, state)
+        return Synced(worker_gradients(grads, specs, mesh_axes, self.devices_per_host), state)
 
-        def exchange(flat, axes):
-            replicas = math.prod(mesh_axes[a] for a in axes)
-            return quantized_ring_average(flat, axes, replicas, self.chunk)
+    def after_update(
+        self, params: PyTree, step: jax.Array, specs: PyTree, mesh_axes: MeshAxes
+    ) -> PyTree:
+        del step  # the ring is the same every step
 
-        mixed, residual = map_buckets(values, specs, self.bucket_bytes, exchange, num_outputs=2)
-        # Nothing is kept for leaves that were not exchanged, nor without feedback.
-        keep = lambda r, spec: r if self.error_feedback and replicated_axes(spec) else 0 * r
-        residual = jax.tree.map(lambda r, spec: keep(r, spec)[None], residual, specs)
-        return Synced(mixed, {"residual": residual})
+        def mix(flat, axes):
+            group = replicas_over(axes, mesh_axes, self.devices_per_host)
+            gossip = lambda share: quantized_ring_mix(share, group, self.chunk)
+            # Shares of whole chunks, so that each chunk keeps to one parameter.
+            return (across_hosts(flat, group, gossip, align=self.chunk),)
+
+        (mixed,) = map_buckets(
+            params,
+            specs,
+            self.bucket_bytes,
+            mix,
+            group_axes=exchanged_axes(mesh_axes, self.devices_per_host),
+            align=self.chunk,
+            scope=MIX_SCOPE,
+        )
+        return mixed

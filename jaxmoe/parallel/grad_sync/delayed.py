@@ -1,54 +1,114 @@
-"""``delayed``: the update of step t applies the gradients reduced at step t - 1.
+"""``delayed``: the all-reduced gradient arrives one step late; each worker's own fresh
+gradient stands in for it meanwhile (Delayed Gradient Averaging).
 
-One step of staleness (BAGUA's asynchronous/delayed communication; the
-analysis of Lian et al., "Asynchronous Parallel Stochastic Gradient for
-Nonconvex Optimization", NeurIPS 2015, and Stich & Karimireddy 2020): the
-reduction of step t's gradients has a whole step (the next forward and
-backward) to finish before anything needs it, so it can hide behind
-computation. Step t computes ``x_{t+1} = x_t - lr * update(g(x_{t-1}))``;
-SGD with a bounded delay tau converges at the synchronous rate when the
-learning rate is O(1 / tau) smaller than the largest stable synchronous one
-(here tau = 1, so the usual rates apply for the schedules jaxmoe uses).
+The reduction of step t's gradients has a whole step (the next forward and backward
+passes) to finish before anything reads it, so it can hide behind computation (BAGUA's
+asynchronous communication; Pipe-SGD, Li et al., NeurIPS 2018). Applying that stale
+average alone, ``x_{t+1} = x_t - lr u(g(x_{t-1}))``, is SGD with a delay of one step: it
+converges at the synchronous rate only with a learning rate small against the delay
+(Lian et al., "Asynchronous Parallel Stochastic Gradient for Nonconvex Optimization",
+NeurIPS 2015; Stich and Karimireddy, "The Error-Feedback Framework", JMLR 2020), and at
+the learning rates a synchronous run uses it oscillates early and trails.
 
-The reduced gradients wait in ``TrainState.grad_sync['pending']``, with
-``'valid'`` saying whether they exist. Step 0 has nothing to apply: it
-reduces its gradients and leaves parameters and optimizer state unchanged
-(``Synced.apply`` is false). So the optimizer's count, which drives the
-learning-rate schedule, lags the step counter by one: the gradient of step
-t - 1 is applied with the learning rate of step t - 1, the schedule the
-synchronous run would use for it; the gradients of a run's last step stay
-pending. Pending gradients are part of the state, so a checkpoint holds them
-and a resumed run applies them exactly as the uninterrupted run would.
+The staleness is compensated as in Delayed Gradient Averaging (Zhu, Lin, Lu and Han,
+"Delayed Gradient Averaging: Tolerate the Communication Latency for Federated
+Learning", NeurIPS 2021): each worker (one host's replicas of a parameter,
+:mod:`.workers`: inside a host nothing is delayed) applies at step t its own gradient
+of step t, and the average over workers of step t - 1 corrected for its own share of
+it::
+
+    applied_h^t = g_h^t + (mean_k g_k^{t-1} - g_h^{t-1})
+
+(``g_h`` the gradient of the mean loss of worker h's rows, summed exactly inside its
+host: :func:`~.workers.worker_gradients`). Summed over steps the correction telescopes:
+a worker has applied the average of every step but the newest, plus its own newest
+gradient, so with a linear optimizer (SGD, momentum) the mean over workers follows the
+synchronous run's path exactly and each worker is off it by one step's
+``lr (g_h - mean g)``, which does not grow; DGA shows the rate of synchronous SGD. The
+fresh local term is also the compensation: ``g_h^t - g_h^{t-1}`` is the worker's own
+measure of how far the gradient moved since the average was computed, where DC-ASGD
+(Zheng et al., ICML 2017) estimates it as ``lambda g (.) g (.) (x_t - x_{t-1})``. AdamW
+divides by its running second moment, which is not linear: the telescoping holds as
+long as the moment changes slowly, and the workers' parameters (each with its own
+optimizer state) drift apart by the rest; the convergence evaluation measures what
+that costs.
+
+The average is taken per bucket of gradients (fused as in :mod:`.bucketed`): each of a
+host's members sums its share of the bucket across hosts, and the host gathers the
+shares back (:func:`~.workers.across_hosts`), the cross-host traffic of
+``hierarchical``. With one host nothing is delayed: the average is the worker's own
+gradient, and the step is exact up to float rounding.
+
+State: the average of the last step's gradients (``pending``, the same on every
+replica, laid out like the parameters) and this device's worker's last gradient
+(``local``, one block per device); both are zero before the first step, which so
+applies the workers' own gradients. As in :mod:`.decentralized`, the workers'
+parameters differ while declared replicated; a checkpoint holds the first replica's
+parameters and optimizer state (and this state: every device's ``local`` block, and
+``pending``), and a resumed run starts every worker from that replica's parameters.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
 
-from jaxmoe.parallel.grad_sync.base import GradSync, MeshAxes, PyTree, Synced
-from jaxmoe.parallel.sharding import reduce_gradients
+from jaxmoe.parallel.grad_sync.base import (
+    GradSync,
+    MeshAxes,
+    PyTree,
+    Synced,
+    per_device_specs,
+    per_device_zeros,
+)
+from jaxmoe.parallel.grad_sync.bucketed import map_buckets
+from jaxmoe.parallel.grad_sync.workers import (
+    across_hosts,
+    exchanged_axes,
+    replicas_over,
+    worker_gradients,
+)
 
 
+@dataclass(frozen=True)
 class Delayed(GradSync):
+    bucket_bytes: int = 25 * 2**20
+    # Hosts (see hierarchical.py); 1: every device a worker of its own.
+    devices_per_host: int = 1
+
     def init_state(self, params: PyTree, specs: PyTree, mesh_axes: MeshAxes) -> PyTree:
-        del specs, mesh_axes
         return {
             "pending": jax.tree.map(jnp.zeros_like, params),
-            "valid": jnp.zeros((), jnp.bool_),
+            "local": per_device_zeros(params, specs, mesh_axes),
         }
 
     def state_specs(self, specs: PyTree, mesh_axes: MeshAxes) -> PyTree:
-        del mesh_axes
-        # Reduced gradients are laid out like their parameters.
-        return {"pending": specs, "valid": PartitionSpec()}
+        # The average is laid out like its parameters; the workers' gradients per device.
+        return {"pending": specs, "local": per_device_specs(specs, mesh_axes)}
 
     def __call__(self, grads: PyTree, state: PyTree, specs: PyTree, mesh_axes: MeshAxes) -> Synced:
-        del mesh_axes
-        reduced = reduce_gradients(grads, specs)
-        return Synced(
-            grads=state["pending"],
-            state={"pending": reduced, "valid": jnp.ones((), jnp.bool_)},
-            apply=state["valid"],
+        own = worker_gradients(grads, specs, mesh_axes, self.devices_per_host)
+
+        def mean(flat, axes):
+            group = replicas_over(axes, mesh_axes, self.devices_per_host)
+            total = lambda share: jax.lax.psum(share, axes, axis_index_groups=group.across)
+            return (across_hosts(flat, group, total) / group.hosts,)
+
+        # Read only by the next step: the reduction may finish behind its computation.
+        (averaged,) = map_buckets(
+            own,
+            specs,
+            self.bucket_bytes,
+            mean,
+            group_axes=exchanged_axes(mesh_axes, self.devices_per_host),
         )
+        applied = jax.tree.map(
+            lambda fresh, pending, last: fresh + (pending - last[0]),
+            own,
+            state["pending"],
+            state["local"],
+        )
+        local = jax.tree.map(lambda g: g[None], own)
+        return Synced(applied, {"pending": averaged, "local": local})
