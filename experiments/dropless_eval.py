@@ -1,7 +1,8 @@
 """Dropless dispatch evaluated: capacity 1.25, padded dropless and ragged dropless on the
 Mixtral-like and DeepSeek-like tiny presets, and expert placement for dropless routing.
 
-    python -m experiments.dropless_eval [--steps 3] [--repeats 5] [--placement-steps 300]
+    python -m experiments.dropless_eval [--steps 3] [--repeats 7] [--warm-steps 100]
+        [--placement-steps 300]
         [--socket | --cluster-link-mbit MBIT] [--skip-dispatch] [--skip-placement]
     python -m experiments.dropless_eval --from experiments/results/dropless_eval.json
 
@@ -9,7 +10,8 @@ Mixtral-like and DeepSeek-like tiny presets, and expert placement for dropless r
 (``mixtral-tiny`` and ``deepseek_v3-tiny`` as their presets define them, layout 1 x 8, the
 byte corpus), every variant of the MoE layers' dispatch (``VARIANTS``: capacity factor
 1.25, padded dropless, ragged dropless with the worst-case receive buffer, ragged
-dropless with a buffer of twice the rows of even routing):
+dropless with a buffer of twice the rows of even routing), each from the same state,
+trained ``--warm-steps`` steps first (``warmed_states``):
 
 - bytes exchanged per device and step by the MoE layers (dispatch and return, forward and
   backward): what the step's ``all_to_all`` operands hold (read from the captured
@@ -85,6 +87,11 @@ VARIANTS = {
     },
 }
 WARMUP = 2  # untimed rounds first
+# Every variant starts from the same state, trained this many steps by the padded dropless
+# step first (exact dropless routing): routing straight after initialisation is far more
+# skewed than in training, and drops and loads are measured on the routing of a model
+# that has begun to balance it.
+WARM_VARIANT = "padded dropless"
 SOCKET_HOSTS = 2
 BYTES_TARGET = 1.1  # ragged dropless moves at most this times the bytes of capacity 1.25
 PLACEMENT_TARGET = 0.5  # dynamic placement: at most this times static's excess load, drops
@@ -180,20 +187,36 @@ def max_over_mean_load(metrics: dict, config) -> float:
     return float(np.mean(per_device.max(axis=1) / per_device.mean(axis=1)))
 
 
-def measure_variants(name: str, steps: int, repeats: int) -> dict[str, dict]:
-    """Every variant of preset ``name`` in this process: compiled, then timed in rounds."""
+def warmed_states(steps: dict, configs: dict, sampler, mesh, warm_steps: int) -> dict:
+    """Every variant's train state: one initial state trained ``warm_steps`` steps by
+    ``WARM_VARIANT``'s compiled step, copied for each variant (the steps donate theirs)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxmoe.train.data import put_on_mesh
+    from jaxmoe.train.state import init_train_state
+
+    state = init_train_state(configs[WARM_VARIANT], mesh)
+    for index in range(warm_steps):
+        state, _ = steps[WARM_VARIANT](state, put_on_mesh(sampler, index, mesh))
+    jax.block_until_ready(state)
+    return {variant: jax.tree.map(jnp.copy, state) for variant in configs}
+
+
+def measure_variants(name: str, steps: int, repeats: int, warm_steps: int) -> dict[str, dict]:
+    """Every variant of preset ``name`` in this process: compiled, started from the same
+    state trained ``warm_steps`` steps (``warmed_states``), then timed in rounds."""
     import jax
 
     from experiments.emulation.host_process import round_order, train_batches
     from jaxmoe.parallel.mesh import build_mesh
     from jaxmoe.train.data import put_on_mesh
     from jaxmoe.train.scheduled import plan_train_step
-    from jaxmoe.train.state import init_train_state
 
     configs = {variant: variant_config(name, variant) for variant in VARIANTS}
-    results, compiled, states = {}, {}, {}
+    mesh = build_mesh(configs[BASELINE].parallel)
+    results, compiled = {}, {}
     for variant, config in configs.items():
-        mesh = build_mesh(config.parallel)
         planned = plan_train_step(config, mesh)
         started = time.perf_counter()
         step = planned.compile()
@@ -210,18 +233,17 @@ def measure_variants(name: str, steps: int, repeats: int) -> dict[str, dict]:
             "compile_s": compile_s,
             "seconds": [],
         }
-        compiled[variant] = (step, mesh)
-        states[variant] = init_train_state(config, mesh)
+        compiled[variant] = step
         print(f"{name} {variant}: compiled in {compile_s:.0f} s", flush=True)
-    sampler = train_batches(next(iter(configs.values())))
+    sampler = train_batches(configs[BASELINE])
+    states = warmed_states(compiled, configs, sampler, mesh, warm_steps)
     metrics: dict[str, list[dict]] = {variant: [] for variant in VARIANTS}
     for round_index in range(WARMUP + repeats):
         timed = round_index >= WARMUP
         for variant in round_order(list(VARIANTS), round_index):
-            step, mesh = compiled[variant]
-            times = []
+            step, times = compiled[variant], []
             for index in range(steps if timed else 1):
-                batch = put_on_mesh(sampler, round_index * steps + index, mesh)
+                batch = put_on_mesh(sampler, warm_steps + round_index * steps + index, mesh)
                 jax.block_until_ready(batch)
                 started = time.perf_counter()
                 states[variant], values = step(states[variant], batch)
@@ -260,6 +282,7 @@ def host_main(argv: list[str]) -> int:
 
     parser = rounds_parser("dropless_eval on hosts")
     parser.add_argument("--variants", type=Path, required=True, help="{variant: config}")
+    parser.add_argument("--warm-steps", type=int, default=0, help="see warmed_states")
     args = parser.parse_args(argv)
     prepared = start_host(args)
 
@@ -270,7 +293,6 @@ def host_main(argv: list[str]) -> int:
     from jaxmoe.config import Config
     from jaxmoe.train.data import put_on_mesh
     from jaxmoe.train.scheduled import plan_train_step
-    from jaxmoe.train.state import init_train_state
 
     mesh = prepared.mesh
     configs = {
@@ -280,12 +302,12 @@ def host_main(argv: list[str]) -> int:
     steps = {
         variant: plan_train_step(config, mesh).compile() for variant, config in configs.items()
     }
-    states = {variant: init_train_state(config, mesh) for variant, config in configs.items()}
     sampler = train_batches(prepared.config)
+    states = warmed_states(steps, configs, sampler, mesh, args.warm_steps)
     keys = ("remote", "remote_whole", "local", "local_whole")
     out = {variant: {"seconds": [], **{key: [] for key in keys}} for variant in configs}
     for round_index in range(args.warmup + args.rounds):
-        batch = put_on_mesh(sampler, round_index, mesh)
+        batch = put_on_mesh(sampler, args.warm_steps + round_index, mesh)
         jax.block_until_ready(batch)
         for variant in round_order(list(configs), round_index):
             before = dict(scheduling.SocketTransport.traffic)
@@ -305,7 +327,9 @@ def host_main(argv: list[str]) -> int:
     return 0
 
 
-def measure_sockets(repeats: int, link_mbit: float | None) -> tuple[dict[str, dict], dict | None]:
+def measure_sockets(
+    repeats: int, warm_steps: int, link_mbit: float | None
+) -> tuple[dict[str, dict], dict | None]:
     """Every preset's variants over the socket transport (2 processes x 4 devices), on
     loopback or, with ``link_mbit``, on the emulated cluster: per preset, process 0's
     rounds; and the link's calibration (None on loopback)."""
@@ -328,6 +352,7 @@ def measure_sockets(repeats: int, link_mbit: float | None) -> tuple[dict[str, di
             out = work / f"{name}-out.json"
             args = ["--host", "--config", str(config), "--json", str(out), "--variants"]
             args += [str(variants), "--rounds", str(repeats), "--warmup", str(WARMUP)]
+            args += ["--warm-steps", str(warm_steps)]
             if hosts is None:
                 if launch(args, SOCKET_HOSTS, module=MODULE):
                     raise RuntimeError(f"the socket rounds of {name} failed")
@@ -828,8 +853,10 @@ def write_report(result: dict, path: Path) -> str:
             f"{WARMUP} untimed rounds, the variants interleaved (order reversed every other "
             "round) on the same batches; median and range of the round medians, and of each "
             "round's ratio. *Temp*, *arguments + outputs*: `memory_analysis` of the compiled "
-            "step. *Max/mean device load*: the routed assignments of the busiest device over "
-            "the mean, per MoE layer (routing at the start of training is skewed).",
+            "step. *Dropped*, *max/mean device load* (the routed assignments of the busiest "
+            "device over the mean, per MoE layer): over the timed steps. Every variant starts "
+            f"from the same state, trained {result['warm_steps']} steps by the padded "
+            "dropless step first.",
             "",
         ]
         for name in PRESETS:
@@ -849,7 +876,8 @@ def write_report(result: dict, path: Path) -> str:
             "",
             f"On {where}; layout 1 x 8, so half of every exchange crosses to the other host. "
             "Schedule `none` over the socket transport; every variant's step in interleaved "
-            f"rounds on the same batches ({sockets['rounds']} timed rounds after {WARMUP}). "
+            f"rounds on the same batches ({sockets['rounds']} timed rounds after {WARMUP}), "
+            f"from the same state trained {sockets['warm_steps']} steps first. "
             "*Sent to the other host*: the transport's own counter "
             "(`SocketTransport.traffic`), host 0's bytes over its 4 devices, per device and "
             "step: a ragged exchange's pieces are sent only up to their last routed row. "
@@ -885,7 +913,10 @@ def main(argv: list[str] | None = None) -> int:
         prog=f"python -m {MODULE}", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--steps", type=int, default=3, help="timed steps per round")
-    parser.add_argument("--repeats", type=int, default=5, help="timed rounds")
+    parser.add_argument("--repeats", type=int, default=7, help="timed rounds")
+    parser.add_argument(
+        "--warm-steps", type=int, default=100, help="training steps before the measured ones"
+    )
     parser.add_argument("--placement-steps", type=int, default=300)
     sockets = parser.add_mutually_exclusive_group()
     sockets.add_argument("--socket", action="store_true", help="socket runs on loopback")
@@ -913,20 +944,24 @@ def main(argv: list[str] | None = None) -> int:
     result.setdefault("commands", {})
     if not args.skip_dispatch:
         result["dispatch"] = {
-            name: measure_variants(name, args.steps, args.repeats) for name in PRESETS
+            name: measure_variants(name, args.steps, args.repeats, args.warm_steps)
+            for name in PRESETS
         }
         result["presets"] = {
             name: dataclasses.asdict(variant_config(name, BASELINE).moe) for name in PRESETS
         }
-        result.update(steps=args.steps, repeats=args.repeats)
+        result.update(steps=args.steps, repeats=args.repeats, warm_steps=args.warm_steps)
         result["commands"]["dispatch"] = command
     if args.socket or args.cluster_link_mbit:
-        measured, calibration = measure_sockets(args.repeats, args.cluster_link_mbit)
+        measured, calibration = measure_sockets(
+            args.repeats, args.warm_steps, args.cluster_link_mbit
+        )
         result["sockets"] = {
             "measured": measured,
             "calibration": calibration,
             "link_mbit": args.cluster_link_mbit,
             "rounds": args.repeats,
+            "warm_steps": args.warm_steps,
         }
         result["commands"]["sockets"] = command
     if not args.skip_placement:

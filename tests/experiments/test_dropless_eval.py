@@ -133,11 +133,13 @@ def test_the_results_file_reads_the_targets_off_a_saved_run(tmp_path):
         },
         "steps": 1,
         "repeats": 2,
+        "warm_steps": 0,
         "sockets": {
             "measured": {"mixtral-tiny": socket},
             "calibration": None,
             "link_mbit": None,
             "rounds": 2,
+            "warm_steps": 0,
         },
         "placement": {"dropless": _placement(0.3, 0.12), "capacity": _placement(0.2, 0.15)},
         "placement_steps": 300,
