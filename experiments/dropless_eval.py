@@ -337,7 +337,9 @@ def measure_sockets(
     from jaxmoe.cli.launch import launch
     from jaxmoe.config import ScheduleConfig
 
-    schedule = dataclasses.replace(ScheduleConfig(), name="none", transport="socket")
+    schedule = dataclasses.replace(
+        ScheduleConfig(), name="none", transport="socket", link_mbit=link_mbit or 0.0
+    )
     with tempfile.TemporaryDirectory(prefix="jaxmoe-dropless-") as tmp:
         work = Path(tmp)
 
