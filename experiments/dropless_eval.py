@@ -198,8 +198,10 @@ def warmed_states(steps: dict, configs: dict, sampler, mesh, warm_steps: int) ->
 
     state = init_train_state(configs[WARM_VARIANT], mesh)
     for index in range(warm_steps):
-        state, _ = steps[WARM_VARIANT](state, put_on_mesh(sampler, index, mesh))
-    jax.block_until_ready(state)
+        # One step at a time, as the training loop runs them: several multi-device steps
+        # in flight can starve XLA:CPU's collectives of threads.
+        state, metrics = steps[WARM_VARIANT](state, put_on_mesh(sampler, index, mesh))
+        jax.block_until_ready(metrics)
     return {variant: jax.tree.map(jnp.copy, state) for variant in configs}
 
 
