@@ -25,19 +25,20 @@ import chex
 import jax
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmoe.cli.parser import config_from_train_args
 from jaxmoe.config import (
     Config,
     ConfigError,
+    DataConfig,
     ModelConfig,
     MoEConfig,
     ParallelConfig,
     ScheduleConfig,
     TrainConfig,
 )
-from jaxmoe.parallel.mesh import build_mesh
+from jaxmoe.parallel.mesh import build_mesh, token_spec
 from jaxmoe.parallel.pipeline_params import PIPELINE_AXIS, stage_layout, to_layout
 from jaxmoe.parallel.pipeline_schedule import PipelineSchedule
 from jaxmoe.train.scheduled import capture_train_step, plan_train_step
@@ -202,14 +203,25 @@ def test_a_pipelined_checkpoint_restores_in_every_pipeline_layout(tmp_path):
     assert np.isfinite(metrics["loss"])
 
 
-def test_pipelined_evaluation_equals_the_unpipelined_one():
+def test_pipelined_evaluation_equals_the_unpipelined_one(tmp_path):
+    """The forward slots alone, on rotary positions and documents packed into rows: each
+    microbatch's positions and attention segments restart at its documents."""
+    from jaxmoe.data.corpus import CorpusInfo, write_info
     from jaxmoe.train.step import build_eval_step
 
+    corpus = tmp_path / "corpus.bin"
+    np.arange(64, dtype="<u2").tofile(corpus)
+    write_info(corpus, CorpusInfo("uint16", 256, 1, "<eod>", None, documents=1, tokens=64))
+    rows = np.random.default_rng(2).integers(2, 256, (16, 17)).astype(np.int32)
+    rows[np.arange(16), np.arange(16)] = 1  # one end of document in each row, at another place
     losses = []
-    for each in (config("plain", 2, 2, moe_every=1), config("plain", moe_every=1)):
+    llama = dict(moe_every=1, position="rope", norm="rmsnorm")
+    for each in (config("plain", 2, 2, **llama), config("plain", **llama)):
+        data = DataConfig(path=str(corpus), mask_across_documents=True)
+        each = dataclasses.replace(each, data=data)
         mesh = build_mesh(each.parallel, devices(each))
         state = init_train_state(each, mesh)
-        batch = random_batch(np.random.default_rng(2), each, mesh)
+        batch = jax.device_put(rows, NamedSharding(mesh, token_spec(mesh)))
         evaluate = build_eval_step(each, mesh).jit()
         losses.append(float(evaluate(state.params, batch, state.placement, state.model_state)))
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
