@@ -3,7 +3,8 @@ Mixtral-like and DeepSeek-like tiny presets, and expert placement for dropless r
 
     python -m experiments.dropless_eval [--steps 3] [--repeats 7] [--warm-steps 100]
         [--placement-steps 300]
-        [--socket | --cluster-link-mbit MBIT] [--skip-dispatch] [--skip-placement]
+        [--socket | --cluster-link-mbit MBIT [--allow-uncalibrated]] [--skip-dispatch]
+        [--skip-placement]
     python -m experiments.dropless_eval --from experiments/results/dropless_eval.json
 
 **Dispatch** (``--skip-dispatch`` leaves it out). On 8 fake CPU devices in this process
@@ -31,7 +32,8 @@ trained ``--warm-steps`` steps first (``warmed_states``):
 
 **Sockets**. ``--cluster-link-mbit MBIT`` (root): the emulated cluster, 2 hosts x 4
 devices joined by a link shaped to MBIT and calibrated first (``experiments.emulation``),
-each variant's step over the socket transport (schedule ``none``) in interleaved rounds:
+refused when the link fails calibration unless ``--allow-uncalibrated`` (the results say
+so), each variant's step over the socket transport (schedule ``none``) in interleaved rounds:
 the bytes each host's devices sent to the other host (``SocketTransport.traffic``, the
 pieces of a ragged exchange trimmed to their routed rows), what those pieces were whole,
 and the step times. ``--socket``: the same on loopback, without root (bytes; times
@@ -330,7 +332,7 @@ def host_main(argv: list[str]) -> int:
 
 
 def measure_sockets(
-    repeats: int, warm_steps: int, link_mbit: float | None
+    repeats: int, warm_steps: int, link_mbit: float | None, allow_uncalibrated: bool = False
 ) -> tuple[dict[str, dict], dict | None]:
     """Every preset's variants over the socket transport (2 processes x 4 devices), on
     loopback or, with ``link_mbit``, on the emulated cluster: per preset, process 0's
@@ -370,10 +372,9 @@ def measure_sockets(
         from experiments.emulation.link_calibration import calibrated_network
         from experiments.emulation.network import LinkShape
 
-        with calibrated_network(SOCKET_HOSTS, LinkShape(rate_mbit=link_mbit)) as (
-            network,
-            calibration,
-        ):
+        with calibrated_network(
+            SOCKET_HOSTS, LinkShape(rate_mbit=link_mbit), allow_uncalibrated=allow_uncalibrated
+        ) as (network, calibration):
             hosts = EmulatedHosts(network, work, f"{link_mbit:g}mbit")
             return {name: rounds(name, hosts) for name in PRESETS}, calibration.to_dict()
 
@@ -925,6 +926,9 @@ def main(argv: list[str] | None = None) -> int:
     sockets = parser.add_mutually_exclusive_group()
     sockets.add_argument("--socket", action="store_true", help="socket runs on loopback")
     sockets.add_argument("--cluster-link-mbit", type=float, help="socket runs on the cluster")
+    parser.add_argument(
+        "--allow-uncalibrated", action="store_true", help="a link that fails calibration too"
+    )
     parser.add_argument("--skip-dispatch", action="store_true")
     parser.add_argument("--skip-placement", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS / "dropless_eval.md")
@@ -957,9 +961,15 @@ def main(argv: list[str] | None = None) -> int:
         result.update(steps=args.steps, repeats=args.repeats, warm_steps=args.warm_steps)
         result["commands"]["dispatch"] = command
     if args.socket or args.cluster_link_mbit:
-        measured, calibration = measure_sockets(
-            args.repeats, args.warm_steps, args.cluster_link_mbit
-        )
+        from experiments.emulation.link_calibration import LinkNotCalibrated
+
+        try:
+            measured, calibration = measure_sockets(
+                args.repeats, args.warm_steps, args.cluster_link_mbit, args.allow_uncalibrated
+            )
+        except LinkNotCalibrated as error:  # the calibration went to standard error
+            print(f"{MODULE}: the link failed calibration: {error}", file=sys.stderr)
+            return 3
         result["sockets"] = {
             "measured": measured,
             "calibration": calibration,
