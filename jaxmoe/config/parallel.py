@@ -4,13 +4,12 @@ devices, and the pipeline of stages around them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from jaxmoe.config.checks import ConfigError, check_types, positive_int, require
+from jaxmoe.config.model import ModelConfig
+from jaxmoe.config.schedule import ScheduleConfig
+from jaxmoe.config.train import TrainConfig
 from jaxmoe.parallel.layout import LayoutError, check_layout
-
-if TYPE_CHECKING:
-    from jaxmoe.config.config import Config
 
 # Schedules whose rewrite assumes the microbatch loop that the pipeline replaces.
 _SCHEDULES_NOT_WITH_PIPELINE = {
@@ -84,10 +83,11 @@ class ParallelConfig:
         return self.stage_devices
 
 
-def check_pipeline(config: Config) -> None:
+def check_pipeline(
+    parallel: ParallelConfig, model: ModelConfig, train: TrainConfig, schedule: ScheduleConfig
+) -> None:
     """What a pipeline needs from the other sections (nothing without one): equal chunks
     of layers, alike at each position, and the options that compose with it."""
-    parallel, model, train = config.parallel, config.model, config.train
     if parallel.pipeline == 1:
         return
     chunks = f"parallel.pipeline x parallel.virtual_stages = {parallel.chunks}"
@@ -114,7 +114,6 @@ def check_pipeline(config: Config) -> None:
         "the blocks over their replicas, the pipeline stacks them by stage; the two layouts "
         "are not combined, so choose one of them",
     )
-    schedule = config.schedule
     why = _SCHEDULES_NOT_WITH_PIPELINE.get(schedule.name)
     require(
         why is None,
