@@ -92,6 +92,8 @@ class PipelineModel:
 
 
 def pipeline_model(config: Config) -> PipelineModel:
+    """``config``'s model cut for its pipeline (built once per model and layout, on
+    abstract parameters: nothing is allocated)."""
     layout = stage_layout(config.parallel, config.model.num_layers)
     if layout is None:
         raise ValueError("parallel.pipeline=1: there is no pipeline")
@@ -328,6 +330,7 @@ class _Pipeline:
             rank = model.moe_rank[j]
             if self.placement is not None and rank is not None:
                 table = _index_tree(self.placement, chunk * model.moe_per_chunk + rank)
+            # The block's index j is what ZeRO-3 would gather by; the pipeline refuses ZeRO.
             with jax.named_scope(f"chunk_layer_{j}"):
                 x, stats = call_block(
                     self.config.model.recompute, block, j, x, key, table,

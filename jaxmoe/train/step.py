@@ -2,8 +2,8 @@
 
 Inside it: the forward pass, the loss (:mod:`jaxmoe.train.losses`), ``jax.value_and_grad``
 on each microbatch (:mod:`jaxmoe.train.microbatches`) or, under ``parallel.pipeline``,
-the pipeline's ticks over the microbatches (:mod:`jaxmoe.train.pipeline`), the explicit gradient
-synchronisation (``train.grad_sync``, :mod:`jaxmoe.parallel.grad_sync`),
+the pipeline's ticks over the microbatches (:mod:`jaxmoe.train.pipeline`), the explicit
+gradient synchronisation (``train.grad_sync``, :mod:`jaxmoe.parallel.grad_sync`),
 global-norm clipping, the AdamW update, and (``moe.expert_bias_rate``) the routers'
 expert biases moved from the step's global routed counts, outside the optimizer. Every
 collective (the expert all-to-alls of forward and backward, the tensor-parallel
@@ -11,9 +11,10 @@ all-gathers and reduce-scatters and their transposes, the gradient psums) is
 an equation of one per-device program, next to all of the computation — which
 is what the scheduling layer rewrites.
 
-Each device gets whole rows of the batch (replicated over its tensor group)
-and computes the loss on its own tokens: its slice of the positions under
-tensor (sequence) parallelism, all of them otherwise.
+Each device gets whole rows of the batch (replicated over its tensor group, and over
+the stages of a pipeline, of which the last computes the loss) and computes the loss on
+its own tokens: its slice of the positions under tensor (sequence) parallelism, all of
+them otherwise.
 
 ``check_vma=False``: the step reduces gradients itself. Each device
 differentiates its own loss divided by the number of token shards, so summing
