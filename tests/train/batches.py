@@ -1,14 +1,18 @@
-"""Random token batches placed on a mesh, and a short training run on them, shared by the
-train-step tests."""
+"""Random token batches placed on a mesh, the compiled train step of a configuration, and a
+short training run on them, shared by the train-step tests."""
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from jaxmoe.config import Config
+from jaxmoe.config import Config, ScheduleConfig
 from jaxmoe.parallel.mesh import build_mesh, token_spec
+from jaxmoe.train.scheduled import plan_train_step
 from jaxmoe.train.state import init_train_state
-from jaxmoe.train.step import build_train_step
 
 
 def random_batch(rng: np.random.Generator, config: Config, mesh: Mesh) -> jax.Array:
@@ -17,12 +21,32 @@ def random_batch(rng: np.random.Generator, config: Config, mesh: Mesh) -> jax.Ar
     return jax.device_put(rows.astype(np.int32), NamedSharding(mesh, token_spec(mesh)))
 
 
+def compiled_step(
+    config: Config, devices: Sequence[jax.Device] | None = None
+) -> tuple[Mesh, Callable]:
+    """The mesh of ``config`` and its train step for ``config.schedule``, compiled ahead of
+    time: ``(state, batch) -> (state, metrics)``.
+
+    Compiled once per configuration and test process: tests in several modules train the
+    same configuration (most often its unscheduled step, the reference of a schedule). The
+    plain step does not depend on the schedule section, so all plain steps of a model
+    share one compilation."""
+    if not config.schedule.rewrites:
+        config = dataclasses.replace(config, schedule=ScheduleConfig(name="none"))
+    return _compiled_step(config, None if devices is None else tuple(devices))
+
+
+@functools.cache
+def _compiled_step(config: Config, devices: tuple[jax.Device, ...] | None):
+    mesh = build_mesh(config.parallel, devices)
+    return mesh, plan_train_step(config, mesh).compile()
+
+
 def train_steps(config: Config, devices=None, steps: int | None = None) -> tuple[list, dict]:
     """``steps`` (default ``config.train.steps``) steps on random batches from seed 0: each
     step's metrics and the final parameters, on the host."""
-    mesh = build_mesh(config.parallel, devices)
+    mesh, step = compiled_step(config, devices)
     state = init_train_state(config, mesh)
-    step = build_train_step(config, mesh).jit()
     rng = np.random.default_rng(0)
     history = []
     for _ in range(config.train.steps if steps is None else steps):

@@ -2,6 +2,9 @@
 
 import dataclasses
 
+import jax
+import numpy as np
+
 from jaxmoe.config import Config, DataConfig
 from jaxmoe.presets import preset
 
@@ -36,3 +39,24 @@ def small_config(**train_fields) -> Config:
         train=dataclasses.replace(tiny.train, **train),
         data=DataConfig(max_bytes=300_000),
     )
+
+
+def assert_trained_close(actual, desired, *, rtol: float, atol: float, update: float):
+    """Two trained states (or parameter trees) that differ by float rounding alone.
+
+    AdamW turns a gradient ``g`` into an update of about ``lr * g / |g|``: where an element's
+    gradient is itself round-off (it cancels), a few ulps of it move that element by up to
+    an update, however close the rest is. So every floating-point element must be within
+    ``update`` (absolute), and all but 0.1% of them within ``rtol``/``atol``; other leaves
+    are compared exactly."""
+    flat_actual, tree = jax.tree_util.tree_flatten_with_path(actual)
+    flat_desired = tree.flatten_up_to(desired)
+    for (path, a), b in zip(flat_actual, flat_desired, strict=True):
+        name = jax.tree_util.keystr(path)
+        a, b = np.asarray(a), np.asarray(b)
+        if not np.issubdtype(a.dtype, np.floating):
+            np.testing.assert_array_equal(a, b, err_msg=name)
+            continue
+        np.testing.assert_allclose(a, b, rtol=0, atol=update, err_msg=name)
+        off = ~np.isclose(a, b, rtol=rtol, atol=atol)
+        assert off.mean() <= 1e-3, f"{name}: {off.sum()} of {off.size} elements off"

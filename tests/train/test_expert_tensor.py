@@ -9,15 +9,15 @@ gradients reduced over other mesh axes), a few ulps of each gradient. AdamW turn
 gradient ``g`` into an update of about ``lr * g / |g|``, so where a gradient element is
 itself round-off (it cancels) a few ulps of it move the update by much more than a few
 ulps of the parameter. Hence the tolerance on parameters is absolute and stated in
-updates: ``lr / 200`` (5e-5; measured at most 2.6e-6 on the expert parameters and
-6.5e-6 on all parameters of these runs here, and 1.6e-5 on an expert parameter on another
-CPU, whose XLA groups the sums otherwise).
+updates: ``lr / 1000`` (1e-5) for all but 0.1% of the elements, and one update (``lr /
+10``, 1e-3) for those few, whose gradient cancels (measured up to 1.1e-4 on one element
+of 16384 where XLA:CPU compiles the sums otherwise: another CPU, or another optimisation
+level).
 """
 
 import dataclasses
 import functools
 
-import chex
 import jax
 import numpy as np
 import pytest
@@ -26,6 +26,7 @@ from jaxmoe.config import MoEConfig, ParallelConfig
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.train.state import init_train_state
 from tests.train.batches import train_steps
+from tests.train.runs import assert_trained_close
 from tests.train.test_step import small_config
 
 STEPS = 3
@@ -65,11 +66,11 @@ def test_same_training_as_the_unfolded_layout(mapping):
         np.testing.assert_allclose(
             [m[name] for m in history], [m[name] for m in reference], rtol=1e-6, err_msg=name
         )
-    tolerance = config.train.learning_rate / 200
-    chex.assert_trees_all_close(
-        experts_of(params), experts_of(reference_params), atol=tolerance, rtol=0
+    lr = config.train.learning_rate
+    assert_trained_close(
+        experts_of(params), experts_of(reference_params), rtol=0, atol=lr / 1000, update=lr / 10
     )
-    chex.assert_trees_all_close(params, reference_params, atol=tolerance, rtol=0)
+    assert_trained_close(params, reference_params, rtol=0, atol=lr / 1000, update=lr / 10)
 
 
 def test_expert_state_is_split_over_the_expert_tensor_axis():

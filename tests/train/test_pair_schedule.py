@@ -23,12 +23,12 @@ LAYOUTS = {
 }
 
 
-def config(layout: str) -> Config:
+def config(layout: str, num_layers: int = 2) -> Config:
     return Config(
-        model=ModelConfig(d_model=32, num_heads=2, num_layers=4, d_ff=64, seq_len=16),
+        model=ModelConfig(d_model=32, num_heads=2, num_layers=num_layers, d_ff=64, seq_len=16),
         moe=MoEConfig(num_experts=8, top_k=2, capacity_factor=1.0),
         parallel=LAYOUTS[layout],
-        train=TrainConfig(batch_size=32, warmup_steps=1, learning_rate=1e-2, microbatches=4),
+        train=TrainConfig(batch_size=24, warmup_steps=1, learning_rate=1e-2, microbatches=3),
     )
 
 
@@ -54,7 +54,8 @@ def test_the_paired_step_trains_as_written(layout, schedule, pair):
 
 def test_the_paired_order_interleaves_microbatches_and_respects_dependences():
     # A slow link: the all-to-alls are long enough for the pairing to fill them.
-    cfg = with_schedule(config("2x4"), "pair", profile="cpu", link_mbit=50.0)
+    # Four layers (two MoE layers): a backward pass long enough to hold a forward one.
+    cfg = with_schedule(config("2x4", num_layers=4), "pair", profile="cpu", link_mbit=50.0)
     mesh = build_mesh(cfg.parallel)
     program, sharded = capture_train_step(cfg, mesh)
     policy = schedule_policy(cfg)

@@ -7,7 +7,9 @@ for op; XLA compiles the chunked program differently (different fusions around
 the reassembled residuals, so elementwise math is vectorised differently),
 which moves gradients by a few ulps. Losses and metrics are compared to 2e-5
 relative; parameters after five AdamW steps at learning rate 1e-2 to 5e-5
-absolute, half a percent of one step's update.
+absolute, half a percent of one step's update, but for the few elements whose
+gradient cancels (:func:`tests.train.runs.assert_trained_close`): within one
+update of 1e-3.
 """
 
 import dataclasses
@@ -22,7 +24,7 @@ from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.presets import preset
 from jaxmoe.train.scheduled import capture_train_step, plan_train_step
 from scheduling import SchedulePolicy, aval_bytes, batch_inputs, plan
-from tests.train.runs import with_schedule
+from tests.train.runs import assert_trained_close, with_schedule
 from tests.train.test_scheduled import run, small
 
 EXACT_METRICS = ("dropped_fraction", "expert_imbalance")
@@ -40,7 +42,7 @@ def assert_same_training(result, reference):
 
     chex.assert_trees_all_equal(exact(history), exact(expected_history))
     chex.assert_trees_all_close(history, expected_history, rtol=2e-5, atol=1e-6)
-    chex.assert_trees_all_close(state, expected_state, rtol=1e-4, atol=5e-5)
+    assert_trained_close(state, expected_state, rtol=1e-4, atol=5e-5, update=1e-3)
 
 
 CASES = {
