@@ -151,7 +151,9 @@ def unstacked_specs(specs: dict, layout: StageLayout) -> dict:
 def convert_param_trees(tree: Any, convert: Callable[[dict], dict]) -> Any:
     """``tree`` with ``convert`` applied to every sub-tree shaped like the parameters (a
     dict holding ``blocks`` or ``stage_blocks``): the parameters themselves, the
-    optimizer's moments, a gradient-sync state."""
+    optimizer's moments, a gradient-sync state. Not for the model state (the expert
+    biases, under ``blocks`` too, of the MoE layers alone), which keeps the model's
+    layout."""
     return jax.tree.map(
         lambda x: convert(x) if _is_param_tree(x) else x, tree, is_leaf=_is_param_tree
     )

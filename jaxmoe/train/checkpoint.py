@@ -53,6 +53,7 @@ from jaxmoe.train.state import (
     TrainState,
     abstract_sharded_state,
     abstract_train_state,
+    param_trees_mapped,
     pipeline_layout,
     state_specs,
 )
@@ -130,7 +131,9 @@ def restore_model(out_dir: Path, step: int, config: Config, device: Any) -> dict
                 partial_restore=True,
             ),
         )
-    return to_layout(dict(restored), pipeline_layout(config), None)
+    restored = dict(restored)
+    restored["params"] = to_layout(restored["params"], pipeline_layout(config), None)
+    return restored
 
 
 def latest_checkpoint(out_dir: Path) -> int | None:
@@ -307,9 +310,10 @@ class RunCheckpoints:
         if saved == layout:
             return restored.state
         shardings = jax.tree.map(lambda leaf: leaf.sharding, current)
-        return jax.jit(lambda state: to_layout(state, saved, layout), out_shardings=shardings)(
-            restored.state
-        )
+        return jax.jit(
+            lambda state: param_trees_mapped(state, lambda tree: to_layout(tree, saved, layout)),
+            out_shardings=shardings,
+        )(restored.state)
 
     def _saved_layout(self, step: int) -> StageLayout | None:
         """The pipeline layout the checkpoint of ``step`` was written in (None: none; a
@@ -328,10 +332,14 @@ class RunCheckpoints:
         pipeline axis where ``mesh`` has one."""
         layout = pipeline_layout(self.config)
         shapes = jax.eval_shape(
-            lambda state: to_layout(state, layout, saved), abstract_train_state(self.config)
+            lambda state: param_trees_mapped(state, lambda tree: to_layout(tree, layout, saved)),
+            abstract_train_state(self.config),
         )
         stage_axis = PIPELINE_AXIS if PIPELINE_AXIS in mesh.axis_names else None
-        specs = to_layout_specs(state_specs(self.config), layout, saved, stage_axis)
+        specs = param_trees_mapped(
+            state_specs(self.config),
+            lambda tree: to_layout_specs(tree, layout, saved, stage_axis),
+        )
         return jax.tree.map(
             lambda shape, spec: jax.ShapeDtypeStruct(
                 shape.shape, shape.dtype, sharding=jax.sharding.NamedSharding(mesh, spec)

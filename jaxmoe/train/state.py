@@ -7,6 +7,7 @@ everything shaped like them, stacked by stage (:mod:`jaxmoe.parallel.pipeline_pa
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -193,6 +194,18 @@ def abstract_train_state(config: Config) -> TrainState:
     params = nnx.to_pure_dict(abstract_params)
     model_state = pure_model_state(abstract_model_state)
     return jax.eval_shape(lambda p, m: train_state_around(config, p, m), params, model_state)
+
+
+def param_trees_mapped(state: TrainState, convert: Callable[[Any], Any]) -> TrainState:
+    """``state`` (or its shapes, or its specs) with ``convert`` applied to what is laid out
+    like the parameters: the parameters, the optimizer state, the gradient-sync state. The
+    model state (the expert biases, keyed by layer) and the placement keep their layout
+    under every pipeline."""
+    return state._replace(
+        params=convert(state.params),
+        opt_state=convert(state.opt_state),
+        grad_sync=convert(state.grad_sync),
+    )
 
 
 def pipeline_layout(config: Config) -> StageLayout | None:
