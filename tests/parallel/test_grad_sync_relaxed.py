@@ -143,7 +143,9 @@ def test_a_workers_gradient_is_its_own_rows_and_exact_inside_its_host():
     }
     specs = {"dense": P(), "experts": P(EXPERT_AXIS)}
     for per_host in (1, 4):
-        own_of = lambda g, per_host=per_host: worker_gradients(g, specs, mesh_axes, per_host)
+        own_of = lambda g, per_host=per_host: worker_gradients(
+            g, specs, mesh_axes, per_host, 1 << 20
+        )
         own = per_device(own_of, 2, 4)(grads)
         dense = grads["dense"]
         if per_host == 4:
@@ -174,6 +176,40 @@ def test_hosts_exchange_shares_and_end_with_the_pair_average():
     # One host: nothing crosses, nothing moves.
     alone = mixed_by(Decentralized(devices_per_host=8), params, specs, 2, 4)
     chex.assert_trees_all_equal(alone, params)
+
+
+def test_delayed_workers_resynchronise_a_slice_of_their_parameters_each_step():
+    """Hosts of 4 on data 2 x expert 4, resync_every 4: each step averages one quarter of
+    each bucket across the two hosts and leaves the rest; after 4 steps the hosts agree."""
+    rng = np.random.default_rng(8)
+    hosts = rng.normal(size=(2, 1, 50)).astype(np.float32)
+    params = {"dense": np.repeat(hosts, 4, axis=0)}
+    specs = {"dense": P()}
+    mesh_axes = {DATA_AXIS: 2, EXPERT_AXIS: 4}
+    sync = Delayed(bucket_bytes=1 << 20, devices_per_host=4, resync_every=4)
+    after = per_device(lambda p, s: sync.after_update(p, s[0], specs, mesh_axes), 2, 4)
+    mean = hosts.mean(axis=0)
+    values = params
+    for step in range(4):
+        values = after(values, np.full((8, 1), step, np.int32))
+        got = np.asarray(values["dense"])
+        # Each device of a host holds a quarter share of 13 (50 padded to 52); each share
+        # averages its slice of 4 (13 padded to 16) at this step.
+        for share in range(4):
+            averaged = np.zeros(50, bool)
+            for done in range(step + 1):
+                averaged[share * 13 + done * 4 : share * 13 + min(done * 4 + 4, 13)] = True
+            averaged &= np.arange(50) < min(50, share * 13 + 13)
+            np.testing.assert_allclose(
+                got[:, 0, averaged],
+                np.broadcast_to(mean[0, averaged], (8, averaged.sum())),
+                rtol=1e-6,
+            )
+            kept = ~averaged & (np.arange(50) >= share * 13) & (np.arange(50) < share * 13 + 13)
+            np.testing.assert_array_equal(
+                got[:4, 0, kept], np.broadcast_to(hosts[0, 0, kept], (4, kept.sum()))
+            )
+    np.testing.assert_allclose(got, np.broadcast_to(mean, (8, 1, 50)), rtol=1e-6)
 
 
 def test_delayed_averaging_keeps_the_mean_on_the_synchronous_path():

@@ -80,7 +80,8 @@ class DecentralizedInt8(GradSync):
     chunk: int = DEFAULT_CHUNK
 
     def __call__(self, grads: PyTree, state: PyTree, specs: PyTree, mesh_axes: MeshAxes) -> Synced:
-        return Synced(worker_gradients(grads, specs, mesh_axes, self.devices_per_host), state)
+        own = worker_gradients(grads, specs, mesh_axes, self.devices_per_host, self.bucket_bytes)
+        return Synced(own, state)
 
     def after_update(
         self, params: PyTree, step: jax.Array, specs: PyTree, mesh_axes: MeshAxes

@@ -27,11 +27,19 @@ synchronous run's path exactly and each worker is off it by one step's
 ``lr (g_h - mean g)``, which does not grow; DGA shows the rate of synchronous SGD. The
 fresh local term is also the compensation: ``g_h^t - g_h^{t-1}`` is the worker's own
 measure of how far the gradient moved since the average was computed, where DC-ASGD
-(Zheng et al., ICML 2017) estimates it as ``lambda g (.) g (.) (x_t - x_{t-1})``. AdamW
-divides by its running second moment, which is not linear: the telescoping holds as
-long as the moment changes slowly, and the workers' parameters (each with its own
-optimizer state) drift apart by the rest; the convergence evaluation measures what
-that costs.
+(Zheng et al., ICML 2017) estimates it as ``lambda g (.) g (.) (x_t - x_{t-1})``.
+
+AdamW is not linear: it divides by its running second moment, and each worker keeps
+its own, so the workers' updates do not telescope exactly and their parameters drift
+apart, without bound, by the rest. The workers therefore re-synchronise their
+parameters in turns (:meth:`Delayed.after_update`): at step t they average slice
+``t mod K`` of K equal slices of every bucket of parameters across hosts, so each
+parameter is averaged every K steps (``resync_every``), as local SGD averages its
+models periodically (Stich, "Local SGD Converges Fast and Communicates Little", ICLR
+2019), at ``1/K`` of a parameter exchange per step. Measured on ``tiny`` (hosts of 4,
+200 steps, seed 0): the last 20 steps' loss 5.6% above allreduce's without it, 3.4%
+with every parameter averaged every step, 3.4% with K = 4 and 3.5% with K = 16, the
+default: the drift is what a few steps' averaging removes, not what one step makes.
 
 The average is taken per bucket of gradients (fused as in :mod:`.bucketed`): each of a
 host's members sums its share of the bucket across hosts, and the host gathers the
@@ -50,6 +58,7 @@ parameters and optimizer state (and this state: every device's ``local`` block, 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import jax
@@ -64,12 +73,30 @@ from jaxmoe.parallel.grad_sync.base import (
     per_device_zeros,
 )
 from jaxmoe.parallel.grad_sync.bucketed import map_buckets
+from jaxmoe.parallel.grad_sync.decentralized import MIX_SCOPE
 from jaxmoe.parallel.grad_sync.workers import (
+    Replicas,
     across_hosts,
     exchanged_axes,
     replicas_over,
     worker_gradients,
 )
+
+# The name scope of the average over workers, which only the next step reads.
+DEFERRED_SCOPE = "grad_reduce/deferred"
+# Steps between two averages of a parameter across workers (measured: see the docstring).
+RESYNC_EVERY = 16
+
+
+def resync_slice(share: jax.Array, step: jax.Array, slices: int, group: Replicas) -> jax.Array:
+    """``share`` with its slice ``step mod slices`` (of ``slices`` equal ones) averaged over
+    the members holding it on every host."""
+    size = math.ceil(share.size / slices)
+    padded = jnp.pad(share, (0, size * slices - share.size))
+    start = (step % slices) * size
+    part = jax.lax.dynamic_slice(padded, (start,), (size,))
+    part = jax.lax.psum(part, group.axes, axis_index_groups=group.across) / group.hosts
+    return jax.lax.dynamic_update_slice(padded, part, (start,))[: share.size]
 
 
 @dataclass(frozen=True)
@@ -77,6 +104,8 @@ class Delayed(GradSync):
     bucket_bytes: int = 25 * 2**20
     # Hosts (see hierarchical.py); 1: every device a worker of its own.
     devices_per_host: int = 1
+    # Each parameter is averaged across workers every this many steps (see the docstring).
+    resync_every: int = RESYNC_EVERY
 
     def init_state(self, params: PyTree, specs: PyTree, mesh_axes: MeshAxes) -> PyTree:
         return {
@@ -89,7 +118,7 @@ class Delayed(GradSync):
         return {"pending": specs, "local": per_device_specs(specs, mesh_axes)}
 
     def __call__(self, grads: PyTree, state: PyTree, specs: PyTree, mesh_axes: MeshAxes) -> Synced:
-        own = worker_gradients(grads, specs, mesh_axes, self.devices_per_host)
+        own = worker_gradients(grads, specs, mesh_axes, self.devices_per_host, self.bucket_bytes)
 
         def mean(flat, axes):
             group = replicas_over(axes, mesh_axes, self.devices_per_host)
@@ -103,6 +132,7 @@ class Delayed(GradSync):
             self.bucket_bytes,
             mean,
             group_axes=exchanged_axes(mesh_axes, self.devices_per_host),
+            scope=DEFERRED_SCOPE,
         )
         applied = jax.tree.map(
             lambda fresh, pending, last: fresh + (pending - last[0]),
@@ -112,3 +142,21 @@ class Delayed(GradSync):
         )
         local = jax.tree.map(lambda g: g[None], own)
         return Synced(applied, {"pending": averaged, "local": local})
+
+    def after_update(
+        self, params: PyTree, step: jax.Array, specs: PyTree, mesh_axes: MeshAxes
+    ) -> PyTree:
+        def resync(flat, axes):
+            group = replicas_over(axes, mesh_axes, self.devices_per_host)
+            share = lambda part: resync_slice(part, step, self.resync_every, group)
+            return (across_hosts(flat, group, share),)
+
+        (synced,) = map_buckets(
+            params,
+            specs,
+            self.bucket_bytes,
+            resync,
+            group_axes=exchanged_axes(mesh_axes, self.devices_per_host),
+            scope=MIX_SCOPE,
+        )
+        return synced

@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxmoe.parallel.grad_sync.base import MeshAxes, PyTree, path_name
+from jaxmoe.parallel.grad_sync.base import MeshAxes, PyTree
+from jaxmoe.parallel.grad_sync.bucketed import map_buckets
 from jaxmoe.parallel.grad_sync.hierarchical import Groups, host_groups
 from jaxmoe.parallel.layout import ATTENTION_DATA, axes_for_role
 from jaxmoe.parallel.sharding import replicated_axes
@@ -86,7 +87,7 @@ def exchanged_axes(mesh_axes: MeshAxes, devices_per_host: int):
 
 
 def worker_gradients(
-    grads: PyTree, specs: PyTree, mesh_axes: MeshAxes, devices_per_host: int
+    grads: PyTree, specs: PyTree, mesh_axes: MeshAxes, devices_per_host: int, bucket_bytes: int
 ) -> PyTree:
     """Per device: the gradient of its worker's own mean loss, for each parameter.
 
@@ -94,22 +95,28 @@ def worker_gradients(
     on this host, not across hosts, and scaled by the number of workers: each device
     differentiates its loss divided by every token shard, so the workers' sums add up to
     the gradient of the global mean loss, and ``H`` times one of them is the gradient of
-    that worker's mean loss (its own rows, ``1/H`` of the batch)."""
-    names = tuple(mesh_axes)
+    that worker's mean loss (its own rows, ``1/H`` of the batch). Fused into buckets of
+    at most ``bucket_bytes`` (:mod:`.bucketed`): one psum per bucket, not per parameter."""
+    names, rows = tuple(mesh_axes), worker_axes(mesh_axes)
 
-    def own(path, grad, spec):
-        group = replicas(spec, mesh_axes, devices_per_host)
-        exact = tuple(a for a in replicated_axes(spec, names) if a not in group.axes)
-        with jax.named_scope("grad_reduce/" + path_name(path)):
-            if exact:
-                grad = jax.lax.psum(grad, exact)
-            if group.hosts == 1 and group.axes:
-                grad = jax.lax.psum(grad, group.axes)
-            elif group.per_host > 1:
-                grad = jax.lax.psum(grad, group.axes, axis_index_groups=group.inside)
-        return grad * group.hosts
+    def shared_rows(spec: PartitionSpec) -> tuple[str, ...]:
+        return tuple(a for a in replicated_axes(spec, names) if a not in rows)
 
-    return jax.tree_util.tree_map_with_path(own, grads, specs)
+    def row_replicas(spec: PartitionSpec) -> tuple[str, ...]:
+        return replicas(spec, mesh_axes, devices_per_host).axes
+
+    def in_host(flat: jax.Array, axes: tuple[str, ...]) -> tuple[jax.Array]:
+        group = replicas_over(axes, mesh_axes, devices_per_host)
+        if group.hosts == 1:
+            flat = jax.lax.psum(flat, axes)
+        elif group.per_host > 1:
+            flat = jax.lax.psum(flat, axes, axis_index_groups=group.inside)
+        return (flat * group.hosts,)
+
+    psum = lambda flat, axes: (jax.lax.psum(flat, axes),)
+    (grads,) = map_buckets(grads, specs, bucket_bytes, psum, group_axes=shared_rows)
+    (grads,) = map_buckets(grads, specs, bucket_bytes, in_host, group_axes=row_replicas)
+    return grads
 
 
 def host_perm(across: Groups, shift: int) -> list[tuple[int, int]]:
