@@ -1,11 +1,12 @@
 """``model.recompute="layer"``: the backward pass runs each block again from its input.
 
 It trains as ``"none"`` does: the forward pass is the same computation (the first loss
-bit for bit), the gradients are the same arithmetic in other XLA fusions (Adam's first
-moment after one step within 1e-5 relative), and over 5 steps the losses agree within
-2e-6 relative and the parameters within the tolerances of tests/train/test_pipeline.py.
-The captured step keeps, of everything the blocks compute, their inputs alone for the
-backward pass. With the pipeline: tests/train/test_pipeline.py (interleaved case).
+bit for bit), the gradients the same arithmetic in other XLA fusions. Tolerances: the
+losses over 5 steps 2e-6 relative, Adam's first moment after one step 1e-5 relative, the
+parameters after 5 steps lr / 200 (measured: the losses and parameters bit for bit, the
+routers' losses as reported within 1e-7). The captured step keeps, of everything the
+blocks compute, their inputs alone for the backward pass. With the pipeline:
+tests/train/test_pipeline.py (interleaved case).
 """
 
 import functools
@@ -66,7 +67,7 @@ def test_recomputing_layers_trains_as_keeping_them():
     chex.assert_trees_all_close(
         first.opt_state[0].mu, expected_first.opt_state[0].mu, rtol=1e-5, atol=1e-9
     )
-    chex.assert_trees_all_close(state.params, expected_state.params, rtol=0, atol=LR / 20)
+    chex.assert_trees_all_close(state.params, expected_state.params, rtol=0, atol=LR / 200)
 
 
 def test_a_recomputed_block_keeps_its_input_alone():

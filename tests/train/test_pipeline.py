@@ -10,12 +10,16 @@ with full-layer recomputation.
 Tolerances. The same tokens drop (``dropped_fraction`` and ``tokens_per_expert`` equal
 exactly). The pipeline computes each block as the loop does, but its chunks are separate
 VJPs and its sums run in another order (a chunk's router losses, the head's and the
-embedding's gradients), so XLA rounds differently: the losses agree to 2e-6 relative
-(measured: at most 2.4e-7), the gradient norm to 1e-5, the parameters after 5 AdamW
-steps of learning rate 1e-2 to 5e-5 absolute, lr / 200 (measured: at most 9e-6). A wrong
-stage order, a missing microbatch or a gradient not summed over the pipeline axis
-changes the first loss or the first update by far more. The scheduler's schedules
-(``dw``, ``async``) change nothing computed: bit for bit.
+embedding's gradients), so XLA fuses and rounds differently, and differently from one
+compilation to another. Measured over several runs, at most: losses 1.2e-6 relative
+(tolerance 5e-6), the gradient norm 6.8e-6 (2e-5), Adam's first moment after one step,
+(1 - b1) x the clipped gradient, 6e-9 absolute (3e-8 plus 1e-4 relative). After 5 AdamW
+steps of learning rate 1e-2, 99.9% of the parameters agree within 8e-6 (lr / 200) and
+all within 2.6e-4 (lr / 10): Adam moves a parameter whose gradient nearly cancels by up to
+lr whatever the gradient's size, so the rounding of a tiny gradient can move it by far
+more than the rest. A wrong stage order, a missing microbatch or a gradient not summed
+over the pipeline axis changes the first loss or the first gradients by far more. The
+scheduler's schedules (``dw``, ``async``) change nothing computed: bit for bit.
 """
 
 import dataclasses
@@ -125,7 +129,7 @@ def test_the_pipeline_trains_as_the_microbatch_loop(case):
     assert all(m["dropped_fraction"] > 0 for m in expected)
     for key in ("loss", "total_loss", "aux_loss", "z_loss"):
         np.testing.assert_allclose(
-            [m[key] for m in history], [m[key] for m in expected], rtol=2e-6, err_msg=key
+            [m[key] for m in history], [m[key] for m in expected], rtol=5e-6, err_msg=key
         )
     np.testing.assert_allclose(
         [m["grad_norm"] for m in history], [m["grad_norm"] for m in expected], rtol=2e-5
@@ -134,12 +138,12 @@ def test_the_pipeline_trains_as_the_microbatch_loop(case):
     (_, first), (_, expected_first) = trained(pipelined, 1), trained(config(layout), 1)
     chex.assert_trees_all_close(
         unstacked(pipelined, first.opt_state[0].mu), expected_first.opt_state[0].mu,
-        rtol=1e-4, atol=1e-8,
+        rtol=1e-4, atol=3e-8,
     )  # fmt: skip
     # The parameters: Adam moves a parameter whose gradient nearly cancels by up to lr
     # whatever the gradient's size, so rounding can move a few by far more than most.
     params = unstacked(pipelined, state.params)
-    chex.assert_trees_all_close(params, expected_state.params, rtol=0, atol=LR / 20)
+    chex.assert_trees_all_close(params, expected_state.params, rtol=0, atol=LR / 10)
     differences = np.concatenate(
         [np.abs(a - b).ravel() for a, b in zip(jax.tree.leaves(params),
                                                  jax.tree.leaves(expected_state.params),
