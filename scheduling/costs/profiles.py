@@ -71,8 +71,13 @@ class DeviceProfile:
             )
 
     def peak_flops_per_s(self, dtype: Any) -> float:
-        """The compute peak for operands of ``dtype`` (16-bit floats have their own)."""
-        if self.half_precision_flops_per_s and np.dtype(dtype) in HALF_PRECISION:
+        """The compute peak for operands of ``dtype`` (16-bit floats have their own; JAX's
+        extended dtypes, such as PRNG keys, are not NumPy dtypes and count as full width)."""
+        try:
+            half = np.dtype(dtype) in HALF_PRECISION
+        except TypeError:
+            half = False
+        if self.half_precision_flops_per_s and half:
             return self.half_precision_flops_per_s
         return self.flops_per_s
 

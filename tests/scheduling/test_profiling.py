@@ -134,3 +134,11 @@ def test_measured_policy_schedules_exactly(tmp_path):
         )
     )
     chex.assert_trees_all_equal(step(*args), reference(*args))
+
+
+def test_a_prng_key_operand_is_costed_at_the_full_width_peak():
+    """Router noise puts PRNG keys (an extended dtype, not a NumPy one) into the step."""
+    profile = PROFILES["a100-8x-nvlink-400g"]
+    key_dtype = jax.random.key(0).dtype
+    assert profile.peak_flops_per_s(key_dtype) == profile.peak_flops_per_s(jnp.float32)
+    assert profile.peak_flops_per_s(jnp.bfloat16) == profile.half_precision_flops_per_s
