@@ -106,7 +106,7 @@ def test_round_trip_through_a_dict():
 
 def test_unknown_preset_names_the_choices():
     with pytest.raises(
-        ConfigError, match="unknown preset 'huge': choose one of deepseek_v3-671b, .*gpt2-moe-12, "
+        ConfigError, match=r"unknown preset 'huge': choose one of deepseek_v3-671b, .*gpt2-moe-12, "
     ):
         preset("huge")
 
