@@ -3,7 +3,7 @@ dropped for memory and what was skipped, and why."""
 
 from __future__ import annotations
 
-from jaxmoe.plan.planner import MEMORY_METHOD, MappingEstimate, PlanResult
+from jaxmoe.plan.planner import MEMORY_METHOD, MappingEstimate, NotEstimated, PlanResult
 
 
 def table(result: PlanResult, verbose: bool = False) -> str:
@@ -11,9 +11,10 @@ def table(result: PlanResult, verbose: bool = False) -> str:
     largest = max((e.memory.total for e in result.estimates), default=0)
     unit, scale, exponent = ("GB", 1e9, 9) if largest >= 1e9 else ("MB", 1e6, 6)
     header = (
-        f"{'#':>3}  {'attention':>9}  {'MoE':>8}  {'dispatcher':<10}  {'schedule':<8}  "
-        f"{'step ms':>9}  {'MFU %':>6}  {'compute':>8}  {'comm':>8}  {'exposed':>8}  "
-        f"{'params':>7}  {'grads':>7}  {'optim':>7}  {'activ':>7}  {'total ' + unit:>8}"
+        f"{'#':>3}  {'attention':>9}  {'MoE':>8}  {'dispatcher':<10}  {'ZeRO':>4}  "
+        f"{'recompute':<9}  {'mb':>3}  {'schedule':<8}  {'step ms':>9}  {'MFU %':>6}  "
+        f"{'compute':>8}  {'comm':>8}  {'exposed':>8}  {'master':>7}  {'optim':>7}  "
+        f"{'params':>7}  {'activ':>7}  {'bwd':>7}  {'total ' + unit:>8}"
     )
     capacity = result.profile.memory_capacity_bytes
     lines = [
@@ -22,8 +23,9 @@ def table(result: PlanResult, verbose: bool = False) -> str:
         + (f"{capacity / 1e9:g} GB per device" if capacity else "no memory figure")
         + f"); {result.model_flops_per_step / 1e12:.4g} TFLOP of model FLOPs per step; "
         f"schedules {', '.join(result.schedules)}",
-        "attention = data x tensor; MoE = expert data x expert x expert tensor; times in ms; "
-        f"memory per device in {unit} (1e{exponent} bytes)"
+        "attention = data x tensor; MoE = expert data x expert x expert tensor; ZeRO stage, "
+        "recomputation and microbatches (mb); times in ms; memory per device at the step's "
+        f"peak in {unit} (1e{exponent} bytes; --verbose says what each column holds)"
         + (
             "; the model's depth extrapolated from one- and two-block traces"
             if result.extrapolated
@@ -41,10 +43,12 @@ def table(result: PlanResult, verbose: bool = False) -> str:
         return (
             f"{rank:>3}  {f'{m.attention_data}x{m.tensor}':>9}  "
             f"{f'{m.expert_data}x{m.expert}x{m.expert_tensor}':>8}  {m.dispatcher:<10}  "
+            f"{m.zero:>4}  {m.recompute:<9}  {m.microbatches:>3}  "
             f"{e.schedule:<8}  {t.step * 1e3:>9.3f}  {e.mfu * 100:>6.3g}  "
             f"{t.compute * 1e3:>8.3f}  {t.communication * 1e3:>8.3f}  "
-            f"{t.exposed_communication * 1e3:>8.3f}  {size(mem.parameters):>7}  "
-            f"{size(mem.gradients):>7}  {size(mem.optimizer):>7}  {size(mem.activations):>7}  "
+            f"{t.exposed_communication * 1e3:>8.3f}  {size(mem.master):>7}  "
+            f"{size(mem.optimizer):>7}  {size(mem.parameters):>7}  "
+            f"{size(mem.activations):>7}  {size(mem.backward + mem.pipeline):>7}  "
             f"{size(mem.total):>8}"
         )
 
@@ -61,11 +65,27 @@ def table(result: PlanResult, verbose: bool = False) -> str:
         if verbose:
             lines += [row("-", e) for e in over]
     skipped = result.space.skipped
+    left = result.not_estimated
     lines.append(
-        f"{len(result.estimates)} mappings estimated, {len(skipped)} skipped"
-        + (":" if verbose and skipped else " (--verbose says why)" if skipped else "")
+        f"{len(result.estimates)} mappings estimated"
+        + (f" (the {result.top} best that fit are exact)" if result.top else "")
+        + f", {len(left)} not estimated, {len(skipped)} layouts skipped"
+        + (":" if verbose and (skipped or left) else " (--verbose says why)")
     )
     if verbose:
         lines += [f"  {line}" for line in result.space.skipped_summary()]
+        lines += [f"  {line}" for line in not_estimated_summary(left)]
         lines.append(f"memory: {MEMORY_METHOD}")
     return "\n".join(lines)
+
+
+def not_estimated_summary(left: tuple[NotEstimated, ...]) -> list[str]:
+    """One line per kind of reason a mapping was not estimated: how many, and one of them."""
+    by_kind: dict[str, list[NotEstimated]] = {}
+    for item in left:
+        by_kind.setdefault(item.kind, []).append(item)
+    lines = []
+    for items in sorted(by_kind.values(), key=len, reverse=True):
+        example = items[0]
+        lines.append(f"{len(items)} x {example.reason} (e.g. {example.mapping.label()})")
+    return lines

@@ -1,17 +1,40 @@
-"""The mapping planner (``jaxmoe plan``): every parallel mapping of a model on N devices,
+"""The mapping planner (``jaxmoe plan``): the parallel mappings of a model on N devices,
 estimated and ranked.
 
-For each valid mapping (:mod:`jaxmoe.plan.mappings`) the per-device train step is
-traced on an abstract mesh of N devices (no devices are needed, so N may exceed this
-host's) and estimated as ``jaxmoe schedule`` estimates it: the scheduler's cost model
-and two-stream simulator on a device profile, for each schedule asked for; the
-fastest counts. Per device it also counts the memory (:class:`MemoryPerDevice`), and
-the MFU is the model FLOPs of a step (:mod:`jaxmoe.train.model_flops`, nothing
-dropped) over step time x devices x the profile's peak. Mappings whose memory
-exceeds the profile's device memory are dropped; the rest are ranked, best MFU first.
+A mapping is a layout and the options it runs with (ZeRO stage, recomputation,
+microbatches: :mod:`jaxmoe.plan.mappings`, :mod:`jaxmoe.plan.options`). To estimate one,
+the per-device train step is traced on an abstract mesh of N devices (no devices are
+needed, so N may exceed this host's) and priced as ``jaxmoe schedule`` prices it: the
+scheduler's cost model and two-stream simulator on a device profile, for each schedule
+asked for; the fastest counts. Its memory per device is the step's peak as XLA:GPU holds
+it (:func:`jaxmoe.train.memory.step_memory`). The MFU is the model FLOPs of a step
+(:mod:`jaxmoe.train.model_flops`, nothing dropped) over step time x devices x the
+profile's peak. Mappings over the profile's device memory are dropped; the rest are
+ranked, best MFU first.
 
-Estimates are kept on disk (``$XDG_CACHE_HOME/jaxmoe/plan``), keyed by the mapped
-configuration, the profile, the schedule and a digest of this package's and the
+The space is large (a 56-layer model on 256 devices: over a hundred layouts, each with
+nine option sets or more) and an estimate traces the step twice (one block and two,
+:mod:`jaxmoe.plan.layer_extrapolation`), so mappings are estimated in order of a lower
+bound of their step time, and only until the ``top`` best are known
+(:mod:`jaxmoe.plan.search`):
+
+1. A mapping whose state alone (its parameters and optimizer state, analytic:
+   :func:`~jaxmoe.train.memory.memory_per_device`) exceeds the device's memory is
+   dropped untraced.
+2. Each layout is traced once with one block under its options of least memory
+   (:func:`~jaxmoe.plan.options.least_memory`): lower bounds of the step time and the
+   memory of each of its option sets (:mod:`jaxmoe.plan.bounds`). Those whose memory
+   bound exceeds the device's are dropped.
+3. Least bound first, a mapping gets a trace of its own (a tighter bound), then its
+   estimate. Once the ``top`` best estimates that fit are no slower than every bound
+   left, the search stops: those are the ``top`` best of all mappings. The rest are
+   listed with their bounds.
+
+The bounds hold for the ``none`` schedule; other schedules may hide communication, and
+are bounded by their computation alone.
+
+Estimates and bounds are kept on disk (``$XDG_CACHE_HOME/jaxmoe/plan``), keyed by the
+mapped configuration, the profile, the schedule and a digest of this package's and the
 scheduler's sources and the JAX versions, so any change to the program or the cost
 model estimates afresh.
 """
@@ -19,6 +42,7 @@ model estimates afresh.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -27,62 +51,38 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import jax
-
 import scheduling
 from jaxmoe.config import Config, ConfigError
+from jaxmoe.config.choices import DISPATCHERS
 from jaxmoe.parallel.mesh import abstract_mesh
+from jaxmoe.plan.bounds import Screen, screen
 from jaxmoe.plan.layer_extrapolation import block_count, extrapolate, extrapolates, with_blocks
-from jaxmoe.plan.mappings import Mapping, MappingSpace, enumerate_mappings
-from jaxmoe.train.memory import memory_per_device
+from jaxmoe.plan.mappings import Candidate, Mapping, MappingSpace, enumerate_mappings, with_options
+from jaxmoe.plan.options import bounding, least_memory, option_sets, options_of
+from jaxmoe.plan.search import Advance, best_first
+from jaxmoe.train.memory import StepMemory, memory_per_device, step_memory
 from jaxmoe.train.mfu import mfu
 from jaxmoe.train.model_flops import model_flops
 from jaxmoe.train.scheduled import capture_train_step, op_cost_cache, schedule_policy
-from jaxmoe.train.state import TrainState, abstract_train_state
-from scheduling import (
-    Program,
-    aval_bytes,
-    batch_inputs,
-    build_report,
-    cost_model,
-    plan,
-    saved_for_backward,
-)
+from jaxmoe.train.state import abstract_train_state
+from scheduling import Program, batch_inputs, build_report, cost_model, plan
 
 # Modules that only present estimates: left out of the estimate cache's key.
 PRESENTATION = frozenset({"cli.py", "plan_table.py"})
 MEMORY_METHOD = (
-    "per device: parameters, optimizer state (AdamW moments and counts, the gradient-sync "
-    "state, the placement table) and the step counter are the local shards the captured "
-    "step receives; gradients are one per local parameter element; activations are the "
-    "forward values the backward pass reads in the captured program (its residuals, "
-    "alive together when the backward pass begins). The total is their sum, an upper "
-    "bound on these parts at once (activations are freed as gradients appear), without "
-    "XLA's working buffers and fusions. Under train.zero (jaxmoe/train/memory.py): the "
-    "parameters and optimizer state are the shards; ZeRO-1 keeps one gradient per local "
-    "parameter element (reduce-scattered after the backward pass) and its gathered "
-    "parameters are among the activations the backward pass reads; ZeRO-3 keeps the "
-    "gradient shards plus one block's whole gradients, and adds to the parameters those "
-    "gathered outside the blocks and one block's (released after its forward and its "
-    "backward pass)."
+    "per device, the peak of the step as XLA:GPU holds it (jaxmoe/train/memory.py): the "
+    "captured per-device step walked with each op as soon as its operands are ready "
+    "(forward ops first: nothing orders one microbatch's backward pass before the next "
+    "one's forward pass), every value a buffer unless XLA fuses it into all its readers, "
+    "the buffers alive after each op summed. At the peak: the state (master: the "
+    "parameters as the state holds them; optim: AdamW moments and counts, gradient-sync "
+    "state, placement, step) and the batch throughout; params: the parameters as the step "
+    "computes with them (casts to the compute dtype, ZeRO's gathers); activ: forward "
+    "values, a recomputation's included; backward: gradients, their accumulators and the "
+    "backward pass's working buffers. Within 10% of XLA:CPU's compiled memory analysis on "
+    "small models (tests/train/test_memory.py); a few percent under it (XLA's heap leaves "
+    "gaps)."
 )
-
-
-@dataclass(frozen=True)
-class MemoryPerDevice:
-    """Bytes per device (see :data:`MEMORY_METHOD`)."""
-
-    parameters: int
-    gradients: int
-    optimizer: int
-    activations: int
-
-    @property
-    def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer + self.activations
-
-    def to_json(self) -> dict[str, int]:
-        return {**dataclasses.asdict(self), "total": self.total}
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ class StepTime:
 @dataclass(frozen=True)
 class MappingEstimate:
     mapping: Mapping
-    memory: MemoryPerDevice
+    memory: StepMemory
     times: dict[str, StepTime]  # schedule -> its simulated step
     mfu: float  # of the fastest schedule
     fits: bool  # memory.total within the profile's device memory (or it is not known)
@@ -124,16 +124,38 @@ class MappingEstimate:
 
 
 @dataclass(frozen=True)
+class NotEstimated:
+    """A valid mapping the planner did not estimate, why, and its bounds where known."""
+
+    mapping: Mapping
+    kind: str  # "refused" (by Config), "state", "memory" or "step" (its bound)
+    reason: str
+    step_bound: float | None = None  # seconds
+    memory_bound: int | None = None  # bytes per device
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "mapping": self.mapping.to_json(),
+            "kind": self.kind,
+            "reason": self.reason,
+            "step_seconds_at_least": self.step_bound,
+            "memory_bytes_at_least": self.memory_bound,
+        }
+
+
+@dataclass(frozen=True)
 class PlanResult:
     preset: str
     devices: int
     profile: scheduling.DeviceProfile
     schedules: tuple[str, ...]
     model_flops_per_step: float
-    space: MappingSpace
+    space: MappingSpace  # the layouts
     estimates: list[MappingEstimate]  # ranked: those that fit, best MFU first, then the rest
     extrapolated: bool = False  # estimated from one- and two-block traces
     peak_flops_per_s: float = 0.0  # the profile's for the model's dtype (the MFU's peak)
+    not_estimated: tuple[NotEstimated, ...] = ()
+    top: int = 0  # the best mappings the search made sure of (0: all were estimated)
 
     @property
     def ranked(self) -> list[MappingEstimate]:
@@ -157,39 +179,14 @@ class PlanResult:
             "depth": "extrapolated from one- and two-block traces"
             if self.extrapolated
             else "traced whole",
+            "top": self.top,
             "ranked": [{"rank": i + 1, **e.to_json()} for i, e in enumerate(self.ranked)],
             "over_memory": [e.to_json() for e in self.over_memory],
+            "not_estimated": [n.to_json() for n in self.not_estimated],
             "skipped": [
                 {"mapping": c.mapping.to_json(), "reason": c.reason} for c in self.space.skipped
             ],
         }
-
-
-def state_memory(
-    program: Program, state: TrainState, config: Config | None = None
-) -> MemoryPerDevice:
-    """The memory per device of the captured step ``program``, whose first argument has
-    the structure of ``state`` (of ``config``, whose ``train.zero`` it follows)."""
-    leaves = [len(jax.tree.leaves(field)) for field in state]
-    if sum(leaves) >= len(program.inputs):
-        raise ValueError("the program's inputs are not (state, batch)")
-    sizes, offset = {}, 0
-    for name, count in zip(TrainState._fields, leaves, strict=True):
-        sizes[name] = sum(aval_bytes(v.aval) for v in program.inputs[offset : offset + count])
-        offset += count
-    parameters = sizes.pop("params")
-    gradients = parameters
-    if config is not None and config.train.zero:
-        zero = memory_per_device(config)
-        gradients = zero.gradients
-        if config.train.zero == 3:
-            parameters += zero.gathered
-    return MemoryPerDevice(
-        parameters=parameters,
-        gradients=gradients,
-        optimizer=sum(sizes.values()),
-        activations=saved_for_backward(program).bytes,
-    )
 
 
 def _source_digest() -> str:
@@ -210,8 +207,8 @@ def _source_digest() -> str:
 
 
 class EstimateCache:
-    """Estimates on disk, one file per (mapped config, profile, schedule, method: traced
-    whole or extrapolated from shallow traces)."""
+    """Estimates and bounds on disk: one file per (mapped config, profile, schedule,
+    method: traced whole, extrapolated from shallow traces, or a screen's bounds)."""
 
     def __init__(self, root: Path | None):
         self.root = root
@@ -222,30 +219,44 @@ class EstimateCache:
         key = json.dumps([config.to_dict(), schedule, method, self._digest], sort_keys=True)
         return self.root / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
 
-    def load(
-        self, config: Config, schedule: str, method: str
-    ) -> tuple[MemoryPerDevice, StepTime] | None:
+    def _read(self, config: Config, schedule: str, method: str) -> Any:
         if self.root is None:
             return None
         try:
-            data = json.loads(self._path(config, schedule, method).read_text())
-            return MemoryPerDevice(**data["memory"]), StepTime(**data["time"])
-        except (OSError, ValueError, KeyError, TypeError):
+            return json.loads(self._path(config, schedule, method).read_text())
+        except (OSError, ValueError):
             return None
 
-    def save(
-        self,
-        config: Config,
-        schedule: str,
-        method: str,
-        memory: MemoryPerDevice,
-        time: StepTime,
-    ):
+    def _write(self, config: Config, schedule: str, method: str, record: Any) -> None:
         if self.root is None:
             return
         self.root.mkdir(parents=True, exist_ok=True)
-        record = {"memory": dataclasses.asdict(memory), "time": dataclasses.asdict(time)}
         self._path(config, schedule, method).write_text(json.dumps(record) + "\n")
+
+    def load(
+        self, config: Config, schedule: str, method: str
+    ) -> tuple[StepMemory, StepTime] | None:
+        data = self._read(config, schedule, method)
+        try:
+            return StepMemory(**data["memory"]), StepTime(**data["time"])
+        except (KeyError, TypeError):
+            return None
+
+    def save(
+        self, config: Config, schedule: str, method: str, memory: StepMemory, time: StepTime
+    ) -> None:
+        record = {"memory": dataclasses.asdict(memory), "time": dataclasses.asdict(time)}
+        self._write(config, schedule, method, record)
+
+    def load_screen(self, config: Config, schedule: str) -> Screen | None:
+        data = self._read(config, schedule, "screen")
+        try:
+            return Screen.from_json(data)
+        except (KeyError, TypeError):
+            return None
+
+    def save_screen(self, config: Config, schedule: str, found: Screen) -> None:
+        self._write(config, schedule, "screen", found.to_json())
 
 
 def _with_schedule(config: Config, schedule: str, profile: str) -> Config:
@@ -254,13 +265,15 @@ def _with_schedule(config: Config, schedule: str, profile: str) -> Config:
     )
 
 
-def _traced_estimate(
-    config: Config, schedules: Sequence[str], profile: str
-) -> tuple[MemoryPerDevice, dict[str, StepTime]]:
-    """Memory per device and each schedule's simulated step, from one trace of the step."""
-    mesh = abstract_mesh(config.parallel)
-    program, sharded = capture_train_step(config, mesh)
-    memory = state_memory(program, abstract_train_state(config), config)
+Estimate = tuple[StepMemory, dict[str, StepTime]]
+
+
+def _estimate_program(
+    program: Program, sharded: Any, config: Config, schedules: Sequence[str], profile: str
+) -> Estimate:
+    """Memory per device and each schedule's simulated step of the traced step ``program``."""
+    mesh = program.mesh
+    memory = step_memory(program, abstract_train_state(config))
     batch = batch_inputs(program, sharded.batch_argnums)
     times = {}
     for schedule in schedules:
@@ -276,6 +289,93 @@ def _traced_estimate(
     return memory, times
 
 
+class Tracer:
+    """The traces of one plan: each traced configuration's estimate, kept for the plan,
+    and the screens' bounds (a screen of a model traced whole is also its estimate)."""
+
+    def __init__(self, schedules: Sequence[str], profile: str, cache: EstimateCache):
+        self.schedules = tuple(schedules)
+        self.profile = profile
+        self.cache = cache
+        self.traced = 0  # traces taken
+        self._estimates: dict[str, Estimate] = {}
+        # Computation alone bounds a schedule that may overlap communication.
+        self._compute_only = any(s != "none" for s in schedules)
+
+    def _trace(self, config: Config) -> tuple[Program, Any]:
+        self.traced += 1
+        return capture_train_step(config, abstract_mesh(config.parallel))
+
+    def estimate(self, config: Config) -> Estimate:
+        """Memory and simulated steps of ``config`` traced as it is (at its depth)."""
+        key = json.dumps(config.to_dict(), sort_keys=True)
+        if key not in self._estimates:
+            program, sharded = self._trace(config)
+            self._estimates[key] = _estimate_program(
+                program, sharded, config, self.schedules, self.profile
+            )
+        return self._estimates[key]
+
+    def screen(self, config: Config, extrapolate_layers: bool) -> Screen:
+        """The bounds of ``config`` (:mod:`jaxmoe.plan.bounds`), from a one-block trace
+        (or a whole one: ``extrapolate_layers`` off, or a model of few blocks)."""
+        tag = ",".join(self.schedules) + (":extrapolated" if extrapolate_layers else "")
+        found = self.cache.load_screen(config, tag)
+        if found is not None:
+            return found
+        shallow = extrapolate_layers and extrapolates(config)
+        traced = with_blocks(config, 1) if shallow else config
+        program, sharded = self._trace(traced)
+        if not shallow:  # the trace is the estimate's own: keep its estimate
+            key = json.dumps(traced.to_dict(), sort_keys=True)
+            self._estimates[key] = _estimate_program(
+                program, sharded, traced, self.schedules, self.profile
+            )
+        policy = schedule_policy(_with_schedule(config, "none", self.profile))
+        blocks = block_count(config) or 1
+        state = state_bytes(config)
+        found = screen(
+            program,
+            abstract_train_state(traced),
+            cost_model(policy, program.mesh),
+            options_of(config),
+            blocks,
+            1 if shallow else blocks,
+            state,
+            self._compute_only,
+        )
+        self.cache.save_screen(config, tag, found)
+        return found
+
+
+def state_bytes(config: Config) -> int:
+    """The bytes per device of ``config``'s parameters and optimizer state, as the state
+    holds them (:func:`~jaxmoe.train.memory.memory_per_device`); from one- and two-block
+    models for a deep one (exact: every block holds the same)."""
+    values = config.to_dict()
+    # Neither the dispatcher, the recomputation nor the microbatches change the state.
+    values["moe"]["dispatcher"] = DISPATCHERS[0]
+    values["model"]["recompute"] = "none"
+    values["train"]["microbatches"] = 1
+    return _state_bytes(json.dumps(values, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=4096)
+def _state_bytes(values: str) -> int:
+    config = Config.from_dict(json.loads(values))
+
+    def held(config: Config) -> int:
+        memory = memory_per_device(config)
+        return memory.parameters + memory.optimizer
+
+    if not extrapolates(config):
+        return held(config)
+    blocks = block_count(config)
+    assert blocks is not None
+    one, two = held(with_blocks(config, 1)), held(with_blocks(config, 2))
+    return one + (blocks - 1) * (two - one)
+
+
 def estimate_mapping(
     config: Config,
     schedules: Sequence[str],
@@ -283,27 +383,29 @@ def estimate_mapping(
     cache: EstimateCache,
     *,
     extrapolate_layers: bool = True,
-) -> tuple[MemoryPerDevice, dict[str, StepTime]]:
+    tracer: Tracer | None = None,
+) -> Estimate:
     """Memory per device and the simulated step of each schedule, for a mapped config.
 
     Nothing is traced when every schedule is cached. Otherwise the step is traced once
     for all schedules, or, with ``extrapolate_layers`` and a model of at least
     :data:`~jaxmoe.plan.layer_extrapolation.MIN_BLOCKS` repeating blocks, once with
     one block and once with two, and the figures are extrapolated to the model's depth
-    (:mod:`jaxmoe.plan.layer_extrapolation`)."""
+    (:mod:`jaxmoe.plan.layer_extrapolation`). ``tracer``: the plan's traces, reused."""
     method = "extrapolated" if extrapolate_layers and extrapolates(config) else "traced"
     keyed = {s: _with_schedule(config, s, profile) for s in schedules}
     found = {s: cache.load(keyed[s], s, method) for s in schedules}
     if all(found.values()):
         memory = next(iter(found.values()))[0]  # type: ignore[index]
         return memory, {s: hit[1] for s, hit in found.items()}  # type: ignore[index]
+    tracer = tracer or Tracer(schedules, profile, cache)
     if method == "traced":
-        memory, times = _traced_estimate(config, schedules, profile)
+        memory, times = tracer.estimate(config)
     else:
         blocks = block_count(config)
         assert blocks is not None
-        one = _traced_estimate(with_blocks(config, 1), schedules, profile)
-        two = _traced_estimate(with_blocks(config, 2), schedules, profile)
+        one = tracer.estimate(with_blocks(config, 1))
+        two = tracer.estimate(with_blocks(config, 2))
         memory = extrapolate(one[0], two[0], blocks)
         times = {s: extrapolate(one[1][s], two[1][s], blocks) for s in schedules}
     for schedule in schedules:
@@ -323,6 +425,15 @@ def check_plan_inputs(config: Config, devices: int, profile: str, schedules: Seq
         _with_schedule(config, schedule, profile)  # the train config validates both
 
 
+@dataclass(frozen=True)
+class _Pending:
+    """A mapping in the search: its candidate, and the screen its bound comes from."""
+
+    candidate: Candidate
+    screen: Screen
+    own: bool  # the screen is the mapping's own trace
+
+
 def plan_mappings(
     config: Config,
     preset: str,
@@ -334,17 +445,28 @@ def plan_mappings(
     progress: Callable[[str], None] | None = None,
     memory_capacity_bytes: float | None = None,
     extrapolate_layers: bool = True,
+    top: int = 10,
+    options: bool = True,
+    cross_node_tensor: bool = False,
 ) -> PlanResult:
-    """Estimate and rank every valid mapping of ``config``'s model on ``devices`` devices.
+    """Estimate and rank the mappings of ``config``'s model on ``devices`` devices (module
+    docstring): the ``top`` best that fit, and every mapping estimated on the way.
 
     Raises ConfigError (before tracing anything) for a bad input, or when no mapping is
     valid. ``cache_dir``: where estimates are kept (None: nowhere).
     ``memory_capacity_bytes``: the memory a device offers (default: the profile's).
     ``extrapolate_layers``: estimate deep models from one- and two-block traces (see
-    :func:`estimate_mapping`)."""
+    :func:`estimate_mapping`). ``options``: try every ZeRO stage, recomputation and number
+    of microbatches (else ``config``'s alone). ``cross_node_tensor``: also tensor groups
+    wider than a node (:mod:`jaxmoe.plan.mappings`)."""
     check_plan_inputs(config, devices, profile, schedules)
+    if top < 1:
+        raise ConfigError(f"top={top}: rank at least one mapping")
     device = scheduling.PROFILES[profile]
-    space = enumerate_mappings(config, devices, device.devices_per_node)
+    per_node = device.devices_per_node
+    space = enumerate_mappings(
+        config, devices, per_node, max_tensor=None if cross_node_tensor else per_node
+    )
     if not space.valid:
         reasons = space.skipped_summary()
         raise ConfigError(
@@ -355,34 +477,129 @@ def plan_mappings(
         device = dataclasses.replace(device, memory_capacity_bytes=memory_capacity_bytes)
     capacity = device.memory_capacity_bytes
     cache = EstimateCache(cache_dir)
+    tracer = Tracer(schedules, profile, cache)
     flops = model_flops(config).train_step()
     peak = device.peak_flops_per_s(config.model.dtype)
-    estimates = []
-    for index, candidate in enumerate(space.valid):
+    estimates: list[MappingEstimate] = []
+    left_out: list[NotEstimated] = []
+    say = progress or (lambda line: None)
+
+    def over(memory: int) -> bool:
+        return bool(capacity) and memory > capacity
+
+    start = []
+    for index, layout in enumerate(space.valid):
+        sets = option_sets(layout.config, options) if options else [options_of(config)]
+        variants = [with_options(layout, o, per_node) for o in sets]
+        left_out += [
+            NotEstimated(v.mapping, "refused", v.reason) for v in variants if v.config is None
+        ]
+        variants = [v for v in variants if v.config is not None]
+        if not variants:
+            continue
+        by_options = {v.mapping.options: v for v in variants}
+        frugal = by_options[least_memory(list(by_options))]
+        assert frugal.config is not None
+        state = state_bytes(frugal.config)
+        if over(state):
+            reason = (
+                f"its state alone needs {state / 1e9:.1f} GB or more (that of the options of "
+                "least memory)"
+            )
+            left_out += [
+                NotEstimated(v.mapping, "state", reason, memory_bound=state) for v in variants
+            ]
+            continue
+        traced = by_options[bounding(list(by_options))]
+        assert traced.config is not None
+        bounds = tracer.screen(traced.config, extrapolate_layers)
+        say(f"[{index + 1}/{len(space.valid)}] bounds from {traced.mapping.label()}")
+        for variant in variants:
+            assert variant.config is not None
+            own = variant.mapping.options == bounds.options
+            memory = bounds.memory_bound(variant.mapping.options, state_bytes(variant.config))
+            if over(memory):
+                left_out.append(
+                    NotEstimated(
+                        variant.mapping, "memory", _over_reason(memory), memory_bound=memory
+                    )
+                )
+                continue
+            pending = _Pending(variant, bounds, own)
+            start.append((bounds.step_bound(variant.mapping.options), pending))
+
+    def advance(pending: _Pending) -> Advance:
+        candidate = pending.candidate
         assert candidate.config is not None
+        options_now = candidate.mapping.options
+        if not pending.own:
+            own = tracer.screen(candidate.config, extrapolate_layers)
+            memory = own.memory_bound(options_now, state_bytes(candidate.config))
+            say(
+                f"bounds of {candidate.mapping.label()}: "
+                f"{own.step_bound(options_now) * 1e3:.1f} ms, {memory / 1e9:.1f} GB"
+            )
+            if over(memory):
+                left_out.append(
+                    NotEstimated(
+                        candidate.mapping, "memory", _over_reason(memory), memory_bound=memory
+                    )
+                )
+                return Advance()
+            return Advance(own.step_bound(options_now), _Pending(candidate, own, True))
         memory, times = estimate_mapping(
-            candidate.config, schedules, profile, cache, extrapolate_layers=extrapolate_layers
+            candidate.config,
+            schedules,
+            profile,
+            cache,
+            extrapolate_layers=extrapolate_layers,
+            tracer=tracer,
         )
         step = min(t.step for t in times.values())
-        estimates.append(
-            MappingEstimate(
-                mapping=candidate.mapping,
-                memory=memory,
-                times=times,
-                mfu=mfu(flops, step, devices, peak),
-                fits=not capacity or memory.total <= capacity,
-            )
+        estimate = MappingEstimate(
+            mapping=candidate.mapping,
+            memory=memory,
+            times=times,
+            mfu=mfu(flops, step, devices, peak),
+            fits=not over(memory.total),
         )
-        if progress is not None:
-            progress(
-                f"[{index + 1}/{len(space.valid)}] {candidate.mapping.label()}: "
-                f"{step * 1e3:.3f} ms, {memory.total / 1e9:.3f} GB"
-            )
+        estimates.append(estimate)
+        say(
+            f"estimated {candidate.mapping.label()}: {step * 1e3:.3f} ms, "
+            f"{memory.total / 1e9:.3f} GB"
+        )
+        return Advance(estimated=True, figure=step if estimate.fits else None)
+
+    left = best_first(start, advance, top)
+    left_out += [
+        NotEstimated(
+            pending.candidate.mapping,
+            "step",
+            f"its step takes at least {bound * 1e3:.1f} ms, no less than the {top} best "
+            "estimated that fit",
+            step_bound=bound,
+        )
+        for bound, pending in left
+    ]
     estimates.sort(key=lambda e: (not e.fits, -e.mfu, e.memory.total))
     extrapolated = extrapolate_layers and extrapolates(config)
     return PlanResult(
-        preset, devices, device, tuple(schedules), flops, space, estimates, extrapolated, peak
+        preset,
+        devices,
+        device,
+        tuple(schedules),
+        flops,
+        space,
+        estimates,
+        extrapolated,
+        peak,
+        tuple(left_out),
+        top,
     )
+
+
+def _over_reason(memory: int) -> str:
+    return f"needs {memory / 1e9:.1f} GB per device or more (a lower bound), over the device's"
 
 
 def default_cache_dir() -> Path:

@@ -55,7 +55,7 @@ import dataclasses
 import heapq
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -251,36 +251,110 @@ def step_memory(program: Program, state: TrainState, *, keeps_barriers: bool = T
     """The peak bytes per device of the captured train step ``program``, whose first
     argument has the structure of ``state`` (module docstring). ``keeps_barriers``:
     XLA:GPU's compilation (True) or XLA:CPU's (False)."""
-    state_leaves = sum(len(jax.tree.leaves(field)) for field in state)
-    if state_leaves >= len(program.inputs):
-        raise ValueError("the program's inputs are not (state, batch)")
-    steps, outputs = _walk_steps(program, keeps_barriers)
-    # The step's arguments stay alive throughout (XLA does not free them); the new state
-    # is written over the old (the state is donated), so it takes no buffer of its own.
-    new_state = set(outputs[:state_leaves]) - set(program.inputs)
-    buffers = _buffers(steps, program, set(outputs)) - new_state
-    order = _forward_first(steps)
-    last_read = _last_reads(order, buffers, set(outputs) | set(program.inputs))
-    ending: dict[int, list[Value]] = {}
-    for value, position in last_read.items():
-        ending.setdefault(position, []).append(value)
-    live = {value for value in program.inputs if value in last_read}
-    size = sum(aval_bytes(value.aval) for value in live)
-    peak, at_peak = size, set(live)
-    for position, step in enumerate(order):
-        made = [value for value in step.makes if value in buffers]
-        live.update(made)
-        size += sum(aval_bytes(value.aval) for value in made)
+    walk = _Walk(program, state, keeps_barriers)
+    peak, at_peak = -1, set()
+    for _, live, size in walk.run():
         if size > peak:
             peak, at_peak = size, set(live)
-        for value in ending.get(position, ()):
-            live.discard(value)
-            size -= aval_bytes(value.aval)
-        for value in made:
-            if value not in last_read:  # made and never read
+    return _by_kind(at_peak, walk.steps, program, walk.state_leaves, state)
+
+
+def saved_for_backward(
+    program: Program,
+    state: TrainState,
+    scope: re.Pattern[str],
+    *,
+    keeps_barriers: bool = True,
+    leaving_out: Collection[Value] = (),
+) -> tuple[int, int]:
+    """The bytes of the buffers that forward ops made and that are alive when the backward
+    pass begins (its first op), in the walk of :func:`step_memory`: what the forward pass
+    keeps for the backward pass; all of them, and those made under a name scope that
+    ``scope`` matches (``leaving_out`` these values)."""
+    walk = _Walk(program, state, keeps_barriers)
+    forward = {
+        value: bool(scope.search(step.op.layer))
+        for step in walk.steps
+        if step.op.phase is Phase.FORWARD
+        for value in step.makes
+        if value not in leaving_out
+    }
+    for step, live, _ in walk.run():
+        if step.op.phase is Phase.BACKWARD:
+            kept = [value for value in live if value in forward]
+            return (
+                sum(aval_bytes(value.aval) for value in kept),
+                sum(aval_bytes(value.aval) for value in kept if forward[value]),
+            )
+    return 0, 0
+
+
+def recomputed_for_backward(
+    program: Program, state: TrainState, *, keeps_barriers: bool = True
+) -> dict[Value, Any]:
+    """The buffers that recomputations make (JAX names their ops ``rematted_computation``)
+    and that the rest of the backward pass reads, in the walk of :func:`step_memory`: what
+    the forward pass would keep for the backward pass without the recomputation, where
+    no barrier stands in front of it (a value is a buffer here as its readers other than
+    barriers make it one). Each with the op that made it."""
+    walk = _Walk(program, state, keeps_barriers)
+    _, outputs = _walk_steps(program, keeps_barriers)
+    unbarred = [
+        _Step(step.op, (), step.makes) if step.op.primitive == _BARRIER else step
+        for step in walk.steps
+    ]
+    buffers = _buffers(unbarred, program, set(outputs))
+    made = {
+        value: step.op
+        for step in walk.steps
+        if _RECOMPUTED in step.op.name_stack
+        for value in step.makes
+        if value in buffers
+    }
+    read: dict[Value, Any] = {}
+    for step in walk.steps:
+        if step.op.phase is Phase.BACKWARD and _RECOMPUTED not in step.op.name_stack:
+            for value in step.reads:
+                if value in made:
+                    read[value] = made[value]
+    return read
+
+
+class _Walk:
+    """The walk of :func:`step_memory`: the steps in order, the buffers alive after each."""
+
+    def __init__(self, program: Program, state: TrainState, keeps_barriers: bool):
+        self.state_leaves = sum(len(jax.tree.leaves(field)) for field in state)
+        if self.state_leaves >= len(program.inputs):
+            raise ValueError("the program's inputs are not (state, batch)")
+        self.program = program
+        self.steps, outputs = _walk_steps(program, keeps_barriers)
+        # The step's arguments stay alive throughout (XLA does not free them); the new
+        # state is written over the old (the state is donated): no buffer of its own.
+        new_state = set(outputs[: self.state_leaves]) - set(program.inputs)
+        self.buffers = _buffers(self.steps, program, set(outputs)) - new_state
+        self.order = _forward_first(self.steps)
+        self.last_read = _last_reads(self.order, self.buffers, set(outputs) | set(program.inputs))
+
+    def run(self) -> Iterator[tuple[_Step, set[Value], int]]:
+        """Each step in order, with the buffers alive while it runs and their bytes."""
+        ending: dict[int, list[Value]] = {}
+        for value, position in self.last_read.items():
+            ending.setdefault(position, []).append(value)
+        live = {value for value in self.program.inputs if value in self.last_read}
+        size = sum(aval_bytes(value.aval) for value in live)
+        for position, step in enumerate(self.order):
+            made = [value for value in step.makes if value in self.buffers]
+            live.update(made)
+            size += sum(aval_bytes(value.aval) for value in made)
+            yield step, live, size
+            for value in ending.get(position, ()):
                 live.discard(value)
                 size -= aval_bytes(value.aval)
-    return _by_kind(at_peak, steps, program, state_leaves, state)
+            for value in made:
+                if value not in self.last_read:  # made and never read
+                    live.discard(value)
+                    size -= aval_bytes(value.aval)
 
 
 def _walk_steps(program: Program, keeps_barriers: bool) -> tuple[list[_Step], list[Value]]:

@@ -1,8 +1,9 @@
 """``jaxmoe plan``: estimates per mapping, memory against a hand count, ranking, JSON, CLI.
 
-One small model on 2 devices (10 mappings) is estimated once per module; the later
-tests read the estimates back from the on-disk cache, so that only the first pays
-for tracing.
+One small model on 2 devices (10 layouts, each at the configuration's own options) is
+estimated once per module; the later tests read the estimates back from the on-disk
+cache, so that only the first pays for tracing. The search over the options is tested
+in tests/plan/.
 """
 
 from __future__ import annotations
@@ -46,18 +47,20 @@ def cache_home(tmp_path_factory):
 @pytest.fixture(scope="module")
 def planned(cache_home):
     cache = cache_home / "jaxmoe" / "plan"  # where the CLI looks (XDG_CACHE_HOME)
-    return planner.plan_mappings(_config(), "tiny", DEVICES, PROFILE, cache_dir=cache)
+    return planner.plan_mappings(
+        _config(), "tiny", DEVICES, PROFILE, cache_dir=cache, options=False
+    )
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("traced a step")
 
 
 @pytest.fixture
 def no_tracing(monkeypatch):
     """Fail if anything is traced: every estimate must come from the cache (or nothing
     may be estimated at all)."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("traced a step")
-
-    monkeypatch.setattr(planner, "capture_train_step", refuse)
+    monkeypatch.setattr(planner, "capture_train_step", _refuse)
 
 
 def _estimate(result, **layout):
@@ -84,16 +87,22 @@ def test_memory_per_device_against_a_hand_count(planned):
         + d * experts  # layer 1: router
     )
     expert_weights = experts * (d * hidden + hidden + hidden * d + d)
+    rows = 8 // DEVICES
     for expert_axis in (1, 2):
         memory = _estimate(planned, tensor=1, expert=expert_axis, expert_tensor=1).memory
         parameters = (replicated + expert_weights // expert_axis) * F32
-        assert memory.parameters == parameters
-        assert memory.gradients == parameters
+        assert memory.master == parameters
         # AdamW's two float32 moments per element; the int32 step, Adam's count and the
         # learning-rate schedule's count; allreduce keeps no state.
         assert memory.optimizer == 2 * parameters + 3 * 4
-        assert memory.activations > 0
-        assert memory.total == 4 * parameters + 12 + memory.activations
+        assert memory.batch == rows * (s + 1) * 4  # int32 tokens and the next one
+        # float32: the matmuls read the state's parameters; no gathers, no copies.
+        assert memory.parameters == 0
+        assert memory.activations > 0 and memory.backward > 0
+        assert memory.total == (
+            memory.master + memory.optimizer + memory.batch + memory.activations
+            + memory.backward
+        )  # fmt: skip
 
 
 def test_activations_follow_the_rows_per_device(planned):
@@ -129,12 +138,20 @@ def test_mappings_over_the_memory_are_dropped(cache_home, planned, no_tracing):
         PROFILE,
         cache_dir=cache_home / "jaxmoe" / "plan",
         memory_capacity_bytes=limit,
+        options=False,
     )
-    assert result.ranked and result.over_memory
+    assert result.ranked
     assert all(e.memory.total <= limit for e in result.ranked)
     assert all(e.memory.total > limit for e in result.over_memory)
+    # Over the memory: estimated, or left out by a bound over it before the estimate.
+    bounded = [n for n in result.not_estimated if n.kind == "memory"]
+    assert all(n.memory_bound > limit for n in bounded)
+    by_mapping = {e.mapping: e.memory.total for e in planned.estimates}
+    assert all(by_mapping[n.mapping] > limit for n in bounded)
+    assert len(result.ranked) == sum(total <= limit for total in totals)
     text = table(result)
-    assert f"dropped {len(result.over_memory)} mappings over" in text
+    if result.over_memory:
+        assert f"dropped {len(result.over_memory)} mappings over" in text
 
 
 def test_json_shape(planned):
@@ -149,10 +166,11 @@ def test_json_shape(planned):
     }  # fmt: skip
     assert set(row["mapping"]) == {
         "devices", "tensor", "attention_data", "expert_data", "expert", "expert_tensor",
-        "dispatcher",
+        "dispatcher", "zero", "recompute", "microbatches",
     }  # fmt: skip
-    parts = ("parameters", "gradients", "optimizer", "activations")
+    parts = ("master", "optimizer", "batch", "parameters", "activations", "backward", "pipeline")
     assert row["memory_bytes"]["total"] == sum(row["memory_bytes"][p] for p in parts)
+    assert data["not_estimated"] == [] and data["top"] == 10
     assert row["by_schedule"]["none"]["step"] == row["step_seconds"]
     assert {"mapping", "reason"} == set(data["skipped"][0])
     assert len(data["skipped"]) == 2  # all_gather without an expert group, twice
@@ -161,7 +179,10 @@ def test_json_shape(planned):
 def test_table_has_every_column_and_a_row_per_mapping(planned):
     lines = table(planned, verbose=True).splitlines()
     header = next(line for line in lines if line.lstrip().startswith("#"))
-    columns = "attention MoE dispatcher schedule step_ms MFU_% params grads optim activ total_MB"
+    columns = (
+        "attention MoE dispatcher ZeRO recompute mb schedule step_ms MFU_% master optim params "
+        "activ bwd total_MB"
+    )
     for column in columns.split():
         assert column.replace("_", " ") in header
     rows = [line for line in lines if re.match(r"\s*\d+\s+\d+x\d+\s+\d+x\d+x\d+\s", line)]
@@ -169,10 +190,14 @@ def test_table_has_every_column_and_a_row_per_mapping(planned):
     assert any("no expert group" in line for line in lines)
 
 
-def test_cli_prints_the_table_and_writes_json(
-    cache_home, planned, no_tracing, tmp_path, monkeypatch, capsys
-):
+def test_cli_prints_the_table_and_writes_json(cache_home, tmp_path, monkeypatch, capsys):
+    """The CLI searches every option set (ZeRO, recomputation, microbatches) too; its
+    plan is made here first, so that the CLI reads every bound and estimate back."""
+    searched = planner.plan_mappings(
+        _config(), "tiny", DEVICES, PROFILE, cache_dir=cache_home / "jaxmoe" / "plan"
+    )
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache_home))
+    monkeypatch.setattr(planner, "capture_train_step", _refuse)
     out = tmp_path / "plan.json"
     argv = ["plan", *SMALL, "--devices", "2", "--profile", PROFILE, "--json", str(out)]
     assert main(argv) == 0
@@ -180,7 +205,10 @@ def test_cli_prints_the_table_and_writes_json(
     assert "jaxmoe plan: preset 'tiny' on 2 devices" in printed
     data = json.loads(out.read_text())
     assert data["command"].startswith("jaxmoe plan --preset tiny")
-    assert data["ranked"][0]["mapping"] == planned.ranked[0].mapping.to_json()
+    assert data["ranked"][0]["mapping"] == searched.ranked[0].mapping.to_json()
+    assert len(data["ranked"]) >= 10 and data["top"] == 10
+    # The search stopped before estimating every option set of every layout.
+    assert {n["kind"] for n in data["not_estimated"]} >= {"step"}
 
 
 @pytest.mark.parametrize(
@@ -211,8 +239,12 @@ def test_cli_refuses_an_unknown_preset(capsys):
 
 
 def test_mapping_labels():
-    mapping = Mapping(8, 2, 1, 4, 2, "all_gather")
-    assert mapping.label() == "attention 4x2, MoE 1x4x2, all_gather"
+    mapping = Mapping(8, 2, 1, 4, 2, "all_gather", zero=3, recompute="layer", microbatches=2)
+    assert mapping.label() == (
+        "attention 4x2, MoE 1x4x2, all_gather, ZeRO-3, recompute layer, microbatches 2"
+    )
+    assert mapping.layout == Mapping(8, 2, 1, 4, 2, "all_gather")
+    assert mapping.layout.label() == "attention 4x2, MoE 1x4x2, all_gather"
 
 
 def test_with_several_schedules_the_fastest_counts(planned):

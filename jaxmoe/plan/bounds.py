@@ -1,0 +1,282 @@
+"""What one shallow trace of a mapping says before the mapping is estimated: lower bounds
+of its step time and memory per device, and of those of its variants with other options
+(:mod:`jaxmoe.plan.options`).
+
+The mapping's step is traced with one block (or whole, for a model of few blocks) and
+each op priced by the cost model. In the ``none`` schedule the simulated step is the sum
+of its ops' costs (collectives run where they stand, nothing beside them), so the step of
+``n`` blocks is at least the ops outside the block plus ``n`` times the block's own ops
+(each further block adds those, and its share of the update). With other schedules
+communication may hide behind computation: the bound counts computation alone.
+
+Time of a variant. One that does less work than the traced options is bounded by taking
+away the ops it may not run: with other recomputation, every op of the traced
+recomputation (JAX names them ``rematted_computation``); at a lower ZeRO stage, every
+parameter gather and the marks JAX puts on the values a fully sharded block keeps (an
+all-reduce costs at least the reduce-scatter it replaces). One in more microbatches runs
+its forward and backward ops once more per microbatch, each paying at least the
+profile's per-op overhead.
+
+Memory of a variant. The state (parameters and optimizer state, :func:`jaxmoe.train.
+memory.memory_per_device`) is there throughout, and when the backward pass begins the
+forward values that it reads are alive (:func:`jaxmoe.train.memory.saved_for_backward`;
+gathered or cast parameters aside). A variant that recomputes no more, in as many
+microbatches or more (every microbatch's forward pass runs first, each keeping its share
+of the rows' values), keeps at least those at any ZeRO stage (the plain step and ZeRO-1
+keep what differentiation needs, a fully sharded block more). One that recomputes less
+keeps more: what the traced recomputation makes again and the backward pass reads
+(:func:`jaxmoe.train.memory.recomputed_for_backward`), all of it without recomputation,
+all but the core attention's (the values from the matmul of queries and keys to the
+matmul with the values) when only the core attention is recomputed. These bound the
+step's peak as :func:`jaxmoe.train.memory.step_memory` walks it, as far as XLA fuses a
+value alike whether it is recomputed or kept; ``tests/plan/test_bounds.py`` checks them
+against estimates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from jaxmoe.config.choices import RECOMPUTE
+from jaxmoe.parallel.zero import GATHER_SCOPE
+from jaxmoe.plan.options import Options
+from jaxmoe.train.memory import recomputed_for_backward, saved_for_backward
+from scheduling import Phase, Program, aval_bytes
+from scheduling.costs.cost_model import FREE_PRIMITIVES, FUSIBLE, CostModel
+from scheduling.program.capture import Value
+
+# Ops that pass a parameter on as a parameter: casts, views and the barriers of a
+# recomputation's inputs.
+_CARRIES_PARAMETERS = frozenset(
+    {"convert_element_type", "reshape", "transpose", "broadcast_in_dim", "squeeze",
+     "expand_dims", "copy", "copy_p", "reduce_precision", "pvary"}
+)  # fmt: skip
+# The parts of a step's ops that the bounds take away, with the per-op overheads of each.
+_PARTS = (
+    "step", "recomputing", "sharding",
+    "overhead_step", "overhead_recomputing", "overhead_sharding",
+)  # fmt: skip
+# What JAX puts on the values a remat region keeps (ZeRO-3's fully sharded blocks keep all
+# but their gathers): the cost model prices it, XLA drops it.
+_REMAT_MARKS = frozenset({"reduce_precision"})
+# A block's ops: under its name scope ``layer_<i>``.
+BLOCK_SCOPE = re.compile(r"(^|/)layer_\d+(/|$)")
+_RECOMPUTED = "rematted_computation"
+
+
+@dataclass(frozen=True)
+class Split:
+    """A figure of the traced step: the part outside the blocks, and one block's part."""
+
+    outside: float
+    block: float
+
+    def at(self, blocks: int) -> float:
+        return self.outside + blocks * self.block
+
+    @staticmethod
+    def of(total: float, in_blocks: float, traced_blocks: int) -> Split:
+        return Split(total - in_blocks, in_blocks / traced_blocks)
+
+
+@dataclass(frozen=True)
+class Screen:
+    """The bounds one trace of a mapping gives (module docstring)."""
+
+    options: Options  # the traced mapping's
+    blocks: int  # the model's
+    step: Split  # seconds of the ops the step runs (computation alone: compute_only)
+    recomputing: Split  # seconds of the recomputations' ops
+    sharding: Split  # seconds of the parameter gathers and of JAX's marks on kept values
+    # The per-op overheads of the forward and backward ops, of the recomputations' and of
+    # the sharding's among them.
+    overhead_step: Split
+    overhead_recomputing: Split
+    overhead_sharding: Split
+    state: int  # bytes of the state at the model's depth
+    saved: Split  # bytes of forward values alive when the backward pass begins
+    recomputed: Split  # bytes a recomputation makes again for the backward pass
+    recomputed_core: Split  # of them, the core attention's
+    compute_only: bool
+
+    def step_bound(self, options: Options) -> float:
+        """A lower bound of the step time of the traced layout with ``options``."""
+        if options.microbatches < self.options.microbatches:
+            raise ValueError("a screen bounds variants in as many microbatches or more")
+        seconds = self.step.at(self.blocks)
+        overhead = self.overhead_step.at(self.blocks)
+        if options.recompute != self.options.recompute:
+            seconds -= self.recomputing.at(self.blocks)
+            overhead -= self.overhead_recomputing.at(self.blocks)
+        if options.zero < self.options.zero:
+            seconds -= self.sharding.at(self.blocks)
+            overhead -= self.overhead_sharding.at(self.blocks)
+        extra = options.microbatches - self.options.microbatches
+        seconds += extra * overhead / self.options.microbatches
+        return max(seconds, 0.0)
+
+    def keeps_at_least(self, options: Options) -> bool:
+        """Whether ``options`` keep at least what the traced options keep for the backward
+        pass, parameters aside: no more recomputation, and as many microbatches or more
+        (the walk runs every microbatch's forward pass first, each keeping its share of
+        the rows' values). Any ZeRO stage: a plain or ZeRO-1 step keeps what
+        differentiation needs, a fully sharded block more."""
+        return RECOMPUTE.index(options.recompute) <= RECOMPUTE.index(self.options.recompute) and (
+            options.microbatches >= self.options.microbatches
+        )
+
+    def memory_bound(self, options: Options, state: int) -> int:
+        """A lower bound of the peak bytes of the traced layout with ``options``, whose
+        state takes ``state`` bytes."""
+        if not self.keeps_at_least(options):
+            return state
+        saved = self.saved.at(self.blocks)
+        if options.recompute != self.options.recompute:
+            # What the traced step recomputes in its blocks, kept instead.
+            kept = self.recomputed.block
+            if options.recompute == "attention":
+                kept -= self.recomputed_core.block
+            saved += self.blocks * max(kept, 0.0)
+        return int(state + saved)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> Screen:
+        names = (*_PARTS, "saved", "recomputed", "recomputed_core")
+        splits = {name: Split(**data[name]) for name in names}
+        return Screen(
+            **{**data, **splits, "options": Options(**data["options"])}  # type: ignore[arg-type]
+        )
+
+
+def screen(
+    program: Program,
+    state: Any,
+    cost: CostModel,
+    options: Options,
+    blocks: int,
+    traced_blocks: int,
+    state_bytes: int,
+    compute_only: bool,
+) -> Screen:
+    """The bounds of the traced step ``program`` (``traced_blocks`` of the model's
+    ``blocks``; its first argument has the structure of ``state``), priced by ``cost``."""
+    totals = {name: [0.0, 0.0] for name in _PARTS}
+    profile = cost.profile
+    for op in program.ops:
+        in_block = bool(BLOCK_SCOPE.search(op.layer))
+        collective = op.is_collective or op.primitive == "ragged_all_to_all"
+        seconds = 0.0 if compute_only and collective else cost.seconds(op)
+        parts = ["step"]
+        if _RECOMPUTED in op.name_stack:
+            parts.append("recomputing")
+        if (op.primitive == "all_gather" and GATHER_SCOPE in op.layer) or (
+            op.primitive in _REMAT_MARKS
+        ):
+            parts.append("sharding")
+        fused = profile.fused_elementwise and op.primitive in FUSIBLE
+        pays_overhead = (
+            op.phase is not Phase.OPTIMIZER
+            and not collective
+            and op.primitive not in FREE_PRIMITIVES
+            and not fused
+        )
+        for part in parts:
+            totals[part][0] += seconds
+            totals[part][1] += seconds if in_block else 0.0
+            if pays_overhead:
+                overhead = f"overhead_{part}"
+                totals[overhead][0] += profile.op_overhead_s
+                totals[overhead][1] += profile.op_overhead_s if in_block else 0.0
+    parameters = _parameters(program)
+    # Parameters gathered or cast are the state's where the variant holds them whole.
+    saved_total, saved_blocks = saved_for_backward(
+        program, state, BLOCK_SCOPE, leaving_out=parameters
+    )
+    splits = {
+        name: Split.of(total, in_blocks, traced_blocks)
+        for name, (total, in_blocks) in totals.items()
+    }
+    # A recomputation's parameters (a block's gathers, their casts) are the state's, or
+    # gathered again, where nothing is recomputed: not activations it keeps.
+    recomputed = {
+        value: op
+        for value, op in recomputed_for_backward(program, state).items()
+        if value not in parameters
+    }
+    core = _core_attention(program, parameters)
+    in_blocks = {v: op for v, op in recomputed.items() if BLOCK_SCOPE.search(op.layer)}
+    return Screen(
+        options=options,
+        blocks=blocks,
+        state=state_bytes,
+        saved=Split.of(saved_total, saved_blocks, traced_blocks),
+        recomputed=Split.of(_bytes(recomputed), _bytes(in_blocks), traced_blocks),
+        recomputed_core=Split.of(
+            _bytes({v: op for v, op in in_blocks.items() if v in core}),
+            _bytes({v: op for v, op in in_blocks.items() if v in core}),
+            traced_blocks,
+        ),
+        compute_only=compute_only,
+        **splits,
+    )
+
+
+def _bytes(values: dict[Value, Any]) -> float:
+    return float(sum(aval_bytes(value.aval) for value in values))
+
+
+def _parameters(program: Program) -> set[Value]:
+    """The program's inputs (the state and the batch) and the values that carry them on
+    unchanged but for their dtype, layout or gathering: no layer's activations."""
+    parameters = set(program.inputs)
+    for op in program.ops:
+        if op.primitive == "optimization_barrier":  # each operand passes through alone
+            pairs = zip(op.inputs, op.outputs, strict=True)
+            parameters.update(v for a, v in pairs if a in parameters)
+            continue
+        carries = op.primitive in _CARRIES_PARAMETERS or (
+            op.primitive == "all_gather" and GATHER_SCOPE in op.layer
+        )
+        if carries and all(a in parameters for a in op.inputs if isinstance(a, Value)):
+            parameters.update(op.outputs)
+    return parameters
+
+
+def _core_attention(program: Program, parameters: set[Value]) -> set[Value]:
+    """The values of the core attention that recomputations make: in an attention scope,
+    from the matmul of two activations (queries and keys) up to the next such matmul
+    (with the values), that one's result aside."""
+    core: set[Value] = set()
+    recomputing = [
+        op for op in program.ops if _RECOMPUTED in op.name_stack and "attention" in op.layer
+    ]
+    by_layer: dict[str, list[Any]] = {}
+    for op in recomputing:
+        found = BLOCK_SCOPE.search(op.layer)
+        by_layer.setdefault(found.group(0) if found else "", []).append(op)
+    for ops in by_layer.values():
+        matmuls = [
+            op
+            for op in ops
+            if op.primitive == "dot_general"
+            and not any(a in parameters for a in op.inputs if isinstance(a, Value))
+        ]
+        if len(matmuls) < 2:
+            continue
+        first, last = matmuls[0], matmuls[1]
+        after = set(first.outputs)
+        for op in ops:
+            if op is not first and any(a in after for a in op.inputs if isinstance(a, Value)):
+                after.update(op.outputs)
+        before: set[Value] = {a for a in last.inputs if isinstance(a, Value)}
+        for op in reversed(ops):
+            if any(v in before for v in op.outputs):
+                before.update(a for a in op.inputs if isinstance(a, Value))
+        core |= (after & before) - set(last.outputs)
+    return core

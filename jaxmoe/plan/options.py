@@ -1,0 +1,67 @@
+"""The options a mapping adds to its layout: the ZeRO stage, what the backward pass
+recomputes, and the microbatches of a step. Each trades step time for memory per device;
+the planner tries every set of them on every layout (no JAX here).
+
+Ordered from least to most work: ZeRO 0, 1, 3 (``train.zero``: each stage shards more
+of the state and gathers more parameters), recomputation ``none``, ``attention``,
+``layer`` (``model.recompute``: jaxmoe.config.choices.RECOMPUTE lists them so), one
+microbatch or more (``train.microbatches``: each one more pass over every layer's ops).
+The set of least memory is the last stage and the last recomputation, in one microbatch.
+The planner bounds a layout's option sets from one trace (:mod:`jaxmoe.plan.bounds`), of
+the set that recomputes most, in one microbatch, at ZeRO-1: a fully sharded block
+(ZeRO-3) keeps every value it makes for the backward pass (JAX's policy for its gathers),
+where the plain step and ZeRO-1 keep what differentiation needs, so a ZeRO-3 trace would
+not bound what the others keep.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jaxmoe.config import Config
+from jaxmoe.config.choices import RECOMPUTE
+from jaxmoe.config.train import ZERO_STAGES
+
+
+@dataclass(frozen=True)
+class Options:
+    zero: int = 0
+    recompute: str = "none"
+    microbatches: int = 1
+
+    def label(self) -> str:
+        return f"ZeRO-{self.zero}, recompute {self.recompute}, microbatches {self.microbatches}"
+
+
+def options_of(config: Config) -> Options:
+    """The options ``config`` runs with."""
+    return Options(config.train.zero, config.model.recompute, config.train.microbatches)
+
+
+def option_sets(config: Config, microbatches: bool = True) -> list[Options]:
+    """Every set of options for ``config``'s model and batch: each ZeRO stage and
+    recomputation, and (with ``microbatches``) every number of microbatches that divides
+    the rows of an attention shard. Config checks each set against the layout."""
+    rows = config.train.batch_size // config.parallel.batch_shards
+    counts = [m for m in range(1, rows + 1) if rows % m == 0] if microbatches else [1]
+    return [
+        Options(zero, recompute, count)
+        for zero in ZERO_STAGES
+        for recompute in RECOMPUTE
+        for count in counts
+    ]
+
+
+def least_memory(sets: list[Options]) -> Options:
+    """The set of least memory among ``sets``: the highest ZeRO stage and the most
+    recomputation, in the fewest microbatches (see the module docstring)."""
+    return max(sets, key=lambda o: (o.zero, RECOMPUTE.index(o.recompute), -o.microbatches))
+
+
+def bounding(sets: list[Options]) -> Options:
+    """The set the planner traces to bound the others of a layout (module docstring):
+    the most recomputation, one microbatch, and ZeRO-1, or the stage nearest it."""
+    return min(
+        sets,
+        key=lambda o: (-RECOMPUTE.index(o.recompute), o.microbatches, abs(o.zero - 1), o.zero),
+    )

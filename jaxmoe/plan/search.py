@@ -1,0 +1,56 @@
+"""The order in which the planner estimates mappings: least lower bound first, until the
+best ones are known (no JAX here).
+
+Each candidate starts with a lower bound of its figure (a step time). Taking the
+candidate of least bound, the search advances it: a tighter bound (it goes back with it),
+or its figure (it is estimated; the figure counts unless it is left out, e.g. over
+memory), or nothing (it is dropped). Once ``wanted`` figures count and the least bound
+left is no less than the ``wanted``-th least figure, no candidate left can be among the
+``wanted`` least: the search stops, and those are exactly the ``wanted`` least figures
+of all candidates, as long as every bound is one.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Advance:
+    """What advancing a candidate gave: a tighter ``bound`` (and the candidate to keep,
+    ``item``), or its ``figure`` once estimated (None where it does not count), or neither
+    (dropped)."""
+
+    bound: float | None = None
+    item: Any = None
+    estimated: bool = False
+    figure: float | None = None
+
+
+def best_first(
+    start: Iterable[tuple[float, Any]], advance: Callable[[Any], Advance], wanted: int
+) -> list[tuple[float, Any]]:
+    """Advance the candidates ``(bound, item)`` of ``start`` least bound first (module
+    docstring); returns those left when the search stopped, with their bounds."""
+    if wanted < 1:
+        raise ValueError(f"wanted={wanted}: the search needs at least one figure")
+    tie = itertools.count()
+    heap = [(bound, next(tie), item) for bound, item in start]
+    heapq.heapify(heap)
+    figures: list[float] = []
+    while heap:
+        bound, _, item = heap[0]
+        if len(figures) >= wanted and bound >= figures[wanted - 1]:
+            break
+        heapq.heappop(heap)
+        step = advance(item)
+        if step.bound is not None:
+            heapq.heappush(heap, (max(bound, step.bound), next(tie), step.item))
+        elif step.estimated and step.figure is not None:
+            bisect.insort(figures, step.figure)
+    return [(bound, item) for bound, _, item in sorted(heap)]

@@ -1,0 +1,106 @@
+"""The planner's bounds (jaxmoe/plan/bounds.py): one trace of a layout bounds the step time
+and the memory of every option set of it, as the planner estimates them.
+
+A six-layer model (three blocks) on 4 devices, on a folded layout (tensor 2, an expert
+group of 2 inside it): the bounds come from one one-block trace at ZeRO-1 with full
+recomputation; each option set is then estimated from its one- and two-block traces.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from jaxmoe.cli import parser as cli
+from jaxmoe.plan import planner
+from jaxmoe.plan.mappings import enumerate_mappings, with_options
+from jaxmoe.plan.options import Options, bounding, option_sets
+
+PROFILE = "h100-8x-nvlink-3200g"
+SIX_LAYERS = [
+    "--preset", "tiny", "--model.num_layers", "6", "--model.d_model", "32",
+    "--model.num_heads", "2", "--model.d_ff", "64", "--model.seq_len", "16",
+    "--moe.num_experts", "4", "--train.batch_size", "8",
+]  # fmt: skip
+VARIANTS = [
+    Options(zero, recompute, 1)
+    for zero in (0, 1, 3)
+    for recompute in ("none", "attention", "layer")
+] + [Options(0, "none", 2), Options(3, "attention", 2)]
+
+
+@functools.cache
+def layout():
+    args = cli.parse(["plan", *SIX_LAYERS, "--devices", "4", "--profile", PROFILE])
+    config = cli.resolve_config(args)
+    (found,) = [
+        c
+        for c in enumerate_mappings(config, 4, 8).valid
+        if (c.mapping.tensor, c.mapping.expert, c.mapping.expert_tensor, c.mapping.dispatcher)
+        == (2, 2, 1, "all_to_all")
+    ]
+    return found
+
+
+@functools.cache
+def tracer() -> planner.Tracer:
+    return planner.Tracer(["none"], PROFILE, planner.EstimateCache(None))
+
+
+@functools.cache
+def screened():
+    sets = option_sets(layout().config)
+    assert bounding(sets) == Options(1, "layer", 1)
+    traced = with_options(layout(), bounding(sets), 8)
+    return tracer().screen(traced.config, extrapolate_layers=True)
+
+
+@functools.cache
+def estimated(options: Options):
+    variant = with_options(layout(), options, 8)
+    assert variant.config is not None, variant.reason
+    memory, times = planner.estimate_mapping(
+        variant.config, ["none"], PROFILE, planner.EstimateCache(None), tracer=tracer()
+    )
+    return variant.config, memory, times["none"].step
+
+
+@pytest.mark.parametrize("options", VARIANTS, ids=lambda o: o.label())
+def test_one_trace_bounds_every_option_set(options):
+    config, memory, step = estimated(options)
+    bounds = screened()
+    assert bounds.step_bound(options) <= step
+    assert bounds.memory_bound(options, planner.state_bytes(config)) <= memory.total
+
+
+def test_the_bounds_are_close_where_nothing_is_taken_away():
+    options = Options(1, "layer", 1)
+    config, memory, step = estimated(options)
+    bounds = screened()
+    # The update's share of each further block is what the step bound leaves out.
+    assert bounds.step_bound(options) == pytest.approx(step, rel=0.15)
+    assert bounds.memory_bound(options, planner.state_bytes(config)) > 0.5 * memory.total
+
+
+def test_recomputing_less_is_bounded_by_what_the_recomputation_keeps():
+    bounds = screened()
+    state = planner.state_bytes(with_options(layout(), Options(0, "none", 1), 8).config)
+    kept, without_core, recomputing = (
+        bounds.memory_bound(Options(0, recompute, 1), state)
+        for recompute in ("none", "attention", "layer")
+    )
+    # The core attention's values (queries-keys matmul to the values' matmul) are found.
+    assert bounds.recomputed_core.block > 0
+    assert kept > without_core > recomputing
+
+
+def test_a_variant_in_fewer_microbatches_is_not_bounded():
+    bounds = screened()  # one microbatch
+    with pytest.raises(ValueError, match="as many microbatches or more"):
+        bounds.step_bound(Options(1, "layer", 0))
+
+
+def test_screens_round_trip_through_json():
+    bounds = screened()
+    assert type(bounds).from_json(bounds.to_json()) == bounds

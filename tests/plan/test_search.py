@@ -1,0 +1,61 @@
+"""The planner's search (jaxmoe/plan/search.py): least bound first, stopping once the best
+are known; no JAX."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from jaxmoe.plan.search import Advance, best_first
+
+
+def _candidates(seed: int, count: int = 40) -> dict[str, tuple[float, float, float, bool]]:
+    """name -> (first bound, tighter bound, figure, counts)."""
+    rng = random.Random(seed)
+    found = {}
+    for index in range(count):
+        figure = rng.uniform(1.0, 10.0)
+        tighter = figure * rng.uniform(0.7, 1.0)
+        first = tighter * rng.uniform(0.5, 1.0)
+        found[f"m{index}"] = (first, tighter, figure, rng.random() > 0.3)
+    return found
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("wanted", [1, 3])
+def test_the_wanted_least_figures_are_exact(seed, wanted):
+    candidates = _candidates(seed)
+    advanced = []
+
+    def advance(item):
+        name, stage = item
+        advanced.append(item)
+        _, tighter, figure, counts = candidates[name]
+        if stage == "bound":
+            return Advance(tighter, (name, "tighter"))
+        return Advance(estimated=True, figure=figure if counts else None)
+
+    left = best_first(((c[0], (n, "bound")) for n, c in candidates.items()), advance, wanted)
+    estimated = {name for name, stage in advanced if stage == "tighter"}
+    counted = sorted(candidates[n][2] for n in estimated if candidates[n][3])
+    every = sorted(c[2] for c in candidates.values() if c[3])
+    assert counted[:wanted] == every[:wanted]
+    # It stopped early: not every candidate was estimated, and what is left is bounded
+    # out by the wanted-th figure.
+    assert len(estimated) < len(candidates)
+    assert all(bound >= every[wanted - 1] for bound, _ in left)
+    assert {name for _, (name, _) in left} | {n for n, _ in advanced} == set(candidates)
+
+
+def test_dropped_candidates_never_count():
+    def advance(item):
+        return Advance() if item == "dropped" else Advance(estimated=True, figure=2.0)
+
+    left = best_first([(1.0, "dropped"), (1.5, "kept")], advance, 1)
+    assert left == []
+
+
+def test_at_least_one_figure_is_wanted():
+    with pytest.raises(ValueError, match="wanted=0"):
+        best_first([], lambda item: Advance(), 0)
