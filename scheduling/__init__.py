@@ -32,6 +32,7 @@ _API = {
     "Program": "scheduling.program.capture",
     "Op": "scheduling.program.capture",
     "Phase": "scheduling.program.capture",
+    "Value": "scheduling.program.capture",
     "aval_bytes": "scheduling.program.capture",
     "Graph": "scheduling.program.graph",
     "Role": "scheduling.program.graph",
@@ -41,6 +42,8 @@ _API = {
     # costs
     "CostModel": "scheduling.costs.cost_model",
     "op_flops": "scheduling.costs.cost_model",
+    "FREE_PRIMITIVES": "scheduling.costs.cost_model",
+    "FUSIBLE": "scheduling.costs.cost_model",
     "DeviceProfile": "scheduling.costs.profiles",
     "PROFILES": "scheduling.costs.profiles",
     "CollectiveCurves": "scheduling.costs.link_model",

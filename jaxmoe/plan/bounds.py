@@ -44,9 +44,7 @@ from jaxmoe.config.choices import RECOMPUTE
 from jaxmoe.parallel.zero import GATHER_SCOPE
 from jaxmoe.plan.options import Options
 from jaxmoe.train.memory import recomputed_for_backward, saved_for_backward
-from scheduling import Phase, Program, aval_bytes
-from scheduling.costs.cost_model import FREE_PRIMITIVES, FUSIBLE, CostModel
-from scheduling.program.capture import Value
+from scheduling import FREE_PRIMITIVES, FUSIBLE, CostModel, Phase, Program, Value, aval_bytes
 
 # Ops that pass a parameter on as a parameter: casts, views and the barriers of a
 # recomputation's inputs.

@@ -74,8 +74,7 @@ from jaxmoe.train.state import (
     state_specs,
     zero_plan,
 )
-from scheduling import Phase, Program, aval_bytes
-from scheduling.program.capture import Value
+from scheduling import Phase, Program, Value, aval_bytes
 
 # -------------------------------------------------------------------------------------
 # The state.
