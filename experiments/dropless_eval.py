@@ -796,10 +796,14 @@ def _placement_lines(result: dict) -> list[str]:
 
 def _placement_reading(d: dict, c: dict) -> list[str]:
     """Why the placement figures are what they are, each statement read off them."""
+    from jaxmoe.train.placement_planner import SMOOTHING
+
     rd, rc = d["replay"], c["replay"]
     hindsight_d = rd["hindsight"] / rd["static"]
     hindsight_c = rc["hindsight"] / rc["static"]
     best_sweep = min(d["sweep"], key=lambda entry: entry[2])
+    blended = [value / rd["static"] for _, w, value in d["sweep"] if 0 < w < 1]
+    inside = min(d["replay_blocks"]) <= min(blended) and max(blended) <= max(d["replay_blocks"])
     return [
         f"Reading, dropless. The planner places the copies before a step, from the steps "
         f"before it; an expert's share of the routing correlates {d['persistence']['1']:.2f} "
@@ -813,7 +817,14 @@ def _placement_reading(d: dict, c: dict) -> list[str]:
         f"{best_sweep[2] / rd['static']:.3f}x, and from a linear predictor fitted with "
         f"hindsight on the very steps it predicts {rd['fitted'] / rd['static']:.3f}x. What "
         "separates the planner from hindsight is the part of each step's routing that the "
-        "steps before it do not predict, not the planning.",
+        "steps before it do not predict, not the planning: a table made before the step "
+        "cannot follow it, and only a choice made within the step from that step's counts "
+        "(which the ragged dispatch all-gathers before its exchange), such as how each "
+        "expert's rows split over its copies, could reach towards the hindsight figure. "
+        f"The blends of the sweep (weights strictly between 0 and 1) span {min(blended):.3f}x"
+        f"-{max(blended):.3f}x, {'inside' if inside else 'not inside'} the planner's own "
+        f"range over blocks {_range(d['replay_blocks'])}; the planner keeps its constants "
+        f"{SMOOTHING['tokens_per_expert']}.",
         "",
         f"Reading, capacity 1.25. Planned with each step's own routing, placement would drop "
         f"{hindsight_c:.3f}x static's assignments; the planner's prediction gets "
@@ -857,9 +868,11 @@ def write_report(result: dict, path: Path) -> str:
             f"{result['repeats']} rounds of {result['steps']} steps per variant after "
             f"{WARMUP} untimed rounds, the variants interleaved (order reversed every other "
             "round) on the same batches; median and range of the round medians, and of each "
-            "round's ratio. *Temp*, *arguments + outputs*: `memory_analysis` of the compiled "
-            "step. *Dropped*, *max/mean device load* (the routed assignments of the busiest "
-            "device over the mean, per MoE layer): over the timed steps. Every variant starts "
+            "round's ratio (the machine was shared with other work: single timings spread "
+            "widely, so compare the per-round ratios). *Temp*, *arguments + outputs*: "
+            "`memory_analysis` of the compiled step. *Dropped*, *max/mean device load* (the "
+            "routed assignments of the busiest device over the mean, per MoE layer): over "
+            "the timed steps. Every variant starts "
             f"from the same state, trained {result['warm_steps']} steps by the padded "
             "dropless step first.",
             "",
