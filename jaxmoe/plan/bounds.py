@@ -17,14 +17,19 @@ all-reduce costs at least the reduce-scatter it replaces). One in more microbatc
 its forward and backward ops once more per microbatch, each paying at least the
 profile's per-op overhead.
 
+A pipeline's stage laid out as the traced step (without a pipeline) runs the same ops for
+its chunks' layers over its microbatches, with idle ticks that run the same code on
+zeros; its update is of fewer layers over fewer replicas, and taken away.
+
 Memory of a variant. The state (parameters and optimizer state, :func:`jaxmoe.train.
 memory.memory_per_device`) is there throughout, and when the backward pass begins the
 forward values that it reads are alive (:func:`jaxmoe.train.memory.saved_for_backward`;
 gathered or cast parameters aside). A variant that recomputes no more, in as many
-microbatches or more (every microbatch's forward pass runs first, each keeping its share
-of the rows' values), keeps at least those at any ZeRO stage (the plain step and ZeRO-1
-keep what differentiation needs, a fully sharded block more). One that recomputes less
-keeps more: what the traced recomputation makes again and the backward pass reads
+microbatches or more, keeps at least those, at any ZeRO stage: every microbatch's forward
+pass runs first, each keeping its share of the rows' values (so does a pipeline's stage,
+with a share of the layers and as many times the rows); the plain step and ZeRO-1 keep
+what differentiation needs, a fully sharded block more. One that recomputes less keeps
+more: what the traced recomputation makes again and the backward pass reads
 (:func:`jaxmoe.train.memory.recomputed_for_backward`), all of it without recomputation,
 all but the core attention's (the values from the matmul of queries and keys to the
 matmul with the values) when only the core attention is recomputed. These bound the
@@ -54,8 +59,8 @@ _CARRIES_PARAMETERS = frozenset(
 )  # fmt: skip
 # The parts of a step's ops that the bounds take away, with the per-op overheads of each.
 _PARTS = (
-    "step", "recomputing", "sharding",
-    "overhead_step", "overhead_recomputing", "overhead_sharding",
+    "step", "recomputing", "sharding", "update",
+    "overhead_step", "overhead_recomputing", "overhead_sharding", "overhead_update",
 )  # fmt: skip
 # What JAX puts on the values a remat region keeps (ZeRO-3's fully sharded blocks keep all
 # but their gathers): the cost model prices it, XLA drops it.
@@ -89,11 +94,13 @@ class Screen:
     step: Split  # seconds of the ops the step runs (computation alone: compute_only)
     recomputing: Split  # seconds of the recomputations' ops
     sharding: Split  # seconds of the parameter gathers and of JAX's marks on kept values
+    update: Split  # seconds of the rest of the update (gradient sync, optimizer)
     # The per-op overheads of the forward and backward ops, of the recomputations' and of
     # the sharding's among them.
     overhead_step: Split
     overhead_recomputing: Split
     overhead_sharding: Split
+    overhead_update: Split
     state: int  # bytes of the state at the model's depth
     saved: Split  # bytes of forward values alive when the backward pass begins
     recomputed: Split  # bytes a recomputation makes again for the backward pass
@@ -115,6 +122,18 @@ class Screen:
         extra = options.microbatches - self.options.microbatches
         seconds += extra * overhead / self.options.microbatches
         return max(seconds, 0.0)
+
+    def pipeline_step_bound(self, options: Options, stages: int, virtual: int) -> float:
+        """A lower bound of the step time of the traced stage layout (traced without a
+        pipeline) as each stage of a pipeline of ``stages`` (``virtual`` chunks each) with
+        ``options``: its devices run the same ops for their chunks' layers over their
+        microbatches, and the ticks where the schedule leaves a stage idle run the same
+        code on zeros (so ``1 + (stages - 1) / (microbatches x virtual)`` times the work);
+        the update of fewer layers' parameters, over fewer replicas, taken away."""
+        one = Options(options.zero, options.recompute, self.options.microbatches)
+        seconds = self.step_bound(one) - self.update.at(self.blocks)
+        bubble = 1 + (stages - 1) / (options.microbatches * virtual)
+        return max(seconds, 0.0) * bubble
 
     def keeps_at_least(self, options: Options) -> bool:
         """Whether ``options`` keep at least what the traced options keep for the backward
@@ -177,6 +196,8 @@ def screen(
             op.primitive in _REMAT_MARKS
         ):
             parts.append("sharding")
+        elif op.phase is Phase.OPTIMIZER:
+            parts.append("update")
         fused = profile.fused_elementwise and op.primitive in FUSIBLE
         pays_overhead = (
             op.phase is not Phase.OPTIMIZER

@@ -11,6 +11,8 @@ count ``n``::
     q(n) = q(1) + (n - 1) * (q(2) - q(1))
 
 so tracing the model with one and with two blocks gives the deep model's figure,
+(with a pipeline, one and two blocks in each chunk of its layers: a device runs its
+chunks' blocks, every chunk alike),
 at the price of two shallow traces instead of one deep one (Mixtral-shaped models
 have 56 layers; one of their traces takes tens of seconds, a one-block trace about
 one). It is exact where the blocks are alike and run in sequence: the ``none``
@@ -34,12 +36,14 @@ MIN_BLOCKS = 3
 
 
 def block_count(config: Config) -> int | None:
-    """How many repeating blocks ``config``'s model has, or None when its layers do not
-    split into whole blocks (the last layer is then not an MoE layer)."""
+    """How many repeating blocks ``config``'s model has (in each chunk of a pipeline's
+    layers: every chunk holds as many), or None when its layers do not split into whole
+    blocks (the last layer is then not an MoE layer)."""
     model = config.model
-    if model.num_layers % model.moe_every:
+    per_block = model.moe_every * config.parallel.chunks
+    if model.num_layers % per_block:
         return None
-    return model.num_layers // model.moe_every
+    return model.num_layers // per_block
 
 
 def extrapolates(config: Config) -> bool:
@@ -49,9 +53,10 @@ def extrapolates(config: Config) -> bool:
 
 
 def with_blocks(config: Config, blocks: int) -> Config:
-    """``config`` with its model cut (or grown) to ``blocks`` repeating blocks."""
+    """``config`` with its model cut (or grown) to ``blocks`` repeating blocks (in each
+    chunk of a pipeline's layers)."""
     values = config.to_dict()
-    values["model"]["num_layers"] = blocks * config.model.moe_every
+    values["model"]["num_layers"] = blocks * config.model.moe_every * config.parallel.chunks
     return Config.from_dict(values)
 
 

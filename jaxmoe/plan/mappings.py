@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from jaxmoe.config import Config, ConfigError, ParallelConfig
@@ -38,10 +39,12 @@ class Mapping:
     zero: int = 0  # train.zero
     recompute: str = "none"  # model.recompute
     microbatches: int = 1  # train.microbatches
+    pipeline: int = 1  # stages, each of devices / pipeline devices laid out as above
+    virtual_stages: int = 1  # chunks of layers per stage (the interleaved schedule)
 
     @property
     def attention_data(self) -> int:
-        return self.devices // self.tensor
+        return self.devices // (self.pipeline * self.tensor)
 
     @property
     def options(self) -> Options:
@@ -52,6 +55,11 @@ class Mapping:
         """This mapping with the default options: the layout alone."""
         return dataclasses.replace(self, **dataclasses.asdict(Options()))
 
+    @property
+    def stage_layout(self) -> tuple[int, int, int, str]:
+        """What a stage's devices do: tensor, expert, expert tensor, dispatcher."""
+        return (self.tensor, self.expert, self.expert_tensor, self.dispatcher)
+
     def with_options(self, options: Options) -> Mapping:
         return dataclasses.replace(self, **dataclasses.asdict(options))
 
@@ -59,9 +67,13 @@ class Mapping:
         """The layout, then the options where they are not the defaults (no ZeRO, no
         recomputation, one microbatch)."""
         options = "" if self.options == Options() else f", {self.options.label()}"
+        pipeline = ""
+        if self.pipeline > 1:
+            virtual = f" ({self.virtual_stages} virtual)" if self.virtual_stages > 1 else ""
+            pipeline = f", pipeline {self.pipeline}{virtual}"
         return (
             f"attention {self.attention_data}x{self.tensor}, MoE {self.expert_data}x"
-            f"{self.expert}x{self.expert_tensor}, {self.dispatcher}{options}"
+            f"{self.expert}x{self.expert_tensor}, {self.dispatcher}{pipeline}{options}"
         )
 
     def to_json(self) -> dict[str, int | str]:
@@ -107,6 +119,8 @@ def with_mapping(config: Config, mapping: Mapping, devices_per_host: int) -> Con
             expert=mapping.expert,
             tensor=mapping.tensor,
             expert_tensor=mapping.expert_tensor,
+            pipeline=mapping.pipeline,
+            virtual_stages=mapping.virtual_stages,
         )
     )
     values["moe"]["dispatcher"] = mapping.dispatcher
@@ -119,28 +133,71 @@ def with_mapping(config: Config, mapping: Mapping, devices_per_host: int) -> Con
 
 
 def enumerate_mappings(
-    config: Config, devices: int, devices_per_host: int = 0, max_tensor: int | None = None
+    config: Config,
+    devices: int,
+    devices_per_host: int = 0,
+    max_tensor: int | None = None,
+    pipelines: Sequence[tuple[int, int]] = ((1, 1),),
 ) -> MappingSpace:
     """Every layout of ``config``'s model onto ``devices`` devices, valid or not, with the
     options ``config`` runs with.
 
     ``devices_per_host``: see :func:`with_mapping` (0: all devices on one host).
     ``max_tensor``: the widest tensor group (attention's and an expert's) tried (None: any;
-    see the module docstring). Without an expert group (expert x expert tensor = 1) every
-    dispatcher is the same program, so only the first is tried.
+    see the module docstring). ``pipelines``: the (stages, virtual stages) tried, each
+    dividing the devices into stages laid out alike. Without an expert group (expert x
+    expert tensor = 1) every dispatcher is the same program, so only the first is tried.
     """
     if devices < 1:
         raise ConfigError(f"--devices {devices}: must be a positive number of devices")
     options = dataclasses.asdict(options_of(config))
     valid, skipped = [], []
-    for tensor in divisors(devices):
-        for expert_tensor in divisors(devices):
-            for expert in divisors(devices // expert_tensor):
-                expert_data = devices // (expert * expert_tensor)
+    for stages, virtual in pipelines:
+        if devices % stages:
+            continue
+        _enumerate_stage(
+            config, devices, stages, virtual, options, devices_per_host, max_tensor,
+            valid, skipped,
+        )  # fmt: skip
+    return MappingSpace(valid, skipped)
+
+
+def pipelines_of(config: Config, devices: int, max_virtual_stages: int = 2) -> list:
+    """The (stages, virtual stages) a plan of ``config``'s model on ``devices`` devices
+    tries: stages that divide the devices and the layers into chunks of whole blocks, each
+    with up to ``max_virtual_stages`` chunks per stage (1: no pipeline first)."""
+    model = config.model
+    found = [(1, 1)]
+    for stages in divisors(devices)[1:]:
+        for virtual in range(1, max_virtual_stages + 1):
+            per_chunk = model.moe_every * stages * virtual
+            if model.num_layers % per_chunk == 0:
+                found.append((stages, virtual))
+    return found
+
+
+def _enumerate_stage(
+    config: Config,
+    devices: int,
+    stages: int,
+    virtual: int,
+    options: dict,
+    devices_per_host: int,
+    max_tensor: int | None,
+    valid: list[Candidate],
+    skipped: list[Candidate],
+) -> None:
+    """The layouts of one pipeline stage's ``devices // stages`` devices (all of them
+    without a pipeline), into ``valid`` and ``skipped``."""
+    stage = devices // stages
+    for tensor in divisors(stage):
+        for expert_tensor in divisors(stage):
+            for expert in divisors(stage // expert_tensor):
+                expert_data = stage // (expert * expert_tensor)
                 for dispatcher in DISPATCHERS:
                     mapping = Mapping(
                         devices, tensor, expert_data, expert, expert_tensor, dispatcher,
-                        **options,
+                        **options, pipeline=stages, virtual_stages=virtual,
                     )  # fmt: skip
                     if max_tensor is not None and max(tensor, expert_tensor) > max_tensor:
                         reason = (
@@ -159,7 +216,6 @@ def enumerate_mappings(
                         skipped.append(Candidate(mapping, None, reason))
                         continue
                     valid.append(Candidate(mapping, laid_out))
-    return MappingSpace(valid, skipped)
 
 
 def with_options(candidate: Candidate, options: Options, devices_per_host: int) -> Candidate:

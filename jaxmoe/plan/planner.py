@@ -57,8 +57,15 @@ from jaxmoe.config.choices import DISPATCHERS
 from jaxmoe.parallel.mesh import abstract_mesh
 from jaxmoe.plan.bounds import Screen, screen
 from jaxmoe.plan.layer_extrapolation import block_count, extrapolate, extrapolates, with_blocks
-from jaxmoe.plan.mappings import Candidate, Mapping, MappingSpace, enumerate_mappings, with_options
-from jaxmoe.plan.options import bounding, least_memory, option_sets, options_of
+from jaxmoe.plan.mappings import (
+    Candidate,
+    Mapping,
+    MappingSpace,
+    enumerate_mappings,
+    pipelines_of,
+    with_options,
+)
+from jaxmoe.plan.options import Options, bounding, option_sets, options_of
 from jaxmoe.plan.search import Advance, best_first
 from jaxmoe.train.memory import StepMemory, memory_per_device, step_memory
 from jaxmoe.train.mfu import mfu
@@ -427,11 +434,13 @@ def check_plan_inputs(config: Config, devices: int, profile: str, schedules: Seq
 
 @dataclass(frozen=True)
 class _Pending:
-    """A mapping in the search: its candidate, and the screen its bound comes from."""
+    """A mapping in the search: its layout, its options, and the screen its bound comes
+    from (its own trace's, or that of the layout's options it was bounded from)."""
 
-    candidate: Candidate
-    screen: Screen
-    own: bool  # the screen is the mapping's own trace
+    layout: Candidate
+    options: Options
+    screen: Screen | None
+    own: bool
 
 
 def plan_mappings(
@@ -447,6 +456,8 @@ def plan_mappings(
     extrapolate_layers: bool = True,
     top: int = 10,
     options: bool = True,
+    pipeline: bool = True,
+    max_virtual_stages: int = 2,
     cross_node_tensor: bool = False,
 ) -> PlanResult:
     """Estimate and rank the mappings of ``config``'s model on ``devices`` devices (module
@@ -457,15 +468,22 @@ def plan_mappings(
     ``memory_capacity_bytes``: the memory a device offers (default: the profile's).
     ``extrapolate_layers``: estimate deep models from one- and two-block traces (see
     :func:`estimate_mapping`). ``options``: try every ZeRO stage, recomputation and number
-    of microbatches (else ``config``'s alone). ``cross_node_tensor``: also tensor groups
-    wider than a node (:mod:`jaxmoe.plan.mappings`)."""
+    of microbatches (else ``config``'s alone). ``pipeline``: also pipelines of stages
+    dividing the devices and the layers, with up to ``max_virtual_stages`` chunks per
+    stage. ``cross_node_tensor``: also tensor groups wider than a node
+    (:mod:`jaxmoe.plan.mappings`)."""
     check_plan_inputs(config, devices, profile, schedules)
     if top < 1:
         raise ConfigError(f"top={top}: rank at least one mapping")
     device = scheduling.PROFILES[profile]
     per_node = device.devices_per_node
+    pipelines = pipelines_of(config, devices, max_virtual_stages) if pipeline else [(1, 1)]
     space = enumerate_mappings(
-        config, devices, per_node, max_tensor=None if cross_node_tensor else per_node
+        config,
+        devices,
+        per_node,
+        max_tensor=None if cross_node_tensor else per_node,
+        pipelines=pipelines,
     )
     if not space.valid:
         reasons = space.skipped_summary()
@@ -487,51 +505,68 @@ def plan_mappings(
     def over(memory: int) -> bool:
         return bool(capacity) and memory > capacity
 
+    def leave(mapping: Mapping, kind: str, reason: str, memory: int | None = None) -> None:
+        left_out.append(NotEstimated(mapping, kind, reason, memory_bound=memory))
+
+    screens: dict[tuple[int, int, int, str], Screen] = {}  # stage layout -> its screen
     start = []
     for index, layout in enumerate(space.valid):
+        assert layout.config is not None
+        mapping = layout.mapping
         sets = option_sets(layout.config, options) if options else [options_of(config)]
-        variants = [with_options(layout, o, per_node) for o in sets]
-        left_out += [
-            NotEstimated(v.mapping, "refused", v.reason) for v in variants if v.config is None
-        ]
-        variants = [v for v in variants if v.config is not None]
-        if not variants:
+        states = {}  # ZeRO stage -> the state's bytes (the options change nothing else)
+        for zero in sorted({o.zero for o in sets}):
+            staged = with_options(layout, Options(zero=zero), per_node)
+            if staged.config is None:
+                for o in sets:
+                    if o.zero == zero:
+                        leave(mapping.with_options(o), "refused", staged.reason)
+            else:
+                states[zero] = state_bytes(staged.config)
+        sets = [o for o in sets if o.zero in states]
+        if not sets:
             continue
-        by_options = {v.mapping.options: v for v in variants}
-        frugal = by_options[least_memory(list(by_options))]
-        assert frugal.config is not None
-        state = state_bytes(frugal.config)
-        if over(state):
+        if over(min(states.values())):
+            least = min(states.values())
             reason = (
-                f"its state alone needs {state / 1e9:.1f} GB or more (that of the options of "
+                f"its state alone needs {least / 1e9:.1f} GB or more (that of the options of "
                 "least memory)"
             )
-            left_out += [
-                NotEstimated(v.mapping, "state", reason, memory_bound=state) for v in variants
-            ]
+            for o in sets:
+                leave(mapping.with_options(o), "state", reason, least)
             continue
-        traced = by_options[bounding(list(by_options))]
-        assert traced.config is not None
-        bounds = tracer.screen(traced.config, extrapolate_layers)
-        say(f"[{index + 1}/{len(space.valid)}] bounds from {traced.mapping.label()}")
-        for variant in variants:
-            assert variant.config is not None
-            own = variant.mapping.options == bounds.options
-            memory = bounds.memory_bound(variant.mapping.options, state_bytes(variant.config))
-            if over(memory):
-                left_out.append(
-                    NotEstimated(
-                        variant.mapping, "memory", _over_reason(memory), memory_bound=memory
-                    )
-                )
+        if mapping.pipeline == 1:
+            traced = with_options(layout, bounding(sets), per_node)
+            if traced.config is None:
+                for o in sets:
+                    leave(mapping.with_options(o), "refused", traced.reason)
                 continue
-            pending = _Pending(variant, bounds, own)
-            start.append((bounds.step_bound(variant.mapping.options), pending))
+            bounds = tracer.screen(traced.config, extrapolate_layers)
+            screens[mapping.stage_layout] = bounds
+            say(f"[{index + 1}/{len(space.valid)}] bounds from {traced.mapping.label()}")
+        else:  # bounded by its stage layout's screen without a pipeline, where there is one
+            bounds = screens.get(mapping.stage_layout)
+        for o in sets:
+            if bounds is None:
+                start.append((0.0, _Pending(layout, o, None, False)))
+                continue
+            memory = bounds.memory_bound(o, states[o.zero])
+            if over(memory):
+                leave(mapping.with_options(o), "memory", _over_reason(memory), memory)
+                continue
+            if mapping.pipeline == 1:
+                step = bounds.step_bound(o)
+            else:
+                step = bounds.pipeline_step_bound(o, mapping.pipeline, mapping.virtual_stages)
+            own = mapping.pipeline == 1 and o == bounds.options
+            start.append((step, _Pending(layout, o, bounds, own)))
 
     def advance(pending: _Pending) -> Advance:
-        candidate = pending.candidate
-        assert candidate.config is not None
-        options_now = candidate.mapping.options
+        candidate = with_options(pending.layout, pending.options, per_node)
+        if candidate.config is None:
+            leave(candidate.mapping, "refused", candidate.reason)
+            return Advance()
+        options_now = pending.options
         if not pending.own:
             own = tracer.screen(candidate.config, extrapolate_layers)
             memory = own.memory_bound(options_now, state_bytes(candidate.config))
@@ -540,13 +575,12 @@ def plan_mappings(
                 f"{own.step_bound(options_now) * 1e3:.1f} ms, {memory / 1e9:.1f} GB"
             )
             if over(memory):
-                left_out.append(
-                    NotEstimated(
-                        candidate.mapping, "memory", _over_reason(memory), memory_bound=memory
-                    )
-                )
+                leave(candidate.mapping, "memory", _over_reason(memory), memory)
                 return Advance()
-            return Advance(own.step_bound(options_now), _Pending(candidate, own, True))
+            return Advance(
+                own.step_bound(options_now),
+                _Pending(pending.layout, options_now, own, True),
+            )
         memory, times = estimate_mapping(
             candidate.config,
             schedules,
@@ -573,7 +607,7 @@ def plan_mappings(
     left = best_first(start, advance, top)
     left_out += [
         NotEstimated(
-            pending.candidate.mapping,
+            pending.layout.mapping.with_options(pending.options),
             "step",
             f"its step takes at least {bound * 1e3:.1f} ms, no less than the {top} best "
             "estimated that fit",

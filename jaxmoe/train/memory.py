@@ -123,11 +123,11 @@ def memory_per_device(config: Config) -> StateMemory:
         if getattr(shapes, name) is not None
     }
     parameters = per_field.pop("params")
+    plan = zero_plan(config)
+    if plan is None:  # the state's parameters are the local blocks (a pipeline's included)
+        return StateMemory(parameters, sum(per_field.values()), parameters, 0)
     _, model_specs = model_graphdef_and_specs(config)
     whole = _local_bytes(shapes.params, model_specs, axes)
-    plan = zero_plan(config)
-    if plan is None:
-        return StateMemory(parameters, sum(per_field.values()), whole, 0)
     gathered_units = {
         unit: _local_bytes(
             plan.unit(shapes.params, index),

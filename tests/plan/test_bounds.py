@@ -101,6 +101,39 @@ def test_a_variant_in_fewer_microbatches_is_not_bounded():
         bounds.step_bound(Options(1, "layer", 0))
 
 
+@functools.cache
+def pipelined_layout():
+    """An eight-layer model on 4 devices: 2 stages of 2 devices (an expert group of 2),
+    and the same stage layout without a pipeline (4 devices: 2 expert replicas)."""
+    args = cli.parse(
+        ["plan", *SIX_LAYERS, "--model.num_layers", "8", "--devices", "4", "--profile", PROFILE]
+    )
+    config = cli.resolve_config(args)
+    space = enumerate_mappings(config, 4, 8, pipelines=[(1, 1), (2, 1)])
+    (plain, staged) = [
+        c
+        for c in space.valid
+        if (c.mapping.tensor, c.mapping.expert, c.mapping.expert_tensor) == (1, 2, 1)
+        and c.mapping.dispatcher == "all_to_all"
+    ]
+    assert (plain.mapping.pipeline, staged.mapping.pipeline) == (1, 2)
+    return plain, staged
+
+
+@pytest.mark.parametrize("microbatches", [2, 4])
+def test_a_stage_layout_without_a_pipeline_bounds_its_pipelines(microbatches):
+    plain, staged = pipelined_layout()
+    sets = option_sets(plain.config)
+    bounds = tracer().screen(with_options(plain, bounding(sets), 8).config, True)
+    options = Options(0, "none", microbatches)
+    variant = with_options(staged, options, 8)
+    memory, times = planner.estimate_mapping(
+        variant.config, ["none"], PROFILE, planner.EstimateCache(None), tracer=tracer()
+    )
+    assert bounds.pipeline_step_bound(options, 2, 1) <= times["none"].step
+    assert bounds.memory_bound(options, planner.state_bytes(variant.config)) <= memory.total
+
+
 def test_screens_round_trip_through_json():
     bounds = screened()
     assert type(bounds).from_json(bounds.to_json()) == bounds

@@ -166,7 +166,7 @@ def test_json_shape(planned):
     }  # fmt: skip
     assert set(row["mapping"]) == {
         "devices", "tensor", "attention_data", "expert_data", "expert", "expert_tensor",
-        "dispatcher", "zero", "recompute", "microbatches",
+        "dispatcher", "zero", "recompute", "microbatches", "pipeline", "virtual_stages",
     }  # fmt: skip
     parts = ("master", "optimizer", "batch", "parameters", "activations", "backward", "pipeline")
     assert row["memory_bytes"]["total"] == sum(row["memory_bytes"][p] for p in parts)
