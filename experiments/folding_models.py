@@ -22,8 +22,8 @@ if TYPE_CHECKING:  # the planner imports JAX
 # Sequence length of the planned runs, chosen here (the models' pretraining length).
 SEQ_LEN = 4096
 # Sequences per step and device, chosen here: one, Megatron-Core's usual micro-batch. A
-# step of N devices then holds N sequences (jaxmoe has no gradient accumulation, so the
-# step is one micro-batch round and synchronises gradients every time).
+# step of N devices then holds N sequences (one micro-batch round unless the planner
+# splits it into microbatches, so the step synchronises gradients every round).
 SEQUENCES_PER_DEVICE = 1
 
 
@@ -101,8 +101,18 @@ def plan_and_compare(
     from jaxmoe.plan.planner import default_cache_dir, plan_mappings
 
     config = config or planned_config(model, devices)
+    # Every layout at the model's own options: a comparison of layouts alone.
     result = plan_mappings(
-        config, model, devices, profile, schedules, cache_dir=default_cache_dir()
+        config,
+        model,
+        devices,
+        profile,
+        schedules,
+        cache_dir=default_cache_dir(),
+        top=10**6,
+        options=False,
+        pipeline=False,
+        cross_node_tensor=True,
     )
     return compare_folding(model, result.ranked, devices)
 
