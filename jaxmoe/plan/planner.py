@@ -87,8 +87,9 @@ MEMORY_METHOD = (
     "computes with them (casts to the compute dtype, ZeRO's gathers); activ: forward "
     "values, a recomputation's included; backward: gradients, their accumulators and the "
     "backward pass's working buffers. Within 10% of XLA:CPU's compiled memory analysis on "
-    "small models (tests/train/test_memory.py); a few percent under it (XLA's heap leaves "
-    "gaps)."
+    "small models (tests/train/test_memory.py), a few percent under it (XLA's heap leaves "
+    "gaps), except with a pipeline, where it is above it (within 60%: XLA:CPU interleaves "
+    "the ticks' forward and backward slots)."
 )
 
 
