@@ -6,24 +6,30 @@ On the emulated cluster (``experiments.emulation``), each link calibrated first
 (``experiments.emulation.link_calibration``; refused if it fails): 2 hosts x 4
 fake devices, layout data 2 x expert 4 (each expert group inside one host, so the link
 between hosts carries the data-parallel gradient synchronisation and the metric
-reductions). For each link speed, every algorithm trains the same run side by side,
-repeated in rotated order, all from one start of the host processes per link
-(``experiments.emulation.grad_sync_runs``). Per run it records the step times, the loss curve,
-and the bytes the hosts sent over the link (the ``eth0`` transmit counter of each host's
-namespace, read before and after the run: compilation, the final validation pass and the
-coordination service's heartbeats included, so per step they are a slight upper bound).
-From them: median step time, bytes per step, loss after N steps, and the wall-clock time
-(sum of step times) until the loss, averaged over 5 steps, first reaches the target (the
-loss ``allreduce`` reaches after ``--target-fraction`` of the steps). ``auto``'s choice
-for each link (the cost model told the link speed, ``--schedule.link_mbit``) is
-set beside the measured winner. Writes ``experiments/results/grad_sync_eval.md``,
-``.json`` and ``.png``; ``--quick`` is a smoke test (one speed, few steps, no files).
+reductions). On each link the collectives' curves are measured next (``jaxmoe
+link-curves`` on the hosts, written to ``experiments/results/grad_sync_eval_curves_
+<link>mbit.json``; ``--no-curves`` skips it), then every algorithm trains the same run
+side by side, repeated in rotated order, all from one start of the host processes per
+link (``experiments.emulation.grad_sync_runs``). Per run it records the step times, the
+loss curve, and the bytes the hosts sent over the link (the ``eth0`` transmit counter of
+each host's namespace, read before and after the run: compilation, the final validation
+pass and the coordination service's heartbeats included, so per step they are a slight
+upper bound). From them: median step time, bytes per step, loss after N steps, and the
+wall-clock time (sum of step times) until the loss, averaged over 5 steps, first reaches
+the target (the loss ``allreduce`` reaches after ``--target-fraction`` of the steps).
+``auto``'s choice for each link (the cost model told the link speed,
+``--schedule.link_mbit``, and that link's measured curves) is set beside the measured
+winner; ``experiments.grad_sync_convergence`` sets it beside the winner by measured
+step time and measured convergence cost as well. Writes
+``experiments/results/grad_sync_eval.md``, ``.json`` and ``.png``; ``--quick`` is a
+smoke test (one speed, few steps, no files).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
 import sys
 import tempfile
@@ -32,11 +38,13 @@ from pathlib import Path
 from experiments.emulation.grad_sync_runs import run_grad_sync
 from experiments.emulation.hosts import EmulatedHosts, machine
 from experiments.emulation.link_calibration import LinkNotCalibrated, calibrated_network
+from experiments.emulation.link_curves import run_link_curves
 from experiments.emulation.network import LinkShape, namespaces_available
 from experiments.grad_sync_report import write_report
 from experiments.shared.results_file import command_line
 from jaxmoe.cli.parser import config_from_train_args
 from jaxmoe.config.choices import GRAD_SYNCS as ALGORITHMS
+from jaxmoe.parallel.mesh import DATA_AXIS, EXPERT_AXIS
 
 HOSTS, DEVICES_PER_HOST = 2, 4
 SMOOTHING = 5  # steps in the loss average that the target is checked against
@@ -75,9 +83,109 @@ def measure_link(hosts: EmulatedHosts, args, extra, algorithms: list[str], link:
     return runs
 
 
-def auto_choice(args, extra, link: float) -> dict:
-    """What ``--train.grad_sync auto`` picks when told this link (estimates included);
-    run in a process with the cluster's devices (``main``: ``ensure_host_devices``)."""
+def curves_file(link: float) -> Path:
+    """Where the collective curves measured on this link are kept."""
+    return RESULTS / f"grad_sync_eval_curves_{link:g}mbit.json"
+
+
+# The collectives the relaxed algorithms send across hosts and ``jaxmoe link-curves`` does
+# not time (it times the all-to-all and the psums), as they run on the cluster's mesh:
+# each ppermute sends every member to its counterpart on the other host.
+SYNC_COLLECTIVES = (
+    ("ppermute", (DATA_AXIS,)),
+    ("ppermute", (DATA_AXIS, EXPERT_AXIS)),
+    ("all_gather", (DATA_AXIS,)),
+)
+
+
+def sync_collective(kind: str, axes: tuple[str, ...], group: int):
+    """A per-device function running one collective of ``SYNC_COLLECTIVES`` on its input."""
+    import jax
+    import jax.numpy as jnp
+
+    def run(x):
+        if kind == "ppermute":
+            shift = group // HOSTS  # the members of a group on one host
+            perm = [(i, (i + shift) % group) for i in range(group)]
+            return jnp.sum(jax.lax.ppermute(x, axes, perm))
+        return jnp.sum(jax.lax.all_gather(x, axes, tiled=True))
+
+    return run
+
+
+def measure_sync_curves(mesh, source: str, repeats: int = 5, chain: int = 4):
+    """Curves of ``SYNC_COLLECTIVES`` on ``mesh``, timed as ``jaxmoe link-curves`` times
+    its own: what one more collective adds to a chain of them, each fed by the last
+    (4 KiB to 4 MiB operands, each 4x the last)."""
+    import jax.numpy as jnp
+
+    import scheduling
+    from jaxmoe.parallel.timing import time_per_device
+
+    def seconds(collective, elements: int, copies: int) -> float:
+        def per_device(seed):
+            for _ in range(copies):
+                seed = collective(jnp.full((elements,), seed, jnp.float32)) * 1e-9
+            return seed
+
+        return statistics.median(time_per_device(per_device, mesh, warmup=1, repeats=repeats))
+
+    curves = scheduling.CollectiveCurves(source=source)
+    for kind, axes in SYNC_COLLECTIVES:
+        group = 1
+        for axis in axes:
+            group *= mesh.shape[axis]
+        collective, samples, nbytes = sync_collective(kind, axes, group), [], 4096
+        while nbytes <= 4 << 20:
+            elements = max(group, nbytes // 4 // group * group)
+            single, several = seconds(collective, elements, 1), seconds(collective, elements, chain)
+            samples.append((elements * 4, max(several - single, 1e-6) / (chain - 1)))
+            nbytes *= 4
+        curves.curves[(kind, group)] = scheduling.PiecewiseLinear.fit(samples)
+    return curves
+
+
+def sync_curves_host(argv: list[str]) -> int:
+    """The host program of :func:`measure_curves`: ``SYNC_COLLECTIVES`` timed on every
+    host; process 0 writes the curves to ``--json``."""
+    from experiments.emulation.host_process import host_parser, start_host
+
+    parser = host_parser("the relaxed syncs' cross-host collectives, timed")
+    parser.add_argument("--source", required=True)
+    args = parser.parse_args(argv)
+    prepared = start_host(args)
+    curves = measure_sync_curves(prepared.mesh, args.source)
+
+    import jax
+
+    if jax.process_index() == 0:
+        curves.save(args.json)
+    return 0
+
+
+def measure_curves(hosts: EmulatedHosts, args, extra, link: float) -> Path:
+    """The collectives of the runs' mesh timed on this link: ``jaxmoe link-curves`` (the
+    all-to-all and the psums) and ``SYNC_COLLECTIVES``, in one file."""
+    import scheduling
+
+    out = curves_file(link)
+    config = config_from_train_args(train_args(args, extra))
+    source = f"emulated cluster: {HOSTS} hosts x {DEVICES_PER_HOST} devices, {link:g} Mbit/s"
+    run_link_curves(hosts, config, out, source)
+    sync_out = hosts.path("sync-curves.json")
+    host_args = ["--host-sync-curves", "--config", str(hosts.write_config(config))]
+    host_args += ["--json", str(sync_out), "--source", source]
+    hosts.run("sync-curves", host_args, module="experiments.grad_sync_eval")
+    curves = scheduling.CollectiveCurves.load(out)
+    curves.curves.update(scheduling.CollectiveCurves.load(sync_out).curves)
+    curves.save(out)
+    return out
+
+
+def auto_choice(args, extra, link: float, curves: Path | None) -> dict:
+    """What ``--train.grad_sync auto`` picks when told this link and its measured curves
+    (estimates included); run in a process with the cluster's devices (``main``:
+    ``ensure_host_devices``)."""
     from jaxmoe.parallel.mesh import build_mesh
     from jaxmoe.plan.grad_sync_choice import choose_grad_sync
 
@@ -85,8 +193,8 @@ def auto_choice(args, extra, link: float) -> dict:
         *("--schedule.profile", "cpu", "--schedule.link_mbit", f"{link:g}"),
         *("--train.grad_sync_devices_per_host", str(DEVICES_PER_HOST)),
     ]
-    if args.link_curves:
-        told += ["--schedule.link_curves", str(args.link_curves)]
+    if curves is not None:
+        told += ["--schedule.link_curves", str(curves)]
     config = config_from_train_args(train_args(args, [*extra, *told]))
     return choose_grad_sync(config, build_mesh(config.parallel)).to_json()
 
@@ -105,12 +213,20 @@ def _parse(argv):
     parser.add_argument("--warmup-steps", type=int, default=5, help="learning-rate warm-up")
     parser.add_argument("--target-fraction", type=float, default=0.7)
     parser.add_argument(
-        "--link-curves", type=Path, help="measured link curves to give auto (its cost model)"
+        "--no-curves",
+        action="store_true",
+        help="do not measure each link's collective curves (auto then has the profile only)",
     )
     parser.add_argument(
         "--allow-uncalibrated",
         action="store_true",
         help="measure on a link that fails calibration (warned, and recorded in the results)",
+    )
+    parser.add_argument(
+        "--choices-only",
+        action="store_true",
+        help="remeasure each link's curves and remake auto's choices in the results of --out "
+        "(no training runs)",
     )
     parser.add_argument("--quick", action="store_true", help="smoke test: 50 Mbit/s, 6 steps")
     parser.add_argument("--out", type=Path, default=RESULTS / "grad_sync_eval.md")
@@ -118,6 +234,9 @@ def _parse(argv):
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--host-sync-curves"]:
+        return sync_curves_host(argv[1:])
     args, extra = _parse(argv)
     if args.quick:
         args.links, args.steps, args.repeats, args.warmup = "50", 6, 1, 1
@@ -130,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxmoe.parallel.host_devices import ensure_host_devices
 
     ensure_host_devices(HOSTS * DEVICES_PER_HOST)  # for auto's estimates, in this process
-    command = command_line("experiments.grad_sync_eval", sys.argv[1:] if argv is None else argv)
+    command = command_line("experiments.grad_sync_eval", argv)
     result = {
         "command": f"sudo .venv/bin/{command}",
         "machine": machine(),
@@ -145,18 +264,35 @@ def main(argv: list[str] | None = None) -> int:
         "runs": [],
         "auto": {},
     }
+    if args.choices_only:
+        earlier = json.loads(args.out.with_suffix(".json").read_text())
+        measured = {f"{run['link_mbit']:g}" for run in earlier["runs"]}
+        missing = [f"{link:g}" for link in links if f"{link:g}" not in measured]
+        if missing:
+            print(f"grad_sync_eval: {args.out} has no runs at {', '.join(missing)} Mbit/s")
+            return 2
+        earlier["note"] = (
+            f"The curves and auto's choices were remade after the runs by `sudo .venv/bin/"
+            f"{command}`."
+        )
+        result = earlier
     with tempfile.TemporaryDirectory(prefix="jaxmoe-grad-sync-") as tmp:
         for link in links:
-            choice = auto_choice(args, extra, link)
-            result["auto"][f"{link:g}"] = choice
-            print(f"{link:g} Mbit/s: auto -> {choice['chosen']}", flush=True)
             try:
                 with calibrated_network(
                     HOSTS, LinkShape(rate_mbit=link), allow_uncalibrated=args.allow_uncalibrated
                 ) as (network, calibration):
-                    result["link_calibration"][f"{link:g}"] = calibration.to_dict()
+                    if not args.choices_only:  # the runs' link, not the curves' pass
+                        result["link_calibration"][f"{link:g}"] = calibration.to_dict()
                     hosts = EmulatedHosts(network, Path(tmp), f"{link:g}mbit")
-                    result["runs"] += measure_link(hosts, args, extra, algorithms, link)
+                    curves = None
+                    if not args.no_curves and not args.quick:
+                        curves = measure_curves(hosts, args, extra, link)
+                    choice = auto_choice(args, extra, link, curves)
+                    result["auto"][f"{link:g}"] = choice
+                    print(f"{link:g} Mbit/s: auto -> {choice['chosen']}", flush=True)
+                    if not args.choices_only:
+                        result["runs"] += measure_link(hosts, args, extra, algorithms, link)
             except LinkNotCalibrated:
                 return 1
             if not args.quick:  # the links measured so far, in case a later one fails

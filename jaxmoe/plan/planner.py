@@ -301,10 +301,19 @@ class Tracer:
     """The traces of one plan: each traced configuration's estimate, kept for the plan,
     and the screens' bounds (a screen of a model traced whole is also its estimate)."""
 
-    def __init__(self, schedules: Sequence[str], profile: str, cache: EstimateCache):
+    def __init__(
+        self,
+        schedules: Sequence[str],
+        profile: str,
+        cache: EstimateCache,
+        keep_screened: bool = False,
+    ):
         self.schedules = tuple(schedules)
         self.profile = profile
         self.cache = cache
+        # Estimate a screen's one-block trace too (worth it where every screened mapping
+        # is to be estimated: its estimate then needs one trace more, not two).
+        self.keep_screened = keep_screened
         self.traced = 0  # traces taken
         self._estimates: dict[str, Estimate] = {}
         # Computation alone bounds a schedule that may overlap communication.
@@ -334,7 +343,7 @@ class Tracer:
         shallow = extrapolate_layers and extrapolates(config)
         traced = with_blocks(config, 1) if shallow else config
         program, sharded = self._trace(traced)
-        if not shallow:  # the trace is the estimate's own: keep its estimate
+        if not shallow or self.keep_screened:  # the trace is an estimate's: keep it
             key = json.dumps(traced.to_dict(), sort_keys=True)
             self._estimates[key] = _estimate_program(
                 program, sharded, traced, self.schedules, self.profile
@@ -496,7 +505,10 @@ def plan_mappings(
         device = dataclasses.replace(device, memory_capacity_bytes=memory_capacity_bytes)
     capacity = device.memory_capacity_bytes
     cache = EstimateCache(cache_dir)
-    tracer = Tracer(schedules, profile, cache)
+    # Without options every screened layout is estimated unless the search stops first.
+    tracer = Tracer(
+        schedules, profile, cache, keep_screened=not options and top >= len(space.valid)
+    )
     flops = model_flops(config).train_step()
     peak = device.peak_flops_per_s(config.model.dtype)
     estimates: list[MappingEstimate] = []
