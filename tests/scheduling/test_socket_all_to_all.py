@@ -4,6 +4,7 @@ transfer so that computation placed before the done runs during it."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import signal
 import subprocess
 import sys
@@ -73,42 +74,65 @@ def test_consuming_a_token_keeps_every_bit():
 
 
 class _DelayedTransport(SocketTransport):
-    """In one process, each piece arrives ``delay_s`` after its start (a stand-in link on
-    which transfers take time but no core)."""
+    """In one process, each piece arrives ``delay_s`` after its send (a stand-in link on
+    which transfers take time but no core); it records when each device first sent to
+    each collective and when the last piece of each collective arrived at each device."""
 
     def __init__(self, mesh, delay_s: float):
         super().__init__(mesh, connections={})
         self.delay_s = delay_s
+        self.lock = threading.Lock()
+        self.sent: dict = {}  # (key, source) -> when the source's first piece left
+        self.arrived: dict = {}  # (key, destination) -> when its last piece arrived
 
     def send(self, key, source, destination, piece, trim=False):
         payload = np.ascontiguousarray(piece).tobytes()
-        deliver = self.mailbox.put
-        threading.Timer(self.delay_s, deliver, ((key, source, destination), payload)).start()
+        with self.lock:
+            self.sent.setdefault((key, source), time.perf_counter())
+
+        def deliver():
+            with self.lock:
+                self.arrived[key, destination] = time.perf_counter()
+            self.mailbox.put((key, source, destination), payload)
+
+        threading.Timer(self.delay_s, deliver).start()
+
+    def overlapped_starts(self) -> dict[int, int]:
+        """Per device: how many of its collectives it started before the one it started
+        last had all arrived at it (0: one at a time)."""
+        counts = {}
+        for device in {source for _, source in self.sent}:
+            keys = sorted((at, key) for (key, source), at in self.sent.items() if source == device)
+            counts[device] = sum(
+                started < self.arrived[previous, device]
+                for (_, previous), (started, _) in itertools.pairwise(keys)
+            )
+        return counts
 
 
 def test_the_pipelined_chunks_overlap_their_transfers_and_chained_ones_do_not():
+    """Independent chunks: done i waits for start i+1, so every device starts a transfer
+    while its previous one is in flight (if XLA moved each done next to its start, none
+    would, as when chained). The test reads the order of sends and arrivals, not durations:
+    a chained start follows its input's arrival by construction."""
     from experiments.emulation.overlap_control import build_programs
 
     mesh = jax.make_mesh((8,), ("devices",))
     args = argparse.Namespace(rows=64, width=32, layers=1, chunks=4)
-    delay_s = 0.15
-    programs = build_programs(mesh, "devices", args, _DelayedTransport(mesh, delay_s))
     x = jax.device_put(
         jnp.ones((64 * 8, 32), jnp.float32), NamedSharding(mesh, PartitionSpec("devices"))
     )
     w = jnp.eye(32, dtype=jnp.float32)
-    seconds = {}
+    overlapped = {}
     for name in ("independent", "chained"):
-        compiled = programs[name].lower(x, w).compile()
+        # Slow enough that no stall of the host delivers a piece before the next start.
+        transport = _DelayedTransport(mesh, delay_s=0.25)
+        compiled = build_programs(mesh, "devices", args, transport)[name].lower(x, w).compile()
         jax.block_until_ready(compiled(x, w))
-        started = time.perf_counter()
-        jax.block_until_ready(compiled(x, w))
-        seconds[name] = time.perf_counter() - started
-    # Chained: four transfers one after another. Independent: two in flight at a time
-    # (done i waits for start i+1), while the chunks compute, so about half the time; if
-    # XLA moved each done next to its start, it would take as long as chained.
-    assert seconds["chained"] >= 4 * delay_s
-    assert seconds["independent"] < 3 * delay_s, seconds
+        assert len({key for key, _ in transport.sent}) == args.chunks
+        overlapped[name] = transport.overlapped_starts()
+    assert set(overlapped["chained"].values()) == {0}
+    assert len(overlapped["independent"]) == 8 and min(overlapped["independent"].values()) >= 1
 
 
 def test_operands_past_100_kib_exchange_between_the_devices_of_one_process():

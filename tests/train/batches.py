@@ -36,7 +36,8 @@ def compiled_step(
     return _compiled_step(config, None if devices is None else tuple(devices))
 
 
-@functools.cache
+# A few steps are shared across modules; more would keep their executables mapped.
+@functools.lru_cache(maxsize=8)
 def _compiled_step(config: Config, devices: tuple[jax.Device, ...] | None):
     mesh = build_mesh(config.parallel, devices)
     return mesh, plan_train_step(config, mesh).compile()
