@@ -1,33 +1,44 @@
-"""Test set-up, before jax is first imported: 8 fake CPU devices, and XLA:CPU's code
-generation made cheap.
+"""Test set-up, before jax is first imported: 8 fake CPU devices, and XLA:CPU's backend
+(LLVM) optimisation off.
 
 Most of the suite's time is XLA compiling small training steps that then run for a few
-steps. Two flags cut it: ``--xla_backend_optimization_level=0`` (LLVM's optimisation
-off: about 60% of the CPU time) and ``--xla_cpu_use_fusion_emitters=false`` (fusions
-emitted by XLA:CPU's older IR emitters, not its MLIR fusion emitters: about 40% less
-backend compile time again on a family's scheduled step). The tests check what is
-computed, never how fast. The second flag changes which ops XLA:CPU fuses (the `tiny`
-preset's step: 739 fusions instead of 880, temporary memory 0.06% less), well inside
-what the memory tests allow; the experiments, which measure, run without either flag.
-Processes the tests start inherit the flags.
+steps: at ``--xla_backend_optimization_level=0`` they compile in about 60% of the CPU
+time. The tests check what is computed, never how fast; the HLO passes (fusion, buffer
+assignment, the memory analysis the memory tests read) are the same at every level, and
+processes the tests start inherit the flags. (``--xla_cpu_use_fusion_emitters=false``
+would compile in about 40% less again, but it fuses differently in a scheduled program
+than in the plain one, so the schedules would no longer be bit for bit.)
 
 Each test module's compiled programs are released when it ends: XLA:CPU maps every
 executable's code into memory, and a worker that kept all of them would reach the
 kernel's limit on memory mappings (``vm.max_map_count``, 65530 by default) and crash
-inside the compiler."""
+inside the compiler. What one module, worker or started process compiled, the others
+read back from JAX's persistent compilation cache, a directory of this run's own: the
+same executable, so nothing a test compares changes."""
 
 import gc
 import os
+import shutil
+import tempfile
 
 import pytest
 
-_FLAGS = (
-    "--xla_force_host_platform_device_count=8",
-    "--xla_backend_optimization_level=0",
-    "--xla_cpu_use_fusion_emitters=false",
-)
+_FLAGS = ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0")
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *_FLAGS]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# Made by the first process of the run (pytest itself, before xdist starts its workers),
+# inherited by the workers and the processes tests start; removed by the one that made it.
+_CACHE_OWNER = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _CACHE_OWNER:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxmoe-tests-xla-")
+    # Small steps compile in well under JAX's default threshold of one second.
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.1"
+
+
+def pytest_unconfigure(config):
+    if _CACHE_OWNER:
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 def pytest_xdist_auto_num_workers(config):
