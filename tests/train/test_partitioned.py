@@ -76,7 +76,7 @@ def test_drops_happen_and_match():
 
 
 @settings(
-    max_examples=3, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=2, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
 )
 @given(
     mesh=st.sampled_from([(1, 8), (2, 4), (4, 2)]),

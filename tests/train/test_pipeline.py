@@ -77,6 +77,7 @@ def config(
     virtual: int = 1,
     recompute: str = "none",
     schedule: str = "none",
+    microbatches: int = MICROBATCHES,
     **model_fields,
 ) -> Config:
     parallel, model, routing = LAYOUTS[layout]
@@ -87,7 +88,7 @@ def config(
         moe=MoEConfig(num_experts=8, top_k=2, capacity_factor=1.0, **routing),
         parallel=dataclasses.replace(parallel, pipeline=pipeline, virtual_stages=virtual),
         train=TrainConfig(batch_size=16, warmup_steps=1, learning_rate=LR,
-                          microbatches=MICROBATCHES),
+                          microbatches=microbatches),
         schedule=ScheduleConfig(name=schedule),
     )  # fmt: skip
 
@@ -152,7 +153,7 @@ def test_the_pipeline_trains_as_the_microbatch_loop(case):
     assert np.quantile(differences, 0.999) < LR / 200
 
 
-@pytest.mark.parametrize("schedule", ["dw", "async"])
+@pytest.mark.parametrize("schedule", ["dw"])  # async: its collectives split, nothing moved
 def test_the_schedules_are_bit_for_bit_on_a_pipelined_step(schedule):
     scheduled = trained(config("plain", 2, schedule=schedule))
     chex.assert_trees_all_equal(scheduled, trained(config("plain", 2)))

@@ -65,9 +65,8 @@ def small(parallel: ParallelConfig, moe: MoEConfig, layers: int = 2, moe_every: 
         (ParallelConfig(2, 4), MoEConfig(num_experts=8, top_k=2, capacity_factor=1.0)),
         (ParallelConfig(1, 8), MoEConfig(num_experts=8, top_k=1, capacity_factor=None)),
         (ParallelConfig(8, 1), MoEConfig(num_experts=4, top_k=1, capacity_factor=0.5)),
-        (ParallelConfig(2, 4), MoEConfig(num_experts=8, top_k=2, capacity_factor=None)),
     ],
-    ids=["2x4-top2-capacity", "1x8-top1-dropless", "8x1-top1-capacity", "2x4-top2-dropless"],
+    ids=["2x4-top2-capacity", "1x8-top1-dropless", "8x1-top1-capacity"],
 )
 def test_dw_schedule_is_bitwise_equal_over_five_steps(parallel, moe):
     config = small(parallel, moe)
@@ -80,7 +79,7 @@ meshes = st.sampled_from([(1, 8), (2, 4), (4, 2), (8, 1)])
 
 
 @settings(
-    max_examples=3,
+    max_examples=2,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow],
