@@ -15,11 +15,13 @@ of them. Deep models are estimated from one- and two-layer traces
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import scheduling
 from experiments.folding_models import (
     MODELS,
     SEQ_LEN,
@@ -43,8 +45,8 @@ LEFT_OUT = [
     "that the comparison is of layouts alone. jaxmoe has the distributed optimizer and "
     "fully sharded parameters (train.zero 1 and 3), gradient accumulation "
     "(train.microbatches), pipelines (parallel.pipeline, virtual stages) and full-layer "
-    "recomputation; experiments/scale_eval.py lets the planner search them, and finds "
-    "mappings of both models that fit 80 GB.",
+    "recomputation; the planner searches them (jaxmoe plan, experiments/scale_eval.py), "
+    "not this comparison.",
     "Context parallelism: jaxmoe has none; Megatron-Core's long-sequence runs split "
     "attention's sequence over devices.",
     "Gradient accumulation: a step here is one micro-batch round (one sequence per "
@@ -64,7 +66,9 @@ def plan_model(model: str, devices: int, schedules: Sequence[str], model_fields:
 
     config = planned_config(model, devices, **model_fields)
     started = time.perf_counter()
-    # Every layout estimated, at the preset's options (see LEFT_OUT).
+    # Every layout estimated, at the preset's options (see LEFT_OUT), those over the
+    # device's memory too: the planner is told of no limit (it would leave them out
+    # untraced), and what fits is judged here against the profile's memory.
     result = plan_mappings(
         config,
         model,
@@ -76,7 +80,15 @@ def plan_model(model: str, devices: int, schedules: Sequence[str], model_fields:
         options=False,
         pipeline=False,
         cross_node_tensor=True,
+        memory_capacity_bytes=0,
     )
+    device = scheduling.PROFILES[PROFILE]
+    capacity = device.memory_capacity_bytes
+    estimates = sorted(
+        (dataclasses.replace(e, fits=e.memory.total <= capacity) for e in result.estimates),
+        key=lambda e: (not e.fits, -e.mfu, e.memory.total),
+    )
+    result = dataclasses.replace(result, profile=device, estimates=estimates)
     seconds = time.perf_counter() - started
     print(f"{model} on {devices}: {len(result.estimates)} mappings, {seconds:.0f} s", flush=True)
     return result, seconds
