@@ -266,7 +266,8 @@ class CostModel:
 
     def _permutation(self, op: Op) -> float:
         """A ``ppermute`` on a profile with nodes: pairs inside a node use the device link;
-        the pairs that leave (or enter) a node share its node link."""
+        the pairs that leave (or enter) a node share its node link, with those of the
+        other groups on the node (every device runs the collective, each in its group)."""
         profile = self.profile
         operand = sum(aval_bytes(a.aval) for a in op.inputs)
         members = group_members(_group_axes(op), self.axis_sizes)
@@ -284,7 +285,9 @@ class CostModel:
         latency = profile.link_latency_s
         if crossing:
             latency += profile.node_link_latency_s
-            seconds = max(seconds, max(crossing.values()) * operand / profile.node_link_bytes_per_s)
+            sharing = max(1, self.spread(op).groups_sharing_a_node)
+            busiest = max(crossing.values()) * sharing * operand
+            seconds = max(seconds, busiest / profile.node_link_bytes_per_s)
         return latency + seconds
 
     def _across_nodes(self, op: Op, spread: GroupSpread) -> float:

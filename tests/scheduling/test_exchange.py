@@ -1,5 +1,6 @@
 """The exchange decomposition (``comet``): recognition, exactness, costs and the choice."""
 
+import dataclasses
 from collections import Counter
 
 import chex
@@ -177,6 +178,26 @@ def test_ppermute_cost_follows_its_pairs_on_a_node_profile():
     op = Op(0, eqn, (Value(eqn.invars[0].aval),), (Value(eqn.outvars[0].aval),), "")
     assert cost_8.seconds(op) == pytest.approx(
         profile.link_latency_s + bytes_ / profile.link_bytes_per_s
+    )
+
+
+def test_ppermute_groups_on_one_node_share_its_link():
+    """A ring over ``data`` across two nodes of four: the four groups (one per expert
+    index) each send one operand off every node at once, over the one node link."""
+    profile = dataclasses.replace(PROFILES["a100-8x-nvlink-400g"], devices_per_node=4)
+    sizes = {"data": 2, "expert": 4}
+    x = jax.ShapeDtypeStruct((4, 1024), jax.numpy.float32)
+    closed = jax.make_jaxpr(
+        lambda v: jax.lax.ppermute(v, "data", [(0, 1), (1, 0)]),
+        axis_env=[("data", 2), ("expert", 4)],
+    )(x)
+    (eqn,) = closed.jaxpr.eqns
+    op = Op(0, eqn, (Value(eqn.invars[0].aval),), (Value(eqn.outvars[0].aval),), "")
+    bytes_ = 4 * 1024 * 4
+    assert CostModel(profile, sizes).seconds(op) == pytest.approx(
+        profile.link_latency_s
+        + profile.node_link_latency_s
+        + 4 * bytes_ / profile.node_link_bytes_per_s
     )
 
 
