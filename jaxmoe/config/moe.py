@@ -13,6 +13,9 @@ from jaxmoe.config.model import ModelConfig
 # (jaxmoe/layers/ragged.py): padded per-expert buffers of group_size slots, or only the
 # routed rows, sorted by expert, exchanged ragged and computed as one grouped GEMM.
 DROPLESS_DISPATCHES = ("padded", "ragged")
+# How the ragged dropless dispatch splits an expert's rows over its copies each step
+# (jaxmoe/layers/copy_split.py): balanced from the step's own counts, or dealt out evenly.
+REPLICA_SPLITS = ("balanced", "round_robin")
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,11 @@ class MoEConfig:
     # whose rows for a device exceed the buffer drops the rows past it (counted in
     # dropped_fraction, as capacity drops are).
     ragged_buffer_factor: float | None = None
+    # ragged with replica slots only: which of an expert's rows each copy takes. balanced:
+    # chosen in the step from its routed counts so the devices' loads are as even as the
+    # replica table allows; round_robin: each source deals an expert's rows evenly over its
+    # copies.
+    replica_split: str = "balanced"
 
     def __post_init__(self) -> None:
         check_types("moe", self)
@@ -153,6 +161,7 @@ class MoEConfig:
                 f"moe.ragged_buffer_factor={self.ragged_buffer_factor!r}: must be > 0, or "
                 "none for the worst case",
             )
+        one_of("moe", "replica_split", self.replica_split, REPLICA_SPLITS)
         one_of("moe", "score_function", self.score_function, choices.SCORE_FUNCTIONS)
         for name in ("aux_loss_coef", "seq_aux_loss_coef", "z_loss_coef", "expert_bias_rate"):
             non_negative("moe", name, getattr(self, name))

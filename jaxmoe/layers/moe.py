@@ -44,6 +44,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxmoe.config import MoEConfig, capacity_per_expert
+from jaxmoe.layers.copy_split import balanced_slots
 from jaxmoe.layers.dispatch import (
     local_plan,
     plan_dispatch,
@@ -236,17 +237,20 @@ class MoELayer(nnx.Module):
                     "moe.dropless_dispatch=ragged needs whole experts on each device: set "
                     "parallel.expert_tensor 1, or moe.dropless_dispatch padded"
                 )
-            flat_index = local_index.reshape(1, -1, top_k)
-            if slot_expert is not None:
-                flat_index = replica_slots(flat_index, slot_expert, num_experts)
+            slot, slot_counts = local_index.reshape(-1, top_k), None
+            if slot_expert is not None and config.replica_split == "balanced":
+                slot, slot_counts = balanced_slots(slot, slot_expert, num_experts)
+            elif slot_expert is not None:
+                slot = replica_slots(slot[None], slot_expert, num_experts)[0]
             y, kept_rows = ragged_dispatch(
                 self.experts,
                 x.reshape(-1, width),
-                flat_index[0],
+                slot,
                 route.combine_weight.reshape(-1, top_k),
                 num_slots,
                 buffer_factor=config.ragged_buffer_factor,
                 replica_table=replica_table,
+                slot_counts=slot_counts,
             )
         elif slot_expert is not None:
             y = all_to_all_dispatch(

@@ -7,10 +7,13 @@ ragged ``all_to_all``, each device, with ``T`` tokens, top-``k`` routing, ``G`` 
 its expert group and ``S`` expert slots per device (its experts, and its replica slots):
 
 1. gives every assignment its expert slot (its expert; with replicas one of its copies,
-   round-robin: :func:`~jaxmoe.layers.dispatch.replica_slots`) and sorts its ``T x k``
-   assignments by slot: by destination device, and within it by local slot;
+   split to balance the devices' loads from the step's counts,
+   :mod:`~jaxmoe.layers.copy_split`, or round-robin,
+   :func:`~jaxmoe.layers.dispatch.replica_slots`) and sorts its ``T x k`` assignments by
+   slot: by destination device, and within it by local slot;
 2. exchanges the counts first: one ``all_gather`` of each device's rows per slot
-   (``[G, G x S]`` integers) tells every device where every slice lands. A receiver's
+   (``[G, G x S]`` integers; with the balanced split, of its rows per expert, from which
+   every device derives the same) tells every device where every slice lands. A receiver's
    buffer is slot-major (slot 0's rows from source 0, 1, ..., then slot 1's), so its
    slots arrive as the contiguous groups of a grouped GEMM;
 3. exchanges exactly the routed rows (:func:`ragged_all_to_all`), applies the experts as
@@ -217,12 +220,17 @@ def ragged_dispatch(
     *,
     buffer_factor: float | None = None,
     replica_table: jax.Array | None = None,
+    slot_counts: jax.Array | None = None,
     native: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """This device's tokens ``[T, d]`` through the experts of their assignments' slots
     ``slot [T, k]`` (global slots of the expert group, ``num_slots`` of them, device ``i``
     holding slots ``[i S, (i + 1) S)``), weighted by ``weight [T, k]``: ``(outputs [T, d],
-    rows kept per global slot [num_slots])``, as the module docstring describes."""
+    rows kept per global slot [num_slots])``, as the module docstring describes.
+
+    ``slot_counts [G, num_slots]``: the rows every source sends to every slot, when the
+    caller knows them (:func:`~jaxmoe.layers.copy_split.balanced_slots`); else they are
+    gathered here."""
     chex.assert_rank([tokens, slot, weight], 2)
     chex.assert_equal_shape((slot, weight))
     count, top_k = slot.shape
@@ -242,7 +250,9 @@ def ragged_dispatch(
     else:
         bound = receive_bound(count, top_k, group, slots, buffer_factor)
         peer_rows = min(count * min(top_k, slots), bound)
-        every = jax.lax.all_gather(counts, axes)  # [G, G S]: rows of each source per slot
+        if slot_counts is None:
+            slot_counts = jax.lax.all_gather(counts, axes)
+        every = slot_counts  # [G, G S]: rows of each source per slot
         me = jax.lax.axis_index(axes)
         per_slot = every.reshape(group, group, slots)  # [source, destination, slot]
         # Where each source's rows for a destination's slot land in its buffer: slot-major,

@@ -27,16 +27,25 @@ The gains are those of the predicted next steps (``kept_by_copies`` as
 
 **Dropless mode**: nothing drops, so what placement changes is the slowest device's
 expert load (rows received and multiplied: with the ragged dispatch, the step time of the
-busiest device). An expert's routed assignments split evenly over its copies (each
-source device deals them round-robin), so a device's load is the sum of its copies'
-shares. From the predicted routed counts (``tokens_per_expert``) the planner gives the
-replica slots, one at a time, to the expert with the largest load per copy (at most one
-copy per device), places those copies largest first on the least loaded device that has a
-free slot and no copy of that expert (home experts stay where they are), keeps copies in
-the slots they already hold, then, from that table or the current one (whichever is
-better), makes the single-slot change that most lowers the largest device load (then
-the spread of the others) until none does, and applies the result when it lowers the
-largest device load (``place``).
+busiest device). How a device's load follows from a table depends on how the step splits
+an expert's rows over its copies (``moe.replica_split``, :func:`device_loads`):
+
+- ``round_robin``: evenly (each source deals them out), so a device's load is the sum of
+  its copies' shares. From the predicted routed counts (``tokens_per_expert``) the planner
+  gives the replica slots, one at a time, to the expert with the largest load per copy (at
+  most one copy per device), places those copies largest first on the least loaded device
+  that has a free slot and no copy of that expert (home experts stay where they are),
+  keeps copies in the slots they already hold, then, from that table or the current one
+  (whichever is better), makes the single-slot change that most lowers the largest device
+  load (then the spread of the others) until none does, and applies the result when it
+  lowers the largest device load (``place``).
+- ``balanced``: the step balances each step's rows over the copies itself
+  (:mod:`jaxmoe.layers.copy_split`), so what a table decides is which devices can take
+  over each other's rows. The table stays unless the one above, or the static spread of
+  copies (:func:`~jaxmoe.parallel.placement.static_placement`), gives a lower largest load
+  under that split, averaged over the routing of the last ``RECENT_STEPS`` steps: a table
+  tuned to one prediction of the routing can balance the steps around it worse than a
+  spread one, whose copies link every device to others.
 
 Units. A kept assignment is valued at the link time of the all-to-all bytes it
 carries (dispatch and return, forward and backward), the traffic that raising
@@ -64,7 +73,8 @@ import numpy as np
 
 import scheduling
 from jaxmoe.config import Config
-from jaxmoe.parallel.placement import EMPTY, replicas_per_expert
+from jaxmoe.layers.copy_split import balanced_rows
+from jaxmoe.parallel.placement import EMPTY, replicas_per_expert, static_placement
 
 PLACEMENT_FILE = "placement.jsonl"
 
@@ -120,6 +130,9 @@ SMOOTHING = {"tokens_per_expert": (64.0, 0.8), "kept_by_copies": (64.0, 0.8)}
 # A new dropless table must lower the largest device load by more than this (relative to
 # the mean load): smaller gains are noise, and moving copies for them churns the table.
 MIN_LOAD_GAIN = 0.005
+# Under the balanced split (dropless), a table is judged on the routing of this many last
+# steps.
+RECENT_STEPS = 8
 
 
 class RoutingHistory:
@@ -143,7 +156,7 @@ class RoutingHistory:
         self.last_step: int | None = None
         self._sums: dict[str, np.ndarray] = {}
         self._weights: dict[str, float] = {}
-        self._last: dict[str, np.ndarray] = {}
+        self._recent: dict[str, list[np.ndarray]] = {}
 
     def update(self, rows: list[dict[str, Any]]) -> None:
         """Fold in the metrics of ``rows`` (one per step)."""
@@ -157,7 +170,7 @@ class RoutingHistory:
                     value = np.asarray(row[key], np.float64)
                     self._sums[key] = decay * self._sums.get(key, 0.0) + value
                     self._weights[key] = decay * self._weights.get(key, 0.0) + 1.0
-                    self._last[key] = value
+                    self._recent[key] = [*self._recent.get(key, [])[1 - RECENT_STEPS :], value]
             self.last_step = row["step"]
 
     def mean(self, key: str) -> np.ndarray:
@@ -169,7 +182,13 @@ class RoutingHistory:
     def predict(self, key: str) -> np.ndarray:
         """The next step's metric ``key``: the last step and the mean, blended."""
         latest = self.smoothing[key][1]
-        return latest * self._last[key] + (1.0 - latest) * self.mean(key)
+        return latest * self._recent[key][-1] + (1.0 - latest) * self.mean(key)
+
+    def recent(self, key: str) -> np.ndarray:
+        """``[steps, ...]``: metric ``key`` of the last ``RECENT_STEPS`` steps seen."""
+        if key not in self._recent:
+            raise KeyError(f"no step with {key!r} seen yet")
+        return np.stack(self._recent[key])
 
 
 # The planner's own histories, one per configuration, for callers that pass none.
@@ -273,9 +292,16 @@ def copy_loads(table: np.ndarray, load: np.ndarray) -> np.ndarray:
     return load / replicas_per_expert(table, load.shape[0])
 
 
-def device_loads(table: np.ndarray, load: np.ndarray) -> np.ndarray:
+def device_loads(table: np.ndarray, load: np.ndarray, split: str = "round_robin") -> np.ndarray:
     """``[expert_axis]``: the routed assignments each device's slots take under ``table``
-    when expert ``e`` has ``load[e]`` and its copies share it evenly (ragged dropless)."""
+    when expert ``e`` has ``load[e]`` (ragged dropless), its copies sharing it as the step
+    splits it (``moe.replica_split``): evenly (``round_robin``) or ``balanced``."""
+    if split == "balanced":
+        expert_axis, spare = table.shape
+        home = np.arange(load.shape[0]).reshape(expert_axis, -1)
+        slot_expert = np.concatenate([home, table], axis=1).reshape(-1)
+        slots = home.shape[1] + spare
+        return balanced_rows(load, slot_expert, slots).reshape(expert_axis, slots).sum(axis=1)
     per_copy = copy_loads(table, load)
     expert_axis = table.shape[0]
     home = per_copy.reshape(expert_axis, -1).sum(axis=1)
@@ -376,15 +402,32 @@ def _plan_dropless(
     """Dropless mode: each layer's table re-placed for an even device load (in place)."""
     window = config.moe.rebalance_every
     loads = history.predict("tokens_per_expert")  # [moe_layers, experts]
+    split = config.moe.replica_split if config.moe.dropless_dispatch == "ragged" else "round_robin"
+    recent = history.recent("tokens_per_expert")  # [steps, moe_layers, experts]
     decisions = []
     for layer in range(tables.shape[0]):
         load, table = loads[layer], tables[layer]
         mean = load.sum() / table.shape[0]
         if not mean > 0:
             continue
-        before = device_loads(table, load).max()
-        candidate = balanced_table(table, load)
-        after = device_loads(candidate, load).max()
+        if split == "balanced":
+
+            def largest(candidate: np.ndarray, layer: int = layer) -> float:
+                routing = recent[:, layer]
+                return float(np.mean([device_loads(candidate, r, split).max() for r in routing]))
+
+            mean = recent[:, layer].sum(axis=1).mean() / table.shape[0]
+            expert_axis, spare = table.shape
+            slots = load.shape[0] // expert_axis + spare
+            spread = static_placement(load.shape[0], expert_axis, slots)
+            candidate = min((balanced_table(table, load), spread), key=largest)
+        else:
+
+            def largest(candidate: np.ndarray, load: np.ndarray = load) -> float:
+                return float(device_loads(candidate, load).max())
+
+            candidate = balanced_table(table, load)
+        before, after = largest(table), largest(candidate)
         written = int(np.sum(candidate != table))
         record = {
             "step": step,

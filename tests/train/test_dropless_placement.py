@@ -112,3 +112,51 @@ def test_dropless_plan_without_a_history_uses_the_planners_own_per_configuration
     first, _ = plan_placement(static, rows, config, 1)
     second, _ = plan_placement(first, [{"step": 1, "tokens_per_expert": SKEWED[None]}], config, 2)
     np.testing.assert_array_equal(second, first)
+
+
+def test_balanced_device_loads_are_what_the_step_splits():
+    table = np.array([[4], [0], [0], [EMPTY]])
+    loads = device_loads(table, SKEWED, "balanced")
+    assert loads.sum() == pytest.approx(SKEWED.sum())
+    # Devices 0-2 share expert 0 (and 0, 2 expert 4): the split levels them; device 3
+    # holds experts 6 and 7 alone.
+    np.testing.assert_allclose(loads[:3], (SKEWED.sum() - 10) / 3, rtol=1e-5)
+    assert device_loads(table, SKEWED).max() > loads.max() * 1.05
+
+
+def _balanced_plan(rows_load: np.ndarray, steps: int = 8):
+    config = dataclasses.replace(
+        _config(), moe=dataclasses.replace(_config().moe, replica_split="balanced")
+    )
+    static = static_placement(EXPERTS, DEVICES, 3)[None]
+    rows = [{"step": s, "tokens_per_expert": rows_load[None]} for s in range(steps)]
+    return static, *plan_placement(static, rows, config, steps, RoutingHistory())
+
+
+def test_with_the_balanced_split_a_spread_table_that_balances_stays():
+    """The round-robin planner would move copies for this skew; under the step's own split
+    the spread table already evens the devices out, so the planner writes nothing."""
+    mild = np.array([160.0, 120, 100, 90, 80, 70, 60, 40])
+    static, table, decisions = _balanced_plan(mild)
+    np.testing.assert_array_equal(table, static)
+    assert not any(d["applied"] for d in decisions)
+    round_robin, _ = plan_placement(
+        static, [{"step": 0, "tokens_per_expert": mild[None]}], _config_round_robin(), 1
+    )
+    assert np.any(round_robin != static)
+
+
+def test_with_the_balanced_split_a_skew_beyond_the_spread_gets_more_copies():
+    static, table, (decision,) = _balanced_plan(SKEWED)
+    assert decision["applied"]
+    assert decision["max_over_mean_after"] < decision["max_over_mean_before"]
+    assert device_loads(table[0], SKEWED, "balanced").max() < (
+        device_loads(static[0], SKEWED, "balanced").max()
+    )
+    assert replicas_per_expert(table[0], EXPERTS)[0] > replicas_per_expert(static[0], EXPERTS)[0]
+
+
+def _config_round_robin() -> Config:
+    return dataclasses.replace(
+        _config(), moe=dataclasses.replace(_config().moe, replica_split="round_robin")
+    )
