@@ -53,13 +53,10 @@ from dataclasses import dataclass
 import jax
 
 from jaxmoe.parallel.grad_sync.base import GradSync, MeshAxes, PyTree, Synced
-from jaxmoe.parallel.grad_sync.bucketed import map_buckets
 from jaxmoe.parallel.grad_sync.workers import (
     Replicas,
-    across_hosts,
-    exchanged_axes,
+    between_workers,
     host_perm,
-    replicas_over,
     ring_shifts,
     worker_gradients,
 )
@@ -97,16 +94,12 @@ class Decentralized(GradSync):
     ) -> PyTree:
         del step  # the ring is the same every step
 
-        def mix(flat, axes):
-            group = replicas_over(axes, mesh_axes, self.devices_per_host)
-            return (across_hosts(flat, group, lambda share: ring_mix(share, group)),)
-
-        (mixed,) = map_buckets(
+        return between_workers(
             params,
             specs,
+            mesh_axes,
+            self.devices_per_host,
             self.bucket_bytes,
-            mix,
-            group_axes=exchanged_axes(mesh_axes, self.devices_per_host),
+            ring_mix,
             scope=MIX_SCOPE,
         )
-        return mixed

@@ -39,15 +39,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxmoe.parallel.grad_sync.base import GradSync, MeshAxes, PyTree, Synced
-from jaxmoe.parallel.grad_sync.bucketed import map_buckets
 from jaxmoe.parallel.grad_sync.decentralized import MIX_SCOPE
 from jaxmoe.parallel.grad_sync.quantize import DEFAULT_CHUNK, Quantized, dequantize, quantize
 from jaxmoe.parallel.grad_sync.workers import (
     Replicas,
-    across_hosts,
-    exchanged_axes,
+    between_workers,
     host_perm,
-    replicas_over,
     ring_shifts,
     worker_gradients,
 )
@@ -88,19 +85,14 @@ class DecentralizedInt8(GradSync):
     ) -> PyTree:
         del step  # the ring is the same every step
 
-        def mix(flat, axes):
-            group = replicas_over(axes, mesh_axes, self.devices_per_host)
-            gossip = lambda share: quantized_ring_mix(share, group, self.chunk)
-            # Shares of whole chunks, so that each chunk keeps to one parameter.
-            return (across_hosts(flat, group, gossip, align=self.chunk),)
-
-        (mixed,) = map_buckets(
+        # Shares of whole chunks, so that each chunk keeps to one parameter.
+        return between_workers(
             params,
             specs,
+            mesh_axes,
+            self.devices_per_host,
             self.bucket_bytes,
-            mix,
-            group_axes=exchanged_axes(mesh_axes, self.devices_per_host),
-            align=self.chunk,
+            lambda share, group: quantized_ring_mix(share, group, self.chunk),
             scope=MIX_SCOPE,
+            align=self.chunk,
         )
-        return mixed

@@ -72,13 +72,10 @@ from jaxmoe.parallel.grad_sync.base import (
     per_device_specs,
     per_device_zeros,
 )
-from jaxmoe.parallel.grad_sync.bucketed import map_buckets
 from jaxmoe.parallel.grad_sync.decentralized import MIX_SCOPE
 from jaxmoe.parallel.grad_sync.workers import (
     Replicas,
-    across_hosts,
-    exchanged_axes,
-    replicas_over,
+    between_workers,
     worker_gradients,
 )
 
@@ -120,18 +117,17 @@ class Delayed(GradSync):
     def __call__(self, grads: PyTree, state: PyTree, specs: PyTree, mesh_axes: MeshAxes) -> Synced:
         own = worker_gradients(grads, specs, mesh_axes, self.devices_per_host, self.bucket_bytes)
 
-        def mean(flat, axes):
-            group = replicas_over(axes, mesh_axes, self.devices_per_host)
-            total = lambda share: jax.lax.psum(share, axes, axis_index_groups=group.across)
-            return (across_hosts(flat, group, total) / group.hosts,)
+        def mean(share: jax.Array, group: Replicas) -> jax.Array:
+            return jax.lax.psum(share, group.axes, axis_index_groups=group.across) / group.hosts
 
         # Read only by the next step: the reduction may finish behind its computation.
-        (averaged,) = map_buckets(
+        averaged = between_workers(
             own,
             specs,
+            mesh_axes,
+            self.devices_per_host,
             self.bucket_bytes,
             mean,
-            group_axes=exchanged_axes(mesh_axes, self.devices_per_host),
             scope=DEFERRED_SCOPE,
         )
         applied = jax.tree.map(
@@ -146,17 +142,12 @@ class Delayed(GradSync):
     def after_update(
         self, params: PyTree, step: jax.Array, specs: PyTree, mesh_axes: MeshAxes
     ) -> PyTree:
-        def resync(flat, axes):
-            group = replicas_over(axes, mesh_axes, self.devices_per_host)
-            share = lambda part: resync_slice(part, step, self.resync_every, group)
-            return (across_hosts(flat, group, share),)
-
-        (synced,) = map_buckets(
+        return between_workers(
             params,
             specs,
+            mesh_axes,
+            self.devices_per_host,
             self.bucket_bytes,
-            resync,
-            group_axes=exchanged_axes(mesh_axes, self.devices_per_host),
+            lambda share, group: resync_slice(share, step, self.resync_every, group),
             scope=MIX_SCOPE,
         )
-        return synced

@@ -23,6 +23,7 @@ cross-host sum.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -157,3 +158,36 @@ def across_hosts(flat: jax.Array, group: Replicas, exchange, align: int = 1) -> 
     exchanged = exchange(mine)
     gathered = jax.lax.all_gather(exchanged, group.axes, axis_index_groups=group.inside, tiled=True)
     return gathered[: flat.size]
+
+
+def between_workers(
+    tree: PyTree,
+    specs: PyTree,
+    mesh_axes: MeshAxes,
+    devices_per_host: int,
+    bucket_bytes: int,
+    exchange: Callable[[jax.Array, Replicas], jax.Array],
+    *,
+    scope: str,
+    align: int = 1,
+) -> PyTree:
+    """``exchange(share, replicas)`` between the workers of every bucket of ``tree`` (whose
+    replicas on one host are the same), each host's members exchanging a share each
+    (:func:`across_hosts`); leaves whose replicas lie on one host are passed through.
+    ``align``: buckets and shares hold whole blocks of this many elements; ``scope``: the
+    buckets' name scope (:func:`~.bucketed.map_buckets`)."""
+
+    def per_bucket(flat: jax.Array, axes: tuple[str, ...]) -> tuple[jax.Array]:
+        group = replicas_over(axes, mesh_axes, devices_per_host)
+        return (across_hosts(flat, group, lambda share: exchange(share, group), align=align),)
+
+    (exchanged,) = map_buckets(
+        tree,
+        specs,
+        bucket_bytes,
+        per_bucket,
+        group_axes=exchanged_axes(mesh_axes, devices_per_host),
+        align=align,
+        scope=scope,
+    )
+    return exchanged
