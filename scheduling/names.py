@@ -22,6 +22,9 @@ DECOMPOSING = frozenset({"comet", "lancet+comet"})
 # The name scope of a step's microbatch i (gradient accumulation inside one step): the
 # ``pair`` policies run microbatch i+1's forward pass beside microbatch i's backward pass.
 MICROBATCH_SCOPE = "microbatch_{}"
+# The name scope of the gathers of sharded weights before use (ZeRO-3): the scheduler
+# starts each only as early as it takes to hide it (scheduling.passes.prefetch).
+PARAMETER_GATHER_SCOPE = "param_gather"
 
 # Multi-node cluster profiles are files (scheduling/costs/profiles/NAME.json); three
 # single-device profiles are written in scheduling/costs/profiles.py.

@@ -49,6 +49,9 @@ class ScheduleConfig:
     # Run microbatch i+1's forward pass beside microbatch i's backward pass (with
     # train.microbatches > 1; the pair policy always does, any other but none may).
     pair_microbatches: bool = False
+    # train.zero 3: each block's weight gather starts where the compute before its use is
+    # estimated at this many times the gather's time (0: at the start of the step).
+    prefetch_lead: float = 2.0
 
     def __post_init__(self) -> None:
         check_types("schedule", self)

@@ -56,6 +56,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+import scheduling.names
 from jaxmoe.parallel.grad_sync.base import MeshAxes, local_shape, path_name
 from jaxmoe.parallel.grad_sync.bucketed import plan_buckets
 from jaxmoe.parallel.sharding import replicated_axes
@@ -64,7 +65,8 @@ PyTree = Any
 STAGES = (0, 1, 3)
 # The gradient-sync algorithms ZeRO composes with (see jaxmoe.config.config).
 ZERO_GRAD_SYNCS = ("allreduce", "bucketed")
-GATHER_SCOPE = "param_gather"
+# The gathers' name scope, which the scheduler prefetches by (scheduling.passes.prefetch).
+GATHER_SCOPE = scheduling.names.PARAMETER_GATHER_SCOPE
 # The parameters outside the blocks (embeddings, final norm, head): one gather unit.
 OUTSIDE_BLOCKS = "outside_blocks"
 

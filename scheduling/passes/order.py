@@ -7,7 +7,8 @@ topological order; the keys only choose among valid orders:
 - a compute node keeps its program position, or the priority a pass gave it (paired
   microbatches, :mod:`scheduling.passes.pair_microbatches`);
 - a collective start runs right after the last producer of its operand
-  ("as soon as its inputs exist"); where several become ready at once, the
+  ("as soon as its inputs exist"), a gather of sharded weights no earlier than it
+  takes to hide it (:mod:`scheduling.passes.prefetch`); where several become ready at once, the
   critical ones start first and the deferrable ones (gradient reductions, see
   ``scheduling.program.graph``) after the windows opened there, so that a runtime
   serving collectives in start order gives the critical path the link first;
@@ -48,9 +49,13 @@ class Schedule:
 
 
 def _keys(
-    graph: Graph, placement: Placement, priorities: dict[int, float] | None = None
+    graph: Graph,
+    placement: Placement,
+    priorities: dict[int, float] | None = None,
+    earliest: dict[int, int] | None = None,
 ) -> list[float]:
     keys = [float(node.id) for node in graph.nodes]
+    earliest = earliest or {}
     for node, key in (priorities or {}).items():
         keys[node] = key
     starts = [node.id for node in graph.nodes if node.role is Role.START]
@@ -61,6 +66,8 @@ def _keys(
         for start in starts:
             offset = 2 * _STEP if start in graph.deferrable else _STEP
             key = max((keys[p] for p in graph.preds[start]), default=-1.0) + offset
+            if start in earliest:  # a prefetch: no earlier than it takes to hide it
+                key = max(key, keys[earliest[start]] - _STEP / 2)
             changed |= key != keys[start]
             keys[start] = key
         for start, nodes in placement.windows.items():
@@ -89,7 +96,10 @@ class CyclicPlacement(Exception):
 
 
 def topological_order(
-    graph: Graph, placement: Placement, priorities: dict[int, float] | None = None
+    graph: Graph,
+    placement: Placement,
+    priorities: dict[int, float] | None = None,
+    earliest: dict[int, int] | None = None,
 ) -> list[int]:
     """Ready node with the smallest key first; window edges keep placed nodes inside.
 
@@ -106,7 +116,7 @@ def topological_order(
     for node, node_preds in enumerate(preds):
         for pred in node_preds:
             succs[pred].append(node)
-    keys = _keys(graph, placement, priorities)
+    keys = _keys(graph, placement, priorities, earliest)
     waiting = [len(p) for p in preds]
     ready = [(keys[n], n) for n in range(len(graph.nodes)) if waiting[n] == 0]
     heapq.heapify(ready)
@@ -166,9 +176,12 @@ def order(
     placement: Placement,
     max_live_bytes_growth: float = 0.1,
     priorities: dict[int, float] | None = None,
+    earliest: dict[int, int] | None = None,
 ) -> Schedule:
     """A topological order honouring ``placement`` (a copy is kept) within the bound, the
-    compute nodes of ``priorities`` at those keys instead of their program positions.
+    compute nodes of ``priorities`` at those keys instead of their program positions, and
+    the starts of ``earliest`` no earlier than the node it gives each
+    (:mod:`scheduling.passes.prefetch`).
 
     Placements that close a cycle are withdrawn first (the last placed of those caught
     in it, one at a time), then, while the peak is over the bound, the largest outputs.
@@ -181,7 +194,7 @@ def order(
     withdrawn: list[int] = []
     while True:
         try:
-            result = topological_order(graph, placement, priorities)
+            result = topological_order(graph, placement, priorities, earliest)
         except CyclicPlacement as cycle:
             last = max(cycle.placed, key=_placement_rank(placement))
             placement.remove(last)

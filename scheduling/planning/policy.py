@@ -86,6 +86,10 @@ class SchedulePolicy:
     # Run microbatch i+1's forward pass beside microbatch i's backward pass (with any
     # policy but none; the pair policy always does).
     pair_microbatches: bool = False
+    # A gather of sharded weights (ZeRO-3) starts where the compute before its first use
+    # is estimated at this many times the gather's own time (scheduling.passes.prefetch);
+    # 0: as soon as its operand exists, which for weights is the start of the step.
+    prefetch_lead: float = 2.0
 
     def __post_init__(self) -> None:
         check_policy_fields(
@@ -121,6 +125,10 @@ def check_policy_fields(fields: Mapping[str, Any]) -> None:
         raise PolicyError("link_mbit", get("link_mbit"), "must be >= 0 (0 keeps the profile's)")
     if not _number(get("max_live_bytes_growth", 0)) or get("max_live_bytes_growth", 0) < 0:
         raise PolicyError("max_live_bytes_growth", get("max_live_bytes_growth"), "must be >= 0")
+    if not _number(get("prefetch_lead", 0)) or get("prefetch_lead", 0) < 0:
+        raise PolicyError(
+            "prefetch_lead", get("prefetch_lead"), "must be >= 0 (0: gather as early as possible)"
+        )
     if get("transport", "xla") not in names.TRANSPORTS:
         raise PolicyError(
             "transport", get("transport"), f"choose one of {', '.join(names.TRANSPORTS)}"

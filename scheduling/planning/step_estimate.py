@@ -20,6 +20,7 @@ from scheduling.passes.exchange_regions import RegionPlan
 from scheduling.passes.order import Schedule
 from scheduling.passes.pair_microbatches import pair_priorities, unpaired_windows
 from scheduling.passes.partition_forward import partition_program
+from scheduling.passes.prefetch import prefetch_bounds
 from scheduling.planning.partition_search import PartitionChoice
 from scheduling.planning.policy import SchedulePolicy
 from scheduling.program.batch_layout import BatchLayouts
@@ -90,13 +91,14 @@ def schedule_program(
     program: Program, policy: SchedulePolicy, seconds: Callable[[Node], float], pack_dw: bool
 ) -> tuple[Graph, Schedule, Timeline]:
     """Split, pair microbatches (where the policy does), place dW work (if ``pack_dw``:
-    with pairing, into the windows no other microbatch fills), order; and the simulated
-    timeline."""
+    with pairing, into the windows no other microbatch fills), bound the gathers of
+    sharded weights to a prefetch, order; and the simulated timeline."""
     graph = split_async(program, min_bytes=policy.async_min_bytes)
     priorities = pair_priorities(graph, seconds) if policy.pairs_microbatches else None
     windows = unpaired_windows(graph) if priorities else None
     placement = schedule_dw(graph, seconds, windows) if pack_dw else Placement()
-    schedule = order(graph, placement, policy.max_live_bytes_growth, priorities)
+    earliest = prefetch_bounds(graph, seconds, policy.prefetch_lead)
+    schedule = order(graph, placement, policy.max_live_bytes_growth, priorities, earliest)
     return graph, schedule, simulate(graph, schedule.order, seconds)
 
 

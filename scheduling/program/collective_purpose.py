@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from scheduling.names import PARAMETER_GATHER_SCOPE
 from scheduling.program.capture import Op, Phase, Program, Value
 
 # Scopes that say which layout a block runs in, or what a collective outside the
@@ -36,7 +37,7 @@ MOE_SCOPES = frozenset({"moe"})
 DENSE_SCOPES = frozenset({"attention", "ffn", "dense", "mlp", "head"})
 TASK_SCOPES = {
     "grad_reduce": "gradient",
-    "param_gather": "parameter",
+    PARAMETER_GATHER_SCOPE: "parameter",
     "clip": "gradient-norm",
     "metrics": "metrics",
 }

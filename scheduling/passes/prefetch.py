@@ -1,0 +1,48 @@
+"""Prefetch: start each gather of sharded weights only as early as it takes to hide it.
+
+A collective's start runs as soon as its operand exists (:mod:`.order`). For the gathers
+of sharded weights (ZeRO-3, under :data:`~scheduling.names.PARAMETER_GATHER_SCOPE`) that
+is the start of the step, whose arguments they read: every block's weights would be
+gathered at once and held until used, which is what sharding them avoids. Here each such
+gather gets an earliest position instead. Walking back from its first consumer in program
+order, the compute before it is added up until it reaches ``lead`` times the gather's
+estimated time; the start runs no earlier than there. The prefetch depth thus follows the
+cost model: a slow link or small blocks prefetch further ahead, and each block of lead
+holds one more block's gathered weights. A gather whose operand is made later than that
+(a backward pass's second gather, behind its recomputation's barrier) starts after it, as
+any collective does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from scheduling.names import PARAMETER_GATHER_SCOPE
+from scheduling.program.graph import Graph, Node, Role
+
+
+def is_parameter_gather(node: Node) -> bool:
+    return node.op.primitive == "all_gather" and PARAMETER_GATHER_SCOPE in node.op.name_stack
+
+
+def prefetch_bounds(graph: Graph, seconds: Callable[[Node], float], lead: float) -> dict[int, int]:
+    """``{start node: the compute node it runs no earlier than}`` for every parameter
+    gather's start (module docstring); none with ``lead`` 0 (as early as possible)."""
+    if lead <= 0:
+        return {}
+    bounds = {}
+    for start in graph.starts():
+        if not is_parameter_gather(start):
+            continue
+        consumers = graph.succs[start.partner]
+        if not consumers:
+            continue
+        need = lead * seconds(start)
+        covered, earliest = 0.0, min(consumers)
+        while covered < need and earliest > 0:
+            earliest -= 1
+            node = graph.nodes[earliest]
+            if node.role is Role.COMPUTE and not node.is_collective:
+                covered += seconds(node)
+        bounds[start.id] = earliest
+    return bounds
