@@ -136,8 +136,9 @@ def topological_order(
     return result
 
 
-def peak_live_bytes(graph: Graph, order: list[int]) -> int:
-    """Largest total size of values alive at once when running in ``order``."""
+def peak_live_bytes(graph: Graph, order: list[int], until: int | None = None) -> int:
+    """Largest total size of values alive at once when running in ``order`` (over its first
+    ``until`` positions: None, all of them)."""
     position = {node: i for i, node in enumerate(order)}
     born: dict[Value, int] = {value: 0 for value in graph.program.inputs}
     last_use: dict[Value, int] = {}
@@ -165,7 +166,7 @@ def peak_live_bytes(graph: Graph, order: list[int]) -> int:
         delta[start] += size
         delta[last_use.get(value, start) + 1] -= size
     peak = live = 0
-    for change in delta:
+    for change in delta[: None if until is None else until]:
         live += change
         peak = max(peak, live)
     return peak

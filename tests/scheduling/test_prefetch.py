@@ -93,3 +93,14 @@ def test_without_a_lead_every_gather_starts_with_the_step():
     assert bounded.peak_live_bytes <= schedule.peak_live_bytes
     later = sorted({node: i for i, node in enumerate(bounded.order)}[s.id] for s in _starts(graph))
     assert later[-1] > starts[-1] + 4 * (LAYERS - 1)  # the last layer's waits for its turn
+
+
+def test_peak_live_bytes_over_a_prefix_of_the_order():
+    from scheduling.passes.order import peak_live_bytes
+
+    graph = _graph()
+    schedule = order(graph, Placement(), 0.1)
+    whole = peak_live_bytes(graph, schedule.order)
+    assert peak_live_bytes(graph, schedule.order, until=len(schedule.order)) == whole
+    prefixes = [peak_live_bytes(graph, schedule.order, until=k) for k in (1, 10, 40)]
+    assert prefixes == sorted(prefixes) and prefixes[0] < whole
