@@ -132,7 +132,7 @@ SMOOTHING = {"tokens_per_expert": (64.0, 0.8), "kept_by_copies": (64.0, 0.8)}
 MIN_LOAD_GAIN = 0.005
 # Under the balanced split (dropless), a table is judged on the routing of this many last
 # steps.
-RECENT_STEPS = 8
+RECENT_STEPS = 16
 
 
 class RoutingHistory:
