@@ -52,7 +52,10 @@ routed loads persist from step to step. In dropless mode the placement changes o
 rounding of the step (the runs' routing drifts apart slowly), so the replays are what
 those tables would have done; in capacity mode drops change training, so they replay the
 static run's routing. The ratios' spread: the same ratio in each of ``PLACEMENT_BLOCKS``
-blocks of the last half's steps.
+blocks of the last half's steps. These runs deal an expert's rows round-robin over its
+copies; a third pair (``dropless_balanced``) splits them in the step from its own counts
+(``moe.replica_split balanced``), replayed with the planner's prediction and with
+hindsight. ``--placement-parts`` picks the pairs run (``PLACEMENT_PARTS``).
 
 Writes ``experiments/results/dropless_eval.md`` and ``.json``; a run that leaves a part
 out keeps that part's figures (and its command) from the JSON it overwrites. ``--from``
