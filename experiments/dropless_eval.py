@@ -391,7 +391,8 @@ def placement_config(steps: int, rebalance: int, dropless: bool, split: str = "r
         base.moe,
         slots_per_device=PLACEMENT_SLOTS,
         rebalance_every=rebalance,
-        replica_split=split,
+        # How the ragged dispatch splits an expert's rows: capacity mode has no such choice.
+        replica_split=split if dropless else base.moe.replica_split,
     )
     return dataclasses.replace(base, moe=moe, train=dataclasses.replace(base.train, eval_batches=4))
 

@@ -162,6 +162,11 @@ class MoEConfig:
                 "none for the worst case",
             )
         one_of("moe", "replica_split", self.replica_split, REPLICA_SPLITS)
+        require(
+            self.replica_split == REPLICA_SPLITS[0] or self.dropless_dispatch == "ragged",
+            f"moe.replica_split={self.replica_split} says how the ragged dispatch splits rows "
+            "over an expert's copies: set moe.dropless_dispatch ragged, or leave it balanced",
+        )
         one_of("moe", "score_function", self.score_function, choices.SCORE_FUNCTIONS)
         for name in ("aux_loss_coef", "seq_aux_loss_coef", "z_loss_coef", "expert_bias_rate"):
             non_negative("moe", name, getattr(self, name))

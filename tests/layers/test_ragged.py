@@ -249,3 +249,11 @@ def test_rows_past_a_small_buffer_drop_and_are_counted():
     # Tokens all of whose rows were kept are unchanged.
     changed = np.any(np.abs(y - y_padded) > 1e-5, axis=-1)
     assert 0 < changed.sum() <= int(stats.dropped)
+
+
+def test_the_replica_split_is_a_choice_of_the_ragged_dispatch():
+    with pytest.raises(ConfigError, match="replica_split"):
+        MoEConfig(replica_split="evenly")
+    with pytest.raises(ConfigError, match="dropless_dispatch ragged"):
+        MoEConfig(replica_split="round_robin")
+    MoEConfig(capacity_factor=None, dropless_dispatch="ragged", replica_split="round_robin")
