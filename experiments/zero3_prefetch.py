@@ -48,10 +48,15 @@ def zero3_config(profile: str, lead: float):
 def measure(profile: str, lead: float, program=None) -> tuple[dict, object]:
     from jaxmoe.parallel.mesh import build_mesh
     from jaxmoe.train.scheduled import capture_train_step, schedule_policy
-    from scheduling import Phase, build_report, cost_model, plan
-    from scheduling.passes.order import peak_live_bytes
-    from scheduling.passes.prefetch import is_parameter_gather
-    from scheduling.program.capture import aval_bytes
+    from scheduling import (
+        Phase,
+        aval_bytes,
+        build_report,
+        cost_model,
+        is_parameter_gather,
+        peak_live_bytes,
+        plan,
+    )
 
     config = zero3_config(profile, lead)
     mesh = build_mesh(config.parallel)

@@ -60,6 +60,8 @@ _API = {
     "Plan": "scheduling.planning.plan",
     "cost_model": "scheduling.planning.plan",
     "batch_inputs": "scheduling.planning.plan",
+    "peak_live_bytes": "scheduling.passes.order",
+    "is_parameter_gather": "scheduling.passes.prefetch",
     # estimate
     "estimate": "scheduling.planning.step_estimate",
     "node_seconds": "scheduling.planning.step_estimate",
