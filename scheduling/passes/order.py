@@ -8,8 +8,8 @@ topological order; the keys only choose among valid orders:
   microbatches, :mod:`scheduling.passes.pair_microbatches`);
 - a collective start runs right after the last producer of its operand
   ("as soon as its inputs exist"), a gather of sharded weights no earlier than it
-  takes to hide it (:mod:`scheduling.passes.prefetch`); where several become ready at once, the
-  critical ones start first and the deferrable ones (gradient reductions, see
+  takes to hide it (:mod:`scheduling.passes.prefetch`); where several become ready at
+  once, the critical ones start first and the deferrable ones (gradient reductions, see
   ``scheduling.program.graph``) after the windows opened there, so that a runtime
   serving collectives in start order gives the critical path the link first;
 - the dW nodes placed in a window run right after the window's start, in
