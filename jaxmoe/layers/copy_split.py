@@ -51,50 +51,55 @@ def _xp(*arrays: Any) -> Any:
 
 
 def water_fill(base: Any, holds: Any, total: Any) -> Any:
-    """``[D]``: ``total`` poured over the devices that ``holds``, least ``base`` first.
+    """``[..., D]``: ``total [...]`` poured over the devices that ``holds``, least ``base``
+    first.
 
     The amounts are ``max(level - base, 0)`` on those devices (0 elsewhere), at the level
     where they add up to ``total``: the split that minimises the largest ``base + amount``.
     """
     xp = _xp(base, holds, total)
-    devices = base.shape[0]
-    held = xp.sum(holds)
-    ordered = xp.sort(xp.where(holds, base, xp.inf))
+    devices = base.shape[-1]
+    holds = xp.broadcast_to(holds, base.shape)
+    held = xp.sum(holds, axis=-1, keepdims=True)
+    ordered = xp.sort(xp.where(holds, base, xp.inf), axis=-1)
     finite = xp.where(xp.arange(devices) < held, ordered, 0.0)
     k = xp.arange(1, devices + 1)
-    level = (total + xp.cumsum(finite)) / k  # the level if the k least are filled
+    # The level if the k least loaded are filled.
+    level = (xp.asarray(total)[..., None] + xp.cumsum(finite, axis=-1)) / k
     fits = (k <= held) & (level >= finite)
-    chosen = xp.max(xp.where(fits, k, 1)) - 1
-    return xp.where(holds, xp.maximum(level[chosen] - base, 0.0), 0.0)
+    chosen = xp.max(xp.where(fits, k, 1), axis=-1, keepdims=True) - 1
+    reached = xp.take_along_axis(level, chosen, axis=-1)
+    return xp.where(holds, xp.maximum(reached - base, 0.0), 0.0)
 
 
 def balanced_rows(
     expert_rows: Any, slot_expert: Any, slots_per_device: int, sweeps: int = SWEEPS
 ) -> Any:
-    """``[N]`` (float): the rows each of the ``N = devices x slots_per_device`` global
-    slots takes, expert ``slot_expert[j]`` (-1: empty) having ``expert_rows[e]`` rows,
-    split to even out the devices' loads (the module docstring, step 2)."""
+    """``[..., N]`` (float): the rows each of the ``N = devices x slots_per_device`` global
+    slots takes, expert ``slot_expert[j]`` (-1: empty) having ``expert_rows[..., e]`` rows,
+    split to even out the devices' loads (the module docstring, step 2); leading
+    dimensions of ``expert_rows`` are routings split independently."""
     xp = _xp(expert_rows, slot_expert)
-    num_experts = expert_rows.shape[0]
+    num_experts = expert_rows.shape[-1]
     num_slots = slot_expert.shape[0]
     devices = num_slots // slots_per_device
     rows = xp.asarray(expert_rows, xp.float32)
     holds = slot_expert[None, :] == xp.arange(num_experts)[:, None]  # [E, N]
     copies = xp.maximum(xp.sum(holds, axis=1), 1)
     held = xp.maximum(slot_expert, 0)
-    split = xp.where(slot_expert >= 0, rows[held] / copies[held], 0.0)
+    split = xp.where(slot_expert >= 0, rows[..., held] / copies[held], 0.0)
     device_of = xp.arange(num_slots) // slots_per_device
-    on_device = (device_of[None, :] == xp.arange(devices)[:, None]).astype(xp.float32)
+    on_device = (device_of[:, None] == xp.arange(devices)[None, :]).astype(xp.float32)  # [N, G]
 
     def visit(i: Any, split: Any) -> Any:
         expert = i % num_experts
         mine = holds[expert]
-        loads = on_device @ split
-        own = on_device @ xp.where(mine, split, 0.0)
-        copies_on = on_device @ mine.astype(xp.float32)
-        amount = water_fill(loads - own, copies_on > 0, rows[expert])
+        loads = split @ on_device
+        own = xp.where(mine, split, 0.0) @ on_device
+        copies_on = mine.astype(xp.float32) @ on_device
+        amount = water_fill(loads - own, copies_on > 0, rows[..., expert])
         per_copy = amount / xp.maximum(copies_on, 1.0)
-        return xp.where(mine, per_copy[device_of], split)
+        return xp.where(mine, per_copy[..., device_of], split)
 
     visits = sweeps * num_experts
     if xp is jnp:

@@ -295,13 +295,15 @@ def copy_loads(table: np.ndarray, load: np.ndarray) -> np.ndarray:
 def device_loads(table: np.ndarray, load: np.ndarray, split: str = "round_robin") -> np.ndarray:
     """``[expert_axis]``: the routed assignments each device's slots take under ``table``
     when expert ``e`` has ``load[e]`` (ragged dropless), its copies sharing it as the step
-    splits it (``moe.replica_split``): evenly (``round_robin``) or ``balanced``."""
-    if split == "balanced":
+    splits it (``moe.replica_split``): evenly (``round_robin``) or ``balanced`` (then
+    ``load [..., E]`` may hold several routings: ``[..., expert_axis]``)."""
+    if split == "balanced":  # load [..., E]: several routings at once
         expert_axis, spare = table.shape
-        home = np.arange(load.shape[0]).reshape(expert_axis, -1)
+        home = np.arange(load.shape[-1]).reshape(expert_axis, -1)
         slot_expert = np.concatenate([home, table], axis=1).reshape(-1)
         slots = home.shape[1] + spare
-        return balanced_rows(load, slot_expert, slots).reshape(expert_axis, slots).sum(axis=1)
+        rows = balanced_rows(load, slot_expert, slots)
+        return rows.reshape(*load.shape[:-1], expert_axis, slots).sum(axis=-1)
     per_copy = copy_loads(table, load)
     expert_axis = table.shape[0]
     home = per_copy.reshape(expert_axis, -1).sum(axis=1)
@@ -413,8 +415,8 @@ def _plan_dropless(
         if split == "balanced":
 
             def largest(candidate: np.ndarray, layer: int = layer) -> float:
-                routing = recent[:, layer]
-                return float(np.mean([device_loads(candidate, r, split).max() for r in routing]))
+                loads = device_loads(candidate, recent[:, layer], split)  # [steps, devices]
+                return float(np.mean(loads.max(axis=-1)))
 
             mean = recent[:, layer].sum(axis=1).mean() / table.shape[0]
             expert_axis, spare = table.shape

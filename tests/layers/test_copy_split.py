@@ -162,3 +162,12 @@ def test_senders_and_receivers_agree_and_the_devices_even_out(seed):
     )
     assert loads.max() <= np.ceil(best * 1.01) + SLOTS  # whole rows: a row per slot at most
     assert loads.max() < dealt.max()
+
+
+def test_routings_split_together_as_each_alone():
+    rng = np.random.default_rng(3)
+    rows, slot_expert, slots = random_case(rng, 0)
+    routings = rng.gamma(2.0, 100, size=(5, rows.shape[0])).round()
+    together = balanced_rows(routings, slot_expert, slots)
+    alone = np.stack([balanced_rows(r, slot_expert, slots) for r in routings])
+    np.testing.assert_allclose(together, alone, rtol=1e-6)
