@@ -102,7 +102,7 @@ BYTES_TARGET = 1.1  # ragged dropless moves at most this times the bytes of capa
 PLACEMENT_TARGET = 0.5  # dynamic placement: at most this times static's excess load, drops
 PLACEMENT_SLOTS = 2  # expert slots per device in the placement runs
 # The routing history's constants swept by the replays: (half-life in steps, last step's
-# weight), as jaxmoe.train.placement_planner.SMOOTHING gives them.
+# weight), as jaxmoe.train.routing_history.SMOOTHING gives them.
 SMOOTHING_HALF_LIVES = (8.0, 32.0, 128.0)
 SMOOTHING_LATEST = (0.0, 0.5, 0.7, 0.8, 0.9, 1.0)
 SMOOTHING_GRID = tuple((h, w) for h in SMOOTHING_HALF_LIVES for w in SMOOTHING_LATEST)
@@ -407,7 +407,7 @@ def _history(mode: str, smoothing: tuple[float, float] | None = None):
     """The planner's routing history for a replay ``mode``: ``smoothed`` (its own
     constants, or ``smoothing`` for both metrics), ``last`` (the last step alone),
     ``mean`` (the smoothed mean alone) or ``hindsight`` (a fresh one every step)."""
-    from jaxmoe.train.placement_planner import SMOOTHING, RoutingHistory
+    from jaxmoe.train.routing_history import SMOOTHING, RoutingHistory
 
     if mode == "smoothed" and smoothing is not None:
         return RoutingHistory({key: smoothing for key in SMOOTHING})
@@ -726,7 +726,7 @@ def _replayed(entry: dict) -> float:
 
 
 def _placement_lines(result: dict) -> list[str]:
-    from jaxmoe.train.placement_planner import SMOOTHING
+    from jaxmoe.train.routing_history import SMOOTHING
 
     p, steps = result["placement"], result["placement_steps"]
     d, c = p["dropless"], p["capacity"]
@@ -887,7 +887,7 @@ def _balanced_split_lines(d: dict, b: dict) -> list[str]:
 
 def _placement_reading(d: dict, c: dict) -> list[str]:
     """Why the placement figures are what they are, each statement read off them."""
-    from jaxmoe.train.placement_planner import SMOOTHING
+    from jaxmoe.train.routing_history import SMOOTHING
 
     rd, rc = d["replay"], c["replay"]
     hindsight_d = rd["hindsight"] / rd["static"]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from experiments import dropless_eval
-from jaxmoe.train.placement_planner import SMOOTHING
+from jaxmoe.train.routing_history import SMOOTHING
 
 STEPS = 12
 

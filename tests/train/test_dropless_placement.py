@@ -8,12 +8,8 @@ import pytest
 
 from jaxmoe.config import Config, ModelConfig, MoEConfig, ParallelConfig
 from jaxmoe.parallel.placement import EMPTY, replicas_per_expert, static_placement
-from jaxmoe.train.placement_planner import (
-    RoutingHistory,
-    balanced_table,
-    device_loads,
-    plan_placement,
-)
+from jaxmoe.train.placement_planner import balanced_table, device_loads, plan_placement
+from jaxmoe.train.routing_history import RoutingHistory
 
 EXPERTS, DEVICES = 8, 4  # two experts per device, one replica slot each
 SKEWED = np.array([400.0, 40, 30, 20, 100, 80, 10, 0])
