@@ -335,7 +335,8 @@ def _plan_dropless(
     window = config.moe.rebalance_every
     loads = history.predict("tokens_per_expert")  # [moe_layers, experts]
     split = config.moe.replica_split if config.moe.dropless_dispatch == "ragged" else "round_robin"
-    recent = history.recent("tokens_per_expert")  # [steps, moe_layers, experts]
+    # Under the balanced split, tables are judged on these: [steps, moe_layers, experts].
+    recent = history.recent("tokens_per_expert") if split == "balanced" else None
     decisions = []
     for layer in range(tables.shape[0]):
         load, table = loads[layer], tables[layer]
