@@ -33,7 +33,9 @@ calibration is recorded in every results file. Then the overlap control
 is printed beside the schedules and recorded with them: a schedule's gain is overlap only
 where the control shows overlap (``--no-control`` skips it). ``--sweep FILE`` also runs
 ``jaxmoe link-curves`` on the shaped link and writes the curves that
-``--schedule.link_curves`` reads. The measurement is
+``--schedule.link_curves`` reads. ``--traces DIR`` also traces each schedule's step with
+``jax.profiler`` after its timed rounds (``DIR/shaped/<schedule>``, and ``DIR/free/...``
+on the unshaped link), with the compiled module's text beside each. The measurement is
 ``experiments.emulation.schedule_runs.measure_schedules``. Everything it creates is
 removed on exit, on errors and on Ctrl-C. Without the rights to create network
 namespaces it refuses with the reason.
@@ -109,6 +111,12 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         help="also time collectives on the shaped link (jaxmoe link-curves) and write the "
         "fitted curves here",
     )
+    parser.add_argument(
+        "--traces",
+        type=Path,
+        help="also trace each schedule's step (jax.profiler) after its rounds, under this "
+        "directory",
+    )
     return parser.parse_known_args(argv)
 
 
@@ -130,6 +138,7 @@ def request_from(args: argparse.Namespace, overrides: list[str]) -> ScheduleRequ
         control=not args.no_control,
         allow_uncalibrated=args.allow_uncalibrated,
         sweep=None if args.sweep is None else args.sweep.resolve(),
+        traces=None if args.traces is None else args.traces.resolve(),
     )
 
 

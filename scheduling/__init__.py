@@ -52,6 +52,8 @@ _API = {
     "ProfiledCostModel": "scheduling.costs.profiling",
     "simulate": "scheduling.costs.simulate",
     "Timeline": "scheduling.costs.simulate",
+    "traced_costs": "scheduling.costs.traced_costs",
+    "TracedCosts": "scheduling.costs.traced_costs",
     # plan
     "SchedulePolicy": "scheduling.planning.policy",
     "PolicyError": "scheduling.planning.policy",
@@ -84,6 +86,7 @@ _API = {
     "read_trace": "scheduling.reports.measured_trace",
     "compare_trace": "scheduling.reports.measured_trace",
     "side_by_side": "scheduling.reports.measured_trace",
+    "MeasuredOps": "scheduling.reports.measured_trace",
     "hlo_windows": "scheduling.reports.hlo_windows",
     "broken_windows": "scheduling.reports.hlo_windows",
     # all of it

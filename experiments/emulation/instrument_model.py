@@ -23,6 +23,17 @@ Readings of one program and order (``readings``), by the two-stream simulator:
   right as a whole (one fitted number), to tell its errors from the op profiler's;
 - ``all_async``: every split collective overlaps (a GPU-like backend);
 - ``in_place``: nothing overlaps.
+
+Readings from inside the step (``traced_readings``), where each schedule's step was
+traced on the unshaped link (``experiments.cluster --traces``): every op's cost is its
+time in that trace, every collective's host work (the socket callbacks' copies, XLA's
+collectives' fixed costs) is its time there too (``scheduling.traced_costs``), and the
+link adds what the calibration's size sweep measured for the bytes each collective puts
+on the wire:
+
+- ``traced``: split all-to-alls overlap, every other collective runs where it stands;
+- ``traced_no_host``: the same without the collectives' host work (what it adds);
+- ``traced_in_place``: nothing overlaps.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ from dataclasses import replace
 from pathlib import Path
 
 READINGS = ("instrument", "scaled", "all_async", "in_place")
+TRACED_READINGS = ("traced", "traced_no_host", "traced_in_place")
 
 
 def socket_all_to_all_samples(sweep: list[dict], group: int) -> list[tuple[float, float]]:
@@ -146,3 +158,51 @@ def pipelined_order(graph) -> list[int]:
         add([graph.nodes[start].partner])
     add(range(len(graph.nodes)))
     return order
+
+
+def link_seconds(calibration: dict, axis_sizes: dict[str, int]):
+    """Seconds a collective holds the shaped link: the calibration sweep's time for the
+    bytes it puts on the wire (``scheduling``'s wire bytes; a message of those bytes)."""
+    from scheduling import PiecewiseLinear
+    from scheduling.costs.cost_model import collective_wire_bytes
+
+    curve = PiecewiseLinear.fit((p["bytes"], p["seconds"]) for p in calibration["sweep"])
+
+    def seconds(node) -> float:
+        wire = collective_wire_bytes(node.op, axis_sizes)
+        return curve(wire) if wire > 0 else 0.0
+
+    return seconds
+
+
+def traced_readings(graph, order: list[int], costs, link) -> dict[str, dict]:
+    """The program's step under each traced reading (``costs``: a ``TracedCosts`` of its
+    trace; ``link``: ``link_seconds``), and the traced figures it was built from."""
+    from scheduling import simulate
+
+    def sockets_overlap(node) -> bool:
+        return node.op.primitive == "all_to_all"
+
+    seconds = costs.seconds(link)
+    cases = {
+        "traced": (sockets_overlap, costs.host_seconds),
+        "traced_no_host": (sockets_overlap, None),
+        "traced_in_place": (False, costs.host_seconds),
+    }
+    result: dict = {
+        "traced_step_s": costs.traced_step_s,
+        "traced_compute_s": sum(costs.compute.values()),
+        "traced_host_s": sum(costs.host.values()),
+        "unattributed_s": costs.unattributed_s,
+        "between_ops_s": costs.between_ops_s,
+        "link_s": sum(seconds(node) for node in graph.nodes if node.is_collective),
+    }
+    for name, (asynchronous, host) in cases.items():
+        timeline = simulate(graph, order, seconds, asynchronous=asynchronous, host=host)
+        result[name] = {
+            "step_s": timeline.step_seconds,
+            "compute_s": timeline.compute_seconds,
+            "communication_s": timeline.communication_seconds,
+            "exposed_s": timeline.exposed_communication_seconds,
+        }
+    return result

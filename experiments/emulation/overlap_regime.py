@@ -49,16 +49,20 @@ def request(
     shaped_only: bool = False,
     schedules: tuple[str, ...] = SCHEDULES,
     sweep: Path | None = None,
+    extra_flags: tuple[str, ...] = (),
+    traces: Path | None = None,
 ) -> ScheduleRequest:
     """The measurement of the regime (``schedule_runs.measure_schedules``); ``sweep``: also
     write the link's collective curves there. ``quick``: 3 rounds and ``shaped_only``;
     ``shaped_only``: no runs on the unshaped link (no compute-only figures); ``schedules``:
-    cluster entries (``NAME`` or ``NAME:N``), the first the baseline of the speedups."""
+    cluster entries (``NAME`` or ``NAME:N``), the first the baseline of the speedups;
+    ``extra_flags``: more ``jaxmoe train`` flags (``--train.microbatches 4``); ``traces``:
+    trace every schedule's step there."""
     repeats, warmup = (3, 1) if quick else (6, 2)
     return ScheduleRequest(
         schedules=tuple(schedules),
         preset=PRESET,
-        overrides=tuple(train_flags(link_mbit)),
+        overrides=(*train_flags(link_mbit), *extra_flags),
         hosts=HOSTS,
         devices_per_host=DEVICES_PER_HOST,
         link_mbit=link_mbit,
@@ -66,6 +70,7 @@ def request(
         warmup=warmup,
         shaped_only=quick or shaped_only,
         sweep=sweep,
+        traces=traces,
     )
 
 

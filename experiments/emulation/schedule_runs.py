@@ -13,6 +13,9 @@ the regime of ``overlap_regime``, the overlap evaluations'):
 5. unless ``shaped_only``: steps and collectives again on the unshaped link (veth at
    memory speed: communication made nearly free), the compute-only figures.
 
+With ``traces``, every schedule's step is also traced after its rounds, on each link
+(``step_rounds --trace``).
+
 It returns a ``ScheduleMeasurement``; ``to_json`` is the results file's layout (what
 ``experiments.cluster --json`` writes and the evaluations read back), ``format_table``
 its table.
@@ -58,6 +61,7 @@ class ScheduleRequest:
     control: bool = True
     allow_uncalibrated: bool = False
     sweep: Path | None = None  # write the link's collective curves here
+    traces: Path | None = None  # trace each schedule's steps here (step_rounds --trace)
 
     def check(self) -> Config:
         """The training configuration, every setting checked before anything starts.
@@ -104,6 +108,8 @@ class ScheduleRequest:
             argv += ["--json", str(json_path)]
         if self.sweep is not None:
             argv += ["--sweep", str(self.sweep)]
+        if self.traces is not None:
+            argv += ["--traces", str(self.traces)]
         flags = ("--shaped-only", "--no-control", "--allow-uncalibrated")
         wanted = (self.shaped_only, not self.control, self.allow_uncalibrated)
         argv += [flag for flag, given in zip(flags, wanted, strict=True) if given]
@@ -231,7 +237,9 @@ def measure_schedules(request: ScheduleRequest, command: str | None = None) -> S
                 )
                 print(control.summary(), flush=True)
             config_path = hosts.write_config(config)
-            shaped = run_step_rounds(hosts, config_path, schedules, *rounds)
+            shaped = run_step_rounds(
+                hosts, config_path, schedules, *rounds, trace=_traces(request, "shaped")
+            )
             communication = run_collectives_only(hosts, config_path, request.repeats)
             if request.sweep is not None:
                 source = (
@@ -245,7 +253,9 @@ def measure_schedules(request: ScheduleRequest, command: str | None = None) -> S
             with EmulatedNetwork(request.hosts, LinkShape(rate_mbit=None)) as network:
                 hosts = EmulatedHosts(network, workdir, "free")
                 config_path = hosts.write_config(config)
-                free = run_step_rounds(hosts, config_path, schedules, *rounds)
+                free = run_step_rounds(
+                    hosts, config_path, schedules, *rounds, trace=_traces(request, "free")
+                )
                 free_communication = run_collectives_only(hosts, config_path, request.repeats)
     tokens_per_step = config.train.batch_size * config.model.seq_len
     free_seconds = None if free is None else free.seconds
@@ -261,6 +271,11 @@ def measure_schedules(request: ScheduleRequest, command: str | None = None) -> S
         ),
         control=control,
     )
+
+
+def _traces(request: ScheduleRequest, link: str) -> Path | None:
+    """Where the steps on ``link`` (``shaped`` or ``free``) are traced, if anywhere."""
+    return None if request.traces is None else request.traces / link
 
 
 def record_calibration(path: Path, calibration: LinkCalibration, command: str) -> None:

@@ -3,8 +3,8 @@
 The host program (run on every emulated host by ``run_step_rounds``)::
 
     python -m experiments.emulation.step_rounds --config CONFIG.json --schedules none,dw \\
-        --rounds 10 --warmup 2 --json OUT.json [--coordinator HOST:PORT --num-processes N \\
-        --process-id I]
+        --rounds 10 --warmup 2 --json OUT.json [--trace DIR] [--coordinator HOST:PORT \\
+        --num-processes N --process-id I]
 
 Every schedule's step is compiled once in this process, each with its own train state
 (the same initial state for all). Then each round runs one training step of every
@@ -14,6 +14,12 @@ a schedule's position in the round does not favour it. All schedules of a round 
 the same batch. ``--warmup`` rounds run first and are not timed. Process 0 writes, per
 schedule, the seconds of each timed round (index r of every list is round r), the order
 of every round and each compilation's seconds: a ``StepRounds``.
+
+With ``--trace DIR``, after the rounds each schedule runs ``TRACED_STEPS`` more steps under
+``jax.profiler``, every process tracing its own devices into
+``DIR/<schedule>/process_<i>``, and process 0 writes the compiled module's text beside
+them (``DIR/<schedule>/step.hlo.txt``): what ``scheduling.read_trace`` and
+``scheduling.traced_costs`` read to take the step's op costs from inside it.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from pathlib import Path
 
 from experiments.emulation.host_process import round_order, rounds_parser, start_host, train_batches
 from experiments.emulation.hosts import EmulatedHosts
+
+TRACED_STEPS = 2
 
 
 @dataclass(frozen=True)
@@ -58,12 +66,20 @@ def with_schedule(config, schedule: str):
 
 
 def run_step_rounds(
-    hosts: EmulatedHosts, config_path: Path, schedules: list[str], rounds: int, warmup: int
+    hosts: EmulatedHosts,
+    config_path: Path,
+    schedules: list[str],
+    rounds: int,
+    warmup: int,
+    trace: Path | None = None,
 ) -> StepRounds:
-    """The schedules' training steps in interleaved rounds on every host."""
+    """The schedules' training steps in interleaved rounds on every host (``trace``: then
+    each schedule's traced steps there, see the module)."""
     out = hosts.path("rounds.json")
     args = ["--config", str(config_path), "--schedules", ",".join(schedules)]
     args += ["--rounds", str(rounds), "--warmup", str(warmup), "--json", str(out)]
+    if trace is not None:
+        args += ["--trace", str(trace)]
     hosts.run("step-rounds", args, module=__name__)
     return StepRounds.from_json(json.loads(out.read_text()))
 
@@ -71,6 +87,7 @@ def run_step_rounds(
 def main(argv: list[str] | None = None) -> int:
     parser = rounds_parser(__doc__.splitlines()[0])
     parser.add_argument("--schedules", required=True, help="comma-separated NAME or NAME:N")
+    parser.add_argument("--trace", type=Path, help="trace each schedule's steps here")
     args = parser.parse_args(argv)
     schedules = [s for s in args.schedules.split(",") if s]
     prepared = start_host(args)
@@ -104,10 +121,28 @@ def main(argv: list[str] | None = None) -> int:
                 seconds[schedule].append(time.perf_counter() - started)
         if round_index >= args.warmup:
             orders.append(order)
+    if args.trace is not None:
+        for schedule in schedules:
+            trace_steps(steps[schedule], states[schedule], batch, args.trace / schedule)
     if jax.process_index() == 0:
         report = {"seconds": seconds, "orders": orders, "compile_s": compile_s}
         args.json.write_text(json.dumps(report, indent=1) + "\n")
     return 0
+
+
+def trace_steps(step, state, batch, directory: Path) -> None:
+    """``TRACED_STEPS`` steps of ``step`` under ``jax.profiler`` (this process's devices, into
+    ``directory/process_<i>``); process 0 also writes the compiled module's text."""
+    import jax
+
+    directory.mkdir(parents=True, exist_ok=True)
+    if jax.process_index() == 0:
+        (directory / "step.hlo.txt").write_text(step.as_text())
+    jax.block_until_ready(state)
+    with jax.profiler.trace(str(directory / f"process_{jax.process_index()}")):
+        for _ in range(TRACED_STEPS):
+            state, metrics = step(state, batch)
+            jax.block_until_ready((state, metrics))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,13 @@ each class in start order; a transfer, once begun, runs to its end. This is a
 runtime that keeps its pending collectives in two queues, as one with a
 high-priority stream for the critical path does. Without priorities the link
 serves collectives in start order, one queue for all.
+
+Host work of collectives. ``host`` (seconds per collective node) is what issuing and
+completing a collective costs the compute stream beside its transfer: a start's before
+it hands the collective to the link, a done's after the transfer has finished, an unsplit
+collective's before it. A runtime whose collectives are host callbacks (the socket
+all-to-all) spends it copying pieces in and out; :mod:`scheduling.costs.traced_costs`
+measures it. It counts in the step, not in its compute.
 """
 
 from __future__ import annotations
@@ -133,8 +140,10 @@ def simulate(
     *,
     asynchronous: bool | Callable[[Node], bool] = True,
     priorities: bool = True,
+    host: Callable[[Node], float] | None = None,
 ) -> Timeline:
     overlaps = asynchronous if callable(asynchronous) else lambda node: asynchronous
+    host_seconds = host or (lambda node: 0.0)
     compute_clock = compute_total = 0.0
     timings: dict[int, CollectiveTiming] = {}
     in_flight: dict[int, CollectiveTiming] = {}  # by start node: issued, not yet waited for
@@ -159,14 +168,24 @@ def simulate(
             events.append(Event(timing.node, "compute", compute_clock, timing.stall, True))
         compute_clock += timing.stall
 
+    def host_work(node: Node) -> None:
+        nonlocal compute_clock
+        seconds = host_seconds(node)
+        if seconds > 0:
+            events.append(Event(node.id, "compute", compute_clock, seconds))
+            compute_clock += seconds
+
     for node_id in order:
         node = graph.nodes[node_id]
         if node.role is Role.START and overlaps(node):
+            host_work(node)
             in_flight[node_id] = issue(node_id)
         elif node.role is Role.DONE:
             if node.partner in in_flight:
                 wait(in_flight.pop(node.partner))
+                host_work(node)
         elif node.is_collective:  # synchronous: the compute stream waits for all of it
+            host_work(node)
             wait(issue(node_id))
         else:
             duration = seconds(node)

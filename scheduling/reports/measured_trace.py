@@ -288,11 +288,22 @@ class TraceComparison:
         }
 
 
-def compare(
-    measured: MeasuredOps, hlo_text: str, simulated: dict[str, Any], simulated_step_seconds: float
-) -> TraceComparison:
-    """Group measured XLA ops with the planned ops they hold (rule in the module docstring)."""
-    estimate = estimated_seconds(simulated)
+@dataclass(frozen=True)
+class Attribution:
+    """Which traced XLA ops count under which planned keys (rule in the module docstring)."""
+
+    members: dict[Key, frozenset[Key]]  # a row's anchor key -> every planned key in the row
+    xla_ops: dict[Key, tuple[str, ...]]  # a row's anchor key -> its XLA ops, most measured first
+    unmatched_xla_ops: dict[str, float]  # measured seconds of XLA ops naming no planned op
+    unmatched_planned: tuple[Key, ...]  # planned keys in no traced XLA op
+
+    def measured_seconds(self, measured: MeasuredOps, anchor: Key) -> float:
+        return sum(measured.seconds[op] for op in self.xla_ops[anchor])
+
+
+def attribute(measured: MeasuredOps, hlo_text: str, estimate: dict[Key, float]) -> Attribution:
+    """Rows of planned keys (those ``estimate`` prices) and the XLA ops of ``measured`` that
+    hold them; ``hlo_text`` is the compiled module the trace ran."""
     keys = hlo_op_keys(hlo_text)
     anchor: dict[str, Key] = {}  # XLA op -> the planned key it is counted under
     unmatched_xla = {}
@@ -306,7 +317,7 @@ def compare(
         else:
             unmatched_xla[xla_op] = seconds
     members: dict[Key, set[Key]] = {key: {key} for key in anchor.values()}
-    unmatched_planned = {}
+    unmatched_planned = []
     for key in sorted(estimate):
         if key in members:
             continue
@@ -314,23 +325,41 @@ def compare(
         if hosts:  # fused into other ops: counted with the longest of them
             members[anchor[max(hosts, key=lambda op: (measured.seconds[op], op))]].add(key)
         else:
-            unmatched_planned[label(key)] = estimate[key]
+            unmatched_planned.append(key)
     xla_ops: dict[Key, list[str]] = defaultdict(list)
     for xla_op, key in anchor.items():
         xla_ops[key].append(xla_op)
+    return Attribution(
+        members={key: frozenset(grouped) for key, grouped in members.items()},
+        xla_ops={
+            key: tuple(sorted(ops, key=lambda op: -measured.seconds[op]))
+            for key, ops in xla_ops.items()
+        },
+        unmatched_xla_ops=unmatched_xla,
+        unmatched_planned=tuple(unmatched_planned),
+    )
+
+
+def compare(
+    measured: MeasuredOps, hlo_text: str, simulated: dict[str, Any], simulated_step_seconds: float
+) -> TraceComparison:
+    """Group measured XLA ops with the planned ops they hold (rule in the module docstring)."""
+    estimate = estimated_seconds(simulated)
+    rows = attribute(measured, hlo_text, estimate)
     groups = [
         OpGroup(
             planned_ops=(
                 label(key),
                 *(label(k) for k in sorted(grouped - {key}, key=lambda k: -estimate[k])),
             ),
-            xla_ops=tuple(sorted(xla_ops[key], key=lambda op: -measured.seconds[op])),
+            xla_ops=rows.xla_ops[key],
             estimated_seconds=sum(estimate[k] for k in grouped),
-            measured_seconds=sum(measured.seconds[op] for op in xla_ops[key]),
+            measured_seconds=rows.measured_seconds(measured, key),
         )
-        for key, grouped in members.items()
+        for key, grouped in rows.members.items()
     ]
     groups.sort(key=lambda g: -abs(g.error_seconds))
+    module_ops = hlo_op_keys(hlo_text)
     return TraceComparison(
         module=measured.module,
         steps=measured.steps,
@@ -338,9 +367,9 @@ def compare(
         measured_step_seconds=measured.step_seconds,
         simulated_step_seconds=simulated_step_seconds,
         groups=groups,
-        unmatched_xla_ops=unmatched_xla,
-        unmatched_planned_ops=unmatched_planned,
-        traced_ops_not_in_module=sorted(op for op in measured.seconds if op not in keys),
+        unmatched_xla_ops=rows.unmatched_xla_ops,
+        unmatched_planned_ops={label(key): estimate[key] for key in rows.unmatched_planned},
+        traced_ops_not_in_module=sorted(op for op in measured.seconds if op not in module_ops),
     )
 
 

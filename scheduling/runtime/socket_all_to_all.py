@@ -38,6 +38,11 @@ arrival order, so each key must be started once per step on every device, in the
 Use it only where the backend is CPU and the step spans processes; elsewhere XLA's own
 collectives are the better choice.
 
+The start's callback runs under the name scope ``socket_start`` and the done's under
+``socket_done`` (:data:`START_SCOPE`, :data:`DONE_SCOPE`), inside the all-to-all's own name
+stack: a profiler trace of the step then tells each callback's time
+(``scheduling.costs.traced_costs`` reads it as the collective's host work).
+
 A done fails, in one line, rather than wait forever: when a process whose piece it
 lacks has closed its connection (it exited or was killed) or the connection broke, when
 another done of this process failed, when the transport was closed or aborted, or when
@@ -72,6 +77,7 @@ DEFAULT_LINK_MBIT = 100.0  # the link rate a transport assumes when it is not to
 DEFAULT_WAIT_S = 60.0  # how long a done allows the peers to reach their start
 _TRANSFER_MARGIN = 4.0  # the bound allows this many times the transfer at the link rate
 _CLOSE_WAIT_S = 10.0  # how long ``close`` lets the sender threads finish
+START_SCOPE, DONE_SCOPE = "socket_start", "socket_done"  # name scopes of the two callbacks
 
 
 class _Mailbox:
@@ -384,7 +390,9 @@ class SocketAllToAll:
                 self.transport.send(key, position, self._peer(position, index), piece, trim)
             return np.float32(0)
 
-        return host_callback(host_start, jax.ShapeDtypeStruct((), jnp.float32), self._position(), x)
+        position = self._position()
+        with jax.named_scope(START_SCOPE):
+            return host_callback(host_start, jax.ShapeDtypeStruct((), jnp.float32), position, x)
 
     def done(
         self,
@@ -434,7 +442,9 @@ class SocketAllToAll:
             return (joined, np.float32(0)) if release_token else joined
 
         shapes = (result, jax.ShapeDtypeStruct((), jnp.float32)) if release_token else result
-        return host_callback(host_done, shapes, self._position(), token, _scalar(after))
+        position = self._position()
+        with jax.named_scope(DONE_SCOPE):
+            return host_callback(host_done, shapes, position, token, _scalar(after))
 
     def _late(self, source: int, bound: float) -> str:
         transport = self.transport

@@ -233,6 +233,23 @@ def test_async_collective_stalls_only_for_what_compute_does_not_cover(compute_ea
     assert timeline.compute_seconds == pytest.approx(2.0 + 2 * compute_each)
 
 
+def test_host_work_of_a_collective_runs_on_the_compute_stream():
+    # Issuing the transfer waits for the start's host work; the done's host work follows
+    # the transfer. Neither counts as compute.
+    graph = split_async(_one_a2a_program())
+    seconds = fixed_seconds({0: 1.0, 1: 5.0, 3: 2.0, 4: 2.0, 5: 1.0})
+    host = fixed_seconds({1: 0.5, 2: 0.25})
+    timeline = simulate(graph, [0, 1, 3, 4, 2, 5], seconds, host=host)
+    timing = timeline.collectives[1]
+    assert (timing.issued, timing.finished, timing.stall) == (1.5, 6.5, 1.0)
+    assert timeline.step_seconds == 1.0 + 0.5 + 4.0 + 1.0 + 0.25 + 1.0
+    assert timeline.compute_seconds == 6.0
+    # Unsplit, the collective's host work comes before it.
+    graph = Graph(_one_a2a_program(), split=lambda op: False)
+    sync = simulate(graph, [0, 1, 2, 3, 4], fixed_seconds({0: 1.0, 1: 5.0}), host=host)
+    assert (sync.collectives[1].issued, sync.step_seconds) == (1.5, 6.5)
+
+
 def test_async_collective_waited_at_once_is_as_slow_as_sync():
     graph = split_async(_one_a2a_program())
     seconds = fixed_seconds({0: 1.0, 1: 5.0, 3: 2.0, 4: 2.0, 5: 1.0})

@@ -371,3 +371,25 @@ def test_none_on_sockets_runs_no_matmul_during_the_transfer():
     # "async": the same matmul is planned inside the window, free to run during the transfer.
     assert _last_matmul_waits_for_the_done(_body_on_sockets("none"))
     assert not _last_matmul_waits_for_the_done(_body_on_sockets("async"))
+
+
+def test_the_callbacks_are_named_in_the_compiled_module_as_traced_costs_reads_them():
+    # scheduling.traced_costs tells a start's host work from a done's by these scopes.
+    from scheduling.reports.measured_trace import hlo_op_keys
+    from scheduling.runtime.socket_all_to_all import DONE_SCOPE, START_SCOPE
+
+    mesh = jax.make_mesh((8,), ("x",))
+    spec = PartitionSpec("x")
+    op = SocketAllToAll(SocketTransport(mesh, connections={}), "x")
+
+    def body(block):
+        with jax.named_scope("moe"):
+            token = op.start(block, key=1, split_axis=0)
+            return op.done(token, block, key=1, like=block, split_axis=0, concat_axis=0)
+
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+    x = jax.ShapeDtypeStruct((64, 3), jnp.float32, sharding=NamedSharding(mesh, spec))
+    keys = hlo_op_keys(jax.jit(mapped).lower(x).compile().as_text())
+    owned = {key for info in keys.values() for key in info.own}
+    for scope in (START_SCOPE, DONE_SCOPE):
+        assert any(stack == f"moe/{scope}" and p in HOST_CALLBACK_NAMES for stack, p in owned)

@@ -1,0 +1,222 @@
+"""The simulator against the emulated cluster, with every cost taken from inside the step.
+
+    sudo python -m experiments.traced_validation [--link-mbit 200] [--microbatches 4]
+        [--schedules none,lancet,pair] [--repeats 6] [--keep DIR | --from DIR]
+
+One emulated-cluster run (``experiments.emulation.schedule_runs``) in the regime of
+``experiments.emulation.overlap_regime`` (2 hosts x 1 device, ``tiny`` with top-2 and 128
+sequences, every all-to-all over the socket transport), here with ``--microbatches``
+microbatches so that ``pair`` has partners, measures each schedule on the shaped link in
+interleaved rounds, then on the unshaped link, and traces each schedule's step on both
+(``experiments.cluster --traces``).
+
+The simulator predicts each schedule's step on the shaped link from the unshaped link's
+trace of the same schedule (``instrument_model.traced_readings``): the ops and the
+collectives' host work as traced where communication is nearly free, the link as its
+calibration measured it. Nothing timed on the shaped link enters a prediction. Each
+prediction is set beside the measured step (median, range over rounds); the target is an
+error within 15%. Writes ``experiments/results/traced_validation.md``; ``--keep DIR``
+saves the run (``cluster-tiny.json``, ``traces/``), ``--from DIR`` predicts again from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+from experiments.emulation import instrument_model as model
+from experiments.emulation import overlap_regime as regime
+from experiments.emulation.link_calibration import LinkNotCalibrated
+from experiments.emulation.schedule_runs import measure_schedules
+from experiments.shared.device_process import call_with_devices
+from experiments.shared.spread import Spread
+
+RESULTS = Path(__file__).parent / "results"
+TOLERANCE = 0.15
+SCHEDULES = ("none", "async", "lancet", "pair")
+READING_NAMES = {
+    "traced": "traced",
+    "traced_no_host": "traced, no host work",
+    "traced_in_place": "traced, in place",
+}
+
+
+def predict(measured_path: str, traces: str) -> dict:
+    """Per schedule, the traced readings of its plan (runs in a process with the cluster's
+    devices: ``call_with_devices``)."""
+    from experiments.emulation.step_rounds import with_schedule
+    from jaxmoe.config import Config
+    from jaxmoe.parallel.mesh import build_mesh
+    from jaxmoe.train.scheduled import capture_train_step, schedule_policy
+    from scheduling import batch_inputs, cost_model, node_seconds, plan, read_trace, traced_costs
+
+    measured = json.loads(Path(measured_path).read_text())
+    config = Config.from_dict(measured["config"])
+    mesh = build_mesh(config.parallel)
+    axis_sizes = dict(mesh.shape)
+    link = model.link_seconds(measured["link_calibration"], axis_sizes)
+    program, sharded = capture_train_step(config, mesh)  # one capture serves every schedule
+    batch = batch_inputs(program, sharded.batch_argnums)
+    predicted = {}
+    for row in measured["schedules"]:
+        schedule = row["schedule"]
+        policy = schedule_policy(with_schedule(config, schedule))
+        cost = cost_model(policy, mesh)
+        planned = plan(program, policy, cost, batch)
+        directory = Path(traces) / "free" / schedule
+        trace = read_trace(directory / "process_0")
+        hlo_text = (directory / "step.hlo.txt").read_text()
+        costs = traced_costs(planned.graph, trace, hlo_text, node_seconds(cost), axis_sizes)
+        predicted[schedule] = model.traced_readings(
+            planned.graph, planned.schedule.order, costs, link
+        )
+        print(f"  {schedule}: {predicted[schedule]['traced']['step_s'] * 1e3:.1f} ms predicted")
+    return predicted
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
+def schedule_table(measured: dict, predicted: dict) -> list[str]:
+    """Per schedule: the measured step and speedup over the first schedule, and per
+    reading the predicted step, its error and its speedup."""
+    names = "".join(f" {READING_NAMES[r]} (ms) | error | speedup |" for r in model.TRACED_READINGS)
+    baseline = measured["schedules"][0]["schedule"]
+    lines = [
+        f"| schedule | measured step (ms) | measured speedup vs {baseline}, per round |{names}",
+        "|---|---|---|" + "---|---|---|" * len(model.TRACED_READINGS),
+    ]
+    for row in measured["schedules"]:
+        step = Spread(row["step_s"], row["step_min_s"], row["step_max_s"])
+        speedup = Spread(row["speedup"], row["speedup_min"], row["speedup_max"])
+        cells = [row["schedule"], step.format(), speedup.format(1, 3)]
+        for reading in model.TRACED_READINGS:
+            seconds = predicted[row["schedule"]][reading]["step_s"]
+            first = predicted[baseline][reading]["step_s"]
+            cells += [_ms(seconds), f"{seconds / row['step_s'] - 1:+.1%}", f"{first / seconds:.3f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def breakdown_table(measured: dict, predicted: dict) -> list[str]:
+    """What each prediction is made of, beside the unshaped link's measured step."""
+    lines = [
+        "| schedule | unshaped link: measured step (ms) | traced step (ms) | compute (ms) "
+        "| of it, XLA ops naming no planned op (ms) | of it, between ops (ms) "
+        "| host work of collectives (ms) | link (ms) | exposed, predicted (ms) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in measured["schedules"]:
+        guess = predicted[row["schedule"]]
+        cells = [row["compute_only_s"], guess["traced_step_s"], guess["traced_compute_s"]]
+        cells += [guess["unattributed_s"], guess["between_ops_s"]]
+        cells += [guess["traced_host_s"], guess["link_s"]]
+        cells.append(guess["traced"]["exposed_s"])
+        lines.append(f"| {row['schedule']} | " + " | ".join(_ms(c) for c in cells) + " |")
+    return lines
+
+
+def worst_error(measured: dict, predicted: dict, reading: str = "traced") -> float:
+    return max(
+        abs(predicted[row["schedule"]][reading]["step_s"] / row["step_s"] - 1)
+        for row in measured["schedules"]
+    )
+
+
+def section(measured: dict, predicted: dict, command: str) -> list[str]:
+    config = measured["config"]
+    worst = worst_error(measured, predicted)
+    return [
+        f"## {measured['link_mbit']:g} Mbit/s, {config['train']['microbatches']} microbatches",
+        "",
+        f"Cluster run: `{command}`",
+        "",
+        regime.summary(measured),
+        "",
+        *schedule_table(measured, predicted),
+        "",
+        *breakdown_table(measured, predicted),
+        "",
+        f"Largest error, traced: {worst:.1%} (target {TOLERANCE:.0%}: "
+        f"{'met' if worst <= TOLERANCE else 'NOT met'}).",
+        "",
+    ]
+
+
+def validate(
+    schedules: tuple[str, ...],
+    *,
+    link_mbit: float,
+    microbatches: int,
+    repeats: int,
+    source: Path | None = None,
+    keep: Path | None = None,
+) -> tuple[dict, dict, str]:
+    """Measure (saved in ``keep``) or read the run saved in ``source``; predict it.
+    Returns the measurement, the predictions and the cluster run's command.
+
+    Raises:
+        LinkNotCalibrated, HostRunFailed: the cluster run could not be made.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        saved = source or keep or Path(tmp)
+        saved.mkdir(parents=True, exist_ok=True)
+        measured_path, traces = saved / f"cluster-{regime.PRESET}.json", saved / "traces"
+        if source is None:
+            request = regime.request(
+                link_mbit=link_mbit,
+                schedules=schedules,
+                extra_flags=("--train.microbatches", str(microbatches)),
+                traces=traces,
+            )
+            request = replace(request, repeats=repeats)
+            shown = replace(request, traces=Path(traces.name))  # as the saved run names it
+            measurement = measure_schedules(request, shown.command(measured_path.name))
+            measured_path.write_text(json.dumps(measurement.to_json(), indent=2) + "\n")
+        measured = json.loads(measured_path.read_text())
+        devices = regime.HOSTS * regime.DEVICES_PER_HOST
+        predicted = call_with_devices(devices, predict, str(measured_path), str(traces))
+    return measured, predicted, measured["command"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--link-mbit", type=float, default=200.0)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=6, help="timed interleaved rounds")
+    parser.add_argument(
+        "--schedules",
+        default=",".join(SCHEDULES),
+        help="cluster entries (NAME or NAME:N), the first the baseline of the speedups",
+    )
+    parser.add_argument("--from", dest="source", type=Path, help="a saved run's directory")
+    parser.add_argument("--keep", type=Path, help="save the run's measurements here")
+    parser.add_argument("--out", type=Path, default=RESULTS / "traced_validation.md")
+    args = parser.parse_args(argv)
+    if args.source is not None and not args.source.is_dir():
+        parser.error(f"--from {args.source}: no such directory")
+    try:
+        measured, predicted, command = validate(
+            tuple(s for s in args.schedules.split(",") if s),
+            link_mbit=args.link_mbit,
+            microbatches=args.microbatches,
+            repeats=args.repeats,
+            source=args.source,
+            keep=args.keep,
+        )
+    except LinkNotCalibrated:
+        return 2
+    lines = section(measured, predicted, command)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(lines))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
