@@ -24,7 +24,9 @@ Writes the simulator section of ``experiments/results/cross_microbatch_eval.md``
 the emulated-cluster section an earlier run put there. ``--cluster-json FILE`` writes that
 section instead, from an ``experiments.cluster --json`` measurement of the schedules (the
 best against ``none`` per round, the exposed communication's cut, the overlap control),
-and keeps the simulator section.
+and keeps the simulator section; with ``--predicted-json FILE`` (the predictions
+``experiments.traced_validation`` made of that measurement) the section sets the
+simulator's prediction beside each measured row.
 """
 
 from __future__ import annotations
@@ -140,8 +142,31 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def cluster_section(report: dict) -> list[str]:
-    """Section (a) from an ``experiments.cluster --json`` measurement of the schedules."""
+def predicted_table(report: dict, predicted: dict) -> list[str]:
+    """Each measured row beside the simulator's prediction of it (``traced`` reading)."""
+    from experiments.shared.spread import Spread
+
+    first = predicted[report["schedules"][0]["schedule"]]["traced"]["step_s"]
+    lines = [
+        "| schedule | measured step (ms) | predicted step (ms) | error | measured speedup, "
+        "per round | predicted speedup | predicted exposed communication (ms) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in report["schedules"]:
+        guess = predicted[row["schedule"]]["traced"]
+        step = Spread(row["step_s"], row["step_min_s"], row["step_max_s"])
+        speedup = Spread(row["speedup"], row["speedup_min"], row["speedup_max"])
+        lines.append(
+            f"| {row['schedule']} | {step.format()} | {guess['step_s'] * 1e3:.1f} "
+            f"| {guess['step_s'] / row['step_s'] - 1:+.1%} | {speedup.format(1, 3)} "
+            f"| {first / guess['step_s']:.3f} | {guess['exposed_s'] * 1e3:.1f} |"
+        )
+    return lines
+
+
+def cluster_section(report: dict, predicted: dict | None = None) -> list[str]:
+    """Section (a) from an ``experiments.cluster --json`` measurement of the schedules,
+    with the simulator's predictions of it where given."""
     from experiments.emulation.schedule_runs import format_table
     from experiments.shared.spread import Spread
 
@@ -164,6 +189,15 @@ def cluster_section(report: dict) -> list[str]:
         format_table(report),
         "",
     ]
+    if predicted is not None:
+        lines += [
+            "The simulator's prediction of each row (`experiments/traced_validation.py`: op "
+            "costs and the collectives' host work from each schedule's step traced on the "
+            "unshaped link, the link from its calibration; nothing timed on the shaped link):",
+            "",
+            *predicted_table(report, predicted),
+            "",
+        ]
     if control is not None:
         ratios = Spread.of(control["chained_over_independent"])
         verdict = "overlap shown" if control["overlap_shown"] else "no overlap shown"
@@ -202,11 +236,21 @@ def main(argv: list[str] | None = None) -> int:
         help="write section (a) from this experiments.cluster --json measurement, and keep "
         "the simulator section an earlier run wrote",
     )
+    parser.add_argument(
+        "--predicted-json",
+        type=Path,
+        help="with --cluster-json: experiments.traced_validation's predictions of it",
+    )
     args = parser.parse_args(argv)
+    if args.predicted_json is not None and args.cluster_json is None:
+        parser.error("--predicted-json needs --cluster-json (the measurement it predicts)")
     if args.cluster_json is not None:
         import json
 
-        section = cluster_section(json.loads(args.cluster_json.read_text()))
+        predicted = None
+        if args.predicted_json is not None:
+            predicted = json.loads(args.predicted_json.read_text())
+        section = cluster_section(json.loads(args.cluster_json.read_text()), predicted)
         kept = kept_section(args.out, SIMULATOR_HEADING, None, "--cluster-json")
         head = args.out.read_text().split(CLUSTER_HEADING)[0].split(SIMULATOR_HEADING)[0]
         args.out.write_text(head + "\n".join([*section, *kept]))

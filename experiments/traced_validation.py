@@ -16,7 +16,9 @@ collectives' host work as traced where communication is nearly free, the link as
 calibration measured it. Nothing timed on the shaped link enters a prediction. Each
 prediction is set beside the measured step (median, range over rounds); the target is an
 error within 15%. Writes ``experiments/results/traced_validation.md``; ``--keep DIR``
-saves the run (``cluster-tiny.json``, ``traces/``), ``--from DIR`` predicts again from it.
+saves the run (``cluster-tiny.json``, ``traces/``) and the predictions
+(``predicted-tiny.json``, which ``experiments.cross_microbatch_eval --predicted-json``
+sets beside its measured rows); ``--from DIR`` predicts again from a saved run.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from experiments.shared.spread import Spread
 
 RESULTS = Path(__file__).parent / "results"
 TOLERANCE = 0.15
+PREDICTED = f"predicted-{regime.PRESET}.json"  # beside the saved run's cluster-tiny.json
 SCHEDULES = ("none", "async", "lancet", "pair")
 READING_NAMES = {
     "traced": "traced",
@@ -181,6 +184,8 @@ def validate(
         measured = json.loads(measured_path.read_text())
         devices = regime.HOSTS * regime.DEVICES_PER_HOST
         predicted = call_with_devices(devices, predict, str(measured_path), str(traces))
+        if source is None and keep is not None:
+            (keep / PREDICTED).write_text(json.dumps(predicted, indent=1) + "\n")
     return measured, predicted, measured["command"]
 
 

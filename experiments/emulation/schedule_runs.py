@@ -35,7 +35,7 @@ from experiments.emulation.link_calibration import LinkCalibration, calibrated_n
 from experiments.emulation.link_curves import run_link_curves
 from experiments.emulation.network import EmulatedNetwork, LinkShape
 from experiments.emulation.overlap_control import ControlResult, ControlSettings, run_control
-from experiments.emulation.step_rounds import run_step_rounds
+from experiments.emulation.step_rounds import run_step_rounds, with_schedule
 from experiments.shared.results_file import command_line
 from experiments.shared.spread import Spread, round_ratios
 from jaxmoe.config import Config, ConfigError
@@ -83,6 +83,11 @@ class ScheduleRequest:
             raise ConfigError(str(error)) from None
         config = self.config()
         check_hosts_fill_layout(config, self.hosts, self.devices_per_host)
+        for schedule in self.schedules:  # each schedule's policy, before any host starts
+            try:
+                with_schedule(config, schedule).schedule.policy()
+            except ValueError as error:
+                raise ConfigError(f"--schedules {schedule}: {error}") from None
         return config
 
     def config(self) -> Config:

@@ -65,3 +65,16 @@ def test_writing_the_section_keeps_the_simulator_section(tmp_path):
         cross_microbatch_eval.SIMULATOR_HEADING
     )
     assert "| a simulated table |" in text and "Best schedule: `pair`" in text
+
+
+def test_the_predictions_stand_beside_the_measured_rows():
+    def guess(step, exposed):
+        return {"traced": {"step_s": step, "exposed_s": exposed}}
+
+    predicted = {"none": guess(3.3, 1.8), "lancet": guess(2.75, 1.2), "pair": guess(2.2, 0.6)}
+    lines = cross_microbatch_eval.cluster_section(_report(), predicted)
+    rows = {line.split(" | ")[0]: line for line in lines if line.startswith("| ")}
+    # none: 3.3 s predicted against 3.0 measured (+10.0%), lancet 3.3 / 2.75 = 1.200x.
+    assert "| 3300.0 | +10.0% |" in rows["| none"]
+    assert "| 1.200 | 1200.0 |" in rows["| lancet"]
+    assert "| 2200.0 | +10.0% |" in rows["| pair"]

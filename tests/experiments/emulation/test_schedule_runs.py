@@ -64,6 +64,8 @@ def test_a_request_is_checked_before_anything_starts():
         ScheduleRequest(repeats=0).check()
     with pytest.raises(ConfigError, match="delay_ms"):
         ScheduleRequest(delay_ms=-1.0).check()
+    with pytest.raises(ConfigError, match=r"--schedules expert_pipeline: .*pipelining degree"):
+        ScheduleRequest(schedules=("none", "expert_pipeline")).check()
     config = ScheduleRequest(overrides=("--moe.top_k", "2")).check()
     assert config.moe.top_k == 2
 
