@@ -1,7 +1,7 @@
 """The simulator against the emulated cluster, with every cost taken from inside the step.
 
     sudo python -m experiments.traced_validation [--link-mbit 200] [--microbatches 4]
-        [--schedules none,lancet,pair] [--repeats 6] [--keep DIR | --from DIR]
+        [--schedules none,...,pair] [--repeats 6] [--keep DIR | --from DIR]
 
 One emulated-cluster run (``experiments.emulation.schedule_runs``) in the regime of
 ``experiments.emulation.overlap_regime`` (2 hosts x 1 device, ``tiny`` with top-2 and 128
@@ -18,7 +18,9 @@ prediction is set beside the measured step (median, range over rounds); the targ
 error within 15%. Writes ``experiments/results/traced_validation.md``; ``--keep DIR``
 saves the run (``cluster-tiny.json``, ``traces/``) and the predictions
 (``predicted-tiny.json``, which ``experiments.cross_microbatch_eval --predicted-json``
-sets beside its measured rows); ``--from DIR`` predicts again from a saved run.
+sets beside its measured rows); ``--from DIR`` predicts again from a saved run, or,
+where it was kept without its traces (they take hundreds of MB), writes the section from
+its saved predictions.
 """
 
 from __future__ import annotations
@@ -35,12 +37,16 @@ from experiments.emulation import overlap_regime as regime
 from experiments.emulation.link_calibration import LinkNotCalibrated
 from experiments.emulation.schedule_runs import measure_schedules
 from experiments.shared.device_process import call_with_devices
+from experiments.shared.results_file import command_line
 from experiments.shared.spread import Spread
 
 RESULTS = Path(__file__).parent / "results"
 TOLERANCE = 0.15
 PREDICTED = f"predicted-{regime.PRESET}.json"  # beside the saved run's cluster-tiny.json
-SCHEDULES = ("none", "async", "lancet", "pair")
+SCHEDULES = (
+    "none", "async", "dw", "partition", "lancet", "expert_pipeline:4", "comet", "lancet+comet",
+    "pair",
+)  # fmt: skip
 READING_NAMES = {
     "traced": "traced",
     "traced_no_host": "traced, no host work",
@@ -131,6 +137,42 @@ def worst_error(measured: dict, predicted: dict, reading: str = "traced") -> flo
     )
 
 
+def reading(measured: dict, predicted: dict) -> list[str]:
+    """What the errors say, in figures of this run."""
+    errors = {
+        row["schedule"]: predicted[row["schedule"]]["traced"]["step_s"] / row["step_s"] - 1
+        for row in measured["schedules"]
+    }
+    no_host = [
+        predicted[row["schedule"]]["traced_no_host"]["step_s"] / row["step_s"] - 1
+        for row in measured["schedules"]
+    ]
+    low = sum(error < 0 for error in errors.values())
+    mean = sum(errors.values()) / len(errors)
+    spread = [
+        (row["step_min_s"] / row["step_s"] - 1, row["step_max_s"] / row["step_s"] - 1)
+        for row in measured["schedules"]
+    ]
+    within = sum(
+        row["step_min_s"] <= predicted[row["schedule"]]["traced"]["step_s"] <= row["step_max_s"]
+        for row in measured["schedules"]
+    )
+    return [
+        f"- {low} of {len(errors)} predictions are below the measured step; the mean error is "
+        f"{mean:+.1%}, from {min(errors.values()):+.1%} to {max(errors.values()):+.1%}. "
+        f"{within} of {len(errors)} fall inside the measured range over rounds (whose "
+        f"extremes lie {min(lo for lo, _ in spread):+.1%} to {max(hi for _, hi in spread):+.1%}"
+        " from the medians).",
+        f"- Without the collectives' host work the errors would be {min(no_host):+.1%} to "
+        f"{max(no_host):+.1%}: the host work measured in the step is what brings the link "
+        "model within the target.",
+        "- What a prediction leaves out (not measured apart): host work that only the shaped "
+        "link causes (the socket sender threads run while bytes are on the wire, beside the "
+        "step's computation on the same cores, which the unshaped link's trace cannot show), "
+        "and any wait for a peer beyond the skew the unshaped run already holds.",
+    ]
+
+
 def section(measured: dict, predicted: dict, command: str) -> list[str]:
     config = measured["config"]
     worst = worst_error(measured, predicted)
@@ -147,6 +189,8 @@ def section(measured: dict, predicted: dict, command: str) -> list[str]:
         "",
         f"Largest error, traced: {worst:.1%} (target {TOLERANCE:.0%}: "
         f"{'met' if worst <= TOLERANCE else 'NOT met'}).",
+        "",
+        *reading(measured, predicted),
         "",
     ]
 
@@ -182,6 +226,8 @@ def validate(
             measurement = measure_schedules(request, shown.command(measured_path.name))
             measured_path.write_text(json.dumps(measurement.to_json(), indent=2) + "\n")
         measured = json.loads(measured_path.read_text())
+        if source is not None and not traces.exists():  # a run kept without its traces
+            return measured, json.loads((source / PREDICTED).read_text()), measured["command"]
         devices = regime.HOSTS * regime.DEVICES_PER_HOST
         predicted = call_with_devices(devices, predict, str(measured_path), str(traces))
         if source is None and keep is not None:
@@ -216,7 +262,27 @@ def main(argv: list[str] | None = None) -> int:
         )
     except LinkNotCalibrated:
         return 2
-    lines = section(measured, predicted, command)
+    arguments = sys.argv[1:] if argv is None else argv
+    lines = [
+        "# The simulator against the emulated cluster, with costs from inside the step",
+        "",
+        f"Command: `{command_line('experiments.traced_validation', arguments)}` (the run "
+        "itself: `sudo python -m experiments.traced_validation --keep DIR`; its traces are "
+        "not kept here, its measurement and predictions are).",
+        "",
+        "Each schedule's step is predicted from that schedule's step traced on the unshaped "
+        "link: every op at its traced time, the time between ops and the ops XLA added "
+        "spread over the computation, each collective's host work (the socket callbacks, "
+        "XLA's collectives) as traced there, and the link from its calibration's size "
+        "sweep (`scheduling.traced_costs`, `experiments/emulation/instrument_model.py`). "
+        "Readings: `traced` (socket all-to-alls overlap, XLA's collectives run where they "
+        "stand), the same without the host work, and nothing overlapping. The earlier "
+        "descriptions (`simulator_validation.md`: ops timed alone, a link without host "
+        f"costs) were off by +25% to +47%, or -17% to -21% with the compute scaled to fit. "
+        f"Target: every schedule within {TOLERANCE:.0%}.",
+        "",
+        *section(measured, predicted, command),
+    ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines))
     print("\n".join(lines))

@@ -29,8 +29,8 @@ class ParallelConfig:
     layers: ``tensor``-way tensor (and sequence) parallelism over the same
     devices, data parallelism over the rest. Those are one pipeline stage's devices;
     ``pipeline`` stages of them hold the blocks in ``pipeline x virtual_stages`` chunks
-    of consecutive layers (chunk ``v x pipeline + s`` on stage ``s``), and every stage
-    reads the same rows.
+    of consecutive layers (chunk ``v x pipeline + s`` on stage ``s``), equal or as
+    ``chunk_layers`` says, and every stage reads the same rows.
     """
 
     data: int = 1
@@ -41,6 +41,8 @@ class ParallelConfig:
     # schedule, a stage's layers consecutive; more: the interleaved schedule).
     pipeline: int = 1
     virtual_stages: int = 1
+    # Layers per chunk, comma-separated in chunk order ("3,5"); none: equal chunks.
+    chunk_layers: str | None = None
 
     def __post_init__(self) -> None:
         check_types("parallel", self)
@@ -55,6 +57,31 @@ class ParallelConfig:
             check_layout(self.stage_devices, self.tensor, self.expert, self.expert_tensor)
         except LayoutError as error:
             raise ConfigError(str(error)) from None
+        if self.chunk_layers is not None:
+            counts = self.chunk_layer_counts
+            require(
+                self.pipeline > 1 and len(counts) == self.chunks,
+                f"parallel.chunk_layers={self.chunk_layers!r}: name the layers of each of the "
+                f"{self.chunks} chunks (pipeline x virtual_stages), e.g. "
+                f"{','.join(['4'] * max(2, self.chunks))}, with parallel.pipeline > 1",
+            )
+
+    @property
+    def chunk_layer_counts(self) -> tuple[int, ...] | None:
+        """``chunk_layers`` as numbers (None: equal chunks); ConfigError if it is not a
+        list of positive integers."""
+        if self.chunk_layers is None:
+            return None
+        try:
+            counts = tuple(int(part) for part in self.chunk_layers.split(","))
+        except ValueError:
+            counts = ()
+        require(
+            bool(counts) and min(counts) > 0,
+            f"parallel.chunk_layers={self.chunk_layers!r}: write each chunk's layers as a "
+            "positive integer, comma-separated in chunk order (e.g. 3,5)",
+        )
+        return counts
 
     @property
     def stage_devices(self) -> int:
@@ -86,27 +113,38 @@ class ParallelConfig:
 def check_pipeline(
     parallel: ParallelConfig, model: ModelConfig, train: TrainConfig, schedule: ScheduleConfig
 ) -> None:
-    """What a pipeline needs from the other sections (nothing without one): equal chunks
-    of layers, alike at each position, and the options that compose with it."""
+    """What a pipeline needs from the other sections (nothing without one): chunks that
+    cover the layers (equal ones unless ``chunk_layers`` says), alike at each position,
+    and the options that compose with it."""
     if parallel.pipeline == 1:
         return
     chunks = f"parallel.pipeline x parallel.virtual_stages = {parallel.chunks}"
+    counts = parallel.chunk_layer_counts
+    if counts is None:
+        require(
+            model.num_layers % parallel.chunks == 0,
+            f"model.num_layers={model.num_layers} does not split into {chunks} equal chunks: "
+            "choose a number of layers that is a multiple of it, fewer stages, or "
+            "parallel.chunk_layers",
+        )
+        counts = (model.num_layers // parallel.chunks,) * parallel.chunks
     require(
-        model.num_layers % parallel.chunks == 0,
-        f"model.num_layers={model.num_layers} does not split into {chunks} equal chunks: "
-        "choose a number of layers that is a multiple of it, or fewer stages",
+        sum(counts) == model.num_layers,
+        f"parallel.chunk_layers={parallel.chunk_layers!r} holds {sum(counts)} layers, the "
+        f"model {model.num_layers}: the chunks must cover model.num_layers",
     )
-    per_chunk = model.num_layers // parallel.chunks
     moe = set(model.moe_layers)
-    for position in range(per_chunk):
-        kinds = {c * per_chunk + position in moe for c in range(parallel.chunks)}
+    offsets = [sum(counts[:c]) for c in range(parallel.chunks)]
+    for position in range(max(counts)):
+        kinds = {
+            offsets[c] + position in moe for c in range(parallel.chunks) if position < counts[c]
+        }
         require(
             len(kinds) == 1,
             f"model.moe_every={model.moe_every}, model.first_dense_layers="
-            f"{model.first_dense_layers}: the {per_chunk}-layer chunks of {chunks} hold MoE "
-            f"and dense blocks at position {position}, but every stage runs the same chunk "
-            "code; choose a chunk length that is a multiple of moe_every, without leading "
-            "dense layers",
+            f"{model.first_dense_layers}: the chunks of {chunks} hold MoE and dense blocks at "
+            f"position {position}, but every stage runs the same chunk code; choose chunks "
+            "that start on a multiple of moe_every, without leading dense layers",
         )
     require(
         not train.zero,

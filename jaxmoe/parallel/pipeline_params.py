@@ -3,14 +3,19 @@
 The model's parameters (``nnx.to_pure_dict`` of :class:`~jaxmoe.layers.GPTMoE`) hold the
 blocks as ``params["blocks"][layer]``. Under ``parallel.pipeline`` P with
 ``parallel.virtual_stages`` V the train state holds them as ``params["stage_blocks"][j]``
-instead: for each position ``j`` in a chunk of ``per_chunk`` layers, every array of that
-block stacked into ``[V, P, *shape]``, element ``[v, s]`` being layer
-``(v P + s) per_chunk + j`` (chunk ``v P + s`` on stage ``s``, see
-:mod:`jaxmoe.parallel.pipeline_schedule`). The stage dimension is split over the
-``pipeline`` mesh axis, so a device holds its stage's V chunks, ``[V, 1, *shape]``, and
-nothing of the others: parameters, gradients and optimizer moments of ``1 / P`` of the
-blocks. Every chunk position holds blocks of one structure (the configuration checks
-it), which is what stacking needs.
+instead: for each position ``j`` in a chunk, every array of that block stacked into
+``[V, P, *shape]``, element ``[v, s]`` being the ``j``-th layer of chunk ``c = v P + s``
+(on stage ``s``, see :mod:`jaxmoe.parallel.pipeline_schedule`). The stage dimension is
+split over the ``pipeline`` mesh axis, so a device holds its stage's V chunks,
+``[V, 1, *shape]``, and nothing of the others: parameters, gradients and optimizer moments
+of ``1 / P`` of the blocks. Every chunk position holds blocks of one structure (the
+configuration checks it), which is what stacking needs.
+
+**Uneven chunks** (``parallel.chunk_layers``): chunk ``c`` holds ``counts[c]`` consecutive
+layers and the stack has as many positions as the longest chunk. A shorter chunk's
+positions past its layers are *padding*: stacked zeros that no layer owns, which the
+pipeline skips (their output is the input, their gradients zero) and which
+:func:`unstack_blocks` drops.
 
 Everything outside the blocks (embeddings, final norm, output head) keeps its place and
 its spec: replicated over the pipeline axis, its gradient summed over it like over any
@@ -41,30 +46,73 @@ STAGE_BLOCKS = "stage_blocks"
 
 @dataclass(frozen=True)
 class StageLayout:
-    """``stages`` x ``virtual`` chunks of ``per_chunk`` layers each."""
+    """``stages`` x ``virtual`` chunks of consecutive layers, chunk ``c`` holding
+    ``counts[c]`` of them (chunk ``v x stages + s`` on stage ``s``)."""
 
     stages: int
     virtual: int
-    per_chunk: int
+    counts: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.counts) != self.chunks or min(self.counts) < 1:
+            raise ValueError(f"{self.counts}: need {self.chunks} chunks of at least one layer")
+
+    @classmethod
+    def even(cls, stages: int, virtual: int, per_chunk: int) -> StageLayout:
+        return cls(stages, virtual, (per_chunk,) * (stages * virtual))
 
     @property
     def chunks(self) -> int:
         return self.stages * self.virtual
 
     @property
+    def per_chunk(self) -> int:
+        """Positions in the stack: the longest chunk's layers."""
+        return max(self.counts)
+
+    @property
+    def is_even(self) -> bool:
+        return len(set(self.counts)) == 1
+
+    @property
     def num_layers(self) -> int:
-        return self.chunks * self.per_chunk
+        return sum(self.counts)
+
+    def offset(self, chunk: int) -> int:
+        """The model's index of ``chunk``'s first layer."""
+        return sum(self.counts[:chunk])
+
+    def holds(self, virtual: int, stage: int, position: int) -> bool:
+        """Whether the chunk's ``position`` is a layer (not padding)."""
+        return position < self.counts[virtual * self.stages + stage]
 
     def layer(self, virtual: int, stage: int, position: int) -> int:
-        return (virtual * self.stages + stage) * self.per_chunk + position
+        """The model's index of the layer at the chunk's ``position`` (one it holds)."""
+        return self.offset(virtual * self.stages + stage) + position
+
+    def chunk_slots(self) -> list[tuple[int, int]]:
+        """``(virtual, stage)`` of every chunk, in stacking order."""
+        return [(v, s) for v in range(self.virtual) for s in range(self.stages)]
+
+
+def layout_of(
+    stages: int, virtual: int, chunk_layers: tuple[int, ...] | None, num_layers: int
+) -> StageLayout | None:
+    """The layout of a pipeline of ``stages`` x ``virtual`` chunks over ``num_layers``
+    layers, cut as ``chunk_layers`` says (None: equal chunks); None without a pipeline."""
+    if stages == 1:
+        return None
+    if chunk_layers is not None:
+        return StageLayout(stages, virtual, tuple(chunk_layers))
+    return StageLayout.even(stages, virtual, num_layers // (stages * virtual))
 
 
 def stage_layout(parallel: ParallelConfig, num_layers: int) -> StageLayout | None:
     """The chunks of ``parallel``'s pipeline over ``num_layers`` layers (None without a
-    pipeline; the configuration has checked that they are equal)."""
-    if parallel.pipeline == 1:
-        return None
-    return StageLayout(parallel.pipeline, parallel.virtual_stages, num_layers // parallel.chunks)
+    pipeline; the configuration has checked that they cover the layers)."""
+    return layout_of(
+        parallel.pipeline, parallel.virtual_stages, parallel.chunk_layer_counts, num_layers
+    )
 
 
 def is_stacked(params: Any) -> bool:
@@ -76,21 +124,26 @@ def _is_param_tree(x: Any) -> bool:
 
 
 def stack_blocks(params: dict, layout: StageLayout) -> dict:
-    """``params["blocks"]`` -> ``params["stage_blocks"]`` (see the module docstring)."""
+    """``params["blocks"]`` -> ``params["stage_blocks"]`` (see the module docstring;
+    padding positions are zeros shaped like the position's layers)."""
     blocks = params[BLOCKS]
     if len(blocks) != layout.num_layers:
         raise ValueError(f"{len(blocks)} blocks for {layout.num_layers} pipelined layers")
     stacked = {}
     for j in range(layout.per_chunk):
-        rows = [
-            [blocks[layout.layer(v, s, j)] for s in range(layout.stages)]
-            for v in range(layout.virtual)
+        held = [
+            blocks[layout.layer(v, s, j)] for v, s in layout.chunk_slots() if layout.holds(v, s, j)
+        ]
+        padding = jax.tree.map(jnp.zeros_like, held[0])
+        row = [
+            blocks[layout.layer(v, s, j)] if layout.holds(v, s, j) else padding
+            for v, s in layout.chunk_slots()
         ]
         stacked[j] = jax.tree.map(
             lambda *leaves: jnp.stack(leaves).reshape(
                 layout.virtual, layout.stages, *leaves[0].shape
             ),
-            *[block for row in rows for block in row],
+            *row,
         )
     rest = {key: value for key, value in params.items() if key != BLOCKS}
     return {**rest, STAGE_BLOCKS: stacked}
@@ -98,12 +151,12 @@ def stack_blocks(params: dict, layout: StageLayout) -> dict:
 
 def unstack_blocks(params: dict, layout: StageLayout) -> dict:
     """``params["stage_blocks"]`` -> ``params["blocks"]``: the inverse of
-    :func:`stack_blocks`."""
+    :func:`stack_blocks` (padding dropped)."""
     stacked = params[STAGE_BLOCKS]
     blocks = {}
     for j, tree in stacked.items():
-        for v in range(layout.virtual):
-            for s in range(layout.stages):
+        for v, s in layout.chunk_slots():
+            if layout.holds(v, s, j):
                 blocks[layout.layer(v, s, j)] = jax.tree.map(lambda a, v=v, s=s: a[v, s], tree)
     rest = {key: value for key, value in params.items() if key != STAGE_BLOCKS}
     return {**rest, BLOCKS: dict(sorted(blocks.items()))}
@@ -120,14 +173,14 @@ def stacked_specs(specs: dict, layout: StageLayout, stage_axis: str | None = PIP
     blocks = specs[BLOCKS]
     stacked = {}
     for j in range(layout.per_chunk):
-        first = blocks[layout.layer(0, 0, j)]
-        for v in range(layout.virtual):
-            for s in range(layout.stages):
-                if blocks[layout.layer(v, s, j)] != first:
-                    raise ValueError(
-                        f"layer {layout.layer(v, s, j)} is split unlike layer "
-                        f"{layout.layer(0, 0, j)}: pipelined chunks must hold alike blocks"
-                    )
+        layers = [layout.layer(v, s, j) for v, s in layout.chunk_slots() if layout.holds(v, s, j)]
+        first = blocks[layers[0]]
+        for layer in layers[1:]:
+            if blocks[layer] != first:
+                raise ValueError(
+                    f"layer {layer} is split unlike layer {layers[0]}: pipelined chunks "
+                    "must hold alike blocks"
+                )
         stacked[j] = jax.tree.map(
             lambda spec: PartitionSpec(None, stage_axis, *spec), first, is_leaf=_is_spec
         )
@@ -141,8 +194,8 @@ def unstacked_specs(specs: dict, layout: StageLayout) -> dict:
     blocks = {}
     for j, tree in specs[STAGE_BLOCKS].items():
         spec = jax.tree.map(lambda stacked: PartitionSpec(*stacked[2:]), tree, is_leaf=_is_spec)
-        for v in range(layout.virtual):
-            for s in range(layout.stages):
+        for v, s in layout.chunk_slots():
+            if layout.holds(v, s, j):
                 blocks[layout.layer(v, s, j)] = spec
     rest = {key: value for key, value in specs.items() if key != STAGE_BLOCKS}
     return {**rest, BLOCKS: dict(sorted(blocks.items()))}

@@ -38,8 +38,18 @@ MIN_BLOCKS = 3
 def block_count(config: Config) -> int | None:
     """How many repeating blocks ``config``'s model has (in each chunk of a pipeline's
     layers: every chunk holds as many), or None when its layers do not split into whole
-    blocks (the last layer is then not an MoE layer)."""
+    blocks (the last layer is then not an MoE layer).
+
+    With uneven chunks (``parallel.chunk_layers``), the longest chunk's: every stage
+    holds and runs that many, the shorter chunks padded (:mod:`jaxmoe.train.pipeline`),
+    so memory and step are those of equal chunks of that length (:func:`with_blocks`
+    makes them equal). Only the model FLOPs, which the planner takes from the real
+    model, tell the two apart."""
     model = config.model
+    counts = config.parallel.chunk_layer_counts
+    if counts is not None:
+        longest = max(counts)
+        return None if longest % model.moe_every else longest // model.moe_every
     per_block = model.moe_every * config.parallel.chunks
     if model.num_layers % per_block:
         return None
@@ -57,6 +67,7 @@ def with_blocks(config: Config, blocks: int) -> Config:
     chunk of a pipeline's layers)."""
     values = config.to_dict()
     values["model"]["num_layers"] = blocks * config.model.moe_every * config.parallel.chunks
+    values["parallel"]["chunk_layers"] = None  # equal chunks (see block_count)
     return Config.from_dict(values)
 
 

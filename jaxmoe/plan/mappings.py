@@ -121,6 +121,13 @@ def with_mapping(config: Config, mapping: Mapping, devices_per_host: int) -> Con
             expert_tensor=mapping.expert_tensor,
             pipeline=mapping.pipeline,
             virtual_stages=mapping.virtual_stages,
+            chunk_layers=chunk_layers_of(
+                config.model.num_layers,
+                config.model.moe_every,
+                mapping.pipeline * mapping.virtual_stages,
+            )
+            if mapping.pipeline > 1
+            else None,
         )
     )
     values["moe"]["dispatcher"] = mapping.dispatcher
@@ -164,16 +171,32 @@ def enumerate_mappings(
 
 def pipelines_of(config: Config, devices: int, max_virtual_stages: int = 2) -> list:
     """The (stages, virtual stages) a plan of ``config``'s model on ``devices`` devices
-    tries: stages that divide the devices and the layers into chunks of whole blocks, each
-    with up to ``max_virtual_stages`` chunks per stage (1: no pipeline first)."""
+    tries: stages that divide the devices, each with up to ``max_virtual_stages`` chunks
+    per stage, where every chunk gets at least one whole block of layers (the chunks
+    uneven where the blocks do not divide: :func:`chunk_layers_of`; 1: no pipeline
+    first)."""
     model = config.model
     found = [(1, 1)]
+    if model.num_layers % model.moe_every:
+        return found
+    blocks = model.num_layers // model.moe_every
     for stages in divisors(devices)[1:]:
         for virtual in range(1, max_virtual_stages + 1):
-            per_chunk = model.moe_every * stages * virtual
-            if model.num_layers % per_chunk == 0:
+            if stages * virtual <= blocks:
                 found.append((stages, virtual))
     return found
+
+
+def chunk_layers_of(num_layers: int, moe_every: int, chunks: int) -> str | None:
+    """``parallel.chunk_layers`` of ``chunks`` chunks over the model's blocks of
+    ``moe_every`` layers, as even as whole blocks allow (the first chunks one block
+    more); None where they split evenly."""
+    blocks = num_layers // moe_every
+    if blocks % chunks == 0:
+        return None
+    share, extra = divmod(blocks, chunks)
+    counts = [(share + (chunk < extra)) * moe_every for chunk in range(chunks)]
+    return ",".join(map(str, counts))
 
 
 def _enumerate_stage(

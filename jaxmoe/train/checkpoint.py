@@ -46,6 +46,7 @@ from jaxmoe.config import Config, ConfigError
 from jaxmoe.parallel.pipeline_params import (
     PIPELINE_AXIS,
     StageLayout,
+    layout_of,
     to_layout,
     to_layout_specs,
 )
@@ -322,9 +323,9 @@ class RunCheckpoints:
             return pipeline_layout(self.config)
         parallel = saved_config(self.directory.parent, step).get("parallel", {})
         stages, virtual = parallel.get("pipeline", 1), parallel.get("virtual_stages", 1)
-        if stages == 1:
-            return None
-        return StageLayout(stages, virtual, self.config.model.num_layers // (stages * virtual))
+        chunk_layers = parallel.get("chunk_layers")
+        counts = None if chunk_layers is None else tuple(map(int, chunk_layers.split(",")))
+        return layout_of(stages, virtual, counts, self.config.model.num_layers)
 
     def _abstract_state_in(self, saved: StageLayout | None, mesh: Mesh) -> TrainState:
         """The current state's shapes moved into the ``saved`` layout, on ``mesh``: each

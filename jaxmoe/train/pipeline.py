@@ -33,6 +33,14 @@ FLOPs once per stage. Their gradients are summed over the pipeline axis by the g
 synchronisation, as for any parameter the axis does not split; the stages that did not
 use them add zeros.
 
+**Uneven chunks** (``parallel.chunk_layers``). The stack has as many positions as the
+longest chunk; where a stage's chunk is shorter, the positions past its layers are
+padding (:mod:`jaxmoe.parallel.pipeline_params`). Every stage still runs every position
+(SPMD), and a padding position's output is its input and its routing stats zeros, so its
+parameters get zero gradients and nothing of it reaches the loss or the metrics. The
+ticks stay lockstep: a stage with fewer layers waits for the longest chunk, so uneven
+chunks admit layer counts that the chunks do not divide; they do not shorten a tick.
+
 **What each microbatch sees** is what it sees without the pipeline: its rows
 (:func:`~jaxmoe.train.microbatches.microbatch_rows`), the same router noise (the step's
 key folded with the microbatch and the layer), the same replica table and expert bias
@@ -83,8 +91,10 @@ class PipelineModel:
     layout: StageLayout
     schedule: PipelineSchedule
     outside: nnx.GraphDef  # the model without its blocks: embeddings, final norm, head
-    blocks: tuple[nnx.GraphDef, ...]  # a chunk's blocks, in order
-    moe_rank: tuple[int | None, ...]  # each block's index among its chunk's MoE blocks
+    blocks: tuple[nnx.GraphDef, ...]  # a chunk's blocks, in order (the longest chunk's)
+    moe_rank: tuple[int | None, ...]  # each block's index among a chunk's MoE blocks
+    # Per chunk, the model's MoE-layer index of each of its MoE blocks (0 for padding).
+    moe_rows: tuple[tuple[int, ...], ...]
 
     @property
     def moe_per_chunk(self) -> int:
@@ -109,10 +119,22 @@ def _pipeline_model(
     abstract = nnx.eval_shape(lambda: GPTMoE(model, moe, rngs=nnx.Rngs(seed)))
     blocks, ranks, moe_blocks = [], [], 0
     for j in range(layout.per_chunk):
-        graphdef, _, _ = nnx.split(abstract.blocks[j], ExpertBias, ...)
+        # A layer at position j (chunks hold alike blocks at each position).
+        v, s = next((v, s) for v, s in layout.chunk_slots() if layout.holds(v, s, j))
+        block = abstract.blocks[layout.layer(v, s, j)]
+        graphdef, _, _ = nnx.split(block, ExpertBias, ...)
         blocks.append(graphdef)
-        ranks.append(moe_blocks if abstract.blocks[j].is_moe else None)
-        moe_blocks += abstract.blocks[j].is_moe
+        ranks.append(moe_blocks if block.is_moe else None)
+        moe_blocks += block.is_moe
+    moe_layers = model.moe_layers
+    moe_rows = tuple(
+        tuple(
+            moe_layers.index(layout.layer(v, s, j)) if layout.holds(v, s, j) else 0
+            for j, rank in enumerate(ranks)
+            if rank is not None
+        )
+        for v, s in layout.chunk_slots()
+    )
     abstract.blocks = nnx.List([])
     outside, _, _ = nnx.split(abstract, ExpertBias, ...)
     return PipelineModel(
@@ -121,6 +143,7 @@ def _pipeline_model(
         outside=outside,
         blocks=tuple(blocks),
         moe_rank=tuple(ranks),
+        moe_rows=moe_rows,
     )
 
 
@@ -277,14 +300,20 @@ class _Pipeline:
         ...]`` (None: a dense position, or no biases)."""
         if model_state is None:
             return [None] * self.layout.per_chunk
-        blocks = model_state["blocks"]
+        blocks, layout = model_state["blocks"], self.layout
         stacked = []
-        for j in range(self.layout.per_chunk):
-            layers = [c * self.layout.per_chunk + j for c in range(self.layout.chunks)]
-            if layers[0] not in blocks:
+        for j, rank in enumerate(self.model.moe_rank):
+            slots = layout.chunk_slots()
+            held = [layout.layer(v, s, j) for v, s in slots if layout.holds(v, s, j)]
+            if rank is None or held[0] not in blocks:
                 stacked.append(None)
                 continue
-            stacked.append(jax.tree.map(lambda *b: jnp.stack(b), *[blocks[i] for i in layers]))
+            padding = jax.tree.map(jnp.zeros_like, blocks[held[0]])
+            rows = [
+                blocks[layout.layer(v, s, j)] if layout.holds(v, s, j) else padding
+                for v, s in slots
+            ]
+            stacked.append(jax.tree.map(lambda *b: jnp.stack(b), *rows))
         return stacked
 
     def _outside_model(self, params: PyTree) -> GPTMoE:
@@ -318,24 +347,32 @@ class _Pipeline:
         over its MoE blocks)``."""
         layout, model = self.layout, self.model
         chunk = context["chunk"]
+        offset = jnp.asarray([layout.offset(c) for c in range(layout.chunks)], jnp.int32)[chunk]
+        counts = jnp.asarray(layout.counts, jnp.int32)[chunk]
+        moe_rows = jnp.asarray(model.moe_rows, jnp.int32)[chunk] if model.moe_per_chunk else None
         layer_stats = []
         for j, graphdef in enumerate(model.blocks):
             states = [params[j]]
             if self.biases[j] is not None:
                 states.append(_index_tree(self.biases[j], chunk))
             block = nnx.merge(graphdef, *states)
-            layer = chunk * layout.per_chunk + j
+            layer = offset + j
             key = None if "key" not in context else jax.random.fold_in(context["key"], layer)
             table = None
             rank = model.moe_rank[j]
             if self.placement is not None and rank is not None:
-                table = _index_tree(self.placement, chunk * model.moe_per_chunk + rank)
+                table = _index_tree(self.placement, moe_rows[rank])
             # The block's index j is what ZeRO-3 would gather by; the pipeline refuses ZeRO.
             with jax.named_scope(f"chunk_layer_{j}"):
-                x, stats = call_block(
+                y, stats = call_block(
                     self.config.model.recompute, block, j, x, key, table,
                     context.get("rotary"), context.get("segment_ids"),
                 )  # fmt: skip
+            if j >= min(layout.counts):  # padding in some chunk: there, the block is skipped
+                held = j < counts
+                y = jnp.where(held, y, x)
+                stats = None if stats is None else _masked_stats(stats, held)
+            x = y
             if stats is not None:
                 layer_stats.append(stats)
         stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *layer_stats)
@@ -500,8 +537,8 @@ class _Pipeline:
     ) -> RoutingStats:
         """``total`` (``[moe_layers, ...]``) with this slot's stats added at its chunk's
         rows (nothing where the slot is idle)."""
-        per_chunk = self.model.moe_per_chunk
-        layers = per_chunk * self.layout.chunks
+        layers = len(self.config.model.moe_layers)
+        rows = jnp.asarray(self.model.moe_rows, jnp.int32)[chunk]
 
         def add(sum_: jax.Array | None, value: jax.Array | None) -> jax.Array | None:
             if value is None:
@@ -509,10 +546,7 @@ class _Pipeline:
             value = jnp.where(active, value, jnp.zeros_like(value))
             if sum_ is None:
                 sum_ = jnp.zeros((layers, *value.shape[1:]), value.dtype)
-            rows = jax.lax.dynamic_slice_in_dim(sum_, chunk * per_chunk, per_chunk)
-            return jax.lax.dynamic_update_slice_in_dim(
-                sum_, rows + value, chunk * per_chunk, axis=0
-            )
+            return sum_.at[rows].add(value)  # a padding block's stats are zeros, at row 0
 
         previous = [None] * len(stats) if total is None else list(total)
         return RoutingStats(*(add(s, v) for s, v in zip(previous, stats, strict=True)))
@@ -527,6 +561,13 @@ class _Pipeline:
             return value / self.microbatches
 
         return RoutingStats(*(finish(value) for value in total))
+
+
+def _masked_stats(stats: RoutingStats, held: jax.Array) -> RoutingStats:
+    """A block's routing stats where it is a layer, zeros where it is padding."""
+    return RoutingStats(
+        *(None if v is None else jnp.where(held, v, jnp.zeros_like(v)) for v in stats)
+    )
 
 
 def pipelined_gradients(

@@ -183,7 +183,7 @@ def simulate(
         elif node.role is Role.DONE:
             if node.partner in in_flight:
                 wait(in_flight.pop(node.partner))
-                host_work(node)
+            host_work(node)  # a collective run at its start finished there
         elif node.is_collective:  # synchronous: the compute stream waits for all of it
             host_work(node)
             wait(issue(node_id))

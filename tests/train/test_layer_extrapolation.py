@@ -17,7 +17,13 @@ from jaxmoe.plan.layer_extrapolation import (
     extrapolates,
     with_blocks,
 )
-from jaxmoe.plan.mappings import enumerate_mappings
+from jaxmoe.plan.mappings import (
+    Mapping,
+    chunk_layers_of,
+    enumerate_mappings,
+    pipelines_of,
+    with_mapping,
+)
 
 PROFILE = "h100-8x-nvlink-3200g"
 
@@ -28,6 +34,22 @@ def test_blocks_are_whole_repeats_of_the_moe_period():
     assert not extrapolates(Config(model=ModelConfig(num_layers=4, moe_every=2)))
     assert extrapolates(Config(model=ModelConfig(num_layers=6, moe_every=2)))
     assert with_blocks(Config(model=ModelConfig(num_layers=8)), 1).model.num_layers == 2
+
+
+def test_uneven_chunks_are_planned_as_their_longest_chunk():
+    # 7 blocks of 2 layers over 4 chunks: 2, 2, 2 and 1 blocks.
+    assert chunk_layers_of(14, 2, 4) == "4,4,4,2"
+    assert chunk_layers_of(16, 2, 4) is None
+    model = ModelConfig(num_layers=14, moe_every=2)
+    # Stages dividing 8 devices, every chunk at least one block: 8 x 1 stays out.
+    assert pipelines_of(Config(model=model), 8) == [(1, 1), (2, 1), (2, 2), (4, 1)]
+    mapping = Mapping(8, 1, 1, 2, 1, "all_to_all", pipeline=4)
+    config = with_mapping(Config(model=model), mapping, devices_per_host=8)
+    assert config.parallel.chunk_layers == "4,4,4,2"
+    # Every stage holds and runs the longest chunk: estimated as equal chunks of 2 blocks.
+    assert block_count(config) == 2
+    shallow = with_blocks(config, 2)
+    assert (shallow.model.num_layers, shallow.parallel.chunk_layers) == (16, None)
 
 
 def test_extrapolate_is_the_line_through_one_and_two_blocks():

@@ -3,9 +3,10 @@
 A pipelined run on 2 stages of 4 devices is compared with the unpipelined run of the same
 configuration on one stage's 4 devices (the same rows per device, the same microbatches,
 the same router noise), over 5 steps of 4 microbatches: 1F1B on the unfolded layout
-(chunks of a dense and an MoE block), and the interleaved schedule (2 virtual stages)
+(chunks of a dense and an MoE block), the interleaved schedule (2 virtual stages)
 on a folded layout (tensor, expert and expert-tensor parallelism over the same devices)
-with full-layer recomputation.
+with full-layer recomputation, and 1F1B on uneven chunks (1 and 2 MoE layers: the first
+stage's second position is padding).
 
 Tolerances. The same tokens drop (``dropped_fraction`` and ``tokens_per_expert`` equal
 exactly). The pipeline computes each block as the loop does, but its chunks are separate
@@ -67,8 +68,12 @@ LAYOUTS = {
         dict(jitter=0.1),
     ),
 }
-# (layout, virtual stages, model.recompute) of each pipelined run.
-CASES = {"1f1b": ("plain", 1, "none"), "interleaved": ("folded", 2, "layer")}
+# (layout, virtual stages, model.recompute, model fields and chunks) of each pipelined run.
+CASES = {
+    "1f1b": ("plain", 1, "none", {}),
+    "interleaved": ("folded", 2, "layer", {}),
+    "uneven": ("plain", 1, "none", dict(num_layers=3, moe_every=1, chunk_layers="1,2")),
+}
 
 
 def config(
@@ -78,6 +83,7 @@ def config(
     recompute: str = "none",
     schedule: str = "none",
     microbatches: int = MICROBATCHES,
+    chunk_layers: str | None = None,
     **model_fields,
 ) -> Config:
     parallel, model, routing = LAYOUTS[layout]
@@ -86,7 +92,8 @@ def config(
         model=ModelConfig(d_model=32, num_heads=2, d_ff=64, seq_len=16, recompute=recompute,
                           **model),
         moe=MoEConfig(num_experts=8, top_k=2, capacity_factor=1.0, **routing),
-        parallel=dataclasses.replace(parallel, pipeline=pipeline, virtual_stages=virtual),
+        parallel=dataclasses.replace(parallel, pipeline=pipeline, virtual_stages=virtual,
+                                     chunk_layers=chunk_layers),
         train=TrainConfig(batch_size=16, warmup_steps=1, learning_rate=LR,
                           microbatches=microbatches),
         schedule=ScheduleConfig(name=schedule),
@@ -120,11 +127,16 @@ def unstacked(config: Config, params):
     return to_layout(params, stage_layout(config.parallel, config.model.num_layers), None)
 
 
+def _pipelined_and_plain(case: str) -> tuple[Config, Config]:
+    layout, virtual, recompute, fields = CASES[case]
+    plain_fields = {name: value for name, value in fields.items() if name != "chunk_layers"}
+    return config(layout, 2, virtual, recompute, **fields), config(layout, **plain_fields)
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_the_pipeline_trains_as_the_microbatch_loop(case):
-    layout, virtual, recompute = CASES[case]
-    pipelined = config(layout, 2, virtual, recompute)
-    (history, state), (expected, expected_state) = trained(pipelined), trained(config(layout))
+    pipelined, plain = _pipelined_and_plain(case)
+    (history, state), (expected, expected_state) = trained(pipelined), trained(plain)
     for key in ("dropped_fraction", "tokens_per_expert"):
         np.testing.assert_array_equal([m[key] for m in history], [m[key] for m in expected])
     assert all(m["dropped_fraction"] > 0 for m in expected)
@@ -136,7 +148,7 @@ def test_the_pipeline_trains_as_the_microbatch_loop(case):
         [m["grad_norm"] for m in history], [m["grad_norm"] for m in expected], rtol=2e-5
     )
     # The gradients: Adam's first moment after one step is (1 - b1) x the clipped gradient.
-    (_, first), (_, expected_first) = trained(pipelined, 1), trained(config(layout), 1)
+    (_, first), (_, expected_first) = trained(pipelined, 1), trained(plain, 1)
     chex.assert_trees_all_close(
         unstacked(pipelined, first.opt_state[0].mu), expected_first.opt_state[0].mu,
         rtol=1e-4, atol=3e-8,
@@ -159,10 +171,10 @@ def test_the_schedules_are_bit_for_bit_on_a_pipelined_step(schedule):
     chex.assert_trees_all_equal(scheduled, trained(config("plain", 2)))
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", ["1f1b", "interleaved"])
 def test_stages_exchange_activations_and_gradients_once_a_tick(case):
-    layout, virtual, recompute = CASES[case]
-    pipelined = config(layout, 2, virtual, recompute)
+    pipelined, _ = _pipelined_and_plain(case)
+    virtual = pipelined.parallel.virtual_stages
     program, _ = capture_train_step(pipelined, build_mesh(pipelined.parallel, devices(pipelined)))
     sends = [op for op in program.ops if op.primitive == "ppermute"]
     assert {op.eqn.params["axis_name"] for op in sends} == {(PIPELINE_AXIS,)}
@@ -261,7 +273,15 @@ REFUSED = {
     ),
     "mixed chunk positions": (
         lambda: config("plain", 2, 1, moe_every=4),
-        "model.moe_every=4, model.first_dense_layers=0: the 2-layer chunks",
+        "model.moe_every=4, model.first_dense_layers=0: the chunks",
+    ),
+    "chunks short of the layers": (
+        lambda: config("plain", 2, 1, chunk_layers="1,2"),
+        "parallel.chunk_layers='1,2' holds 3 layers, the model 4",
+    ),
+    "uneven chunks out of step with moe_every": (
+        lambda: config("plain", 2, 1, chunk_layers="1,3"),
+        "model.moe_every=2, model.first_dense_layers=0: the chunks",
     ),
     "zero": (
         lambda: _with(config("plain", 2), "train", zero=1),
