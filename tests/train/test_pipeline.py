@@ -228,6 +228,27 @@ def test_a_pipelined_checkpoint_restores_in_every_pipeline_layout(tmp_path):
     assert np.isfinite(metrics["loss"])
 
 
+def test_an_uneven_checkpoint_restores_without_its_padding(tmp_path):
+    from jaxmoe.train.checkpoint import RunCheckpoints
+
+    pipelined, plain = _pipelined_and_plain("uneven")
+    _, saved = trained(pipelined)
+    mesh = build_mesh(pipelined.parallel, devices(pipelined))
+    shardings = jax.tree.map(lambda leaf: leaf.sharding, abstract_sharded_state(pipelined, mesh))
+    with RunCheckpoints(tmp_path, pipelined) as checkpoints:
+        checkpoints.save(jax.device_put(saved, shardings))
+        checkpoints.wait()
+    # Read in the layout it was written in (chunks of 1 and 2 layers), then unstacked.
+    plain_mesh, _ = compiled(plain)
+    with RunCheckpoints(tmp_path, plain) as checkpoints:
+        restored = checkpoints.restore(STEPS, plain_mesh)
+    layout = stage_layout(pipelined.parallel, pipelined.model.num_layers)
+    assert layout.counts == (1, 2)
+    unpipelined = param_trees_mapped(saved, lambda tree: to_layout(tree, layout, None))
+    chex.assert_trees_all_equal(jax.device_get(restored), unpipelined)
+    assert sorted(restored.params["blocks"]) == [0, 1, 2]
+
+
 def test_pipelined_evaluation_equals_the_unpipelined_one(tmp_path):
     """The forward slots alone, on rotary positions and documents packed into rows: each
     microbatch's positions and attention segments restart at its documents."""
