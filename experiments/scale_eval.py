@@ -272,8 +272,9 @@ def report(
         "per device per step, bfloat16 activations, capacity factor 1.0; schedule `none` "
         "(no overlap: every collective exposed). The planner searches every layout (tensor "
         "groups inside a node), ZeRO stage (0, 1, 3), recomputation (none, attention, "
-        "layer), number of microbatches and pipeline (stages dividing the devices and the "
-        "layers, 1 or 2 virtual stages); it estimates, least step-time bound first, until "
+        "layer), number of microbatches and pipeline (stages dividing the devices, 1 or 2 "
+        "virtual stages, chunks of whole blocks, uneven where they do not divide); it "
+        "estimates, least step-time bound first, until "
         "the best that fit 80 GB are known (jaxmoe/plan/planner.py). Planner seconds are "
         "this run's, without the estimate cache, on a 2-core machine shared with other "
         "work (CPU seconds beside).",

@@ -173,13 +173,49 @@ def reading(measured: dict, predicted: dict) -> list[str]:
     ]
 
 
-def section(measured: dict, predicted: dict, command: str) -> list[str]:
+HEADER = [
+    "# The simulator against the emulated cluster, with costs from inside the step",
+    "",
+    "Each schedule's step is predicted from that schedule's step traced on the unshaped "
+    "link: every op at its traced time, the time between ops and the ops XLA added spread "
+    "over the computation, each collective's host work (the socket callbacks, XLA's "
+    "collectives) as traced there, and the link from its calibration's size sweep "
+    "(`scheduling.traced_costs`, `experiments/emulation/instrument_model.py`). Readings: "
+    "`traced` (socket all-to-alls overlap, XLA's collectives run where they stand), the "
+    "same without the host work, and nothing overlapping. The earlier descriptions "
+    "(`simulator_validation.md`: ops timed alone, a link without host costs) were off by "
+    "+25% to +47%, or -17% to -21% with the compute scaled to fit. Target: every schedule "
+    f"within {TOLERANCE:.0%}. A run: `sudo python -m experiments.traced_validation --keep "
+    "DIR [--link-mbit R]`; each section names the command that wrote it from its kept run "
+    "(the traces, hundreds of MB, are not kept here; the measurement and the predictions "
+    "are).",
+    "",
+]
+
+
+def merged_sections(path: Path, new: list[str]) -> list[str]:
+    """The sections of the results file at ``path`` with ``new`` in place of the one of the
+    same heading (or added), ordered by heading."""
+    text = path.read_text() if path.exists() else ""
+    sections = {}
+    for chunk in text.split("\n## ")[1:]:
+        lines = ("## " + chunk).rstrip().splitlines()
+        sections[lines[0]] = [*lines, ""]
+    sections[new[0]] = new
+    return [line for heading in sorted(sections, key=_link_rate) for line in sections[heading]]
+
+
+def _link_rate(heading: str) -> float:
+    return float(heading.removeprefix("## ").split(" ", 1)[0])
+
+
+def section(measured: dict, predicted: dict, command: str, made_by: str) -> list[str]:
     config = measured["config"]
     worst = worst_error(measured, predicted)
     return [
         f"## {measured['link_mbit']:g} Mbit/s, {config['train']['microbatches']} microbatches",
         "",
-        f"Cluster run: `{command}`",
+        f"Made by `{made_by}`. Cluster run: `{command}`",
         "",
         regime.summary(measured),
         "",
@@ -263,29 +299,12 @@ def main(argv: list[str] | None = None) -> int:
     except LinkNotCalibrated:
         return 2
     arguments = sys.argv[1:] if argv is None else argv
-    lines = [
-        "# The simulator against the emulated cluster, with costs from inside the step",
-        "",
-        f"Command: `{command_line('experiments.traced_validation', arguments)}` (the run "
-        "itself: `sudo python -m experiments.traced_validation --keep DIR`; its traces are "
-        "not kept here, its measurement and predictions are).",
-        "",
-        "Each schedule's step is predicted from that schedule's step traced on the unshaped "
-        "link: every op at its traced time, the time between ops and the ops XLA added "
-        "spread over the computation, each collective's host work (the socket callbacks, "
-        "XLA's collectives) as traced there, and the link from its calibration's size "
-        "sweep (`scheduling.traced_costs`, `experiments/emulation/instrument_model.py`). "
-        "Readings: `traced` (socket all-to-alls overlap, XLA's collectives run where they "
-        "stand), the same without the host work, and nothing overlapping. The earlier "
-        "descriptions (`simulator_validation.md`: ops timed alone, a link without host "
-        f"costs) were off by +25% to +47%, or -17% to -21% with the compute scaled to fit. "
-        f"Target: every schedule within {TOLERANCE:.0%}.",
-        "",
-        *section(measured, predicted, command),
-    ]
+    made_by = command_line("experiments.traced_validation", arguments)
+    new = section(measured, predicted, command, made_by)
+    lines = [*HEADER, *merged_sections(args.out, new)]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines))
-    print("\n".join(lines))
+    print("\n".join(new))
     return 0
 
 

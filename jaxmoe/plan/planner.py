@@ -479,9 +479,10 @@ def plan_mappings(
     ``extrapolate_layers``: estimate deep models from one- and two-block traces (see
     :func:`estimate_mapping`). ``options``: try every ZeRO stage, recomputation and number
     of microbatches (else ``config``'s alone). ``pipeline``: also pipelines of stages
-    dividing the devices and the layers, with up to ``max_virtual_stages`` chunks per
-    stage. ``cross_node_tensor``: also tensor groups wider than a node
-    (:mod:`jaxmoe.plan.mappings`)."""
+    dividing the devices, with up to ``max_virtual_stages`` chunks per stage of at least
+    one block each (uneven where the blocks do not divide:
+    :func:`~jaxmoe.plan.mappings.pipelines_of`). ``cross_node_tensor``: also tensor
+    groups wider than a node (:mod:`jaxmoe.plan.mappings`)."""
     check_plan_inputs(config, devices, profile, schedules)
     if top < 1:
         raise ConfigError(f"top={top}: rank at least one mapping")

@@ -45,3 +45,15 @@ def test_errors_and_speedups_are_against_the_measured_step():
 def test_the_breakdown_shows_what_each_prediction_is_made_of():
     (row,) = traced_validation.breakdown_table(MEASURED, {"none": _guess(1.35)} | PREDICTED)[2:3]
     assert row == "| none | 400.0 | 400.0 | 300.0 | 10.0 | 20.0 | 50.0 | 1000.0 | 675.0 |"
+
+
+def test_a_new_run_replaces_its_link_rate_s_section_and_keeps_the_others(tmp_path):
+    out = tmp_path / "validation.md"
+    out.write_text(
+        "# Title\n\nintro\n\n## 200 Mbit/s, 4 microbatches\n\nold 200\n\n"
+        "## 50 Mbit/s, 4 microbatches\n\nkept 50\n"
+    )
+    new = ["## 200 Mbit/s, 4 microbatches", "", "new 200", ""]
+    merged = "\n".join(traced_validation.merged_sections(out, new))
+    assert merged.index("## 50 Mbit/s") < merged.index("## 200 Mbit/s")
+    assert "kept 50" in merged and "new 200" in merged and "old 200" not in merged
