@@ -183,22 +183,28 @@ def control_table(control: dict, predicted: dict) -> list[str]:
     return lines
 
 
-def schedule_table(measured: dict, predicted: dict) -> list[str]:
-    """Per schedule: the measured step and speedup over ``none``, and per reading the
-    predicted step, its error and the predicted speedup over ``none``."""
-    names = "".join(f" {READING_NAMES[r]} (ms) | error | speedup |" for r in model.READINGS)
+def schedule_table(
+    measured: dict,
+    predicted: dict,
+    readings: tuple[str, ...] = model.READINGS,
+    names: dict[str, str] = READING_NAMES,
+) -> list[str]:
+    """Per schedule: the measured step and speedup over the first schedule (``none``),
+    and per reading the predicted step, its error and the predicted speedup over it."""
+    header = "".join(f" {names[r]} (ms) | error | speedup |" for r in readings)
+    baseline = measured["schedules"][0]["schedule"]
     lines = [
-        f"| schedule | measured step (ms) | measured speedup vs none, per round |{names}",
-        "|---|---|---|" + "---|---|---|" * len(model.READINGS),
+        f"| schedule | measured step (ms) | measured speedup vs {baseline}, per round |{header}",
+        "|---|---|---|" + "---|---|---|" * len(readings),
     ]
     for row in measured["schedules"]:
         step = Spread(row["step_s"], row["step_min_s"], row["step_max_s"])
         speedup = Spread(row["speedup"], row["speedup_min"], row["speedup_max"])
         cells = [row["schedule"], step.format(), speedup.format(1, 3)]
-        for reading in model.READINGS:
+        for reading in readings:
             seconds = predicted[row["schedule"]][reading]["step_s"]
-            none = predicted["none"][reading]["step_s"]
-            cells += [_ms(seconds), f"{seconds / row['step_s'] - 1:+.1%}", f"{none / seconds:.3f}"]
+            first = predicted[baseline][reading]["step_s"]
+            cells += [_ms(seconds), f"{seconds / row['step_s'] - 1:+.1%}", f"{first / seconds:.3f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 

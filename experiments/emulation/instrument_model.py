@@ -105,14 +105,18 @@ def readings(graph, order: list[int], seconds: Callable, factor: float) -> dict[
             and (node.op.primitive == "all_to_all") == (kind == "all_to_all")
         )
     for name, (asynchronous, costs) in cases.items():
-        timeline = simulate(graph, order, costs, asynchronous=asynchronous)
-        result[name] = {
-            "step_s": timeline.step_seconds,
-            "compute_s": timeline.compute_seconds,
-            "communication_s": timeline.communication_seconds,
-            "exposed_s": timeline.exposed_communication_seconds,
-        }
+        result[name] = _figures(simulate(graph, order, costs, asynchronous=asynchronous))
     return result
+
+
+def _figures(timeline) -> dict[str, float]:
+    """What a reading records of its simulated timeline."""
+    return {
+        "step_s": timeline.step_seconds,
+        "compute_s": timeline.compute_seconds,
+        "communication_s": timeline.communication_seconds,
+        "exposed_s": timeline.exposed_communication_seconds,
+    }
 
 
 def pipelined_order(graph) -> list[int]:
@@ -199,10 +203,5 @@ def traced_readings(graph, order: list[int], costs, link) -> dict[str, dict]:
     }
     for name, (asynchronous, host) in cases.items():
         timeline = simulate(graph, order, seconds, asynchronous=asynchronous, host=host)
-        result[name] = {
-            "step_s": timeline.step_seconds,
-            "compute_s": timeline.compute_seconds,
-            "communication_s": timeline.communication_seconds,
-            "exposed_s": timeline.exposed_communication_seconds,
-        }
+        result[name] = _figures(timeline)
     return result

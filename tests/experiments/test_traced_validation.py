@@ -57,3 +57,16 @@ def test_a_new_run_replaces_its_link_rate_s_section_and_keeps_the_others(tmp_pat
     merged = "\n".join(traced_validation.merged_sections(out, new))
     assert merged.index("## 50 Mbit/s") < merged.index("## 200 Mbit/s")
     assert "kept 50" in merged and "new 200" in merged and "old 200" not in merged
+
+
+def test_the_reading_says_what_the_host_work_changes():
+    no_host = {"none": 1.2, "pair": 1.0}  # -20% and -16.7% without the host work
+    predicted = {
+        name: {**guess, "traced_no_host": {"step_s": no_host[name], "exposed_s": 0.0}}
+        for name, guess in PREDICTED.items()
+    }
+    lines = traced_validation.reading(MEASURED, predicted)
+    assert "1 of 2 predictions are below the measured step" in lines[0]
+    assert "-20.0% to -16.7%: the host work measured in the step is what brings" in lines[1]
+    assert "predicted 0.978 to 0.978, measured (per-round medians) 1.250 to 1.250" in lines[2]
+    assert "showed no overlap" in lines[2]

@@ -189,16 +189,37 @@ def test_stages_exchange_activations_and_gradients_once_a_tick(case):
     assert not any("microbatch_" in op.name_stack for op in program.ops)
 
 
-def test_a_pipelined_checkpoint_restores_in_every_pipeline_layout(tmp_path):
+def _saved(tmp_path, pipelined: Config):
+    """The pipelined run's final state, checkpointed in ``tmp_path``; and its mesh."""
     from jaxmoe.train.checkpoint import RunCheckpoints
 
-    pipelined, plain = config("plain", 2), config("plain")
     _, saved = trained(pipelined)
     mesh = build_mesh(pipelined.parallel, devices(pipelined))
     shardings = jax.tree.map(lambda leaf: leaf.sharding, abstract_sharded_state(pipelined, mesh))
     with RunCheckpoints(tmp_path, pipelined) as checkpoints:
         checkpoints.save(jax.device_put(saved, shardings))
         checkpoints.wait()
+    return saved, mesh
+
+
+def _restored_unpipelined(tmp_path, pipelined: Config, plain: Config, saved):
+    """The checkpoint in ``tmp_path`` restored in ``plain``'s layout, on one stage's
+    devices, and what it must equal: the saved values unstacked."""
+    from jaxmoe.train.checkpoint import RunCheckpoints
+
+    plain_mesh, _ = compiled(plain)
+    with RunCheckpoints(tmp_path, plain) as checkpoints:
+        restored = checkpoints.restore(STEPS, plain_mesh)
+    layout = stage_layout(pipelined.parallel, pipelined.model.num_layers)
+    return restored, param_trees_mapped(saved, lambda tree: to_layout(tree, layout, None))
+
+
+def test_a_pipelined_checkpoint_restores_in_every_pipeline_layout(tmp_path):
+    from jaxmoe.train.checkpoint import RunCheckpoints
+
+    pipelined, plain = config("plain", 2), config("plain")
+    saved, mesh = _saved(tmp_path, pipelined)
+    with RunCheckpoints(tmp_path, pipelined) as checkpoints:
         again = checkpoints.restore(STEPS, mesh)
     chex.assert_trees_all_equal(jax.device_get(again), saved)
     assert again.params["stage_blocks"][0]["attention_norm"]["scale"].sharding.spec[1] == (
@@ -206,12 +227,9 @@ def test_a_pipelined_checkpoint_restores_in_every_pipeline_layout(tmp_path):
     )
 
     # Into the unpipelined layout, on one stage's devices: the same values, unstacked.
-    plain_mesh, plain_step = compiled(plain)
-    with RunCheckpoints(tmp_path, plain) as checkpoints:
-        restored = checkpoints.restore(STEPS, plain_mesh)
-    layout = stage_layout(pipelined.parallel, pipelined.model.num_layers)
-    unpipelined = param_trees_mapped(saved, lambda tree: to_layout(tree, layout, None))
+    restored, unpipelined = _restored_unpipelined(tmp_path, pipelined, plain, saved)
     chex.assert_trees_all_equal(jax.device_get(restored), unpipelined)
+    plain_mesh, plain_step = compiled(plain)
 
     # And back: the unpipelined checkpoint restores stacked, over the pipeline axis.
     with RunCheckpoints(tmp_path / "plain", plain) as checkpoints:
@@ -229,22 +247,11 @@ def test_a_pipelined_checkpoint_restores_in_every_pipeline_layout(tmp_path):
 
 
 def test_an_uneven_checkpoint_restores_without_its_padding(tmp_path):
-    from jaxmoe.train.checkpoint import RunCheckpoints
-
     pipelined, plain = _pipelined_and_plain("uneven")
-    _, saved = trained(pipelined)
-    mesh = build_mesh(pipelined.parallel, devices(pipelined))
-    shardings = jax.tree.map(lambda leaf: leaf.sharding, abstract_sharded_state(pipelined, mesh))
-    with RunCheckpoints(tmp_path, pipelined) as checkpoints:
-        checkpoints.save(jax.device_put(saved, shardings))
-        checkpoints.wait()
+    saved, _ = _saved(tmp_path, pipelined)
     # Read in the layout it was written in (chunks of 1 and 2 layers), then unstacked.
-    plain_mesh, _ = compiled(plain)
-    with RunCheckpoints(tmp_path, plain) as checkpoints:
-        restored = checkpoints.restore(STEPS, plain_mesh)
-    layout = stage_layout(pipelined.parallel, pipelined.model.num_layers)
-    assert layout.counts == (1, 2)
-    unpipelined = param_trees_mapped(saved, lambda tree: to_layout(tree, layout, None))
+    assert stage_layout(pipelined.parallel, pipelined.model.num_layers).counts == (1, 2)
+    restored, unpipelined = _restored_unpipelined(tmp_path, pipelined, plain, saved)
     chex.assert_trees_all_equal(jax.device_get(restored), unpipelined)
     assert sorted(restored.params["blocks"]) == [0, 1, 2]
 
