@@ -42,6 +42,7 @@ _API = {
     # costs
     "CostModel": "scheduling.costs.cost_model",
     "op_flops": "scheduling.costs.cost_model",
+    "collective_wire_bytes": "scheduling.costs.cost_model",
     "FREE_PRIMITIVES": "scheduling.costs.cost_model",
     "FUSIBLE": "scheduling.costs.cost_model",
     "DeviceProfile": "scheduling.costs.profiles",

@@ -167,8 +167,7 @@ def pipelined_order(graph) -> list[int]:
 def link_seconds(calibration: dict, axis_sizes: dict[str, int]):
     """Seconds a collective holds the shaped link: the calibration sweep's time for the
     bytes it puts on the wire (``scheduling``'s wire bytes; a message of those bytes)."""
-    from scheduling import PiecewiseLinear
-    from scheduling.costs.cost_model import collective_wire_bytes
+    from scheduling import PiecewiseLinear, collective_wire_bytes
 
     curve = PiecewiseLinear.fit((p["bytes"], p["seconds"]) for p in calibration["sweep"])
 

@@ -189,12 +189,16 @@ def test_stages_exchange_activations_and_gradients_once_a_tick(case):
     assert not any("microbatch_" in op.name_stack for op in program.ops)
 
 
-def _saved(tmp_path, pipelined: Config):
-    """The pipelined run's final state, checkpointed in ``tmp_path``; and its mesh."""
+def _saved(tmp_path, pipelined: Config, trained_state: bool = True):
+    """The pipelined run's final state (or its initial one, which needs no compiled
+    step), checkpointed in ``tmp_path``; and its mesh."""
     from jaxmoe.train.checkpoint import RunCheckpoints
 
-    _, saved = trained(pipelined)
     mesh = build_mesh(pipelined.parallel, devices(pipelined))
+    if trained_state:
+        _, saved = trained(pipelined)
+    else:
+        saved = jax.device_get(init_train_state(pipelined, mesh))
     shardings = jax.tree.map(lambda leaf: leaf.sharding, abstract_sharded_state(pipelined, mesh))
     with RunCheckpoints(tmp_path, pipelined) as checkpoints:
         checkpoints.save(jax.device_put(saved, shardings))
@@ -202,14 +206,14 @@ def _saved(tmp_path, pipelined: Config):
     return saved, mesh
 
 
-def _restored_unpipelined(tmp_path, pipelined: Config, plain: Config, saved):
+def _restored_unpipelined(tmp_path, pipelined: Config, plain: Config, saved, step=STEPS):
     """The checkpoint in ``tmp_path`` restored in ``plain``'s layout, on one stage's
     devices, and what it must equal: the saved values unstacked."""
     from jaxmoe.train.checkpoint import RunCheckpoints
 
-    plain_mesh, _ = compiled(plain)
+    plain_mesh = build_mesh(plain.parallel, devices(plain))
     with RunCheckpoints(tmp_path, plain) as checkpoints:
-        restored = checkpoints.restore(STEPS, plain_mesh)
+        restored = checkpoints.restore(step, plain_mesh)
     layout = stage_layout(pipelined.parallel, pipelined.model.num_layers)
     return restored, param_trees_mapped(saved, lambda tree: to_layout(tree, layout, None))
 
@@ -248,10 +252,10 @@ def test_a_pipelined_checkpoint_restores_in_every_pipeline_layout(tmp_path):
 
 def test_an_uneven_checkpoint_restores_without_its_padding(tmp_path):
     pipelined, plain = _pipelined_and_plain("uneven")
-    saved, _ = _saved(tmp_path, pipelined)
+    saved, _ = _saved(tmp_path, pipelined, trained_state=False)
     # Read in the layout it was written in (chunks of 1 and 2 layers), then unstacked.
     assert stage_layout(pipelined.parallel, pipelined.model.num_layers).counts == (1, 2)
-    restored, unpipelined = _restored_unpipelined(tmp_path, pipelined, plain, saved)
+    restored, unpipelined = _restored_unpipelined(tmp_path, pipelined, plain, saved, step=0)
     chex.assert_trees_all_equal(jax.device_get(restored), unpipelined)
     assert sorted(restored.params["blocks"]) == [0, 1, 2]
 
