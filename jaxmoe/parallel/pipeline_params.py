@@ -71,10 +71,6 @@ class StageLayout:
         return max(self.counts)
 
     @property
-    def is_even(self) -> bool:
-        return len(set(self.counts)) == 1
-
-    @property
     def num_layers(self) -> int:
         return sum(self.counts)
 

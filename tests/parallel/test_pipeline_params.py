@@ -77,7 +77,7 @@ def test_every_parameter_shaped_tree_of_a_state_changes_layout():
 def test_uneven_chunks_pad_the_shorter_ones_and_drop_the_padding_back():
     # Chunks of 1, 3, 2 and 2 layers: chunk c = v x 2 + s on stage s.
     layout = StageLayout(2, 2, (1, 3, 2, 2))
-    assert (layout.per_chunk, layout.num_layers, layout.is_even) == (3, 8, False)
+    assert (layout.per_chunk, layout.num_layers) == (3, 8)
     stacked = stack_blocks(_params(), layout)[STAGE_BLOCKS]
     assert set(stacked) == {0, 1, 2}
     first = {0: 0, 1: 1, 2: 4, 3: 6}  # each chunk's first layer
