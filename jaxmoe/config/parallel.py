@@ -147,10 +147,10 @@ def check_pipeline(
             "that start on a multiple of moe_every, without leading dense layers",
         )
     require(
-        not train.zero,
-        f"train.zero={train.zero} with parallel.pipeline={parallel.pipeline}: ZeRO shards "
-        "the blocks over their replicas, the pipeline stacks them by stage; the two layouts "
-        "are not combined, so choose one of them",
+        train.zero != 3,
+        f"train.zero=3 with parallel.pipeline={parallel.pipeline}: fully sharded blocks "
+        "gather their parameters inside the layer loop, which the pipeline's ticks replace; "
+        "choose train.zero 1 (the distributed optimizer) or 0",
     )
     why = _SCHEDULES_NOT_WITH_PIPELINE.get(schedule.name)
     require(

@@ -24,11 +24,14 @@ names the pipeline axis, so its gradient is not.
 
 The other trees shaped like the parameters (the optimizer's moments, a gradient-sync
 state) are converted alike by :func:`convert_param_trees`; checkpoints use it to restore
-a state saved in one pipeline layout into another.
+a state saved in one pipeline layout into another. Under ``train.zero`` 1 a stacked
+block is sharded over its replicas as its layers are (:func:`stacked_zero_plan`), so a
+checkpoint holds the same global arrays in every layout.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +42,7 @@ from jax.sharding import PartitionSpec
 
 from jaxmoe.config import ParallelConfig
 from jaxmoe.parallel.layout import PIPELINE as PIPELINE_AXIS
+from jaxmoe.parallel.zero import ShardLayout, ZeroPlan
 
 BLOCKS = "blocks"
 STAGE_BLOCKS = "stage_blocks"
@@ -162,11 +166,17 @@ def _is_spec(x: Any) -> bool:
     return isinstance(x, PartitionSpec)
 
 
-def stacked_specs(specs: dict, layout: StageLayout, stage_axis: str | None = PIPELINE_AXIS) -> dict:
-    """The specs of the stacked parameters from the model's: a stacked block's spec is
-    its layer's with ``(None, stage_axis)`` in front (``stage_axis`` None: the stacked
-    arrays on a mesh without a pipeline axis, every stage's chunks on every device)."""
-    blocks = specs[BLOCKS]
+def stacked_tree(
+    tree: dict,
+    layout: StageLayout,
+    leaf: Callable[[Any], Any] = lambda x: x,
+    is_leaf: Callable[[Any], bool] | None = None,
+) -> dict:
+    """A tree that describes the model's parameters leaf by leaf (specs, shard layouts,
+    dtype names), in the stacked structure: position ``j`` of ``stage_blocks`` is the
+    first layer at ``j`` with ``leaf`` applied to each leaf. Refused where the layers at
+    a position are described unlike (pipelined chunks hold alike blocks)."""
+    blocks = tree[BLOCKS]
     stacked = {}
     for j in range(layout.per_chunk):
         layers = [layout.layer(v, s, j) for v, s in layout.chunk_slots() if layout.holds(v, s, j)]
@@ -174,14 +184,53 @@ def stacked_specs(specs: dict, layout: StageLayout, stage_axis: str | None = PIP
         for layer in layers[1:]:
             if blocks[layer] != first:
                 raise ValueError(
-                    f"layer {layer} is split unlike layer {layers[0]}: pipelined chunks "
+                    f"layer {layer} is laid out unlike layer {layers[0]}: pipelined chunks "
                     "must hold alike blocks"
                 )
-        stacked[j] = jax.tree.map(
-            lambda spec: PartitionSpec(None, stage_axis, *spec), first, is_leaf=_is_spec
-        )
-    rest = {key: value for key, value in specs.items() if key != BLOCKS}
+        stacked[j] = jax.tree.map(leaf, first, is_leaf=is_leaf)
+    rest = {key: value for key, value in tree.items() if key != BLOCKS}
     return {**rest, STAGE_BLOCKS: stacked}
+
+
+def stacked_specs(specs: dict, layout: StageLayout, stage_axis: str | None = PIPELINE_AXIS) -> dict:
+    """The specs of the stacked parameters from the model's: a stacked block's spec is
+    its layer's with ``(None, stage_axis)`` in front (``stage_axis`` None: the stacked
+    arrays on a mesh without a pipeline axis, every stage's chunks on every device)."""
+    return stacked_tree(
+        specs, layout, lambda spec: PartitionSpec(None, stage_axis, *spec), _is_spec
+    )
+
+
+def stacked_zero_plan(plan: ZeroPlan, blocks: ZeroPlan, layout: StageLayout) -> ZeroPlan:
+    """The ZeRO plan of the stacked parameters (:mod:`jaxmoe.parallel.zero`) from two of
+    the model's: ``plan`` for the parameters outside the blocks (replicated over the
+    pipeline axis, so sharded over it too), ``blocks`` for the blocks, planned without the
+    pipeline axis (a stacked block is split over it by stage). A stacked block is sharded
+    as its layers are, on the same dimension of the layer, two further in (past the chunk
+    and stage dimensions)."""
+
+    def past_stacking(shards: ShardLayout) -> ShardLayout:
+        if shards.dim is None:
+            return shards
+        return dataclasses.replace(shards, dim=shards.dim + 2)
+
+    def merged(outside: dict, stacked: dict) -> dict:
+        rest = {key: value for key, value in outside.items() if key != BLOCKS}
+        return {**rest, STAGE_BLOCKS: stacked[STAGE_BLOCKS]}
+
+    def is_shards(x: Any) -> bool:
+        return isinstance(x, ShardLayout)
+
+    return ZeroPlan(
+        plan.stage,
+        layouts=merged(
+            plan.layouts, stacked_tree(blocks.layouts, layout, past_stacking, is_shards)
+        ),
+        model_specs=merged(plan.model_specs, stacked_specs(blocks.model_specs, layout)),
+        specs=merged(plan.specs, stacked_specs(blocks.specs, layout)),
+        gather_dtypes=merged(plan.gather_dtypes, stacked_tree(blocks.gather_dtypes, layout)),
+        blocks_key=STAGE_BLOCKS,
+    )
 
 
 def unstacked_specs(specs: dict, layout: StageLayout) -> dict:

@@ -132,13 +132,23 @@ class ZeroPlan:
     model_specs: PyTree  # the gathered parameters' specs: what the model computes with
     specs: PyTree  # the state's: each parameter's shards
     gather_dtypes: PyTree  # the dtype each parameter is gathered in (a name)
+    # Where the trees hold the blocks: the model's ``blocks`` (by layer) or a pipeline's
+    # ``stage_blocks`` (by chunk position, :mod:`jaxmoe.parallel.pipeline_params`).
+    blocks_key: str = "blocks"
 
     def unit(self, tree: PyTree, index: int | None) -> PyTree:
         """The part of ``tree`` (laid out like the parameters) of block ``index``, or with
-        None, the parameters outside the blocks (with ``blocks`` left out)."""
+        None, the parameters outside the blocks (with the blocks left out)."""
         if index is not None:
-            return tree["blocks"][index]
-        return {key: value for key, value in tree.items() if key != "blocks"}
+            return tree[self.blocks_key][index]
+        return {key: value for key, value in tree.items() if key != self.blocks_key}
+
+    def units(self, tree: PyTree) -> list[tuple[str, int | None]]:
+        """The gather units of ``tree``: the parameters outside the blocks, then each
+        block (a layer, or a pipeline's chunk position), as ``(name, index)``."""
+        prefix = "layer" if self.blocks_key == "blocks" else "chunk_layer"
+        blocks = tree.get(self.blocks_key, {})
+        return [(OUTSIDE_BLOCKS, None)] + [(f"{prefix}_{index}", index) for index in blocks]
 
 
 def plan_zero(
@@ -261,24 +271,17 @@ def gather_outside_blocks(shards: PyTree, plan: ZeroPlan) -> PyTree:
 def gather_all(shards: PyTree, plan: ZeroPlan) -> PyTree:
     """Every parameter gathered, unit by unit: those outside the blocks, then each block
     (ZeRO-1's gathers at the start of the step)."""
-    outside = gather_params(
-        plan.unit(shards, None),
-        plan.unit(plan.layouts, None),
-        plan.unit(plan.gather_dtypes, None),
-        OUTSIDE_BLOCKS,
-    )
-    if "blocks" not in shards:
-        return outside
-    blocks = {
+    gathered = {
         index: gather_params(
             plan.unit(shards, index),
             plan.unit(plan.layouts, index),
             plan.unit(plan.gather_dtypes, index),
-            f"layer_{index}",
+            name,
         )
-        for index in shards["blocks"]
+        for name, index in plan.units(shards)
     }
-    return {**outside, "blocks": blocks}
+    outside = gathered.pop(None)
+    return {**outside, plan.blocks_key: gathered} if plan.blocks_key in shards else outside
 
 
 # ---------------------------------------------------------------------------------------

@@ -19,7 +19,8 @@ profile's per-op overhead.
 
 A pipeline's stage laid out as the traced step (without a pipeline) runs the same ops for
 its chunks' layers over its microbatches, with idle ticks that run the same code on
-zeros; its update is of fewer layers over fewer replicas, and taken away.
+zeros; its update and ZeRO-1's gathers are of fewer layers over fewer replicas, and
+taken away.
 
 Memory of a variant. The state (parameters and optimizer state, :func:`jaxmoe.train.
 memory.memory_per_device`) is there throughout, and when the backward pass begins the
@@ -129,8 +130,9 @@ class Screen:
         ``options``: its devices run the same ops for their chunks' layers over their
         microbatches, and the ticks where the schedule leaves a stage idle run the same
         code on zeros (so ``1 + (stages - 1) / (microbatches x virtual)`` times the work);
-        the update of fewer layers' parameters, over fewer replicas, taken away."""
-        one = Options(options.zero, options.recompute, self.options.microbatches)
+        the update of fewer layers' parameters, over fewer replicas, and ZeRO-1's gathers
+        (of fewer layers' parameters) taken away."""
+        one = Options(0, options.recompute, self.options.microbatches)
         seconds = self.step_bound(one) - self.update.at(self.blocks)
         bubble = 1 + (stages - 1) / (options.microbatches * virtual)
         return max(seconds, 0.0) * bubble

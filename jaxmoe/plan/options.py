@@ -40,12 +40,12 @@ def options_of(config: Config) -> Options:
 
 def option_sets(config: Config, microbatches: bool = True) -> list[Options]:
     """Every set of options for ``config``'s model, batch and layout: each ZeRO stage
-    (none with a pipeline: Config refuses the two together) and recomputation, and (with
+    (0 and 1 with a pipeline: Config refuses ZeRO-3 there) and recomputation, and (with
     ``microbatches``) every number of microbatches that divides the rows of an attention
     shard. Config checks each set against the layout."""
     rows = config.train.batch_size // config.parallel.batch_shards
     counts = [m for m in range(1, rows + 1) if rows % m == 0] if microbatches else [1]
-    stages = ZERO_STAGES if config.parallel.pipeline == 1 else (0,)
+    stages = ZERO_STAGES if config.parallel.pipeline == 1 else (0, 1)
     return [
         Options(zero, recompute, count)
         for zero in stages

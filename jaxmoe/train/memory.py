@@ -66,11 +66,10 @@ import scheduling.names
 from jaxmoe.config import Config
 from jaxmoe.parallel.grad_sync.base import local_shape
 from jaxmoe.parallel.mesh import mesh_axis_sizes
-from jaxmoe.parallel.zero import GATHER_SCOPE
+from jaxmoe.parallel.zero import GATHER_SCOPE, OUTSIDE_BLOCKS
 from jaxmoe.train.state import (
     TrainState,
     abstract_train_state,
-    model_graphdef_and_specs,
     state_specs,
     zero_plan,
 )
@@ -126,7 +125,7 @@ def memory_per_device(config: Config) -> StateMemory:
     plan = zero_plan(config)
     if plan is None:  # the state's parameters are the local blocks (a pipeline's included)
         return StateMemory(parameters, sum(per_field.values()), parameters, 0)
-    _, model_specs = model_graphdef_and_specs(config)
+    model_specs = plan.model_specs  # in the state's structure (stacked under a pipeline)
     whole = _local_bytes(shapes.params, model_specs, axes)
     gathered_units = {
         unit: _local_bytes(
@@ -135,27 +134,22 @@ def memory_per_device(config: Config) -> StateMemory:
             axes,
             plan.unit(plan.gather_dtypes, index),
         )
-        for unit, index in _units(shapes.params)
+        for unit, index in plan.units(shapes.params)
     }
     if plan.stage == 1:
         return StateMemory(parameters, sum(per_field.values()), whole, sum(gathered_units.values()))
-    blocks = [size for unit, size in gathered_units.items() if unit != "outside"]
+    blocks = [size for unit, size in gathered_units.items() if unit != OUTSIDE_BLOCKS]
     whole_blocks = [
         _local_bytes(plan.unit(shapes.params, index), plan.unit(model_specs, index), axes)
-        for unit, index in _units(shapes.params)
+        for _, index in plan.units(shapes.params)
         if index is not None
     ]
     return StateMemory(
         parameters,
         sum(per_field.values()),
         parameters + max(whole_blocks, default=0),
-        gathered_units["outside"] + max(blocks, default=0),
+        gathered_units[OUTSIDE_BLOCKS] + max(blocks, default=0),
     )
-
-
-def _units(params: Any) -> list[tuple[str, int | None]]:
-    """The gather units: the parameters outside the blocks, then each block."""
-    return [("outside", None)] + [(f"layer_{i}", i) for i in params.get("blocks", {})]
 
 
 # -------------------------------------------------------------------------------------

@@ -41,6 +41,11 @@ parameters get zero gradients and nothing of it reaches the loss or the metrics.
 ticks stay lockstep: a stage with fewer layers waits for the longest chunk, so uneven
 chunks admit layer counts that the chunks do not divide; they do not shorten a tick.
 
+**Under ZeRO-1** (``train.zero`` 1) the step gathers every parameter before the first
+tick, the stacked blocks included (:func:`~jaxmoe.parallel.pipeline_params.
+stacked_zero_plan`); the ticks compute with the gathered parameters, sum their gradients
+in the shards' dtype (float32), and the step reduce-scatters them after the last tick.
+
 **What each microbatch sees** is what it sees without the pipeline: its rows
 (:func:`~jaxmoe.train.microbatches.microbatch_rows`), the same router noise (the step's
 key folded with the microbatch and the layer), the same replica table and expert bias
@@ -216,9 +221,11 @@ def _index_tree(tree: PyTree, index: int | jax.Array) -> PyTree:
 
 
 def _add_at(stack: PyTree, index: int | jax.Array, value: PyTree) -> PyTree:
-    """``stack[index] += value`` on every leaf (leading axis; one addition per element)."""
+    """``stack[index] += value`` on every leaf (leading axis; one addition per element, in
+    the stack's dtype)."""
 
     def add(a: jax.Array, v: jax.Array) -> jax.Array:
+        v = v.astype(a.dtype)
         if isinstance(index, int):
             return a.at[index].add(v)
         row = jax.lax.dynamic_index_in_dim(a, index, keepdims=False)
@@ -227,7 +234,9 @@ def _add_at(stack: PyTree, index: int | jax.Array, value: PyTree) -> PyTree:
     return jax.tree.map(add, stack, value)
 
 
-def _add(total: PyTree | None, value: PyTree) -> PyTree:
+def _add(total: PyTree | None, value: PyTree, dtypes: PyTree) -> PyTree:
+    """``total + value`` leaf by leaf, in ``dtypes``."""
+    value = jax.tree.map(lambda v, dtype: v.astype(dtype), value, dtypes)
     return value if total is None else jax.tree.map(jnp.add, total, value)
 
 
@@ -246,6 +255,7 @@ class _Pipeline:
         model_state: PyTree,
         eod_id: int | None,
         denominator: jax.Array,
+        accumulate_like: PyTree | None = None,
     ):
         self.config = config
         self.model = pipeline_model(config)
@@ -255,6 +265,13 @@ class _Pipeline:
         self.outside = {name: value for name, value in params.items() if name != STAGE_BLOCKS}
         # This device's chunks: [V, ...] (its block of the stage dimension is 1).
         self.stacks = jax.tree.map(lambda a: a[:, 0], params[STAGE_BLOCKS])
+        # The dtypes the gradients are summed in: the parameters' own, or those of
+        # ``accumulate_like`` (ZeRO-1's float32 shards of parameters gathered in bfloat16).
+        dtypes = jax.tree.map(
+            lambda a: a.dtype, params if accumulate_like is None else accumulate_like
+        )
+        self.outside_dtypes = {k: v for k, v in dtypes.items() if k != STAGE_BLOCKS}
+        self.block_dtypes = dtypes[STAGE_BLOCKS]
         self.key = key
         self.placement = placement
         self.eod_id = eod_id
@@ -362,7 +379,7 @@ class _Pipeline:
             rank = model.moe_rank[j]
             if self.placement is not None and rank is not None:
                 table = _index_tree(self.placement, moe_rows[rank])
-            # The block's index j is what ZeRO-3 would gather by; the pipeline refuses ZeRO.
+            # Under ZeRO-1 the parameters were gathered before the first tick.
             with jax.named_scope(f"chunk_layer_{j}"):
                 y, stats = call_block(
                     self.config.model.recompute, block, j, x, key, table,
@@ -382,7 +399,9 @@ class _Pipeline:
 
     def gradients(self) -> tuple[Losses, PyTree]:
         """This device's losses and gradients (before their synchronisation)."""
-        self.block_grads = jax.tree.map(jnp.zeros_like, self.stacks)
+        self.block_grads = jax.tree.map(
+            lambda a, dtype: jnp.zeros(a.shape, dtype), self.stacks, self.block_dtypes
+        )
         for tick in self.schedule.ticks:
             with jax.named_scope(f"tick_{tick.index}"):
                 head_grad = self._forward(tick, differentiate=True) if tick.has_forward else None
@@ -453,7 +472,7 @@ class _Pipeline:
             loss, head_grad, grads = self._head(y, last.microbatch, differentiate)
             self.cross_entropy = self.cross_entropy + loss
             if differentiate:
-                self.outside_grads = _add(self.outside_grads, grads)
+                self.outside_grads = _add(self.outside_grads, grads, self.outside_dtypes)
         following = self._following(tick)
         if following is not None and any(
             slot is not None and (s > 0 or slot.virtual > 0)
@@ -496,7 +515,7 @@ class _Pipeline:
             (grads,) = self.embed_vjps.pop(first.microbatch)(
                 jnp.where(stage.index == 0, input_grad, jnp.zeros_like(input_grad))
             )
-            self.outside_grads = _add(self.outside_grads, grads)
+            self.outside_grads = _add(self.outside_grads, grads, self.outside_dtypes)
         following = self._following(tick)
         if following is not None and any(
             slot is not None and not (s == stages - 1 and slot.virtual == virtual - 1)
@@ -579,14 +598,17 @@ def pipelined_gradients(
     model_state: PyTree,
     eod_id: int | None,
     denominator: jax.Array,
+    accumulate_like: PyTree | None = None,
 ) -> tuple[Losses, PyTree]:
     """This device's losses over its rows of ``batch`` (summed over the microbatches, as
     the microbatch loop sums them), and the gradients of its stage's parameters (the
     stacked layout of :mod:`jaxmoe.parallel.pipeline_params`), before their
-    synchronisation. Inside the whole-mesh ``shard_map``."""
+    synchronisation, summed in the dtypes of ``accumulate_like``'s leaves (None: those of
+    ``params``). Inside the whole-mesh ``shard_map``."""
     return _Pipeline(
-        config, params, batch, key, placement, model_state, eod_id, denominator
-    ).gradients()
+        config, params, batch, key, placement, model_state, eod_id, denominator,
+        accumulate_like,
+    ).gradients()  # fmt: skip
 
 
 def pipelined_losses(

@@ -22,7 +22,14 @@ from jaxmoe.layers import GPTMoE
 from jaxmoe.layers.router import ExpertBias
 from jaxmoe.parallel.grad_sync import make_grad_sync
 from jaxmoe.parallel.mesh import mesh_axis_sizes
-from jaxmoe.parallel.pipeline_params import StageLayout, stacked_specs, stage_layout, to_layout
+from jaxmoe.parallel.pipeline_params import (
+    PIPELINE_AXIS,
+    StageLayout,
+    stacked_specs,
+    stacked_zero_plan,
+    stage_layout,
+    to_layout,
+)
 from jaxmoe.parallel.placement import static_placement
 from jaxmoe.parallel.sharding import param_specs
 from jaxmoe.parallel.zero import ZeroPlan, plan_zero
@@ -98,13 +105,16 @@ def _zero_plan(
 ) -> ZeroPlan:
     _, abstract_params, _ = _abstract_model(model, moe, seed)
     axes = mesh_axis_sizes(parallel)
-    return plan_zero(
-        stage,
-        nnx.to_pure_dict(abstract_params),
-        param_specs(abstract_params, axes),
-        axes,
-        gather_dtypes(model, moe, seed),
-    )
+    shapes, specs = nnx.to_pure_dict(abstract_params), param_specs(abstract_params, axes)
+    dtypes = gather_dtypes(model, moe, seed)
+    plan = plan_zero(stage, shapes, specs, axes, dtypes)
+    layout = stage_layout(parallel, model.num_layers)
+    if layout is None:
+        return plan
+    # A stacked block is split over the pipeline axis by stage: its layers are sharded
+    # over their replicas within a stage.
+    within_stage = plan_zero(stage, shapes, specs, {**axes, PIPELINE_AXIS: 1}, dtypes)
+    return stacked_zero_plan(plan, within_stage, layout)
 
 
 @functools.lru_cache(maxsize=16)

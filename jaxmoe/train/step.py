@@ -130,6 +130,12 @@ def _model_params(plan: ZeroPlan | None, params: Any) -> tuple[Any, Any]:
     return gather_outside_blocks(params, plan), sharded_blocks(plan)
 
 
+def _in_param_dtypes(grads: Any, params: Any) -> Any:
+    """Gradients in their parameters' dtypes: ZeRO-1 gathers parameters in the compute
+    dtype, but accumulates and reduces their gradients in the parameters' (float32)."""
+    return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+
+
 def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
     """``(state, batch [B, seq_len + 1]) -> (state, metrics)``, per device."""
     graphdef, _ = model_graphdef_and_specs(config)
@@ -161,8 +167,9 @@ def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
             key = jax.random.fold_in(key, jax.lax.axis_index(key_axes))
 
         denominator = targets_per_shard(config, batch, eod_id)
-        # ZeRO-1: every parameter gathered once, before the first microbatch; the gradients
-        # are those of the gathered parameters, reduce-scattered after the last one.
+        # ZeRO-1: every parameter gathered once, before the first microbatch (or the
+        # pipeline's first tick); the gradients are those of the gathered parameters,
+        # accumulated in the parameters' dtype and reduce-scattered after the last one.
         weights = gather_all(state.params, plan) if plan and plan.stage == 1 else state.params
 
         def microbatch(rows: jax.Array, index: int):
@@ -179,15 +186,14 @@ def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
 
             (_, losses), grads = jax.value_and_grad(loss_fn, has_aux=True)(weights)
             if plan is not None and plan.stage == 1:
-                # Gathered in the compute dtype: accumulate and reduce in the parameters'.
-                grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+                grads = _in_param_dtypes(grads, state.params)
             return losses, grads
 
         if pipelined:
             # The pipeline's ticks replace the microbatch loop (same losses, same sums).
             losses, grads = pipelined_gradients(
-                config, state.params, batch, key, state.placement, state.model_state, eod_id,
-                denominator,
+                config, weights, batch, key, state.placement, state.model_state, eod_id,
+                denominator, accumulate_like=state.params,
             )  # fmt: skip
             total, cross_entropy, stats = losses
         else:
@@ -278,14 +284,14 @@ def build_eval_step(config: Config, mesh: Mesh) -> ShardedStep:
     plan = zero_plan(config)
 
     def per_device(params: Any, batch: jax.Array, placement: Any, model_state: Any) -> jax.Array:
+        if plan is not None and plan.stage == 1:
+            params = gather_all(params, plan)
         if config.parallel.pipeline > 1:
             denominator = targets_per_shard(config, batch, eod_id)
             losses = pipelined_losses(
                 config, params, batch, placement, model_state, eod_id, denominator
             )
             return jax.lax.psum(losses.cross_entropy / shards, axes)
-        if plan is not None and plan.stage == 1:
-            params = gather_all(params, plan)
         params, context = _model_params(plan, params)
         with context:
             losses = forward_losses(

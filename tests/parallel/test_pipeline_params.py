@@ -58,7 +58,7 @@ def test_specs_split_the_stage_dimension_over_the_pipeline_axis():
     assert stacked[STAGE_BLOCKS][1]["w"] == PartitionSpec(None, "pipeline", "expert")
     assert stacked[STAGE_BLOCKS][0]["b"] == PartitionSpec(None, "pipeline")
     specs["blocks"][5]["w"] = PartitionSpec()
-    with pytest.raises(ValueError, match="layer 5 is split unlike layer 1"):
+    with pytest.raises(ValueError, match="layer 5 is laid out unlike layer 1"):
         stacked_specs(specs, layout)
 
 

@@ -120,12 +120,12 @@ def pipelined_layout():
     return plain, staged
 
 
-@pytest.mark.parametrize("microbatches", [2, 4])
-def test_a_stage_layout_without_a_pipeline_bounds_its_pipelines(microbatches):
+@pytest.mark.parametrize(("zero", "microbatches"), [(0, 2), (0, 4), (1, 4)])
+def test_a_stage_layout_without_a_pipeline_bounds_its_pipelines(zero, microbatches):
     plain, staged = pipelined_layout()
     sets = option_sets(plain.config)
     bounds = tracer().screen(with_options(plain, bounding(sets), 8).config, True)
-    options = Options(0, "none", microbatches)
+    options = Options(zero, "none", microbatches)
     variant = with_options(staged, options, 8)
     memory, times = planner.estimate_mapping(
         variant.config, ["none"], PROFILE, planner.EstimateCache(None), tracer=tracer()

@@ -68,11 +68,13 @@ LAYOUTS = {
         dict(jitter=0.1),
     ),
 }
-# (layout, virtual stages, model.recompute, model fields and chunks) of each pipelined run.
+# (layout, virtual stages, model.recompute, model fields, chunks and ZeRO stage) of each
+# pipelined run; its unpipelined run has no ZeRO.
 CASES = {
     "1f1b": ("plain", 1, "none", {}),
     "interleaved": ("folded", 2, "layer", {}),
     "uneven": ("plain", 1, "none", dict(num_layers=3, moe_every=1, chunk_layers="1,2")),
+    "zero1": ("plain", 1, "none", dict(zero=1)),
 }
 
 
@@ -84,6 +86,7 @@ def config(
     schedule: str = "none",
     microbatches: int = MICROBATCHES,
     chunk_layers: str | None = None,
+    zero: int = 0,
     **model_fields,
 ) -> Config:
     parallel, model, routing = LAYOUTS[layout]
@@ -95,7 +98,7 @@ def config(
         parallel=dataclasses.replace(parallel, pipeline=pipeline, virtual_stages=virtual,
                                      chunk_layers=chunk_layers),
         train=TrainConfig(batch_size=16, warmup_steps=1, learning_rate=LR,
-                          microbatches=microbatches),
+                          microbatches=microbatches, zero=zero),
         schedule=ScheduleConfig(name=schedule),
     )  # fmt: skip
 
@@ -129,7 +132,7 @@ def unstacked(config: Config, params):
 
 def _pipelined_and_plain(case: str) -> tuple[Config, Config]:
     layout, virtual, recompute, fields = CASES[case]
-    plain_fields = {name: value for name, value in fields.items() if name != "chunk_layers"}
+    plain_fields = {k: v for k, v in fields.items() if k not in ("chunk_layers", "zero")}
     return config(layout, 2, virtual, recompute, **fields), config(layout, **plain_fields)
 
 
@@ -260,6 +263,23 @@ def test_an_uneven_checkpoint_restores_without_its_padding(tmp_path):
     assert sorted(restored.params["blocks"]) == [0, 1, 2]
 
 
+def test_a_distributed_optimizer_checkpoint_restores_unpipelined_and_unsharded(tmp_path):
+    from jaxmoe.train.checkpoint import RunCheckpoints
+
+    pipelined, plain = _pipelined_and_plain("zero1")
+    saved, mesh = _saved(tmp_path, pipelined, trained_state=False)
+    # Saved as the shards lie: a stacked block over its stage's replicas (the expert axis),
+    # the parameters outside the blocks over the pipeline axis too.
+    with RunCheckpoints(tmp_path, pipelined) as checkpoints:
+        again = checkpoints.restore(0, mesh)
+    kernel = again.opt_state[0].mu["stage_blocks"][0]["attention"]["query"]["kernel"]
+    assert kernel.sharding.spec == PartitionSpec(None, PIPELINE_AXIS, "expert")
+    embedding = again.params["token_embed"]["embedding"]
+    assert embedding.sharding.spec == PartitionSpec((PIPELINE_AXIS, "expert"))
+    restored, unpipelined = _restored_unpipelined(tmp_path, pipelined, plain, saved, step=0)
+    chex.assert_trees_all_equal(jax.device_get(restored), unpipelined)
+
+
 def test_pipelined_evaluation_equals_the_unpipelined_one(tmp_path):
     """The forward slots alone, on rotary positions and documents packed into rows: each
     microbatch's positions and attention segments restart at its documents."""
@@ -315,9 +335,9 @@ REFUSED = {
         lambda: config("plain", 2, 1, chunk_layers="1,3"),
         "model.moe_every=2, model.first_dense_layers=0: the chunks",
     ),
-    "zero": (
-        lambda: _with(config("plain", 2), "train", zero=1),
-        "train.zero=1 with parallel.pipeline=2: ZeRO shards",
+    "zero 3": (
+        lambda: _with(config("plain", 2), "train", zero=3),
+        "train.zero=3 with parallel.pipeline=2: fully sharded blocks",
     ),
     "pair": (
         lambda: config("plain", 2, schedule="pair"),
