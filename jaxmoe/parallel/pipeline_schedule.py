@@ -50,6 +50,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+# The name scope of tick i's slots in the step (jaxmoe.train.pipeline); the memory walk
+# follows the ticks by it (jaxmoe.train.memory).
+TICK_SCOPE = "tick_{}"
+
 
 @dataclass(frozen=True)
 class Slot:

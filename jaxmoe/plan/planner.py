@@ -80,16 +80,17 @@ MEMORY_METHOD = (
     "per device, the peak of the step as XLA:GPU holds it (jaxmoe/train/memory.py): the "
     "captured per-device step walked with each op as soon as its operands are ready "
     "(forward ops first: nothing orders one microbatch's backward pass before the next "
-    "one's forward pass), every value a buffer unless XLA fuses it into all its readers, "
+    "one's forward pass; a pipeline's ticks in their order, each tick's forward slot "
+    "before its backward slot), every value a buffer unless XLA fuses it into all its "
+    "readers, "
     "the buffers alive after each op summed. At the peak: the state (master: the "
     "parameters as the state holds them; optim: AdamW moments and counts, gradient-sync "
     "state, placement, step) and the batch throughout; params: the parameters as the step "
     "computes with them (casts to the compute dtype, ZeRO's gathers); activ: forward "
     "values, a recomputation's included; backward: gradients, their accumulators and the "
     "backward pass's working buffers. Within 10% of XLA:CPU's compiled memory analysis on "
-    "small models (tests/train/test_memory.py), a few percent under it (XLA's heap leaves "
-    "gaps), except with a pipeline, where it is above it (within 60%: XLA:CPU interleaves "
-    "the ticks' forward and backward slots)."
+    "small models (tests/train/test_memory.py), pipelines and ZeRO included, a few "
+    "percent under it (XLA's heap leaves gaps)."
 )
 
 
@@ -564,7 +565,10 @@ def plan_mappings(
             if bounds is None:
                 start.append((0.0, _Pending(layout, o, None, False)))
                 continue
-            memory = bounds.memory_bound(o, states[o.zero])
+            if mapping.pipeline == 1:
+                memory = bounds.memory_bound(o, states[o.zero])
+            else:
+                memory = bounds.pipeline_memory_bound(o, states[o.zero])
             if over(memory):
                 leave(mapping.with_options(o), "memory", _over_reason(memory), memory)
                 continue

@@ -44,6 +44,12 @@ program:
   microbatches hold as much as one batch of four times the rows). The walk does the
   same: each op as soon as its operands are ready, forward ops first. So gradient
   accumulation lowers the estimate only by what the program's dependencies order.
+  A pipeline's ticks (:data:`~jaxmoe.parallel.pipeline_schedule.TICK_SCOPE`) are walked
+  in their order, each tick's forward slot before its backward slot, as the schedule
+  runs them: a stage holds a microbatch's residuals from its forward slot to its
+  backward slot, at most as many microbatches as the schedule has in flight. XLA is
+  free to run them otherwise; on CPU it holds less than this walk (its memory
+  scheduler interleaves the slots more tightly still).
 
 At the peak the live buffers are counted by kind (:class:`StepMemory`). The walk is
 checked against XLA:CPU's compiled memory analysis in ``tests/train/test_memory.py``.
@@ -66,6 +72,7 @@ import scheduling.names
 from jaxmoe.config import Config
 from jaxmoe.parallel.grad_sync.base import local_shape
 from jaxmoe.parallel.mesh import mesh_axis_sizes
+from jaxmoe.parallel.pipeline_schedule import TICK_SCOPE
 from jaxmoe.parallel.zero import GATHER_SCOPE, OUTSIDE_BLOCKS
 from jaxmoe.train.state import (
     TrainState,
@@ -184,6 +191,7 @@ _RANDOM = frozenset({"random_bits", "random_seed", "random_wrap", "rng_bit_gener
 # A recomputation's ops: JAX names the forward pass it runs again in the backward pass so.
 _RECOMPUTED = "rematted_computation"
 _MICROBATCH = re.compile(scheduling.names.MICROBATCH_SCOPE.format(r"(\d+)"))
+_TICK = re.compile(r"(?:^|/)" + TICK_SCOPE.format(r"(\d+)") + r"(?:/|$)")
 
 
 @dataclass(frozen=True)
@@ -443,9 +451,22 @@ def _last_reads(order: Sequence[_Step], buffers: set[Value], to_the_end: set[Val
     return {value: when for value, when in needed.items() if value in buffers}
 
 
+def _walk_key(op: Any) -> tuple[int, int, int]:
+    """Where ``op`` comes in the walk among the ops that are ready (module docstring):
+    forward ops outside a pipeline's ticks, the ticks in order (a tick's forward ops
+    before its backward ops, then the sums of its gradients), backward ops outside the
+    ticks, the update."""
+    rank = {Phase.FORWARD: 0, Phase.BACKWARD: 1, Phase.OPTIMIZER: 2}[op.phase]
+    tick = _TICK.search(op.layer)
+    if tick is not None:  # its gradients' sums included
+        return (1, int(tick.group(1)), rank)
+    return ({Phase.FORWARD: 0, Phase.BACKWARD: 2, Phase.OPTIMIZER: 3}[op.phase], 0, rank)
+
+
 def _forward_first(steps: Sequence[_Step]) -> list[_Step]:
     """The steps in a dependency order that runs each one as soon as its operands are
-    ready, forward ops before backward ops before the update (module docstring)."""
+    ready, forward ops before backward ops before the update, a pipeline's ticks in
+    their order (module docstring)."""
     made_by = {value: i for i, step in enumerate(steps) for value in step.op.outputs}
     waiting = [0] * len(steps)
     users: list[list[int]] = [[] for _ in steps]
@@ -454,8 +475,8 @@ def _forward_first(steps: Sequence[_Step]) -> list[_Step]:
         waiting[i] = len(sources)
         for source in sources:
             users[source].append(i)
-    rank = {Phase.FORWARD: 0, Phase.BACKWARD: 1, Phase.OPTIMIZER: 2}
-    ready = [(rank[step.op.phase], i) for i, step in enumerate(steps) if not waiting[i]]
+    keys = [_walk_key(step.op) for step in steps]
+    ready = [(keys[i], i) for i in range(len(steps)) if not waiting[i]]
     heapq.heapify(ready)
     order = []
     while ready:
@@ -464,7 +485,7 @@ def _forward_first(steps: Sequence[_Step]) -> list[_Step]:
         for user in users[i]:
             waiting[user] -= 1
             if not waiting[user]:
-                heapq.heappush(ready, (rank[steps[user].op.phase], user))
+                heapq.heappush(ready, (keys[user], user))
     return order
 
 

@@ -79,7 +79,7 @@ from jaxmoe.parallel.pipeline_params import (
     StageLayout,
     stage_layout,
 )
-from jaxmoe.parallel.pipeline_schedule import PipelineSchedule, Slot, Tick
+from jaxmoe.parallel.pipeline_schedule import TICK_SCOPE, PipelineSchedule, Slot, Tick
 from jaxmoe.train.losses import Losses, cross_entropy, router_losses
 from jaxmoe.train.microbatches import microbatch_rows
 
@@ -403,7 +403,7 @@ class _Pipeline:
             lambda a, dtype: jnp.zeros(a.shape, dtype), self.stacks, self.block_dtypes
         )
         for tick in self.schedule.ticks:
-            with jax.named_scope(f"tick_{tick.index}"):
+            with jax.named_scope(TICK_SCOPE.format(tick.index)):
                 head_grad = self._forward(tick, differentiate=True) if tick.has_forward else None
                 if tick.has_backward:
                     self._backward(tick, head_grad)
@@ -417,7 +417,7 @@ class _Pipeline:
         """This device's losses: the forward slots alone."""
         for tick in self.schedule.ticks:
             if tick.has_forward:
-                with jax.named_scope(f"tick_{tick.index}"):
+                with jax.named_scope(TICK_SCOPE.format(tick.index)):
                     self._forward(tick, differentiate=False)
         return self._losses()
 

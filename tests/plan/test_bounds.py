@@ -131,7 +131,8 @@ def test_a_stage_layout_without_a_pipeline_bounds_its_pipelines(zero, microbatch
         variant.config, ["none"], PROFILE, planner.EstimateCache(None), tracer=tracer()
     )
     assert bounds.pipeline_step_bound(options, 2, 1) <= times["none"].step
-    assert bounds.memory_bound(options, planner.state_bytes(variant.config)) <= memory.total
+    state = planner.state_bytes(variant.config)
+    assert bounds.pipeline_memory_bound(options, state) <= memory.total
 
 
 def test_screens_round_trip_through_json():

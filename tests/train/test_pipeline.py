@@ -5,8 +5,10 @@ configuration on one stage's 4 devices (the same rows per device, the same micro
 the same router noise), over 5 steps of 4 microbatches: 1F1B on the unfolded layout
 (chunks of a dense and an MoE block), the interleaved schedule (2 virtual stages)
 on a folded layout (tensor, expert and expert-tensor parallelism over the same devices)
-with full-layer recomputation, and 1F1B on uneven chunks (1 and 2 MoE layers: the first
-stage's second position is padding).
+with full-layer recomputation, 1F1B on uneven chunks (1 and 2 MoE layers: the first
+stage's second position is padding), and 1F1B with the distributed optimizer (ZeRO-1: the
+blocks sharded over the expert axis within a stage, the rest over the pipeline axis too)
+against the unpipelined run without it.
 
 Tolerances. The same tokens drop (``dropped_fraction`` and ``tokens_per_expert`` equal
 exactly). The pipeline computes each block as the loop does, but its chunks are separate
@@ -18,8 +20,9 @@ compilation to another. Measured over several runs, at most: losses 1.2e-6 relat
 steps of learning rate 1e-2, 99.9% of the parameters agree within 8e-6 (lr / 200) and
 all within 2.6e-4 (lr / 10): Adam moves a parameter whose gradient nearly cancels by up to
 lr whatever the gradient's size, so the rounding of a tiny gradient can move it by far
-more than the rest. A wrong stage order, a missing microbatch or a gradient not summed
-over the pipeline axis changes the first loss or the first gradients by far more. The
+more than the rest. A wrong stage order, a missing microbatch, a gradient not summed
+over the pipeline axis or reduce-scattered over the wrong axes changes the first loss or
+the first gradients by far more. The
 scheduler's schedules (``dw``, ``async``) change nothing computed: bit for bit.
 """
 

@@ -1,0 +1,147 @@
+"""Megatron-Core's published mappings of the seeds' models, estimated by jaxmoe's planner.
+
+The recipes are Megatron-Core's MoE benchmark configurations for the two models of the MoE
+Parallel Folding paper (arXiv 2504.14960), published by the paper's authors in their
+Megatron MoE model zoo (github.com/yanring/Megatron-MoE-ModelZoo:
+``runtime_configs/benchmarking/runtime.conf`` and ``model_configs/benchmarking/<model>.
+yaml``): H100s, sequences of 4096 tokens, micro-batches of one sequence, a global batch
+of 256, the distributed optimizer, sequence parallelism beside tensor parallelism, expert
+tensor parallelism 1, the all-to-all dispatcher, no recomputation. The paper's own table
+of settings is not reproduced here; these are its authors' settings for the same models
+on the same GPUs.
+
+Each is estimated as the planner estimates any mapping
+(:func:`jaxmoe.plan.planner.estimate_mapping`): the per-device step traced on an abstract
+mesh, priced by the cost model and the two-stream simulator on the H100 profile (schedule
+``none``), its memory walked. Beside each recipe as published: the same with full-layer
+recomputation (jaxmoe's attention keeps its ``[heads, seq, seq]`` scores, where
+Megatron-Core runs flash attention), and the planner's best layout of ``scale_eval``'s
+part 1 at the recipe's batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from experiments.folding_models import MODELS, SEQUENCES_PER_DEVICE
+from jaxmoe.config import Config
+from jaxmoe.plan.mappings import Mapping
+
+if TYPE_CHECKING:  # the planner imports JAX
+    from jaxmoe.plan.planner import StepTime
+    from jaxmoe.train.memory import StepMemory
+
+SOURCE = (
+    "Megatron-Core's MoE benchmark recipes for these models, by the Parallel Folding "
+    "paper's authors (github.com/yanring/Megatron-MoE-ModelZoo, "
+    "runtime_configs/benchmarking/runtime.conf)"
+)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One published mapping (micro-batch 1, expert tensor parallelism 1, the distributed
+    optimizer, the all-to-all dispatcher)."""
+
+    devices: int
+    tensor: int  # TP, attention's (with sequence parallelism)
+    pipeline: int  # PP
+    virtual: int  # VPP: chunks of layers per stage
+    expert: int  # EP
+    global_batch: int = 256  # GBS, in sequences
+
+    @property
+    def data(self) -> int:
+        """Attention's data-parallel replicas (DP)."""
+        return self.devices // (self.pipeline * self.tensor)
+
+    def mapping(self, recompute: str = "none") -> Mapping:
+        """The recipe as a jaxmoe mapping: each data replica's rows in micro-batches of
+        one sequence."""
+        stage = self.devices // self.pipeline
+        return Mapping(
+            self.devices, self.tensor, stage // self.expert, self.expert, 1, "all_to_all",
+            zero=1, recompute=recompute, microbatches=self.global_batch // self.data,
+            pipeline=self.pipeline, virtual_stages=self.virtual,
+        )  # fmt: skip
+
+    def label(self) -> str:
+        return (
+            f"TP{self.tensor} PP{self.pipeline} VPP{self.virtual} EP{self.expert} ETP1 "
+            f"(DP{self.data}), distributed optimizer, global batch {self.global_batch}"
+        )
+
+
+# The rows estimated for each recipe.
+PUBLISHED_ROW = "as published"
+RECOMPUTED_ROW = "with full-layer recomputation"
+PLANNED_ROW = "the planner's best layout, at this batch"
+
+RECIPES = {
+    "mixtral-8x22b": Recipe(devices=128, tensor=2, pipeline=8, virtual=1, expert=8),
+    "qwen2-57b-a14b": Recipe(devices=64, tensor=2, pipeline=4, virtual=7, expert=4),
+}
+
+
+@dataclass(frozen=True)
+class RecipeEstimate:
+    """One row: what was estimated, and the estimate."""
+
+    model: str
+    row: str  # which variant
+    mapping: Mapping
+    memory: StepMemory
+    time: StepTime
+    mfu: float
+
+    @property
+    def idle_share(self) -> float:
+        """The pipeline's idle ticks over its work: ``(P - 1) / (M V)`` (0: none)."""
+        m = self.mapping
+        return (m.pipeline - 1) / (m.microbatches * m.virtual_stages)
+
+
+def recipe_config(model: str) -> Config:
+    """``model``'s published shape with its recipe's global batch."""
+    values = MODELS[model].to_dict()
+    values["train"]["batch_size"] = RECIPES[model].global_batch
+    return Config.from_dict(values)
+
+
+def at_recipe_batch(model: str, layout: Mapping) -> Mapping:
+    """``layout`` (a plan's, of one sequence per device) at the recipe's global batch, in
+    as many more microbatches, so each keeps the rows it had."""
+    recipe = RECIPES[model]
+    more = recipe.global_batch // (layout.devices * SEQUENCES_PER_DEVICE)
+    return dataclasses.replace(layout, microbatches=layout.microbatches * more)
+
+
+def estimate_recipe(model: str, profile: str, planned: Mapping | None) -> list[RecipeEstimate]:
+    """The recipe of ``model`` as published and with full-layer recomputation, and
+    ``planned`` (the planner's best layout on the recipe's devices, None: left out) at
+    the recipe's batch, each estimated on ``profile``."""
+    import scheduling
+    from jaxmoe.plan.mappings import with_mapping
+    from jaxmoe.plan.planner import EstimateCache, estimate_mapping
+    from jaxmoe.train.mfu import mfu
+    from jaxmoe.train.model_flops import model_flops
+
+    recipe = RECIPES[model]
+    config = recipe_config(model)
+    device = scheduling.PROFILES[profile]
+    peak = device.peak_flops_per_s(config.model.dtype)
+    flops = model_flops(config).train_step()
+    rows = [(PUBLISHED_ROW, recipe.mapping()), (RECOMPUTED_ROW, recipe.mapping("layer"))]
+    if planned is not None:
+        rows.append((PLANNED_ROW, at_recipe_batch(model, planned)))
+    estimates = []
+    for row, mapping in rows:
+        mapped = with_mapping(config, mapping, device.devices_per_node)
+        memory, times = estimate_mapping(mapped, ("none",), profile, EstimateCache(None))
+        time = times["none"]
+        rate = mfu(flops, time.step, recipe.devices, peak)
+        estimates.append(RecipeEstimate(model, row, mapping, memory, time, rate))
+        print(f"{model} {row}: {time.step * 1e3:.0f} ms, {memory.total / 1e9:.1f} GB", flush=True)
+    return estimates
