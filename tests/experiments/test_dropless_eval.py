@@ -5,7 +5,7 @@ experiments/results/dropless_eval.md). Nothing is compiled."""
 import numpy as np
 import pytest
 
-from experiments import dropless_eval
+from experiments import dropless_eval, dropless_placement, dropless_report, dropless_variants
 from jaxmoe.train.routing_history import SMOOTHING
 
 STEPS = 12
@@ -13,7 +13,7 @@ STEPS = 12
 
 def test_excess_load_is_the_largest_over_the_mean_less_one_per_layer():
     loads = np.array([[1.0, 1.0, 2.0, 0.0], [3.0, 1.0, 1.0, 3.0]])
-    assert dropless_eval.excess_load(loads) == pytest.approx((1.0 + 0.5) / 2)
+    assert dropless_placement.excess_load(loads) == pytest.approx((1.0 + 0.5) / 2)
 
 
 def test_persistence_reads_an_autoregressive_series():
@@ -23,7 +23,7 @@ def test_persistence_reads_an_autoregressive_series():
     for step in range(1, steps):
         deviation[step] = phi * deviation[step - 1] + rng.normal(size=(1, experts))
     rows = [{"tokens_per_expert": 1000.0 + 10.0 * value} for value in deviation]
-    correlation = dropless_eval.persistence(rows)
+    correlation = dropless_placement.persistence(rows)
     assert correlation["1"] == pytest.approx(phi, abs=0.05)
     assert correlation["5"] == pytest.approx(phi**5, abs=0.05)
 
@@ -45,14 +45,14 @@ def _routing(dropless: bool) -> list[dict]:
 
 @pytest.mark.parametrize("dropless", [True, False])
 def test_replays_plan_before_each_step_and_hindsight_does_best(dropless):
-    config = dropless_eval.placement_config(STEPS, 1, dropless)
+    config = dropless_placement.placement_config(STEPS, 1, dropless)
     rows = _routing(dropless)
-    modes = [mode for mode in dropless_eval.REPLAYS if dropless or mode != "fitted"]
-    figures = {mode: np.mean(dropless_eval.replay(rows, config, mode)[1:]) for mode in modes}
+    modes = [mode for mode in dropless_placement.REPLAYS if dropless or mode != "fitted"]
+    figures = {mode: np.mean(dropless_placement.replay(rows, config, mode)[1:]) for mode in modes}
     assert figures["hindsight"] <= min(figures.values()) + 1e-9
     assert figures["smoothed"] < 0.7 * figures["static"]
-    swept = dropless_eval.replay(rows, config, "smoothed", SMOOTHING["tokens_per_expert"])
-    np.testing.assert_allclose(swept, dropless_eval.replay(rows, config, "smoothed"))
+    swept = dropless_placement.replay(rows, config, "smoothed", SMOOTHING["tokens_per_expert"])
+    np.testing.assert_allclose(swept, dropless_placement.replay(rows, config, "smoothed"))
 
 
 def _dispatch(scale: float) -> dict:
@@ -105,7 +105,7 @@ def _placement(static: float, dynamic: float) -> dict:
             "fitted": dynamic,
             "hindsight": 0.01,
         },
-        "sweep": [[h, w, dynamic + w / 100] for h, w in dropless_eval.SMOOTHING_GRID],
+        "sweep": [[h, w, dynamic + w / 100] for h, w in dropless_placement.SMOOTHING_GRID],
         "persistence": {"1": 0.8, "5": 0.1, "20": 0.0},
     }
 
@@ -119,7 +119,7 @@ def test_the_results_file_reads_the_targets_off_a_saved_run(tmp_path):
                 "remote": [8.0 * 2**20] * 2,
                 "remote_whole": [8.0 * 2**20] * 2,
             }
-            for name in dropless_eval.VARIANTS
+            for name in dropless_variants.VARIANTS
         },
     }
     socket["variants"]["ragged dropless"]["remote"] = [4.8 * 2**20] * 2
@@ -145,7 +145,7 @@ def test_the_results_file_reads_the_targets_off_a_saved_run(tmp_path):
         "placement_steps": 300,
     }
     out = tmp_path / "dropless_eval.md"
-    text = dropless_eval.write_report(result, out)
+    text = dropless_report.write_report(result, out)
     assert "Command (dispatch): `python -m experiments.dropless_eval --steps 2`" in text
     assert "moves 0.800x the bytes of capacity 1.25" in text and "<= 1.1: met" in text
     assert "moves 1.200x the bytes of capacity 1.25" in text and "<= 1.1: missed" in text
