@@ -1,5 +1,9 @@
 """Pipeline parallelism inside the one per-device step (``parallel.pipeline``).
 
+The model is cut for it by :mod:`jaxmoe.train.pipeline_model`; what every stage runs
+alike (per-stage values, the ``ppermute`` between stages, the VJP picked per stage) is
+:mod:`jaxmoe.parallel.pipeline_stage`.
+
 The tick table (:mod:`jaxmoe.parallel.pipeline_schedule`) drives a Python loop, unrolled
 at trace time like the layers: each tick has a forward slot and a backward slot, and in
 each every stage runs the same chunk code on its own microbatch and chunk, picked from
@@ -59,7 +63,6 @@ metrics' other sums.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,21 +70,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmoe.config import Config, ModelConfig, MoEConfig
+from jaxmoe.config import Config
 from jaxmoe.data.documents import document_masks
 from jaxmoe.layers import GPTMoE, RoutingStats
 from jaxmoe.layers.recompute import call_block
 from jaxmoe.layers.rotary import rotary_tables
-from jaxmoe.layers.router import ExpertBias
-from jaxmoe.parallel.pipeline_params import (
-    PIPELINE_AXIS,
-    STAGE_BLOCKS,
-    StageLayout,
-    stage_layout,
-)
-from jaxmoe.parallel.pipeline_schedule import TICK_SCOPE, PipelineSchedule, Slot, Tick
+from jaxmoe.parallel.pipeline_params import STAGE_BLOCKS
+from jaxmoe.parallel.pipeline_schedule import TICK_SCOPE, Slot, Tick
+from jaxmoe.parallel.pipeline_stage import Stage, select_vjp, shift
 from jaxmoe.train.losses import Losses, cross_entropy, router_losses
 from jaxmoe.train.microbatches import microbatch_rows
+from jaxmoe.train.pipeline_model import pipeline_model
 
 PyTree = Any
 # Where a slot's input comes from, per stage.
@@ -89,128 +88,10 @@ _IDLE, _LOCAL, _RECEIVED = 0, 1, 2
 
 
 @dataclass(frozen=True)
-class PipelineModel:
-    """The model cut for the pipeline: the parts outside the blocks, and the blocks of one
-    chunk (every chunk holds blocks of the same structure)."""
-
-    layout: StageLayout
-    schedule: PipelineSchedule
-    outside: nnx.GraphDef  # the model without its blocks: embeddings, final norm, head
-    blocks: tuple[nnx.GraphDef, ...]  # a chunk's blocks, in order (the longest chunk's)
-    moe_rank: tuple[int | None, ...]  # each block's index among a chunk's MoE blocks
-    # Per chunk, the model's MoE-layer index of each of its MoE blocks (0 for padding).
-    moe_rows: tuple[tuple[int, ...], ...]
-
-    @property
-    def moe_per_chunk(self) -> int:
-        return sum(rank is not None for rank in self.moe_rank)
-
-
-def pipeline_model(config: Config) -> PipelineModel:
-    """``config``'s model cut for its pipeline (built once per model and layout, on
-    abstract parameters: nothing is allocated)."""
-    layout = stage_layout(config.parallel, config.model.num_layers)
-    if layout is None:
-        raise ValueError("parallel.pipeline=1: there is no pipeline")
-    return _pipeline_model(
-        config.model, config.moe, layout, config.train.microbatches, config.train.seed
-    )
-
-
-@functools.lru_cache(maxsize=16)
-def _pipeline_model(
-    model: ModelConfig, moe: MoEConfig, layout: StageLayout, microbatches: int, seed: int
-) -> PipelineModel:
-    abstract = nnx.eval_shape(lambda: GPTMoE(model, moe, rngs=nnx.Rngs(seed)))
-    blocks, ranks, moe_blocks = [], [], 0
-    for j in range(layout.per_chunk):
-        # A layer at position j (chunks hold alike blocks at each position).
-        v, s = next((v, s) for v, s in layout.chunk_slots() if layout.holds(v, s, j))
-        block = abstract.blocks[layout.layer(v, s, j)]
-        graphdef, _, _ = nnx.split(block, ExpertBias, ...)
-        blocks.append(graphdef)
-        ranks.append(moe_blocks if block.is_moe else None)
-        moe_blocks += block.is_moe
-    moe_layers = model.moe_layers
-    moe_rows = tuple(
-        tuple(
-            moe_layers.index(layout.layer(v, s, j)) if layout.holds(v, s, j) else 0
-            for j, rank in enumerate(ranks)
-            if rank is not None
-        )
-        for v, s in layout.chunk_slots()
-    )
-    abstract.blocks = nnx.List([])
-    outside, _, _ = nnx.split(abstract, ExpertBias, ...)
-    return PipelineModel(
-        layout=layout,
-        schedule=PipelineSchedule(layout.stages, layout.virtual, microbatches),
-        outside=outside,
-        blocks=tuple(blocks),
-        moe_rank=tuple(ranks),
-        moe_rows=moe_rows,
-    )
-
-
-@dataclass(frozen=True)
 class _Microbatch:
     rows: jax.Array  # [rows, seq_len + 1]
     positions: jax.Array | None  # [rows, seq_len] under document masks
     segment_ids: jax.Array | None
-
-
-class _Stage:
-    """This device's stage (traced) and per-stage values of the tick table."""
-
-    def __init__(self, stages: int):
-        self.stages = stages
-        self.index = jax.lax.axis_index(PIPELINE_AXIS)
-
-    def pick(self, values: list[int]) -> int | jax.Array:
-        """``values[stage]``: a constant where every stage has the same."""
-        if len(set(values)) == 1:
-            return values[0]
-        return self.traced(values)
-
-    def traced(self, values: list[int]) -> jax.Array:
-        """``values[stage]``, traced even where every stage has the same."""
-        return jnp.asarray(values, jnp.int32)[self.index]
-
-    def where(self, sources: list[int], values: dict[int, jax.Array | None]) -> jax.Array:
-        """Per stage, the value its ``sources`` entry names."""
-        needed = sorted(set(sources))
-        if len(needed) == 1:
-            return values[needed[0]]
-        chosen = self.pick(sources)
-        result = values[needed[0]]
-        for source in needed[1:]:
-            result = jnp.where(chosen == source, values[source], result)
-        return result
-
-
-def _shift(x: jax.Array, stages: int, step: int, circular: bool) -> jax.Array:
-    """Each stage's ``x`` to the stage ``step`` after it (wrapping around if ``circular``;
-    a stage that nothing reaches gets zeros)."""
-    pairs = [(s, (s + step) % stages) for s in range(stages) if circular or 0 <= s + step < stages]
-    return jax.lax.ppermute(x, PIPELINE_AXIS, pairs)
-
-
-def _select_vjp(candidates: list[Any], which: int | jax.Array) -> Any:
-    """The VJP of ``candidates[which]`` (``which`` traced per stage): the residuals
-    selected leaf by leaf, applied by the first candidate's backward function."""
-    if len(candidates) == 1:
-        return candidates[0]
-    flat = [jax.tree.flatten(candidate) for candidate in candidates]
-    leaves = [candidate_leaves for candidate_leaves, _ in flat]
-    types = [jax.typeof(x) for x in leaves[0]]
-    for other in leaves[1:]:
-        if [jax.typeof(x) for x in other] != types:
-            raise AssertionError("forward slots saved residuals of different types")
-    selected = [
-        group[0] if all(x is group[0] for x in group) else jax.lax.select_n(which, *group)
-        for group in zip(*leaves, strict=True)
-    ]
-    return jax.tree.unflatten(flat[0][1], selected)
 
 
 def _index_tree(tree: PyTree, index: int | jax.Array) -> PyTree:
@@ -261,7 +142,7 @@ class _Pipeline:
         self.model = pipeline_model(config)
         self.layout = self.model.layout
         self.schedule = self.model.schedule
-        self.stage = _Stage(self.layout.stages)
+        self.stage = Stage(self.layout.stages)
         self.outside = {name: value for name, value in params.items() if name != STAGE_BLOCKS}
         # This device's chunks: [V, ...] (its block of the stage dimension is 1).
         self.stacks = jax.tree.map(lambda a: a[:, 0], params[STAGE_BLOCKS])
@@ -479,7 +360,7 @@ class _Pipeline:
             for s, slot in enumerate(following.forward)
         ):
             with jax.named_scope("send_activations"):
-                self.received = _shift(y, stages, 1, circular=virtual > 1)
+                self.received = shift(y, stages, 1, circular=virtual > 1)
         return head_grad
 
     def _backward(self, tick: Tick, head_grad: jax.Array | None) -> None:
@@ -504,7 +385,7 @@ class _Pipeline:
         ]
         candidates = sorted({t for t in forward_ticks if t is not None})
         which = stage.pick([candidates.index(t) if t is not None else 0 for t in forward_ticks])
-        vjp = _select_vjp([self.vjps[t] for t in candidates], which)
+        vjp = select_vjp([self.vjps[t] for t in candidates], which)
         active = stage.pick([slot is not None for slot in slots])
         weight = jnp.where(active, 1.0 / (self.microbatches * self.shards), 0.0)
         chunk_grads, input_grad = vjp((cotangent, weight.astype(jnp.float32)))
@@ -522,7 +403,7 @@ class _Pipeline:
             for s, slot in enumerate(following.backward)
         ):
             with jax.named_scope("send_gradients"):
-                self.received_grad = _shift(input_grad, stages, -1, circular=virtual > 1)
+                self.received_grad = shift(input_grad, stages, -1, circular=virtual > 1)
 
     def _embed(self, params: PyTree, microbatch: _Microbatch) -> jax.Array:
         x, _ = self._outside_model(params).embed(microbatch.rows[:, :-1], microbatch.positions)

@@ -1,0 +1,68 @@
+"""What a pipeline's stages run alike in one SPMD program (:mod:`jaxmoe.train.pipeline`):
+per-stage values picked by the stage's index on the ``pipeline`` mesh axis, the
+``ppermute`` that hands each stage's value to a neighbour, and the VJP of one of several
+forward slots picked per stage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxmoe.parallel.layout import PIPELINE as PIPELINE_AXIS
+
+
+class Stage:
+    """This device's stage (traced) and per-stage values of the tick table."""
+
+    def __init__(self, stages: int):
+        self.stages = stages
+        self.index = jax.lax.axis_index(PIPELINE_AXIS)
+
+    def pick(self, values: list[int]) -> int | jax.Array:
+        """``values[stage]``: a constant where every stage has the same."""
+        if len(set(values)) == 1:
+            return values[0]
+        return self.traced(values)
+
+    def traced(self, values: list[int]) -> jax.Array:
+        """``values[stage]``, traced even where every stage has the same."""
+        return jnp.asarray(values, jnp.int32)[self.index]
+
+    def where(self, sources: list[int], values: dict[int, jax.Array | None]) -> jax.Array:
+        """Per stage, the value its ``sources`` entry names."""
+        needed = sorted(set(sources))
+        if len(needed) == 1:
+            return values[needed[0]]
+        chosen = self.pick(sources)
+        result = values[needed[0]]
+        for source in needed[1:]:
+            result = jnp.where(chosen == source, values[source], result)
+        return result
+
+
+def shift(x: jax.Array, stages: int, step: int, circular: bool) -> jax.Array:
+    """Each stage's ``x`` to the stage ``step`` after it (wrapping around if ``circular``;
+    a stage that nothing reaches gets zeros)."""
+    pairs = [(s, (s + step) % stages) for s in range(stages) if circular or 0 <= s + step < stages]
+    return jax.lax.ppermute(x, PIPELINE_AXIS, pairs)
+
+
+def select_vjp(candidates: list[Any], which: int | jax.Array) -> Any:
+    """The VJP of ``candidates[which]`` (``which`` traced per stage): the residuals
+    selected leaf by leaf, applied by the first candidate's backward function."""
+    if len(candidates) == 1:
+        return candidates[0]
+    flat = [jax.tree.flatten(candidate) for candidate in candidates]
+    leaves = [candidate_leaves for candidate_leaves, _ in flat]
+    types = [jax.typeof(x) for x in leaves[0]]
+    for other in leaves[1:]:
+        if [jax.typeof(x) for x in other] != types:
+            raise AssertionError("forward slots saved residuals of different types")
+    selected = [
+        group[0] if all(x is group[0] for x in group) else jax.lax.select_n(which, *group)
+        for group in zip(*leaves, strict=True)
+    ]
+    return jax.tree.unflatten(flat[0][1], selected)
