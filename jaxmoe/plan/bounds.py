@@ -27,9 +27,10 @@ memory.memory_per_device`) is there throughout, and when the backward pass begin
 forward values that it reads are alive (:func:`jaxmoe.train.memory.saved_for_backward`;
 gathered or cast parameters aside). A variant that recomputes no more, in as many
 microbatches or more, keeps at least those, at any ZeRO stage: every microbatch's forward
-pass runs first, each keeping its share of the rows' values (so does a pipeline's stage,
-with a share of the layers and as many times the rows); the plain step and ZeRO-1 keep
-what differentiation needs, a fully sharded block more. One that recomputes less keeps
+pass runs first, each keeping its share of the rows' values; the plain step and ZeRO-1
+keep what differentiation needs, a fully sharded block more. A pipeline's stage walks its
+ticks in order, so it keeps at least one microbatch's share (of its layers, and as many
+times the rows as it has stages). One that recomputes less keeps
 more: what the traced recomputation makes again and the backward pass reads
 (:func:`jaxmoe.train.memory.recomputed_for_backward`), all of it without recomputation,
 all but the core attention's (the values from the matmul of queries and keys to the
@@ -160,6 +161,15 @@ class Screen:
                 kept -= self.recomputed_core.block
             saved += self.blocks * max(kept, 0.0)
         return int(state + saved)
+
+    def pipeline_memory_bound(self, options: Options, state: int) -> int:
+        """A lower bound of the peak bytes of a pipeline's stage laid out as the traced
+        step, with ``options``, whose state takes ``state`` bytes: it walks its ticks in
+        order and keeps at least one microbatch's share of what the traced step keeps for
+        the backward pass (the pipeline's devices hold ``stages`` times the rows over
+        ``1 / stages`` of the layers, in ``microbatches`` microbatches)."""
+        kept = self.memory_bound(options, state) - state
+        return int(state + kept / options.microbatches)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
