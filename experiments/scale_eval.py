@@ -161,7 +161,7 @@ def best_rows(runs: Sequence[dict[str, Any]]) -> list[str]:
             f"| {run['model']} | {run['devices']} | {best.mapping.label()} | "
             f"{t.step * 1e3:.0f} | {t.compute * 1e3:.0f} | "
             f"{t.exposed_communication * 1e3:.0f} | {best.mfu:.1%} | {compute_mfu:.1%} | "
-            f"{PUBLISHED_MFU[run['model']]:.1%} | {_gb(m.total)} ({parts}) |"
+            f"{PUBLISHED_MFU[run['model']]:.1%} | {_gb(best.peak_bytes)} ({parts}) |"
         )
     return lines
 

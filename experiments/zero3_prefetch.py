@@ -50,10 +50,9 @@ def measure(profile: str, lead: float, program=None) -> tuple[dict, object]:
     from jaxmoe.train.scheduled import capture_train_step, schedule_policy
     from scheduling import (
         Phase,
-        aval_bytes,
         build_report,
         cost_model,
-        is_parameter_gather,
+        gathers_in_flight_bytes,
         peak_live_bytes,
         plan,
     )
@@ -71,17 +70,6 @@ def measure(profile: str, lead: float, program=None) -> tuple[dict, object]:
     forward_end = min(
         position[n.id] for n in graph.nodes if n.op.phase is not Phase.FORWARD
     )  # the first op of the backward pass (or the update)
-    in_flight = [0] * (len(order) + 1)
-    for node in graph.starts():
-        if is_parameter_gather(node):
-            first_use = min(position[c] for c in graph.succs[node.partner])
-            size = sum(aval_bytes(v.aval) for v in node.op.outputs)
-            in_flight[position[node.id]] += size
-            in_flight[first_use] -= size
-    held, most = 0, 0
-    for change in in_flight:
-        held += change
-        most = max(most, held)
     gathers = [c for c in report.collectives if "parameter" in c.purpose]
     return {
         "profile": profile,
@@ -90,7 +78,7 @@ def measure(profile: str, lead: float, program=None) -> tuple[dict, object]:
         "gathers": len(gathers),
         "gather_s": sum(c.estimated_seconds for c in gathers),
         "gather_exposed_s": sum(c.estimated_seconds - c.overlap_seconds for c in gathers),
-        "most_in_flight_bytes": most,
+        "most_in_flight_bytes": gathers_in_flight_bytes(graph, order),
         "forward_peak_bytes": peak_live_bytes(graph, order, until=forward_end),
         "peak_bytes": report.peak_live_bytes,
     }, program

@@ -65,6 +65,7 @@ _API = {
     "batch_inputs": "scheduling.planning.plan",
     "peak_live_bytes": "scheduling.passes.order",
     "is_parameter_gather": "scheduling.passes.prefetch",
+    "gathers_in_flight_bytes": "scheduling.passes.prefetch",
     # estimate
     "estimate": "scheduling.planning.step_estimate",
     "node_seconds": "scheduling.planning.step_estimate",

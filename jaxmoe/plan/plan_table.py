@@ -8,7 +8,7 @@ from jaxmoe.plan.planner import MEMORY_METHOD, MappingEstimate, NotEstimated, Pl
 
 def table(result: PlanResult, verbose: bool = False) -> str:
     """The ranked mappings, every column, and what was dropped or skipped."""
-    largest = max((e.memory.total for e in result.estimates), default=0)
+    largest = max((e.peak_bytes for e in result.estimates), default=0)
     unit, scale, exponent = ("GB", 1e9, 9) if largest >= 1e9 else ("MB", 1e6, 6)
     header = (
         f"{'#':>3}  {'attention':>9}  {'MoE':>8}  {'dispatcher':<10}  {'ZeRO':>4}  "
@@ -47,9 +47,9 @@ def table(result: PlanResult, verbose: bool = False) -> str:
             f"{e.schedule:<8}  {t.step * 1e3:>9.3f}  {e.mfu * 100:>6.3g}  "
             f"{t.compute * 1e3:>8.3f}  {t.communication * 1e3:>8.3f}  "
             f"{t.exposed_communication * 1e3:>8.3f}  {size(mem.master):>7}  "
-            f"{size(mem.optimizer):>7}  {size(mem.parameters):>7}  "
+            f"{size(mem.optimizer):>7}  {size(mem.parameters + t.prefetched):>7}  "
             f"{size(mem.activations):>7}  {size(mem.backward + mem.pipeline):>7}  "
-            f"{size(mem.total):>8}"
+            f"{size(e.peak_bytes):>8}"
         )
 
     lines += [row(str(i + 1), e) for i, e in enumerate(result.ranked)]
@@ -57,7 +57,7 @@ def table(result: PlanResult, verbose: bool = False) -> str:
         lines.append("  (no mapping fits in the device memory)")
     over = result.over_memory
     if over:
-        smallest = min(e.memory.total for e in over)
+        smallest = min(e.peak_bytes for e in over)
         lines.append(
             f"dropped {len(over)} mappings over {capacity / 1e9:g} GB per device (the "
             f"smallest of them needs {smallest / 1e9:.3f} GB)"

@@ -72,7 +72,14 @@ from jaxmoe.train.mfu import mfu
 from jaxmoe.train.model_flops import model_flops
 from jaxmoe.train.scheduled import capture_train_step, op_cost_cache, schedule_policy
 from jaxmoe.train.state import abstract_train_state
-from scheduling import Program, batch_inputs, build_report, cost_model, plan
+from scheduling import (
+    Program,
+    batch_inputs,
+    build_report,
+    cost_model,
+    gathers_in_flight_bytes,
+    plan,
+)
 
 # Modules that only present estimates: left out of the estimate cache's key.
 PRESENTATION = frozenset({"cli.py", "plan_table.py"})
@@ -86,7 +93,8 @@ MEMORY_METHOD = (
     "the buffers alive after each op summed. At the peak: the state (master: the "
     "parameters as the state holds them; optim: AdamW moments and counts, gradient-sync "
     "state, placement, step) and the batch throughout; params: the parameters as the step "
-    "computes with them (casts to the compute dtype, ZeRO's gathers); activ: forward "
+    "computes with them (casts to the compute dtype, ZeRO's gathers, and the gathers a "
+    "schedule starts ahead of their use); activ: forward "
     "values, a recomputation's included; backward: gradients, their accumulators and the "
     "backward pass's working buffers. Within 10% of XLA:CPU's compiled memory analysis on "
     "small models (tests/train/test_memory.py), pipelines and ZeRO included, a few "
@@ -102,6 +110,9 @@ class StepTime:
     compute: float
     communication: float
     exposed_communication: float
+    # Gathered weights the schedule holds beyond the unscheduled step's memory walk, at
+    # most: ZeRO-3 gathers started ahead of their use (bytes; 0 without split gathers).
+    prefetched: int = 0
 
 
 @dataclass(frozen=True)
@@ -110,7 +121,7 @@ class MappingEstimate:
     memory: StepMemory
     times: dict[str, StepTime]  # schedule -> its simulated step
     mfu: float  # of the fastest schedule
-    fits: bool  # memory.total within the profile's device memory (or it is not known)
+    fits: bool  # peak_bytes within the profile's device memory (or it is not known)
 
     @property
     def schedule(self) -> str:
@@ -120,6 +131,12 @@ class MappingEstimate:
     def best(self) -> StepTime:
         return self.times[self.schedule]
 
+    @property
+    def peak_bytes(self) -> int:
+        """Memory per device at the step's peak under the fastest schedule: the walk's,
+        and the gathers it starts early."""
+        return self.memory.total + self.best.prefetched
+
     def to_json(self) -> dict[str, Any]:
         return {
             "mapping": self.mapping.to_json(),
@@ -127,6 +144,7 @@ class MappingEstimate:
             "step_seconds": self.best.step,
             "mfu": self.mfu,
             "memory_bytes": self.memory.to_json(),
+            "peak_bytes": self.peak_bytes,
             "fits": self.fits,
             "by_schedule": {name: dataclasses.asdict(t) for name, t in self.times.items()},
         }
@@ -288,12 +306,14 @@ def _estimate_program(
     for schedule in schedules:
         policy = schedule_policy(_with_schedule(config, schedule, profile))
         cost = cost_model(policy, mesh)
-        report = build_report(plan(program, policy, cost, batch), cost, policy, program)
+        planned = plan(program, policy, cost, batch)
+        report = build_report(planned, cost, policy, program)
         times[schedule] = StepTime(
             report.step_seconds,
             report.compute_seconds,
             report.communication_seconds,
             report.exposed_communication_seconds,
+            gathers_in_flight_bytes(planned.graph, planned.schedule.order),
         )
     return memory, times
 
@@ -425,10 +445,18 @@ def estimate_mapping(
         one = tracer.estimate(with_blocks(config, 1))
         two = tracer.estimate(with_blocks(config, 2))
         memory = extrapolate(one[0], two[0], blocks)
-        times = {s: extrapolate(one[1][s], two[1][s], blocks) for s in schedules}
+        times = {s: _extrapolated_time(one[1][s], two[1][s], blocks) for s in schedules}
     for schedule in schedules:
         cache.save(keyed[schedule], schedule, method, memory, times[schedule])
     return memory, times
+
+
+def _extrapolated_time(one: StepTime, two: StepTime, blocks: int) -> StepTime:
+    """A ``blocks``-block step from one- and two-block steps: the times grow by a block's
+    each block; the gathers held ahead of use are a maximum over the step (a schedule
+    prefetches a few blocks ahead however deep the model), the two-block step's."""
+    grown = extrapolate(one, two, blocks)
+    return dataclasses.replace(grown, prefetched=max(one.prefetched, two.prefetched))
 
 
 def check_plan_inputs(config: Config, devices: int, profile: str, schedules: Sequence[str]):
@@ -607,18 +635,19 @@ def plan_mappings(
             extrapolate_layers=extrapolate_layers,
             tracer=tracer,
         )
-        step = min(t.step for t in times.values())
+        fastest = min(times.values(), key=lambda t: t.step)
+        step = fastest.step
         estimate = MappingEstimate(
             mapping=candidate.mapping,
             memory=memory,
             times=times,
             mfu=mfu(flops, step, devices, peak),
-            fits=not over(memory.total),
+            fits=not over(memory.total + fastest.prefetched),
         )
         estimates.append(estimate)
         say(
             f"estimated {candidate.mapping.label()}: {step * 1e3:.3f} ms, "
-            f"{memory.total / 1e9:.3f} GB"
+            f"{estimate.peak_bytes / 1e9:.3f} GB"
         )
         return Advance(estimated=True, figure=step if estimate.fits else None)
 
@@ -633,7 +662,7 @@ def plan_mappings(
         )
         for bound, pending in left
     ]
-    estimates.sort(key=lambda e: (not e.fits, -e.mfu, e.memory.total))
+    estimates.sort(key=lambda e: (not e.fits, -e.mfu, e.peak_bytes))
     extrapolated = extrapolate_layers and extrapolates(config)
     return PlanResult(
         preset,

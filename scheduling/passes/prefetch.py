@@ -15,9 +15,10 @@ any collective does.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from scheduling.names import PARAMETER_GATHER_SCOPE
+from scheduling.program.capture import aval_bytes
 from scheduling.program.graph import Graph, Node, Role
 
 
@@ -46,3 +47,24 @@ def prefetch_bounds(graph: Graph, seconds: Callable[[Node], float], lead: float)
                 covered += seconds(node)
         bounds[start.id] = earliest
     return bounds
+
+
+def gathers_in_flight_bytes(graph: Graph, order: Sequence[int]) -> int:
+    """The most bytes of gathered weights held at once before their use when running in
+    ``order``: each split parameter gather's result from its start to its first consumer
+    (0 where no such gather is split into a start and a done). What a schedule's early
+    starts add to the gathered weights of an unscheduled step, at most."""
+    position = {node: i for i, node in enumerate(order)}
+    change = [0] * (len(order) + 1)
+    for start in graph.starts():
+        consumers = graph.succs[start.partner]
+        if not is_parameter_gather(start) or not consumers:
+            continue
+        size = sum(aval_bytes(value.aval) for value in start.op.outputs)
+        change[position[start.id]] += size
+        change[min(position[c] for c in consumers)] -= size
+    held = most = 0
+    for step in change:
+        held += step
+        most = max(most, held)
+    return most

@@ -104,3 +104,15 @@ def test_peak_live_bytes_over_a_prefix_of_the_order():
     assert peak_live_bytes(graph, schedule.order, until=len(schedule.order)) == whole
     prefixes = [peak_live_bytes(graph, schedule.order, until=k) for k in (1, 10, 40)]
     assert prefixes == sorted(prefixes) and prefixes[0] < whole
+
+
+def test_gathered_bytes_in_flight_follow_the_lead():
+    from scheduling.passes.prefetch import gathers_in_flight_bytes
+
+    graph = _graph()
+    one = WIDTH * WIDTH * 4  # a gathered float32 weight
+    at_once = order(graph, Placement(), 0.1)
+    assert gathers_in_flight_bytes(graph, at_once.order) == LAYERS * one
+    led = order(graph, Placement(), 0.1, None, prefetch_bounds(graph, _seconds(3.0), 1.0))
+    # Each starts three ops before its use, within the block before: one ahead at a time.
+    assert gathers_in_flight_bytes(graph, led.order) == one

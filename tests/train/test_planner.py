@@ -161,8 +161,8 @@ def test_json_shape(planned):
     assert [row["rank"] for row in data["ranked"]] == list(range(1, 11))
     row = data["ranked"][0]
     assert set(row) == {
-        "rank", "mapping", "schedule", "step_seconds", "mfu", "memory_bytes", "fits",
-        "by_schedule",
+        "rank", "mapping", "schedule", "step_seconds", "mfu", "memory_bytes", "peak_bytes",
+        "fits", "by_schedule",
     }  # fmt: skip
     assert set(row["mapping"]) == {
         "devices", "tensor", "attention_data", "expert_data", "expert", "expert_tensor",
@@ -170,6 +170,8 @@ def test_json_shape(planned):
     }  # fmt: skip
     parts = ("master", "optimizer", "batch", "parameters", "activations", "backward", "pipeline")
     assert row["memory_bytes"]["total"] == sum(row["memory_bytes"][p] for p in parts)
+    prefetched = row["by_schedule"][row["schedule"]]["prefetched"]
+    assert row["peak_bytes"] == row["memory_bytes"]["total"] + prefetched
     assert data["not_estimated"] == [] and data["top"] == 10
     assert row["by_schedule"]["none"]["step"] == row["step_seconds"]
     assert {"mapping", "reason"} == set(data["skipped"][0])
@@ -263,3 +265,22 @@ def test_with_several_schedules_the_fastest_counts(planned):
     assert times["async"].exposed_communication < times["none"].exposed_communication
     estimate = dataclasses.replace(unscheduled, times=times)
     assert estimate.schedule == "async" and estimate.best == times["async"]
+
+
+def test_a_schedule_that_gathers_ahead_adds_what_it_holds_to_the_memory(planned):
+    from jaxmoe.plan.mappings import with_options
+    from jaxmoe.plan.options import Options
+
+    (candidate,) = [
+        c
+        for c in planned.space.valid
+        if (c.mapping.expert, c.mapping.tensor, c.mapping.dispatcher) == (2, 1, "all_to_all")
+    ]
+    sharded = with_options(candidate, Options(zero=3), DEVICES)
+    memory, times = planner.estimate_mapping(
+        sharded.config, ["none", "async"], PROFILE, planner.EstimateCache(None)
+    )
+    # none runs each gather where it stands; async starts them ahead of their use.
+    assert times["none"].prefetched == 0 < times["async"].prefetched
+    estimate = planner.MappingEstimate(sharded.mapping, memory, times, mfu=0.0, fits=True)
+    assert estimate.peak_bytes == memory.total + estimate.best.prefetched
