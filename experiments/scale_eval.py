@@ -98,7 +98,9 @@ def plan_one(model: str, devices: int, top: int) -> dict[str, Any]:
 
     config = planned_config(model, devices)
     wall, cpu = time.perf_counter(), time.process_time()
-    result = plan_mappings(config, model, devices, PROFILE, top=top)
+    result = plan_mappings(
+        config, model, devices, PROFILE, top=top, progress=lambda line: print(line, flush=True)
+    )
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     print(f"{model} on {devices}: {len(result.estimates)} estimated, {wall:.0f} s", flush=True)
     return {"model": model, "devices": devices, "result": result, "wall": wall, "cpu": cpu}

@@ -29,9 +29,10 @@ gathered or cast parameters aside). A variant that recomputes no more, in as man
 microbatches or more, keeps at least those, at any ZeRO stage: every microbatch's forward
 pass runs first, each keeping its share of the rows' values; the plain step and ZeRO-1
 keep what differentiation needs, a fully sharded block more. A pipeline's stage walks its
-ticks in order, so it keeps at least one microbatch's share (of its layers, and as many
-times the rows as it has stages). One that recomputes less keeps
-more: what the traced recomputation makes again and the backward pass reads
+ticks in order, so it keeps at least the residuals of the forward slots before its first
+backward slot: as many microbatches' share as it has stages (of its layers, and as many
+times the rows as it has stages), or all of them where there are fewer. One that
+recomputes less keeps more: what the traced recomputation makes again and the backward pass reads
 (:func:`jaxmoe.train.memory.recomputed_for_backward`), all of it without recomputation,
 all but the core attention's (the values from the matmul of queries and keys to the
 matmul with the values) when only the core attention is recomputed. These bound the
@@ -162,14 +163,20 @@ class Screen:
             saved += self.blocks * max(kept, 0.0)
         return int(state + saved)
 
-    def pipeline_memory_bound(self, options: Options, state: int) -> int:
-        """A lower bound of the peak bytes of a pipeline's stage laid out as the traced
-        step, with ``options``, whose state takes ``state`` bytes: it walks its ticks in
-        order and keeps at least one microbatch's share of what the traced step keeps for
-        the backward pass (the pipeline's devices hold ``stages`` times the rows over
-        ``1 / stages`` of the layers, in ``microbatches`` microbatches)."""
+    def pipeline_memory_bound(self, options: Options, state: int, stages: int) -> int:
+        """A lower bound of the peak bytes of a pipeline of ``stages`` stages, each laid
+        out as the traced step, with ``options``, whose state takes ``state`` bytes.
+
+        A stage's devices hold ``stages`` times the rows over ``1 / stages`` of the
+        layers, so one microbatch's residuals in one chunk are ``1 / (microbatches x
+        virtual)`` of what the traced step keeps for the backward pass. The walk follows
+        the ticks: before the first backward slot (that of the first microbatch on the
+        last chunk, tick ``stages x virtual - 1``) every tick ran a forward slot, and
+        the first stage needs each of their residuals until its own backward slots, so
+        every device (one SPMD program) keeps at least ``min(microbatches, stages) x
+        virtual`` of them alive at once."""
         kept = self.memory_bound(options, state) - state
-        return int(state + kept / options.microbatches)
+        return int(state + kept * min(options.microbatches, stages) / options.microbatches)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -596,7 +596,7 @@ def plan_mappings(
             if mapping.pipeline == 1:
                 memory = bounds.memory_bound(o, states[o.zero])
             else:
-                memory = bounds.pipeline_memory_bound(o, states[o.zero])
+                memory = bounds.pipeline_memory_bound(o, states[o.zero], mapping.pipeline)
             if over(memory):
                 leave(mapping.with_options(o), "memory", _over_reason(memory), memory)
                 continue

@@ -132,7 +132,7 @@ def test_a_stage_layout_without_a_pipeline_bounds_its_pipelines(zero, microbatch
     )
     assert bounds.pipeline_step_bound(options, 2, 1) <= times["none"].step
     state = planner.state_bytes(variant.config)
-    assert bounds.pipeline_memory_bound(options, state) <= memory.total
+    assert bounds.pipeline_memory_bound(options, state, 2) <= memory.total
 
 
 def test_screens_round_trip_through_json():

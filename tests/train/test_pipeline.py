@@ -6,9 +6,10 @@ the same router noise), over 5 steps of 4 microbatches: 1F1B on the unfolded lay
 (chunks of a dense and an MoE block), the interleaved schedule (2 virtual stages)
 on a folded layout (tensor, expert and expert-tensor parallelism over the same devices)
 with full-layer recomputation, 1F1B on uneven chunks (1 and 2 MoE layers: the first
-stage's second position is padding), and 1F1B with the distributed optimizer (ZeRO-1: the
-blocks sharded over the expert axis within a stage, the rest over the pipeline axis too)
-against the unpipelined run without it.
+stage's second position is padding), and 1F1B and the interleaved schedule with the
+distributed optimizer (ZeRO-1: on the unfolded layout the blocks sharded over the expert
+axis within a stage, the rest over the pipeline axis too) against the unpipelined run
+without it.
 
 Tolerances. The same tokens drop (``dropped_fraction`` and ``tokens_per_expert`` equal
 exactly). The pipeline computes each block as the loop does, but its chunks are separate
@@ -78,6 +79,7 @@ CASES = {
     "interleaved": ("folded", 2, "layer", {}),
     "uneven": ("plain", 1, "none", dict(num_layers=3, moe_every=1, chunk_layers="1,2")),
     "zero1": ("plain", 1, "none", dict(zero=1)),
+    "interleaved-zero1": ("folded", 2, "layer", dict(zero=1)),
 }
 
 
