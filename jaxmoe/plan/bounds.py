@@ -68,8 +68,9 @@ _PARTS = (
 # What JAX puts on the values a remat region keeps (ZeRO-3's fully sharded blocks keep all
 # but their gathers): the cost model prices it, XLA drops it.
 _REMAT_MARKS = frozenset({"reduce_precision"})
-# A block's ops: under its name scope ``layer_<i>``.
-BLOCK_SCOPE = re.compile(r"(^|/)layer_\d+(/|$)")
+# A block's ops: under its name scope ``layer_<i>``, or in a pipeline's chunk
+# ``chunk_layer_<j>`` (jaxmoe.train.pipeline; ZeRO-1's gathers of a stacked block too).
+BLOCK_SCOPE = re.compile(r"(^|/)(chunk_)?layer_\d+(/|$)")
 _RECOMPUTED = "rematted_computation"
 
 

@@ -138,3 +138,27 @@ def test_a_stage_layout_without_a_pipeline_bounds_its_pipelines(zero, microbatch
 def test_screens_round_trip_through_json():
     bounds = screened()
     assert type(bounds).from_json(bounds.to_json()) == bounds
+
+
+@pytest.mark.parametrize("options", [Options(0, "none", 2), Options(1, "none", 4)])
+def test_a_pipelines_own_one_block_screen_bounds_it_closely(options):
+    """Three blocks per chunk: the screen traces one and scales the chunk's blocks (under
+    ``chunk_layer_<j>`` in the ticks) to three; a bound of the one-block step alone would
+    be under half of the estimate."""
+    args = cli.parse(
+        ["plan", *SIX_LAYERS, "--model.num_layers", "12", "--devices", "4", "--profile", PROFILE]
+    )
+    config = cli.resolve_config(args)
+    (staged,) = [
+        c
+        for c in enumerate_mappings(config, 4, 8, pipelines=[(2, 1)]).valid
+        if (c.mapping.tensor, c.mapping.expert, c.mapping.dispatcher) == (1, 2, "all_to_all")
+    ]
+    variant = with_options(staged, options, 8)
+    own = tracer().screen(variant.config, True)
+    assert own.blocks == 3
+    memory, times = planner.estimate_mapping(
+        variant.config, ["none"], PROFILE, planner.EstimateCache(None), tracer=tracer()
+    )
+    assert 0.8 * times["none"].step <= own.step_bound(options) <= times["none"].step
+    assert own.memory_bound(options, planner.state_bytes(variant.config)) <= memory.total
