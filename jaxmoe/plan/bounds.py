@@ -19,8 +19,9 @@ profile's per-op overhead.
 
 A pipeline's stage laid out as the traced step (without a pipeline) runs the same ops for
 its chunks' layers over its microbatches, with idle ticks that run the same code on
-zeros; its update and ZeRO-1's gathers are of fewer layers over fewer replicas, and
-taken away.
+zeros: the work of the traced step stretched by the idle ticks, and each op's overhead
+once per tick it runs in; its update and ZeRO-1's gathers are of fewer layers over fewer
+replicas, and taken away.
 
 Memory of a variant. The state (parameters and optimizer state, :func:`jaxmoe.train.
 memory.memory_per_device`) is there throughout, and when the backward pass begins the
@@ -130,15 +131,26 @@ class Screen:
     def pipeline_step_bound(self, options: Options, stages: int, virtual: int) -> float:
         """A lower bound of the step time of the traced stage layout (traced without a
         pipeline) as each stage of a pipeline of ``stages`` (``virtual`` chunks each) with
-        ``options``: its devices run the same ops for their chunks' layers over their
-        microbatches, and the ticks where the schedule leaves a stage idle run the same
-        code on zeros (so ``1 + (stages - 1) / (microbatches x virtual)`` times the work);
-        the update of fewer layers' parameters, over fewer replicas, and ZeRO-1's gathers
-        (of fewer layers' parameters) taken away."""
+        ``options``. Its devices run ``microbatches x virtual + stages - 1`` ticks, each
+        the ops of one chunk (``1 / (stages x virtual)`` of the layers) on one
+        microbatch, idle ticks on zeros: so the traced step's work (``stages`` times the
+        rows over ``1 / stages`` of the layers) ``ticks / (microbatches x virtual)``
+        times, and its forward and backward ops' per-op overheads ``ticks / (stages x
+        virtual)`` times. The update of fewer layers' parameters, over fewer replicas, and
+        ZeRO-1's gathers (of fewer layers' parameters) are taken away."""
         one = Options(0, options.recompute, self.options.microbatches)
         seconds = self.step_bound(one) - self.update.at(self.blocks)
-        bubble = 1 + (stages - 1) / (options.microbatches * virtual)
-        return max(seconds, 0.0) * bubble
+        overhead = self.overhead_step.at(self.blocks)
+        if options.recompute != self.options.recompute:
+            overhead -= self.overhead_recomputing.at(self.blocks)
+        if self.options.zero:
+            overhead -= self.overhead_sharding.at(self.blocks)
+        overhead /= self.options.microbatches  # one microbatch's
+        work = max(seconds - overhead * self.options.microbatches, 0.0)
+        ticks = options.microbatches * virtual + stages - 1
+        return work * ticks / (options.microbatches * virtual) + overhead * ticks / (
+            stages * virtual
+        )
 
     def keeps_at_least(self, options: Options) -> bool:
         """Whether ``options`` keep at least what the traced options keep for the backward
