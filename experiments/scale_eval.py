@@ -85,7 +85,9 @@ LEFT_OUT = [
     "Microbatches: without a pipeline the memory walk runs every microbatch's forward "
     "pass first, as nothing in the step orders them (XLA:CPU does the same); XLA:GPU's "
     "memory scheduler may interleave them and hold less. A pipeline's ticks are walked in "
-    "their order.",
+    "their order, which for the interleaved schedule is below what XLA:CPU holds (part 2: "
+    "the walk's ratio to XLA's peak), so interleaved pipelines may fit here and not on a "
+    "device whose compiler runs later ticks' forward slots early.",
     "Attention: jaxmoe's attention keeps its [heads, seq, seq] scores for the backward "
     "pass (no flash attention), so at 4096 tokens a layer's activations are far above "
     "Megatron-Core's; mappings without recomputation fit later here than there.",
@@ -407,8 +409,9 @@ def report(
             f"{repeats} steps after 2 untimed ones, on a machine shared with other work. "
             "XLA:CPU drops the barriers in front of a recomputation (its memory does not "
             "fall; the walk as XLA:GPU keeps them says what it saves there) and runs every "
-            "microbatch's forward pass first; a pipeline's ticks it runs in their order, "
-            "as the walk does.",
+            "microbatch's forward pass first. The walk follows a pipeline's ticks in their "
+            "order; XLA:CPU holds about as much for 1F1B, and more for the interleaved "
+            "schedule (it runs later ticks' forward slots early).",
             "",
             *cpu_rows(measured),
             "",
