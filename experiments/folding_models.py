@@ -98,7 +98,8 @@ def plan_and_compare(
     config: Config | None = None,
 ) -> FoldingComparison:
     """Plan every mapping of ``model`` (or ``config``) on ``devices`` devices and compare."""
-    from jaxmoe.plan.planner import default_cache_dir, plan_mappings
+    from jaxmoe.plan.estimates import default_cache_dir
+    from jaxmoe.plan.planner import plan_mappings
 
     config = config or planned_config(model, devices)
     # Every layout at the model's own options: a comparison of layouts alone.

@@ -62,7 +62,8 @@ LEFT_OUT = [
 
 
 def plan_model(model: str, devices: int, schedules: Sequence[str], model_fields: dict):
-    from jaxmoe.plan.planner import default_cache_dir, plan_mappings
+    from jaxmoe.plan.estimates import default_cache_dir
+    from jaxmoe.plan.planner import plan_mappings
 
     config = planned_config(model, devices, **model_fields)
     started = time.perf_counter()

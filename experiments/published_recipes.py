@@ -30,7 +30,7 @@ from jaxmoe.config import Config
 from jaxmoe.plan.mappings import Mapping
 
 if TYPE_CHECKING:  # the planner imports JAX
-    from jaxmoe.plan.planner import StepTime
+    from jaxmoe.plan.estimates import StepTime
     from jaxmoe.train.memory import StepMemory
 
 SOURCE = (
@@ -123,8 +123,9 @@ def estimate_recipe(model: str, profile: str, planned: Mapping | None) -> list[R
     ``planned`` (the planner's best layout on the recipe's devices, None: left out) at
     the recipe's batch, each estimated on ``profile``."""
     import scheduling
+    from jaxmoe.plan.estimates import EstimateCache
     from jaxmoe.plan.mappings import with_mapping
-    from jaxmoe.plan.planner import EstimateCache, estimate_mapping
+    from jaxmoe.plan.planner import estimate_mapping
     from jaxmoe.train.mfu import mfu
     from jaxmoe.train.model_flops import model_flops
 

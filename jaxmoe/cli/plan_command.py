@@ -18,6 +18,7 @@ from jaxmoe.config import Config, ConfigError
 
 def run(config: Config, args: argparse.Namespace) -> int:
     from jaxmoe.plan import plan_table, planner
+    from jaxmoe.plan.estimates import default_cache_dir
 
     schedules = [name.strip() for name in args.schedule.split(",") if name.strip()]
     if args.json is not None:
@@ -30,7 +31,7 @@ def run(config: Config, args: argparse.Namespace) -> int:
         args.devices,
         args.profile,
         schedules,
-        cache_dir=None if args.no_cache else planner.default_cache_dir(),
+        cache_dir=None if args.no_cache else default_cache_dir(),
         progress=lambda line: print(line, file=sys.stderr, flush=True),
         extrapolate_layers=not args.trace_every_layer,
     )

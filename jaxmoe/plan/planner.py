@@ -43,8 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
-import importlib.metadata
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -56,6 +54,7 @@ from jaxmoe.config import Config, ConfigError
 from jaxmoe.config.choices import DISPATCHERS
 from jaxmoe.parallel.mesh import abstract_mesh
 from jaxmoe.plan.bounds import Screen, screen
+from jaxmoe.plan.estimates import Estimate, EstimateCache, StepTime
 from jaxmoe.plan.layer_extrapolation import block_count, extrapolate, extrapolates, with_blocks
 from jaxmoe.plan.mappings import (
     Candidate,
@@ -70,7 +69,7 @@ from jaxmoe.plan.search import Advance, best_first
 from jaxmoe.train.memory import StepMemory, memory_per_device, step_memory
 from jaxmoe.train.mfu import mfu
 from jaxmoe.train.model_flops import model_flops
-from jaxmoe.train.scheduled import capture_train_step, op_cost_cache, schedule_policy
+from jaxmoe.train.scheduled import capture_train_step, schedule_policy
 from jaxmoe.train.state import abstract_train_state
 from scheduling import (
     Program,
@@ -81,8 +80,6 @@ from scheduling import (
     plan,
 )
 
-# Modules that only present estimates: left out of the estimate cache's key.
-PRESENTATION = frozenset({"cli.py", "plan_table.py"})
 MEMORY_METHOD = (
     "per device, the peak of the step as XLA:GPU holds it (jaxmoe/train/memory.py): the "
     "captured per-device step walked with each op as soon as its operands are ready "
@@ -101,19 +98,6 @@ MEMORY_METHOD = (
     "under it (XLA's heap leaves gaps); for the interleaved schedule XLA:CPU holds more "
     "than the tick order (1.37x on 2 stages of 2 chunks)."
 )
-
-
-@dataclass(frozen=True)
-class StepTime:
-    """One schedule's simulated step (seconds)."""
-
-    step: float
-    compute: float
-    communication: float
-    exposed_communication: float
-    # Gathered weights the schedule holds beyond the unscheduled step's memory walk, at
-    # most: ZeRO-3 gathers started ahead of their use (bytes; 0 without split gathers).
-    prefetched: int = 0
 
 
 @dataclass(frozen=True)
@@ -217,83 +201,10 @@ class PlanResult:
         }
 
 
-def _source_digest() -> str:
-    """Of everything an estimate depends on besides its inputs: the code and JAX (the
-    command line and the table's layout aside)."""
-    import jaxmoe
-
-    digest = hashlib.sha256()
-    for package in (jaxmoe, scheduling):
-        root = Path(package.__file__).parent
-        for path in sorted(root.rglob("*")):
-            if path.suffix in (".py", ".json") and path.name not in PRESENTATION:
-                digest.update(str(path.relative_to(root)).encode())
-                digest.update(path.read_bytes())
-    for name in ("jax", "jaxlib", "flax", "optax"):
-        digest.update(f"{name}={importlib.metadata.version(name)}".encode())
-    return digest.hexdigest()
-
-
-class EstimateCache:
-    """Estimates and bounds on disk: one file per (mapped config, profile, schedule,
-    method: traced whole, extrapolated from shallow traces, or a screen's bounds)."""
-
-    def __init__(self, root: Path | None):
-        self.root = root
-        self._digest = _source_digest() if root is not None else ""
-
-    def _path(self, config: Config, schedule: str, method: str) -> Path:
-        assert self.root is not None
-        key = json.dumps([config.to_dict(), schedule, method, self._digest], sort_keys=True)
-        return self.root / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
-
-    def _read(self, config: Config, schedule: str, method: str) -> Any:
-        if self.root is None:
-            return None
-        try:
-            return json.loads(self._path(config, schedule, method).read_text())
-        except (OSError, ValueError):
-            return None
-
-    def _write(self, config: Config, schedule: str, method: str, record: Any) -> None:
-        if self.root is None:
-            return
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._path(config, schedule, method).write_text(json.dumps(record) + "\n")
-
-    def load(
-        self, config: Config, schedule: str, method: str
-    ) -> tuple[StepMemory, StepTime] | None:
-        data = self._read(config, schedule, method)
-        try:
-            return StepMemory(**data["memory"]), StepTime(**data["time"])
-        except (KeyError, TypeError):
-            return None
-
-    def save(
-        self, config: Config, schedule: str, method: str, memory: StepMemory, time: StepTime
-    ) -> None:
-        record = {"memory": dataclasses.asdict(memory), "time": dataclasses.asdict(time)}
-        self._write(config, schedule, method, record)
-
-    def load_screen(self, config: Config, schedule: str) -> Screen | None:
-        data = self._read(config, schedule, "screen")
-        try:
-            return Screen.from_json(data)
-        except (KeyError, TypeError):
-            return None
-
-    def save_screen(self, config: Config, schedule: str, found: Screen) -> None:
-        self._write(config, schedule, "screen", found.to_json())
-
-
 def _with_schedule(config: Config, schedule: str, profile: str) -> Config:
     return dataclasses.replace(
         config, schedule=dataclasses.replace(config.schedule, name=schedule, profile=profile)
     )
-
-
-Estimate = tuple[StepMemory, dict[str, StepTime]]
 
 
 def _estimate_program(
@@ -682,7 +593,3 @@ def plan_mappings(
 
 def _over_reason(memory: int) -> str:
     return f"needs {memory / 1e9:.1f} GB per device or more (a lower bound), over the device's"
-
-
-def default_cache_dir() -> Path:
-    return op_cost_cache() / "plan"
