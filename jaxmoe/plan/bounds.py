@@ -24,7 +24,7 @@ once per tick it runs in; its update and ZeRO-1's gathers are of fewer layers ov
 replicas, and taken away.
 
 Memory of a variant. The state (parameters and optimizer state, :func:`jaxmoe.train.
-memory.memory_per_device`) is there throughout, and when the backward pass begins the
+state_memory.memory_per_device`) is there throughout, and when the backward pass begins the
 forward values that it reads are alive (:func:`jaxmoe.train.memory.saved_for_backward`;
 gathered or cast parameters aside). A variant that recomputes no more, in as many
 microbatches or more, keeps at least those, at any ZeRO stage: every microbatch's forward

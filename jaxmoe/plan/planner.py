@@ -19,7 +19,7 @@ bound of their step time, and only until the ``top`` best are known
 (:mod:`jaxmoe.plan.search`):
 
 1. A mapping whose state alone (its parameters and optimizer state, analytic:
-   :func:`~jaxmoe.train.memory.memory_per_device`) exceeds the device's memory is
+   :func:`~jaxmoe.train.state_memory.memory_per_device`) exceeds the device's memory is
    dropped untraced.
 2. Each layout is traced once with one block under its options of least memory
    (:func:`~jaxmoe.plan.options.least_memory`): lower bounds of the step time and the
@@ -66,11 +66,12 @@ from jaxmoe.plan.mappings import (
 )
 from jaxmoe.plan.options import Options, bounding, option_sets, options_of
 from jaxmoe.plan.search import Advance, best_first
-from jaxmoe.train.memory import StepMemory, memory_per_device, step_memory
+from jaxmoe.train.memory import StepMemory, step_memory
 from jaxmoe.train.mfu import mfu
 from jaxmoe.train.model_flops import model_flops
 from jaxmoe.train.scheduled import capture_train_step, schedule_policy
 from jaxmoe.train.state import abstract_train_state
+from jaxmoe.train.state_memory import memory_per_device
 from scheduling import (
     Program,
     batch_inputs,
@@ -300,7 +301,7 @@ class Tracer:
 
 def state_bytes(config: Config) -> int:
     """The bytes per device of ``config``'s parameters and optimizer state, as the state
-    holds them (:func:`~jaxmoe.train.memory.memory_per_device`); from one- and two-block
+    holds them (:func:`~jaxmoe.train.state_memory.memory_per_device`); from one- and two-block
     models for a deep one (exact: every block holds the same)."""
     values = config.to_dict()
     # Neither the dispatcher, the recomputation nor the microbatches change the state.

@@ -21,9 +21,10 @@ import pytest
 
 from jaxmoe.config import Config, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
 from jaxmoe.parallel.mesh import build_mesh
-from jaxmoe.train.memory import StepMemory, memory_per_device, step_memory
+from jaxmoe.train.memory import StepMemory, step_memory
 from jaxmoe.train.scheduled import capture_train_step, plan_train_step
 from jaxmoe.train.state import abstract_train_state
+from jaxmoe.train.state_memory import memory_per_device
 from scheduling import aval_bytes
 
 # XLA:CPU's peak against the walk's: the walk fuses a few values XLA keeps, and XLA's heap
