@@ -50,9 +50,21 @@ def shift(x: jax.Array, stages: int, step: int, circular: bool) -> jax.Array:
     return jax.lax.ppermute(x, PIPELINE_AXIS, pairs)
 
 
-def select_vjp(candidates: list[Any], which: int | jax.Array) -> Any:
+def select_vjp(
+    candidates: list[Any],
+    which: int | jax.Array,
+    params: list[Any] | None = None,
+    picked: Any = None,
+) -> Any:
     """The VJP of ``candidates[which]`` (``which`` traced per stage): the residuals
-    selected leaf by leaf, applied by the first candidate's backward function."""
+    selected leaf by leaf, applied by the first candidate's backward function.
+
+    ``params`` (each candidate's parameters, as passed to its ``jax.vjp``) and ``picked``
+    (the parameters of the chunk the backward slot runs, per stage): a residual that is
+    the same parameter leaf in every candidate (a recomputed chunk keeps its inputs) is
+    taken from ``picked`` instead of selected. The stage's selected forward slot ran the
+    same chunk, whose parameters the step does not change, so the values are the same;
+    only the copies of every candidate's parameters that a selection makes are not."""
     if len(candidates) == 1:
         return candidates[0]
     flat = [jax.tree.flatten(candidate) for candidate in candidates]
@@ -61,8 +73,19 @@ def select_vjp(candidates: list[Any], which: int | jax.Array) -> Any:
     for other in leaves[1:]:
         if [jax.typeof(x) for x in other] != types:
             raise AssertionError("forward slots saved residuals of different types")
-    selected = [
-        group[0] if all(x is group[0] for x in group) else jax.lax.select_n(which, *group)
-        for group in zip(*leaves, strict=True)
+    positions = [
+        {id(leaf): k for k, leaf in enumerate(jax.tree.leaves(p))} for p in params or []
     ]
+    replacement = jax.tree.leaves(picked) if params else []
+
+    def select(group: tuple[Any, ...]) -> Any:
+        if all(x is group[0] for x in group):
+            return group[0]
+        if positions:
+            found = {position.get(id(x)) for position, x in zip(positions, group, strict=True)}
+            if len(found) == 1 and None not in found:
+                return replacement[found.pop()]
+        return jax.lax.select_n(which, *group)
+
+    selected = [select(group) for group in zip(*leaves, strict=True)]
     return jax.tree.unflatten(flat[0][1], selected)

@@ -30,10 +30,12 @@ program:
   in their order, each tick's forward slot before its backward slot, as the schedule
   runs them: a stage holds a microbatch's residuals from its forward slot to its
   backward slot, at most as many microbatches as the schedule has in flight. XLA is
-  free to run them otherwise: XLA:CPU holds about what this walk does for 1F1B, and
-  more for the interleaved schedule (1.37x on 2 stages of 2 chunks,
-  ``experiments/results/scale_eval.md``), running later ticks' forward slots early; the
-  forward-first order bounds it from above.
+  free to run them otherwise: nothing makes a tick's forward slot wait for the previous
+  tick's backward slot, and XLA:CPU runs part of the next forward slot early (1F1B on 2
+  stages: between this walk and the walk with every forward slot one tick ahead,
+  ``ticks_ahead=1``, tested), more for the interleaved schedule (1.37x on 2 stages of 2
+  chunks, ``experiments/results/scale_eval.md``); the forward-first order bounds it from
+  above.
 
 At the peak the live buffers are counted by kind (:class:`StepMemory`). The walk is
 checked against XLA:CPU's compiled memory analysis in ``tests/train/test_memory.py``.
@@ -144,11 +146,15 @@ class _Step:
     makes: tuple[Value, ...]
 
 
-def step_memory(program: Program, state: TrainState, *, keeps_barriers: bool = True) -> StepMemory:
+def step_memory(
+    program: Program, state: TrainState, *, keeps_barriers: bool = True, ticks_ahead: int = 0
+) -> StepMemory:
     """The peak bytes per device of the captured train step ``program``, whose first
     argument has the structure of ``state`` (module docstring). ``keeps_barriers``:
-    XLA:GPU's compilation (True) or XLA:CPU's (False)."""
-    walk = _Walk(program, state, keeps_barriers)
+    XLA:GPU's compilation (True) or XLA:CPU's (False). ``ticks_ahead``: a pipeline's
+    forward slots walked that many ticks early (each before the backward slot of the
+    tick that many before its own)."""
+    walk = _Walk(program, state, keeps_barriers, ticks_ahead)
     peak, at_peak = -1, set()
     for _, live, size in walk.run():
         if size > peak:
@@ -220,7 +226,9 @@ def recomputed_for_backward(
 class _Walk:
     """The walk of :func:`step_memory`: the steps in order, the buffers alive after each."""
 
-    def __init__(self, program: Program, state: TrainState, keeps_barriers: bool):
+    def __init__(
+        self, program: Program, state: TrainState, keeps_barriers: bool, ticks_ahead: int = 0
+    ):
         self.state_leaves = sum(len(jax.tree.leaves(field)) for field in state)
         if self.state_leaves >= len(program.inputs):
             raise ValueError("the program's inputs are not (state, batch)")
@@ -230,7 +238,7 @@ class _Walk:
         # state is written over the old (the state is donated): no buffer of its own.
         new_state = set(outputs[: self.state_leaves]) - set(program.inputs)
         self.buffers = _buffers(self.steps, program, set(outputs)) - new_state
-        self.order = _forward_first(self.steps)
+        self.order = _forward_first(self.steps, ticks_ahead)
         self.last_read = _last_reads(self.order, self.buffers, set(outputs) | set(program.inputs))
 
     def run(self) -> Iterator[tuple[_Step, set[Value], int]]:
@@ -347,22 +355,25 @@ def _last_reads(order: Sequence[_Step], buffers: set[Value], to_the_end: set[Val
     return {value: when for value, when in needed.items() if value in buffers}
 
 
-def _walk_key(op: Any) -> tuple[int, int, int]:
+def _walk_key(op: Any, ticks_ahead: int = 0) -> tuple[int, int, int]:
     """Where ``op`` comes in the walk among the ops that are ready (module docstring):
     forward ops outside a pipeline's ticks, the ticks in order (a tick's forward ops
-    before its backward ops, then the sums of its gradients), backward ops outside the
-    ticks, the update."""
-    rank = {Phase.FORWARD: 0, Phase.BACKWARD: 1, Phase.OPTIMIZER: 2}[op.phase]
+    before its backward ops, then the sums of its gradients; the forward ops of tick
+    ``t`` just before the backward ops of tick ``t - ticks_ahead``), backward ops outside
+    the ticks, the update."""
+    rank = {Phase.FORWARD: 0, Phase.BACKWARD: 2, Phase.OPTIMIZER: 3}[op.phase]
     tick = _TICK.search(op.layer)
     if tick is not None:  # its gradients' sums included
+        if op.phase is Phase.FORWARD and ticks_ahead:
+            return (1, int(tick.group(1)) - ticks_ahead, 1)
         return (1, int(tick.group(1)), rank)
     return ({Phase.FORWARD: 0, Phase.BACKWARD: 2, Phase.OPTIMIZER: 3}[op.phase], 0, rank)
 
 
-def _forward_first(steps: Sequence[_Step]) -> list[_Step]:
+def _forward_first(steps: Sequence[_Step], ticks_ahead: int = 0) -> list[_Step]:
     """The steps in a dependency order that runs each one as soon as its operands are
     ready, forward ops before backward ops before the update, a pipeline's ticks in
-    their order (module docstring)."""
+    their order (module docstring; ``ticks_ahead``: see :func:`_walk_key`)."""
     made_by = {value: i for i, step in enumerate(steps) for value in step.op.outputs}
     waiting = [0] * len(steps)
     users: list[list[int]] = [[] for _ in steps]
@@ -371,7 +382,7 @@ def _forward_first(steps: Sequence[_Step]) -> list[_Step]:
         waiting[i] = len(sources)
         for source in sources:
             users[source].append(i)
-    keys = [_walk_key(step.op) for step in steps]
+    keys = [_walk_key(step.op, ticks_ahead) for step in steps]
     ready = [(keys[i], i) for i in range(len(steps)) if not waiting[i]]
     heapq.heapify(ready)
     order = []

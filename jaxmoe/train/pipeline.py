@@ -19,7 +19,9 @@ overlap them like any other collective.
 on, and the VJP (a pytree of the residuals) is kept until the backward slot of the same
 microbatch and chunk, ``2 (C - 1 - c)`` ticks later. That distance depends on the chunk,
 so on the stage: a backward slot picks, per stage, the residuals of the right earlier
-forward slot (``lax.select_n`` over the at most P forward slots its stages need). Every
+forward slot (``lax.select_n`` over the at most P forward slots its stages need, under
+``select_residuals``). A residual that is the chunk's parameters (a recomputed chunk keeps
+its inputs) is not selected: the backward slot takes its own chunk's, the same values. Every
 forward slot traces the same function on arguments of the same types (the per-stage
 values it reads, the chunk and the microbatch, are traced even where every stage has
 the same), so their residuals line up leaf for leaf and the VJP of one applies to the
@@ -85,6 +87,8 @@ from jaxmoe.train.pipeline_model import pipeline_model
 PyTree = Any
 # Where a slot's input comes from, per stage.
 _IDLE, _LOCAL, _RECEIVED = 0, 1, 2
+# Where a backward slot picks, per stage, the residuals of its forward slot.
+SELECT_SCOPE = "select_residuals"
 
 
 @dataclass(frozen=True)
@@ -167,6 +171,7 @@ class _Pipeline:
         self.biases = self._stacked_biases(model_state)
         # What the ticks accumulate.
         self.vjps: dict[int, Any] = {}  # forward tick -> the VJP of its chunk
+        self.vjp_params: dict[int, Any] = {}  # forward tick -> its chunk's parameters
         self.embed_vjps: dict[int, Any] = {}  # microbatch -> the VJP of its embedding
         self.received = self.received_grad = self.zeros = None
         self.outside_grads = None
@@ -339,6 +344,7 @@ class _Pipeline:
         context = self._chunk_context(slots)
         params = _index_tree(self.stacks, stage.pick([s.virtual if s else 0 for s in slots]))
         if differentiate:
+            self.vjp_params[tick.index] = params
             (y, routers), self.vjps[tick.index], stats = jax.vjp(
                 lambda p, x_: self._run_chunk(p, x_, context), params, x, has_aux=True
             )
@@ -385,11 +391,17 @@ class _Pipeline:
         ]
         candidates = sorted({t for t in forward_ticks if t is not None})
         which = stage.pick([candidates.index(t) if t is not None else 0 for t in forward_ticks])
-        vjp = select_vjp([self.vjps[t] for t in candidates], which)
+        virtual_index = stage.pick([slot.virtual if slot else 0 for slot in slots])
+        with jax.named_scope(SELECT_SCOPE):
+            vjp = select_vjp(
+                [self.vjps[t] for t in candidates],
+                which,
+                [self.vjp_params[t] for t in candidates],
+                _index_tree(self.stacks, virtual_index),
+            )
         active = stage.pick([slot is not None for slot in slots])
         weight = jnp.where(active, 1.0 / (self.microbatches * self.shards), 0.0)
         chunk_grads, input_grad = vjp((cotangent, weight.astype(jnp.float32)))
-        virtual_index = stage.pick([slot.virtual if slot else 0 for slot in slots])
         self.block_grads = _add_at(self.block_grads, virtual_index, chunk_grads)
         first = slots[0]
         if first is not None and first.virtual == 0:

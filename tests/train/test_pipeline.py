@@ -50,6 +50,7 @@ from jaxmoe.config import (
 from jaxmoe.parallel.mesh import build_mesh, token_spec
 from jaxmoe.parallel.pipeline_params import PIPELINE_AXIS, stage_layout, to_layout
 from jaxmoe.parallel.pipeline_schedule import PipelineSchedule
+from jaxmoe.train.pipeline import SELECT_SCOPE
 from jaxmoe.train.scheduled import capture_train_step, plan_train_step
 from jaxmoe.train.state import abstract_sharded_state, init_train_state, param_trees_mapped
 from tests.train.batches import random_batch
@@ -195,6 +196,25 @@ def test_stages_exchange_activations_and_gradients_once_a_tick(case):
     assert sum("send_gradients" in scope for scope in scopes) == backward
     assert all(scope[0].startswith("tick_") for scope in scopes)
     assert not any("microbatch_" in op.name_stack for op in program.ops)
+
+
+def test_a_recomputed_chunk_selects_its_activations_not_its_parameters():
+    """A recomputed chunk keeps its inputs, the parameters among them: a backward slot
+    takes its own chunk's parameters instead of selecting one of every candidate forward
+    slot's (a copy of a chunk's weights per backward tick)."""
+    pipelined, _ = _pipelined_and_plain("interleaved")
+    assert pipelined.model.recompute == "layer"
+    program, _ = capture_train_step(pipelined, build_mesh(pipelined.parallel, devices(pipelined)))
+    # A chunk's parameters (and their moments): [virtual, stage block, ...] per device.
+    chunk_shapes = {v.aval.shape[2:] for v in program.inputs if v.aval.ndim >= 4}
+    selected = [
+        op.outputs[0].aval.shape
+        for op in program.ops
+        if op.primitive == "select_n" and SELECT_SCOPE in op.layer
+    ]
+    # The chunks' inputs, [rows, positions, width] (positions split over the tensor axis).
+    assert any(len(shape) == 3 and shape[-1] == pipelined.model.d_model for shape in selected)
+    assert not chunk_shapes & set(selected)
 
 
 def _saved(tmp_path, pipelined: Config, trained_state: bool = True):
