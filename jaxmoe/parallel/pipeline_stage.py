@@ -73,9 +73,7 @@ def select_vjp(
     for other in leaves[1:]:
         if [jax.typeof(x) for x in other] != types:
             raise AssertionError("forward slots saved residuals of different types")
-    positions = [
-        {id(leaf): k for k, leaf in enumerate(jax.tree.leaves(p))} for p in params or []
-    ]
+    positions = [{id(leaf): k for k, leaf in enumerate(jax.tree.leaves(p))} for p in params or []]
     replacement = jax.tree.leaves(picked) if params else []
 
     def select(group: tuple[Any, ...]) -> Any:
