@@ -19,9 +19,12 @@ profile's per-op overhead.
 
 A pipeline's stage laid out as the traced step (without a pipeline) runs the same ops for
 its chunks' layers over its microbatches, with idle ticks that run the same code on
-zeros: the work of the traced step stretched by the idle ticks, and each op's overhead
-once per tick it runs in; its update and ZeRO-1's gathers are of fewer layers over fewer
-replicas, and taken away.
+zeros: the work of the traced step stretched by the idle ticks, and once per tick it
+runs in each op's overhead and the work of the ops on parameters alone (casts and
+transposes of weights, casts of weight gradients: no rows in them). Every stage runs the
+embedding, the head and the loss on its microbatches. The update and ZeRO-1's gathers
+are of fewer layers over fewer replicas and taken away, but for the optimizer's own ops
+where the traced step shards the optimizer: a stage's shards are as large.
 
 Memory of a variant. The state (parameters and optimizer state, :func:`jaxmoe.train.
 state_memory.memory_per_device`) is there throughout, and when the backward pass begins the
@@ -46,8 +49,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import jax
 
 from jaxmoe.config.choices import RECOMPUTE
 from jaxmoe.parallel.zero import GATHER_SCOPE
@@ -63,7 +69,7 @@ _CARRIES_PARAMETERS = frozenset(
 )  # fmt: skip
 # The parts of a step's ops that the bounds take away, with the per-op overheads of each.
 _PARTS = (
-    "step", "recomputing", "sharding", "update",
+    "step", "recomputing", "sharding", "update", "update_compute", "on_parameters",
     "overhead_step", "overhead_recomputing", "overhead_sharding", "overhead_update",
 )  # fmt: skip
 # What JAX puts on the values a remat region keeps (ZeRO-3's fully sharded blocks keep all
@@ -100,6 +106,10 @@ class Screen:
     recomputing: Split  # seconds of the recomputations' ops
     sharding: Split  # seconds of the parameter gathers and of JAX's marks on kept values
     update: Split  # seconds of the rest of the update (gradient sync, optimizer)
+    update_compute: Split  # of them, the optimizer's (no collectives)
+    # Of the forward and backward ops, those on values of parameters' shapes alone
+    # (casts, transposes): their work is the same whatever the rows, once per microbatch.
+    on_parameters: Split
     # The per-op overheads of the forward and backward ops, of the recomputations' and of
     # the sharding's among them.
     overhead_step: Split
@@ -131,26 +141,49 @@ class Screen:
     def pipeline_step_bound(self, options: Options, stages: int, virtual: int) -> float:
         """A lower bound of the step time of the traced stage layout (traced without a
         pipeline) as each stage of a pipeline of ``stages`` (``virtual`` chunks each) with
-        ``options``. Its devices run ``microbatches x virtual + stages - 1`` ticks, each
-        the ops of one chunk (``1 / (stages x virtual)`` of the layers) on one
-        microbatch, idle ticks on zeros: so the traced step's work (``stages`` times the
-        rows over ``1 / stages`` of the layers) ``ticks / (microbatches x virtual)``
-        times, and its forward and backward ops' per-op overheads ``ticks / (stages x
-        virtual)`` times. The update of fewer layers' parameters, over fewer replicas, and
-        ZeRO-1's gathers (of fewer layers' parameters) are taken away."""
-        one = Options(0, options.recompute, self.options.microbatches)
-        seconds = self.step_bound(one) - self.update.at(self.blocks)
-        overhead = self.overhead_step.at(self.blocks)
-        if options.recompute != self.options.recompute:
-            overhead -= self.overhead_recomputing.at(self.blocks)
-        if self.options.zero:
-            overhead -= self.overhead_sharding.at(self.blocks)
-        overhead /= self.options.microbatches  # one microbatch's
-        work = max(seconds - overhead * self.options.microbatches, 0.0)
+        ``options``. A stage's devices hold ``stages`` times the rows of the traced step's
+        over ``1 / stages`` of its layers.
+
+        The blocks: the devices run ``microbatches x virtual + stages - 1`` ticks, each the
+        ops of one chunk (``1 / (stages x virtual)`` of the layers) on one microbatch, idle
+        ticks on zeros; so the work of the traced step's blocks ``ticks / (microbatches x
+        virtual)`` times, and their per-op overheads ``ticks / (stages x virtual)`` times.
+        Outside the blocks (the embedding, the head and the loss) every stage runs the
+        traced step's ops once per microbatch on its rows: at least ``min(stages,
+        microbatches)`` times their work (each op's work grows with the rows, or is the
+        same per microbatch), and their overheads once per microbatch. ZeRO-1's gathers
+        and the update are taken away, but for the optimizer's own ops where the traced
+        step shards the optimizer: a stage's devices then hold shards as large (its
+        blocks' parameters over ``1 / stages`` of the replicas, the rest over them all),
+        and without ZeRO the whole of a stage's parameters, no fewer."""
+        traced = self.options.microbatches
+        block, outside = self._pass_parts(options.recompute)
+        block_fixed, outside_fixed = self._pass_parts(options.recompute, overheads=True)
+        block_fixed += self.blocks * self.on_parameters.block
+        outside_fixed += self.on_parameters.outside
         ticks = options.microbatches * virtual + stages - 1
-        return work * ticks / (options.microbatches * virtual) + overhead * ticks / (
-            stages * virtual
+        return (
+            max(block - block_fixed, 0.0) * ticks / (options.microbatches * virtual)
+            + block_fixed / traced * ticks / (stages * virtual)
+            + max(outside - outside_fixed, 0.0) * min(stages, options.microbatches / traced)
+            + outside_fixed / traced * options.microbatches
+            + (self.update_compute.at(self.blocks) if self.options.zero else 0.0)
         )
+
+    def _pass_parts(self, recompute: str, overheads: bool = False) -> tuple[float, float]:
+        """The seconds of the traced step's forward and backward ops (or their per-op
+        overheads) with ``recompute``, ZeRO's gathers and the update taken away: those of
+        the model's blocks, and those outside them."""
+        prefix = "overhead_" if overheads else ""
+        total: Split = getattr(self, prefix + "step")
+        taken: list[Split] = [] if overheads else [self.update]
+        if recompute != self.options.recompute:
+            taken.append(getattr(self, prefix + "recomputing"))
+        if self.options.zero:
+            taken.append(getattr(self, prefix + "sharding"))
+        block = self.blocks * (total.block - sum(split.block for split in taken))
+        outside = total.outside - sum(split.outside for split in taken)
+        return max(block, 0.0), max(outside, 0.0)
 
     def keeps_at_least(self, options: Options) -> bool:
         """Whether ``options`` keep at least what the traced options keep for the backward
@@ -217,6 +250,9 @@ def screen(
     ``blocks``; its first argument has the structure of ``state``), priced by ``cost``."""
     totals = {name: [0.0, 0.0] for name in _PARTS}
     profile = cost.profile
+    parameters = _parameters(program)
+    weights = _parameters(program, program.inputs[: len(jax.tree.leaves(state))])
+    shapes = {value.aval.shape for value in weights if value.aval.ndim}
     for op in program.ops:
         in_block = bool(BLOCK_SCOPE.search(op.layer))
         collective = op.is_collective or op.primitive == "ragged_all_to_all"
@@ -230,6 +266,10 @@ def screen(
             parts.append("sharding")
         elif op.phase is Phase.OPTIMIZER:
             parts.append("update")
+            if not collective:
+                parts.append("update_compute")
+        elif len(parts) == 1 and not collective and _on_parameters(op, shapes):
+            parts.append("on_parameters")
         fused = profile.fused_elementwise and op.primitive in FUSIBLE
         pays_overhead = (
             op.phase is not Phase.OPTIMIZER
@@ -240,11 +280,10 @@ def screen(
         for part in parts:
             totals[part][0] += seconds
             totals[part][1] += seconds if in_block else 0.0
-            if pays_overhead:
+            if pays_overhead and f"overhead_{part}" in totals:
                 overhead = f"overhead_{part}"
                 totals[overhead][0] += profile.op_overhead_s
                 totals[overhead][1] += profile.op_overhead_s if in_block else 0.0
-    parameters = _parameters(program)
     # Parameters gathered or cast are the state's where the variant holds them whole.
     saved_total, saved_blocks = saved_for_backward(
         program, state, BLOCK_SCOPE, leaving_out=parameters
@@ -282,10 +321,18 @@ def _bytes(values: dict[Value, Any]) -> float:
     return float(sum(aval_bytes(value.aval) for value in values))
 
 
-def _parameters(program: Program) -> set[Value]:
-    """The program's inputs (the state and the batch) and the values that carry them on
-    unchanged but for their dtype, layout or gathering: no layer's activations."""
-    parameters = set(program.inputs)
+def _on_parameters(op: Any, shapes: set[tuple[int, ...]]) -> bool:
+    """Whether ``op`` reads and makes values of parameters' shapes alone (a parameter's
+    cast or transpose, a weight gradient's cast or sum): no rows in them."""
+    read = [a for a in op.inputs if isinstance(a, Value)]
+    return bool(read) and all(v.aval.shape in shapes for v in (*read, *op.outputs))
+
+
+def _parameters(program: Program, inputs: Sequence[Value] | None = None) -> set[Value]:
+    """The program's ``inputs`` (default: all, the state and the batch) and the values
+    that carry them on unchanged but for their dtype, layout or gathering: no layer's
+    activations."""
+    parameters = set(program.inputs if inputs is None else inputs)
     for op in program.ops:
         if op.primitive == "optimization_barrier":  # each operand passes through alone
             pairs = zip(op.inputs, op.outputs, strict=True)

@@ -131,8 +131,10 @@ def test_a_stage_layout_without_a_pipeline_bounds_its_pipelines(zero, microbatch
         variant.config, ["none"], PROFILE, planner.EstimateCache(None), tracer=tracer()
     )
     # One microbatch runs each op once per tick over two ticks of half the layers: the
-    # per-op overheads of one pass, not of two; four run them four times over.
-    assert 0.6 * times["none"].step <= bounds.pipeline_step_bound(options, 2, 1)
+    # per-op overheads of one pass, not of two; four run them four times over. The ops
+    # on parameters alone (casts, transposes) run once a tick whatever its rows, and
+    # every stage runs the head on its rows (without both: 0.75 of the estimate).
+    assert 0.85 * times["none"].step <= bounds.pipeline_step_bound(options, 2, 1)
     assert bounds.pipeline_step_bound(options, 2, 1) <= times["none"].step
     state = planner.state_bytes(variant.config)
     assert bounds.pipeline_memory_bound(options, state, 2) <= memory.total
