@@ -33,9 +33,8 @@ gathered or cast parameters aside). A variant that recomputes no more, in as man
 microbatches or more, keeps at least those, at any ZeRO stage: every microbatch's forward
 pass runs first, each keeping its share of the rows' values; the plain step and ZeRO-1
 keep what differentiation needs, a fully sharded block more. A pipeline's stage walks its
-ticks in order, so it keeps at least the residuals of the forward slots before its first
-backward slot: as many microbatches' share as it has stages (of its layers, and as many
-times the rows as it has stages), or all of them where there are fewer. One that
+ticks in order, so it keeps at least the residuals of every forward slot up to its first
+backward slot, each one chunk's on one microbatch (an idle stage's on zeros). One that
 recomputes less keeps more: what the traced recomputation makes again and the backward pass reads
 (:func:`jaxmoe.train.memory.recomputed_for_backward`), all of it without recomputation,
 all but the core attention's (the values from the matmul of queries and keys to the
@@ -56,6 +55,7 @@ from typing import Any
 import jax
 
 from jaxmoe.config.choices import RECOMPUTE
+from jaxmoe.parallel.pipeline_schedule import PipelineSchedule
 from jaxmoe.parallel.zero import GATHER_SCOPE
 from jaxmoe.plan.options import Options
 from jaxmoe.train.memory import recomputed_for_backward, saved_for_backward
@@ -144,9 +144,10 @@ class Screen:
         ``options``. A stage's devices hold ``stages`` times the rows of the traced step's
         over ``1 / stages`` of its layers.
 
-        The blocks: the devices run ``microbatches x virtual + stages - 1`` ticks, each the
-        ops of one chunk (``1 / (stages x virtual)`` of the layers) on one microbatch, idle
-        ticks on zeros; so the work of the traced step's blocks ``ticks / (microbatches x
+        The blocks: the devices run the schedule's ticks (``microbatches x virtual +
+        stages - 1`` where the stages divide the microbatches), each the ops of one chunk
+        (``1 / (stages x virtual)`` of the layers) on one microbatch, idle ticks on
+        zeros; so the work of the traced step's blocks ``ticks / (microbatches x
         virtual)`` times, and their per-op overheads ``ticks / (stages x virtual)`` times.
         Outside the blocks (the embedding, the head and the loss) every stage runs the
         traced step's ops once per microbatch on its rows: at least ``min(stages,
@@ -161,7 +162,7 @@ class Screen:
         block_fixed, outside_fixed = self._pass_parts(options.recompute, overheads=True)
         block_fixed += self.blocks * self.on_parameters.block
         outside_fixed += self.on_parameters.outside
-        ticks = options.microbatches * virtual + stages - 1
+        ticks = PipelineSchedule(stages, virtual, options.microbatches).busy_forward_ticks
         return (
             max(block - block_fixed, 0.0) * ticks / (options.microbatches * virtual)
             + block_fixed / traced * ticks / (stages * virtual)
@@ -209,20 +210,24 @@ class Screen:
             saved += self.blocks * max(kept, 0.0)
         return int(state + saved)
 
-    def pipeline_memory_bound(self, options: Options, state: int, stages: int) -> int:
-        """A lower bound of the peak bytes of a pipeline of ``stages`` stages, each laid
-        out as the traced step, with ``options``, whose state takes ``state`` bytes.
+    def pipeline_memory_bound(self, options: Options, state: int, stages: int, virtual: int) -> int:
+        """A lower bound of the peak bytes of a pipeline of ``stages`` stages (``virtual``
+        chunks each), each laid out as the traced step, with ``options``, whose state
+        takes ``state`` bytes.
 
         A stage's devices hold ``stages`` times the rows over ``1 / stages`` of the
         layers, so one microbatch's residuals in one chunk are ``1 / (microbatches x
         virtual)`` of what the traced step keeps for the backward pass. The walk follows
-        the ticks: before the first backward slot (that of the first microbatch on the
-        last chunk, tick ``stages x virtual - 1``) every tick ran a forward slot, and
-        the first stage needs each of their residuals until its own backward slots, so
-        every device (one SPMD program) keeps at least ``min(microbatches, stages) x
-        virtual`` of them alive at once."""
+        the ticks, and a tick's forward slot keeps one such set on every device (one SPMD
+        program: an idle stage's on zeros) until the backward slots that read it. At the
+        first backward slot (the first microbatch's on the last chunk) none has run, so
+        every forward slot up to it is alive: ``stages x virtual`` of them where as many
+        ticks ran one."""
+        schedule = PipelineSchedule(stages, virtual, options.microbatches)
+        first = next(tick.index for tick in schedule.ticks if tick.has_backward)
+        held = sum(tick.has_forward for tick in schedule.ticks[: first + 1])
         kept = self.memory_bound(options, state) - state
-        return int(state + kept * min(options.microbatches, stages) / options.microbatches)
+        return int(state + kept * held / (options.microbatches * virtual))
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

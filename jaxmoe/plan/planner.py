@@ -509,7 +509,9 @@ def plan_mappings(
             if mapping.pipeline == 1:
                 memory = bounds.memory_bound(o, states[o.zero])
             else:
-                memory = bounds.pipeline_memory_bound(o, states[o.zero], mapping.pipeline)
+                memory = bounds.pipeline_memory_bound(
+                    o, states[o.zero], mapping.pipeline, mapping.virtual_stages
+                )
             if over(memory):
                 leave(mapping.with_options(o), "memory", _over_reason(memory), memory)
                 continue

@@ -137,7 +137,10 @@ def test_a_stage_layout_without_a_pipeline_bounds_its_pipelines(zero, microbatch
     assert 0.85 * times["none"].step <= bounds.pipeline_step_bound(options, 2, 1)
     assert bounds.pipeline_step_bound(options, 2, 1) <= times["none"].step
     state = planner.state_bytes(variant.config)
-    assert bounds.pipeline_memory_bound(options, state, 2) <= memory.total
+    memory_bound = bounds.pipeline_memory_bound(options, state, 2, 1)
+    assert memory_bound <= memory.total
+    if microbatches == 1:  # both ticks' forward slots keep a set: one stage's on zeros
+        assert memory_bound >= 0.6 * memory.total
 
 
 def test_screens_round_trip_through_json():
