@@ -38,7 +38,11 @@ backward slot, each one chunk's on one microbatch (an idle stage's on zeros). On
 recomputes less keeps more: what the traced recomputation makes again and the backward pass reads
 (:func:`jaxmoe.train.memory.recomputed_for_backward`), all of it without recomputation,
 all but the core attention's (the values from the matmul of queries and keys to the
-matmul with the values) when only the core attention is recomputed. These bound the
+matmul with the values) when only the core attention is recomputed. Two more are alive
+then or soon after: ZeRO-1's gathered parameters (gathered once, held to the backward
+pass), and what the head's backward pass makes before the first block's (the logits'
+gradients: :func:`jaxmoe.train.memory.backward_transient`), on each microbatch's rows.
+These bound the
 step's peak as :func:`jaxmoe.train.memory.step_memory` walks it, as far as XLA fuses a
 value alike whether it is recomputed or kept; ``tests/plan/test_bounds.py`` checks them
 against estimates.
@@ -58,7 +62,7 @@ from jaxmoe.config.choices import RECOMPUTE
 from jaxmoe.parallel.pipeline_schedule import PipelineSchedule
 from jaxmoe.parallel.zero import GATHER_SCOPE
 from jaxmoe.plan.options import Options
-from jaxmoe.train.memory import recomputed_for_backward, saved_for_backward
+from jaxmoe.train.memory import backward_transient, recomputed_for_backward, saved_for_backward
 from scheduling import FREE_PRIMITIVES, FUSIBLE, CostModel, Phase, Program, Value, aval_bytes
 
 # Ops that pass a parameter on as a parameter: casts, views and the barriers of a
@@ -118,6 +122,10 @@ class Screen:
     overhead_update: Split
     state: int  # bytes of the state at the model's depth
     saved: Split  # bytes of forward values alive when the backward pass begins
+    # Of the parameters gathered by ZeRO (and their casts), the bytes alive then.
+    gathered: Split
+    # The most bytes the backward pass adds before its first block's (the head's).
+    head_transient: int
     recomputed: Split  # bytes a recomputation makes again for the backward pass
     recomputed_core: Split  # of them, the core attention's
     compute_only: bool
@@ -198,9 +206,17 @@ class Screen:
 
     def memory_bound(self, options: Options, state: int) -> int:
         """A lower bound of the peak bytes of the traced layout with ``options``, whose
-        state takes ``state`` bytes."""
+        state takes ``state`` bytes: the state, what the forward pass keeps, ZeRO-1's
+        gathered parameters, and the head's backward pass on its share of the rows."""
         if not self.keeps_at_least(options):
             return state
+        rows = self.options.microbatches / options.microbatches
+        return int(
+            state + self._kept(options) + self._gathered(options, 1) + self.head_transient * rows
+        )
+
+    def _kept(self, options: Options) -> float:
+        """Bytes of what the forward pass keeps for the backward pass with ``options``."""
         saved = self.saved.at(self.blocks)
         if options.recompute != self.options.recompute:
             # What the traced step recomputes in its blocks, kept instead.
@@ -208,7 +224,15 @@ class Screen:
             if options.recompute == "attention":
                 kept -= self.recomputed_core.block
             saved += self.blocks * max(kept, 0.0)
-        return int(state + saved)
+        return saved
+
+    def _gathered(self, options: Options, stages: int) -> float:
+        """ZeRO-1's parameters, gathered once and held from the forward pass to the
+        backward pass (of ``1 / stages`` of the blocks): where the traced step gathers
+        them too."""
+        if options.zero != 1 or self.options.zero != 1:
+            return 0.0
+        return self.gathered.outside + self.blocks * self.gathered.block / stages
 
     def pipeline_memory_bound(self, options: Options, state: int, stages: int, virtual: int) -> int:
         """A lower bound of the peak bytes of a pipeline of ``stages`` stages (``virtual``
@@ -222,19 +246,28 @@ class Screen:
         program: an idle stage's on zeros) until the backward slots that read it. At the
         first backward slot (the first microbatch's on the last chunk) none has run, so
         every forward slot up to it is alive: ``stages x virtual`` of them where as many
-        ticks ran one."""
+        ticks ran one. ZeRO-1's gathered parameters are the stage's; every stage runs the
+        head's backward pass on its microbatch's rows (``stages`` times the traced rows
+        over the microbatches, no more than the traced step's counted)."""
+        if not self.keeps_at_least(options):
+            return state
         schedule = PipelineSchedule(stages, virtual, options.microbatches)
         first = next(tick.index for tick in schedule.ticks if tick.has_backward)
         held = sum(tick.has_forward for tick in schedule.ticks[: first + 1])
-        kept = self.memory_bound(options, state) - state
-        return int(state + kept * held / (options.microbatches * virtual))
+        rows = min(1.0, stages * self.options.microbatches / options.microbatches)
+        return int(
+            state
+            + self._kept(options) * held / (options.microbatches * virtual)
+            + self._gathered(options, stages)
+            + self.head_transient * rows
+        )
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @staticmethod
     def from_json(data: dict[str, Any]) -> Screen:
-        names = (*_PARTS, "saved", "recomputed", "recomputed_core")
+        names = (*_PARTS, "saved", "gathered", "recomputed", "recomputed_core")
         splits = {name: Split(**data[name]) for name in names}
         return Screen(
             **{**data, **splits, "options": Options(**data["options"])}  # type: ignore[arg-type]
@@ -293,6 +326,8 @@ def screen(
     saved_total, saved_blocks = saved_for_backward(
         program, state, BLOCK_SCOPE, leaving_out=parameters
     )
+    gathers = _parameters(program, _gathered(program))
+    with_gathers = saved_for_backward(program, state, BLOCK_SCOPE, leaving_out=parameters - gathers)
     splits = {
         name: Split.of(total, in_blocks, traced_blocks)
         for name, (total, in_blocks) in totals.items()
@@ -311,6 +346,10 @@ def screen(
         blocks=blocks,
         state=state_bytes,
         saved=Split.of(saved_total, saved_blocks, traced_blocks),
+        gathered=Split.of(
+            with_gathers[0] - saved_total, with_gathers[1] - saved_blocks, traced_blocks
+        ),
+        head_transient=backward_transient(program, state, BLOCK_SCOPE),
         recomputed=Split.of(_bytes(recomputed), _bytes(in_blocks), traced_blocks),
         recomputed_core=Split.of(
             _bytes({v: op for v, op in in_blocks.items() if v in core}),
@@ -331,6 +370,16 @@ def _on_parameters(op: Any, shapes: set[tuple[int, ...]]) -> bool:
     cast or transpose, a weight gradient's cast or sum): no rows in them."""
     read = [a for a in op.inputs if isinstance(a, Value)]
     return bool(read) and all(v.aval.shape in shapes for v in (*read, *op.outputs))
+
+
+def _gathered(program: Program) -> list[Value]:
+    """The parameters ZeRO's gathers make."""
+    return [
+        value
+        for op in program.ops
+        if op.primitive == "all_gather" and GATHER_SCOPE in op.layer
+        for value in op.outputs
+    ]
 
 
 def _parameters(program: Program, inputs: Sequence[Value] | None = None) -> set[Value]:

@@ -192,6 +192,26 @@ def saved_for_backward(
     return 0, 0
 
 
+def backward_transient(
+    program: Program, state: TrainState, scope: re.Pattern[str], *, keeps_barriers: bool = True
+) -> int:
+    """The most bytes the backward pass holds beyond what is alive when it begins, before
+    its first op under a name scope that ``scope`` matches, in the walk of
+    :func:`step_memory`: what the loss's and the head's backward passes add (the logits'
+    gradients) while every block's saved values are still alive."""
+    walk = _Walk(program, state, keeps_barriers)
+    start = None
+    most = 0
+    for step, _, size in walk.run():
+        if step.op.phase is not Phase.BACKWARD:
+            continue
+        if scope.search(step.op.layer):
+            break
+        start = size if start is None else start
+        most = max(most, size - start)
+    return most
+
+
 def recomputed_for_backward(
     program: Program, state: TrainState, *, keeps_barriers: bool = True
 ) -> dict[Value, Any]:

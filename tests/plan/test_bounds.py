@@ -80,7 +80,8 @@ def test_the_bounds_are_close_where_nothing_is_taken_away():
     bounds = screened()
     # The update's share of each further block is what the step bound leaves out.
     assert bounds.step_bound(options) == pytest.approx(step, rel=0.15)
-    assert bounds.memory_bound(options, planner.state_bytes(config)) > 0.5 * memory.total
+    # ZeRO-1's gathered parameters and the head's backward pass counted (0.55 without).
+    assert bounds.memory_bound(options, planner.state_bytes(config)) > 0.9 * memory.total
 
 
 def test_recomputing_less_is_bounded_by_what_the_recomputation_keeps():
