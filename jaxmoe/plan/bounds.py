@@ -154,9 +154,10 @@ class Screen:
 
         The blocks: the devices run the schedule's ticks (``microbatches x virtual +
         stages - 1`` where the stages divide the microbatches), each the ops of one chunk
-        (``1 / (stages x virtual)`` of the layers) on one microbatch, idle ticks on
-        zeros; so the work of the traced step's blocks ``ticks / (microbatches x
-        virtual)`` times, and their per-op overheads ``ticks / (stages x virtual)`` times.
+        (``1 / (stages x virtual)`` of the layers, the longest chunk's where they are
+        uneven) on one microbatch, idle ticks on zeros; so the work of the traced step's
+        blocks ``ticks / (microbatches x virtual)`` times, and their per-op overheads
+        ``ticks / (stages x virtual)`` times.
         Outside the blocks (the embedding, the head and the loss) every stage runs the
         traced step's ops once per microbatch on its rows: at least ``min(stages,
         microbatches)`` times their work (each op's work grows with the rows, or is the
@@ -169,6 +170,8 @@ class Screen:
         block, outside = self._pass_parts(options.recompute)
         block_fixed, outside_fixed = self._pass_parts(options.recompute, overheads=True)
         block_fixed += self.blocks * self.on_parameters.block
+        padded = self._padded(stages, virtual)
+        block, block_fixed = block * padded, block_fixed * padded
         outside_fixed += self.on_parameters.outside
         ticks = PipelineSchedule(stages, virtual, options.microbatches).busy_forward_ticks
         return (
@@ -215,24 +218,31 @@ class Screen:
             state + self._kept(options) + self._gathered(options, 1) + self.head_transient * rows
         )
 
-    def _kept(self, options: Options) -> float:
-        """Bytes of what the forward pass keeps for the backward pass with ``options``."""
-        saved = self.saved.at(self.blocks)
+    def _kept(self, options: Options, padded: float = 1.0) -> float:
+        """Bytes of what the forward pass keeps for the backward pass with ``options``
+        (its blocks' ``padded`` times)."""
+        block = self.saved.block
         if options.recompute != self.options.recompute:
             # What the traced step recomputes in its blocks, kept instead.
             kept = self.recomputed.block
             if options.recompute == "attention":
                 kept -= self.recomputed_core.block
-            saved += self.blocks * max(kept, 0.0)
-        return saved
+            block += max(kept, 0.0)
+        return self.saved.outside + self.blocks * padded * block
 
-    def _gathered(self, options: Options, stages: int) -> float:
+    def _padded(self, stages: int, virtual: int) -> float:
+        """The blocks a pipeline's stages run, over the model's: every chunk runs as many
+        positions as the longest (uneven chunks are padded)."""
+        chunks = stages * virtual
+        return -(-self.blocks // chunks) * chunks / self.blocks
+
+    def _gathered(self, options: Options, stages: int, padded: float = 1.0) -> float:
         """ZeRO-1's parameters, gathered once and held from the forward pass to the
-        backward pass (of ``1 / stages`` of the blocks): where the traced step gathers
-        them too."""
+        backward pass (of ``1 / stages`` of the blocks, ``padded`` times): where the traced
+        step gathers them too."""
         if options.zero != 1 or self.options.zero != 1:
             return 0.0
-        return self.gathered.outside + self.blocks * self.gathered.block / stages
+        return self.gathered.outside + self.blocks * padded * self.gathered.block / stages
 
     def pipeline_memory_bound(self, options: Options, state: int, stages: int, virtual: int) -> int:
         """A lower bound of the peak bytes of a pipeline of ``stages`` stages (``virtual``
@@ -246,7 +256,8 @@ class Screen:
         program: an idle stage's on zeros) until the backward slots that read it. At the
         first backward slot (the first microbatch's on the last chunk) none has run, so
         every forward slot up to it is alive: ``stages x virtual`` of them where as many
-        ticks ran one. ZeRO-1's gathered parameters are the stage's; every stage runs the
+        ticks ran one, each chunk as long as the longest (uneven chunks are padded).
+        ZeRO-1's gathered parameters are the stage's; every stage runs the
         head's backward pass on its microbatch's rows (``stages`` times the traced rows
         over the microbatches, no more than the traced step's counted)."""
         if not self.keeps_at_least(options):
@@ -255,10 +266,11 @@ class Screen:
         first = next(tick.index for tick in schedule.ticks if tick.has_backward)
         held = sum(tick.has_forward for tick in schedule.ticks[: first + 1])
         rows = min(1.0, stages * self.options.microbatches / options.microbatches)
+        padded = self._padded(stages, virtual)
         return int(
             state
-            + self._kept(options) * held / (options.microbatches * virtual)
-            + self._gathered(options, stages)
+            + self._kept(options, padded) * held / (options.microbatches * virtual)
+            + self._gathered(options, stages, padded)
             + self.head_transient * rows
         )
 

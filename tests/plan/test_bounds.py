@@ -8,6 +8,7 @@ recomputation; each option set is then estimated from its one- and two-block tra
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -171,3 +172,19 @@ def test_a_pipelines_own_one_block_screen_bounds_it_closely(options):
     )
     assert 0.8 * times["none"].step <= own.step_bound(options) <= times["none"].step
     assert own.memory_bound(options, planner.state_bytes(variant.config)) <= memory.total
+
+
+def test_uneven_chunks_are_bounded_as_the_longest():
+    """Three blocks over two stages: every stage runs two block positions (one of them
+    padding on the second stage), as four blocks would."""
+    bounds = screened()
+    assert bounds.blocks == 3
+    four = dataclasses.replace(bounds, blocks=4)
+    options = Options(1, "layer", 2)
+    assert bounds.pipeline_step_bound(options, 2, 1) == pytest.approx(
+        four.pipeline_step_bound(options, 2, 1)
+    )
+    state = planner.state_bytes(layout().config)
+    assert bounds.pipeline_memory_bound(options, state, 2, 1) == pytest.approx(
+        four.pipeline_memory_bound(options, state, 2, 1), rel=1e-9
+    )
