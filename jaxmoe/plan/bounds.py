@@ -28,7 +28,7 @@ where the traced step shards the optimizer: a stage's shards are as large.
 
 Memory of a variant. The state (parameters and optimizer state, :func:`jaxmoe.train.
 state_memory.memory_per_device`) is there throughout, and when the backward pass begins the
-forward values that it reads are alive (:func:`jaxmoe.train.memory.saved_for_backward`;
+forward values that it reads are alive (:func:`jaxmoe.train.memory.backward_start`;
 gathered or cast parameters aside). A variant that recomputes no more, in as many
 microbatches or more, keeps at least those, at any ZeRO stage: every microbatch's forward
 pass runs first, each keeping its share of the rows' values; the plain step and ZeRO-1
@@ -41,7 +41,7 @@ all but the core attention's (the values from the matmul of queries and keys to 
 matmul with the values) when only the core attention is recomputed. Two more are alive
 then or soon after: ZeRO-1's gathered parameters (gathered once, held to the backward
 pass), and what the head's backward pass makes before the first block's (the logits'
-gradients: :func:`jaxmoe.train.memory.backward_transient`), on each microbatch's rows.
+gradients: ``BackwardStart.transient``), on each microbatch's rows.
 These bound the
 step's peak as :func:`jaxmoe.train.memory.step_memory` walks it, as far as XLA fuses a
 value alike whether it is recomputed or kept; ``tests/plan/test_bounds.py`` checks them
@@ -62,7 +62,7 @@ from jaxmoe.config.choices import RECOMPUTE
 from jaxmoe.parallel.pipeline_schedule import PipelineSchedule
 from jaxmoe.parallel.zero import GATHER_SCOPE
 from jaxmoe.plan.options import Options
-from jaxmoe.train.memory import backward_transient, recomputed_for_backward, saved_for_backward
+from jaxmoe.train.memory import backward_start, recomputed_for_backward
 from scheduling import FREE_PRIMITIVES, FUSIBLE, CostModel, Phase, Program, Value, aval_bytes
 
 # Ops that pass a parameter on as a parameter: casts, views and the barriers of a
@@ -335,11 +335,10 @@ def screen(
                 totals[overhead][0] += profile.op_overhead_s
                 totals[overhead][1] += profile.op_overhead_s if in_block else 0.0
     # Parameters gathered or cast are the state's where the variant holds them whole.
-    saved_total, saved_blocks = saved_for_backward(
-        program, state, BLOCK_SCOPE, leaving_out=parameters
-    )
+    start = backward_start(program, state, BLOCK_SCOPE)
+    saved_total, saved_blocks = start.bytes(leaving_out=parameters)
     gathers = _parameters(program, _gathered(program))
-    with_gathers = saved_for_backward(program, state, BLOCK_SCOPE, leaving_out=parameters - gathers)
+    with_gathers = start.bytes(leaving_out=parameters - gathers)
     splits = {
         name: Split.of(total, in_blocks, traced_blocks)
         for name, (total, in_blocks) in totals.items()
@@ -361,7 +360,7 @@ def screen(
         gathered=Split.of(
             with_gathers[0] - saved_total, with_gathers[1] - saved_blocks, traced_blocks
         ),
-        head_transient=backward_transient(program, state, BLOCK_SCOPE),
+        head_transient=start.transient,
         recomputed=Split.of(_bytes(recomputed), _bytes(in_blocks), traced_blocks),
         recomputed_core=Split.of(
             _bytes({v: op for v, op in in_blocks.items() if v in core}),

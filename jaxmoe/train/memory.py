@@ -162,54 +162,50 @@ def step_memory(
     return _by_kind(at_peak, walk.steps, program, walk.state_leaves, state)
 
 
-def saved_for_backward(
-    program: Program,
-    state: TrainState,
-    scope: re.Pattern[str],
-    *,
-    keeps_barriers: bool = True,
-    leaving_out: Collection[Value] = (),
-) -> tuple[int, int]:
-    """The bytes of the buffers that forward ops made and that are alive when the backward
-    pass begins (its first op), in the walk of :func:`step_memory`: what the forward pass
-    keeps for the backward pass; all of them, and those made under a name scope that
-    ``scope`` matches (``leaving_out`` these values)."""
+@dataclass(frozen=True)
+class BackwardStart:
+    """What the walk of :func:`step_memory` holds as the backward pass begins (its first
+    op): each buffer a forward op made (``kept``: whether under a name scope the caller's
+    ``scope`` matches), and the most bytes the backward pass holds beyond those alive then
+    before its first op in ``scope`` (``transient``: the loss's and the head's backward
+    passes, while every block's saved values are alive)."""
+
+    kept: dict[Value, bool]
+    transient: int
+
+    def bytes(self, leaving_out: Collection[Value] = ()) -> tuple[int, int]:
+        """The bytes kept, all of them and those in ``scope`` (``leaving_out`` these)."""
+        values = [(v, in_scope) for v, in_scope in self.kept.items() if v not in leaving_out]
+        return (
+            sum(aval_bytes(v.aval) for v, _ in values),
+            sum(aval_bytes(v.aval) for v, in_scope in values if in_scope),
+        )
+
+
+def backward_start(
+    program: Program, state: TrainState, scope: re.Pattern[str], *, keeps_barriers: bool = True
+) -> BackwardStart:
+    """What is alive when the backward pass of ``program`` begins, in one walk
+    (:class:`BackwardStart`)."""
     walk = _Walk(program, state, keeps_barriers)
     forward = {
         value: bool(scope.search(step.op.layer))
         for step in walk.steps
         if step.op.phase is Phase.FORWARD
         for value in step.makes
-        if value not in leaving_out
     }
-    for step, live, _ in walk.run():
-        if step.op.phase is Phase.BACKWARD:
-            kept = [value for value in live if value in forward]
-            return (
-                sum(aval_bytes(value.aval) for value in kept),
-                sum(aval_bytes(value.aval) for value in kept if forward[value]),
-            )
-    return 0, 0
-
-
-def backward_transient(
-    program: Program, state: TrainState, scope: re.Pattern[str], *, keeps_barriers: bool = True
-) -> int:
-    """The most bytes the backward pass holds beyond what is alive when it begins, before
-    its first op under a name scope that ``scope`` matches, in the walk of
-    :func:`step_memory`: what the loss's and the head's backward passes add (the logits'
-    gradients) while every block's saved values are still alive."""
-    walk = _Walk(program, state, keeps_barriers)
-    start = None
-    most = 0
-    for step, _, size in walk.run():
+    kept: dict[Value, bool] | None = None
+    start = most = 0
+    for step, live, size in walk.run():
         if step.op.phase is not Phase.BACKWARD:
             continue
+        if kept is None:
+            kept = {value: forward[value] for value in live if value in forward}
+            start = size
         if scope.search(step.op.layer):
             break
-        start = size if start is None else start
         most = max(most, size - start)
-    return most
+    return BackwardStart(kept or {}, most)
 
 
 def recomputed_for_backward(
