@@ -45,7 +45,12 @@ CASES = {
     "recompute-layer-microbatches2": dict(recompute="layer", microbatches=2),
     "pipeline": PIPELINE,
     "pipeline-zero1": dict(PIPELINE, zero=1),
+    "pipeline-interleaved": dict(
+        PIPELINE, layers=8, parallel=ParallelConfig(data=2, expert=2, pipeline=2, virtual_stages=2)
+    ),
 }
+# XLA:CPU holds more than the walk of these: it runs forward slots ticks early (below).
+RUNS_AHEAD = ("pipeline-zero1", "pipeline-interleaved")
 
 
 def config_for(
@@ -90,7 +95,7 @@ def xla_peak(analysis) -> int:
     )
 
 
-@pytest.mark.parametrize("case", [case for case in CASES if case != "pipeline-zero1"])
+@pytest.mark.parametrize("case", [case for case in CASES if case not in RUNS_AHEAD])
 def test_the_walk_comes_within_ten_percent_of_xla_cpu(case):
     _, analysis, _, cpu, _ = measured(case)
     assert cpu.total == pytest.approx(xla_peak(analysis), rel=TOLERANCE)
@@ -98,13 +103,15 @@ def test_the_walk_comes_within_ten_percent_of_xla_cpu(case):
     assert cpu.master + cpu.optimizer + cpu.batch == analysis.argument_size_in_bytes
 
 
-@pytest.mark.parametrize("case", ["pipeline", "pipeline-zero1"])
-def test_xla_cpu_runs_a_pipelines_next_forward_slot_early_at_most_one_tick(case):
+@pytest.mark.parametrize("case", ["pipeline", *RUNS_AHEAD])
+def test_xla_cpu_runs_a_pipelines_forward_slots_at_most_a_chunk_early(case):
     """Nothing makes a tick's forward slot wait for the previous tick's backward slot:
-    XLA:CPU holds more than the tick order (with ZeRO-1, 12% more) and less than every
-    forward slot one tick ahead."""
+    XLA:CPU holds more than the tick order (with ZeRO-1 12% more, interleaved 11%) and
+    less than every forward slot as many ticks early as a stage has chunks."""
     config, analysis, program, cpu, _ = measured(case)
-    ahead = step_memory(program, abstract_train_state(config), keeps_barriers=False, ticks_ahead=1)
+    virtual = config.parallel.virtual_stages
+    state = abstract_train_state(config)
+    ahead = step_memory(program, state, keeps_barriers=False, ticks_ahead=virtual)
     assert cpu.total <= xla_peak(analysis) <= ahead.total
     assert ahead.total < 1.15 * xla_peak(analysis)
 
