@@ -92,9 +92,10 @@ class RecipeEstimate:
     model: str
     row: str  # which variant
     mapping: Mapping
-    memory: StepMemory
-    time: StepTime
-    mfu: float
+    memory: StepMemory | None  # None: not estimated (``left_out`` says why)
+    time: StepTime | None
+    mfu: float | None
+    left_out: str = ""
 
     @property
     def idle_share(self) -> float:
@@ -118,10 +119,19 @@ def at_recipe_batch(model: str, layout: Mapping) -> Mapping:
     return dataclasses.replace(layout, microbatches=layout.microbatches * more)
 
 
-def estimate_recipe(model: str, profile: str, planned: Mapping | None) -> list[RecipeEstimate]:
-    """The recipe of ``model`` as published and with full-layer recomputation, and
-    ``planned`` (the planner's best layout on the recipe's devices, None: left out) at
-    the recipe's batch, each estimated on ``profile``."""
+def recipe_mappings(model: str, planned: Mapping | None) -> list[tuple[str, Mapping]]:
+    """The rows estimated for ``model``: its recipe as published and with full-layer
+    recomputation, and ``planned`` (the planner's best layout on the recipe's devices,
+    None: left out) at the recipe's batch."""
+    recipe = RECIPES[model]
+    rows = [(PUBLISHED_ROW, recipe.mapping()), (RECOMPUTED_ROW, recipe.mapping("layer"))]
+    if planned is not None:
+        rows.append((PLANNED_ROW, at_recipe_batch(model, planned)))
+    return rows
+
+
+def estimate_recipe_row(model: str, profile: str, row: str, mapping: Mapping) -> RecipeEstimate:
+    """One row of :func:`recipe_mappings`, estimated on ``profile``."""
     import scheduling
     from jaxmoe.plan.estimates import EstimateCache
     from jaxmoe.plan.mappings import with_mapping
@@ -134,15 +144,9 @@ def estimate_recipe(model: str, profile: str, planned: Mapping | None) -> list[R
     device = scheduling.PROFILES[profile]
     peak = device.peak_flops_per_s(config.model.dtype)
     flops = model_flops(config).train_step()
-    rows = [(PUBLISHED_ROW, recipe.mapping()), (RECOMPUTED_ROW, recipe.mapping("layer"))]
-    if planned is not None:
-        rows.append((PLANNED_ROW, at_recipe_batch(model, planned)))
-    estimates = []
-    for row, mapping in rows:
-        mapped = with_mapping(config, mapping, device.devices_per_node)
-        memory, times = estimate_mapping(mapped, ("none",), profile, EstimateCache(None))
-        time = times["none"]
-        rate = mfu(flops, time.step, recipe.devices, peak)
-        estimates.append(RecipeEstimate(model, row, mapping, memory, time, rate))
-        print(f"{model} {row}: {time.step * 1e3:.0f} ms, {memory.total / 1e9:.1f} GB", flush=True)
-    return estimates
+    mapped = with_mapping(config, mapping, device.devices_per_node)
+    memory, times = estimate_mapping(mapped, ("none",), profile, EstimateCache(None))
+    time = times["none"]
+    rate = mfu(flops, time.step, recipe.devices, peak)
+    print(f"{model} {row}: {time.step * 1e3:.0f} ms, {memory.total / 1e9:.1f} GB", flush=True)
+    return RecipeEstimate(model, row, mapping, memory, time, rate)

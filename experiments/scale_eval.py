@@ -24,9 +24,13 @@ repeated steps.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import os
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +41,9 @@ from experiments.published_recipes import (
     RECIPES,
     RECOMPUTED_ROW,
     SOURCE,
-    estimate_recipe,
+    RecipeEstimate,
+    estimate_recipe_row,
+    recipe_mappings,
 )
 from experiments.shared.results_file import command_line
 
@@ -85,8 +91,8 @@ LEFT_OUT = [
     "Microbatches: without a pipeline the memory walk runs every microbatch's forward "
     "pass first, as nothing in the step orders them (XLA:CPU does the same); XLA:GPU's "
     "memory scheduler may interleave them and hold less. A pipeline's ticks are walked in "
-    "their order, which for the interleaved schedule is below what XLA:CPU holds (part 2: "
-    "the walk's ratio to XLA's peak), so interleaved pipelines may fit here and not on a "
+    "their order, which is below what XLA:CPU holds (part 2: the walk's ratio to XLA's "
+    "peak), so pipelines near the limit may fit here and not on a "
     "device whose compiler runs later ticks' forward slots early.",
     "Attention: jaxmoe's attention keeps its [heads, seq, seq] scores for the backward "
     "pass (no flash attention), so at 4096 tokens a layer's activations are far above "
@@ -210,6 +216,11 @@ def recipe_rows(estimates: Sequence[Any]) -> list[str]:
     for e in estimates:
         t, m = e.time, e.memory
         label = RECIPES[e.model].label() if e.row != PLANNED_ROW else e.mapping.label()
+        if t is None or m is None:
+            lines.append(
+                f"| {e.model} | {label} | {e.row}: not estimated, {e.left_out} |" + " |" * 9
+            )
+            continue
         lines.append(
             f"| {e.model} | {label} | {e.row} | {t.step:.2f} | {t.compute:.2f} | "
             f"{t.exposed_communication:.2f} | {e.idle_share:.0%} | {e.mfu:.1%} | "
@@ -225,6 +236,11 @@ def recipe_lines(estimates: Sequence[Any]) -> list[str]:
     for model in dict.fromkeys(e.model for e in estimates):
         rows = {e.row: e for e in estimates if e.model == model}
         published, recomputed = rows[PUBLISHED_ROW], rows[RECOMPUTED_ROW]
+        if published.time is None or published.memory is None:
+            lines.append(
+                f"- {model}: the recipe as published was not estimated: {published.left_out}."
+            )
+            continue
         t, mapping = published.time, published.mapping
         recipe = RECIPES[model]
         scores = f"[{MODELS[model].model.num_heads // recipe.tensor}, {SEQ_LEN}, {SEQ_LEN}]"
@@ -240,11 +256,18 @@ def recipe_lines(estimates: Sequence[Any]) -> list[str]:
             f"{_gb(published.memory.activations)} GB of it activations: each layer keeps "
             f"its attention scores, {scores} per sequence, where Megatron-Core's flash "
             "attention keeps none",
-            f"with full-layer recomputation it needs {_gb(recomputed.memory.total)} GB "
-            f"({'fits' if recomputed.memory.total <= 80e9 else 'does not fit'}) at "
-            f"{recomputed.mfu:.1%} MFU",
         ]
-        if PLANNED_ROW in rows:
+        if recomputed.memory is None:
+            parts.append(
+                f"with full-layer recomputation it was not estimated: {recomputed.left_out}"
+            )
+        else:
+            parts.append(
+                f"with full-layer recomputation it needs {_gb(recomputed.memory.total)} GB "
+                f"({'fits' if recomputed.memory.total <= 80e9 else 'does not fit'}) at "
+                f"{recomputed.mfu:.1%} MFU"
+            )
+        if PLANNED_ROW in rows and rows[PLANNED_ROW].memory is not None:
             planned = rows[PLANNED_ROW]
             parts.append(
                 f"the planner's best layout at the same batch estimates {planned.mfu:.1%} "
@@ -410,8 +433,9 @@ def report(
             "XLA:CPU drops the barriers in front of a recomputation (its memory does not "
             "fall; the walk as XLA:GPU keeps them says what it saves there) and runs every "
             "microbatch's forward pass first. The walk follows a pipeline's ticks in their "
-            "order; XLA:CPU holds about as much for 1F1B, and more for the interleaved "
-            "schedule (it runs later ticks' forward slots early).",
+            "order; XLA:CPU holds more (it runs forward slots before the previous tick's "
+            "backward slot, which nothing orders after them; tests/train/test_memory.py "
+            "bounds it by the walk with every forward slot a stage's chunks of ticks early).",
             "",
             *cpu_rows(measured),
             "",
@@ -456,8 +480,24 @@ def main(argv: Sequence[str] | None = None) -> None:
             runs.append(plan_one(model, devices, args.top))
             args.out.write_text(report(runs, measured, command, args.repeats))
     for model in models:
-        recipes += estimate_recipe(model, PROFILE, best_layout(runs, model))
+        for row, mapping in recipe_mappings(model, best_layout(runs, model)):
+            recipes.append(estimate_in_fresh_process(model, row, mapping))
         args.out.write_text(report(runs, measured, command, args.repeats, recipes))
+
+
+def estimate_in_fresh_process(model: str, row: str, mapping: Any) -> RecipeEstimate:
+    """:func:`estimate_recipe_row` in a process of its own: a recipe's pipelined step
+    unrolls hundreds of ticks, and the planner's runs fill this process's caches. A row
+    whose process dies (out of memory) is left out, saying so."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        try:
+            return pool.submit(estimate_recipe_row, model, PROFILE, row, mapping).result()
+        except BrokenProcessPool:
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            reason = f"its trace needs more than this machine's {memory / 2**30:.0f} GiB"
+            print(f"{model} {row}: not estimated, {reason}", flush=True)
+            return RecipeEstimate(model, row, mapping, None, None, None, reason)
 
 
 if __name__ == "__main__":
