@@ -22,6 +22,10 @@ part 1 at the recipe's batch.
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -150,3 +154,20 @@ def estimate_recipe_row(model: str, profile: str, row: str, mapping: Mapping) ->
     rate = mfu(flops, time.step, recipe.devices, peak)
     print(f"{model} {row}: {time.step * 1e3:.0f} ms, {memory.total / 1e9:.1f} GB", flush=True)
     return RecipeEstimate(model, row, mapping, memory, time, rate)
+
+
+def estimate_in_fresh_process(
+    model: str, profile: str, row: str, mapping: Mapping
+) -> RecipeEstimate:
+    """:func:`estimate_recipe_row` in a process of its own: a recipe's pipelined step
+    unrolls hundreds of ticks, and the planner's runs fill this process's caches. A row
+    whose process dies (out of memory) is left out, saying so."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        try:
+            return pool.submit(estimate_recipe_row, model, profile, row, mapping).result()
+        except BrokenProcessPool:
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            reason = f"its trace needs more than this machine's {memory / 2**30:.0f} GiB"
+            print(f"{model} {row}: not estimated, {reason}", flush=True)
+            return RecipeEstimate(model, row, mapping, None, None, None, reason)

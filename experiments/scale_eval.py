@@ -24,13 +24,9 @@ repeated steps.
 from __future__ import annotations
 
 import argparse
-import multiprocessing
-import os
 import sys
 import time
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +37,7 @@ from experiments.published_recipes import (
     RECIPES,
     RECOMPUTED_ROW,
     SOURCE,
-    RecipeEstimate,
-    estimate_recipe_row,
+    estimate_in_fresh_process,
     recipe_mappings,
 )
 from experiments.shared.results_file import command_line
@@ -481,23 +476,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             args.out.write_text(report(runs, measured, command, args.repeats))
     for model in models:
         for row, mapping in recipe_mappings(model, best_layout(runs, model)):
-            recipes.append(estimate_in_fresh_process(model, row, mapping))
+            recipes.append(estimate_in_fresh_process(model, PROFILE, row, mapping))
         args.out.write_text(report(runs, measured, command, args.repeats, recipes))
-
-
-def estimate_in_fresh_process(model: str, row: str, mapping: Any) -> RecipeEstimate:
-    """:func:`estimate_recipe_row` in a process of its own: a recipe's pipelined step
-    unrolls hundreds of ticks, and the planner's runs fill this process's caches. A row
-    whose process dies (out of memory) is left out, saying so."""
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-        try:
-            return pool.submit(estimate_recipe_row, model, PROFILE, row, mapping).result()
-        except BrokenProcessPool:
-            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            reason = f"its trace needs more than this machine's {memory / 2**30:.0f} GiB"
-            print(f"{model} {row}: not estimated, {reason}", flush=True)
-            return RecipeEstimate(model, row, mapping, None, None, None, reason)
 
 
 if __name__ == "__main__":
