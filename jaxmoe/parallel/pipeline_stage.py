@@ -63,8 +63,8 @@ def select_vjp(
     (the parameters of the chunk the backward slot runs, per stage): a residual that is
     the same parameter leaf in every candidate (a recomputed chunk keeps its inputs) is
     taken from ``picked`` instead of selected. The stage's selected forward slot ran the
-    same chunk, whose parameters the step does not change, so the values are the same;
-    only the copies of every candidate's parameters that a selection makes are not."""
+    same chunk, whose parameters the step does not change: the values are the same,
+    without the copy of the chunk's weights that a selection makes."""
     if len(candidates) == 1:
         return candidates[0]
     flat = [jax.tree.flatten(candidate) for candidate in candidates]
