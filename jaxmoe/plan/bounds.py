@@ -330,8 +330,8 @@ def screen(
         for part in parts:
             totals[part][0] += seconds
             totals[part][1] += seconds if in_block else 0.0
-            if pays_overhead and f"overhead_{part}" in totals:
-                overhead = f"overhead_{part}"
+            overhead = f"overhead_{part}"
+            if pays_overhead and overhead in totals:
                 totals[overhead][0] += profile.op_overhead_s
                 totals[overhead][1] += profile.op_overhead_s if in_block else 0.0
     # Parameters gathered or cast are the state's where the variant holds them whole.
