@@ -91,6 +91,8 @@ _API = {
     "MeasuredOps": "scheduling.reports.measured_trace",
     "hlo_windows": "scheduling.reports.hlo_windows",
     "broken_windows": "scheduling.reports.hlo_windows",
+    "async_pairs": "scheduling.reports.hlo_windows",
+    "AsyncPair": "scheduling.reports.hlo_windows",
     # all of it
     "optimize": "scheduling.pipeline",
 }

@@ -51,6 +51,7 @@ def optimize(
         planned.schedule,
         donate_argnums=donate_argnums,
         transport=transports.connect(policy.transport, mesh, policy.link_mbit or None),
+        xla_groups=policy.xla_groups,
     )
     report = build_report(planned, cost, policy, program, axis_roles)
     if isinstance(cost, ProfiledCostModel):

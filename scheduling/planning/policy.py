@@ -90,6 +90,10 @@ class SchedulePolicy:
     # is estimated at this many times the gather's own time (scheduling.passes.prefetch);
     # 0: as soon as its operand exists, which for weights is the start of the step.
     prefetch_lead: float = 2.0
+    # Trace each critical window as an XLA scheduling group (its start, done and the
+    # matrix products planned in it; scheduling.runtime.xla_groups), which XLA:GPU's
+    # latency-hiding scheduler keeps together; False leaves the order to that scheduler.
+    xla_groups: bool = True
 
     def __post_init__(self) -> None:
         check_policy_fields(

@@ -26,7 +26,7 @@ from typing import Any
 import jax
 from jax.extend import core as jcore
 
-SUPPORTED_JAX_VERSIONS = ("0.10.2",)
+SUPPORTED_JAX_VERSIONS = ("0.10.2", "0.11.2")
 
 
 class AsyncCollectivesUnavailable(RuntimeError):

@@ -1,12 +1,15 @@
 """Did the compiler keep the plan? The planned windows, read back from optimized HLO.
 
-Each critical window is emitted under one ``_scheduling_group_id``
-(:mod:`scheduling.runtime.emit`): its collective's start, the computation placed in it,
-and its done. In a scheduled HLO module (XLA:GPU with the latency-hiding scheduler) the
-entry computation lists its instructions in execution order, each with the frontend
-attributes it was traced under. A window survived when its start comes before every
-other instruction of its group and its done after them, with at least one computation
-between (otherwise XLA ran the collective synchronously).
+Each critical window that holds a matrix product is emitted under one
+``_scheduling_group_id`` (:mod:`scheduling.runtime.xla_groups`): its collective's
+start, the products placed in it, and its done. In a scheduled HLO module (XLA:GPU with
+the latency-hiding scheduler) the entry computation lists its instructions in execution
+order, each with the frontend attributes it kept. A window survived when its start
+comes before every other instruction of its group and its done after them, with at least
+one computation between (otherwise XLA ran the collective synchronously).
+
+:func:`async_pairs` reads every async collective of the module, grouped or not: which
+compute instructions the compiled order runs between its start and its done.
 """
 
 from __future__ import annotations
@@ -15,10 +18,16 @@ import re
 from dataclasses import dataclass, field
 
 _GROUP = re.compile(r'_scheduling_group_id="?(\d+)"?')
-# name = shape (a tuple in parentheses, or one array type) opcode(...
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(?:\([^)]*\)|\S+)\s+([\w\-]+)\(")
+# name = shape opcode(operands...: the shape is one array type or a tuple, which nests.
+_HEAD = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
+_OPCODE = re.compile(r"\s+([\w\-]+)\(")
+_TOKEN = re.compile(r"[\w.\-]+")
 _START = re.compile(r"-start$")
 _DONE = re.compile(r"-done$")
+# Instructions that compute nothing on the device (views, tuples, parameters).
+_BOOKKEEPING = frozenset(
+    {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "copy"}
+)
 
 
 @dataclass
@@ -36,6 +45,29 @@ class Window:
         if self.start is None or self.done is None or not self.inside:
             return False
         return self.start < min(self.inside) and max(self.inside) < self.done
+
+
+@dataclass(frozen=True)
+class Instruction:
+    name: str
+    opcode: str
+    rest: str  # the line after the opcode's opening parenthesis: operands, attributes
+
+
+def parse_instruction(line: str) -> Instruction | None:
+    """``name = shape opcode(...)``, or None for a line that is no instruction."""
+    head = _HEAD.match(line)
+    if head is None:
+        return None
+    end, depth = head.end(), 0
+    # The shape ends at the first blank outside parentheses (a tuple shape nests).
+    while end < len(line) and (depth or not line[end].isspace()):
+        depth += {"(": 1, ")": -1}.get(line[end], 0)
+        end += 1
+    opcode = _OPCODE.match(line, end)
+    if opcode is None:
+        return None
+    return Instruction(head.group(1), opcode.group(1), line[opcode.end() :])
 
 
 def entry_instructions(hlo_text: str) -> list[str]:
@@ -57,11 +89,11 @@ def windows(hlo_text: str) -> dict[int, Window]:
     found: dict[int, Window] = {}
     for position, line in enumerate(entry_instructions(hlo_text)):
         group = _GROUP.search(line)
-        match = _INSTRUCTION.match(line)
-        if group is None or match is None:
+        instruction = parse_instruction(line)
+        if group is None or instruction is None:
             continue
         window = found.setdefault(int(group.group(1)), Window(int(group.group(1))))
-        opcode = match.group(2)
+        opcode = instruction.opcode
         if _START.search(opcode):
             window.start = position
         elif _DONE.search(opcode):
@@ -74,3 +106,49 @@ def windows(hlo_text: str) -> dict[int, Window]:
 def broken_windows(hlo_text: str) -> list[Window]:
     """The windows the compiler did not keep."""
     return [window for window in windows(hlo_text).values() if not window.kept]
+
+
+@dataclass(frozen=True)
+class AsyncPair:
+    """An async collective of the compiled module and what runs inside its window."""
+
+    name: str  # the start instruction's name
+    kind: str  # e.g. all-to-all, all-reduce, all-gather, collective-permute
+    start: int
+    done: int
+    between: int  # compute instructions the order runs between start and done
+
+    @property
+    def overlapped(self) -> bool:
+        return self.between > 0
+
+
+def async_pairs(hlo_text: str) -> list[AsyncPair]:
+    """Every async start/done pair of the entry computation, in start order."""
+    starts: dict[str, tuple[int, str]] = {}
+    pairs = []
+    computing = [0]  # computing[i]: compute instructions before position i
+    for position, line in enumerate(entry_instructions(hlo_text)):
+        instruction = parse_instruction(line)
+        opcode = instruction.opcode if instruction else ""
+        is_start, is_done = bool(_START.search(opcode)), bool(_DONE.search(opcode))
+        computes = instruction is not None and not (is_start or is_done)
+        computing.append(computing[-1] + (computes and opcode not in _BOOKKEEPING))
+        if is_start:
+            starts[instruction.name] = (position, _kind(opcode, line))
+        elif is_done:
+            operand = next((t for t in _TOKEN.findall(instruction.rest) if t in starts), None)
+            if operand is not None:
+                start, kind = starts.pop(operand)
+                between = computing[position] - computing[start + 1]
+                pairs.append(AsyncPair(operand, kind, start, position, between))
+    return sorted(pairs, key=lambda pair: pair.start)
+
+
+def _kind(opcode: str, line: str) -> str:
+    if opcode != "async-start":
+        return opcode.removesuffix("-start")
+    for kind in ("all-to-all", "reduce-scatter", "all-gather", "all-reduce"):
+        if kind in line:
+            return kind
+    return "async"

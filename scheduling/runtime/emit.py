@@ -4,14 +4,13 @@ The per-device program is re-evaluated op by op, in schedule order, inside a
 new whole-mesh ``shard_map`` under ``jax.jit``, every node through a transport
 (:mod:`scheduling.runtime.transports`): with XLA's, a split collective binds
 the async start primitive at its start and the done primitive at its done.
-Every window — a collective's start, the computation placed in
-it, and its done — is traced under
+Each critical window that can be one — a collective's start, the matrix products the
+plan runs in it, and its done — is traced under
 ``set_xla_metadata(_scheduling_group_id=K)``, which XLA's GPU latency-hiding
 scheduler reads as "schedule these together", so the compiled program keeps
-the planned overlap. Only the critical collectives' windows are groups: a
-deferrable one (a gradient reduction, see ``scheduling.program.graph``) is left free,
-so the scheduler may move it off the link the critical path needs. The XLA
-flags that turn that scheduler on are given by :func:`xla_gpu_flags`.
+the planned overlap (:mod:`scheduling.runtime.xla_groups` says what XLA accepts in a
+group, and why the rest of a window is left to XLA's scheduler). The XLA flags that
+turn that scheduler on are given by :func:`xla_gpu_flags`.
 
 On the CPU backend, where XLA runs every async pair synchronously, the socket
 transport carries the all-to-alls between processes instead, so that they overlap.
@@ -33,6 +32,7 @@ from scheduling.program.capture import Constant, Program, Value
 from scheduling.program.graph import Graph, Role
 from scheduling.runtime import transports
 from scheduling.runtime.transports import Transport, XlaAsync
+from scheduling.runtime.xla_groups import scheduling_groups
 
 
 def xla_gpu_flags() -> list[str]:
@@ -40,25 +40,17 @@ def xla_gpu_flags() -> list[str]:
     return list(names.XLA_GPU_FLAGS)
 
 
-def scheduling_groups(graph: Graph, schedule: Schedule) -> dict[int, int]:
-    """``node id -> group id``: each critical split collective's start, done and placed
-    nodes (deferrable collectives carry no group)."""
-    groups: dict[int, int] = {}
-    critical = (n for n in graph.nodes if n.role is Role.START and n.id not in graph.deferrable)
-    for group, start in enumerate(critical):
-        groups[start.id] = groups[start.partner] = group
-        for node in schedule.placement.windows.get(start.id, []):
-            groups[node] = group
-    return groups
-
-
 def per_device_function(
-    graph: Graph, schedule: Schedule, transport: Callable[[], Transport] = XlaAsync
+    graph: Graph,
+    schedule: Schedule,
+    transport: Callable[[], Transport] = XlaAsync,
+    xla_groups: bool = True,
 ):
     """A function of the flattened per-device arguments that runs ``schedule``, every node
-    through a fresh transport from ``transport`` (:mod:`scheduling.runtime.transports`)."""
+    through a fresh transport from ``transport`` (:mod:`scheduling.runtime.transports`),
+    each window that can be one traced as an XLA scheduling group (``xla_groups``)."""
     program = graph.program
-    groups = scheduling_groups(graph, schedule)
+    groups = scheduling_groups(graph, schedule.order) if xla_groups else {}
 
     def run(*flat_args: Any) -> tuple[Any, ...]:
         env: dict[Value, Any] = dict(zip(program.inputs, flat_args, strict=True))
@@ -155,14 +147,17 @@ def emit(
     *,
     donate_argnums: Sequence[int] = (),
     transport: Callable[[], Transport] | None = None,
+    xla_groups: bool = True,
 ) -> ScheduledStep:
     """A jit-compiled step running ``schedule``, its collectives through ``transport``
     (a factory from :func:`scheduling.runtime.transports.connect`; default: XLA's async
     collectives, which raises
     :class:`~scheduling.program.jax_adapter.AsyncCollectivesUnavailable` on a JAX whose
-    async primitives the adapter does not know).
+    async primitives the adapter does not know). ``xla_groups``: trace the windows as
+    scheduling groups (:mod:`scheduling.runtime.xla_groups`); False leaves the order on
+    GPU to XLA's latency-hiding scheduler.
     """
     if transport is None:
         transport = transports.connect("xla", graph.program.mesh)
-    run = per_device_function(graph, schedule, transport)
+    run = per_device_function(graph, schedule, transport, xla_groups)
     return ScheduledStep(graph.program, run, donate_argnums)

@@ -1,6 +1,6 @@
 """Reading the planned windows back from a scheduled HLO module."""
 
-from scheduling.reports.hlo_windows import broken_windows, windows
+from scheduling.reports.hlo_windows import async_pairs, broken_windows, windows
 
 G0 = 'frontend_attributes={_scheduling_group_id="0"}'
 G1 = 'frontend_attributes={_scheduling_group_id="1"}'
@@ -40,3 +40,29 @@ def test_compute_moved_out_of_its_window_is_reported():
         'frontend_attributes={_scheduling_group_id="0"}\n  %fusion.1 =',
     )
     assert 0 in [w.group for w in broken_windows(moved)]
+
+
+# As XLA:GPU prints an async all-to-all: a nested tuple shape, operands with their shapes.
+ASYNC = f"""HloModule step, is_scheduled=true
+
+ENTRY %main (p0: f32[8,4]) -> f32[8,4] {{
+  %p0 = {T} parameter(0)
+  %all-to-all-start = (({T}), {T}) async-start({T} %p0), calls=%all-to-all.1, {G0}
+  %gemm = {T} custom-call({T} %p0, {T} %p0), custom_call_target="__cublas$gemm", {G0}
+  %bitcast.3 = {T} bitcast({T} %gemm)
+  %all-to-all-done = {T} async-done((({T}), {T}) %all-to-all-start), {G0}
+  %all-reduce-start = {T} all-reduce-start({T} %bitcast.3), to_apply=%add
+  %all-reduce-done = {T} all-reduce-done({T} %all-reduce-start)
+  ROOT %add = {T} add({T} %all-to-all-done, {T} %all-reduce-done)
+}}
+"""
+
+
+def test_async_pairs_and_what_runs_between():
+    pairs = async_pairs(ASYNC)
+    assert [(p.kind, p.start, p.done, p.between) for p in pairs] == [
+        ("all-to-all", 1, 4, 1),  # the gemm; the bitcast computes nothing
+        ("all-reduce", 5, 6, 0),
+    ]
+    assert [p.overlapped for p in pairs] == [True, False]
+    assert windows(ASYNC)[0].kept

@@ -12,7 +12,6 @@ from scheduling.costs.simulate import simulate
 from scheduling.passes import Placement, order, split_async
 from scheduling.program.capture import capture
 from scheduling.reports.describe import why
-from scheduling.runtime.emit import scheduling_groups
 from tests.scheduling.toys import fixed_seconds, mesh_x, sds
 
 
@@ -111,14 +110,6 @@ def test_order_starts_the_critical_collective_first_when_both_are_ready():
     assert result.index(starts["all_to_all"]) < result.index(starts["psum"])
     # In program order the psum comes first.
     assert starts["psum"] < starts["all_to_all"]
-
-
-def test_deferrable_collectives_carry_no_scheduling_group():
-    graph, starts = _same_operand_graph()
-    groups = scheduling_groups(graph, order(graph, Placement()))
-    a2a = starts["all_to_all"]
-    assert groups[a2a] == groups[graph.nodes[a2a].partner]
-    assert starts["psum"] not in groups and graph.nodes[starts["psum"]].partner not in groups
 
 
 def test_the_report_says_what_held_the_link_before_a_stalled_collective():

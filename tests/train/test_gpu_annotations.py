@@ -1,6 +1,7 @@
 """What XLA:GPU needs to keep the plan, checked on the emitted program (no GPU needed):
-every critical collective's window — its async start, the computation placed in it, its
-done — carries one ``_scheduling_group_id`` of its own, and deferrable collectives none."""
+each critical window that holds a matrix product is one ``_scheduling_group_id`` of its
+own — its async start, its done and the products placed in it, nothing else — and
+deferrable collectives carry none (:mod:`scheduling.runtime.xla_groups`)."""
 
 import collections
 import dataclasses
@@ -12,42 +13,53 @@ from jaxmoe.presets import preset
 from jaxmoe.train.scheduled import plan_train_step
 
 GROUP = re.compile(r'_scheduling_group_id = "(\d+)"')
+OP = re.compile(r'= "?(stablehlo\.\w+)')
 
 
 @functools.cache
-def planned():
+def planned(name: str, xla_groups: bool = True):
     config = preset("tiny")
     config = dataclasses.replace(
         config,
         model=dataclasses.replace(config.model, num_layers=2),
-        schedule=dataclasses.replace(config.schedule, name="dw"),
+        train=dataclasses.replace(config.train, microbatches=2),
+        # A slow link: the all-to-alls' windows hold the other microbatch's work.
+        schedule=dataclasses.replace(
+            config.schedule, name=name, link_mbit=100, xla_groups=xla_groups
+        ),
     )
     return plan_train_step(config, build_mesh(config.parallel))
 
 
-def test_each_window_is_one_scheduling_group():
-    step = planned()
-    text = step.stablehlo()
-    dones, tagged = collections.Counter(), collections.Counter()
+def _groups(text: str) -> dict[int, collections.Counter]:
+    groups: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
     for line in text.splitlines():
         match = GROUP.search(line)
         if match is None:
             continue
-        group = int(match.group(1))
-        tagged[group] += 1
-        if "stablehlo.async_done" in line:
-            dones[group] += 1
-    report = step.report
-    all_to_alls = [c for c in report.collectives if c.kind == "all_to_all"]
-    assert all_to_alls, "the step has no split all-to-all"
-    # One group per critical window: its done (and its start) carry it, nothing else's.
-    assert set(dones) == set(tagged) and set(dones.values()) == {1}
-    assert len(dones) >= len(all_to_alls)
-    assert text.count('"stablehlo.async_start"') == text.count('"stablehlo.async_done"')
+        # An async start is a region op: its attributes close the region, "}) {...}".
+        start = line.lstrip().startswith("})") and "!stablehlo.future" in line
+        op = "stablehlo.async_start" if start else OP.search(line).group(1)
+        groups[int(match.group(1))][op] += 1
+    return groups
+
+
+def test_each_group_is_a_start_a_done_and_products_placed_between():
+    step = planned("pair")
+    text = step.stablehlo()
+    groups = _groups(text)
+    assert groups, "no window became a group"
+    for ops in groups.values():
+        assert ops.pop("stablehlo.async_start") == 1 and ops.pop("stablehlo.async_done") == 1
+        assert ops and set(ops) == {"stablehlo.dot_general"}
     # Deferrable collectives (the gradient reductions) are left free: fewer groups than
     # split collectives.
-    assert len(dones) < text.count('"stablehlo.async_done"')
-    # The dW work placed in the backward windows is traced inside its window's group:
-    # beyond each group's start and done, at least one tagged op per placed dW op.
-    assert report.dw_ops_placed > 0
-    assert sum(tagged.values()) - 2 * len(dones) >= report.dw_ops_placed
+    assert len(groups) < text.count('"stablehlo.async_done"')
+    # The pairing puts the other microbatch's products in the all-to-alls' windows.
+    all_to_alls = [c for c in step.report.collectives if c.kind == "all_to_all"]
+    assert len(groups) >= len(all_to_alls) // 2
+
+
+def test_without_xla_groups_the_program_carries_none():
+    text = planned("pair", xla_groups=False).stablehlo()
+    assert "stablehlo.async_start" in text and "_scheduling_group_id" not in text
