@@ -1,27 +1,42 @@
-"""Does XLA:GPU keep the planned windows, and what do they buy? One run on a GPU host.
+"""Does XLA:GPU keep the planned windows, and what do they cost? One run on a GPU host.
 
-    python -m experiments.gpu_schedule_check [--preset mixtral-tiny] \\
-        [--schedules none,dw,lancet,pair] [--microbatches 4] [--steps 20] [--rounds 5]
+    python -m experiments.gpu_schedule_check [--preset mixtral-tiny] [--layers 2] \\
+        [--schedules none,lancet,pair,pair:free] [--microbatches 2] [--mock-devices 8] \\
+        [--steps 10] [--rounds 5] [--hlo-dir DIR]
 
-For each schedule: compile the preset's train step with the scheduler flags
-(:data:`scheduling.names.XLA_GPU_FLAGS`), read the planned windows back from the
-optimized HLO (:func:`scheduling.broken_windows`: a window is kept when its all-to-all's
-start comes first, its done last and computation lies between), then time the steps.
-The schedules run round-robin, ``--steps`` steps each per round, so that every ratio to
-``none`` is of two measurements taken side by side; the table gives the median over the
-rounds and their range. The mesh is the preset's layout over the visible GPUs
-(``--expert`` and ``--data`` to change it).
+For each schedule (``NAME:free`` is the schedule without scheduling groups,
+``schedule.xla_groups false``): plan the preset's train step, compile it with the
+scheduler flags (:data:`scheduling.names.XLA_GPU_FLAGS`) and read the compiled order back
+from the optimized HLO:
 
-Refuses to run without GPUs: on CPU, XLA runs async pairs synchronously and its HLO order
-says nothing about the GPU scheduler. Writes ``experiments/results/gpu_schedule_check.md``.
+- **groups kept**: the planned windows emitted as scheduling groups
+  (:mod:`scheduling.runtime.xla_groups`) whose start comes first, done last, products
+  between (:func:`scheduling.broken_windows`);
+- **all-to-alls overlapped**: of the compiled module's async all-to-alls, those with
+  computation between start and done (:func:`scheduling.async_pairs`); a pair with none
+  is one XLA runs synchronously.
+
+Then the steps are timed: the schedules run round-robin, ``--steps`` steps each per
+round, so that every ratio to ``none`` is of two measurements taken side by side.
+
+``--mock-devices N`` compiles and runs for N GPUs on one (JAX's mock GPU topology, one
+device per mocked host): the compiled module is the one N GPUs would run, but only this
+process's device computes and its collectives move no data, so the times measure the
+schedule's computation, not hidden communication. Without it the mesh is the visible
+GPUs. Refuses to run without GPUs: on CPU, XLA runs async pairs synchronously and its
+HLO order says nothing about the GPU scheduler. Writes ``--out`` (markdown) and a JSON
+beside it; ``--hlo-dir`` keeps each optimized module.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 from experiments.shared.results_file import command_line
@@ -33,32 +48,48 @@ RESULTS = Path(__file__).parent / "results" / "gpu_schedule_check.md"
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="mixtral-tiny")
-    parser.add_argument("--schedules", default="none,dw,lancet,pair")
-    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=None, help="model.num_layers")
+    parser.add_argument("--schedules", default="none,lancet,pair,pair:free")
+    parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument("--profile", default="h100-8x-nvlink-3200g", help="cost model profile")
+    parser.add_argument(
+        "--link-mbit", type=float, default=0.0, help="the cost model's link (0: the profile's)"
+    )
     parser.add_argument("--expert", type=int, default=None, help="expert-parallel size")
     parser.add_argument("--data", type=int, default=None, help="data-parallel size")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
+    parser.add_argument("--mock-devices", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--hlo-dir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--any-backend", action="store_true", help="run where no GPU is (to try the script)"
+    )
     args = parser.parse_args(argv)
 
     import scheduling.names
     from jaxmoe.parallel.host_devices import ensure_xla_flags
 
     ensure_xla_flags(list(scheduling.names.XLA_GPU_FLAGS))
+    if args.mock_devices:
+        os.environ["JAX_MOCK_GPU_TOPOLOGY"] = f"1x{args.mock_devices}x1"
 
     import jax
 
-    if jax.devices()[0].platform != "gpu":
+    if jax.devices()[0].platform != "gpu" and not args.any_backend:
         print("gpu_schedule_check needs GPUs: found only", jax.devices()[0].platform)
         return 2
 
     config = _config(args, jax.device_count())
-    results = _measure(config, args)
-    text = _report(config, args, results, argv)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(text)
+
+    def write(results: dict[str, dict]) -> str:
+        text = _report(config, args, results, argv)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+        args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+        return text
+
+    print(write(_measure(config, args, write)))
     return 0
 
 
@@ -68,38 +99,86 @@ def _config(args: argparse.Namespace, devices: int):
     config = preset(args.preset)
     expert = args.expert or min(devices, config.moe.num_experts)
     data = args.data or devices // expert
-    parallel = dataclasses.replace(config.parallel, data=data, expert=expert)
-    train = dataclasses.replace(config.train, microbatches=args.microbatches)
-    return dataclasses.replace(config, parallel=parallel, train=train)
+    model = config.model
+    if args.layers:
+        model = dataclasses.replace(model, num_layers=args.layers)
+    return dataclasses.replace(
+        config,
+        model=model,
+        parallel=dataclasses.replace(config.parallel, data=data, expert=expert),
+        train=dataclasses.replace(config.train, microbatches=args.microbatches),
+        schedule=dataclasses.replace(
+            config.schedule, profile=args.profile, link_mbit=args.link_mbit
+        ),
+    )
 
 
-def _measure(config, args: argparse.Namespace) -> dict[str, dict]:
-    import jax
+def _variant(config, name: str):
+    schedule, _, mode = name.partition(":")
+    if mode not in ("", "free"):
+        raise SystemExit(f"--schedules: {name!r}: a schedule name, or NAME:free")
+    fields = dict(name=schedule, xla_groups=mode != "free")
+    return dataclasses.replace(config, schedule=dataclasses.replace(config.schedule, **fields))
 
+
+def _measure(config, args: argparse.Namespace, write) -> dict[str, dict]:
+    """Compile and read every schedule (``write`` keeps what is known so far), then time."""
+
+    import scheduling
     from jaxmoe.parallel.mesh import build_mesh
-    from jaxmoe.train.data import BatchSampler, TokenSplits, load_tokens, put_on_mesh
     from jaxmoe.train.scheduled import plan_train_step
-    from jaxmoe.train.state import init_train_state
 
     mesh = build_mesh(config.parallel)
+    steps, results = {}, {}
+    for name in args.schedules.split(","):
+        result = results[name] = {"seconds": []}
+        try:
+            began = time.perf_counter()
+            planned = plan_train_step(_variant(config, name), mesh)
+            planned_at = time.perf_counter()
+            compiled = planned.compile()
+            result["plan_s"] = planned_at - began
+            result["compile_s"] = time.perf_counter() - planned_at
+        except Exception as error:  # a schedule XLA refuses is a finding, not a crash
+            result["error"] = "".join(traceback.format_exception_only(error)).strip()[-2000:]
+            print(f"{name}: {result['error']}", flush=True)
+            continue
+        text = compiled.as_text()
+        if args.hlo_dir:
+            args.hlo_dir.mkdir(parents=True, exist_ok=True)
+            (args.hlo_dir / f"{name.replace(':', '_')}.hlo.txt").write_text(text)
+        windows = scheduling.hlo_windows(text)
+        all_to_alls = [p for p in scheduling.async_pairs(text) if p.kind == "all-to-all"]
+        result.update(
+            groups=len(windows),
+            kept=sum(w.kept for w in windows.values()),
+            all_to_alls=len(all_to_alls),
+            overlapped=sum(p.overlapped for p in all_to_alls),
+        )
+        steps[name] = compiled
+        print(name, {k: v for k, v in result.items() if k != "seconds"}, flush=True)
+    write(results)
+    try:
+        _time(config, mesh, steps, results, args)
+    except Exception as error:
+        message = "".join(traceback.format_exception_only(error)).strip()[-2000:]
+        for name in steps:
+            results[name]["run_error"] = message
+        print("timing:", message, flush=True)
+    return results
+
+
+def _time(config, mesh, steps, results, args) -> None:
+    import jax
+
+    from jaxmoe.train.data import BatchSampler, TokenSplits, load_tokens, put_on_mesh
+    from jaxmoe.train.state import init_train_state
+
     splits = TokenSplits(load_tokens(config.data), config.data.val_fraction, config.model.seq_len)
     sampler = BatchSampler(
         splits.train, config.model.seq_len, config.train.batch_size, config.train.seed
     )
     batches = [put_on_mesh(sampler, i, mesh) for i in range(args.steps)]
-
-    import scheduling
-
-    steps, results = {}, {}
-    for name in args.schedules.split(","):
-        schedule = dataclasses.replace(config.schedule, name=name)
-        planned = plan_train_step(dataclasses.replace(config, schedule=schedule), mesh)
-        compiled = planned.compile()
-        windows = scheduling.hlo_windows(compiled.as_text())
-        broken = scheduling.broken_windows(compiled.as_text())
-        steps[name] = compiled
-        results[name] = {"windows": len(windows), "broken": len(broken), "seconds": []}
-
     state = init_train_state(config, mesh)
     for step in steps.values():  # warm up each, outside the timed rounds
         state, metrics = step(state, batches[0])
@@ -111,7 +190,6 @@ def _measure(config, args: argparse.Namespace) -> dict[str, dict]:
                 state, metrics = step(state, batch)
             jax.block_until_ready(metrics)
             results[name]["seconds"].append((time.perf_counter() - started) / len(batches))
-    return results
 
 
 def _report(config, args, results: dict[str, dict], argv) -> str:
@@ -120,30 +198,53 @@ def _report(config, args, results: dict[str, dict], argv) -> str:
     command = command_line("experiments.gpu_schedule_check", sys.argv[1:] if argv is None else argv)
     tokens = config.train.batch_size * config.model.seq_len
     baseline = results.get("none", {}).get("seconds")
+    devices = (
+        f"{args.mock_devices} GPUs mocked on 1 x {jax.devices()[0].device_kind} (JAX's mock "
+        "GPU topology: one device computes, collectives move no data)"
+        if args.mock_devices
+        else f"{jax.device_count()} x {jax.devices()[0].device_kind}"
+    )
     lines = [
         "# Planned windows on XLA:GPU",
         "",
         f"Command: `{command}`",
         "",
-        f"{jax.device_count()} x {jax.devices()[0].device_kind}, jax {jax.__version__}; preset "
-        f"`{args.preset}` on data {config.parallel.data} x expert {config.parallel.expert}, "
-        f"{config.train.microbatches} microbatches; {args.rounds} rounds of {args.steps} steps.",
+        f"{devices}, jax {jax.__version__}, XLA flags `{os.environ.get('XLA_FLAGS', '')}`; "
+        f"preset `{args.preset}` ({config.model.num_layers} layers) on data "
+        f"{config.parallel.data} x expert {config.parallel.expert}, "
+        f"{config.train.microbatches} microbatches, cost profile {args.profile}"
+        + (f" with a {args.link_mbit:g} Mbit/s link" if args.link_mbit else "")
+        + "; "
+        f"{args.rounds} rounds of {args.steps} steps.",
         "",
-        "| schedule | windows | kept | step ms, median [range] | tokens/s | / none [range] |",
-        "|---|---|---|---|---|---|",
+        "| schedule | groups kept | all-to-alls overlapped | compile s | step ms, median "
+        "[range] | tokens/s | / none [range] |",
+        "|---|---|---|---|---|---|---|",
     ]
+    notes = []
     for name, result in results.items():
-        spread = Spread.of(result["seconds"])
-        ratio = "-"
-        if baseline and name != "none":
-            ratio = Spread.of(round_ratios(baseline, result["seconds"])).format(scale=1, digits=2)
-        kept = result["windows"] - result["broken"]
+        if "error" in result:
+            lines.append(f"| {name} | compile failed | | | | | |")
+            notes.append(f"- `{name}` did not compile: `{result['error'].splitlines()[-1]}`")
+            continue
+        kept = f"{result['kept']} of {result['groups']}"
+        overlapped = f"{result['overlapped']} of {result['all_to_alls']}"
+        step = tokens_per_s = ratio = "-"
+        if result["seconds"]:
+            spread = Spread.of(result["seconds"])
+            step, tokens_per_s = spread.format(), f"{tokens / spread.median:,.0f}"
+            if baseline and name != "none":
+                ratios = round_ratios(baseline, result["seconds"])
+                ratio = Spread.of(ratios).format(scale=1, digits=2)
+        elif "run_error" in result:
+            step = "did not run"
         lines.append(
-            f"| {name} | {result['windows']} | {kept} | {spread.format()} | "
-            f"{tokens / spread.median:,.0f} | {ratio} |"
+            f"| {name} | {kept} | {overlapped} | {result['compile_s']:.1f} | {step} | "
+            f"{tokens_per_s} | {ratio} |"
         )
-    lines.append("")
-    return "\n".join(lines)
+    errors = {r["run_error"] for r in results.values() if "run_error" in r}
+    notes += [f"- the steps did not run: `{e.splitlines()[-1]}`" for e in errors]
+    return "\n".join([*lines, "", *notes, ""])
 
 
 if __name__ == "__main__":
