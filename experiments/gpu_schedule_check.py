@@ -72,9 +72,14 @@ def main(argv: list[str] | None = None) -> int:
 
     ensure_xla_flags(list(scheduling.names.XLA_GPU_FLAGS))
     if args.mock_devices:
-        os.environ["JAX_MOCK_GPU_TOPOLOGY"] = f"1x{args.mock_devices}x1"
+        # Autotuning is otherwise shared out among the processes of a multi-host run, and
+        # the mocked hosts never send their part (compilation waited for them).
+        ensure_xla_flags(["--xla_gpu_shard_autotuning=false"])
 
     import jax
+
+    if args.mock_devices:  # before the backends start: N hosts of one GPU each
+        jax.config.update("jax_mock_gpu_topology", f"1x{args.mock_devices}x1")
 
     if jax.devices()[0].platform != "gpu" and not args.any_backend:
         print("gpu_schedule_check needs GPUs: found only", jax.devices()[0].platform)

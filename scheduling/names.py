@@ -45,5 +45,11 @@ TRANSPORTS = ("xla", "sync", "socket")
 
 # XLA flags under which the GPU compiler keeps a scheduled step's planned windows: the
 # latency-hiding scheduler, which honours scheduling groups (off by default; without it an
-# async pair with nothing between start and done becomes a synchronous collective).
-XLA_GPU_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true",)
+# async pair with nothing between start and done becomes a synchronous collective); and no
+# dot merger, which otherwise fuses independent products that share an operand into one
+# GEMM (seen on an H200: four products of one weight, in different windows and one after
+# an all-to-all's done, became one), undoing the plan's placement of each.
+XLA_GPU_FLAGS = (
+    "--xla_gpu_enable_latency_hiding_scheduler=true",
+    "--xla_gpu_dot_merger_threshold_mb=0",
+)
