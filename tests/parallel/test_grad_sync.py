@@ -18,7 +18,7 @@ from jaxmoe.config.choices import GRAD_SYNC_CHOICES, GRAD_SYNCS
 from jaxmoe.parallel.grad_sync import ALGORITHMS, make_grad_sync
 from jaxmoe.parallel.grad_sync.bucketed import plan_buckets
 from jaxmoe.parallel.grad_sync.hierarchical import devices_per_host, hierarchical_sum, host_groups
-from jaxmoe.parallel.grad_sync.int8 import Int8, hierarchical_quantized_sum
+from jaxmoe.parallel.grad_sync.int8 import Int8, hierarchical_quantized_sum, quantized_sum
 from jaxmoe.parallel.grad_sync.quantize import LEVELS, dequantize, quantize
 from jaxmoe.parallel.mesh import DATA_AXIS, EXPERT_AXIS, build_mesh
 
@@ -170,6 +170,20 @@ def test_int8_error_feedback_carries_the_residual():
     half_steps = devices * float(jax.vmap(lambda g: quantize(g, 128).step.max())(grads).max()) / 2
     assert results[True] <= half_steps * 1.01
     assert results[False] > 10 * half_steps
+
+
+def test_int8_adds_the_members_decoded_values_without_a_reduction():
+    """The cross-host sum adds the decoded codes member by member: no reduction over the
+    gathered axis, which XLA:CPU runs as a kernel tens of times slower than the additions
+    (experiments/results/grad_sync_trace_before_int8_sum.md); the sum is unchanged."""
+    values = jnp.asarray(np.random.default_rng(5).normal(size=(4, 300)), jnp.float32)
+    summed_fn = on_mesh(lambda v: quantized_sum(v, ("data",), 64), 4)
+    primitives = {eqn.primitive.name for eqn in all_eqns(jax.make_jaxpr(summed_fn)(values).jaxpr)}
+    assert "all_gather" in primitives and "reduce_sum" not in primitives
+    summed, _ = summed_fn(values)
+    decoded = jax.vmap(lambda v: dequantize(quantize(v, 64), v.shape, v.dtype))(values)
+    np.testing.assert_allclose(summed[0], np.asarray(decoded).sum(axis=0), atol=1e-5)
+    chex.assert_trees_all_equal(*np.asarray(summed))  # replicas stay identical
 
 
 def test_buckets_follow_reverse_order_size_and_axes():
