@@ -22,7 +22,10 @@ the target (the loss ``allreduce`` reaches after ``--target-fraction`` of the st
 winner; ``experiments.grad_sync_convergence`` sets it beside the winner by measured
 step time and measured convergence cost as well. Writes
 ``experiments/results/grad_sync_eval.md``, ``.json`` and ``.png``; ``--quick`` is a
-smoke test (one speed, few steps, no files).
+smoke test (one speed, few steps, no files). ``--choices-only`` trains nothing: it measures
+each link's curves again and remakes auto's choices in the results of ``--out``; with
+``--saved-curves`` it only remakes the choices, from the curves files as saved (no cluster,
+no root), for an estimate that changed after the measurements.
 """
 
 from __future__ import annotations
@@ -88,13 +91,17 @@ def curves_file(link: float) -> Path:
     return RESULTS / f"grad_sync_eval_curves_{link:g}mbit.json"
 
 
-# The collectives the relaxed algorithms send across hosts and ``jaxmoe link-curves`` does
-# not time (it times the all-to-all and the psums), as they run on the cluster's mesh:
-# each ppermute sends every member to its counterpart on the other host.
+# The collectives the gradient syncs run and ``jaxmoe link-curves`` does not time (it times
+# the all-to-all and the psums), as they run on the cluster's mesh: across hosts, the
+# relaxed algorithms' ppermutes (every member to its counterpart on the other host) and
+# int8's all-gather of codes; inside a host (the expert axis), the reduce-scatter and
+# all-gather around the cross-host step of hierarchical, int8 and the decentralized ones.
 SYNC_COLLECTIVES = (
     ("ppermute", (DATA_AXIS,)),
     ("ppermute", (DATA_AXIS, EXPERT_AXIS)),
     ("all_gather", (DATA_AXIS,)),
+    ("reduce_scatter", (EXPERT_AXIS,)),
+    ("all_gather", (EXPERT_AXIS,)),
 )
 
 
@@ -108,6 +115,8 @@ def sync_collective(kind: str, axes: tuple[str, ...], group: int):
             shift = group // HOSTS  # the members of a group on one host
             perm = [(i, (i + shift) % group) for i in range(group)]
             return jnp.sum(jax.lax.ppermute(x, axes, perm))
+        if kind == "reduce_scatter":
+            return jnp.sum(jax.lax.psum_scatter(x, axes, tiled=True))
         return jnp.sum(jax.lax.all_gather(x, axes, tiled=True))
 
     return run
@@ -228,6 +237,12 @@ def _parse(argv):
         help="remeasure each link's curves and remake auto's choices in the results of --out "
         "(no training runs)",
     )
+    parser.add_argument(
+        "--saved-curves",
+        action="store_true",
+        help="with --choices-only: remake auto's choices from each link's curves file as "
+        "saved (no cluster: nothing is measured)",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke test: 50 Mbit/s, 6 steps")
     parser.add_argument("--out", type=Path, default=RESULTS / "grad_sync_eval.md")
     return parser.parse_known_args(argv)
@@ -242,8 +257,11 @@ def main(argv: list[str] | None = None) -> int:
         args.links, args.steps, args.repeats, args.warmup = "50", 6, 1, 1
     links = [float(x) for x in args.links.split(",") if x]
     algorithms = [a for a in args.algorithms.split(",") if a]
+    if args.saved_curves and not args.choices_only:
+        print("grad_sync_eval: --saved-curves goes with --choices-only", file=sys.stderr)
+        return 2
     available, reason = namespaces_available()
-    if not available:
+    if not available and not args.saved_curves:
         print(f"grad_sync_eval: cannot create network namespaces: {reason}", file=sys.stderr)
         return 2
     from jaxmoe.parallel.host_devices import ensure_host_devices
@@ -271,11 +289,22 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             print(f"grad_sync_eval: {args.out} has no runs at {', '.join(missing)} Mbit/s")
             return 2
-        earlier["note"] = (
-            f"The curves and auto's choices were remade after the runs by `sudo .venv/bin/"
-            f"{command}`."
-        )
+        if args.saved_curves:
+            remade = f"auto's choices were remade from the saved curves by `.venv/bin/{command}`"
+        else:
+            remade = f"The curves and auto's choices were remade by `sudo .venv/bin/{command}`"
+        earlier["note"] = f"{remade}, after the runs."
         result = earlier
+    if args.saved_curves:
+        for link in links:
+            curves = curves_file(link)
+            if not curves.exists():
+                print(f"grad_sync_eval: no saved curves at {link:g} Mbit/s ({curves})")
+                return 2
+            result["auto"][f"{link:g}"] = auto_choice(args, extra, link, curves)
+        text = write_report(result, args.out)
+        print(text)
+        return 0
     with tempfile.TemporaryDirectory(prefix="jaxmoe-grad-sync-") as tmp:
         for link in links:
             try:

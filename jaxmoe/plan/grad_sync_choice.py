@@ -8,11 +8,11 @@ exact algorithm; ``auto`` picks the smallest:
   told (:func:`choice_cost_model`). With measured link curves
   (``schedule.link_curves``, ``jaxmoe link-curves``), a collective whose kind and
   group size they cover costs what its curve says, and every other collective pays the
-  curves' fixed cost (their time at the smallest size, the transport's cost of one
-  collective) plus its bytes over the told link. The step is the sum of its ops (XLA:CPU
-  runs collectives synchronously); on other backends ``delayed`` is credited with
-  hiding its average over workers (which only the next step reads) behind the step's
-  computation.
+  curves' fixed cost (the median of their times at their smallest size, the transport's
+  cost of one collective: :func:`fixed_cost`) plus its bytes over the told link. The
+  step is the sum of its ops (XLA:CPU runs collectives synchronously); on other
+  backends ``delayed`` is credited with hiding its average over workers (which only the
+  next step reads) behind the step's computation.
 - **convergence cost**: how many steps the algorithm takes to reach the loss an exact
   algorithm reaches, per exact step (:class:`ConvergenceCosts`): 1 for the exact
   algorithms (``allreduce``, ``bucketed``, ``hierarchical``: the same updates up to
@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,6 +122,15 @@ class GradSyncChoice:
         Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
 
 
+def fixed_cost(curves: scheduling.CollectiveCurves) -> float:
+    """What the transport charges a collective of a few bytes: the median over the curves
+    of each one's time at its smallest size. Each of those is a difference of two noisy
+    timings (a chain of collectives less a single one), so one of them can come out near
+    zero; the least of them would price every collective the curves do not cover at
+    nothing."""
+    return statistics.median(curve.seconds[0] for curve in curves.curves.values())
+
+
 def choice_cost_model(config: Config, mesh: Mesh) -> tuple[scheduling.CostModel, str]:
     """The cost model of the link ``config`` describes, and that link in words.
 
@@ -129,9 +139,8 @@ def choice_cost_model(config: Config, mesh: Mesh) -> tuple[scheduling.CostModel,
     profile's node link (a multi-node profile) or its link; inside a host, a multi-node
     profile's device link, or for a flat profile the device's memory bandwidth (devices
     of one host exchange through memory). With ``schedule.link_curves``, the collectives
-    they cover cost what they say, and the others pay the curves' fixed cost (the least
-    time of any curve: what the transport charges a collective of a few bytes) once, in
-    place of the profile's latencies.
+    they cover cost what they say, and the others pay the curves' fixed cost
+    (:func:`fixed_cost`) once, in place of the profile's latencies.
     """
     train, schedule = config.train, config.schedule
     base = scheduling.PROFILES[schedule.profile]
@@ -160,7 +169,7 @@ def choice_cost_model(config: Config, mesh: Mesh) -> tuple[scheduling.CostModel,
     curves = None
     if schedule.link_curves:
         curves = scheduling.CollectiveCurves.load(schedule.link_curves)
-        fixed = min(curve.seconds[0] for curve in curves.curves.values())
+        fixed = fixed_cost(curves)
         profile = dataclasses.replace(profile, link_latency_s=fixed, node_link_latency_s=0.0)
         words += (
             f", measured curves {Path(schedule.link_curves).name} "

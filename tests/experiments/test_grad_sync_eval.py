@@ -53,3 +53,76 @@ def test_tables_mark_the_winner_and_the_target():
     assert "decentralized, reaches the target loss in 2.5 s against allreduce's 6.0 s: 2.40x" in (
         text
     )
+
+
+def test_every_collective_the_syncs_add_to_the_curves_runs_on_the_mesh():
+    """The kinds ``jaxmoe link-curves`` leaves out, as the curves pass times them: each runs
+    on the cluster's mesh (data 2 x expert 4) and covers its kind and group size."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec
+
+    from experiments.grad_sync_eval import SYNC_COLLECTIVES, sync_collective
+    from jaxmoe.config import ParallelConfig
+    from jaxmoe.parallel.mesh import build_mesh
+
+    mesh = build_mesh(ParallelConfig(data=2, expert=4))
+    covered = set()
+    for kind, axes in SYNC_COLLECTIVES:
+        group = 1
+        for axis in axes:
+            group *= mesh.shape[axis]
+        run = jax.jit(
+            jax.shard_map(
+                sync_collective(kind, axes, group),
+                mesh=mesh,
+                in_specs=PartitionSpec(),
+                out_specs=PartitionSpec(),
+                check_vma=False,
+            )
+        )
+        assert float(run(jnp.ones((64,), jnp.float32))) > 0
+        covered.add((kind, group))
+    # The in-host reduce-scatter and all-gather of hierarchical, int8 and the decentralized
+    # ones, the cross-host ppermutes and int8's all-gather.
+    assert covered == {
+        ("ppermute", 2),
+        ("ppermute", 8),
+        ("all_gather", 2),
+        ("reduce_scatter", 4),
+        ("all_gather", 4),
+    }
+
+
+def test_saved_curves_go_with_choices_only(capsys):
+    from experiments.grad_sync_eval import main
+
+    assert main(["--saved-curves"]) == 2
+    assert "--saved-curves goes with --choices-only" in capsys.readouterr().err
+
+
+def test_choices_remade_from_the_saved_curves_need_no_cluster(tmp_path):
+    """--choices-only --saved-curves: auto's choice at a measured link remade from that
+    link's curves file as saved, the runs kept, a note saying how."""
+    import json
+    import shutil
+
+    from experiments.grad_sync_eval import RESULTS, main
+
+    out = tmp_path / "grad_sync_eval.md"
+    shutil.copy(RESULTS / "grad_sync_eval.json", out.with_suffix(".json"))
+    before = json.loads(out.with_suffix(".json").read_text())
+    argv = ["--links", "300", "--repeats", "2", "--steps", str(before["steps"])]
+    assert main([*argv, "--choices-only", "--saved-curves", "--out", str(out)]) == 0
+    after = json.loads(out.with_suffix(".json").read_text())
+    assert after["runs"] == before["runs"]
+    choice = after["auto"]["300"]
+    assert "grad_sync_eval_curves_300mbit.json" in choice["link"]
+    assert {e["name"] for e in choice["estimates"]} == {
+        e["name"] for e in before["auto"]["300"]["estimates"]
+    }
+    assert (
+        "remade from the saved curves by `.venv/bin/python -m experiments.grad_sync_eval"
+        in (after["note"])
+    )
+    assert "## 300 Mbit/s" in out.read_text()

@@ -7,6 +7,7 @@ import json
 import pytest
 from jax.sharding import Mesh
 
+import scheduling
 from jaxmoe.cli.main import main
 from jaxmoe.config import ParallelConfig
 from jaxmoe.parallel import mesh as mesh_module
@@ -18,6 +19,7 @@ from jaxmoe.plan.grad_sync_choice import (
     ConvergenceCosts,
     choice_cost_model,
     choose_grad_sync,
+    fixed_cost,
     resolve_grad_sync,
 )
 
@@ -84,7 +86,8 @@ def test_the_convergence_cost_weighs_on_the_step(choices, mesh):
 
 
 def test_curves_set_the_cost_of_collectives_they_do_not_cover(mesh, tmp_path):
-    """A curve file's fixed cost (its least time) replaces the profile's latencies."""
+    """A curve file's fixed cost (its curves' median time at their smallest size) replaces
+    the profile's latencies."""
     curves = {
         "source": "test",
         "curves": [{"kind": "psum", "group_size": 2, "bytes": [4096.0], "seconds": [0.004]}],
@@ -94,6 +97,25 @@ def test_curves_set_the_cost_of_collectives_they_do_not_cover(mesh, tmp_path):
     cost, words = choice_cost_model(config_told(300.0, link_curves=str(path)), mesh)
     assert cost.profile.link_latency_s == 0.004 and cost.profile.node_link_latency_s == 0.0
     assert "fixed cost 4.0 ms" in words
+
+
+def test_one_curve_timed_at_nothing_does_not_make_collectives_free(mesh, tmp_path):
+    """A curve's smallest point is a difference of two noisy timings and can come out near
+    zero (the all-gather's at 4 KiB on the 300 Mbit/s link did): the fixed cost is the
+    median of the curves' smallest points, not the least."""
+    smallest = {("psum", 2): 0.004, ("ppermute", 2): 0.003, ("all_gather", 2): 3e-7}
+    curves = {
+        "source": "test",
+        "curves": [
+            {"kind": kind, "group_size": group, "bytes": [4096.0, 4e6], "seconds": [t, 1.0]}
+            for (kind, group), t in smallest.items()
+        ],
+    }
+    path = tmp_path / "curves.json"
+    path.write_text(json.dumps(curves))
+    assert fixed_cost(scheduling.CollectiveCurves.load(path)) == 0.003
+    cost, words = choice_cost_model(config_told(300.0, link_curves=str(path)), mesh)
+    assert cost.profile.link_latency_s == 0.003 and "fixed cost 3.0 ms" in words
 
 
 def test_the_shipped_costs_cover_every_relaxed_algorithm():
