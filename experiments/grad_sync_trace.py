@@ -42,6 +42,8 @@ from experiments.shared.results_file import command_line
 RESULTS = Path(__file__).parent / "results"
 HOSTS, DEVICES_PER_HOST = 2, 4
 TRACED_STEPS = 2
+LISTED_S = 1e-4  # the synchronisation's XLA ops kept one by one in the results (the rest
+# counts in their group only); the markdown lists those over 1 ms
 # XLA's collectives, by instruction name (``all-gather.3``, ``all_gather.38``).
 _COLLECTIVE = re.compile(
     r"^(all[-_]reduce|all[-_]gather|reduce[-_]scatter|all[-_]to[-_]all|collective[-_]permute|"
@@ -208,10 +210,10 @@ def _sizes(text: str) -> list[int]:
 
 def compare(measured: dict, estimated: dict, sync_scopes: tuple[str, ...]) -> dict:
     """Measured and estimated seconds per group (sync or rest, collective or compute), and
-    the sync's XLA ops one by one, each with the estimate of the equations it holds: a
-    collective one equation of its keys per result of its (a combined one has several),
-    of that result's size; then every op the equations of its keys not yet counted (the
-    longest op first)."""
+    the sync's XLA ops one by one (those of ``LISTED_S`` or more), each with the estimate of
+    the equations it holds: a collective one equation of its keys per result (a combined
+    one has several) of that result's size; then every op the equations of its keys not
+    yet counted (the longest op first)."""
     left = list(range(len(estimated["ops"])))
     ops = estimated["ops"]
     groups: dict[str, dict[str, float]] = defaultdict(lambda: {"measured": 0.0, "estimated": 0.0})
@@ -240,7 +242,7 @@ def compare(measured: dict, estimated: dict, sync_scopes: tuple[str, ...]) -> di
         kind = "collective" if op["collective"] else "compute"
         groups[f"{group} {kind}"]["measured"] += op["seconds"]
         groups[f"{group} {kind}"]["estimated"] += estimated_s
-        if group == "sync":
+        if group == "sync" and op["seconds"] >= LISTED_S:
             rows.append(
                 {
                     "op": name,
