@@ -20,8 +20,11 @@ PACKING_DW = frozenset({"dw", "lancet", "pair"})
 DECOMPOSING = frozenset({"comet", "lancet+comet"})
 
 # The name scope of a step's microbatch i (gradient accumulation inside one step): the
-# ``pair`` policies run microbatch i+1's forward pass beside microbatch i's backward pass.
+# ``pair`` policies run each microbatch's passes beside another microbatch's.
 MICROBATCH_SCOPE = "microbatch_{}"
+# The name scope of a pipelined step's tick i (one stage's forward slot and backward slot,
+# of different microbatches): the ``pair`` policies run the two slots side by side.
+TICK_SCOPE = "tick_{}"
 # The name scope of the gathers of sharded weights before use (ZeRO-3): the scheduler
 # starts each only as early as it takes to hide it (scheduling.passes.prefetch).
 PARAMETER_GATHER_SCOPE = "param_gather"

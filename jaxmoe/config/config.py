@@ -88,7 +88,7 @@ class Config:
         require(not self.replica_slots or plain, f"{replicas}=all_to_all, parallel.expert_tensor=1")
         self._check_routing_groups()
         self._check_microbatches()
-        check_pipeline(self.parallel, self.model, self.train, self.schedule)
+        check_pipeline(self.parallel, self.model, self.train)
 
     def _check_microbatches(self) -> None:
         """A microbatch is whole rows of a device, and whole routing groups."""

@@ -7,16 +7,8 @@ from dataclasses import dataclass
 
 from jaxmoe.config.checks import ConfigError, check_types, positive_int, require
 from jaxmoe.config.model import ModelConfig
-from jaxmoe.config.schedule import ScheduleConfig
 from jaxmoe.config.train import TrainConfig
 from jaxmoe.parallel.layout import LayoutError, check_layout
-
-# Schedules whose rewrite assumes the microbatch loop that the pipeline replaces.
-_SCHEDULES_NOT_WITH_PIPELINE = {
-    "pair": "it pairs the microbatch scopes of the gradient-accumulation loop, which the "
-    "pipeline's ticks replace (they already run one microbatch's forward pass beside "
-    "another's backward pass)",
-}
 
 
 @dataclass(frozen=True)
@@ -110,9 +102,7 @@ class ParallelConfig:
         return self.stage_devices
 
 
-def check_pipeline(
-    parallel: ParallelConfig, model: ModelConfig, train: TrainConfig, schedule: ScheduleConfig
-) -> None:
+def check_pipeline(parallel: ParallelConfig, model: ModelConfig, train: TrainConfig) -> None:
     """What a pipeline needs from the other sections (nothing without one): chunks that
     cover the layers (equal ones unless ``chunk_layers`` says), alike at each position,
     and the options that compose with it."""
@@ -151,15 +141,4 @@ def check_pipeline(
         f"train.zero=3 with parallel.pipeline={parallel.pipeline}: fully sharded blocks "
         "gather their parameters inside the layer loop, which the pipeline's ticks replace; "
         "choose train.zero 1 (the distributed optimizer) or 0",
-    )
-    why = _SCHEDULES_NOT_WITH_PIPELINE.get(schedule.name)
-    require(
-        why is None,
-        f"schedule.name={schedule.name} with parallel.pipeline={parallel.pipeline}: {why}; "
-        "choose another schedule",
-    )
-    require(
-        not schedule.pair_microbatches,
-        f"schedule.pair_microbatches with parallel.pipeline={parallel.pipeline}: "
-        f"{_SCHEDULES_NOT_WITH_PIPELINE['pair']}; leave it off",
     )

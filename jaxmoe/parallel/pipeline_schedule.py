@@ -50,9 +50,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+import scheduling.names
+
 # The name scope of tick i's slots in the step (jaxmoe.train.pipeline); the memory walk
-# follows the ticks by it (jaxmoe.train.memory).
-TICK_SCOPE = "tick_{}"
+# follows the ticks by it (jaxmoe.train.memory), and the pair schedules pair its slots.
+TICK_SCOPE = scheduling.names.TICK_SCOPE
 
 
 @dataclass(frozen=True)

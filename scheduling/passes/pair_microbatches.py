@@ -1,24 +1,34 @@
-"""Pair microbatches: run microbatch i+1's forward pass beside microbatch i's backward
-pass, so that each one's collectives run under the other's computation.
+"""Pair microbatches: run every microbatch's forward and backward pass beside another
+microbatch's pass, so that each one's collectives run under the other's computation.
 
 Within one microbatch, router -> dispatch -> experts -> combine is a strict chain: an
 all-to-all has little independent work to hide behind. A step that accumulates
-gradients over microbatches holds independent chains: microbatch i+1's forward pass
-does not depend on microbatch i's backward pass. This pass interleaves the two (the
-1F1B steady state of one pipeline stage; Megatron-Core's combined 1F1B all-to-all
-overlap and DeepSeek's DualPipe pair them by hand), for any model, from the program
-alone.
+gradients over microbatches holds independent chains: microbatch i+2's forward pass
+does not depend on microbatch i's backward pass, nor microbatch 1's forward pass on
+microbatch 0's. This pass interleaves pairs of them (Megatron-Core's combined 1F1B
+all-to-all overlap and DeepSeek's DualPipe pair a forward with a backward pass by hand),
+for any model, from the program alone.
 
 A microbatch is the ops under a name scope ``microbatch_<i>``
 (:data:`scheduling.names.MICROBATCH_SCOPE`), its forward and backward passes told
-apart by the phase capture gives each op. The step runs forward 0, then each pair
-(forward i+1 with backward i), then the last backward pass. Each pair's compute nodes
-are merged in the order a two-stream simulation of the two chains gives: the compute
-stream takes the next node of whichever chain can start it first, while the link
-carries each chain's collectives as soon as their operands exist. The result is a
-priority for every compute node (:func:`pair_priorities`), which the order pass uses
-in place of program positions; collectives then start as early and finish as late as
-ever, and the merged neighbours fill the windows between.
+apart by the phase capture gives each op. A pipelined step has no such loop: its ticks
+(:data:`scheduling.names.TICK_SCOPE`) each run a forward slot and a backward slot of
+different microbatches, the 1F1B steady state. A tick's backward slot waits for its own
+forward slot (on the last stage they are one microbatch's, and every stage runs the same
+program), but not for the next tick's, so tick k's backward slot is paired with tick
+k+1's forward slot.
+With M microbatches the step runs the passes
+in M + 1 pairs (:func:`pass_pairs`): forward 0 with forward 1, then backward i with
+forward i+2, then backward M-2 with backward M-1, so that no pass runs alone (pairing
+only backward i with forward i+1 leaves the first forward and the last backward pass
+unpaired: a quarter of the all-to-alls with four microbatches). The cost is one more
+microbatch's activations in flight. Each pair's compute nodes are merged in the order a
+two-stream simulation of the two chains gives: the compute stream takes the next node of
+whichever chain can start it first, while the link carries each chain's collectives as
+soon as their operands exist. The result is a priority for every compute node
+(:func:`pair_priorities`), which the order pass uses in place of program positions;
+collectives then start as early and finish as late as ever, and the merged neighbours
+fill the windows between.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from scheduling.program.capture import Phase
 from scheduling.program.graph import Graph, Node, Role
 
 _MICROBATCH = re.compile("^" + names.MICROBATCH_SCOPE.format(r"(\d+)") + "(/|$)")
+_TICK = re.compile("(^|/)" + names.TICK_SCOPE.format(r"(\d+)") + "(/|$)")
 
 
 def microbatch_of(node: Node) -> int | None:
@@ -40,11 +51,20 @@ def microbatch_of(node: Node) -> int | None:
     return None if match is None else int(match.group(1))
 
 
-def microbatch_passes(graph: Graph) -> dict[tuple[int, Phase], list[int]]:
-    """``(microbatch, FORWARD | BACKWARD) -> compute node ids`` in program order."""
+def tick_of(node: Node) -> int | None:
+    """The pipeline tick a node belongs to (None: outside every tick)."""
+    match = _TICK.search(node.op.name_stack)
+    return None if match is None else int(match.group(2))
+
+
+def microbatch_passes(
+    graph: Graph, unit: Callable[[Node], int | None] = microbatch_of
+) -> dict[tuple[int, Phase], list[int]]:
+    """``(microbatch, FORWARD | BACKWARD) -> compute node ids`` in program order (with
+    ``unit=tick_of``: a pipeline tick's forward and backward slots)."""
     passes: dict[tuple[int, Phase], list[int]] = defaultdict(list)
     for node in graph.nodes:
-        index = microbatch_of(node)
+        index = unit(node)
         if index is None or node.role is not Role.COMPUTE:
             continue
         if node.op.phase in (Phase.FORWARD, Phase.BACKWARD):
@@ -102,31 +122,50 @@ def merge_chains(
     return merged
 
 
-def pair_priorities(graph: Graph, seconds: Callable[[Node], float]) -> dict[int, float] | None:
-    """Priorities for the compute nodes of the paired microbatches (None with fewer than
-    two microbatches): each pair's merged nodes spread over the program positions that
-    the backward pass of the pair held, in merged order."""
-    passes = microbatch_passes(graph)
-    count = 1 + max((index for index, _ in passes), default=-1)
+Pass = tuple[int, Phase]  # (microbatch, FORWARD | BACKWARD)
+
+
+def pass_pairs(count: int) -> list[tuple[Pass, Pass]]:
+    """The passes of ``count`` microbatches, paired in the order the step runs them."""
     if count < 2:
-        return None
+        return []
+    forward, backward = Phase.FORWARD, Phase.BACKWARD
+    return [
+        ((0, forward), (1, forward)),
+        *(((i, backward), (i + 2, forward)) for i in range(count - 2)),
+        ((count - 2, backward), (count - 1, backward)),
+    ]
+
+
+def pair_priorities(graph: Graph, seconds: Callable[[Node], float]) -> dict[int, float] | None:
+    """Priorities for the compute nodes of the paired passes (None where nothing pairs:
+    fewer than two microbatches, no pipeline tick followed by a forward slot): each pair's
+    merged nodes spread, in merged order, over program positions the pair held: those of
+    the pair's first pass (microbatches), or both slots' (a pipeline's)."""
+    passes = microbatch_passes(graph)
+    if passes:
+        count = 1 + max(index for index, _ in passes)
+        pairs, whole_span = pass_pairs(count), False
+    else:
+        passes = microbatch_passes(graph, tick_of)
+        ticks = sorted({tick for tick, _ in passes})
+        pairs = [((tick, Phase.BACKWARD), (tick + 1, Phase.FORWARD)) for tick in ticks]
+        whole_span = True
     priorities: dict[int, float] = {}
-    for index in range(count - 1):
-        backward = passes.get((index, Phase.BACKWARD), [])
-        forward = passes.get((index + 1, Phase.FORWARD), [])
-        if not backward or not forward:
+    for first, second in pairs:
+        held, joining = passes.get(first, []), passes.get(second, [])
+        if not held or not joining:
             continue
-        merged = merge_chains(graph, backward, forward, seconds)
-        low, high = backward[0] - 0.5, backward[-1] + 0.5
+        merged = merge_chains(graph, held, joining, seconds)
+        span = held + joining if whole_span else held
+        low, high = min(span) - 0.5, max(span) + 0.5
         step = (high - low) / (len(merged) + 1)
         for rank, node in enumerate(merged, start=1):
             priorities[node] = low + rank * step
-    return priorities
+    return priorities or None
 
 
 def unpaired_windows(graph: Graph) -> list[Node]:
-    """The backward all-to-alls whose windows no forward pass fills: those of the last
-    microbatch (and of any op outside the microbatches)."""
-    passes = microbatch_passes(graph)
-    last = max((index for index, _ in passes), default=None)
-    return [start for start in graph.backward_all_to_alls() if microbatch_of(start) in (None, last)]
+    """The backward all-to-alls whose windows no pass of a microbatch fills: those of ops
+    outside the microbatches."""
+    return [start for start in graph.backward_all_to_alls() if microbatch_of(start) is None]

@@ -1,7 +1,7 @@
-"""The pair schedule (microbatch i+1's forward pass beside microbatch i's backward pass)
-computes the step as written: losses within 1e-5, the same tokens dropped, on the
-unfolded layout and a folded one; its order really interleaves the microbatches, and
-respects every dependence."""
+"""The pair schedule (every microbatch's pass beside another's: forward 0 with forward 1,
+backward i with forward i+2, the last two backward passes together) computes the step as
+written: losses within 1e-5, the same tokens dropped, on the unfolded layout and a folded
+one; its order really interleaves the microbatches, and respects every dependence."""
 
 import dataclasses
 import functools
@@ -73,17 +73,27 @@ def test_the_paired_order_interleaves_microbatches_and_respects_dependences():
             return None
         return int(stack.split("/")[0].split("_")[1]), graph.nodes[node].op.phase.value
 
-    # Between the first and the last node of microbatch 0's backward pass run microbatch
-    # 1's forward all-to-alls and a good part of its computation (the pairing), and
-    # nothing of microbatch 2.
-    backward_0 = [position[n] for n in range(len(order)) if pass_of(n) == (0, "backward")]
-    inside = order[min(backward_0) : max(backward_0)]
-    forward_1 = [n for n in range(len(order)) if pass_of(n) == (1, "forward")]
-    paired = [n for n in inside if pass_of(n) == (1, "forward")]
-    assert len(paired) > 0.25 * len(forward_1)
-    exchanges = [n for n in paired if graph.nodes[n].op.primitive == "all_to_all"]
+    def nodes(microbatch, phase):
+        return [n for n in range(len(order)) if pass_of(n) == (microbatch, phase)]
+
+    def paired(host, guest):
+        """``guest``'s nodes that run between the first and last node of ``host``."""
+        span = [position[n] for n in nodes(*host)]
+        inside = set(order[min(span) : max(span)])
+        return [n for n in nodes(*guest) if n in inside]
+
+    # Three microbatches: (forward 0, forward 1), (backward 0, forward 2), (backward 1,
+    # backward 2). Within microbatch 0's backward pass runs a good part of microbatch 2's
+    # forward pass, its all-to-alls among them, and nothing of microbatch 1's.
+    inside = paired((0, "backward"), (2, "forward"))
+    assert len(inside) > 0.25 * len(nodes(2, "forward"))
+    exchanges = [n for n in inside if graph.nodes[n].op.primitive == "all_to_all"]
     assert len(exchanges) >= 2  # the forward dispatch and combine of an MoE layer
-    assert all(pass_of(n) != (2, "forward") for n in inside)
+    assert not paired((0, "backward"), (1, "forward"))
+    assert not paired((0, "backward"), (1, "backward"))
+    # No pass runs alone: the first forward pass and the last backward pass have partners.
+    assert len(paired((0, "forward"), (1, "forward"))) > 0.25 * len(nodes(1, "forward"))
+    assert len(paired((1, "backward"), (2, "backward"))) > 0.25 * len(nodes(2, "backward"))
     # Without pairing, microbatch 1's forward pass comes after microbatch 0's backward.
     plain = scheduling.plan(program, dataclasses.replace(policy, name="dw"))
     plain_position = {node: i for i, node in enumerate(plain.schedule.order)}

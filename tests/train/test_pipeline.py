@@ -24,7 +24,7 @@ lr whatever the gradient's size, so the rounding of a tiny gradient can move it 
 more than the rest. A wrong stage order, a missing microbatch, a gradient not summed
 over the pipeline axis or reduce-scattered over the wrong axes changes the first loss or
 the first gradients by far more. The
-scheduler's schedules (``dw``, ``async``) change nothing computed: bit for bit.
+scheduler's schedules (``dw``, ``async``, ``pair``) change nothing computed: bit for bit.
 """
 
 import dataclasses
@@ -36,6 +36,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
+import scheduling
 from jaxmoe.cli.parser import config_from_train_args
 from jaxmoe.config import (
     Config,
@@ -51,7 +52,7 @@ from jaxmoe.parallel.mesh import build_mesh, token_spec
 from jaxmoe.parallel.pipeline_params import PIPELINE_AXIS, stage_layout, to_layout
 from jaxmoe.parallel.pipeline_schedule import PipelineSchedule
 from jaxmoe.train.pipeline import SELECT_SCOPE
-from jaxmoe.train.scheduled import capture_train_step, plan_train_step
+from jaxmoe.train.scheduled import capture_train_step, plan_train_step, schedule_policy
 from jaxmoe.train.state import abstract_sharded_state, init_train_state, param_trees_mapped
 from tests.train.batches import random_batch
 
@@ -174,10 +175,49 @@ def test_the_pipeline_trains_as_the_microbatch_loop(case):
     assert np.quantile(differences, 0.999) < LR / 200
 
 
-@pytest.mark.parametrize("schedule", ["dw"])  # async: its collectives split, nothing moved
+# async: its collectives split, nothing moved. pair: each backward slot beside the next
+# tick's forward slot.
+@pytest.mark.parametrize("schedule", ["dw", "pair"])
 def test_the_schedules_are_bit_for_bit_on_a_pipelined_step(schedule):
     scheduled = trained(config("plain", 2, schedule=schedule))
     chex.assert_trees_all_equal(scheduled, trained(config("plain", 2)))
+
+
+def test_pair_runs_each_backward_slot_beside_the_next_forward_slot():
+    # A slow link: the all-to-alls are long enough for the pairing to fill them.
+    paired = _with(config("plain", 2, schedule="pair"), "schedule", profile="cpu", link_mbit=50.0)
+    mesh = build_mesh(paired.parallel, devices(paired))
+    program, _ = capture_train_step(paired, mesh)
+
+    def neighbours_in_windows(name: str) -> list[int]:
+        """Per tick k: compute nodes of tick k+1's forward slot inside the windows of tick
+        k's backward all-to-alls, and of tick k's backward slot inside tick k+1's."""
+        policy = dataclasses.replace(schedule_policy(paired), name=name)
+        planned = scheduling.plan(program, policy, scheduling.cost_model(policy, mesh))
+        graph, order = planned.graph, planned.schedule.order
+        position = {node: i for i, node in enumerate(order)}
+        assert all(position[p] < position[n] for n in range(len(order)) for p in graph.preds[n])
+
+        def nodes(tick: int, phase: str, role: str) -> list:
+            return [n for n in graph.nodes if n.op.name_stack.startswith(f"tick_{tick}/")
+                    and n.op.phase.value == phase and n.role.value == role]  # fmt: skip
+
+        def inside(tick: int, phase: str, guest: set[int]) -> int:
+            starts = [n for n in nodes(tick, phase, "start") if n.op.primitive == "all_to_all"]
+            windows = (order[position[s.id] + 1 : position[s.partner]] for s in starts)
+            return sum(n in guest for window in windows for n in window)
+
+        counts = []
+        for tick in range(len(PipelineSchedule(2, 1, MICROBATCHES).ticks) - 1):
+            forward = {n.id for n in nodes(tick + 1, "forward", "compute")}
+            backward = {n.id for n in nodes(tick, "backward", "compute")}
+            counts.append(inside(tick, "backward", forward) + inside(tick + 1, "forward", backward))
+        return counts
+
+    paired_counts, plain_counts = neighbours_in_windows("pair"), neighbours_in_windows("dw")
+    # Tick 0 has no backward slot; every later tick's backward slot meets the next forward.
+    assert all(count > 0 for count in paired_counts[1:-1]), paired_counts
+    assert not any(plain_counts), plain_counts
 
 
 @pytest.mark.parametrize("case", ["1f1b", "interleaved"])
@@ -363,10 +403,6 @@ REFUSED = {
     "zero 3": (
         lambda: _with(config("plain", 2), "train", zero=3),
         "train.zero=3 with parallel.pipeline=2: fully sharded blocks",
-    ),
-    "pair": (
-        lambda: config("plain", 2, schedule="pair"),
-        "schedule.name=pair with parallel.pipeline=2",
     ),
 }
 
