@@ -77,7 +77,9 @@ def merge_chains(
 ) -> list[int]:
     """The compute nodes of two independent chains, in the order one compute stream and
     one link would run them: each chain in its own program order, the next node taken
-    from the chain that can start first (ties: ``first``)."""
+    from the chain that can start first; when both can start, from the one that reaches
+    its next collective sooner, so that the collective is on the link while the other
+    chain computes (ties: ``first``)."""
     finish: dict[int, float] = {}  # compute node -> when it ends
     arrival: dict[int, float] = {}  # collective start -> when its result is there
     link_free = 0.0
@@ -107,19 +109,38 @@ def merge_chains(
             link_free = max(link_free, issue) + seconds(node)
             arrival[succ] = link_free
 
-    chains = [list(first), list(second)]
+    chains = [first, second]
+    to_collective = [_to_next_collective(graph, chain, seconds) for chain in chains]
+    heads = [0, 0]
     merged = []
-    while any(chains):
+    while any(head < len(chain) for head, chain in zip(heads, chains, strict=True)):
         candidates = [
-            (max(now, ready_at(chain[0])), index) for index, chain in enumerate(chains) if chain
+            (max(now, ready_at(chain[head])), to_collective[index][head], index)
+            for index, (head, chain) in enumerate(zip(heads, chains, strict=True))
+            if head < len(chain)
         ]
-        start_at, index = min(candidates)
-        node = chains[index].pop(0)
+        start_at, _, index = min(candidates)
+        node = chains[index][heads[index]]
+        heads[index] += 1
         now = start_at + seconds(graph.nodes[node])
         finish[node] = now
         merged.append(node)
         issue_collectives(node)
     return merged
+
+
+def _to_next_collective(
+    graph: Graph, chain: list[int], seconds: Callable[[Node], float]
+) -> list[float]:
+    """For each node of ``chain``: the compute seconds from it up to the first node that
+    feeds a collective (inclusive; the rest of the chain where none does)."""
+    remaining, after = [0.0] * len(chain), 0.0
+    for index in reversed(range(len(chain))):
+        node = chain[index]
+        feeds = any(graph.nodes[s].role is Role.START for s in graph.succs[node])
+        after = seconds(graph.nodes[node]) + (0.0 if feeds else after)
+        remaining[index] = after
+    return remaining
 
 
 Pass = tuple[int, Phase]  # (microbatch, FORWARD | BACKWARD)
