@@ -4,7 +4,8 @@
 
 The simulator (cost model and two-stream timeline) on the step with ``--microbatches``
 microbatches, planned by ``none``, ``lancet`` (within each microbatch), ``pair`` (microbatch
-i+1's forward beside microbatch i's backward, dW in the windows left) and ``lancet`` with
+i's backward beside microbatch i+2's forward, the first two forward and the last two
+backward passes together, dW in the windows left) and ``lancet`` with
 the pairing (``pair_microbatches``):
 
 - the Lancet paper's scale: GPT-2 MoE 12 x 768 and 24 x 1024 (``experiments.lancet_eval``'s
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -245,8 +247,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.predicted_json is not None and args.cluster_json is None:
         parser.error("--predicted-json needs --cluster-json (the measurement it predicts)")
     if args.cluster_json is not None:
-        import json
-
         predicted = None
         if args.predicted_json is not None:
             predicted = json.loads(args.predicted_json.read_text())
@@ -293,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines))
+    args.out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
     print("\n".join(lines))
     return 0
 

@@ -46,7 +46,7 @@ class ScheduleConfig:
     # comet, lancet+comet: decompose every MoE exchange this way ("rounds:G", "chunks:N";
     # none: the cost model chooses per layer).
     exchange: str | None = None
-    # Run microbatch i+1's forward pass beside microbatch i's backward pass (with
+    # Run each microbatch's passes beside another microbatch's (with
     # train.microbatches > 1; the pair policy always does, any other but none may).
     pair_microbatches: bool = False
     # train.zero 3: each block's weight gather starts where the compute before its use is

@@ -41,9 +41,11 @@ class SchedulePolicy:
     arrive (per-source rounds or chunks, chosen per layer by the cost model).
     ``lancet+comet``: the best of ``lancet``, ``comet`` and the two composed.
     ``pair``: ``dw`` across microbatches: with a step of several microbatches (gradient
-    accumulation), microbatch i+1's forward pass runs beside microbatch i's backward
-    pass, so that each one's all-to-alls run under the other's computation, and dW work
-    fills the windows that remain (:mod:`scheduling.passes.pair_microbatches`).
+    accumulation), every pass runs beside another microbatch's (forward 0 with forward 1,
+    backward i with forward i+2, the last two backward passes together; in a pipelined
+    step each tick's backward slot with the next tick's forward slot), so that each one's
+    all-to-alls run under the other's computation, and dW work fills the windows that
+    remain (:mod:`scheduling.passes.pair_microbatches`).
     ``pair_microbatches`` adds the pairing to any other policy (``lancet``, ``comet``).
     """
 
@@ -83,7 +85,7 @@ class SchedulePolicy:
     # comet: decompose every exchange this way ("rounds:G", "chunks:N") wherever it applies,
     # whatever the estimate (for measuring, and for checking exactness).
     exchange: str | None = None
-    # Run microbatch i+1's forward pass beside microbatch i's backward pass (with any
+    # Run each microbatch's passes beside another microbatch's (with any
     # policy but none; the pair policy always does).
     pair_microbatches: bool = False
     # A gather of sharded weights (ZeRO-3) starts where the compute before its first use
