@@ -78,3 +78,32 @@ def test_the_predictions_stand_beside_the_measured_rows():
     assert "| 3300.0 | +10.0% |" in rows["| none"]
     assert "| 1.200 | 1200.0 |" in rows["| lancet"]
     assert "| 2200.0 | +10.0% |" in rows["| pair"]
+
+
+def _simulated(config, schedule, step, exposed, ideal):
+    return {
+        "config": config,
+        "schedule": schedule,
+        "step_s": step,
+        "all_to_all_s": 1.0,
+        "all_to_all_exposed_s": exposed,
+        "ideal_s": ideal,
+    }
+
+
+def test_the_simulator_section_counts_the_targets_met_from_saved_rows(tmp_path):
+    rows = [
+        _simulated("A", "none", 2.0, 1.0, 1.2),
+        _simulated("A", "pair", 1.4, 0.05, 1.2),  # 95% hidden, 1.43x (bound 1.67x)
+        _simulated("B", "none", 1.0, 0.2, 0.95),
+        _simulated("B", "pair", 0.98, 0.15, 0.95),  # 25% hidden, bound 1.05x
+    ]
+    saved = tmp_path / "rows.json"
+    saved.write_text(json.dumps({"command": "python -m experiments.x --gpus 8", "rows": rows}))
+    out = tmp_path / "eval.md"
+    cross_microbatch_eval.main(["--rows-json", str(saved), "--out", str(out)])
+    text = out.read_text()
+    assert "Command: `python -m experiments.x --gpus 8`" in text
+    assert "- A: `pair`, 95% of the exposed all-to-all hidden, 1.429x (bound 1.667x)" in text
+    assert "90% hidden: met in 1 of 2 configurations. 1.3x: met in 1 of the 1" in text
+    assert json.loads(out.with_suffix(".json").read_text())["rows"] == rows
