@@ -195,14 +195,17 @@ def auto_choice(result: dict, link: str, costs_file: Path) -> tuple[dict, Path |
     return choice.to_json(), curves
 
 
-def auto_against_measured(costs_file: Path) -> str:
-    """For each link of the emulated cluster: the measured winners beside auto's choice."""
+def auto_against_measured(costs_file: Path, command: str) -> str:
+    """For each link of the emulated cluster: the measured winners beside auto's choice
+    (``command``: the one that makes this section)."""
     from experiments import grad_sync_report as report
 
     costs = json.loads(costs_file.read_text())["steps_per_allreduce_step"]
     cost_of = lambda name: 1.0 if name in report.EXACT else costs.get(name)
     lines = [
         "## auto's choice against the measured winner",
+        "",
+        f"Made by `{command}` (auto's estimates as the code makes them now).",
         "",
         "For each link speed of the emulated cluster (2 hosts x 4 devices, "
         "`experiments/grad_sync_eval.py`): the winner measured there (the least time, summed "
@@ -213,9 +216,9 @@ def auto_against_measured(costs_file: Path) -> str:
         "collective curves (`experiments/results/grad_sync_eval_curves_<link>mbit.json`), and "
         "the convergence costs (`jaxmoe/plan/grad_sync_convergence.json`).",
         "",
-        "| link (Mbit/s) | results | measured winner (time to target) | winner by measured "
-        "step x convergence cost | auto | curves |",
-        "|---|---|---|---|---|---|",
+        "| link (Mbit/s) | results | measured winner (time to target) | within the spread "
+        "of the winner's time | winner by measured step x convergence cost | auto | curves |",
+        "|---|---|---|---|---|---|---|",
     ]
     details = []
     for link, (path, result) in sorted(eval_results().items(), key=lambda item: float(item[0])):
@@ -228,10 +231,15 @@ def auto_against_measured(costs_file: Path) -> str:
         choice, curves = auto_choice(result, link, costs_file)
         estimates = {e["name"]: e for e in choice["estimates"]}
         chosen = choice["chosen"]
+        close = report.within_spread(rows, winner)
+        if chosen == winner:
+            agreement = "agrees"
+        else:
+            agreement = "differs, within the spread" if chosen in close else "differs"
+        spread = ", ".join(close) if close else "none"
         lines.append(
-            f"| {link} | `{path.name}` | {winner} | {by_cost} "
-            f"| {chosen} ({'agrees' if chosen == winner else 'differs'}) "
-            f"| {curves.name if curves else 'none: profile link'} |"
+            f"| {link} | `{path.name}` | {winner} | {spread} | {by_cost} "
+            f"| {chosen} ({agreement}) | {curves.name if curves else 'none: profile link'} |"
         )
         details += [
             f"### {link} Mbit/s",
@@ -244,16 +252,17 @@ def auto_against_measured(costs_file: Path) -> str:
             estimated = estimates[name]["step_seconds"] if name in estimates else math.nan
             cost = cost_of(name)
             low, high = row["step_spread_s"]
-            time = row["time_to_target_s"]
+            time = report._seconds(row["time_to_target_s"], row["time_spread_s"])
             details.append(
                 f"| {name} | {row['step_s'] * 1e3:.0f} ({low * 1e3:.0f}-{high * 1e3:.0f}) "
-                f"| {'not reached' if time is None else f'{time:.1f}'} "
+                f"| {time} "
                 f"| {'-' if cost is None else f'{cost:.3f}'} "
                 f"| {'-' if cost is None else f'{product[name] * 1e3:.0f}'} "
                 f"| {estimated * 1e3:.0f} "
                 f"| {'-' if cost is None else f'{estimated * cost * 1e3:.0f}'} |"
             )
-        details += ["", f"auto: {chosen}: {choice['reason']}.", ""]
+        verdict = report.auto_verdict(rows, winner, chosen)
+        details += ["", f"auto: {chosen}: {choice['reason']}; it {verdict}.", ""]
     return "\n".join([*lines, "", *details])
 
 
@@ -383,7 +392,10 @@ def main(argv: list[str] | None = None) -> int:
     costs_file = args.costs_out or CONVERGENCE_FILE
     costs = convergence_costs(result, table, TARGET_FRACTION)
     costs_file.write_text(json.dumps(costs, indent=1) + "\n")
-    choices_text = auto_against_measured(costs_file)
+    argv = sys.argv[1:] if argv is None else argv
+    choices_text = auto_against_measured(
+        costs_file, command_line("experiments.grad_sync_convergence", argv)
+    )
     text = format_markdown(result, table, choices_text)
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     args.out.write_text(text)

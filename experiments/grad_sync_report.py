@@ -71,6 +71,36 @@ def _winner(rows: dict[str, dict]) -> str | None:
     return min(reached, key=reached.get) if reached else None
 
 
+def within_spread(rows: dict[str, dict], winner: str | None) -> list[str]:
+    """The other algorithms whose time to the target, over their repeats, overlaps the
+    winner's (min-max): the measurement does not tell them apart."""
+    if winner is None:
+        return []
+    low, high = rows[winner]["time_spread_s"]
+    return [
+        name
+        for name, row in rows.items()
+        if name != winner
+        and row["time_spread_s"] is not None
+        and row["time_spread_s"][0] <= high
+        and row["time_spread_s"][1] >= low
+    ]
+
+
+def auto_verdict(rows: dict[str, dict], winner: str | None, chosen: str | None) -> str:
+    """Whether ``chosen`` is the measured winner, in words, saying which algorithms the
+    measurement's spread does not tell apart from the winner."""
+    close = within_spread(rows, winner)
+    if chosen == winner:
+        text = "agrees with the measurement"
+        if close:
+            text += f" ({', '.join(close)} within the spread of the winner's time)"
+        return text
+    if chosen in close:
+        return f"differs from the measured winner, but {chosen} is within the spread of its time"
+    return "differs from the measurement"
+
+
 def _seconds(value: float | None, spread: tuple | None = None) -> str:
     if value is None:
         return "not reached"
@@ -148,11 +178,11 @@ def format_markdown(result: dict, table: dict[str, dict[str, dict]]) -> str:
                 f"| {_seconds(r['time_to_target_s'], r['time_spread_s'])} | {ratio} "
                 f"| {estimated.get(algorithm, float('nan')) * 1e3:.0f} |"
             )
-        agree = "agrees with" if choice.get("chosen") == winner else "differs from"
         lines += [
             "",
             f"Winner: {winner or 'none reached the target'}; auto chose "
-            f"{choice.get('chosen')} ({choice.get('reason')}), which {agree} the measurement.",
+            f"{choice.get('chosen')} ({choice.get('reason')}), which "
+            f"{auto_verdict(rows, winner, choice.get('chosen'))}.",
             "",
         ]
     rows = table[slowest]

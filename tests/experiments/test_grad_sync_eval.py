@@ -126,3 +126,24 @@ def test_choices_remade_from_the_saved_curves_need_no_cluster(tmp_path):
         in (after["note"])
     )
     assert "## 300 Mbit/s" in out.read_text()
+
+
+def test_auto_is_judged_against_the_spread_of_the_winners_time():
+    """An algorithm whose time to the target overlaps the winner's over the repeats is not
+    told apart from it: auto choosing it differs from the winner, within the spread."""
+    from experiments.grad_sync_report import auto_verdict, within_spread
+
+    rows = {
+        "int8": {"time_spread_s": (9.0, 10.0)},
+        "decentralized-int8": {"time_spread_s": (9.5, 11.0)},
+        "allreduce": {"time_spread_s": (18.0, 19.0)},
+        "delayed": {"time_spread_s": None},
+    }
+    assert within_spread(rows, "int8") == ["decentralized-int8"]
+    assert auto_verdict(rows, "int8", "int8") == (
+        "agrees with the measurement (decentralized-int8 within the spread of the winner's time)"
+    )
+    assert auto_verdict(rows, "int8", "decentralized-int8") == (
+        "differs from the measured winner, but decentralized-int8 is within the spread of its time"
+    )
+    assert auto_verdict(rows, "int8", "allreduce") == "differs from the measurement"
