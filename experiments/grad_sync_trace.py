@@ -58,7 +58,7 @@ _COMBINED = re.compile(r"^(.*?)\(([^()]*:[^()]*)\)$")
 
 def combined_keys(text: str) -> set[tuple[str, str]]:
     """The equations a combined collective's ``op_name`` names (empty for any other)."""
-    from scheduling.reports.measured_trace import key_of
+    from scheduling import equation_key as key_of
 
     keys = set()
     for op_name in _OP_NAME.findall(text):
@@ -135,7 +135,7 @@ def _group(stacks: set[str], sync_scopes: tuple[str, ...]) -> str:
 def measured_ops(directory: Path) -> dict:
     """One algorithm's traced ops: per XLA op its mean seconds per device per step (both
     processes), whether it is a collective, its keys and its instruction's text."""
-    from scheduling.reports.measured_trace import hlo_op_keys, read_trace
+    from scheduling import hlo_op_keys, read_trace
 
     hlo = (directory / "step.hlo.txt").read_text()
     keys = hlo_op_keys(hlo)

@@ -89,6 +89,8 @@ _API = {
     "compare_trace": "scheduling.reports.measured_trace",
     "side_by_side": "scheduling.reports.measured_trace",
     "MeasuredOps": "scheduling.reports.measured_trace",
+    "equation_key": "scheduling.reports.measured_trace",
+    "hlo_op_keys": "scheduling.reports.measured_trace",
     "hlo_windows": "scheduling.reports.hlo_windows",
     "broken_windows": "scheduling.reports.hlo_windows",
     "async_pairs": "scheduling.reports.hlo_windows",
@@ -102,6 +104,7 @@ _RENAMED = {
     "connect_transport": "connect",
     "gantt_available": "available",
     "compare_trace": "compare",
+    "equation_key": "key_of",
 }
 
 __all__ = sorted(_API)

@@ -5,13 +5,13 @@ how the batch is sharded; the runs differ only in the order of floating-point
 reductions.
 """
 
-import chex
 import jax
 import numpy as np
 import pytest
 
 from jaxmoe.config import Config, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
 from tests.train.batches import train_steps
+from tests.train.runs import assert_trained_close
 
 STEPS = 5
 
@@ -55,9 +55,9 @@ def test_same_training_on_every_mesh(moe):
         np.testing.assert_array_equal(
             history[-1]["tokens_per_expert"], reference[-1]["tokens_per_expert"]
         )
-        # Adam divides by sqrt(v): round-off in tiny gradients moves a parameter by up to a
-        # fraction of one step (lr = 1e-2), hence the absolute tolerance.
-        chex.assert_trees_all_close(params, reference_params, rtol=1e-4, atol=1e-4)
+        # Adam divides by sqrt(v): where a gradient cancels, its round-off moves the element
+        # by up to one update (lr = 1e-2); all but a few elements agree to 1e-4.
+        assert_trained_close(params, reference_params, rtol=1e-4, atol=1e-4, update=1e-2)
 
 
 def test_metrics_describe_the_routing():
