@@ -1,6 +1,7 @@
 """Hiding the all-to-all across microbatches: the simulator at scale.
 
     python -m experiments.cross_microbatch_eval [--microbatches 4] [--quick] [--gpus 8,16]
+        [--jobs N]
 
 The simulator (cost model and two-stream timeline) on the step with ``--microbatches``
 microbatches, planned by ``none``, ``lancet`` (within each microbatch), ``pair`` (microbatch
@@ -36,6 +37,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from experiments.lancet_eval import MODELS, paper_config
@@ -112,6 +114,23 @@ def simulate(gpus: int, cases: list[list[str]], microbatches: int, layers: int) 
             )
             print(f"  {rows[-1]['config']} {label}: {report.step_seconds * 1e3:.2f} ms")
     return rows
+
+
+def simulate_all(
+    runs: dict[int, list[list[str]]], microbatches: int, layers: int, jobs: int = 1
+) -> list[dict]:
+    """The rows of every configuration of ``runs`` (GPU count -> cases), in that order,
+    each configuration in a process of its own, ``jobs`` of them at once (the simulator is
+    deterministic: the rows are those of one process running them all)."""
+    calls = [(gpus, [case]) for gpus, cases in runs.items() for case in cases]
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        results = pool.map(
+            lambda call: call_with_devices(
+                call[0], simulate, call[0], call[1], microbatches, layers
+            ),
+            calls,
+        )
+        return [row for rows in results for row in rows]
 
 
 def table(rows: list[dict]) -> list[str]:
@@ -265,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--gpus", help="comma-separated GPU counts to simulate (default: 8, 16 and 32)"
     )
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="configurations simulated at once, one process each"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(
         "--cluster-json",
@@ -312,10 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.rows_json:  # the rows, and the command that simulated them
         saved = json.loads(args.rows_json.read_text())
         rows, command = saved["rows"], saved["command"]
-    for gpus, cases in {} if args.rows_json else runs.items():
-        rows += call_with_devices(
-            gpus, simulate, gpus, cases, args.microbatches, args.mixtral_layers
-        )
+    if not args.rows_json:
+        rows = simulate_all(runs, args.microbatches, args.mixtral_layers, args.jobs)
     lines = [
         "# Hiding the all-to-all across microbatches",
         "",

@@ -107,3 +107,19 @@ def test_the_simulator_section_counts_the_targets_met_from_saved_rows(tmp_path):
     assert "- A: `pair`, 95% of the exposed all-to-all hidden, 1.429x (bound 1.667x)" in text
     assert "90% hidden: met in 1 of 2 configurations. 1.3x: met in 1 of the 1" in text
     assert json.loads(out.with_suffix(".json").read_text())["rows"] == rows
+
+
+def test_configurations_simulated_at_once_keep_their_order(monkeypatch):
+    """With several jobs the configurations finish out of order; the rows do not."""
+    import time
+
+    def fake_call(gpus, function, *args):
+        assert function is cross_microbatch_eval.simulate
+        ((model, profile),) = args[1]
+        time.sleep(0.05 if gpus == 8 else 0.0)  # the first configuration finishes last
+        return [{"config": f"{model} {gpus} {profile}"}]
+
+    monkeypatch.setattr(cross_microbatch_eval, "call_with_devices", fake_call)
+    runs = {8: [["m", "h100"]], 16: [["a", "a100"], ["b", "v100"]]}
+    rows = cross_microbatch_eval.simulate_all(runs, microbatches=4, layers=2, jobs=3)
+    assert [r["config"] for r in rows] == ["m 8 h100", "a 16 a100", "b 16 v100"]

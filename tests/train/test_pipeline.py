@@ -175,11 +175,10 @@ def test_the_pipeline_trains_as_the_microbatch_loop(case):
     assert np.quantile(differences, 0.999) < LR / 200
 
 
-# async: its collectives split, nothing moved. pair: each backward slot beside the next
-# tick's forward slot.
-@pytest.mark.parametrize("schedule", ["dw", "pair"])
-def test_the_schedules_are_bit_for_bit_on_a_pipelined_step(schedule):
-    scheduled = trained(config("plain", 2, schedule=schedule))
+def test_the_paired_schedule_is_bit_for_bit_on_a_pipelined_step():
+    # pair moves each backward slot beside the next tick's forward slot and packs the
+    # weight gradients into the windows as dw does: one compile covers both rewrites.
+    scheduled = trained(config("plain", 2, schedule="pair"))
     chex.assert_trees_all_equal(scheduled, trained(config("plain", 2)))
 
 
