@@ -1,7 +1,8 @@
 """The pair schedule (every microbatch's pass beside another's: forward 0 with forward 1,
 backward i with forward i+2, the last two backward passes together) computes the step as
 written: losses within 1e-5, the same tokens dropped, on the unfolded layout and a folded
-one; its order really interleaves the microbatches, and respects every dependence."""
+one, and composed with lancet and comet (``pair_microbatches``); its order really
+interleaves the microbatches, and respects every dependence."""
 
 import dataclasses
 import functools
@@ -39,8 +40,8 @@ def trained(layout: str, schedule: str, pair: bool = False):
 
 @pytest.mark.parametrize(
     ("layout", "schedule", "pair"),
-    [("2x4", "pair", False), ("folded-tensor2", "pair", False), ("2x4", "lancet", True)],
-    ids=["pair-2x4", "pair-folded", "lancet+pairing"],
+    [("2x4", "pair", False), ("folded-tensor2", "pair", False), ("2x4", "lancet+comet", True)],
+    ids=["pair-2x4", "pair-folded", "lancet+comet+pairing"],
 )
 def test_the_paired_step_trains_as_written(layout, schedule, pair):
     (history, _), (expected, _) = trained(layout, schedule, pair), trained(layout, "none")
