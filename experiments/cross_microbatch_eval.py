@@ -122,15 +122,14 @@ def simulate_all(
     """The rows of every configuration of ``runs`` (GPU count -> cases), in that order,
     each configuration in a process of its own, ``jobs`` of them at once (the simulator is
     deterministic: the rows are those of one process running them all)."""
-    calls = [(gpus, [case]) for gpus, cases in runs.items() for case in cases]
+
+    def one(call: tuple[int, list[str]]) -> list[dict]:
+        gpus, case = call
+        return call_with_devices(gpus, simulate, gpus, [case], microbatches, layers)
+
+    calls = [(gpus, case) for gpus, cases in runs.items() for case in cases]
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        results = pool.map(
-            lambda call: call_with_devices(
-                call[0], simulate, call[0], call[1], microbatches, layers
-            ),
-            calls,
-        )
-        return [row for rows in results for row in rows]
+        return [row for rows in pool.map(one, calls) for row in rows]
 
 
 def table(rows: list[dict]) -> list[str]:
@@ -330,11 +329,10 @@ def main(argv: list[str] | None = None) -> int:
         runs = {int(n): runs.get(int(n), paper + mixtral) for n in args.gpus.split(",")}
     arguments = sys.argv[1:] if argv is None else argv
     command = command_line("experiments.cross_microbatch_eval", arguments)
-    rows = []
     if args.rows_json:  # the rows, and the command that simulated them
         saved = json.loads(args.rows_json.read_text())
         rows, command = saved["rows"], saved["command"]
-    if not args.rows_json:
+    else:
         rows = simulate_all(runs, args.microbatches, args.mixtral_layers, args.jobs)
     lines = [
         "# Hiding the all-to-all across microbatches",

@@ -58,14 +58,14 @@ _COMBINED = re.compile(r"^(.*?)\(([^()]*:[^()]*)\)$")
 
 def combined_keys(text: str) -> set[tuple[str, str]]:
     """The equations a combined collective's ``op_name`` names (empty for any other)."""
-    from scheduling import equation_key as key_of
+    from scheduling import equation_key
 
     keys = set()
     for op_name in _OP_NAME.findall(text):
         found = _COMBINED.match(op_name)
         if found:
             for part in found.group(2).split(":"):
-                key = key_of(found.group(1) + part)
+                key = equation_key(found.group(1) + part)
                 if key is not None:
                     keys.add(key)
     return keys
