@@ -187,11 +187,16 @@ def order(
     Placements that close a cycle are withdrawn first (the last placed of those caught
     in it, one at a time), then, while the peak is over the bound, the largest outputs.
     (Priorities are not withdrawn: running two microbatches at once holds both's
-    activations, which the schedule's peak reports.)
+    activations, which the schedule's peak reports. Where they alone exceed the bound,
+    their peak is the bound: placements are withdrawn only while they add to it.)
     """
     placement = copy.deepcopy(placement)
     baseline = peak_live_bytes(graph, list(range(len(graph.nodes))))
     limit = baseline * (1 + max_live_bytes_growth)
+    # What the priorities and early starts hold with nothing placed: withdrawing placements
+    # cannot bring the peak below it, so it is the bound when it is over the limit.
+    floor = peak_live_bytes(graph, topological_order(graph, Placement(), priorities, earliest))
+    bound = max(limit, floor)
     withdrawn: list[int] = []
     while True:
         try:
@@ -203,7 +208,7 @@ def order(
             continue
         peak = peak_live_bytes(graph, result)
         placed = [n for nodes in placement.windows.values() for n in nodes]
-        if peak <= limit or not placed:
+        if peak <= bound or not placed:
             return Schedule(result, placement, peak, baseline, withdrawn, peak > limit)
         largest = max(placed, key=lambda n: (_output_bytes(graph, n), n))
         placement.remove(largest)

@@ -215,7 +215,7 @@ def test_schedule_dw_placements_are_valid_on_synthetic_graphs(step, capacity):
 # order.
 
 
-def _check_order(graph, schedule):
+def _check_order(graph, schedule, priorities=()):
     result = schedule.order
     assert sorted(result) == list(range(len(graph.nodes)))
     position = {node: i for i, node in enumerate(result)}
@@ -241,8 +241,9 @@ def _check_order(graph, schedule):
                 node,
                 [graph.nodes[b] for b in between],
             )
-    # Compute nodes that were not placed keep their program order.
-    kept = [n for n in result if graph.nodes[n].role is Role.COMPUTE and n not in window_of]
+    # Compute nodes that were not placed, nor given a priority, keep their program order.
+    moved = set(window_of) | set(priorities)
+    kept = [n for n in result if graph.nodes[n].role is Role.COMPUTE and n not in moved]
     assert kept == sorted(kept)
 
 
@@ -379,6 +380,25 @@ def test_live_bytes_bound_withdraws_placements():
     assert tight.peak_live_bytes == peak_live_bytes(graph, tight.order)
     assert not set(tight.withdrawn) & set(tight.placement.window_of())
     _check_order(graph, tight)
+
+
+def test_a_placement_that_adds_nothing_to_the_priorities_peak_is_kept():
+    # Priorities alone exceed the bound (``big`` first holds it through both windows); the
+    # placement of ``total`` (its sum, which frees it sooner) adds nothing to that peak.
+    graph = _graph(_memory_step, w_shape=(64, 32), x_shape=(64, 128))
+    first, _ = _windows(graph)
+    big, total = _candidates(graph, first)
+    priorities = {big: -1.0}
+    alone = order(graph, Placement(), max_live_bytes_growth=0.0, priorities=priorities)
+    assert alone.live_bytes_bound_exceeded  # precondition
+
+    placement = Placement({first.id: [total]})
+    schedule = order(graph, placement, max_live_bytes_growth=0.0, priorities=priorities)
+    assert schedule.withdrawn == []
+    assert schedule.placement.windows[first.id] == [total]
+    assert schedule.peak_live_bytes <= alone.peak_live_bytes
+    assert schedule.live_bytes_bound_exceeded
+    _check_order(graph, schedule, priorities)
 
 
 def test_an_async_operand_stays_live_until_the_collective_is_done():
