@@ -25,7 +25,11 @@ step time and measured convergence cost as well. Writes
 smoke test (one speed, few steps, no files). ``--choices-only`` trains nothing: it measures
 each link's curves again and remakes auto's choices in the results of ``--out``; with
 ``--saved-curves`` it only remakes the choices, from the curves files as saved (no cluster,
-no root), for an estimate that changed after the measurements.
+no root), for an estimate that changed after the measurements. ``--trial-steps N``
+(default 0: none) also runs ``auto`` on each link's hosts with a trial of N steps of
+the algorithms its estimates cannot tell apart (``train.grad_sync_trial_steps``), set
+beside the measured winner as well; with ``--saved-curves`` the hosts are started for the
+trials alone.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from pathlib import Path
 from experiments.emulation.grad_sync_runs import run_grad_sync
 from experiments.emulation.hosts import EmulatedHosts, machine
 from experiments.emulation.link_calibration import LinkNotCalibrated, calibrated_network
-from experiments.emulation.link_curves import run_link_curves
+from experiments.emulation.link_curves import config_flags, run_link_curves
 from experiments.emulation.network import LinkShape, namespaces_available
 from experiments.grad_sync_report import write_report
 from experiments.shared.results_file import command_line
@@ -208,6 +212,23 @@ def auto_choice(args, extra, link: float, curves: Path | None) -> dict:
     return choose_grad_sync(config, build_mesh(config.parallel)).to_json()
 
 
+def auto_trial(hosts: EmulatedHosts, args, extra, link: float, curves: Path | None) -> dict:
+    """What ``--train.grad_sync auto`` picks on the hosts themselves with a trial of
+    ``--trial-steps`` steps (``jaxmoe train --steps 1``; process 0 writes its choice)."""
+    told = [
+        *("--train.grad_sync", "auto", "--train.grad_sync_trial_steps", str(args.trial_steps)),
+        *("--schedule.profile", "cpu", "--schedule.link_mbit", f"{link:g}"),
+        *("--train.grad_sync_devices_per_host", str(DEVICES_PER_HOST)),
+    ]
+    if curves is not None:
+        told += ["--schedule.link_curves", str(curves.resolve())]
+    config = config_from_train_args(train_args(args, [*extra, *told]))
+    out = hosts.path("auto-trial")
+    flags = [*config_flags(config), "--steps", "1", "--no-progress", "--overwrite"]
+    hosts.run("auto-trial", ["train", *flags, "--out", str(out)])
+    return json.loads((out / "grad_sync_choice.json").read_text())
+
+
 def _parse(argv):
     parser = argparse.ArgumentParser(
         prog="python -m experiments.grad_sync_eval", description=__doc__.splitlines()[0]
@@ -243,6 +264,14 @@ def _parse(argv):
         help="with --choices-only: remake auto's choices from each link's curves file as "
         "saved (no cluster: nothing is measured)",
     )
+    parser.add_argument(
+        "--trial-steps",
+        type=int,
+        default=0,
+        help="auto also picks on each link's hosts with a trial of this many steps of the "
+        "algorithms it cannot tell apart (0: no trial); with --saved-curves the hosts are "
+        "started for the trials alone",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke test: 50 Mbit/s, 6 steps")
     parser.add_argument("--out", type=Path, default=RESULTS / "grad_sync_eval.md")
     return parser.parse_known_args(argv)
@@ -260,8 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.saved_curves and not args.choices_only:
         print("grad_sync_eval: --saved-curves goes with --choices-only", file=sys.stderr)
         return 2
+    if args.quick:
+        args.trial_steps = 0
     available, reason = namespaces_available()
-    if not available and not args.saved_curves:
+    if not available and (not args.saved_curves or args.trial_steps):
         print(f"grad_sync_eval: cannot create network namespaces: {reason}", file=sys.stderr)
         return 2
     from jaxmoe.parallel.host_devices import ensure_host_devices
@@ -281,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         "smoothing": SMOOTHING,
         "runs": [],
         "auto": {},
+        "auto_trial": {},
     }
     if args.choices_only:
         earlier = json.loads(args.out.with_suffix(".json").read_text())
@@ -289,7 +321,12 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             print(f"grad_sync_eval: {args.out} has no runs at {', '.join(missing)} Mbit/s")
             return 2
-        if args.saved_curves:
+        if args.saved_curves and args.trial_steps:
+            remade = (
+                "auto's choices were remade from the saved curves, and its trials run on each "
+                f"link's hosts, by `sudo .venv/bin/{command}`"
+            )
+        elif args.saved_curves:
             remade = f"auto's choices were remade from the saved curves by `.venv/bin/{command}`"
         else:
             remade = f"The curves and auto's choices were remade by `sudo .venv/bin/{command}`"
@@ -302,9 +339,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"grad_sync_eval: no saved curves at {link:g} Mbit/s ({curves})")
                 return 2
             result["auto"][f"{link:g}"] = auto_choice(args, extra, link, curves)
-        text = write_report(result, args.out)
-        print(text)
-        return 0
+        if not args.trial_steps:
+            text = write_report(result, args.out)
+            print(text)
+            return 0
     with tempfile.TemporaryDirectory(prefix="jaxmoe-grad-sync-") as tmp:
         for link in links:
             try:
@@ -315,11 +353,18 @@ def main(argv: list[str] | None = None) -> int:
                         result["link_calibration"][f"{link:g}"] = calibration.to_dict()
                     hosts = EmulatedHosts(network, Path(tmp), f"{link:g}mbit")
                     curves = None
-                    if not args.no_curves and not args.quick:
+                    if args.saved_curves:
+                        curves = curves_file(link)
+                    elif not args.no_curves and not args.quick:
                         curves = measure_curves(hosts, args, extra, link)
-                    choice = auto_choice(args, extra, link, curves)
-                    result["auto"][f"{link:g}"] = choice
-                    print(f"{link:g} Mbit/s: auto -> {choice['chosen']}", flush=True)
+                    if not args.saved_curves:
+                        choice = auto_choice(args, extra, link, curves)
+                        result["auto"][f"{link:g}"] = choice
+                        print(f"{link:g} Mbit/s: auto -> {choice['chosen']}", flush=True)
+                    if args.trial_steps:
+                        trial = auto_trial(hosts, args, extra, link, curves)
+                        result.setdefault("auto_trial", {})[f"{link:g}"] = trial
+                        print(f"{link:g} Mbit/s: auto with a trial -> {trial['chosen']}")
                     if not args.choices_only:
                         result["runs"] += measure_link(hosts, args, extra, algorithms, link)
             except LinkNotCalibrated:

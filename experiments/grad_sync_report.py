@@ -145,7 +145,10 @@ def format_markdown(result: dict, table: dict[str, dict[str, dict]]) -> str:
         f"{result['smoothing']} steps) first reaches {target:.3f}, the loss allreduce reaches "
         f"after {result['target_fraction']:.0%} of the steps;",
         "- **auto**: what `--train.grad_sync auto` picks when told the link speed "
-        "(`--schedule.link_mbit`, profile cpu), and its estimated step.",
+        "(`--schedule.link_mbit`, profile cpu), and its estimated step;",
+        "- **auto with a trial**: what it picks when it also times the algorithms whose "
+        "estimates lie within the margin of the best (`--train.grad_sync_trial_steps`), run "
+        "on the hosts of that link (`jaxmoe train`), where there is one.",
         "",
     ]
     slowest = min(table, key=float)
@@ -185,6 +188,13 @@ def format_markdown(result: dict, table: dict[str, dict[str, dict]]) -> str:
             f"{auto_verdict(rows, winner, choice.get('chosen'))}.",
             "",
         ]
+        trial = result.get("auto_trial", {}).get(link)
+        if trial:
+            lines += [
+                f"auto with a trial chose {trial['chosen']} ({trial['reason']}), which "
+                f"{auto_verdict(rows, winner, trial['chosen'])}.",
+                "",
+            ]
     rows = table[slowest]
     relaxed = {a: r for a, r in rows.items() if a not in EXACT and r["time_to_target_s"]}
     reference = rows.get("allreduce", {}).get("time_to_target_s")

@@ -72,6 +72,11 @@ class TrainConfig:
     # hierarchical and auto: consecutive devices of the mesh (row-major) that form one host.
     # 0: each process is a host (one host in a single-process run).
     grad_sync_devices_per_host: int = 0
+    # auto: time this many steps of each algorithm whose estimated time to a loss is within
+    # grad_sync_trial_margin of the best, on the run's own mesh, and pick by the measured
+    # steps (jaxmoe/plan/grad_sync_trial.py); 0: the estimates alone decide.
+    grad_sync_trial_steps: int = 0
+    grad_sync_trial_margin: float = 0.15
     # One device's dense peak TFLOP/s for the mfu metric; None: its datasheet's, if known.
     peak_tflops: float | None = None
     # ZeRO over the replicas of each parameter (jaxmoe/parallel/zero.py): 0 every replica
@@ -140,3 +145,9 @@ class TrainConfig:
             f"train.grad_sync_devices_per_host={self.grad_sync_devices_per_host!r}: must be an "
             "integer >= 0 (0: each process is a host)",
         )
+        require(
+            isinstance(self.grad_sync_trial_steps, int) and self.grad_sync_trial_steps >= 0,
+            f"train.grad_sync_trial_steps={self.grad_sync_trial_steps!r}: must be an integer "
+            ">= 0 (0: no trial, the estimates decide)",
+        )
+        non_negative("train", "grad_sync_trial_margin", self.grad_sync_trial_margin)

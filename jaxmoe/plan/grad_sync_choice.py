@@ -23,15 +23,21 @@ exact algorithm; ``auto`` picks the smallest:
 Where the curves and the costs are measured (the emulated cluster and the ``tiny``
 preset for the files in this repository) is where the estimate is calibrated; both
 files say so, and ``auto`` records them in its choice.
+
+With ``train.grad_sync_trial_steps`` > 0 the algorithms whose estimates lie within
+``train.grad_sync_trial_margin`` of the best are timed on the run's mesh
+(:mod:`jaxmoe.plan.grad_sync_trial`), and the least measured step times convergence
+cost decides among them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import statistics
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +50,7 @@ from jaxmoe.parallel.grad_sync import ALGORITHMS, EXACT
 from jaxmoe.parallel.grad_sync.decentralized import MIX_SCOPE
 from jaxmoe.parallel.grad_sync.delayed import DEFERRED_SCOPE
 from jaxmoe.parallel.grad_sync.hierarchical import devices_per_host
+from jaxmoe.plan.grad_sync_trial import measured_step_seconds, run_batches
 from jaxmoe.train.scheduled import capture_train_step
 
 # The name scopes of the synchronisation's ops: gradient reductions, parameter mixing.
@@ -83,11 +90,16 @@ class AlgorithmEstimate:
     sync_seconds: float  # the gradient-sync ops (collectives and their compute) of one step
     step_seconds: float  # the whole step, the sync's exposed part included
     convergence: float | None  # steps per exact step to the same loss (None: unknown)
+    measured_step_seconds: float | None = None  # timed in the trial (None: not tried)
 
     @property
     def time_to_loss(self) -> float:
-        """Seconds per exact step's worth of progress: step time x convergence cost."""
-        return math.inf if self.convergence is None else self.step_seconds * self.convergence
+        """Seconds per exact step's worth of progress: step time (measured where it was
+        tried) x convergence cost."""
+        if self.convergence is None:
+            return math.inf
+        measured = self.measured_step_seconds
+        return (self.step_seconds if measured is None else measured) * self.convergence
 
 
 @dataclass(frozen=True)
@@ -103,15 +115,18 @@ class GradSyncChoice:
             f"grad_sync auto -> {self.chosen}: {self.reason}",
             f"  link: {self.link}",
             f"  convergence: {self.convergence_source}",
-            "  algorithm            exact  sync (ms)  step (ms)  steps/exact  time (ms)",
+            "  algorithm            exact  sync (ms)  step (ms)  tried (ms)  steps/exact  "
+            "time (ms)",
         ]
         for e in self.estimates:
             mark = " <-" if e.name == self.chosen else ""
             cost = "-" if e.convergence is None else f"{e.convergence:.3f}"
             time = "-" if e.convergence is None else f"{e.time_to_loss * 1e3:.1f}"
+            measured = e.measured_step_seconds
+            tried = "-" if measured is None else f"{measured * 1e3:.1f}"
             lines.append(
                 f"  {e.name:<20} {'yes' if e.exact else 'no':<5} {e.sync_seconds * 1e3:>9.1f} "
-                f"{e.step_seconds * 1e3:>10.1f} {cost:>12} {time:>10}{mark}"
+                f"{e.step_seconds * 1e3:>10.1f} {tried:>11} {cost:>12} {time:>10}{mark}"
             )
         return "\n".join(lines)
 
@@ -203,17 +218,53 @@ def estimate(
     return AlgorithmEstimate(name, name in EXACT, sync, step, costs.of(name))
 
 
+def tried(
+    estimates: tuple[AlgorithmEstimate, ...], margin: float, measure: Callable[[str], float]
+) -> tuple[AlgorithmEstimate, ...]:
+    """``estimates`` with the measured step (``measure(name)``, seconds) of each algorithm
+    whose estimated time to a loss is within ``margin`` of the best; unchanged when only
+    one is."""
+    best = min(e.time_to_loss for e in estimates)
+    close = [e.name for e in estimates if e.time_to_loss <= best * (1 + margin)]
+    if len(close) < 2:
+        return estimates
+    measured = {name: measure(name) for name in close}
+    return tuple(
+        dataclasses.replace(e, measured_step_seconds=measured.get(e.name)) for e in estimates
+    )
+
+
 def choose_grad_sync(
-    config: Config, mesh: Mesh, costs: ConvergenceCosts | None = None
+    config: Config,
+    mesh: Mesh,
+    costs: ConvergenceCosts | None = None,
+    measure: Callable[[str], float] | None = None,
 ) -> GradSyncChoice:
     """The algorithm with the least estimated time to a loss (``costs``: the measured
-    convergence costs, by default :data:`CONVERGENCE_FILE`'s)."""
+    convergence costs, by default :data:`CONVERGENCE_FILE`'s), or with
+    ``train.grad_sync_trial_steps``, the least measured one among the closest estimates
+    (``measure``: an algorithm's measured step in seconds, by default
+    :func:`~jaxmoe.plan.grad_sync_trial.measured_step_seconds` on ``mesh``)."""
     costs = costs or ConvergenceCosts.load()
     cost, link = choice_cost_model(config, mesh)
     estimates = tuple(estimate(config, mesh, name, cost, costs) for name in ALGORITHMS)
-    best = min(estimates, key=lambda e: e.time_to_loss)
+    if config.train.grad_sync_trial_steps:
+        if measure is None:
+            measure = functools.partial(
+                measured_step_seconds, config, mesh, batches=run_batches(config)
+            )
+        estimates = tried(estimates, config.train.grad_sync_trial_margin, measure)
+    measured = [e for e in estimates if e.measured_step_seconds is not None]
+    best = min(measured or estimates, key=lambda e: e.time_to_loss)
     exact = min((e for e in estimates if e.exact), key=lambda e: e.step_seconds)
-    if best.exact:
+    if measured:
+        reason = (
+            f"measured step {best.measured_step_seconds * 1e3:.1f} ms x {best.convergence:.3f} "
+            f"steps per exact step = {best.time_to_loss * 1e3:.1f} ms, the least of the "
+            f"{len(measured)} algorithms tried ({config.train.grad_sync_trial_steps} steps each; "
+            f"estimates within {config.train.grad_sync_trial_margin:.0%} of the best)"
+        )
+    elif best.exact:
         reason = f"fastest exact algorithm, estimated step {best.step_seconds * 1e3:.1f} ms"
         relaxed = [e for e in estimates if not e.exact and e.convergence is not None]
         if relaxed:

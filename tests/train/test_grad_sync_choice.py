@@ -22,6 +22,7 @@ from jaxmoe.plan.grad_sync_choice import (
     fixed_cost,
     resolve_grad_sync,
 )
+from jaxmoe.plan.grad_sync_trial import measured_step_seconds, run_batches
 
 from .runs import small_config, with_schedule
 
@@ -83,6 +84,47 @@ def test_the_convergence_cost_weighs_on_the_step(choices, mesh):
     chosen = choose_grad_sync(config_told(1.0), mesh, unmeasured)
     assert chosen.chosen in EXACT
     assert all(e.convergence is None for e in chosen.estimates if not e.exact)
+
+
+def with_trial(config, margin: float):
+    train = dataclasses.replace(
+        config.train, grad_sync_trial_steps=3, grad_sync_trial_margin=margin
+    )
+    return dataclasses.replace(config, train=train)
+
+
+def test_a_trial_decides_among_the_closest_estimates(choices, mesh):
+    """The algorithms estimated within the margin of the best are measured, and the least
+    measured time to a loss wins, whatever the estimates said; the others are not run."""
+    estimated = sorted(choices[1.0].estimates, key=lambda e: e.time_to_loss)
+    best, runner_up = estimated[0], estimated[1]
+    margin = runner_up.time_to_loss / best.time_to_loss - 1 + 1e-9
+    close = {e.name for e in estimated if e.time_to_loss <= best.time_to_loss * (1 + margin)}
+    assert len(close) < len(estimated)  # precondition: some are left out
+    # Measured, the estimates' order is reversed among the close ones.
+    measured_steps = {e.name: 1.0 + rank for rank, e in enumerate(reversed(estimated))}
+    asked = []
+    measure = lambda name: asked.append(name) or measured_steps[name]
+    choice = choose_grad_sync(with_trial(config_told(1.0), margin), mesh, FREE, measure)
+    assert set(asked) == close
+    assert choice.chosen == max(close, key=lambda name: [e.name for e in estimated].index(name))
+    tried = {e.name: e.measured_step_seconds for e in choice.estimates}
+    assert {name for name, seconds in tried.items() if seconds is not None} == close
+    assert "tried" in choice.reason and "tried (ms)" in choice.table()
+
+
+def test_no_trial_when_one_estimate_stands_alone(choices, mesh):
+    asked = []
+    choice = choose_grad_sync(
+        with_trial(config_told(1.0), 0.0), mesh, FREE, lambda name: asked.append(name) or 1.0
+    )
+    assert asked == [] and choice.chosen == choices[1.0].chosen
+
+
+def test_a_trial_times_the_run_own_steps(mesh):
+    config = with_trial(config_told(1.0), 0.15)
+    seconds = measured_step_seconds(config, mesh, "allreduce", run_batches(config))
+    assert 0.0 < seconds < 60.0
 
 
 def test_curves_set_the_cost_of_collectives_they_do_not_cover(mesh, tmp_path):
