@@ -214,7 +214,7 @@ def auto_choice(args, extra, link: float, curves: Path | None) -> dict:
 
 def auto_trial(hosts: EmulatedHosts, args, extra, link: float, curves: Path | None) -> dict:
     """What ``--train.grad_sync auto`` picks on the hosts themselves with a trial of
-    ``--trial-steps`` steps (``jaxmoe train --steps 1``; process 0 writes its choice)."""
+    ``--trial-steps`` steps (``jaxmoe train`` of one step; process 0 writes its choice)."""
     told = [
         *("--train.grad_sync", "auto", "--train.grad_sync_trial_steps", str(args.trial_steps)),
         *("--schedule.profile", "cpu", "--schedule.link_mbit", f"{link:g}"),
@@ -223,8 +223,9 @@ def auto_trial(hosts: EmulatedHosts, args, extra, link: float, curves: Path | No
     if curves is not None:
         told += ["--schedule.link_curves", str(curves.resolve())]
     config = config_from_train_args(train_args(args, [*extra, *told]))
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=1))
     out = hosts.path("auto-trial")
-    flags = [*config_flags(config), "--steps", "1", "--no-progress", "--overwrite"]
+    flags = [*config_flags(config), "--no-progress", "--overwrite"]
     hosts.run("auto-trial", ["train", *flags, "--out", str(out)])
     return json.loads((out / "grad_sync_choice.json").read_text())
 

@@ -190,9 +190,14 @@ def format_markdown(result: dict, table: dict[str, dict[str, dict]]) -> str:
         ]
         trial = result.get("auto_trial", {}).get(link)
         if trial:
+            tried = ", ".join(
+                f"{e['name']} {e['measured_step_seconds'] * 1e3:.0f} ms"
+                for e in trial["estimates"]
+                if e.get("measured_step_seconds") is not None
+            )
             lines += [
-                f"auto with a trial chose {trial['chosen']} ({trial['reason']}), which "
-                f"{auto_verdict(rows, winner, trial['chosen'])}.",
+                f"auto with a trial chose {trial['chosen']} ({trial['reason']}; measured steps: "
+                f"{tried}), which {auto_verdict(rows, winner, trial['chosen'])}.",
                 "",
             ]
     rows = table[slowest]
