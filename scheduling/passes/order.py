@@ -185,7 +185,8 @@ def order(
     (:mod:`scheduling.passes.prefetch`).
 
     Placements that close a cycle are withdrawn first (the last placed of those caught
-    in it, one at a time), then, while the peak is over the bound, the largest outputs.
+    in it, one at a time), then, while the peak is over the bound, the largest outputs
+    (the fewest that fit, by bisection).
     (Priorities are not withdrawn: running two microbatches at once holds both's
     activations, which the schedule's peak reports. Where they alone exceed the bound,
     their peak is the bound: placements are withdrawn only while they add to it.)
@@ -201,18 +202,39 @@ def order(
     while True:
         try:
             result = topological_order(graph, placement, priorities, earliest)
+            break
         except CyclicPlacement as cycle:
             last = max(cycle.placed, key=_placement_rank(placement))
             placement.remove(last)
             withdrawn.append(last)
-            continue
-        peak = peak_live_bytes(graph, result)
+    peak = peak_live_bytes(graph, result)
+    if peak > bound:
+        # Withdrawn largest outputs first: the fewest of them that bring the peak within
+        # the bound, found by bisection (withdrawing all of them reaches ``floor``).
+        # Withdrawing never closes a cycle.
         placed = [n for nodes in placement.windows.values() for n in nodes]
-        if peak <= bound or not placed:
-            return Schedule(result, placement, peak, baseline, withdrawn, peak > limit)
-        largest = max(placed, key=lambda n: (_output_bytes(graph, n), n))
-        placement.remove(largest)
-        withdrawn.append(largest)
+        largest = sorted(placed, key=lambda n: (_output_bytes(graph, n), n), reverse=True)
+
+        def without(count: int) -> tuple[Placement, list[int], int]:
+            fewer = copy.deepcopy(placement)
+            for node in largest[:count]:
+                fewer.remove(node)
+            ordered = topological_order(graph, fewer, priorities, earliest)
+            return fewer, ordered, peak_live_bytes(graph, ordered)
+
+        # Over the bound with ``low`` withdrawn, within it with ``high``.
+        low, high = 0, len(largest)
+        fits = without(high)
+        while high - low > 1:
+            middle = (low + high) // 2
+            candidate = without(middle)
+            if candidate[2] <= bound:
+                high, fits = middle, candidate
+            else:
+                low = middle
+        placement, result, peak = fits
+        withdrawn += largest[:high]
+    return Schedule(result, placement, peak, baseline, withdrawn, peak > limit)
 
 
 def _placement_rank(placement: Placement):
