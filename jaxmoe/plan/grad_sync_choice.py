@@ -50,7 +50,7 @@ from jaxmoe.parallel.grad_sync import ALGORITHMS, EXACT
 from jaxmoe.parallel.grad_sync.decentralized import MIX_SCOPE
 from jaxmoe.parallel.grad_sync.delayed import DEFERRED_SCOPE
 from jaxmoe.parallel.grad_sync.hierarchical import devices_per_host
-from jaxmoe.plan.grad_sync_trial import measured_step_seconds, run_batches
+from jaxmoe.plan.grad_sync_trial import measured_step_seconds, trial_batches
 from jaxmoe.train.scheduled import capture_train_step
 
 # The name scopes of the synchronisation's ops: gradient reductions, parameter mixing.
@@ -251,7 +251,7 @@ def choose_grad_sync(
     if config.train.grad_sync_trial_steps:
         if measure is None:
             measure = functools.partial(
-                measured_step_seconds, config, mesh, batches=run_batches(config)
+                measured_step_seconds, config, mesh, batches=trial_batches(config)
             )
         estimates = tried(estimates, config.train.grad_sync_trial_margin, measure)
     measured = [e for e in estimates if e.measured_step_seconds is not None]

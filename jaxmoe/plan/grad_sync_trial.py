@@ -24,18 +24,16 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from jaxmoe.config import Config
-from jaxmoe.train.data import BatchSampler, load_splits, put_on_mesh
+from jaxmoe.train.data import BatchSampler, load_splits, put_on_mesh, run_batches
 from jaxmoe.train.scheduled import plan_train_step
 from jaxmoe.train.state import init_train_state
 
 WARMUP = 2  # untimed steps: the first runs the step's one-time work (connections, caches)
 
 
-def run_batches(config: Config) -> BatchSampler:
+def trial_batches(config: Config) -> BatchSampler:
     """The run's training batches, as the training loop draws them."""
-    splits = load_splits(config)
-    train = config.train
-    return BatchSampler(splits.train, config.model.seq_len, train.batch_size, train.seed)
+    return run_batches(config, load_splits(config))[0]
 
 
 def measured_step_seconds(config: Config, mesh: Mesh, name: str, batches: BatchSampler) -> float:

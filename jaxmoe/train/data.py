@@ -204,6 +204,15 @@ class BatchSampler:
         return self.tokens[starts[:, None] + offsets].astype(np.int32)
 
 
+def run_batches(config: Config, splits: TokenSplits) -> tuple[BatchSampler, BatchSampler]:
+    """The run's training and validation batches (validation drawn with the next seed)."""
+    seq_len, batch, seed = config.model.seq_len, config.train.batch_size, config.train.seed
+    return (
+        BatchSampler(splits.train, seq_len, batch, seed),
+        BatchSampler(splits.val, seq_len, batch, seed + 1),
+    )
+
+
 def put_on_mesh(sampler: BatchSampler, step: int, mesh: Mesh) -> jax.Array:
     """The global batch of ``step`` as one array sharded over the token axes.
 

@@ -27,7 +27,7 @@ from jaxmoe import exit_codes
 from jaxmoe.config import Config
 from jaxmoe.prepare import PreparedRun
 from jaxmoe.train.checkpoint import RunCheckpoints
-from jaxmoe.train.data import BatchSampler, load_splits, put_on_mesh
+from jaxmoe.train.data import BatchSampler, load_splits, put_on_mesh, run_batches
 from jaxmoe.train.metrics import METRICS_FILE, RunLog, host_row, read_rows
 from jaxmoe.train.mfu import estimated_mfu, mfu_meter, no_peak_message
 from jaxmoe.train.placement_planner import PlacementLog, plan_placement
@@ -145,10 +145,7 @@ def _start(
     """The state (restored from the newest readable checkpoint when resuming), the data and
     the compiled steps; a signal meanwhile ends the process at once."""
     config, mesh = run.config, run.mesh
-    seq_len, batch = config.model.seq_len, config.train.batch_size
-    splits = load_splits(config)
-    train_batches = BatchSampler(splits.train, seq_len, batch, config.train.seed)
-    val_batches = BatchSampler(splits.val, seq_len, batch, config.train.seed + 1)
+    train_batches, val_batches = run_batches(config, load_splits(config))
     restored = None
     if checkpoints is not None and resume:
         restored = signals.interruptible(lambda: checkpoints.restore_newest(mesh))

@@ -22,7 +22,7 @@ from jaxmoe.plan.grad_sync_choice import (
     fixed_cost,
     resolve_grad_sync,
 )
-from jaxmoe.plan.grad_sync_trial import measured_step_seconds, run_batches
+from jaxmoe.plan.grad_sync_trial import measured_step_seconds, trial_batches
 
 from .runs import small_config, with_schedule
 
@@ -123,7 +123,7 @@ def test_no_trial_when_one_estimate_stands_alone(choices, mesh):
 
 def test_a_trial_times_the_run_own_steps(mesh):
     config = with_trial(config_told(1.0), 0.15)
-    seconds = measured_step_seconds(config, mesh, "allreduce", run_batches(config))
+    seconds = measured_step_seconds(config, mesh, "allreduce", trial_batches(config))
     assert 0.0 < seconds < 60.0
 
 
