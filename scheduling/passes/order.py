@@ -88,7 +88,8 @@ def _keys(
 
 
 class CyclicPlacement(Exception):
-    """The window edges close a cycle; ``placed`` are the placed nodes caught in it."""
+    """The window edges close a cycle; ``placed`` are the placed nodes held up by it.
+    (``order`` withdraws such placements before it sorts.)"""
 
     def __init__(self, placed: list[int]):
         super().__init__(f"placements {placed} close a cycle")
@@ -184,9 +185,9 @@ def order(
     the starts of ``earliest`` no earlier than the node it gives each
     (:mod:`scheduling.passes.prefetch`).
 
-    Placements that close a cycle are withdrawn first (the last placed of those caught
-    in it, one at a time), then, while the peak is over the bound, the largest outputs
-    (the fewest that fit, by bisection).
+    Placements that close a cycle are withdrawn first (each is kept unless, with those
+    placed before it, it closes one), then, while the peak is over the bound, the largest
+    outputs (the fewest that fit, by bisection).
     (Priorities are not withdrawn: running two microbatches at once holds both's
     activations, which the schedule's peak reports. Where they alone exceed the bound,
     their peak is the bound: placements are withdrawn only while they add to it.)
@@ -198,15 +199,8 @@ def order(
     # cannot bring the peak below it, so it is the bound when it is over the limit.
     floor = peak_live_bytes(graph, topological_order(graph, Placement(), priorities, earliest))
     bound = max(limit, floor)
-    withdrawn: list[int] = []
-    while True:
-        try:
-            result = topological_order(graph, placement, priorities, earliest)
-            break
-        except CyclicPlacement as cycle:
-            last = max(cycle.placed, key=_placement_rank(placement))
-            placement.remove(last)
-            withdrawn.append(last)
+    withdrawn = _withdraw_cycles(graph, placement)
+    result = topological_order(graph, placement, priorities, earliest)
     peak = peak_live_bytes(graph, result)
     if peak > bound:
         # Withdrawn largest outputs first: the fewest of them that bring the peak within
@@ -237,14 +231,67 @@ def order(
     return Schedule(result, placement, peak, baseline, withdrawn, peak > limit)
 
 
-def _placement_rank(placement: Placement):
-    """Key ordering placed nodes by when they were placed (window order, then rank)."""
-    rank = {
-        node: (window, position)
-        for window, (_, nodes) in enumerate(placement.windows.items())
-        for position, node in enumerate(nodes)
-    }
-    return rank.__getitem__
+def _withdraw_cycles(graph: Graph, placement: Placement) -> list[int]:
+    """Withdraw (from ``placement``, in place) the placements that close a cycle, and
+    return them: in the order they were made, each is kept unless, with the graph's edges
+    and the placements kept before it, its window edges (start -> node -> done) close one.
+
+    A topological order of the edges kept so far is maintained as they are added
+    (Pearce and Kelly's dynamic topological order): an edge that agrees with it costs
+    nothing, and one that does not is decided by searching the nodes between its ends
+    only, which are then reordered. The graph's node ids are a topological order."""
+    succs = [list(s) for s in graph.succs]
+    preds = [list(p) for p in graph.preds]
+    position = list(range(len(graph.nodes)))  # node -> its place in the order
+
+    def add_edge(source: int, target: int) -> bool:
+        """Add ``source -> target`` unless it closes a cycle; whether it was added."""
+        low, high = position[target], position[source]
+        if low < high:
+            # Forward from ``target`` and backward from ``source``, between the two places.
+            forward, frontier, seen = [], [target], {target}
+            while frontier:
+                node = frontier.pop()
+                forward.append(node)
+                for succ in succs[node]:
+                    if succ == source:
+                        return False
+                    if succ not in seen and position[succ] < high:
+                        seen.add(succ)
+                        frontier.append(succ)
+            backward, frontier, seen = [], [source], {source}
+            while frontier:
+                node = frontier.pop()
+                backward.append(node)
+                for pred in preds[node]:
+                    if pred not in seen and position[pred] > low:
+                        seen.add(pred)
+                        frontier.append(pred)
+            # ``source``'s ancestors in that span move before ``target``'s descendants.
+            moved = sorted(backward, key=position.__getitem__)
+            moved += sorted(forward, key=position.__getitem__)
+            for place, node in zip(sorted(position[n] for n in moved), moved, strict=True):
+                position[node] = place
+        succs[source].append(target)
+        preds[target].append(source)
+        return True
+
+    def remove_edge(source: int, target: int) -> None:
+        succs[source].remove(target)
+        preds[target].remove(source)
+
+    withdrawn = []
+    for start, nodes in placement.windows.items():
+        done = graph.nodes[start].partner
+        for node in list(nodes):
+            if not add_edge(start, node):
+                withdrawn.append(node)
+            elif not add_edge(node, done):
+                remove_edge(start, node)
+                withdrawn.append(node)
+    for node in withdrawn:
+        placement.remove(node)
+    return withdrawn
 
 
 def _output_bytes(graph: Graph, node: int) -> int:

@@ -272,6 +272,21 @@ def test_order_is_topological_and_honours_windows(make):
     _check_order(graph, schedule)
 
 
+def test_only_the_placements_that_close_a_cycle_are_withdrawn():
+    # ``b`` reads the first window's all-to-all and feeds the second's: placed in the first
+    # window it closes a cycle (done -> b -> done). The node placed in the second window
+    # after it waits behind that cycle, but closes none: it stays, as does the one before.
+    graph = _graph(_two_window_step)
+    first, second = _windows(graph)
+    b = next(n for n in sorted(graph.succs[first.partner]) if graph.nodes[n].role is Role.COMPUTE)
+    c5, c7 = _candidates(graph, first)[:2]
+    placement = Placement({first.id: [c5, b], second.id: [c7]})
+    schedule = order(graph, placement, max_live_bytes_growth=math.inf)
+    assert schedule.withdrawn == [b]
+    assert schedule.placement.windows == {first.id: [c5], second.id: [c7]}
+    _check_order(graph, schedule)
+
+
 def test_order_without_placement_starts_early_and_waits_late():
     graph = split_async(toy_program())
     schedule = order(graph, Placement())
