@@ -144,12 +144,14 @@ def test_a_placement_change_never_changes_parameter_values():
     chex.assert_trees_all_equal(jax.device_get(place(state, SKEWED, mesh).params), home)
 
 
-@pytest.mark.parametrize("schedule", ["async", "dw", "partition", "lancet"])
+# dw splits the collectives as async does and moves work; lancet partitions as partition
+# does (always, here) and moves work too.
+@pytest.mark.parametrize("schedule", ["dw", "lancet"])
 def test_schedules_compute_the_plain_step_with_a_placement(schedule):
     config = with_schedule(config_with(4, capacity_factor=0.5), partition_always=True)
     reference = run(with_schedule(config, "none"), 2, SKEWED)
     scheduled = run(with_schedule(config, schedule), 2, SKEWED)
-    if schedule in ("async", "dw"):
+    if schedule == "dw":
         chex.assert_trees_all_equal(scheduled, reference)
     else:  # chunks compile differently: a few ulps; the same assignments are dropped
         for ours, theirs in zip(scheduled[0], reference[0], strict=True):
