@@ -19,7 +19,8 @@ def command_line(module: str, argv: Sequence[str]) -> str:
 def kept_section(path: Path, heading: str, end: str | None, flag: str) -> list[str]:
     """The section of an earlier results file from ``heading`` up to ``end`` (or to the
     end of the file), with a note naming the command that made it; empty when the file or
-    the section is missing. A section kept before keeps its note (and so its command)."""
+    the section is missing. A section kept before keeps its note (and so its command); one
+    with a command line of its own is not said to be made by the file's command."""
     text = path.read_text() if path.exists() else ""
     if heading not in text or (end is not None and end not in text[text.index(heading) :]):
         return []
@@ -29,7 +30,10 @@ def kept_section(path: Path, heading: str, end: str | None, flag: str) -> list[s
     body = "\n".join(section[1:]).strip().splitlines()
     if body and body[0].startswith("Kept from"):  # and older notes, worded otherwise
         return [section[0], "", *body, ""]
-    command = re.search(r"^Command: `(.*)`$", text, re.MULTILINE)
+    # A section that names its own command (a measurement another tool made) says it;
+    # otherwise it was made by the file's command.
+    own = any(line.startswith("Command: `") for line in body)
+    command = None if own else re.search(r"^Command: `(.*)`$", text, re.MULTILINE)
     made_by = f", made by `{command.group(1)}`" if command else ""
     note = f"{KEPT}{made_by} (`{flag}` does not rerun it)."
     return [section[0], "", note, "", *body, ""]
