@@ -1,17 +1,21 @@
 """Does XLA:GPU accept the scheduling groups, and what does its compiled order keep? A toy.
 
-    python -m experiments.gpu_groups_probe [--mock-devices 8] [--timeout 120]
+    python -m experiments.gpu_groups_probe [--mock-devices 8 | --aot-devices 8] [--timeout 120]
 
 A per-device step of two all-to-alls with matrix products beside them (one window with
 two independent products, one with a chain of two) is scheduled with the ``async``
 policy, with and without scheduling groups (:mod:`scheduling.runtime.xla_groups`), and
+with the collectives emitted synchronously at their starts under the groups (the
+``sync`` transport: XLA splits them itself), and
 compiled for the GPU under :data:`scheduling.names.XLA_GPU_FLAGS`. For each it prints
 whether XLA compiled it, the groups of the optimized module with their positions
 (:func:`scheduling.hlo_windows`), every async pair with the compute between its start
 and done (:func:`scheduling.async_pairs`), and the entry computation's collectives and
 products. Seconds on a GPU where the train step's check
 (:mod:`experiments.gpu_schedule_check`) takes minutes: the first thing to run on a lent
-GPU. A compile that outlasts ``--timeout`` prints where it waits and exits.
+GPU. A compile that outlasts ``--timeout`` prints where it waits and exits. The devices
+are the visible GPUs, a mocked cluster or an ahead-of-time topology
+(:mod:`experiments.shared.gpu_devices`).
 """
 
 from __future__ import annotations
@@ -35,48 +39,57 @@ def _step(x, w):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mock-devices", type=int, default=0, help="JAX's mock GPU topology")
+    parser.add_argument(
+        "--aot-devices", type=int, default=0, help="compile for N GPUs of this kind, not run"
+    )
     parser.add_argument("--rows", type=int, default=512)
     parser.add_argument("--timeout", type=int, default=120)
     args = parser.parse_args(argv)
     faulthandler.dump_traceback_later(args.timeout, exit=True)
 
-    import scheduling.names
-    from jaxmoe.parallel.host_devices import ensure_xla_flags
+    from experiments.shared import gpu_devices
 
-    ensure_xla_flags(list(scheduling.names.XLA_GPU_FLAGS))
-    if args.mock_devices:
-        ensure_xla_flags(["--xla_gpu_shard_autotuning=false"])
+    gpu_devices.configure(mock=args.mock_devices)
 
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import scheduling
 
-    if args.mock_devices:
-        jax.config.update("jax_mock_gpu_topology", f"1x{args.mock_devices}x1")
-    devices = jax.device_count()
-    print(f"{devices} devices ({jax.local_device_count()} local), jax {jax.__version__}")
-    mesh = jax.make_mesh((devices,), ("x",))
+    found = gpu_devices.devices(aot=args.aot_devices)
+    described = gpu_devices.describe(found, mock=args.mock_devices, aot=args.aot_devices)
+    print(f"{described}; {jax.local_device_count()} local, jax {jax.__version__}")
+    devices = len(found)
+    mesh = Mesh(np.asarray(found, dtype=object), ("x",))
     rows = args.rows
 
     def sds(shape, spec):
         return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
 
     example = (sds((devices * rows, rows), P("x")), sds((rows, rows), P()))
-    for groups in (True, False):
-        policy = scheduling.SchedulePolicy(name="async", xla_groups=groups)
+    for transport, groups in (("xla", True), ("xla", False), ("sync", True)):
+        policy = scheduling.SchedulePolicy(name="async", xla_groups=groups, transport=transport)
         began = time.perf_counter()
         try:
             step, _ = scheduling.optimize(
                 _step, *example, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x"), policy=policy
             )
-            text = step.lower(*example).compile().as_text()
+            lowered = step.lower(*example)
+            text = lowered.compile().as_text()
         except Exception as error:
-            print(f"groups={groups}: not compiled: {str(error)[-1500:]}", flush=True)
+            print(f"{transport}, groups={groups}: not compiled: {str(error)[-1500:]}", flush=True)
             continue
-        print(f"groups={groups}: compiled in {time.perf_counter() - began:.1f} s")
+        print(f"{transport}, groups={groups}: compiled in {time.perf_counter() - began:.1f} s")
+        # What the compiler was handed: the ops that carry a group in the lowered module.
+        emitted = [
+            line for line in lowered.as_text().splitlines() if "_scheduling_group_id" in line
+        ]
+        print(f"  lowered: {len(emitted)} ops carry a group")
+        for line in emitted:
+            print("    ", line.strip()[:300])
         for group, window in scheduling.hlo_windows(text).items():
             print(f"  group {group}: start {window.start}, done {window.done}, members "
                   f"{window.inside}, kept {window.kept}")  # fmt: skip

@@ -1,13 +1,15 @@
 """Does XLA:GPU keep the planned windows, and what do they cost? One run on a GPU host.
 
     python -m experiments.gpu_schedule_check [--preset mixtral-tiny] [--layers 2] \\
-        [--schedules none,lancet,pair,pair:free] [--microbatches 2] [--mock-devices 8] \\
-        [--steps 10] [--rounds 5] [--hlo-dir DIR]
+        [--schedules none,lancet,pair,pair:free] [--microbatches 2] \\
+        [--mock-devices 8 | --aot-devices 8] [--steps 10] [--rounds 5] [--hlo-dir DIR]
 
 For each schedule (``NAME:free`` is the schedule without scheduling groups,
-``schedule.xla_groups false``): plan the preset's train step, compile it with the
-scheduler flags (:data:`scheduling.names.XLA_GPU_FLAGS`) and read the compiled order back
-from the optimized HLO:
+``schedule.xla_groups false``; ``NAME:sync`` emits each collective synchronously at its
+planned start, ``schedule.transport sync``, and leaves its split to XLA): plan the
+preset's train step, compile it with the scheduler flags
+(:data:`scheduling.names.XLA_GPU_FLAGS`) and read the compiled order back from the
+optimized HLO:
 
 - **groups kept**: the planned windows emitted as scheduling groups
   (:mod:`scheduling.runtime.xla_groups`) whose start comes first, done last, products
@@ -19,11 +21,13 @@ from the optimized HLO:
 Then the steps are timed: the schedules run round-robin, ``--steps`` steps each per
 round, so that every ratio to ``none`` is of two measurements taken side by side.
 
+``--aot-devices N`` compiles for N GPUs of the attached kind in one node without running
+them (an ahead-of-time topology): the compiled order of the multi-GPU step, no times.
 ``--mock-devices N`` compiles and runs for N GPUs on one (JAX's mock GPU topology, one
-device per mocked host): the compiled module is the one N GPUs would run, but only this
-process's device computes and its collectives move no data, so the times measure the
-schedule's computation, not hidden communication. Without it the mesh is the visible
-GPUs. Refuses to run without GPUs: on CPU, XLA runs async pairs synchronously and its
+device per mocked host): only this process's device computes and its collectives move no
+data, so the times measure the schedule's computation, not hidden communication. Without
+either the mesh is the visible GPUs (:mod:`experiments.shared.gpu_devices`). Refuses to
+run without GPUs: on CPU, XLA runs async pairs synchronously and its
 HLO order says nothing about the GPU scheduler. Writes ``--out`` (markdown) and a JSON
 beside it; ``--hlo-dir`` keeps each optimized module.
 """
@@ -57,7 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--expert", type=int, default=None, help="expert-parallel size")
     parser.add_argument("--data", type=int, default=None, help="data-parallel size")
-    parser.add_argument("--mock-devices", type=int, default=0)
+    parser.add_argument("--mock-devices", type=int, default=0, help="JAX's mock GPU topology")
+    parser.add_argument(
+        "--aot-devices", type=int, default=0, help="compile for N GPUs of this kind, not run"
+    )
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--hlo-dir", type=Path, default=None)
@@ -67,34 +74,29 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    import scheduling.names
-    from jaxmoe.parallel.host_devices import ensure_xla_flags
+    if args.mock_devices and args.aot_devices:
+        parser.error("--mock-devices and --aot-devices: choose one")
+    from experiments.shared import gpu_devices
 
-    ensure_xla_flags(list(scheduling.names.XLA_GPU_FLAGS))
-    if args.mock_devices:
-        # Autotuning is otherwise shared out among the processes of a multi-host run, and
-        # the mocked hosts never send their part (compilation waited for them).
-        ensure_xla_flags(["--xla_gpu_shard_autotuning=false"])
+    gpu_devices.configure(mock=args.mock_devices)
 
     import jax
-
-    if args.mock_devices:  # before the backends start: N hosts of one GPU each
-        jax.config.update("jax_mock_gpu_topology", f"1x{args.mock_devices}x1")
 
     if jax.devices()[0].platform != "gpu" and not args.any_backend:
         print("gpu_schedule_check needs GPUs: found only", jax.devices()[0].platform)
         return 2
 
-    config = _config(args, jax.device_count())
+    devices = gpu_devices.devices(aot=args.aot_devices)
+    config = _config(args, len(devices))
 
     def write(results: dict[str, dict]) -> str:
-        text = _report(config, args, results, argv)
+        text = _report(config, args, results, argv, devices)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
         args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))
         return text
 
-    print(write(_measure(config, args, write)))
+    print(write(_measure(config, args, write, devices)))
     return 0
 
 
@@ -120,20 +122,23 @@ def _config(args: argparse.Namespace, devices: int):
 
 def _variant(config, name: str):
     schedule, _, mode = name.partition(":")
-    if mode not in ("", "free"):
-        raise SystemExit(f"--schedules: {name!r}: a schedule name, or NAME:free")
+    if mode not in ("", "free", "sync"):
+        raise SystemExit(f"--schedules: {name!r}: a schedule name, NAME:free or NAME:sync")
     fields = dict(name=schedule, xla_groups=mode != "free")
+    if mode == "sync":
+        fields["transport"] = "sync"
     return dataclasses.replace(config, schedule=dataclasses.replace(config.schedule, **fields))
 
 
-def _measure(config, args: argparse.Namespace, write) -> dict[str, dict]:
-    """Compile and read every schedule (``write`` keeps what is known so far), then time."""
+def _measure(config, args: argparse.Namespace, write, devices) -> dict[str, dict]:
+    """Compile and read every schedule (``write`` keeps what is known so far), then time
+    them where the devices run (not for an ahead-of-time topology)."""
 
     import scheduling
     from jaxmoe.parallel.mesh import build_mesh
     from jaxmoe.train.scheduled import plan_train_step
 
-    mesh = build_mesh(config.parallel)
+    mesh = build_mesh(config.parallel, devices)
     steps, results = {}, {}
     for name in args.schedules.split(","):
         result = results[name] = {"seconds": []}
@@ -155,14 +160,17 @@ def _measure(config, args: argparse.Namespace, write) -> dict[str, dict]:
         windows = scheduling.hlo_windows(text)
         all_to_alls = [p for p in scheduling.async_pairs(text) if p.kind == "all-to-all"]
         result.update(
+            broken=[dataclasses.asdict(w) for w in scheduling.broken_windows(text)],
             groups=len(windows),
             kept=sum(w.kept for w in windows.values()),
             all_to_alls=len(all_to_alls),
             overlapped=sum(p.overlapped for p in all_to_alls),
         )
         steps[name] = compiled
-        print(name, {k: v for k, v in result.items() if k != "seconds"}, flush=True)
+        print(name, {k: v for k, v in result.items() if k not in ("seconds", "broken")}, flush=True)
     write(results)
+    if args.aot_devices:
+        return results
     try:
         _time(config, mesh, steps, results, args)
     except Exception as error:
@@ -197,30 +205,28 @@ def _time(config, mesh, steps, results, args) -> None:
             results[name]["seconds"].append((time.perf_counter() - started) / len(batches))
 
 
-def _report(config, args, results: dict[str, dict], argv) -> str:
+def _report(config, args, results: dict[str, dict], argv, devices) -> str:
     import jax
+
+    from experiments.shared import gpu_devices
 
     command = command_line("experiments.gpu_schedule_check", sys.argv[1:] if argv is None else argv)
     tokens = config.train.batch_size * config.model.seq_len
     baseline = results.get("none", {}).get("seconds")
-    devices = (
-        f"{args.mock_devices} GPUs mocked on 1 x {jax.devices()[0].device_kind} (JAX's mock "
-        "GPU topology: one device computes, collectives move no data)"
-        if args.mock_devices
-        else f"{jax.device_count()} x {jax.devices()[0].device_kind}"
-    )
+    described = gpu_devices.describe(devices, mock=args.mock_devices, aot=args.aot_devices)
+    timed = f"{args.rounds} rounds of {args.steps} steps."
     lines = [
         "# Planned windows on XLA:GPU",
         "",
         f"Command: `{command}`",
         "",
-        f"{devices}, jax {jax.__version__}, XLA flags `{os.environ.get('XLA_FLAGS', '')}`; "
+        f"{described}, jax {jax.__version__}, XLA flags `{os.environ.get('XLA_FLAGS', '')}`; "
         f"preset `{args.preset}` ({config.model.num_layers} layers) on data "
         f"{config.parallel.data} x expert {config.parallel.expert}, "
         f"{config.train.microbatches} microbatches, cost profile {args.profile}"
         + (f" with a {args.link_mbit:g} Mbit/s link" if args.link_mbit else "")
         + "; "
-        f"{args.rounds} rounds of {args.steps} steps.",
+        + (timed if not args.aot_devices else "compiled only."),
         "",
         "| schedule | groups kept | all-to-alls overlapped | compile s | step ms, median "
         "[range] | tokens/s | / none [range] |",
@@ -243,6 +249,12 @@ def _report(config, args, results: dict[str, dict], argv) -> str:
                 ratio = Spread.of(ratios).format(scale=1, digits=2)
         elif "run_error" in result:
             step = "did not run"
+        if result["broken"]:
+            shown = ", ".join(
+                f"{w['group']} (start {w['start']}, done {w['done']}, between {w['inside']})"
+                for w in result["broken"][:4]
+            )
+            notes.append(f"- `{name}`: groups not kept, as (position in the entry): {shown}")
         lines.append(
             f"| {name} | {kept} | {overlapped} | {result['compile_s']:.1f} | {step} | "
             f"{tokens_per_s} | {ratio} |"

@@ -7,9 +7,9 @@ the async start primitive at its start and the done primitive at its done.
 Each critical window that can be one — a collective's start, the matrix products the
 plan runs in it, and its done — is traced under
 ``set_xla_metadata(_scheduling_group_id=K)``, which XLA's GPU latency-hiding
-scheduler reads as "schedule these together", so the compiled program keeps
-the planned overlap (:mod:`scheduling.runtime.xla_groups` says what XLA accepts in a
-group, and why the rest of a window is left to XLA's scheduler). The XLA flags that
+scheduler reads as "schedule these together" (:mod:`scheduling.runtime.xla_groups`
+says what XLA accepts in a group, why the rest of a window is left to XLA's scheduler,
+and where XLA drops the groups). The XLA flags that
 turn that scheduler on are given by :func:`xla_gpu_flags`.
 
 On the CPU backend, where XLA runs every async pair synchronously, the socket
