@@ -1,10 +1,11 @@
-# Two entry points: `make demo` trains the default preset, `make test` runs ruff and the suite.
+# Entry points: `make demo` trains the default preset, `make test` runs ruff and the suite,
+# `make test-all` the suite with its slow cases (more layouts and families per claim).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint clean
+.PHONY: demo test test-all lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +24,9 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest -n auto --dist worksteal
+
+test-all: lint
+	$(BIN)/python -m pytest -n auto --dist worksteal -m "slow or not slow"
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -45,6 +45,7 @@ def test_layouts_start_with_the_reference_and_alternate_tensor_sizes():
     assert [c.mapping.tensor for c in ordered[1 : 1 + len(tensors)]] == tensors
 
 
+@pytest.mark.slow  # the folded layouts' training is tests/train/test_tensor_parallel.py's
 def test_two_folded_layouts_train_as_the_reference():
     """The reference, tensor 2 with the expert group across the tensor axis, and expert
     tensor 2 with the all_gather dispatcher: 2 steps each."""

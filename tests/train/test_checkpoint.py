@@ -48,7 +48,14 @@ def _state_on(config: Config):
     return mesh, init_train_state(config, mesh)
 
 
-@pytest.mark.parametrize("layout", [(2, 4), (4, 2), (8, 1)])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        (2, 4),
+        pytest.param((4, 2), marks=pytest.mark.slow),
+        pytest.param((8, 1), marks=pytest.mark.slow),
+    ],
+)
 def test_restore_into_another_layout_gives_the_saved_values(tmp_path, layout):
     saved_config = small_config(steps=2)
     mesh, state = _state_on(saved_config)

@@ -40,7 +40,13 @@ def test_comet_trains_like_none_over_five_steps():
     ("mesh", "moe", "schedule", "exchange"),
     [
         ((4, 2), MoEConfig(4, top_k=1, capacity_factor=None), "comet", "chunks:2"),
-        ((2, 4), MoEConfig(8, top_k=2, capacity_factor=None), "lancet+comet", "rounds:4"),
+        pytest.param(  # lancet+comet also runs on every family and with pairing
+            (2, 4),
+            MoEConfig(8, top_k=2, capacity_factor=None),
+            "lancet+comet",
+            "rounds:4",
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=["4x2-top1-dropless-chunks", "2x4-top2-dropless-lancet+comet"],
 )

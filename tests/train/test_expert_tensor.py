@@ -52,7 +52,13 @@ def experts_of(params):
     return {index: block["ffn"]["experts"] for index, block in blocks if "experts" in block["ffn"]}
 
 
-@pytest.mark.parametrize("mapping", list(MAPPINGS))
+@pytest.mark.parametrize(
+    "mapping",
+    [
+        pytest.param(name, marks=pytest.mark.slow if name == "data2-expert2-et2" else ())
+        for name in MAPPINGS
+    ],
+)
 def test_same_training_as_the_unfolded_layout(mapping):
     reference, reference_params, _ = train(*REFERENCE)
     history, params, config = train(*MAPPINGS[mapping])

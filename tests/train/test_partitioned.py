@@ -58,7 +58,17 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize(("mesh", "moe", "schedule", "chunks"), CASES.values(), ids=CASES.keys())
+# The two 2x4 cases (drops with lancet, dropless with the chunk search) by default.
+SLOW_CASES = {"1x8-top1-dropless-n4", "4x2-top1-drops-n4"}
+
+
+@pytest.mark.parametrize(
+    ("mesh", "moe", "schedule", "chunks"),
+    [
+        pytest.param(*case, id=name, marks=pytest.mark.slow if name in SLOW_CASES else ())
+        for name, case in CASES.items()
+    ],
+)
 def test_partitioned_training_matches_over_five_steps(mesh, moe, schedule, chunks):
     config = small(ParallelConfig(*mesh), moe, layers=2, moe_every=1)
     config = dataclasses.replace(config, train=dataclasses.replace(config.train, batch_size=32))

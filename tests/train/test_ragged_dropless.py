@@ -110,7 +110,14 @@ def test_ragged_dropless_trains_as_the_padded_dispatch_and_drops_nothing(case):
             )
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        # The composed schedules contain the slow ones' passes.
+        pytest.param(s, marks=pytest.mark.slow if s in ("dw", "partition", "comet") else ())
+        for s in SCHEDULES
+    ],
+)
 def test_every_schedule_is_exact_on_the_ragged_step(schedule):
     key = CASES["mixtral-replicas"]
     config = with_schedule(

@@ -63,8 +63,16 @@ def small(parallel: ParallelConfig, moe: MoEConfig, layers: int = 2, moe_every: 
     ("parallel", "moe"),
     [
         (ParallelConfig(2, 4), MoEConfig(num_experts=8, top_k=2, capacity_factor=1.0)),
-        (ParallelConfig(1, 8), MoEConfig(num_experts=8, top_k=1, capacity_factor=None)),
-        (ParallelConfig(8, 1), MoEConfig(num_experts=4, top_k=1, capacity_factor=0.5)),
+        pytest.param(
+            ParallelConfig(1, 8),
+            MoEConfig(num_experts=8, top_k=1, capacity_factor=None),
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            ParallelConfig(8, 1),
+            MoEConfig(num_experts=4, top_k=1, capacity_factor=0.5),
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=["2x4-top2-capacity", "1x8-top1-dropless", "8x1-top1-capacity"],
 )

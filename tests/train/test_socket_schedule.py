@@ -44,7 +44,9 @@ def _plain():
     return _steps(plan_train_step(config, mesh).compile(), config, mesh)
 
 
-@pytest.mark.parametrize("schedule", ["none", "dw", "partition"])
+@pytest.mark.parametrize(
+    "schedule", ["none", "dw", pytest.param("partition", marks=pytest.mark.slow)]
+)
 def test_socket_all_to_alls_keep_the_step_bit_for_bit(schedule, monkeypatch):
     transports = importlib.import_module("scheduling.runtime.transports")
     # One process: force the transport that would be used across processes.

@@ -32,7 +32,9 @@ run_steps = train_steps
     "moe",
     [
         MoEConfig(num_experts=8, top_k=2, capacity_factor=1.0),
-        MoEConfig(num_experts=8, top_k=1, capacity_factor=None),
+        pytest.param(
+            MoEConfig(num_experts=8, top_k=1, capacity_factor=None), marks=pytest.mark.slow
+        ),
     ],
     ids=["top2-capacity", "top1-dropless"],
 )

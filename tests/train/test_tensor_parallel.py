@@ -118,11 +118,20 @@ CASES = [
 ]
 
 
+# d2e2t2et2 (every axis folded) and d4e2t4 (DeepSeek's routing) by default.
+SLOW_LAYOUTS = {"d2e4t2", "d1e8t2"}
+
+
 @pytest.mark.parametrize(
     ("layout", "moe"),
-    [case[:2] for case in CASES],
-    ids=[f"{name}-{label}" for name, _, label in CASES],
-)
+    [
+        pytest.param(
+            name, moe, id=f"{name}-{label}",
+            marks=pytest.mark.slow if name in SLOW_LAYOUTS else (),
+        )
+        for name, moe, label in CASES
+    ],
+)  # fmt: skip
 def test_folded_layouts_train_as_the_unfolded_one(layout, moe):
     reference, reference_params = run_steps(UNFOLDED, moe)
     history, params = run_steps(FOLDED[layout], moe)
