@@ -95,6 +95,8 @@ _API = {
     "broken_windows": "scheduling.reports.hlo_windows",
     "async_pairs": "scheduling.reports.hlo_windows",
     "AsyncPair": "scheduling.reports.hlo_windows",
+    "kept_windows": "scheduling.reports.hlo_windows",
+    "KeptWindows": "scheduling.reports.hlo_windows",
     # all of it
     "optimize": "scheduling.pipeline",
 }

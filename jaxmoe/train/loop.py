@@ -238,6 +238,8 @@ def _train(
         if progress and primary:
             print(planned.report.table(max_rows=24), flush=True)
             print(estimated_mfu(config, planned.report, mesh.devices.size).line(), flush=True)
+            if mesh.devices.flat[0].platform == "gpu":  # XLA:GPU orders the module itself
+                print(train_step.windows().line(), flush=True)
     if progress and primary:
         print(meter.describe() if meter else no_peak_message(config, device_kind), flush=True)
     if first_step and primary:

@@ -9,7 +9,8 @@ comes before every other instruction of its group and its done after them, with 
 one computation between (otherwise XLA ran the collective synchronously).
 
 :func:`async_pairs` reads every async collective of the module, grouped or not: which
-compute instructions the compiled order runs between its start and its done.
+compute instructions the compiled order runs between its start and its done;
+:func:`kept_windows` sums both up against the groups the compiler was handed.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import re
 from dataclasses import dataclass, field
 
 _GROUP = re.compile(r'_scheduling_group_id="?(\d+)"?')
+# In a lowered (StableHLO) module the attribute reads `_scheduling_group_id = "3"`.
+_ANY_GROUP = re.compile(r'_scheduling_group_id\s*=\s*"?(\d+)"?')
 # name = shape opcode(operands...: the shape is one array type or a tuple, which nests.
 _HEAD = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
 _OPCODE = re.compile(r"\s+([\w\-]+)\(")
@@ -152,3 +155,39 @@ def _kind(opcode: str, line: str) -> str:
         if kind in line:
             return kind
     return "async"
+
+
+@dataclass(frozen=True)
+class KeptWindows:
+    """What a compiled module kept of the windows its program was emitted with."""
+
+    emitted: int  # scheduling groups in the module handed to the compiler
+    kept: int  # groups whose start comes first, done last, computation between
+    collectives: int  # async collectives of the compiled module
+    overlapped: int  # of those, the ones with computation between start and done
+
+    def line(self) -> str:
+        text = (
+            f"XLA kept {self.kept} of {self.emitted} planned windows; {self.overlapped} of "
+            f"{self.collectives} async collectives have computation inside"
+        )
+        if self.emitted and not self.kept:
+            text += ": the compiled order is the compiler's own, not the plan"
+        return text
+
+
+def emitted_groups(module_text: str) -> int:
+    """The scheduling groups of a lowered (StableHLO) or HLO module."""
+    return len(set(_ANY_GROUP.findall(module_text)))
+
+
+def kept_windows(lowered_text: str, compiled_text: str) -> KeptWindows:
+    """The planned windows of ``lowered_text`` as the optimized module ``compiled_text``
+    runs them (on XLA:GPU, in its scheduled order)."""
+    pairs = async_pairs(compiled_text)
+    return KeptWindows(
+        emitted=emitted_groups(lowered_text),
+        kept=sum(window.kept for window in windows(compiled_text).values()),
+        collectives=len(pairs),
+        overlapped=sum(pair.overlapped for pair in pairs),
+    )

@@ -30,6 +30,7 @@ from scheduling.passes.order import Schedule
 from scheduling.program import jax_adapter
 from scheduling.program.capture import Constant, Program, Value
 from scheduling.program.graph import Graph, Role
+from scheduling.reports.hlo_windows import KeptWindows, kept_windows
 from scheduling.runtime import transports
 from scheduling.runtime.transports import Transport, XlaAsync
 from scheduling.runtime.xla_groups import scheduling_groups
@@ -122,16 +123,19 @@ class ScheduledStep:
 
     def compile(self, *args: Any) -> CompiledStep:
         """Compile ahead of time; the result is called like the step itself."""
-        return CompiledStep(self, self.lower(*args).compile())
+        lowered = self.lower(*args)
+        return CompiledStep(self, lowered.compile(), lowered)
 
 
 class CompiledStep:
     """A compiled :class:`ScheduledStep`: called like the original step; ``as_text`` is
-    the optimized HLO module (on GPU, in the order the compiler scheduled it)."""
+    the optimized HLO module (on GPU, in the order the compiler scheduled it), and
+    ``windows`` what that order kept of the planned windows."""
 
-    def __init__(self, step: ScheduledStep, compiled: Any):
+    def __init__(self, step: ScheduledStep, compiled: Any, lowered: Any):
         self._step = step
         self._compiled = compiled
+        self._lowered = lowered
 
     def __call__(self, *args: Any) -> Any:
         outputs = self._compiled(*self._step._flatten(args))
@@ -139,6 +143,10 @@ class CompiledStep:
 
     def as_text(self) -> str:
         return self._compiled.as_text()
+
+    def windows(self) -> KeptWindows:
+        """The planned windows (scheduling groups) the compiled order kept."""
+        return kept_windows(self._lowered.as_text(), self.as_text())
 
 
 def emit(

@@ -1,6 +1,8 @@
 """Reading the planned windows back from a scheduled HLO module."""
 
-from scheduling.reports.hlo_windows import async_pairs, broken_windows, windows
+import re
+
+from scheduling.reports.hlo_windows import async_pairs, broken_windows, kept_windows, windows
 
 G0 = 'frontend_attributes={_scheduling_group_id="0"}'
 G1 = 'frontend_attributes={_scheduling_group_id="1"}'
@@ -66,3 +68,21 @@ def test_async_pairs_and_what_runs_between():
     ]
     assert [p.overlapped for p in pairs] == [True, False]
     assert windows(ASYNC)[0].kept
+
+
+# The module handed to the compiler: three groups, in StableHLO's spelling.
+LOWERED = "\n".join(f'%{i} = stablehlo.dot ... {{_scheduling_group_id = "{i}"}}' for i in range(3))
+
+
+def test_kept_windows_counts_the_emitted_groups_against_the_kept_ones():
+    kept = kept_windows(LOWERED, KEPT)
+    assert (kept.emitted, kept.kept, kept.collectives, kept.overlapped) == (3, 1, 2, 1)
+    assert kept.line().startswith("XLA kept 1 of 3 planned windows; 1 of 2 async")
+    assert "own" not in kept.line()
+
+
+def test_a_module_that_kept_no_window_says_the_order_is_the_compilers():
+    dropped = re.sub(r", frontend_attributes=\{[^}]*\}", "", KEPT)
+    kept = kept_windows(LOWERED, dropped)
+    assert (kept.emitted, kept.kept) == (3, 0)
+    assert kept.line().endswith("the compiled order is the compiler's own, not the plan")

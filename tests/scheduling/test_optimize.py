@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections import Counter
 
 import chex
@@ -108,6 +109,15 @@ def test_compile_ahead_of_time_matches():
     params, x = _args()
     compiled = step.compile(params, x)
     chex.assert_trees_all_equal(compiled(params, x), _reference()(params, x))
+
+
+def test_a_compiled_step_says_what_the_compiler_kept_of_its_windows():
+    step, _ = _optimized("dw")
+    windows = step.compile(*_args()).windows()
+    groups = {int(g) for g in re.findall(r'_scheduling_group_id = "(\d+)"', _stablehlo("dw"))}
+    assert windows.emitted == len(groups) > 0
+    # XLA:CPU runs every async pair synchronously: no window and no pair is left.
+    assert (windows.kept, windows.collectives) == (0, 0)
 
 
 @functools.cache
