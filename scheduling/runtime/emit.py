@@ -9,8 +9,8 @@ plan runs in it, and its done — is traced under
 ``set_xla_metadata(_scheduling_group_id=K)``, which XLA's GPU latency-hiding
 scheduler reads as "schedule these together" (:mod:`scheduling.runtime.xla_groups`
 says what XLA accepts in a group, why the rest of a window is left to XLA's scheduler,
-and where XLA drops the groups). The XLA flags that
-turn that scheduler on are given by :func:`xla_gpu_flags`.
+and where XLA drops the groups). The XLA flags that turn that scheduler on are given by
+:func:`xla_gpu_flags`; a compiled step's ``windows`` says what the compiled order kept.
 
 On the CPU backend, where XLA runs every async pair synchronously, the socket
 transport carries the all-to-alls between processes instead, so that they overlap.
