@@ -26,7 +26,7 @@ test: lint
 	$(BIN)/python -m pytest -n auto --dist worksteal
 
 test-all: lint
-	$(BIN)/python -m pytest -n auto --dist worksteal -m "slow or not slow"
+	$(BIN)/python -m pytest -n auto --dist worksteal --slow
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

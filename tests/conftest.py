@@ -36,6 +36,25 @@ if _CACHE_OWNER:
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.1"
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--slow", action="store_true", help="also run the cases marked slow (make test-all)"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """Leave out the cases marked ``slow`` (another layout, family or size for a claim a
+    default case checks) unless ``--slow`` is given, a ``-m`` expression chooses, or a
+    test is named by its id."""
+    named = any("::" in arg for arg in config.args)
+    if config.getoption("--slow") or config.getoption("-m") or named:
+        return
+    slow = [item for item in items if "slow" in item.keywords]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if "slow" not in item.keywords]
+
+
 def pytest_unconfigure(config):
     if _CACHE_OWNER:
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
