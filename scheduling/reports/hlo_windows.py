@@ -19,8 +19,6 @@ import re
 from dataclasses import dataclass, field
 
 _GROUP = re.compile(r'_scheduling_group_id="?(\d+)"?')
-# In a lowered (StableHLO) module the attribute reads `_scheduling_group_id = "3"`.
-_ANY_GROUP = re.compile(r'_scheduling_group_id\s*=\s*"?(\d+)"?')
 # name = shape opcode(operands...: the shape is one array type or a tuple, which nests.
 _HEAD = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
 _OPCODE = re.compile(r"\s+([\w\-]+)\(")
@@ -176,17 +174,12 @@ class KeptWindows:
         return text
 
 
-def emitted_groups(module_text: str) -> int:
-    """The scheduling groups of a lowered (StableHLO) or HLO module."""
-    return len(set(_ANY_GROUP.findall(module_text)))
-
-
-def kept_windows(lowered_text: str, compiled_text: str) -> KeptWindows:
-    """The planned windows of ``lowered_text`` as the optimized module ``compiled_text``
-    runs them (on XLA:GPU, in its scheduled order)."""
+def kept_windows(emitted: int, compiled_text: str) -> KeptWindows:
+    """The ``emitted`` scheduling groups of a program as its optimized module
+    ``compiled_text`` runs them (on XLA:GPU, in its scheduled order)."""
     pairs = async_pairs(compiled_text)
     return KeptWindows(
-        emitted=emitted_groups(lowered_text),
+        emitted=emitted,
         kept=sum(window.kept for window in windows(compiled_text).values()),
         collectives=len(pairs),
         overlapped=sum(pair.overlapped for pair in pairs),

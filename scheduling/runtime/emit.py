@@ -19,7 +19,7 @@ transport carries the all-to-alls between processes instead, so that they overla
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -45,13 +45,15 @@ def per_device_function(
     graph: Graph,
     schedule: Schedule,
     transport: Callable[[], Transport] = XlaAsync,
-    xla_groups: bool = True,
+    groups: Mapping[int, int] | None = None,
 ):
     """A function of the flattened per-device arguments that runs ``schedule``, every node
     through a fresh transport from ``transport`` (:mod:`scheduling.runtime.transports`),
-    each window that can be one traced as an XLA scheduling group (``xla_groups``)."""
+    each node of ``groups`` (node -> group, from
+    :func:`~scheduling.runtime.xla_groups.scheduling_groups`) traced in its XLA
+    scheduling group."""
     program = graph.program
-    groups = scheduling_groups(graph, schedule.order) if xla_groups else {}
+    groups = groups or {}
 
     def run(*flat_args: Any) -> tuple[Any, ...]:
         env: dict[Value, Any] = dict(zip(program.inputs, flat_args, strict=True))
@@ -88,8 +90,9 @@ def per_device_function(
 class ScheduledStep:
     """The emitted step: call it like the original; ``lower`` gives its StableHLO."""
 
-    def __init__(self, program: Program, run, donate_argnums: Sequence[int] = ()):
+    def __init__(self, program: Program, run, donate_argnums: Sequence[int] = (), groups: int = 0):
         self.program = program
+        self.groups = groups  # the scheduling groups it is emitted with
         leaves_per_arg = [child.num_leaves for child in program.in_tree.children()]
         offsets = [sum(leaves_per_arg[:i]) for i in range(len(leaves_per_arg))]
         donated = tuple(
@@ -123,8 +126,7 @@ class ScheduledStep:
 
     def compile(self, *args: Any) -> CompiledStep:
         """Compile ahead of time; the result is called like the step itself."""
-        lowered = self.lower(*args)
-        return CompiledStep(self, lowered.compile(), lowered)
+        return CompiledStep(self, self.lower(*args).compile())
 
 
 class CompiledStep:
@@ -132,10 +134,9 @@ class CompiledStep:
     the optimized HLO module (on GPU, in the order the compiler scheduled it), and
     ``windows`` what that order kept of the planned windows."""
 
-    def __init__(self, step: ScheduledStep, compiled: Any, lowered: Any):
+    def __init__(self, step: ScheduledStep, compiled: Any):
         self._step = step
         self._compiled = compiled
-        self._lowered = lowered
 
     def __call__(self, *args: Any) -> Any:
         outputs = self._compiled(*self._step._flatten(args))
@@ -146,7 +147,7 @@ class CompiledStep:
 
     def windows(self) -> KeptWindows:
         """The planned windows (scheduling groups) the compiled order kept."""
-        return kept_windows(self._lowered.as_text(), self.as_text())
+        return kept_windows(self._step.groups, self.as_text())
 
 
 def emit(
@@ -167,5 +168,6 @@ def emit(
     """
     if transport is None:
         transport = transports.connect("xla", graph.program.mesh)
-    run = per_device_function(graph, schedule, transport, xla_groups)
-    return ScheduledStep(graph.program, run, donate_argnums)
+    groups = scheduling_groups(graph, schedule.order) if xla_groups else {}
+    run = per_device_function(graph, schedule, transport, groups)
+    return ScheduledStep(graph.program, run, donate_argnums, len(set(groups.values())))

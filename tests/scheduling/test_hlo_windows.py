@@ -70,12 +70,8 @@ def test_async_pairs_and_what_runs_between():
     assert windows(ASYNC)[0].kept
 
 
-# The module handed to the compiler: three groups, in StableHLO's spelling.
-LOWERED = "\n".join(f'%{i} = stablehlo.dot ... {{_scheduling_group_id = "{i}"}}' for i in range(3))
-
-
 def test_kept_windows_counts_the_emitted_groups_against_the_kept_ones():
-    kept = kept_windows(LOWERED, KEPT)
+    kept = kept_windows(3, KEPT)
     assert (kept.emitted, kept.kept, kept.collectives, kept.overlapped) == (3, 1, 2, 1)
     assert kept.line().startswith("XLA kept 1 of 3 planned windows; 1 of 2 async")
     assert "own" not in kept.line()
@@ -83,6 +79,6 @@ def test_kept_windows_counts_the_emitted_groups_against_the_kept_ones():
 
 def test_a_module_that_kept_no_window_says_the_order_is_the_compilers():
     dropped = re.sub(r", frontend_attributes=\{[^}]*\}", "", KEPT)
-    kept = kept_windows(LOWERED, dropped)
+    kept = kept_windows(3, dropped)
     assert (kept.emitted, kept.kept) == (3, 0)
     assert kept.line().endswith("the compiled order is the compiler's own, not the plan")
