@@ -1,13 +1,18 @@
 """Does XLA:GPU accept the scheduling groups, and what does its compiled order keep? A toy.
 
-    python -m experiments.gpu_groups_probe [--mock-devices 8 | --aot-devices 8] [--timeout 120]
+    python -m experiments.gpu_groups_probe [--mock-devices 8 | --aot-devices 8 \\
+        [--aot-target h100_sxm]] [--timeout 120]
 
 A per-device step of two all-to-alls with matrix products beside them (one window with
 two independent products, one with a chain of two) is scheduled with the ``async``
 policy, with and without scheduling groups (:mod:`scheduling.runtime.xla_groups`), and
 with the collectives emitted synchronously at their starts under the groups (the
-``sync`` transport: XLA splits them itself), and
-compiled for the GPU under :data:`scheduling.names.XLA_GPU_FLAGS`. For each it prints
+``sync`` transport: XLA splits them itself); last, without the scheduler, one group
+written by hand around an all-to-all and a product (``set_xla_metadata``, as a model
+would). Each is compiled for the GPU under :data:`scheduling.names.XLA_GPU_FLAGS`
+(where the adapter knows XLA to mishandle groups, the scheduled steps are emitted
+without them and say why: :func:`scheduling.program.jax_adapter.xla_groups_withheld`).
+For each it prints
 whether XLA compiled it, the groups of the optimized module with their positions
 (:func:`scheduling.hlo_windows`), every async pair with the compute between its start
 and done (:func:`scheduling.async_pairs`), and the entry computation's collectives and
@@ -36,11 +41,24 @@ def _step(x, w):
     return a @ w + independent[0] + b @ w + chained
 
 
+def _grouped_by_hand(x, w):
+    import jax
+    from jax.experimental.xla_metadata import set_xla_metadata
+
+    with set_xla_metadata(_scheduling_group_id=0):
+        a = jax.lax.all_to_all(x, "x", 0, 0, tiled=True)
+        independent = x @ w
+    return a @ w + independent
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mock-devices", type=int, default=0, help="JAX's mock GPU topology")
     parser.add_argument(
         "--aot-devices", type=int, default=0, help="compile for N GPUs of this kind, not run"
+    )
+    parser.add_argument(
+        "--aot-target", default=None, help="with --aot-devices: a GPU model's description"
     )
     parser.add_argument("--rows", type=int, default=512)
     parser.add_argument("--timeout", type=int, default=120)
@@ -50,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     from experiments.shared import gpu_devices
 
     gpu_devices.configure(mock=args.mock_devices)
+    target = args.aot_target and gpu_devices.target_file(args.aot_target)
 
     import jax
     import jax.numpy as jnp
@@ -59,8 +78,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import scheduling
 
-    found = gpu_devices.devices(aot=args.aot_devices)
-    described = gpu_devices.describe(found, mock=args.mock_devices, aot=args.aot_devices)
+    found = gpu_devices.devices(aot=args.aot_devices, target=target)
+    described = gpu_devices.describe(
+        found, mock=args.mock_devices, aot=args.aot_devices, target=target
+    )
     print(f"{described}; {jax.local_device_count()} local, jax {jax.__version__}")
     devices = len(found)
     mesh = Mesh(np.asarray(found, dtype=object), ("x",))
@@ -70,19 +91,35 @@ def main(argv: list[str] | None = None) -> int:
         return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, spec))
 
     example = (sds((devices * rows, rows), P("x")), sds((rows, rows), P()))
-    for transport, groups in (("xla", True), ("xla", False), ("sync", True)):
+    specs = dict(mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x"))
+
+    def scheduled(transport: str, groups: bool):
         policy = scheduling.SchedulePolicy(name="async", xla_groups=groups, transport=transport)
+        step, _ = scheduling.optimize(_step, *example, **specs, policy=policy)
+        if step.groups_withheld:
+            print(f"  groups withheld: {step.groups_withheld}")
+        return step.lower(*example)
+
+    def metadata():  # one group by hand, as a model would write it: no scheduler involved
+        return jax.jit(jax.shard_map(_grouped_by_hand, **specs, check_vma=False)).lower(*example)
+
+    cases = {
+        "xla, groups=True": lambda: scheduled("xla", True),
+        "xla, groups=False": lambda: scheduled("xla", False),
+        "sync, groups=True": lambda: scheduled("sync", True),
+        # Last: where XLA crashes on it, the process ends here.
+        "set_xla_metadata group": metadata,
+    }
+    for label, lower in cases.items():
+        print(f"{label}: compiling", flush=True)
         began = time.perf_counter()
         try:
-            step, _ = scheduling.optimize(
-                _step, *example, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x"), policy=policy
-            )
-            lowered = step.lower(*example)
+            lowered = lower()
             text = lowered.compile().as_text()
         except Exception as error:
-            print(f"{transport}, groups={groups}: not compiled: {str(error)[-1500:]}", flush=True)
+            print(f"{label}: not compiled: {str(error)[:600]}", flush=True)
             continue
-        print(f"{transport}, groups={groups}: compiled in {time.perf_counter() - began:.1f} s")
+        print(f"{label}: compiled in {time.perf_counter() - began:.1f} s")
         # What the compiler was handed: the ops that carry a group in the lowered module.
         emitted = [
             line for line in lowered.as_text().splitlines() if "_scheduling_group_id" in line

@@ -2,7 +2,8 @@
 
     python -m experiments.gpu_schedule_check [--preset mixtral-tiny] [--layers 2] \\
         [--schedules none,lancet,pair,pair:free] [--microbatches 2] \\
-        [--mock-devices 8 | --aot-devices 8] [--steps 10] [--rounds 5] [--hlo-dir DIR]
+        [--mock-devices 8 | --aot-devices 8 [--aot-target h100_sxm]] [--steps 10] \\
+        [--rounds 5] [--hlo-dir DIR]
 
 For each schedule (``NAME:free`` is the schedule without scheduling groups,
 ``schedule.xla_groups false``; ``NAME:sync`` emits each collective synchronously at its
@@ -22,14 +23,16 @@ Then the steps are timed: the schedules run round-robin, ``--steps`` steps each 
 round, so that every ratio to ``none`` is of two measurements taken side by side.
 
 ``--aot-devices N`` compiles for N GPUs of the attached kind in one node without running
-them (an ahead-of-time topology): the compiled order of the multi-GPU step, no times.
+them (an ahead-of-time topology): the compiled order of the multi-GPU step, no times;
+with ``--aot-target`` (a GPU model's description) it needs no GPU at all, only XLA's
+GPU plugin for this JAX (:mod:`experiments.shared.gpu_devices`).
 ``--mock-devices N`` compiles and runs for N GPUs on one (JAX's mock GPU topology, one
 device per mocked host): only this process's device computes and its collectives move no
 data, so the times measure the schedule's computation, not hidden communication. Without
 either the mesh is the visible GPUs (:mod:`experiments.shared.gpu_devices`). Refuses to
-run without GPUs: on CPU, XLA runs async pairs synchronously and its
-HLO order says nothing about the GPU scheduler. Writes ``--out`` (markdown) and a JSON
-beside it; ``--hlo-dir`` keeps each optimized module.
+run on CPU devices (but for an ``--aot-target`` topology): there XLA runs async pairs
+synchronously and its HLO order says nothing about the GPU scheduler. Writes ``--out``
+(markdown) and a JSON beside it; ``--hlo-dir`` keeps each optimized module.
 """
 
 from __future__ import annotations
@@ -65,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--aot-devices", type=int, default=0, help="compile for N GPUs of this kind, not run"
     )
+    parser.add_argument(
+        "--aot-target", default=None, help="with --aot-devices: a GPU model's description"
+    )
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--hlo-dir", type=Path, default=None)
@@ -76,17 +82,21 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.mock_devices and args.aot_devices:
         parser.error("--mock-devices and --aot-devices: choose one")
+    if args.aot_target and not args.aot_devices:
+        parser.error("--aot-target describes the GPUs of --aot-devices: give both")
     from experiments.shared import gpu_devices
+
+    args.aot_target = args.aot_target and gpu_devices.target_file(args.aot_target)
 
     gpu_devices.configure(mock=args.mock_devices)
 
     import jax
 
-    if jax.devices()[0].platform != "gpu" and not args.any_backend:
+    if jax.devices()[0].platform != "gpu" and not (args.any_backend or args.aot_target):
         print("gpu_schedule_check needs GPUs: found only", jax.devices()[0].platform)
         return 2
 
-    devices = gpu_devices.devices(aot=args.aot_devices)
+    devices = gpu_devices.devices(aot=args.aot_devices, target=args.aot_target)
     config = _config(args, len(devices))
 
     def write(results: dict[str, dict]) -> str:
@@ -150,7 +160,7 @@ def _measure(config, args: argparse.Namespace, write, devices) -> dict[str, dict
             result["plan_s"] = planned_at - began
             result["compile_s"] = time.perf_counter() - planned_at
         except Exception as error:  # a schedule XLA refuses is a finding, not a crash
-            result["error"] = "".join(traceback.format_exception_only(error)).strip()[-2000:]
+            result["error"] = "".join(traceback.format_exception_only(error)).strip()[:2000]
             print(f"{name}: {result['error']}", flush=True)
             continue
         text = compiled.as_text()
@@ -159,7 +169,9 @@ def _measure(config, args: argparse.Namespace, write, devices) -> dict[str, dict
             (args.hlo_dir / f"{name.replace(':', '_')}.hlo.txt").write_text(text)
         windows = scheduling.hlo_windows(text)
         all_to_alls = [p for p in scheduling.async_pairs(text) if p.kind == "all-to-all"]
+        withheld = compiled.windows().withheld if hasattr(compiled, "windows") else None
         result.update(
+            withheld=withheld,
             broken=[dataclasses.asdict(w) for w in scheduling.broken_windows(text)],
             groups=len(windows),
             kept=sum(w.kept for w in windows.values()),
@@ -174,7 +186,7 @@ def _measure(config, args: argparse.Namespace, write, devices) -> dict[str, dict
     try:
         _time(config, mesh, steps, results, args)
     except Exception as error:
-        message = "".join(traceback.format_exception_only(error)).strip()[-2000:]
+        message = "".join(traceback.format_exception_only(error)).strip()[:2000]
         for name in steps:
             results[name]["run_error"] = message
         print("timing:", message, flush=True)
@@ -213,7 +225,9 @@ def _report(config, args, results: dict[str, dict], argv, devices) -> str:
     command = command_line("experiments.gpu_schedule_check", sys.argv[1:] if argv is None else argv)
     tokens = config.train.batch_size * config.model.seq_len
     baseline = results.get("none", {}).get("seconds")
-    described = gpu_devices.describe(devices, mock=args.mock_devices, aot=args.aot_devices)
+    described = gpu_devices.describe(
+        devices, mock=args.mock_devices, aot=args.aot_devices, target=args.aot_target
+    )
     timed = f"{args.rounds} rounds of {args.steps} steps."
     lines = [
         "# Planned windows on XLA:GPU",
@@ -236,9 +250,11 @@ def _report(config, args, results: dict[str, dict], argv, devices) -> str:
     for name, result in results.items():
         if "error" in result:
             lines.append(f"| {name} | compile failed | | | | | |")
-            notes.append(f"- `{name}` did not compile: `{result['error'].splitlines()[-1]}`")
+            notes.append(f"- `{name}` did not compile: `{result['error'].splitlines()[0]}`")
             continue
         kept = f"{result['kept']} of {result['groups']}"
+        if result.get("withheld"):
+            kept = "not emitted"
         overlapped = f"{result['overlapped']} of {result['all_to_alls']}"
         step = tokens_per_s = ratio = "-"
         if result["seconds"]:
@@ -259,8 +275,10 @@ def _report(config, args, results: dict[str, dict], argv, devices) -> str:
             f"| {name} | {kept} | {overlapped} | {result['compile_s']:.1f} | {step} | "
             f"{tokens_per_s} | {ratio} |"
         )
+    withheld = {r["withheld"] for r in results.values() if r.get("withheld")}
+    notes += [f"- no scheduling groups were emitted: {reason}" for reason in withheld]
     errors = {r["run_error"] for r in results.values() if "run_error" in r}
-    notes += [f"- the steps did not run: `{e.splitlines()[-1]}`" for e in errors]
+    notes += [f"- the steps did not run: `{e.splitlines()[0]}`" for e in errors]
     return "\n".join([*lines, "", *notes, ""])
 
 

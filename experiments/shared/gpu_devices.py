@@ -4,10 +4,13 @@ ahead-of-time topology.
 - visible: ``jax.devices()``; the steps compile and run.
 - ``mock=N``: JAX's mock GPU topology, N hosts of one GPU on this one; the steps compile
   and run, but only this process's device computes and collectives move no data.
-- ``aot=N``: a topology of N GPUs of this host's kind in one node
-  (``jax.experimental.topologies``; XLA's GPU plugin takes the target description from
-  the attached GPU). The steps compile to the module N GPUs would run, and do not run:
-  the only way here to read the compiled order of a multi-GPU step without the GPUs.
+- ``aot=N``: a topology of N GPUs in one node (``jax.experimental.topologies``). XLA's
+  GPU plugin takes the GPUs' description from the attached GPU, or, given ``target``,
+  from a target description file (:data:`TARGETS`), with no GPU attached: the plugin
+  (``jax-cuda12-plugin`` and ``jax-cuda12-pjrt`` of this JAX's version) compiles on any
+  host, ``JAX_PLATFORMS=cpu`` keeping JAX itself off the missing driver. The steps
+  compile to the module N GPUs would run, and do not run: the way to read the compiled
+  order of a multi-GPU step without the GPUs.
 
 Both options must be chosen before JAX starts its backends: :func:`configure` sets the
 flags and the mock topology, :func:`devices` returns the devices to build the mesh over.
@@ -16,7 +19,11 @@ flags and the mock topology, :func:`devices` returns the devices to build the me
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
+
+TARGETS = Path(__file__).parent / "gpu_targets"
+"""Target descriptions (``xla.GpuTargetConfigProto`` in text), one per GPU model."""
 
 
 def configure(*, mock: int = 0) -> None:
@@ -34,21 +41,41 @@ def configure(*, mock: int = 0) -> None:
         jax.config.update("jax_mock_gpu_topology", f"1x{mock}x1")
 
 
-def devices(*, aot: int = 0) -> Sequence[Any]:
-    """The devices to compile for: ``aot`` GPUs of the attached kind, or the visible ones."""
+def target_file(name: str) -> Path:
+    """A target description by model name (``h100_sxm``) or by path."""
+    path = Path(name)
+    if path.suffix != ".txtpb":
+        path = TARGETS / f"{name}.txtpb"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in TARGETS.glob("*.txtpb")))
+        raise SystemExit(f"--aot-target {name!r}: no such file; name one of {known} or a path")
+    return path
+
+
+def devices(*, aot: int = 0, target: Path | None = None) -> Sequence[Any]:
+    """The devices to compile for: ``aot`` GPUs (of the attached kind, or as ``target``
+    describes them), or the visible ones."""
     import jax
 
     if not aot:
         return jax.devices()
     from jax.experimental import topologies
 
-    return topologies.get_topology_desc("jaxmoe", "cuda", topology=f"1x1x{aot}").devices
+    options = {"target_config": target.read_text()} if target else {}
+    return topologies.get_topology_desc("jaxmoe", "cuda", topology=f"1x1x{aot}", **options).devices
 
 
-def describe(found: Sequence[Any], *, mock: int = 0, aot: int = 0) -> str:
+def describe(
+    found: Sequence[Any], *, mock: int = 0, aot: int = 0, target: Path | None = None
+) -> str:
     """What the devices are, for a results file's header."""
     import jax
 
+    if aot and target:
+        return (
+            f"{aot} x {found[0].device_kind} in one node, compiled ahead of time from the "
+            f"target description `{target.name}` (no GPU attached; not run)"
+        )
     kind = jax.devices()[0].device_kind
     if aot:
         return (

@@ -72,6 +72,24 @@ def require_async_collectives() -> None:
         )
 
 
+# XLA:GPU builds known to mishandle scheduling groups (``_scheduling_group_id``), by the
+# JAX version they ship with: compiled for 8 H100s ahead of time with that version's CUDA
+# plugin (experiments/results/gpu_schedule_check.md).
+_XLA_GPU_GROUP_FAILURES = {
+    "0.10.2": (
+        "the XLA:GPU of jax 0.10.2 crashes compiling a scheduling group over an all-to-all "
+        "(in LegalizeSchedulingAnnotations), and of any other group keeps the start and "
+        "done but not the products between them"
+    ),
+}
+
+
+def xla_groups_withheld(platform: str) -> str | None:
+    """Why the scheduling groups must not be emitted for ``platform`` with this JAX, or
+    None where XLA is not known to mishandle them."""
+    return _XLA_GPU_GROUP_FAILURES.get(jax.__version__) if platform == "gpu" else None
+
+
 def can_start_async(primitive_name: str, params: dict[str, Any], num_operands: int) -> bool:
     """Whether this collective equation can be bound as a start/done pair."""
     if primitive_name not in _ASYNC_PRIMITIVES or num_operands != 1:

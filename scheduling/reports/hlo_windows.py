@@ -163,24 +163,29 @@ class KeptWindows:
     kept: int  # groups whose start comes first, done last, computation between
     collectives: int  # async collectives of the compiled module
     overlapped: int  # of those, the ones with computation between start and done
+    withheld: str | None = None  # why no group was emitted, where the compiler mishandles them
 
     def line(self) -> str:
-        text = (
-            f"XLA kept {self.kept} of {self.emitted} planned windows; {self.overlapped} of "
-            f"{self.collectives} async collectives have computation inside"
+        inside = (
+            f"{self.overlapped} of {self.collectives} async collectives have computation inside"
         )
+        if self.withheld:
+            return f"planned windows not emitted as scheduling groups ({self.withheld}); {inside}"
+        text = f"XLA kept {self.kept} of {self.emitted} planned windows; {inside}"
         if self.emitted and not self.kept:
             text += ": the compiled order is the compiler's own, not the plan"
         return text
 
 
-def kept_windows(emitted: int, compiled_text: str) -> KeptWindows:
+def kept_windows(emitted: int, compiled_text: str, withheld: str | None = None) -> KeptWindows:
     """The ``emitted`` scheduling groups of a program as its optimized module
-    ``compiled_text`` runs them (on XLA:GPU, in its scheduled order)."""
+    ``compiled_text`` runs them (on XLA:GPU, in its scheduled order); ``withheld``: why
+    the program was emitted without them."""
     pairs = async_pairs(compiled_text)
     return KeptWindows(
         emitted=emitted,
         kept=sum(window.kept for window in windows(compiled_text).values()),
         collectives=len(pairs),
         overlapped=sum(pair.overlapped for pair in pairs),
+        withheld=withheld,
     )

@@ -90,9 +90,17 @@ def per_device_function(
 class ScheduledStep:
     """The emitted step: call it like the original; ``lower`` gives its StableHLO."""
 
-    def __init__(self, program: Program, run, donate_argnums: Sequence[int] = (), groups: int = 0):
+    def __init__(
+        self,
+        program: Program,
+        run,
+        donate_argnums: Sequence[int] = (),
+        groups: int = 0,
+        groups_withheld: str | None = None,
+    ):
         self.program = program
         self.groups = groups  # the scheduling groups it is emitted with
+        self.groups_withheld = groups_withheld  # why none were, where XLA mishandles them
         leaves_per_arg = [child.num_leaves for child in program.in_tree.children()]
         offsets = [sum(leaves_per_arg[:i]) for i in range(len(leaves_per_arg))]
         donated = tuple(
@@ -147,7 +155,7 @@ class CompiledStep:
 
     def windows(self) -> KeptWindows:
         """The planned windows (scheduling groups) the compiled order kept."""
-        return kept_windows(self._step.groups, self.as_text())
+        return kept_windows(self._step.groups, self.as_text(), self._step.groups_withheld)
 
 
 def emit(
@@ -163,11 +171,17 @@ def emit(
     collectives, which raises
     :class:`~scheduling.program.jax_adapter.AsyncCollectivesUnavailable` on a JAX whose
     async primitives the adapter does not know). ``xla_groups``: trace the windows as
-    scheduling groups (:mod:`scheduling.runtime.xla_groups`); False leaves the order on
-    GPU to XLA's latency-hiding scheduler.
+    scheduling groups (:mod:`scheduling.runtime.xla_groups`), except on a platform whose
+    compiler is known to mishandle them
+    (:func:`~scheduling.program.jax_adapter.xla_groups_withheld`); False leaves the order
+    on GPU to XLA's latency-hiding scheduler.
     """
+    mesh = graph.program.mesh
     if transport is None:
-        transport = transports.connect("xla", graph.program.mesh)
-    groups = scheduling_groups(graph, schedule.order) if xla_groups else {}
+        transport = transports.connect("xla", mesh)
+    platform = mesh.devices.flat[0].platform
+    withheld = jax_adapter.xla_groups_withheld(platform) if xla_groups else None
+    groups = scheduling_groups(graph, schedule.order) if xla_groups and not withheld else {}
     run = per_device_function(graph, schedule, transport, groups)
-    return ScheduledStep(graph.program, run, donate_argnums, len(set(groups.values())))
+    count = len(set(groups.values()))
+    return ScheduledStep(graph.program, run, donate_argnums, count, withheld)

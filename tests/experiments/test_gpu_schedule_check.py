@@ -26,3 +26,28 @@ def test_the_devices_are_described_as_what_ran():
     assert gpu_devices.describe(jax.devices()) == f"8 x {kind}"
     assert gpu_devices.describe([], aot=8).startswith(f"8 x {kind} in one node, compiled ahead")
     assert gpu_devices.describe([], mock=8).startswith(f"8 GPUs mocked on 1 x {kind}")
+
+
+def test_a_target_description_is_found_by_model_name_or_path(tmp_path):
+    shipped = gpu_devices.target_file("h100_sxm")
+    assert shipped.parent == gpu_devices.TARGETS
+    assert "core_count: 132" in shipped.read_text()
+    own = tmp_path / "mine.txtpb"
+    own.write_text("gpu_device_info {}")
+    assert gpu_devices.target_file(str(own)) == own
+    with pytest.raises(SystemExit, match="name one of h100_sxm or a path"):
+        gpu_devices.target_file("b200")
+
+
+def test_devices_compiled_from_a_target_are_described_by_their_own_kind():
+    class Device:
+        device_kind = "NVIDIA H100 80GB HBM3"
+
+    described = gpu_devices.describe([Device()], aot=8, target=gpu_devices.target_file("h100_sxm"))
+    assert described.startswith("8 x NVIDIA H100 80GB HBM3 in one node, compiled ahead of")
+    assert "`h100_sxm.txtpb` (no GPU attached" in described
+
+
+def test_a_target_needs_the_aot_devices():
+    with pytest.raises(SystemExit):
+        gpu_schedule_check.main(["--aot-target", "h100_sxm"])

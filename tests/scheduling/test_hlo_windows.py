@@ -82,3 +82,11 @@ def test_a_module_that_kept_no_window_says_the_order_is_the_compilers():
     kept = kept_windows(3, dropped)
     assert (kept.emitted, kept.kept) == (3, 0)
     assert kept.line().endswith("the compiled order is the compiler's own, not the plan")
+
+
+def test_a_program_emitted_without_groups_says_why():
+    kept = kept_windows(0, KEPT, withheld="the compiler crashes on them")
+    assert kept.line() == (
+        "planned windows not emitted as scheduling groups (the compiler crashes on them); "
+        "1 of 2 async collectives have computation inside"
+    )
