@@ -1,19 +1,19 @@
-"""Does XLA:GPU accept the scheduling groups, and what does its compiled order keep? A toy.
+"""Does XLA:GPU keep the planned windows, and how are they best pinned? A toy.
 
     python -m experiments.gpu_groups_probe [--mock-devices 8 | --aot-devices 8 \\
         [--aot-target h100_sxm]] [--timeout 120]
 
 A per-device step of two all-to-alls with matrix products beside them (one window with
 two independent products, one with a chain of two) is scheduled with the ``async``
-policy, with and without scheduling groups (:mod:`scheduling.runtime.xla_groups`), and
-with the collectives emitted synchronously at their starts under the groups (the
-``sync`` transport: XLA splits them itself); last, without the scheduler, one group
-written by hand around an all-to-all and a product (``set_xla_metadata``, as a model
-would). Each is compiled for the GPU under :data:`scheduling.names.XLA_GPU_FLAGS`
-(where the adapter knows XLA to mishandle groups, the scheduled steps are emitted
-without them and say why: :func:`scheduling.program.jax_adapter.xla_groups_withheld`).
-For each it prints
-whether XLA compiled it, the groups of the optimized module with their positions
+policy, its collectives emitted as XLA's async pairs or synchronously at their planned
+starts (the ``sync`` transport: XLA splits them itself), its windows pinned by
+optimization barriers, by scheduling groups or not at all
+(:func:`scheduling.runtime.emit.pin_windows`; where the adapter knows XLA to mishandle
+groups they are withheld, and the step says why); last, without the scheduler, one
+group written by hand around an all-to-all and a product (``set_xla_metadata``, as a
+model would). Each is compiled for the GPU under
+:data:`scheduling.names.XLA_GPU_FLAGS`. For each it prints whether XLA compiled it, the
+pinned windows of the optimized module with their positions
 (:func:`scheduling.hlo_windows`), every async pair with the compute between its start
 and done (:func:`scheduling.async_pairs`), and the entry computation's collectives and
 products. Seconds on a GPU where the train step's check
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import functools
 import sys
 import time
 
@@ -93,20 +94,21 @@ def main(argv: list[str] | None = None) -> int:
     example = (sds((devices * rows, rows), P("x")), sds((rows, rows), P()))
     specs = dict(mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x"))
 
-    def scheduled(transport: str, groups: bool):
-        policy = scheduling.SchedulePolicy(name="async", xla_groups=groups, transport=transport)
+    def scheduled(transport: str, pin: str):
+        policy = scheduling.SchedulePolicy(name="async", xla_pin=pin, transport=transport)
         step, _ = scheduling.optimize(_step, *example, **specs, policy=policy)
-        if step.groups_withheld:
-            print(f"  groups withheld: {step.groups_withheld}")
+        if step.pinned.withheld:
+            print(f"  groups withheld: {step.pinned.withheld}")
         return step.lower(*example)
 
     def metadata():  # one group by hand, as a model would write it: no scheduler involved
         return jax.jit(jax.shard_map(_grouped_by_hand, **specs, check_vma=False)).lower(*example)
 
     cases = {
-        "xla, groups=True": lambda: scheduled("xla", True),
-        "xla, groups=False": lambda: scheduled("xla", False),
-        "sync, groups=True": lambda: scheduled("sync", True),
+        f"{transport}, {pin}": functools.partial(scheduled, transport, pin)
+        for transport in ("xla", "sync")
+        for pin in ("barriers", "groups", "none")
+    } | {
         # Last: where XLA crashes on it, the process ends here.
         "set_xla_metadata group": metadata,
     }
@@ -120,15 +122,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{label}: not compiled: {str(error)[:600]}", flush=True)
             continue
         print(f"{label}: compiled in {time.perf_counter() - began:.1f} s")
-        # What the compiler was handed: the ops that carry a group in the lowered module.
-        emitted = [
-            line for line in lowered.as_text().splitlines() if "_scheduling_group_id" in line
-        ]
-        print(f"  lowered: {len(emitted)} ops carry a group")
+        # What the compiler was handed: the ops that carry a window in the lowered module.
+        emitted = [line for line in lowered.as_text().splitlines() if "mhlo.frontend" in line]
+        barriers = lowered.as_text().count("optimization_barrier")
+        print(f"  lowered: {len(emitted)} ops carry a window, {barriers} barriers")
         for line in emitted:
             print("    ", line.strip()[:300])
         for group, window in scheduling.hlo_windows(text).items():
-            print(f"  group {group}: start {window.start}, done {window.done}, members "
+            print(f"  window {group}: start {window.start}, done {window.done}, members "
                   f"{window.inside}, kept {window.kept}")  # fmt: skip
         for pair in scheduling.async_pairs(text):
             print(f"  {pair.kind} {pair.name}: {pair.between} computations between")

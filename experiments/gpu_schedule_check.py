@@ -5,16 +5,16 @@
         [--mock-devices 8 | --aot-devices 8 [--aot-target h100_sxm]] [--steps 10] \\
         [--rounds 5] [--hlo-dir DIR]
 
-For each schedule (``NAME:free`` is the schedule without scheduling groups,
-``schedule.xla_groups false``; ``NAME:sync`` emits each collective synchronously at its
-planned start, ``schedule.transport sync``, and leaves its split to XLA): plan the
-preset's train step, compile it with the scheduler flags
-(:data:`scheduling.names.XLA_GPU_FLAGS`) and read the compiled order back from the
-optimized HLO:
+For each schedule (its windows pinned by barriers, ``schedule.xla_pin barriers``; with
+modifiers: ``NAME:free`` not pinned, ``xla_pin none``; ``NAME:groups`` pinned as
+scheduling groups, ``xla_pin groups``; ``NAME:sync`` each collective emitted
+synchronously at its planned start, ``schedule.transport sync``, its split left to XLA;
+``pair:sync:free`` combines them): plan the preset's train step, compile it with the
+scheduler flags (:data:`scheduling.names.XLA_GPU_FLAGS`) and read the compiled order
+back from the optimized HLO:
 
-- **groups kept**: the planned windows emitted as scheduling groups
-  (:mod:`scheduling.runtime.xla_groups`) whose start comes first, done last, products
-  between (:func:`scheduling.broken_windows`);
+- **windows kept**: the pinned windows whose start comes first, done last, the planned
+  computation between (:func:`scheduling.broken_windows`);
 - **all-to-alls overlapped**: of the compiled module's async all-to-alls, those with
   computation between start and done (:func:`scheduling.async_pairs`); a pair with none
   is one XLA runs synchronously.
@@ -130,13 +130,23 @@ def _config(args: argparse.Namespace, devices: int):
     )
 
 
+_MODIFIERS = {
+    "free": dict(xla_pin="none"),
+    "groups": dict(xla_pin="groups"),
+    "sync": dict(transport="sync"),
+}
+
+
 def _variant(config, name: str):
-    schedule, _, mode = name.partition(":")
-    if mode not in ("", "free", "sync"):
-        raise SystemExit(f"--schedules: {name!r}: a schedule name, NAME:free or NAME:sync")
-    fields = dict(name=schedule, xla_groups=mode != "free")
-    if mode == "sync":
-        fields["transport"] = "sync"
+    schedule, *modifiers = name.split(":")
+    fields = dict(name=schedule)
+    for modifier in modifiers:
+        if modifier not in _MODIFIERS:
+            raise SystemExit(
+                f"--schedules: {name!r}: a schedule name, then any of "
+                f"{', '.join(':' + m for m in _MODIFIERS)}"
+            )
+        fields.update(_MODIFIERS[modifier])
     return dataclasses.replace(config, schedule=dataclasses.replace(config.schedule, **fields))
 
 
@@ -242,7 +252,7 @@ def _report(config, args, results: dict[str, dict], argv, devices) -> str:
         + "; "
         + (timed if not args.aot_devices else "compiled only."),
         "",
-        "| schedule | groups kept | all-to-alls overlapped | compile s | step ms, median "
+        "| schedule | windows kept | all-to-alls overlapped | compile s | step ms, median "
         "[range] | tokens/s | / none [range] |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -270,7 +280,7 @@ def _report(config, args, results: dict[str, dict], argv, devices) -> str:
                 f"{w['group']} (start {w['start']}, done {w['done']}, between {w['inside']})"
                 for w in result["broken"][:4]
             )
-            notes.append(f"- `{name}`: groups not kept, as (position in the entry): {shown}")
+            notes.append(f"- `{name}`: windows not kept, as (position in the entry): {shown}")
         lines.append(
             f"| {name} | {kept} | {overlapped} | {result['compile_s']:.1f} | {step} | "
             f"{tokens_per_s} | {ratio} |"

@@ -46,6 +46,12 @@ OP_COSTS = ("analytic", "measured")
 # all-to-alls over sockets between processes of a CPU run (the emulated cluster).
 TRANSPORTS = ("xla", "sync", "socket")
 
+# How the emitted program holds each planned window in place on XLA:GPU, whose scheduler
+# otherwise orders the module itself: between optimization barriers (data dependences every
+# XLA pass keeps); as XLA scheduling groups (which the XLA builds measured drop or
+# mishandle); or not at all. scheduling.runtime.emit.pin_windows.
+XLA_PINS = ("barriers", "groups", "none")
+
 # XLA flags under which the GPU compiler keeps a scheduled step's planned windows: the
 # latency-hiding scheduler, which honours scheduling groups (off by default; without it an
 # async pair with nothing between start and done becomes a synchronous collective); and no

@@ -51,7 +51,7 @@ def optimize(
         planned.schedule,
         donate_argnums=donate_argnums,
         transport=transports.connect(policy.transport, mesh, policy.link_mbit or None),
-        xla_groups=policy.xla_groups,
+        xla_pin=policy.xla_pin,
     )
     report = build_report(planned, cost, policy, program, axis_roles)
     if isinstance(cost, ProfiledCostModel):

@@ -52,9 +52,9 @@ class ScheduleConfig:
     # train.zero 3: each block's weight gather starts where the compute before its use is
     # estimated at this many times the gather's time (0: at the start of the step).
     prefetch_lead: float = 2.0
-    # On GPU: keep each critical window together as an XLA scheduling group (its start,
-    # done and planned matrix products); false leaves the order to XLA's scheduler.
-    xla_groups: bool = True
+    # On GPU, how each critical window is held in place against XLA's own scheduler:
+    # barriers (optimization barriers around it), groups (XLA scheduling groups) or none.
+    xla_pin: str = "barriers"
 
     def __post_init__(self) -> None:
         check_types("schedule", self)

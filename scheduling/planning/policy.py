@@ -92,10 +92,11 @@ class SchedulePolicy:
     # is estimated at this many times the gather's own time (scheduling.passes.prefetch);
     # 0: as soon as its operand exists, which for weights is the start of the step.
     prefetch_lead: float = 2.0
-    # Trace each critical window as an XLA scheduling group (its start, done and the
-    # matrix products planned in it; scheduling.runtime.xla_groups), which XLA:GPU's
-    # latency-hiding scheduler keeps together; False leaves the order to that scheduler.
-    xla_groups: bool = True
+    # How each critical window is held in place on XLA:GPU (scheduling.names.XLA_PINS):
+    # between optimization barriers (scheduling.runtime.xla_barriers), as a scheduling
+    # group (scheduling.runtime.xla_groups), or not at all ("none": XLA's scheduler
+    # orders the step).
+    xla_pin: str = "barriers"
 
     def __post_init__(self) -> None:
         check_policy_fields(
@@ -139,6 +140,8 @@ def check_policy_fields(fields: Mapping[str, Any]) -> None:
         raise PolicyError(
             "transport", get("transport"), f"choose one of {', '.join(names.TRANSPORTS)}"
         )
+    if get("xla_pin", "barriers") not in names.XLA_PINS:
+        raise PolicyError("xla_pin", get("xla_pin"), f"choose one of {', '.join(names.XLA_PINS)}")
     async_min = get("async_min_bytes", 0)
     if not isinstance(async_min, int) or isinstance(async_min, bool) or async_min < 0:
         raise PolicyError("async_min_bytes", async_min, "must be an integer >= 0")

@@ -1,12 +1,14 @@
 """Did the compiler keep the plan? The planned windows, read back from optimized HLO.
 
-Each critical window that holds a matrix product is emitted under one
-``_scheduling_group_id`` (:mod:`scheduling.runtime.xla_groups`): its collective's
-start, the products placed in it, and its done. In a scheduled HLO module (XLA:GPU with
-the latency-hiding scheduler) the entry computation lists its instructions in execution
-order, each with the frontend attributes it kept. A window survived when its start
-comes before every other instruction of its group and its done after them, with at least
-one computation between (otherwise XLA ran the collective synchronously).
+Each pinned window is traced with one frontend attribute naming it: its collective's
+start, the computation placed in it, and its done (``_planned_window``, beside the
+barriers of :mod:`scheduling.runtime.xla_barriers`), or its start, done and products
+(``_scheduling_group_id``, :mod:`scheduling.runtime.xla_groups`). In a scheduled HLO
+module (XLA:GPU with the latency-hiding scheduler) the entry computation lists its
+instructions in execution order, each with the frontend attributes it kept. A window
+survived when its start comes before every other instruction carrying its number and its
+done after them, with at least one computation between (otherwise XLA ran the collective
+synchronously).
 
 :func:`async_pairs` reads every async collective of the module, grouped or not: which
 compute instructions the compiled order runs between its start and its done;
@@ -18,7 +20,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-_GROUP = re.compile(r'_scheduling_group_id="?(\d+)"?')
+from scheduling.runtime.xla_barriers import WINDOW_ATTRIBUTE
+from scheduling.runtime.xla_groups import GROUP_ATTRIBUTE
+
+_GROUP = re.compile(rf'(?:{GROUP_ATTRIBUTE}|{WINDOW_ATTRIBUTE})="?(\d+)"?')
 # name = shape opcode(operands...: the shape is one array type or a tuple, which nests.
 _HEAD = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
 _OPCODE = re.compile(r"\s+([\w\-]+)\(")
@@ -91,7 +96,7 @@ def windows(hlo_text: str) -> dict[int, Window]:
     for position, line in enumerate(entry_instructions(hlo_text)):
         group = _GROUP.search(line)
         instruction = parse_instruction(line)
-        if group is None or instruction is None:
+        if group is None or instruction is None or instruction.opcode in _BOOKKEEPING:
             continue
         window = found.setdefault(int(group.group(1)), Window(int(group.group(1))))
         opcode = instruction.opcode

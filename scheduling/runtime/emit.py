@@ -4,12 +4,13 @@ The per-device program is re-evaluated op by op, in schedule order, inside a
 new whole-mesh ``shard_map`` under ``jax.jit``, every node through a transport
 (:mod:`scheduling.runtime.transports`): with XLA's, a split collective binds
 the async start primitive at its start and the done primitive at its done.
-Each critical window that can be one — a collective's start, the matrix products the
-plan runs in it, and its done — is traced under
-``set_xla_metadata(_scheduling_group_id=K)``, which XLA's GPU latency-hiding
-scheduler reads as "schedule these together" (:mod:`scheduling.runtime.xla_groups`
-says what XLA accepts in a group, why the rest of a window is left to XLA's scheduler,
-and where XLA drops the groups). The XLA flags that turn that scheduler on are given by
+
+The traced order is not what XLA:GPU runs: its latency-hiding scheduler orders the
+module by its own cost model. Each critical window with computation in it is therefore
+pinned (:func:`pin_windows`): by default between two optimization barriers
+(:mod:`scheduling.runtime.xla_barriers`), data dependences every XLA pass keeps; or as
+an XLA scheduling group (:mod:`scheduling.runtime.xla_groups`, which says where XLA
+drops or mishandles them). The XLA flags that turn that scheduler on are given by
 :func:`xla_gpu_flags`; a compiled step's ``windows`` says what the compiled order kept.
 
 On the CPU backend, where XLA runs every async pair synchronously, the socket
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -33,7 +35,8 @@ from scheduling.program.graph import Graph, Role
 from scheduling.reports.hlo_windows import KeptWindows, kept_windows
 from scheduling.runtime import transports
 from scheduling.runtime.transports import Transport, XlaAsync
-from scheduling.runtime.xla_groups import scheduling_groups
+from scheduling.runtime.xla_barriers import WINDOW_ATTRIBUTE, Pin, window_pins
+from scheduling.runtime.xla_groups import GROUP_ATTRIBUTE, scheduling_groups
 
 
 def xla_gpu_flags() -> list[str]:
@@ -41,45 +44,96 @@ def xla_gpu_flags() -> list[str]:
     return list(names.XLA_GPU_FLAGS)
 
 
+@dataclass(frozen=True)
+class Pinning:
+    """How the planned windows are held in place on XLA:GPU: each node of ``marks``
+    traced with ``attribute`` (its window or group), and the barriers of ``pins``."""
+
+    attribute: str = WINDOW_ATTRIBUTE
+    marks: Mapping[int, int] = field(default_factory=dict)  # node -> window or group
+    pins: Mapping[int, Pin] = field(default_factory=dict)  # start -> its barriers
+    withheld: str | None = None  # why groups were asked for and not emitted
+
+    @property
+    def windows(self) -> int:
+        return len(set(self.marks.values()))
+
+
+def pin_windows(graph: Graph, schedule: Schedule, how: str) -> Pinning:
+    """The pinning ``how`` names (``barriers``, ``groups`` or ``none``) of ``schedule``:
+    groups only where the compiler is not known to mishandle them
+    (:func:`~scheduling.program.jax_adapter.xla_groups_withheld`)."""
+    if how == "barriers":
+        pins = window_pins(graph, schedule.order)
+        marks = {}
+        for start, pin in pins.items():
+            for node in (start, graph.nodes[start].partner, *pin.members):
+                marks[node] = pin.index  # a node in nested windows: the innermost
+        return Pinning(WINDOW_ATTRIBUTE, marks, pins)
+    if how == "groups":
+        platform = graph.program.mesh.devices.flat[0].platform
+        withheld = jax_adapter.xla_groups_withheld(platform)
+        if withheld:
+            return Pinning(GROUP_ATTRIBUTE, withheld=withheld)
+        return Pinning(GROUP_ATTRIBUTE, scheduling_groups(graph, schedule.order))
+    return Pinning()
+
+
 def per_device_function(
     graph: Graph,
     schedule: Schedule,
     transport: Callable[[], Transport] = XlaAsync,
-    groups: Mapping[int, int] | None = None,
+    pinning: Pinning | None = None,
 ):
     """A function of the flattened per-device arguments that runs ``schedule``, every node
     through a fresh transport from ``transport`` (:mod:`scheduling.runtime.transports`),
-    each node of ``groups`` (node -> group, from
-    :func:`~scheduling.runtime.xla_groups.scheduling_groups`) traced in its XLA
-    scheduling group."""
+    its windows pinned as ``pinning`` says (default: not at all)."""
     program = graph.program
-    groups = groups or {}
+    pinning = pinning or Pinning()
 
     def run(*flat_args: Any) -> tuple[Any, ...]:
         env: dict[Value, Any] = dict(zip(program.inputs, flat_args, strict=True))
+        bound: dict[int, dict[Value, Any]] = {}  # a window member's inputs, past its barrier
         carrier = transport()
 
-        def read(atom: Value | Constant) -> Any:
-            return atom.value if isinstance(atom, Constant) else env[atom]
+        def read(atom: Value | Constant, node_id: int | None = None) -> Any:
+            if isinstance(atom, Constant):
+                return atom.value
+            return bound.get(node_id, {}).get(atom, env[atom])
 
         for node_id in schedule.order:
             node = graph.nodes[node_id]
             op = node.op
-            group = groups.get(node_id)
+            mark = pinning.marks.get(node_id)
             scope = (
-                set_xla_metadata(_scheduling_group_id=group)
-                if group is not None
+                set_xla_metadata(**{pinning.attribute: mark})
+                if mark is not None
                 else contextlib.nullcontext()
             )
-            with scope, jax_adapter.traced_as(op.eqn, op.name_stack):
-                if node.role is Role.START:
-                    (operand,) = (read(a) for a in op.inputs)
+            if node.role is Role.START:
+                (operand,) = (read(a) for a in op.inputs)
+                pin = pinning.pins.get(node_id)
+                if pin is not None:  # the window's computation waits for the operand
+                    operand, before = jax.lax.optimization_barrier(
+                        (operand, [read(v) for v in pin.before])
+                    )
+                    passed = dict(zip(pin.before, before, strict=True))
+                    for member in pin.members:
+                        bound.setdefault(member, {}).update(passed)
+                with scope, jax_adapter.traced_as(op.eqn, op.name_stack):
                     carrier.start(node_id, op, operand)
-                    continue
+                continue
+            with scope, jax_adapter.traced_as(op.eqn, op.name_stack):
                 if node.role is Role.DONE:
                     results = carrier.done(node.partner, op)
                 else:
-                    results = carrier.run(node_id, op, [read(a) for a in op.inputs])
+                    results = carrier.run(node_id, op, [read(a, node_id) for a in op.inputs])
+            pin = pinning.pins.get(node.partner) if node.role is Role.DONE else None
+            if pin is not None:  # the result's readers wait for the window's computation
+                results, after = jax.lax.optimization_barrier(
+                    (results, [read(v) for v in pin.after])
+                )
+                env.update(zip(pin.after, after, strict=True))
             for value, result in zip(op.outputs, results, strict=True):
                 env[value] = result
         return tuple(read(atom) for atom in program.outputs)
@@ -95,12 +149,10 @@ class ScheduledStep:
         program: Program,
         run,
         donate_argnums: Sequence[int] = (),
-        groups: int = 0,
-        groups_withheld: str | None = None,
+        pinned: Pinning | None = None,
     ):
         self.program = program
-        self.groups = groups  # the scheduling groups it is emitted with
-        self.groups_withheld = groups_withheld  # why none were, where XLA mishandles them
+        self.pinned = pinned or Pinning()  # how its windows are held in place
         leaves_per_arg = [child.num_leaves for child in program.in_tree.children()]
         offsets = [sum(leaves_per_arg[:i]) for i in range(len(leaves_per_arg))]
         donated = tuple(
@@ -155,7 +207,8 @@ class CompiledStep:
 
     def windows(self) -> KeptWindows:
         """The planned windows (scheduling groups) the compiled order kept."""
-        return kept_windows(self._step.groups, self.as_text(), self._step.groups_withheld)
+        pinned = self._step.pinned
+        return kept_windows(pinned.windows, self.as_text(), pinned.withheld)
 
 
 def emit(
@@ -164,24 +217,19 @@ def emit(
     *,
     donate_argnums: Sequence[int] = (),
     transport: Callable[[], Transport] | None = None,
-    xla_groups: bool = True,
+    xla_pin: str = "barriers",
 ) -> ScheduledStep:
     """A jit-compiled step running ``schedule``, its collectives through ``transport``
     (a factory from :func:`scheduling.runtime.transports.connect`; default: XLA's async
     collectives, which raises
     :class:`~scheduling.program.jax_adapter.AsyncCollectivesUnavailable` on a JAX whose
-    async primitives the adapter does not know). ``xla_groups``: trace the windows as
-    scheduling groups (:mod:`scheduling.runtime.xla_groups`), except on a platform whose
-    compiler is known to mishandle them
-    (:func:`~scheduling.program.jax_adapter.xla_groups_withheld`); False leaves the order
-    on GPU to XLA's latency-hiding scheduler.
+    async primitives the adapter does not know), its windows pinned as ``xla_pin`` says
+    (:func:`pin_windows`): ``barriers`` (:mod:`scheduling.runtime.xla_barriers`), ``groups``
+    (:mod:`scheduling.runtime.xla_groups`) or ``none``, which leaves the order on GPU to
+    XLA's latency-hiding scheduler.
     """
-    mesh = graph.program.mesh
     if transport is None:
-        transport = transports.connect("xla", mesh)
-    platform = mesh.devices.flat[0].platform
-    withheld = jax_adapter.xla_groups_withheld(platform) if xla_groups else None
-    groups = scheduling_groups(graph, schedule.order) if xla_groups and not withheld else {}
-    run = per_device_function(graph, schedule, transport, groups)
-    count = len(set(groups.values()))
-    return ScheduledStep(graph.program, run, donate_argnums, count, withheld)
+        transport = transports.connect("xla", graph.program.mesh)
+    pinned = pin_windows(graph, schedule, xla_pin)
+    run = per_device_function(graph, schedule, transport, pinned)
+    return ScheduledStep(graph.program, run, donate_argnums, pinned)

@@ -36,6 +36,7 @@ from scheduling.costs.cost_model import op_flops
 from scheduling.program.graph import Graph, Role
 
 MATRIX_PRODUCTS = frozenset({"dot_general", "ragged_dot_general"})
+GROUP_ATTRIBUTE = "_scheduling_group_id"  # the frontend attribute XLA reads a group from
 
 
 @dataclass

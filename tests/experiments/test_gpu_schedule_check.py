@@ -7,15 +7,19 @@ from experiments.shared import gpu_devices
 from jaxmoe.presets import preset
 
 
-def test_variants_name_a_schedule_without_groups_or_with_synchronous_collectives():
+def test_variants_name_a_schedule_and_how_it_is_pinned_and_emitted():
     config = preset("tiny")
-    plain = gpu_schedule_check._variant(config, "pair").schedule
-    free = gpu_schedule_check._variant(config, "pair:free").schedule
-    sync = gpu_schedule_check._variant(config, "lancet:sync").schedule
-    assert (plain.name, plain.xla_groups, plain.transport) == ("pair", True, "xla")
-    assert (free.name, free.xla_groups, free.transport) == ("pair", False, "xla")
-    assert (sync.name, sync.xla_groups, sync.transport) == ("lancet", True, "sync")
-    with pytest.raises(SystemExit, match="NAME:free or NAME:sync"):
+
+    def variant(name):
+        schedule = gpu_schedule_check._variant(config, name).schedule
+        return schedule.name, schedule.xla_pin, schedule.transport
+
+    assert variant("pair") == ("pair", "barriers", "xla")
+    assert variant("pair:free") == ("pair", "none", "xla")
+    assert variant("pair:groups") == ("pair", "groups", "xla")
+    assert variant("lancet:sync") == ("lancet", "barriers", "sync")
+    assert variant("lancet:sync:free") == ("lancet", "none", "sync")
+    with pytest.raises(SystemExit, match="then any of :free, :groups, :sync"):
         gpu_schedule_check._variant(config, "pair:fast")
 
 

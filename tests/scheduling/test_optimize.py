@@ -114,8 +114,8 @@ def test_compile_ahead_of_time_matches():
 def test_a_compiled_step_says_what_the_compiler_kept_of_its_windows():
     step, _ = _optimized("dw")
     windows = step.compile(*_args()).windows()
-    groups = {int(g) for g in re.findall(r'_scheduling_group_id = "(\d+)"', _stablehlo("dw"))}
-    assert windows.emitted == len(groups) > 0
+    pinned = {int(g) for g in re.findall(r'_planned_window = "(\d+)"', _stablehlo("dw"))}
+    assert windows.emitted == len(pinned) > 0
     # XLA:CPU runs every async pair synchronously: no window and no pair is left.
     assert (windows.kept, windows.collectives) == (0, 0)
 
@@ -128,11 +128,12 @@ def test_groups_are_withheld_where_the_compiler_mishandles_them(monkeypatch):
         return "this compiler crashes on them"
 
     monkeypatch.setattr(jax_adapter, "xla_groups_withheld", withheld)
+    policy = SchedulePolicy(name="dw", xla_pin="groups")
     step, _ = scheduling.optimize(
-        STEP, *_args(), mesh=mesh_x(), in_specs=IN_SPECS, out_specs=OUT_SPECS, policy="dw"
+        STEP, *_args(), mesh=mesh_x(), in_specs=IN_SPECS, out_specs=OUT_SPECS, policy=policy
     )
     assert platforms == ["cpu"]  # asked for the mesh's own platform
-    assert (step.groups, step.groups_withheld) == (0, "this compiler crashes on them")
+    assert (step.pinned.windows, step.pinned.withheld) == (0, "this compiler crashes on them")
     assert "_scheduling_group_id" not in step.lower(*_args()).as_text()
     line = step.compile(*_args()).windows().line()
     assert line.startswith("planned windows not emitted as scheduling groups (this compiler")
@@ -163,9 +164,12 @@ def test_stablehlo_has_one_async_pair_per_collective(policy):
     assert text.count("stablehlo.async_done") == expected
 
 
-def test_stablehlo_of_dw_carries_scheduling_groups():
-    assert "_scheduling_group_id" in _stablehlo("dw")
-    assert "_scheduling_group_id" not in _stablehlo("none")
+def test_stablehlo_of_dw_pins_its_windows_between_barriers():
+    text = _stablehlo("dw")
+    windows = {int(g) for g in re.findall(r'_planned_window = "(\d+)"', text)}
+    assert windows and text.count("stablehlo.optimization_barrier") == 2 * len(windows)
+    assert "_scheduling_group_id" not in text
+    assert "_planned_window" not in _stablehlo("none")
 
 
 @pytest.mark.parametrize("policy", POLICY_NAMES)

@@ -1,7 +1,10 @@
-"""What XLA:GPU needs to keep the plan, checked on the emitted program (no GPU needed):
-each critical window that holds a matrix product is one ``_scheduling_group_id`` of its
-own — its async start, its done and the products placed in it, nothing else — and
-deferrable collectives carry none (:mod:`scheduling.runtime.xla_groups`)."""
+"""What XLA:GPU needs to keep the plan, checked on the emitted train step (no GPU
+needed): pinned by barriers (the default), each critical window with computation in it
+is bounded by two optimization barriers and carries one ``_planned_window`` of its own
+(:mod:`scheduling.runtime.xla_barriers`); as scheduling groups, each window that holds
+a matrix product is one ``_scheduling_group_id`` — its async start, its done and the
+products placed in it, nothing else — and deferrable collectives carry none
+(:mod:`scheduling.runtime.xla_groups`)."""
 
 import collections
 import dataclasses
@@ -13,11 +16,12 @@ from jaxmoe.presets import preset
 from jaxmoe.train.scheduled import plan_train_step
 
 GROUP = re.compile(r'_scheduling_group_id = "(\d+)"')
-OP = re.compile(r'= "?(stablehlo\.\w+)')
+WINDOW = re.compile(r'_planned_window = "(\d+)"')
+OP = re.compile(r'= "?((?:stablehlo|chlo)\.\w+)')
 
 
 @functools.cache
-def planned(name: str, xla_groups: bool = True):
+def planned(name: str, xla_pin: str = "barriers"):
     config = preset("tiny")
     config = dataclasses.replace(
         config,
@@ -25,27 +29,43 @@ def planned(name: str, xla_groups: bool = True):
         train=dataclasses.replace(config.train, microbatches=2),
         # A slow link: the all-to-alls' windows hold the other microbatch's work.
         schedule=dataclasses.replace(
-            config.schedule, name=name, link_mbit=100, xla_groups=xla_groups
+            config.schedule, name=name, link_mbit=100, xla_pin=xla_pin
         ),
     )
     return plan_train_step(config, build_mesh(config.parallel))
 
 
-def _groups(text: str) -> dict[int, collections.Counter]:
+def _groups(text: str, attribute=GROUP) -> dict[int, collections.Counter]:
     groups: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
     for line in text.splitlines():
-        match = GROUP.search(line)
+        match = attribute.search(line)
         if match is None:
             continue
-        # An async start is a region op: its attributes close the region, "}) {...}".
-        start = line.lstrip().startswith("})") and "!stablehlo.future" in line
-        op = "stablehlo.async_start" if start else OP.search(line).group(1)
+        # A region op (an async start, a reduction) has its attributes after its region.
+        if line.lstrip().startswith("})"):
+            op = "stablehlo.async_start" if "!stablehlo.future" in line else "a region op"
+        else:
+            op = OP.search(line).group(1)
         groups[int(match.group(1))][op] += 1
     return groups
 
 
-def test_each_group_is_a_start_a_done_and_products_placed_between():
+def test_each_window_is_a_start_a_done_and_computation_between_two_barriers():
     step = planned("pair")
+    text = step.stablehlo()
+    windows = _groups(text, WINDOW)
+    assert windows, "no window was pinned"
+    for ops in windows.values():
+        assert ops.pop("stablehlo.async_start") == 1 and ops.pop("stablehlo.async_done") == 1
+        assert ops  # the computation the plan placed inside
+    assert text.count("stablehlo.optimization_barrier") == 2 * len(windows)
+    assert "_scheduling_group_id" not in text
+    # Deferrable collectives (the gradient reductions) are left free.
+    assert len(windows) < text.count('"stablehlo.async_done"')
+
+
+def test_each_group_is_a_start_a_done_and_products_placed_between():
+    step = planned("pair", "groups")
     text = step.stablehlo()
     groups = _groups(text)
     assert groups, "no window became a group"
@@ -60,6 +80,8 @@ def test_each_group_is_a_start_a_done_and_products_placed_between():
     assert len(groups) >= len(all_to_alls) // 2
 
 
-def test_without_xla_groups_the_program_carries_none():
-    text = planned("pair", xla_groups=False).stablehlo()
-    assert "stablehlo.async_start" in text and "_scheduling_group_id" not in text
+def test_unpinned_the_program_carries_no_window():
+    text = planned("pair", "none").stablehlo()
+    assert "stablehlo.async_start" in text
+    assert not any(word in text for word in ("_scheduling_group_id", "_planned_window"))
+    assert "optimization_barrier" not in text

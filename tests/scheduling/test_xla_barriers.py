@@ -1,0 +1,127 @@
+"""Windows pinned by optimization barriers: what passes each barrier, where the traced
+step puts them, and that they change no result."""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from scheduling.passes import split_async
+from scheduling.passes.order import Schedule
+from scheduling.program.capture import capture
+from scheduling.program.graph import Role
+from scheduling.runtime.emit import emit
+from scheduling.runtime.xla_barriers import window_pins
+from tests.scheduling.toys import mesh_x, sds
+
+
+def _step(x, w):
+    a = jax.lax.all_to_all(x * 2.0, "x", 0, 0, tiled=True)  # the window
+    p = (x * 3.0) @ w  # planned inside: reads x and w from before the start
+    q = p @ w  # inside too, and read after the done
+    gradient_like = jax.lax.psum(x * 5.0, "x")  # only returned: deferrable
+    return gradient_like, a @ w + q
+
+
+@functools.cache
+def _graph():
+    mesh = mesh_x()
+    program = capture(
+        _step,
+        sds(mesh, (64, 64), P("x")),
+        sds(mesh, (64, 64), P()),
+        mesh=mesh,
+        in_specs=(P("x"), P()),
+        out_specs=(P(), P("x")),
+    )
+    return split_async(program)
+
+
+def _planned():
+    """The order with the window holding ``x * 3``, ``p`` and ``q``."""
+    graph = _graph()
+    nodes = graph.nodes
+    a = next(n.id for n in nodes if n.role is Role.START)
+    tripled = [n.id for n in nodes if n.op.primitive == "mul"][1]  # after x * 2
+    p, q, _ = (n.id for n in nodes if n.op.primitive == "dot_general")
+    members = [tripled, p, q]
+    rest = [n.id for n in nodes if n.id not in (a, nodes[a].partner, *members)]
+    before_start = [n for n in rest if n < a]
+    order = [*before_start, a, *members, nodes[a].partner]
+    order += [n for n in rest if n not in order]
+    return graph, order, a, members, q
+
+
+def _schedule(order):
+    return Schedule(order, None, 0, 0, [])
+
+
+def test_a_pin_passes_what_the_window_reads_and_what_it_leaves_for_later():
+    graph, order, a, members, q = _planned()
+    pins = window_pins(graph, order)
+    assert list(pins) == [a]  # the deferrable psum's window is left free
+    pin = pins[a]
+    x, w = graph.program.inputs
+    assert (pin.index, pin.members) == (0, tuple(members))
+    assert set(pin.before) == {x, w}  # p's and q's inputs from inside are not passed
+    assert pin.after == tuple(graph.nodes[q].op.outputs)  # p is read inside only
+
+
+def test_no_pin_for_a_window_with_nothing_inside():
+    graph = _graph()
+    assert window_pins(graph, list(range(len(graph.nodes)))) == {}
+
+
+def _body(jaxpr):
+    """The per-device equations inside the step's jit and shard_map."""
+    while len(jaxpr.eqns) == 1 and "jaxpr" in jaxpr.eqns[0].params:
+        inner = jaxpr.eqns[0].params["jaxpr"]
+        jaxpr = getattr(inner, "jaxpr", inner)
+    return jaxpr
+
+
+def test_the_barriers_bound_the_window_in_the_traced_step():
+    graph, order, *_ = _planned()
+    step = emit(graph, _schedule(order), xla_pin="barriers")
+    mesh = mesh_x()
+    args = (sds(mesh, (64, 64), P("x")), sds(mesh, (64, 64), P()))
+    body = _body(jax.make_jaxpr(step._jitted)(*args).jaxpr)
+    names = [e.primitive.name for e in body.eqns]
+    assert names.count("optimization_barrier") == 2
+    first, second = (e for e in body.eqns if e.primitive.name == "optimization_barrier")
+    start = next(e for e in body.eqns if e.primitive.name.endswith("_start"))
+    done = next(e for e in body.eqns if e.primitive.name.endswith("_done"))
+    readers = {id(v): [e for e in body.eqns if v in e.invars] for v in first.outvars}
+    # The collective's operand passes the first barrier, and the window reads only what
+    # passed it: x (for x * 3) and w (for both products).
+    assert start.invars[0] is first.outvars[0]
+    dots = [e for e in body.eqns if e.primitive.name == "dot_general"]
+    x, w = body.invars
+    assert all(w not in e.invars for e in dots[:2]) and not any(x in e.invars for e in dots)
+    assert all(readers[id(v)] for v in first.outvars[1:])
+    # The result passes the second barrier with q, and everything after reads from it.
+    assert second.invars[0] is done.outvars[0]
+    later = body.eqns[body.eqns.index(second) + 1 :]
+    assert all(v not in e.invars for e in later for v in second.invars)
+    assert dots[2].invars[0] is second.outvars[0]  # a @ w
+
+
+def test_pinned_and_free_steps_compute_the_same_bits():
+    graph, order, *_ = _planned()
+    mesh = mesh_x()
+    x = jax.device_put(
+        np.random.default_rng(0).normal(size=(64, 64)).astype(np.float32),
+        jax.NamedSharding(mesh, P("x")),
+    )
+    w = jax.device_put(
+        np.random.default_rng(1).normal(size=(64, 64)).astype(np.float32) / 8,
+        jax.NamedSharding(mesh, P()),
+    )
+    pinned = emit(graph, _schedule(order), xla_pin="barriers")
+    free = emit(graph, _schedule(order), xla_pin="none")
+    assert pinned.pinned.windows == 1 and free.pinned.windows == 0
+    chex.assert_trees_all_equal(pinned(x, w), free(x, w))
