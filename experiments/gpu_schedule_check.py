@@ -179,12 +179,16 @@ def _measure(config, args: argparse.Namespace, write, devices) -> dict[str, dict
             (args.hlo_dir / f"{name.replace(':', '_')}.hlo.txt").write_text(text)
         windows = scheduling.hlo_windows(text)
         all_to_alls = [p for p in scheduling.async_pairs(text) if p.kind == "all-to-all"]
-        withheld = compiled.windows().withheld if hasattr(compiled, "windows") else None
+        # A scheduled step says how its windows were pinned; the plain jit has none.
+        kept = compiled.windows() if hasattr(compiled, "windows") else None
         result.update(
-            withheld=withheld,
+            pinned=kept.pinned if kept else "",
+            withheld=kept.withheld if kept else None,
             broken=[dataclasses.asdict(w) for w in scheduling.broken_windows(text)],
             groups=len(windows),
             kept=sum(w.kept for w in windows.values()),
+            planned=sum(len(w.inside) for w in windows.values()),
+            placed=sum(w.placed for w in windows.values()),
             all_to_alls=len(all_to_alls),
             overlapped=sum(p.overlapped for p in all_to_alls),
         )
@@ -252,17 +256,18 @@ def _report(config, args, results: dict[str, dict], argv, devices) -> str:
         + "; "
         + (timed if not args.aot_devices else "compiled only."),
         "",
-        "| schedule | windows kept | all-to-alls overlapped | compile s | step ms, median "
-        "[range] | tokens/s | / none [range] |",
-        "|---|---|---|---|---|---|---|",
+        "| schedule | pinning | windows kept | their instructions inside | all-to-alls "
+        "overlapped | compile s | step ms, median [range] | tokens/s | / none [range] |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     notes = []
     for name, result in results.items():
         if "error" in result:
-            lines.append(f"| {name} | compile failed | | | | | |")
+            lines.append(f"| {name} | | compile failed | | | | | | |")
             notes.append(f"- `{name}` did not compile: `{result['error'].splitlines()[0]}`")
             continue
         kept = f"{result['kept']} of {result['groups']}"
+        inside = f"{result['placed']} of {result['planned']}" if result["planned"] else "-"
         if result.get("withheld"):
             kept = "not emitted"
         overlapped = f"{result['overlapped']} of {result['all_to_alls']}"
@@ -282,8 +287,8 @@ def _report(config, args, results: dict[str, dict], argv, devices) -> str:
             )
             notes.append(f"- `{name}`: windows not kept, as (position in the entry): {shown}")
         lines.append(
-            f"| {name} | {kept} | {overlapped} | {result['compile_s']:.1f} | {step} | "
-            f"{tokens_per_s} | {ratio} |"
+            f"| {name} | {result['pinned'] or '-'} | {kept} | {inside} | {overlapped} | "
+            f"{result['compile_s']:.1f} | {step} | {tokens_per_s} | {ratio} |"
         )
     withheld = {r["withheld"] for r in results.values() if r.get("withheld")}
     notes += [f"- no scheduling groups were emitted: {reason}" for reason in withheld]

@@ -52,6 +52,13 @@ class Window:
             return False
         return self.start < min(self.inside) and max(self.inside) < self.done
 
+    @property
+    def placed(self) -> int:
+        """Its instructions the compiled order runs between its start and its done."""
+        if self.start is None or self.done is None:
+            return 0
+        return sum(self.start < position < self.done for position in self.inside)
+
 
 @dataclass(frozen=True)
 class Instruction:
@@ -168,7 +175,10 @@ class KeptWindows:
     kept: int  # groups whose start comes first, done last, computation between
     collectives: int  # async collectives of the compiled module
     overlapped: int  # of those, the ones with computation between start and done
+    pinned: str = ""  # how the windows were held in place ("pinned by barriers", ...)
     withheld: str | None = None  # why no group was emitted, where the compiler mishandles them
+    planned: int = 0  # instructions of the marked windows, besides starts and dones
+    placed: int = 0  # of those, the ones the compiled order runs inside their window
 
     def line(self) -> str:
         inside = (
@@ -176,21 +186,30 @@ class KeptWindows:
         )
         if self.withheld:
             return f"planned windows not emitted as scheduling groups ({self.withheld}); {inside}"
-        text = f"XLA kept {self.kept} of {self.emitted} planned windows; {inside}"
+        text = (
+            f"XLA kept {self.kept} of {self.emitted} planned windows ({self.pinned}), "
+            f"{self.placed} of their {self.planned} instructions inside; {inside}"
+        )
         if self.emitted and not self.kept:
             text += ": the compiled order is the compiler's own, not the plan"
         return text
 
 
-def kept_windows(emitted: int, compiled_text: str, withheld: str | None = None) -> KeptWindows:
-    """The ``emitted`` scheduling groups of a program as its optimized module
-    ``compiled_text`` runs them (on XLA:GPU, in its scheduled order); ``withheld``: why
-    the program was emitted without them."""
+def kept_windows(
+    emitted: int, compiled_text: str, pinned: str = "", withheld: str | None = None
+) -> KeptWindows:
+    """The ``emitted`` windows of a program (marked with their numbers, ``pinned`` as
+    that says) as its optimized module ``compiled_text`` runs them (on XLA:GPU, in its
+    scheduled order); ``withheld``: why the program was emitted without them."""
     pairs = async_pairs(compiled_text)
+    found = windows(compiled_text).values()
     return KeptWindows(
         emitted=emitted,
-        kept=sum(window.kept for window in windows(compiled_text).values()),
+        kept=sum(window.kept for window in found),
         collectives=len(pairs),
         overlapped=sum(pair.overlapped for pair in pairs),
+        pinned=pinned,
         withheld=withheld,
+        planned=sum(len(window.inside) for window in found),
+        placed=sum(window.placed for window in found),
     )

@@ -56,27 +56,33 @@ class Pinning:
 
     @property
     def windows(self) -> int:
+        """The windows marked in the program (held in place or not)."""
         return len(set(self.marks.values()))
+
+    def describe(self) -> str:
+        if self.attribute == GROUP_ATTRIBUTE:
+            return "as scheduling groups"
+        return "pinned by barriers" if self.pins else "not pinned"
 
 
 def pin_windows(graph: Graph, schedule: Schedule, how: str) -> Pinning:
     """The pinning ``how`` names (``barriers``, ``groups`` or ``none``) of ``schedule``:
     groups only where the compiler is not known to mishandle them
-    (:func:`~scheduling.program.jax_adapter.xla_groups_withheld`)."""
-    if how == "barriers":
-        pins = window_pins(graph, schedule.order)
-        marks = {}
-        for start, pin in pins.items():
-            for node in (start, graph.nodes[start].partner, *pin.members):
-                marks[node] = pin.index  # a node in nested windows: the innermost
-        return Pinning(WINDOW_ATTRIBUTE, marks, pins)
+    (:func:`~scheduling.program.jax_adapter.xla_groups_withheld`). Without groups, every
+    window is marked with its number all the same (a frontend attribute XLA ignores), so
+    that the compiled order can be read against the plan, pinned or not."""
     if how == "groups":
         platform = graph.program.mesh.devices.flat[0].platform
         withheld = jax_adapter.xla_groups_withheld(platform)
         if withheld:
             return Pinning(GROUP_ATTRIBUTE, withheld=withheld)
         return Pinning(GROUP_ATTRIBUTE, scheduling_groups(graph, schedule.order))
-    return Pinning()
+    pins = window_pins(graph, schedule.order)
+    marks = {}
+    for start, pin in pins.items():
+        for node in (start, graph.nodes[start].partner, *pin.members):
+            marks[node] = pin.index  # a node in nested windows: the innermost
+    return Pinning(WINDOW_ATTRIBUTE, marks, pins if how == "barriers" else {})
 
 
 def per_device_function(
@@ -208,7 +214,7 @@ class CompiledStep:
     def windows(self) -> KeptWindows:
         """The planned windows (scheduling groups) the compiled order kept."""
         pinned = self._step.pinned
-        return kept_windows(pinned.windows, self.as_text(), pinned.withheld)
+        return kept_windows(pinned.windows, self.as_text(), pinned.describe(), pinned.withheld)
 
 
 def emit(

@@ -70,10 +70,14 @@ def test_async_pairs_and_what_runs_between():
     assert windows(ASYNC)[0].kept
 
 
-def test_kept_windows_counts_the_emitted_groups_against_the_kept_ones():
-    kept = kept_windows(3, KEPT)
+def test_kept_windows_counts_the_emitted_windows_against_the_kept_ones():
+    kept = kept_windows(3, KEPT, "as scheduling groups")
     assert (kept.emitted, kept.kept, kept.collectives, kept.overlapped) == (3, 1, 2, 1)
-    assert kept.line().startswith("XLA kept 1 of 3 planned windows; 1 of 2 async")
+    assert (kept.planned, kept.placed) == (2, 2)
+    assert kept.line().startswith(
+        "XLA kept 1 of 3 planned windows (as scheduling groups), 2 of their 2 instructions "
+        "inside; 1 of 2 async"
+    )
     assert "own" not in kept.line()
 
 
@@ -82,6 +86,31 @@ def test_a_module_that_kept_no_window_says_the_order_is_the_compilers():
     kept = kept_windows(3, dropped)
     assert (kept.emitted, kept.kept) == (3, 0)
     assert kept.line().endswith("the compiled order is the compiler's own, not the plan")
+
+
+W0 = 'frontend_attributes={_planned_window="0"}'
+# A window marked by number: one product moved before the start, one kept inside, and a
+# bookkeeping copy of the window's (a bitcast) that computes nothing.
+MARKED = f"""HloModule step, is_scheduled=true
+
+ENTRY %main (p0: f32[8,4]) -> f32[8,4] {{
+  %p0 = {T} parameter(0)
+  %dot.1 = {T} dot(%p0, %p0), {W0}
+  %a2a-start = ({T}, {T}) all-to-all-start(%p0), {W0}
+  %dot.2 = {T} dot(%dot.1, %p0), {W0}
+  %bitcast.3 = {T} bitcast(%dot.2), {W0}
+  %a2a-done = {T} all-to-all-done(%a2a-start), {W0}
+  ROOT %add = {T} add(%a2a-done, %bitcast.3)
+}}
+"""
+
+
+def test_windows_marked_by_number_and_what_runs_outside_them():
+    (window,) = windows(MARKED).values()
+    assert (window.start, window.done, window.inside) == (2, 5, [1, 3])
+    assert window.placed == 1 and not window.kept
+    kept = kept_windows(1, MARKED, "pinned by barriers")
+    assert (kept.planned, kept.placed) == (2, 1)
 
 
 def test_a_program_emitted_without_groups_says_why():

@@ -28,9 +28,7 @@ def planned(name: str, xla_pin: str = "barriers"):
         model=dataclasses.replace(config.model, num_layers=2),
         train=dataclasses.replace(config.train, microbatches=2),
         # A slow link: the all-to-alls' windows hold the other microbatch's work.
-        schedule=dataclasses.replace(
-            config.schedule, name=name, link_mbit=100, xla_pin=xla_pin
-        ),
+        schedule=dataclasses.replace(config.schedule, name=name, link_mbit=100, xla_pin=xla_pin),
     )
     return plan_train_step(config, build_mesh(config.parallel))
 
