@@ -327,9 +327,8 @@ def _body_on_sockets(policy_name: str):
     from scheduling.planning.plan import plan
     from scheduling.planning.policy import SchedulePolicy
     from scheduling.program.capture import capture
-    from scheduling.runtime.emit import per_device_function
+    from scheduling.runtime.emit import per_device_function, pin_windows
     from scheduling.runtime.transports import SocketAllToAlls, XlaAsync
-    from scheduling.runtime.xla_groups import scheduling_groups
 
     mesh = jax.make_mesh((8,), ("x",))
     specs = (PartitionSpec("x"), PartitionSpec())
@@ -345,8 +344,8 @@ def _body_on_sockets(policy_name: str):
     planned = plan(program, SchedulePolicy(name=policy_name, transport="socket"))
     connection = SocketTransport(mesh, {})
     carrier = lambda: SocketAllToAlls(connection, XlaAsync())
-    groups = scheduling_groups(planned.graph, planned.schedule.order)
-    run = per_device_function(planned.graph, planned.schedule, carrier, groups)
+    pinned = pin_windows(planned.graph, planned.schedule, "barriers")
+    run = per_device_function(planned.graph, planned.schedule, carrier, pinned)
     mapped = jax.shard_map(
         run, mesh=mesh, in_specs=program.in_specs, out_specs=program.out_specs, check_vma=False
     )
