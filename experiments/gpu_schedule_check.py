@@ -5,16 +5,20 @@
         [--mock-devices 8 | --aot-devices 8 [--aot-target h100_sxm]] [--steps 10] \\
         [--rounds 5] [--hlo-dir DIR]
 
-For each schedule (its windows pinned by barriers, ``schedule.xla_pin barriers``; with
-modifiers: ``NAME:free`` not pinned, ``xla_pin none``; ``NAME:groups`` pinned as
-scheduling groups, ``xla_pin groups``; ``NAME:sync`` each collective emitted
-synchronously at its planned start, ``schedule.transport sync``, its split left to XLA;
-``pair:sync:free`` combines them): plan the preset's train step, compile it with the
-scheduler flags (:data:`scheduling.names.XLA_GPU_FLAGS`) and read the compiled order
-back from the optimized HLO:
+For each schedule (its windows pinned by barriers, ``schedule.xla_pin barriers``, and
+compiled twice, the second time with the plan's collective times; with modifiers:
+``NAME:free`` not pinned, ``xla_pin none``; ``NAME:noprofile`` compiled once, without
+those times, ``xla_latencies false``; ``NAME:groups`` pinned as scheduling groups,
+``xla_pin groups``; ``NAME:sync`` each collective emitted synchronously at its planned
+start, ``schedule.transport sync``, its split left to XLA; ``pair:sync:free`` combines
+them): plan the preset's train step, compile it with the scheduler flags
+(:data:`scheduling.names.XLA_GPU_FLAGS`) and read the compiled order back from the
+optimized HLO:
 
-- **windows kept**: the pinned windows whose start comes first, done last, the planned
-  computation between (:func:`scheduling.broken_windows`);
+- **windows kept**: the planned windows (marked in the program, pinned or not) whose
+  start comes first, done last, the planned computation between
+  (:func:`scheduling.broken_windows`); **their instructions inside**: of the
+  instructions marked with a window, those the compiled order runs inside it;
 - **all-to-alls overlapped**: of the compiled module's async all-to-alls, those with
   computation between start and done (:func:`scheduling.async_pairs`); a pair with none
   is one XLA runs synchronously.
@@ -132,6 +136,7 @@ def _config(args: argparse.Namespace, devices: int):
 
 _MODIFIERS = {
     "free": dict(xla_pin="none"),
+    "noprofile": dict(xla_latencies=False),
     "groups": dict(xla_pin="groups"),
     "sync": dict(transport="sync"),
 }

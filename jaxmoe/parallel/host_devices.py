@@ -21,8 +21,9 @@ def ensure_xla_flags(flags: list[str]) -> None:
     """Add each of ``flags`` (``--name=value``) to XLA_FLAGS unless it already names it.
 
     Must run before JAX creates its backends. The scheduled steps need
-    :func:`scheduling.xla_gpu_flags` on GPU (the latency-hiding scheduler, which honours
-    the planned windows' scheduling groups); other backends ignore them."""
+    :func:`scheduling.xla_gpu_flags` on GPU (the latency-hiding scheduler, and what lets
+    it keep the planned windows); other backends ignore them. A flag the caller's
+    XLA_FLAGS already names keeps the caller's value."""
     current = os.environ.get("XLA_FLAGS", "")
     for flag in flags:
         name = flag.split("=", 1)[0]

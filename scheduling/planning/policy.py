@@ -97,6 +97,9 @@ class SchedulePolicy:
     # group (scheduling.runtime.xla_groups), or not at all ("none": XLA's scheduler
     # orders the step).
     xla_pin: str = "barriers"
+    # With barriers: compile a step for GPU twice, the second time with the plan's time of
+    # each window's collective for XLA's latency estimator (scheduling.runtime.xla_latencies).
+    xla_latencies: bool = True
 
     def __post_init__(self) -> None:
         check_policy_fields(

@@ -30,13 +30,14 @@ from jax.experimental.xla_metadata import set_xla_metadata
 from scheduling import names
 from scheduling.passes.order import Schedule
 from scheduling.program import jax_adapter
-from scheduling.program.capture import Constant, Program, Value
+from scheduling.program.capture import Constant, Op, Program, Value
 from scheduling.program.graph import Graph, Role
 from scheduling.reports.hlo_windows import KeptWindows, kept_windows
 from scheduling.runtime import transports
 from scheduling.runtime.transports import Transport, XlaAsync
 from scheduling.runtime.xla_barriers import WINDOW_ATTRIBUTE, Pin, window_pins
 from scheduling.runtime.xla_groups import GROUP_ATTRIBUTE, scheduling_groups
+from scheduling.runtime.xla_latencies import compile_with_latencies
 
 
 def xla_gpu_flags() -> list[str]:
@@ -53,6 +54,8 @@ class Pinning:
     marks: Mapping[int, int] = field(default_factory=dict)  # node -> window or group
     pins: Mapping[int, Pin] = field(default_factory=dict)  # start -> its barriers
     withheld: str | None = None  # why groups were asked for and not emitted
+    # window -> its collective's planned seconds, for XLA:GPU's latency estimator
+    seconds: Mapping[int, float] = field(default_factory=dict)
 
     @property
     def windows(self) -> int:
@@ -65,24 +68,48 @@ class Pinning:
         return "pinned by barriers" if self.pins else "not pinned"
 
 
-def pin_windows(graph: Graph, schedule: Schedule, how: str) -> Pinning:
+def target_platform(mesh: Any) -> str:
+    """The platform the step is emitted for: its mesh's devices' (``gpu`` also for an
+    ahead-of-time GPU topology)."""
+    return mesh.devices.flat[0].platform
+
+
+def pin_windows(
+    graph: Graph,
+    schedule: Schedule,
+    how: str,
+    collective_seconds: Callable[[Op], float] | None = None,
+) -> Pinning:
     """The pinning ``how`` names (``barriers``, ``groups`` or ``none``) of ``schedule``:
     groups only where the compiler is not known to mishandle them
     (:func:`~scheduling.program.jax_adapter.xla_groups_withheld`). Without groups, every
     window is marked with its number all the same (a frontend attribute XLA ignores), so
-    that the compiled order can be read against the plan, pinned or not."""
+    that the compiled order can be read against the plan, pinned or not. With
+    ``collective_seconds`` (the plan's time of a collective), barriers carry each
+    window's time for XLA:GPU's latency estimator (:mod:`scheduling.runtime.xla_latencies`).
+
+    Barriers and marks are for XLA:GPU only: XLA:CPU runs every collective synchronously
+    in an order of its own, where barriers would hold nothing and only change how it
+    fuses (and so, by a rounding, what it computes)."""
+    platform = target_platform(graph.program.mesh)
     if how == "groups":
-        platform = graph.program.mesh.devices.flat[0].platform
         withheld = jax_adapter.xla_groups_withheld(platform)
         if withheld:
             return Pinning(GROUP_ATTRIBUTE, withheld=withheld)
         return Pinning(GROUP_ATTRIBUTE, scheduling_groups(graph, schedule.order))
+    if platform != "gpu":
+        return Pinning()
     pins = window_pins(graph, schedule.order)
     marks = {}
     for start, pin in pins.items():
         for node in (start, graph.nodes[start].partner, *pin.members):
             marks[node] = pin.index  # a node in nested windows: the innermost
-    return Pinning(WINDOW_ATTRIBUTE, marks, pins if how == "barriers" else {})
+    if how != "barriers":
+        return Pinning(WINDOW_ATTRIBUTE, marks)
+    seconds = {}
+    if collective_seconds is not None:
+        seconds = {pin.index: collective_seconds(graph.nodes[s].op) for s, pin in pins.items()}
+    return Pinning(WINDOW_ATTRIBUTE, marks, pins, seconds=seconds)
 
 
 def per_device_function(
@@ -191,8 +218,13 @@ class ScheduledStep:
         return self._jitted.lower(*self._flatten(args))
 
     def compile(self, *args: Any) -> CompiledStep:
-        """Compile ahead of time; the result is called like the step itself."""
-        return CompiledStep(self, self.lower(*args).compile())
+        """Compile ahead of time; the result is called like the step itself. For a GPU,
+        with the plan's collective times (:mod:`scheduling.runtime.xla_latencies`):
+        compiled once to name the windows' starts, then again with their times."""
+        lowered = self.lower(*args)
+        if self.pinned.seconds and target_platform(self.program.mesh) == "gpu":
+            return CompiledStep(self, compile_with_latencies(lowered, self.pinned.seconds))
+        return CompiledStep(self, lowered.compile())
 
 
 class CompiledStep:
@@ -224,6 +256,7 @@ def emit(
     donate_argnums: Sequence[int] = (),
     transport: Callable[[], Transport] | None = None,
     xla_pin: str = "barriers",
+    collective_seconds: Callable[[Op], float] | None = None,
 ) -> ScheduledStep:
     """A jit-compiled step running ``schedule``, its collectives through ``transport``
     (a factory from :func:`scheduling.runtime.transports.connect`; default: XLA's async
@@ -232,10 +265,11 @@ def emit(
     async primitives the adapter does not know), its windows pinned as ``xla_pin`` says
     (:func:`pin_windows`): ``barriers`` (:mod:`scheduling.runtime.xla_barriers`), ``groups``
     (:mod:`scheduling.runtime.xla_groups`) or ``none``, which leaves the order on GPU to
-    XLA's latency-hiding scheduler.
+    XLA's latency-hiding scheduler. ``collective_seconds``: the plan's time of a
+    collective, which the barrier-pinned step hands XLA:GPU when compiled ahead.
     """
     if transport is None:
         transport = transports.connect("xla", graph.program.mesh)
-    pinned = pin_windows(graph, schedule, xla_pin)
+    pinned = pin_windows(graph, schedule, xla_pin, collective_seconds)
     run = per_device_function(graph, schedule, transport, pinned)
     return ScheduledStep(graph.program, run, donate_argnums, pinned)

@@ -20,11 +20,13 @@ places its start and done as it sees fit, which is better than a synchronous col
 Deferrable collectives (gradient reductions) are left free as well, so that the
 scheduler may move them off the link the critical path needs.
 
-Measured on an H200 with jax 0.11.2, the groups do not reach that scheduler: XLA drops
-the attribute when it rewrites JAX's async all-to-all custom calls, and the compiled
-order is XLA's own (``docs/architecture.md``). The groups are still emitted: with and
-without them the 8-GPU step compiles to the same windows there, and they are what XLA
-reads where the attribute survives.
+Measured, the groups do not carry the plan: on an H200 with jax 0.11.2 XLA drops the
+attribute when it rewrites JAX's async all-to-all custom calls, and the compiled order is
+XLA's own; with jax 0.10.2 XLA crashes on a group over an all-to-all (so the adapter
+withholds them there) and keeps other groups without their products
+(``docs/architecture.md``). They are one of the emitter's pinnings
+(``schedule.xla_pin groups``); the default pins each window between optimization
+barriers (:mod:`scheduling.runtime.xla_barriers`).
 """
 
 from __future__ import annotations

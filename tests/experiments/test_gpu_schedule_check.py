@@ -19,7 +19,8 @@ def test_variants_name_a_schedule_and_how_it_is_pinned_and_emitted():
     assert variant("pair:groups") == ("pair", "groups", "xla")
     assert variant("lancet:sync") == ("lancet", "barriers", "sync")
     assert variant("lancet:sync:free") == ("lancet", "none", "sync")
-    with pytest.raises(SystemExit, match="then any of :free, :groups, :sync"):
+    assert gpu_schedule_check._variant(config, "pair:noprofile").schedule.xla_latencies is False
+    with pytest.raises(SystemExit, match="then any of :free, :noprofile, :groups, :sync"):
         gpu_schedule_check._variant(config, "pair:fast")
 
 

@@ -1,5 +1,6 @@
 """Windows pinned by optimization barriers: what passes each barrier, where the traced
-step puts them, and that they change no result."""
+step puts them, that they change no result, and that only a step for GPU has them (the
+mesh here is of CPUs: the tests that emit for a GPU say so)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import functools
 import chex
 import jax
 import numpy as np
+import pytest
 from jax.sharding import PartitionSpec as P
 
+import scheduling.runtime.emit
 from scheduling.passes import split_async
 from scheduling.passes.order import Schedule
 from scheduling.program.capture import capture
@@ -60,6 +63,11 @@ def _schedule(order):
     return Schedule(order, None, 0, 0, [])
 
 
+@pytest.fixture
+def for_gpu(monkeypatch):
+    monkeypatch.setattr(scheduling.runtime.emit, "target_platform", lambda mesh: "gpu")
+
+
 def test_a_pin_passes_what_the_window_reads_and_what_it_leaves_for_later():
     graph, order, a, members, q = _planned()
     pins = window_pins(graph, order)
@@ -84,7 +92,7 @@ def _body(jaxpr):
     return jaxpr
 
 
-def test_the_barriers_bound_the_window_in_the_traced_step():
+def test_the_barriers_bound_the_window_in_the_traced_step(for_gpu):
     graph, order, *_ = _planned()
     step = emit(graph, _schedule(order), xla_pin="barriers")
     mesh = mesh_x()
@@ -110,7 +118,7 @@ def test_the_barriers_bound_the_window_in_the_traced_step():
     assert dots[2].invars[0] is second.outvars[0]  # a @ w
 
 
-def test_pinned_and_free_steps_compute_the_same_bits():
+def test_pinned_and_free_steps_compute_the_same_bits(for_gpu):
     graph, order, *_ = _planned()
     mesh = mesh_x()
     x = jax.device_put(
@@ -121,7 +129,19 @@ def test_pinned_and_free_steps_compute_the_same_bits():
         np.random.default_rng(1).normal(size=(64, 64)).astype(np.float32) / 8,
         jax.NamedSharding(mesh, P()),
     )
-    pinned = emit(graph, _schedule(order), xla_pin="barriers")
-    free = emit(graph, _schedule(order), xla_pin="none")
-    assert pinned.pinned.windows == 1 and free.pinned.windows == 0
+    pinned = emit(graph, _schedule(order), xla_pin="barriers", collective_seconds=lambda op: 2e-4)
+    free = emit(graph, _schedule(order), xla_pin="none", collective_seconds=lambda op: 2e-4)
+    # Both mark the window; only the pinned step holds it, with its collective's time.
+    assert pinned.pinned.windows == free.pinned.windows == 1
+    assert (len(pinned.pinned.pins), pinned.pinned.seconds) == (1, {0: 2e-4})
+    assert (free.pinned.pins, free.pinned.seconds) == ({}, {})
     chex.assert_trees_all_equal(pinned(x, w), free(x, w))
+
+
+def test_a_step_for_cpus_is_neither_pinned_nor_marked():
+    graph, order, *_ = _planned()
+    step = emit(graph, _schedule(order), xla_pin="barriers", collective_seconds=lambda op: 1.0)
+    assert step.pinned.windows == 0 and not step.pinned.pins and not step.pinned.seconds
+    mesh = mesh_x()
+    args = (sds(mesh, (64, 64), P("x")), sds(mesh, (64, 64), P()))
+    assert "optimization_barrier" not in step.lower(*args).as_text()

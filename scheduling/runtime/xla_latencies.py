@@ -1,0 +1,57 @@
+"""The plan's collective times, handed to XLA:GPU's scheduler as a latency profile.
+
+Barriers (:mod:`scheduling.runtime.xla_barriers`) bound each window's computation to
+after its collective's operand exists and before its result is read; how early inside
+that span the collective starts is the latency-hiding scheduler's choice, made from its
+own estimate of the collective's time. Where that estimate is shorter than the plan's
+(its default is a fixed guess, the plan's comes from the link model), it starts the
+collective late and runs part of the window's computation before it.
+
+XLA's profile-guided latency estimator takes instruction costs from a
+``ProfiledInstructionsProto`` (text: ``costs { name: "..." cost_us: ... }``), by the
+names of the instructions of the module it schedules, and falls back to its own
+estimate for any other. Those names exist only once the module is compiled, and
+compiling the same module again gives the same names: so a scheduled step is compiled
+once, the start of each marked window is found in the compiled module (by its
+``_planned_window`` attribute) and given its collective's planned time, and the step is
+compiled again with that profile (:data:`PROFILE_OPTION`).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from scheduling.reports.hlo_windows import entry_instructions, parse_instruction, windows
+
+# The XLA debug option naming the profile, passed to one compile as a compiler option.
+PROFILE_OPTION = "xla_gpu_pgle_profile_file_or_directory_path"
+
+
+def latency_profile(compiled_text: str, seconds: Mapping[int, float]) -> str:
+    """A profile giving the start of each window of ``seconds`` (window -> planned
+    seconds of its collective) found in ``compiled_text`` its planned time; empty
+    where none is found (a module with no async collective, as on XLA:CPU)."""
+    lines = entry_instructions(compiled_text)
+    costs = []
+    for number, window in sorted(windows(compiled_text).items()):
+        if window.start is None or number not in seconds:
+            continue
+        start = parse_instruction(lines[window.start])
+        costs.append(f'costs {{ name: "{start.name}" cost_us: {seconds[number] * 1e6:.3f} }}')
+    return "\n".join(costs) + "\n" if costs else ""
+
+
+def compile_with_latencies(lowered: Any, seconds: Mapping[int, float]) -> Any:
+    """Compile ``lowered`` (a ``jax.stages.Lowered``), and where the compiled module has
+    windows of ``seconds``, compile it again with their planned times."""
+    compiled = lowered.compile()
+    profile = latency_profile(compiled.as_text(), seconds)
+    if not profile:
+        return compiled
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory) / "planned_latencies.pbtxt"
+        path.write_text(profile)
+        return lowered.compile(compiler_options={PROFILE_OPTION: str(path)})
