@@ -8,7 +8,7 @@ two independent products, one with a chain of two) is scheduled with the ``async
 policy, its collectives emitted as XLA's async pairs or synchronously at their planned
 starts (the ``sync`` transport: XLA splits them itself), its windows pinned by
 optimization barriers, by scheduling groups or not at all
-(:func:`scheduling.runtime.emit.pin_windows`; where the adapter knows XLA to mishandle
+(:func:`scheduling.runtime.pinning.pin_windows`; where the adapter knows XLA to mishandle
 groups they are withheld, and the step says why); last, without the scheduler, one
 group written by hand around an all-to-all and a product (``set_xla_metadata``, as a
 model would). Each is compiled for the GPU under

@@ -49,7 +49,7 @@ TRANSPORTS = ("xla", "sync", "socket")
 # How the emitted program holds each planned window in place on XLA:GPU, whose scheduler
 # otherwise orders the module itself: between optimization barriers (data dependences every
 # XLA pass keeps); as XLA scheduling groups (which the XLA builds measured drop or
-# mishandle); or not at all. scheduling.runtime.emit.pin_windows.
+# mishandle); or not at all. scheduling.runtime.pinning.
 XLA_PINS = ("barriers", "groups", "none")
 
 # XLA flags under which the GPU compiler keeps a scheduled step's planned windows: the

@@ -7,7 +7,7 @@ the async start primitive at its start and the done primitive at its done.
 
 The traced order is not what XLA:GPU runs: its latency-hiding scheduler orders the
 module by its own cost model. Each critical window with computation in it is therefore
-pinned (:func:`pin_windows`): by default between two optimization barriers
+pinned (:mod:`scheduling.runtime.pinning`): by default between two optimization barriers
 (:mod:`scheduling.runtime.xla_barriers`), data dependences every XLA pass keeps; or as
 an XLA scheduling group (:mod:`scheduling.runtime.xla_groups`, which says where XLA
 drops or mishandles them). The XLA flags that turn that scheduler on are given by
@@ -20,8 +20,7 @@ transport carries the all-to-alls between processes instead, so that they overla
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -33,10 +32,9 @@ from scheduling.program import jax_adapter
 from scheduling.program.capture import Constant, Op, Program, Value
 from scheduling.program.graph import Graph, Role
 from scheduling.reports.hlo_windows import KeptWindows, kept_windows
-from scheduling.runtime import transports
+from scheduling.runtime import pinning, transports
+from scheduling.runtime.pinning import Pinning
 from scheduling.runtime.transports import Transport, XlaAsync
-from scheduling.runtime.xla_barriers import WINDOW_ATTRIBUTE, Pin, window_pins
-from scheduling.runtime.xla_groups import GROUP_ATTRIBUTE, scheduling_groups
 from scheduling.runtime.xla_latencies import compile_with_latencies
 
 
@@ -45,84 +43,17 @@ def xla_gpu_flags() -> list[str]:
     return list(names.XLA_GPU_FLAGS)
 
 
-@dataclass(frozen=True)
-class Pinning:
-    """How the planned windows are held in place on XLA:GPU: each node of ``marks``
-    traced with ``attribute`` (its window or group), and the barriers of ``pins``."""
-
-    attribute: str = WINDOW_ATTRIBUTE
-    marks: Mapping[int, int] = field(default_factory=dict)  # node -> window or group
-    pins: Mapping[int, Pin] = field(default_factory=dict)  # start -> its barriers
-    withheld: str | None = None  # why groups were asked for and not emitted
-    # window -> its collective's planned seconds, for XLA:GPU's latency estimator
-    seconds: Mapping[int, float] = field(default_factory=dict)
-
-    @property
-    def windows(self) -> int:
-        """The windows marked in the program (held in place or not)."""
-        return len(set(self.marks.values()))
-
-    def describe(self) -> str:
-        if self.attribute == GROUP_ATTRIBUTE:
-            return "as scheduling groups"
-        return "pinned by barriers" if self.pins else "not pinned"
-
-
-def target_platform(mesh: Any) -> str:
-    """The platform the step is emitted for: its mesh's devices' (``gpu`` also for an
-    ahead-of-time GPU topology)."""
-    return mesh.devices.flat[0].platform
-
-
-def pin_windows(
-    graph: Graph,
-    schedule: Schedule,
-    how: str,
-    collective_seconds: Callable[[Op], float] | None = None,
-) -> Pinning:
-    """The pinning ``how`` names (``barriers``, ``groups`` or ``none``) of ``schedule``:
-    groups only where the compiler is not known to mishandle them
-    (:func:`~scheduling.program.jax_adapter.xla_groups_withheld`). Without groups, every
-    window is marked with its number all the same (a frontend attribute XLA ignores), so
-    that the compiled order can be read against the plan, pinned or not. With
-    ``collective_seconds`` (the plan's time of a collective), barriers carry each
-    window's time for XLA:GPU's latency estimator (:mod:`scheduling.runtime.xla_latencies`).
-
-    Barriers and marks are for XLA:GPU only: XLA:CPU runs every collective synchronously
-    in an order of its own, where barriers would hold nothing and only change how it
-    fuses (and so, by a rounding, what it computes)."""
-    platform = target_platform(graph.program.mesh)
-    if how == "groups":
-        withheld = jax_adapter.xla_groups_withheld(platform)
-        if withheld:
-            return Pinning(GROUP_ATTRIBUTE, withheld=withheld)
-        return Pinning(GROUP_ATTRIBUTE, scheduling_groups(graph, schedule.order))
-    if platform != "gpu":
-        return Pinning()
-    pins = window_pins(graph, schedule.order)
-    marks = {}
-    for start, pin in pins.items():
-        for node in (start, graph.nodes[start].partner, *pin.members):
-            marks[node] = pin.index  # a node in nested windows: the innermost
-    if how != "barriers":
-        return Pinning(WINDOW_ATTRIBUTE, marks)
-    seconds = {}
-    if collective_seconds is not None:
-        seconds = {pin.index: collective_seconds(graph.nodes[s].op) for s, pin in pins.items()}
-    return Pinning(WINDOW_ATTRIBUTE, marks, pins, seconds=seconds)
-
-
 def per_device_function(
     graph: Graph,
     schedule: Schedule,
     transport: Callable[[], Transport] = XlaAsync,
-    pinning: Pinning | None = None,
+    pinned: Pinning | None = None,
 ):
     """A function of the flattened per-device arguments that runs ``schedule``, every node
     through a fresh transport from ``transport`` (:mod:`scheduling.runtime.transports`),
-    its windows pinned as ``pinning`` says (default: not at all)."""
+    its windows pinned as ``pinned`` says (default: not at all)."""
     program = graph.program
-    pinning = pinning or Pinning()
+    pinned = pinned or Pinning()
 
     def run(*flat_args: Any) -> tuple[Any, ...]:
         env: dict[Value, Any] = dict(zip(program.inputs, flat_args, strict=True))
@@ -137,15 +68,15 @@ def per_device_function(
         for node_id in schedule.order:
             node = graph.nodes[node_id]
             op = node.op
-            mark = pinning.marks.get(node_id)
+            mark = pinned.marks.get(node_id)
             scope = (
-                set_xla_metadata(**{pinning.attribute: mark})
+                set_xla_metadata(**{pinned.attribute: mark})
                 if mark is not None
                 else contextlib.nullcontext()
             )
             if node.role is Role.START:
                 (operand,) = (read(a) for a in op.inputs)
-                pin = pinning.pins.get(node_id)
+                pin = pinned.pins.get(node_id)
                 if pin is not None:  # the window's computation waits for the operand
                     operand, before = jax.lax.optimization_barrier(
                         (operand, [read(v) for v in pin.before])
@@ -161,7 +92,7 @@ def per_device_function(
                     results = carrier.done(node.partner, op)
                 else:
                     results = carrier.run(node_id, op, [read(a, node_id) for a in op.inputs])
-            pin = pinning.pins.get(node.partner) if node.role is Role.DONE else None
+            pin = pinned.pins.get(node.partner) if node.role is Role.DONE else None
             if pin is not None:  # the result's readers wait for the window's computation
                 results, after = jax.lax.optimization_barrier(
                     (results, [read(v) for v in pin.after])
@@ -222,7 +153,7 @@ class ScheduledStep:
         with the plan's collective times (:mod:`scheduling.runtime.xla_latencies`):
         compiled once to name the windows' starts, then again with their times."""
         lowered = self.lower(*args)
-        if self.pinned.seconds and target_platform(self.program.mesh) == "gpu":
+        if self.pinned.seconds and pinning.target_platform(self.program.mesh) == "gpu":
             return CompiledStep(self, compile_with_latencies(lowered, self.pinned.seconds))
         return CompiledStep(self, lowered.compile())
 
@@ -263,13 +194,13 @@ def emit(
     collectives, which raises
     :class:`~scheduling.program.jax_adapter.AsyncCollectivesUnavailable` on a JAX whose
     async primitives the adapter does not know), its windows pinned as ``xla_pin`` says
-    (:func:`pin_windows`): ``barriers`` (:mod:`scheduling.runtime.xla_barriers`), ``groups``
-    (:mod:`scheduling.runtime.xla_groups`) or ``none``, which leaves the order on GPU to
-    XLA's latency-hiding scheduler. ``collective_seconds``: the plan's time of a
-    collective, which the barrier-pinned step hands XLA:GPU when compiled ahead.
+    (:func:`~scheduling.runtime.pinning.pin_windows`: ``barriers``, ``groups`` or
+    ``none``, which leaves the order on GPU to XLA's latency-hiding scheduler).
+    ``collective_seconds``: the plan's time of a collective, which a barrier-pinned step
+    for GPU hands XLA's latency estimator when compiled ahead.
     """
     if transport is None:
         transport = transports.connect("xla", graph.program.mesh)
-    pinned = pin_windows(graph, schedule, xla_pin, collective_seconds)
+    pinned = pinning.pin_windows(graph, schedule, xla_pin, collective_seconds)
     run = per_device_function(graph, schedule, transport, pinned)
     return ScheduledStep(graph.program, run, donate_argnums, pinned)

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import scheduling
 import scheduling.names
-import scheduling.runtime.emit
+import scheduling.runtime.pinning
 from scheduling.planning.policy import SchedulePolicy
 from scheduling.program import jax_adapter
 from scheduling.program.capture import capture
@@ -114,7 +114,7 @@ def test_compile_ahead_of_time_matches():
 
 def _for_gpu(monkeypatch, policy="dw"):
     """The step as emitted for a GPU mesh (barriers and marks), on this CPU mesh."""
-    monkeypatch.setattr(scheduling.runtime.emit, "target_platform", lambda mesh: "gpu")
+    monkeypatch.setattr(scheduling.runtime.pinning, "target_platform", lambda mesh: "gpu")
     step, _ = scheduling.optimize(
         STEP, *_args(), mesh=mesh_x(), in_specs=IN_SPECS, out_specs=OUT_SPECS, policy=policy
     )

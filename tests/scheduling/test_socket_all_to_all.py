@@ -327,7 +327,7 @@ def _body_on_sockets(policy_name: str):
     from scheduling.planning.plan import plan
     from scheduling.planning.policy import SchedulePolicy
     from scheduling.program.capture import capture
-    from scheduling.runtime.emit import per_device_function, pin_windows
+    from scheduling.runtime.emit import per_device_function
     from scheduling.runtime.transports import SocketAllToAlls, XlaAsync
 
     mesh = jax.make_mesh((8,), ("x",))
@@ -344,8 +344,7 @@ def _body_on_sockets(policy_name: str):
     planned = plan(program, SchedulePolicy(name=policy_name, transport="socket"))
     connection = SocketTransport(mesh, {})
     carrier = lambda: SocketAllToAlls(connection, XlaAsync())
-    pinned = pin_windows(planned.graph, planned.schedule, "barriers")
-    run = per_device_function(planned.graph, planned.schedule, carrier, pinned)
+    run = per_device_function(planned.graph, planned.schedule, carrier)
     mapped = jax.shard_map(
         run, mesh=mesh, in_specs=program.in_specs, out_specs=program.out_specs, check_vma=False
     )

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-import scheduling.runtime.emit
+import scheduling.runtime.pinning
 from scheduling.passes import split_async
 from scheduling.passes.order import Schedule
 from scheduling.program.capture import capture
@@ -65,7 +65,7 @@ def _schedule(order):
 
 @pytest.fixture
 def for_gpu(monkeypatch):
-    monkeypatch.setattr(scheduling.runtime.emit, "target_platform", lambda mesh: "gpu")
+    monkeypatch.setattr(scheduling.runtime.pinning, "target_platform", lambda mesh: "gpu")
 
 
 def test_a_pin_passes_what_the_window_reads_and_what_it_leaves_for_later():

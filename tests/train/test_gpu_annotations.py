@@ -12,7 +12,7 @@ import functools
 import re
 from unittest import mock
 
-import scheduling.runtime.emit
+import scheduling.runtime.pinning
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.presets import preset
 from jaxmoe.train.scheduled import plan_train_step
@@ -28,7 +28,7 @@ def planned(name: str, xla_pin: str = "barriers"):
     emitted for these CPUs, the XLA:GPU of jax 0.10.2 getting none)."""
     if xla_pin == "groups":
         return _plan(name, xla_pin)
-    with mock.patch.object(scheduling.runtime.emit, "target_platform", lambda mesh: "gpu"):
+    with mock.patch.object(scheduling.runtime.pinning, "target_platform", lambda mesh: "gpu"):
         return _plan(name, xla_pin)
 
 

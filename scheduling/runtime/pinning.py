@@ -1,0 +1,91 @@
+"""How the planned windows are held in place against XLA:GPU's own scheduler.
+
+One choice per step (``schedule.xla_pin``): between optimization barriers
+(:mod:`scheduling.runtime.xla_barriers`, the default), as XLA scheduling groups
+(:mod:`scheduling.runtime.xla_groups`), or not at all. Whatever the choice, a step for
+GPU marks each window's nodes with the window's number, so that its compiled order can be
+read against the plan (:mod:`scheduling.reports.hlo_windows`); with barriers it also
+carries each window's planned collective time for XLA's latency estimator
+(:mod:`scheduling.runtime.xla_latencies`). The emitter
+(:mod:`scheduling.runtime.emit`) traces what a :class:`Pinning` says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from scheduling.passes.order import Schedule
+from scheduling.program import jax_adapter
+from scheduling.program.capture import Op
+from scheduling.program.graph import Graph
+from scheduling.runtime.xla_barriers import WINDOW_ATTRIBUTE, Pin, window_pins
+from scheduling.runtime.xla_groups import GROUP_ATTRIBUTE, scheduling_groups
+
+
+@dataclass(frozen=True)
+class Pinning:
+    """How the planned windows are held in place on XLA:GPU: each node of ``marks``
+    traced with ``attribute`` (its window or group), and the barriers of ``pins``."""
+
+    attribute: str = WINDOW_ATTRIBUTE
+    marks: Mapping[int, int] = field(default_factory=dict)  # node -> window or group
+    pins: Mapping[int, Pin] = field(default_factory=dict)  # start -> its barriers
+    withheld: str | None = None  # why groups were asked for and not emitted
+    # window -> its collective's planned seconds, for XLA:GPU's latency estimator
+    seconds: Mapping[int, float] = field(default_factory=dict)
+
+    @property
+    def windows(self) -> int:
+        """The windows marked in the program (held in place or not)."""
+        return len(set(self.marks.values()))
+
+    def describe(self) -> str:
+        if self.attribute == GROUP_ATTRIBUTE:
+            return "as scheduling groups"
+        return "pinned by barriers" if self.pins else "not pinned"
+
+
+def target_platform(mesh: Any) -> str:
+    """The platform the step is emitted for: its mesh's devices' (``gpu`` also for an
+    ahead-of-time GPU topology)."""
+    return mesh.devices.flat[0].platform
+
+
+def pin_windows(
+    graph: Graph,
+    schedule: Schedule,
+    how: str,
+    collective_seconds: Callable[[Op], float] | None = None,
+) -> Pinning:
+    """The pinning ``how`` names (``barriers``, ``groups`` or ``none``) of ``schedule``:
+    groups only where the compiler is not known to mishandle them
+    (:func:`~scheduling.program.jax_adapter.xla_groups_withheld`). Without groups, every
+    window is marked with its number all the same (a frontend attribute XLA ignores), so
+    that the compiled order can be read against the plan, pinned or not. With
+    ``collective_seconds`` (the plan's time of a collective), barriers carry each
+    window's time for XLA:GPU's latency estimator (:mod:`scheduling.runtime.xla_latencies`).
+
+    Barriers and marks are for XLA:GPU only: XLA:CPU runs every collective synchronously
+    in an order of its own, where barriers would hold nothing and only change how it
+    fuses (and so, by a rounding, what it computes)."""
+    platform = target_platform(graph.program.mesh)
+    if how == "groups":
+        withheld = jax_adapter.xla_groups_withheld(platform)
+        if withheld:
+            return Pinning(GROUP_ATTRIBUTE, withheld=withheld)
+        return Pinning(GROUP_ATTRIBUTE, scheduling_groups(graph, schedule.order))
+    if platform != "gpu":
+        return Pinning()
+    pins = window_pins(graph, schedule.order)
+    marks = {}
+    for start, pin in pins.items():
+        for node in (start, graph.nodes[start].partner, *pin.members):
+            marks[node] = pin.index  # a node in nested windows: the innermost
+    if how != "barriers":
+        return Pinning(WINDOW_ATTRIBUTE, marks)
+    seconds = {}
+    if collective_seconds is not None:
+        seconds = {pin.index: collective_seconds(graph.nodes[s].op) for s, pin in pins.items()}
+    return Pinning(WINDOW_ATTRIBUTE, marks, pins, seconds=seconds)
