@@ -13,13 +13,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import scheduling.runtime.pinning
-from scheduling.passes import split_async
 from scheduling.passes.order import Schedule
-from scheduling.program.capture import capture
 from scheduling.program.graph import Role
 from scheduling.runtime.emit import emit
 from scheduling.runtime.xla_barriers import window_pins
-from tests.scheduling.toys import mesh_x, sds
+from tests.scheduling.toys import mesh_x, sds, split_window_toy
 
 
 def _step(x, w):
@@ -32,16 +30,7 @@ def _step(x, w):
 
 @functools.cache
 def _graph():
-    mesh = mesh_x()
-    program = capture(
-        _step,
-        sds(mesh, (64, 64), P("x")),
-        sds(mesh, (64, 64), P()),
-        mesh=mesh,
-        in_specs=(P("x"), P()),
-        out_specs=(P(), P("x")),
-    )
-    return split_async(program)
+    return split_window_toy(_step)
 
 
 def _planned():

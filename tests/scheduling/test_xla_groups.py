@@ -13,7 +13,7 @@ from scheduling.passes import split_async
 from scheduling.program.capture import capture
 from scheduling.program.graph import Role
 from scheduling.runtime.xla_groups import scheduling_groups, window_nodes
-from tests.scheduling.toys import mesh_x, sds
+from tests.scheduling.toys import mesh_x, sds, split_window_toy
 
 
 def _step(x, w):
@@ -29,16 +29,7 @@ def _step(x, w):
 
 @functools.cache
 def _graph():
-    mesh = mesh_x()
-    program = capture(
-        _step,
-        sds(mesh, (64, 64), P("x")),
-        sds(mesh, (64, 64), P()),
-        mesh=mesh,
-        in_specs=(P("x"), P()),
-        out_specs=(P(), P("x")),
-    )
-    return split_async(program)
+    return split_window_toy(_step)
 
 
 def _ids():

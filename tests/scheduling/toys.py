@@ -103,6 +103,23 @@ def toy_program(reg=False) -> Program:
     )
 
 
+def split_window_toy(step) -> Graph:
+    """``step(x, w)`` (x of 64 x 64 split over 'x', w replicated; returning a replicated
+    value and one split over 'x') captured, its collectives split into async pairs."""
+    from scheduling.passes import split_async
+
+    mesh = mesh_x()
+    program = capture(
+        step,
+        sds(mesh, (64, 64), P("x")),
+        sds(mesh, (64, 64), P()),
+        mesh=mesh,
+        in_specs=(P("x"), P()),
+        out_specs=(P(), P("x")),
+    )
+    return split_async(program)
+
+
 def reference(step, mesh, in_specs, out_specs):
     return jax.jit(
         jax.shard_map(step, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
