@@ -189,11 +189,11 @@ def _measure(config, args: argparse.Namespace, write, devices) -> dict[str, dict
         result.update(
             pinned=kept.pinned if kept else "",
             withheld=kept.withheld if kept else None,
-            broken=[dataclasses.asdict(w) for w in scheduling.broken_windows(text)],
+            broken=[dataclasses.asdict(w) for w in windows.values() if not w.kept],
             groups=len(windows),
-            kept=sum(w.kept for w in windows.values()),
-            planned=sum(len(w.inside) for w in windows.values()),
-            placed=sum(w.placed for w in windows.values()),
+            kept=kept.kept if kept else 0,
+            planned=kept.planned if kept else 0,
+            placed=kept.placed if kept else 0,
             all_to_alls=len(all_to_alls),
             overlapped=sum(p.overlapped for p in all_to_alls),
         )
