@@ -6,7 +6,8 @@
         [--rounds 5] [--hlo-dir DIR]
 
 For each schedule (its windows pinned by barriers, ``schedule.xla_pin barriers``, and
-compiled twice, the second time with the plan's collective times; with modifiers:
+compiled twice with as many collectives in flight as its plan has, the second time with
+the plan's collective times; with modifiers:
 ``NAME:free`` not pinned, ``xla_pin none``; ``NAME:noprofile`` compiled once, without
 those times, ``xla_latencies false``; ``NAME:groups`` pinned as scheduling groups,
 ``xla_pin groups``; ``NAME:sync`` each collective emitted synchronously at its planned

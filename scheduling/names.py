@@ -57,10 +57,10 @@ XLA_PINS = ("barriers", "groups", "none")
 # start and done becomes a synchronous collective); no dot merger, which otherwise fuses
 # independent products that share an operand into one GEMM (seen on an H200: four products
 # of one weight, in different windows and one after an all-to-all's done, became one),
-# undoing the plan's placement of each; and two collectives in flight at once, as the
-# plans that overlap windows (pair, the pipeline's ticks) have them (by default one: XLA
-# closes a window before it opens the next). All three exist in the XLA of jax 0.10.2 and
-# 0.11.2 (an unknown flag stops XLA at start).
+# undoing the plan's placement of each; and two collectives in flight at once (by default
+# one: XLA closes a window before it opens the next), which a pinned step's compiles
+# raise to its plan's own count (:meth:`scheduling.runtime.pinning.Pinning.compiler_options`).
+# All three exist in the XLA of jax 0.10.2 and 0.11.2 (an unknown flag stops XLA at start).
 XLA_GPU_FLAGS = (
     "--xla_gpu_enable_latency_hiding_scheduler=true",
     "--xla_gpu_dot_merger_threshold_mb=0",

@@ -150,12 +150,14 @@ class ScheduledStep:
 
     def compile(self, *args: Any) -> CompiledStep:
         """Compile ahead of time; the result is called like the step itself. For a GPU,
-        with the plan's collective times (:mod:`scheduling.runtime.xla_latencies`):
+        with the pinning's compiler options (as many collectives in flight as the plan
+        has) and the plan's collective times (:mod:`scheduling.runtime.xla_latencies`):
         compiled once to name the windows' starts, then again with their times."""
         lowered = self.lower(*args)
-        if self.pinned.seconds and pinning.target_platform(self.program.mesh) == "gpu":
-            return CompiledStep(self, compile_with_latencies(lowered, self.pinned.seconds))
-        return CompiledStep(self, lowered.compile())
+        if pinning.target_platform(self.program.mesh) != "gpu":
+            return CompiledStep(self, lowered.compile())
+        options = self.pinned.compiler_options()
+        return CompiledStep(self, compile_with_latencies(lowered, self.pinned.seconds, options))
 
 
 class CompiledStep:

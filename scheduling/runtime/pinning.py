@@ -12,16 +12,19 @@ carries each window's planned collective time for XLA's latency estimator
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from scheduling.passes.order import Schedule
 from scheduling.program import jax_adapter
 from scheduling.program.capture import Op
-from scheduling.program.graph import Graph
+from scheduling.program.graph import Graph, Role
 from scheduling.runtime.xla_barriers import WINDOW_ATTRIBUTE, Pin, window_pins
 from scheduling.runtime.xla_groups import GROUP_ATTRIBUTE, scheduling_groups
+
+# The XLA:GPU option bounding how many async collectives its scheduler keeps in flight.
+OVERLAP_LIMIT_OPTION = "xla_gpu_experimental_parallel_collective_overlap_limit"
 
 
 @dataclass(frozen=True)
@@ -33,24 +36,46 @@ class Pinning:
     marks: Mapping[int, int] = field(default_factory=dict)  # node -> window or group
     pins: Mapping[int, Pin] = field(default_factory=dict)  # start -> its barriers
     withheld: str | None = None  # why groups were asked for and not emitted
-    # window -> its collective's planned seconds, for XLA:GPU's latency estimator
+    # window -> its planned seconds, for XLA:GPU's latency estimator
     seconds: Mapping[int, float] = field(default_factory=dict)
+    in_flight: int = 0  # the most collectives the plan has in flight at once (0: not pinned)
 
     @property
     def windows(self) -> int:
         """The windows marked in the program (held in place or not)."""
         return len(set(self.marks.values()))
 
+    def compiler_options(self) -> dict[str, int]:
+        """XLA:GPU options for compiling the pinned step: as many collectives in flight at
+        once as the plan has (XLA's own limit, one by default, closes a window before the
+        plan closes it whenever the plan has more open)."""
+        return {OVERLAP_LIMIT_OPTION: self.in_flight} if self.in_flight else {}
+
     def describe(self) -> str:
         if self.attribute == GROUP_ATTRIBUTE:
             return "as scheduling groups"
-        return "pinned by barriers" if self.pins else "not pinned"
+        if not self.pins:
+            return "not pinned"
+        return f"pinned by barriers, up to {self.in_flight} collectives in flight"
 
 
 def target_platform(mesh: Any) -> str:
     """The platform the step is emitted for: its mesh's devices' (``gpu`` also for an
     ahead-of-time GPU topology)."""
     return mesh.devices.flat[0].platform
+
+
+def most_in_flight(graph: Graph, order: Sequence[int]) -> int:
+    """The most split collectives ``order`` has started and not yet finished at once."""
+    open_now = most = 0
+    for node in order:
+        role = graph.nodes[node].role
+        if role is Role.START:
+            open_now += 1
+            most = max(most, open_now)
+        elif role is Role.DONE:
+            open_now -= 1
+    return most
 
 
 def pin_windows(
@@ -88,4 +113,5 @@ def pin_windows(
     seconds = {}
     if collective_seconds is not None:
         seconds = {pin.index: collective_seconds(graph.nodes[s].op) for s, pin in pins.items()}
-    return Pinning(WINDOW_ATTRIBUTE, marks, pins, seconds=seconds)
+    in_flight = most_in_flight(graph, schedule.order) if pins else 0
+    return Pinning(WINDOW_ATTRIBUTE, marks, pins, seconds=seconds, in_flight=in_flight)

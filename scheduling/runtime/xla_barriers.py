@@ -13,8 +13,9 @@ barriers bound a window:
   window's computation reads that exist by then: that computation cannot run before the
   collective could be issued;
 - at its done, the collective's result passes another with the values the window's
-  computation leaves for later: nothing that reads the collective's result can run
-  before that computation has finished.
+  computation leaves for anything outside it (a collective opened inside the window
+  included): nothing that reads the collective's result can run before that
+  computation has finished.
 
 Between the two, the window's computation is what the scheduler has to hide the
 collective behind, and it places it inside; the compiled order says whether it did
@@ -47,14 +48,14 @@ class Pin:
     index: int  # the window's number, in the order of the starts
     members: tuple[int, ...]  # the compute nodes the plan runs inside
     before: tuple[Value, ...]  # read by the members and defined before the start
-    after: tuple[Value, ...]  # defined by the members and read after the done
+    after: tuple[Value, ...]  # defined by the members and read outside the window
 
 
 def window_pins(graph: Graph, order: Sequence[int]) -> dict[int, Pin]:
     """The pin of every critical window of ``order`` with computation inside."""
     position = {node: i for i, node in enumerate(order)}
     defined_at = {}  # value -> position of the node that defines it (inputs: none)
-    read_at: dict[Value, list[int]] = {}
+    readers: dict[Value, set[int]] = {}  # value -> the nodes reading it (outputs: -1)
     for node in graph.nodes:
         if node.role is not Role.START:  # a split collective's results come at its done
             for value in node.op.outputs:
@@ -62,16 +63,16 @@ def window_pins(graph: Graph, order: Sequence[int]) -> dict[int, Pin]:
         if node.role is not Role.DONE:  # ... and its operand is read at its start
             for atom in node.op.inputs:
                 if isinstance(atom, Value):
-                    read_at.setdefault(atom, []).append(position[node.id])
+                    readers.setdefault(atom, set()).add(node.id)
     for atom in graph.program.outputs:
         if isinstance(atom, Value):
-            read_at.setdefault(atom, []).append(len(order))
+            readers.setdefault(atom, set()).add(-1)
 
     pins: dict[int, Pin] = {}
     for start, members in window_nodes(graph, order).items():
         if start in graph.deferrable or not members:
             continue
-        opened, closed = position[start], position[graph.nodes[start].partner]
+        opened, inside = position[start], set(members)
         before: dict[Value, None] = {}
         after: dict[Value, None] = {}
         for member in members:
@@ -80,7 +81,7 @@ def window_pins(graph: Graph, order: Sequence[int]) -> dict[int, Pin]:
                 if isinstance(atom, Value) and defined_at.get(atom, -1) < opened:
                     before[atom] = None
             for value in op.outputs:
-                if any(at > closed for at in read_at.get(value, ())):
+                if readers.get(value, set()) - inside:
                     after[value] = None
         pins[start] = Pin(len(pins), tuple(members), tuple(before), tuple(after))
     return pins

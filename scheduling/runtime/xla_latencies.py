@@ -44,14 +44,18 @@ def latency_profile(compiled_text: str, seconds: Mapping[int, float]) -> str:
     return "\n".join(costs) + "\n" if costs else ""
 
 
-def compile_with_latencies(lowered: Any, seconds: Mapping[int, float]) -> Any:
-    """Compile ``lowered`` (a ``jax.stages.Lowered``), and where the compiled module has
-    windows of ``seconds``, compile it again with their planned times."""
-    compiled = lowered.compile()
+def compile_with_latencies(
+    lowered: Any, seconds: Mapping[int, float], options: Mapping[str, Any] | None = None
+) -> Any:
+    """Compile ``lowered`` (a ``jax.stages.Lowered``) with the compiler ``options``, and
+    where the compiled module has windows of ``seconds``, compile it again with their
+    planned times."""
+    options = dict(options or {})
+    compiled = lowered.compile(compiler_options=options or None)
     profile = latency_profile(compiled.as_text(), seconds)
     if not profile:
         return compiled
     with tempfile.TemporaryDirectory() as directory:
         path = Path(directory) / "planned_latencies.pbtxt"
         path.write_text(profile)
-        return lowered.compile(compiler_options={PROFILE_OPTION: str(path)})
+        return lowered.compile(compiler_options={**options, PROFILE_OPTION: str(path)})

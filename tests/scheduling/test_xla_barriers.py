@@ -16,6 +16,7 @@ import scheduling.runtime.pinning
 from scheduling.passes.order import Schedule
 from scheduling.program.graph import Role
 from scheduling.runtime.emit import emit
+from scheduling.runtime.pinning import OVERLAP_LIMIT_OPTION, most_in_flight
 from scheduling.runtime.xla_barriers import window_pins
 from tests.scheduling.toys import mesh_x, sds, split_window_toy
 
@@ -66,6 +67,38 @@ def test_a_pin_passes_what_the_window_reads_and_what_it_leaves_for_later():
     assert (pin.index, pin.members) == (0, tuple(members))
     assert set(pin.before) == {x, w}  # p's and q's inputs from inside are not passed
     assert pin.after == tuple(graph.nodes[q].op.outputs)  # p is read inside only
+
+
+def _nested_step(x, w):
+    a = jax.lax.all_to_all(x * 2.0, "x", 0, 0, tiled=True)  # the outer window
+    b = jax.lax.all_to_all((x * 3.0) @ w, "x", 0, 0, tiled=True)  # opened inside it
+    r = (x * 4.0) @ w  # inside both
+    return jax.lax.psum(x * 5.0, "x"), a @ w + b + r
+
+
+def test_what_the_window_leaves_for_a_collective_it_encloses_passes_its_done_barrier():
+    # The product feeding the inner collective is read inside the outer window's span,
+    # but by no member of it: without passing the outer done barrier it could be
+    # computed after the outer collective is done, outside the window.
+    graph = split_window_toy(_nested_step)
+    nodes = graph.nodes
+    outer, inner = (n.id for n in nodes if n.role is Role.START and n.id not in graph.deferrable)
+    third, fourth = [n.id for n in nodes if n.op.primitive == "mul"][1:3]
+    feed, product, _ = (n.id for n in nodes if n.op.primitive == "dot_general")
+    window = [outer, third, feed, inner, fourth, product, nodes[outer].partner]
+    rest = [n.id for n in nodes if n.id not in window and n.id != nodes[inner].partner]
+    order = [*(n for n in rest if n < outer), *window, nodes[inner].partner]
+    order += [n for n in rest if n not in order]
+    pins = window_pins(graph, order)
+    assert pins[outer].members == (third, feed, fourth, product)
+    assert set(pins[outer].after) == {*nodes[feed].op.outputs, *nodes[product].op.outputs}
+    assert most_in_flight(graph, order) == 2
+
+
+def test_the_pinned_step_is_compiled_with_as_many_collectives_in_flight_as_the_plan(for_gpu):
+    graph, order, *_ = _planned()
+    assert emit(graph, _schedule(order)).pinned.compiler_options() == {OVERLAP_LIMIT_OPTION: 1}
+    assert emit(graph, _schedule(order), xla_pin="none").pinned.compiler_options() == {}
 
 
 def test_no_pin_for_a_window_with_nothing_inside():

@@ -47,7 +47,7 @@ class _Lowered:
 
     def compile(self, compiler_options=None):
         self.options.append(compiler_options)
-        if compiler_options:  # the profile exists while its compile runs
+        if PROFILE_OPTION in (compiler_options or {}):  # it exists while its compile runs
             with open(compiler_options[PROFILE_OPTION]) as file:
                 self.profile = file.read()
         return self
@@ -65,3 +65,10 @@ def test_a_step_with_windows_is_compiled_again_with_their_times():
     synchronous = _Lowered("HloModule step\n\nENTRY %main () -> f32[] {\n}\n")
     compile_with_latencies(synchronous, {0: 1e-4})
     assert synchronous.options == [None]
+
+
+def test_both_compiles_take_the_pinnings_options():
+    lowered = _Lowered(COMPILED)
+    compile_with_latencies(lowered, {0: 1e-4}, {"xla_option": 3})
+    assert lowered.options[0] == {"xla_option": 3}
+    assert lowered.options[1]["xla_option"] == 3 and PROFILE_OPTION in lowered.options[1]

@@ -1,7 +1,8 @@
 """What XLA:GPU needs to keep the plan, checked on the emitted train step (no GPU
 needed): pinned by barriers (the default), each critical window with computation in it
 is bounded by two optimization barriers and carries one ``_planned_window`` of its own
-(:mod:`scheduling.runtime.xla_barriers`); as scheduling groups, each window that holds
+(:mod:`scheduling.runtime.xla_barriers`), and the step is compiled with as many
+collectives in flight as its plan has; as scheduling groups, each window that holds
 a matrix product is one ``_scheduling_group_id`` — its async start, its done and the
 products placed in it, nothing else — and deferrable collectives carry none
 (:mod:`scheduling.runtime.xla_groups`)."""
@@ -16,6 +17,7 @@ import scheduling.runtime.pinning
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.presets import preset
 from jaxmoe.train.scheduled import plan_train_step
+from scheduling.runtime.pinning import OVERLAP_LIMIT_OPTION
 
 GROUP = re.compile(r'_scheduling_group_id = "(\d+)"')
 WINDOW = re.compile(r'_planned_window = "(\d+)"')
@@ -71,6 +73,11 @@ def test_each_window_is_a_start_a_done_and_computation_between_two_barriers():
     assert "_scheduling_group_id" not in text
     # Deferrable collectives (the gradient reductions) are left free.
     assert len(windows) < text.count('"stablehlo.async_done"')
+    # The pairing runs one microbatch's all-to-all beside the other's: the step is
+    # compiled with at least that many collectives in flight.
+    pinned = step.step.pinned
+    assert pinned.in_flight >= 2
+    assert pinned.compiler_options() == {OVERLAP_LIMIT_OPTION: pinned.in_flight}
 
 
 def test_each_group_is_a_start_a_done_and_products_placed_between():
