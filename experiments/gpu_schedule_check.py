@@ -190,7 +190,9 @@ def _measure(config, args: argparse.Namespace, write, devices) -> dict[str, dict
         result.update(
             pinned=kept.pinned if kept else "",
             withheld=kept.withheld if kept else None,
-            broken=[dataclasses.asdict(w) for w in windows.values() if not w.kept],
+            broken=[
+                {**dataclasses.asdict(w), "why": w.why} for w in windows.values() if not w.kept
+            ],
             groups=len(windows),
             kept=kept.kept if kept else 0,
             planned=kept.planned if kept else 0,
@@ -287,11 +289,11 @@ def _report(config, args, results: dict[str, dict], argv, devices) -> str:
         elif "run_error" in result:
             step = "did not run"
         if result["broken"]:
-            shown = ", ".join(
-                f"{w['group']} (start {w['start']}, done {w['done']}, between {w['inside']})"
+            shown = "; ".join(
+                f"{w['group']} ({w['why']}; start at {w['start']}, done at {w['done']})"
                 for w in result["broken"][:4]
             )
-            notes.append(f"- `{name}`: windows not kept, as (position in the entry): {shown}")
+            notes.append(f"- `{name}`: windows not kept (position in the entry): {shown}")
         lines.append(
             f"| {name} | {result['pinned'] or '-'} | {kept} | {inside} | {overlapped} | "
             f"{result['compile_s']:.1f} | {step} | {tokens_per_s} | {ratio} |"

@@ -53,6 +53,19 @@ class Window:
         return self.start < min(self.inside) and max(self.inside) < self.done
 
     @property
+    def why(self) -> str:
+        """Why the window is not kept, in words ('' when it is)."""
+        if self.start is None or self.done is None:
+            return "no async start and done: run synchronously, or combined with another"
+        if not self.inside:
+            return "nothing inside"
+        early = sum(position < self.start for position in self.inside)
+        late = sum(position > self.done for position in self.inside)
+        reasons = [f"{early} of {len(self.inside)} before its start"] if early else []
+        reasons += [f"{late} of {len(self.inside)} after its done"] if late else []
+        return ", ".join(reasons)
+
+    @property
     def placed(self) -> int:
         """Its instructions the compiled order runs between its start and its done."""
         if self.start is None or self.done is None:

@@ -26,9 +26,13 @@ def test_a_kept_window_and_one_turned_synchronous():
     found = windows(KEPT)
     assert set(found) == {0, 1}
     assert found[0].kept and (found[0].start, found[0].done) == (1, 4)
-    assert found[0].inside == [2, 3]
+    assert found[0].inside == [2, 3] and found[0].why == ""
     # Nothing between start and done: the compiler runs it synchronously.
     assert [w.group for w in broken_windows(KEPT)] == [1]
+    assert found[1].why == "nothing inside"
+    # A collective with no async pair left (combined with another, or synchronous).
+    combined = KEPT.replace("all-reduce-start(%dot.2)", "all-reduce(%dot.2)")
+    assert windows(combined)[1].why.startswith("no async start and done")
 
 
 def test_compute_moved_out_of_its_window_is_reported():
@@ -42,6 +46,7 @@ def test_compute_moved_out_of_its_window_is_reported():
         'frontend_attributes={_scheduling_group_id="0"}\n  %fusion.1 =',
     )
     assert 0 in [w.group for w in broken_windows(moved)]
+    assert windows(moved)[0].why == "2 of 2 after its done"
 
 
 # As XLA:GPU prints an async all-to-all: a nested tuple shape, operands with their shapes.
