@@ -6,7 +6,8 @@ One choice per step (``schedule.xla_pin``): between optimization barriers
 GPU marks each window's nodes with the window's number, so that its compiled order can be
 read against the plan (:mod:`scheduling.reports.hlo_windows`); with barriers it also
 carries each window's planned collective time for XLA's latency estimator
-(:mod:`scheduling.runtime.xla_latencies`). The emitter
+(:mod:`scheduling.runtime.xla_latencies`) and the most collectives the plan has in
+flight at once, XLA's limit for the step's compiles. The emitter
 (:mod:`scheduling.runtime.emit`) traces what a :class:`Pinning` says.
 """
 
@@ -36,7 +37,7 @@ class Pinning:
     marks: Mapping[int, int] = field(default_factory=dict)  # node -> window or group
     pins: Mapping[int, Pin] = field(default_factory=dict)  # start -> its barriers
     withheld: str | None = None  # why groups were asked for and not emitted
-    # window -> its planned seconds, for XLA:GPU's latency estimator
+    # window -> its collective's planned seconds, for XLA:GPU's latency estimator
     seconds: Mapping[int, float] = field(default_factory=dict)
     in_flight: int = 0  # the most collectives the plan has in flight at once (0: not pinned)
 

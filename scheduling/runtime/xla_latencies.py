@@ -52,6 +52,8 @@ def compile_with_latencies(
     planned times."""
     options = dict(options or {})
     compiled = lowered.compile(compiler_options=options or None)
+    if not seconds:
+        return compiled
     profile = latency_profile(compiled.as_text(), seconds)
     if not profile:
         return compiled
