@@ -97,15 +97,20 @@ def _reference(case: str):
     return run(with_schedule(_config(case), "none"), steps=STEPS)
 
 
-# expert_tensor2 alone is slow: tensor2-expert_tensor2 folds both axes by default.
-SLOW_LAYOUTS = {"expert_tensor2"}
+# expert_tensor2 alone is slow: tensor2-expert_tensor2 folds both axes by default. So are
+# the all_gather dispatcher (the folded layout's other exchange), dw where lancet packs the
+# same work on the same layout, and partition (lancet's ranges without the packing).
+SLOW_LAYOUTS = {"expert_tensor2", "tensor2-all_gather-dispatcher"}
+SLOW_CASES = {("dw", "tensor2-expert_tensor2"), ("partition", "tensor2-folded")}
 
 
 def _cases(pairs: list[tuple[str, str]]) -> list:
     return [
         pytest.param(
             schedule, case, id=f"{schedule}-{case}",
-            marks=pytest.mark.slow if case in SLOW_LAYOUTS else (),
+            marks=pytest.mark.slow
+            if case in SLOW_LAYOUTS or (schedule, case) in SLOW_CASES
+            else (),
         )
         for schedule, case in pairs
     ]  # fmt: skip

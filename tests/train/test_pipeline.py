@@ -9,7 +9,7 @@ with full-layer recomputation, 1F1B on uneven chunks (1 and 2 MoE layers: the fi
 stage's second position is padding), and 1F1B and the interleaved schedule with the
 distributed optimizer (ZeRO-1: on the unfolded layout the blocks sharded over the expert
 axis within a stage, the rest over the pipeline axis too) against the unpipelined run
-without it.
+without it. By default the uneven chunks run with ZeRO-1, one case for both.
 
 Tolerances. The same tokens drop (``dropped_fraction`` and ``tokens_per_expert`` equal
 exactly). The pipeline computes each block as the loop does, but its chunks are separate
@@ -82,8 +82,15 @@ CASES = {
     "interleaved": ("folded", 2, "layer", {}),
     "uneven": ("plain", 1, "none", dict(num_layers=3, moe_every=1, chunk_layers="1,2")),
     "zero1": ("plain", 1, "none", dict(zero=1)),
+    "uneven-zero1": (
+        "plain",
+        1,
+        "none",
+        dict(num_layers=3, moe_every=1, chunk_layers="1,2", zero=1),
+    ),
     "interleaved-zero1": ("folded", 2, "layer", dict(zero=1)),
 }
+DEFAULT_CASES = ("1f1b", "interleaved", "uneven-zero1")
 
 
 def config(
@@ -147,8 +154,9 @@ def _pipelined_and_plain(case: str) -> tuple[Config, Config]:
 @pytest.mark.parametrize(
     "case",
     [
-        # Interleaved with ZeRO-1 composes two cases that run apart by default.
-        pytest.param(case, marks=pytest.mark.slow if case == "interleaved-zero1" else ())
+        # By default uneven chunks run with ZeRO-1; each alone, and the interleaved schedule
+        # with ZeRO-1, are slow.
+        pytest.param(case, marks=() if case in DEFAULT_CASES else pytest.mark.slow)
         for case in CASES
     ],
 )

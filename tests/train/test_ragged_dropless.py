@@ -80,7 +80,14 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize(
+    # Sequence parallelism is another layout of the same exchange: slow.
+    "case",
+    [
+        pytest.param(c, marks=pytest.mark.slow if c.endswith("sequence-parallel") else ())
+        for c in CASES
+    ],
+)
 def test_ragged_dropless_trains_as_the_padded_dispatch_and_drops_nothing(case):
     name, *rest = CASES[case]
     (ragged, ragged_params), (padded, padded_params) = (
@@ -114,7 +121,9 @@ def test_ragged_dropless_trains_as_the_padded_dispatch_and_drops_nothing(case):
     "schedule",
     [
         # The composed schedules contain the slow ones' passes.
-        pytest.param(s, marks=pytest.mark.slow if s in ("dw", "partition", "comet") else ())
+        pytest.param(
+            s, marks=pytest.mark.slow if s in ("dw", "partition", "comet", "lancet") else ()
+        )
         for s in SCHEDULES
     ],
 )

@@ -31,6 +31,11 @@ LAYOUTS = {
     "tensor2": ParallelConfig(data=2, expert=4, tensor=2),
 }
 F32 = 4
+# The programs are checked on both layouts; the steps (two compiles each) on tensor2 are slow.
+STEPS_ON = [
+    "2x4",
+    pytest.param("tensor2", marks=pytest.mark.slow),
+]
 
 
 def _config(layout: str, recompute: str, schedule: str = "none") -> Config:
@@ -55,7 +60,7 @@ def test_the_flag_sets_the_field():
     assert config_from_train_args(["--model.recompute", "attention"]).model.recompute == "attention"
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", STEPS_ON)
 def test_recomputing_attention_trains_as_keeping_it(layout):
     result, reference = (_run(layout, recompute, steps=1) for recompute in ("attention", "none"))
     (history, state), (expected_history, expected_state) = result, reference
@@ -90,13 +95,13 @@ def test_the_attention_weights_are_no_longer_saved_for_backward(layout):
     assert kept.bytes - recomputed.bytes >= model.num_layers * weights
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", STEPS_ON)
 def test_the_dw_schedule_is_bit_for_bit_with_recompute(layout):
     # The emitted step keeps the recomputation's barrier, as the plain jit lowers it.
     chex.assert_trees_all_equal(_run(layout, "attention", "dw"), _run(layout, "attention"))
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", STEPS_ON)
 def test_the_lancet_schedule_matches_with_recompute(layout):
     # Partitioning changes XLA's fusions, hence the tolerances of test_partitioned.
     config = partitioned(_config(layout, "attention"), "lancet", chunks=2)

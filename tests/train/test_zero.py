@@ -162,7 +162,7 @@ def test_zero_two_is_refused():
     [
         (1, "2x4"),
         pytest.param(1, "tensor2-bf16", marks=pytest.mark.slow),  # ZeRO-3 covers the layout
-        (3, "2x4"),
+        pytest.param(3, "2x4", marks=pytest.mark.slow),  # ZeRO-1 covers the layout
         (3, "tensor2-bf16"),
     ],
 )
