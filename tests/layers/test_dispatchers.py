@@ -81,8 +81,22 @@ def one_device(case: Case):
     return forward_and_gradients(layer_for(case, "all_to_all"), x, cotangent)
 
 
-@pytest.mark.parametrize(("layout", "dispatcher"), MAPPINGS, ids=["-".join(m) for m in MAPPINGS])
-@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+def _layer_cases() -> list:
+    """Every mapping with top2-capacity, and every case on the folded layout with both
+    dispatchers, by default; the rest of the cross product is slow."""
+    return [
+        pytest.param(
+            case, layout, dispatcher, id=f"{case.name}-{layout}-{dispatcher}",
+            marks=()
+            if case.name == "top2-capacity" or layout == "tensor2-expert2-et4"
+            else pytest.mark.slow,
+        )
+        for case in CASES
+        for layout, dispatcher in MAPPINGS
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "layout", "dispatcher"), _layer_cases())
 def test_every_layout_drops_and_computes_what_one_device_does(case, layout, dispatcher):
     _, x, cotangent = inputs(case)
     want_y, want_stats, want_grads, want_grad_x = one_device(case)

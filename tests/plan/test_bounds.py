@@ -67,7 +67,19 @@ def estimated(options: Options):
     return variant.config, memory, times["none"].step
 
 
-@pytest.mark.parametrize("options", VARIANTS, ids=lambda o: o.label())
+# By default each ZeRO stage, each recomputation and both microbatch counts once; the rest
+# of the option sets are slow.
+DEFAULT_VARIANTS = {
+    Options(0, "none", 1), Options(1, "layer", 1), Options(3, "attention", 1),
+    Options(0, "none", 2), Options(3, "attention", 2),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "options",
+    [pytest.param(o, marks=() if o in DEFAULT_VARIANTS else pytest.mark.slow) for o in VARIANTS],
+    ids=lambda o: o.label(),
+)
 def test_one_trace_bounds_every_option_set(options):
     config, memory, step = estimated(options)
     bounds = screened()
