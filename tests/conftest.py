@@ -45,9 +45,9 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Leave out the cases marked ``slow`` (another layout, family or size for a claim a
-    default case checks) unless ``--slow`` is given, a ``-m`` expression chooses, or a
-    test is named by its id."""
+    """Leave out the cases marked ``slow`` (another layout, family, schedule, option set or
+    size for a claim a default case checks) unless ``--slow`` is given, a ``-m`` expression
+    chooses, or a test is named by its id."""
     named = any("::" in arg for arg in config.args)
     if config.getoption("--slow") or config.getoption("-m") or named:
         return
