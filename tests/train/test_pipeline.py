@@ -75,19 +75,16 @@ LAYOUTS = {
         dict(jitter=0.1),
     ),
 }
+# 3 layers in chunks of 1 and 2: the first stage's second position is padding.
+UNEVEN = dict(num_layers=3, moe_every=1, chunk_layers="1,2")
 # (layout, virtual stages, model.recompute, model fields, chunks and ZeRO stage) of each
 # pipelined run; its unpipelined run has no ZeRO.
 CASES = {
     "1f1b": ("plain", 1, "none", {}),
     "interleaved": ("folded", 2, "layer", {}),
-    "uneven": ("plain", 1, "none", dict(num_layers=3, moe_every=1, chunk_layers="1,2")),
+    "uneven": ("plain", 1, "none", UNEVEN),
     "zero1": ("plain", 1, "none", dict(zero=1)),
-    "uneven-zero1": (
-        "plain",
-        1,
-        "none",
-        dict(num_layers=3, moe_every=1, chunk_layers="1,2", zero=1),
-    ),
+    "uneven-zero1": ("plain", 1, "none", dict(UNEVEN, zero=1)),
     "interleaved-zero1": ("folded", 2, "layer", dict(zero=1)),
 }
 DEFAULT_CASES = ("1f1b", "interleaved", "uneven-zero1")
