@@ -67,6 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--link-mbit", type=float, default=0.0, help="the cost model's link (0: the profile's)"
     )
+    parser.add_argument(
+        "--async-min-bytes",
+        type=int,
+        default=0,
+        help="schedule.async_min_bytes: smaller collectives stay synchronous (no window)",
+    )
     parser.add_argument("--expert", type=int, default=None, help="expert-parallel size")
     parser.add_argument("--data", type=int, default=None, help="data-parallel size")
     parser.add_argument("--mock-devices", type=int, default=0, help="JAX's mock GPU topology")
@@ -130,7 +136,10 @@ def _config(args: argparse.Namespace, devices: int):
         parallel=dataclasses.replace(config.parallel, data=data, expert=expert),
         train=dataclasses.replace(config.train, microbatches=args.microbatches),
         schedule=dataclasses.replace(
-            config.schedule, profile=args.profile, link_mbit=args.link_mbit
+            config.schedule,
+            profile=args.profile,
+            link_mbit=args.link_mbit,
+            async_min_bytes=args.async_min_bytes,
         ),
     )
 

@@ -52,7 +52,7 @@ def optimize(
         donate_argnums=donate_argnums,
         transport=transports.connect(policy.transport, mesh, policy.link_mbit or None),
         xla_pin=policy.xla_pin,
-        collective_seconds=cost.seconds if policy.xla_latencies else None,
+        op_seconds=cost.seconds if policy.xla_latencies else None,
     )
     report = build_report(planned, cost, policy, program, axis_roles)
     if isinstance(cost, ProfiledCostModel):

@@ -55,8 +55,9 @@ class ScheduleConfig:
     # On GPU, how each critical window is held in place against XLA's own scheduler:
     # barriers (optimization barriers around it), groups (XLA scheduling groups) or none.
     xla_pin: str = "barriers"
-    # With barriers on GPU: compile twice, handing XLA's scheduler the plan's collective
-    # times the second time, so that it opens each window as early as the plan does.
+    # With barriers on GPU: compile twice, telling XLA's scheduler the second time that each
+    # window's collective lasts the plan's serial step, so that it opens each window where
+    # the plan does.
     xla_latencies: bool = True
 
     def __post_init__(self) -> None:

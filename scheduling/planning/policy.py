@@ -97,8 +97,8 @@ class SchedulePolicy:
     # group (scheduling.runtime.xla_groups), or not at all ("none": XLA's scheduler
     # orders the step).
     xla_pin: str = "barriers"
-    # With barriers: compile a step for GPU twice, the second time with the plan's time of
-    # each window's collective for XLA's latency estimator (scheduling.runtime.xla_latencies).
+    # With barriers: compile a step for GPU twice, the second time with a latency for each
+    # window's collective for XLA's latency estimator (scheduling.runtime.xla_latencies).
     xla_latencies: bool = True
 
     def __post_init__(self) -> None:

@@ -151,8 +151,8 @@ class ScheduledStep:
     def compile(self, *args: Any) -> CompiledStep:
         """Compile ahead of time; the result is called like the step itself. For a GPU,
         with the pinning's compiler options (as many collectives in flight as the plan
-        has) and the plan's collective times (:mod:`scheduling.runtime.xla_latencies`):
-        compiled once to name the windows' starts, then again with their times."""
+        has) and its windows' latencies (:mod:`scheduling.runtime.xla_latencies`):
+        compiled once to name the windows' starts, then again with their latencies."""
         lowered = self.lower(*args)
         if pinning.target_platform(self.program.mesh) != "gpu":
             return CompiledStep(self, lowered.compile())
@@ -189,7 +189,7 @@ def emit(
     donate_argnums: Sequence[int] = (),
     transport: Callable[[], Transport] | None = None,
     xla_pin: str = "barriers",
-    collective_seconds: Callable[[Op], float] | None = None,
+    op_seconds: Callable[[Op], float] | None = None,
 ) -> ScheduledStep:
     """A jit-compiled step running ``schedule``, its collectives through ``transport``
     (a factory from :func:`scheduling.runtime.transports.connect`; default: XLA's async
@@ -198,11 +198,11 @@ def emit(
     async primitives the adapter does not know), its windows pinned as ``xla_pin`` says
     (:func:`~scheduling.runtime.pinning.pin_windows`: ``barriers``, ``groups`` or
     ``none``, which leaves the order on GPU to XLA's latency-hiding scheduler).
-    ``collective_seconds``: the plan's time of a collective, which a barrier-pinned step
-    for GPU hands XLA's latency estimator when compiled ahead.
+    ``op_seconds``: the plan's time of an op, from which a barrier-pinned step for GPU
+    tells XLA's latency estimator its windows' latencies when compiled ahead.
     """
     if transport is None:
         transport = transports.connect("xla", graph.program.mesh)
-    pinned = pinning.pin_windows(graph, schedule, xla_pin, collective_seconds)
+    pinned = pinning.pin_windows(graph, schedule, xla_pin, op_seconds)
     run = per_device_function(graph, schedule, transport, pinned)
     return ScheduledStep(graph.program, run, donate_argnums, pinned)

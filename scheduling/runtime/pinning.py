@@ -5,7 +5,7 @@ One choice per step (``schedule.xla_pin``): between optimization barriers
 (:mod:`scheduling.runtime.xla_groups`), or not at all. Whatever the choice, a step for
 GPU marks each window's nodes with the window's number, so that its compiled order can be
 read against the plan (:mod:`scheduling.reports.hlo_windows`); with barriers it also
-carries each window's planned collective time for XLA's latency estimator
+carries each window's latency for XLA's latency estimator
 (:mod:`scheduling.runtime.xla_latencies`) and the most collectives the plan has in
 flight at once, XLA's limit for the step's compiles. The emitter
 (:mod:`scheduling.runtime.emit`) traces what a :class:`Pinning` says.
@@ -23,6 +23,7 @@ from scheduling.program.capture import Op
 from scheduling.program.graph import Graph, Role
 from scheduling.runtime.xla_barriers import WINDOW_ATTRIBUTE, Pin, window_pins
 from scheduling.runtime.xla_groups import GROUP_ATTRIBUTE, scheduling_groups
+from scheduling.runtime.xla_latencies import serial_seconds
 
 # The XLA:GPU option bounding how many async collectives its scheduler keeps in flight.
 OVERLAP_LIMIT_OPTION = "xla_gpu_experimental_parallel_collective_overlap_limit"
@@ -37,7 +38,7 @@ class Pinning:
     marks: Mapping[int, int] = field(default_factory=dict)  # node -> window or group
     pins: Mapping[int, Pin] = field(default_factory=dict)  # start -> its barriers
     withheld: str | None = None  # why groups were asked for and not emitted
-    # window -> its collective's planned seconds, for XLA:GPU's latency estimator
+    # window -> the latency XLA:GPU's estimator is told for its collective (seconds)
     seconds: Mapping[int, float] = field(default_factory=dict)
     in_flight: int = 0  # the most collectives the plan has in flight at once (0: not pinned)
 
@@ -83,15 +84,15 @@ def pin_windows(
     graph: Graph,
     schedule: Schedule,
     how: str,
-    collective_seconds: Callable[[Op], float] | None = None,
+    op_seconds: Callable[[Op], float] | None = None,
 ) -> Pinning:
     """The pinning ``how`` names (``barriers``, ``groups`` or ``none``) of ``schedule``:
     groups only where the compiler is not known to mishandle them
     (:func:`~scheduling.program.jax_adapter.xla_groups_withheld`). Without groups, every
     window is marked with its number all the same (a frontend attribute XLA ignores), so
     that the compiled order can be read against the plan, pinned or not. With
-    ``collective_seconds`` (the plan's time of a collective), barriers carry each
-    window's time for XLA:GPU's latency estimator (:mod:`scheduling.runtime.xla_latencies`).
+    ``op_seconds`` (the plan's time of an op), barriers carry each window's latency for
+    XLA:GPU's latency estimator (:mod:`scheduling.runtime.xla_latencies`).
 
     Barriers and marks are for XLA:GPU only: XLA:CPU runs every collective synchronously
     in an order of its own, where barriers would hold nothing and only change how it
@@ -112,7 +113,8 @@ def pin_windows(
     if how != "barriers":
         return Pinning(WINDOW_ATTRIBUTE, marks)
     seconds = {}
-    if collective_seconds is not None:
-        seconds = {pin.index: collective_seconds(graph.nodes[s].op) for s, pin in pins.items()}
+    if op_seconds is not None and pins:
+        latency = serial_seconds(graph, op_seconds)
+        seconds = {pin.index: latency for pin in pins.values()}
     in_flight = most_in_flight(graph, schedule.order) if pins else 0
     return Pinning(WINDOW_ATTRIBUTE, marks, pins, seconds=seconds, in_flight=in_flight)

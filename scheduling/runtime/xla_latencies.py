@@ -1,11 +1,19 @@
-"""The plan's collective times, handed to XLA:GPU's scheduler as a latency profile.
+"""The plan's windows, handed to XLA:GPU's scheduler as a latency profile.
 
 Barriers (:mod:`scheduling.runtime.xla_barriers`) bound each window's computation to
 after its collective's operand exists and before its result is read; how early inside
-that span the collective starts is the latency-hiding scheduler's choice, made from its
-own estimate of the collective's time. Where that estimate is shorter than the plan's
-(its default is a fixed guess, the plan's comes from the link model), it starts the
-collective late and runs part of the window's computation before it.
+that span the collective starts is the latency-hiding scheduler's choice. It starts a
+collective once its estimate of the collective's time is covered by the computation it
+has placed after the start, and its estimates are its own: a fixed guess for each
+collective, a nominal cost for each instruction. Told a collective's planned time, it
+still starts it late wherever it counts more computation in the window than that time
+(the plan fills a window with all the computation it can hold), and part of the
+window's computation runs before the collective.
+
+So each pinned window's start is told a latency nothing between its barriers can cover,
+the plan's time of the whole step run serially (:func:`serial_seconds`): the scheduler
+then starts the collective at its barrier, where the plan starts it, and what it places
+inside is the computation the barriers bound.
 
 XLA's profile-guided latency estimator takes instruction costs from a
 ``ProfiledInstructionsProto`` (text: ``costs { name: "..." cost_us: ... }``), by the
@@ -13,27 +21,35 @@ names of the instructions of the module it schedules, and falls back to its own
 estimate for any other. Those names exist only once the module is compiled, and
 compiling the same module again gives the same names: so a scheduled step is compiled
 once, the start of each marked window is found in the compiled module (by its
-``_planned_window`` attribute) and given its collective's planned time, and the step is
-compiled again with that profile (:data:`PROFILE_OPTION`).
+``_planned_window`` attribute) and given its latency, and the step is compiled again
+with that profile (:data:`PROFILE_OPTION`).
 """
 
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from scheduling.program.capture import Op
+from scheduling.program.graph import Graph, Role
 from scheduling.reports.hlo_windows import entry_instructions, parse_instruction, windows
 
 # The XLA debug option naming the profile, passed to one compile as a compiler option.
 PROFILE_OPTION = "xla_gpu_pgle_profile_file_or_directory_path"
 
 
+def serial_seconds(graph: Graph, op_seconds: Callable[[Op], float]) -> float:
+    """The plan's time of every op of ``graph`` run one after another (a split
+    collective counted once): longer than any window of any order of it."""
+    return sum(op_seconds(node.op) for node in graph.nodes if node.role is not Role.DONE)
+
+
 def latency_profile(compiled_text: str, seconds: Mapping[int, float]) -> str:
-    """A profile giving the start of each window of ``seconds`` (window -> planned
-    seconds of its collective) found in ``compiled_text`` its planned time; empty
-    where none is found (a module with no async collective, as on XLA:CPU)."""
+    """A profile giving the start of each window of ``seconds`` (window -> the latency
+    its collective is told) found in ``compiled_text`` that latency; empty where none
+    is found (a module with no async collective, as on XLA:CPU)."""
     lines = entry_instructions(compiled_text)
     costs = []
     for number, window in sorted(windows(compiled_text).items()):
@@ -49,7 +65,7 @@ def compile_with_latencies(
 ) -> Any:
     """Compile ``lowered`` (a ``jax.stages.Lowered``) with the compiler ``options``, and
     where the compiled module has windows of ``seconds``, compile it again with their
-    planned times."""
+    latencies."""
     options = dict(options or {})
     compiled = lowered.compile(compiler_options=options or None)
     if not seconds:

@@ -151,18 +151,26 @@ def test_pinned_and_free_steps_compute_the_same_bits(for_gpu):
         np.random.default_rng(1).normal(size=(64, 64)).astype(np.float32) / 8,
         jax.NamedSharding(mesh, P()),
     )
-    pinned = emit(graph, _schedule(order), xla_pin="barriers", collective_seconds=lambda op: 2e-4)
-    free = emit(graph, _schedule(order), xla_pin="none", collective_seconds=lambda op: 2e-4)
-    # Both mark the window; only the pinned step holds it, with its collective's time.
+
+    def op_seconds(op):
+        return 1e-3 if op.is_collective else 1e-5
+
+    pinned = emit(graph, _schedule(order), xla_pin="barriers", op_seconds=op_seconds)
+    free = emit(graph, _schedule(order), xla_pin="none", op_seconds=op_seconds)
+    # Both mark the window; only the pinned step holds it, its collective told the whole
+    # step's serial time: longer than the collective and the computation beside it.
     assert pinned.pinned.windows == free.pinned.windows == 1
-    assert (len(pinned.pinned.pins), pinned.pinned.seconds) == (1, {0: 2e-4})
+    serial = sum(op_seconds(node.op) for node in graph.nodes if node.role is not Role.DONE)
+    assert (len(pinned.pinned.pins), pinned.pinned.seconds) == (1, {0: pytest.approx(serial)})
+    (pin,) = pinned.pinned.pins.values()
+    assert serial > 1e-3 + 1e-5 * len(pin.members)
     assert (free.pinned.pins, free.pinned.seconds) == ({}, {})
     chex.assert_trees_all_equal(pinned(x, w), free(x, w))
 
 
 def test_a_step_for_cpus_is_neither_pinned_nor_marked():
     graph, order, *_ = _planned()
-    step = emit(graph, _schedule(order), xla_pin="barriers", collective_seconds=lambda op: 1.0)
+    step = emit(graph, _schedule(order), xla_pin="barriers", op_seconds=lambda op: 1.0)
     assert step.pinned.windows == 0 and not step.pinned.pins and not step.pinned.seconds
     mesh = mesh_x()
     args = (sds(mesh, (64, 64), P("x")), sds(mesh, (64, 64), P()))
