@@ -3,13 +3,13 @@
     python -m experiments.gpu_schedule_check [--preset mixtral-tiny] [--layers 2] \\
         [--schedules none,lancet,pair,pair:free] [--microbatches 2] \\
         [--mock-devices 8 | --aot-devices 8 [--aot-target h100_sxm]] [--steps 10] \\
-        [--rounds 5] [--hlo-dir DIR]
+        [--rounds 5] [--async-min-bytes 0] [--hlo-dir DIR]
 
 For each schedule (its windows pinned by barriers, ``schedule.xla_pin barriers``, and
 compiled twice with as many collectives in flight as its plan has, the second time with
-the plan's collective times; with modifiers:
+each window's latency, :mod:`scheduling.runtime.xla_latencies`; with modifiers:
 ``NAME:free`` not pinned, ``xla_pin none``; ``NAME:noprofile`` compiled once, without
-those times, ``xla_latencies false``; ``NAME:groups`` pinned as scheduling groups,
+those latencies, ``xla_latencies false``; ``NAME:groups`` pinned as scheduling groups,
 ``xla_pin groups``; ``NAME:sync`` each collective emitted synchronously at its planned
 start, ``schedule.transport sync``, its split left to XLA; ``pair:sync:free`` combines
 them): plan the preset's train step, compile it with the scheduler flags
@@ -270,6 +270,11 @@ def _report(config, args, results: dict[str, dict], argv, devices) -> str:
         f"{config.parallel.data} x expert {config.parallel.expert}, "
         f"{config.train.microbatches} microbatches, cost profile {args.profile}"
         + (f" with a {args.link_mbit:g} Mbit/s link" if args.link_mbit else "")
+        + (
+            f", collectives under {args.async_min_bytes} bytes synchronous"
+            if args.async_min_bytes
+            else ""
+        )
         + "; "
         + (timed if not args.aot_devices else "compiled only."),
         "",
