@@ -1,5 +1,7 @@
 """The GPU check's schedule variants and device descriptions (its runs need a GPU)."""
 
+import argparse
+
 import pytest
 
 from experiments import gpu_schedule_check
@@ -22,6 +24,24 @@ def test_variants_name_a_schedule_and_how_it_is_pinned_and_emitted():
     assert gpu_schedule_check._variant(config, "pair:noprofile").schedule.xla_latencies is False
     with pytest.raises(SystemExit, match="then any of :free, :noprofile, :groups, :sync"):
         gpu_schedule_check._variant(config, "pair:fast")
+
+
+def test_the_configuration_takes_the_checks_layout_and_schedule_settings():
+    args = argparse.Namespace(
+        preset="mixtral-tiny",
+        layers=2,
+        microbatches=4,
+        profile="h100-8x-nvlink-3200g",
+        link_mbit=5000.0,
+        async_min_bytes=1024,
+        expert=None,
+        data=None,
+    )
+    config = gpu_schedule_check._config(args, devices=8)
+    assert (config.parallel.data, config.parallel.expert) == (1, 8)
+    assert (config.model.num_layers, config.train.microbatches) == (2, 4)
+    schedule = config.schedule
+    assert (schedule.link_mbit, schedule.async_min_bytes) == (5000.0, 1024)
 
 
 def test_the_devices_are_described_as_what_ran():
