@@ -56,8 +56,8 @@ class ScheduleConfig:
     # barriers (optimization barriers around it), groups (XLA scheduling groups) or none.
     xla_pin: str = "barriers"
     # With barriers on GPU: compile twice, telling XLA's scheduler the second time that each
-    # window's collective lasts the plan's serial step, so that it opens each window where
-    # the plan does.
+    # window's collective lasts longer than anything beside it, so that it opens each
+    # window where the plan does.
     xla_latencies: bool = True
 
     def __post_init__(self) -> None:

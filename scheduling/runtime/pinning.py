@@ -23,7 +23,7 @@ from scheduling.program.capture import Op
 from scheduling.program.graph import Graph, Role
 from scheduling.runtime.xla_barriers import WINDOW_ATTRIBUTE, Pin, window_pins
 from scheduling.runtime.xla_groups import GROUP_ATTRIBUTE, scheduling_groups
-from scheduling.runtime.xla_latencies import serial_seconds
+from scheduling.runtime.xla_latencies import window_latencies
 
 # The XLA:GPU option bounding how many async collectives its scheduler keeps in flight.
 OVERLAP_LIMIT_OPTION = "xla_gpu_experimental_parallel_collective_overlap_limit"
@@ -112,9 +112,6 @@ def pin_windows(
             marks[node] = pin.index  # a node in nested windows: the innermost
     if how != "barriers":
         return Pinning(WINDOW_ATTRIBUTE, marks)
-    seconds = {}
-    if op_seconds is not None and pins:
-        latency = serial_seconds(graph, op_seconds)
-        seconds = {pin.index: latency for pin in pins.values()}
+    seconds = window_latencies(graph, len(pins), op_seconds) if op_seconds else {}
     in_flight = most_in_flight(graph, schedule.order) if pins else 0
     return Pinning(WINDOW_ATTRIBUTE, marks, pins, seconds=seconds, in_flight=in_flight)

@@ -10,10 +10,18 @@ still starts it late wherever it counts more computation in the window than that
 (the plan fills a window with all the computation it can hold), and part of the
 window's computation runs before the collective.
 
-So each pinned window's start is told a latency nothing between its barriers can cover,
-the plan's time of the whole step run serially (:func:`serial_seconds`): the scheduler
-then starts the collective at its barrier, where the plan starts it, and what it places
-inside is the computation the barriers bound.
+So each pinned window's start is told a latency nothing between its barriers can cover
+(:func:`window_latencies`): the scheduler then starts the collective at its barrier,
+where the plan starts it, and what it places inside is the computation the barriers
+bound. Nothing covers the plan's time of the whole step run serially, but one latency
+for all is not enough where windows overlap: the scheduler works from the end of the
+step backwards, and where it places a start whose latency is not covered it advances
+its clock to that start's due time, a stall that counts for every collective still
+open. A window opened before a later one's start and told the same latency would be
+covered by that stall a few instructions later and started there. So the windows'
+latencies grow towards the start of the step by the serial step each: window ``k`` of
+``n`` (numbered in the order of the starts) is told ``n - k`` serial steps, more than
+any stall of the windows after it.
 
 XLA's profile-guided latency estimator takes instruction costs from a
 ``ProfiledInstructionsProto`` (text: ``costs { name: "..." cost_us: ... }``), by the
@@ -40,10 +48,14 @@ from scheduling.reports.hlo_windows import entry_instructions, parse_instruction
 PROFILE_OPTION = "xla_gpu_pgle_profile_file_or_directory_path"
 
 
-def serial_seconds(graph: Graph, op_seconds: Callable[[Op], float]) -> float:
-    """The plan's time of every op of ``graph`` run one after another (a split
-    collective counted once): longer than any window of any order of it."""
-    return sum(op_seconds(node.op) for node in graph.nodes if node.role is not Role.DONE)
+def window_latencies(
+    graph: Graph, windows: int, op_seconds: Callable[[Op], float]
+) -> dict[int, float]:
+    """The latency the start of each of ``windows`` pinned windows (numbered in the
+    order of the starts) is told: ``windows - k`` times the plan's time of every op of
+    ``graph`` run one after another (a split collective counted once)."""
+    serial = sum(op_seconds(node.op) for node in graph.nodes if node.role is not Role.DONE)
+    return {k: serial * (windows - k) for k in range(windows)}
 
 
 def latency_profile(compiled_text: str, seconds: Mapping[int, float]) -> str:

@@ -158,7 +158,8 @@ def test_pinned_and_free_steps_compute_the_same_bits(for_gpu):
     pinned = emit(graph, _schedule(order), xla_pin="barriers", op_seconds=op_seconds)
     free = emit(graph, _schedule(order), xla_pin="none", op_seconds=op_seconds)
     # Both mark the window; only the pinned step holds it, its collective told the whole
-    # step's serial time: longer than the collective and the computation beside it.
+    # step's serial time (one window: one serial step), longer than the collective and
+    # the computation beside it.
     assert pinned.pinned.windows == free.pinned.windows == 1
     serial = sum(op_seconds(node.op) for node in graph.nodes if node.role is not Role.DONE)
     assert (len(pinned.pinned.pins), pinned.pinned.seconds) == (1, {0: pytest.approx(serial)})

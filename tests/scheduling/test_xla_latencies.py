@@ -1,12 +1,18 @@
-"""The plan's collective times as XLA:GPU's latency profile: found by the windows'
-marks in the compiled module, handed to a second compile."""
+"""The windows' latencies as XLA:GPU's latency profile: found by the windows' marks in
+the compiled module, handed to a second compile."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
+
+from scheduling.program.graph import Role
 from scheduling.runtime.xla_latencies import (
     PROFILE_OPTION,
     compile_with_latencies,
     latency_profile,
+    window_latencies,
 )
 
 T = "f32[8,4]{1,0}"
@@ -28,7 +34,19 @@ ENTRY %main (p0: f32[8,4]) -> f32[8,4] {{
 """
 
 
-def test_each_windows_start_gets_its_planned_time_in_microseconds():
+def test_earlier_windows_are_told_longer_latencies_than_the_serial_steps_after_them():
+    """Three windows over a step of 1 ms of computation and two split collectives of
+    2 ms (each counted once): the serial step is 5 ms; window k of 3 is told 3 - k."""
+    nodes = [SimpleNamespace(op=("compute", 1e-3), role=Role.COMPUTE)]
+    for _ in range(2):
+        nodes.append(SimpleNamespace(op=("collective", 2e-3), role=Role.START))
+        nodes.append(SimpleNamespace(op=("collective", 2e-3), role=Role.DONE))
+    latencies = window_latencies(SimpleNamespace(nodes=nodes), 3, lambda op: op[1])
+    assert latencies == pytest.approx({0: 15e-3, 1: 10e-3, 2: 5e-3})
+    assert window_latencies(SimpleNamespace(nodes=nodes), 0, lambda op: op[1]) == {}
+
+
+def test_each_windows_start_gets_its_latency_in_microseconds():
     profile = latency_profile(COMPILED, {0: 250e-6, 1: 1.5e-3})
     assert profile == (
         'costs { name: "all-to-all-start.3" cost_us: 250.000 }\n'
