@@ -112,6 +112,6 @@ def pin_windows(
             marks[node] = pin.index  # a node in nested windows: the innermost
     if how != "barriers":
         return Pinning(WINDOW_ATTRIBUTE, marks)
-    seconds = window_latencies(graph, len(pins), op_seconds) if op_seconds else {}
+    seconds = window_latencies(graph, len(pins), op_seconds) if op_seconds and pins else {}
     in_flight = most_in_flight(graph, schedule.order) if pins else 0
     return Pinning(WINDOW_ATTRIBUTE, marks, pins, seconds=seconds, in_flight=in_flight)
