@@ -49,13 +49,13 @@ PROFILE_OPTION = "xla_gpu_pgle_profile_file_or_directory_path"
 
 
 def window_latencies(
-    graph: Graph, windows: int, op_seconds: Callable[[Op], float]
+    graph: Graph, count: int, op_seconds: Callable[[Op], float]
 ) -> dict[int, float]:
-    """The latency the start of each of ``windows`` pinned windows (numbered in the
-    order of the starts) is told: ``windows - k`` times the plan's time of every op of
-    ``graph`` run one after another (a split collective counted once)."""
+    """The latency the start of each of ``count`` pinned windows (numbered in the order
+    of the starts) is told: ``count - k`` times the plan's time of every op of ``graph``
+    run one after another (a split collective counted once)."""
     serial = sum(op_seconds(node.op) for node in graph.nodes if node.role is not Role.DONE)
-    return {k: serial * (windows - k) for k in range(windows)}
+    return {k: serial * (count - k) for k in range(count)}
 
 
 def latency_profile(compiled_text: str, seconds: Mapping[int, float]) -> str:
