@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    from jaxmoe.train.data import BatchSampler, TokenSplits, load_tokens, put_on_mesh
+    from jaxmoe.data.batches import BatchSampler, TokenSplits, load_tokens, put_on_mesh
     from jaxmoe.train.state import init_train_state
     from jaxmoe.train.step import build_train_step
 

@@ -159,7 +159,7 @@ def warmed_states(steps: dict, configs: dict, sampler, mesh, warm_steps: int) ->
     import jax
     import jax.numpy as jnp
 
-    from jaxmoe.train.data import put_on_mesh
+    from jaxmoe.data.batches import put_on_mesh
     from jaxmoe.train.state import init_train_state
 
     state = init_train_state(configs[WARM_VARIANT], mesh)
@@ -177,8 +177,8 @@ def measure_variants(name: str, steps: int, repeats: int, warm_steps: int) -> di
     import jax
 
     from experiments.emulation.host_process import round_order, train_batches
+    from jaxmoe.data.batches import put_on_mesh
     from jaxmoe.parallel.mesh import build_mesh
-    from jaxmoe.train.data import put_on_mesh
     from jaxmoe.train.scheduled import plan_train_step
 
     configs = {variant: variant_config(name, variant) for variant in VARIANTS}
@@ -259,7 +259,7 @@ def host_main(argv: list[str]) -> int:
     import scheduling
     from experiments.emulation.host_process import train_batches
     from jaxmoe.config import Config
-    from jaxmoe.train.data import put_on_mesh
+    from jaxmoe.data.batches import put_on_mesh
     from jaxmoe.train.scheduled import plan_train_step
 
     mesh = prepared.mesh

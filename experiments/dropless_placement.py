@@ -30,7 +30,7 @@ from experiments.dropless_variants import BASELINE, PLACEMENT_TARGET, met, varia
 
 PLACEMENT_SLOTS = 2  # expert slots per device in the placement runs
 # The routing history's constants swept by the replays: (half-life in steps, last step's
-# weight), as jaxmoe.train.routing_history.SMOOTHING gives them.
+# weight), as jaxmoe.placement.routing_history.SMOOTHING gives them.
 SMOOTHING_HALF_LIVES = (8.0, 32.0, 128.0)
 SMOOTHING_LATEST = (0.0, 0.5, 0.7, 0.8, 0.9, 1.0)
 SMOOTHING_GRID = tuple((h, w) for h in SMOOTHING_HALF_LIVES for w in SMOOTHING_LATEST)
@@ -61,7 +61,7 @@ def _history(mode: str, smoothing: tuple[float, float] | None = None):
     """The planner's routing history for a replay ``mode``: ``smoothed`` (its own
     constants, or ``smoothing`` for both metrics), ``last`` (the last step alone),
     ``mean`` (the smoothed mean alone) or ``hindsight`` (a fresh one every step)."""
-    from jaxmoe.train.routing_history import SMOOTHING, RoutingHistory
+    from jaxmoe.placement.routing_history import SMOOTHING, RoutingHistory
 
     if mode == "smoothed" and smoothing is not None:
         return RoutingHistory({key: smoothing for key in SMOOTHING})
@@ -95,8 +95,8 @@ def replay(
     fraction (exact from ``kept_by_copies``). ``mode``, ``smoothing``: see ``_history``;
     mode ``static``: the initial table throughout; ``fitted`` (dropless): planned from
     ``fitted_loads`` over the last half (before it, from the last step)."""
-    from jaxmoe.parallel.placement import replicas_per_expert
-    from jaxmoe.train.placement_planner import device_loads, plan_placement
+    from jaxmoe.placement.planner import device_loads, plan_placement
+    from jaxmoe.placement.replicas import replicas_per_expert
     from jaxmoe.train.state import initial_placement
 
     history = _history("last" if mode == "fitted" else mode, smoothing)
@@ -230,7 +230,7 @@ def _replayed(entry: dict) -> float:
 
 
 def placement_lines(result: dict) -> list[str]:
-    from jaxmoe.train.routing_history import SMOOTHING
+    from jaxmoe.placement.routing_history import SMOOTHING
 
     p, steps = result["placement"], result["placement_steps"]
     d, c = p["dropless"], p["capacity"]
@@ -342,7 +342,7 @@ def _balanced_split_lines(d: dict, b: dict) -> list[str]:
         "",
         "The same dropless runs with the ragged dispatch splitting each expert's rows over "
         "its copies inside the step, from that step's routed counts "
-        "(`jaxmoe/layers/copy_split.py`); the planner judges its tables under that split "
+        "(`jaxmoe/placement/copy_split.py`); the planner judges its tables under that split "
         "over the last steps' routing. Last half of each run; the range over blocks is "
         "that of dynamic over static within a pair of runs.",
         "",
@@ -391,7 +391,7 @@ def _balanced_split_lines(d: dict, b: dict) -> list[str]:
 
 def _placement_reading(d: dict, c: dict) -> list[str]:
     """Why the placement figures are what they are, each statement read off them."""
-    from jaxmoe.train.routing_history import SMOOTHING
+    from jaxmoe.placement.routing_history import SMOOTHING
 
     rd, rc = d["replay"], c["replay"]
     hindsight_d = rd["hindsight"] / rd["static"]

@@ -51,7 +51,7 @@ def reuses_attention_layout(mapping: Mapping) -> bool:
 
     Precisely: ``expert_tensor == tensor``, so each expert-tensor group is exactly one
     attention tensor group (both are the innermost ``tensor`` devices of the numbering,
-    :mod:`jaxmoe.parallel.layout`), and the expert group, the next ``expert`` such groups, lies
+    :mod:`jaxmoe.config.layout`), and the expert group, the next ``expert`` such groups, lies
     inside attention's data axis: its devices differ only in their attention data index,
     never in their tensor index (Megatron-Core without folding: EP divides DP, ETP = TP).
     A folded mapping is any valid one; it may also put the expert group across the

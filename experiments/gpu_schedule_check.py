@@ -227,7 +227,7 @@ def _measure(config, args: argparse.Namespace, write, devices) -> dict[str, dict
 def _time(config, mesh, steps, results, args) -> None:
     import jax
 
-    from jaxmoe.train.data import BatchSampler, TokenSplits, load_tokens, put_on_mesh
+    from jaxmoe.data.batches import BatchSampler, TokenSplits, load_tokens, put_on_mesh
     from jaxmoe.train.state import init_train_state
 
     splits = TokenSplits(load_tokens(config.data), config.data.val_fraction, config.model.seq_len)

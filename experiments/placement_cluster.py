@@ -204,7 +204,7 @@ def reading(shaped: dict, free: dict | None) -> list[str]:
         text += f" ({unshaped.median:.2f}x on the unshaped one)"
     text += (
         ": every step all-gathers the home experts' parameters over the expert axis and "
-        "reduce-scatters their gradients (`jaxmoe/parallel/placement.py`), whether or not a "
+        "reduce-scatters their gradients (`jaxmoe/placement/replicas.py`), whether or not a "
         "copy moved, and on this link those bytes cross between the hosts. "
     )
     dynamic = Spread.of(round_ratios(seconds["dynamic"], seconds["static"]))

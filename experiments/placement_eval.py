@@ -94,8 +94,8 @@ def _replayed_drops(rows: list[dict], config, hindsight: bool) -> list[float]:
     and routing does not depend on the placement, so this is what that routing would have
     dropped under the planner's tables. ``hindsight``: each window planned from its own
     routing (the best the planner could do knowing the window in advance)."""
-    from jaxmoe.parallel.placement import replicas_per_expert
-    from jaxmoe.train.placement_planner import plan_placement
+    from jaxmoe.placement.planner import plan_placement
+    from jaxmoe.placement.replicas import replicas_per_expert
     from jaxmoe.train.state import initial_placement
 
     every = config.moe.rebalance_every

@@ -35,7 +35,7 @@ from jaxmoe.plan.mappings import Mapping
 
 if TYPE_CHECKING:  # the planner imports JAX
     from jaxmoe.plan.estimates import StepTime
-    from jaxmoe.train.memory import StepMemory
+    from jaxmoe.plan.memory import StepMemory
 
 SOURCE = (
     "Megatron-Core's MoE benchmark recipes for these models, by the Parallel Folding "
@@ -139,9 +139,9 @@ def estimate_recipe_row(model: str, profile: str, row: str, mapping: Mapping) ->
     import scheduling
     from jaxmoe.plan.estimates import EstimateCache
     from jaxmoe.plan.mappings import with_mapping
+    from jaxmoe.plan.mfu import mfu
+    from jaxmoe.plan.model_flops import model_flops
     from jaxmoe.plan.planner import estimate_mapping
-    from jaxmoe.train.mfu import mfu
-    from jaxmoe.train.model_flops import model_flops
 
     recipe = RECIPES[model]
     config = recipe_config(model)

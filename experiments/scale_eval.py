@@ -14,7 +14,7 @@ estimated by the same planner, beside the best layout of part 1 at their batch.
 
 Part 2 (8 CPU devices, XLA:CPU): a small model with each option against the plain step:
 the compiled memory (XLA's memory analysis) beside the memory walk of
-:mod:`jaxmoe.train.memory` (as XLA:CPU and as XLA:GPU hold it), and the step time over
+:mod:`jaxmoe.plan.memory` (as XLA:CPU and as XLA:GPU hold it), and the step time over
 repeated steps.
 
     python -m experiments.scale_eval [--models M,...] [--devices 64,128,256] [--top 10]
@@ -280,7 +280,7 @@ def measure_options_on_cpu(repeats: int) -> list[dict[str, Any]]:
 
     from jaxmoe.config import Config
     from jaxmoe.parallel.mesh import build_mesh, token_spec
-    from jaxmoe.train.memory import step_memory
+    from jaxmoe.plan.memory import step_memory
     from jaxmoe.train.scheduled import capture_train_step, plan_train_step
     from jaxmoe.train.state import abstract_train_state, init_train_state
 
@@ -388,7 +388,7 @@ def report(
         "",
         "The best mapping that fits, against Megatron-Core's published MFU on H100s (MoE "
         "Parallel Folding). Memory per device at the step's peak, as XLA:GPU would hold "
-        "the traced step (jaxmoe/train/memory.py).",
+        "the traced step (jaxmoe/plan/memory.py).",
         "",
         *best_rows(runs),
         "",
@@ -429,7 +429,7 @@ def report(
             "fall; the walk as XLA:GPU keeps them says what it saves there) and runs every "
             "microbatch's forward pass first. The walk follows a pipeline's ticks in their "
             "order; XLA:CPU holds more (it runs forward slots before the previous tick's "
-            "backward slot, which nothing orders after them; tests/train/test_memory.py "
+            "backward slot, which nothing orders after them; tests/plan/test_memory.py "
             "bounds it by the walk with every forward slot a stage's chunks of ticks early).",
             "",
             *cpu_rows(measured),

@@ -51,7 +51,7 @@ def start_host(args: argparse.Namespace) -> Any:
 
 def train_batches(config) -> Any:
     """The training batches of ``config`` (a ``BatchSampler``; each host builds its rows)."""
-    from jaxmoe.train.data import BatchSampler, load_splits
+    from jaxmoe.data.batches import BatchSampler, load_splits
 
     return BatchSampler(
         load_splits(config).train, config.model.seq_len, config.train.batch_size, config.train.seed

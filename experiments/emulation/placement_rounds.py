@@ -111,10 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import numpy as np
 
-    from jaxmoe.train.data import put_on_mesh
+    from jaxmoe.data.batches import put_on_mesh
+    from jaxmoe.placement.planner import PlacementLog
     from jaxmoe.train.loop import rebalance
     from jaxmoe.train.metrics import host_row
-    from jaxmoe.train.placement_planner import PlacementLog
     from jaxmoe.train.scheduled import plan_train_step
     from jaxmoe.train.state import init_train_state
 

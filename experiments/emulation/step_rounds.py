@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    from jaxmoe.train.data import put_on_mesh
+    from jaxmoe.data.batches import put_on_mesh
     from jaxmoe.train.scheduled import plan_train_step
     from jaxmoe.train.state import init_train_state
 

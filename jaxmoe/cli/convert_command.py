@@ -112,7 +112,7 @@ def _from_hf(args: argparse.Namespace) -> int:
 
     from jaxmoe.cli.run_dir import RUN_FILES, check_free_space, clear_run_files, prepare_run_dir
     from jaxmoe.hf.convert import HF_DIR, abstract_leaves, from_hf, plan_from_hf
-    from jaxmoe.train.host_memory import host_memory_bytes
+    from jaxmoe.plan.host_memory import host_memory_bytes
     from jaxmoe.train.state import abstract_train_state
 
     given = [f"--{flag.replace('_', '-')}" for flag in _TO_HF_FLAGS if getattr(args, flag)]

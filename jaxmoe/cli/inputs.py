@@ -14,7 +14,7 @@ tokenizer's vocabulary against ``model.vocab_size``, the end-of-document id that
 from __future__ import annotations
 
 from jaxmoe.config import Config, ConfigError, ScheduleConfig
-from jaxmoe.train.data import load_splits
+from jaxmoe.data.batches import load_splits
 from scheduling import CollectiveCurves
 
 

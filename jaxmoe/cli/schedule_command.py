@@ -16,8 +16,8 @@ from jaxmoe.config import Config, ConfigError
 
 def run(config: Config, args: argparse.Namespace) -> int:
     from jaxmoe.plan.grad_sync_choice import CHOICE_FILE
+    from jaxmoe.plan.mfu import estimated_mfu
     from jaxmoe.prepare import prepare_run
-    from jaxmoe.train.mfu import estimated_mfu
     from jaxmoe.train.profiler import compare_with_trace, find_trace
     from jaxmoe.train.scheduled import plan_train_step
 

@@ -90,11 +90,11 @@ def run(config: Config, args: argparse.Namespace) -> int:
     import jax
     from absl import logging as absl_logging
 
+    from jaxmoe.plan.host_memory import check_host_memory
     from jaxmoe.prepare import start_process
-    from jaxmoe.train.host_memory import check_host_memory
     from jaxmoe.train.loop import RunStopped, train
     from jaxmoe.train.profiler import parse_profile_steps
-    from jaxmoe.train.stop_signals import StopSignals
+    from jaxmoe.train.run_control import StopSignals
 
     profile = args.profile_steps
     if profile is not None:  # checked before anything starts or compiles

@@ -12,13 +12,13 @@ from typing import Any
 
 from jaxmoe.config.checks import ConfigError, require
 from jaxmoe.config.data import DataConfig
+from jaxmoe.config.layout import LayoutError, check_split_widths
 from jaxmoe.config.model import ModelConfig
 from jaxmoe.config.moe import MoEConfig, capacity_per_expert, shared_width
 from jaxmoe.config.parallel import ParallelConfig, check_pipeline
 from jaxmoe.config.schedule import ScheduleConfig, schedule_fields_from_train
 from jaxmoe.config.sizes import check_array_sizes
 from jaxmoe.config.train import TrainConfig
-from jaxmoe.parallel.layout import LayoutError, check_split_widths
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from jaxmoe.config.model import ModelConfig
 # routed rows, sorted by expert, exchanged ragged and computed as one grouped GEMM.
 DROPLESS_DISPATCHES = ("padded", "ragged")
 # How the ragged dropless dispatch splits an expert's rows over its copies each step
-# (jaxmoe/layers/copy_split.py): balanced from the step's own counts, or dealt out evenly.
+# (jaxmoe/placement/copy_split.py): balanced from the step's own counts, or dealt out evenly.
 REPLICA_SPLITS = ("balanced", "round_robin")
 
 
@@ -73,7 +73,7 @@ class MoEConfig:
     # Qwen-MoE's gate on the shared output: sigmoid(x w) per token.
     shared_expert_gate: bool = False
     # Expert slots per device (None = experts per device); the spare slots hold replicas
-    # placed by a runtime table (jaxmoe/parallel/placement.py). Capacity is per slot.
+    # placed by a runtime table (jaxmoe/placement/replicas.py). Capacity is per slot.
     slots_per_device: int | None = None
     # Re-plan the replicas every this many steps from the routing counts (0: static).
     rebalance_every: int = 0

@@ -6,15 +6,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jaxmoe.config.checks import ConfigError, check_types, positive_int, require
+from jaxmoe.config.layout import LayoutError, check_layout
 from jaxmoe.config.model import ModelConfig
 from jaxmoe.config.train import TrainConfig
-from jaxmoe.parallel.layout import LayoutError, check_layout
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """The two parallel layouts folded onto the devices (jaxmoe/parallel/layout.py), and
-    the pipeline (jaxmoe/train/pipeline.py).
+    """The two parallel layouts folded onto the devices (jaxmoe/config/layout.py), and
+    the pipeline (jaxmoe/pipeline/pipelined.py).
 
     MoE layers: ``data x expert x expert_tensor`` devices (expert-data replicas,
     the expert group, each expert's hidden dimension split). Attention and dense

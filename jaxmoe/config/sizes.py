@@ -3,7 +3,7 @@
 XLA stores an array's element count in a signed 64-bit integer: a shape whose
 product overflows it aborts the process deep inside the compiler ("overflow in static
 extent product"). :func:`check_array_sizes` refuses such a configuration first, in one
-line naming the fields; :mod:`jaxmoe.train.host_memory` then checks what does exist
+line naming the fields; :mod:`jaxmoe.plan.host_memory` then checks what does exist
 against the host's memory. Counted here: every parameter (a weight's or an
 embedding's shape), and the activations of the largest kind (the attention
 scores, the logits, the expert buffers), over the global batch.

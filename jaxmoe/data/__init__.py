@@ -1,4 +1,5 @@
-"""Token corpora: the files ``jaxmoe data`` writes and the document structure of a batch.
+"""Token corpora: the files ``jaxmoe data`` writes, the document structure of a batch, and
+a run's batches.
 
 - :mod:`jaxmoe.data.corpus`: ``NAME.bin`` (little-endian token ids) and its sidecar
   ``NAME.json`` (dtype, vocabulary, end-of-document id, tokenizer, counts); no JAX.
@@ -7,6 +8,8 @@
   the inputs) and the corpus written with it.
 - :mod:`jaxmoe.data.documents`: from a batch of token rows and the end-of-document id,
   the loss mask, segment ids and per-document positions (JAX, pure).
+- :mod:`jaxmoe.data.batches`: a run's training text, its train/validation split, and
+  each step's batch on the mesh.
 
 Importing this package imports none of them.
 """

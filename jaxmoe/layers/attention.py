@@ -42,9 +42,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmoe.config import ModelConfig
+from jaxmoe.config.layout import TENSOR, TENSOR_IF_DIVIDES
 from jaxmoe.layers.parallel_linear import HeadProjection, RowParallelLinear
 from jaxmoe.layers.rotary import rotate
-from jaxmoe.parallel.layout import TENSOR, TENSOR_IF_DIVIDES
 from jaxmoe.parallel.mesh import role_axes
 from jaxmoe.parallel.tensor_parallel import gather_sequence, tensor_group_size
 

@@ -20,7 +20,7 @@ cover ``num_experts * group_size`` slots per group, ``num_experts / top_k``
 times the ``group_size * top_k`` assignments that carry tokens. The ragged dropless
 dispatch (``moe.dropless_dispatch ragged``, :mod:`jaxmoe.layers.ragged`) moves and
 computes only the routed rows instead; with replicas it splits an expert's
-assignments over its copies from each step's counts (:mod:`jaxmoe.layers.copy_split`),
+assignments over its copies from each step's counts (:mod:`jaxmoe.placement.copy_split`),
 or deals them round-robin by :func:`replica_slots` (``moe.replica_split round_robin``).
 
 With replicas (:func:`plan_replicated_dispatch`) the buffer has ``capacity``

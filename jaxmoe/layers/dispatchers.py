@@ -38,10 +38,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxmoe.config.layout import EXPERT, EXPERT_TENSOR
 from jaxmoe.layers.dispatch import DispatchPlan, combine, dispatch
 from jaxmoe.layers.experts import Experts
 from jaxmoe.parallel.collectives import dispatch_to_experts, return_from_experts
-from jaxmoe.parallel.layout import EXPERT, EXPERT_TENSOR
 from jaxmoe.parallel.mesh import role_axes, role_size
 
 
@@ -87,7 +87,7 @@ def all_to_all_dispatch(
 
     The buffer has ``capacity`` slots for each of ``num_slots`` expert slots: the experts,
     or with a replica table every slot of the expert group
-    (:mod:`jaxmoe.parallel.placement`)."""
+    (:mod:`jaxmoe.placement.replicas`)."""
     groups = grouped.shape[0]
     slots = dispatch(grouped, plan, num_slots * capacity)  # [G, slots * C, d]
     received = dispatch_to_experts(_to_expert_major(slots, num_slots, capacity))

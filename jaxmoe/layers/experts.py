@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmoe.parallel.layout import EXPERT, EXPERT_TENSOR
-from jaxmoe.parallel.placement import slot_weights
+from jaxmoe.config.layout import EXPERT, EXPERT_TENSOR
 from jaxmoe.parallel.sharding import ExpertParam
+from jaxmoe.placement.replicas import slot_weights
 
 # The role each weight dimension is split over (jaxmoe/parallel/sharding.py).
 HIDDEN_COLUMNS = (EXPERT, None, EXPERT_TENSOR)  # w_in [E, d, h]
@@ -82,7 +82,7 @@ class Experts(nnx.Module):
         """``[slots, tokens, d_model] -> [slots, tokens, d_model]``, slot i on row i.
 
         The slots are the local experts, followed, with a replica table
-        (:mod:`jaxmoe.parallel.placement`), by this device's replica slots. With the
+        (:mod:`jaxmoe.placement.replicas`), by this device's replica slots. With the
         hidden dimension split, the result lacks the other slices' shares (see
         :meth:`partial_output`).
         """

@@ -18,12 +18,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmoe.config import ModelConfig
+from jaxmoe.config.layout import TENSOR
 from jaxmoe.layers.parallel_linear import (
     ColumnParallelLinear,
     HeadProjection,
     RowParallelLinear,
 )
-from jaxmoe.parallel.layout import TENSOR
 from jaxmoe.parallel.tensor_parallel import gather_sequence
 
 

@@ -44,7 +44,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxmoe.config import MoEConfig, capacity_per_expert
-from jaxmoe.layers.copy_split import balanced_slots
+from jaxmoe.config.layout import EXPERT_TENSOR, TENSOR
 from jaxmoe.layers.dispatch import (
     local_plan,
     plan_dispatch,
@@ -56,15 +56,15 @@ from jaxmoe.layers.experts import Experts
 from jaxmoe.layers.ragged import ragged_dispatch
 from jaxmoe.layers.router import Router, balance_loss
 from jaxmoe.parallel.collectives import manual_axes
-from jaxmoe.parallel.layout import EXPERT_TENSOR, TENSOR
 from jaxmoe.parallel.mesh import role_axes, role_size
-from jaxmoe.parallel.placement import slot_experts
 from jaxmoe.parallel.sharding import param_specs
 from jaxmoe.parallel.tensor_parallel import (
     sequence_shard_index,
     sequence_slice,
     tensor_group_size,
 )
+from jaxmoe.placement.copy_split import balanced_slots
+from jaxmoe.placement.replicas import slot_experts
 
 
 class RoutingStats(NamedTuple):
@@ -166,7 +166,7 @@ class MoELayer(nnx.Module):
 
         ``sequence_parallel``: inside the whole-step shard_map, the devices of a tensor
         group hold the same rows, each its slice of the positions (False: whole rows).
-        ``replica_table`` (``[expert_axis, replica_slots]``, :mod:`jaxmoe.parallel.placement`)
+        ``replica_table`` (``[expert_axis, replica_slots]``, :mod:`jaxmoe.placement.replicas`)
         adds replica slots: assignments spread over every copy of their expert, and
         capacity is counted per slot.
         """

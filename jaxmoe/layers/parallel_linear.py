@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmoe.parallel.layout import TENSOR
+from jaxmoe.config.layout import TENSOR
 from jaxmoe.parallel.tensor_parallel import scatter_sequence
 
 

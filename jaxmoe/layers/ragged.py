@@ -8,7 +8,7 @@ its expert group and ``S`` expert slots per device (its experts, and its replica
 
 1. gives every assignment its expert slot (its expert; with replicas one of its copies,
    split to balance the devices' loads from the step's counts,
-   :mod:`~jaxmoe.layers.copy_split`, or round-robin,
+   :mod:`~jaxmoe.placement.copy_split`, or round-robin,
    :func:`~jaxmoe.layers.dispatch.replica_slots`) and sorts its ``T x k`` assignments by
    slot: by destination device, and within it by local slot;
 2. exchanges the counts first: one ``all_gather`` of each device's rows per slot
@@ -62,8 +62,8 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from jaxmoe.config.layout import EXPERT
 from jaxmoe.layers.experts import Experts
-from jaxmoe.parallel.layout import EXPERT
 from jaxmoe.parallel.mesh import role_axes, role_size
 
 # Name scope of the ops that carry ragged rows: N is their row count under even routing.
@@ -229,7 +229,7 @@ def ragged_dispatch(
     rows kept per global slot [num_slots])``, as the module docstring describes.
 
     ``slot_counts [G, num_slots]``: the rows every source sends to every slot, when the
-    caller knows them (:func:`~jaxmoe.layers.copy_split.balanced_slots`); else they are
+    caller knows them (:func:`~jaxmoe.placement.copy_split.balanced_slots`); else they are
     gathered here."""
     chex.assert_rank([tokens, slot, weight], 2)
     chex.assert_equal_shape((slot, weight))

@@ -160,7 +160,7 @@ class GPTMoE(nnx.Module):
         device's slice of the positions (:func:`~jaxmoe.parallel.tensor_parallel.sequence_slice`).
 
         ``placement``: the replica tables of the MoE layers, ``[moe_layers, expert_axis,
-        replica_slots]`` (:mod:`jaxmoe.parallel.placement`), or None for no replicas.
+        replica_slots]`` (:mod:`jaxmoe.placement.replicas`), or None for no replicas.
         ``positions [batch, seq]``: each token's position (default ``0 .. seq - 1``;
         documents packed into a row restart at 0). ``segment_ids [batch, seq]``: attention
         stays inside each segment (default: one segment per row)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import jax
 
-from jaxmoe.parallel.layout import EXPERT
+from jaxmoe.config.layout import EXPERT
 from jaxmoe.parallel.mesh import role_axes, role_size
 
 
@@ -27,7 +27,7 @@ def dispatch_to_experts(buffer: jax.Array) -> jax.Array:
     """[num_experts, slots, d] per source device -> [local_experts, group * slots, d].
 
     Row block ``i`` of the expert dimension goes to device ``i`` of the expert
-    group (numbered over the mesh axes of the expert role, :mod:`jaxmoe.parallel.layout`);
+    group (numbered over the mesh axes of the expert role, :mod:`jaxmoe.config.layout`);
     each device receives the slots of its own experts from every device of the
     group, ordered by source device.
     """

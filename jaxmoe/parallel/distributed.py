@@ -17,7 +17,7 @@ one of three ways (:data:`PEER_FAILURE_SIGNS`), whichever comes first:
   the JAX runtime aborts with "Terminating process because the JAX distributed
   service detected fatal errors. This most likely indicates that another task
   died";
-- a step hangs for longer than the step timeout (``jaxmoe.train.watchdog``):
+- a step hangs for longer than the step timeout (``jaxmoe.train.run_control``):
   exit status :data:`PEER_FAILURE_EXIT_CODE` with :data:`PEER_FAILURE_MESSAGE`.
 
 The first two abort inside C++ (status 134), where Python cannot intercept

@@ -2,7 +2,7 @@
 
 The mesh's axes are the common refinement of the attention layout (data x
 tensor) and the MoE layout (expert data x expert x expert tensor), as
-:mod:`jaxmoe.parallel.layout` derives them. Without tensor or expert-tensor
+:mod:`jaxmoe.config.layout` derives them. Without tensor or expert-tensor
 parallelism it is ``(data, expert)``: ``data`` replicates the model and
 ``expert`` shards the experts. Under a pipeline the ``pipeline`` axis comes first
 (each of its indices a stage), the axes of one stage's devices after it. Layers find
@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
 
 from jaxmoe.config import ConfigError, ParallelConfig
-from jaxmoe.parallel.layout import ATTENTION_DATA, axes_for_role, mesh_axes
+from jaxmoe.config.layout import ATTENTION_DATA, axes_for_role, mesh_axes
 
 DATA_AXIS = "data"
 EXPERT_AXIS = "expert"
@@ -45,7 +45,7 @@ def token_spec(mesh: Mesh) -> PartitionSpec:
 
 def role_axes(role: str) -> tuple[str, ...]:
     """The manual mesh axes forming this device's group of ``role`` (see
-    :mod:`jaxmoe.parallel.layout`), at trace time; ``()`` outside a shard_map (one device)."""
+    :mod:`jaxmoe.config.layout`), at trace time; ``()`` outside a shard_map (one device)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return ()

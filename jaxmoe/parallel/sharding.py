@@ -2,7 +2,7 @@
 
 A parameter may carry ``parallel_axes`` metadata: for each dimension, the
 role it is split over (``tensor``, ``expert``, ``expert_tensor``; see
-:mod:`jaxmoe.parallel.layout`) or None; ``tensor_if_divides`` splits over the
+:mod:`jaxmoe.config.layout`) or None; ``tensor_if_divides`` splits over the
 tensor group only where the group's size divides the dimension, and replicates it
 otherwise. :class:`ExpertParam` splits its leading axis
 over ``expert`` unless it says more. Every other parameter is replicated. A
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jaxmoe.parallel.layout import EXPERT, TENSOR_IF_DIVIDES, axes_for_role
+from jaxmoe.config.layout import EXPERT, TENSOR_IF_DIVIDES, axes_for_role
 from jaxmoe.parallel.mesh import DATA_AXIS, EXPERT_AXIS
 
 PyTree = Any

@@ -8,7 +8,7 @@ column-parallel projection sees every position) and left with
 :func:`scatter_sequence` (``psum_scatter``: the row-parallel projection's
 partial sums are added up and each device keeps its own slice).
 
-The group is the mesh axes of the ``tensor`` role (:mod:`jaxmoe.parallel.layout`),
+The group is the mesh axes of the ``tensor`` role (:mod:`jaxmoe.config.layout`),
 linearised in mesh order; the slice index, the gather and the scatter all use
 that one tuple, so they agree on which device owns which slice. With a group
 of one device (no tensor parallelism, or outside a shard_map) every function
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import jax
 
-from jaxmoe.parallel.layout import TENSOR
+from jaxmoe.config.layout import TENSOR
 from jaxmoe.parallel.mesh import role_axes, role_size
 
 SEQUENCE_AXIS = 1  # of [rows, seq, ...] activations

@@ -133,7 +133,7 @@ class ZeroPlan:
     specs: PyTree  # the state's: each parameter's shards
     gather_dtypes: PyTree  # the dtype each parameter is gathered in (a name)
     # Where the trees hold the blocks: the model's ``blocks`` (by layer) or a pipeline's
-    # ``stage_blocks`` (by chunk position, :mod:`jaxmoe.parallel.pipeline_params`).
+    # ``stage_blocks`` (by chunk position, :mod:`jaxmoe.pipeline.params`).
     blocks_key: str = "blocks"
 
     def unit(self, tree: PyTree, index: int | None) -> PyTree:

@@ -28,7 +28,7 @@ where the traced step shards the optimizer: a stage's shards are as large.
 
 Memory of a variant. The state (parameters and optimizer state, :func:`jaxmoe.train.
 state_memory.memory_per_device`) is there throughout, and when the backward pass begins the
-forward values that it reads are alive (:func:`jaxmoe.train.memory.backward_start`;
+forward values that it reads are alive (:func:`jaxmoe.plan.memory.backward_start`;
 gathered or cast parameters aside). A variant that recomputes no more, in as many
 microbatches or more, keeps at least those, at any ZeRO stage: every microbatch's forward
 pass runs first, each keeping its share of the rows' values; the plain step and ZeRO-1
@@ -36,14 +36,14 @@ keep what differentiation needs, a fully sharded block more. A pipeline's stage 
 ticks in order, so it keeps at least the residuals of every forward slot up to its first
 backward slot, each one chunk's on one microbatch (an idle stage's on zeros). One that
 recomputes less keeps more: what the traced recomputation makes again and the backward pass reads
-(:func:`jaxmoe.train.memory.recomputed_for_backward`), all of it without recomputation,
+(:func:`jaxmoe.plan.memory.recomputed_for_backward`), all of it without recomputation,
 all but the core attention's (the values from the matmul of queries and keys to the
 matmul with the values) when only the core attention is recomputed. Two more are alive
 then or soon after: ZeRO-1's gathered parameters (gathered once, held to the backward
 pass), and what the head's backward pass makes before the first block's (the logits'
 gradients: ``BackwardStart.transient``), on each microbatch's rows.
 These bound the
-step's peak as :func:`jaxmoe.train.memory.step_memory` walks it, as far as XLA fuses a
+step's peak as :func:`jaxmoe.plan.memory.step_memory` walks it, as far as XLA fuses a
 value alike whether it is recomputed or kept; ``tests/plan/test_bounds.py`` checks them
 against estimates.
 """
@@ -59,10 +59,10 @@ from typing import Any
 import jax
 
 from jaxmoe.config.choices import RECOMPUTE
-from jaxmoe.parallel.pipeline_schedule import PipelineSchedule
 from jaxmoe.parallel.zero import GATHER_SCOPE
+from jaxmoe.pipeline.ticks import TickTable
+from jaxmoe.plan.memory import backward_start, recomputed_for_backward
 from jaxmoe.plan.options import Options
-from jaxmoe.train.memory import backward_start, recomputed_for_backward
 from scheduling import FREE_PRIMITIVES, FUSIBLE, CostModel, Phase, Program, Value, aval_bytes
 
 # Ops that pass a parameter on as a parameter: casts, views and the barriers of a
@@ -80,7 +80,7 @@ _PARTS = (
 # but their gathers): the cost model prices it, XLA drops it.
 _REMAT_MARKS = frozenset({"reduce_precision"})
 # A block's ops: under its name scope ``layer_<i>``, or in a pipeline's chunk
-# ``chunk_layer_<j>`` (jaxmoe.train.pipeline; ZeRO-1's gathers of a stacked block too).
+# ``chunk_layer_<j>`` (jaxmoe.pipeline.pipelined; ZeRO-1's gathers of a stacked block too).
 BLOCK_SCOPE = re.compile(r"(^|/)(chunk_)?layer_\d+(/|$)")
 _RECOMPUTED = "rematted_computation"
 
@@ -173,7 +173,7 @@ class Screen:
         padded = self._padded(stages, virtual)
         block, block_fixed = block * padded, block_fixed * padded
         outside_fixed += self.on_parameters.outside
-        ticks = PipelineSchedule(stages, virtual, options.microbatches).busy_forward_ticks
+        ticks = TickTable(stages, virtual, options.microbatches).busy_forward_ticks
         return (
             max(block - block_fixed, 0.0) * ticks / (options.microbatches * virtual)
             + block_fixed / traced * ticks / (stages * virtual)
@@ -262,7 +262,7 @@ class Screen:
         over the microbatches, no more than the traced step's counted)."""
         if not self.keeps_at_least(options):
             return state
-        schedule = PipelineSchedule(stages, virtual, options.microbatches)
+        schedule = TickTable(stages, virtual, options.microbatches)
         first = next(tick.index for tick in schedule.ticks if tick.has_backward)
         held = sum(tick.has_forward for tick in schedule.ticks[: first + 1])
         rows = min(1.0, stages * self.options.microbatches / options.microbatches)

@@ -1,5 +1,5 @@
 """What one estimate of a mapped step holds (:class:`StepTime` per schedule, beside the
-step's :class:`~jaxmoe.train.memory.StepMemory`), and where estimates and bounds are kept
+step's :class:`~jaxmoe.plan.memory.StepMemory`), and where estimates and bounds are kept
 on disk between plans (:class:`EstimateCache`), keyed so that any change to the program
 or the cost model estimates afresh (:mod:`jaxmoe.plan.planner` uses both)."""
 
@@ -16,7 +16,7 @@ from typing import Any
 import scheduling
 from jaxmoe.config import Config
 from jaxmoe.plan.bounds import Screen
-from jaxmoe.train.memory import StepMemory
+from jaxmoe.plan.memory import StepMemory
 from jaxmoe.train.scheduled import op_cost_cache
 
 # Modules that only present estimates: left out of the estimate cache's key.

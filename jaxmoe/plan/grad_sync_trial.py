@@ -24,7 +24,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from jaxmoe.config import Config
-from jaxmoe.train.data import BatchSampler, load_splits, put_on_mesh, run_batches
+from jaxmoe.data.batches import BatchSampler, load_splits, put_on_mesh, run_batches
 from jaxmoe.train.scheduled import plan_train_step
 from jaxmoe.train.state import init_train_state
 

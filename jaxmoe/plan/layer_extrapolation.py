@@ -41,7 +41,7 @@ def block_count(config: Config) -> int | None:
     blocks (the last layer is then not an MoE layer).
 
     With uneven chunks (``parallel.chunk_layers``), the longest chunk's: every stage
-    holds and runs that many, the shorter chunks padded (:mod:`jaxmoe.train.pipeline`),
+    holds and runs that many, the shorter chunks padded (:mod:`jaxmoe.pipeline.pipelined`),
     so memory and step are those of equal chunks of that length (:func:`with_blocks`
     makes them equal). Only the model FLOPs, which the planner takes from the real
     model, tell the two apart."""

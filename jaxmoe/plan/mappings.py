@@ -2,7 +2,7 @@
 
 A mapping is a layout: the attention layout (data x tensor), the MoE layout (expert data x
 expert x expert tensor) over the same N devices, and the token dispatcher between them
-(see :mod:`jaxmoe.parallel.layout`); and the options it runs with (:mod:`jaxmoe.plan.
+(see :mod:`jaxmoe.config.layout`); and the options it runs with (:mod:`jaxmoe.plan.
 options`: ZeRO stage, recomputation, microbatches). The model, the global batch and every
 other setting stay the preset's. Each candidate is validated by
 :class:`~jaxmoe.config.Config` itself, so a mapping is offered exactly when ``jaxmoe

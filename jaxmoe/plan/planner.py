@@ -7,8 +7,8 @@ the per-device train step is traced on an abstract mesh of N devices (no devices
 needed, so N may exceed this host's) and priced as ``jaxmoe schedule`` prices it: the
 scheduler's cost model and two-stream simulator on a device profile, for each schedule
 asked for; the fastest counts. Its memory per device is the step's peak as XLA:GPU holds
-it (:func:`jaxmoe.train.memory.step_memory`). The MFU is the model FLOPs of a step
-(:mod:`jaxmoe.train.model_flops`, nothing dropped) over step time x devices x the
+it (:func:`jaxmoe.plan.memory.step_memory`). The MFU is the model FLOPs of a step
+(:mod:`jaxmoe.plan.model_flops`, nothing dropped) over step time x devices x the
 profile's peak. Mappings over the profile's device memory are dropped; the rest are
 ranked, best MFU first.
 
@@ -19,7 +19,7 @@ bound of their step time, and only until the ``top`` best are known
 (:mod:`jaxmoe.plan.search`):
 
 1. A mapping whose state alone (its parameters and optimizer state, analytic:
-   :func:`~jaxmoe.train.state_memory.memory_per_device`) exceeds the device's memory is
+   :func:`~jaxmoe.plan.state_memory.memory_per_device`) exceeds the device's memory is
    dropped untraced.
 2. Each layout is traced once with one block under its options of least memory
    (:func:`~jaxmoe.plan.options.least_memory`): lower bounds of the step time and the
@@ -64,14 +64,14 @@ from jaxmoe.plan.mappings import (
     pipelines_of,
     with_options,
 )
+from jaxmoe.plan.memory import StepMemory, step_memory
+from jaxmoe.plan.mfu import mfu
+from jaxmoe.plan.model_flops import model_flops
 from jaxmoe.plan.options import Options, bounding, option_sets, options_of
 from jaxmoe.plan.search import Advance, best_first
-from jaxmoe.train.memory import StepMemory, step_memory
-from jaxmoe.train.mfu import mfu
-from jaxmoe.train.model_flops import model_flops
+from jaxmoe.plan.state_memory import memory_per_device
 from jaxmoe.train.scheduled import capture_train_step, schedule_policy
 from jaxmoe.train.state import abstract_train_state
-from jaxmoe.train.state_memory import memory_per_device
 from scheduling import (
     Program,
     batch_inputs,
@@ -82,7 +82,7 @@ from scheduling import (
 )
 
 MEMORY_METHOD = (
-    "per device, the peak of the step as XLA:GPU holds it (jaxmoe/train/memory.py): the "
+    "per device, the peak of the step as XLA:GPU holds it (jaxmoe/plan/memory.py): the "
     "captured per-device step walked with each op as soon as its operands are ready "
     "(forward ops first: nothing orders one microbatch's backward pass before the next "
     "one's forward pass; a pipeline's ticks in their order, each tick's forward slot "
@@ -95,7 +95,7 @@ MEMORY_METHOD = (
     "schedule starts ahead of their use); activ: forward "
     "values, a recomputation's included; backward: gradients, their accumulators and the "
     "backward pass's working buffers. Within 10% of XLA:CPU's compiled memory analysis on "
-    "small models (tests/train/test_memory.py), a few percent under it (XLA's heap leaves "
+    "small models (tests/plan/test_memory.py), a few percent under it (XLA's heap leaves "
     "gaps); for pipelines XLA:CPU holds more than the tick order (up to 12% more on 2 "
     "stages: it runs forward slots before the previous tick's backward slot), and less "
     "than every forward slot a stage's chunks of ticks early."
@@ -302,7 +302,7 @@ class Tracer:
 
 def state_bytes(config: Config) -> int:
     """The bytes per device of ``config``'s parameters and optimizer state, as the state
-    holds them (:func:`~jaxmoe.train.state_memory.memory_per_device`); from one- and two-block
+    holds them (:func:`~jaxmoe.plan.state_memory.memory_per_device`); from one- and two-block
     models for a deep one (exact: every block holds the same)."""
     values = config.to_dict()
     # Neither the dispatcher, the recomputation nor the microbatches change the state.

@@ -7,7 +7,7 @@ A checkpoint is a directory ``OUT/checkpoints/<step>`` of three items:
   balancing) as sharded arrays; every process writes only its own shards.
 - ``run``: where the run stands besides the state: the next step, the data position
   and the random streams. Batches and router noise are functions of
-  ``(train.seed, step)`` (:class:`~jaxmoe.train.data.BatchSampler`,
+  ``(train.seed, step)`` (:class:`~jaxmoe.data.batches.BatchSampler`,
   ``jaxmoe.train.step``), so the seed and the step are the whole of both.
 - ``config``: the configuration the checkpoint was written under.
 
@@ -21,7 +21,7 @@ Restoring reads into the current layout: each array lands with the sharding that
 current mesh gives it, so a checkpoint written on ``data x expert = 1 x 8`` restores
 on ``2 x 4``, or in a run with a different number of processes. A checkpoint written
 under another pipeline (``parallel.pipeline``, ``parallel.virtual_stages``; the blocks
-stacked by stage, :mod:`jaxmoe.parallel.pipeline_params`) is read in the layout it was
+stacked by stage, :mod:`jaxmoe.pipeline.params`) is read in the layout it was
 written in, each stacked array split as the current mesh splits its layers (over the
 pipeline axis, where the current mesh has one), and then moved into the current
 layout, values unchanged. A checkpoint of a model of another shape is refused
@@ -43,7 +43,7 @@ from jax.sharding import Mesh
 from orbax.checkpoint import type_handlers
 
 from jaxmoe.config import Config, ConfigError
-from jaxmoe.parallel.pipeline_params import (
+from jaxmoe.pipeline.params import (
     PIPELINE_AXIS,
     StageLayout,
     layout_of,

@@ -2,7 +2,7 @@
 
 A run ends in one of five ways: it finishes (checkpoint at the end); a stop signal
 arrives while it starts (the process exits at once, see
-:mod:`jaxmoe.train.stop_signals`) or while it trains (it finishes the step, writes a
+:mod:`jaxmoe.train.run_control`) or while it trains (it finishes the step, writes a
 checkpoint and raises :class:`RunStopped` with :data:`~jaxmoe.exit_codes.PREEMPTED`);
 a step's loss or
 gradient norm is not finite under ``train.on_nonfinite=stop`` (:class:`RunStopped`
@@ -25,18 +25,17 @@ from tqdm import tqdm
 
 from jaxmoe import exit_codes
 from jaxmoe.config import Config
+from jaxmoe.data.batches import BatchSampler, load_splits, put_on_mesh, run_batches
+from jaxmoe.placement.planner import PlacementLog, plan_placement
+from jaxmoe.plan.mfu import estimated_mfu, mfu_meter, no_peak_message
 from jaxmoe.prepare import PreparedRun
 from jaxmoe.train.checkpoint import RunCheckpoints
-from jaxmoe.train.data import BatchSampler, load_splits, put_on_mesh, run_batches
 from jaxmoe.train.metrics import METRICS_FILE, RunLog, host_row, read_rows
-from jaxmoe.train.mfu import estimated_mfu, mfu_meter, no_peak_message
-from jaxmoe.train.placement_planner import PlacementLog, plan_placement
 from jaxmoe.train.profiler import StepProfiler
+from jaxmoe.train.run_control import StepWatchdog, StopSignals
 from jaxmoe.train.scheduled import PlannedStep, plan_train_step
 from jaxmoe.train.state import init_train_state
 from jaxmoe.train.step import build_eval_step
-from jaxmoe.train.stop_signals import StopSignals
-from jaxmoe.train.watchdog import StepWatchdog
 
 
 class RunStopped(Exception):
@@ -193,7 +192,7 @@ def train(
     With ``out_dir``, checkpoints are written there; with ``resume``, training continues
     from the newest one that can be read (a new run if there is none). With
     ``step_timeout_s``, a step (or validation pass) that takes longer ends the process
-    (see :mod:`jaxmoe.train.watchdog`): in a multi-process run, a peer died. With
+    (see :mod:`jaxmoe.train.run_control`): in a multi-process run, a peer died. With
     ``profile_steps=(A, B)``, steps A..B are traced (:mod:`jaxmoe.train.profiler`).
     What ``train.grad_sync auto`` chose is logged with the run. ``signals``: the stop
     signals the caller installed when the process started (default: installed here).

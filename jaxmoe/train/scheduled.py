@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 
 import scheduling
 from jaxmoe.config import Config
-from jaxmoe.parallel.layout import AXIS_ROLES
+from jaxmoe.config.layout import AXIS_ROLES
 from jaxmoe.parallel.mesh import token_spec
 from jaxmoe.train.state import TrainState, abstract_sharded_state
 from jaxmoe.train.step import ShardedStep, build_train_step

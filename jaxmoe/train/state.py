@@ -1,7 +1,7 @@
 """The training state, its partition specs, and its initialisation on the mesh.
 
 Under a pipeline (``parallel.pipeline`` > 1) the state holds the blocks' parameters, and
-everything shaped like them, stacked by stage (:mod:`jaxmoe.parallel.pipeline_params`);
+everything shaped like them, stacked by stage (:mod:`jaxmoe.pipeline.params`);
 :func:`model_graphdef_and_specs` stays the model's own layout."""
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from jaxmoe.layers import GPTMoE
 from jaxmoe.layers.router import ExpertBias
 from jaxmoe.parallel.grad_sync import make_grad_sync
 from jaxmoe.parallel.mesh import mesh_axis_sizes
-from jaxmoe.parallel.pipeline_params import (
+from jaxmoe.parallel.sharding import param_specs
+from jaxmoe.parallel.zero import ZeroPlan, plan_zero
+from jaxmoe.pipeline.params import (
     PIPELINE_AXIS,
     StageLayout,
     stacked_specs,
@@ -30,9 +32,7 @@ from jaxmoe.parallel.pipeline_params import (
     stage_layout,
     to_layout,
 )
-from jaxmoe.parallel.placement import static_placement
-from jaxmoe.parallel.sharding import param_specs
-from jaxmoe.parallel.zero import ZeroPlan, plan_zero
+from jaxmoe.placement.replicas import static_placement
 from jaxmoe.train.optimizer import make_optimizer
 
 
@@ -44,7 +44,7 @@ class TrainState(NamedTuple):
     # gradients. Checkpointed with the rest.
     grad_sync: Any
     # Replica tables [moe_layers, expert_axis, replica_slots] int32 when moe.slots_per_device
-    # leaves spare slots (jaxmoe.parallel.placement), else None. Replicated on every device.
+    # leaves spare slots (jaxmoe.placement.replicas), else None. Replicated on every device.
     placement: Any = None
     # The model's variables that are not parameters (no gradient, no optimizer state), as a
     # pure dict like ``params``: the routers' expert biases (jaxmoe.layers.router.ExpertBias)
@@ -226,7 +226,7 @@ def pipeline_layout(config: Config) -> StageLayout | None:
 def param_state_specs(config: Config) -> Any:
     """The specs of the state's parameters: the model's (:func:`model_graphdef_and_specs`),
     under ``train.zero`` their shards' (:mod:`jaxmoe.parallel.zero`), under a pipeline the
-    stacked blocks' (:func:`~jaxmoe.parallel.pipeline_params.stacked_specs`)."""
+    stacked blocks' (:func:`~jaxmoe.pipeline.params.stacked_specs`)."""
     plan = zero_plan(config)
     if plan is not None:
         return plan.specs

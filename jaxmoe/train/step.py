@@ -1,8 +1,8 @@
 """The training step, written per device: one ``shard_map`` over the whole mesh.
 
-Inside it: the forward pass, the loss (:mod:`jaxmoe.train.losses`), ``jax.value_and_grad``
-on each microbatch (:mod:`jaxmoe.train.microbatches`) or, under ``parallel.pipeline``,
-the pipeline's ticks over the microbatches (:mod:`jaxmoe.train.pipeline`), the explicit
+Inside it: the forward pass, the loss (:mod:`jaxmoe.losses`), ``jax.value_and_grad``
+on each microbatch (:mod:`jaxmoe.pipeline.microbatches`) or, under ``parallel.pipeline``,
+the pipeline's ticks over the microbatches (:mod:`jaxmoe.pipeline.pipelined`), the explicit
 gradient synchronisation (``train.grad_sync``, :mod:`jaxmoe.parallel.grad_sync`),
 global-norm clipping, the AdamW update, and (``moe.expert_bias_rate``) the routers'
 expert biases moved from the step's global routed counts, outside the optimizer. Every
@@ -38,17 +38,17 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxmoe.config import Config
 from jaxmoe.layers import RoutingStats
 from jaxmoe.layers.router import update_expert_bias
+from jaxmoe.losses import document_eod_id, forward_losses, targets_per_shard
 from jaxmoe.parallel.fsdp import sharded_blocks
 from jaxmoe.parallel.grad_sync import make_grad_sync
 from jaxmoe.parallel.mesh import mesh_axis_sizes, token_spec
-from jaxmoe.parallel.pipeline_params import PIPELINE_AXIS
-from jaxmoe.parallel.placement import replicas_per_expert, slot_experts
 from jaxmoe.parallel.sharding import global_norm
 from jaxmoe.parallel.zero import ZeroPlan, gather_all, gather_outside_blocks, sync_gradients
-from jaxmoe.train.losses import document_eod_id, forward_losses, targets_per_shard
-from jaxmoe.train.microbatches import accumulate, combine_stats
+from jaxmoe.pipeline.microbatches import accumulate, combine_stats
+from jaxmoe.pipeline.params import PIPELINE_AXIS
+from jaxmoe.pipeline.pipelined import pipelined_gradients, pipelined_losses
+from jaxmoe.placement.replicas import replicas_per_expert, slot_experts
 from jaxmoe.train.optimizer import learning_rate_schedule, make_optimizer
-from jaxmoe.train.pipeline import pipelined_gradients, pipelined_losses
 from jaxmoe.train.state import (
     TrainState,
     model_graphdef_and_specs,

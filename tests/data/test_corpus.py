@@ -10,8 +10,8 @@ from jaxmoe.cli.data_command import unescape
 from jaxmoe.cli.main import main
 from jaxmoe.config import Config, ConfigError, DataConfig, ModelConfig
 from jaxmoe.data import sources
+from jaxmoe.data.batches import BatchSampler, load_corpus, load_splits
 from jaxmoe.data.corpus import corpus_eod_id, corpus_tokenizer, read_info
-from jaxmoe.train.data import BatchSampler, load_corpus, load_splits
 
 STORIES = [f"story {i}: the fox jumped {i} times over the lazy dog." for i in range(40)]
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from experiments import dropless_eval, dropless_placement, dropless_report, dropless_variants
-from jaxmoe.train.routing_history import SMOOTHING
+from jaxmoe.placement.routing_history import SMOOTHING
 
 STEPS = 12
 

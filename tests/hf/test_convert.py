@@ -24,8 +24,8 @@ from safetensors.numpy import save_file
 from jaxmoe.cli.main import main
 from jaxmoe.cli.parser import config_from_train_args
 from jaxmoe.config import Config, ConfigError, ParallelConfig
+from jaxmoe.config.layout import ATTENTION_DATA, TENSOR, axes_for_role
 from jaxmoe.hf.convert import from_hf, plan_from_hf, plan_to_hf, to_hf, write_hf
-from jaxmoe.parallel.layout import ATTENTION_DATA, TENSOR, axes_for_role
 from jaxmoe.parallel.mesh import build_mesh, token_spec
 from jaxmoe.train.checkpoint import RunCheckpoints, saved_config
 from jaxmoe.train.state import model_graphdef_and_specs

@@ -14,8 +14,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmoe.config import ParallelConfig
+from jaxmoe.config.layout import EXPERT, EXPERT_TENSOR, axes_for_role
 from jaxmoe.layers.experts import Experts
-from jaxmoe.parallel.layout import EXPERT, EXPERT_TENSOR, axes_for_role
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.parallel.sharding import param_specs
 

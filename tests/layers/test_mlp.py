@@ -13,8 +13,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmoe.config import ModelConfig, ParallelConfig
+from jaxmoe.config.layout import TENSOR, axes_for_role
 from jaxmoe.layers.mlp import DenseFFN
-from jaxmoe.parallel.layout import TENSOR, axes_for_role
 from jaxmoe.parallel.mesh import build_mesh, token_spec
 from jaxmoe.parallel.sharding import param_specs
 

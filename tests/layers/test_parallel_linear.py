@@ -11,8 +11,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmoe.config import ParallelConfig
+from jaxmoe.config.layout import TENSOR, axes_for_role
 from jaxmoe.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
-from jaxmoe.parallel.layout import TENSOR, axes_for_role
 from jaxmoe.parallel.mesh import build_mesh, token_spec
 from jaxmoe.parallel.sharding import param_specs
 from jaxmoe.parallel.tensor_parallel import gather_sequence

@@ -6,7 +6,7 @@ losses over 5 steps 2e-6 relative, Adam's first moment after one step 1e-5 relat
 parameters after 5 steps lr / 200 (measured: the losses and parameters bit for bit, the
 routers' losses as reported within 1e-7). The captured step keeps, of everything the
 blocks compute, their inputs alone for the backward pass. With the pipeline:
-tests/train/test_pipeline.py (interleaved case).
+tests/pipeline/test_pipelined.py (interleaved case).
 """
 
 import functools

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmoe.layers.dispatch import plan_dispatch, plan_replicated_dispatch
-from jaxmoe.parallel.placement import (
+from jaxmoe.placement.replicas import (
     EMPTY,
     replicas_per_expert,
     slot_experts,

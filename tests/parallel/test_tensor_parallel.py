@@ -6,7 +6,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmoe.config import ParallelConfig
-from jaxmoe.parallel.layout import TENSOR
+from jaxmoe.config.layout import TENSOR
 from jaxmoe.parallel.mesh import build_mesh, role_axes
 from jaxmoe.parallel.tensor_parallel import gather_sequence, scatter_sequence, sequence_slice
 

@@ -15,9 +15,9 @@ from jaxmoe.prepare import prepare_run
 from jaxmoe.train import loop
 from jaxmoe.train.checkpoint import RunCheckpoints, check_compatible, latest_checkpoint
 from jaxmoe.train.metrics import read_rows
+from jaxmoe.train.run_control import StopSignals
 from jaxmoe.train.state import init_train_state
 from jaxmoe.train.step import build_train_step
-from jaxmoe.train.stop_signals import StopSignals
 
 from .batches import random_batch
 from .runs import EXACT_KEYS, small_config

@@ -15,8 +15,8 @@ import pytest
 
 import scheduling
 from jaxmoe.cli.parser import config_from_train_args
+from jaxmoe.data.batches import BatchSampler, load_splits, put_on_mesh
 from jaxmoe.parallel.mesh import build_mesh
-from jaxmoe.train.data import BatchSampler, load_splits, put_on_mesh
 from jaxmoe.train.scheduled import plan_train_step
 from jaxmoe.train.state import init_train_state
 

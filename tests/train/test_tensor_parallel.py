@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 from jaxmoe.config import Config, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
-from jaxmoe.parallel.layout import TENSOR, axes_for_role
+from jaxmoe.config.layout import TENSOR, axes_for_role
+from jaxmoe.losses import forward_losses
 from jaxmoe.parallel.mesh import build_mesh, token_spec
 from jaxmoe.parallel.sharding import reduce_gradients
-from jaxmoe.train.losses import forward_losses
 from jaxmoe.train.scheduled import capture_train_step
 from jaxmoe.train.state import init_train_state, model_graphdef_and_specs
 from scheduling import Phase

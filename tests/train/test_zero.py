@@ -26,10 +26,10 @@ from jax.sharding import PartitionSpec as P
 from jaxmoe.config import Config, ConfigError, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.parallel.zero import shard_layout, sharded_spec
+from jaxmoe.plan.state_memory import memory_per_device
 from jaxmoe.train.checkpoint import RunCheckpoints
 from jaxmoe.train.scheduled import capture_train_step, plan_train_step
 from jaxmoe.train.state import init_train_state, zero_plan
-from jaxmoe.train.state_memory import memory_per_device
 from scheduling import Phase
 from scheduling.program.capture import Value
 from scheduling.program.collective_purpose import collective_purposes

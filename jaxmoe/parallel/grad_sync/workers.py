@@ -30,10 +30,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from jaxmoe.config.layout import ATTENTION_DATA, axes_for_role
 from jaxmoe.parallel.grad_sync.base import MeshAxes, PyTree
 from jaxmoe.parallel.grad_sync.bucketed import map_buckets
 from jaxmoe.parallel.grad_sync.hierarchical import Groups, host_groups
-from jaxmoe.parallel.layout import ATTENTION_DATA, axes_for_role
 from jaxmoe.parallel.sharding import replicated_axes
 
 

@@ -1,0 +1,115 @@
+"""The loss of a batch of tokens on one device: cross-entropy and the routers' losses.
+
+The cross-entropy is a sum over this device's counted targets divided by a
+``denominator``: the targets of the whole step's batch on one device (on average over
+the token shards), so that summing a device's microbatch losses gives its part of the
+step's mean, and summing those over devices / token shards gives the global mean. Every
+target counts, unless ``data.mask_across_documents`` drops those that cross into the
+next packed document (the corpus's end-of-document id, ``eod_id``); attention and
+positions then restart at each document (:mod:`jaxmoe.data.documents`).
+
+The routers' losses (load balancing, the sequence-wise balance loss, the z-loss) are
+means over a microbatch's groups and tokens, added per MoE layer (summed over layers, as
+in Switch and Megatron) with their coefficients, weighted by ``1 / microbatches``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxmoe.config import Config, MoEConfig
+from jaxmoe.data.corpus import corpus_eod_id
+from jaxmoe.data.documents import document_masks, loss_mask
+from jaxmoe.layers import RoutingStats
+from jaxmoe.parallel.collectives import manual_axes
+from jaxmoe.parallel.tensor_parallel import sequence_slice
+from jaxmoe.pipeline.params import PIPELINE_AXIS
+
+
+class Losses(NamedTuple):
+    total: jax.Array  # what is differentiated (before the division by token shards)
+    cross_entropy: jax.Array
+    stats: RoutingStats
+
+
+def document_eod_id(config: Config) -> int | None:
+    """The end-of-document id the loss and attention stop at (``data.mask_across_documents``;
+    the corpus's sidecar says it), or None."""
+    if not config.data.mask_across_documents:
+        return None
+    return corpus_eod_id(config.data.path)
+
+
+def _counted(batch: jax.Array, eod_id: int | None) -> jax.Array:
+    """This device's targets that count, as float32 ``[rows, its positions]``."""
+    targets = batch[:, 1:]
+    if eod_id is None:
+        return jnp.ones(sequence_slice(targets).shape, jnp.float32)
+    return sequence_slice(loss_mask(batch, eod_id)).astype(jnp.float32)
+
+
+def targets_per_shard(config: Config, batch: jax.Array, eod_id: int | None) -> jax.Array:
+    """The denominator of the step's cross-entropy: its counted targets on one device, on
+    average over the token shards (every device's own count without document masks)."""
+    targets = jnp.sum(_counted(batch, eod_id))
+    # The pipeline's stages hold the same rows: they are not token shards.
+    axes = manual_axes() - {PIPELINE_AXIS}
+    if eod_id is None or not axes:
+        return targets
+    with jax.named_scope("metrics"):
+        total = jax.lax.psum(targets, tuple(sorted(axes)))
+    return total / config.parallel.token_shards
+
+
+def cross_entropy(
+    logits: jax.Array, batch: jax.Array, eod_id: int | None, denominator: jax.Array
+) -> jax.Array:
+    """This device's counted targets' cross-entropy (float32 ``logits`` of its positions
+    of ``batch``'s rows), summed and divided by ``denominator``."""
+    labels = sequence_slice(batch[:, 1:])
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    return jnp.sum(losses * _counted(batch, eod_id)) / jnp.maximum(denominator, 1.0)
+
+
+def router_losses(moe: MoEConfig, stats: RoutingStats) -> jax.Array:
+    """The routers' losses of the MoE layers of ``stats`` (stacked over layers), summed
+    over the layers with their coefficients."""
+    return (
+        moe.aux_loss_coef * jnp.sum(stats.aux_loss)
+        + moe.seq_aux_loss_coef * jnp.sum(stats.seq_aux_loss)
+        + moe.z_loss_coef * jnp.sum(stats.z_loss)
+    )
+
+
+def forward_losses(
+    config: Config,
+    graphdef: nnx.GraphDef,
+    params: Any,
+    batch: jax.Array,
+    key: jax.Array | None,
+    placement: jax.Array | None = None,
+    model_state: Any = None,
+    eod_id: int | None = None,
+    denominator: jax.Array | None = None,
+    microbatches: int = 1,
+) -> Losses:
+    """The losses of this device's tokens of ``batch`` (its rows, and under tensor
+    parallelism its slice of their positions); see the module docstring. ``denominator``:
+    the step's (:func:`targets_per_shard`; default: this batch's own)."""
+    model = nnx.merge(graphdef, params, *([] if model_state is None else [model_state]))
+    tokens = batch[:, :-1]
+    if eod_id is None:
+        logits, stats = model(tokens, key, placement)
+    else:
+        masks = document_masks(batch, eod_id)
+        logits, stats = model(tokens, key, placement, masks.positions, masks.segment_ids)
+    if denominator is None:
+        denominator = targets_per_shard(config, batch, eod_id)
+    entropy = cross_entropy(logits, batch, eod_id, denominator)
+    routers = router_losses(config.moe, stats)
+    return Losses(entropy + routers / microbatches, entropy, stats)

@@ -1,0 +1,66 @@
+"""Gradient accumulation over microbatches inside the one per-device step.
+
+``train.microbatches`` M cuts a device's rows into M microbatches of whole rows (so
+whole routing groups: the same tokens drop as in one batch); each is forwarded and
+differentiated in turn, under a name scope ``microbatch_<i>`` that the scheduler reads,
+and the gradients are summed before the step's one gradient synchronisation and update.
+The losses are scaled so that the sum is the gradient of the step's mean loss
+(:mod:`jaxmoe.losses`). The loop is unrolled, like the layers: the scheduler sees
+every microbatch's collectives, and may run one microbatch's forward pass beside
+another's backward pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import scheduling.names
+from jaxmoe.layers import RoutingStats
+
+# The scheduler reads the microbatches of a step from this scope.
+SCOPE = scheduling.names.MICROBATCH_SCOPE
+
+
+def microbatch_rows(batch: jax.Array, microbatches: int) -> list[jax.Array]:
+    """This device's rows cut into ``microbatches`` equal, consecutive pieces."""
+    rows = batch.shape[0]
+    if rows % microbatches:
+        raise ValueError(f"{rows} rows do not split into {microbatches} microbatches")
+    size = rows // microbatches
+    return [batch[i * size : (i + 1) * size] for i in range(microbatches)]
+
+
+def combine_stats(parts: list[RoutingStats]) -> RoutingStats:
+    """One step's routing stats from its microbatches': losses averaged, counts summed."""
+
+    def combine(*leaves):
+        if leaves[0] is None:
+            return None
+        stacked = jnp.stack(leaves)
+        integer = jnp.issubdtype(stacked.dtype, jnp.integer)
+        return jnp.sum(stacked, axis=0) if integer else jnp.mean(stacked, axis=0)
+
+    return RoutingStats(*(combine(*field) for field in zip(*parts, strict=True)))
+
+
+def accumulate(
+    value_and_grad: Callable[[jax.Array, int], tuple[Any, Any]],
+    batch: jax.Array,
+    microbatches: int,
+) -> tuple[list[Any], Any]:
+    """``value_and_grad(rows, index) -> (aux, grads)`` on every microbatch of ``batch``:
+    each one's ``aux``, and the gradients summed."""
+    auxes, total = [], None
+    for index, rows in enumerate(microbatch_rows(batch, microbatches)):
+        # One microbatch is the step as written: no scope of its own.
+        scope = jax.named_scope(SCOPE.format(index)) if microbatches > 1 else nullcontext()
+        with scope:
+            aux, grads = value_and_grad(rows, index)
+        auxes.append(aux)
+        total = grads if total is None else jax.tree.map(jnp.add, total, grads)
+    return auxes, total

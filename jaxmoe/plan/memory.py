@@ -1,0 +1,461 @@
+"""Bytes per device at the peak of a training step, from its per-device program as XLA
+holds it (the state alone, from its shapes and specs: :mod:`jaxmoe.plan.state_memory`).
+
+**The step** (:func:`step_memory`): the captured per-device program walked in an order
+XLA may run it, the bytes of the buffers alive after each op summed; the peak is the
+step's memory. What gets a buffer, and for how long, follows what XLA does with the
+program:
+
+- *Fusion.* A value gets no buffer when XLA fuses it into every op that reads it: an
+  elementwise or layout op's value (:data:`FUSIBLE`) whose readers all take fused
+  operands (:data:`FUSING_READERS`: elementwise ops, reductions, slices) and which is
+  cheap or read once (XLA repeats a cheap fused op in each reader, never an expensive
+  one, :data:`EXPENSIVE`). Its operands then stay alive until its readers run. The rest
+  (matmuls, collectives, gathers, and what they read) get buffers.
+- *Aliases.* ``reduce_precision`` to a dtype's own precision (what JAX puts on the values
+  a remat region saves) is the identity. ``optimization_barrier`` passes its operands
+  through, and makes them buffers.
+- *Backends.* XLA:GPU keeps the barriers; XLA:CPU removes them before it schedules, after
+  which common-subexpression elimination merges a recomputation with the forward values
+  it repeats (``keeps_barriers=False``): recomputation (``model.recompute``, ZeRO-3's
+  second gather of a block) then saves nothing on CPU. XLA:CPU also computes bfloat16
+  matmuls in float32 (it converts their operands), which this walk does not model: on
+  CPU a bfloat16 step takes more memory than the walk says.
+- *Order.* Nothing in the step makes one microbatch's backward pass run before the next
+  microbatch's forward pass, and XLA:CPU runs every forward pass first (four
+  microbatches hold as much as one batch of four times the rows). The walk does the
+  same: each op as soon as its operands are ready, forward ops first. So gradient
+  accumulation lowers the estimate only by what the program's dependencies order.
+  A pipeline's ticks (:data:`~jaxmoe.pipeline.ticks.TICK_SCOPE`) are walked
+  in their order, each tick's forward slot before its backward slot, as the schedule
+  runs them: a stage holds a microbatch's residuals from its forward slot to its
+  backward slot, at most as many microbatches as the schedule has in flight. XLA is
+  free to run them otherwise: nothing makes a tick's forward slot wait for the previous
+  tick's backward slot, and XLA:CPU runs forward slots early. On 2 stages it holds
+  between this walk and the walk with every forward slot as many ticks ahead as a stage
+  has chunks (``ticks_ahead``; tested on 1F1B, with ZeRO-1 and interleaved, where it
+  holds up to 12% more than this walk); the forward-first order bounds it from above.
+
+At the peak the live buffers are counted by kind (:class:`StepMemory`). The walk is
+checked against XLA:CPU's compiled memory analysis in ``tests/plan/test_memory.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import re
+from collections.abc import Collection, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+import scheduling.names
+from jaxmoe.parallel.zero import GATHER_SCOPE
+from jaxmoe.pipeline.ticks import TICK_SCOPE
+from jaxmoe.train.state import (
+    TrainState,
+)
+from scheduling import Phase, Program, Value, aval_bytes
+
+# Elementwise and layout ops: XLA fuses their values into the ops that read them.
+FUSIBLE = frozenset(
+    {"add", "add_any", "sub", "mul", "div", "rem", "neg", "abs", "sign", "square", "sqrt",
+     "rsqrt", "cbrt", "exp", "exp2", "expm1", "log", "log1p", "tanh", "logistic", "sin",
+     "cos", "atan2", "erf", "erf_inv", "pow", "integer_pow", "max", "min", "clamp",
+     "floor", "ceil", "round", "nextafter", "is_finite", "convert_element_type",
+     "select_n", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor",
+     "shift_left", "shift_right_logical", "shift_right_arithmetic", "population_count",
+     "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "iota", "copy",
+     "copy_p", "stop_gradient", "pvary"}
+)  # fmt: skip
+# Fused ops that XLA computes once rather than repeat in each reader.
+EXPENSIVE = frozenset(
+    {"div", "rem", "sqrt", "rsqrt", "cbrt", "exp", "exp2", "expm1", "log", "log1p", "tanh",
+     "logistic", "sin", "cos", "atan2", "erf", "erf_inv", "pow"}
+)  # fmt: skip
+# Ops that read fused operands (compute them inline): the fusible ops, reductions, and
+# slicing, padding and concatenation.
+FUSING_READERS = FUSIBLE | frozenset(
+    {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+     "argmax", "argmin", "cumsum", "cumlogsumexp", "cummax", "cummin", "slice",
+     "dynamic_slice", "pad", "concatenate"}
+)  # fmt: skip
+_IDENTITIES = frozenset({"reduce_precision"})
+_BARRIER = "optimization_barrier"
+_RANDOM = frozenset({"random_bits", "random_seed", "random_wrap", "rng_bit_generator"})
+# A recomputation's ops: JAX names the forward pass it runs again in the backward pass so.
+_RECOMPUTED = "rematted_computation"
+_MICROBATCH = re.compile(scheduling.names.MICROBATCH_SCOPE.format(r"(\d+)"))
+_TICK = re.compile(r"(?:^|/)" + TICK_SCOPE.format(r"(\d+)") + r"(?:/|$)")
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """Bytes per device at the peak of a train step (module docstring).
+
+    The state (``master``: the parameters as the state holds them, float32 or ZeRO's
+    shards; ``optimizer``: everything else in it) and the batch are there throughout; the
+    rest are the buffers alive at the peak: ``parameters`` the parameters as the step
+    computes with them (casts to the compute dtype, ZeRO's gathers), ``activations`` the
+    forward values (a recomputation's included), ``backward`` the backward pass's and the
+    update's values (gradients, their accumulators, working buffers), ``pipeline`` the
+    values other pipeline stages sent (``ppermute``)."""
+
+    master: int
+    optimizer: int
+    batch: int
+    parameters: int
+    activations: int
+    backward: int
+    pipeline: int
+    microbatches_in_flight: int  # microbatches with activations alive at the peak
+
+    @property
+    def total(self) -> int:
+        return (
+            self.master
+            + self.optimizer
+            + self.batch
+            + self.parameters
+            + self.activations
+            + self.backward
+            + self.pipeline
+        )
+
+    @property
+    def activations_per_microbatch(self) -> int:
+        return self.activations // max(1, self.microbatches_in_flight)
+
+    def to_json(self) -> dict[str, int]:
+        return {
+            **dataclasses.asdict(self),
+            "activations_per_microbatch": self.activations_per_microbatch,
+            "total": self.total,
+        }
+
+
+@dataclass(eq=False)
+class _Step:
+    """An op of the walk: what it reads (aliases resolved) and the buffers it makes."""
+
+    op: Any
+    reads: tuple[Value, ...]
+    makes: tuple[Value, ...]
+
+
+def step_memory(
+    program: Program, state: TrainState, *, keeps_barriers: bool = True, ticks_ahead: int = 0
+) -> StepMemory:
+    """The peak bytes per device of the captured train step ``program``, whose first
+    argument has the structure of ``state`` (module docstring). ``keeps_barriers``:
+    XLA:GPU's compilation (True) or XLA:CPU's (False). ``ticks_ahead``: a pipeline's
+    forward slots walked that many ticks early (each before the backward slot of the
+    tick that many before its own)."""
+    walk = _Walk(program, state, keeps_barriers, ticks_ahead)
+    peak, at_peak = -1, set()
+    for _, live, size in walk.run():
+        if size > peak:
+            peak, at_peak = size, set(live)
+    return _by_kind(at_peak, walk.steps, program, walk.state_leaves, state)
+
+
+@dataclass(frozen=True)
+class BackwardStart:
+    """What the walk of :func:`step_memory` holds as the backward pass begins (its first
+    op): each buffer a forward op made (``kept``: whether under a name scope the caller's
+    ``scope`` matches), and the most bytes the backward pass holds beyond those alive then
+    before its first op in ``scope`` (``transient``: the loss's and the head's backward
+    passes, while every block's saved values are alive)."""
+
+    kept: dict[Value, bool]
+    transient: int
+
+    def bytes(self, leaving_out: Collection[Value] = ()) -> tuple[int, int]:
+        """The bytes kept, all of them and those in ``scope`` (``leaving_out`` these)."""
+        values = [(v, in_scope) for v, in_scope in self.kept.items() if v not in leaving_out]
+        return (
+            sum(aval_bytes(v.aval) for v, _ in values),
+            sum(aval_bytes(v.aval) for v, in_scope in values if in_scope),
+        )
+
+
+def backward_start(
+    program: Program, state: TrainState, scope: re.Pattern[str], *, keeps_barriers: bool = True
+) -> BackwardStart:
+    """What is alive when the backward pass of ``program`` begins, in one walk
+    (:class:`BackwardStart`)."""
+    walk = _Walk(program, state, keeps_barriers)
+    forward = {
+        value: bool(scope.search(step.op.layer))
+        for step in walk.steps
+        if step.op.phase is Phase.FORWARD
+        for value in step.makes
+    }
+    kept: dict[Value, bool] | None = None
+    start = most = 0
+    for step, live, size in walk.run():
+        if step.op.phase is not Phase.BACKWARD:
+            continue
+        if kept is None:
+            kept = {value: forward[value] for value in live if value in forward}
+            start = size
+        if scope.search(step.op.layer):
+            break
+        most = max(most, size - start)
+    return BackwardStart(kept or {}, most)
+
+
+def recomputed_for_backward(
+    program: Program, state: TrainState, *, keeps_barriers: bool = True
+) -> dict[Value, Any]:
+    """The buffers that recomputations make (JAX names their ops ``rematted_computation``)
+    and that the rest of the backward pass reads, in the walk of :func:`step_memory`: what
+    the forward pass would keep for the backward pass without the recomputation, where
+    no barrier stands in front of it (a value is a buffer here as its readers other than
+    barriers make it one). Each with the op that made it."""
+    walk = _Walk(program, state, keeps_barriers)
+    _, outputs = _walk_steps(program, keeps_barriers)
+    unbarred = [
+        _Step(step.op, (), step.makes) if step.op.primitive == _BARRIER else step
+        for step in walk.steps
+    ]
+    buffers = _buffers(unbarred, program, set(outputs))
+    made = {
+        value: step.op
+        for step in walk.steps
+        if _RECOMPUTED in step.op.name_stack
+        for value in step.makes
+        if value in buffers
+    }
+    read: dict[Value, Any] = {}
+    for step in walk.steps:
+        if step.op.phase is Phase.BACKWARD and _RECOMPUTED not in step.op.name_stack:
+            for value in step.reads:
+                if value in made:
+                    read[value] = made[value]
+    return read
+
+
+class _Walk:
+    """The walk of :func:`step_memory`: the steps in order, the buffers alive after each."""
+
+    def __init__(
+        self, program: Program, state: TrainState, keeps_barriers: bool, ticks_ahead: int = 0
+    ):
+        self.state_leaves = sum(len(jax.tree.leaves(field)) for field in state)
+        if self.state_leaves >= len(program.inputs):
+            raise ValueError("the program's inputs are not (state, batch)")
+        self.program = program
+        self.steps, outputs = _walk_steps(program, keeps_barriers)
+        # The step's arguments stay alive throughout (XLA does not free them); the new
+        # state is written over the old (the state is donated): no buffer of its own.
+        new_state = set(outputs[: self.state_leaves]) - set(program.inputs)
+        self.buffers = _buffers(self.steps, program, set(outputs)) - new_state
+        self.order = _forward_first(self.steps, ticks_ahead)
+        self.last_read = _last_reads(self.order, self.buffers, set(outputs) | set(program.inputs))
+
+    def run(self) -> Iterator[tuple[_Step, set[Value], int]]:
+        """Each step in order, with the buffers alive while it runs and their bytes."""
+        ending: dict[int, list[Value]] = {}
+        for value, position in self.last_read.items():
+            ending.setdefault(position, []).append(value)
+        live = {value for value in self.program.inputs if value in self.last_read}
+        size = sum(aval_bytes(value.aval) for value in live)
+        for position, step in enumerate(self.order):
+            made = [value for value in step.makes if value in self.buffers]
+            live.update(made)
+            size += sum(aval_bytes(value.aval) for value in made)
+            yield step, live, size
+            for value in ending.get(position, ()):
+                live.discard(value)
+                size -= aval_bytes(value.aval)
+            for value in made:
+                if value not in self.last_read:  # made and never read
+                    live.discard(value)
+                    size -= aval_bytes(value.aval)
+
+
+def _walk_steps(program: Program, keeps_barriers: bool) -> tuple[list[_Step], list[Value]]:
+    """The program's ops with aliases resolved: identities and (where the backend drops
+    them) barriers forward their operands; without barriers, an op that repeats an
+    earlier one (same primitive, parameters and operands) is merged into it."""
+    alias: dict[Value, Value] = {}
+    seen: dict[Any, tuple[Value, ...]] = {}
+
+    def resolved(atom: Any) -> Any:
+        return alias.get(atom, atom) if isinstance(atom, Value) else atom
+
+    steps = []
+    for op in program.ops:
+        reads = tuple(resolved(a) for a in op.inputs if isinstance(a, Value))
+        name = op.primitive
+        if name in _IDENTITIES or name == _BARRIER:
+            for source, value in zip(op.inputs, op.outputs, strict=True):
+                if isinstance(source, Value):
+                    alias[value] = resolved(source)
+            # A kept barrier reads its operands (they become buffers); it makes nothing.
+            kept = name == _BARRIER and keeps_barriers
+            steps.append(_Step(op, reads if kept else (), ()))
+            continue
+        if not keeps_barriers and name not in _RANDOM:
+            key = _equation_key(op, resolved)
+            if key is not None and key in seen:
+                for value, earlier in zip(op.outputs, seen[key], strict=True):
+                    alias[value] = earlier
+                steps.append(_Step(op, (), ()))
+                continue
+            if key is not None:
+                seen[key] = op.outputs
+        steps.append(_Step(op, reads, op.outputs))
+    outputs = [resolved(a) for a in program.outputs if isinstance(a, Value)]
+    return steps, outputs
+
+
+def _equation_key(op: Any, resolved: Any) -> Any:
+    """What makes two ops compute the same values, or None where it cannot be told."""
+    operands = []
+    for atom in op.inputs:
+        atom = resolved(atom)
+        if isinstance(atom, Value):
+            operands.append(atom.id)
+        elif getattr(atom.aval, "shape", None) == ():
+            operands.append(("literal", repr(atom.value), str(atom.aval)))
+        else:
+            operands.append(("constant", id(atom.value)))
+    try:
+        params = repr(sorted(op.eqn.params.items()))
+    except TypeError:
+        return None
+    return op.primitive, params, tuple(operands)
+
+
+def _buffers(steps: Sequence[_Step], program: Program, outputs: set[Value]) -> set[Value]:
+    """The values that get buffers: every input and output, and each op's values unless
+    XLA fuses them into all their readers."""
+    readers: dict[Value, list[str]] = {}
+    for step in steps:
+        for value in step.reads:
+            readers.setdefault(value, []).append(step.op.primitive)
+    buffers = set(program.inputs) | outputs
+    for step in steps:
+        fusible = step.op.primitive in FUSIBLE
+        for value in step.makes:
+            names = readers.get(value, [])
+            fused = (
+                fusible
+                and all(name in FUSING_READERS for name in names)
+                and (step.op.primitive not in EXPENSIVE or len(names) <= 1)
+            )
+            if not fused:
+                buffers.add(value)
+    return buffers
+
+
+def _last_reads(order: Sequence[_Step], buffers: set[Value], to_the_end: set[Value]) -> dict:
+    """For each buffer, the position in ``order`` of the last step that needs it (a fused
+    value's readers need its operands; ``to_the_end``: needed after the last step)."""
+    needed: dict[Value, int] = {}
+    for position in range(len(order) - 1, -1, -1):
+        step = order[position]
+        when = position
+        for value in step.makes:
+            if value not in buffers:
+                when = max(when, needed.get(value, position))
+        for value in step.reads:
+            needed[value] = max(needed.get(value, -1), when)
+    for value in to_the_end:
+        needed[value] = len(order)
+    return {value: when for value, when in needed.items() if value in buffers}
+
+
+def _walk_key(op: Any, ticks_ahead: int = 0) -> tuple[int, int, int]:
+    """Where ``op`` comes in the walk among the ops that are ready (module docstring):
+    forward ops outside a pipeline's ticks, the ticks in order (a tick's forward ops
+    before its backward ops, then the sums of its gradients; the forward ops of tick
+    ``t`` just before the backward ops of tick ``t - ticks_ahead``), backward ops outside
+    the ticks, the update."""
+    rank = {Phase.FORWARD: 0, Phase.BACKWARD: 2, Phase.OPTIMIZER: 3}[op.phase]
+    tick = _TICK.search(op.layer)
+    if tick is not None:  # its gradients' sums included
+        if op.phase is Phase.FORWARD and ticks_ahead:
+            return (1, int(tick.group(1)) - ticks_ahead, 1)
+        return (1, int(tick.group(1)), rank)
+    return ({Phase.FORWARD: 0, Phase.BACKWARD: 2, Phase.OPTIMIZER: 3}[op.phase], 0, rank)
+
+
+def _forward_first(steps: Sequence[_Step], ticks_ahead: int = 0) -> list[_Step]:
+    """The steps in a dependency order that runs each one as soon as its operands are
+    ready, forward ops before backward ops before the update, a pipeline's ticks in
+    their order (module docstring; ``ticks_ahead``: see :func:`_walk_key`)."""
+    made_by = {value: i for i, step in enumerate(steps) for value in step.op.outputs}
+    waiting = [0] * len(steps)
+    users: list[list[int]] = [[] for _ in steps]
+    for i, step in enumerate(steps):
+        sources = {made_by[a] for a in step.op.inputs if isinstance(a, Value) and a in made_by}
+        waiting[i] = len(sources)
+        for source in sources:
+            users[source].append(i)
+    keys = [_walk_key(step.op, ticks_ahead) for step in steps]
+    ready = [(keys[i], i) for i in range(len(steps)) if not waiting[i]]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, i = heapq.heappop(ready)
+        order.append(steps[i])
+        for user in users[i]:
+            waiting[user] -= 1
+            if not waiting[user]:
+                heapq.heappush(ready, (keys[user], user))
+    return order
+
+
+def _by_kind(
+    live: set[Value],
+    steps: Sequence[_Step],
+    program: Program,
+    state_leaves: int,
+    state: TrainState,
+) -> StepMemory:
+    counts = [len(jax.tree.leaves(field)) for field in state]
+    kinds: dict[Value, str] = {}
+    offset = 0
+    for name, count in zip(TrainState._fields, counts, strict=True):
+        for value in program.inputs[offset : offset + count]:
+            kinds[value] = "master" if name == "params" else "optimizer"
+        offset += count
+    for value in program.inputs[state_leaves:]:
+        kinds[value] = "batch"
+    microbatches = set()
+    for step in steps:
+        op = step.op
+        kind = _value_kind(op, kinds)
+        for value in step.makes:
+            kinds[value] = kind
+            if kind == "activations" and value in live:
+                found = _MICROBATCH.search(op.layer)
+                microbatches.add(found.group(1) if found else None)
+    totals = dict.fromkeys(
+        ("master", "optimizer", "batch", "parameters", "activations", "backward", "pipeline"), 0
+    )
+    for value in live:
+        totals[kinds[value]] += aval_bytes(value.aval)
+    # Activations outside any microbatch's scope (one microbatch: no scope) count as one.
+    in_flight = len(microbatches - {None}) or int(bool(microbatches))
+    return StepMemory(**totals, microbatches_in_flight=in_flight)
+
+
+def _value_kind(op: Any, kinds: dict[Value, str]) -> str:
+    """What the values of ``op`` hold (see :class:`StepMemory`)."""
+    if op.primitive == "ppermute":
+        return "pipeline"
+    if GATHER_SCOPE in op.layer and op.primitive == "all_gather":
+        return "parameters"
+    if op.primitive == "convert_element_type":
+        (source,) = [a for a in op.inputs if isinstance(a, Value)] or [None]
+        if source is not None and kinds.get(source) in ("master", "parameters"):
+            return "parameters"
+    if op.phase is Phase.FORWARD or _RECOMPUTED in op.name_stack:
+        return "activations"
+    return "backward"

@@ -1,0 +1,286 @@
+"""``jaxmoe plan``: estimates per mapping, memory against a hand count, ranking, JSON, CLI.
+
+One small model on 2 devices (10 layouts, each at the configuration's own options) is
+estimated once per module; the later tests read the estimates back from the on-disk
+cache, so that only the first pays for tracing. The search over the options is tested
+in tests/plan/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import pytest
+
+from jaxmoe import exit_codes
+from jaxmoe.cli import parser as cli
+from jaxmoe.cli.main import main
+from jaxmoe.plan import planner
+from jaxmoe.plan.mappings import Mapping
+from jaxmoe.plan.mfu import mfu
+from jaxmoe.plan.plan_table import table
+
+PROFILE = "h100-8x-nvlink-3200g"
+# vocabulary 256, width 32, 2 heads, 2 layers (layer 1 is MoE), dense FFN 64, sequence 16;
+# 4 experts of hidden width 64; 8 sequences per step.
+SMALL = [
+    "--preset", "tiny", "--model.d_model", "32", "--model.num_heads", "2",
+    "--model.num_layers", "2", "--model.d_ff", "64", "--model.seq_len", "16",
+    "--moe.num_experts", "4", "--train.batch_size", "8",
+]  # fmt: skip
+DEVICES = 2
+F32 = 4
+
+
+def _config():
+    args = cli.parse(["plan", *SMALL, "--devices", str(DEVICES), "--profile", PROFILE])
+    return cli.resolve_config(args)
+
+
+@pytest.fixture(scope="module")
+def cache_home(tmp_path_factory):
+    return tmp_path_factory.mktemp("xdg_cache")
+
+
+@pytest.fixture(scope="module")
+def planned(cache_home):
+    cache = cache_home / "jaxmoe" / "plan"  # where the CLI looks (XDG_CACHE_HOME)
+    return planner.plan_mappings(
+        _config(), "tiny", DEVICES, PROFILE, cache_dir=cache, options=False
+    )
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("traced a step")
+
+
+@pytest.fixture
+def no_tracing(monkeypatch):
+    """Fail if anything is traced: every estimate must come from the cache (or nothing
+    may be estimated at all)."""
+    monkeypatch.setattr(planner, "capture_train_step", _refuse)
+
+
+def _estimate(result, **layout):
+    (found,) = [
+        e
+        for e in result.estimates
+        if all(getattr(e.mapping, k) == v for k, v in layout.items())
+        and e.mapping.dispatcher == "all_to_all"
+    ]
+    return found
+
+
+def test_memory_per_device_against_a_hand_count(planned):
+    d, f, s, v, experts, hidden = 32, 64, 16, 256, 4, 64
+    norm = 2 * d  # scale and bias
+    attention = norm + d * 3 * d + (d * d + d)  # norm, qkv (no bias), out
+    replicated = (
+        v * d  # token embedding (tied output head)
+        + s * d  # position embedding
+        + norm  # final norm
+        + 2 * (attention + norm)  # two blocks: attention, FFN norm
+        + (d * f + f)
+        + (f * d + d)  # layer 0: dense FFN
+        + d * experts  # layer 1: router
+    )
+    expert_weights = experts * (d * hidden + hidden + hidden * d + d)
+    rows = 8 // DEVICES
+    for expert_axis in (1, 2):
+        memory = _estimate(planned, tensor=1, expert=expert_axis, expert_tensor=1).memory
+        parameters = (replicated + expert_weights // expert_axis) * F32
+        assert memory.master == parameters
+        # AdamW's two float32 moments per element; the int32 step, Adam's count and the
+        # learning-rate schedule's count; allreduce keeps no state.
+        assert memory.optimizer == 2 * parameters + 3 * 4
+        assert memory.batch == rows * (s + 1) * 4  # int32 tokens and the next one
+        # float32: the matmuls read the state's parameters; no gathers, no copies.
+        assert memory.parameters == 0
+        assert memory.activations > 0 and memory.backward > 0
+        assert memory.total == (
+            memory.master + memory.optimizer + memory.batch + memory.activations
+            + memory.backward
+        )  # fmt: skip
+
+
+def test_activations_follow_the_rows_per_device(planned):
+    # Without tensor parallelism each device holds batch / 2 rows whatever the MoE layout,
+    # so nearly the same saved activations: the layout changes only which exchange buffers
+    # the backward pass keeps (with an expert group, the slots received and returned).
+    by_layout = {
+        e.mapping.expert: e.memory.activations
+        for e in planned.estimates
+        if e.mapping.tensor == 1 and e.mapping.expert_tensor == 1
+    }
+    assert by_layout[1] == pytest.approx(by_layout[2], rel=0.05)
+
+
+def test_every_valid_mapping_is_estimated_and_ranked_by_mfu(planned):
+    assert len(planned.estimates) == len(planned.space.valid) == 10
+    assert all(e.fits for e in planned.estimates)  # a few MB in 80 GB
+    mfus = [e.mfu for e in planned.ranked]
+    assert mfus == sorted(mfus, reverse=True)
+    best = planned.ranked[0]
+    assert best.schedule == "none"
+    flops = planned.model_flops_per_step
+    assert best.mfu == pytest.approx(mfu(flops, best.best.step, DEVICES, 494.5e12))
+
+
+def test_mappings_over_the_memory_are_dropped(cache_home, planned, no_tracing):
+    totals = sorted(e.memory.total for e in planned.estimates)
+    limit = (totals[0] + totals[-1]) / 2
+    result = planner.plan_mappings(
+        _config(),
+        "tiny",
+        DEVICES,
+        PROFILE,
+        cache_dir=cache_home / "jaxmoe" / "plan",
+        memory_capacity_bytes=limit,
+        options=False,
+    )
+    assert result.ranked
+    assert all(e.memory.total <= limit for e in result.ranked)
+    assert all(e.memory.total > limit for e in result.over_memory)
+    # Over the memory: estimated, or left out by a bound over it before the estimate.
+    bounded = [n for n in result.not_estimated if n.kind == "memory"]
+    assert all(n.memory_bound > limit for n in bounded)
+    by_mapping = {e.mapping: e.memory.total for e in planned.estimates}
+    assert all(by_mapping[n.mapping] > limit for n in bounded)
+    assert len(result.ranked) == sum(total <= limit for total in totals)
+    text = table(result)
+    if result.over_memory:
+        assert f"dropped {len(result.over_memory)} mappings over" in text
+
+
+def test_json_shape(planned):
+    data = json.loads(json.dumps(planned.to_json("jaxmoe plan ...")))
+    assert data["devices"] == DEVICES and data["profile"] == PROFILE
+    assert data["memory_capacity_bytes"] == 80e9
+    assert [row["rank"] for row in data["ranked"]] == list(range(1, 11))
+    row = data["ranked"][0]
+    assert set(row) == {
+        "rank", "mapping", "schedule", "step_seconds", "mfu", "memory_bytes", "peak_bytes",
+        "fits", "by_schedule",
+    }  # fmt: skip
+    assert set(row["mapping"]) == {
+        "devices", "tensor", "attention_data", "expert_data", "expert", "expert_tensor",
+        "dispatcher", "zero", "recompute", "microbatches", "pipeline", "virtual_stages",
+    }  # fmt: skip
+    parts = ("master", "optimizer", "batch", "parameters", "activations", "backward", "pipeline")
+    assert row["memory_bytes"]["total"] == sum(row["memory_bytes"][p] for p in parts)
+    prefetched = row["by_schedule"][row["schedule"]]["prefetched"]
+    assert row["peak_bytes"] == row["memory_bytes"]["total"] + prefetched
+    assert data["not_estimated"] == [] and data["top"] == 10
+    assert row["by_schedule"]["none"]["step"] == row["step_seconds"]
+    assert {"mapping", "reason"} == set(data["skipped"][0])
+    assert len(data["skipped"]) == 2  # all_gather without an expert group, twice
+
+
+def test_table_has_every_column_and_a_row_per_mapping(planned):
+    lines = table(planned, verbose=True).splitlines()
+    header = next(line for line in lines if line.lstrip().startswith("#"))
+    columns = (
+        "attention MoE dispatcher ZeRO recompute mb schedule step_ms MFU_% master optim params "
+        "activ bwd total_MB"
+    )
+    for column in columns.split():
+        assert column.replace("_", " ") in header
+    rows = [line for line in lines if re.match(r"\s*\d+\s+\d+x\d+\s+\d+x\d+x\d+\s", line)]
+    assert len(rows) == 10
+    assert any("no expert group" in line for line in lines)
+
+
+def test_cli_prints_the_table_and_writes_json(cache_home, tmp_path, monkeypatch, capsys):
+    """The CLI searches every option set (ZeRO, recomputation, microbatches) too; its
+    plan is made here first, so that the CLI reads every bound and estimate back."""
+    searched = planner.plan_mappings(
+        _config(), "tiny", DEVICES, PROFILE, cache_dir=cache_home / "jaxmoe" / "plan"
+    )
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache_home))
+    monkeypatch.setattr(planner, "capture_train_step", _refuse)
+    out = tmp_path / "plan.json"
+    argv = ["plan", *SMALL, "--devices", "2", "--profile", PROFILE, "--json", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "jaxmoe plan: preset 'tiny' on 2 devices" in printed
+    data = json.loads(out.read_text())
+    assert data["command"].startswith("jaxmoe plan --preset tiny")
+    assert data["ranked"][0]["mapping"] == searched.ranked[0].mapping.to_json()
+    assert len(data["ranked"]) >= 10 and data["top"] == 10
+    # The search stopped before estimating every option set of every layout.
+    assert {n["kind"] for n in data["not_estimated"]} >= {"step"}
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--profile", "tpu-v9"], "--profile 'tpu-v9': choose one of"),
+        (["--devices", "0"], "--devices 0: must be a positive number"),
+        (["--devices", "-4"], "--devices -4: must be a positive number"),
+        (["--devices", "3"], "no valid mapping of preset 'tiny' on 3 devices"),
+        (["--schedule", "fastest"], "schedule.name='fastest'"),
+        (["--parallel.expert", "2"], "--parallel.expert: jaxmoe plan chooses the layout"),
+        (["--json", "/nonexistent/dir/plan.json"], "--json /nonexistent/dir/plan.json"),
+    ],
+)
+def test_cli_refusals_are_one_line_before_anything_is_traced(extra, message, no_tracing, capsys):
+    args = {"--devices": "8", "--profile": PROFILE}
+    flags = [a for pair in args.items() for a in pair if pair[0] not in extra]
+    assert main(["plan", "--preset", "tiny", *flags, *extra]) == exit_codes.USAGE_ERROR
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+
+
+def test_cli_refuses_an_unknown_preset(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        main(["plan", "--preset", "gpt9", "--devices", "8", "--profile", PROFILE])
+    assert stopped.value.code == exit_codes.USAGE_ERROR
+    assert "invalid choice: 'gpt9'" in capsys.readouterr().err
+
+
+def test_mapping_labels():
+    mapping = Mapping(8, 2, 1, 4, 2, "all_gather", zero=3, recompute="layer", microbatches=2)
+    assert mapping.label() == (
+        "attention 4x2, MoE 1x4x2, all_gather, ZeRO-3, recompute layer, microbatches 2"
+    )
+    assert mapping.layout == Mapping(8, 2, 1, 4, 2, "all_gather")
+    assert mapping.layout.label() == "attention 4x2, MoE 1x4x2, all_gather"
+
+
+def test_with_several_schedules_the_fastest_counts(planned):
+    (candidate,) = [
+        c
+        for c in planned.space.valid
+        if (c.mapping.expert, c.mapping.tensor, c.mapping.dispatcher) == (2, 1, "all_to_all")
+    ]
+    memory, times = planner.estimate_mapping(
+        candidate.config, ["none", "async"], PROFILE, planner.EstimateCache(None)
+    )
+    unscheduled = _estimate(planned, tensor=1, expert=2, expert_tensor=1)
+    assert memory == unscheduled.memory  # the program's, whatever the schedule
+    assert times["none"] == unscheduled.times["none"]
+    # async starts the expert all-to-alls and gradient reductions early: it hides some.
+    assert times["async"].exposed_communication < times["none"].exposed_communication
+    estimate = dataclasses.replace(unscheduled, times=times)
+    assert estimate.schedule == "async" and estimate.best == times["async"]
+
+
+def test_a_schedule_that_gathers_ahead_adds_what_it_holds_to_the_memory(planned):
+    from jaxmoe.plan.mappings import with_options
+    from jaxmoe.plan.options import Options
+
+    (candidate,) = [
+        c
+        for c in planned.space.valid
+        if (c.mapping.expert, c.mapping.tensor, c.mapping.dispatcher) == (2, 1, "all_to_all")
+    ]
+    sharded = with_options(candidate, Options(zero=3), DEVICES)
+    memory, times = planner.estimate_mapping(
+        sharded.config, ["none", "async"], PROFILE, planner.EstimateCache(None)
+    )
+    # none runs each gather where it stands; async starts them ahead of their use.
+    assert times["none"].prefetched == 0 < times["async"].prefetched
+    estimate = planner.MappingEstimate(sharded.mapping, memory, times, mfu=0.0, fits=True)
+    assert estimate.peak_bytes == memory.total + estimate.best.prefetched
