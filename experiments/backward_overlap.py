@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     from jaxmoe.parallel.distributed import DistributedConfig
     from jaxmoe.prepare import start_process
     from jaxmoe.presets import preset
-    from jaxmoe.train.scheduled import plan_train_step
+    from jaxmoe.train.scheduled import scheduled_train_step
 
     prepared = start_process(preset(args.preset), DistributedConfig())
     config, mesh = prepared.config, prepared.mesh
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|---|---|")
     for schedule in args.schedules.split(","):
         section = dataclasses.replace(config.schedule, name=schedule, profile=args.profile)
-        report = plan_train_step(dataclasses.replace(config, schedule=section), mesh).report
+        report = scheduled_train_step(dataclasses.replace(config, schedule=section), mesh).report
         for phase in ("forward", "backward"):
             rows = [c for c in report.collectives if c.kind == "all_to_all" and c.phase == phase]
             total = sum(c.estimated_seconds for c in rows)

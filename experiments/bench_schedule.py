@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from experiments.shared.results_file import command_line
+from jaxmoe.train.resolved import resolve
 
 RESULTS = Path(__file__).parent / "results" / "bench_schedule.md"
 
@@ -42,12 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     from jaxmoe.train.scheduled import abstract_step_args, capture_train_step
     from scheduling import batch_inputs, build_report, cost_model, emit, plan
 
-    example = abstract_step_args(config, mesh)
+    example = abstract_step_args(resolve(config, mesh))
     policy = scheduling.SchedulePolicy(name=args.schedule, profile=config.schedule.profile)
 
     timings = {}
     started = time.perf_counter()
-    program, sharded = capture_train_step(config, mesh)
+    program, sharded = capture_train_step(resolve(config, mesh))
     timings["capture"] = time.perf_counter() - started
     started = time.perf_counter()
     cost = cost_model(policy, mesh)

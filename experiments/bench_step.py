@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from experiments.shared.results_file import command_line
+from jaxmoe.train.resolved import resolve
 
 RESULTS = Path(__file__).parent / "results" / "bench_step.md"
 
@@ -48,9 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     sampler = BatchSampler(
         splits.train, config.model.seq_len, config.train.batch_size, config.train.seed
     )
-    state = init_train_state(config, mesh)
+    state = init_train_state(resolve(config, mesh))
     batches = [put_on_mesh(sampler, i, mesh) for i in range(args.warmup + args.steps)]
-    step = build_train_step(config, mesh).jit().lower(state, batches[0]).compile()
+    step = build_train_step(resolve(config, mesh)).jit().lower(state, batches[0]).compile()
 
     seconds = []
     for index, batch in enumerate(batches):

@@ -32,6 +32,7 @@ from pathlib import Path
 from experiments import comet_cluster
 from experiments.shared.device_process import call_with_devices
 from experiments.shared.results_file import command_line, kept_section
+from jaxmoe.train.resolved import resolve
 
 RESULTS = Path(__file__).parent / "results"
 LAYER_PROFILES = ("a100-8x-nvlink-400g", "h100-8x-nvlink-3200g")
@@ -152,7 +153,7 @@ def simulate_steps(gpus: int, models: list[str]) -> list[dict]:
     for model in models:
         config = paper_config(*MODELS[model], gpus)
         mesh = build_mesh(config.parallel)
-        program, sharded = capture_train_step(config, mesh)
+        program, sharded = capture_train_step(resolve(config, mesh))
         batch = batch_inputs(program, sharded.batch_argnums)
         for profile in PROFILES:
             for name in STEP_SCHEDULES:

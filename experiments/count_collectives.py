@@ -14,6 +14,8 @@ import argparse
 import dataclasses
 import sys
 
+from jaxmoe.train.resolved import resolve
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -29,14 +31,14 @@ def main(argv: list[str] | None = None) -> int:
     prepared = start_process(config, DistributedConfig())
     config, mesh = prepared.config, prepared.mesh
 
-    from jaxmoe.train.scheduled import plan_train_step
+    from jaxmoe.train.scheduled import scheduled_train_step
 
     print("| schedule | all-reduce | all-to-all |\n|---|---|---|")
     for schedule in args.schedules.split(","):
         scheduled = dataclasses.replace(
             config, schedule=dataclasses.replace(config.schedule, name=schedule)
         )
-        planned = plan_train_step(scheduled, mesh)
+        planned = scheduled_train_step(resolve(scheduled, mesh))
         text = planned.step.lower(*planned.example).compile().as_text()
         print(f"| {schedule} | {text.count(' all-reduce(')} | {text.count(' all-to-all(')} |")
     return 0

@@ -43,6 +43,7 @@ from pathlib import Path
 from experiments.lancet_eval import MODELS, paper_config
 from experiments.shared.device_process import call_with_devices
 from experiments.shared.results_file import command_line, kept_section
+from jaxmoe.train.resolved import resolve
 
 RESULTS = Path(__file__).parent / "results" / "cross_microbatch_eval.md"
 CLUSTER_HEADING = "## (a) Emulated cluster"
@@ -93,7 +94,7 @@ def simulate(gpus: int, cases: list[list[str]], microbatches: int, layers: int) 
             config = _paper(model, gpus, microbatches)
             name = model
         mesh = build_mesh(config.parallel)
-        program, sharded = capture_train_step(config, mesh)
+        program, sharded = capture_train_step(resolve(config, mesh))
         batch = batch_inputs(program, sharded.batch_argnums)
         for label, (policy_name, pairing) in SCHEDULES.items():
             policy = SchedulePolicy(name=policy_name, profile=profile, pair_microbatches=pairing)

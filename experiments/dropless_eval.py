@@ -103,9 +103,10 @@ def program_exchanges(config, mesh) -> dict[str, float]:
     (the MoE exchanges), of its ``all_gather`` operands (the ragged dispatch's counts), and
     the ragged variants' receive buffer rows (the grouped GEMM's left operand)."""
     import scheduling
+    from jaxmoe.train.resolved import resolve
     from jaxmoe.train.scheduled import capture_train_step
 
-    program, _ = capture_train_step(config, mesh)
+    program, _ = capture_train_step(resolve(config, mesh))
 
     def operand_bytes(primitive: str) -> float:
         ops = [op for op in program.ops if op.primitive == primitive]
@@ -160,9 +161,10 @@ def warmed_states(steps: dict, configs: dict, sampler, mesh, warm_steps: int) ->
     import jax.numpy as jnp
 
     from jaxmoe.data.batches import put_on_mesh
+    from jaxmoe.train.resolved import resolve
     from jaxmoe.train.state import init_train_state
 
-    state = init_train_state(configs[WARM_VARIANT], mesh)
+    state = init_train_state(resolve(configs[WARM_VARIANT], mesh))
     for index in range(warm_steps):
         # One step at a time, as the training loop runs them: several multi-device steps
         # in flight can starve XLA:CPU's collectives of threads.
@@ -179,13 +181,14 @@ def measure_variants(name: str, steps: int, repeats: int, warm_steps: int) -> di
     from experiments.emulation.host_process import round_order, train_batches
     from jaxmoe.data.batches import put_on_mesh
     from jaxmoe.parallel.mesh import build_mesh
-    from jaxmoe.train.scheduled import plan_train_step
+    from jaxmoe.train.resolved import resolve
+    from jaxmoe.train.scheduled import scheduled_train_step
 
     configs = {variant: variant_config(name, variant) for variant in VARIANTS}
     mesh = build_mesh(configs[BASELINE].parallel)
     results, compiled = {}, {}
     for variant, config in configs.items():
-        planned = plan_train_step(config, mesh)
+        planned = scheduled_train_step(resolve(config, mesh))
         started = time.perf_counter()
         step = planned.compile()
         compile_s = time.perf_counter() - started
@@ -260,7 +263,8 @@ def host_main(argv: list[str]) -> int:
     from experiments.emulation.host_process import train_batches
     from jaxmoe.config import Config
     from jaxmoe.data.batches import put_on_mesh
-    from jaxmoe.train.scheduled import plan_train_step
+    from jaxmoe.train.resolved import resolve
+    from jaxmoe.train.scheduled import scheduled_train_step
 
     mesh = prepared.mesh
     configs = {
@@ -268,7 +272,8 @@ def host_main(argv: list[str]) -> int:
         for variant, values in json.loads(args.variants.read_text()).items()
     }
     steps = {
-        variant: plan_train_step(config, mesh).compile() for variant, config in configs.items()
+        variant: scheduled_train_step(resolve(config, mesh)).compile()
+        for variant, config in configs.items()
     }
     sampler = train_batches(prepared.config)
     states = warmed_states(steps, configs, sampler, mesh, args.warm_steps)

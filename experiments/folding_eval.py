@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments.shared.results_file import command_line
+from jaxmoe.train.resolved import resolve
 
 RESULTS = Path(__file__).parent / "results"
 DEVICES = 8
@@ -161,8 +162,8 @@ def run_layout(label: str, config, host_batches: Sequence[np.ndarray]) -> Layout
     start = time.perf_counter()
     mesh = build_mesh(config.parallel)
     placed = [jax.device_put(b, NamedSharding(mesh, token_spec(mesh))) for b in host_batches]
-    state = init_train_state(config, mesh)
-    compiled = build_train_step(config, mesh).jit().lower(state, placed[0]).compile()
+    state = init_train_state(resolve(config, mesh))
+    compiled = build_train_step(resolve(config, mesh)).jit().lower(state, placed[0]).compile()
     analysis = compiled.memory_analysis()
     memory = DeviceMemory(
         analysis.argument_size_in_bytes,

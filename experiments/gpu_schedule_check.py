@@ -53,6 +53,7 @@ from pathlib import Path
 
 from experiments.shared.results_file import command_line
 from experiments.shared.spread import Spread, round_ratios
+from jaxmoe.train.resolved import resolve
 
 RESULTS = Path(__file__).parent / "results" / "gpu_schedule_check.md"
 
@@ -171,7 +172,7 @@ def _measure(config, args: argparse.Namespace, write, devices) -> dict[str, dict
 
     import scheduling
     from jaxmoe.parallel.mesh import build_mesh
-    from jaxmoe.train.scheduled import plan_train_step
+    from jaxmoe.train.scheduled import scheduled_train_step
 
     mesh = build_mesh(config.parallel, devices)
     steps, results = {}, {}
@@ -179,7 +180,7 @@ def _measure(config, args: argparse.Namespace, write, devices) -> dict[str, dict
         result = results[name] = {"seconds": []}
         try:
             began = time.perf_counter()
-            planned = plan_train_step(_variant(config, name), mesh)
+            planned = scheduled_train_step(resolve(_variant(config, name), mesh))
             planned_at = time.perf_counter()
             compiled = planned.compile()
             result["plan_s"] = planned_at - began
@@ -235,7 +236,7 @@ def _time(config, mesh, steps, results, args) -> None:
         splits.train, config.model.seq_len, config.train.batch_size, config.train.seed
     )
     batches = [put_on_mesh(sampler, i, mesh) for i in range(args.steps)]
-    state = init_train_state(config, mesh)
+    state = init_train_state(resolve(config, mesh))
     for step in steps.values():  # warm up each, outside the timed rounds
         state, metrics = step(state, batches[0])
         jax.block_until_ready(metrics)

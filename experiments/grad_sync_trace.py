@@ -38,6 +38,7 @@ from experiments.emulation.hosts import EmulatedHosts, machine
 from experiments.emulation.link_calibration import LinkNotCalibrated, calibrated_network
 from experiments.emulation.network import LinkShape, namespaces_available
 from experiments.shared.results_file import command_line
+from jaxmoe.train.resolved import resolve
 
 RESULTS = Path(__file__).parent / "results"
 HOSTS, DEVICES_PER_HOST = 2, 4
@@ -94,15 +95,15 @@ def host_main(argv: list[str]) -> int:
     import jax
 
     from jaxmoe.data.batches import put_on_mesh
-    from jaxmoe.train.scheduled import plan_train_step
+    from jaxmoe.train.scheduled import scheduled_train_step
     from jaxmoe.train.state import init_train_state
 
     steps, states = {}, {}
     for name in algorithms:
         train = dataclasses.replace(config.train, grad_sync=name)
         with_algorithm = dataclasses.replace(config, train=train)
-        steps[name] = plan_train_step(with_algorithm, mesh).compile()
-        states[name] = init_train_state(with_algorithm, mesh)
+        steps[name] = scheduled_train_step(resolve(with_algorithm, mesh)).compile()
+        states[name] = init_train_state(resolve(with_algorithm, mesh))
     seconds: dict[str, list[float]] = {name: [] for name in algorithms}
     batch = None
     for round_index in range(args.warmup + args.rounds):
@@ -188,7 +189,7 @@ def estimated_ops(algorithm: str, link: float, op_costs: str) -> dict:
     config = config_from_train_args(train_args(args, [*extra, *told]))
     mesh = build_mesh(config.parallel)
     cost, words = choice_cost_model(config, mesh)
-    program, _ = capture_train_step(config, mesh)
+    program, _ = capture_train_step(resolve(config, mesh))
     ops = [
         {
             "key": [op.name_stack, op.primitive],

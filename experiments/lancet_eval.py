@@ -39,6 +39,7 @@ from pathlib import Path
 
 from experiments.shared.device_process import call_with_devices
 from experiments.shared.results_file import command_line, kept_section
+from jaxmoe.train.resolved import resolve
 
 RESULTS = Path(__file__).parent / "results"
 PROFILES = ("a100-8x-nvlink-400g", "v100-8x-nvlink-100g")
@@ -87,7 +88,7 @@ def simulate(gpus: int, models: list[str]) -> list[dict]:
     for model in models:
         config = paper_config(*MODELS[model], gpus)
         mesh = build_mesh(config.parallel)
-        program, sharded = capture_train_step(config, mesh)
+        program, sharded = capture_train_step(resolve(config, mesh))
         batch = batch_inputs(program, sharded.batch_argnums)
         for profile in PROFILES:
             for label, (name, chunks) in SCHEDULES.items():

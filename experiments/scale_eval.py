@@ -41,6 +41,7 @@ from experiments.published_recipes import (
     recipe_mappings,
 )
 from experiments.shared.results_file import command_line
+from jaxmoe.train.resolved import resolve
 
 RESULTS = Path(__file__).parent / "results"
 PROFILE = "h100-8x-nvlink-3200g"
@@ -281,8 +282,8 @@ def measure_options_on_cpu(repeats: int) -> list[dict[str, Any]]:
     from jaxmoe.config import Config
     from jaxmoe.parallel.mesh import build_mesh, token_spec
     from jaxmoe.plan.memory import step_memory
-    from jaxmoe.train.scheduled import capture_train_step, plan_train_step
-    from jaxmoe.train.state import abstract_train_state, init_train_state
+    from jaxmoe.train.scheduled import capture_train_step, scheduled_train_step
+    from jaxmoe.train.state import init_train_state
 
     rows = []
     for name, fields in CPU_OPTIONS.items():
@@ -295,7 +296,7 @@ def measure_options_on_cpu(repeats: int) -> list[dict[str, Any]]:
         config = Config.from_dict(values)
         mesh = build_mesh(config.parallel)
         started = time.perf_counter()
-        step = plan_train_step(config, mesh).compile()
+        step = scheduled_train_step(resolve(config, mesh)).compile()
         compile_seconds = time.perf_counter() - started
         analysis = step.memory_analysis()
         peak = (
@@ -304,11 +305,11 @@ def measure_options_on_cpu(repeats: int) -> list[dict[str, Any]]:
             - analysis.alias_size_in_bytes
             + analysis.temp_size_in_bytes
         )
-        program, _ = capture_train_step(config, mesh)
-        state_shapes = abstract_train_state(config)
+        program, _ = capture_train_step(resolve(config, mesh))
+        state_shapes = resolve(config).state_shapes
         cpu = step_memory(program, state_shapes, keeps_barriers=False)
         gpu = step_memory(program, state_shapes, keeps_barriers=True)
-        state = init_train_state(config, mesh)
+        state = init_train_state(resolve(config, mesh))
         rng = np.random.default_rng(0)
         sharding = jax.sharding.NamedSharding(mesh, token_spec(mesh))
         times = []

@@ -37,6 +37,7 @@ from experiments.emulation.link_calibration import LinkNotCalibrated
 from experiments.emulation.schedule_runs import measure_schedules
 from experiments.shared.device_process import call_with_devices
 from experiments.shared.spread import Spread, round_ratios
+from jaxmoe.train.resolved import resolve
 
 RESULTS = Path(__file__).parent / "results"
 OP_COSTS = RESULTS.parent / ".op_costs"
@@ -56,7 +57,7 @@ def _plans(link_mbit: float, cost, schedules: list[str]) -> dict:
     config = config_from_train_args(argv)
     mesh = build_mesh(config.parallel)
     # The schedule fields do not change the step: one capture serves every schedule.
-    program, sharded = capture_train_step(config, mesh)
+    program, sharded = capture_train_step(resolve(config, mesh))
     batch = batch_inputs(program, sharded.batch_argnums)
     plans = {}
     for schedule in schedules:

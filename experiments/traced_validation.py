@@ -39,6 +39,7 @@ from experiments.emulation.link_calibration import LinkNotCalibrated
 from experiments.emulation.schedule_runs import measure_schedules
 from experiments.shared.device_process import call_with_devices
 from experiments.shared.results_file import command_line
+from jaxmoe.train.resolved import resolve
 
 RESULTS = Path(__file__).parent / "results"
 TOLERANCE = 0.15
@@ -68,7 +69,9 @@ def predict(measured_path: str, traces: str) -> dict:
     mesh = build_mesh(config.parallel)
     axis_sizes = dict(mesh.shape)
     link = model.link_seconds(measured["link_calibration"], axis_sizes)
-    program, sharded = capture_train_step(config, mesh)  # one capture serves every schedule
+    program, sharded = capture_train_step(
+        resolve(config, mesh)
+    )  # one capture serves every schedule
     batch = batch_inputs(program, sharded.batch_argnums)
     predicted = {}
     for row in measured["schedules"]:

@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from experiments.shared.results_file import command_line
+from jaxmoe.train.resolved import resolve
 
 MODULE = "experiments.zero3_prefetch"
 RESULTS = Path(__file__).parent / "results" / "zero3_prefetch.md"
@@ -60,7 +61,7 @@ def measure(profile: str, lead: float, program=None) -> tuple[dict, object]:
     config = zero3_config(profile, lead)
     mesh = build_mesh(config.parallel)
     if program is None:
-        program, _ = capture_train_step(config, mesh)
+        program, _ = capture_train_step(resolve(config, mesh))
     policy = schedule_policy(config)
     cost = cost_model(policy, mesh)
     planned = plan(program, policy, cost)

@@ -97,17 +97,21 @@ def forward_losses(
     eod_id: int | None = None,
     denominator: jax.Array | None = None,
     microbatches: int = 1,
+    block_call: Any = None,
 ) -> Losses:
     """The losses of this device's tokens of ``batch`` (its rows, and under tensor
     parallelism its slice of their positions); see the module docstring. ``denominator``:
-    the step's (:func:`targets_per_shard`; default: this batch's own)."""
+    the step's (:func:`targets_per_shard`; default: this batch's own). ``block_call``: how
+    the model calls its blocks (:class:`~jaxmoe.layers.GPTMoE`; default the plain call)."""
     model = nnx.merge(graphdef, params, *([] if model_state is None else [model_state]))
     tokens = batch[:, :-1]
     if eod_id is None:
-        logits, stats = model(tokens, key, placement)
+        logits, stats = model(tokens, key, placement, block_call=block_call)
     else:
         masks = document_masks(batch, eod_id)
-        logits, stats = model(tokens, key, placement, masks.positions, masks.segment_ids)
+        logits, stats = model(
+            tokens, key, placement, masks.positions, masks.segment_ids, block_call=block_call
+        )
     if denominator is None:
         denominator = targets_per_shard(config, batch, eod_id)
     entropy = cross_entropy(logits, batch, eod_id, denominator)

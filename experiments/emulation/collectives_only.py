@@ -27,6 +27,7 @@ from pathlib import Path
 
 from experiments.emulation.host_process import host_parser, start_host
 from experiments.emulation.hosts import EmulatedHosts
+from jaxmoe.train.resolved import resolve
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxmoe.train.scheduled import capture_train_step
 
     mesh = prepared.mesh
-    program, _ = capture_train_step(prepared.config, mesh)
+    program, _ = capture_train_step(resolve(prepared.config, mesh))
     collectives = program.collectives()
 
     def per_device(seed: jax.Array) -> jax.Array:

@@ -38,7 +38,7 @@ def rounds_parser(description: str) -> argparse.ArgumentParser:
 
 
 def start_host(args: argparse.Namespace) -> Any:
-    """This host's part of the run (a ``jaxmoe.prepare.PreparedRun``): its fake devices
+    """This host's part of the run (a ``jaxmoe.train.resolved.Run``): its fake devices
     set, the distributed runtime joined, the configuration prepared on the whole mesh."""
     from jaxmoe.config import Config
     from jaxmoe.parallel.distributed import DistributedConfig

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from experiments.emulation.host_process import round_order, rounds_parser, start_host, train_batches
 from experiments.emulation.hosts import EmulatedHosts
+from jaxmoe.train.resolved import resolve
 
 VARIANTS = ("no replicas", "static", "dynamic")
 
@@ -115,19 +116,19 @@ def main(argv: list[str] | None = None) -> int:
     from jaxmoe.placement.planner import PlacementLog
     from jaxmoe.train.loop import rebalance
     from jaxmoe.train.metrics import host_row
-    from jaxmoe.train.scheduled import plan_train_step
+    from jaxmoe.train.scheduled import scheduled_train_step
     from jaxmoe.train.state import init_train_state
 
     tokens = config.train.batch_size * config.model.seq_len
     no_log = PlacementLog(None, 0, active=False)
     # static and dynamic run one compiled step: only the table they pass it differs.
-    shared = plan_train_step(configs["static"], mesh).compile()
+    shared = scheduled_train_step(resolve(configs["static"], mesh)).compile()
     steps = {
-        "no replicas": plan_train_step(configs["no replicas"], mesh).compile(),
+        "no replicas": scheduled_train_step(resolve(configs["no replicas"], mesh)).compile(),
         "static": shared,
         "dynamic": shared,
     }
-    states = {name: init_train_state(configs[name], mesh) for name in VARIANTS}
+    states = {name: init_train_state(resolve(configs[name], mesh)) for name in VARIANTS}
     history: list[dict] = []  # dynamic's rows, the planner's window
     seconds: dict[str, list[float]] = {name: [] for name in VARIANTS}
     dropped: dict[str, list[float]] = {name: [] for name in VARIANTS}

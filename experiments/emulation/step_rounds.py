@@ -33,6 +33,7 @@ from pathlib import Path
 
 from experiments.emulation.host_process import round_order, rounds_parser, start_host, train_batches
 from experiments.emulation.hosts import EmulatedHosts
+from jaxmoe.train.resolved import resolve
 
 TRACED_STEPS = 2
 
@@ -97,15 +98,17 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     from jaxmoe.data.batches import put_on_mesh
-    from jaxmoe.train.scheduled import plan_train_step
+    from jaxmoe.train.scheduled import scheduled_train_step
     from jaxmoe.train.state import init_train_state
 
     steps, states, compile_s = {}, {}, {}
     for schedule in schedules:
         started = time.perf_counter()
-        steps[schedule] = plan_train_step(with_schedule(config, schedule), mesh).compile()
+        steps[schedule] = scheduled_train_step(
+            resolve(with_schedule(config, schedule), mesh)
+        ).compile()
         compile_s[schedule] = time.perf_counter() - started
-        states[schedule] = init_train_state(config, mesh)
+        states[schedule] = init_train_state(resolve(config, mesh))
 
     seconds: dict[str, list[float]] = {schedule: [] for schedule in schedules}
     orders = []

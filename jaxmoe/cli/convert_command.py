@@ -113,7 +113,7 @@ def _from_hf(args: argparse.Namespace) -> int:
     from jaxmoe.cli.run_dir import RUN_FILES, check_free_space, clear_run_files, prepare_run_dir
     from jaxmoe.hf.convert import HF_DIR, abstract_leaves, from_hf, plan_from_hf
     from jaxmoe.plan.host_memory import host_memory_bytes
-    from jaxmoe.train.state import abstract_train_state
+    from jaxmoe.train.resolved import resolve
 
     given = [f"--{flag.replace('_', '-')}" for flag in _TO_HF_FLAGS if getattr(args, flag)]
     if given:
@@ -130,7 +130,7 @@ def _from_hf(args: argparse.Namespace) -> int:
     parameters = sum(leaf.size for leaf in jax.tree.leaves(abstract_leaves(plan.config)))
     state = sum(
         leaf.size * leaf.dtype.itemsize
-        for leaf in jax.tree.leaves(abstract_train_state(plan.config))
+        for leaf in jax.tree.leaves(resolve(plan.config).state_shapes)
     )
     check_free_space(out, state)
     if state > host_memory_bytes():

@@ -19,20 +19,20 @@ def run(config: Config, args: argparse.Namespace) -> int:
     from jaxmoe.plan.mfu import estimated_mfu
     from jaxmoe.prepare import prepare_run
     from jaxmoe.train.profiler import compare_with_trace, find_trace
-    from jaxmoe.train.scheduled import plan_train_step
+    from jaxmoe.train.scheduled import scheduled_train_step
 
     if config.schedule.name == "none":
         raise ConfigError(
             "--schedule none leaves the step as it is: choose async, dw, partition or lancet"
         )
     trace = None if args.trace is None else find_trace(args.trace)
-    prepared = prepare_run(config)
-    choice, mesh = prepared.grad_sync_choice, prepared.mesh
+    run = prepare_run(config)
+    choice, mesh = run.grad_sync_choice, run.mesh
     if choice is not None:
         print(choice.table())
-    planned = plan_train_step(prepared.config, mesh)
+    planned = scheduled_train_step(run)
     print(planned.report.table())
-    print(estimated_mfu(prepared.config, planned.report, mesh.devices.size).line())
+    print(estimated_mfu(run.config, planned.report, mesh.devices.size).line())
     if args.out is not None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -40,9 +40,9 @@ def _checkpoint_bytes(config: Config) -> int:
     """Bytes of one checkpoint: the whole train state (shapes only, nothing allocated)."""
     import jax
 
-    from jaxmoe.train.state import abstract_train_state
+    from jaxmoe.train.resolved import resolve
 
-    leaves = jax.tree.leaves(abstract_train_state(config))
+    leaves = jax.tree.leaves(resolve(config).state_shapes)
     return sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
 
 

@@ -27,6 +27,7 @@ from jaxmoe.train.checkpoint import (
     restore_model,
     saved_config,
 )
+from jaxmoe.train.resolved import resolve
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ def _abstract_model(config: Config) -> tuple[nnx.GraphDef, nnx.State, nnx.State]
 def _load_step(run_dir: Path, step: int, device: jax.Device) -> RunModel:
     config = Config.from_dict(saved_config(run_dir, step))
     graphdef, params, rest = _abstract_model(config)
-    restored = restore_model(run_dir, step, config, device)
+    restored = restore_model(run_dir, step, resolve(config), device)
     nnx.replace_by_pure_dict(params, restored["params"])
     if "model_state" in restored:
         nnx.replace_by_pure_dict(rest, restored["model_state"])

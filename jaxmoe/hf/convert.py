@@ -97,9 +97,9 @@ def converted_config(architecture: Architecture, overrides: dict[str, Any]) -> C
 def abstract_leaves(config: Config) -> dict[str, Any]:
     """Collection (``params``, and ``model_state`` when the model has one) -> the pure dict
     of its shapes, nothing allocated."""
-    from jaxmoe.train.state import abstract_train_state
+    from jaxmoe.train.resolved import resolve
 
-    state = abstract_train_state(config)
+    state = resolve(config).state_shapes
     trees = {"params": state.params}
     model_state = getattr(state, "model_state", None)
     if model_state is not None:
@@ -252,6 +252,7 @@ def from_hf(plan: FromHF, out: str | Path) -> int:
     import jax
 
     from jaxmoe.train.checkpoint import RunCheckpoints
+    from jaxmoe.train.resolved import resolve
     from jaxmoe.train.state import train_state_around
 
     out = Path(out)
@@ -259,8 +260,9 @@ def from_hf(plan: FromHF, out: str | Path) -> int:
     collections = load_weights(plan, device)
     with jax.default_device(device):
         extra = {"model_state": collections["model_state"]} if "model_state" in collections else {}
-        state = train_state_around(plan.config, collections["params"], **extra)
-    with RunCheckpoints(out, plan.config) as checkpoints:
+        run = resolve(plan.config)
+        state = train_state_around(run, collections["params"], **extra)
+    with RunCheckpoints(out, run) as checkpoints:
         checkpoints.save(state)
     kept = out / HF_DIR
     shutil.rmtree(kept, ignore_errors=True)
@@ -321,8 +323,9 @@ def plan_to_hf(
 def restore_params(run: Path, step: int, config: Config, device: Any) -> dict[str, Any]:
     """The parameters (and model state) of the checkpoint of ``step``, alone, on ``device``."""
     from jaxmoe.train.checkpoint import restore_model
+    from jaxmoe.train.resolved import resolve
 
-    return restore_model(run, step, config, device)
+    return restore_model(run, step, resolve(config), device)
 
 
 def write_hf(

@@ -15,9 +15,10 @@ which XLA may merge the recomputation with the forward values it repeats and kee
 alive after all; XLA:CPU drops that barrier (see the architecture notes), so on CPU the
 compiled memory need not fall by what the captured program says it should.
 
-Under fully sharded parameters (``train.zero 3``) the recomputed call is the block's
-gather and call (:func:`jaxmoe.parallel.fsdp.call_block`), so the backward pass gathers
-the block's parameters once more, as it does without recomputation.
+How a block is called is the caller's: the plain call, or under fully sharded parameters
+(``train.zero 3``) the block's gather and call (:func:`jaxmoe.parallel.fsdp.gathering_call`),
+so that the recomputed call gathers the block's parameters once more in the backward
+pass, as it does without recomputation.
 
 ``"attention"`` (selective, Megatron-Core's default) recomputes the core attention only:
 :mod:`jaxmoe.layers.attention`.
@@ -25,29 +26,38 @@ the block's parameters once more, as it does without recomputation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
 from flax import nnx
 
-from jaxmoe.parallel import fsdp
+# How a block is called: ``(block, index, *args) -> block's outputs``.
+BlockCall = Callable[..., Any]
 
 
-def recomputed(block: nnx.Module, index: int, *args: Any) -> Any:
-    """The call of block ``index`` on ``args``, its activations recomputed in the backward
-    pass."""
+def plain_call(block: nnx.Module, index: int, *args: Any) -> Any:
+    """``block(*args)``: a block whose parameters are whole on every device."""
+    del index
+    return block(*args)
+
+
+def recomputed(block: nnx.Module, index: int, call: BlockCall, *args: Any) -> Any:
+    """``call(block, index, *args)``, its activations recomputed in the backward pass."""
     graphdef, state = nnx.split(block)
 
     def run(state: Any, args: tuple[Any, ...]) -> Any:
-        return fsdp.call_block(nnx.merge(graphdef, state), index, *args)
+        return call(nnx.merge(graphdef, state), index, *args)
 
     return jax.checkpoint(run, prevent_cse=True)(state, args)
 
 
-def call_block(recompute: str, block: nnx.Module, index: int, *args: Any) -> Any:
-    """``block(*args)`` (through :func:`jaxmoe.parallel.fsdp.call_block`), under
-    :func:`recomputed` when ``recompute`` (``model.recompute``) is ``"layer"``; ``index``:
-    the block's layer."""
+def call_block(
+    recompute: str, block: nnx.Module, index: int, *args: Any, call: BlockCall | None = None
+) -> Any:
+    """Block ``index`` called on ``args`` through ``call`` (default :func:`plain_call`),
+    under :func:`recomputed` when ``recompute`` (``model.recompute``) is ``"layer"``."""
+    call = call or plain_call
     if recompute == "layer":
-        return recomputed(block, index, *args)
-    return fsdp.call_block(block, index, *args)
+        return recomputed(block, index, call, *args)
+    return call(block, index, *args)

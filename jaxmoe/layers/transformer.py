@@ -34,7 +34,7 @@ from jaxmoe.layers.attention import CausalSelfAttention, KVCache
 from jaxmoe.layers.mlp import DenseFFN
 from jaxmoe.layers.moe import MoELayer, RoutingStats
 from jaxmoe.layers.norms import make_norm
-from jaxmoe.layers.recompute import call_block
+from jaxmoe.layers.recompute import BlockCall, call_block
 from jaxmoe.layers.rotary import rotary_tables
 from jaxmoe.layers.shared_experts import SharedExperts
 from jaxmoe.parallel.tensor_parallel import sequence_slice
@@ -152,6 +152,7 @@ class GPTMoE(nnx.Module):
         placement: jax.Array | None = None,
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
+        block_call: BlockCall | None = None,
     ) -> tuple[jax.Array, RoutingStats]:
         """``tokens [batch, seq]`` -> float32 logits ``[batch, seq, vocab]`` and routing stats
         stacked over the MoE layers (leading axis: MoE layer, in depth order).
@@ -163,7 +164,9 @@ class GPTMoE(nnx.Module):
         replica_slots]`` (:mod:`jaxmoe.placement.replicas`), or None for no replicas.
         ``positions [batch, seq]``: each token's position (default ``0 .. seq - 1``;
         documents packed into a row restart at 0). ``segment_ids [batch, seq]``: attention
-        stays inside each segment (default: one segment per row)."""
+        stays inside each segment (default: one segment per row). ``block_call``: how each
+        block is called (:mod:`jaxmoe.layers.recompute`; default the plain call, fully
+        sharded parameters gather theirs: :func:`jaxmoe.parallel.fsdp.gathering_call`)."""
         x, rotary = self.embed(tokens, positions)
         layer_stats = []
         for index, block in enumerate(self.blocks):
@@ -172,13 +175,13 @@ class GPTMoE(nnx.Module):
             if placement is not None and block.is_moe:
                 table = placement[len(layer_stats)]
             # Named scopes put the layer into every equation's name stack, where the
-            # scheduler's reports find it. call_block: the plain call, or under fully
-            # sharded parameters the block's gather and call (jaxmoe.parallel.fsdp),
-            # recomputed in the backward pass under model.recompute="layer".
+            # scheduler's reports find it. The block's call is recomputed in the backward
+            # pass under model.recompute="layer".
             with jax.named_scope(f"layer_{index}"):
                 x, stats = call_block(
-                    self.config.recompute, block, index, x, key, table, rotary, segment_ids
-                )
+                    self.config.recompute, block, index, x, key, table, rotary, segment_ids,
+                    call=block_call,
+                )  # fmt: skip
             if stats is not None:
                 layer_stats.append(stats)
         stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *layer_stats)

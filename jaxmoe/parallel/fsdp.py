@@ -1,9 +1,8 @@
 """Fully sharded blocks (``train.zero 3``): each block gathers its parameters right before
 it runs, and again in the backward pass.
 
-The model calls every block through :func:`call_block`. Outside :func:`sharded_blocks`
-that is the plain call. Inside it (the ZeRO-3 train step traces its forward pass there),
-the block's parameters are the shards of :mod:`jaxmoe.parallel.zero`: the call gathers
+The ZeRO-3 step hands the model :func:`gathering_call` as the way to call each block.
+The block's parameters are then the shards of :mod:`jaxmoe.parallel.zero`: the call gathers
 them (:func:`~jaxmoe.parallel.zero.gather_params`, one all_gather per parameter, under
 ``param_gather/layer_<i>``), runs the block on them, and wraps both in ``jax.checkpoint``
 with every value saved for the backward pass except the outputs of those all_gathers
@@ -16,17 +15,11 @@ The gathers' derivatives reduce-scatter the block's gradients onto the shards.
 The policy knows the parameters' gathers by their axes (those of the block's shards); an
 all_gather of activations over the same axes (a sequence-parallel gather whose tensor
 group is every replica of a parameter) is then gathered again in the backward pass too.
-
-The context is a trace-time setting: it holds the plan while the step's forward pass is
-traced, and changes nothing in the program outside it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -35,46 +28,26 @@ from flax import nnx
 from jaxmoe.parallel.zero import GATHER_NAME, ZeroPlan, gather_axes, gather_params
 
 
-@dataclass(frozen=True)
-class _ShardedBlocks:
-    plan: ZeroPlan
+def gathering_call(plan: ZeroPlan) -> Callable[..., Any]:
+    """How the blocks of ``plan``'s shards are called: ``(block, index, *args)`` gathers
+    block ``index``'s parameters and runs it on them (see the module docstring)."""
 
+    def call(block: nnx.Module, index: int, *args: Any) -> Any:
+        graphdef, params, rest = nnx.split(block, nnx.Param, ...)
+        shards = nnx.to_pure_dict(params)
+        others = nnx.to_pure_dict(rest)
+        layouts = plan.unit(plan.layouts, index)
+        dtypes = plan.unit(plan.gather_dtypes, index)
 
-_ACTIVE: contextvars.ContextVar[_ShardedBlocks | None] = contextvars.ContextVar(
-    "jaxmoe_sharded_blocks", default=None
-)
+        def run(shards: Any, others: Any, args: tuple[Any, ...]) -> Any:
+            gathered = gather_params(shards, layouts, dtypes, f"layer_{index}")
+            states = [gathered, others] if jax.tree.leaves(others) else [gathered]
+            return nnx.merge(graphdef, *states)(*args)
 
+        policy = _saving_all_but_gathers(gather_axes(layouts))
+        return jax.checkpoint(run, policy=policy)(shards, others, args)
 
-@contextlib.contextmanager
-def sharded_blocks(plan: ZeroPlan) -> Iterator[None]:
-    """Blocks called inside hold the shards of ``plan`` and gather them (see the module
-    docstring)."""
-    token = _ACTIVE.set(_ShardedBlocks(plan))
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
-
-
-def call_block(block: nnx.Module, index: int, *args: Any) -> Any:
-    """``block(*args)``; inside :func:`sharded_blocks`, on its gathered parameters."""
-    active = _ACTIVE.get()
-    if active is None:
-        return block(*args)
-    plan = active.plan
-    graphdef, params, rest = nnx.split(block, nnx.Param, ...)
-    shards = nnx.to_pure_dict(params)
-    others = nnx.to_pure_dict(rest)
-    layouts = plan.unit(plan.layouts, index)
-    dtypes = plan.unit(plan.gather_dtypes, index)
-
-    def run(shards: Any, others: Any, args: tuple[Any, ...]) -> Any:
-        gathered = gather_params(shards, layouts, dtypes, f"layer_{index}")
-        states = [gathered, others] if jax.tree.leaves(others) else [gathered]
-        return nnx.merge(graphdef, *states)(*args)
-
-    policy = _saving_all_but_gathers(gather_axes(layouts))
-    return jax.checkpoint(run, policy=policy)(shards, others, args)
+    return call
 
 
 def _saving_all_but_gathers(axes: frozenset[tuple[str, ...]]) -> Any:

@@ -57,7 +57,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 import scheduling.names
-from jaxmoe.parallel.grad_sync.base import MeshAxes, local_shape, path_name
+from jaxmoe.parallel.grad_sync.base import GradSync, MeshAxes, Synced, local_shape, path_name
 from jaxmoe.parallel.grad_sync.bucketed import plan_buckets
 from jaxmoe.parallel.sharding import replicated_axes
 
@@ -362,3 +362,22 @@ def sync_gradients(grads: PyTree, plan: ZeroPlan, algorithm: str, bucket_bytes: 
     if whole:
         return reduce_scatter_gradients(grads, plan.layouts)
     return sum_leftover(grads, plan.layouts)
+
+
+@dataclass(frozen=True)
+class ZeroSync(GradSync):
+    """The gradient synchronisation under ZeRO, behind the step's one interface: the
+    gradients (whole blocks for stage 1, shards for stage 3) reduce-scattered onto the
+    shards the optimizer updates (``allreduce`` or ``bucketed``; stateless)."""
+
+    plan: ZeroPlan
+    algorithm: str
+    bucket_bytes: int
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ZERO_GRAD_SYNCS:
+            raise ValueError(f"train.grad_sync={self.algorithm!r} does not compose with ZeRO")
+
+    def __call__(self, grads: PyTree, state: PyTree, specs: PyTree, mesh_axes: MeshAxes) -> Synced:
+        del specs, mesh_axes
+        return Synced(sync_gradients(grads, self.plan, self.algorithm, self.bucket_bytes), state)

@@ -17,7 +17,7 @@ from flax import nnx
 from jaxmoe.config import Config, ModelConfig, MoEConfig
 from jaxmoe.layers import GPTMoE
 from jaxmoe.layers.router import ExpertBias
-from jaxmoe.pipeline.params import StageLayout, stage_layout
+from jaxmoe.pipeline.params import StageLayout
 from jaxmoe.pipeline.ticks import TickTable
 
 
@@ -27,7 +27,7 @@ class PipelineModel:
     chunk (every chunk holds blocks of the same structure)."""
 
     layout: StageLayout
-    schedule: TickTable
+    ticks: TickTable
     outside: nnx.GraphDef  # the model without its blocks: embeddings, final norm, head
     blocks: tuple[nnx.GraphDef, ...]  # a chunk's blocks, in order (the longest chunk's)
     moe_rank: tuple[int | None, ...]  # each block's index among a chunk's MoE blocks
@@ -39,12 +39,9 @@ class PipelineModel:
         return sum(rank is not None for rank in self.moe_rank)
 
 
-def pipeline_model(config: Config) -> PipelineModel:
-    """``config``'s model cut for its pipeline (built once per model and layout, on
-    abstract parameters: nothing is allocated)."""
-    layout = stage_layout(config.parallel, config.model.num_layers)
-    if layout is None:
-        raise ValueError("parallel.pipeline=1: there is no pipeline")
+def pipeline_model(config: Config, layout: StageLayout) -> PipelineModel:
+    """``config``'s model cut for its pipeline's ``layout`` (on abstract parameters:
+    nothing is allocated)."""
     return _pipeline_model(
         config.model, config.moe, layout, config.train.microbatches, config.train.seed
     )
@@ -77,7 +74,7 @@ def _pipeline_model(
     outside, _, _ = nnx.split(abstract, ExpertBias, ...)
     return PipelineModel(
         layout=layout,
-        schedule=TickTable(layout.stages, layout.virtual, microbatches),
+        ticks=TickTable(layout.stages, layout.virtual, microbatches),
         outside=outside,
         blocks=tuple(blocks),
         moe_rank=tuple(ranks),

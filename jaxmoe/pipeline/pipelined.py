@@ -79,7 +79,7 @@ from jaxmoe.layers.recompute import call_block
 from jaxmoe.layers.rotary import rotary_tables
 from jaxmoe.losses import Losses, cross_entropy, router_losses
 from jaxmoe.pipeline.microbatches import microbatch_rows
-from jaxmoe.pipeline.model import pipeline_model
+from jaxmoe.pipeline.model import PipelineModel
 from jaxmoe.pipeline.params import STAGE_BLOCKS
 from jaxmoe.pipeline.stage import Stage, select_vjp, shift
 from jaxmoe.pipeline.ticks import TICK_SCOPE, Slot, Tick
@@ -133,6 +133,7 @@ class _Pipeline:
     def __init__(
         self,
         config: Config,
+        model: PipelineModel,
         params: PyTree,
         batch: jax.Array,
         key: jax.Array | None,
@@ -143,9 +144,9 @@ class _Pipeline:
         accumulate_like: PyTree | None = None,
     ):
         self.config = config
-        self.model = pipeline_model(config)
+        self.model = model
         self.layout = self.model.layout
-        self.schedule = self.model.schedule
+        self.ticks = self.model.ticks
         self.stage = Stage(self.layout.stages)
         self.outside = {name: value for name, value in params.items() if name != STAGE_BLOCKS}
         # This device's chunks: [V, ...] (its block of the stage dimension is 1).
@@ -288,7 +289,7 @@ class _Pipeline:
         self.block_grads = jax.tree.map(
             lambda a, dtype: jnp.zeros(a.shape, dtype), self.stacks, self.block_dtypes
         )
-        for tick in self.schedule.ticks:
+        for tick in self.ticks.ticks:
             with jax.named_scope(TICK_SCOPE.format(tick.index)):
                 head_grad = self._forward(tick, differentiate=True) if tick.has_forward else None
                 if tick.has_backward:
@@ -301,7 +302,7 @@ class _Pipeline:
 
     def losses(self) -> Losses:
         """This device's losses: the forward slots alone."""
-        for tick in self.schedule.ticks:
+        for tick in self.ticks.ticks:
             if tick.has_forward:
                 with jax.named_scope(TICK_SCOPE.format(tick.index)):
                     self._forward(tick, differentiate=False)
@@ -312,7 +313,7 @@ class _Pipeline:
         return Losses(total, self.cross_entropy, self._finish_stats(self.stats))
 
     def _following(self, tick: Tick) -> Tick | None:
-        ticks = self.schedule.ticks
+        ticks = self.ticks.ticks
         return ticks[tick.index + 1] if tick.index + 1 < len(ticks) else None
 
     def _forward(self, tick: Tick, differentiate: bool) -> jax.Array | None:
@@ -373,7 +374,7 @@ class _Pipeline:
         """The backward slot: each stage's chunk's VJP on the gradient of its output (the
         loss's on the last chunk, else what the next chunk's stage sent), the gradients
         added to its chunk's, and the embedding's backward where stage 0 ran chunk 0."""
-        stage, schedule = self.stage, self.schedule
+        stage, ticks = self.stage, self.ticks
         stages, virtual = self.layout.stages, self.layout.virtual
         slots = tick.backward
         sources = [
@@ -386,7 +387,7 @@ class _Pipeline:
             sources, {_IDLE: self.zeros, _LOCAL: head_grad, _RECEIVED: self.received_grad}
         )
         forward_ticks = [
-            tick.index - schedule.distance(schedule.chunk(s, slot.virtual)) if slot else None
+            tick.index - ticks.distance(ticks.chunk(s, slot.virtual)) if slot else None
             for s, slot in enumerate(slots)
         ]
         candidates = sorted({t for t in forward_ticks if t is not None})
@@ -484,6 +485,7 @@ def _masked_stats(stats: RoutingStats, held: jax.Array) -> RoutingStats:
 
 def pipelined_gradients(
     config: Config,
+    model: PipelineModel,
     params: PyTree,
     batch: jax.Array,
     key: jax.Array | None,
@@ -499,13 +501,14 @@ def pipelined_gradients(
     synchronisation, summed in the dtypes of ``accumulate_like``'s leaves (None: those of
     ``params``). Inside the whole-mesh ``shard_map``."""
     return _Pipeline(
-        config, params, batch, key, placement, model_state, eod_id, denominator,
+        config, model, params, batch, key, placement, model_state, eod_id, denominator,
         accumulate_like,
     ).gradients()  # fmt: skip
 
 
 def pipelined_losses(
     config: Config,
+    model: PipelineModel,
     params: PyTree,
     batch: jax.Array,
     placement: jax.Array | None,
@@ -516,5 +519,5 @@ def pipelined_losses(
     """This device's losses over its rows of ``batch``, the forward slots alone (no router
     noise): the evaluation step's. Inside the whole-mesh ``shard_map``."""
     return _Pipeline(
-        config, params, batch, None, placement, model_state, eod_id, denominator
+        config, model, params, batch, None, placement, model_state, eod_id, denominator
     ).losses()

@@ -51,6 +51,7 @@ from jaxmoe.parallel.grad_sync.decentralized import MIX_SCOPE
 from jaxmoe.parallel.grad_sync.delayed import DEFERRED_SCOPE
 from jaxmoe.parallel.grad_sync.hierarchical import devices_per_host
 from jaxmoe.plan.grad_sync_trial import measured_step_seconds, trial_batches
+from jaxmoe.train.resolved import resolve
 from jaxmoe.train.scheduled import capture_train_step
 
 # The name scopes of the synchronisation's ops: gradient reductions, parameter mixing.
@@ -199,7 +200,7 @@ def estimate(
     with_algorithm = dataclasses.replace(
         config, train=dataclasses.replace(config.train, grad_sync=name)
     )
-    program, _ = capture_train_step(with_algorithm, mesh)
+    program, _ = capture_train_step(resolve(with_algorithm, mesh))
     sync = deferred = compute = communication = 0.0
     for op in program.ops:
         seconds = cost.seconds(op)

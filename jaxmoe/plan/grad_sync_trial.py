@@ -25,7 +25,8 @@ from jax.sharding import Mesh
 
 from jaxmoe.config import Config
 from jaxmoe.data.batches import BatchSampler, load_splits, put_on_mesh, run_batches
-from jaxmoe.train.scheduled import plan_train_step
+from jaxmoe.train.resolved import resolve
+from jaxmoe.train.scheduled import scheduled_train_step
 from jaxmoe.train.state import init_train_state
 
 WARMUP = 2  # untimed steps: the first runs the step's one-time work (connections, caches)
@@ -42,8 +43,9 @@ def measured_step_seconds(config: Config, mesh: Mesh, name: str, batches: BatchS
     with_algorithm = dataclasses.replace(
         config, train=dataclasses.replace(config.train, grad_sync=name)
     )
-    step = plan_train_step(with_algorithm, mesh).compile()
-    state = init_train_state(with_algorithm, mesh)
+    run = resolve(with_algorithm, mesh)
+    step = scheduled_train_step(run).compile()
+    state = init_train_state(run)
     seconds = []
     for index in range(WARMUP + config.train.grad_sync_trial_steps):
         batch = put_on_mesh(batches, index, mesh)

@@ -18,7 +18,7 @@ import jax
 
 from jaxmoe.config import Config, ConfigError
 from jaxmoe.config.sizes import Shape, activation_shapes
-from jaxmoe.train.state import abstract_train_state
+from jaxmoe.train.resolved import resolve
 
 SIZE_FIELDS = (
     "model.vocab_size",
@@ -37,7 +37,7 @@ def host_memory_bytes() -> int:
 
 def state_bytes(config: Config) -> int:
     """Bytes of the train state and one step's gradients, over every device."""
-    state = abstract_train_state(config)
+    state = resolve(config).state_shapes
     total = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(state))
     gradients = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(state.params))
     return total + gradients

@@ -70,8 +70,8 @@ from jaxmoe.plan.model_flops import model_flops
 from jaxmoe.plan.options import Options, bounding, option_sets, options_of
 from jaxmoe.plan.search import Advance, best_first
 from jaxmoe.plan.state_memory import memory_per_device
+from jaxmoe.train.resolved import resolve
 from jaxmoe.train.scheduled import capture_train_step, schedule_policy
-from jaxmoe.train.state import abstract_train_state
 from scheduling import (
     Program,
     batch_inputs,
@@ -214,7 +214,7 @@ def _estimate_program(
 ) -> Estimate:
     """Memory per device and each schedule's simulated step of the traced step ``program``."""
     mesh = program.mesh
-    memory = step_memory(program, abstract_train_state(config))
+    memory = step_memory(program, resolve(config).state_shapes)
     batch = batch_inputs(program, sharded.batch_argnums)
     times = {}
     for schedule in schedules:
@@ -256,7 +256,7 @@ class Tracer:
 
     def _trace(self, config: Config) -> tuple[Program, Any]:
         self.traced += 1
-        return capture_train_step(config, abstract_mesh(config.parallel))
+        return capture_train_step(resolve(config, abstract_mesh(config.parallel)))
 
     def estimate(self, config: Config) -> Estimate:
         """Memory and simulated steps of ``config`` traced as it is (at its depth)."""
@@ -288,7 +288,7 @@ class Tracer:
         state = state_bytes(config)
         found = screen(
             program,
-            abstract_train_state(traced),
+            resolve(traced).state_shapes,
             cost_model(policy, program.mesh),
             options_of(config),
             blocks,

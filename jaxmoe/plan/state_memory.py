@@ -32,9 +32,8 @@ import jax.numpy as jnp
 
 from jaxmoe.config import Config
 from jaxmoe.parallel.grad_sync.base import local_shape
-from jaxmoe.parallel.mesh import mesh_axis_sizes
 from jaxmoe.parallel.zero import OUTSIDE_BLOCKS
-from jaxmoe.train.state import abstract_train_state, state_specs, zero_plan
+from jaxmoe.train.resolved import Run, resolve
 
 
 @dataclass(frozen=True)
@@ -69,18 +68,20 @@ def _local_bytes(shapes: Any, specs: Any, axes: dict[str, int], dtypes: Any = No
     return total
 
 
-def memory_per_device(config: Config) -> StateMemory:
-    """The bytes per device of ``config``'s training state and step (module docstring)."""
-    axes = mesh_axis_sizes(config.parallel)
-    shapes = abstract_train_state(config)
-    specs = state_specs(config)
+def memory_per_device(run: Config | Run) -> StateMemory:
+    """The bytes per device of a run's training state and step (module docstring); a
+    configuration is resolved first."""
+    if isinstance(run, Config):
+        run = resolve(run)
+    axes = run.axis_sizes
+    shapes, specs = run.state_shapes, run.specs
     per_field = {
         name: _local_bytes(getattr(shapes, name), getattr(specs, name), axes)
         for name in shapes._fields
         if getattr(shapes, name) is not None
     }
     parameters = per_field.pop("params")
-    plan = zero_plan(config)
+    plan = run.zero
     if plan is None:  # the state's parameters are the local blocks (a pipeline's included)
         return StateMemory(parameters, sum(per_field.values()), parameters, 0)
     model_specs = plan.model_specs  # in the state's structure (stacked under a pipeline)

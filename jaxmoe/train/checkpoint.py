@@ -39,7 +39,6 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
-from jax.sharding import Mesh
 from orbax.checkpoint import type_handlers
 
 from jaxmoe.config import Config, ConfigError
@@ -50,14 +49,8 @@ from jaxmoe.pipeline.params import (
     to_layout,
     to_layout_specs,
 )
-from jaxmoe.train.state import (
-    TrainState,
-    abstract_sharded_state,
-    abstract_train_state,
-    param_trees_mapped,
-    pipeline_layout,
-    state_specs,
-)
+from jaxmoe.train.resolved import Run
+from jaxmoe.train.state import TrainState, abstract_sharded_state, param_trees_mapped
 
 CHECKPOINT_DIR = "checkpoints"
 # Fields whose change gives parameters (or their optimizer state) other shapes.
@@ -109,13 +102,13 @@ def checkpoint_steps(out_dir: Path) -> list[int]:
     return sorted(ocp.utils.checkpoint_steps(out_dir / CHECKPOINT_DIR), reverse=True)
 
 
-def restore_model(out_dir: Path, step: int, config: Config, device: Any) -> dict[str, Any]:
+def restore_model(out_dir: Path, step: int, run: Run, device: Any) -> dict[str, Any]:
     """The parameters (and the model state, when the model has one: the routers' expert
     biases) of the checkpoint of ``step``, alone, as arrays on ``device``: the optimizer
     state is not read. ``{"params": ..., "model_state": ...}`` of pure dicts, in the
-    model's layout (the blocks unstacked where ``config`` has a pipeline)."""
+    model's layout (the blocks unstacked where ``run`` has a pipeline)."""
     sharding = jax.sharding.SingleDeviceSharding(device)
-    state = abstract_train_state(config)
+    state = run.state_shapes
     trees = {"params": state.params}
     if jax.tree.leaves(state.model_state):
         trees["model_state"] = state.model_state
@@ -133,7 +126,7 @@ def restore_model(out_dir: Path, step: int, config: Config, device: Any) -> dict
             ),
         )
     restored = dict(restored)
-    restored["params"] = to_layout(restored["params"], pipeline_layout(config), None)
+    restored["params"] = to_layout(restored["params"], run.stages, None)
     return restored
 
 
@@ -242,10 +235,11 @@ def _reporting_write_errors() -> Iterator[None]:
 class RunCheckpoints:
     """The checkpoints of one run directory: asynchronous saves, the last ``keep`` kept."""
 
-    def __init__(self, out_dir: str | Path, config: Config):
+    def __init__(self, out_dir: str | Path, run: Run):
         self.directory = Path(out_dir) / CHECKPOINT_DIR
-        self.config = config
-        self._manager = _manager(self.directory, keep=config.train.keep_checkpoints)
+        self.run = run
+        self.config = run.config
+        self._manager = _manager(self.directory, keep=run.config.train.keep_checkpoints)
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -291,14 +285,14 @@ class RunCheckpoints:
             force=True,
         )
 
-    def restore(self, step: int, mesh: Mesh) -> TrainState:
-        """The state saved at ``step``, laid out for ``mesh`` and the current config."""
+    def restore(self, step: int) -> TrainState:
+        """The state saved at ``step``, laid out for the run's mesh and configuration."""
         metadata = self.directory / str(step) / "state" / "_METADATA"
         if not metadata.exists():  # Orbax would say only that the tree does not match
             raise FileNotFoundError(f"its tree metadata ({metadata.name}) is missing")
-        current = abstract_sharded_state(self.config, mesh)
-        layout, saved = pipeline_layout(self.config), self._saved_layout(step)
-        target = current if saved == layout else self._abstract_state_in(saved, mesh)
+        current = abstract_sharded_state(self.run)
+        layout, saved = self.run.stages, self._saved_layout(step)
+        target = current if saved == layout else self._abstract_state_in(saved)
         restored = self._manager.restore(
             step,
             args=ocp.args.Composite(
@@ -320,25 +314,25 @@ class RunCheckpoints:
         """The pipeline layout the checkpoint of ``step`` was written in (None: none; a
         checkpoint without its configuration is taken to be in the current one)."""
         if not (self.directory / str(step) / "config").exists():
-            return pipeline_layout(self.config)
+            return self.run.stages
         parallel = saved_config(self.directory.parent, step).get("parallel", {})
         stages, virtual = parallel.get("pipeline", 1), parallel.get("virtual_stages", 1)
         chunk_layers = parallel.get("chunk_layers")
         counts = None if chunk_layers is None else tuple(map(int, chunk_layers.split(",")))
         return layout_of(stages, virtual, counts, self.config.model.num_layers)
 
-    def _abstract_state_in(self, saved: StageLayout | None, mesh: Mesh) -> TrainState:
-        """The current state's shapes moved into the ``saved`` layout, on ``mesh``: each
-        stacked array split as the current specs split its layers, and over the
-        pipeline axis where ``mesh`` has one."""
-        layout = pipeline_layout(self.config)
+    def _abstract_state_in(self, saved: StageLayout | None) -> TrainState:
+        """The current state's shapes moved into the ``saved`` layout, on the run's mesh:
+        each stacked array split as the current specs split its layers, and over the
+        pipeline axis where the mesh has one."""
+        layout, mesh = self.run.stages, self.run.on_mesh
         shapes = jax.eval_shape(
             lambda state: param_trees_mapped(state, lambda tree: to_layout(tree, layout, saved)),
-            abstract_train_state(self.config),
+            self.run.state_shapes,
         )
         stage_axis = PIPELINE_AXIS if PIPELINE_AXIS in mesh.axis_names else None
         specs = param_trees_mapped(
-            state_specs(self.config),
+            self.run.specs,
             lambda tree: to_layout_specs(tree, layout, saved, stage_axis),
         )
         return jax.tree.map(
@@ -350,8 +344,8 @@ class RunCheckpoints:
             is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec),
         )
 
-    def restore_newest(self, mesh: Mesh) -> tuple[TrainState, int] | None:
-        """The newest checkpoint that can be read, laid out for ``mesh``, and its step
+    def restore_newest(self) -> tuple[TrainState, int] | None:
+        """The newest checkpoint that can be read, laid out for the run's mesh, and its step
         (None without any checkpoint).
 
         A checkpoint that cannot be read (a truncated data file, missing metadata) is said
@@ -362,7 +356,7 @@ class RunCheckpoints:
         unreadable: dict[int, str] = {}
         for step in sorted(self._manager.all_steps(), reverse=True):
             try:
-                state = self.restore(step, mesh)
+                state = self.restore(step)
             except Exception as error:  # whatever Orbax or TensorStore raise for a bad file
                 reason = unreadable[step] = error_reason(error)
                 if jax.process_index() == 0:

@@ -28,12 +28,12 @@ from jaxmoe.config import Config
 from jaxmoe.data.batches import BatchSampler, load_splits, put_on_mesh, run_batches
 from jaxmoe.placement.planner import PlacementLog, plan_placement
 from jaxmoe.plan.mfu import estimated_mfu, mfu_meter, no_peak_message
-from jaxmoe.prepare import PreparedRun
 from jaxmoe.train.checkpoint import RunCheckpoints
 from jaxmoe.train.metrics import METRICS_FILE, RunLog, host_row, read_rows
 from jaxmoe.train.profiler import StepProfiler
+from jaxmoe.train.resolved import Run
 from jaxmoe.train.run_control import StepWatchdog, StopSignals
-from jaxmoe.train.scheduled import PlannedStep, plan_train_step
+from jaxmoe.train.scheduled import TrainStep, scheduled_train_step
 from jaxmoe.train.state import init_train_state
 from jaxmoe.train.step import build_eval_step
 
@@ -130,13 +130,13 @@ class _Started:
     train_batches: BatchSampler
     val_batches: BatchSampler
     first_batch: jax.Array
-    planned: PlannedStep
+    planned: TrainStep
     train_step: Callable[..., Any]
     eval_step: Callable[..., Any]
 
 
 def _start(
-    run: PreparedRun,
+    run: Run,
     checkpoints: RunCheckpoints | None,
     resume: bool,
     signals: StopSignals,
@@ -147,18 +147,18 @@ def _start(
     train_batches, val_batches = run_batches(config, load_splits(config))
     restored = None
     if checkpoints is not None and resume:
-        restored = signals.interruptible(lambda: checkpoints.restore_newest(mesh))
+        restored = signals.interruptible(checkpoints.restore_newest)
     if restored is not None:
         state, first_step = restored
     else:
-        state, first_step = signals.interruptible(lambda: init_train_state(config, mesh)), 0
+        state, first_step = signals.interruptible(lambda: init_train_state(run)), 0
     first_batch = put_on_mesh(train_batches, first_step, mesh)
-    planned = signals.interruptible(lambda: plan_train_step(config, mesh))
+    planned = signals.interruptible(lambda: scheduled_train_step(run))
     # Compiled ahead so that the first step's time is a step, not a compilation.
     train_step = signals.interruptible(planned.compile)
     eval_step = signals.interruptible(
         lambda: (
-            build_eval_step(config, mesh)
+            build_eval_step(run)
             .jit()
             .lower(state.params, first_batch, state.placement, state.model_state)
             .compile()
@@ -177,7 +177,7 @@ def _start(
 
 
 def train(
-    run: PreparedRun,
+    run: Run,
     out_dir: str | Path | None = None,
     *,
     progress: bool = True,
@@ -204,7 +204,7 @@ def train(
 
 
 def _train(
-    run: PreparedRun,
+    run: Run,
     out_dir: str | Path | None,
     progress: bool,
     step_timeout_s: float | None,
@@ -215,7 +215,7 @@ def _train(
     config, mesh, grad_sync_choice = run.config, run.mesh, run.grad_sync_choice
     profiler = StepProfiler(profile_steps, config.train.steps, out_dir)
     seq_len, batch = config.model.seq_len, config.train.batch_size
-    checkpoints = RunCheckpoints(out_dir, config) if out_dir is not None else None
+    checkpoints = RunCheckpoints(out_dir, run) if out_dir is not None else None
     started = _start(run, checkpoints, resume, signals)
     state, first_step, planned = started.state, started.first_step, started.planned
     train_step, eval_step = started.train_step, started.eval_step

@@ -7,15 +7,13 @@ and scales the gradients before the update.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import optax
 
 from jaxmoe.config import TrainConfig
 
 
-def learning_rate_schedule(train: TrainConfig) -> optax.Schedule:
+def learning_rate_fn(train: TrainConfig) -> optax.Schedule:
     """Linear warm-up from peak / warmup_steps to the peak, then cosine decay to
     peak * min_lr_ratio at the last step (the first step already learns)."""
     return optax.warmup_cosine_decay_schedule(
@@ -44,11 +42,10 @@ def _decay_mask(params):
     return jax.tree_util.tree_map_with_path(decayed, params)
 
 
-@functools.cache
 def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
-    """AdamW for ``train`` (one per configuration: the state, its specs and the step share it)."""
+    """AdamW for ``train``."""
     return optax.adamw(
-        learning_rate_schedule(train),
+        learning_rate_fn(train),
         b1=train.adam_b1,
         b2=train.adam_b2,
         weight_decay=train.weight_decay,

@@ -26,7 +26,7 @@ import jax
 
 import scheduling
 from jaxmoe.config import ConfigError
-from jaxmoe.train.scheduled import PlannedStep
+from jaxmoe.train.scheduled import TrainStep
 
 PROFILE_SUBDIR = "profile"
 
@@ -135,7 +135,7 @@ def find_trace(path: str | Path) -> Path:
         ) from None
 
 
-def compare_with_trace(planned: PlannedStep, trace: Path, out_dir: str | Path | None) -> str:
+def compare_with_trace(planned: TrainStep, trace: Path, out_dir: str | Path | None) -> str:
     """The table of ``planned``'s op estimates against the op times measured in ``trace``.
 
     ``planned`` must be scheduled (it has a report), and the trace must come from a

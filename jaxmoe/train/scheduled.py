@@ -17,12 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 
 import scheduling
 from jaxmoe.config import Config
 from jaxmoe.config.layout import AXIS_ROLES
 from jaxmoe.parallel.mesh import token_spec
+from jaxmoe.train.resolved import Run
 from jaxmoe.train.state import TrainState, abstract_sharded_state
 from jaxmoe.train.step import ShardedStep, build_train_step
 
@@ -33,24 +34,24 @@ def op_cost_cache() -> Path:
     return Path(root) / "jaxmoe"
 
 
-def abstract_step_args(config: Config, mesh: Mesh) -> tuple[TrainState, jax.ShapeDtypeStruct]:
+def abstract_step_args(run: Run) -> tuple[TrainState, jax.ShapeDtypeStruct]:
     """Shapes, dtypes and shardings of ``(state, batch)``; nothing is allocated."""
-    state = abstract_sharded_state(config, mesh)
+    config, mesh = run.config, run.on_mesh
     batch = jax.ShapeDtypeStruct(
         (config.train.batch_size, config.model.seq_len + 1),
         jax.numpy.int32,
         sharding=NamedSharding(mesh, token_spec(mesh)),
     )
-    return state, batch
+    return abstract_sharded_state(run), batch
 
 
-def capture_train_step(config: Config, mesh: Mesh) -> tuple[scheduling.Program, ShardedStep]:
+def capture_train_step(run: Run) -> tuple[scheduling.Program, ShardedStep]:
     """The per-device train step as the scheduling layer sees it, and the step itself."""
-    sharded = build_train_step(config, mesh)
+    sharded = build_train_step(run)
     program = scheduling.capture(
         sharded.per_device,
-        *abstract_step_args(config, mesh),
-        mesh=mesh,
+        *abstract_step_args(run),
+        mesh=run.on_mesh,
         in_specs=sharded.in_specs,
         out_specs=sharded.out_specs,
     )
@@ -58,7 +59,7 @@ def capture_train_step(config: Config, mesh: Mesh) -> tuple[scheduling.Program, 
 
 
 @dataclass(frozen=True)
-class PlannedStep:
+class TrainStep:
     """The train step for ``config.schedule.name``, before compilation."""
 
     step: Any  # a jit-wrapped function, or a scheduling.ScheduledStep
@@ -85,11 +86,14 @@ def axis_roles() -> scheduling.AxisRoles:
     return scheduling.AxisRoles(dict(AXIS_ROLES))
 
 
-def plan_train_step(config: Config, mesh: Mesh) -> PlannedStep:
-    sharded = build_train_step(config, mesh)
-    example = abstract_step_args(config, mesh)
+def scheduled_train_step(run: Run) -> TrainStep:
+    """The run's train step in the order ``schedule.name`` gives it (the plain ``jit`` for
+    ``none``), with its report."""
+    config, mesh = run.config, run.on_mesh
+    sharded = build_train_step(run)
+    example = abstract_step_args(run)
     if not config.schedule.rewrites:
-        return PlannedStep(sharded.jit(), example, None)
+        return TrainStep(sharded.jit(), example, None)
     step, report = scheduling.optimize(
         sharded.per_device,
         *example,
@@ -101,4 +105,4 @@ def plan_train_step(config: Config, mesh: Mesh) -> PlannedStep:
         batch_argnums=sharded.batch_argnums,
         axis_roles=axis_roles(),
     )
-    return PlannedStep(step, example, report)
+    return TrainStep(step, example, report)

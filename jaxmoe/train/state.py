@@ -1,39 +1,33 @@
-"""The training state, its partition specs, and its initialisation on the mesh.
+"""The training state: what it holds, its shapes and specs, and its initialisation.
 
-Under a pipeline (``parallel.pipeline`` > 1) the state holds the blocks' parameters, and
-everything shaped like them, stacked by stage (:mod:`jaxmoe.pipeline.params`);
-:func:`model_graphdef_and_specs` stays the model's own layout."""
+Everything here reads a resolved :class:`~jaxmoe.train.resolved.Run` (the specs, the
+pipeline's stage layout, the ZeRO plan, the gradient synchronisation and the optimizer it
+holds), except :func:`abstract_model` and :func:`gather_dtypes`, which the resolution
+itself reads. Under a pipeline (``parallel.pipeline`` > 1) the state holds the blocks'
+parameters, and everything shaped like them, stacked by stage (:mod:`jaxmoe.pipeline.params`);
+``Run.model_specs`` stays the model's own layout."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.extend.core
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxmoe.config import Config, ModelConfig, MoEConfig, ParallelConfig
+from jaxmoe.config import Config, ModelConfig, MoEConfig
 from jaxmoe.layers import GPTMoE
 from jaxmoe.layers.router import ExpertBias
-from jaxmoe.parallel.grad_sync import make_grad_sync
-from jaxmoe.parallel.mesh import mesh_axis_sizes
-from jaxmoe.parallel.sharding import param_specs
-from jaxmoe.parallel.zero import ZeroPlan, plan_zero
-from jaxmoe.pipeline.params import (
-    PIPELINE_AXIS,
-    StageLayout,
-    stacked_specs,
-    stacked_zero_plan,
-    stage_layout,
-    to_layout,
-)
+from jaxmoe.pipeline.params import stacked_specs, to_layout
 from jaxmoe.placement.replicas import static_placement
-from jaxmoe.train.optimizer import make_optimizer
+
+if TYPE_CHECKING:
+    from jaxmoe.train.resolved import Run
 
 
 class TrainState(NamedTuple):
@@ -58,7 +52,7 @@ def build_model(config: Config) -> GPTMoE:
 
 
 @functools.lru_cache(maxsize=16)
-def _abstract_model(
+def abstract_model(
     model: ModelConfig, moe: MoEConfig, seed: int
 ) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
     """The model's structure and the shapes of its parameters and of its other state
@@ -83,40 +77,6 @@ def pure_model_state(model_state: nnx.State) -> Any:
     return pure if jax.tree.leaves(pure) else None
 
 
-def model_graphdef_and_specs(config: Config) -> tuple[nnx.GraphDef, dict]:
-    """The model's structure and parameter specs, without allocating parameters."""
-    graphdef, abstract_state, _ = _abstract_model(config.model, config.moe, config.train.seed)
-    return graphdef, param_specs(abstract_state, mesh_axis_sizes(config.parallel))
-
-
-def zero_plan(config: Config) -> ZeroPlan | None:
-    """Where each parameter's shards lie under ``train.zero`` (None without ZeRO):
-    :mod:`jaxmoe.parallel.zero`."""
-    if not config.train.zero:
-        return None
-    return _zero_plan(
-        config.model, config.moe, config.parallel, config.train.seed, config.train.zero
-    )
-
-
-@functools.lru_cache(maxsize=16)
-def _zero_plan(
-    model: ModelConfig, moe: MoEConfig, parallel: ParallelConfig, seed: int, stage: int
-) -> ZeroPlan:
-    _, abstract_params, _ = _abstract_model(model, moe, seed)
-    axes = mesh_axis_sizes(parallel)
-    shapes, specs = nnx.to_pure_dict(abstract_params), param_specs(abstract_params, axes)
-    dtypes = gather_dtypes(model, moe, seed)
-    plan = plan_zero(stage, shapes, specs, axes, dtypes)
-    layout = stage_layout(parallel, model.num_layers)
-    if layout is None:
-        return plan
-    # A stacked block is split over the pipeline axis by stage: its layers are sharded
-    # over their replicas within a stage.
-    within_stage = plan_zero(stage, shapes, specs, {**axes, PIPELINE_AXIS: 1}, dtypes)
-    return stacked_zero_plan(plan, within_stage, layout)
-
-
 @functools.lru_cache(maxsize=16)
 def gather_dtypes(model: ModelConfig, moe: MoEConfig, seed: int) -> Any:
     """For each parameter, the dtype ZeRO gathers it in (a name): the compute dtype where
@@ -127,7 +87,7 @@ def gather_dtypes(model: ModelConfig, moe: MoEConfig, seed: int) -> Any:
 
     Read from the jaxpr of the model's forward pass on one device, traced on abstract
     parameters (nothing is allocated)."""
-    graphdef, abstract_params, abstract_model_state = _abstract_model(model, moe, seed)
+    graphdef, abstract_params, abstract_model_state = abstract_model(model, moe, seed)
     params = nnx.to_pure_dict(abstract_params)
     own = jax.tree.map(lambda leaf: jnp.dtype(leaf.dtype).name, params)
     compute = jnp.dtype(model.dtype)
@@ -162,26 +122,21 @@ def gather_dtypes(model: ModelConfig, moe: MoEConfig, seed: int) -> Any:
     return jax.tree.unflatten(treedef, chosen)
 
 
-def _initial_state(config: Config) -> TrainState:
-    _, params, model_state = split_model(build_model(config))
-    return train_state_around(config, nnx.to_pure_dict(params), pure_model_state(model_state))
+def _initial_state(run: Run) -> TrainState:
+    _, params, model_state = split_model(build_model(run.config))
+    return train_state_around(run, nnx.to_pure_dict(params), pure_model_state(model_state))
 
 
-def train_state_around(config: Config, params: Any, model_state: Any = None) -> TrainState:
+def train_state_around(run: Run, params: Any, model_state: Any = None) -> TrainState:
     """The initial train state around ``params`` and ``model_state`` (pure dicts, in the
     model's layout; under a pipeline the state stacks the blocks by stage)."""
-    params = to_layout(params, None, pipeline_layout(config))
-    opt_state = make_optimizer(config.train).init(params)
-    specs = param_state_specs(config)
-    grad_sync = make_grad_sync(config.train).init_state(
-        params, specs, mesh_axis_sizes(config.parallel)
-    )
+    params = to_layout(params, None, run.stages)
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
-        opt_state=opt_state,
-        grad_sync=grad_sync,
-        placement=initial_placement(config),
+        opt_state=run.optimizer.init(params),
+        grad_sync=run.grad_sync.init_state(params, _param_specs(run), run.axis_sizes),
+        placement=initial_placement(run.config),
         model_state=model_state,
     )
 
@@ -196,14 +151,15 @@ def initial_placement(config: Config) -> jax.Array | None:
     return jnp.tile(jnp.asarray(table), (len(config.model.moe_layers), 1, 1))
 
 
-def abstract_train_state(config: Config) -> TrainState:
-    """Shapes and dtypes of the state, computed without allocating it."""
-    _, abstract_params, abstract_model_state = _abstract_model(
+def abstract_state(run: Run) -> TrainState:
+    """Shapes and dtypes of the state, computed without allocating it (``Run.state_shapes``)."""
+    config = run.config
+    _, abstract_params, abstract_model_state = abstract_model(
         config.model, config.moe, config.train.seed
     )
     params = nnx.to_pure_dict(abstract_params)
     model_state = pure_model_state(abstract_model_state)
-    return jax.eval_shape(lambda p, m: train_state_around(config, p, m), params, model_state)
+    return jax.eval_shape(lambda p, m: train_state_around(run, p, m), params, model_state)
 
 
 def param_trees_mapped(state: TrainState, convert: Callable[[Any], Any]) -> TrainState:
@@ -218,30 +174,22 @@ def param_trees_mapped(state: TrainState, convert: Callable[[Any], Any]) -> Trai
     )
 
 
-def pipeline_layout(config: Config) -> StageLayout | None:
-    """The chunks of the blocks under ``parallel.pipeline`` (None without a pipeline)."""
-    return stage_layout(config.parallel, config.model.num_layers)
+def _param_specs(run: Run) -> Any:
+    """The specs of the state's parameters: the model's, under ZeRO their shards'
+    (:mod:`jaxmoe.parallel.zero`), under a pipeline the stacked blocks'
+    (:func:`~jaxmoe.pipeline.params.stacked_specs`)."""
+    if run.zero is not None:
+        return run.zero.specs
+    return run.model_specs if run.stages is None else stacked_specs(run.model_specs, run.stages)
 
 
-def param_state_specs(config: Config) -> Any:
-    """The specs of the state's parameters: the model's (:func:`model_graphdef_and_specs`),
-    under ``train.zero`` their shards' (:mod:`jaxmoe.parallel.zero`), under a pipeline the
-    stacked blocks' (:func:`~jaxmoe.pipeline.params.stacked_specs`)."""
-    plan = zero_plan(config)
-    if plan is not None:
-        return plan.specs
-    specs = model_graphdef_and_specs(config)[1]
-    layout = pipeline_layout(config)
-    return specs if layout is None else stacked_specs(specs, layout)
-
-
-def state_specs(config: Config) -> TrainState:
-    """PartitionSpecs of the whole state: optimizer moments follow their parameters (under
-    ``train.zero``, the parameters' shards)."""
-    specs = param_state_specs(config)
-    shapes = abstract_train_state(config)
+def state_specs(run: Run) -> TrainState:
+    """PartitionSpecs of the whole state (``Run.specs``): optimizer moments follow their
+    parameters (under ``train.zero``, the parameters' shards)."""
+    specs = _param_specs(run)
+    shapes = run.state_shapes
     opt_specs = optax.tree_map_params(
-        make_optimizer(config.train),
+        run.optimizer,
         lambda _, spec: spec,
         shapes.opt_state,
         specs,
@@ -252,33 +200,36 @@ def state_specs(config: Config) -> TrainState:
         step=PartitionSpec(),
         params=specs,
         opt_state=opt_specs,
-        grad_sync=make_grad_sync(config.train).state_specs(specs, mesh_axis_sizes(config.parallel)),
-        placement=PartitionSpec() if config.replica_slots else None,
+        grad_sync=run.grad_sync.state_specs(specs, run.axis_sizes),
+        placement=PartitionSpec() if run.config.replica_slots else None,
         model_state=jax.tree.map(lambda _: PartitionSpec(), shapes.model_state),
     )
 
 
-def abstract_sharded_state(config: Config, mesh: Mesh) -> TrainState:
-    """Shapes, dtypes and shardings on ``mesh`` of the whole state; nothing is allocated."""
+def abstract_sharded_state(run: Run) -> TrainState:
+    """Shapes, dtypes and shardings on the run's mesh of the whole state; nothing is
+    allocated."""
+    mesh = run.on_mesh
     return jax.tree.map(
         lambda shape, spec: jax.ShapeDtypeStruct(
             shape.shape, shape.dtype, sharding=NamedSharding(mesh, spec)
         ),
-        abstract_train_state(config),
-        state_specs(config),
+        run.state_shapes,
+        run.specs,
         is_leaf=lambda x: isinstance(x, PartitionSpec),
     )
 
 
-def init_train_state(config: Config, mesh: Mesh) -> TrainState:
-    """Initialise parameters and optimizer state directly in their sharded layout.
+def init_train_state(run: Run) -> TrainState:
+    """Initialise parameters and optimizer state directly in their sharded layout on the
+    run's mesh.
 
     The values do not depend on the mesh: the same seed gives the same model
     on one device or on many.
     """
     shardings = jax.tree.map(
-        lambda spec: NamedSharding(mesh, spec),
-        state_specs(config),
+        lambda spec: NamedSharding(run.on_mesh, spec),
+        run.specs,
         is_leaf=lambda x: isinstance(x, PartitionSpec),
     )
-    return jax.jit(lambda: _initial_state(config), out_shardings=shardings)()
+    return jax.jit(lambda: _initial_state(run), out_shardings=shardings)()

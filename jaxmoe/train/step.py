@@ -1,11 +1,15 @@
 """The training step, written per device: one ``shard_map`` over the whole mesh.
 
-Inside it: the forward pass, the loss (:mod:`jaxmoe.losses`), ``jax.value_and_grad``
-on each microbatch (:mod:`jaxmoe.pipeline.microbatches`) or, under ``parallel.pipeline``,
-the pipeline's ticks over the microbatches (:mod:`jaxmoe.pipeline.pipelined`), the explicit
-gradient synchronisation (``train.grad_sync``, :mod:`jaxmoe.parallel.grad_sync`),
-global-norm clipping, the AdamW update, and (``moe.expert_bias_rate``) the routers'
-expert biases moved from the step's global routed counts, outside the optimizer. Every
+The step is composed from the strategies its :class:`~jaxmoe.train.resolved.Run` chose
+once, in this order: how it reads the state's parameters (``Run.weights``: whole, or
+gathered under ZeRO, :mod:`jaxmoe.parallel.weights`), how it differentiates its batch
+(``jax.value_and_grad`` of the loss, :mod:`jaxmoe.losses`, on each microbatch,
+:mod:`jaxmoe.pipeline.microbatches`, or under ``parallel.pipeline`` the pipeline's ticks over
+the microbatches, :mod:`jaxmoe.pipeline.pipelined`), and how it synchronises the gradients
+(``Run.grad_sync``: ``train.grad_sync``, :mod:`jaxmoe.parallel.grad_sync`, or its ZeRO
+reduce-scatter); then global-norm clipping, the AdamW update, and
+(``moe.expert_bias_rate``) the routers' expert biases moved from the step's global routed
+counts, outside the optimizer. The evaluation step is composed from the same parts. Every
 collective (the expert all-to-alls of forward and backward, the tensor-parallel
 all-gathers and reduce-scatters and their transposes, the gradient psums) is
 an equation of one per-device program, next to all of the computation — which
@@ -25,7 +29,6 @@ the expert group through the backward all-to-all).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,29 +38,25 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxmoe.config import Config
 from jaxmoe.layers import RoutingStats
 from jaxmoe.layers.router import update_expert_bias
-from jaxmoe.losses import document_eod_id, forward_losses, targets_per_shard
-from jaxmoe.parallel.fsdp import sharded_blocks
-from jaxmoe.parallel.grad_sync import make_grad_sync
-from jaxmoe.parallel.mesh import mesh_axis_sizes, token_spec
+from jaxmoe.losses import Losses, document_eod_id, forward_losses, targets_per_shard
+from jaxmoe.parallel.mesh import token_spec
 from jaxmoe.parallel.sharding import global_norm
-from jaxmoe.parallel.zero import ZeroPlan, gather_all, gather_outside_blocks, sync_gradients
 from jaxmoe.pipeline.microbatches import accumulate, combine_stats
 from jaxmoe.pipeline.params import PIPELINE_AXIS
 from jaxmoe.pipeline.pipelined import pipelined_gradients, pipelined_losses
 from jaxmoe.placement.replicas import replicas_per_expert, slot_experts
-from jaxmoe.train.optimizer import learning_rate_schedule, make_optimizer
-from jaxmoe.train.state import (
-    TrainState,
-    model_graphdef_and_specs,
-    param_state_specs,
-    state_specs,
-    zero_plan,
-)
+from jaxmoe.train.resolved import Run
+from jaxmoe.train.state import TrainState
 
 Metrics = dict[str, jax.Array]
+PyTree = Any
+# ``(weights, batch, key, placement, model_state, denominator) -> (losses, gradients)``:
+# this device's losses over its rows and the gradients of ``weights``, unsynchronised.
+Gradients = Callable[..., tuple[Losses, PyTree]]
+# ``(weights, batch, placement, model_state, denominator) -> losses``: the forward alone.
+ForwardLosses = Callable[..., Losses]
 
 
 @dataclass(frozen=True)
@@ -100,14 +99,14 @@ def _placement_metrics(stats: RoutingStats, placement: jax.Array, axes: tuple[st
 
 
 def _routing_metrics(
-    config: Config, stats: RoutingStats, axes: tuple[str, ...], shards: int
+    seq_aux_loss: bool, stats: RoutingStats, axes: tuple[str, ...], shards: int
 ) -> Metrics:
     tokens_per_expert = jax.lax.psum(stats.tokens_per_expert, axes)  # [moe_layers, experts]
     per_layer_imbalance = jnp.max(tokens_per_expert, axis=-1) / jnp.mean(
         tokens_per_expert.astype(jnp.float32), axis=-1
     )
     losses = {"aux_loss": stats.aux_loss, "z_loss": stats.z_loss}
-    if config.moe.seq_aux_loss_coef > 0:
+    if seq_aux_loss:
         losses["seq_aux_loss"] = stats.seq_aux_loss
     return {
         # Means over MoE layers of the global means.
@@ -120,27 +119,79 @@ def _routing_metrics(
     }
 
 
-def _model_params(plan: ZeroPlan | None, params: Any) -> tuple[Any, Any]:
-    """What the forward pass reads for the state's ``params`` under ``train.zero``, and the
-    context to trace it in: the parameters themselves (no ZeRO, or ZeRO-1's parameters
-    already gathered); under ZeRO-3 those outside the blocks gathered and the blocks'
-    shards, which each block gathers itself (:mod:`jaxmoe.parallel.fsdp`)."""
-    if plan is None or plan.stage == 1:
-        return params, contextlib.nullcontext()
-    return gather_outside_blocks(params, plan), sharded_blocks(plan)
+def _microbatch_gradients(run: Run, eod_id: int | None) -> Gradients:
+    """The microbatch loop: ``jax.value_and_grad`` of each microbatch's loss in turn, the
+    gradients summed (in the parameters' dtypes, :meth:`Weights.gradients`)."""
+    config, weights_of = run.config, run.weights
+    microbatches, shards = config.train.microbatches, config.parallel.token_shards
+
+    def gradients(weights, batch, key, placement, model_state, denominator, params):
+        def microbatch(rows: jax.Array, index: int):
+            mkey = key if key is None or microbatches == 1 else jax.random.fold_in(key, index)
+
+            def loss_fn(weights):
+                model_params, block_call = weights_of.for_forward(weights)
+                losses = forward_losses(
+                    config, run.graphdef, model_params, rows, mkey, placement, model_state,
+                    eod_id, denominator, microbatches, block_call=block_call,
+                )  # fmt: skip
+                return losses.total / shards, losses
+
+            (_, losses), grads = jax.value_and_grad(loss_fn, has_aux=True)(weights)
+            return losses, weights_of.gradients(grads, params)
+
+        parts, grads = accumulate(microbatch, batch, microbatches)
+        losses = Losses(
+            sum(part.total for part in parts),
+            sum(part.cross_entropy for part in parts),
+            combine_stats([part.stats for part in parts]),
+        )
+        return losses, grads
+
+    return gradients
 
 
-def _in_param_dtypes(grads: Any, params: Any) -> Any:
-    """Gradients in their parameters' dtypes: ZeRO-1 gathers parameters in the compute
-    dtype, but accumulates and reduces their gradients in the parameters' (float32)."""
-    return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+def _pipeline_gradients(run: Run, eod_id: int | None) -> Gradients:
+    """The pipeline's ticks over the microbatches (same losses, same sums as the loop)."""
+
+    def gradients(weights, batch, key, placement, model_state, denominator, params):
+        return pipelined_gradients(
+            run.config, run.pipeline, weights, batch, key, placement, model_state, eod_id,
+            denominator, accumulate_like=params,
+        )  # fmt: skip
+
+    return gradients
 
 
-def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
-    """``(state, batch [B, seq_len + 1]) -> (state, metrics)``, per device."""
-    graphdef, _ = model_graphdef_and_specs(config)
-    optimizer = make_optimizer(config.train)
-    schedule = learning_rate_schedule(config.train)
+def _forward_losses(run: Run, eod_id: int | None) -> ForwardLosses:
+    """The evaluation's forward pass over a batch: the model's, or the pipeline's forward
+    slots."""
+    config = run.config
+    if run.pipeline is not None:
+
+        def pipelined(weights, batch, placement, model_state, denominator):
+            return pipelined_losses(
+                config, run.pipeline, weights, batch, placement, model_state, eod_id,
+                denominator,
+            )  # fmt: skip
+
+        return pipelined
+
+    def whole(weights, batch, placement, model_state, denominator):
+        model_params, block_call = run.weights.for_forward(weights)
+        return forward_losses(
+            config, run.graphdef, model_params, batch, None, placement, model_state, eod_id,
+            denominator, block_call=block_call,
+        )  # fmt: skip
+
+    return whole
+
+
+def build_train_step(run: Run) -> ShardedStep:
+    """``(state, batch [B, seq_len + 1]) -> (state, metrics)``, per device, on the run's
+    mesh."""
+    config, mesh = run.config, run.on_mesh
+    optimizer, grad_sync, weights_of = run.optimizer, run.grad_sync, run.weights
     shards = config.parallel.token_shards
     axes = tuple(mesh.axis_names)
     clip_norm = config.train.grad_clip_norm
@@ -148,15 +199,16 @@ def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
     # gradient norm is not finite; with 'stop' the loop ends the run and the step is as is.
     skip_nonfinite = config.train.on_nonfinite == "skip"
     bias_rate = config.moe.expert_bias_rate
-    microbatches = config.train.microbatches
+    seq_aux_loss = config.moe.seq_aux_loss_coef > 0
     eod_id = document_eod_id(config)
-    grad_sync = make_grad_sync(config.train, mesh)
-    mesh_axes = mesh_axis_sizes(config.parallel)
-    plan = zero_plan(config)
+    gradients = (
+        _microbatch_gradients(run, eod_id)
+        if run.pipeline is None
+        else _pipeline_gradients(run, eod_id)
+    )
     # The specs of what the optimizer updates: the parameters (under a pipeline, its
     # blocks stacked by stage), or under ZeRO their shards.
-    update_specs = param_state_specs(config)
-    pipelined = config.parallel.pipeline > 1
+    update_specs = run.param_specs
     # The stages of a pipeline read the same rows: the same router noise.
     key_axes = tuple(axis for axis in axes if axis != PIPELINE_AXIS)
 
@@ -167,48 +219,11 @@ def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
             key = jax.random.fold_in(key, jax.lax.axis_index(key_axes))
 
         denominator = targets_per_shard(config, batch, eod_id)
-        # ZeRO-1: every parameter gathered once, before the first microbatch (or the
-        # pipeline's first tick); the gradients are those of the gathered parameters,
-        # accumulated in the parameters' dtype and reduce-scattered after the last one.
-        weights = gather_all(state.params, plan) if plan and plan.stage == 1 else state.params
-
-        def microbatch(rows: jax.Array, index: int):
-            mkey = key if key is None or microbatches == 1 else jax.random.fold_in(key, index)
-
-            def loss_fn(params):
-                params, context = _model_params(plan, params)
-                with context:
-                    losses = forward_losses(
-                        config, graphdef, params, rows, mkey, state.placement, state.model_state,
-                        eod_id, denominator, microbatches,
-                    )  # fmt: skip
-                return losses.total / shards, losses
-
-            (_, losses), grads = jax.value_and_grad(loss_fn, has_aux=True)(weights)
-            if plan is not None and plan.stage == 1:
-                grads = _in_param_dtypes(grads, state.params)
-            return losses, grads
-
-        if pipelined:
-            # The pipeline's ticks replace the microbatch loop (same losses, same sums).
-            losses, grads = pipelined_gradients(
-                config, weights, batch, key, state.placement, state.model_state, eod_id,
-                denominator, accumulate_like=state.params,
-            )  # fmt: skip
-            total, cross_entropy, stats = losses
-        else:
-            parts, grads = accumulate(microbatch, batch, microbatches)
-            total = sum(part.total for part in parts)
-            cross_entropy = sum(part.cross_entropy for part in parts)
-            stats = combine_stats([part.stats for part in parts])
-        if plan is None:
-            grads, sync_state, apply = grad_sync(grads, state.grad_sync, update_specs, mesh_axes)
-        else:
-            # Reduce-scattered onto the shards (config: allreduce or bucketed, stateless).
-            grads = sync_gradients(
-                grads, plan, config.train.grad_sync, config.train.grad_bucket_bytes
-            )
-            sync_state, apply = state.grad_sync, None
+        weights = weights_of.for_step(state.params)
+        losses, grads = gradients(
+            weights, batch, key, state.placement, state.model_state, denominator, state.params
+        )
+        grads, sync_state, apply = grad_sync(grads, state.grad_sync, update_specs, run.axis_sizes)
         with jax.named_scope("clip"):
             grad_norm = global_norm(grads, update_specs)
         if clip_norm is not None:
@@ -223,19 +238,18 @@ def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
                 (params, opt_state),
                 (state.params, state.opt_state),
             )
-        if plan is None:
-            params = grad_sync.after_update(params, state.step, update_specs, mesh_axes)
+        params = grad_sync.after_update(params, state.step, update_specs, run.axis_sizes)
 
         with jax.named_scope("metrics"):
             metrics = {
-                "loss": jax.lax.psum(cross_entropy / shards, axes),
-                "total_loss": jax.lax.psum(total / shards, axes),
+                "loss": jax.lax.psum(losses.cross_entropy / shards, axes),
+                "total_loss": jax.lax.psum(losses.total / shards, axes),
                 "grad_norm": grad_norm,
-                "learning_rate": schedule(state.step),
-                **_routing_metrics(config, stats, axes, shards),
+                "learning_rate": run.learning_rate(state.step),
+                **_routing_metrics(seq_aux_loss, losses.stats, axes, shards),
             }
             if state.placement is not None:
-                metrics.update(_placement_metrics(stats, state.placement, axes))
+                metrics.update(_placement_metrics(losses.stats, state.placement, axes))
         model_state = state.model_state
         if model_state is not None:
             # Auxiliary-loss-free balancing, outside the optimizer: from the step's global
@@ -259,7 +273,7 @@ def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
         )
         return new_state, metrics
 
-    specs = state_specs(config)
+    specs = run.specs
     return ShardedStep(
         per_device=per_device,
         mesh=mesh,
@@ -270,35 +284,25 @@ def build_train_step(config: Config, mesh: Mesh) -> ShardedStep:
     )
 
 
-def build_eval_step(config: Config, mesh: Mesh) -> ShardedStep:
+def build_eval_step(run: Run) -> ShardedStep:
     """``(params, batch, placement, model_state) -> mean cross-entropy`` over the global
-    batch, per device.
+    batch, per device, composed from the train step's parts.
 
     ``placement`` and ``model_state`` are the state's (None without replica slots, or
     without expert biases)."""
-    graphdef, _ = model_graphdef_and_specs(config)
+    config, mesh = run.config, run.on_mesh
     shards = config.parallel.token_shards
     axes = tuple(mesh.axis_names)
-    specs = state_specs(config)
     eod_id = document_eod_id(config)
-    plan = zero_plan(config)
+    weights_of = run.weights
+    losses_of = _forward_losses(run, eod_id)
 
     def per_device(params: Any, batch: jax.Array, placement: Any, model_state: Any) -> jax.Array:
-        if plan is not None and plan.stage == 1:
-            params = gather_all(params, plan)
-        if config.parallel.pipeline > 1:
-            denominator = targets_per_shard(config, batch, eod_id)
-            losses = pipelined_losses(
-                config, params, batch, placement, model_state, eod_id, denominator
-            )
-            return jax.lax.psum(losses.cross_entropy / shards, axes)
-        params, context = _model_params(plan, params)
-        with context:
-            losses = forward_losses(
-                config, graphdef, params, batch, None, placement, model_state, eod_id
-            )
+        denominator = targets_per_shard(config, batch, eod_id)
+        losses = losses_of(weights_of.for_step(params), batch, placement, model_state, denominator)
         return jax.lax.psum(losses.cross_entropy / shards, axes)
 
+    specs = run.specs
     return ShardedStep(
         per_device=per_device,
         mesh=mesh,

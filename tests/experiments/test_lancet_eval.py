@@ -4,6 +4,7 @@ import pytest
 
 from experiments import lancet_eval
 from jaxmoe.parallel.mesh import build_mesh
+from jaxmoe.train.resolved import resolve
 from jaxmoe.train.scheduled import capture_train_step
 from scheduling import (
     SchedulePolicy,
@@ -70,7 +71,7 @@ def test_lancet_is_never_estimated_worse_than_its_parts_on_a_paper_model(profile
     # 4 layers of width 128 on the 8 test devices so that planning takes seconds.
     config = lancet_eval.paper_config(4, 128, 8)
     mesh = build_mesh(config.parallel)
-    program, sharded = capture_train_step(config, mesh)
+    program, sharded = capture_train_step(resolve(config, mesh))
     batch = batch_inputs(program, sharded.batch_argnums)
     ranks = {}
     for name in ("async", "dw", "partition", "lancet"):

@@ -17,6 +17,7 @@ from jaxmoe.generate import Decoder, load_run_model, run_codec
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.presets import preset
 from jaxmoe.train.checkpoint import RunCheckpoints
+from jaxmoe.train.resolved import resolve
 from jaxmoe.train.state import init_train_state
 
 PROMPT = "def main("
@@ -36,10 +37,10 @@ def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
     config = _config()
     mesh = build_mesh(config.parallel)
-    with RunCheckpoints(out, config) as checkpoints:
-        checkpoints.save(init_train_state(config, mesh))
+    with RunCheckpoints(out, resolve(config)) as checkpoints:
+        checkpoints.save(init_train_state(resolve(config, mesh)))
         later = dataclasses.replace(config, train=dataclasses.replace(config.train, seed=1))
-        state = init_train_state(later, mesh)
+        state = init_train_state(resolve(later, mesh))
         checkpoints.save(state._replace(step=state.step + 1))
         checkpoints.wait()
     return out, jax.device_get(state.params)

@@ -28,7 +28,7 @@ from jaxmoe.config.layout import ATTENTION_DATA, TENSOR, axes_for_role
 from jaxmoe.hf.convert import from_hf, plan_from_hf, plan_to_hf, to_hf, write_hf
 from jaxmoe.parallel.mesh import build_mesh, token_spec
 from jaxmoe.train.checkpoint import RunCheckpoints, saved_config
-from jaxmoe.train.state import model_graphdef_and_specs
+from jaxmoe.train.resolved import resolve
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "hf"
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -79,13 +79,14 @@ def layout_config(run: Path, **parallel) -> Config:
 def restored_params(run: Path, **parallel):
     config = layout_config(run, **parallel)
     mesh = build_mesh(config.parallel)
-    return config, mesh, RunCheckpoints(run, config).restore(0, mesh).params
+    return config, mesh, RunCheckpoints(run, resolve(config, mesh)).restore(0).params
 
 
 def logits_on_mesh(config: Config, mesh, params, tokens: np.ndarray) -> np.ndarray:
     """The model's float32 logits for ``tokens``, computed per device in the run's
     shard_map (each device its rows; under tensor parallelism its positions)."""
-    graphdef, specs = model_graphdef_and_specs(config)
+    resolved = resolve(config)
+    graphdef, specs = resolved.graphdef, resolved.model_specs
     names = tuple(mesh.axis_names)
 
     def per_device(params, tokens):

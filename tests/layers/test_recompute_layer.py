@@ -16,10 +16,11 @@ import numpy as np
 
 from jaxmoe.cli.parser import config_from_train_args
 from jaxmoe.parallel.mesh import build_mesh
+from jaxmoe.train.resolved import resolve
 from jaxmoe.train.scheduled import capture_train_step
 from scheduling import saved_for_backward
 from scheduling.program.capture import Phase, Value
-from tests.train.test_pipeline import LR, MICROBATCHES, config, devices, trained
+from tests.pipeline.test_pipelined import LR, MICROBATCHES, config, devices, trained
 
 F32 = 4
 
@@ -29,7 +30,7 @@ def _saved_by_scope(recompute: str) -> dict[str, list]:
     """The values the captured step's backward pass reads from its forward pass, by the
     scope that computed them (``microbatch_i/layer_j``, or what else)."""
     each = config("plain", recompute=recompute)
-    program, _ = capture_train_step(each, build_mesh(each.parallel, devices(each)))
+    program, _ = capture_train_step(resolve(each, build_mesh(each.parallel, devices(each))))
     made = {value: op for op in program.ops if op.phase is Phase.FORWARD for value in op.outputs}
     saved: dict[str, list] = {}
     for op in program.ops:

@@ -13,6 +13,7 @@ from jaxmoe.config import Config, ModelConfig, MoEConfig, ParallelConfig, TrainC
 from jaxmoe.layers import RoutingStats
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.pipeline.microbatches import combine_stats, microbatch_rows
+from jaxmoe.train.resolved import resolve
 from jaxmoe.train.scheduled import capture_train_step
 from tests.train.test_scheduled import run
 
@@ -61,10 +62,10 @@ def test_four_microbatches_train_as_one_batch(layout):
 
 def test_each_microbatch_is_a_scope_of_the_captured_step():
     mesh = build_mesh(LAYOUTS["2x4"])
-    program, _ = capture_train_step(config(LAYOUTS["2x4"], 4), mesh)
+    program, _ = capture_train_step(resolve(config(LAYOUTS["2x4"], 4), mesh))
     scopes = {op.layer.split("/")[0] for op in program.ops if op.layer.startswith("microbatch_")}
     assert scopes == {f"microbatch_{i}" for i in range(4)}
-    one, _ = capture_train_step(config(LAYOUTS["2x4"], 1), mesh)
+    one, _ = capture_train_step(resolve(config(LAYOUTS["2x4"], 1), mesh))
     assert not any("microbatch" in op.name_stack for op in one.ops)
 
 

@@ -53,7 +53,8 @@ from jaxmoe.parallel.mesh import build_mesh, token_spec
 from jaxmoe.pipeline.params import PIPELINE_AXIS, stage_layout, to_layout
 from jaxmoe.pipeline.pipelined import SELECT_SCOPE
 from jaxmoe.pipeline.ticks import TickTable
-from jaxmoe.train.scheduled import capture_train_step, plan_train_step, schedule_policy
+from jaxmoe.train.resolved import resolve
+from jaxmoe.train.scheduled import capture_train_step, schedule_policy, scheduled_train_step
 from jaxmoe.train.state import abstract_sharded_state, init_train_state, param_trees_mapped
 from tests.train.batches import random_batch
 
@@ -122,14 +123,14 @@ def devices(config: Config) -> list:
 @functools.cache
 def compiled(config: Config):
     mesh = build_mesh(config.parallel, devices(config))
-    return mesh, plan_train_step(config, mesh).compile()
+    return mesh, scheduled_train_step(resolve(config, mesh)).compile()
 
 
 @functools.cache
 def trained(config: Config, steps: int = STEPS):
     """Every step's metrics and the final state (on the host), from seed 0's batches."""
     mesh, step = compiled(config)
-    state = init_train_state(config, mesh)
+    state = init_train_state(resolve(config, mesh))
     rng = np.random.default_rng(0)
     history = []
     for _ in range(steps):
@@ -199,7 +200,7 @@ def test_pair_runs_each_backward_slot_beside_the_next_forward_slot():
     # A slow link: the all-to-alls are long enough for the pairing to fill them.
     paired = _with(config("plain", 2, schedule="pair"), "schedule", profile="cpu", link_mbit=50.0)
     mesh = build_mesh(paired.parallel, devices(paired))
-    program, _ = capture_train_step(paired, mesh)
+    program, _ = capture_train_step(resolve(paired, mesh))
 
     def neighbours_in_windows(name: str) -> list[int]:
         """Per tick k: compute nodes of tick k+1's forward slot inside the windows of tick
@@ -236,7 +237,9 @@ def test_pair_runs_each_backward_slot_beside_the_next_forward_slot():
 def test_stages_exchange_activations_and_gradients_once_a_tick(case):
     pipelined, _ = _pipelined_and_plain(case)
     virtual = pipelined.parallel.virtual_stages
-    program, _ = capture_train_step(pipelined, build_mesh(pipelined.parallel, devices(pipelined)))
+    program, _ = capture_train_step(
+        resolve(pipelined, build_mesh(pipelined.parallel, devices(pipelined)))
+    )
     sends = [op for op in program.ops if op.primitive == "ppermute"]
     assert {op.eqn.params["axis_name"] for op in sends} == {(PIPELINE_AXIS,)}
     # A send after every tick but the last of each pass; none outside the ticks.
@@ -256,7 +259,9 @@ def test_a_recomputed_chunk_selects_its_activations_not_its_parameters():
     slot's (a copy of a chunk's weights per backward tick)."""
     pipelined, _ = _pipelined_and_plain("interleaved")
     assert pipelined.model.recompute == "layer"
-    program, _ = capture_train_step(pipelined, build_mesh(pipelined.parallel, devices(pipelined)))
+    program, _ = capture_train_step(
+        resolve(pipelined, build_mesh(pipelined.parallel, devices(pipelined)))
+    )
     # A chunk's parameters (and their moments): [virtual, stage block, ...] per device.
     chunk_shapes = {v.aval.shape[2:] for v in program.inputs if v.aval.ndim >= 4}
     selected = [
@@ -278,9 +283,11 @@ def _saved(tmp_path, pipelined: Config, trained_state: bool = True):
     if trained_state:
         _, saved = trained(pipelined)
     else:
-        saved = jax.device_get(init_train_state(pipelined, mesh))
-    shardings = jax.tree.map(lambda leaf: leaf.sharding, abstract_sharded_state(pipelined, mesh))
-    with RunCheckpoints(tmp_path, pipelined) as checkpoints:
+        saved = jax.device_get(init_train_state(resolve(pipelined, mesh)))
+    shardings = jax.tree.map(
+        lambda leaf: leaf.sharding, abstract_sharded_state(resolve(pipelined, mesh))
+    )
+    with RunCheckpoints(tmp_path, resolve(pipelined)) as checkpoints:
         checkpoints.save(jax.device_put(saved, shardings))
         checkpoints.wait()
     return saved, mesh
@@ -292,8 +299,8 @@ def _restored_unpipelined(tmp_path, pipelined: Config, plain: Config, saved, ste
     from jaxmoe.train.checkpoint import RunCheckpoints
 
     plain_mesh = build_mesh(plain.parallel, devices(plain))
-    with RunCheckpoints(tmp_path, plain) as checkpoints:
-        restored = checkpoints.restore(step, plain_mesh)
+    with RunCheckpoints(tmp_path, resolve(plain, plain_mesh)) as checkpoints:
+        restored = checkpoints.restore(step)
     layout = stage_layout(pipelined.parallel, pipelined.model.num_layers)
     return restored, param_trees_mapped(saved, lambda tree: to_layout(tree, layout, None))
 
@@ -303,8 +310,8 @@ def test_a_pipelined_checkpoint_restores_in_every_pipeline_layout(tmp_path):
 
     pipelined, plain = config("plain", 2), config("plain")
     saved, mesh = _saved(tmp_path, pipelined)
-    with RunCheckpoints(tmp_path, pipelined) as checkpoints:
-        again = checkpoints.restore(STEPS, mesh)
+    with RunCheckpoints(tmp_path, resolve(pipelined, mesh)) as checkpoints:
+        again = checkpoints.restore(STEPS)
     chex.assert_trees_all_equal(jax.device_get(again), saved)
     assert again.params["stage_blocks"][0]["attention_norm"]["scale"].sharding.spec[1] == (
         PIPELINE_AXIS
@@ -316,11 +323,11 @@ def test_a_pipelined_checkpoint_restores_in_every_pipeline_layout(tmp_path):
     plain_mesh, plain_step = compiled(plain)
 
     # And back: the unpipelined checkpoint restores stacked, over the pipeline axis.
-    with RunCheckpoints(tmp_path / "plain", plain) as checkpoints:
+    with RunCheckpoints(tmp_path / "plain", resolve(plain)) as checkpoints:
         checkpoints.save(restored)
         checkpoints.wait()
-    with RunCheckpoints(tmp_path / "plain", pipelined) as checkpoints:
-        stacked = checkpoints.restore(STEPS, mesh)
+    with RunCheckpoints(tmp_path / "plain", resolve(pipelined, mesh)) as checkpoints:
+        stacked = checkpoints.restore(STEPS)
     chex.assert_trees_all_equal(jax.device_get(stacked), saved)
     expert_weight = stacked.params["stage_blocks"][1]["ffn"]["experts"]["w_in"]
     assert expert_weight.sharding.spec == PartitionSpec(None, PIPELINE_AXIS, "expert")
@@ -347,8 +354,8 @@ def test_a_distributed_optimizer_checkpoint_restores_unpipelined_and_unsharded(t
     saved, mesh = _saved(tmp_path, pipelined, trained_state=False)
     # Saved as the shards lie: a stacked block over its stage's replicas (the expert axis),
     # the parameters outside the blocks over the pipeline axis too.
-    with RunCheckpoints(tmp_path, pipelined) as checkpoints:
-        again = checkpoints.restore(0, mesh)
+    with RunCheckpoints(tmp_path, resolve(pipelined, mesh)) as checkpoints:
+        again = checkpoints.restore(0)
     kernel = again.opt_state[0].mu["stage_blocks"][0]["attention"]["query"]["kernel"]
     assert kernel.sharding.spec == PartitionSpec(None, PIPELINE_AXIS, "expert")
     embedding = again.params["token_embed"]["embedding"]
@@ -374,9 +381,9 @@ def test_pipelined_evaluation_equals_the_unpipelined_one(tmp_path):
         data = DataConfig(path=str(corpus), mask_across_documents=True)
         each = dataclasses.replace(each, data=data)
         mesh = build_mesh(each.parallel, devices(each))
-        state = init_train_state(each, mesh)
+        state = init_train_state(resolve(each, mesh))
         batch = jax.device_put(rows, NamedSharding(mesh, token_spec(mesh)))
-        evaluate = build_eval_step(each, mesh).jit()
+        evaluate = build_eval_step(resolve(each, mesh)).jit()
         losses.append(float(evaluate(state.params, batch, state.placement, state.model_state)))
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
 

@@ -22,7 +22,8 @@ from jaxmoe.placement.planner import PLACEMENT_FILE
 from jaxmoe.placement.replicas import EMPTY, slot_weights
 from jaxmoe.train.checkpoint import RunCheckpoints, check_compatible
 from jaxmoe.train.metrics import METRICS_FILE, read_rows
-from jaxmoe.train.state import init_train_state, model_graphdef_and_specs
+from jaxmoe.train.resolved import resolve
+from jaxmoe.train.state import init_train_state
 from jaxmoe.train.step import build_train_step
 from tests.train.batches import compiled_step, random_batch
 from tests.train.runs import with_schedule
@@ -52,7 +53,7 @@ def run(config: Config, steps: int, table: np.ndarray | None = None):
     """Metrics of every step and the final state, with ``config.schedule.name``, from
     ``table`` as the placement (default: the initial one)."""
     mesh, step_fn = compiled_step(config)
-    state = init_train_state(config, mesh)
+    state = init_train_state(resolve(config, mesh))
     if table is not None:
         state = place(state, table, mesh)
     rng = np.random.default_rng(3)
@@ -67,11 +68,12 @@ def test_as_many_slots_as_experts_per_device_is_todays_step():
     """The same program on the same state: bit for bit the same results."""
     today, slots = config_with(None), config_with(slots=2)
     mesh = build_mesh(today.parallel)
-    state = init_train_state(today, mesh)
-    chex.assert_trees_all_equal(init_train_state(slots, mesh), state)
+    state = init_train_state(resolve(today, mesh))
+    chex.assert_trees_all_equal(init_train_state(resolve(slots, mesh)), state)
     batch = random_batch(np.random.default_rng(0), today, mesh)
     lowered = [
-        build_train_step(c, mesh).jit().lower(state, batch).as_text() for c in (today, slots)
+        build_train_step(resolve(c, mesh)).jit().lower(state, batch).as_text()
+        for c in (today, slots)
     ]
     assert lowered[0] == lowered[1]
 
@@ -90,9 +92,9 @@ def test_replicas_compute_the_same_expert_parameters_when_nothing_is_dropped():
 def test_a_new_placement_does_not_recompile_and_is_used():
     config = config_with(4, capacity_factor=0.5)
     mesh = build_mesh(config.parallel)
-    step = build_train_step(config, mesh).jit()
+    step = build_train_step(resolve(config, mesh)).jit()
     rng = np.random.default_rng(0)
-    state = init_train_state(config, mesh)
+    state = init_train_state(resolve(config, mesh))
     for _ in range(2):  # the second call sees the layouts the step itself returns
         state, static = step(state, random_batch(rng, config, mesh))
     compiled = step._cache_size()
@@ -109,8 +111,9 @@ def test_a_placement_change_never_changes_parameter_values():
     """Every slot's weights, gathered before and after a change, are its expert's."""
     config = config_with(4)
     mesh = build_mesh(config.parallel)
-    _, specs = model_graphdef_and_specs(config)
-    state = init_train_state(config, mesh)
+    resolved = resolve(config)
+    _, specs = resolved.graphdef, resolved.model_specs
+    state = init_train_state(resolve(config, mesh))
 
     def per_device(params, placement):
         return jax.tree.map(
@@ -163,11 +166,11 @@ def test_schedules_compute_the_plain_step_with_a_placement(schedule):
 def test_a_checkpoint_keeps_the_placement(tmp_path):
     config = config_with(4)
     mesh = build_mesh(config.parallel)
-    state = place(init_train_state(config, mesh), SKEWED, mesh)
-    with RunCheckpoints(tmp_path, config) as checkpoints:
+    state = place(init_train_state(resolve(config, mesh)), SKEWED, mesh)
+    with RunCheckpoints(tmp_path, resolve(config, mesh)) as checkpoints:
         checkpoints.save(state)
         checkpoints.wait()
-        restored = checkpoints.restore(0, mesh)
+        restored = checkpoints.restore(0)
     np.testing.assert_array_equal(jax.device_get(restored.placement), SKEWED)
     with pytest.raises(ConfigError, match="placement"):
         check_compatible(config.to_dict(), config_with(3), 0)

@@ -23,8 +23,7 @@ from jaxmoe.plan.grad_sync_choice import (
     resolve_grad_sync,
 )
 from jaxmoe.plan.grad_sync_trial import measured_step_seconds, trial_batches
-
-from .runs import small_config, with_schedule
+from tests.train.runs import small_config, with_schedule
 
 RELAXED = [name for name in ALGORITHMS if name not in EXACT]
 # Every relaxed algorithm as good as an exact one: the choice is the estimated step's.

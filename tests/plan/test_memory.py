@@ -23,8 +23,8 @@ from jaxmoe.config import Config, ModelConfig, MoEConfig, ParallelConfig, TrainC
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.plan.memory import StepMemory, step_memory
 from jaxmoe.plan.state_memory import memory_per_device
-from jaxmoe.train.scheduled import capture_train_step, plan_train_step
-from jaxmoe.train.state import abstract_train_state
+from jaxmoe.train.resolved import resolve
+from jaxmoe.train.scheduled import capture_train_step, scheduled_train_step
 from scheduling import aval_bytes
 
 # XLA:CPU's peak against the walk's: the walk fuses a few values XLA keeps, and XLA's heap
@@ -86,9 +86,9 @@ def measured(case: str):
     as XLA:CPU and as XLA:GPU compile it."""
     config = config_for(**CASES[case])
     mesh = build_mesh(config.parallel)
-    analysis = plan_train_step(config, mesh).compile().memory_analysis()
-    program, _ = capture_train_step(config, mesh)
-    state = abstract_train_state(config)
+    analysis = scheduled_train_step(resolve(config, mesh)).compile().memory_analysis()
+    program, _ = capture_train_step(resolve(config, mesh))
+    state = resolve(config).state_shapes
     cpu = step_memory(program, state, keeps_barriers=False)
     gpu = step_memory(program, state, keeps_barriers=True)
     return config, analysis, program, cpu, gpu
@@ -118,7 +118,7 @@ def test_xla_cpu_runs_a_pipelines_forward_slots_at_most_a_chunk_early(case):
     less than every forward slot as many ticks early as a stage has chunks."""
     config, analysis, program, cpu, _ = measured(case)
     virtual = config.parallel.virtual_stages
-    state = abstract_train_state(config)
+    state = resolve(config).state_shapes
     ahead = step_memory(program, state, keeps_barriers=False, ticks_ahead=virtual)
     assert cpu.total <= xla_peak(analysis) <= ahead.total
     assert ahead.total < 1.15 * xla_peak(analysis)
@@ -155,8 +155,8 @@ def test_the_peak_by_kind():
 def walked(**fields) -> tuple[StepMemory, StepMemory]:
     """The walk of a configuration that is captured but not compiled: (XLA:CPU, XLA:GPU)."""
     config = config_for(**fields)
-    program, _ = capture_train_step(config, build_mesh(config.parallel))
-    state = abstract_train_state(config)
+    program, _ = capture_train_step(resolve(config, build_mesh(config.parallel)))
+    state = resolve(config).state_shapes
     return (
         step_memory(program, state, keeps_barriers=False),
         step_memory(program, state, keeps_barriers=True),

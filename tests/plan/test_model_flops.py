@@ -8,6 +8,7 @@ import pytest
 from jaxmoe.config import Config, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.plan.model_flops import model_flops
+from jaxmoe.train.resolved import resolve
 from jaxmoe.train.scheduled import capture_train_step
 from scheduling import op_flops
 
@@ -102,7 +103,7 @@ def traced_matmul_flops(config: Config) -> float:
     """Matmul FLOPs of the whole train step as traced: per device, times the devices
     (every device computes distinct tokens and its own experts' slots)."""
     mesh = build_mesh(config.parallel)
-    program, _ = capture_train_step(config, mesh)
+    program, _ = capture_train_step(resolve(config, mesh))
     per_device = sum(op_flops(op) for op in program.ops if op.primitive == "dot_general")
     return per_device * mesh.devices.size
 

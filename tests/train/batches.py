@@ -11,7 +11,8 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxmoe.config import Config, ScheduleConfig
 from jaxmoe.parallel.mesh import build_mesh, token_spec
-from jaxmoe.train.scheduled import plan_train_step
+from jaxmoe.train.resolved import resolve
+from jaxmoe.train.scheduled import scheduled_train_step
 from jaxmoe.train.state import init_train_state
 
 
@@ -40,14 +41,14 @@ def compiled_step(
 @functools.lru_cache(maxsize=8)
 def _compiled_step(config: Config, devices: tuple[jax.Device, ...] | None):
     mesh = build_mesh(config.parallel, devices)
-    return mesh, plan_train_step(config, mesh).compile()
+    return mesh, scheduled_train_step(resolve(config, mesh)).compile()
 
 
 def train_steps(config: Config, devices=None, steps: int | None = None) -> tuple[list, dict]:
     """``steps`` (default ``config.train.steps``) steps on random batches from seed 0: each
     step's metrics and the final parameters, on the host."""
     mesh, step = compiled_step(config, devices)
-    state = init_train_state(config, mesh)
+    state = init_train_state(resolve(config, mesh))
     rng = np.random.default_rng(0)
     history = []
     for _ in range(config.train.steps if steps is None else steps):

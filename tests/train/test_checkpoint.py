@@ -15,6 +15,7 @@ from jaxmoe.prepare import prepare_run
 from jaxmoe.train import loop
 from jaxmoe.train.checkpoint import RunCheckpoints, check_compatible, latest_checkpoint
 from jaxmoe.train.metrics import read_rows
+from jaxmoe.train.resolved import resolve
 from jaxmoe.train.run_control import StopSignals
 from jaxmoe.train.state import init_train_state
 from jaxmoe.train.step import build_train_step
@@ -45,7 +46,7 @@ def test_resume_after_a_stop_is_the_uninterrupted_run_bit_for_bit(tmp_path, monk
 
 def _state_on(config: Config):
     mesh = build_mesh(config.parallel)
-    return mesh, init_train_state(config, mesh)
+    return mesh, init_train_state(resolve(config, mesh))
 
 
 @pytest.mark.parametrize(
@@ -60,24 +61,24 @@ def test_restore_into_another_layout_gives_the_saved_values(tmp_path, layout):
     saved_config = small_config(steps=2)
     mesh, state = _state_on(saved_config)
     # Train one step, so that the optimizer moments are not zeros.
-    step = build_train_step(saved_config, mesh).jit()
+    step = build_train_step(resolve(saved_config, mesh)).jit()
     rng = np.random.default_rng(0)
     state, _ = step(state, random_batch(rng, saved_config, mesh))
     expected = jax.device_get(state)
-    with RunCheckpoints(tmp_path, saved_config) as checkpoints:
+    with RunCheckpoints(tmp_path, resolve(saved_config)) as checkpoints:
         assert checkpoints.save(state) == 1
         checkpoints.wait()
 
     data, expert = layout
     config = dataclasses.replace(saved_config, parallel=ParallelConfig(data=data, expert=expert))
     new_mesh = build_mesh(config.parallel)
-    with RunCheckpoints(tmp_path, config) as checkpoints:
-        restored = checkpoints.restore(1, new_mesh)
+    with RunCheckpoints(tmp_path, resolve(config, new_mesh)) as checkpoints:
+        restored = checkpoints.restore(1)
     chex.assert_trees_all_equal(jax.device_get(restored), expected)
     expert_weight = restored.params["blocks"][1]["ffn"]["experts"]["w_in"]
     assert expert_weight.sharding.mesh.shape == {"data": data, "expert": expert}
     # And the restored state trains in the new layout.
-    new_step = build_train_step(config, new_mesh).jit()
+    new_step = build_train_step(resolve(config, new_mesh)).jit()
     _, metrics = new_step(restored, random_batch(rng, config, new_mesh))
     assert np.isfinite(metrics["loss"])
 
@@ -90,10 +91,10 @@ def test_a_checkpoint_without_tensor_parallelism_restores_and_trains_with_it(tmp
         saved_config, moe=dataclasses.replace(saved_config.moe, group_size=32)
     )
     mesh, state = _state_on(saved_config)
-    step = build_train_step(saved_config, mesh).jit()
+    step = build_train_step(resolve(saved_config, mesh)).jit()
     rng = np.random.default_rng(0)
     state, _ = step(state, random_batch(rng, saved_config, mesh))
-    with RunCheckpoints(tmp_path, saved_config) as checkpoints:
+    with RunCheckpoints(tmp_path, resolve(saved_config)) as checkpoints:
         checkpoints.save(state)
         checkpoints.wait()
     saved = jax.device_get(state)  # the next step donates the state
@@ -104,12 +105,12 @@ def test_a_checkpoint_without_tensor_parallelism_restores_and_trains_with_it(tmp
 
     config = dataclasses.replace(saved_config, parallel=ParallelConfig(data=1, expert=8, tensor=2))
     new_mesh = build_mesh(config.parallel)
-    with RunCheckpoints(tmp_path, config) as checkpoints:
-        restored = checkpoints.restore(1, new_mesh)
+    with RunCheckpoints(tmp_path, resolve(config, new_mesh)) as checkpoints:
+        restored = checkpoints.restore(1)
     chex.assert_trees_all_equal(jax.device_get(restored), saved)
     query = restored.params["blocks"][0]["attention"]["query"]["kernel"]
     assert tuple(query.sharding.spec) == (None, "tensor_expert")
-    new_step = build_train_step(config, new_mesh).jit()
+    new_step = build_train_step(resolve(config, new_mesh)).jit()
     _, metrics = new_step(
         restored, jax.device_put(next_rows, NamedSharding(new_mesh, token_spec(new_mesh)))
     )

@@ -18,7 +18,8 @@ import pytest
 from jaxmoe.config import Config, ConfigError, MoEConfig, ParallelConfig, ScheduleConfig
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.presets import preset
-from jaxmoe.train.scheduled import plan_train_step
+from jaxmoe.train.resolved import resolve
+from jaxmoe.train.scheduled import scheduled_train_step
 from tests.train.runs import with_schedule
 from tests.train.test_partitioned import assert_same_training
 from tests.train.test_scheduled import run, small
@@ -58,7 +59,7 @@ def test_other_layouts_and_lancet_comet_train_like_none(mesh, moe, schedule, exc
 
 def test_report_gives_every_moe_layer_its_decomposition():
     config = with_schedule(preset("tiny"), "comet")
-    report = plan_train_step(config, build_mesh(config.parallel)).report
+    report = scheduled_train_step(resolve(config, build_mesh(config.parallel))).report
     moe_layers = {c.layer for c in report.collectives if c.kind == "all_to_all"}
     assert {x.layer for x in report.exchanges} == moe_layers
     for layer in report.exchanges:

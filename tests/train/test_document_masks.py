@@ -15,6 +15,7 @@ from jaxmoe.data.corpus import CorpusInfo, write_info
 from jaxmoe.data.documents import document_masks
 from jaxmoe.layers import GPTMoE
 from jaxmoe.parallel.mesh import build_mesh, token_spec
+from jaxmoe.train.resolved import resolve
 from jaxmoe.train.state import init_train_state
 from jaxmoe.train.step import build_eval_step
 
@@ -71,12 +72,12 @@ def test_the_eval_loss_is_the_mean_over_the_targets_inside_documents(tmp_path):
         data=DataConfig(path=str(corpus), mask_across_documents=True),
     )
     mesh = build_mesh(config.parallel)
-    state = init_train_state(config, mesh)
+    state = init_train_state(resolve(config, mesh))
     rng = np.random.default_rng(2)
     rows = np.stack([_row(rng, first) for first in (0, 3, 5, 7, 9, 11, 13, SEQ)]).astype(np.int32)
     batch = jax.device_put(rows, jax.sharding.NamedSharding(mesh, token_spec(mesh)))
 
-    loss = build_eval_step(config, mesh).jit()(state.params, batch, None, None)
+    loss = build_eval_step(resolve(config, mesh)).jit()(state.params, batch, None, None)
 
     graphdef = nnx.graphdef(GPTMoE(GPT, DROPLESS, rngs=nnx.Rngs(0)))
     net = nnx.merge(graphdef, jax.device_get(state.params))

@@ -16,6 +16,7 @@ import pytest
 from jaxmoe.config import Config, ConfigError, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.train.checkpoint import RunCheckpoints, check_compatible
+from jaxmoe.train.resolved import resolve
 from jaxmoe.train.state import init_train_state
 from jaxmoe.train.step import build_eval_step, build_train_step
 from tests.train.batches import random_batch
@@ -56,9 +57,9 @@ def _at(tree, path):
 def run():
     """The initial state, each step's metrics and biases, and the final state."""
     mesh = build_mesh(CONFIG.parallel)
-    state = init_train_state(CONFIG, mesh)
+    state = init_train_state(resolve(CONFIG, mesh))
     initial = jax.device_get(state)
-    step = build_train_step(CONFIG, mesh).jit()
+    step = build_train_step(resolve(CONFIG, mesh)).jit()
     batch = random_batch(np.random.default_rng(0), CONFIG, mesh)
     history, bias_history = [], []
     for _ in range(STEPS):
@@ -112,7 +113,7 @@ def test_the_bias_moves_the_load_towards_balance():
 
 def test_the_eval_step_routes_with_the_state_s_bias():
     mesh, batch, _, _, _, state = run()
-    evaluate = build_eval_step(CONFIG, mesh).jit()
+    evaluate = build_eval_step(resolve(CONFIG, mesh)).jit()
     params, model_state = state.params, state.model_state
 
     with_bias = float(evaluate(params, batch, state.placement, model_state))
@@ -126,11 +127,11 @@ def test_the_eval_step_routes_with_the_state_s_bias():
 def test_a_checkpoint_restores_the_bias(tmp_path):
     mesh, _, _, _, bias_history, state = run()
     saved = jax.device_get(state)
-    with RunCheckpoints(tmp_path, CONFIG) as checkpoints:
+    with RunCheckpoints(tmp_path, resolve(CONFIG)) as checkpoints:
         checkpoints.save(state)
         checkpoints.wait()
-    with RunCheckpoints(tmp_path, CONFIG) as checkpoints:
-        restored = checkpoints.restore(STEPS, mesh)
+    with RunCheckpoints(tmp_path, resolve(CONFIG, mesh)) as checkpoints:
+        restored = checkpoints.restore(STEPS)
 
     np.testing.assert_array_equal(biases(restored.model_state), bias_history[-1])
     jax.tree.map(

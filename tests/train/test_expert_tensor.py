@@ -24,6 +24,7 @@ import pytest
 
 from jaxmoe.config import MoEConfig, ParallelConfig
 from jaxmoe.parallel.mesh import build_mesh
+from jaxmoe.train.resolved import resolve
 from jaxmoe.train.state import init_train_state
 from tests.train.batches import train_steps
 from tests.train.runs import assert_trained_close
@@ -81,7 +82,7 @@ def test_same_training_as_the_unfolded_layout(mapping):
 
 def test_expert_state_is_split_over_the_expert_tensor_axis():
     config = small_config(MAPPINGS["expert4-et2"][0], MOE)
-    state = init_train_state(config, build_mesh(config.parallel))
+    state = init_train_state(resolve(config, build_mesh(config.parallel)))
     (experts,) = experts_of(state.params).values()
     spec = jax.sharding.PartitionSpec("expert", None, "expert_tensor")
     assert experts["w_in"].sharding.spec == spec

@@ -26,7 +26,8 @@ import pytest
 
 from jaxmoe.config import MoEConfig, ParallelConfig
 from jaxmoe.parallel.mesh import build_mesh
-from jaxmoe.train.scheduled import axis_roles, capture_train_step, plan_train_step
+from jaxmoe.train.resolved import resolve
+from jaxmoe.train.scheduled import axis_roles, capture_train_step, scheduled_train_step
 from scheduling import Phase, collective_purposes
 from tests.train.runs import with_schedule
 from tests.train.test_comet import comet
@@ -60,7 +61,7 @@ def _config(case: str):
 @functools.cache
 def _forward_purposes(case: str) -> frozenset[str]:
     config = _config(case)
-    program, _ = capture_train_step(config, build_mesh(config.parallel))
+    program, _ = capture_train_step(resolve(config, build_mesh(config.parallel)))
     return frozenset(
         purpose
         for op, purpose in collective_purposes(program, axis_roles()).items()
@@ -159,7 +160,7 @@ def test_comet_decomposes_the_folded_exchange_and_matches(case, exchange):
     # an axis tuple; with expert_tensor the pieces' GEMMs sit between expert-tensor gathers.
     _skip_until_the_layout_changes_the_program(case)
     config = comet(_config(case), "comet", exchange)
-    report = plan_train_step(config, build_mesh(config.parallel)).report
+    report = scheduled_train_step(resolve(config, build_mesh(config.parallel))).report
     assert report.exchanges, "no MoE exchange recognised on the folded mesh"
     assert [layer.decomposition for layer in report.exchanges] == [exchange] * 2, [
         (layer.decomposition, layer.why) for layer in report.exchanges

@@ -16,7 +16,8 @@ from unittest import mock
 import scheduling.runtime.pinning
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.presets import preset
-from jaxmoe.train.scheduled import plan_train_step
+from jaxmoe.train.resolved import resolve
+from jaxmoe.train.scheduled import scheduled_train_step
 from scheduling.runtime.pinning import OVERLAP_LIMIT_OPTION
 
 GROUP = re.compile(r'_scheduling_group_id = "(\d+)"')
@@ -43,7 +44,7 @@ def _plan(name: str, xla_pin: str):
         # A slow link: the all-to-alls' windows hold the other microbatch's work.
         schedule=dataclasses.replace(config.schedule, name=name, link_mbit=100, xla_pin=xla_pin),
     )
-    return plan_train_step(config, build_mesh(config.parallel))
+    return scheduled_train_step(resolve(config, build_mesh(config.parallel)))
 
 
 def _groups(text: str, attribute=GROUP) -> dict[int, collections.Counter]:

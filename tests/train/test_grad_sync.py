@@ -24,8 +24,9 @@ from jaxmoe.parallel.grad_sync.bucketed import Bucketed
 from jaxmoe.parallel.mesh import build_mesh, mesh_axis_sizes, token_spec
 from jaxmoe.parallel.sharding import reduce_gradients
 from jaxmoe.train import step as step_module
+from jaxmoe.train.resolved import resolve
 from jaxmoe.train.scheduled import abstract_step_args
-from jaxmoe.train.state import abstract_train_state, init_train_state, model_graphdef_and_specs
+from jaxmoe.train.state import init_train_state
 from jaxmoe.train.step import build_train_step
 
 from .runs import small_config
@@ -56,8 +57,8 @@ def train(config: Config):
     """Metrics of every step; the state before the first step, after each of the first two
     and after the last."""
     mesh = build_mesh(config.parallel)
-    state = init_train_state(config, mesh)
-    step = build_train_step(config, mesh).jit()
+    state = init_train_state(resolve(config, mesh))
+    step = build_train_step(resolve(config, mesh)).jit()
     rng = np.random.default_rng(0)
     history, states = [], [jax.device_get(state)]
     for index in range(STEPS):
@@ -86,10 +87,10 @@ def test_allreduce_is_the_reduce_gradients_step(monkeypatch):
     the step did before ``grad_sync``): equal jaxprs compile to equal results."""
     config = config_for("allreduce")
     mesh = build_mesh(config.parallel)
-    example = abstract_step_args(config, mesh)
+    example = abstract_step_args(resolve(config, mesh))
 
     def per_device_jaxpr() -> str:
-        sharded = build_train_step(config, mesh)
+        sharded = build_train_step(resolve(config, mesh))
         return str(jax.make_jaxpr(sharded.jit())(*example))
 
     ours = per_device_jaxpr()
@@ -107,8 +108,9 @@ def test_bucketed_reduces_gradients_bit_for_bit_like_allreduce():
     config = config_for("allreduce")
     mesh = build_mesh(config.parallel)
     axes = mesh_axis_sizes(config.parallel)
-    _, specs = model_graphdef_and_specs(config)
-    shapes = abstract_train_state(config).params
+    resolved = resolve(config)
+    _, specs = resolved.graphdef, resolved.model_specs
+    shapes = resolve(config).state_shapes.params
     rng = np.random.default_rng(0)
     # One block per device of a per-device array: (8, *local shape).
     grads = jax.tree.map(

@@ -18,6 +18,7 @@ import pytest
 
 from jaxmoe.config import ParallelConfig
 from jaxmoe.parallel.mesh import build_mesh
+from jaxmoe.train.resolved import resolve
 from jaxmoe.train.scheduled import capture_train_step, schedule_policy
 from scheduling import Phase, Role, cost_model, node_seconds, plan, simulate
 
@@ -35,7 +36,7 @@ def planned():
         parallel=ParallelConfig(data=2, expert=4),
     )
     mesh = build_mesh(config.parallel)
-    program, _ = capture_train_step(config, mesh)
+    program, _ = capture_train_step(resolve(config, mesh))
     policy = schedule_policy(config)
     return plan(program, policy), node_seconds(cost_model(policy, mesh))
 

@@ -7,7 +7,7 @@ from flax import nnx
 
 from jaxmoe.config import ModelConfig, MoEConfig, TrainConfig
 from jaxmoe.layers import GPTMoE
-from jaxmoe.train.optimizer import _decay_mask, learning_rate_schedule
+from jaxmoe.train.optimizer import _decay_mask, learning_rate_fn
 
 
 def test_weights_are_decayed_and_biases_and_scales_are_not():
@@ -32,7 +32,7 @@ def test_weights_are_decayed_and_biases_and_scales_are_not():
 
 def test_schedule_warms_up_then_ends_at_the_floor_on_the_last_step():
     train = TrainConfig(steps=50, warmup_steps=10, learning_rate=1e-3, min_lr_ratio=0.1)
-    schedule = learning_rate_schedule(train)
+    schedule = learning_rate_fn(train)
     assert 0 < schedule(0) < schedule(9) < schedule(10)
     np.testing.assert_allclose(schedule(10), 1e-3, rtol=1e-6)
     np.testing.assert_allclose(schedule(train.steps - 1), 1e-4, rtol=1e-5)

@@ -13,6 +13,7 @@ import pytest
 import scheduling
 from jaxmoe.config import Config, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
 from jaxmoe.parallel.mesh import build_mesh
+from jaxmoe.train.resolved import resolve
 from jaxmoe.train.scheduled import capture_train_step, schedule_policy
 from tests.train.runs import with_schedule
 from tests.train.test_scheduled import run
@@ -58,7 +59,7 @@ def test_the_paired_order_interleaves_microbatches_and_respects_dependences():
     # Four layers (two MoE layers): a backward pass long enough to hold a forward one.
     cfg = with_schedule(config("2x4", num_layers=4), "pair", profile="cpu", link_mbit=50.0)
     mesh = build_mesh(cfg.parallel)
-    program, sharded = capture_train_step(cfg, mesh)
+    program, sharded = capture_train_step(resolve(cfg, mesh))
     policy = schedule_policy(cfg)
     planned = scheduling.plan(
         program, policy, scheduling.cost_model(policy, mesh),

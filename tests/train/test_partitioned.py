@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 from jaxmoe.config import Config, MoEConfig, ParallelConfig
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.presets import preset
-from jaxmoe.train.scheduled import capture_train_step, plan_train_step
+from jaxmoe.train.resolved import resolve
+from jaxmoe.train.scheduled import capture_train_step, scheduled_train_step
 from scheduling import SchedulePolicy, aval_bytes, batch_inputs, plan
 from tests.train.runs import assert_trained_close, with_schedule
 from tests.train.test_scheduled import run, small
@@ -113,7 +114,7 @@ def _all_to_all_bytes(program) -> int:
 
 def _captured_and_planned(config: Config, policy: SchedulePolicy):
     """The captured train step of ``config`` and the plan ``policy`` makes of it."""
-    program, sharded = capture_train_step(config, build_mesh(config.parallel))
+    program, sharded = capture_train_step(resolve(config, build_mesh(config.parallel)))
     return program, plan(program, policy, batch_inputs=batch_inputs(program, sharded.batch_argnums))
 
 
@@ -135,7 +136,7 @@ def test_default_preset_all_to_all_bytes_grow_at_most_ten_percent(chunks):
 
 def test_report_lists_each_partitioned_range(tmp_path):
     config = partitioned(preset("tiny"), "lancet", chunks=2)
-    planned = plan_train_step(config, build_mesh(config.parallel))
+    planned = scheduled_train_step(resolve(config, build_mesh(config.parallel)))
     report = planned.report
     assert report.partitions
     for part in report.partitions:

@@ -19,7 +19,8 @@ import scheduling
 from jaxmoe.config import Config, ParallelConfig
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.presets import preset
-from jaxmoe.train.scheduled import capture_train_step, plan_train_step
+from jaxmoe.train.resolved import resolve
+from jaxmoe.train.scheduled import capture_train_step, scheduled_train_step
 from jaxmoe.train.state import init_train_state
 from tests.train.batches import random_batch
 from tests.train.runs import with_schedule
@@ -58,8 +59,8 @@ def family(name: str, dispatch: str, layout: str = "data2-expert4", slots: int |
 def run(config: Config, steps: int = STEPS):
     """Metrics of every step and the final parameters."""
     mesh = build_mesh(config.parallel)
-    step = plan_train_step(config, mesh).compile()
-    state = init_train_state(config, mesh)
+    step = scheduled_train_step(resolve(config, mesh)).compile()
+    state = init_train_state(resolve(config, mesh))
     rng = np.random.default_rng(1)
     history = []
     for _ in range(steps):
@@ -172,7 +173,7 @@ def test_the_socket_transport_sends_only_the_routed_rows(monkeypatch):
 @functools.cache
 def _captured(name: str):
     config = family(name, "ragged")
-    program, _ = capture_train_step(config, build_mesh(config.parallel))
+    program, _ = capture_train_step(resolve(config, build_mesh(config.parallel)))
     return config, program
 
 

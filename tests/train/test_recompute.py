@@ -20,6 +20,7 @@ import pytest
 from jaxmoe.cli.parser import config_from_train_args
 from jaxmoe.config import Config, MoEConfig, ParallelConfig
 from jaxmoe.parallel.mesh import build_mesh
+from jaxmoe.train.resolved import resolve
 from jaxmoe.train.scheduled import capture_train_step
 from scheduling import saved_for_backward
 from tests.train.runs import with_schedule
@@ -52,7 +53,7 @@ def _run(layout: str, recompute: str, schedule: str = "none", steps: int = 2):
 @functools.cache
 def _program(layout: str, recompute: str):
     config = _config(layout, recompute)
-    program, _ = capture_train_step(config, build_mesh(config.parallel))
+    program, _ = capture_train_step(resolve(config, build_mesh(config.parallel)))
     return program
 
 

@@ -26,6 +26,7 @@ from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.train import metrics as metrics_module
 from jaxmoe.train.checkpoint import checkpoint_steps, latest_checkpoint
 from jaxmoe.train.metrics import RunLog, read_rows
+from jaxmoe.train.resolved import resolve
 from jaxmoe.train.state import init_train_state
 from jaxmoe.train.step import build_train_step
 
@@ -164,9 +165,9 @@ def test_a_nonfinite_loss_stops_with_status_4_and_strict_metrics(tmp_path, capsy
 def test_skip_drops_nonfinite_updates_and_counts_them(tmp_path):
     config = small_config(learning_rate=1e6, warmup_steps=0, on_nonfinite="skip")
     mesh = build_mesh(config.parallel)
-    step = build_train_step(config, mesh).jit()
+    step = build_train_step(resolve(config, mesh)).jit()
     rng = np.random.default_rng(0)
-    state, first = step(init_train_state(config, mesh), random_batch(rng, config, mesh))
+    state, first = step(init_train_state(resolve(config, mesh)), random_batch(rng, config, mesh))
     assert first["skipped"] == 0  # a finite step, with a huge update
     before = jax.device_get((state.params, state.opt_state))
     state, second = step(state, random_batch(rng, config, mesh))

@@ -30,7 +30,8 @@ from jaxmoe.config import (
 )
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.presets import preset
-from jaxmoe.train.scheduled import capture_train_step, plan_train_step
+from jaxmoe.train.resolved import resolve
+from jaxmoe.train.scheduled import capture_train_step, scheduled_train_step
 from jaxmoe.train.state import init_train_state
 from tests.train.batches import compiled_step, random_batch
 from tests.train.runs import with_schedule
@@ -39,7 +40,7 @@ from tests.train.runs import with_schedule
 def run(config: Config, steps: int):
     """Metrics of every step and the final state, with ``config.schedule.name``."""
     mesh, step = compiled_step(config)
-    state = init_train_state(config, mesh)
+    state = init_train_state(resolve(config, mesh))
     rng = np.random.default_rng(1)
     history = []
     for _ in range(steps):
@@ -114,8 +115,8 @@ def test_schedules_are_exact_on_generated_configs(
 
 def _captured_program(config: Config):
     mesh = build_mesh(config.parallel)
-    program, _ = capture_train_step(config, mesh)
-    return program, plan_train_step(config, mesh)
+    program, _ = capture_train_step(resolve(config, mesh))
+    return program, scheduled_train_step(resolve(config, mesh))
 
 
 def test_stablehlo_has_one_async_pair_per_collective():

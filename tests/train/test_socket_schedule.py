@@ -17,7 +17,8 @@ import scheduling
 from jaxmoe.cli.parser import config_from_train_args
 from jaxmoe.data.batches import BatchSampler, load_splits, put_on_mesh
 from jaxmoe.parallel.mesh import build_mesh
-from jaxmoe.train.scheduled import plan_train_step
+from jaxmoe.train.resolved import resolve
+from jaxmoe.train.scheduled import scheduled_train_step
 from jaxmoe.train.state import init_train_state
 
 SMALL = [
@@ -31,7 +32,7 @@ def _steps(step, config, mesh, count=3):
     sampler = BatchSampler(
         load_splits(config).train, config.model.seq_len, config.train.batch_size, 0
     )
-    state = init_train_state(config, mesh)
+    state = init_train_state(resolve(config, mesh))
     for index in range(count):
         state, metrics = step(state, put_on_mesh(sampler, index, mesh))
     return state, metrics
@@ -41,7 +42,7 @@ def _steps(step, config, mesh, count=3):
 def _plain():
     config = config_from_train_args(SMALL)
     mesh = build_mesh(config.parallel)
-    return _steps(plan_train_step(config, mesh).compile(), config, mesh)
+    return _steps(scheduled_train_step(resolve(config, mesh)).compile(), config, mesh)
 
 
 @pytest.mark.parametrize(
@@ -57,7 +58,7 @@ def test_socket_all_to_alls_keep_the_step_bit_for_bit(schedule, monkeypatch):
     flags = ["--schedule", schedule, "--schedule.transport", "socket"]
     config = config_from_train_args([*SMALL, *flags])
     mesh = build_mesh(config.parallel)
-    planned = plan_train_step(config, mesh)
+    planned = scheduled_train_step(resolve(config, mesh))
     assert "io_callback" in planned.stablehlo() or "callback" in planned.stablehlo()
     chex.assert_trees_all_equal(_steps(planned.compile(), config, mesh), _plain())
 

@@ -22,8 +22,9 @@ from jaxmoe.config.layout import TENSOR, axes_for_role
 from jaxmoe.losses import forward_losses
 from jaxmoe.parallel.mesh import build_mesh, token_spec
 from jaxmoe.parallel.sharding import reduce_gradients
+from jaxmoe.train.resolved import resolve
 from jaxmoe.train.scheduled import capture_train_step
-from jaxmoe.train.state import init_train_state, model_graphdef_and_specs
+from jaxmoe.train.state import init_train_state
 from scheduling import Phase
 from tests.train.batches import random_batch, train_steps
 
@@ -75,7 +76,8 @@ def first_gradients(parallel: ParallelConfig):
     """The reduced gradients of the first step (the global mean loss's gradient)."""
     config = small_config(parallel, CAPACITY)
     mesh = build_mesh(config.parallel)
-    graphdef, specs = model_graphdef_and_specs(config)
+    resolved = resolve(config)
+    graphdef, specs = resolved.graphdef, resolved.model_specs
     shards = config.parallel.token_shards
 
     def per_device(params, batch):
@@ -90,7 +92,7 @@ def first_gradients(parallel: ParallelConfig):
         check_vma=False,
     )
     batch = random_batch(np.random.default_rng(0), config, mesh)
-    return jax.device_get(jax.jit(gradients)(init_train_state(config, mesh).params, batch))
+    return jax.device_get(jax.jit(gradients)(init_train_state(resolve(config, mesh)).params, batch))
 
 
 @pytest.mark.parametrize("layout", ["d4e2t4"])
@@ -168,7 +170,7 @@ def test_folded_layouts_train_as_the_unfolded_one(layout, moe):
 def test_tensor_collectives_are_equations_of_the_step_over_the_tensor_axes():
     config = small_config(FOLDED["d4e2t4"], CAPACITY)
     mesh = build_mesh(config.parallel)
-    program, _ = capture_train_step(config, mesh)
+    program, _ = capture_train_step(resolve(config, mesh))
     tensor_axes = axes_for_role(TENSOR, mesh.axis_names)
     assert tensor_axes == ("tensor_expert_data", "tensor_expert")
 
@@ -192,14 +194,16 @@ def test_tensor_collectives_are_equations_of_the_step_over_the_tensor_axes():
     ]
     assert [aval.shape for aval in choices] == [(8, 16 // 4, 2)]  # [rows, seq / tensor, k]
 
-    unfolded, _ = capture_train_step(small_config(UNFOLDED, CAPACITY), build_mesh(UNFOLDED))
+    unfolded, _ = capture_train_step(
+        resolve(small_config(UNFOLDED, CAPACITY), build_mesh(UNFOLDED))
+    )
     assert not {"all_gather", "reduce_scatter"} & {op.primitive for op in unfolded.collectives()}
 
 
 def test_parameters_split_over_the_tensor_axes():
     config = small_config(FOLDED["d4e2t4"], CAPACITY)
     mesh = build_mesh(config.parallel)
-    params = init_train_state(config, mesh).params
+    params = init_train_state(resolve(config, mesh)).params
     tensor = ("tensor_expert_data", "tensor_expert")
     attention, ffn = params["blocks"][0]["attention"], params["blocks"][0]["ffn"]
     expected = {

@@ -28,8 +28,9 @@ from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.parallel.zero import shard_layout, sharded_spec
 from jaxmoe.plan.state_memory import memory_per_device
 from jaxmoe.train.checkpoint import RunCheckpoints
-from jaxmoe.train.scheduled import capture_train_step, plan_train_step
-from jaxmoe.train.state import init_train_state, zero_plan
+from jaxmoe.train.resolved import resolve
+from jaxmoe.train.scheduled import capture_train_step, scheduled_train_step
+from jaxmoe.train.state import init_train_state
 from scheduling import Phase
 from scheduling.program.capture import Value
 from scheduling.program.collective_purpose import collective_purposes
@@ -60,14 +61,14 @@ def config_for(layout: str, zero: int, **train_fields) -> Config:
 @functools.cache
 def compiled(config: Config):
     mesh = build_mesh(config.parallel)
-    return mesh, plan_train_step(config, mesh).compile()
+    return mesh, scheduled_train_step(resolve(config, mesh)).compile()
 
 
 @functools.cache
 def run(config: Config, steps: int = STEPS):
     """Metrics of every step and the final state, on the host."""
     mesh, step = compiled(config)
-    state = init_train_state(config, mesh)
+    state = init_train_state(resolve(config, mesh))
     rng = np.random.default_rng(1)
     history = []
     for _ in range(steps):
@@ -123,7 +124,7 @@ def test_a_parameter_is_sharded_over_the_replicas_that_hold_it():
 
 def test_plans_on_a_folded_layout_keep_the_axes_a_dimension_is_split_over_first():
     config = config_for("tensor2-bf16", zero=1)
-    plan = zero_plan(config)
+    plan = resolve(config).zero
     attention = plan.specs["blocks"][0]["attention"]
     # The row-parallel output projection: split over tensor on its rows, then sharded.
     assert attention["out"]["kernel"] == P(("tensor_expert", "data", "expert"))
@@ -187,7 +188,7 @@ def test_the_state_holds_shards():
     config = config_for("2x4", zero=1)
     _, state = run(config)
     mesh, _ = compiled(config)
-    fresh = init_train_state(config, mesh)
+    fresh = init_train_state(resolve(config, mesh))
     kernel = fresh.params["blocks"][0]["attention"]["query"]["kernel"]
     assert kernel.shape == (32, 2, 16)  # [d_model, heads, head_dim]: as without ZeRO
     assert kernel.sharding.spec == P(("data", "expert"))
@@ -227,7 +228,7 @@ def test_state_memory_is_what_xla_passes_the_step():
 def test_a_fully_sharded_step_keeps_no_gathered_block_for_the_backward_pass():
     def saved_from_gathers(zero: int) -> list[str]:
         config = config_for("2x4", zero=zero)
-        program, _ = capture_train_step(config, build_mesh(config.parallel))
+        program, _ = capture_train_step(resolve(config, build_mesh(config.parallel)))
         made = {v: op for op in program.ops if op.phase is Phase.FORWARD for v in op.outputs}
         saved = {
             value
@@ -260,8 +261,10 @@ def test_a_checkpoint_restores_across_zero_and_layouts(tmp_path, saved, restored
     saved_config = config_for("2x4", zero=saved[0])
     mesh, step = compiled(saved_config)
     rng = np.random.default_rng(0)
-    state, _ = step(init_train_state(saved_config, mesh), random_batch(rng, saved_config, mesh))
-    with RunCheckpoints(tmp_path, saved_config) as checkpoints:
+    state, _ = step(
+        init_train_state(resolve(saved_config, mesh)), random_batch(rng, saved_config, mesh)
+    )
+    with RunCheckpoints(tmp_path, resolve(saved_config)) as checkpoints:
         checkpoints.save(state)
         checkpoints.wait()
     state = jax.device_get(state)
@@ -278,10 +281,10 @@ def test_a_checkpoint_restores_across_zero_and_layouts(tmp_path, saved, restored
         train=dataclasses.replace(saved_config.train, zero=zero),
     )
     new_mesh = build_mesh(config.parallel)
-    with RunCheckpoints(tmp_path, config) as checkpoints:
-        restored_state = checkpoints.restore(1, new_mesh)
+    with RunCheckpoints(tmp_path, resolve(config, new_mesh)) as checkpoints:
+        restored_state = checkpoints.restore(1)
     chex.assert_trees_all_equal(jax.device_get(restored_state), state)
-    expected_spec = zero_plan(config).specs if zero else None
+    expected_spec = resolve(config).zero.specs if zero else None
     kernel = restored_state.params["blocks"][0]["attention"]["query"]["kernel"]
     if expected_spec is not None:
         assert kernel.sharding.spec == expected_spec["blocks"][0]["attention"]["query"]["kernel"]
@@ -291,7 +294,7 @@ def test_a_checkpoint_restores_across_zero_and_layouts(tmp_path, saved, restored
 
 def test_the_report_names_the_parameter_gathers():
     config = config_for("2x4", zero=3)
-    program, _ = capture_train_step(config, build_mesh(config.parallel))
+    program, _ = capture_train_step(resolve(config, build_mesh(config.parallel)))
     purposes = collective_purposes(program)
     gathers = [op for op in program.collectives() if "param_gather/layer_1" in op.layer]
     # Block 1's gathers run twice: before its forward pass and again before its backward.

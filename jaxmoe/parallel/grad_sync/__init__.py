@@ -7,8 +7,6 @@ the step is built: :mod:`jaxmoe.plan.grad_sync_choice`).
 
 from __future__ import annotations
 
-import functools
-
 from jax.sharding import Mesh
 
 from jaxmoe.config import TrainConfig
@@ -28,10 +26,8 @@ ALGORITHMS = GRAD_SYNCS
 EXACT = frozenset({"allreduce", "bucketed", "hierarchical"})
 
 
-@functools.cache
 def make_grad_sync(train: TrainConfig, mesh: Mesh | None = None) -> GradSync:
-    """The algorithm ``train.grad_sync`` names, with its settings from ``train`` (one per
-    configuration and mesh: the state, its specs and the step share it).
+    """The algorithm ``train.grad_sync`` names, with its settings from ``train``.
 
     ``mesh`` is needed to build the step of the algorithms that treat hosts apart
     (``hierarchical``, ``int8``, and the relaxed ones, whose workers are hosts); the
