@@ -42,10 +42,12 @@ def _decay_mask(params):
     return jax.tree_util.tree_map_with_path(decayed, params)
 
 
-def make_optimizer(train: TrainConfig) -> optax.GradientTransformation:
-    """AdamW for ``train``."""
+def make_optimizer(
+    train: TrainConfig, learning_rate: optax.Schedule
+) -> optax.GradientTransformation:
+    """AdamW for ``train`` at ``learning_rate`` (:func:`learning_rate_fn`)."""
     return optax.adamw(
-        learning_rate_fn(train),
+        learning_rate,
         b1=train.adam_b1,
         b2=train.adam_b2,
         weight_decay=train.weight_decay,

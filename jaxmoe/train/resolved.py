@@ -99,6 +99,7 @@ def resolve(config: Config, mesh: Mesh | None = None, grad_sync_choice: Any = No
         if zero is None
         else ZeroSync(zero, config.train.grad_sync, config.train.grad_bucket_bytes)
     )
+    learning_rate = learning_rate_fn(config.train)
     return Run(
         config=config,
         mesh=mesh,
@@ -109,8 +110,8 @@ def resolve(config: Config, mesh: Mesh | None = None, grad_sync_choice: Any = No
         zero=zero,
         weights=weights_for(zero),
         grad_sync=grad_sync,
-        optimizer=make_optimizer(config.train),
-        learning_rate=learning_rate_fn(config.train),
+        optimizer=make_optimizer(config.train, learning_rate),
+        learning_rate=learning_rate,
         grad_sync_choice=grad_sync_choice,
     )
 

@@ -1,0 +1,100 @@
+"""The resolved run: every plan a configuration determines is derived once.
+
+A run is prepared (mesh, automatic choices, resolution), and then everything below the
+command line builds from it: the initial state's shapes and specs, the train step (traced
+to the program the scheduler sees), the evaluation step, the sharded state a checkpoint
+restores into. Each derivation is counted wherever it is called from: a module that
+derived a plan again from the configuration would count twice."""
+
+import sys
+from collections import Counter
+
+import pytest
+
+from jaxmoe.cli.parser import config_from_train_args
+from jaxmoe.parallel.weights import GatheredOnce, GatheredPerBlock, Weights
+from jaxmoe.parallel.zero import ZeroSync
+from jaxmoe.prepare import prepare_run
+from jaxmoe.train import resolved
+from jaxmoe.train.scheduled import capture_train_step
+from jaxmoe.train.state import abstract_sharded_state
+from jaxmoe.train.step import build_eval_step
+
+SMALL = ["--preset", "tiny", "--model.num_layers", "2", "--model.d_model", "64"]
+# The derivations of resolve(), by the name their modules import them under.
+DERIVATIONS = (
+    "build_mesh",
+    "resolve_grad_sync",
+    "stage_layout",
+    "pipeline_model",
+    "plan_zero",
+    "weights_for",
+    "make_grad_sync",
+    "make_optimizer",
+    "learning_rate_fn",
+    "abstract_state",
+    "state_specs",
+)
+CASES = {
+    # ZeRO-1 on a 2-stage pipeline: a stacked plan from two (the whole mesh's and a stage's).
+    "pipeline-zero1": (
+        "--parallel.pipeline 2 --parallel.expert 4 --train.microbatches 2 --model.moe_every 1 "
+        "--train.zero 1",
+        {"plan_zero": 2, "make_grad_sync": 0},
+        GatheredOnce,
+    ),
+    "zero3": (
+        "--parallel.expert 8 --train.zero 3",
+        {"stage_layout": 1, "pipeline_model": 0, "plan_zero": 1, "make_grad_sync": 0},
+        GatheredPerBlock,
+    ),
+    "int8": (
+        "--parallel.data 2 --parallel.expert 4 --train.grad_sync int8",
+        {"pipeline_model": 0, "plan_zero": 0},
+        Weights,
+    ),
+}
+
+
+@pytest.fixture
+def counts(monkeypatch) -> Counter:
+    """Each derivation replaced, in every jaxmoe module that holds it, by one that counts."""
+    counted: Counter = Counter()
+    for name in DERIVATIONS:
+        holders = [
+            module
+            for module_name, module in list(sys.modules.items())
+            if module_name.startswith("jaxmoe") and callable(getattr(module, name, None))
+        ]
+        original = getattr(holders[0], name)
+
+        def counting(*args, _name=name, _original=original, **kwargs):
+            counted[_name] += 1
+            return _original(*args, **kwargs)
+
+        for module in holders:
+            if getattr(module, name) is original:
+                monkeypatch.setattr(module, name, counting)
+    return counted
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_run_derives_each_plan_once(case, counts):
+    flags, expected, weights = CASES[case]
+    run = prepare_run(config_from_train_args([*SMALL, *flags.split()]))
+    capture_train_step(run)
+    build_eval_step(run)
+    abstract_sharded_state(run)
+    assert run.specs is run.specs and run.state_shapes is run.state_shapes
+    assert dict(counts) == {
+        name: expected.get(name, 1) for name in DERIVATIONS if expected.get(name, 1)
+    }
+    assert type(run.weights) is weights
+    assert isinstance(run.grad_sync, ZeroSync) == (run.zero is not None)
+
+
+def test_a_run_without_a_mesh_builds_shapes_but_no_step():
+    run = resolved.resolve(config_from_train_args(SMALL))
+    assert run.state_shapes.params
+    with pytest.raises(ValueError, match="without a mesh"):
+        capture_train_step(run)
