@@ -70,7 +70,7 @@ _PRAGMAS = ("fmt:", "noqa", "type:", "pragma")
 
 
 class ReferenceTableError(ValueError):
-    """A field the reference cannot describe (it has no comment)."""
+    """A field the reference cannot describe (it has no comment), or no block to rewrite."""
 
 
 def sections() -> dict[str, type]:
