@@ -1,11 +1,12 @@
 # Entry points: `make demo` trains the default preset, `make test` runs ruff and the suite,
-# `make test-all` the suite with its slow cases (more layouts and families per claim).
+# `make test-all` the suite with its slow cases (more layouts and families per claim),
+# `make reference` the README's configuration tables from the config fields' comments.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all lint clean
+.PHONY: demo test test-all lint reference clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +28,10 @@ test: lint
 
 test-all: lint
 	$(BIN)/python -m pytest -n auto --dist worksteal --slow
+
+# The README's configuration tables, rewritten from the comments of the config fields.
+reference: $(STAMP)
+	$(BIN)/python -m jaxmoe.config.reference --write README.md
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -15,6 +15,7 @@ class DataConfig:
     # `jaxmoe data`) in the sidecar's dtype, without one uint16; None = the Python
     # standard library sources.
     path: str | None = None
+    # The last this fraction of the corpus's tokens is the validation split.
     val_fraction: float = 0.05
     # Read at most this many bytes of the default corpus (None = all of it).
     max_bytes: int | None = 8_000_000

@@ -22,16 +22,23 @@ from jaxmoe.config.checks import check_types, one_of, positive_int, require
 class ModelConfig:
     """The shape of the decoder and the kind of each of its blocks."""
 
+    # Token ids the embedding holds: at least 256 for the default byte-level corpus, at
+    # least a tokenized corpus's vocabulary.
     vocab_size: int = 256
+    # Width of the residual stream (and of the token embedding).
     d_model: int = 128
+    # Attention heads (query heads, under grouped-query attention).
     num_heads: int = 4
+    # Transformer blocks.
     num_layers: int = 4
     # Hidden width of the dense FFN (and of each expert unless moe.d_expert says otherwise).
     d_ff: int = 512
+    # Tokens per training sequence.
     seq_len: int = 128
-    # Layers k-1, 2k-1, ... are MoE layers (Lancet and GShard use k = 2; Mixtral and Qwen 1),
-    # after the first ``first_dense_layers`` layers, which are dense (DeepSeek-V3: 3).
+    # Layers k-1, 2k-1, ... (counted from 0) are MoE layers, k this field (Lancet and
+    # GShard use k = 2; Mixtral and Qwen 1), except the first ``first_dense_layers``.
     moe_every: int = 2
+    # The first this many layers are dense whatever moe_every says (DeepSeek-V3: 3).
     first_dense_layers: int = 0
     # Compute dtype of activations and of the parameters as they enter each matmul:
     # "bfloat16" is mixed precision (the parameters, their gradients and the optimizer
@@ -43,14 +50,17 @@ class ModelConfig:
     recompute: str = "none"
     # "layernorm" (with a bias, GPT-2) or "rmsnorm" (Llama, Mixtral, Qwen, DeepSeek).
     norm: str = "layernorm"
+    # The epsilon of every norm (usually 1e-5 or 1e-6).
     norm_eps: float = 1e-6
     # "learned" (an embedding per position, GPT-2) or "rope" (rotary, on query and key).
     position: str = "learned"
+    # rope: the base theta of the rotary frequencies, theta^(-2i / head_dim).
     rope_theta: float = 10000.0
     # Rotary scaling for contexts beyond the trained one: "none", "linear" (position
     # interpolation: positions divided by rope_scaling_factor) or "yarn" (YaRN, as in
     # DeepSeek-V3: frequencies interpolated by band, attention scaled).
     rope_scaling: str = "none"
+    # linear and yarn: the scaling factor (1: no scaling).
     rope_scaling_factor: float = 1.0
     # yarn: the context the model was trained on before scaling.
     rope_original_seq_len: int = 4096

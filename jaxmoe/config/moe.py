@@ -22,7 +22,9 @@ REPLICA_SPLITS = ("balanced", "round_robin")
 class MoEConfig:
     """Routing and expert settings shared by every MoE layer."""
 
+    # Routed experts per MoE layer (a multiple of parallel.expert).
     num_experts: int = 8
+    # Experts each token is routed to.
     top_k: int = 1
     # Capacity per expert = ceil(group_size * top_k * capacity_factor / num_experts).
     # None selects dropless dispatch (no token is ever dropped).
@@ -44,9 +46,10 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0
     # Group-limited routing (DeepSeek-V3's n_group, topk_group): the experts form this many
     # groups of consecutive indices, each scored by the sum of its two best (biased)
-    # scores; a token's experts are chosen among the top_k_expert_groups best groups only
-    # (None: every group).
+    # scores; a token's experts are chosen among the top_k_expert_groups best groups only.
     num_expert_groups: int = 1
+    # Group-limited routing: the groups a token's experts are chosen from (None: every
+    # group).
     top_k_expert_groups: int | None = None
     # Auxiliary-loss-free balancing (DeepSeek-V3; 0 = off, DeepSeek uses 0.001): a
     # per-expert bias added to the scores for choosing experts (not to their weights),
@@ -54,11 +57,14 @@ class MoEConfig:
     # sign(mean load - load_e) over the step's routed assignments. Part of the train state
     # (not a parameter: no gradient, no optimizer).
     expert_bias_rate: float = 0.0
+    # Weight of the load-balancing loss (Switch, GShard: num_experts x sum over experts of
+    # the fraction of assignments times the mean score, per routing group) in the loss.
     aux_loss_coef: float = 1e-2
     # DeepSeek-V3's complementary sequence-wise balance loss: the load-balancing loss over
     # each sequence (row), averaged over rows. With the default routing group (one
     # sequence) it equals the aux loss above.
     seq_aux_loss_coef: float = 0.0
+    # Weight of the router z-loss (ST-MoE: the mean over tokens of logsumexp(logits)^2).
     z_loss_coef: float = 1e-3
     # Multiplicative input noise U(1 - jitter, 1 + jitter) on the router during training.
     jitter: float = 0.0
@@ -66,9 +72,10 @@ class MoEConfig:
     d_expert: int | None = None
     # Shared experts: always-on experts beside the routed ones, applied to every token and
     # added to the routed output (DeepSeek, Qwen-MoE). Their total hidden width is
-    # num_shared_experts x d_shared_expert (None: moe.d_expert, else model.d_ff), computed
-    # as one FFN replicated like the dense layers'.
+    # num_shared_experts x d_shared_expert, computed as one FFN replicated like the dense
+    # layers'.
     num_shared_experts: int = 0
+    # Hidden width of each shared expert; None: moe.d_expert, else model.d_ff.
     d_shared_expert: int | None = None
     # Qwen-MoE's gate on the shared output: sigmoid(x w) per token.
     shared_expert_gate: bool = False

@@ -25,13 +25,19 @@ class ParallelConfig:
     ``chunk_layers`` says, and every stage reads the same rows.
     """
 
+    # MoE layers: expert-data replicas, each a copy of the expert group.
     data: int = 1
+    # MoE layers: the expert group, the devices the experts are spread over.
     expert: int = 8
+    # Attention and dense layers: tensor (and sequence) parallelism over this many
+    # neighbouring devices, data parallelism over the rest of a stage's devices.
     tensor: int = 1
+    # MoE layers: the devices each expert's hidden dimension is split over.
     expert_tensor: int = 1
-    # Pipeline stages (1: no pipeline), and chunks of layers per stage (1: the plain 1F1B
-    # schedule, a stage's layers consecutive; more: the interleaved schedule).
+    # Pipeline stages (1: no pipeline).
     pipeline: int = 1
+    # Chunks of layers per stage (1: the plain 1F1B schedule, a stage's layers
+    # consecutive; more: the interleaved schedule).
     virtual_stages: int = 1
     # Layers per chunk, comma-separated in chunk order ("3,5"); none: equal chunks.
     chunk_layers: str | None = None

@@ -19,8 +19,8 @@ from jaxmoe.config.checks import ConfigError, check_types
 class ScheduleConfig:
     """The scheduling policy of the run, field for field (see the module docstring)."""
 
-    # none (the step as written, plain jit), async, dw, partition, lancet, expert_pipeline,
-    # comet or lancet+comet.
+    # The scheduling policy: none is the step as written (plain jit); the README's schedules
+    # table says what each of the others does.
     name: str = "none"
     # The device profile of the cost model (scheduling.names.PROFILES).
     profile: str = "a100"

@@ -40,22 +40,34 @@ class TrainConfig:
     # their gradients summed before one synchronisation and update (jaxmoe/train/
     # microbatches.py).
     microbatches: int = 1
+    # Steps of the run.
     steps: int = 300
+    # The peak learning rate, reached at the end of the warm-up.
     learning_rate: float = 3e-3
+    # Steps of linear warm-up, from learning_rate / warmup_steps to learning_rate.
     warmup_steps: int = 20
     # The cosine decays to learning_rate * min_lr_ratio at the last step.
     min_lr_ratio: float = 0.1
+    # AdamW's decoupled weight decay, on weight matrices (not on biases or norm scales).
     weight_decay: float = 0.1
+    # AdamW's decay rate of the first moment.
     adam_b1: float = 0.9
+    # AdamW's decay rate of the second moment.
     adam_b2: float = 0.95
+    # The synchronised gradients are scaled down to this global norm where it is larger;
+    # None: no clipping.
     grad_clip_norm: float | None = 1.0
+    # Seed of the initial parameters, of the batches (each drawn from the seed and the
+    # step) and of the router's noise.
     seed: int = 0
+    # The validation loss is computed every this many steps and at the last step.
     eval_every: int = 50
+    # Validation batches per evaluation.
     eval_batches: int = 4
     # Checkpoints (written under --out): every this many steps, and at the end of the run
-    # and on SIGTERM/SIGINT; 0 = only at the end and on a signal. The last
-    # keep_checkpoints are kept.
+    # and on SIGTERM/SIGINT; 0 = only at the end and on a signal.
     checkpoint_every: int = 100
+    # The last this many checkpoints are kept.
     keep_checkpoints: int = 3
     # A step whose loss or gradient norm is not finite: stop the run (its update is not
     # saved), or skip (drop that update, keep training, count it in the metrics).
@@ -76,6 +88,8 @@ class TrainConfig:
     # grad_sync_trial_margin of the best, on the run's own mesh, and pick by the measured
     # steps (jaxmoe/plan/grad_sync_trial.py); 0: the estimates alone decide.
     grad_sync_trial_steps: int = 0
+    # auto with a trial: how far above the best estimate, as a fraction of it, an
+    # algorithm's estimate may be and still be timed.
     grad_sync_trial_margin: float = 0.15
     # One device's dense peak TFLOP/s for the mfu metric; None: its datasheet's, if known.
     peak_tflops: float | None = None
