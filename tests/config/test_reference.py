@@ -11,7 +11,7 @@ import pytest
 from jaxmoe.config import reference
 from scheduling import names
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 
 
