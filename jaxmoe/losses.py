@@ -28,7 +28,7 @@ from jaxmoe.data.documents import document_masks, loss_mask
 from jaxmoe.layers import RoutingStats
 from jaxmoe.parallel.collectives import manual_axes
 from jaxmoe.parallel.tensor_parallel import sequence_slice
-from jaxmoe.pipeline.params import PIPELINE_AXIS
+from jaxmoe.config.layout import PIPELINE as PIPELINE_AXIS
 
 
 class Losses(NamedTuple):

@@ -1,5 +1,6 @@
-"""The layout's rules, checked: one public scheduling API, no import cycles, no JAX to
-read a configuration, JAX internals behind one adapter."""
+"""The layout's rules, checked: jaxmoe's packages import only those below them in the
+order ``docs/architecture.md`` states, one public scheduling API, no import cycles, no JAX
+to read a configuration, JAX internals behind one adapter."""
 
 import ast
 import subprocess
@@ -22,10 +23,47 @@ def _modules() -> dict[str, Path]:
     return modules
 
 
+# jaxmoe's layers, from the top: a module imports only from its own layer and those after
+# it (docs/architecture.md, "Layout"). The loop sits above the planner, whose estimates it
+# reports; the rest of train/ (the step and the state the planner traces) below it.
+JAXMOE_LAYERS = (
+    ("jaxmoe.cli",),
+    ("jaxmoe.generate", "jaxmoe.hf"),
+    ("jaxmoe.prepare",),
+    ("jaxmoe.train.loop",),
+    ("jaxmoe.plan",),
+    ("jaxmoe.train",),
+    ("jaxmoe.pipeline",),
+    ("jaxmoe.losses",),
+    ("jaxmoe.layers",),
+    ("jaxmoe.placement",),
+    ("jaxmoe.data",),
+    ("jaxmoe.parallel",),
+    ("jaxmoe.presets",),
+    ("jaxmoe", "jaxmoe.exit_codes"),
+    ("jaxmoe.config",),
+)
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    """The nodes under ``if TYPE_CHECKING:``: imports for annotations, never run."""
+    return {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
+        for inner in ast.walk(node)
+    }
+
+
 def _imports(path: Path) -> list[str]:
-    """Every module ``path`` imports (``from a.b import c`` gives ``a.b`` and ``a.b.c``)."""
+    """Every module ``path`` imports when it runs (``from a.b import c`` gives ``a.b`` and
+    ``a.b.c``); imports for annotations alone (``if TYPE_CHECKING:``) are left out."""
     names = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    skipped = _type_checking_nodes(tree)
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.Import):
             names += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
@@ -46,6 +84,44 @@ def test_outside_scheduling_only_its_public_api_is_imported():
                     unknown = [a.name for a in node.names if a.name not in scheduling.__all__]
                     offenders += [f"{path.relative_to(ROOT)}: scheduling.{n}" for n in unknown]
     assert offenders == []
+
+
+def _layer(module: str) -> int:
+    """The index in :data:`JAXMOE_LAYERS` of the most specific layer holding ``module``."""
+    best = None
+    for index, layer in enumerate(JAXMOE_LAYERS):
+        for prefix in layer:
+            if module == prefix or module.startswith(prefix + "."):
+                if best is None or len(prefix) > best[1]:
+                    best = (index, len(prefix))
+    assert best is not None, f"{module} is in no layer of JAXMOE_LAYERS"
+    return best[0]
+
+
+def test_jaxmoe_imports_only_its_own_layer_and_those_below():
+    offenders = []
+    for name, path in _modules().items():
+        if not name.startswith("jaxmoe"):
+            continue
+        for imported in _imports(path):
+            if imported.startswith("jaxmoe") and _layer(imported) < _layer(name):
+                offenders.append(f"{name} -> {imported}")
+    assert offenders == []
+
+
+def test_every_jaxmoe_package_has_a_layer():
+    packages = {
+        ".".join(path.relative_to(ROOT).parts[:-1])
+        for path in (ROOT / "jaxmoe").rglob("__init__.py")
+    }
+    for package in packages:
+        _layer(package)
+
+
+def test_the_architecture_document_states_the_layers():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    stated = " -> ".join(", ".join(f"`{name}`" for name in layer) for layer in JAXMOE_LAYERS)
+    assert stated in " ".join(text.split()), f"docs/architecture.md should state: {stated}"
 
 
 def test_scheduling_never_imports_jaxmoe_or_experiments():
