@@ -88,14 +88,14 @@ def test_outside_scheduling_only_its_public_api_is_imported():
 
 def _layer(module: str) -> int:
     """The index in :data:`JAXMOE_LAYERS` of the most specific layer holding ``module``."""
-    best = None
-    for index, layer in enumerate(JAXMOE_LAYERS):
-        for prefix in layer:
-            if module == prefix or module.startswith(prefix + "."):
-                if best is None or len(prefix) > best[1]:
-                    best = (index, len(prefix))
-    assert best is not None, f"{module} is in no layer of JAXMOE_LAYERS"
-    return best[0]
+    holding = [
+        (len(prefix), index)
+        for index, layer in enumerate(JAXMOE_LAYERS)
+        for prefix in layer
+        if module == prefix or module.startswith(prefix + ".")
+    ]
+    assert holding, f"{module} is in no layer of JAXMOE_LAYERS"
+    return max(holding)[1]
 
 
 def test_jaxmoe_imports_only_its_own_layer_and_those_below():
@@ -188,3 +188,21 @@ def test_reading_a_configuration_imports_no_jax():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
     )
     assert result.stdout.strip() == "False"
+
+
+def test_every_path_the_documents_name_exists():
+    """Every path into the packages the README and docs name is in the tree (a name may
+    be the prefix of files, ``cluster-*.json``; hidden caches are not committed)."""
+    import glob
+    import re
+
+    documents = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), ROOT / "experiments/README.md"]
+    missing = []
+    for document in documents:
+        for path in re.findall(
+            r"(?<![\w/])((?:jaxmoe|scheduling|experiments)/[\w/.]*\w)", document.read_text()
+        ):
+            hidden = Path(path).name.startswith(".")
+            if not hidden and not any(ROOT.glob(glob.escape(path) + "*")):
+                missing.append(f"{document.relative_to(ROOT)}: {path}")
+    assert missing == []
