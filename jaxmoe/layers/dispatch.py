@@ -50,6 +50,16 @@ class DispatchPlan(NamedTuple):
     kept: jax.Array  # [groups, group_size, top_k] bool
 
 
+class DispatchStats(NamedTuple):
+    """What a dispatch reports of this device's assignments (:mod:`jaxmoe.layers.moe`)."""
+
+    dropped: jax.Array  # assignments dropped (for lack of capacity, or of buffer rows)
+    # Over replica slots only: assignments kept per slot of the expert group, and
+    # [num_experts, max_copies] what each expert would keep with 1, 2, ... copies.
+    slot_load: jax.Array | None = None
+    kept_by_copies: jax.Array | None = None
+
+
 def _priority_rank(expert_index: jax.Array, num_experts: int) -> jax.Array:
     """``[G, S, k]``: how many assignments to the same expert come before each one, in
     priority order (choice-major, then token order)."""
