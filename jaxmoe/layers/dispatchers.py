@@ -24,7 +24,7 @@ routing), and in dropless mode with many experts; all_to_all for large expert gr
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import jax
 
@@ -38,36 +38,38 @@ from jaxmoe.layers.replicated import COPY_SPLITS, ReplicatedDispatch, Replicated
 from jaxmoe.layers.router import RouterOutput
 from jaxmoe.layers.routing_groups import RoutingGroups
 
+Plan = TypeVar("Plan")  # each strategy's plan: where its assignments go
+Sent = TypeVar("Sent")  # each strategy's tokens in flight: the experts' rows, the way back
 
-class Dispatcher(Protocol):
-    """The steps of a dispatch, in the order the layer takes them. What ``plan`` returns
-    ``send`` takes, and what ``send`` returns the rest take: each strategy's own types."""
+
+class Dispatcher(Protocol[Plan, Sent]):
+    """The steps of a dispatch, in the order the layer takes them."""
 
     def plan(
         self, route: RouterOutput, groups: RoutingGroups, replica_table: jax.Array | None
-    ) -> Any:
+    ) -> Plan:
         """Where each of this device's assignments goes, and which drop."""
         ...
 
-    def send(self, x: jax.Array, plan: Any) -> Any:
+    def send(self, x: jax.Array, plan: Plan) -> Sent:
         """This device's tokens ``[rows, positions, d]`` to the devices of their experts."""
         ...
 
-    def run_experts(self, experts: Experts, sent: Any) -> jax.Array:
+    def run_experts(self, experts: Experts, sent: Sent) -> jax.Array:
         """The local experts on the rows they received."""
         ...
 
-    def combine(self, outputs: jax.Array, sent: Any) -> jax.Array:
-        """The outputs back to their tokens' devices, each token's summed by weight (any
-        shape of ``rows x positions`` tokens)."""
+    def combine(self, outputs: jax.Array, sent: Sent) -> jax.Array:
+        """The outputs back to their tokens' devices, each token's summed by weight: its
+        ``rows x positions`` tokens, in any shape."""
         ...
 
-    def stats(self, groups: RoutingGroups, sent: Any) -> DispatchStats:
+    def stats(self, groups: RoutingGroups, sent: Sent) -> DispatchStats:
         """What was dropped and, over replica slots, the slots' loads."""
         ...
 
 
-def choose_dispatcher(config: MoEConfig, replicas: bool) -> Dispatcher:
+def choose_dispatcher(config: MoEConfig, replicas: bool) -> Dispatcher[Any, Any]:
     """The dispatcher of ``config``; ``replicas``: over the slots of a replica table."""
     if config.dropless and config.dropless_dispatch == "ragged":
         if replicas:

@@ -21,7 +21,7 @@ no collective.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import chex
 import jax
@@ -118,17 +118,18 @@ class MoELayer(nnx.Module):
 
     @property
     def config(self) -> MoEConfig:
+        """The layer's configuration. Setting it chooses the layer's dispatchers, once:
+        ``dispatcher`` over the experts and ``replica_dispatcher`` over the slots of a
+        replica table. A step has a table when ``moe.slots_per_device`` exceeds a device's
+        own experts, which the mesh decides: the caller passes one or not, and that picks
+        between the two."""
         return self._config
 
     @config.setter
     def config(self, config: MoEConfig) -> None:
-        """The configuration, and the dispatchers it chooses: ``dispatcher`` over the
-        experts, ``replica_dispatcher`` over the slots of a replica table. Whether a step
-        has one is the caller's (``moe.slots_per_device`` above a device's own experts,
-        which depend on the mesh): the table's presence picks between the two."""
         self._config = config
-        self.dispatcher: Dispatcher = choose_dispatcher(config, replicas=False)
-        self.replica_dispatcher: Dispatcher = choose_dispatcher(config, replicas=True)
+        self.dispatcher: Dispatcher[Any, Any] = choose_dispatcher(config, replicas=False)
+        self.replica_dispatcher: Dispatcher[Any, Any] = choose_dispatcher(config, replicas=True)
 
     def __call__(
         self,

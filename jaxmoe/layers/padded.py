@@ -59,9 +59,8 @@ def plan_slots(
     placing whole groups in ``num_slots`` slots of ``capacity`` places."""
     top_k = route.expert_index.shape[-1]
     capacity = capacity_per_expert(groups.size, top_k, capacity_factor, num_slots)
-    plan, local_capacity = groups.plan(
-        lambda choices: plan_groups(choices, capacity), num_slots, capacity
-    )
+    group_plan = plan_groups(groups.choices, capacity)
+    plan, local_capacity = groups.own_plan(group_plan, num_slots, capacity)
     weight = route.combine_weight.reshape(groups.count, groups.local, top_k)
     return SlotPlan(plan, weight, num_slots, local_capacity, capacity, replica_table)
 

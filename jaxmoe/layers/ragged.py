@@ -237,7 +237,7 @@ class _Exchange(NamedTuple):
     peer_rows: int
     expected_rows: int
 
-    def __call__(self, operand: jax.Array, rows: int) -> jax.Array:
+    def move(self, operand: jax.Array, rows: int) -> jax.Array:
         """``operand``'s slices exchanged into a buffer of ``rows`` rows (zeros elsewhere)."""
         return ragged_all_to_all(
             operand,
@@ -333,13 +333,13 @@ class RaggedDispatch:
             return jnp.take(a, me, axis=1).reshape(-1)
 
         exchange = (axes, peer_rows, assignments)
-        there = _Exchange(
+        to_experts = _Exchange(
             mine(starts), mine(sent), mine(offsets), theirs(sent), theirs(offsets), *exchange
         )
         back = _Exchange(
             theirs(offsets), theirs(sent), theirs(starts), mine(sent), mine(starts), *exchange
         )
-        received = there(rows, bound)
+        received = to_experts.move(rows, bound)
         group_sizes = jnp.sum(jnp.take(sent, me, axis=1), axis=0)  # [slots]
         return RaggedSent(received, group_sizes, mine(sent), order, plan, back)
 
@@ -352,7 +352,7 @@ class RaggedDispatch:
         """The outputs back to their sorted places, unsorted and summed by weight: ``[T, d]``
         (zeros where a row dropped)."""
         assignments = sent.order.shape[0]
-        returned = outputs if sent.back is None else sent.back(outputs, assignments)
+        returned = outputs if sent.back is None else sent.back.move(outputs, assignments)
         count, top_k = sent.plan.slot.shape
         position = jnp.zeros(assignments, jnp.int32).at[sent.order].set(jnp.arange(assignments))
         per_assignment = jnp.take(returned, position, axis=0).reshape(count, top_k, -1)

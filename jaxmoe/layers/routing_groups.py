@@ -13,7 +13,6 @@ divides a device's slice of a sequence needs no gather.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -42,16 +41,15 @@ class RoutingGroups(NamedTuple):
     def size(self) -> int:
         return self.choices.shape[1]
 
-    def plan(
-        self, plan_groups: Callable[[jax.Array], DispatchPlan], num_slots: int, capacity: int
+    def own_plan(
+        self, group_plan: DispatchPlan, num_slots: int, capacity: int
     ) -> tuple[DispatchPlan, int]:
-        """This device's assignments in a buffer of its own: ``(plan, places per slot)``.
+        """This device's part of the whole groups' plan (``capacity`` places per slot), in a
+        buffer of its own: ``(plan, places per slot)``.
 
-        ``plan_groups`` places the whole groups' choices in ``capacity`` places per slot.
         A group split over the tensor group is planned alike by every member, which keeps
         its own positions' assignments, packed in ``min(capacity, local)`` places per slot
         (a token sends at most one assignment to a slot)."""
-        group_plan = plan_groups(self.choices)
         if self.parts == 1:
             return group_plan, capacity
         local_capacity = min(capacity, self.local)
