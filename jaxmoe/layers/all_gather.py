@@ -28,9 +28,9 @@ from jaxmoe.parallel.mesh import role_axes, role_size
 
 class Gathered(NamedTuple):
     rows: jax.Array  # [local experts, members x groups x capacity, d]: the experts' input
-    plan: DispatchPlan  # every member's assignments, placed in this device's experts' slots
+    places: DispatchPlan  # every member's assignments, placed in this device's experts' slots
     weight: jax.Array  # [members x groups, positions, top_k]: their combine weights
-    slots: SlotPlan  # this device's own assignments
+    plan: SlotPlan  # this device's own assignments
 
 
 def moe_group_axes() -> tuple[str, ...]:
@@ -62,23 +62,23 @@ def _sum_to_owners(partial: jax.Array, axes: tuple[str, ...]) -> jax.Array:
 class AllGatherDispatch(PaddedDispatch):
     """The padded dispatch's slots, reached by gathering the MoE group's tokens."""
 
-    def send(self, x: jax.Array, slots: SlotPlan) -> Gathered:
+    def send(self, x: jax.Array, plan: SlotPlan) -> Gathered:
         axes = moe_group_axes()
-        capacity = slots.capacity
-        local_experts = slots.num_slots // role_size(EXPERT)
+        capacity = plan.capacity
+        local_experts = plan.num_slots // role_size(EXPERT)
         first_local = (
             jax.lax.axis_index(role_axes(EXPERT)) * local_experts if role_axes(EXPERT) else 0
         )
-        grouped = x.reshape(*slots.weight.shape[:2], x.shape[-1])
+        grouped = x.reshape(*plan.weight.shape[:2], x.shape[-1])
         tokens, slot, weight = (
-            _gather(value, axes) for value in (grouped, slots.plan.slot, slots.weight)
+            _gather(value, axes) for value in (grouped, plan.places.slot, plan.weight)
         )
         # Member slots of the local experts, renumbered from 0; the rest point past the end.
         local_slot = slot - first_local * capacity
         mine = (local_slot >= 0) & (local_slot < local_experts * capacity)
-        plan = DispatchPlan(slot=jnp.where(mine, local_slot, local_experts * capacity), kept=mine)
-        buffer = dispatch(tokens, plan, local_experts * capacity)  # [M * G, L * C, d]
-        return Gathered(to_expert_major(buffer, local_experts, capacity), plan, weight, slots)
+        places = DispatchPlan(slot=jnp.where(mine, local_slot, local_experts * capacity), kept=mine)
+        buffer = dispatch(tokens, places, local_experts * capacity)  # [M * G, L * C, d]
+        return Gathered(to_expert_major(buffer, local_experts, capacity), places, weight, plan)
 
     def run_experts(self, experts: Experts, sent: Gathered) -> jax.Array:
         bias = experts.output_bias()
@@ -87,6 +87,6 @@ class AllGatherDispatch(PaddedDispatch):
         return experts.partial_output(sent.rows) + bias
 
     def combine(self, outputs: jax.Array, sent: Gathered) -> jax.Array:
-        outputs = to_group_major(outputs, sent.weight.shape[0], sent.slots.capacity)
-        partial = combine(outputs, sent.plan, sent.weight)  # [M * G, S, d]
+        outputs = to_group_major(outputs, sent.weight.shape[0], sent.plan.capacity)
+        partial = combine(outputs, sent.places, sent.weight)  # [M * G, S, d]
         return _sum_to_owners(partial, moe_group_axes())

@@ -34,7 +34,7 @@ from jaxmoe.parallel.mesh import role_axes, role_size
 class SlotPlan(NamedTuple):
     """Where this device's assignments go: places in its buffer of slots, or dropped."""
 
-    plan: DispatchPlan  # [groups, local positions, top_k]
+    places: DispatchPlan  # [groups, local positions, top_k]: place in the buffer, or dropped
     weight: jax.Array  # [groups, local positions, top_k]: the combine weights
     num_slots: int  # expert slots of the expert group: the experts, or with replicas more
     capacity: int  # places per slot in this device's buffer
@@ -44,7 +44,7 @@ class SlotPlan(NamedTuple):
 
 class Sent(NamedTuple):
     rows: jax.Array  # [local slots, sources x groups x capacity, d]: the experts' input
-    slots: SlotPlan
+    plan: SlotPlan
 
 
 def plan_slots(
@@ -60,9 +60,9 @@ def plan_slots(
     top_k = route.expert_index.shape[-1]
     capacity = capacity_per_expert(groups.size, top_k, capacity_factor, num_slots)
     group_plan = plan_groups(groups.choices, capacity)
-    plan, local_capacity = groups.own_plan(group_plan, num_slots, capacity)
+    places, local_capacity = groups.own_plan(group_plan, num_slots, capacity)
     weight = route.combine_weight.reshape(groups.count, groups.local, top_k)
-    return SlotPlan(plan, weight, num_slots, local_capacity, capacity, replica_table)
+    return SlotPlan(places, weight, num_slots, local_capacity, capacity, replica_table)
 
 
 def to_expert_major(slots: jax.Array, num_slots: int, capacity: int) -> jax.Array:
@@ -105,28 +105,29 @@ class PaddedDispatch:
         self, route: RouterOutput, groups: RoutingGroups, replica_table: jax.Array | None
     ) -> SlotPlan:
         del replica_table  # one slot per expert
-        num_experts = self.num_experts
+        return plan_slots(
+            route,
+            groups,
+            self.capacity_factor,
+            self.num_experts,
+            lambda choices, capacity: plan_dispatch(choices, self.num_experts, capacity),
+        )
 
-        def plan_groups(choices: jax.Array, capacity: int) -> DispatchPlan:
-            return plan_dispatch(choices, num_experts, capacity)
-
-        return plan_slots(route, groups, self.capacity_factor, num_experts, plan_groups)
-
-    def send(self, x: jax.Array, slots: SlotPlan) -> Sent:
-        grouped = x.reshape(*slots.weight.shape[:2], x.shape[-1])
-        buffer = dispatch(grouped, slots.plan, slots.num_slots * slots.capacity)
-        expert_major = to_expert_major(buffer, slots.num_slots, slots.capacity)
-        return Sent(dispatch_to_experts(expert_major), slots)
+    def send(self, x: jax.Array, plan: SlotPlan) -> Sent:
+        grouped = x.reshape(*plan.weight.shape[:2], x.shape[-1])
+        buffer = dispatch(grouped, plan.places, plan.num_slots * plan.capacity)
+        expert_major = to_expert_major(buffer, plan.num_slots, plan.capacity)
+        return Sent(dispatch_to_experts(expert_major), plan)
 
     def run_experts(self, experts: Experts, sent: Sent) -> jax.Array:
-        return apply_experts(experts, sent.rows, sent.slots.replica_table)
+        return apply_experts(experts, sent.rows, sent.plan.replica_table)
 
     def combine(self, outputs: jax.Array, sent: Sent) -> jax.Array:
-        slots = sent.slots
+        plan = sent.plan
         returned = return_from_experts(outputs)
-        grouped = to_group_major(returned, slots.weight.shape[0], slots.capacity)
-        return combine(grouped, slots.plan, slots.weight)
+        grouped = to_group_major(returned, plan.weight.shape[0], plan.capacity)
+        return combine(grouped, plan.places, plan.weight)
 
     def stats(self, groups: RoutingGroups, sent: Sent) -> DispatchStats:
         del groups
-        return DispatchStats(dropped=jnp.sum(~sent.slots.plan.kept, dtype=jnp.int32))
+        return DispatchStats(dropped=jnp.sum(~sent.plan.places.kept, dtype=jnp.int32))

@@ -214,7 +214,8 @@ def ragged_all_to_all(
 
 
 class RaggedPlan(NamedTuple):
-    """The expert slot of each of this device's assignments (nothing drops here)."""
+    """The expert slot of each of this device's assignments: no capacity drops one (rows
+    past a receive buffer drop in the exchange)."""
 
     slot: jax.Array  # [T, k]: global slots of the expert group, device i holding [i S, (i+1) S)
     weight: jax.Array  # [T, k]: the combine weights

@@ -19,12 +19,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from jaxmoe.layers.dispatch import (
-    DispatchPlan,
-    DispatchStats,
-    plan_replicated_dispatch,
-    replica_slots,
-)
+from jaxmoe.layers.dispatch import DispatchStats, plan_replicated_dispatch, replica_slots
 from jaxmoe.layers.padded import PaddedDispatch, Sent, SlotPlan, plan_slots
 from jaxmoe.layers.ragged import RaggedDispatch, RaggedSent
 from jaxmoe.layers.router import RouterOutput
@@ -67,29 +62,26 @@ class ReplicatedDispatch(PaddedDispatch):
     def plan(
         self, route: RouterOutput, groups: RoutingGroups, replica_table: jax.Array | None
     ) -> SlotPlan:
-        num_experts = self.num_experts
-        slot_expert = slot_experts(replica_table, num_experts)
-
-        def plan_groups(choices: jax.Array, capacity: int) -> DispatchPlan:
-            return plan_replicated_dispatch(choices, slot_expert, num_experts, capacity)
-
-        num_slots = slot_expert.shape[0]
+        slot_expert = slot_experts(replica_table, self.num_experts)
         return plan_slots(
-            route, groups, self.capacity_factor, num_slots, plan_groups, replica_table
+            route,
+            groups,
+            self.capacity_factor,
+            slot_expert.shape[0],
+            lambda choices, capacity: plan_replicated_dispatch(
+                choices, slot_expert, self.num_experts, capacity
+            ),
+            replica_table,
         )
 
     def stats(self, groups: RoutingGroups, sent: Sent) -> DispatchStats:
-        slots = sent.slots
-        kept_slot = jnp.where(slots.plan.kept, slots.plan.slot // slots.capacity, slots.num_slots)
-        slot_load = jnp.sum(jax.nn.one_hot(kept_slot, slots.num_slots, dtype=jnp.int32), (0, 1, 2))
-        copies = slots.num_slots - self.num_experts + 1
-        return (
-            super()
-            .stats(groups, sent)
-            ._replace(
-                slot_load=slot_load,
-                kept_by_copies=kept_by_copies(groups, slots.group_capacity, copies),
-            )
+        plan = sent.plan
+        kept_slot = jnp.where(plan.places.kept, plan.places.slot // plan.capacity, plan.num_slots)
+        slot_load = jnp.sum(jax.nn.one_hot(kept_slot, plan.num_slots, dtype=jnp.int32), (0, 1, 2))
+        copies = plan.num_slots - self.num_experts + 1
+        dropped = super().stats(groups, sent).dropped
+        return DispatchStats(
+            dropped, slot_load, kept_by_copies(groups, plan.group_capacity, copies)
         )
 
 
@@ -108,12 +100,7 @@ class ReplicatedRaggedDispatch(RaggedDispatch):
         return slot, slot_counts, slot_expert.shape[0]
 
     def stats(self, groups: RoutingGroups, sent: RaggedSent) -> DispatchStats:
-        # Dropless: a group's every token fits in one copy of an expert.
         copies = sent.plan.num_slots - self.num_experts + 1
-        return (
-            super()
-            .stats(groups, sent)
-            ._replace(
-                slot_load=sent.kept, kept_by_copies=kept_by_copies(groups, groups.size, copies)
-            )
-        )
+        dropped = super().stats(groups, sent).dropped
+        # Dropless: a group's every token fits in one copy of an expert.
+        return DispatchStats(dropped, sent.kept, kept_by_copies(groups, groups.size, copies))
