@@ -30,9 +30,9 @@ to copy ``r mod n`` at position ``r // n``. So an expert keeps its first
 ``n * capacity`` assignments, its copies fill evenly, and with one copy each the
 rule is the one above.
 
-Under sequence parallelism (:mod:`jaxmoe.layers.moe`) every device of a tensor group
-plans its groups (whole sequences) alike from the group's gathered choices, and packs
-the assignments it keeps of its own tokens into a buffer of its own
+Under sequence parallelism (:mod:`jaxmoe.layers.routing_groups`) every device of a
+tensor group plans its groups (whole sequences) alike from the group's gathered choices,
+and packs the assignments it keeps of its own tokens into a buffer of its own
 (:func:`local_plan`): the same assignments are kept and dropped as on one device.
 """
 
@@ -51,7 +51,7 @@ class DispatchPlan(NamedTuple):
 
 
 class DispatchStats(NamedTuple):
-    """What a dispatch reports of this device's assignments (:mod:`jaxmoe.layers.moe`)."""
+    """What a dispatch reports of this device's assignments, for the layer's stats."""
 
     dropped: jax.Array  # assignments dropped (for lack of capacity, or of buffer rows)
     # Over replica slots only: assignments kept per slot of the expert group, and
