@@ -30,9 +30,9 @@ to copy ``r mod n`` at position ``r // n``. So an expert keeps its first
 ``n * capacity`` assignments, its copies fill evenly, and with one copy each the
 rule is the one above.
 
-Under sequence parallelism (:mod:`jaxmoe.layers.moe`) every device of a tensor group
-plans its groups (whole sequences) alike from the group's gathered choices, and packs
-the assignments it keeps of its own tokens into a buffer of its own
+Under sequence parallelism (:mod:`jaxmoe.layers.routing_groups`) every device of a
+tensor group plans its groups (whole sequences) alike from the group's gathered choices,
+and packs the assignments it keeps of its own tokens into a buffer of its own
 (:func:`local_plan`): the same assignments are kept and dropped as on one device.
 """
 
@@ -48,6 +48,16 @@ import jax.numpy as jnp
 class DispatchPlan(NamedTuple):
     slot: jax.Array  # [groups, group_size, top_k] int32 in [0, E * C]; E * C means dropped
     kept: jax.Array  # [groups, group_size, top_k] bool
+
+
+class DispatchStats(NamedTuple):
+    """What a dispatch reports of this device's assignments, for the layer's stats."""
+
+    dropped: jax.Array  # assignments dropped (for lack of capacity, or of buffer rows)
+    # Over replica slots only: assignments kept per slot of the expert group, and
+    # [num_experts, max_copies] what each expert would keep with 1, 2, ... copies.
+    slot_load: jax.Array | None = None
+    kept_by_copies: jax.Array | None = None
 
 
 def _priority_rank(expert_index: jax.Array, num_experts: int) -> jax.Array:

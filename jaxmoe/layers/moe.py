@@ -1,30 +1,16 @@
-"""The Mixture-of-Experts layer: route, dispatch, exchange, compute, return, combine.
+"""The Mixture-of-Experts layer: route, dispatch, compute, combine.
 
-Per device, a layer takes its local tokens ``[batch, seq, d]`` and:
-
-1. routes each token to its top-k experts (:mod:`jaxmoe.layers.router`) and plans
-   which assignments each routing group keeps (:mod:`jaxmoe.layers.dispatch`);
-2. scatters them into per-expert capacity slots, ``[E, groups * C, d]``;
-3. sends them to the devices holding their experts, which apply them, and
-   brings each token's combined output back (``moe.dispatcher``,
-   :mod:`jaxmoe.layers.dispatchers`: ``all_to_all`` over the expert group, or
-   ``all_gather`` over the MoE group; either with each expert's hidden
-   dimension split over the expert-tensor group). In dropless mode with
-   ``moe.dropless_dispatch ragged`` steps 2-3 move and compute only the routed rows
-   instead (:mod:`jaxmoe.layers.ragged`: sorted by expert, a ragged exchange, one
-   grouped GEMM).
-
-Routing groups (``moe.group_size``, capacity counted per group) are one whole sequence
-by default, whatever the layout. Under tensor (sequence) parallelism a device holds
-only ``seq_len / tensor`` positions of each row; a group of whole sequences is then
-planned from the group's choices, all-gathered over the tensor group (``[rows,
-seq_len / tensor, top_k]`` integers), identically on every member, and each device
-dispatches the assignments of its own positions (:func:`~jaxmoe.layers.dispatch.local_plan`).
-So ``parallel.tensor`` and ``parallel.expert_tensor`` never change which tokens are
-dropped. A ``group_size`` that divides a device's slice of a sequence needs no gather.
-The losses that are means over a group (the load-balancing loss, the sequence-wise
-one) are then partial sums over each device's positions, given the whole group's
-counts: summed over the tensor group they are the group's loss.
+Per device, a layer takes its local tokens ``[batch, seq, d]``, routes each to its top-k
+experts (:mod:`jaxmoe.layers.router`), groups the choices into routing groups
+(:mod:`jaxmoe.layers.routing_groups`: capacity is counted per group, and under sequence
+parallelism a group of whole sequences is planned from choices gathered over the tensor
+group), and hands them to its dispatcher (:mod:`jaxmoe.layers.dispatchers`), chosen once
+from its configuration: the dispatcher plans which assignments each group keeps, sends the
+tokens to the devices of their experts, runs the experts there, and brings each token's
+combined output back. The losses that are means over a group (the load-balancing loss, the
+sequence-wise one) are, for a group split over the tensor group, partial sums over each
+device's positions, given the whole group's counts: summed over the tensor group they are
+the group's loss.
 
 Inside the whole-step ``shard_map`` (the expert axis is manual) the layer
 calls the collectives directly. Called from global-view code under a mesh
@@ -35,7 +21,7 @@ no collective.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import chex
 import jax
@@ -43,28 +29,17 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jaxmoe.config import MoEConfig, capacity_per_expert
-from jaxmoe.config.layout import EXPERT_TENSOR, TENSOR
-from jaxmoe.layers.dispatch import (
-    local_plan,
-    plan_dispatch,
-    plan_replicated_dispatch,
-    replica_slots,
-)
-from jaxmoe.layers.dispatchers import all_gather_dispatch, all_to_all_dispatch
+from jaxmoe.config import MoEConfig
+from jaxmoe.config.layout import TENSOR
+from jaxmoe.layers.dispatch import DispatchStats
+from jaxmoe.layers.dispatchers import Dispatcher, choose_dispatcher
 from jaxmoe.layers.experts import Experts
-from jaxmoe.layers.ragged import ragged_dispatch
-from jaxmoe.layers.router import Router, balance_loss
+from jaxmoe.layers.router import Router, RouterOutput, balance_loss
+from jaxmoe.layers.routing_groups import RoutingGroups, routing_groups
 from jaxmoe.parallel.collectives import manual_axes
-from jaxmoe.parallel.mesh import role_axes, role_size
+from jaxmoe.parallel.mesh import role_axes
 from jaxmoe.parallel.sharding import param_specs
-from jaxmoe.parallel.tensor_parallel import (
-    sequence_shard_index,
-    sequence_slice,
-    tensor_group_size,
-)
-from jaxmoe.placement.copy_split import balanced_slots
-from jaxmoe.placement.replicas import slot_experts
+from jaxmoe.parallel.tensor_parallel import tensor_group_size
 
 
 class RoutingStats(NamedTuple):
@@ -141,6 +116,21 @@ class MoELayer(nnx.Module):
             rngs=rngs,
         )
 
+    @property
+    def config(self) -> MoEConfig:
+        """The layer's configuration. Setting it chooses the layer's dispatchers, once:
+        ``dispatcher`` over the experts and ``replica_dispatcher`` over the slots of a
+        replica table. A step has a table when ``moe.slots_per_device`` exceeds a device's
+        own experts, which the mesh decides: the caller passes one or not, and that picks
+        between the two."""
+        return self._config
+
+    @config.setter
+    def config(self, config: MoEConfig) -> None:
+        self._config = config
+        self.dispatcher: Dispatcher[Any, Any] = choose_dispatcher(config, replicas=False)
+        self.replica_dispatcher: Dispatcher[Any, Any] = choose_dispatcher(config, replicas=True)
+
     def __call__(
         self,
         x: jax.Array,
@@ -173,153 +163,17 @@ class MoELayer(nnx.Module):
         chex.assert_shape(
             x, (None, None, self.router.d_model), custom_message="MoE input [batch, seq, d_model]"
         )
-        batch, seq, width = x.shape
         config = self.config
-        num_experts, top_k = config.num_experts, config.top_k
         tensor = tensor_group_size() if sequence_parallel else 1
-        full_seq = seq * tensor
-        group_size = config.group_size or full_seq
-        gathered = _spans_the_tensor_group(batch, seq, tensor, group_size)
-        if replica_table is None:
-            slot_expert, num_slots = None, num_experts
-        else:
-            slot_expert = slot_experts(replica_table, num_experts)
-            num_slots = slot_expert.shape[0]
-        capacity = capacity_per_expert(group_size, top_k, config.capacity_factor, num_slots)
-
-        ragged = config.dropless and config.dropless_dispatch == "ragged"
-
-        def plan(expert_index):
-            if slot_expert is None:
-                return plan_dispatch(expert_index, num_experts, capacity)
-            return plan_replicated_dispatch(expert_index, slot_expert, num_experts, capacity)
-
+        dispatcher = self.dispatcher if replica_table is None else self.replica_dispatcher
         route = self.router(x, jitter_key)  # [batch, seq, ...]: this device's positions
-        local_index = route.expert_index
-        dispatch_plan = None
-        if gathered:
-            # Whole sequences: every member plans the group's assignments alike from
-            # the gathered choices and keeps those of its own positions.
-            full_index = jax.lax.all_gather(local_index, role_axes(TENSOR), axis=1, tiled=True)
-            num_groups = batch * full_seq // group_size
-            local_group = group_size // tensor
-            group_index = full_index.reshape(num_groups, group_size, top_k)
-            local_capacity = min(capacity, local_group)
-            if not ragged:  # dropless ragged: nothing drops, each device sends its own
-                group_plan = plan(group_index)
-
-                def own(a):  # [G, group_size, k] -> this device's positions, [G, local_group, k]
-                    a = sequence_slice(a.reshape(batch, full_seq, top_k))
-                    return a.reshape(num_groups, local_group, top_k)
-
-                slot_index = jnp.where(group_plan.kept, group_plan.slot // capacity, num_slots)
-                dispatch_plan = local_plan(
-                    own(slot_index), own(group_plan.kept), num_slots, local_capacity
-                )
-        else:
-            if (batch * seq) % group_size:
-                raise ValueError(
-                    f"moe.group_size={group_size} does not divide the {batch * seq} tokens "
-                    "on this device"
-                )
-            num_groups = batch * seq // group_size
-            local_group = group_size
-            group_index = local_index.reshape(num_groups, group_size, top_k)
-            if not ragged:
-                dispatch_plan = plan(group_index)
-            local_capacity = capacity
-
-        grouped = x.reshape(num_groups, local_group, width)
-        weight = route.combine_weight.reshape(num_groups, local_group, top_k)
-        if ragged:
-            if role_size(EXPERT_TENSOR) > 1:
-                raise ValueError(
-                    "moe.dropless_dispatch=ragged needs whole experts on each device: set "
-                    "parallel.expert_tensor 1, or moe.dropless_dispatch padded"
-                )
-            slot, slot_counts = local_index.reshape(-1, top_k), None
-            if slot_expert is not None and config.replica_split == "balanced":
-                slot, slot_counts = balanced_slots(slot, slot_expert, num_experts)
-            elif slot_expert is not None:
-                slot = replica_slots(slot[None], slot_expert, num_experts)[0]
-            y, kept_rows = ragged_dispatch(
-                self.experts,
-                x.reshape(-1, width),
-                slot,
-                route.combine_weight.reshape(-1, top_k),
-                num_slots,
-                buffer_factor=config.ragged_buffer_factor,
-                replica_table=replica_table,
-                slot_counts=slot_counts,
-            )
-        elif slot_expert is not None:
-            y = all_to_all_dispatch(
-                self.experts,
-                grouped,
-                dispatch_plan,
-                weight,
-                num_slots,
-                local_capacity,
-                replica_table,
-            )
-        else:
-            dispatcher = (
-                all_gather_dispatch if config.dispatcher == "all_gather" else all_to_all_dispatch
-            )
-            y = dispatcher(
-                self.experts, grouped, dispatch_plan, weight, num_experts, local_capacity
-            )
-        y = y.astype(x.dtype)
-
-        # Routed counts of each whole group: [G, E]; with the sums of this device's
-        # probabilities, a partial loss when the group spans the tensor group.
-        group_counts = _counts(group_index, num_experts, axes=(1, 2))
-        probability_sum = jnp.sum(
-            route.probabilities.reshape(num_groups, local_group, num_experts), axis=1
-        )
-        parts = tensor if gathered else 1
-        aux_loss = parts * jnp.mean(balance_loss(group_counts, probability_sum, group_size, top_k))
-        if config.seq_aux_loss_coef > 0:
-            if gathered:
-                row_counts = _counts(full_index, num_experts, axes=(1, 2))
-            else:
-                row_counts = _counts(local_index, num_experts, axes=(1, 2))
-                if tensor > 1:
-                    row_counts = jax.lax.psum(row_counts, role_axes(TENSOR))
-            row_probability = jnp.sum(route.probabilities, axis=1)
-            seq_aux_loss = tensor * jnp.mean(
-                balance_loss(row_counts, row_probability, full_seq, top_k)
-            )
-        else:
-            seq_aux_loss = jnp.zeros((), jnp.float32)
-
-        made = batch * seq * top_k  # this device's assignments
-        stats = RoutingStats(
-            aux_loss=aux_loss,
-            z_loss=route.z_loss,
-            seq_aux_loss=seq_aux_loss,
-            tokens_per_expert=_counts(local_index, num_experts, axes=(0, 1, 2)),
-            dropped=made - jnp.sum(kept_rows)
-            if ragged
-            else jnp.sum(~dispatch_plan.kept, dtype=jnp.int32),
-            assignments=jnp.asarray(made, jnp.int32),
-        )
-        if slot_expert is not None:
-            if ragged:
-                slot_load = kept_rows
-            else:
-                kept_slot = jnp.where(
-                    dispatch_plan.kept, dispatch_plan.slot // local_capacity, num_slots
-                )
-                slot_load = jnp.sum(
-                    jax.nn.one_hot(kept_slot, num_slots, dtype=jnp.int32), (0, 1, 2)
-                )
-            places = capacity * jnp.arange(1, num_slots - num_experts + 2, dtype=jnp.int32)
-            kept_by_copies = jnp.sum(jnp.minimum(group_counts[:, :, None], places), axis=0)
-            if gathered:  # every member holds the whole groups' counts: count them once
-                kept_by_copies = jnp.where(sequence_shard_index() == 0, kept_by_copies, 0)
-            stats = stats._replace(slot_load=slot_load, kept_by_copies=kept_by_copies)
-        return y.reshape(batch, seq, width), stats
+        groups = routing_groups(route.expert_index, config.num_experts, config.group_size, tensor)
+        plan = dispatcher.plan(route, groups, replica_table)
+        sent = dispatcher.send(x, plan)
+        outputs = dispatcher.run_experts(self.experts, sent)
+        y = dispatcher.combine(outputs, sent).astype(x.dtype)
+        stats = _routing_stats(route, groups, config, tensor, dispatcher.stats(groups, sent))
+        return y.reshape(x.shape), stats
 
     def _shard_mapped(
         self, x: jax.Array, jitter_key: jax.Array | None, mesh_axes: tuple[str, ...]
@@ -346,24 +200,44 @@ class MoELayer(nnx.Module):
         return mapped(params, jax.reshard(x, tokens), jitter_key)
 
 
+def _routing_stats(
+    route: RouterOutput,
+    groups: RoutingGroups,
+    config: MoEConfig,
+    tensor: int,
+    dispatched: DispatchStats,
+) -> RoutingStats:
+    """This device's stats: the balance losses of its groups and rows (partial where they
+    span the ``tensor`` group), its routed counts, and what the dispatch dropped."""
+    num_experts, top_k = config.num_experts, config.top_k
+    # With the sums of this device's probabilities, a partial loss when the group spans
+    # the tensor group.
+    probability_sum = jnp.sum(
+        route.probabilities.reshape(groups.count, groups.local, num_experts), axis=1
+    )
+    losses = balance_loss(groups.counts, probability_sum, groups.size, top_k)
+    aux_loss = groups.parts * jnp.mean(losses)
+    if config.seq_aux_loss_coef > 0:
+        row_counts = _counts(groups.choices.reshape(groups.rows, -1, top_k), num_experts, (1, 2))
+        if groups.parts == 1 and tensor > 1:
+            row_counts = jax.lax.psum(row_counts, role_axes(TENSOR))
+        row_probability = jnp.sum(route.probabilities, axis=1)
+        full_seq = route.expert_index.shape[1] * tensor
+        seq_aux_loss = tensor * jnp.mean(balance_loss(row_counts, row_probability, full_seq, top_k))
+    else:
+        seq_aux_loss = jnp.zeros((), jnp.float32)
+    return RoutingStats(
+        aux_loss=aux_loss,
+        z_loss=route.z_loss,
+        seq_aux_loss=seq_aux_loss,
+        tokens_per_expert=_counts(route.expert_index, num_experts, axes=(0, 1, 2)),
+        dropped=dispatched.dropped,
+        assignments=jnp.asarray(route.expert_index.size, jnp.int32),
+        slot_load=dispatched.slot_load,
+        kept_by_copies=dispatched.kept_by_copies,
+    )
+
+
 def _counts(expert_index: jax.Array, num_experts: int, axes: tuple[int, ...]) -> jax.Array:
     """Assignments to each expert, summed over ``axes`` of ``expert_index``: int32."""
     return jnp.sum(jax.nn.one_hot(expert_index, num_experts, dtype=jnp.int32), axis=axes)
-
-
-def _spans_the_tensor_group(batch: int, seq: int, tensor: int, group_size: int) -> bool:
-    """Whether routing groups of ``group_size`` are whole sequences split over the tensor
-    group (planned from gathered choices), rather than inside this device's tokens.
-
-    ``seq``: the positions of each of the ``batch`` rows this device holds, its slice of
-    ``seq * tensor``. Raises ValueError for a group size that is neither."""
-    if tensor == 1 or seq % group_size == 0:
-        return False
-    full_seq = seq * tensor
-    if group_size % full_seq == 0 and batch % (group_size // full_seq) == 0:
-        return True
-    raise ValueError(
-        f"moe.group_size={group_size}: under tensor parallelism a routing group is a divisor "
-        f"of the {seq} positions a device holds of each row, or whole sequences "
-        f"(a multiple of {full_seq}) whose count divides the {batch} rows of a device"
-    )

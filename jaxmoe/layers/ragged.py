@@ -7,10 +7,8 @@ ragged ``all_to_all``, each device, with ``T`` tokens, top-``k`` routing, ``G`` 
 its expert group and ``S`` expert slots per device (its experts, and its replica slots):
 
 1. gives every assignment its expert slot (its expert; with replicas one of its copies,
-   split to balance the devices' loads from the step's counts,
-   :mod:`~jaxmoe.placement.copy_split`, or round-robin,
-   :func:`~jaxmoe.layers.dispatch.replica_slots`) and sorts its ``T x k`` assignments by
-   slot: by destination device, and within it by local slot;
+   :mod:`jaxmoe.layers.replicated`) and sorts its ``T x k`` assignments by slot: by
+   destination device, and within it by local slot;
 2. exchanges the counts first: one ``all_gather`` of each device's rows per slot
    (``[G, G x S]`` integers; with the balanced split, of its rows per expert, from which
    every device derives the same) tells every device where every slice lands. A receiver's
@@ -56,14 +54,18 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import chex
 import jax
 import jax.numpy as jnp
 
-from jaxmoe.config.layout import EXPERT
+from jaxmoe.config.layout import EXPERT, EXPERT_TENSOR
+from jaxmoe.layers.dispatch import DispatchStats
 from jaxmoe.layers.experts import Experts
+from jaxmoe.layers.router import RouterOutput
+from jaxmoe.layers.routing_groups import RoutingGroups
 from jaxmoe.parallel.mesh import role_axes, role_size
 
 # Name scope of the ops that carry ragged rows: N is their row count under even routing.
@@ -211,45 +213,107 @@ def ragged_all_to_all(
     )
 
 
-def ragged_dispatch(
-    experts: Experts,
-    tokens: jax.Array,
-    slot: jax.Array,
-    weight: jax.Array,
-    num_slots: int,
-    *,
-    buffer_factor: float | None = None,
-    replica_table: jax.Array | None = None,
-    slot_counts: jax.Array | None = None,
-    native: bool | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """This device's tokens ``[T, d]`` through the experts of their assignments' slots
-    ``slot [T, k]`` (global slots of the expert group, ``num_slots`` of them, device ``i``
-    holding slots ``[i S, (i + 1) S)``), weighted by ``weight [T, k]``: ``(outputs [T, d],
-    rows kept per global slot [num_slots])``, as the module docstring describes.
+class RaggedPlan(NamedTuple):
+    """The expert slot of each of this device's assignments: no capacity drops one (rows
+    past a receive buffer drop in the exchange)."""
 
-    ``slot_counts [G, num_slots]``: the rows every source sends to every slot, when the
-    caller knows them (:func:`~jaxmoe.placement.copy_split.balanced_slots`); else they are
-    gathered here."""
-    chex.assert_rank([tokens, slot, weight], 2)
-    chex.assert_equal_shape((slot, weight))
-    count, top_k = slot.shape
-    assignments = count * top_k
-    width = tokens.shape[-1]
-    axes = role_axes(EXPERT)
-    group = role_size(EXPERT)
-    slots = num_slots // group
-    flat = slot.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    rows = jnp.take(tokens, order // top_k, axis=0)  # [A, d], by slot
-    counts = jnp.zeros(num_slots, jnp.int32).at[flat].add(1)
-    if group == 1:
-        with ragged_scope(assignments):
-            returned = experts.grouped(rows, counts, replica_table)
-        kept = counts
-    else:
-        bound = receive_bound(count, top_k, group, slots, buffer_factor)
+    slot: jax.Array  # [T, k]: global slots of the expert group, device i holding [i S, (i+1) S)
+    weight: jax.Array  # [T, k]: the combine weights
+    num_slots: int
+    replica_table: jax.Array | None = None
+    # [G, num_slots]: the rows every source sends to every slot, where the plan knows them
+    # (:func:`~jaxmoe.placement.copy_split.balanced_slots`); else the exchange gathers them.
+    slot_counts: jax.Array | None = None
+
+
+class _Exchange(NamedTuple):
+    """The arguments of one :func:`ragged_all_to_all` of the expert group."""
+
+    input_offsets: jax.Array
+    send_sizes: jax.Array
+    output_offsets: jax.Array
+    recv_sizes: jax.Array
+    received_output_offsets: jax.Array
+    axes: tuple[str, ...]
+    peer_rows: int
+    expected_rows: int
+
+    def move(self, operand: jax.Array, rows: int) -> jax.Array:
+        """``operand``'s slices exchanged into a buffer of ``rows`` rows (zeros elsewhere)."""
+        return ragged_all_to_all(
+            operand,
+            jnp.zeros((rows, operand.shape[-1]), operand.dtype),
+            self.input_offsets,
+            self.send_sizes,
+            self.output_offsets,
+            self.recv_sizes,
+            received_output_offsets=self.received_output_offsets,
+            axis_name=self.axes,
+            max_rows_per_peer=self.peer_rows,
+            expected_rows=self.expected_rows,
+        )
+
+
+class RaggedSent(NamedTuple):
+    rows: jax.Array  # [buffer rows, d]: the received rows, slot-major
+    group_sizes: jax.Array  # [local slots]: the rows of each slot, in order
+    kept: jax.Array  # [num_slots]: this device's rows kept per global slot
+    order: jax.Array  # [A]: the assignment at each sorted position
+    plan: RaggedPlan
+    back: _Exchange | None  # the exchange back; None where one device holds every slot
+
+
+@dataclass(frozen=True)
+class RaggedDispatch:
+    """``moe.dropless_dispatch ragged`` over the experts (the module docstring)."""
+
+    num_experts: int
+    buffer_factor: float | None  # moe.ragged_buffer_factor
+
+    def slots(
+        self, choices: jax.Array, replica_table: jax.Array | None
+    ) -> tuple[jax.Array, jax.Array | None, int]:
+        """Each assignment's slot ``[T, k]``, the rows every source sends to every slot
+        where known, and the slots: here an expert's one slot."""
+        del replica_table
+        return choices, None, self.num_experts
+
+    def plan(
+        self, route: RouterOutput, groups: RoutingGroups, replica_table: jax.Array | None
+    ) -> RaggedPlan:
+        del groups  # nothing drops: each device sends its own tokens' rows
+        if role_size(EXPERT_TENSOR) > 1:
+            raise ValueError(
+                "moe.dropless_dispatch=ragged needs whole experts on each device: set "
+                "parallel.expert_tensor 1, or moe.dropless_dispatch padded"
+            )
+        top_k = route.expert_index.shape[-1]
+        slot, slot_counts, num_slots = self.slots(
+            route.expert_index.reshape(-1, top_k), replica_table
+        )
+        weight = route.combine_weight.reshape(-1, top_k)
+        return RaggedPlan(slot, weight, num_slots, replica_table, slot_counts)
+
+    def send(self, x: jax.Array, plan: RaggedPlan) -> RaggedSent:
+        """Sort this device's rows by slot and exchange them: steps 1-3 of the module
+        docstring, up to the grouped GEMM."""
+        tokens = x.reshape(-1, x.shape[-1])
+        chex.assert_rank([tokens, plan.slot, plan.weight], 2)
+        chex.assert_equal_shape((plan.slot, plan.weight))
+        count, top_k = plan.slot.shape
+        assignments = count * top_k
+        axes = role_axes(EXPERT)
+        group = role_size(EXPERT)
+        slots = plan.num_slots // group
+        flat = plan.slot.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        rows = jnp.take(tokens, order // top_k, axis=0)  # [A, d], by slot
+        counts = jnp.zeros(plan.num_slots, jnp.int32).at[flat].add(1)
+        if group == 1:
+            return RaggedSent(rows, counts, counts, order, plan, None)
+        bound = receive_bound(count, top_k, group, slots, self.buffer_factor)
         peer_rows = min(count * min(top_k, slots), bound)
+        slot_counts = plan.slot_counts
         if slot_counts is None:
             slot_counts = jax.lax.all_gather(counts, axes)
         every = slot_counts  # [G, G S]: rows of each source per slot
@@ -269,35 +333,33 @@ def ragged_dispatch(
         def theirs(a: jax.Array) -> jax.Array:  # as the destination: [source * slot]
             return jnp.take(a, me, axis=1).reshape(-1)
 
-        exchange = dict(axis_name=axes, max_rows_per_peer=peer_rows, expected_rows=assignments)
-        received = ragged_all_to_all(
-            rows,
-            jnp.zeros((bound, width), rows.dtype),
-            mine(starts),
-            mine(sent),
-            mine(offsets),
-            theirs(sent),
-            received_output_offsets=theirs(offsets),
-            native=native,
-            **exchange,
+        exchange = (axes, peer_rows, assignments)
+        to_experts = _Exchange(
+            mine(starts), mine(sent), mine(offsets), theirs(sent), theirs(offsets), *exchange
         )
+        back = _Exchange(
+            theirs(offsets), theirs(sent), theirs(starts), mine(sent), mine(starts), *exchange
+        )
+        received = to_experts.move(rows, bound)
         group_sizes = jnp.sum(jnp.take(sent, me, axis=1), axis=0)  # [slots]
-        with ragged_scope(assignments):
-            outputs = experts.grouped(received, group_sizes, replica_table)
-        returned = ragged_all_to_all(
-            outputs,
-            jnp.zeros((assignments, width), outputs.dtype),
-            theirs(offsets),
-            theirs(sent),
-            theirs(starts),
-            mine(sent),
-            received_output_offsets=mine(starts),
-            native=native,
-            **exchange,
-        )
-        kept = mine(sent)
-    # Each assignment's output, from its place in the sorted order (zeros where dropped).
-    position = jnp.zeros(assignments, jnp.int32).at[order].set(jnp.arange(assignments))
-    per_assignment = jnp.take(returned, position, axis=0).reshape(count, top_k, width)
-    combined = jnp.einsum("tkd,tk->td", per_assignment, weight.astype(per_assignment.dtype))
-    return combined, kept
+        return RaggedSent(received, group_sizes, mine(sent), order, plan, back)
+
+    def run_experts(self, experts: Experts, sent: RaggedSent) -> jax.Array:
+        """The slots' rows through their experts, one grouped GEMM."""
+        with ragged_scope(sent.order.shape[0]):
+            return experts.grouped(sent.rows, sent.group_sizes, sent.plan.replica_table)
+
+    def combine(self, outputs: jax.Array, sent: RaggedSent) -> jax.Array:
+        """The outputs back to their sorted places, unsorted and summed by weight: ``[T, d]``
+        (zeros where a row dropped)."""
+        assignments = sent.order.shape[0]
+        returned = outputs if sent.back is None else sent.back.move(outputs, assignments)
+        count, top_k = sent.plan.slot.shape
+        position = jnp.zeros(assignments, jnp.int32).at[sent.order].set(jnp.arange(assignments))
+        per_assignment = jnp.take(returned, position, axis=0).reshape(count, top_k, -1)
+        weight = sent.plan.weight.astype(per_assignment.dtype)
+        return jnp.einsum("tkd,tk->td", per_assignment, weight)
+
+    def stats(self, groups: RoutingGroups, sent: RaggedSent) -> DispatchStats:
+        del groups
+        return DispatchStats(dropped=sent.order.shape[0] - jnp.sum(sent.kept))
