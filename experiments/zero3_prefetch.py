@@ -95,7 +95,7 @@ def report(rows: list[dict], command: str) -> str:
         "`async`), planned under each `schedule.prefetch_lead`; 0 starts every gather with "
         "the step. *In flight*: the most gathered weight bytes started and not yet used at "
         "once. *Forward peak*, *step peak*: live bytes by the scheduler's count "
-        "(`scheduling.passes.order.peak_live_bytes`), over the forward pass and over the "
+        "(`scheduling.order.list_scheduler.peak_live_bytes`), over the forward pass and over the "
         "whole step. Per device.",
         "",
         "| profile | lead | step (ms) | / lead 0 | parameter gathers | their time (ms) "

@@ -26,7 +26,7 @@ Host work of collectives. ``host`` (seconds per collective node) is what issuing
 completing a collective costs the compute stream beside its transfer: a start's before
 it hands the collective to the link, a done's after the transfer has finished, an unsplit
 collective's before it. A runtime whose collectives are host callbacks (the socket
-all-to-all) spends it copying pieces in and out; :mod:`scheduling.costs.traced_costs`
+all-to-all) spends it copying pieces in and out; :mod:`scheduling.reports.traced_costs`
 measures it. It counts in the step, not in its compute.
 """
 

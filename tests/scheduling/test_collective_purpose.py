@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 import scheduling
-from scheduling.planning.policy import SchedulePolicy
+from scheduling.policy import SchedulePolicy
 from scheduling.program.capture import Phase
 from scheduling.program.collective_purpose import AxisRoles, collective_purposes
 from tests.scheduling import folding_toys as toys

@@ -10,13 +10,13 @@ from jax.sharding import PartitionSpec as P
 
 import scheduling
 from scheduling.costs.cost_model import CostModel
-from scheduling.costs.profiles import PROFILES, DeviceProfile
+from scheduling.profiles import PROFILES, DeviceProfile
 from scheduling.passes.decompose_exchange import decompose_program, values_needed_whole
 from scheduling.passes.exchange_regions import find_exchanges, plan_all
-from scheduling.planning.exchange_plan import choose_exchanges
-from scheduling.planning.plan import plan
-from scheduling.planning.policy import SchedulePolicy
-from scheduling.planning.step_estimate import node_seconds
+from scheduling.search.exchange_choice import choose_exchanges
+from scheduling.search.schedule import plan
+from scheduling.policy import SchedulePolicy
+from scheduling.search.step_estimate import node_seconds
 from scheduling.program.capture import Op, Phase, Value
 from tests.scheduling import exchange_toys as toys
 from tests.scheduling.toys import mesh_2x4, mesh_x, reference

@@ -19,9 +19,9 @@ import pytest
 
 import scheduling
 from scheduling.passes.partition_forward import consumers_of, partition_program, plan_range
-from scheduling.planning.plan import batch_inputs, cost_model
-from scheduling.planning.policy import SchedulePolicy
-from scheduling.planning.step_estimate import node_seconds, schedule_program
+from scheduling.search.schedule import batch_inputs, cost_model
+from scheduling.policy import SchedulePolicy
+from scheduling.search.step_estimate import node_seconds, schedule_program
 from scheduling.program.batch_layout import analyze
 from scheduling.program.capture import Phase
 from scheduling.runtime.emit import emit

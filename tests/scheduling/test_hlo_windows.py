@@ -2,7 +2,7 @@
 
 import re
 
-from scheduling.reports.hlo_windows import async_pairs, broken_windows, kept_windows, windows
+from scheduling.runtime.hlo_windows import async_pairs, broken_windows, kept_windows, windows
 
 G0 = 'frontend_attributes={_scheduling_group_id="0"}'
 G1 = 'frontend_attributes={_scheduling_group_id="1"}'
@@ -93,7 +93,7 @@ def test_a_module_that_kept_no_window_says_the_order_is_the_compilers():
     assert kept.line().endswith("the compiled order is the compiler's own, not the plan")
 
 
-W0 = 'frontend_attributes={_planned_window="0"}'
+W0 = 'frontend_attributes={_scheduled_window="0"}'
 # A window marked by number: one product moved before the start, one kept inside, and a
 # bookkeeping copy of the window's (a bitcast) that computes nothing.
 MARKED = f"""HloModule step, is_scheduled=true

@@ -11,11 +11,11 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from scheduling.costs.cost_model import CostModel
-from scheduling.costs.profiles import DeviceProfile
+from scheduling.profiles import DeviceProfile
 from scheduling.costs.simulate import simulate
-from scheduling.planning.plan import batch_inputs, plan
-from scheduling.planning.policy import SchedulePolicy
-from scheduling.planning.step_estimate import exposed_all_to_all, node_seconds
+from scheduling.search.schedule import batch_inputs, plan
+from scheduling.policy import SchedulePolicy
+from scheduling.search.step_estimate import exposed_all_to_all, node_seconds
 from tests.scheduling import partition_toys as toys
 
 LOSSES = {

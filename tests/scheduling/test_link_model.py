@@ -6,7 +6,7 @@ import pytest
 
 from scheduling.costs.cost_model import CostModel
 from scheduling.costs.link_model import CollectiveCurves, PiecewiseLinear
-from scheduling.costs.profiles import PROFILES
+from scheduling.profiles import PROFILES
 from tests.scheduling.toys import toy_program
 
 

@@ -135,12 +135,12 @@ def test_compare_counts_every_second_once():
     comparison = compare(measured, HLO, simulated, 12e-6)
 
     psum, mul, reduce = ("psum@grad",), ("mul@jvp(l0)", "exp@jvp(l0)"), ("reduce_sum@jvp(l0)",)
-    measured_rows = {g.planned_ops: g.measured_seconds for g in comparison.groups}
-    estimated_rows = {g.planned_ops: g.estimated_seconds for g in comparison.groups}
+    measured_rows = {g.scheduled_ops: g.measured_seconds for g in comparison.groups}
+    estimated_rows = {g.scheduled_ops: g.estimated_seconds for g in comparison.groups}
     assert measured_rows == pytest.approx({psum: 9e-6, mul: 4e-6, reduce: 1e-6})
     assert estimated_rows == pytest.approx({psum: 3e-6, mul: 3e-6, reduce: 1e-6})
-    assert comparison.groups[0].planned_ops == ("psum@grad",)  # largest error first
-    assert comparison.unmatched_planned_ops == pytest.approx({"tanh@jvp(l1)": 5e-6})
+    assert comparison.groups[0].scheduled_ops == ("psum@grad",)  # largest error first
+    assert comparison.unmatched_scheduled_ops == pytest.approx({"tanh@jvp(l1)": 5e-6})
     assert comparison.unmatched_xla_ops == {"copy.7": 2e-6}
     assert comparison.traced_ops_not_in_module == ["copy.7"]
     assert "another configuration" in comparison.table()
@@ -169,7 +169,7 @@ def _profiled_toy_step(trace_dir):
     return compiled.as_text(), report
 
 
-def test_a_profiled_step_matches_its_planned_ops(tmp_path_factory):
+def test_a_profiled_step_matches_its_scheduled_ops(tmp_path_factory):
     trace_dir = str(tmp_path_factory.mktemp("trace"))
     hlo_text, report = _profiled_toy_step(trace_dir)
 
@@ -178,7 +178,7 @@ def test_a_profiled_step_matches_its_planned_ops(tmp_path_factory):
 
     assert measured.steps == 3 and measured.devices == 8
     assert comparison.traced_ops_not_in_module == []
-    matched = {op for group in comparison.groups for op in group.planned_ops}
+    matched = {op for group in comparison.groups for op in group.scheduled_ops}
     # Each layer's matmul and all-to-all, forward and backward, is found in the trace:
     # the emitted step keeps the original name stacks in XLA's metadata.
     for layer in ("layer_0", "layer_1"):
@@ -190,7 +190,7 @@ def test_a_profiled_step_matches_its_planned_ops(tmp_path_factory):
     total_measured += sum(comparison.unmatched_xla_ops.values())
     assert total_measured == pytest.approx(sum(measured.seconds.values()))
     total_estimated = sum(g.estimated_seconds for g in comparison.groups)
-    total_estimated += sum(comparison.unmatched_planned_ops.values())
+    total_estimated += sum(comparison.unmatched_scheduled_ops.values())
     estimated = measured_trace.estimated_seconds(report.trace)
     assert total_estimated == pytest.approx(sum(estimated.values()))
     table = comparison.table()

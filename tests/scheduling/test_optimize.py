@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 import scheduling
 import scheduling.names
 import scheduling.runtime.pinning
-from scheduling.planning.policy import SchedulePolicy
+from scheduling.policy import SchedulePolicy
 from scheduling.program import jax_adapter
 from scheduling.program.capture import capture
 from scheduling.program.graph import Kind, Role
@@ -125,7 +125,7 @@ def test_a_compiled_step_says_what_the_compiler_kept_of_its_windows(monkeypatch)
     step = _for_gpu(monkeypatch)
     windows = step.compile(*_args()).windows()
     text = step.lower(*_args()).as_text()
-    pinned = {int(g) for g in re.findall(r'_planned_window = "(\d+)"', text)}
+    pinned = {int(g) for g in re.findall(r'_scheduled_window = "(\d+)"', text)}
     assert windows.emitted == len(pinned) > 0
     # XLA:CPU runs every async pair synchronously: no window and no pair is left.
     assert (windows.kept, windows.collectives) == (0, 0)
@@ -177,11 +177,11 @@ def test_stablehlo_has_one_async_pair_per_collective(policy):
 
 def test_stablehlo_of_dw_for_gpu_pins_its_windows_between_barriers(monkeypatch):
     text = _for_gpu(monkeypatch).lower(*_args()).as_text()
-    windows = {int(g) for g in re.findall(r'_planned_window = "(\d+)"', text)}
+    windows = {int(g) for g in re.findall(r'_scheduled_window = "(\d+)"', text)}
     assert windows and text.count("stablehlo.optimization_barrier") == 2 * len(windows)
     assert "_scheduling_group_id" not in text
     # For these CPUs, nothing: XLA:CPU runs the collectives synchronously.
-    assert not any(word in _stablehlo("dw") for word in ("_planned_window", "barrier"))
+    assert not any(word in _stablehlo("dw") for word in ("_scheduled_window", "barrier"))
 
 
 @pytest.mark.parametrize("policy", POLICY_NAMES)

@@ -10,9 +10,9 @@ import pytest
 
 import scheduling
 from scheduling.passes.partition_forward import consumers_of, partition_program, plan_range
-from scheduling.planning.partition_search import op_groups, pipeline_seconds, search
-from scheduling.planning.plan import batch_inputs
-from scheduling.planning.policy import SchedulePolicy
+from scheduling.search.partition_search import op_groups, pipeline_seconds, search
+from scheduling.search.schedule import batch_inputs
+from scheduling.policy import SchedulePolicy
 from scheduling.program.batch_layout import analyze
 from scheduling.program.capture import Phase, aval_bytes
 from tests.scheduling import partition_toys as toys

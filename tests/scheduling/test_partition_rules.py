@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from scheduling.passes.chunk_ops import chunk_aval, chunk_copy
-from scheduling.passes.partition_rules import Split, chunking
+from scheduling.program.partition_rules import Split, chunking
 from scheduling.program import jax_adapter
 from scheduling.program.capture import Phase, Value, inline_jaxpr
 

@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from scheduling.passes.chunk_ops import chunk_copy
-from scheduling.passes.partition_rules import Split, chunking
+from scheduling.program.partition_rules import Split, chunking
 from scheduling.program import jax_adapter
 from scheduling.program.capture import capture
 from tests.scheduling.folding_toys import FOLDED

@@ -9,9 +9,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from scheduling.costs.cost_model import CostModel
-from scheduling.costs.profiles import PROFILES
+from scheduling.profiles import PROFILES
 from scheduling.passes import Placement, order, schedule_dw, split_async
-from scheduling.passes.order import peak_live_bytes
+from scheduling.order.list_scheduler import peak_live_bytes
 from scheduling.program.capture import capture
 from scheduling.program.graph import Graph, Role
 from tests.scheduling.toys import as_backward, fixed_seconds, mesh_x, sds, toy_program

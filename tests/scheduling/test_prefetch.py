@@ -96,7 +96,7 @@ def test_without_a_lead_every_gather_starts_with_the_step():
 
 
 def test_peak_live_bytes_over_a_prefix_of_the_order():
-    from scheduling.passes.order import peak_live_bytes
+    from scheduling.order.list_scheduler import peak_live_bytes
 
     graph = _graph()
     schedule = order(graph, Placement(), 0.1)

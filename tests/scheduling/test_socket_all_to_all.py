@@ -324,8 +324,8 @@ def test_a_worker_blocked_in_a_done_ends_on_sigterm_and_its_peer_raises_at_once(
 def _body_on_sockets(policy_name: str):
     """The per-device program that ``policy_name`` emits for a toy step with socket
     all-to-alls: an exchange, then a matmul that needs nothing from it."""
-    from scheduling.planning.plan import plan
-    from scheduling.planning.policy import SchedulePolicy
+    from scheduling.search.schedule import plan
+    from scheduling.policy import SchedulePolicy
     from scheduling.program.capture import capture
     from scheduling.runtime.emit import per_device_function
     from scheduling.runtime.transports import SocketAllToAlls, XlaAsync

@@ -6,10 +6,10 @@ import json
 import pytest
 
 from scheduling.costs.cost_model import CostModel
-from scheduling.costs.profiles import PROFILES
+from scheduling.profiles import PROFILES
 from scheduling.costs.simulate import simulate
 from scheduling.passes import Placement, order, schedule_dw, split_async
-from scheduling.planning.step_estimate import node_seconds
+from scheduling.search.step_estimate import node_seconds
 from scheduling.program.graph import Graph
 from scheduling.reports.chrome_trace import chrome_trace
 from tests.scheduling.toys import toy_program

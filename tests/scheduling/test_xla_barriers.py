@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import scheduling.runtime.pinning
-from scheduling.passes.order import Schedule
+from scheduling.order.list_scheduler import Schedule
 from scheduling.program.graph import Role
 from scheduling.runtime.emit import emit
 from scheduling.runtime.pinning import OVERLAP_LIMIT_OPTION, most_in_flight

@@ -16,7 +16,7 @@ from scheduling.runtime.xla_latencies import (
 )
 
 T = "f32[8,4]{1,0}"
-W = 'frontend_attributes={{_planned_window="{}"}}'
+W = 'frontend_attributes={{_scheduled_window="{}"}}'
 COMPILED = f"""HloModule step, is_scheduled=true
 
 ENTRY %main (p0: f32[8,4]) -> f32[8,4] {{
@@ -54,7 +54,7 @@ def test_each_windows_start_gets_its_latency_in_microseconds():
     )
     # A window without a planned time, and an unmarked collective, are left to XLA.
     assert "all-reduce-start" not in latency_profile(COMPILED, {0: 1e-4})
-    assert latency_profile(COMPILED.replace("_planned_window", "other"), {0: 1e-4}) == ""
+    assert latency_profile(COMPILED.replace("_scheduled_window", "other"), {0: 1e-4}) == ""
 
 
 class _Lowered:

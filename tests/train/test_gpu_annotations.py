@@ -1,6 +1,6 @@
 """What XLA:GPU needs to keep the plan, checked on the emitted train step (no GPU
 needed): pinned by barriers (the default), each critical window with computation in it
-is bounded by two optimization barriers and carries one ``_planned_window`` of its own
+is bounded by two optimization barriers and carries one ``_scheduled_window`` of its own
 (:mod:`scheduling.runtime.xla_barriers`), and the step is compiled with as many
 collectives in flight as its plan has; as scheduling groups, each window that holds
 a matrix product is one ``_scheduling_group_id`` — its async start, its done and the
@@ -20,7 +20,7 @@ from jaxmoe.train.scheduled import plan_train_step
 from scheduling.runtime.pinning import OVERLAP_LIMIT_OPTION
 
 GROUP = re.compile(r'_scheduling_group_id = "(\d+)"')
-WINDOW = re.compile(r'_planned_window = "(\d+)"')
+WINDOW = re.compile(r'_scheduled_window = "(\d+)"')
 OP = re.compile(r'= "?((?:stablehlo|chlo)\.\w+)')
 
 
@@ -98,5 +98,5 @@ def test_each_group_is_a_start_a_done_and_products_placed_between():
 
 def test_unpinned_the_windows_are_marked_and_not_held():
     text = planned("pair", "none").stablehlo()
-    assert "stablehlo.async_start" in text and "_planned_window" in text
+    assert "stablehlo.async_start" in text and "_scheduled_window" in text
     assert "optimization_barrier" not in text and "_scheduling_group_id" not in text

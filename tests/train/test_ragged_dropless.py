@@ -203,7 +203,7 @@ def test_the_cost_model_prices_the_native_exchange_by_the_rows_it_moves():
     returned rows back, however large the receive buffer."""
     from jaxmoe.layers.ragged import ragged_all_to_all
     from scheduling.costs.cost_model import CostModel, collective_wire_bytes
-    from scheduling.costs.profiles import PROFILES
+    from scheduling.profiles import PROFILES
 
     mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
     spec = jax.sharding.PartitionSpec("x")

@@ -127,7 +127,7 @@ def test_stablehlo_has_one_async_pair_per_collective():
     assert text.count("stablehlo.async_start") == collectives
     assert text.count("stablehlo.async_done") == collectives
     # For these CPUs nothing is pinned (for GPUs: tests/train/test_gpu_annotations.py).
-    assert "optimization_barrier" not in text and "_planned_window" not in text
+    assert "optimization_barrier" not in text and "_scheduled_window" not in text
 
 
 def test_default_preset_places_dw_work_in_every_backward_all_to_all_window():

@@ -1,6 +1,8 @@
-"""Order the graph: start collectives early, wait late, keep the dW placement.
+"""The list scheduler: the order of a graph's nodes, collectives started early and waited
+for late, the dW placement kept.
 
-A list scheduler over the dataflow graph. Each node gets a priority key and
+The core of the scheduling layer: every candidate the search scores, and the step
+emitted, runs in an order made here. Each node gets a priority key and
 the ready node with the smallest key runs next, so the result is always a
 topological order; the keys only choose among valid orders:
 
@@ -38,8 +40,10 @@ _STEP = 1e-3  # key offset between neighbours: far below the gap between program
 
 
 @dataclass
-class Schedule:
-    order: list[int]  # node ids in execution order
+class Order:
+    """The order of a graph's nodes, with the dW placement it keeps and its live bytes."""
+
+    nodes: list[int]  # node ids in execution order
     placement: Placement
     peak_live_bytes: int
     baseline_peak_live_bytes: int
@@ -179,7 +183,7 @@ def order(
     max_live_bytes_growth: float = 0.1,
     priorities: dict[int, float] | None = None,
     earliest: dict[int, int] | None = None,
-) -> Schedule:
+) -> Order:
     """A topological order honouring ``placement`` (a copy is kept) within the bound, the
     compute nodes of ``priorities`` at those keys instead of their program positions, and
     the starts of ``earliest`` no earlier than the node it gives each
@@ -189,7 +193,7 @@ def order(
     placed before it, it closes one), then, while the peak is over the bound, the largest
     outputs (the fewest that fit, by bisection).
     (Priorities are not withdrawn: running two microbatches at once holds both's
-    activations, which the schedule's peak reports. Where they alone exceed the bound,
+    activations, which the order's peak reports. Where they alone exceed the bound,
     their peak is the bound: placements are withdrawn only while they add to it.)
     """
     placement = copy.deepcopy(placement)
@@ -228,7 +232,7 @@ def order(
                 low = middle
         placement, result, peak = fits
         withdrawn += largest[:high]
-    return Schedule(result, placement, peak, baseline, withdrawn, peak > limit)
+    return Order(result, placement, peak, baseline, withdrawn, peak > limit)
 
 
 def _withdraw_cycles(graph: Graph, placement: Placement) -> list[int]:

@@ -12,7 +12,7 @@ step is shorter without it, and all are dropped if together they do not beat
 none.
 
 ``lancet+comet`` takes the best (shortest simulated step, then least exposed
-all-to-all) of: ``lancet``'s plan; ``comet``'s, without and with dW packing;
+all-to-all) of: ``lancet``'s choice; ``comet``'s, without and with dW packing;
 and the exchanges of ``lancet``'s partitioned program decomposed in the same
 way, with its dW packing. Being among the candidates, neither ``lancet`` nor
 ``comet`` can be estimated faster than it.
@@ -25,14 +25,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from scheduling.costs.simulate import simulate
-from scheduling.passes import Placement, order, split_async
+from scheduling.order.list_scheduler import order
+from scheduling.passes import Placement, split_async
 from scheduling.passes.decompose_exchange import materialize, values_needed_whole
-from scheduling.passes.exchange_regions import Exchange, RegionPlan, plan_all
-from scheduling.planning.joint_plan import lancet_plan
-from scheduling.planning.partition_search import PartitionChoice
-from scheduling.planning.step_estimate import StepEstimate, StepEstimates
+from scheduling.passes.exchange_regions import DecomposedRegion, Exchange, all_decompositions
 from scheduling.program.capture import Op, Program
 from scheduling.program.graph import Node
+from scheduling.search.joint_choice import best_lancet
+from scheduling.search.partition_search import PartitionChoice
+from scheduling.search.step_estimate import StepEstimate, StepEstimates
 
 # Chunk counts tried for ``chunks`` decompositions (``rounds`` has one per group size).
 EXCHANGE_CHUNKS = (2, 4, 8)
@@ -53,12 +54,13 @@ class ExchangeChoice:
     phases: list[str]
     undecomposed_seconds: float  # the layer's regions alone, as captured, summed
     estimates: dict[str, float] = field(default_factory=dict)  # candidate -> seconds
-    candidates: dict[str, list[RegionPlan]] = field(default_factory=dict, repr=False)
+    candidates: dict[str, list[DecomposedRegion]] = field(default_factory=dict, repr=False)
     chosen: str | None = None  # the candidate kept, if any
     why: str = ""
 
     @property
-    def plans(self) -> list[RegionPlan]:
+    def regions(self) -> list[DecomposedRegion]:
+        """The layer's regions as decomposed (none where the layer was left whole)."""
         return [] if self.chosen is None else self.candidates[self.chosen]
 
     @property
@@ -79,20 +81,20 @@ def region_seconds(ops: Sequence[Op], program: Program, seconds: Callable[[Node]
         outputs=[],
     )
     graph = split_async(alone)
-    schedule = order(graph, Placement(), float("inf"))
-    return simulate(graph, schedule.order, seconds).step_seconds
+    ordered = order(graph, Placement(), float("inf"))
+    return simulate(graph, ordered.nodes, seconds).step_seconds
 
 
 def regions_seconds(
-    program: Program, plans: Sequence[RegionPlan], seconds: Callable[[Node], float]
+    program: Program, regions: Sequence[DecomposedRegion], seconds: Callable[[Node], float]
 ) -> float:
     """The regions decomposed together (sharing pieces), each simulated alone, summed."""
     remap: dict = {}
     shared: dict = {}
-    needed = values_needed_whole(program, plans)
+    needed = values_needed_whole(program, regions)
     return sum(
-        region_seconds(materialize(program, plan, remap, shared, needed), program, seconds)
-        for plan in sorted(plans, key=lambda p: p.begin)
+        region_seconds(materialize(program, region, remap, shared, needed), program, seconds)
+        for region in sorted(regions, key=lambda r: r.begin)
     )
 
 
@@ -113,9 +115,9 @@ def choose_exchanges(
 ) -> list[ExchangeChoice]:
     """Every MoE layer's best decomposition where it is estimated to pay; with ``forced``
     (e.g. ``"rounds:8"``), that one on every exchange where it applies."""
-    plans = plan_all(program, tuple(chunk_counts))
+    decompositions = all_decompositions(program, tuple(chunk_counts))
     layers: dict[str, list[Exchange]] = {}
-    for exchange in plans:
+    for exchange in decompositions:
         layers.setdefault(exchange.layer(program), []).append(exchange)
     choices = []
     for layer, exchanges in layers.items():
@@ -126,15 +128,15 @@ def choose_exchanges(
         choice = ExchangeChoice(
             layer, exchanges, [e.phase(program).value for e in exchanges], undecomposed
         )
-        names = {str(p.decomposition) for e in exchanges for p in plans[e]}
+        names = {str(r.decomposition) for e in exchanges for r in decompositions[e]}
         for name in sorted(names):
             for suffix, subset in _subsets(exchanges, program).items():
-                # The first plan of that name per exchange (along the longest axis).
+                # The first region of that name per exchange (along the longest axis).
                 picked = [
-                    next((p for p in plans[e] if str(p.decomposition) == name), None)
+                    next((r for r in decompositions[e] if str(r.decomposition) == name), None)
                     for e in subset
                 ]
-                if any(p is None for p in picked) or (forced is not None and suffix):
+                if any(r is None for r in picked) or (forced is not None and suffix):
                     continue
                 rest = [e for e in exchanges if e not in subset]
                 rest_seconds = sum(
@@ -160,8 +162,8 @@ def choose_exchanges(
     return choices
 
 
-def _plans(choices: Sequence[ExchangeChoice]) -> list[RegionPlan]:
-    return [plan for choice in choices for plan in choice.plans]
+def _regions(choices: Sequence[ExchangeChoice]) -> list[DecomposedRegion]:
+    return [region for choice in choices for region in choice.regions]
 
 
 def decompose(
@@ -181,12 +183,12 @@ def decompose(
         choices = choose_exchanges(program, estimates.seconds, EXCHANGE_CHUNKS, forced)
     choices = [dataclasses.replace(choice) for choice in choices]
     if forced is not None:
-        return estimates(partitions, pack_dw, _plans(choices)), choices
+        return estimates(partitions, pack_dw, _regions(choices)), choices
     kept = [c for c in choices if c.chosen is not None]
-    best = estimates(partitions, pack_dw, _plans(kept))
+    best = estimates(partitions, pack_dw, _regions(kept))
     for choice in list(kept):
         trial = [c for c in kept if c is not choice]
-        estimate = estimates(partitions, pack_dw, _plans(trial))
+        estimate = estimates(partitions, pack_dw, _regions(trial))
         if estimate.rank < best.rank:
             kept, best = trial, estimate
             choice.why = f"{choice.chosen}: the whole step is estimated shorter without it"
@@ -201,19 +203,19 @@ def decompose(
     return best, choices
 
 
-def comet_plan(
+def best_comet(
     estimates: StepEstimates, forced: str | None = None
 ) -> tuple[StepEstimate, list[ExchangeChoice]]:
     """``async`` plus the exchanges decomposed (no partitioned ranges, no dW packing)."""
     return decompose(estimates, [], pack_dw=False, forced=forced)
 
 
-def lancet_comet_plan(
+def best_lancet_comet(
     estimates: StepEstimates, counts: Sequence[int], forced: str | None = None
 ) -> tuple[StepEstimate, list[ExchangeChoice]]:
     """The best of ``lancet``, ``comet`` (with and without dW) and the two composed; with
-    ``forced``, ``lancet``'s plan with every exchange left decomposed that way."""
-    lancet = lancet_plan(estimates, counts)
+    ``forced``, ``lancet``'s choice with every exchange left decomposed that way."""
+    lancet = best_lancet(estimates, counts)
     if forced is not None:
         return decompose(estimates, lancet.partitions, lancet.pack_dw, forced=forced)
     comet, layers = decompose(estimates, [], pack_dw=False)

@@ -1,10 +1,10 @@
-"""An all-to-all that overlaps computation on the CPU backend: host callbacks over TCP.
+"""The emulated cluster's transport: all-to-alls that overlap computation on the CPU
+backend, as host callbacks over TCP, plugged into the scheduling layer.
 
 XLA:CPU compiles every async collective start/done pair back to a synchronous
 collective, so on CPU hosts a scheduled step cannot hide its communication. This module
 gives the all-to-all a start and a done of its own, each a host callback
-(``scheduling.program.jax_adapter.host_callback``, an ``io_callback`` whose operands
-stay NumPy arrays):
+(``scheduling.host_callback``, an ``io_callback`` whose operands stay NumPy arrays):
 
 - the start hands the device's pieces to a background thread per peer process, which
   sends them over one TCP connection per pair of processes (pieces for devices of the
@@ -41,7 +41,8 @@ collectives are the better choice.
 The start's callback runs under the name scope ``socket_start`` and the done's under
 ``socket_done`` (:data:`START_SCOPE`, :data:`DONE_SCOPE`), inside the all-to-all's own name
 stack: a profiler trace of the step then tells each callback's time
-(``scheduling.costs.traced_costs`` reads it as the collective's host work).
+(``scheduling.traced_costs`` reads it as the collective's host work, given
+:data:`CALLBACK_SCOPES`).
 
 A done fails, in one line, rather than wait forever: when a process whose piece it
 lacks has closed its connection (it exited or was killed) or the connection broke, when
@@ -69,7 +70,15 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from scheduling.program.jax_adapter import host_callback, host_callback_available
+from scheduling import (
+    ExperimentalOptions,
+    Op,
+    Transport,
+    connect_transport,
+    host_callback,
+    host_callback_available,
+    is_ragged_exchange,
+)
 
 _HEADER = struct.Struct("!qiiq")  # key, source position, destination position, payload bytes
 _HELLO = struct.Struct("!i")  # the connecting process's index
@@ -78,6 +87,7 @@ DEFAULT_WAIT_S = 60.0  # how long a done allows the peers to reach their start
 _TRANSFER_MARGIN = 4.0  # the bound allows this many times the transfer at the link rate
 _CLOSE_WAIT_S = 10.0  # how long ``close`` lets the sender threads finish
 START_SCOPE, DONE_SCOPE = "socket_start", "socket_done"  # name scopes of the two callbacks
+CALLBACK_SCOPES = (START_SCOPE, DONE_SCOPE)
 
 
 class _Mailbox:
@@ -476,16 +486,16 @@ def _is_float(x: jax.Array) -> bool:
 class EmittedOrder:
     """Socket all-to-alls in an emitted program, its order pinned by data dependence.
 
-    The emitter (``scheduling.runtime.emit``) walks the planned order and calls ``start`` and
+    The emitter (``scheduling.emit``) walks the scheduled order and calls ``start`` and
     ``done`` for each all-to-all pair this supports, ``pin`` on the inputs of every other
     op and ``record`` after it. The matmuls (``dot_general``), the bulk of the work, are
-    the anchors that keep the planned order:
+    the anchors that keep the scheduled order:
 
     - a matmul after a start consumes that start's token (exactly, on its last floating
       operand), unless one of its inputs already comes after it; a start's operand is
       pinned the same way, so the latest token orders an op after every earlier start;
     - a done takes a running scalar of the first operand of every matmul recorded before
-      it, so it waits until all the matmuls planned before it can run.
+      it, so it waits until all the matmuls scheduled before it can run.
 
     Only matmuls, and those operands, are touched because each extra consumer can change
     how XLA fuses the producer, and with it the rounding: pinning every op, or reading
@@ -577,7 +587,7 @@ class EmittedOrder:
     def now(self, node: int, operand: jax.Array, params: dict, trim: bool = False) -> jax.Array:
         """The all-to-all run synchronously: its start, then its done at once. The done
         waits for every matmul recorded before it, and releases a token that every later
-        matmul consumes (unless it already uses the result), so no planned matmul runs
+        matmul consumes (unless it already uses the result), so no scheduled matmul runs
         while the pieces travel: the same transport as the scheduled pairs, no overlap."""
         self.start(node, operand, params, trim)
         result, released = self._finish(node, release_token=True)
@@ -607,3 +617,69 @@ class EmittedOrder:
             concat_axis=params["concat_axis"],
             **done_options,
         )
+
+
+class SocketAllToAlls:
+    """A :class:`scheduling.Transport`: all-to-alls over the sockets of ``connection``,
+    every other collective through ``others``. Every op's inputs are pinned after the
+    starts the schedule puts before it. An all-to-all the schedule left whole (``none``)
+    runs on the sockets too, its done right after its start, so that every schedule is
+    measured on one transport; the pieces of a ragged exchange (an ``all_to_all`` under a
+    ``ragged_rows`` scope) are sent trimmed to their routed rows."""
+
+    def __init__(self, connection: SocketTransport, others: Transport):
+        self._sockets = EmittedOrder(connection)
+        self._others = others
+
+    def _carries(self, op: Op, operand: Any) -> bool:
+        return self._sockets.supports(
+            op.primitive, op.eqn.params, operand, op.outputs[0].aval.shape
+        )
+
+    def start(self, node: int, op: Op, operand: Any) -> None:
+        if self._carries(op, operand):
+            self._sockets.start(node, operand, op.eqn.params, is_ragged_exchange(op))
+        else:
+            self._others.start(node, op, operand)
+
+    def done(self, start: int, op: Op) -> list[Any]:
+        if self._sockets.is_pending(start):
+            return [self._sockets.done(start)]
+        return self._others.done(start, op)
+
+    def run(self, node: int, op: Op, inputs: list[Any]) -> list[Any]:
+        if op.primitive == "all_to_all" and len(inputs) == 1 and self._carries(op, inputs[0]):
+            # An all-to-all the schedule left whole (schedule "none"): synchronous, on sockets.
+            return [self._sockets.now(node, inputs[0], op.eqn.params, is_ragged_exchange(op))]
+        results = self._others.run(node, op, self._sockets.pin(op.primitive, inputs))
+        self._sockets.record(results)
+        return results
+
+
+def socket_applies() -> bool:
+    """Whether socket all-to-alls help here: the CPU backend, more than one process."""
+    return jax.default_backend() == "cpu" and jax.process_count() > 1
+
+
+def socket_all_to_alls(link_mbit: float | None = None):
+    """The connector (``scheduling.ExperimentalOptions.transport``) of socket all-to-alls:
+    called with the mesh by every process of the run, it connects them all and returns
+    the factory of :class:`SocketAllToAlls`; where sockets do not apply (another backend
+    than CPU, one process) the factory of XLA's collectives. ``link_mbit``: the link's
+    rate between processes, which bounds how long a socket done waits (default: the
+    transport's)."""
+
+    def connect(mesh: Mesh):
+        xla = connect_transport("xla", mesh)  # the collectives the sockets do not carry
+        if not socket_applies():
+            return xla
+        connection = SocketTransport.connect(mesh, link_mbit=link_mbit)
+        return lambda: SocketAllToAlls(connection, xla())
+
+    return connect
+
+
+def over_sockets(link_mbit: float | None = None, **options: Any) -> ExperimentalOptions:
+    """Experimental options that run the step's all-to-alls over sockets (``options``: any
+    other experimental option)."""
+    return ExperimentalOptions(transport=socket_all_to_alls(link_mbit), **options)

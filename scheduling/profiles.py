@@ -1,10 +1,14 @@
-"""Device profiles: one device's throughputs and its links, by name.
+"""Device profiles: one device's throughputs and its links, by name or from a file.
 
 A profile is the hardware half of the cost model. :data:`PROFILES` holds
 first-order datasheet figures (good enough to rank placements, not
 measurements): three single-device profiles written here and the multi-node
-clusters of the files in ``scheduling/costs/profiles/``, each of which names its
-sources.
+clusters of the files in ``scheduling/profiles/``, each of which names its
+sources. A profile file of one's own (the same JSON) is named by its path
+(:func:`device_profile`).
+
+No JAX here: a policy, and a configuration holding one, names its profile before
+anything compiles.
 """
 
 from __future__ import annotations
@@ -14,13 +18,10 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-import jax.numpy as jnp
-import numpy as np
-
 from scheduling import names
 
-# Operand dtypes that run at a profile's half-precision peak.
-HALF_PRECISION = frozenset({np.dtype(jnp.bfloat16), np.dtype(jnp.float16)})
+# Operand dtypes that run at a profile's half-precision peak (NumPy dtype names).
+HALF_PRECISION = frozenset({"bfloat16", "float16"})
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,10 @@ class DeviceProfile:
     def peak_flops_per_s(self, dtype: Any) -> float:
         """The compute peak for operands of ``dtype`` (16-bit floats have their own; JAX's
         extended dtypes, such as PRNG keys, are not NumPy dtypes and count as full width)."""
+        import numpy as np  # only when costing, where JAX (and NumPy) are loaded
+
         try:
-            half = np.dtype(dtype) in HALF_PRECISION
+            half = np.dtype(dtype).name in HALF_PRECISION
         except TypeError:
             half = False
         if self.half_precision_flops_per_s and half:
@@ -122,6 +125,30 @@ PROFILES: dict[str, DeviceProfile] = {
     ),
     # One core of a CPU host running fake devices, joined by a 300 Mbit/s shaped link.
     "cpu": DeviceProfile("cpu", 20e9, 10e9, 5e-6, 300e6 / 8, 100e-6),
-    # Multi-node clusters, from the files in scheduling/costs/profiles/ (sources inside).
+    # Multi-node clusters, from the files in scheduling/profiles/ (sources inside).
     **{p.name: p for p in map(load_profile, sorted(PROFILE_FILES.glob("*.json")))},
 }
+
+
+def device_profile(profile: str | DeviceProfile) -> DeviceProfile:
+    """The profile named (:data:`PROFILES`), the one a profile file describes (a path
+    ending in ``.json``), or ``profile`` itself."""
+    if isinstance(profile, DeviceProfile):
+        return profile
+    if profile in PROFILES:
+        return PROFILES[profile]
+    return load_profile(profile)
+
+
+def profile_problem(profile: Any) -> str:
+    """What is wrong with ``profile`` as a policy's profile ("" if nothing)."""
+    if isinstance(profile, DeviceProfile) or (isinstance(profile, str) and profile in PROFILES):
+        return ""
+    choices = f"choose one of {', '.join(names.PROFILES)}, a profile file or a DeviceProfile"
+    if not isinstance(profile, str) or not profile.endswith(".json"):
+        return choices
+    try:
+        load_profile(profile)
+    except (OSError, ValueError, TypeError) as error:
+        return f"cannot read this profile file ({error}); {choices}"
+    return ""

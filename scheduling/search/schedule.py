@@ -1,9 +1,9 @@
-"""``plan``: what a policy makes of a captured program, scored by a cost model.
+"""``schedule``: what a policy makes of a captured program, scored by a cost model.
 
-The entry point of planning: from a :class:`~scheduling.program.capture.Program`,
-a :class:`~scheduling.planning.policy.SchedulePolicy` and a cost model, the graph
-(partitioned and decomposed where the policy chose to), the order of its nodes with
-the dW placement, and what was chosen for each range and exchange.
+The entry point of the search: from a :class:`~scheduling.program.capture.Program`,
+a :class:`~scheduling.policy.SchedulePolicy` and a cost model, the :class:`Schedule`:
+the graph (partitioned and decomposed where the policy chose to), the order of its
+nodes with the dW placement, and what was chosen for each range and exchange.
 """
 
 from __future__ import annotations
@@ -18,21 +18,23 @@ from scheduling import names
 from scheduling.costs.cost_model import CostModel
 from scheduling.costs.link_model import CollectiveCurves
 from scheduling.costs.profiling import OpProfiler, ProfiledCostModel, is_local
-from scheduling.passes import Placement, order
-from scheduling.passes.order import Schedule
-from scheduling.planning.exchange_plan import ExchangeChoice, comet_plan, lancet_comet_plan
-from scheduling.planning.joint_plan import lancet_plan, partition_plan
-from scheduling.planning.partition_search import CHUNK_COUNTS, PartitionChoice, expert_pipelines
-from scheduling.planning.policy import SchedulePolicy
-from scheduling.planning.step_estimate import StepEstimates
+from scheduling.order.list_scheduler import Order, order
+from scheduling.passes import Placement
+from scheduling.policy import ExperimentalOptions, SchedulePolicy
 from scheduling.program.batch_layout import analyze
 from scheduling.program.capture import Program, Value
 from scheduling.program.graph import Graph
+from scheduling.search.exchange_choice import ExchangeChoice, best_comet, best_lancet_comet
+from scheduling.search.joint_choice import best_lancet, best_partitioned
+from scheduling.search.partition_search import CHUNK_COUNTS, PartitionChoice, expert_pipelines
+from scheduling.search.step_estimate import StepEstimates
 
 
-class Plan(NamedTuple):
+class Schedule(NamedTuple):
+    """What a policy makes of a program: the graph and the order its nodes run in."""
+
     graph: Graph  # of the program as rewritten (partitioned ranges included)
-    schedule: Schedule
+    order: Order
     partitions: list[PartitionChoice]
     exchanges: Sequence[ExchangeChoice] = ()  # comet: every exchange, what was done with it
 
@@ -72,17 +74,21 @@ def batch_inputs(program: Program, batch_argnums: Sequence[int]) -> list[Value]:
     return values
 
 
-def plan(
+def schedule(
     program: Program,
     policy: SchedulePolicy,
     cost: CostModel | None = None,
     batch_inputs: Sequence[Value] = (),
-) -> Plan:
-    """What ``policy`` makes of ``program``: its graph, order and partitioned ranges."""
+    experimental: ExperimentalOptions | None = None,
+) -> Schedule:
+    """What ``policy`` makes of ``program``: its graph, order and partitioned ranges.
+    ``experimental``: the research options (:class:`~scheduling.policy.ExperimentalOptions`)."""
     cost = cost_model(policy, program.mesh) if cost is None else cost
+    experimental = experimental or ExperimentalOptions()
+    experimental.check(policy)
     if policy.name == "none":
         graph = Graph(program, split=lambda op: False)
-        return Plan(graph, order(graph, Placement(), policy.max_live_bytes_growth), [])
+        return Schedule(graph, order(graph, Placement(), policy.max_live_bytes_growth), [])
     layouts = None
     if policy.name in names.PARTITIONING:
         if not batch_inputs:
@@ -95,18 +101,19 @@ def plan(
     counts = CHUNK_COUNTS if policy.partition_chunks is None else (policy.partition_chunks,)
     pack_dw = policy.name in names.PACKING_DW
     exchanges: list[ExchangeChoice] = []
+    forced = experimental.exchange
     if policy.name == "comet":
-        best, exchanges = comet_plan(estimates, policy.exchange)
+        best, exchanges = best_comet(estimates, forced)
     elif policy.name == "lancet+comet":
-        best, exchanges = lancet_comet_plan(estimates, counts, policy.exchange)
+        best, exchanges = best_lancet_comet(estimates, counts, forced)
     elif policy.name == "expert_pipeline":
         assert layouts is not None and policy.partition_chunks is not None
         pipelines = expert_pipelines(program, layouts, policy.partition_chunks, cost.seconds)
         best = estimates(pipelines, pack_dw=False)
-    elif policy.name == "lancet" and not policy.partition_always:
-        best = lancet_plan(estimates, counts)
+    elif policy.name == "lancet" and not experimental.partition_always:
+        best = best_lancet(estimates, counts)
     elif policy.name in names.PARTITIONING:
-        best = partition_plan(estimates, counts, policy.partition_always, pack_dw)
+        best = best_partitioned(estimates, counts, experimental.partition_always, pack_dw)
     else:
         best = estimates([], pack_dw)
-    return Plan(best.graph, best.schedule, best.partitions, exchanges)
+    return Schedule(best.graph, best.order, best.partitions, exchanges)

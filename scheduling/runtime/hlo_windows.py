@@ -1,7 +1,7 @@
-"""Did the compiler keep the plan? The planned windows, read back from optimized HLO.
+"""Did the compiler keep the schedule? The scheduled windows, read back from optimized HLO.
 
 Each pinned window is traced with one frontend attribute naming it: its collective's
-start, the computation placed in it, and its done (``_planned_window``, beside the
+start, the computation placed in it, and its done (``_scheduled_window``, beside the
 barriers of :mod:`scheduling.runtime.xla_barriers`), or its start, done and products
 (``_scheduling_group_id``, :mod:`scheduling.runtime.xla_groups`). In a scheduled HLO
 module (XLA:GPU with the latency-hiding scheduler) the entry computation lists its
@@ -190,7 +190,7 @@ class KeptWindows:
     overlapped: int  # of those, the ones with computation between start and done
     pinned: str = ""  # how the windows were held in place ("pinned by barriers", ...)
     withheld: str | None = None  # why no group was emitted, where the compiler mishandles them
-    planned: int = 0  # instructions of the marked windows, besides starts and dones
+    scheduled: int = 0  # instructions of the marked windows, besides starts and dones
     placed: int = 0  # of those, the ones the compiled order runs inside their window
 
     def line(self) -> str:
@@ -198,13 +198,13 @@ class KeptWindows:
             f"{self.overlapped} of {self.collectives} async collectives have computation inside"
         )
         if self.withheld:
-            return f"planned windows not emitted as scheduling groups ({self.withheld}); {inside}"
+            return f"scheduled windows not emitted as scheduling groups ({self.withheld}); {inside}"
         text = (
-            f"XLA kept {self.kept} of {self.emitted} planned windows ({self.pinned}), "
-            f"{self.placed} of their {self.planned} instructions inside; {inside}"
+            f"XLA kept {self.kept} of {self.emitted} scheduled windows ({self.pinned}), "
+            f"{self.placed} of their {self.scheduled} instructions inside; {inside}"
         )
         if self.emitted and not self.kept:
-            text += ": the compiled order is the compiler's own, not the plan"
+            text += ": the compiled order is the compiler's own, not the schedule"
         return text
 
 
@@ -223,6 +223,6 @@ def kept_windows(
         overlapped=sum(pair.overlapped for pair in pairs),
         pinned=pinned,
         withheld=withheld,
-        planned=sum(len(window.inside) for window in found),
+        scheduled=sum(len(window.inside) for window in found),
         placed=sum(window.placed for window in found),
     )

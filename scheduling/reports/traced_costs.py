@@ -4,24 +4,25 @@ The op profiler (:mod:`scheduling.costs.profiling`) times each op alone; inside 
 compiled step the same ops cost what XLA made of them (fused, laid out, on warm caches).
 :func:`traced_costs` reads a ``jax.profiler`` trace of the compiled step
 (:func:`scheduling.reports.measured_trace.read_trace`, with the compiled module's text)
-and gives each node of a planned graph of the same step its measured seconds:
+and gives each node of a scheduled graph of the same step its measured seconds:
 
 - **Computation.** :func:`scheduling.reports.measured_trace.attribute` groups the traced
-  XLA ops with the planned keys (name stack, primitive) they hold; a row's seconds are
+  XLA ops with the scheduled keys (name stack, primitive) they hold; a row's seconds are
   shared among the graph's compute nodes of its keys in proportion to the cost model's
   estimates (evenly where those are all zero). Two more kinds of time are the compute
   stream's too, and are spread over every compute node in proportion to its traced
-  seconds: XLA ops that name no planned op (copies and layout changes XLA adds;
+  seconds: XLA ops that name no scheduled op (copies and layout changes XLA adds;
   ``unattributed_s``, with the time of any collective the graph has no node for), and
   the step's time between ops, the runtime's own work from one
   op to the next (``between_ops_s``: the traced step, first op to last, less its ops).
 - **Collectives: host work apart from the link.** A collective's traced time holds its
   waiting for the link and for its peers, which is what the simulator models, so it is not
   taken as the collective's cost. What the trace gives is the host work each collective
-  puts on the compute stream (:attr:`TracedCosts.host`): the socket all-to-all's start and
-  done callbacks (:mod:`scheduling.runtime.socket_all_to_all`, under the scopes
-  ``socket_start`` and ``socket_done`` of the all-to-all's own name stack), their seconds
-  per call given to the start and done nodes of that stack; and XLA's own collectives (which
+  puts on the compute stream (:attr:`TracedCosts.host`): a transport's start and done host
+  callbacks for an all-to-all (``callback_scopes``: the two name scopes they run under,
+  inside the all-to-all's own name stack, as the emulated cluster's socket transport
+  does), their seconds per call given to the start and done nodes of that stack; and
+  XLA's own collectives (which
   XLA may combine, so they are matched by kind, not by name), their seconds shared among
   the graph's other collectives in proportion to the bytes each puts on the wire. A
   callback or collective also waits for its peers: the host work alone is measured where
@@ -40,7 +41,6 @@ from dataclasses import dataclass
 from scheduling.costs.cost_model import collective_wire_bytes
 from scheduling.program.graph import Graph, Node, Role
 from scheduling.reports.measured_trace import Key, MeasuredOps, attribute, hlo_op_keys
-from scheduling.runtime.socket_all_to_all import DONE_SCOPE, START_SCOPE
 
 # XLA's own collectives, by instruction name (``all-reduce.1``, ``all-gather-start.3``).
 _XLA_COLLECTIVE = re.compile(
@@ -55,9 +55,9 @@ class TracedCosts:
     compute: dict[int, float]  # compute node -> seconds on the compute stream
     host: dict[int, float]  # collective node (start, done or unsplit) -> host seconds
     traced_step_s: float  # the traced step, first op to last
-    unattributed_s: float  # seconds of XLA ops naming no planned op, spread over compute
+    unattributed_s: float  # seconds of XLA ops naming no scheduled op, spread over compute
     between_ops_s: float  # seconds of the traced step outside any op, spread over compute
-    socket_s: float  # the socket callbacks' seconds (host work and waiting)
+    callbacks_s: float  # the transport callbacks' seconds (host work and waiting)
     xla_collectives_s: float  # XLA's collectives' seconds
 
     def seconds(self, link: Callable[[Node], float]) -> Callable[[Node], float]:
@@ -81,28 +81,32 @@ def traced_costs(
     hlo_text: str,
     estimate: Callable[[Node], float],
     axis_sizes: dict[str, int],
+    callback_scopes: tuple[str, str] | None = None,
 ) -> TracedCosts:
     """Each node of ``graph`` its seconds in the traced step (``measured``, of the
     compiled module ``hlo_text``). ``estimate``: the cost model's seconds per node, which
-    share a row's time among its nodes; ``axis_sizes``: the mesh's, for wire bytes."""
-    socket = {START_SCOPE: defaultdict(float), DONE_SCOPE: defaultdict(float)}
+    share a row's time among its nodes; ``axis_sizes``: the mesh's, for wire bytes;
+    ``callback_scopes``: the name scopes of a transport's start and done callbacks for an
+    all-to-all (None: the step has none)."""
+    scopes = callback_scopes or ()
+    callbacks: dict[str, defaultdict[str, float]] = {scope: defaultdict(float) for scope in scopes}
     xla_collectives = 0.0
     rest: dict[str, float] = {}
     keys = hlo_op_keys(hlo_text)
     for xla_op, seconds in measured.seconds.items():
-        scope = _socket_scope(keys[xla_op].own) if xla_op in keys else None
+        scope = _callback_scope(keys[xla_op].own, scopes) if xla_op in keys else None
         if scope is not None:
-            socket[scope[0]][scope[1]] += seconds
+            callbacks[scope[0]][scope[1]] += seconds
         elif _XLA_COLLECTIVE.match(xla_op):
             xla_collectives += seconds
         else:
             rest[xla_op] = seconds
 
-    host, socket_nodes, unplaced = _socket_host_work(graph, socket)
+    host, served, unplaced = _callback_host_work(graph, callbacks, scopes)
     others = [
         node
         for node in graph.nodes
-        if node.is_collective and node.role is not Role.DONE and node.id not in socket_nodes
+        if node.is_collective and node.role is not Role.DONE and node.id not in served
     ]
     wire = {node.id: collective_wire_bytes(node.op, axis_sizes) for node in others}
     total_wire = sum(wire.values())
@@ -135,23 +139,23 @@ def traced_costs(
         traced_step_s=measured.step_seconds,
         unattributed_s=unattributed,
         between_ops_s=between,
-        socket_s=sum(sum(stacks.values()) for stacks in socket.values()),
+        callbacks_s=sum(sum(stacks.values()) for stacks in callbacks.values()),
         xla_collectives_s=xla_collectives,
     )
 
 
-def _socket_host_work(
-    graph: Graph, socket: dict[str, dict[str, float]]
+def _callback_host_work(
+    graph: Graph, callbacks: dict[str, defaultdict[str, float]], scopes: tuple[str, ...]
 ) -> tuple[defaultdict[int, float], set[int], float]:
-    """The socket callbacks' seconds (per scope and name stack) on the all-to-all nodes of
+    """The callbacks' seconds (per scope and name stack) on the all-to-all nodes of
     that stack: a split one's start or done, an unsplit one (started and waited for at
     once) both. Returns the host seconds per node, the nodes (and their partners) so
     served, and the seconds of stacks with no all-to-all node in ``graph``."""
     host: defaultdict[int, float] = defaultdict(float)
     served: set[int] = set()
     unplaced = 0.0
-    for scope, role in ((START_SCOPE, Role.START), (DONE_SCOPE, Role.DONE)):
-        for stack, seconds in socket[scope].items():
+    for scope, role in zip(scopes, (Role.START, Role.DONE), strict=True):
+        for stack, seconds in callbacks[scope].items():
             nodes = [
                 node
                 for node in graph.nodes
@@ -168,11 +172,11 @@ def _socket_host_work(
     return host, served, unplaced
 
 
-def _socket_scope(own: tuple[Key, ...]) -> tuple[str, str] | None:
-    """``(scope, the all-to-all's name stack)`` of a socket callback, else None."""
+def _callback_scope(own: tuple[Key, ...], scopes: tuple[str, ...]) -> tuple[str, str] | None:
+    """``(scope, the all-to-all's name stack)`` of a transport callback, else None."""
     for stack, _ in own:
         head, _, scope = stack.rpartition("/")
-        if scope in (START_SCOPE, DONE_SCOPE):
+        if scope in scopes:
             return scope, head
     return None
 

@@ -1,10 +1,10 @@
-"""The whole step, scheduled and simulated: how every planning decision is scored.
+"""The whole step, scheduled and simulated: how every choice of the search is scored.
 
 A choice of partitioned ranges is judged by what it does to the whole step,
 not to the range alone: the program is partitioned, split into start/done
 pairs, dW work is packed into the backward all-to-all windows (where asked),
 ordered and simulated. :class:`StepEstimates` memoises op costs and estimates
-across the many candidates one plan weighs.
+across the many candidates one search weighs.
 """
 
 from __future__ import annotations
@@ -14,18 +14,18 @@ from dataclasses import dataclass, field
 
 from scheduling.costs.cost_model import CostModel
 from scheduling.costs.simulate import Timeline, simulate
-from scheduling.passes import Placement, order, schedule_dw, split_async
+from scheduling.order.list_scheduler import Order, order
+from scheduling.passes import Placement, schedule_dw, split_async
 from scheduling.passes.decompose_exchange import decompose_program
-from scheduling.passes.exchange_regions import RegionPlan
-from scheduling.passes.order import Schedule
+from scheduling.passes.exchange_regions import DecomposedRegion
 from scheduling.passes.pair_microbatches import pair_priorities, unpaired_windows
 from scheduling.passes.partition_forward import partition_program
 from scheduling.passes.prefetch import prefetch_bounds
-from scheduling.planning.partition_search import PartitionChoice
-from scheduling.planning.policy import SchedulePolicy
+from scheduling.policy import SchedulePolicy
 from scheduling.program.batch_layout import BatchLayouts
 from scheduling.program.capture import Op, Program
 from scheduling.program.graph import Graph, Node, Role
+from scheduling.search.partition_search import PartitionChoice
 
 
 def node_seconds(
@@ -45,11 +45,11 @@ def node_seconds(
     return seconds
 
 
-def estimate(graph: Graph, schedule: Schedule | Sequence[int], cost: CostModel) -> Timeline:
-    """The simulated timeline of ``graph`` run in ``schedule``'s order (a
-    :class:`~scheduling.passes.order.Schedule` or a list of node ids) under ``cost``."""
-    order_ = schedule.order if isinstance(schedule, Schedule) else list(schedule)
-    return simulate(graph, order_, node_seconds(cost))
+def estimate(graph: Graph, order: Order | Sequence[int], cost: CostModel) -> Timeline:
+    """The simulated timeline of ``graph`` run in ``order`` (an
+    :class:`~scheduling.order.list_scheduler.Order` or a list of node ids) under ``cost``."""
+    nodes = order.nodes if isinstance(order, Order) else list(order)
+    return simulate(graph, nodes, node_seconds(cost))
 
 
 def exposed_all_to_all(graph: Graph, timeline: Timeline) -> float:
@@ -63,15 +63,15 @@ def exposed_all_to_all(graph: Graph, timeline: Timeline) -> float:
 
 @dataclass
 class StepEstimate:
-    """One candidate plan, scheduled and simulated."""
+    """One candidate of the search, scheduled and simulated."""
 
     partitions: list[PartitionChoice]
     pack_dw: bool
     graph: Graph
-    schedule: Schedule
+    order: Order
     timeline: Timeline
     # Exchange regions decomposed (positions in the program after partitioning).
-    decompositions: list[RegionPlan] = field(default_factory=list)
+    decompositions: list[DecomposedRegion] = field(default_factory=list)
 
     @property
     def step_seconds(self) -> float:
@@ -89,7 +89,7 @@ class StepEstimate:
 
 def schedule_program(
     program: Program, policy: SchedulePolicy, seconds: Callable[[Node], float], pack_dw: bool
-) -> tuple[Graph, Schedule, Timeline]:
+) -> tuple[Graph, Order, Timeline]:
     """Split, pair microbatches (where the policy does), place dW work (if ``pack_dw``:
     with pairing, into the windows no other microbatch fills), bound the gathers of
     sharded weights to a prefetch, order; and the simulated timeline."""
@@ -98,8 +98,8 @@ def schedule_program(
     windows = unpaired_windows(graph) if priorities else None
     placement = schedule_dw(graph, seconds, windows) if pack_dw else Placement()
     earliest = prefetch_bounds(graph, seconds, policy.prefetch_lead)
-    schedule = order(graph, placement, policy.max_live_bytes_growth, priorities, earliest)
-    return graph, schedule, simulate(graph, schedule.order, seconds)
+    ordered = order(graph, placement, policy.max_live_bytes_growth, priorities, earliest)
+    return graph, ordered, simulate(graph, ordered.nodes, seconds)
 
 
 class StepEstimates:
@@ -122,13 +122,13 @@ class StepEstimates:
 
     def partitioned(self, partitions: Sequence[PartitionChoice]) -> Program:
         """The program with ``partitions`` applied (memoised)."""
-        key = tuple((c.plan.begin, c.plan.end, c.plan.n) for c in partitions)
+        key = tuple((c.cut.begin, c.cut.end, c.cut.n) for c in partitions)
         if key not in self._programs:
             program = self.program
             if partitions:
                 assert self.layouts is not None, "partitioning needs the batch layouts"
-                plans = [choice.plan for choice in partitions]
-                program = partition_program(self.program, self.layouts, plans)
+                cuts = [choice.cut for choice in partitions]
+                program = partition_program(self.program, self.layouts, cuts)
             self._programs[key] = program
         return self._programs[key]
 
@@ -136,10 +136,10 @@ class StepEstimates:
         self,
         partitions: Sequence[PartitionChoice],
         pack_dw: bool,
-        decompositions: Sequence[RegionPlan] = (),
+        decompositions: Sequence[DecomposedRegion] = (),
     ) -> StepEstimate:
         key = (
-            tuple((c.plan.begin, c.plan.end, c.plan.n) for c in partitions),
+            tuple((c.cut.begin, c.cut.end, c.cut.n) for c in partitions),
             pack_dw,
             tuple(
                 (d.begin, str(d.decomposition), d.decomposition.piece_axis) for d in decompositions
@@ -149,11 +149,9 @@ class StepEstimates:
             program = self.partitioned(partitions)
             if decompositions:
                 program = decompose_program(program, list(decompositions))
-            graph, schedule, timeline = schedule_program(
-                program, self.policy, self.seconds, pack_dw
-            )
+            graph, ordered, timeline = schedule_program(program, self.policy, self.seconds, pack_dw)
             self._memo[key] = StepEstimate(
-                list(partitions), pack_dw, graph, schedule, timeline, list(decompositions)
+                list(partitions), pack_dw, graph, ordered, timeline, list(decompositions)
             )
         return self._memo[key]
 

@@ -1,28 +1,32 @@
-"""How to schedule: which passes run, on which cost profile, within what memory.
+"""How to schedule: the user's :class:`SchedulePolicy` (which passes run, on which cost
+profile, within what memory), and the research options kept apart from it
+(:class:`ExperimentalOptions`).
 
-No JAX here (the profile is looked up by name when it is used), so a caller can
-check a policy, or its own copy of these fields, before anything compiles:
-:func:`check_policy_fields` raises :class:`PolicyError` naming the field.
+No JAX here (a profile is looked up, or read from its file, without it), so a caller
+can check a policy before anything compiles: constructing one raises
+:class:`PolicyError` naming the field and the fix, and :func:`check_policy_fields`
+checks a mapping of such fields the same way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from scheduling import names
+from scheduling.profiles import DeviceProfile, device_profile, profile_problem
 
 if TYPE_CHECKING:
-    from scheduling.costs.profiles import DeviceProfile
+    from jax.sharding import Mesh
 
 
 class PolicyError(ValueError):
     """A policy field with a value that cannot be used; ``fix`` says what to do."""
 
-    def __init__(self, field: str, value: Any, fix: str):
+    def __init__(self, field: str, value: Any, fix: str, owner: str = "SchedulePolicy"):
         self.field, self.value, self.fix = field, value, fix
-        super().__init__(f"SchedulePolicy.{field}={value!r}: {fix}")
+        super().__init__(f"{owner}.{field}={value!r}: {fix}")
 
 
 @dataclass(frozen=True)
@@ -50,19 +54,14 @@ class SchedulePolicy:
     """
 
     name: str = "dw"
-    # A name of scheduling.names.PROFILES, or a DeviceProfile.
-    profile: DeviceProfile | str = "a100"
-    # The cost model's link in Mbit/s per device instead of the profile's (0: the profile's).
-    link_mbit: float = 0.0
+    # A name of scheduling.names.PROFILES, the path of a profile file (JSON with the fields
+    # of DeviceProfile, as in scheduling/profiles/), or a DeviceProfile.
+    profile: str | DeviceProfile = "a100"
     # Allowed growth of peak live bytes over the original program, as a fraction.
     max_live_bytes_growth: float = 0.1
     # How the emitted program runs its collectives (scheduling.runtime.transports):
-    # "xla", XLA's async start/done pairs; "sync", the planned order with synchronous
-    # collectives (for a JAX whose async primitives the adapter does not know); "socket",
-    # on the CPU backend across processes, the all-to-alls as socket start/done pairs,
-    # which overlap the computation planned between them where XLA:CPU runs its own
-    # pairs synchronously (elsewhere "xla"). With "socket", ``none`` runs each
-    # all-to-all over the sockets with its done right after its start.
+    # "xla", XLA's async start/done pairs; "sync", the scheduled order with synchronous
+    # collectives (for a JAX whose async primitives the adapter does not know).
     transport: str = "xla"
     # Reductions and gathers whose operand is smaller stay synchronous where they are.
     # Each async pair is launched on its own, so splitting many small reductions forgoes
@@ -79,12 +78,6 @@ class SchedulePolicy:
     # Partitioning: try only this chunk count (default: every n in 2..8 dividing the
     # batch); expert_pipeline: its pipelining degree (required).
     partition_chunks: int | None = None
-    # Partition every range that can be, even where the estimate does not improve (for
-    # measuring, and for checking exactness); the best estimate among those is kept.
-    partition_always: bool = False
-    # comet: decompose every exchange this way ("rounds:G", "chunks:N") wherever it applies,
-    # whatever the estimate (for measuring, and for checking exactness).
-    exchange: str | None = None
     # Run each microbatch's passes beside another microbatch's (with any
     # policy but none; the pair policy always does).
     pair_microbatches: bool = False
@@ -93,31 +86,74 @@ class SchedulePolicy:
     # 0: as soon as its operand exists, which for weights is the start of the step.
     prefetch_lead: float = 2.0
     # How each critical window is held in place on XLA:GPU (scheduling.names.XLA_PINS):
-    # between optimization barriers (scheduling.runtime.xla_barriers), as a scheduling
-    # group (scheduling.runtime.xla_groups), or not at all ("none": XLA's scheduler
-    # orders the step).
+    # between optimization barriers (scheduling.runtime.xla_barriers), or not at all
+    # ("none": XLA's scheduler orders the step).
     xla_pin: str = "barriers"
     # With barriers: compile a step for GPU twice, the second time with a latency for each
     # window's collective for XLA's latency estimator (scheduling.runtime.xla_latencies).
     xla_latencies: bool = True
 
     def __post_init__(self) -> None:
-        check_policy_fields(
-            {name: getattr(self, name) for name in self.__dataclass_fields__},
-        )
+        check_policy_fields({item.name: getattr(self, item.name) for item in fields(self)})
 
     @property
     def pairs_microbatches(self) -> bool:
-        """Whether the plan interleaves microbatches."""
+        """Whether the schedule interleaves microbatches."""
         return self.name == "pair" or (self.pair_microbatches and self.name != "none")
 
     @property
     def device_profile(self) -> DeviceProfile:
-        """The profile, with ``link_mbit`` applied."""
-        from scheduling.costs.profiles import PROFILES  # JAX: only when costs are needed
+        """The profile: the one named, the one its file describes, or the one given."""
+        return device_profile(self.profile)
 
-        profile = PROFILES[self.profile] if isinstance(self.profile, str) else self.profile
-        return profile.with_link(self.link_mbit * 1e6 / 8) if self.link_mbit else profile
+
+@dataclass(frozen=True)
+class ExperimentalOptions:
+    """Research options, for measuring and for checking exactness; no part of a user's
+    :class:`SchedulePolicy`. Passed as ``experimental=`` to :func:`scheduling.optimize`
+    and :func:`scheduling.schedule`; the defaults change nothing.
+    """
+
+    # Partition every range that can be, even where the estimate does not improve (the
+    # partitioning policies); the best estimate among those is kept.
+    partition_always: bool = False
+    # comet, lancet+comet: decompose every exchange this way ("rounds:G", "chunks:N")
+    # wherever it applies, whatever the estimate.
+    exchange: str | None = None
+    # Hold each critical window on XLA:GPU as an XLA scheduling group instead of the
+    # policy's xla_pin (scheduling.runtime.xla_groups; XLA:GPU of jax 0.10.2 crashes on
+    # them, and the builds measured drop or mishandle them).
+    xla_groups: bool = False
+    # The emitted step's transport instead of the policy's: a connector
+    # (scheduling.runtime.transports.Connector), called with the mesh by every process at
+    # once, returning the factory of the transports (scheduling.runtime.transports.Transport)
+    # the step traces its collectives through. The emulated cluster's socket all-to-alls
+    # plug in here.
+    transport: Callable[[Mesh], Callable[[], Any]] | None = None
+
+    def __post_init__(self) -> None:
+        exchange = self.exchange
+        if exchange is not None:
+            kind, _, pieces = exchange.partition(":")
+            if kind not in ("rounds", "chunks") or not pieces.isdigit() or int(pieces) < 2:
+                raise PolicyError(
+                    "exchange",
+                    exchange,
+                    "write rounds:G (G the exchange's group) or chunks:N (N >= 2), or none for "
+                    "the cost model's choice",
+                    owner="ExperimentalOptions",
+                )
+
+    def check(self, policy: SchedulePolicy) -> None:
+        """Raise :class:`PolicyError` where an option does not apply to ``policy``."""
+        if self.exchange is not None and policy.name not in names.DECOMPOSING:
+            raise PolicyError(
+                "exchange",
+                self.exchange,
+                f"applies to the {' and '.join(sorted(names.DECOMPOSING))} policies, not "
+                f"{policy.name!r}",
+                owner="ExperimentalOptions",
+            )
 
 
 def check_policy_fields(fields: Mapping[str, Any]) -> None:
@@ -126,32 +162,41 @@ def check_policy_fields(fields: Mapping[str, Any]) -> None:
     get = fields.get
     if "name" in fields and get("name") not in names.POLICIES:
         raise PolicyError("name", get("name"), f"choose one of {', '.join(names.POLICIES)}")
-    profile = get("profile")
-    if isinstance(profile, str) and profile not in names.PROFILES:
-        raise PolicyError(
-            "profile", profile, f"choose one of {', '.join(names.PROFILES)} or a DeviceProfile"
-        )
-    if not _number(get("link_mbit", 0)) or get("link_mbit", 0) < 0:
-        raise PolicyError("link_mbit", get("link_mbit"), "must be >= 0 (0 keeps the profile's)")
-    if not _number(get("max_live_bytes_growth", 0)) or get("max_live_bytes_growth", 0) < 0:
-        raise PolicyError("max_live_bytes_growth", get("max_live_bytes_growth"), "must be >= 0")
-    if not _number(get("prefetch_lead", 0)) or get("prefetch_lead", 0) < 0:
-        raise PolicyError(
-            "prefetch_lead", get("prefetch_lead"), "must be >= 0 (0: gather as early as possible)"
-        )
+    if "profile" in fields:
+        problem = profile_problem(get("profile"))
+        if problem:
+            raise PolicyError("profile", get("profile"), problem)
+    for field, fix in (
+        ("max_live_bytes_growth", "must be >= 0"),
+        ("prefetch_lead", "must be >= 0 (0: gather as early as possible)"),
+    ):
+        if field in fields and (not _number(get(field)) or get(field) < 0):
+            raise PolicyError(field, get(field), fix)
     if get("transport", "xla") not in names.TRANSPORTS:
-        raise PolicyError(
-            "transport", get("transport"), f"choose one of {', '.join(names.TRANSPORTS)}"
-        )
+        fix = f"choose one of {', '.join(names.TRANSPORTS)}"
+        if get("transport") == "socket":
+            fix += " (a transport of one's own, such as sockets, is ExperimentalOptions.transport)"
+        raise PolicyError("transport", get("transport"), fix)
     if get("xla_pin", "barriers") not in names.XLA_PINS:
-        raise PolicyError("xla_pin", get("xla_pin"), f"choose one of {', '.join(names.XLA_PINS)}")
+        fix = f"choose one of {', '.join(names.XLA_PINS)}"
+        if get("xla_pin") == "groups":
+            fix += " (scheduling groups are ExperimentalOptions.xla_groups)"
+        raise PolicyError("xla_pin", get("xla_pin"), fix)
     async_min = get("async_min_bytes", 0)
     if not isinstance(async_min, int) or isinstance(async_min, bool) or async_min < 0:
         raise PolicyError("async_min_bytes", async_min, "must be an integer >= 0")
     if get("op_costs", "analytic") not in names.OP_COSTS:
         raise PolicyError("op_costs", get("op_costs"), f"choose one of {', '.join(names.OP_COSTS)}")
+    for field in ("op_cost_cache", "link_curves"):
+        if get(field) is not None and not isinstance(get(field), str):
+            raise PolicyError(field, get(field), "a path, or none")
+    for field in ("pair_microbatches", "xla_latencies"):
+        if field in fields and not isinstance(get(field), bool):
+            raise PolicyError(field, get(field), "true or false")
     chunks = get("partition_chunks")
-    if chunks is not None and (not isinstance(chunks, int) or not 2 <= chunks <= 8):
+    if chunks is not None and (
+        not isinstance(chunks, int) or isinstance(chunks, bool) or not 2 <= chunks <= 8
+    ):
         raise PolicyError(
             "partition_chunks", chunks, "choose 2..8, or none to let the search choose"
         )
@@ -161,23 +206,6 @@ def check_policy_fields(fields: Mapping[str, Any]) -> None:
             chunks,
             "expert_pipeline needs its pipelining degree: 2..8 (degree 1 is the async policy)",
         )
-    exchange = get("exchange")
-    if exchange is not None:
-        kind, _, pieces = exchange.partition(":")
-        if kind not in ("rounds", "chunks") or not pieces.isdigit() or int(pieces) < 2:
-            raise PolicyError(
-                "exchange",
-                exchange,
-                "write rounds:G (G the exchange's group) or chunks:N (N >= 2), or none for "
-                "the cost model's choice",
-            )
-        if "name" in fields and get("name") not in names.DECOMPOSING:
-            raise PolicyError(
-                "exchange",
-                exchange,
-                f"applies to the {' and '.join(sorted(names.DECOMPOSING))} policies, not "
-                f"{get('name')!r}",
-            )
 
 
 def _number(value: Any) -> bool:

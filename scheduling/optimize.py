@@ -1,4 +1,7 @@
-"""``optimize``: the whole pipeline (capture, plan, emit, report) for a per-device step."""
+"""``optimize``: the whole chain for a per-device step (capture, schedule, emit, report).
+
+The top of the package: it imports every layer below and nothing imports it.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +11,14 @@ from typing import Any
 from jax.sharding import Mesh
 
 from scheduling.costs.profiling import ProfiledCostModel
-from scheduling.planning.plan import batch_inputs, cost_model, plan
-from scheduling.planning.policy import SchedulePolicy
+from scheduling.policy import ExperimentalOptions, SchedulePolicy
 from scheduling.program.capture import capture
 from scheduling.program.collective_purpose import AxisRoles
 from scheduling.reports.describe import build_report
 from scheduling.reports.report import ScheduleReport
 from scheduling.runtime import transports
 from scheduling.runtime.emit import ScheduledStep, emit
+from scheduling.search.schedule import batch_inputs, cost_model, schedule
 
 
 def optimize(
@@ -28,6 +31,7 @@ def optimize(
     donate_argnums: Sequence[int] = (),
     batch_argnums: Sequence[int] = (),
     axis_roles: AxisRoles | None = None,
+    experimental: ExperimentalOptions | None = None,
 ) -> tuple[ScheduledStep, ScheduleReport]:
     """Schedule a per-device step for its whole mesh.
 
@@ -40,21 +44,28 @@ def optimize(
     leading axis (per device); the partitioning policies cut the forward pass into
     chunks along it. ``axis_roles`` names the role each mesh axis plays in the
     attention and MoE layouts, for the report (default: each axis plays the role of
-    its own name).
+    its own name). ``experimental``: research options, for measuring and for checking
+    exactness (:class:`~scheduling.policy.ExperimentalOptions`; default: none).
     """
     policy = SchedulePolicy(name=policy) if isinstance(policy, str) else policy
+    experimental = experimental or ExperimentalOptions()
+    experimental.check(policy)
     program = capture(step_fn, *example_args, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
     cost = cost_model(policy, mesh)
-    planned = plan(program, policy, cost, batch_inputs(program, batch_argnums))
+    scheduled = schedule(program, policy, cost, batch_inputs(program, batch_argnums), experimental)
+    if experimental.transport is not None:
+        transport = experimental.transport(mesh)
+    else:
+        transport = transports.connect(policy.transport, mesh)
     step = emit(
-        planned.graph,
-        planned.schedule,
+        scheduled.graph,
+        scheduled.order,
         donate_argnums=donate_argnums,
-        transport=transports.connect(policy.transport, mesh, policy.link_mbit or None),
-        xla_pin=policy.xla_pin,
+        transport=transport,
+        xla_pin="groups" if experimental.xla_groups else policy.xla_pin,
         op_seconds=cost.seconds if policy.xla_latencies else None,
     )
-    report = build_report(planned, cost, policy, program, axis_roles)
+    report = build_report(scheduled, cost, policy, program, axis_roles)
     if isinstance(cost, ProfiledCostModel):
         cost.profiler.save()
     return step, report

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from scheduling.passes import chunk_ops
 from scheduling.passes.partition_forward import (
     PIPELINED_COLLECTIVES,
-    RangePlan,
+    RangeCut,
     consumers_of,
-    plan_range,
+    cut_range,
 )
 from scheduling.program.batch_layout import BatchLayouts
 from scheduling.program.capture import Op, Phase, Program, Value
@@ -36,7 +36,7 @@ _ALWAYS_BONUS = 1e6
 
 @dataclass(frozen=True)
 class PartitionChoice:
-    plan: RangePlan
+    cut: RangeCut
     estimated_seconds: float  # the range partitioned, on two streams
     unpartitioned_seconds: float  # the same ops in program order, collectives blocking
 
@@ -129,20 +129,20 @@ class _RangeCosts:
     def unpartitioned(self, begin: int, end: int) -> float:
         return sum(self.whole(p) for p in range(begin, end))
 
-    def partitioned(self, plan: RangePlan) -> float:
-        n = plan.n
-        compute = [0.0] * plan.num_stages
-        collectives = [0.0] * (plan.num_stages - 1)
-        for position in plan.chunked:
-            stage = plan.stages[position]
+    def partitioned(self, range_cut: RangeCut) -> float:
+        n = range_cut.n
+        compute = [0.0] * range_cut.num_stages
+        collectives = [0.0] * (range_cut.num_stages - 1)
+        for position in range_cut.chunked:
+            stage = range_cut.stages[position]
             if self.program.ops[position].primitive in PIPELINED_COLLECTIVES:
                 collectives[stage] += self.chunk(position, n)
             else:
                 compute[stage] += self.chunk(position, n)
-        compute[0] += sum(self.cut(seed, n) for seed in plan.seeds)
-        before = sum(self.whole(p) for p in plan.replicated)
-        after = sum(self.whole(p) for p in plan.deferred)
-        after += sum(self.join(value, n) for value in plan.escaping)
+        compute[0] += sum(self.cut(seed, n) for seed in range_cut.seeds)
+        before = sum(self.whole(p) for p in range_cut.replicated)
+        after = sum(self.whole(p) for p in range_cut.deferred)
+        after += sum(self.join(value, n) for value in range_cut.escaping)
         return pipeline_seconds(compute, collectives, n, before, after)
 
 
@@ -168,7 +168,7 @@ def op_groups(program: Program) -> list[tuple[int, int]]:
 
 @dataclass(frozen=True)
 class RangeCandidate:
-    """A range that can be partitioned: groups ``first..last``, its plan for one ``n``."""
+    """A range that can be partitioned: groups ``first..last``, its cut for one ``n``."""
 
     first: int  # index of its first op group
     last: int  # index of its last op group
@@ -201,13 +201,13 @@ def candidates(
             if not layers or not counts:
                 continue
             range_end = groups[last][1]
-            # The plan does not depend on n but for n itself: plan once per range.
-            plan = plan_range(program, layouts, consumers, begin, range_end, counts[0])
-            if plan is None or plan.end != range_end:
+            # The cut does not depend on n but for n itself: cut once per range.
+            cut = cut_range(program, layouts, consumers, begin, range_end, counts[0])
+            if cut is None or cut.end != range_end:
                 continue
             unpartitioned = costs.unpartitioned(begin, range_end)
             for n in counts:
-                sized = dataclasses.replace(plan, n=n)
+                sized = dataclasses.replace(cut, n=n)
                 choice = PartitionChoice(sized, costs.partitioned(sized), unpartitioned)
                 found.append(RangeCandidate(first, last, choice))
     return groups, found, costs.unpartitioned
@@ -278,9 +278,9 @@ def expert_pipelines(
     choices = []
     for positions in by_layer.values():
         begin, end = positions[0], positions[-1] + 1
-        plan = plan_range(program, layouts, consumers, begin, end, n)
-        if plan is not None and plan.end == end:
+        cut = cut_range(program, layouts, consumers, begin, end, n)
+        if cut is not None and cut.end == end:
             choices.append(
-                PartitionChoice(plan, costs.partitioned(plan), costs.unpartitioned(begin, end))
+                PartitionChoice(cut, costs.partitioned(cut), costs.unpartitioned(begin, end))
             )
     return choices
