@@ -154,6 +154,8 @@ def _callback_host_work(
     host: defaultdict[int, float] = defaultdict(float)
     served: set[int] = set()
     unplaced = 0.0
+    if not scopes:
+        return host, served, unplaced
     for scope, role in zip(scopes, (Role.START, Role.DONE), strict=True):
         for stack, seconds in callbacks[scope].items():
             nodes = [

@@ -9,7 +9,7 @@ compared exactly. But XLA:CPU compiles the pieces differently from the whole:
 a GEMM's blocking of the contracted axis depends on its row count, and the
 elementwise work around the pieces is fused (and contracted into FMAs)
 differently. Values then move by a few ulps from the second or third step on
-(the toy layer in ``tests/scheduling/test_exchange.py`` is bit for bit), so
+(the toy layer in ``tests/scheduling/passes/test_exchange.py`` is bit for bit), so
 the partitioned step's tolerances apply (``tests/train/test_partitioned.py``).
 """
 

@@ -1,4 +1,4 @@
-"""Joint planning: ``lancet`` is never estimated worse than ``async``, ``dw`` or ``partition``.
+"""The joint choice: ``lancet`` is never estimated worse than ``async``, ``dw`` or ``partition``.
 
 Ranked by the simulated whole step, then by exposed all-to-all: where ``lancet``
 is no slower than ``partition`` it hides at least as much of the all-to-all.
@@ -11,12 +11,12 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from scheduling.costs.cost_model import CostModel
-from scheduling.profiles import DeviceProfile
 from scheduling.costs.simulate import simulate
-from scheduling.search.schedule import batch_inputs, plan
 from scheduling.policy import SchedulePolicy
+from scheduling.profiles import DeviceProfile
+from scheduling.search.schedule import batch_inputs, schedule
 from scheduling.search.step_estimate import exposed_all_to_all, node_seconds
-from tests.scheduling import partition_toys as toys
+from tests.scheduling.search import partition_toys as toys
 
 LOSSES = {
     "pipelined": toys.pipelined_loss,
@@ -27,9 +27,9 @@ PROGRAMS = {name: toys.program(loss) for name, loss in LOSSES.items()}
 
 
 def _rank(program, policy: SchedulePolicy, cost: CostModel) -> tuple[float, float]:
-    planned = plan(program, policy, cost, batch_inputs(program, (1,)))
-    timeline = simulate(planned.graph, planned.schedule.order, node_seconds(cost))
-    return timeline.step_seconds, exposed_all_to_all(planned.graph, timeline)
+    scheduled = schedule(program, policy, cost, batch_inputs(program, (1,)))
+    timeline = simulate(scheduled.graph, scheduled.order.nodes, node_seconds(cost))
+    return timeline.step_seconds, exposed_all_to_all(scheduled.graph, timeline)
 
 
 def _log_uniform(low: float, high: float):

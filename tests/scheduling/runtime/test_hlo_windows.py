@@ -1,4 +1,4 @@
-"""Reading the planned windows back from a scheduled HLO module."""
+"""Reading the scheduled windows back from a compiled HLO module."""
 
 import re
 
@@ -78,9 +78,9 @@ def test_async_pairs_and_what_runs_between():
 def test_kept_windows_counts_the_emitted_windows_against_the_kept_ones():
     kept = kept_windows(3, KEPT, "as scheduling groups")
     assert (kept.emitted, kept.kept, kept.collectives, kept.overlapped) == (3, 1, 2, 1)
-    assert (kept.planned, kept.placed) == (2, 2)
+    assert (kept.scheduled, kept.placed) == (2, 2)
     assert kept.line().startswith(
-        "XLA kept 1 of 3 planned windows (as scheduling groups), 2 of their 2 instructions "
+        "XLA kept 1 of 3 scheduled windows (as scheduling groups), 2 of their 2 instructions "
         "inside; 1 of 2 async"
     )
     assert "own" not in kept.line()
@@ -90,7 +90,7 @@ def test_a_module_that_kept_no_window_says_the_order_is_the_compilers():
     dropped = re.sub(r", frontend_attributes=\{[^}]*\}", "", KEPT)
     kept = kept_windows(3, dropped)
     assert (kept.emitted, kept.kept) == (3, 0)
-    assert kept.line().endswith("the compiled order is the compiler's own, not the plan")
+    assert kept.line().endswith("the compiled order is the compiler's own, not the schedule")
 
 
 W0 = 'frontend_attributes={_scheduled_window="0"}'
@@ -115,12 +115,12 @@ def test_windows_marked_by_number_and_what_runs_outside_them():
     assert (window.start, window.done, window.inside) == (2, 5, [1, 3])
     assert window.placed == 1 and not window.kept
     kept = kept_windows(1, MARKED, "pinned by barriers")
-    assert (kept.planned, kept.placed) == (2, 1)
+    assert (kept.scheduled, kept.placed) == (2, 1)
 
 
 def test_a_program_emitted_without_groups_says_why():
     kept = kept_windows(0, KEPT, withheld="the compiler crashes on them")
     assert kept.line() == (
-        "planned windows not emitted as scheduling groups (the compiler crashes on them); "
+        "scheduled windows not emitted as scheduling groups (the compiler crashes on them); "
         "1 of 2 async collectives have computation inside"
     )

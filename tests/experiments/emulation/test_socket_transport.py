@@ -19,14 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
-
-from scheduling.program.jax_adapter import HOST_CALLBACK_NAMES
 from scheduling.runtime.socket_all_to_all import (
     SocketAllToAll,
     SocketTransport,
     all_to_all_now,
     consume_token,
 )
+
+from scheduling.program.jax_adapter import HOST_CALLBACK_NAMES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -324,11 +324,11 @@ def test_a_worker_blocked_in_a_done_ends_on_sigterm_and_its_peer_raises_at_once(
 def _body_on_sockets(policy_name: str):
     """The per-device program that ``policy_name`` emits for a toy step with socket
     all-to-alls: an exchange, then a matmul that needs nothing from it."""
-    from scheduling.search.schedule import plan
     from scheduling.policy import SchedulePolicy
     from scheduling.program.capture import capture
     from scheduling.runtime.emit import per_device_function
     from scheduling.runtime.transports import SocketAllToAlls, XlaAsync
+    from scheduling.search.schedule import schedule
 
     mesh = jax.make_mesh((8,), ("x",))
     specs = (PartitionSpec("x"), PartitionSpec())
@@ -341,10 +341,10 @@ def _body_on_sockets(policy_name: str):
         return exchanged + independent
 
     program = capture(step, x, w, mesh=mesh, in_specs=specs, out_specs=specs[0])
-    planned = plan(program, SchedulePolicy(name=policy_name, transport="socket"))
+    scheduled = schedule(program, SchedulePolicy(name=policy_name, transport="socket"))
     connection = SocketTransport(mesh, {})
     carrier = lambda: SocketAllToAlls(connection, XlaAsync())
-    run = per_device_function(planned.graph, planned.schedule, carrier)
+    run = per_device_function(scheduled.graph, scheduled.schedule, carrier)
     mapped = jax.shard_map(
         run, mesh=mesh, in_specs=program.in_specs, out_specs=program.out_specs, check_vma=False
     )
@@ -368,15 +368,16 @@ def _last_matmul_waits_for_the_done(body) -> bool:
 
 def test_none_on_sockets_runs_no_matmul_during_the_transfer():
     # "none": start and done back to back, and the independent matmul waits for the done;
-    # "async": the same matmul is planned inside the window, free to run during the transfer.
+    # "async": the same matmul is scheduled inside the window, free to run during the transfer.
     assert _last_matmul_waits_for_the_done(_body_on_sockets("none"))
     assert not _last_matmul_waits_for_the_done(_body_on_sockets("async"))
 
 
 def test_the_callbacks_are_named_in_the_compiled_module_as_traced_costs_reads_them():
     # scheduling.traced_costs tells a start's host work from a done's by these scopes.
-    from scheduling.reports.measured_trace import hlo_op_keys
     from scheduling.runtime.socket_all_to_all import DONE_SCOPE, START_SCOPE
+
+    from scheduling.reports.measured_trace import hlo_op_keys
 
     mesh = jax.make_mesh((8,), ("x",))
     spec = PartitionSpec("x")

@@ -19,10 +19,10 @@ from jax.sharding import PartitionSpec as P
 
 from scheduling.costs.collective_groups import collective_groups, group_spread
 from scheduling.costs.cost_model import CostModel
-from scheduling.profiles import DeviceProfile
-from scheduling.search.schedule import cost_model
 from scheduling.policy import SchedulePolicy
+from scheduling.profiles import DeviceProfile
 from scheduling.program.capture import aval_bytes, capture
+from scheduling.search.schedule import cost_model
 from tests.scheduling.folding_toys import FOLDED
 from tests.scheduling.toys import sds
 

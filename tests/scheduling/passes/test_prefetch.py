@@ -8,7 +8,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from scheduling.names import PARAMETER_GATHER_SCOPE
-from scheduling.passes import Placement, order, split_async
+from scheduling.order.list_scheduler import order
+from scheduling.passes import Placement, split_async
 from scheduling.passes.prefetch import is_parameter_gather, prefetch_bounds
 from scheduling.program.capture import capture
 from scheduling.program.graph import Role
@@ -61,8 +62,8 @@ def test_each_gather_starts_where_the_compute_before_its_use_covers_lead_times_i
     bounds = prefetch_bounds(graph, seconds, lead)
     starts = _starts(graph)
     assert len(starts) == LAYERS and set(bounds) == {s.id for s in starts}
-    schedule = order(graph, Placement(), 0.1, None, bounds)
-    position = {node: i for i, node in enumerate(schedule.order)}
+    ordered = order(graph, Placement(), 0.1, None, bounds)
+    position = {node: i for i, node in enumerate(ordered.nodes)}
     for start in starts:
         first_use, bound = min(graph.succs[start.partner]), bounds[start.id]
         computes = [
@@ -84,14 +85,14 @@ def test_each_gather_starts_where_the_compute_before_its_use_covers_lead_times_i
 def test_without_a_lead_every_gather_starts_with_the_step():
     graph = _graph()
     assert prefetch_bounds(graph, _seconds(gather=3.0), 0.0) == {}
-    schedule = order(graph, Placement(), 0.1)
-    position = {node: i for i, node in enumerate(schedule.order)}
+    ordered = order(graph, Placement(), 0.1)
+    position = {node: i for i, node in enumerate(ordered.nodes)}
     starts = sorted(position[s.id] for s in _starts(graph))
     assert starts == list(range(len(starts)))  # the first ops of the step
     bounded = order(graph, Placement(), 0.1, None, prefetch_bounds(graph, _seconds(3.0), 2.0))
     # Held for a shorter time: the prefetched order's live bytes peak no higher.
-    assert bounded.peak_live_bytes <= schedule.peak_live_bytes
-    later = sorted({node: i for i, node in enumerate(bounded.order)}[s.id] for s in _starts(graph))
+    assert bounded.peak_live_bytes <= ordered.peak_live_bytes
+    later = sorted({node: i for i, node in enumerate(bounded.nodes)}[s.id] for s in _starts(graph))
     assert later[-1] > starts[-1] + 4 * (LAYERS - 1)  # the last layer's waits for its turn
 
 
@@ -99,10 +100,10 @@ def test_peak_live_bytes_over_a_prefix_of_the_order():
     from scheduling.order.list_scheduler import peak_live_bytes
 
     graph = _graph()
-    schedule = order(graph, Placement(), 0.1)
-    whole = peak_live_bytes(graph, schedule.order)
-    assert peak_live_bytes(graph, schedule.order, until=len(schedule.order)) == whole
-    prefixes = [peak_live_bytes(graph, schedule.order, until=k) for k in (1, 10, 40)]
+    ordered = order(graph, Placement(), 0.1)
+    whole = peak_live_bytes(graph, ordered.nodes)
+    assert peak_live_bytes(graph, ordered.nodes, until=len(ordered.nodes)) == whole
+    prefixes = [peak_live_bytes(graph, ordered.nodes, until=k) for k in (1, 10, 40)]
     assert prefixes == sorted(prefixes) and prefixes[0] < whole
 
 
@@ -112,7 +113,7 @@ def test_gathered_bytes_in_flight_follow_the_lead():
     graph = _graph()
     one = WIDTH * WIDTH * 4  # a gathered float32 weight
     at_once = order(graph, Placement(), 0.1)
-    assert gathers_in_flight_bytes(graph, at_once.order) == LAYERS * one
+    assert gathers_in_flight_bytes(graph, at_once.nodes) == LAYERS * one
     led = order(graph, Placement(), 0.1, None, prefetch_bounds(graph, _seconds(3.0), 1.0))
     # Each starts three ops before its use, within the block before: one ahead at a time.
-    assert gathers_in_flight_bytes(graph, led.order) == one
+    assert gathers_in_flight_bytes(graph, led.nodes) == one

@@ -10,22 +10,24 @@ from jax.sharding import PartitionSpec as P
 
 import scheduling
 from scheduling.costs.cost_model import CostModel
-from scheduling.profiles import PROFILES, DeviceProfile
 from scheduling.passes.decompose_exchange import decompose_program, values_needed_whole
-from scheduling.passes.exchange_regions import find_exchanges, plan_all
-from scheduling.search.exchange_choice import choose_exchanges
-from scheduling.search.schedule import plan
-from scheduling.policy import SchedulePolicy
-from scheduling.search.step_estimate import node_seconds
+from scheduling.passes.exchange_regions import all_decompositions, find_exchanges
+from scheduling.policy import ExperimentalOptions, SchedulePolicy
+from scheduling.profiles import PROFILES, DeviceProfile
 from scheduling.program.capture import Op, Phase, Value
-from tests.scheduling import exchange_toys as toys
+from scheduling.search.exchange_choice import choose_exchanges
+from scheduling.search.schedule import schedule
+from scheduling.search.step_estimate import node_seconds
+from tests.scheduling.passes import exchange_toys as toys
 from tests.scheduling.toys import mesh_2x4, mesh_x, reference
 
 FAST_COMPUTE_SLOW_LINK = DeviceProfile("toy-slow-link", 1e9, 1e9, 0.0, 1e5, 0.0)
 FREE_LINK = DeviceProfile("toy-free-link", 1e9, 1e9, 1e-6, 1e15, 0.0)
 
 
-def _optimized(policy, mix_sources=False, mesh=None, in_specs=toys.IN_SPECS, token_spec=None):
+def _optimized(
+    policy, mix_sources=False, mesh=None, in_specs=toys.IN_SPECS, token_spec=None, exchange=None
+):
     mesh = mesh or mesh_x()
     token_spec = token_spec or P("x")
     axis = "x" if "x" in mesh.shape else "expert"
@@ -38,6 +40,7 @@ def _optimized(policy, mix_sources=False, mesh=None, in_specs=toys.IN_SPECS, tok
         in_specs=in_specs,
         out_specs=toys.OUT_SPECS,
         policy=policy,
+        experimental=ExperimentalOptions(exchange=exchange),
     )
     expected = reference(step, mesh, in_specs, toys.OUT_SPECS)
     return optimized, expected, report
@@ -55,46 +58,49 @@ def test_forward_and_backward_exchanges_are_recognised():
 
 def test_rounds_and_chunks_apply_and_mixing_sources_stops_rounds():
     names = {
-        str(p.decomposition) for plans in plan_all(toys.program(), (2, 4)).values() for p in plans
+        str(r.decomposition)
+        for regions in all_decompositions(toys.program(), (2, 4)).values()
+        for r in regions
     }
     assert names == {"rounds:8", "chunks:2", "chunks:4"}
     # A mean over sources between the all-to-alls: a piece would need every source.
-    mixed = plan_all(toys.program(mix_sources=True), (2, 4))
-    assert all(p.decomposition.kind != "rounds" for plans in mixed.values() for p in plans) and any(
-        plans for plans in mixed.values()
-    )
+    mixed = all_decompositions(toys.program(mix_sources=True), (2, 4))
+    assert all(r.decomposition.kind != "rounds" for rs in mixed.values() for r in rs)
+    assert any(regions for regions in mixed.values())
 
 
 @pytest.mark.parametrize("decomposition", ["rounds:8", "chunks:2", "chunks:8"])
 def test_decomposed_step_is_bitwise_equal(decomposition):
-    policy = SchedulePolicy(name="comet", exchange=decomposition)
-    optimized, expected, report = _optimized(policy)
+    policy = SchedulePolicy(name="comet")
+    optimized, expected, report = _optimized(policy, exchange=decomposition)
     args = toys.args()
     chex.assert_trees_all_equal(optimized(*args), expected(*args))
     assert [x.decomposition for x in report.exchanges] == [decomposition]
 
 
 def test_decomposed_step_on_a_two_axis_mesh_is_bitwise_equal():
-    policy = SchedulePolicy(name="comet", exchange="rounds:4")
+    policy = SchedulePolicy(name="comet")
     spec = P(("data", "expert"))
     optimized, expected, _ = _optimized(
-        policy, mesh=mesh_2x4(), in_specs=toys.IN_SPECS_2X4, token_spec=spec
+        policy, mesh=mesh_2x4(), in_specs=toys.IN_SPECS_2X4, token_spec=spec, exchange="rounds:4"
     )
     args = toys.args(mesh_2x4(), spec)
     chex.assert_trees_all_equal(optimized(*args), expected(*args))
 
 
 def test_rounds_send_every_peer_once_and_keep_the_local_block():
-    policy = SchedulePolicy(name="comet", exchange="rounds:8")
-    planned = plan(toys.program(), policy)
-    collectives = Counter(op.primitive for op in planned.graph.program.ops if op.is_collective)
+    policy = SchedulePolicy(name="comet")
+    scheduled = schedule(
+        toys.program(), policy, experimental=ExperimentalOptions(exchange="rounds:8")
+    )
+    collectives = Counter(op.primitive for op in scheduled.graph.program.ops if op.is_collective)
     # Two exchanges, each 7 rounds out and 7 back; round 0 stays on the device.
     assert collectives["all_to_all"] == 0
     assert collectives["ppermute"] == 2 * 2 * 7
     shifts = sorted(
         {
             op.eqn.params["perm"][0][1]
-            for op in planned.graph.program.ops
+            for op in scheduled.graph.program.ops
             if op.primitive == "ppermute"
         }
     )
@@ -103,22 +109,22 @@ def test_rounds_send_every_peer_once_and_keep_the_local_block():
 
 def test_backward_takes_the_forward_pieces_without_reassembly():
     program = toys.program()
-    plans = [
+    regions = [
         p
-        for plans in plan_all(program, (2,)).values()
-        for p in plans
+        for regions in all_decompositions(program, (2,)).values()
+        for p in regions
         if str(p.decomposition) == "rounds:8"
     ]
-    forward, backward = sorted(plans, key=lambda p: p.begin)
-    needed = values_needed_whole(program, plans)
+    forward, backward = sorted(regions, key=lambda p: p.begin)
+    needed = values_needed_whole(program, regions)
     # Residuals read only by the backward region's pieces are never reassembled.
     shared = set(forward.escaping) & set(backward.seeds)
     assert shared and not shared & needed
     alone = values_needed_whole(program, [forward])
     assert shared <= alone
-    gathers = Counter(op.primitive for op in decompose_program(program, plans).ops)["gather"]
+    gathers = Counter(op.primitive for op in decompose_program(program, regions).ops)["gather"]
     gathers_apart = sum(
-        Counter(op.primitive for op in decompose_program(program, [p]).ops)["gather"] for p in plans
+        Counter(op.primitive for op in decompose_program(program, [p]).ops)["gather"] for p in regions
     )
     assert gathers < gathers_apart
 
@@ -202,13 +208,13 @@ def test_ppermute_groups_on_one_node_share_its_link():
 
 
 @pytest.mark.parametrize(
-    ("fields", "message"),
+    ("policy", "exchange", "message"),
     [
-        ({"name": "comet", "exchange": "rounds"}, "rounds:G"),
-        ({"name": "comet", "exchange": "chunks:1"}, "chunks:N"),
-        ({"name": "dw", "exchange": "chunks:2"}, "comet"),
+        ("comet", "rounds", "ExperimentalOptions.exchange='rounds': write rounds:G"),
+        ("comet", "chunks:1", "chunks:N"),
+        ("dw", "chunks:2", "applies to the comet and lancet\\+comet policies, not 'dw'"),
     ],
 )
-def test_policy_checks_the_forced_decomposition(fields, message):
+def test_the_forced_decomposition_is_checked_against_the_policy(policy, exchange, message):
     with pytest.raises(ValueError, match=message):
-        SchedulePolicy(**fields)
+        ExperimentalOptions(exchange=exchange).check(SchedulePolicy(name=policy))

@@ -9,7 +9,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from scheduling.costs.simulate import simulate
-from scheduling.passes import Placement, order, split_async
+from scheduling.order.list_scheduler import order
+from scheduling.passes import Placement, split_async
 from scheduling.program.capture import capture
 from scheduling.reports.describe import why
 from tests.scheduling.toys import fixed_seconds, mesh_x, sds
@@ -106,7 +107,7 @@ def _same_operand_graph():
 
 def test_order_starts_the_critical_collective_first_when_both_are_ready():
     graph, starts = _same_operand_graph()
-    result = order(graph, Placement()).order
+    result = order(graph, Placement()).nodes
     assert result.index(starts["all_to_all"]) < result.index(starts["psum"])
     # In program order the psum comes first.
     assert starts["psum"] < starts["all_to_all"]

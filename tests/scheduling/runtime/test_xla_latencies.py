@@ -52,7 +52,7 @@ def test_each_windows_start_gets_its_latency_in_microseconds():
         'costs { name: "all-to-all-start.3" cost_us: 250.000 }\n'
         'costs { name: "all-reduce-start" cost_us: 1500.000 }\n'
     )
-    # A window without a planned time, and an unmarked collective, are left to XLA.
+    # A window without a scheduled time, and an unmarked collective, are left to XLA.
     assert "all-reduce-start" not in latency_profile(COMPILED, {0: 1e-4})
     assert latency_profile(COMPILED.replace("_scheduled_window", "other"), {0: 1e-4}) == ""
 

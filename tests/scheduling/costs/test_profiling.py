@@ -11,9 +11,9 @@ from jax.sharding import PartitionSpec as P
 
 import scheduling
 from scheduling.costs.cost_model import FREE_PRIMITIVES, FUSIBLE, CostModel
-from scheduling.profiles import PROFILES
 from scheduling.costs.profiling import OpProfiler, ProfiledCostModel, op_key
 from scheduling.policy import SchedulePolicy
+from scheduling.profiles import PROFILES
 from tests.scheduling.toys import in_specs, mesh_x, out_specs, toy_args, toy_program, toy_step
 
 

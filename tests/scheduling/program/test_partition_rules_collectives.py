@@ -16,11 +16,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from scheduling.passes.chunk_ops import chunk_copy
-from scheduling.program.partition_rules import Split, chunking
 from scheduling.program import jax_adapter
 from scheduling.program.capture import capture
+from scheduling.program.partition_rules import Split, chunking
 from tests.scheduling.folding_toys import FOLDED
-from tests.scheduling.test_partition_rules import take_chunk
+from tests.scheduling.program.test_partition_rules import take_chunk
 from tests.scheduling.toys import put, sds
 
 MESH = FOLDED.mesh

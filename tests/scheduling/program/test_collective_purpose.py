@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 import scheduling
-from scheduling.policy import SchedulePolicy
+from scheduling.policy import ExperimentalOptions, SchedulePolicy
 from scheduling.program.capture import Phase
 from scheduling.program.collective_purpose import AxisRoles, collective_purposes
 from tests.scheduling import folding_toys as toys
@@ -79,7 +79,8 @@ def _report(layout_name, policy):
         mesh=layout.mesh,
         in_specs=toys.in_specs(layout),
         out_specs=toys.out_specs(layout),
-        policy=SchedulePolicy(name=policy, partition_chunks=2, partition_always=True),
+        policy=SchedulePolicy(name=policy, partition_chunks=2),
+        experimental=ExperimentalOptions(partition_always=True),
         batch_argnums=(1,),
         axis_roles=toys.AXIS_ROLES,
     )

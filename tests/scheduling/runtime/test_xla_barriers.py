@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import scheduling.runtime.pinning
-from scheduling.order.list_scheduler import Schedule
+from scheduling.order.list_scheduler import Order
 from scheduling.program.graph import Role
 from scheduling.runtime.emit import emit
 from scheduling.runtime.pinning import OVERLAP_LIMIT_OPTION, most_in_flight
@@ -23,7 +23,7 @@ from tests.scheduling.toys import mesh_x, sds, split_window_toy
 
 def _step(x, w):
     a = jax.lax.all_to_all(x * 2.0, "x", 0, 0, tiled=True)  # the window
-    p = (x * 3.0) @ w  # planned inside: reads x and w from before the start
+    p = (x * 3.0) @ w  # scheduled inside: reads x and w from before the start
     q = p @ w  # inside too, and read after the done
     gradient_like = jax.lax.psum(x * 5.0, "x")  # only returned: deferrable
     return gradient_like, a @ w + q
@@ -34,7 +34,7 @@ def _graph():
     return split_window_toy(_step)
 
 
-def _planned():
+def _scheduled():
     """The order with the window holding ``x * 3``, ``p`` and ``q``."""
     graph = _graph()
     nodes = graph.nodes
@@ -50,7 +50,7 @@ def _planned():
 
 
 def _schedule(order):
-    return Schedule(order, None, 0, 0, [])
+    return Order(order, None, 0, 0, [])
 
 
 @pytest.fixture
@@ -59,7 +59,7 @@ def for_gpu(monkeypatch):
 
 
 def test_a_pin_passes_what_the_window_reads_and_what_it_leaves_for_later():
-    graph, order, a, members, q = _planned()
+    graph, order, a, members, q = _scheduled()
     pins = window_pins(graph, order)
     assert list(pins) == [a]  # the deferrable psum's window is left free
     pin = pins[a]
@@ -95,8 +95,8 @@ def test_what_the_window_leaves_for_a_collective_it_encloses_passes_its_done_bar
     assert most_in_flight(graph, order) == 2
 
 
-def test_the_pinned_step_is_compiled_with_as_many_collectives_in_flight_as_the_plan(for_gpu):
-    graph, order, *_ = _planned()
+def test_the_pinned_step_is_compiled_with_as_many_collectives_in_flight_as_the_schedule(for_gpu):
+    graph, order, *_ = _scheduled()
     assert emit(graph, _schedule(order)).pinned.compiler_options() == {OVERLAP_LIMIT_OPTION: 1}
     assert emit(graph, _schedule(order), xla_pin="none").pinned.compiler_options() == {}
 
@@ -115,7 +115,7 @@ def _body(jaxpr):
 
 
 def test_the_barriers_bound_the_window_in_the_traced_step(for_gpu):
-    graph, order, *_ = _planned()
+    graph, order, *_ = _scheduled()
     step = emit(graph, _schedule(order), xla_pin="barriers")
     mesh = mesh_x()
     args = (sds(mesh, (64, 64), P("x")), sds(mesh, (64, 64), P()))
@@ -141,7 +141,7 @@ def test_the_barriers_bound_the_window_in_the_traced_step(for_gpu):
 
 
 def test_pinned_and_free_steps_compute_the_same_bits(for_gpu):
-    graph, order, *_ = _planned()
+    graph, order, *_ = _scheduled()
     mesh = mesh_x()
     x = jax.device_put(
         np.random.default_rng(0).normal(size=(64, 64)).astype(np.float32),
@@ -170,7 +170,7 @@ def test_pinned_and_free_steps_compute_the_same_bits(for_gpu):
 
 
 def test_a_step_for_cpus_is_neither_pinned_nor_marked():
-    graph, order, *_ = _planned()
+    graph, order, *_ = _scheduled()
     step = emit(graph, _schedule(order), xla_pin="barriers", op_seconds=lambda op: 1.0)
     assert step.pinned.windows == 0 and not step.pinned.pins and not step.pinned.seconds
     mesh = mesh_x()

@@ -1,4 +1,4 @@
-"""The forward partition: planning, the search's choice of n, and exactness on toy steps."""
+"""The forward partition: cutting ranges, the search's choice of n, and exactness on toy steps."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 import scheduling
-from scheduling.passes.partition_forward import consumers_of, partition_program, plan_range
-from scheduling.search.partition_search import op_groups, pipeline_seconds, search
-from scheduling.search.schedule import batch_inputs
-from scheduling.policy import SchedulePolicy
+from scheduling.passes.partition_forward import consumers_of, cut_range, partition_program
+from scheduling.policy import ExperimentalOptions, SchedulePolicy
 from scheduling.program.batch_layout import analyze
 from scheduling.program.capture import Phase, aval_bytes
-from tests.scheduling import partition_toys as toys
+from scheduling.search.partition_search import op_groups, pipeline_seconds, search
+from scheduling.search.schedule import batch_inputs
+from tests.scheduling.search import partition_toys as toys
 from tests.scheduling.toys import reference
 
 
@@ -23,8 +23,12 @@ def _layouts(program):
     return analyze(program, batch_inputs(program, (1,)))
 
 
+# Every range that can be partitioned is, so that each is checked for exactness.
+ALWAYS = ExperimentalOptions(partition_always=True)
+
+
 def _optimized(loss_fn, **policy):
-    policy = SchedulePolicy(**{"name": "partition", "partition_always": True, **policy})
+    policy = SchedulePolicy(**{"name": "partition", **policy})
     return scheduling.optimize(
         toys.make_step(loss_fn),
         *toys.shapes(),
@@ -33,6 +37,7 @@ def _optimized(loss_fn, **policy):
         out_specs=toys.OUT_SPECS,
         policy=policy,
         batch_argnums=(1,),
+        experimental=ALWAYS,
     )
 
 
@@ -78,7 +83,7 @@ def test_search_finds_the_chunk_count_known_by_hand():
     # T(4) = 24, T(8) = 26, and 33 unpartitioned. n must divide the batch of 8.
     program = toys.program(toys.pipelined_loss)
     (choice,) = search(program, _layouts(program), _hand_costs(program))
-    assert choice.plan.n == 4
+    assert choice.cut.n == 4
     assert choice.estimated_seconds == pytest.approx(24e-3)
     assert choice.unpartitioned_seconds == pytest.approx(33e-3)
     for n, expected in ((2, 26e-3), (8, 26e-3)):
@@ -107,7 +112,7 @@ def test_chunk_counts_that_do_not_divide_the_batch_are_not_tried():
     program = toys.program(toys.pipelined_loss)
     layouts = _layouts(program)
     (a2a,) = _forward_all_to_alls(program)
-    assert plan_range(program, layouts, consumers_of(program), 0, a2a.index + 1, 3) is None
+    assert cut_range(program, layouts, consumers_of(program), 0, a2a.index + 1, 3) is None
     assert search(program, layouts, _hand_costs(program), chunk_counts=(3, 5, 6, 7)) == []
 
 
@@ -123,13 +128,13 @@ def test_a_reduction_over_the_batch_splits_the_ranges_around_it():
         if op.primitive == "reduce_sum" and op.layer == "layer_0/statistic"
     ]
     assert statistic
-    chunked = {p for choice in choices for p in choice.plan.chunked}
+    chunked = {p for choice in choices for p in choice.cut.chunked}
     assert not chunked & set(statistic)
-    first, second = (choice.plan for choice in choices)
+    first, second = (choice.cut for choice in choices)
     assert first.end <= min(statistic) or set(statistic) <= set(first.deferred)
     # Each range holds one of the two all-to-alls.
     exchanges = [op.index for op in _forward_all_to_alls(program)]
-    assert [sum(e in plan.chunked for e in exchanges) for plan in (first, second)] == [1, 1]
+    assert [sum(e in cut.chunked for e in exchanges) for cut in (first, second)] == [1, 1]
     _assert_matches_reference(toys.loss_with_batch_statistic, step)
 
 
@@ -147,11 +152,11 @@ def test_a_prefix_sum_along_the_batch_carries_across_chunks():
 def test_all_to_all_bytes_do_not_grow():
     program = toys.program(toys.loss_with_batch_statistic)
     layouts = _layouts(program)
-    plans = [
-        choice.plan
+    cuts = [
+        choice.cut
         for choice in search(program, layouts, lambda op: 1e-3, chunk_counts=(4,), always=True)
     ]
-    partitioned = partition_program(program, layouts, plans)
+    partitioned = partition_program(program, layouts, cuts)
 
     def exchanged(p):
         return sum(

@@ -1,4 +1,4 @@
-"""Reading a jax.profiler trace and matching its XLA ops to the planned ops."""
+"""Reading a jax.profiler trace and matching its XLA ops to the scheduled ops."""
 
 from __future__ import annotations
 

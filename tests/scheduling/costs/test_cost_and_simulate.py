@@ -11,9 +11,9 @@ from jax.sharding import PartitionSpec as P
 
 from scheduling.costs.collective_groups import members_per_node
 from scheduling.costs.cost_model import CostModel, collective_wire_bytes, op_bytes, op_flops
-from scheduling.profiles import PROFILE_FILES, PROFILES, DeviceProfile, load_profile
 from scheduling.costs.simulate import simulate
 from scheduling.passes import split_async
+from scheduling.profiles import PROFILE_FILES, PROFILES, DeviceProfile, load_profile
 from scheduling.program.capture import capture
 from scheduling.program.graph import Graph, Role
 from tests.scheduling.toys import fixed_seconds, mesh_2x4, mesh_x, sds

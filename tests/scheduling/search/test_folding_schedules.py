@@ -18,13 +18,13 @@ import chex
 import pytest
 
 import scheduling
-from scheduling.passes.partition_forward import consumers_of, partition_program, plan_range
-from scheduling.search.schedule import batch_inputs, cost_model
-from scheduling.policy import SchedulePolicy
-from scheduling.search.step_estimate import node_seconds, schedule_program
+from scheduling.passes.partition_forward import consumers_of, cut_range, partition_program
+from scheduling.policy import ExperimentalOptions, SchedulePolicy
 from scheduling.program.batch_layout import analyze
 from scheduling.program.capture import Phase
 from scheduling.runtime.emit import emit
+from scheduling.search.schedule import batch_inputs, cost_model
+from scheduling.search.step_estimate import node_seconds, schedule_program
 from tests.scheduling import folding_toys as toys
 from tests.scheduling.toys import reference
 
@@ -43,7 +43,7 @@ def _reference(layout_name: str):
     )
 
 
-def _optimized(layout_name: str, policy: SchedulePolicy):
+def _optimized(layout_name: str, policy: SchedulePolicy, experimental=None):
     layout = toys.LAYOUTS[layout_name]
     return scheduling.optimize(
         toys.make_step(layout),
@@ -53,6 +53,7 @@ def _optimized(layout_name: str, policy: SchedulePolicy):
         out_specs=toys.out_specs(layout),
         policy=policy,
         batch_argnums=(1,),
+        experimental=experimental,
     )
 
 
@@ -98,14 +99,16 @@ def test_reordering_schedules_are_bitwise_exact(layout_name, policy):
 @pytest.mark.parametrize("policy", ["partition", "lancet"])
 def test_partitioning_schedules_are_exact_to_ulps(layout_name, policy):
     step, report = _optimized(
-        layout_name, SchedulePolicy(name=policy, partition_chunks=2, partition_always=True)
+        layout_name,
+        SchedulePolicy(name=policy, partition_chunks=2),
+        ExperimentalOptions(partition_always=True),
     )
     assert report.partitions
     got, expected = _runs(layout_name, step)
     chex.assert_trees_all_close(got, expected, rtol=ULPS, atol=ULPS)
 
 
-def _whole_layer_plan(program, n):
+def _whole_layer_cut(program, n):
     """The range from the sequence gather to the end of the MoE layer, in ``n`` chunks."""
     layouts = analyze(program, batch_inputs(program, (1,)))
     end = max(
@@ -113,22 +116,22 @@ def _whole_layer_plan(program, n):
         for op in program.ops
         if op.phase is Phase.FORWARD and op.layer.startswith("layer_0")
     )
-    return layouts, plan_range(program, layouts, consumers_of(program), 0, end, n)
+    return layouts, cut_range(program, layouts, consumers_of(program), 0, end, n)
 
 
 @pytest.mark.parametrize("layout_name", LAYOUTS)
 def test_the_sequence_parallel_block_is_chunked_with_the_moe_layer(layout_name):
     program = toys.program(toys.LAYOUTS[layout_name])
-    _, plan = _whole_layer_plan(program, 2)
-    chunked = {program.ops[p].primitive for p in plan.chunked}
+    _, cut = _whole_layer_cut(program, 2)
+    chunked = {program.ops[p].primitive for p in cut.chunked}
     assert {"all_gather", "reduce_scatter", "all_to_all"} <= chunked
-    assert plan.end == _whole_layer_plan(program, 2)[1].end and not plan.deferred
+    assert cut.end == _whole_layer_cut(program, 2)[1].end and not cut.deferred
     # Each sequence collective starts a pipeline stage of its own.
     gather, scatter = (
-        next(p for p in plan.chunked if program.ops[p].primitive == kind)
+        next(p for p in cut.chunked if program.ops[p].primitive == kind)
         for kind in ("all_gather", "reduce_scatter")
     )
-    assert plan.stages[scatter] > plan.stages[gather]
+    assert cut.stages[scatter] > cut.stages[gather]
 
 
 @pytest.mark.parametrize("layout_name", LAYOUTS)
@@ -137,8 +140,8 @@ def test_the_sequence_parallel_block_is_chunked_with_the_moe_layer(layout_name):
 def test_the_whole_layer_partitioned_is_exact_to_ulps(layout_name, n, pack_dw):
     layout = toys.LAYOUTS[layout_name]
     program = toys.program(layout)
-    layouts, plan = _whole_layer_plan(program, n)
-    partitioned = partition_program(program, layouts, [plan])
+    layouts, cut = _whole_layer_cut(program, n)
+    partitioned = partition_program(program, layouts, [cut])
     gathers = [op for op in partitioned.ops if op.primitive == "all_gather"]
     assert len(gathers) > n  # the attention gather runs once per chunk
     policy = SchedulePolicy(name="lancet" if pack_dw else "partition")

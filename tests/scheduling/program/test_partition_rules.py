@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from scheduling.passes.chunk_ops import chunk_aval, chunk_copy
-from scheduling.program.partition_rules import Split, chunking
 from scheduling.program import jax_adapter
 from scheduling.program.capture import Phase, Value, inline_jaxpr
+from scheduling.program.partition_rules import Split, chunking
 
 IN_BOUNDS = jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS
 

@@ -6,12 +6,13 @@ import json
 import pytest
 
 from scheduling.costs.cost_model import CostModel
-from scheduling.profiles import PROFILES
 from scheduling.costs.simulate import simulate
-from scheduling.passes import Placement, order, schedule_dw, split_async
-from scheduling.search.step_estimate import node_seconds
+from scheduling.order.list_scheduler import order
+from scheduling.passes import Placement, schedule_dw, split_async
+from scheduling.profiles import PROFILES
 from scheduling.program.graph import Graph
 from scheduling.reports.chrome_trace import chrome_trace
+from scheduling.search.step_estimate import node_seconds
 from tests.scheduling.toys import toy_program
 
 
@@ -22,8 +23,8 @@ def _timeline(policy: str):
         graph = Graph(program, split=lambda op: False)
         return graph, simulate(graph, list(range(len(graph.nodes))), seconds)
     graph = split_async(program)
-    schedule = order(graph, schedule_dw(graph, seconds) if policy == "dw" else Placement())
-    return graph, simulate(graph, schedule.order, seconds)
+    ordered = order(graph, schedule_dw(graph, seconds) if policy == "dw" else Placement())
+    return graph, simulate(graph, ordered.nodes, seconds)
 
 
 def _intervals(trace, tid):
