@@ -10,8 +10,8 @@ compiled twice with as many collectives in flight as its plan has, the second ti
 each window's latency, :mod:`scheduling.runtime.xla_latencies`; with modifiers:
 ``NAME:free`` not pinned, ``xla_pin none``; ``NAME:noprofile`` compiled once, without
 those latencies, ``xla_latencies false``; ``NAME:groups`` pinned as scheduling groups,
-``xla_pin groups``; ``NAME:sync`` each collective emitted synchronously at its planned
-start, ``schedule.transport sync``, its split left to XLA; ``pair:sync:free`` combines
+the research option ``scheduling.ExperimentalOptions(xla_groups=True)``; ``NAME:sync``
+each collective emitted synchronously at its scheduled start, ``schedule.transport sync``, its split left to XLA; ``pair:sync:free`` combines
 them): plan the preset's train step, compile it with the scheduler flags
 (:data:`scheduling.names.XLA_GPU_FLAGS`) and read the compiled order back from the
 optimized HLO:
@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _config(args: argparse.Namespace, devices: int):
+    from experiments.emulation.experimental import link_profile
     from jaxmoe.presets import preset
 
     config = preset(args.preset)
@@ -137,8 +138,7 @@ def _config(args: argparse.Namespace, devices: int):
         train=dataclasses.replace(config.train, microbatches=args.microbatches),
         schedule=dataclasses.replace(
             config.schedule,
-            profile=args.profile,
-            link_mbit=args.link_mbit,
+            profile=link_profile(args.profile, args.link_mbit) if args.link_mbit else args.profile,
             async_min_bytes=args.async_min_bytes,
         ),
     )
@@ -147,12 +147,15 @@ def _config(args: argparse.Namespace, devices: int):
 _MODIFIERS = {
     "free": dict(xla_pin="none"),
     "noprofile": dict(xla_latencies=False),
-    "groups": dict(xla_pin="groups"),
+    "groups": dict(xla_groups=True),  # a research option, not a schedule field
     "sync": dict(transport="sync"),
 }
 
 
 def _variant(config, name: str):
+    """The configuration of schedule variant ``name``, and its research options (None)."""
+    import scheduling
+
     schedule, *modifiers = name.split(":")
     fields = dict(name=schedule)
     for modifier in modifiers:
@@ -162,7 +165,10 @@ def _variant(config, name: str):
                 f"{', '.join(':' + m for m in _MODIFIERS)}"
             )
         fields.update(_MODIFIERS[modifier])
-    return dataclasses.replace(config, schedule=dataclasses.replace(config.schedule, **fields))
+    groups = fields.pop("xla_groups", False)
+    experimental = scheduling.ExperimentalOptions(xla_groups=True) if groups else None
+    section = dataclasses.replace(config.schedule, **fields)
+    return dataclasses.replace(config, schedule=section), experimental
 
 
 def _measure(config, args: argparse.Namespace, write, devices) -> dict[str, dict]:
@@ -179,7 +185,8 @@ def _measure(config, args: argparse.Namespace, write, devices) -> dict[str, dict
         result = results[name] = {"seconds": []}
         try:
             began = time.perf_counter()
-            planned = plan_train_step(_variant(config, name), mesh)
+            variant, options = _variant(config, name)
+            planned = plan_train_step(variant, mesh, options)
             planned_at = time.perf_counter()
             compiled = planned.compile()
             result["plan_s"] = planned_at - began
@@ -204,7 +211,7 @@ def _measure(config, args: argparse.Namespace, write, devices) -> dict[str, dict
             ],
             groups=len(windows),
             kept=kept.kept if kept else 0,
-            planned=kept.planned if kept else 0,
+            planned=kept.scheduled if kept else 0,
             placed=kept.placed if kept else 0,
             all_to_alls=len(all_to_alls),
             overlapped=sum(p.overlapped for p in all_to_alls),

@@ -141,14 +141,13 @@ def device_profile(profile: str | DeviceProfile) -> DeviceProfile:
 
 
 def profile_problem(profile: Any) -> str:
-    """What is wrong with ``profile`` as a policy's profile ("" if nothing)."""
+    """What is wrong with ``profile`` as a policy's profile ("" if nothing). A profile file
+    is only named here (no I/O): it is read where it is used (:func:`device_profile`)."""
     if isinstance(profile, DeviceProfile) or (isinstance(profile, str) and profile in PROFILES):
         return ""
-    choices = f"choose one of {', '.join(names.PROFILES)}, a profile file or a DeviceProfile"
-    if not isinstance(profile, str) or not profile.endswith(".json"):
-        return choices
-    try:
-        load_profile(profile)
-    except (OSError, ValueError, TypeError) as error:
-        return f"cannot read this profile file ({error}); {choices}"
-    return ""
+    if isinstance(profile, str) and profile.endswith(".json"):
+        return ""
+    return (
+        f"choose one of {', '.join(names.PROFILES)}, a profile file (NAME.json) or a "
+        "DeviceProfile"
+    )

@@ -52,6 +52,7 @@ from typing import Any
 import scheduling
 from jaxmoe.config import Config, ConfigError
 from jaxmoe.config.choices import DISPATCHERS
+from jaxmoe.config.schedule import replace_section
 from jaxmoe.parallel.mesh import abstract_mesh
 from jaxmoe.plan.bounds import Screen, screen
 from jaxmoe.plan.estimates import Estimate, EstimateCache, StepTime
@@ -205,7 +206,7 @@ class PlanResult:
 
 def _with_schedule(config: Config, schedule: str, profile: str) -> Config:
     return dataclasses.replace(
-        config, schedule=dataclasses.replace(config.schedule, name=schedule, profile=profile)
+        config, schedule=replace_section(config.schedule, name=schedule, profile=profile)
     )
 
 

@@ -151,9 +151,7 @@ def estimated_mfu(config: Config, report: Any, devices: int) -> EstimatedMfu:
     The peak is ``schedule.profile``'s for ``model.dtype`` (its half-precision
     peak for bfloat16 where it gives one), the figure the step's matmuls were costed at.
     """
-    import scheduling
-
-    profile = scheduling.PROFILES[config.schedule.profile]
+    profile = config.schedule.device_profile
     return EstimatedMfu(
         model_flops_per_step=model_flops(config).train_step(),
         devices=devices,

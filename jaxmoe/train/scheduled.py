@@ -2,14 +2,17 @@
 
 ``none`` is the plain ``jit`` of the whole-mesh ``shard_map``; any other
 schedule hands the per-device step to :func:`scheduling.optimize`, which
-returns an equivalent step and a report of what it overlapped. ``none`` with
-``schedule.transport socket`` goes through it too: the original order,
-its all-to-alls synchronous over the socket transport that the other schedules
-use, so that a speedup over it is overlap, not a change of transport.
+returns an equivalent step and a report of what it overlapped. Experiments pass
+research options (:class:`scheduling.ExperimentalOptions`) to
+:func:`plan_train_step`; ``none`` with a transport of theirs goes through
+:func:`scheduling.optimize` too: the original order, its all-to-alls synchronous over
+the transport that the other schedules use (the emulated cluster's sockets), so that a
+speedup over it is overlap, not a change of transport.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,7 +80,7 @@ class PlannedStep:
 
 def schedule_policy(config: Config) -> scheduling.SchedulePolicy:
     """The scheduling policy of ``config.schedule``, measured op costs kept in the cache."""
-    return config.schedule.policy(op_cost_cache=str(op_cost_cache()))
+    return dataclasses.replace(config.schedule, op_cost_cache=str(op_cost_cache()))
 
 
 def axis_roles() -> scheduling.AxisRoles:
@@ -85,10 +88,15 @@ def axis_roles() -> scheduling.AxisRoles:
     return scheduling.AxisRoles(dict(AXIS_ROLES))
 
 
-def plan_train_step(config: Config, mesh: Mesh) -> PlannedStep:
+def plan_train_step(
+    config: Config, mesh: Mesh, experimental: scheduling.ExperimentalOptions | None = None
+) -> PlannedStep:
+    """The train step of ``config`` on ``mesh``; ``experimental``: research options for
+    the scheduling layer (experiments only; see the module)."""
     sharded = build_train_step(config, mesh)
     example = abstract_step_args(config, mesh)
-    if not config.schedule.rewrites:
+    own_transport = experimental is not None and experimental.transport is not None
+    if config.schedule.name == "none" and not own_transport:
         return PlannedStep(sharded.jit(), example, None)
     step, report = scheduling.optimize(
         sharded.per_device,
@@ -100,5 +108,6 @@ def plan_train_step(config: Config, mesh: Mesh) -> PlannedStep:
         donate_argnums=sharded.donate_argnums,
         batch_argnums=sharded.batch_argnums,
         axis_roles=axis_roles(),
+        experimental=experimental,
     )
     return PlannedStep(step, example, report)

@@ -266,7 +266,6 @@ def test_without_async_primitives_the_sync_transport_is_exact(no_async):
     [
         ({"name": "fast"}, "name"),
         ({"profile": "tpu-v9"}, "profile"),
-        ({"profile": "no-such-profile.json"}, "cannot read this profile file"),
         ({"max_live_bytes_growth": -0.5}, "max_live_bytes_growth"),
         ({"partition_chunks": 1}, "partition_chunks"),
         ({"name": "expert_pipeline"}, "partition_chunks"),
