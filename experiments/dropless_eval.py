@@ -35,10 +35,10 @@ devices joined by a link shaped to MBIT and calibrated first (``experiments.emul
 refused when the link fails calibration unless ``--allow-uncalibrated`` (the results say
 so), each variant's step over the socket transport (schedule ``none``; the research
 option ``--experimental.transport socket`` of ``experiments.emulation.experimental``) in
-interleaved rounds: the bytes each host's devices sent to the other host (``SocketTransport.traffic``, the
-pieces of a ragged exchange trimmed to their routed rows), what those pieces were whole,
-and the step times. ``--socket``: the same on loopback, without root (bytes; times
-without a slow link).
+interleaved rounds: the bytes each host's devices sent to the other host
+(``SocketTransport.traffic``, the pieces of a ragged exchange trimmed to their routed
+rows), what those pieces were whole, and the step times. ``--socket``: the same on
+loopback, without root (bytes; times without a slow link).
 
 **Placement** (``--skip-placement`` leaves it out): static against dynamic expert
 placement for dropless routing, and the planner replayed on their routing

@@ -11,8 +11,9 @@ each window's latency, :mod:`scheduling.runtime.xla_latencies`; with modifiers:
 ``NAME:free`` not pinned, ``xla_pin none``; ``NAME:noprofile`` compiled once, without
 those latencies, ``xla_latencies false``; ``NAME:groups`` pinned as scheduling groups,
 the research option ``scheduling.ExperimentalOptions(xla_groups=True)``; ``NAME:sync``
-each collective emitted synchronously at its scheduled start, ``schedule.transport sync``, its split left to XLA; ``pair:sync:free`` combines
-them): plan the preset's train step, compile it with the scheduler flags
+each collective emitted synchronously at its scheduled start, ``schedule.transport
+sync``, its split left to XLA; ``pair:sync:free`` combines them): schedule the preset's
+train step, compile it with the scheduler flags
 (:data:`scheduling.names.XLA_GPU_FLAGS`) and read the compiled order back from the
 optimized HLO:
 

@@ -148,6 +148,5 @@ def profile_problem(profile: Any) -> str:
     if isinstance(profile, str) and profile.endswith(".json"):
         return ""
     return (
-        f"choose one of {', '.join(names.PROFILES)}, a profile file (NAME.json) or a "
-        "DeviceProfile"
+        f"choose one of {', '.join(names.PROFILES)}, a profile file (NAME.json) or a DeviceProfile"
     )

@@ -124,7 +124,8 @@ def test_backward_takes_the_forward_pieces_without_reassembly():
     assert shared <= alone
     gathers = Counter(op.primitive for op in decompose_program(program, regions).ops)["gather"]
     gathers_apart = sum(
-        Counter(op.primitive for op in decompose_program(program, [p]).ops)["gather"] for p in regions
+        Counter(op.primitive for op in decompose_program(program, [r]).ops)["gather"]
+        for r in regions
     )
     assert gathers < gathers_apart
 
