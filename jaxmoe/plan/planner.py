@@ -79,7 +79,6 @@ from scheduling import (
     build_report,
     cost_model,
     gathers_in_flight_bytes,
-    plan,
 )
 
 MEMORY_METHOD = (
@@ -221,14 +220,14 @@ def _estimate_program(
     for schedule in schedules:
         policy = schedule_policy(_with_schedule(config, schedule, profile))
         cost = cost_model(policy, mesh)
-        planned = plan(program, policy, cost, batch)
-        report = build_report(planned, cost, policy, program)
+        scheduled = scheduling.schedule(program, policy, cost, batch)
+        report = build_report(scheduled, cost, policy, program)
         times[schedule] = StepTime(
             report.step_seconds,
             report.compute_seconds,
             report.communication_seconds,
             report.exposed_communication_seconds,
-            gathers_in_flight_bytes(planned.graph, planned.schedule.order),
+            gathers_in_flight_bytes(scheduled.graph, scheduled.order.nodes),
         )
     return memory, times
 

@@ -18,6 +18,7 @@ from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.presets import preset
 from jaxmoe.train.scheduled import plan_train_step
 from scheduling.runtime.pinning import OVERLAP_LIMIT_OPTION
+from tests.train.runs import linked
 
 GROUP = re.compile(r'_scheduling_group_id = "(\d+)"')
 WINDOW = re.compile(r'_scheduled_window = "(\d+)"')
@@ -41,7 +42,14 @@ def _plan(name: str, xla_pin: str):
         model=dataclasses.replace(config.model, num_layers=2),
         train=dataclasses.replace(config.train, microbatches=2),
         # A slow link: the all-to-alls' windows hold the other microbatch's work.
-        schedule=dataclasses.replace(config.schedule, name=name, link_mbit=100, xla_pin=xla_pin),
+        schedule=dataclasses.replace(config.schedule, name=name, profile=linked("a100", 100)),
+    )
+    # Scheduling groups are a research option; the policy's pin is barriers or none.
+    if xla_pin == "groups":
+        experimental = scheduling.ExperimentalOptions(xla_groups=True)
+        return plan_train_step(config, build_mesh(config.parallel), experimental)
+    config = dataclasses.replace(
+        config, schedule=dataclasses.replace(config.schedule, xla_pin=xla_pin)
     )
     return plan_train_step(config, build_mesh(config.parallel))
 

@@ -1,5 +1,5 @@
-"""The socket all-to-all: bit for bit the all-to-all, and a start that returns before the
-transfer so that computation placed before the done runs during it."""
+"""The emulated cluster's socket all-to-all: bit for bit the all-to-all, and a start that
+returns before the transfer so that computation placed before the done runs during it."""
 
 from __future__ import annotations
 
@@ -19,16 +19,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
-from scheduling.runtime.socket_all_to_all import (
+
+from experiments.emulation.socket_transport import (
     SocketAllToAll,
+    SocketAllToAlls,
     SocketTransport,
     all_to_all_now,
     consume_token,
 )
-
 from scheduling.program.jax_adapter import HOST_CALLBACK_NAMES
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def _run(mesh, spec, body, x):
@@ -179,7 +180,7 @@ jax.distributed.initialize(sys.argv[1], 2, int(sys.argv[2]))
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from scheduling.runtime.socket_all_to_all import (
+from experiments.emulation.socket_transport import (
     SocketAllToAll, SocketTransport, all_to_all_now, consume_token)
 
 def run(mesh, spec, body, x):
@@ -327,7 +328,7 @@ def _body_on_sockets(policy_name: str):
     from scheduling.policy import SchedulePolicy
     from scheduling.program.capture import capture
     from scheduling.runtime.emit import per_device_function
-    from scheduling.runtime.transports import SocketAllToAlls, XlaAsync
+    from scheduling.runtime.transports import XlaAsync
     from scheduling.search.schedule import schedule
 
     mesh = jax.make_mesh((8,), ("x",))
@@ -341,10 +342,10 @@ def _body_on_sockets(policy_name: str):
         return exchanged + independent
 
     program = capture(step, x, w, mesh=mesh, in_specs=specs, out_specs=specs[0])
-    scheduled = schedule(program, SchedulePolicy(name=policy_name, transport="socket"))
+    scheduled = schedule(program, SchedulePolicy(name=policy_name))
     connection = SocketTransport(mesh, {})
     carrier = lambda: SocketAllToAlls(connection, XlaAsync())
-    run = per_device_function(scheduled.graph, scheduled.schedule, carrier)
+    run = per_device_function(scheduled.graph, scheduled.order, carrier)
     mapped = jax.shard_map(
         run, mesh=mesh, in_specs=program.in_specs, out_specs=program.out_specs, check_vma=False
     )
@@ -375,8 +376,7 @@ def test_none_on_sockets_runs_no_matmul_during_the_transfer():
 
 def test_the_callbacks_are_named_in_the_compiled_module_as_traced_costs_reads_them():
     # scheduling.traced_costs tells a start's host work from a done's by these scopes.
-    from scheduling.runtime.socket_all_to_all import DONE_SCOPE, START_SCOPE
-
+    from experiments.emulation.socket_transport import DONE_SCOPE, START_SCOPE
     from scheduling.reports.measured_trace import hlo_op_keys
 
     mesh = jax.make_mesh((8,), ("x",))
