@@ -48,9 +48,6 @@ def _plain():
     return _steps(plan_train_step(config, mesh).compile(), config, mesh)
 
 
-@pytest.mark.parametrize(
-    "schedule", ["none", "dw", pytest.param("partition", marks=pytest.mark.slow)]
-)
 @pytest.fixture
 def one_process_sockets(monkeypatch):
     """One process: force the transport that would be used across processes."""
@@ -62,6 +59,9 @@ def one_process_sockets(monkeypatch):
     )
 
 
+@pytest.mark.parametrize(
+    "schedule", ["none", "dw", pytest.param("partition", marks=pytest.mark.slow)]
+)
 def test_socket_all_to_alls_keep_the_step_bit_for_bit(schedule, one_process_sockets):
     config = config_from_train_args([*SMALL, "--schedule", schedule])
     mesh = build_mesh(config.parallel)
