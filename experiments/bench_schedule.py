@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import scheduling
     from jaxmoe.train.scheduled import abstract_step_args, capture_train_step
-    from scheduling import batch_inputs, build_report, cost_model, emit, plan
+    from scheduling import batch_inputs, build_report, cost_model, emit, schedule
 
     example = abstract_step_args(resolve(config, mesh))
     policy = scheduling.SchedulePolicy(name=args.schedule, profile=config.schedule.profile)
@@ -52,13 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     timings["capture"] = time.perf_counter() - started
     started = time.perf_counter()
     cost = cost_model(policy, mesh)
-    planned = plan(program, policy, cost, batch_inputs(program, sharded.batch_argnums))
-    timings["plan (partition, split, dW, order)"] = time.perf_counter() - started
+    scheduled = schedule(program, policy, cost, batch_inputs(program, sharded.batch_argnums))
+    timings["schedule (partition, split, dW, order)"] = time.perf_counter() - started
     started = time.perf_counter()
-    report = build_report(planned, cost, policy, program)
+    report = build_report(scheduled, cost, policy, program)
     timings["report (simulation)"] = time.perf_counter() - started
     started = time.perf_counter()
-    step = emit(planned.graph, planned.schedule, donate_argnums=sharded.donate_argnums)
+    step = emit(scheduled.graph, scheduled.order, donate_argnums=sharded.donate_argnums)
     step.lower(*example).as_text()
     timings["emit + lower to StableHLO"] = time.perf_counter() - started
     total = sum(timings.values())

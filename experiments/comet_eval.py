@@ -106,7 +106,7 @@ def layer_program(width: int, hidden: int, experts: int, top_k: int, gpus: int):
 
 def simulate_layers(gpus: int, quick: bool) -> list[dict]:
     """Rows of (a) for ``gpus`` devices; runs in a process with that many fake devices."""
-    from scheduling import SchedulePolicy, build_report, cost_model, plan
+    from scheduling import SchedulePolicy, build_report, cost_model, schedule
 
     rows = []
     shapes = list(LAYER_SHAPES)[:1] if quick else list(LAYER_SHAPES)
@@ -120,8 +120,8 @@ def simulate_layers(gpus: int, quick: bool) -> list[dict]:
             for label, (policy_name, chunks) in LAYER_SCHEDULES.items():
                 policy = SchedulePolicy(name=policy_name, profile=profile, partition_chunks=chunks)
                 cost = cost_model(policy, mesh)
-                planned = plan(program, policy, cost, batch)
-                report = build_report(planned, cost, policy, program)
+                scheduled = schedule(program, policy, cost, batch)
+                report = build_report(scheduled, cost, policy, program)
                 seconds = report.baseline_step_seconds if label == "none" else report.step_seconds
                 rows.append(
                     {
@@ -147,7 +147,7 @@ def simulate_steps(gpus: int, models: list[str]) -> list[dict]:
     from experiments.lancet_eval import MODELS, PROFILES, paper_config
     from jaxmoe.parallel.mesh import build_mesh
     from jaxmoe.train.scheduled import capture_train_step
-    from scheduling import SchedulePolicy, batch_inputs, build_report, cost_model, plan
+    from scheduling import SchedulePolicy, batch_inputs, build_report, cost_model, schedule
 
     rows = []
     for model in models:
@@ -159,7 +159,7 @@ def simulate_steps(gpus: int, models: list[str]) -> list[dict]:
             for name in STEP_SCHEDULES:
                 policy = SchedulePolicy(name=name, profile=profile)
                 cost = cost_model(policy, mesh)
-                report = build_report(plan(program, policy, cost, batch), cost, policy, program)
+                report = build_report(schedule(program, policy, cost, batch), cost, policy, program)
                 seconds = report.baseline_step_seconds if name == "none" else report.step_seconds
                 rows.append(
                     {

@@ -4,7 +4,7 @@
         [--jobs N]
 
 The simulator (cost model and two-stream timeline) on the step with ``--microbatches``
-microbatches, planned by ``none``, ``lancet`` (within each microbatch), ``pair`` (microbatch
+microbatches, scheduled by ``none``, ``lancet`` (within each microbatch), ``pair`` (microbatch
 i's backward beside microbatch i+2's forward, the first two forward and the last two
 backward passes together, dW in the windows left) and ``lancet`` with
 the pairing (``pair_microbatches``):
@@ -83,7 +83,7 @@ def simulate(gpus: int, cases: list[list[str]], microbatches: int, layers: int) 
     that many fake devices (``call_with_devices``)."""
     from jaxmoe.parallel.mesh import build_mesh
     from jaxmoe.train.scheduled import capture_train_step
-    from scheduling import SchedulePolicy, batch_inputs, build_report, cost_model, plan
+    from scheduling import SchedulePolicy, batch_inputs, build_report, cost_model, schedule
 
     rows = []
     for model, profile in cases:
@@ -99,7 +99,7 @@ def simulate(gpus: int, cases: list[list[str]], microbatches: int, layers: int) 
         for label, (policy_name, pairing) in SCHEDULES.items():
             policy = SchedulePolicy(name=policy_name, profile=profile, pair_microbatches=pairing)
             cost = cost_model(policy, mesh)
-            report = build_report(plan(program, policy, cost, batch), cost, policy, program)
+            report = build_report(schedule(program, policy, cost, batch), cost, policy, program)
             exchanges = [c for c in report.collectives if c.kind == "all_to_all"]
             rows.append(
                 {

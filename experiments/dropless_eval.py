@@ -33,11 +33,12 @@ trained ``--warm-steps`` steps first (``warmed_states``):
 **Sockets**. ``--cluster-link-mbit MBIT`` (root): the emulated cluster, 2 hosts x 4
 devices joined by a link shaped to MBIT and calibrated first (``experiments.emulation``),
 refused when the link fails calibration unless ``--allow-uncalibrated`` (the results say
-so), each variant's step over the socket transport (schedule ``none``) in interleaved rounds:
-the bytes each host's devices sent to the other host (``SocketTransport.traffic``, the
-pieces of a ragged exchange trimmed to their routed rows), what those pieces were whole,
-and the step times. ``--socket``: the same on loopback, without root (bytes; times
-without a slow link).
+so), each variant's step over the socket transport (schedule ``none``; the research
+option ``--experimental.transport socket`` of ``experiments.emulation.experimental``) in
+interleaved rounds: the bytes each host's devices sent to the other host
+(``SocketTransport.traffic``, the pieces of a ragged exchange trimmed to their routed
+rows), what those pieces were whole, and the step times. ``--socket``: the same on
+loopback, without root (bytes; times without a slow link).
 
 **Placement** (``--skip-placement`` leaves it out): static against dynamic expert
 placement for dropless routing, and the planner replayed on their routing
@@ -249,18 +250,20 @@ def host_main(argv: list[str]) -> int:
     """The host program of the socket runs: every variant's step over the socket transport
     (schedule ``none``), in interleaved rounds on the same batches; per timed step, its
     seconds and the bytes this process's devices sent. Process 0 writes."""
+    from experiments.emulation.experimental import Experimental
     from experiments.emulation.host_process import round_order, rounds_parser, start_host
 
     parser = rounds_parser("dropless_eval on hosts")
     parser.add_argument("--variants", type=Path, required=True, help="{variant: config}")
     parser.add_argument("--warm-steps", type=int, default=0, help="see warmed_states")
+    argv, experimental = Experimental.split(argv)
     args = parser.parse_args(argv)
     prepared = start_host(args)
 
     import jax
 
-    import scheduling
     from experiments.emulation.host_process import train_batches
+    from experiments.emulation.socket_transport import SocketTransport
     from jaxmoe.config import Config
     from jaxmoe.data.batches import put_on_mesh
     from jaxmoe.train.resolved import resolve
@@ -272,7 +275,7 @@ def host_main(argv: list[str]) -> int:
         for variant, values in json.loads(args.variants.read_text()).items()
     }
     steps = {
-        variant: scheduled_train_step(resolve(config, mesh)).compile()
+        variant: scheduled_train_step(resolve(config, mesh), experimental.options()).compile()
         for variant, config in configs.items()
     }
     sampler = train_batches(prepared.config)
@@ -283,12 +286,12 @@ def host_main(argv: list[str]) -> int:
         batch = put_on_mesh(sampler, args.warm_steps + round_index, mesh)
         jax.block_until_ready(batch)
         for variant in round_order(list(configs), round_index):
-            before = dict(scheduling.SocketTransport.traffic)
+            before = dict(SocketTransport.traffic)
             started = time.perf_counter()
             states[variant], metrics = steps[variant](states[variant], batch)
             jax.device_get(metrics)  # waits for the step
             seconds = time.perf_counter() - started
-            after = dict(scheduling.SocketTransport.traffic)
+            after = dict(SocketTransport.traffic)
             if round_index < args.warmup:
                 continue
             out[variant]["seconds"].append(seconds)
@@ -306,13 +309,13 @@ def measure_sockets(
     """Every preset's variants over the socket transport (2 processes x 4 devices), on
     loopback or, with ``link_mbit``, on the emulated cluster: per preset, process 0's
     rounds; and the link's calibration (None on loopback)."""
+    from experiments.emulation.experimental import Experimental
     from experiments.emulation.hosts import EmulatedHosts
     from jaxmoe.cli.launch import launch
     from jaxmoe.config import ScheduleConfig
 
-    schedule = dataclasses.replace(
-        ScheduleConfig(), name="none", transport="socket", link_mbit=link_mbit or 0.0
-    )
+    schedule = ScheduleConfig(name="none")
+    sockets = Experimental(transport="socket", link_mbit=link_mbit or 0.0)
     with tempfile.TemporaryDirectory(prefix="jaxmoe-dropless-") as tmp:
         work = Path(tmp)
 
@@ -327,7 +330,7 @@ def measure_sockets(
             out = work / f"{name}-out.json"
             args = ["--host", "--config", str(config), "--json", str(out), "--variants"]
             args += [str(variants), "--rounds", str(repeats), "--warmup", str(WARMUP)]
-            args += ["--warm-steps", str(warm_steps)]
+            args += ["--warm-steps", str(warm_steps), *sockets.argv()]
             if hosts is None:
                 if launch(args, SOCKET_HOSTS, module=MODULE):
                     raise RuntimeError(f"the socket rounds of {name} failed")

@@ -95,8 +95,15 @@ def main(argv: list[str] | None = None) -> int:
     specs = dict(mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x"))
 
     def scheduled(transport: str, pin: str):
-        policy = scheduling.SchedulePolicy(name="async", xla_pin=pin, transport=transport)
-        step, _ = scheduling.optimize(_step, *example, **specs, policy=policy)
+        # Scheduling groups are a research option, not a policy's pin.
+        groups = pin == "groups"
+        policy = scheduling.SchedulePolicy(
+            name="async", xla_pin="barriers" if groups else pin, transport=transport
+        )
+        experimental = scheduling.ExperimentalOptions(xla_groups=groups)
+        step, _ = scheduling.optimize(
+            _step, *example, **specs, policy=policy, experimental=experimental
+        )
         if step.pinned.withheld:
             print(f"  groups withheld: {step.pinned.withheld}")
         return step.lower(*example)

@@ -10,9 +10,10 @@ compiled twice with as many collectives in flight as its plan has, the second ti
 each window's latency, :mod:`scheduling.runtime.xla_latencies`; with modifiers:
 ``NAME:free`` not pinned, ``xla_pin none``; ``NAME:noprofile`` compiled once, without
 those latencies, ``xla_latencies false``; ``NAME:groups`` pinned as scheduling groups,
-``xla_pin groups``; ``NAME:sync`` each collective emitted synchronously at its planned
-start, ``schedule.transport sync``, its split left to XLA; ``pair:sync:free`` combines
-them): plan the preset's train step, compile it with the scheduler flags
+the research option ``scheduling.ExperimentalOptions(xla_groups=True)``; ``NAME:sync``
+each collective emitted synchronously at its scheduled start, ``schedule.transport
+sync``, its split left to XLA; ``pair:sync:free`` combines them): schedule the preset's
+train step, compile it with the scheduler flags
 (:data:`scheduling.names.XLA_GPU_FLAGS`) and read the compiled order back from the
 optimized HLO:
 
@@ -123,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _config(args: argparse.Namespace, devices: int):
+    from experiments.emulation.experimental import link_profile
     from jaxmoe.presets import preset
 
     config = preset(args.preset)
@@ -138,8 +140,7 @@ def _config(args: argparse.Namespace, devices: int):
         train=dataclasses.replace(config.train, microbatches=args.microbatches),
         schedule=dataclasses.replace(
             config.schedule,
-            profile=args.profile,
-            link_mbit=args.link_mbit,
+            profile=link_profile(args.profile, args.link_mbit) if args.link_mbit else args.profile,
             async_min_bytes=args.async_min_bytes,
         ),
     )
@@ -148,12 +149,15 @@ def _config(args: argparse.Namespace, devices: int):
 _MODIFIERS = {
     "free": dict(xla_pin="none"),
     "noprofile": dict(xla_latencies=False),
-    "groups": dict(xla_pin="groups"),
+    "groups": dict(xla_groups=True),  # a research option, not a schedule field
     "sync": dict(transport="sync"),
 }
 
 
 def _variant(config, name: str):
+    """The configuration of schedule variant ``name``, and its research options (None)."""
+    import scheduling
+
     schedule, *modifiers = name.split(":")
     fields = dict(name=schedule)
     for modifier in modifiers:
@@ -163,7 +167,10 @@ def _variant(config, name: str):
                 f"{', '.join(':' + m for m in _MODIFIERS)}"
             )
         fields.update(_MODIFIERS[modifier])
-    return dataclasses.replace(config, schedule=dataclasses.replace(config.schedule, **fields))
+    groups = fields.pop("xla_groups", False)
+    experimental = scheduling.ExperimentalOptions(xla_groups=True) if groups else None
+    section = dataclasses.replace(config.schedule, **fields)
+    return dataclasses.replace(config, schedule=section), experimental
 
 
 def _measure(config, args: argparse.Namespace, write, devices) -> dict[str, dict]:
@@ -180,7 +187,8 @@ def _measure(config, args: argparse.Namespace, write, devices) -> dict[str, dict
         result = results[name] = {"seconds": []}
         try:
             began = time.perf_counter()
-            planned = scheduled_train_step(resolve(_variant(config, name), mesh))
+            variant, options = _variant(config, name)
+            planned = scheduled_train_step(resolve(variant, mesh), options)
             planned_at = time.perf_counter()
             compiled = planned.compile()
             result["plan_s"] = planned_at - began
@@ -205,7 +213,7 @@ def _measure(config, args: argparse.Namespace, write, devices) -> dict[str, dict
             ],
             groups=len(windows),
             kept=kept.kept if kept else 0,
-            planned=kept.planned if kept else 0,
+            planned=kept.scheduled if kept else 0,
             placed=kept.placed if kept else 0,
             all_to_alls=len(all_to_alls),
             overlapped=sum(p.overlapped for p in all_to_alls),

@@ -173,18 +173,17 @@ def eval_results() -> dict[str, tuple[Path, dict]]:
 def auto_choice(result: dict, link: str, costs_file: Path) -> tuple[dict, Path | None]:
     """What ``train.grad_sync auto`` picks for the run of ``result`` when told ``link`` and
     given that link's measured curves (where they were measured) and the costs."""
+    from experiments.emulation.experimental import link_profile, saved_config
     from experiments.grad_sync_eval import DEVICES_PER_HOST, curves_file
-    from jaxmoe.config import Config
     from jaxmoe.parallel.mesh import build_mesh
     from jaxmoe.plan.grad_sync_choice import ConvergenceCosts, choose_grad_sync
 
-    config = Config.from_dict(result["config"])
+    config, _ = saved_config(result["config"])
     curves = curves_file(float(link))
     curves = curves if curves.exists() else None
     schedule = dataclasses.replace(
         config.schedule,
-        profile="cpu",
-        link_mbit=float(link),
+        profile=link_profile("cpu", float(link)),
         link_curves=None if curves is None else str(curves),
     )
     train = dataclasses.replace(config.train, grad_sync_devices_per_host=DEVICES_PER_HOST)
@@ -212,7 +211,7 @@ def auto_against_measured(costs_file: Path, command: str) -> str:
         "step times, to the loss allreduce reaches after 70% of its steps), the winner by "
         "measured step time times the convergence cost above (the same product auto "
         "estimates, both factors measured), and what `--train.grad_sync auto` picks when told "
-        "the link (`--schedule.link_mbit`, profile cpu, hosts of 4), that link's measured "
+        "the link (profile cpu at that link, as a profile file; hosts of 4), that link's measured "
         "collective curves (`experiments/results/grad_sync_eval_curves_<link>mbit.json`), and "
         "the convergence costs (`jaxmoe/plan/grad_sync_convergence.json`).",
         "",

@@ -17,8 +17,8 @@ pass and the coordination service's heartbeats included, so per step they are a 
 upper bound). From them: median step time, bytes per step, loss after N steps, and the
 wall-clock time (sum of step times) until the loss, averaged over 5 steps, first reaches
 the target (the loss ``allreduce`` reaches after ``--target-fraction`` of the steps).
-``auto``'s choice for each link (the cost model told the link speed,
-``--schedule.link_mbit``, and that link's measured curves) is set beside the measured
+``auto``'s choice for each link (the cost model told the link speed: the cpu profile at
+that link, as a profile file; and that link's measured curves) is set beside the measured
 winner; ``experiments.grad_sync_convergence`` sets it beside the winner by measured
 step time and measured convergence cost as well. Writes
 ``experiments/results/grad_sync_eval.md``, ``.json`` and ``.png``; ``--quick`` is a
@@ -199,11 +199,12 @@ def auto_choice(args, extra, link: float, curves: Path | None) -> dict:
     """What ``--train.grad_sync auto`` picks when told this link and its measured curves
     (estimates included); run in a process with the cluster's devices (``main``:
     ``ensure_host_devices``)."""
+    from experiments.emulation.experimental import link_profile
     from jaxmoe.parallel.mesh import build_mesh
     from jaxmoe.plan.grad_sync_choice import choose_grad_sync
 
     told = [
-        *("--schedule.profile", "cpu", "--schedule.link_mbit", f"{link:g}"),
+        *("--schedule.profile", link_profile("cpu", link)),
         *("--train.grad_sync_devices_per_host", str(DEVICES_PER_HOST)),
     ]
     if curves is not None:
@@ -215,9 +216,11 @@ def auto_choice(args, extra, link: float, curves: Path | None) -> dict:
 def auto_trial(hosts: EmulatedHosts, args, extra, link: float, curves: Path | None) -> dict:
     """What ``--train.grad_sync auto`` picks on the hosts themselves with a trial of
     ``--trial-steps`` steps (``jaxmoe train`` of one step; process 0 writes its choice)."""
+    from experiments.emulation.experimental import link_profile
+
     told = [
         *("--train.grad_sync", "auto", "--train.grad_sync_trial_steps", str(args.trial_steps)),
-        *("--schedule.profile", "cpu", "--schedule.link_mbit", f"{link:g}"),
+        *("--schedule.profile", link_profile("cpu", link)),
         *("--train.grad_sync_devices_per_host", str(DEVICES_PER_HOST)),
     ]
     if curves is not None:

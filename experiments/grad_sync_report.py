@@ -145,7 +145,7 @@ def format_markdown(result: dict, table: dict[str, dict[str, dict]]) -> str:
         f"{result['smoothing']} steps) first reaches {target:.3f}, the loss allreduce reaches "
         f"after {result['target_fraction']:.0%} of the steps;",
         "- **auto**: what `--train.grad_sync auto` picks when told the link speed "
-        "(`--schedule.link_mbit`, profile cpu), and its estimated step;",
+        "(profile cpu at that link, as a profile file), and its estimated step;",
         "- **auto with a trial**: what it picks when it also times the algorithms whose "
         "estimates lie within the margin of the best (`--train.grad_sync_trial_steps`), run "
         "on the hosts of that link (`jaxmoe train`), where there is one.",

@@ -169,6 +169,7 @@ def measured_ops(directory: Path) -> dict:
 def estimated_ops(algorithm: str, link: float, op_costs: str) -> dict:
     """auto's estimate of ``algorithm``'s step on ``link`` (as ``grad_sync_eval`` tells it),
     per key (name stack, primitive) and kind; run with the cluster's devices."""
+    from experiments.emulation.experimental import link_profile
     from experiments.grad_sync_eval import DEVICES_PER_HOST as PER_HOST
     from experiments.grad_sync_eval import _parse, curves_file, train_args
     from jaxmoe.cli.parser import config_from_train_args
@@ -178,7 +179,7 @@ def estimated_ops(algorithm: str, link: float, op_costs: str) -> dict:
 
     args, extra = _parse([])
     told = [
-        *("--schedule.profile", "cpu", "--schedule.link_mbit", f"{link:g}"),
+        *("--schedule.profile", link_profile("cpu", link)),
         *("--train.grad_sync_devices_per_host", str(PER_HOST)),
         *("--schedule.op_costs", op_costs),
         *("--train.grad_sync", algorithm),

@@ -82,7 +82,7 @@ def simulate(gpus: int, models: list[str]) -> list[dict]:
     (``call_with_devices``)."""
     from jaxmoe.parallel.mesh import build_mesh
     from jaxmoe.train.scheduled import capture_train_step
-    from scheduling import SchedulePolicy, batch_inputs, build_report, cost_model, plan
+    from scheduling import SchedulePolicy, batch_inputs, build_report, cost_model, schedule
 
     rows = []
     for model in models:
@@ -94,7 +94,7 @@ def simulate(gpus: int, models: list[str]) -> list[dict]:
             for label, (name, chunks) in SCHEDULES.items():
                 policy = SchedulePolicy(name=name, profile=profile, partition_chunks=chunks)
                 cost = cost_model(policy, mesh)
-                report = build_report(plan(program, policy, cost, batch), cost, policy, program)
+                report = build_report(schedule(program, policy, cost, batch), cost, policy, program)
                 exchanges = [c for c in report.collectives if c.kind == "all_to_all"]
                 rows.append(
                     {

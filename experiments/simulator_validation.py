@@ -45,30 +45,31 @@ TOLERANCE = 0.15
 
 
 def _plans(link_mbit: float, cost, schedules: list[str]) -> dict:
-    """Each schedule's graph, order and what its planning did (partitioned ranges, MoE
-    layers decomposed), planned as the run planned it (its own policy and cost model)."""
+    """Each schedule's graph, order and what its search did (partitioned ranges, MoE
+    layers decomposed), scheduled as the run scheduled it (its own policy and cost model)."""
+    from experiments.emulation.experimental import experimental_config
     from experiments.emulation.step_rounds import with_schedule
-    from jaxmoe.cli.parser import config_from_train_args
     from jaxmoe.parallel.mesh import build_mesh
-    from jaxmoe.train.scheduled import capture_train_step, schedule_policy
-    from scheduling import batch_inputs, cost_model, plan
+    from jaxmoe.train.resolved import schedule_policy
+    from jaxmoe.train.scheduled import capture_train_step
+    from scheduling import batch_inputs, cost_model, schedule
 
     argv = ["--preset", regime.PRESET, *regime.train_flags(link_mbit)]
-    config = config_from_train_args(argv)
+    config, _ = experimental_config(argv)
     mesh = build_mesh(config.parallel)
     # The schedule fields do not change the step: one capture serves every schedule.
     program, sharded = capture_train_step(resolve(config, mesh))
     batch = batch_inputs(program, sharded.batch_argnums)
     plans = {}
-    for schedule in schedules:
-        policy = schedule_policy(with_schedule(config, schedule))
-        planned = plan(program, policy, cost_model(policy, mesh), batch)
+    for name in schedules:
+        policy = schedule_policy(with_schedule(config, name))
+        scheduled = schedule(program, policy, cost_model(policy, mesh), batch)
         ranges = [
-            f"ops {c.plan.begin}-{c.plan.end - 1} in {c.plan.n} chunks" for c in planned.partitions
+            f"ops {c.cut.begin}-{c.cut.end - 1} in {c.cut.n} chunks" for c in scheduled.partitions
         ]
-        decomposed = [f"{c.layer} {c.chosen}" for c in planned.exchanges if c.chosen]
+        decomposed = [f"{c.layer} {c.chosen}" for c in scheduled.exchanges if c.chosen]
         done = {"partitions": ranges, "exchanges": decomposed}
-        plans[schedule] = (planned.graph, planned.schedule.order, done)
+        plans[name] = (scheduled.graph, scheduled.order.nodes, done)
     return plans
 
 
@@ -106,14 +107,14 @@ def predict(measured_path: str, curves_path: str, cache: str, compute_only_s: fl
     """Runs in a process with the cluster's devices (one per host: ``call_with_devices``).
     ``compute_only_s``: the measured step of ``none`` on the unshaped link (for the
     ``scaled`` reading)."""
-    from jaxmoe.cli.parser import config_from_train_args
+    from experiments.emulation.experimental import experimental_config
     from jaxmoe.parallel.mesh import build_mesh
     from scheduling import node_seconds, simulate
 
     measured_path, curves_path, cache = Path(measured_path), Path(curves_path), Path(cache)
     measured = json.loads(measured_path.read_text())
     link_mbit = measured["link_mbit"]
-    config = config_from_train_args(["--preset", regime.PRESET, *regime.train_flags(link_mbit)])
+    config, _ = experimental_config(["--preset", regime.PRESET, *regime.train_flags(link_mbit)])
     mesh = build_mesh(config.parallel)
     cost = model.instrument_cost(mesh, curves_path, measured["link_calibration"], cache)
     control = measured["overlap_control"]

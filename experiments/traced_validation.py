@@ -56,16 +56,25 @@ READING_NAMES = {
 
 
 def predict(measured_path: str, traces: str) -> dict:
-    """Per schedule, the traced readings of its plan (runs in a process with the cluster's
-    devices: ``call_with_devices``)."""
+    """Per schedule, the traced readings of its schedule (runs in a process with the
+    cluster's devices: ``call_with_devices``)."""
+    from experiments.emulation.experimental import saved_config
+    from experiments.emulation.socket_transport import CALLBACK_SCOPES
     from experiments.emulation.step_rounds import with_schedule
-    from jaxmoe.config import Config
     from jaxmoe.parallel.mesh import build_mesh
-    from jaxmoe.train.scheduled import capture_train_step, schedule_policy
-    from scheduling import batch_inputs, cost_model, node_seconds, plan, read_trace, traced_costs
+    from jaxmoe.train.resolved import schedule_policy
+    from jaxmoe.train.scheduled import capture_train_step
+    from scheduling import (
+        batch_inputs,
+        cost_model,
+        node_seconds,
+        read_trace,
+        schedule,
+        traced_costs,
+    )
 
     measured = json.loads(Path(measured_path).read_text())
-    config = Config.from_dict(measured["config"])
+    config, _ = saved_config(measured["config"], measured.get("experimental", ()))
     mesh = build_mesh(config.parallel)
     axis_sizes = dict(mesh.shape)
     link = model.link_seconds(measured["link_calibration"], axis_sizes)
@@ -75,18 +84,18 @@ def predict(measured_path: str, traces: str) -> dict:
     batch = batch_inputs(program, sharded.batch_argnums)
     predicted = {}
     for row in measured["schedules"]:
-        schedule = row["schedule"]
-        policy = schedule_policy(with_schedule(config, schedule))
+        name = row["schedule"]
+        policy = schedule_policy(with_schedule(config, name))
         cost = cost_model(policy, mesh)
-        planned = plan(program, policy, cost, batch)
-        directory = Path(traces) / "free" / schedule
+        scheduled = schedule(program, policy, cost, batch)
+        directory = Path(traces) / "free" / name
         trace = read_trace(directory / "process_0")
         hlo_text = (directory / "step.hlo.txt").read_text()
-        costs = traced_costs(planned.graph, trace, hlo_text, node_seconds(cost), axis_sizes)
-        predicted[schedule] = model.traced_readings(
-            planned.graph, planned.schedule.order, costs, link
+        costs = traced_costs(
+            scheduled.graph, trace, hlo_text, node_seconds(cost), axis_sizes, CALLBACK_SCOPES
         )
-        print(f"  {schedule}: {predicted[schedule]['traced']['step_s'] * 1e3:.1f} ms predicted")
+        predicted[name] = model.traced_readings(scheduled.graph, scheduled.order.nodes, costs, link)
+        print(f"  {name}: {predicted[name]['traced']['step_s'] * 1e3:.1f} ms predicted")
     return predicted
 
 

@@ -48,14 +48,15 @@ def zero3_config(profile: str, lead: float):
 
 def measure(profile: str, lead: float, program=None) -> tuple[dict, object]:
     from jaxmoe.parallel.mesh import build_mesh
-    from jaxmoe.train.scheduled import capture_train_step, schedule_policy
+    from jaxmoe.train.resolved import schedule_policy
+    from jaxmoe.train.scheduled import capture_train_step
     from scheduling import (
         Phase,
         build_report,
         cost_model,
         gathers_in_flight_bytes,
         peak_live_bytes,
-        plan,
+        schedule,
     )
 
     config = zero3_config(profile, lead)
@@ -64,9 +65,9 @@ def measure(profile: str, lead: float, program=None) -> tuple[dict, object]:
         program, _ = capture_train_step(resolve(config, mesh))
     policy = schedule_policy(config)
     cost = cost_model(policy, mesh)
-    planned = plan(program, policy, cost)
-    report = build_report(planned, cost, policy, program)
-    graph, order = planned.graph, planned.schedule.order
+    scheduled = schedule(program, policy, cost)
+    report = build_report(scheduled, cost, policy, program)
+    graph, order = scheduled.graph, scheduled.order.nodes
     position = {node: i for i, node in enumerate(order)}
     forward_end = min(
         position[n.id] for n in graph.nodes if n.op.phase is not Phase.FORWARD
@@ -93,10 +94,10 @@ def report(rows: list[dict], command: str) -> str:
         "",
         "The simulator on one ZeRO-3 step (8 layers of width 256, an MoE every other layer "
         "of 8 experts, top 2; 128 positions, 16 sequences; data 2 x expert 4; schedule "
-        "`async`), planned under each `schedule.prefetch_lead`; 0 starts every gather with "
+        "`async`), scheduled under each `schedule.prefetch_lead`; 0 starts every gather with "
         "the step. *In flight*: the most gathered weight bytes started and not yet used at "
         "once. *Forward peak*, *step peak*: live bytes by the scheduler's count "
-        "(`scheduling.passes.order.peak_live_bytes`), over the forward pass and over the "
+        "(`scheduling.order.list_scheduler.peak_live_bytes`), over the forward pass and over the "
         "whole step. Per device.",
         "",
         "| profile | lead | step (ms) | / lead 0 | parameter gathers | their time (ms) "

@@ -23,12 +23,12 @@ import optax
 from flax import nnx
 
 from jaxmoe.config import Config, MoEConfig
+from jaxmoe.config.layout import PIPELINE as PIPELINE_AXIS
 from jaxmoe.data.corpus import corpus_eod_id
 from jaxmoe.data.documents import document_masks, loss_mask
 from jaxmoe.layers import RoutingStats
 from jaxmoe.parallel.collectives import manual_axes
 from jaxmoe.parallel.tensor_parallel import sequence_slice
-from jaxmoe.config.layout import PIPELINE as PIPELINE_AXIS
 
 
 class Losses(NamedTuple):

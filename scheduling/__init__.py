@@ -1,124 +1,175 @@
 """The scheduling layer: rewrites a whole per-device training step so that
 collectives run asynchronously behind computation.
 
-It works on jaxprs alone and knows nothing of Flax or of jaxmoe. The pipeline,
-and the public API for each stage (everything outside the package uses these
-names only):
+It works on jaxprs alone and knows nothing of Flax or of jaxmoe. A step goes
+through four stages, each with its public API here (everything outside the
+package uses these names only):
 
 - **capture** a per-device step into one flat :class:`Program`
   (:mod:`scheduling.program`);
-- **plan** it under a :class:`SchedulePolicy` and a cost model: the graph with
+- **schedule** it under a :class:`SchedulePolicy` and a cost model: the graph with
   collectives as start/done pairs, partitioned and decomposed where it pays, and
-  the order of its nodes (:mod:`scheduling.planning`, :mod:`scheduling.passes`);
-- **estimate** a plan on the two-stream simulator (:mod:`scheduling.costs`);
-- **emit** a jit-compiled step that runs the plan through a transport
+  the order of its nodes (:func:`schedule`, a :class:`Schedule`);
+- **emit** a jit-compiled step that runs the schedule through a transport
   (:mod:`scheduling.runtime`);
 - **report** what was overlapped (:mod:`scheduling.reports`).
 
-:func:`optimize` does all five. The names a configuration chooses from (policies,
-profiles, op costs, transports) are in :mod:`scheduling.names`, which imports no JAX;
-so that importing this package stays as cheap, the API below is loaded on first use.
+:func:`optimize` does all four. Research options (for measuring, for checking
+exactness, a transport of one's own) are kept out of the policy, in
+:class:`ExperimentalOptions`.
+
+Layers. Each module imports only from its own subpackage and the layers before it
+(``tests/test_structure.py`` checks it):
+
+1. ``names``, ``profiles``, ``policy``: what a user chooses from, and the policy
+   itself; no JAX, so that a configuration is checked before anything compiles;
+2. ``program``: the captured program, its dataflow graph and analyses of it (batch
+   layouts, partition rules, collective purposes), and the one adapter of JAX
+   internals (``program/jax_adapter.py``);
+3. ``costs``: what ops and collectives cost, and the two-stream simulator;
+4. ``passes``: rewrites of the program and its graph (split into start/done,
+   partition, decompose exchanges, pack dW, pair microbatches, prefetch);
+5. ``order``: the scheduler core, the list scheduler that orders a graph's nodes;
+6. ``search``: which rewrites a policy gets, each candidate scored on the whole
+   step (:func:`schedule`, Lancet's partition search, COMET's exchange choice);
+7. ``runtime``: the emitted step, its transports, and how its windows are held on
+   XLA:GPU (read back from the compiled HLO);
+8. ``reports``: the schedule report, measured traces and the costs they give;
+9. ``optimize``: capture, schedule, emit, report.
+
+Why this module reads as it does: importing any submodule runs this one first, and
+a configuration imports the no-JAX names (:mod:`scheduling.names`,
+:class:`SchedulePolicy`) without JAX. So the names below are imported only for type
+checkers and readers (the ``TYPE_CHECKING`` block: go to definition from here), and
+at run time each is loaded from the module named there on first use: the table
+that does it is read from that same block, so there is one list of the public names.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
-from typing import Any
+import sys
+import types
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-# Public name -> the module that defines it.
-_API = {
-    # capture: the program
-    "capture": "scheduling.program.capture",
-    "Program": "scheduling.program.capture",
-    "Op": "scheduling.program.capture",
-    "Phase": "scheduling.program.capture",
-    "Value": "scheduling.program.capture",
-    "aval_bytes": "scheduling.program.capture",
-    "Graph": "scheduling.program.graph",
-    "Role": "scheduling.program.graph",
-    "AxisRoles": "scheduling.program.collective_purpose",
-    "collective_purposes": "scheduling.program.collective_purpose",
-    "saved_for_backward": "scheduling.program.saved_values",
-    # costs
-    "CostModel": "scheduling.costs.cost_model",
-    "op_flops": "scheduling.costs.cost_model",
-    "collective_wire_bytes": "scheduling.costs.cost_model",
-    "FREE_PRIMITIVES": "scheduling.costs.cost_model",
-    "FUSIBLE": "scheduling.costs.cost_model",
-    "DeviceProfile": "scheduling.costs.profiles",
-    "PROFILES": "scheduling.costs.profiles",
-    "CollectiveCurves": "scheduling.costs.link_model",
-    "PiecewiseLinear": "scheduling.costs.link_model",
-    "OpProfiler": "scheduling.costs.profiling",
-    "ProfiledCostModel": "scheduling.costs.profiling",
-    "simulate": "scheduling.costs.simulate",
-    "Timeline": "scheduling.costs.simulate",
-    "traced_costs": "scheduling.costs.traced_costs",
-    "TracedCosts": "scheduling.costs.traced_costs",
-    # plan
-    "SchedulePolicy": "scheduling.planning.policy",
-    "PolicyError": "scheduling.planning.policy",
-    "check_policy_fields": "scheduling.planning.policy",
-    "plan": "scheduling.planning.plan",
-    "Plan": "scheduling.planning.plan",
-    "cost_model": "scheduling.planning.plan",
-    "batch_inputs": "scheduling.planning.plan",
-    "peak_live_bytes": "scheduling.passes.order",
-    "is_parameter_gather": "scheduling.passes.prefetch",
-    "gathers_in_flight_bytes": "scheduling.passes.prefetch",
-    # estimate
-    "estimate": "scheduling.planning.step_estimate",
-    "node_seconds": "scheduling.planning.step_estimate",
-    "exposed_all_to_all": "scheduling.planning.step_estimate",
-    # emit
-    "emit": "scheduling.runtime.emit",
-    "ScheduledStep": "scheduling.runtime.emit",
-    "xla_gpu_flags": "scheduling.runtime.emit",
-    "connect_transport": "scheduling.runtime.transports",
-    "socket_applies": "scheduling.runtime.transports",
-    "SocketTransport": "scheduling.runtime.socket_all_to_all",
-    "SocketAllToAll": "scheduling.runtime.socket_all_to_all",
-    "all_to_all_now": "scheduling.runtime.socket_all_to_all",
-    "consume_token": "scheduling.runtime.socket_all_to_all",
-    # report
-    "build_report": "scheduling.reports.describe",
-    "ScheduleReport": "scheduling.reports.report",
-    "gantt_available": "scheduling.reports.gantt",
-    "find_trace_file": "scheduling.reports.measured_trace",
-    "read_trace": "scheduling.reports.measured_trace",
-    "compare_trace": "scheduling.reports.measured_trace",
-    "side_by_side": "scheduling.reports.measured_trace",
-    "MeasuredOps": "scheduling.reports.measured_trace",
-    "equation_key": "scheduling.reports.measured_trace",
-    "hlo_op_keys": "scheduling.reports.measured_trace",
-    "hlo_windows": "scheduling.reports.hlo_windows",
-    "broken_windows": "scheduling.reports.hlo_windows",
-    "async_pairs": "scheduling.reports.hlo_windows",
-    "AsyncPair": "scheduling.reports.hlo_windows",
-    "kept_windows": "scheduling.reports.hlo_windows",
-    "KeptWindows": "scheduling.reports.hlo_windows",
-    # all of it
-    "optimize": "scheduling.pipeline",
-}
-# Where a public name differs from the name in its module.
-_RENAMED = {
-    "hlo_windows": "windows",
-    "connect_transport": "connect",
-    "gantt_available": "available",
-    "compare_trace": "compare",
-    "equation_key": "key_of",
-}
+if TYPE_CHECKING:
+    # 1. names, profiles, policy (no JAX)
+    from scheduling.policy import (
+        ExperimentalOptions,
+        PolicyError,
+        SchedulePolicy,
+        check_policy_fields,
+    )
+    from scheduling.profiles import PROFILES, DeviceProfile
 
+    # 2. program
+    from scheduling.program.capture import Op, Phase, Program, Value, aval_bytes, capture
+    from scheduling.program.collective_purpose import AxisRoles, collective_purposes
+    from scheduling.program.graph import Graph, Role
+    from scheduling.program.jax_adapter import host_callback, host_callback_available
+    from scheduling.program.saved_values import saved_for_backward
+
+    # 3. costs
+    from scheduling.costs.cost_model import (
+        FREE_PRIMITIVES,
+        FUSIBLE,
+        CostModel,
+        collective_wire_bytes,
+        is_ragged_exchange,
+        op_flops,
+    )
+    from scheduling.costs.link_model import CollectiveCurves, PiecewiseLinear
+    from scheduling.costs.profiling import OpProfiler, ProfiledCostModel
+    from scheduling.costs.simulate import Timeline, simulate
+
+    # 4. passes
+    from scheduling.passes.prefetch import gathers_in_flight_bytes, is_parameter_gather
+
+    # 5. order
+    from scheduling.order.list_scheduler import Order, peak_live_bytes
+
+    # 6. search
+    from scheduling.search.schedule import Schedule, batch_inputs, cost_model, schedule
+    from scheduling.search.step_estimate import estimate, exposed_all_to_all, node_seconds
+
+    # 7. runtime
+    from scheduling.runtime.emit import ScheduledStep, emit, xla_gpu_flags
+    from scheduling.runtime.hlo_windows import (
+        AsyncPair,
+        KeptWindows,
+        async_pairs,
+        broken_windows,
+        kept_windows,
+    )
+    from scheduling.runtime.hlo_windows import windows as hlo_windows
+    from scheduling.runtime.transports import Connector, Transport, XlaAsync
+    from scheduling.runtime.transports import connect as connect_transport
+
+    # 8. reports
+    from scheduling.reports.describe import build_report
+    from scheduling.reports.gantt import available as gantt_available
+    from scheduling.reports.measured_trace import (
+        MeasuredOps,
+        find_trace_file,
+        hlo_op_keys,
+        read_trace,
+        side_by_side,
+    )
+    from scheduling.reports.measured_trace import compare as compare_trace
+    from scheduling.reports.measured_trace import key_of as equation_key
+    from scheduling.reports.report import ScheduleReport
+    from scheduling.reports.traced_costs import TracedCosts, traced_costs
+
+    # 9. all of it
+    from scheduling.optimize import optimize
+
+
+def _public_names() -> dict[str, tuple[str, str]]:
+    """Public name -> (its module, its name there), read from the ``TYPE_CHECKING`` block
+    of this file."""
+    tree = ast.parse(Path(__file__).read_text())
+    (block,) = (
+        node
+        for node in tree.body
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name)
+        if node.test.id == "TYPE_CHECKING"
+    )
+    return {
+        alias.asname or alias.name: (statement.module, alias.name)
+        for statement in block.body
+        if isinstance(statement, ast.ImportFrom) and statement.module
+        for alias in statement.names
+    }
+
+
+_API = _public_names()
 __all__ = sorted(_API)
 
 
 def __getattr__(name: str) -> Any:
     if name not in _API:
         raise AttributeError(f"module 'scheduling' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_API[name]), _RENAMED.get(name, name))
+    module, defined_as = _API[name]
+    value = getattr(importlib.import_module(module), defined_as)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
+
+
+class _Package(types.ModuleType):
+    """This package, whose public names stay what the table says: importing the
+    submodule ``scheduling.optimize`` would otherwise bind the name ``optimize`` to that
+    module instead of the function."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _API and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -1,14 +1,15 @@
 """The names a user chooses from: policies, device profiles, op costs, transports.
 
 No JAX here: a configuration is checked against these names before anything
-imports JAX or compiles.
+imports JAX or compiles. With :mod:`scheduling.profiles` and :mod:`scheduling.policy`,
+the bottom layer of the package (see the package's docstring).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-# scheduling.planning.policy.SchedulePolicy describes each one.
+# scheduling.policy.SchedulePolicy describes each one.
 POLICIES = (
     "none", "async", "dw", "partition", "lancet", "expert_pipeline", "comet", "lancet+comet",
     "pair",
@@ -29,9 +30,9 @@ TICK_SCOPE = "tick_{}"
 # starts each only as early as it takes to hide it (scheduling.passes.prefetch).
 PARAMETER_GATHER_SCOPE = "param_gather"
 
-# Multi-node cluster profiles are files (scheduling/costs/profiles/NAME.json); three
-# single-device profiles are written in scheduling/costs/profiles.py.
-PROFILE_DIRECTORY = Path(__file__).parent / "costs" / "profiles"
+# Multi-node cluster profiles are files (scheduling/profiles/NAME.json); three
+# single-device profiles are written in scheduling/profiles.py.
+PROFILE_DIRECTORY = Path(__file__).parent / "profiles"
 SINGLE_DEVICE_PROFILES = ("a100", "v100", "cpu")
 PROFILES = (
     *SINGLE_DEVICE_PROFILES,
@@ -42,24 +43,25 @@ PROFILES = (
 OP_COSTS = ("analytic", "measured")
 
 # How the emitted program runs its collectives (scheduling.runtime.transports):
-# XLA's async start/done pairs; the planned order with synchronous collectives; or the
-# all-to-alls over sockets between processes of a CPU run (the emulated cluster).
-TRANSPORTS = ("xla", "sync", "socket")
+# XLA's async start/done pairs, or the scheduled order with synchronous collectives. (A
+# transport of one's own, such as the emulated cluster's sockets, is an experimental
+# option: scheduling.policy.ExperimentalOptions.transport.)
+TRANSPORTS = ("xla", "sync")
 
-# How the emitted program holds each planned window in place on XLA:GPU, whose scheduler
+# How the emitted program holds each scheduled window in place on XLA:GPU, whose scheduler
 # otherwise orders the module itself: between optimization barriers (data dependences every
-# XLA pass keeps); as XLA scheduling groups (which the XLA builds measured drop or
-# mishandle); or not at all. scheduling.runtime.pinning.
-XLA_PINS = ("barriers", "groups", "none")
+# XLA pass keeps), or not at all. scheduling.runtime.pinning. (XLA scheduling groups, which
+# the XLA builds measured drop or mishandle, are ExperimentalOptions.xla_groups.)
+XLA_PINS = ("barriers", "none")
 
-# XLA flags under which the GPU compiler keeps a scheduled step's planned windows: the
+# XLA flags under which the GPU compiler keeps a scheduled step's scheduled windows: the
 # latency-hiding scheduler (off by default; without it an async pair with nothing between
 # start and done becomes a synchronous collective); no dot merger, which otherwise fuses
 # independent products that share an operand into one GEMM (seen on an H200: four products
 # of one weight, in different windows and one after an all-to-all's done, became one),
-# undoing the plan's placement of each; and two collectives in flight at once (by default
+# undoing the schedule's placement of each; and two collectives in flight at once (by default
 # one: XLA closes a window before it opens the next), which a pinned step's compiles
-# raise to its plan's own count (:meth:`scheduling.runtime.pinning.Pinning.compiler_options`).
+# raise to its schedule's own count (:meth:`scheduling.runtime.pinning.Pinning.compiler_options`).
 # All three exist in the XLA of jax 0.10.2 and 0.11.2 (an unknown flag stops XLA at start).
 XLA_GPU_FLAGS = (
     "--xla_gpu_enable_latency_hiding_scheduler=true",

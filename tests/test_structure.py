@@ -1,8 +1,11 @@
 """The layout's rules, checked: jaxmoe's packages import only those below them in the
-order ``docs/architecture.md`` states, one public scheduling API, no import cycles, no JAX
-to read a configuration, JAX internals behind one adapter."""
+order ``docs/architecture.md`` states, the scheduling layers imported in their order only,
+one public scheduling API, no import cycles, no JAX to read a configuration, JAX internals
+behind one adapter."""
 
 import ast
+import importlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -128,6 +131,78 @@ def test_scheduling_never_imports_jaxmoe_or_experiments():
     for path in (ROOT / "scheduling").rglob("*.py"):
         for name in _imports(path):
             assert not name.startswith(("jaxmoe", "experiments")), f"{path}: {name}"
+
+
+def _scheduling_layers() -> dict[str, int]:
+    """Each unit of the scheduling package (a subpackage or a top-level module) -> its
+    layer, as the package's docstring numbers them (``1. ``names``, ``profiles``...``)."""
+    layers = {}
+    for number, units in re.findall(r"^(\d+)\. ((?:``\w+``(?:, )?)+)", scheduling.__doc__, re.M):
+        for unit in re.findall(r"``(\w+)``", units):
+            layers[unit] = int(number)
+    return layers
+
+
+def test_the_scheduling_layers_are_those_of_the_package():
+    units = {
+        path.stem if path.parent.name == "scheduling" else path.parent.name
+        for path in (ROOT / "scheduling").glob("*/__init__.py")
+    } | {path.stem for path in (ROOT / "scheduling").glob("*.py") if path.stem != "__init__"}
+    assert set(_scheduling_layers()) == units
+
+
+def test_each_scheduling_layer_imports_only_the_layers_before_it():
+    """A module imports from its own layer and from lower ones (type-only imports too):
+    nothing of a layer above it, and nothing through the package's public API."""
+    layers = _scheduling_layers()
+    offenders = []
+    for path in (ROOT / "scheduling").rglob("*.py"):
+        parts = path.relative_to(ROOT / "scheduling").with_suffix("").parts
+        if parts == ("__init__",):
+            continue  # the public API, which names every layer
+        unit = parts[0]
+        for name in _imports(path):
+            if not name.startswith("scheduling"):
+                continue
+            target = name.split(".")[1] if "." in name else None
+            if target is None or target not in layers:
+                if name != "scheduling":  # ``from scheduling import names`` gives both
+                    offenders.append(f"{path.relative_to(ROOT)}: {name} (the public API)")
+                continue
+            if layers[target] > layers[unit]:
+                offenders.append(f"{path.relative_to(ROOT)}: {name} (layer {layers[target]})")
+    assert offenders == []
+
+
+def test_the_public_api_is_the_type_checking_block_and_loads_each_name_from_there():
+    tree = ast.parse((ROOT / "scheduling" / "__init__.py").read_text())
+    (block,) = [
+        n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"
+    ]
+    static = {
+        alias.asname or alias.name: (node.module, alias.name)
+        for node in block.body
+        for alias in node.names
+    }
+    assert sorted(static) == scheduling.__all__
+    for name, (module, defined_as) in static.items():
+        assert getattr(scheduling, name) is getattr(importlib.import_module(module), defined_as)
+    # A submodule of the same name as its function leaves the public name to the function.
+    importlib.import_module("scheduling.optimize")
+    assert callable(scheduling.optimize)
+
+
+def test_the_no_jax_part_of_the_public_api_imports_no_jax():
+    code = (
+        "import sys, scheduling; "
+        "scheduling.SchedulePolicy(name='lancet', profile='cpu'); "
+        "scheduling.ExperimentalOptions(partition_always=True); scheduling.PROFILES; "
+        "print('jax' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert result.stdout.strip() == "False"
 
 
 def test_jax_internals_live_in_the_adapter_alone():

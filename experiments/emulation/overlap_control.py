@@ -14,7 +14,8 @@ reversed every round (``run_control`` runs it on every host and returns a
 ``ControlResult``). Overlap is shown only where ``independent`` beats ``chained`` by more
 than the spread of the rounds. With ``collectives="xla"`` the forms use
 ``lax.all_to_all`` (which XLA:CPU runs synchronously, and whose chunks' computation its
-scheduler puts first); with ``"socket"``, ``scheduling.SocketAllToAll``, a start and a done
+scheduler puts first); with ``"socket"``, the socket transport's ``SocketAllToAll``
+(``experiments.emulation.socket_transport``), a start and a done
 over TCP with the pipelined order pinned by data dependence. The command that runs it on
 its own is ``python -m experiments.overlap_control``; ``experiments.cluster`` runs it
 before the schedules.
@@ -179,7 +180,11 @@ def per_device_forms(axis: str, program: ControlProgram, transport=None) -> dict
     import jax
     import jax.numpy as jnp
 
-    from scheduling import SocketAllToAll, all_to_all_now, consume_token
+    from experiments.emulation.socket_transport import (
+        SocketAllToAll,
+        all_to_all_now,
+        consume_token,
+    )
 
     def compute(x, w):
         for _ in range(program.layers):
@@ -297,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     mesh = jax.make_mesh((jax.device_count(),), (axis,))
     transport = None
     if program.collectives == "socket":
-        from scheduling import SocketTransport
+        from experiments.emulation.socket_transport import SocketTransport
 
         transport = SocketTransport.connect(mesh, link_mbit=args.link_mbit)
     programs = build_programs(mesh, axis, program, transport)

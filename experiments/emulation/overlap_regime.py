@@ -6,9 +6,10 @@ regime: ``tiny`` with top-2 routing and 128 sequences per step, on 2 hosts x 1 d
 (expert parallel over the link) joined by a calibrated 50 Mbit/s link. There the
 all-to-alls are most of the step (on the unshaped link the step takes a fraction of its
 time on the shaped one), so overlap has something to hide. Every all-to-all runs over the
-socket transport (``scheduling.SocketAllToAll``), ``none`` too (synchronously), so
-that speedups over ``none`` are overlap, not a change of transport. The gradient
-reductions are XLA's (gloo) in every schedule.
+socket transport (``experiments.emulation.socket_transport``, a research option:
+``experiments.emulation.experimental``), ``none`` too (synchronously), so that speedups
+over ``none`` are overlap, not a change of transport. The gradient reductions are XLA's
+(gloo) in every schedule.
 """
 
 from __future__ import annotations
@@ -24,14 +25,15 @@ SCHEDULES = ("none", "async", "partition", "lancet")
 
 
 def train_flags(link_mbit: float = LINK_MBIT) -> list[str]:
-    """Layout, routing, batch, the planning (the analytic CPU profile told the link's rate,
-    small reductions left synchronous), and the transport of the all-to-alls."""
+    """Layout, routing, batch, the scheduling (the analytic CPU profile told the link's
+    rate, small reductions left synchronous), and the transport of the all-to-alls (the
+    last two research options: ``experiments.emulation.experimental``)."""
     return [
         "--parallel.data", "1", "--parallel.expert", "2", "--moe.top_k", "2",
         "--train.batch_size", "128", "--schedule.profile", "cpu",
-        "--schedule.link_mbit", f"{link_mbit:g}",
         "--schedule.async_min_bytes", "262144",
-        "--schedule.transport", "socket",
+        "--experimental.link_mbit", f"{link_mbit:g}",
+        "--experimental.transport", "socket",
     ]  # fmt: skip
 
 

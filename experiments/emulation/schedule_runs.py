@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from experiments.emulation.collectives_only import run_collectives_only
+from experiments.emulation.experimental import Experimental
 from experiments.emulation.hosts import EmulatedHosts, check_hosts_fill_layout, machine
 from experiments.emulation.link_calibration import LinkCalibration, calibrated_network
 from experiments.emulation.link_curves import run_link_curves
@@ -45,8 +46,9 @@ from scheduling.names import POLICIES
 @dataclass(frozen=True)
 class ScheduleRequest:
     """What to measure: the schedules (``NAME`` or ``NAME:N``, the first the baseline of
-    the speedups), the training configuration as ``jaxmoe train`` flags, the hosts and
-    their link, the rounds, and which parts to run."""
+    the speedups), the training configuration as ``jaxmoe train`` flags (and research
+    options among them: ``experiments.emulation.experimental``), the hosts and their link,
+    the rounds, and which parts to run."""
 
     schedules: tuple[str, ...] = ("none",)
     preset: str = "tiny"
@@ -82,18 +84,26 @@ class ScheduleRequest:
         except ValueError as error:
             raise ConfigError(str(error)) from None
         config = self.config()
+        self.experimental.configure(config)  # the research options, checked
         check_hosts_fill_layout(config, self.hosts, self.devices_per_host)
         for schedule in self.schedules:  # each schedule's policy, before any host starts
             try:
-                with_schedule(config, schedule).schedule.policy()
+                with_schedule(config, schedule)
             except ValueError as error:
                 raise ConfigError(f"--schedules {schedule}: {error}") from None
         return config
 
     def config(self) -> Config:
+        """The training configuration (without the research options)."""
         from jaxmoe.cli.parser import config_from_train_args
 
-        return config_from_train_args(["--preset", self.preset, *self.overrides])
+        train_argv, _ = Experimental.split(self.overrides)
+        return config_from_train_args(["--preset", self.preset, *train_argv])
+
+    @property
+    def experimental(self) -> Experimental:
+        """The research options among the overrides."""
+        return Experimental.split(self.overrides)[1]
 
     @property
     def shaped_link(self) -> LinkShape:
@@ -203,6 +213,7 @@ class ScheduleMeasurement:
             "warmup": request.warmup,
             "round_order": "listed order in even rounds, reversed in odd rounds",
             "config": self.config.to_dict(),
+            "experimental": request.experimental.argv(),
             "communication_only_s": self.communication_only_s,
             "communication_only_free_link_s": self.communication_only_free_link_s,
             "schedules": [asdict(row) for row in self.schedules],
@@ -220,6 +231,7 @@ def measure_schedules(request: ScheduleRequest, command: str | None = None) -> S
         HostRunFailed: a host program failed.
     """
     config = request.check()
+    run_config = request.experimental.configure(config)  # the link told to its profile
     command = request.command() if command is None else command
     schedules, rounds = list(request.schedules), (request.repeats, request.warmup)
     control = None
@@ -241,9 +253,14 @@ def measure_schedules(request: ScheduleRequest, command: str | None = None) -> S
                     ),
                 )
                 print(control.summary(), flush=True)
-            config_path = hosts.write_config(config)
+            config_path = hosts.write_config(run_config)
             shaped = run_step_rounds(
-                hosts, config_path, schedules, *rounds, trace=_traces(request, "shaped")
+                hosts,
+                config_path,
+                schedules,
+                *rounds,
+                trace=_traces(request, "shaped"),
+                experimental=request.experimental,
             )
             communication = run_collectives_only(hosts, config_path, request.repeats)
             if request.sweep is not None:
@@ -251,15 +268,20 @@ def measure_schedules(request: ScheduleRequest, command: str | None = None) -> S
                     f"emulated cluster: {request.hosts} hosts x {request.devices_per_host} "
                     f"devices, {request.link_mbit:g} Mbit/s, {request.delay_ms:g} ms"
                 )
-                run_link_curves(hosts, config, request.sweep, source)
+                run_link_curves(hosts, run_config, request.sweep, source)
                 record_calibration(request.sweep, calibration, command)
         free = free_communication = None
         if not request.shaped_only:
             with EmulatedNetwork(request.hosts, LinkShape(rate_mbit=None)) as network:
                 hosts = EmulatedHosts(network, workdir, "free")
-                config_path = hosts.write_config(config)
+                config_path = hosts.write_config(run_config)
                 free = run_step_rounds(
-                    hosts, config_path, schedules, *rounds, trace=_traces(request, "free")
+                    hosts,
+                    config_path,
+                    schedules,
+                    *rounds,
+                    trace=_traces(request, "free"),
+                    experimental=request.experimental,
                 )
                 free_communication = run_collectives_only(hosts, config_path, request.repeats)
     tokens_per_step = config.train.batch_size * config.model.seq_len

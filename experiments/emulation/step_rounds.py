@@ -4,13 +4,15 @@ The host program (run on every emulated host by ``run_step_rounds``)::
 
     python -m experiments.emulation.step_rounds --config CONFIG.json --schedules none,dw \\
         --rounds 10 --warmup 2 --json OUT.json [--trace DIR] [--coordinator HOST:PORT \\
-        --num-processes N --process-id I]
+        --num-processes N --process-id I] [--experimental.NAME VALUE ...]
 
 Every schedule's step is compiled once in this process, each with its own train state
 (the same initial state for all). Then each round runs one training step of every
 schedule, in the listed order in even rounds and reversed in odd ones, so that a drift of
 the machine (other work on its cores, a warming cache) falls on every schedule alike and
-a schedule's position in the round does not favour it. All schedules of a round train on
+a schedule's position in the round does not favour it. The research options
+(``experiments.emulation.experimental``: the socket transport) go to every schedule's
+step. All schedules of a round train on
 the same batch. ``--warmup`` rounds run first and are not timed. Process 0 writes, per
 schedule, the seconds of each timed round (index r of every list is round r), the order
 of every round and each compilation's seconds: a ``StepRounds``.
@@ -31,6 +33,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from experiments.emulation.experimental import Experimental
 from experiments.emulation.host_process import round_order, rounds_parser, start_host, train_batches
 from experiments.emulation.hosts import EmulatedHosts
 from jaxmoe.train.resolved import resolve
@@ -73,14 +76,18 @@ def run_step_rounds(
     rounds: int,
     warmup: int,
     trace: Path | None = None,
+    experimental: Experimental | None = None,
 ) -> StepRounds:
     """The schedules' training steps in interleaved rounds on every host (``trace``: then
-    each schedule's traced steps there, see the module)."""
+    each schedule's traced steps there, see the module; ``experimental``: the research
+    options of every step)."""
     out = hosts.path("rounds.json")
     args = ["--config", str(config_path), "--schedules", ",".join(schedules)]
     args += ["--rounds", str(rounds), "--warmup", str(warmup), "--json", str(out)]
     if trace is not None:
         args += ["--trace", str(trace)]
+    if experimental is not None:
+        args += experimental.argv()
     hosts.run("step-rounds", args, module=__name__)
     return StepRounds.from_json(json.loads(out.read_text()))
 
@@ -89,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = rounds_parser(__doc__.splitlines()[0])
     parser.add_argument("--schedules", required=True, help="comma-separated NAME or NAME:N")
     parser.add_argument("--trace", type=Path, help="trace each schedule's steps here")
+    argv, experimental = Experimental.split(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     schedules = [s for s in args.schedules.split(",") if s]
     prepared = start_host(args)
@@ -104,8 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     steps, states, compile_s = {}, {}, {}
     for schedule in schedules:
         started = time.perf_counter()
+        options = experimental.options()
         steps[schedule] = scheduled_train_step(
-            resolve(with_schedule(config, schedule), mesh)
+            resolve(with_schedule(config, schedule), mesh), options
         ).compile()
         compile_s[schedule] = time.perf_counter() - started
         states[schedule] = init_train_state(resolve(config, mesh))

@@ -1,6 +1,7 @@
 """The files a run reads, checked before anything compiles.
 
-A configuration names files (``data.path``, ``schedule.link_curves``)
+A configuration names files (``data.path``, ``schedule.link_curves``, a
+``schedule.profile`` file)
 that are only opened deep inside a run, some after a long compilation. The
 command line calls :func:`check_input_files` first, so that a missing,
 unreadable or malformed file is one :class:`~jaxmoe.config.ConfigError` line
@@ -19,7 +20,16 @@ from scheduling import CollectiveCurves
 
 
 def check_link_curves(schedule: ScheduleConfig) -> None:
-    """``schedule.link_curves`` is a curve set the scheduler's cost model can use."""
+    """``schedule.link_curves`` is a curve set the scheduler's cost model can use, and a
+    profile file (``schedule.profile``) a profile."""
+    if isinstance(schedule.profile, str) and schedule.profile.endswith(".json"):
+        try:
+            schedule.device_profile  # noqa: B018 (read to be checked)
+        except (OSError, ValueError, TypeError) as error:
+            raise ConfigError(
+                f"schedule.profile={schedule.profile!r}: cannot read this profile file "
+                f"({error}); give the JSON of a DeviceProfile, as in scheduling/profiles/"
+            ) from None
     path = schedule.link_curves
     if path is None:
         return

@@ -101,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Before JAX creates its backends (at first use): the CPU platform's device count,
         # and on GPU the scheduler that keeps a scheduled step's windows.
         ensure_host_devices(_devices_per_process(config, args))
-        if config.schedule.rewrites:
+        if config.schedule.name != "none":
             ensure_xla_flags(list(scheduling.names.XLA_GPU_FLAGS))
         _check_input_files(config, args)
         return COMMANDS[args.command](config, args)

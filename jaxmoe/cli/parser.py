@@ -21,7 +21,12 @@ import scheduling.names
 from jaxmoe import exit_codes
 from jaxmoe.cli import convert_command, data_command, generate_command
 from jaxmoe.config import Config, ConfigError
-from jaxmoe.config.schedule import RENAMED_TRAIN_FIELDS
+from jaxmoe.config.schedule import (
+    EXPERIMENTAL_FIELDS,
+    EXPERIMENTAL_TRAIN_FIELDS,
+    MOVED_TRAIN_FIELDS,
+    RUN_FIELDS,
+)
 from jaxmoe.presets import PRESETS, preset
 
 # Shortcut flags and the configuration field each one sets.
@@ -51,6 +56,8 @@ def _value_parser(annotation: Any) -> Callable[[str], Any]:
         (inner,) = (arg for arg in args if arg is not type(None))
         parse_inner = _value_parser(inner)
         return lambda text: None if text.lower() in ("none", "null") else parse_inner(text)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and str in args:
+        return str  # schedule.profile: a name or a file on the command line
     if annotation is bool:
         return _parse_bool
     if annotation in (int, float, str):
@@ -61,10 +68,13 @@ def _value_parser(annotation: Any) -> Callable[[str], Any]:
 def override_fields() -> dict[str, tuple[str, str, Callable[[str], Any]]]:
     """``'section.field' -> (section, field, parser)`` for every configuration field."""
     fields = {}
+    run_fields = {f"schedule.{name}" for name in RUN_FIELDS}
     for section in dataclasses.fields(Config):
         section_type = type(getattr(Config(), section.name))
         hints = typing.get_type_hints(section_type)
         for field in dataclasses.fields(section_type):
+            if f"{section.name}.{field.name}" in run_fields:
+                continue
             fields[f"{section.name}.{field.name}"] = (
                 section.name,
                 field.name,
@@ -80,6 +90,13 @@ class _Renamed(argparse.Action):
         raise ConfigError(f"{option_string} is now {self.help}: use that flag instead")
 
 
+class _Removed(argparse.Action):
+    """A flag that is no setting any more: refused with its hint, before anything runs."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        raise ConfigError(f"{option_string}: {self.const}")
+
+
 def add_config_arguments(command: argparse.ArgumentParser, shortcuts: bool = True) -> None:
     """The preset, the shortcuts and one ``--SECTION.FIELD`` flag per config field."""
     command.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
@@ -92,8 +109,17 @@ def add_config_arguments(command: argparse.ArgumentParser, shortcuts: bool = Tru
     overrides = command.add_argument_group("configuration overrides")
     for name in override_fields():
         overrides.add_argument(f"--{name}", dest=f"override:{name}", metavar="VALUE")
-    for old, new in RENAMED_TRAIN_FIELDS.items():
+    for old, new in MOVED_TRAIN_FIELDS.items():
         command.add_argument(f"--train.{old}", action=_Renamed, help=f"--schedule.{new}")
+    for old, hint in EXPERIMENTAL_TRAIN_FIELDS.items():
+        command.add_argument(
+            f"--train.{old}", action=_Removed, nargs="?", const=hint, help=argparse.SUPPRESS
+        )
+    refused = {**EXPERIMENTAL_FIELDS, **dict.fromkeys(RUN_FIELDS, "the run fills it in")}
+    for name, hint in refused.items():
+        command.add_argument(
+            f"--schedule.{name}", action=_Removed, nargs="?", const=hint, help=argparse.SUPPRESS
+        )
 
 
 def add_process_arguments(command: argparse.ArgumentParser) -> None:

@@ -16,7 +16,12 @@ from jaxmoe.config.layout import LayoutError, check_split_widths
 from jaxmoe.config.model import ModelConfig
 from jaxmoe.config.moe import MoEConfig, capacity_per_expert, shared_width
 from jaxmoe.config.parallel import ParallelConfig, check_pipeline
-from jaxmoe.config.schedule import ScheduleConfig, schedule_fields_from_train
+from jaxmoe.config.schedule import (
+    DEFAULT_SCHEDULE,
+    ScheduleConfig,
+    refuse_moved_train_fields,
+    schedule_section,
+)
 from jaxmoe.config.sizes import check_array_sizes
 from jaxmoe.config.train import TrainConfig
 
@@ -30,7 +35,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    schedule: ScheduleConfig = DEFAULT_SCHEDULE
 
     def __post_init__(self) -> None:
         check_array_sizes(self.model, self.moe, self.train)
@@ -159,11 +164,10 @@ class Config:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Config:
-        """The configuration ``to_dict`` wrote (also one written before the schedule
-        section existed, whose ``train.schedule_*`` fields it takes over)."""
+        """The configuration ``to_dict`` wrote (one with an old ``train.schedule_*`` field is
+        refused, naming the new one)."""
         values = {name: dict(section) for name, section in values.items()}
-        if "schedule" not in values and "train" in values:
-            values["schedule"] = schedule_fields_from_train(values["train"])
+        refuse_moved_train_fields(values.get("train", {}))
         sections = {f.name: f.type for f in dataclasses.fields(cls)}
         unknown = set(values) - set(sections)
         require(not unknown, f"unknown config sections {sorted(unknown)}")
@@ -172,6 +176,9 @@ class Config:
         for name in sections:
             section_type = type(getattr(defaults, name))
             given = values.get(name, {})
+            if name == "schedule":
+                built[name] = schedule_section(given)
+                continue
             known = {item.name for item in dataclasses.fields(section_type)}
             unknown_fields = sorted(set(given) - known)
             require(

@@ -24,11 +24,12 @@ import tokenize
 from pathlib import Path
 from typing import Any
 
+import scheduling.names
 from jaxmoe.config import choices
 from jaxmoe.config.config import Config
 from jaxmoe.config.moe import DROPLESS_DISPATCHES, REPLICA_SPLITS
+from jaxmoe.config.schedule import RUN_FIELDS
 from jaxmoe.config.train import ZERO_STAGES
-from scheduling import names
 
 BEGIN = "<!-- reference:config begin -->"
 END = "<!-- reference:config end -->"
@@ -50,11 +51,11 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "train.on_nonfinite": choices.ON_NONFINITE,
     "train.grad_sync": choices.GRAD_SYNC_CHOICES,
     "train.zero": ZERO_STAGES,
-    "schedule.name": names.POLICIES,
-    "schedule.profile": names.PROFILES,
-    "schedule.transport": names.TRANSPORTS,
-    "schedule.op_costs": names.OP_COSTS,
-    "schedule.xla_pin": names.XLA_PINS,
+    "schedule.name": scheduling.names.POLICIES,
+    "schedule.profile": scheduling.names.PROFILES,
+    "schedule.transport": scheduling.names.TRANSPORTS,
+    "schedule.op_costs": scheduling.names.OP_COSTS,
+    "schedule.xla_pin": scheduling.names.XLA_PINS,
 }
 
 # How a field's annotation reads on the command line (anything else is shown as written).
@@ -108,14 +109,6 @@ def field_comments(cls: type) -> dict[str, str]:
     return {item.name: found.get(item.name, "") for item in dataclasses.fields(cls)}
 
 
-def _default(item: dataclasses.Field) -> Any:
-    if item.default is not dataclasses.MISSING:
-        return item.default
-    if item.default_factory is not dataclasses.MISSING:
-        return item.default_factory()
-    return dataclasses.MISSING
-
-
 def _value(value: Any) -> str:
     """A value as it is written on the command line."""
     if value is None:
@@ -138,8 +131,19 @@ def _cell(text: str) -> str:
 
 
 def section_table(section: str, cls: type) -> str:
-    """The markdown table of one section: a row per field, in the class's order."""
-    comments = field_comments(cls)
+    """The markdown table of one section: a row per setting, in the class's order, with
+    the default a configuration starts from (the schedule's run-filled fields left out)."""
+    defaults = getattr(Config(), section)
+    settings = [
+        item
+        for item in dataclasses.fields(cls)
+        if not (section == "schedule" and item.name in RUN_FIELDS)
+    ]
+    comments = {
+        name: text
+        for name, text in field_comments(cls).items()
+        if name in {i.name for i in settings}
+    }
     missing = [name for name, text in comments.items() if not text]
     if missing:
         where = inspect.getsourcefile(cls)
@@ -153,10 +157,9 @@ def section_table(section: str, cls: type) -> str:
         "| flag | default | values | meaning |",
         "|---|---|---|---|",
     ]
-    for item in dataclasses.fields(cls):
+    for item in settings:
         flag = f"{section}.{item.name}"
-        default = _default(item)
-        shown = "required" if default is dataclasses.MISSING else f"`{_value(default)}`"
+        shown = f"`{_value(getattr(defaults, item.name))}`"
         rows.append(
             f"| `--{flag}` | {shown} | {_values(flag, item)} | {_cell(comments[item.name])} |"
         )

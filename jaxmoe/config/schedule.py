@@ -1,109 +1,132 @@
-"""The schedule section: how the scheduling layer rewrites the train step.
+"""The schedule section: the scheduling layer's own policy, :class:`scheduling.SchedulePolicy`.
 
-One field for each field of :class:`scheduling.SchedulePolicy` (the same names, the
-same meaning, checked by the same code: :func:`scheduling.check_policy_fields`),
-except ``op_cost_cache``, which the run fills in. ``--schedule NAME`` is the shortcut
-for ``--schedule.name NAME``; the README's schedule table says what each policy does.
+The section is the policy itself (``ScheduleConfig`` is its name here), checked by the
+scheduling layer before anything imports JAX or compiles: :func:`schedule_section`
+turns a bad value into one line naming ``schedule.FIELD`` and the fix. A run starts from
+:data:`DEFAULT_SCHEDULE` (``none``: the step as written, plain jit); ``--schedule NAME``
+is the shortcut for ``--schedule.name NAME``; the README's schedule table says what each
+policy does. ``op_cost_cache`` is no setting: the run fills it in
+(:func:`jaxmoe.train.scheduled.schedule_policy`).
+
+Refused, each with a one-line hint: the old ``train.schedule_*`` fields (saved in a
+configuration, or given as flags), and the research options that left the section
+(``partition_always``, ``exchange``, ``link_mbit``, ``transport socket``, ``xla_pin
+groups``): experiments pass those as :class:`scheduling.ExperimentalOptions` to the step
+they build (:func:`jaxmoe.train.scheduled.scheduled_train_step`), and a link of one's own is a
+profile file (``schedule.profile``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from typing import Any
 
-import scheduling
 from jaxmoe.config.checks import ConfigError, check_types
+from scheduling import DeviceProfile, PolicyError, SchedulePolicy
 
+ScheduleConfig = SchedulePolicy
+DEFAULT_SCHEDULE = SchedulePolicy(name="none")
 
-@dataclass(frozen=True)
-class ScheduleConfig:
-    """The scheduling policy of the run, field for field (see the module docstring)."""
+# Fields the run fills in: not settings.
+RUN_FIELDS = ("op_cost_cache",)
 
-    # The scheduling policy: none is the step as written (plain jit); the README's schedules
-    # table says what each of the others does.
-    name: str = "none"
-    # The device profile of the cost model (scheduling.names.PROFILES).
-    profile: str = "a100"
-    # The cost model's link in Mbit/s per device instead of the profile's (0: the profile's).
-    link_mbit: float = 0.0
-    # Allowed growth of peak live bytes over the step as written, as a fraction.
-    max_live_bytes_growth: float = 0.1
-    # xla (XLA's async collectives), sync (the planned order, synchronous collectives), or
-    # socket (on the CPU backend across processes, the all-to-alls over sockets, where
-    # they overlap computation; `none` then runs them synchronously on the same sockets).
-    transport: str = "xla"
-    # Reductions and gathers smaller than this stay synchronous (and combinable by XLA).
-    async_min_bytes: int = 0
-    # Op costs: analytic (the profile's FLOPs and bytes) or measured on this backend.
-    op_costs: str = "analytic"
-    # Measured collective curves (`jaxmoe link-curves`) instead of the profile's link.
-    link_curves: str | None = None
-    # partition, lancet: the chunk count to use (none: the search picks from 2..8);
-    # expert_pipeline: its degree (required).
-    partition_chunks: int | None = None
-    # Partition every range that can be, even where the estimate does not improve.
-    partition_always: bool = False
-    # comet, lancet+comet: decompose every MoE exchange this way ("rounds:G", "chunks:N";
-    # none: the cost model chooses per layer).
-    exchange: str | None = None
-    # Run each microbatch's passes beside another microbatch's (with
-    # train.microbatches > 1; the pair policy always does, any other but none may).
-    pair_microbatches: bool = False
-    # train.zero 3: each block's weight gather starts where the compute before its use is
-    # estimated at this many times the gather's time (0: at the start of the step).
-    prefetch_lead: float = 2.0
-    # On GPU, how each critical window is held in place against XLA's own scheduler:
-    # barriers (optimization barriers around it), groups (XLA scheduling groups) or none.
-    xla_pin: str = "barriers"
-    # With barriers on GPU: compile twice, telling XLA's scheduler the second time that each
-    # window's collective lasts longer than anything beside it, so that it opens each
-    # window where the plan does.
-    xla_latencies: bool = True
-
-    def __post_init__(self) -> None:
-        check_types("schedule", self)
-        try:
-            scheduling.check_policy_fields(dataclasses.asdict(self))
-        except scheduling.PolicyError as error:
-            raise ConfigError(f"schedule.{error.field}={error.value!r}: {error.fix}") from None
-
-    def policy(self, op_cost_cache: str | None = None) -> scheduling.SchedulePolicy:
-        """The scheduling policy these fields describe."""
-        return scheduling.SchedulePolicy(**dataclasses.asdict(self), op_cost_cache=op_cost_cache)
-
-    @property
-    def rewrites(self) -> bool:
-        """Whether the step goes through the scheduling layer (anything but the plain jit)."""
-        return self.name != "none" or self.transport == "socket"
-
-
-# Fields of the train section that the schedule section took over, and their new names;
-# a saved configuration that has them is read into the schedule section.
-RENAMED_TRAIN_FIELDS = {
+# Fields of the train section that the schedule section took over, by their new names.
+MOVED_TRAIN_FIELDS = {
     "schedule": "name",
     "schedule_profile": "profile",
     "schedule_async_min_bytes": "async_min_bytes",
     "schedule_op_costs": "op_costs",
     "schedule_link_curves": "link_curves",
-    "schedule_link_mbit": "link_mbit",
     "schedule_partition_chunks": "partition_chunks",
-    "schedule_partition_always": "partition_always",
-    "schedule_socket_all_to_all": "transport",
-    "schedule_exchange": "exchange",
 }
 
+_EXPERIMENTAL = "experimental, no longer a setting: experiments pass it as"
+_LINK = (
+    "the cost model's link is its profile's: choose --schedule.profile, or write a profile "
+    "file of your link (the JSON of scheduling/profiles/) and give its path"
+)
+# Research options that left the section (and their train.schedule_* forebears): the hint.
+EXPERIMENTAL_FIELDS = {
+    "partition_always": f"{_EXPERIMENTAL} scheduling.ExperimentalOptions(partition_always=True)",
+    "exchange": f"{_EXPERIMENTAL} scheduling.ExperimentalOptions(exchange=...)",
+    "link_mbit": _LINK,
+}
+EXPERIMENTAL_TRAIN_FIELDS = {
+    "schedule_partition_always": EXPERIMENTAL_FIELDS["partition_always"],
+    "schedule_exchange": EXPERIMENTAL_FIELDS["exchange"],
+    "schedule_link_mbit": _LINK,
+    "schedule_socket_all_to_all": (
+        f"{_EXPERIMENTAL} scheduling.ExperimentalOptions(transport=...): the emulated "
+        "cluster's socket transport is experiments/emulation/socket_transport.py"
+    ),
+}
+# Values of the section's fields that are research options now.
+EXPERIMENTAL_VALUES = {
+    ("transport", "socket"): EXPERIMENTAL_TRAIN_FIELDS["schedule_socket_all_to_all"],
+    ("xla_pin", "groups"): (
+        f"{_EXPERIMENTAL} scheduling.ExperimentalOptions(xla_groups=True) (scheduling groups "
+        "crash XLA:GPU of jax 0.10.2)"
+    ),
+}
+# A saved section's research options at these values meant nothing: they are dropped.
+_DROPPED_DEFAULTS: dict[str, Any] = {"partition_always": False, "exchange": None, "link_mbit": 0.0}
 
-def schedule_fields_from_train(train: dict) -> dict:
-    """The schedule section's values from a train section written before it existed
-    (``train.schedule_*``), removed from ``train``; unset values become None."""
-    fields = {}
-    for old, new in RENAMED_TRAIN_FIELDS.items():
-        if old not in train:
-            continue
-        value = train.pop(old)
-        if old == "schedule_socket_all_to_all":
-            value = "socket" if value else "xla"
-        elif old in ("schedule_partition_chunks", "schedule_exchange") and not value:
-            value = None
-        fields[new] = value
-    return fields
+
+def refuse_experimental(field: str, value: Any) -> None:
+    """Raise :class:`ConfigError` if ``schedule.FIELD=VALUE`` is a research option."""
+    hint = EXPERIMENTAL_VALUES.get((field, value)) if isinstance(value, str) else None
+    if field in EXPERIMENTAL_FIELDS or hint:
+        raise ConfigError(f"schedule.{field}={value!r}: {hint or EXPERIMENTAL_FIELDS[field]}")
+
+
+def refuse_moved_train_fields(train: dict[str, Any]) -> None:
+    """Raise :class:`ConfigError` for an old ``train.schedule_*`` field in ``train``."""
+    for old in train:
+        if old in MOVED_TRAIN_FIELDS:
+            new = MOVED_TRAIN_FIELDS[old]
+            raise ConfigError(
+                f"train.{old} is now schedule.{new}: write it there (--schedule.{new})"
+            )
+        if old in EXPERIMENTAL_TRAIN_FIELDS:
+            raise ConfigError(f"train.{old}: {EXPERIMENTAL_TRAIN_FIELDS[old]}")
+
+
+def replace_section(section: SchedulePolicy, **fields: Any) -> SchedulePolicy:
+    """``section`` with ``fields`` changed, checked as :func:`schedule_section` checks."""
+    return schedule_section({**_fields(section), **fields})
+
+
+def _fields(section: SchedulePolicy) -> dict[str, Any]:
+    return {item.name: getattr(section, item.name) for item in dataclasses.fields(section)}
+
+
+def schedule_section(values: dict[str, Any]) -> SchedulePolicy:
+    """The section from its fields (a saved or given subset; the rest are the defaults'),
+    checked: ``ConfigError`` in one line for a bad value, a research option or a field
+    the run fills in. A saved section's research options at their old defaults (every
+    configuration written before they left) are dropped."""
+    values = {
+        field: value
+        for field, value in values.items()
+        if not (field in _DROPPED_DEFAULTS and value == _DROPPED_DEFAULTS[field])
+    }
+    for field, value in values.items():
+        refuse_experimental(field, value)
+        if field in RUN_FIELDS and value is not None:
+            raise ConfigError(f"schedule.{field}={value!r}: the run fills it in, not a setting")
+    known = {item.name for item in dataclasses.fields(SchedulePolicy)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(
+            f"unknown fields {', '.join(f'schedule.{f}' for f in unknown)}: schedule has "
+            f"{', '.join(sorted(known - set(RUN_FIELDS)))}"
+        )
+    profile = values.get("profile")
+    if isinstance(profile, dict):  # a DeviceProfile, as to_dict wrote it
+        values["profile"] = DeviceProfile(**profile)
+    try:
+        section = dataclasses.replace(DEFAULT_SCHEDULE, **values)
+    except PolicyError as error:
+        raise ConfigError(f"schedule.{error.field}={error.value!r}: {error.fix}") from None
+    check_types("schedule", section)
+    return section

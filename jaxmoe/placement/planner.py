@@ -51,8 +51,8 @@ an expert's rows over its copies (``moe.replica_split``, :func:`device_loads`):
 Units. A kept assignment is valued at the link time of the all-to-all bytes it
 carries (dispatch and return, forward and backward), the traffic that raising
 the capacity would add to keep it; a lower device load at the expert FLOPs it takes off
-the slowest device, both over the cost model's device (``schedule.profile``,
-``schedule.link_mbit``). A change costs the bytes it moves over that link
+the slowest device, both over the cost model's device (``schedule.profile`` and its
+link). A change costs the bytes it moves over that link
 (``PlanCosts.slot_write_bytes`` per slot written). Here that is nothing: a replica's
 weights are gathered from its home shard in every step (:mod:`jaxmoe.placement.replicas`),
 a standing cost of every run with replica slots that no change adds to. A placement that
@@ -72,7 +72,6 @@ from typing import Any
 
 import numpy as np
 
-import scheduling
 from jaxmoe.config import Config
 from jaxmoe.placement.copy_split import balanced_rows
 from jaxmoe.placement.replicas import EMPTY, replicas_per_expert, static_placement
@@ -97,9 +96,7 @@ class PlanCosts:
     @classmethod
     def of(cls, config: Config) -> PlanCosts:
         model, moe = config.model, config.moe
-        profile = scheduling.PROFILES[config.schedule.profile]
-        if config.schedule.link_mbit:
-            profile = profile.with_link(config.schedule.link_mbit * 1e6 / 8)
+        profile = config.schedule.device_profile
         hidden = moe.d_expert or model.d_ff
         width_bytes = model.d_model * (2 if model.dtype == "bfloat16" else 4)
         return cls(

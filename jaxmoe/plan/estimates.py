@@ -17,7 +17,7 @@ import scheduling
 from jaxmoe.config import Config
 from jaxmoe.plan.bounds import Screen
 from jaxmoe.plan.memory import StepMemory
-from jaxmoe.train.scheduled import op_cost_cache
+from jaxmoe.train.resolved import op_cost_cache
 
 # Modules that only present estimates: left out of the estimate cache's key.
 PRESENTATION = frozenset({"cli.py", "plan_table.py"})

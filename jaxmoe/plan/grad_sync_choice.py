@@ -151,32 +151,27 @@ def choice_cost_model(config: Config, mesh: Mesh) -> tuple[scheduling.CostModel,
     """The cost model of the link ``config`` describes, and that link in words.
 
     Hosts: :func:`~jaxmoe.parallel.grad_sync.hierarchical.devices_per_host`. The link
-    between hosts: ``schedule.link_mbit`` (shared by a host's devices), else the
-    profile's node link (a multi-node profile) or its link; inside a host, a multi-node
+    between hosts (shared by a host's devices): ``schedule.profile``'s node link (a
+    multi-node profile) or its link; inside a host, a multi-node
     profile's device link, or for a flat profile the device's memory bandwidth (devices
     of one host exchange through memory). With ``schedule.link_curves``, the collectives
     they cover cost what they say, and the others pay the curves' fixed cost
     (:func:`fixed_cost`) once, in place of the profile's latencies.
     """
     train, schedule = config.train, config.schedule
-    base = scheduling.PROFILES[schedule.profile]
+    base = schedule.device_profile
     per_host = devices_per_host(train.grad_sync_devices_per_host, mesh)
     hosts = mesh.devices.size // per_host
-    told = schedule.link_mbit * 1e6 / 8 if schedule.link_mbit else None
     if hosts == 1:
-        profile = base.with_link(told) if told else base
+        profile = base
     elif base.devices_per_node:
-        profile = dataclasses.replace(
-            base,
-            devices_per_node=per_host,
-            node_link_bytes_per_s=told or base.node_link_bytes_per_s,
-        )
+        profile = dataclasses.replace(base, devices_per_node=per_host)
     else:
         profile = dataclasses.replace(
             base,
             devices_per_node=per_host,
             link_bytes_per_s=base.memory_bytes_per_s,
-            node_link_bytes_per_s=told or base.link_bytes_per_s,
+            node_link_bytes_per_s=base.link_bytes_per_s,
             node_link_latency_s=base.link_latency_s,
         )
     words = f"{hosts} host(s) x {per_host} devices, profile {base.name}"

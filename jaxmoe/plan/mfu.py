@@ -39,7 +39,7 @@ DEVICE_PEAKS = (
     # NVIDIA H100 datasheet, PCIe: BF16 1,513 and TF32 756 TFLOPS with sparsity.
     DevicePeak(r"\bH100\b.*\bPCIe\b", 756.5, 378.0),
     # NVIDIA H100 datasheet, SXM ("H100 80GB HBM3"): BF16 1,979 and TF32 989 TFLOPS with
-    # sparsity (as in scheduling/costs/profiles/h100-8x-nvlink-3200g.json).
+    # sparsity (as in scheduling/profiles/h100-8x-nvlink-3200g.json).
     DevicePeak(r"\bH100\b.*\b(HBM3|SXM)", 989.5, 494.5),
     # NVIDIA A100 datasheet (SXM4 and PCIe, 40 and 80 GB): BF16 312, TF32 156 TFLOPS dense.
     DevicePeak(r"\bA100\b", 312.0, 156.0),
@@ -151,9 +151,7 @@ def estimated_mfu(config: Config, report: Any, devices: int) -> EstimatedMfu:
     The peak is ``schedule.profile``'s for ``model.dtype`` (its half-precision
     peak for bfloat16 where it gives one), the figure the step's matmuls were costed at.
     """
-    import scheduling
-
-    profile = scheduling.PROFILES[config.schedule.profile]
+    profile = config.schedule.device_profile
     return EstimatedMfu(
         model_flops_per_step=model_flops(config).train_step(),
         devices=devices,

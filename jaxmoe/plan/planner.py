@@ -52,6 +52,7 @@ from typing import Any
 import scheduling
 from jaxmoe.config import Config, ConfigError
 from jaxmoe.config.choices import DISPATCHERS
+from jaxmoe.config.schedule import replace_section
 from jaxmoe.parallel.mesh import abstract_mesh
 from jaxmoe.plan.bounds import Screen, screen
 from jaxmoe.plan.estimates import Estimate, EstimateCache, StepTime
@@ -70,15 +71,14 @@ from jaxmoe.plan.model_flops import model_flops
 from jaxmoe.plan.options import Options, bounding, option_sets, options_of
 from jaxmoe.plan.search import Advance, best_first
 from jaxmoe.plan.state_memory import memory_per_device
-from jaxmoe.train.resolved import resolve
-from jaxmoe.train.scheduled import capture_train_step, schedule_policy
+from jaxmoe.train.resolved import resolve, schedule_policy
+from jaxmoe.train.scheduled import capture_train_step
 from scheduling import (
     Program,
     batch_inputs,
     build_report,
     cost_model,
     gathers_in_flight_bytes,
-    plan,
 )
 
 MEMORY_METHOD = (
@@ -205,7 +205,7 @@ class PlanResult:
 
 def _with_schedule(config: Config, schedule: str, profile: str) -> Config:
     return dataclasses.replace(
-        config, schedule=dataclasses.replace(config.schedule, name=schedule, profile=profile)
+        config, schedule=replace_section(config.schedule, name=schedule, profile=profile)
     )
 
 
@@ -220,14 +220,14 @@ def _estimate_program(
     for schedule in schedules:
         policy = schedule_policy(_with_schedule(config, schedule, profile))
         cost = cost_model(policy, mesh)
-        planned = plan(program, policy, cost, batch)
-        report = build_report(planned, cost, policy, program)
+        scheduled = scheduling.schedule(program, policy, cost, batch)
+        report = build_report(scheduled, cost, policy, program)
         times[schedule] = StepTime(
             report.step_seconds,
             report.compute_seconds,
             report.communication_seconds,
             report.exposed_communication_seconds,
-            gathers_in_flight_bytes(planned.graph, planned.schedule.order),
+            gathers_in_flight_bytes(scheduled.graph, scheduled.order.nodes),
         )
     return memory, times
 

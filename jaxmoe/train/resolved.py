@@ -4,7 +4,8 @@
 where there is one) everything the step, the state, its checkpoints and the planner's
 estimates are built from: the model's structure and parameter specs, the pipeline (its
 stage layout and tick table), the ZeRO plan and how the step reads its parameters under
-it, the gradient synchronisation, the optimizer, and the state's specs and shapes. Each is
+it, the gradient synchronisation, the optimizer, the scheduling policy, and the state's
+specs and shapes. Each is
 derived here and nowhere else; everything below the command line receives the :class:`Run`
 (:func:`jaxmoe.prepare.prepare_run` builds the one a run trains with, its mesh built and
 its automatic choices made first).
@@ -12,15 +13,19 @@ its automatic choices made first).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+import scheduling
 from jaxmoe.config import Config
 from jaxmoe.parallel.grad_sync import GradSync, make_grad_sync
 from jaxmoe.parallel.mesh import mesh_axis_sizes
@@ -51,6 +56,7 @@ class Run:
     grad_sync: GradSync  # how the step synchronises the gradients
     optimizer: optax.GradientTransformation
     learning_rate: optax.Schedule
+    policy: scheduling.SchedulePolicy  # the schedule section, with the run's op-cost cache
     # What train.grad_sync auto chose and why (a plan.grad_sync_choice.GradSyncChoice), or
     # None when the configuration named an algorithm.
     grad_sync_choice: Any = None
@@ -112,8 +118,20 @@ def resolve(config: Config, mesh: Mesh | None = None, grad_sync_choice: Any = No
         grad_sync=grad_sync,
         optimizer=make_optimizer(config.train, learning_rate),
         learning_rate=learning_rate,
+        policy=schedule_policy(config),
         grad_sync_choice=grad_sync_choice,
     )
+
+
+def op_cost_cache() -> Path:
+    """Where measured op costs are kept between runs: ``$XDG_CACHE_HOME/jaxmoe``."""
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "jaxmoe"
+
+
+def schedule_policy(config: Config) -> scheduling.SchedulePolicy:
+    """The scheduling policy of ``config.schedule``, measured op costs kept in the cache."""
+    return dataclasses.replace(config.schedule, op_cost_cache=str(op_cost_cache()))
 
 
 def _zero_plan(

@@ -2,36 +2,29 @@
 
 ``none`` is the plain ``jit`` of the whole-mesh ``shard_map``; any other
 schedule hands the per-device step to :func:`scheduling.optimize`, which
-returns an equivalent step and a report of what it overlapped. ``none`` with
-``schedule.transport socket`` goes through it too: the original order,
-its all-to-alls synchronous over the socket transport that the other schedules
-use, so that a speedup over it is overlap, not a change of transport.
+returns an equivalent step and a report of what it overlapped. Experiments pass
+research options (:class:`scheduling.ExperimentalOptions`) to
+:func:`plan_train_step`; ``none`` with a transport of theirs goes through
+:func:`scheduling.optimize` too: the original order, its all-to-alls synchronous over
+the transport that the other schedules use (the emulated cluster's sockets), so that a
+speedup over it is overlap, not a change of transport.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import jax
 from jax.sharding import NamedSharding
 
 import scheduling
-from jaxmoe.config import Config
 from jaxmoe.config.layout import AXIS_ROLES
 from jaxmoe.parallel.mesh import token_spec
 from jaxmoe.train.resolved import Run
 from jaxmoe.train.state import TrainState, abstract_sharded_state
 from jaxmoe.train.step import ShardedStep, build_train_step
-
-
-def op_cost_cache() -> Path:
-    """Where measured op costs are kept between runs: ``$XDG_CACHE_HOME/jaxmoe``."""
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "jaxmoe"
 
 
 def abstract_step_args(run: Run) -> tuple[TrainState, jax.ShapeDtypeStruct]:
@@ -76,23 +69,22 @@ class TrainStep:
         return self.step.lower(*self.example).as_text()
 
 
-def schedule_policy(config: Config) -> scheduling.SchedulePolicy:
-    """The scheduling policy of ``config.schedule``, measured op costs kept in the cache."""
-    return config.schedule.policy(op_cost_cache=str(op_cost_cache()))
-
-
 def axis_roles() -> scheduling.AxisRoles:
     """The role each axis of the folded mesh plays in the attention and MoE layouts."""
     return scheduling.AxisRoles(dict(AXIS_ROLES))
 
 
-def scheduled_train_step(run: Run) -> TrainStep:
+def scheduled_train_step(
+    run: Run, experimental: scheduling.ExperimentalOptions | None = None
+) -> TrainStep:
     """The run's train step in the order ``schedule.name`` gives it (the plain ``jit`` for
-    ``none``), with its report."""
+    ``none``), with its report; ``experimental``: research options for the scheduling
+    layer (experiments only; see the module)."""
     config, mesh = run.config, run.on_mesh
     sharded = build_train_step(run)
     example = abstract_step_args(run)
-    if not config.schedule.rewrites:
+    own_transport = experimental is not None and experimental.transport is not None
+    if config.schedule.name == "none" and not own_transport:
         return TrainStep(sharded.jit(), example, None)
     step, report = scheduling.optimize(
         sharded.per_device,
@@ -100,9 +92,10 @@ def scheduled_train_step(run: Run) -> TrainStep:
         mesh=mesh,
         in_specs=sharded.in_specs,
         out_specs=sharded.out_specs,
-        policy=schedule_policy(config),
+        policy=run.policy,
         donate_argnums=sharded.donate_argnums,
         batch_argnums=sharded.batch_argnums,
         axis_roles=axis_roles(),
+        experimental=experimental,
     )
     return TrainStep(step, example, report)

@@ -18,7 +18,7 @@ grouped GEMM (``ragged_dot_general``) multiplies ``N`` of its buffer's rows. Whe
 is uneven the busiest device receives more than ``N``: ``CostModel(ragged_load=)`` is that
 max/mean, from routing statistics (1: even routing).
 
-The device figures come from a :class:`~scheduling.costs.profiles.DeviceProfile`.
+The device figures come from a :class:`~scheduling.profiles.DeviceProfile`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 
 from scheduling.costs.collective_groups import GroupSpread, group_members, group_spread
 from scheduling.costs.link_model import CollectiveCurves
-from scheduling.costs.profiles import DeviceProfile
+from scheduling.profiles import DeviceProfile
 from scheduling.program.capture import Op, aval_bytes
 
 # Ops that only relabel or view memory.

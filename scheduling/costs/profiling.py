@@ -40,7 +40,7 @@ import numpy as np
 
 from scheduling.costs.cost_model import FREE_PRIMITIVES, FUSIBLE, CostModel
 from scheduling.costs.link_model import CollectiveCurves
-from scheduling.costs.profiles import DeviceProfile
+from scheduling.profiles import DeviceProfile
 from scheduling.program import jax_adapter
 from scheduling.program.capture import Op
 

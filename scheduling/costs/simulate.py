@@ -11,8 +11,8 @@ run beside them, as XLA's CPU backend does with its own collectives (it compiles
 start/done pairs back to synchronous ones; the overlap control of
 ``experiments.overlap_control`` shows no overlap with them). ``asynchronous`` may
 also be a predicate of the start node: the split collectives it accepts overlap,
-the others run at their start (on the CPU backend: the socket all-to-alls of
-``scheduling.runtime.socket_all_to_all`` against XLA's own collectives).
+the others run at their start (on the CPU backend: a transport of one's own, such as the
+emulated cluster's socket all-to-alls, against XLA's own collectives).
 
 Which collective the link runs next. With ``priorities`` (the default), the
 collectives waiting for the link form two classes: critical ones first, then
@@ -25,9 +25,9 @@ serves collectives in start order, one queue for all.
 Host work of collectives. ``host`` (seconds per collective node) is what issuing and
 completing a collective costs the compute stream beside its transfer: a start's before
 it hands the collective to the link, a done's after the transfer has finished, an unsplit
-collective's before it. A runtime whose collectives are host callbacks (the socket
-all-to-all) spends it copying pieces in and out; :mod:`scheduling.costs.traced_costs`
-measures it. It counts in the step, not in its compute.
+collective's before it. A runtime whose collectives are host callbacks (the emulated
+cluster's socket all-to-all) spends it copying pieces in and out;
+:mod:`scheduling.reports.traced_costs` measures it. It counts in the step, not in its compute.
 """
 
 from __future__ import annotations

@@ -1,17 +1,18 @@
-"""Scheduling passes over the captured program and its dataflow graph.
+"""Scheduling passes: rewrites of the captured program and of its dataflow graph.
 
-``partition_search`` and ``partition_forward`` cut forward ranges into
-pipelined chunks (rules in ``partition_rules``, layouts from
-``batch_layout``, new ops from ``chunk_ops``); ``split_async`` turns
-collectives into start/done pairs; ``schedule_dw`` packs dW work into the
-backward all-to-all windows; ``exchange_regions`` recognises each MoE layer's
+``partition_forward`` cuts forward ranges into pipelined chunks (layouts from
+``scheduling.program.batch_layout``, rules in ``scheduling.program.partition_rules``,
+new ops from ``chunk_ops``); ``split_async`` turns collectives into start/done pairs;
+``schedule_dw`` packs dW work into the backward all-to-all windows;
+``pair_microbatches`` runs microbatches' passes side by side; ``prefetch`` bounds how
+early a weight gather starts; ``exchange_regions`` recognises each MoE layer's
 dispatch/combine all-to-all pair and ``decompose_exchange`` rewrites it into
-per-source rounds or chunks (new ops from ``exchange_ops``); ``order``
-produces the final order.
+per-source rounds or chunks (new ops from ``exchange_ops``). Which rewrites a step
+gets is the search's choice (:mod:`scheduling.search`); the order of the result is
+the list scheduler's (:mod:`scheduling.order`).
 """
 
-from scheduling.passes.order import Schedule, order
 from scheduling.passes.schedule_dw import Placement, schedule_dw
 from scheduling.passes.split_async import split_async
 
-__all__ = ["Placement", "Schedule", "order", "schedule_dw", "split_async"]
+__all__ = ["Placement", "schedule_dw", "split_async"]

@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from scheduling.passes.partition_rules import Chunking, Split, chunk_shape
 from scheduling.program.capture import Atom, Op, Phase, Value, inline_jaxpr
+from scheduling.program.partition_rules import Chunking, Split, chunk_shape
 
 
 def chunk_aval(aval: Any, axis: int, n: int) -> Any:

@@ -1,4 +1,4 @@
-"""Rewrite planned exchange regions into pieces that compute as their tokens arrive (COMET).
+"""Rewrite exchange regions into pieces that compute as their tokens arrive (COMET).
 
 ``rounds`` (see ``exchange_regions``): the dispatch's operand is rotated so
 that block ``r`` is the one for device ``(i + r) % G``; round 0 keeps the local
@@ -27,43 +27,43 @@ import dataclasses
 from collections.abc import Sequence
 
 from scheduling.passes import chunk_ops, exchange_ops
-from scheduling.passes.exchange_regions import RegionPlan
+from scheduling.passes.exchange_regions import DecomposedRegion
 from scheduling.passes.partition_forward import consumers_of
-from scheduling.passes.partition_rules import Split
 from scheduling.program.capture import Atom, Op, Program, Value
+from scheduling.program.partition_rules import Split
 
 
-def signature(plan: RegionPlan) -> tuple:
+def signature(region: DecomposedRegion) -> tuple:
     """Regions of equal signature cut their shared values into the same pieces."""
-    d = plan.decomposition
-    return (d.kind, d.pieces, d.piece_axis, plan.piece_size, plan.exchange.group)
+    d = region.decomposition
+    return (d.kind, d.pieces, d.piece_axis, region.piece_size, region.exchange.group)
 
 
-def _cuts(program: Program, plan: RegionPlan, position: int, value: Value) -> bool:
-    """Whether chunked op ``position`` of ``plan`` reads ``value`` piece by piece."""
-    if position not in plan.chunkings or position not in plan.chunked:
+def _cuts(program: Program, region: DecomposedRegion, position: int, value: Value) -> bool:
+    """Whether chunked op ``position`` of ``region`` reads ``value`` piece by piece."""
+    if position not in region.chunkings or position not in region.chunked:
         return False
     op = program.ops[position]
-    how = plan.chunkings[position]
+    how = region.chunkings[position]
     return any(a is value and cut is not None for a, cut in zip(op.inputs, how.inputs, strict=True))
 
 
-def values_needed_whole(program: Program, plans: Sequence[RegionPlan]) -> set[Value]:
+def values_needed_whole(program: Program, regions: Sequence[DecomposedRegion]) -> set[Value]:
     """The escaping piece results that some reader needs whole. A later region of the same
     signature that cuts one (a backward region reading a forward residual) takes its
     pieces as they are: neither reassembled nor rotated nor cut again."""
     consumers = consumers_of(program)
     needed: set[Value] = set()
-    for plan in plans:
-        for value in plan.escaping:
+    for region in regions:
+        for value in region.escaping:
             for reader in consumers.get(value, ()):
-                if reader in plan.chunked:
+                if reader in region.chunked:
                     continue
                 shared = any(
-                    other.begin > plan.begin
-                    and signature(other) == signature(plan)
+                    other.begin > region.begin
+                    and signature(other) == signature(region)
                     and _cuts(program, other, reader, value)
-                    for other in plans
+                    for other in regions
                 )
                 if not shared:
                     needed.add(value)
@@ -72,7 +72,7 @@ def values_needed_whole(program: Program, plans: Sequence[RegionPlan]) -> set[Va
 
 def materialize(
     program: Program,
-    plan: RegionPlan,
+    region: DecomposedRegion,
     remap: dict[Value, Atom],
     shared: dict[tuple, list[Value]] | None = None,
     needed_whole: set[Value] | None = None,
@@ -84,11 +84,11 @@ def materialize(
     ``needed_whole`` (None: all) are not reassembled.
     """
     shared = {} if shared is None else shared
-    exchange = plan.exchange
+    exchange = region.exchange
     dispatch, combine = program.ops[exchange.dispatch], program.ops[exchange.combine]
     phase, stack = dispatch.phase, dispatch.name_stack
-    rounds = plan.decomposition.kind == "rounds"
-    n, size = plan.decomposition.pieces, plan.piece_size
+    rounds = region.decomposition.kind == "rounds"
+    n, size = region.decomposition.pieces, region.piece_size
     axis_name = dispatch.eqn.params["axis_name"]
     axis_env = tuple(program.mesh.shape.items())
     ops_out: list[Op] = []
@@ -109,10 +109,10 @@ def materialize(
         return emit(exchange_ops.rotate(atom, split, n, toward, axis_name, axis_env, stack, phase))
 
     def seed_piece(atom: Value, piece: int) -> Value:
-        if (signature(plan), atom) in shared:
-            return shared[signature(plan), atom][piece]
+        if (signature(region), atom) in shared:
+            return shared[signature(region), atom][piece]
         if (atom, piece) not in cut_seeds:
-            split = plan.layouts[atom]
+            split = region.layouts[atom]
             whole: Atom = read(atom)
             if rounds:
                 if atom not in in_round_order:
@@ -127,13 +127,13 @@ def materialize(
             return read(atom)
         if (atom, piece) in pieces:
             return pieces[atom, piece]
-        if isinstance(atom, Value) and atom in plan.layouts:
+        if isinstance(atom, Value) and atom in region.layouts:
             return seed_piece(atom, piece)
         if (atom, cut) not in uniform_slices:  # uniform along the cut: any 1/n slice
             uniform_slices[atom, cut] = emit(chunk_ops.take_slice(read(atom), cut, n, stack, phase))
         return uniform_slices[atom, cut]
 
-    for position in plan.replicated:
+    for position in region.replicated:
         op = program.ops[position]
         ops_out.append(dataclasses.replace(op, inputs=tuple(read(a) for a in op.inputs)))
 
@@ -145,7 +145,7 @@ def materialize(
 
     def run_piece(position: int, piece: int) -> None:
         op = program.ops[position]
-        how = plan.chunkings[position]
+        how = region.chunkings[position]
         inputs = [
             operand(atom, cut, piece) for atom, cut in zip(op.inputs, how.inputs, strict=True)
         ]
@@ -166,7 +166,7 @@ def materialize(
             pieces[dispatch.outputs[0], piece] = block
         else:
             run_piece(exchange.dispatch, piece)
-    computed = [p for p in plan.chunked if p != exchange.dispatch]
+    computed = [p for p in region.chunked if p != exchange.dispatch]
     for piece in range(n):
         for position in computed:
             run_piece(position, piece)
@@ -181,34 +181,34 @@ def materialize(
     if rounds:
         joined = emit(chunk_ops.join_chunks(returned, source_split, stack, phase))
         remap[combine.outputs[0]] = rotate(joined, source_split, "back")
-    for value in plan.escaping:
-        split = plan.layouts[value]
+    for value in region.escaping:
+        split = region.layouts[value]
         parts = [pieces[value, piece] for piece in range(n)]
-        shared[signature(plan), value] = parts
+        shared[signature(region), value] = parts
         if needed_whole is not None and value not in needed_whole:
             continue
         joined = emit(chunk_ops.join_chunks(parts, split, stack, phase))
         remap[value] = rotate(joined, split, "source") if rounds else joined
 
-    for position in plan.deferred:
+    for position in region.deferred:
         op = program.ops[position]
         ops_out.append(dataclasses.replace(op, inputs=tuple(read(a) for a in op.inputs)))
     return ops_out
 
 
-def decompose_program(program: Program, plans: list[RegionPlan]) -> Program:
+def decompose_program(program: Program, regions: list[DecomposedRegion]) -> Program:
     """``program`` with each (non-overlapping) region replaced by its pieces."""
     remap: dict[Value, Atom] = {}
     shared: dict[tuple, list[Value]] = {}
-    needed = values_needed_whole(program, plans)
-    starts = {plan.begin: plan for plan in plans}
+    needed = values_needed_whole(program, regions)
+    starts = {region.begin: region for region in regions}
     new_ops: list[Op] = []
     position = 0
     while position < len(program.ops):
-        plan = starts.get(position)
-        if plan is not None:
-            new_ops.extend(materialize(program, plan, remap, shared, needed))
-            position = plan.end
+        region = starts.get(position)
+        if region is not None:
+            new_ops.extend(materialize(program, region, remap, shared, needed))
+            position = region.end
             continue
         op = program.ops[position]
         new_ops.append(

@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from scheduling.passes.partition_rules import Split
 from scheduling.program.capture import Atom, Op, Phase, Value, inline_jaxpr
+from scheduling.program.partition_rules import Split
 
 
 def _grouped(x: jax.Array, split: Split, pieces: int) -> tuple[jax.Array, int]:

@@ -1,4 +1,4 @@
-"""Recognise the expert exchanges of a program and plan their decomposition (COMET).
+"""Recognise the expert exchanges of a program and how each decomposes (COMET).
 
 What is recognised. An *exchange* is a pair of ``all_to_all`` ops over the same
 axes, with ``split_axis == concat_axis == k``, untiled, without
@@ -49,8 +49,8 @@ from dataclasses import dataclass, field
 
 from scheduling.costs.cost_model import is_ragged_exchange
 from scheduling.passes.partition_forward import consumers_of
-from scheduling.passes.partition_rules import Chunking, Split, chunking
 from scheduling.program.capture import Constant, Op, Phase, Program, Value
+from scheduling.program.partition_rules import Chunking, Split, chunking
 from scheduling.program.uniform_axes import uniform_axes
 
 RAGGED_REFUSAL = (
@@ -67,7 +67,7 @@ class Exchange:
     combine: int
     axis: int  # the split and concat axis
     group: int  # G: devices in the exchange
-    # Why it is not decomposed whatever the plan ("" where it may be): RAGGED_REFUSAL.
+    # Why it is not decomposed whatever the policy ("" where it may be): RAGGED_REFUSAL.
     refused: str = field(default="", compare=False)
 
     def layer(self, program: Program) -> str:
@@ -88,7 +88,7 @@ class Decomposition:
 
 
 @dataclass
-class RegionPlan:
+class DecomposedRegion:
     """What an exchange region does, op by op, for one decomposition."""
 
     exchange: Exchange
@@ -216,14 +216,14 @@ def layer_layouts(
     return propagate(program, seeds, begin, end)
 
 
-def plan_region(
+def decompose_region(
     program: Program,
     exchange: Exchange,
     decomposition: Decomposition,
     layouts: Layouts,
     consumers: dict[Value, list[int]] | None = None,
-) -> RegionPlan | None:
-    """The plan of ``exchange`` in ``decomposition``'s pieces; None where it cannot be."""
+) -> DecomposedRegion | None:
+    """``exchange`` in ``decomposition``'s pieces; None where it cannot be."""
     a, b = exchange.dispatch, exchange.combine
     dispatch, combine = program.ops[a], program.ops[b]
     rounds = decomposition.kind == "rounds"
@@ -267,7 +267,7 @@ def plan_region(
         region.update(combine.outputs)
     if not any(program.ops[p].primitive == "dot_general" for p in chunked):
         return None  # no expert computation to overlap
-    plan = RegionPlan(
+    decomposed = DecomposedRegion(
         exchange,
         decomposition,
         piece_size,
@@ -285,12 +285,12 @@ def plan_region(
             split = layouts.layouts.get(atom) if isinstance(atom, Value) else None
             if cut is not None and atom not in region and split is not None:
                 seeds[atom] = None
-    plan.seeds = list(seeds)
+    decomposed.seeds = list(seeds)
     consumers = consumers_of(program) if consumers is None else consumers
     skip = {b} if rounds else set()  # rounds: B's operand goes back piece by piece
-    # In program order (not set order), so that the plan is the same from run to run.
+    # In program order (not set order), so that the result is the same from run to run.
     results = [value for p in chunked for value in program.ops[p].outputs]
-    plan.escaping = [
+    decomposed.escaping = [
         value
         for value in results
         if any(r not in inside and r not in skip for r in consumers.get(value, ()))
@@ -298,8 +298,8 @@ def plan_region(
     if rounds:  # A's result itself is never whole: any other reader needs it joined
         (received,) = dispatch.outputs
         if any(r not in inside for r in consumers.get(received, ())):
-            plan.escaping.append(received)
-    return plan
+            decomposed.escaping.append(received)
+    return decomposed
 
 
 def candidate_decompositions(
@@ -315,8 +315,10 @@ def candidate_decompositions(
     return found
 
 
-def plan_all(program: Program, chunk_counts: tuple[int, ...]) -> dict[Exchange, list[RegionPlan]]:
-    """Every recognised exchange with its plan for each decomposition that applies (none
+def all_decompositions(
+    program: Program, chunk_counts: tuple[int, ...]
+) -> dict[Exchange, list[DecomposedRegion]]:
+    """Every recognised exchange, decomposed in each way that applies (none
     for a refused one)."""
     exchanges = find_exchanges(program)
     # Forward and backward exchanges of one layer share their layouts (the backward cuts
@@ -328,7 +330,7 @@ def plan_all(program: Program, chunk_counts: tuple[int, ...]) -> dict[Exchange, 
         shape = program.ops[exchange.dispatch].inputs[0].aval.shape
         by_layer[exchange.layer(program), shape, exchange.axis].append(exchange)
     consumers = consumers_of(program)
-    plans: dict[Exchange, list[RegionPlan]] = {exchange: [] for exchange in exchanges}
+    found: dict[Exchange, list[DecomposedRegion]] = {exchange: [] for exchange in exchanges}
     for layer_exchanges in by_layer.values():
         options: dict[tuple[str, int], list[Decomposition]] = defaultdict(list)
         for exchange in layer_exchanges:
@@ -340,7 +342,9 @@ def plan_all(program: Program, chunk_counts: tuple[int, ...]) -> dict[Exchange, 
             layouts = layer_layouts(program, layer_exchanges, decompositions[0])
             for exchange in layer_exchanges:
                 for decomposition in decompositions:
-                    plan = plan_region(program, exchange, decomposition, layouts, consumers)
-                    if plan is not None:
-                        plans[exchange].append(plan)
-    return plans
+                    decomposed = decompose_region(
+                        program, exchange, decomposition, layouts, consumers
+                    )
+                    if decomposed is not None:
+                        found[exchange].append(decomposed)
+    return found

@@ -39,7 +39,7 @@ PIPELINED_COLLECTIVES = frozenset({"all_to_all", "all_gather", "reduce_scatter"}
 
 
 @dataclass
-class RangePlan:
+class RangeCut:
     """What a range does, op by op, for ``n`` chunks."""
 
     begin: int  # first op position
@@ -68,15 +68,15 @@ def consumers_of(program: Program) -> dict[Value, list[int]]:
     return consumers
 
 
-def plan_range(
+def cut_range(
     program: Program,
     layouts: BatchLayouts,
     consumers: dict[Value, list[int]],
     begin: int,
     end: int,
     n: int,
-) -> RangePlan | None:
-    """The plan of ops ``[begin, end)`` in ``n`` chunks, ended early where it must be.
+) -> RangeCut | None:
+    """How ops ``[begin, end)`` run in ``n`` chunks, ended early where it must be.
 
     None when ``n`` does not divide the batch or no all-to-all would be chunked.
     """
@@ -115,7 +115,7 @@ def plan_range(
     if not any(program.ops[p].primitive == "all_to_all" for p in chunked):
         return None
     num_stages = max(value_stage.values()) + 1
-    plan = RangePlan(begin, stop, n, chunked, stages, replicated, deferred, num_stages)
+    range_cut = RangeCut(begin, stop, n, chunked, stages, replicated, deferred, num_stages)
     inside = set(chunked)
     seeds: dict[Value, None] = {}
     for position in chunked:
@@ -123,22 +123,22 @@ def plan_range(
         for atom, cut in zip(program.ops[position].inputs, how.inputs, strict=True):
             if cut is not None and atom not in value_stage and layouts.layout(atom) is not None:
                 seeds[atom] = None
-    plan.seeds = list(seeds)
-    plan.escaping = [
+    range_cut.seeds = list(seeds)
+    range_cut.escaping = [
         value
         for value in value_stage
         if any(reader not in inside for reader in consumers.get(value, ()))
     ]
-    return plan
+    return range_cut
 
 
 def materialize(
-    program: Program, layouts: BatchLayouts, plan: RangePlan, remap: dict[Value, Atom]
+    program: Program, layouts: BatchLayouts, range_cut: RangeCut, remap: dict[Value, Atom]
 ) -> list[Op]:
     """The ops that replace the range; ``remap`` gains each escaping value's reassembly."""
     ops_out: list[Op] = []
-    n = plan.n
-    escaping = set(plan.escaping)
+    n = range_cut.n
+    escaping = set(range_cut.escaping)
     chunks: dict[tuple[Value, int], Value] = {}
     seed_chunks: dict[tuple[Value, int], Value] = {}
     uniform_slices: dict[tuple[Atom, int], Value] = {}
@@ -167,15 +167,15 @@ def materialize(
             uniform_slices[atom, cut] = piece
         return uniform_slices[atom, cut]
 
-    for position in plan.replicated:
+    for position in range_cut.replicated:
         op = program.ops[position]
         ops_out.append(dataclasses.replace(op, inputs=tuple(read(a) for a in op.inputs)))
 
     by_stage: dict[int, list[int]] = defaultdict(list)
-    for position in plan.chunked:
-        by_stage[plan.stages[position]].append(position)
-    for slot in range(n + plan.num_stages - 1):
-        for stage in range(plan.num_stages):
+    for position in range_cut.chunked:
+        by_stage[range_cut.stages[position]].append(position)
+    for slot in range(n + range_cut.num_stages - 1):
+        for stage in range(range_cut.num_stages):
             chunk = slot - stage
             if not 0 <= chunk < n:
                 continue
@@ -209,23 +209,23 @@ def materialize(
                         ops_out.extend(join_ops)
                         remap[value] = whole
 
-    for position in plan.deferred:
+    for position in range_cut.deferred:
         op = program.ops[position]
         ops_out.append(dataclasses.replace(op, inputs=tuple(read(a) for a in op.inputs)))
     return ops_out
 
 
-def partition_program(program: Program, layouts: BatchLayouts, plans: list[RangePlan]) -> Program:
+def partition_program(program: Program, layouts: BatchLayouts, cuts: list[RangeCut]) -> Program:
     """``program`` with each (non-overlapping) range replaced by its chunked pipeline."""
     remap: dict[Value, Atom] = {}
-    starts = {plan.begin: plan for plan in plans}
+    starts = {range_cut.begin: range_cut for range_cut in cuts}
     new_ops: list[Op] = []
     position = 0
     while position < len(program.ops):
-        plan = starts.get(position)
-        if plan is not None:
-            new_ops.extend(materialize(program, layouts, plan, remap))
-            position = plan.end
+        range_cut = starts.get(position)
+        if range_cut is not None:
+            new_ops.extend(materialize(program, layouts, range_cut, remap))
+            position = range_cut.end
             continue
         op = program.ops[position]
         new_ops.append(

@@ -25,7 +25,7 @@ def split_async(program: Program, kinds: Iterable[str] | None = None, min_bytes:
     """The program's graph with every splittable collective (of ``kinds``; for combinable
     ones, with an operand of at least ``min_bytes``) as a pair.
 
-    Without async primitives in this JAX the plan still has the pairs; the emitter
+    Without async primitives in this JAX the schedule still has the pairs; the emitter
     then either refuses or binds the synchronous collective (transport ``sync``).
     """
     allowed = None if kinds is None else frozenset(kinds)

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from scheduling.passes.partition_rules import Chunking, Layout, Split, chunking
 from scheduling.program.capture import Constant, Phase, Program, Value
+from scheduling.program.partition_rules import Chunking, Layout, Split, chunking
 from scheduling.program.uniform_axes import uniform_axes
 
 

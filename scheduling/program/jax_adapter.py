@@ -67,7 +67,7 @@ def require_async_collectives() -> None:
         raise AsyncCollectivesUnavailable(
             f"jax {jax.__version__} is not a version whose async collectives this scheduler "
             f"supports ({', '.join(SUPPORTED_JAX_VERSIONS)}): install a supported jax, or pass "
-            'a policy with transport="sync" to keep the planned order with synchronous '
+            'a policy with transport="sync" to keep the scheduled order with synchronous '
             "collectives"
         )
 

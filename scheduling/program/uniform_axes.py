@@ -2,15 +2,15 @@
 
 Broadcasts, iotas and the masks built from them are uniform along the axes
 they were broadcast over; a chunked op may take any ``1/n`` slice of such a
-value along them (see :mod:`scheduling.passes.partition_rules`).
+value along them (see :mod:`scheduling.program.partition_rules`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from scheduling.passes.partition_rules import ELEMENTWISE
 from scheduling.program.capture import Op
+from scheduling.program.partition_rules import ELEMENTWISE
 
 
 def _shape(atom) -> tuple[int, ...]:

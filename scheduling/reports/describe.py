@@ -1,4 +1,4 @@
-"""What a plan does, read off its simulated timeline: the schedule report.
+"""What a schedule does, read off its simulated timeline: the schedule report.
 
 Besides the totals, each collective's row says why its overlap is what it is:
 how long it waited for the link and behind which class of collectives, how
@@ -12,11 +12,7 @@ from __future__ import annotations
 from scheduling.costs.cost_model import CostModel, collective_wire_bytes
 from scheduling.costs.simulate import CollectiveTiming, Timeline, simulate
 from scheduling.passes.split_async import splittable
-from scheduling.planning.exchange_plan import ExchangeChoice
-from scheduling.planning.partition_search import PartitionChoice
-from scheduling.planning.plan import Plan
-from scheduling.planning.policy import SchedulePolicy
-from scheduling.planning.step_estimate import node_seconds
+from scheduling.policy import SchedulePolicy
 from scheduling.program.capture import Phase, Program
 from scheduling.program.collective_purpose import AxisRoles, collective_axes, collective_purposes
 from scheduling.program.graph import Graph, Kind, Node, Role
@@ -27,6 +23,10 @@ from scheduling.reports.report import (
     PartitionReport,
     ScheduleReport,
 )
+from scheduling.search.exchange_choice import ExchangeChoice
+from scheduling.search.partition_search import PartitionChoice
+from scheduling.search.schedule import Schedule
+from scheduling.search.step_estimate import node_seconds
 
 _TINY = 1e-12  # seconds: below this a duration is a rounding error
 
@@ -68,25 +68,25 @@ def why(
 
 
 def build_report(
-    planned: Plan,
+    scheduled: Schedule,
     cost: CostModel,
     policy: SchedulePolicy,
     original: Program,
     axis_roles: AxisRoles | None = None,
 ) -> ScheduleReport:
-    """The report of ``planned``; the baseline is ``original`` as captured. Each
+    """The report of ``scheduled``; the baseline is ``original`` as captured. Each
     collective's purpose is named with ``axis_roles`` (default: read off the axis names)."""
-    graph, schedule = planned.graph, planned.schedule
+    graph, order = scheduled.graph, scheduled.order
     purposes = collective_purposes(graph.program, axis_roles)
     seconds = node_seconds(cost)
-    timeline = simulate(graph, schedule.order, seconds)
+    timeline = simulate(graph, order.nodes, seconds)
     baseline_graph = Graph(original, split=lambda op: False)
     baseline = simulate(baseline_graph, list(range(len(baseline_graph.nodes))), seconds)
 
     collectives = []
     for index, timing in enumerate(sorted(timeline.collectives.values(), key=lambda t: t.node)):
         node = graph.nodes[timing.node]
-        placed = schedule.placement.windows.get(node.id, [])
+        placed = order.placement.windows.get(node.id, [])
         placed_seconds = sum(seconds(graph.nodes[n]) for n in placed)
         duration = seconds(node)
         is_window = node.op.primitive == "all_to_all" and node.op.phase is Phase.BACKWARD
@@ -126,7 +126,7 @@ def build_report(
         | {where(n) for n in synchronous if not splittable(n.op)}
     )
     kept_synchronous = sorted(where(n) for n in synchronous if splittable(n.op))
-    placed_total = sum(len(nodes) for nodes in schedule.placement.windows.values())
+    placed_total = sum(len(nodes) for nodes in order.placement.windows.values())
     return ScheduleReport(
         policy=policy.name,
         profile=cost.profile.name + (", measured ops" if policy.op_costs == "measured" else ""),
@@ -139,15 +139,15 @@ def build_report(
         ideal_step_seconds=max(baseline.compute_seconds, baseline.communication_seconds),
         dw_ops=sum(kind is Kind.BACKWARD_DW for kind in graph.kinds),
         dw_ops_placed=placed_total,
-        forced_placements=len(schedule.placement.forced),
-        withdrawn_placements=len(schedule.withdrawn),
-        peak_live_bytes=schedule.peak_live_bytes,
-        baseline_peak_live_bytes=schedule.baseline_peak_live_bytes,
-        live_bytes_bound_exceeded=schedule.live_bytes_bound_exceeded,
+        forced_placements=len(order.placement.forced),
+        withdrawn_placements=len(order.withdrawn),
+        peak_live_bytes=order.peak_live_bytes,
+        baseline_peak_live_bytes=order.baseline_peak_live_bytes,
+        live_bytes_bound_exceeded=order.live_bytes_bound_exceeded,
         exposed_communication_seconds=timeline.exposed_communication_seconds,
         not_understood=not_understood,
-        partitions=[_partition_report(original, choice) for choice in planned.partitions],
-        exchanges=[_exchange_report(choice) for choice in planned.exchanges],
+        partitions=[_partition_report(original, choice) for choice in scheduled.partitions],
+        exchanges=[_exchange_report(choice) for choice in scheduled.exchanges],
         kept_synchronous=kept_synchronous,
         trace=chrome_trace(graph, timeline, name=f"schedule {policy.name}"),
     )
@@ -167,18 +167,18 @@ def _exchange_report(choice: ExchangeChoice) -> ExchangeReport:
 
 
 def _partition_report(program: Program, choice: PartitionChoice) -> PartitionReport:
-    plan = choice.plan
-    first, last = program.ops[plan.begin], program.ops[plan.end - 1]
+    cut = choice.cut
+    first, last = program.ops[cut.begin], program.ops[cut.end - 1]
     # Layer and block ("layer_1/moe"), without the name scopes inside a block.
-    layers = sorted({"/".join(program.ops[p].layer.split("/")[:2]) for p in plan.chunked} - {""})
+    layers = sorted({"/".join(program.ops[p].layer.split("/")[:2]) for p in cut.chunked} - {""})
     return PartitionReport(
         first_op=f"{first.index}:{first.primitive}@{first.layer or '<top>'}",
         last_op=f"{last.index}:{last.primitive}@{last.layer or '<top>'}",
         layers=layers,
-        chunks=plan.n,
-        ops=plan.end - plan.begin,
-        chunked_ops=len(plan.chunked),
-        deferred_ops=len(plan.deferred),
+        chunks=cut.n,
+        ops=cut.end - cut.begin,
+        chunked_ops=len(cut.chunked),
+        deferred_ops=len(cut.deferred),
         estimated_seconds=choice.estimated_seconds,
         unpartitioned_seconds=choice.unpartitioned_seconds,
         estimated_gain_seconds=choice.estimated_gain_seconds,

@@ -12,20 +12,20 @@ Matching. XLA op names (``fusion.12``, ``all-to-all.3``) mean nothing to the
 scheduler, but every instruction of the compiled module keeps the metadata
 ``op_name`` of the JAX equation it came from: ``jit(f)/shard_map/<name
 stack>/<primitive>`` (the emitted step is traced under each op's original
-name stack). A planned op's *key* is ``(name_stack, primitive)`` (an async
+name stack). A scheduled op's *key* is ``(name_stack, primitive)`` (an async
 ``X_start``/``X_done`` is the collective ``X``); equal keys cannot be told
 apart, so a row of the comparison is a key with all its ops. A traced XLA op
 is counted under the key of its own metadata (a fusion's is that of the
-instruction XLA built it around), or, when that names no planned op, under the
-most expensive planned key among the instructions it calls. A planned key that
+instruction XLA built it around), or, when that names no scheduled op, under the
+most expensive scheduled key among the instructions it calls. A scheduled key that
 owns no XLA op was fused into others: its estimate joins the row of the
 longest XLA op that holds it. So every measured and every estimated second is
 in exactly one row, and no XLA op's time is split by a guess.
 
 What cannot be matched is reported as such: XLA ops whose metadata names no
-planned op (copies and layout changes XLA adds, ops XLA rewrote without
+scheduled op (copies and layout changes XLA adds, ops XLA rewrote without
 metadata, such as merged dots, and ops the cost model calls free, which the
-simulated timeline leaves out), and planned ops in no traced XLA op (folded
+simulated timeline leaves out), and scheduled ops in no traced XLA op (folded
 away). Measured times are what the hardware did: a synchronous collective's
 includes waiting for its slowest peer, and on fake CPU devices, which share
 the host's cores, every op's includes waiting for a core.
@@ -198,9 +198,9 @@ def label(key: Key) -> str:
 
 @dataclass(frozen=True)
 class OpGroup:
-    """XLA ops and planned ops whose times can only be compared together."""
+    """XLA ops and scheduled ops whose times can only be compared together."""
 
-    planned_ops: tuple[str, ...]  # keys as "primitive@name_stack", most estimated first
+    scheduled_ops: tuple[str, ...]  # keys as "primitive@name_stack", most estimated first
     xla_ops: tuple[str, ...]  # most measured first
     estimated_seconds: float
     measured_seconds: float
@@ -218,8 +218,8 @@ class TraceComparison:
     measured_step_seconds: float
     simulated_step_seconds: float
     groups: list[OpGroup]  # largest |measured - estimated| first
-    unmatched_xla_ops: dict[str, float]  # measured seconds of XLA ops naming no planned op
-    unmatched_planned_ops: dict[str, float]  # estimated seconds of planned ops in no XLA op
+    unmatched_xla_ops: dict[str, float]  # measured seconds of XLA ops naming no scheduled op
+    unmatched_scheduled_ops: dict[str, float]  # estimated seconds of scheduled ops in no XLA op
     traced_ops_not_in_module: list[str]  # traced names absent from the compiled text
 
     def table(self, max_rows: int = 15) -> str:
@@ -236,7 +236,7 @@ class TraceComparison:
                 f"warning: {len(self.traced_ops_not_in_module)} traced ops are not in this "
                 "step's compiled module: the trace comes from another configuration or schedule"
             )
-        header = f"{'measured us':>11} {'est. us':>11} {'meas/est':>8}  planned ops [XLA ops]"
+        header = f"{'measured us':>11} {'est. us':>11} {'meas/est':>8}  scheduled ops [XLA ops]"
         lines += ["ops the cost model mis-estimates most (per device per step):", header]
         for group in self.groups[:max_rows]:
             ratio = (
@@ -244,25 +244,25 @@ class TraceComparison:
                 if group.estimated_seconds > 0
                 else f"{'-':>8}"
             )
-            planned = ", ".join(group.planned_ops[:3])
-            if len(group.planned_ops) > 3:
-                planned += f" +{len(group.planned_ops) - 3}"
+            scheduled = ", ".join(group.scheduled_ops[:3])
+            if len(group.scheduled_ops) > 3:
+                scheduled += f" +{len(group.scheduled_ops) - 3}"
             xla = ", ".join(group.xla_ops[:2]) + (
                 f" +{len(group.xla_ops) - 2}" if len(group.xla_ops) > 2 else ""
             )
             lines.append(
                 f"{us(group.measured_seconds)} {us(group.estimated_seconds)} {ratio}  "
-                f"{planned} [{xla}]"
+                f"{scheduled} [{xla}]"
             )
         unmatched = sorted(self.unmatched_xla_ops.items(), key=lambda item: -item[1])
         lines.append(
-            f"XLA ops that name no planned op: {len(unmatched)}, "
+            f"XLA ops that name no scheduled op: {len(unmatched)}, "
             f"{sum(self.unmatched_xla_ops.values()) * 1e6:.1f} us"
             + (f" (most: {', '.join(name for name, _ in unmatched[:3])})" if unmatched else "")
         )
         lines.append(
-            f"planned ops in no traced XLA op: {len(self.unmatched_planned_ops)}, "
-            f"{sum(self.unmatched_planned_ops.values()) * 1e6:.1f} us estimated"
+            f"scheduled ops in no traced XLA op: {len(self.unmatched_scheduled_ops)}, "
+            f"{sum(self.unmatched_scheduled_ops.values()) * 1e6:.1f} us estimated"
         )
         return "\n".join(lines)
 
@@ -275,7 +275,7 @@ class TraceComparison:
             "simulated_step_seconds": self.simulated_step_seconds,
             "groups": [
                 {
-                    "planned_ops": list(g.planned_ops),
+                    "scheduled_ops": list(g.scheduled_ops),
                     "xla_ops": list(g.xla_ops),
                     "estimated_seconds": g.estimated_seconds,
                     "measured_seconds": g.measured_seconds,
@@ -283,41 +283,41 @@ class TraceComparison:
                 for g in self.groups
             ],
             "unmatched_xla_ops": self.unmatched_xla_ops,
-            "unmatched_planned_ops": self.unmatched_planned_ops,
+            "unmatched_scheduled_ops": self.unmatched_scheduled_ops,
             "traced_ops_not_in_module": self.traced_ops_not_in_module,
         }
 
 
 @dataclass(frozen=True)
 class Attribution:
-    """Which traced XLA ops count under which planned keys (rule in the module docstring)."""
+    """Which traced XLA ops count under which scheduled keys (rule in the module docstring)."""
 
-    members: dict[Key, frozenset[Key]]  # a row's anchor key -> every planned key in the row
+    members: dict[Key, frozenset[Key]]  # a row's anchor key -> every scheduled key in the row
     xla_ops: dict[Key, tuple[str, ...]]  # a row's anchor key -> its XLA ops, most measured first
-    unmatched_xla_ops: dict[str, float]  # measured seconds of XLA ops naming no planned op
-    unmatched_planned: tuple[Key, ...]  # planned keys in no traced XLA op
+    unmatched_xla_ops: dict[str, float]  # measured seconds of XLA ops naming no scheduled op
+    unmatched_scheduled: tuple[Key, ...]  # scheduled keys in no traced XLA op
 
     def measured_seconds(self, measured: MeasuredOps, anchor: Key) -> float:
         return sum(measured.seconds[op] for op in self.xla_ops[anchor])
 
 
 def attribute(measured: MeasuredOps, hlo_text: str, estimate: dict[Key, float]) -> Attribution:
-    """Rows of planned keys (those ``estimate`` prices) and the XLA ops of ``measured`` that
+    """Rows of scheduled keys (those ``estimate`` prices) and the XLA ops of ``measured`` that
     hold them; ``hlo_text`` is the compiled module the trace ran."""
     keys = hlo_op_keys(hlo_text)
-    anchor: dict[str, Key] = {}  # XLA op -> the planned key it is counted under
+    anchor: dict[str, Key] = {}  # XLA op -> the scheduled key it is counted under
     unmatched_xla = {}
     for xla_op, seconds in sorted(measured.seconds.items()):
         info = keys.get(xla_op)
-        planned = [] if info is None else [k for k in info.own if k in estimate]
-        if not planned and info is not None:
-            planned = sorted((k for k in info.held if k in estimate), key=lambda k: -estimate[k])
-        if planned:
-            anchor[xla_op] = planned[0]
+        scheduled = [] if info is None else [k for k in info.own if k in estimate]
+        if not scheduled and info is not None:
+            scheduled = sorted((k for k in info.held if k in estimate), key=lambda k: -estimate[k])
+        if scheduled:
+            anchor[xla_op] = scheduled[0]
         else:
             unmatched_xla[xla_op] = seconds
     members: dict[Key, set[Key]] = {key: {key} for key in anchor.values()}
-    unmatched_planned = []
+    unmatched_scheduled = []
     for key in sorted(estimate):
         if key in members:
             continue
@@ -325,7 +325,7 @@ def attribute(measured: MeasuredOps, hlo_text: str, estimate: dict[Key, float]) 
         if hosts:  # fused into other ops: counted with the longest of them
             members[anchor[max(hosts, key=lambda op: (measured.seconds[op], op))]].add(key)
         else:
-            unmatched_planned.append(key)
+            unmatched_scheduled.append(key)
     xla_ops: dict[Key, list[str]] = defaultdict(list)
     for xla_op, key in anchor.items():
         xla_ops[key].append(xla_op)
@@ -336,19 +336,19 @@ def attribute(measured: MeasuredOps, hlo_text: str, estimate: dict[Key, float]) 
             for key, ops in xla_ops.items()
         },
         unmatched_xla_ops=unmatched_xla,
-        unmatched_planned=tuple(unmatched_planned),
+        unmatched_scheduled=tuple(unmatched_scheduled),
     )
 
 
 def compare(
     measured: MeasuredOps, hlo_text: str, simulated: dict[str, Any], simulated_step_seconds: float
 ) -> TraceComparison:
-    """Group measured XLA ops with the planned ops they hold (rule in the module docstring)."""
+    """Group measured XLA ops with the scheduled ops they hold (rule in the module docstring)."""
     estimate = estimated_seconds(simulated)
     rows = attribute(measured, hlo_text, estimate)
     groups = [
         OpGroup(
-            planned_ops=(
+            scheduled_ops=(
                 label(key),
                 *(label(k) for k in sorted(grouped - {key}, key=lambda k: -estimate[k])),
             ),
@@ -368,7 +368,7 @@ def compare(
         simulated_step_seconds=simulated_step_seconds,
         groups=groups,
         unmatched_xla_ops=rows.unmatched_xla_ops,
-        unmatched_planned_ops={label(key): estimate[key] for key in rows.unmatched_planned},
+        unmatched_scheduled_ops={label(key): estimate[key] for key in rows.unmatched_scheduled},
         traced_ops_not_in_module=sorted(op for op in measured.seconds if op not in module_ops),
     )
 

@@ -57,7 +57,7 @@ class ExchangeReport:
     # "rounds:G", "chunks:N", "... (forward only)", "... (backward only)", or "none"
     decomposition: str
     undecomposed_seconds: float  # its regions alone, as captured, on two streams, summed
-    estimated_seconds: float  # the regions as planned
+    estimated_seconds: float  # the regions as scheduled
     estimated_gain_seconds: float
     candidates: dict[str, float]  # every decomposition that applies -> its estimate
     why: str = ""  # why it was left undecomposed (or "forced")

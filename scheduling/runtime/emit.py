@@ -1,4 +1,4 @@
-"""Emit: rebuild a jit-compiled step that runs the program in the planned order.
+"""Emit: rebuild a jit-compiled step that runs the program in the scheduled order.
 
 The per-device program is re-evaluated op by op, in schedule order, inside a
 new whole-mesh ``shard_map`` under ``jax.jit``, every node through a transport
@@ -13,8 +13,9 @@ an XLA scheduling group (:mod:`scheduling.runtime.xla_groups`, which says where 
 drops or mishandles them). The XLA flags that turn that scheduler on are given by
 :func:`xla_gpu_flags`; a compiled step's ``windows`` says what the compiled order kept.
 
-On the CPU backend, where XLA runs every async pair synchronously, the socket
-transport carries the all-to-alls between processes instead, so that they overlap.
+On the CPU backend XLA runs every async pair synchronously; a transport of one's own
+(:class:`~scheduling.runtime.transports.Transport`, such as the emulated cluster's
+socket all-to-alls) can carry the collectives instead.
 """
 
 from __future__ import annotations
@@ -27,29 +28,29 @@ import jax
 from jax.experimental.xla_metadata import set_xla_metadata
 
 from scheduling import names
-from scheduling.passes.order import Schedule
+from scheduling.order.list_scheduler import Order
 from scheduling.program import jax_adapter
 from scheduling.program.capture import Constant, Op, Program, Value
 from scheduling.program.graph import Graph, Role
-from scheduling.reports.hlo_windows import KeptWindows, kept_windows
 from scheduling.runtime import pinning, transports
+from scheduling.runtime.hlo_windows import KeptWindows, kept_windows
 from scheduling.runtime.pinning import Pinning
 from scheduling.runtime.transports import Transport, XlaAsync
 from scheduling.runtime.xla_latencies import compile_with_latencies
 
 
 def xla_gpu_flags() -> list[str]:
-    """XLA flags under which the GPU compiler keeps the planned windows."""
+    """XLA flags under which the GPU compiler keeps the scheduled windows."""
     return list(names.XLA_GPU_FLAGS)
 
 
 def per_device_function(
     graph: Graph,
-    schedule: Schedule,
+    order: Order,
     transport: Callable[[], Transport] = XlaAsync,
     pinned: Pinning | None = None,
 ):
-    """A function of the flattened per-device arguments that runs ``schedule``, every node
+    """A function of the flattened per-device arguments that runs ``order``, every node
     through a fresh transport from ``transport`` (:mod:`scheduling.runtime.transports`),
     its windows pinned as ``pinned`` says (default: not at all)."""
     program = graph.program
@@ -65,7 +66,7 @@ def per_device_function(
                 return atom.value
             return bound.get(node_id, {}).get(atom, env[atom])
 
-        for node_id in schedule.order:
+        for node_id in order.nodes:
             node = graph.nodes[node_id]
             op = node.op
             mark = pinned.marks.get(node_id)
@@ -150,7 +151,7 @@ class ScheduledStep:
 
     def compile(self, *args: Any) -> CompiledStep:
         """Compile ahead of time; the result is called like the step itself. For a GPU,
-        with the pinning's compiler options (as many collectives in flight as the plan
+        with the pinning's compiler options (as many collectives in flight as the schedule
         has) and its windows' latencies (:mod:`scheduling.runtime.xla_latencies`):
         compiled once to name the windows' starts, then again with their latencies."""
         lowered = self.lower(*args)
@@ -163,7 +164,7 @@ class ScheduledStep:
 class CompiledStep:
     """A compiled :class:`ScheduledStep`: called like the original step; ``as_text`` is
     the optimized HLO module (on GPU, in the order the compiler scheduled it), and
-    ``windows`` what that order kept of the planned windows."""
+    ``windows`` what that order kept of the scheduled windows."""
 
     def __init__(self, step: ScheduledStep, compiled: Any):
         self._step = step
@@ -177,32 +178,32 @@ class CompiledStep:
         return self._compiled.as_text()
 
     def windows(self) -> KeptWindows:
-        """The planned windows (scheduling groups) the compiled order kept."""
+        """The scheduled windows (scheduling groups) the compiled order kept."""
         pinned = self._step.pinned
         return kept_windows(pinned.windows, self.as_text(), pinned.describe(), pinned.withheld)
 
 
 def emit(
     graph: Graph,
-    schedule: Schedule,
+    order: Order,
     *,
     donate_argnums: Sequence[int] = (),
     transport: Callable[[], Transport] | None = None,
     xla_pin: str = "barriers",
     op_seconds: Callable[[Op], float] | None = None,
 ) -> ScheduledStep:
-    """A jit-compiled step running ``schedule``, its collectives through ``transport``
+    """A jit-compiled step running ``order``, its collectives through ``transport``
     (a factory from :func:`scheduling.runtime.transports.connect`; default: XLA's async
     collectives, which raises
     :class:`~scheduling.program.jax_adapter.AsyncCollectivesUnavailable` on a JAX whose
     async primitives the adapter does not know), its windows pinned as ``xla_pin`` says
     (:func:`~scheduling.runtime.pinning.pin_windows`: ``barriers``, ``groups`` or
     ``none``, which leaves the order on GPU to XLA's latency-hiding scheduler).
-    ``op_seconds``: the plan's time of an op, from which a barrier-pinned step for GPU
+    ``op_seconds``: the schedule's time of an op, from which a barrier-pinned step for GPU
     tells XLA's latency estimator its windows' latencies when compiled ahead.
     """
     if transport is None:
         transport = transports.connect("xla", graph.program.mesh)
-    pinned = pinning.pin_windows(graph, schedule, xla_pin, op_seconds)
-    run = per_device_function(graph, schedule, transport, pinned)
+    pinned = pinning.pin_windows(graph, order, xla_pin, op_seconds)
+    run = per_device_function(graph, order, transport, pinned)
     return ScheduledStep(graph.program, run, donate_argnums, pinned)

@@ -1,12 +1,13 @@
-"""How the planned windows are held in place against XLA:GPU's own scheduler.
+"""How the scheduled windows are held in place against XLA:GPU's own scheduler.
 
-One choice per step (``schedule.xla_pin``): between optimization barriers
-(:mod:`scheduling.runtime.xla_barriers`, the default), as XLA scheduling groups
-(:mod:`scheduling.runtime.xla_groups`), or not at all. Whatever the choice, a step for
+One choice per step (``SchedulePolicy.xla_pin``): between optimization barriers
+(:mod:`scheduling.runtime.xla_barriers`, the default), or not at all; or, an
+experimental option (``ExperimentalOptions.xla_groups``), as XLA scheduling groups
+(:mod:`scheduling.runtime.xla_groups`). Whatever the choice, a step for
 GPU marks each window's nodes with the window's number, so that its compiled order can be
-read against the plan (:mod:`scheduling.reports.hlo_windows`); with barriers it also
+read against the schedule (:mod:`scheduling.runtime.hlo_windows`); with barriers it also
 carries each window's latency for XLA's latency estimator
-(:mod:`scheduling.runtime.xla_latencies`) and the most collectives the plan has in
+(:mod:`scheduling.runtime.xla_latencies`) and the most collectives the schedule has in
 flight at once, XLA's limit for the step's compiles. The emitter
 (:mod:`scheduling.runtime.emit`) traces what a :class:`Pinning` says.
 """
@@ -17,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduling.passes.order import Schedule
+from scheduling.order.list_scheduler import Order
 from scheduling.program import jax_adapter
 from scheduling.program.capture import Op
 from scheduling.program.graph import Graph, Role
@@ -31,7 +32,7 @@ OVERLAP_LIMIT_OPTION = "xla_gpu_experimental_parallel_collective_overlap_limit"
 
 @dataclass(frozen=True)
 class Pinning:
-    """How the planned windows are held in place on XLA:GPU: each node of ``marks``
+    """How the scheduled windows are held in place on XLA:GPU: each node of ``marks``
     traced with ``attribute`` (its window or group), and the barriers of ``pins``."""
 
     attribute: str = WINDOW_ATTRIBUTE
@@ -40,7 +41,7 @@ class Pinning:
     withheld: str | None = None  # why groups were asked for and not emitted
     # window -> the latency XLA:GPU's estimator is told for its collective (seconds)
     seconds: Mapping[int, float] = field(default_factory=dict)
-    in_flight: int = 0  # the most collectives the plan has in flight at once (0: not pinned)
+    in_flight: int = 0  # the most collectives the schedule has in flight at once (0: not pinned)
 
     @property
     def windows(self) -> int:
@@ -49,8 +50,8 @@ class Pinning:
 
     def compiler_options(self) -> dict[str, int]:
         """XLA:GPU options for compiling the pinned step: as many collectives in flight at
-        once as the plan has (XLA's own limit, one by default, closes a window before the
-        plan closes it whenever the plan has more open)."""
+        once as the schedule has (XLA's own limit, one by default, closes a window before the
+        schedule closes it whenever the schedule has more open)."""
         return {OVERLAP_LIMIT_OPTION: self.in_flight} if self.in_flight else {}
 
     def describe(self) -> str:
@@ -82,16 +83,16 @@ def most_in_flight(graph: Graph, order: Sequence[int]) -> int:
 
 def pin_windows(
     graph: Graph,
-    schedule: Schedule,
+    order: Order,
     how: str,
     op_seconds: Callable[[Op], float] | None = None,
 ) -> Pinning:
-    """The pinning ``how`` names (``barriers``, ``groups`` or ``none``) of ``schedule``:
+    """The pinning ``how`` names (``barriers``, ``groups`` or ``none``) of ``order``:
     groups only where the compiler is not known to mishandle them
     (:func:`~scheduling.program.jax_adapter.xla_groups_withheld`). Without groups, every
     window is marked with its number all the same (a frontend attribute XLA ignores), so
-    that the compiled order can be read against the plan, pinned or not. With
-    ``op_seconds`` (the plan's time of an op), barriers carry each window's latency for
+    that the compiled order can be read against the schedule, pinned or not. With
+    ``op_seconds`` (the schedule's time of an op), barriers carry each window's latency for
     XLA:GPU's latency estimator (:mod:`scheduling.runtime.xla_latencies`).
 
     Barriers and marks are for XLA:GPU only: XLA:CPU runs every collective synchronously
@@ -102,10 +103,10 @@ def pin_windows(
         withheld = jax_adapter.xla_groups_withheld(platform)
         if withheld:
             return Pinning(GROUP_ATTRIBUTE, withheld=withheld)
-        return Pinning(GROUP_ATTRIBUTE, scheduling_groups(graph, schedule.order))
+        return Pinning(GROUP_ATTRIBUTE, scheduling_groups(graph, order.nodes))
     if platform != "gpu":
         return Pinning()
-    pins = window_pins(graph, schedule.order)
+    pins = window_pins(graph, order.nodes)
     marks = {}
     for start, pin in pins.items():
         for node in (start, graph.nodes[start].partner, *pin.members):
@@ -113,5 +114,5 @@ def pin_windows(
     if how != "barriers":
         return Pinning(WINDOW_ATTRIBUTE, marks)
     seconds = window_latencies(graph, len(pins), op_seconds) if op_seconds and pins else {}
-    in_flight = most_in_flight(graph, schedule.order) if pins else 0
+    in_flight = most_in_flight(graph, order.nodes) if pins else 0
     return Pinning(WINDOW_ATTRIBUTE, marks, pins, seconds=seconds, in_flight=in_flight)

@@ -1,25 +1,22 @@
 """Transports: how an emitted program runs its collectives, behind one interface.
 
-The emitter (:mod:`scheduling.runtime.emit`) walks the planned order and hands every
+The emitter (:mod:`scheduling.runtime.emit`) walks the scheduled order and hands every
 node to a :class:`Transport`: the start of a split collective, its done, or any other
-op to run where it stands. Three transports exist (``SchedulePolicy.transport``):
+op to run where it stands. Two transports are the library's (``SchedulePolicy.transport``):
 
 - ``xla``: XLA's async collectives, a start and a done primitive per split collective
   (through the adapter). On GPU the latency-hiding scheduler places them; XLA:CPU runs
   each pair synchronously.
-- ``sync``: the planned order with synchronous collectives, each run at its start (for
+- ``sync``: the scheduled order with synchronous collectives, each run at its start (for
   a JAX whose async primitives the adapter does not know).
-- ``socket``: on the CPU backend across processes, the all-to-alls as socket start/done
-  host callbacks (:mod:`scheduling.runtime.socket_all_to_all`), the planned order pinned
-  by data dependence, so that they overlap the computation planned between them; the
-  other collectives as ``xla``. An all-to-all the plan left whole runs on the sockets
-  too, its done right after its start, so that every schedule is measured on one
-  transport. Elsewhere (another backend, one process) ``socket`` is ``xla``. The pieces
-  of a ragged exchange (an ``all_to_all`` under a ``ragged_rows`` scope) are sent trimmed
-  to their routed rows.
 
 A transport object lives for one trace of the step: :func:`connect` returns a factory
-that makes a fresh one each time the step is traced.
+that makes a fresh one each time the step is traced. A transport of one's own plugs in
+the same way, as an experimental option (``ExperimentalOptions.transport``): a
+:data:`Connector`, called with the mesh, returns its factory. The emulated cluster's
+socket all-to-alls, which let CPU processes overlap their exchanges, are one (outside
+this package: the research harness's); :class:`XlaAsync` is what such a transport hands
+the collectives it does not carry.
 """
 
 from __future__ import annotations
@@ -27,16 +24,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import jax
 from jax.sharding import Mesh
 
-from scheduling.costs.cost_model import is_ragged_exchange
 from scheduling.program import jax_adapter
 from scheduling.program.capture import Op
-from scheduling.runtime.socket_all_to_all import EmittedOrder, SocketTransport
 
 
 class Transport(Protocol):
+    """How an emitted step runs its collectives, node by node, in the scheduled order."""
+
     def start(self, node: int, op: Op, operand: Any) -> None:
         """Start the collective ``op`` (node ``node``) on ``operand``."""
 
@@ -45,6 +41,11 @@ class Transport(Protocol):
 
     def run(self, node: int, op: Op, inputs: list[Any]) -> list[Any]:
         """Run ``op``, not split into start and done, where it stands."""
+
+
+# A connector: called with the step's mesh (by every process of the run at once), the
+# factory of the transports its emitted step traces its collectives through.
+Connector = Callable[[Mesh], Callable[[], Transport]]
 
 
 class XlaAsync:
@@ -64,7 +65,7 @@ class XlaAsync:
 
 
 class Synchronous:
-    """The planned order with synchronous collectives: each runs at its start."""
+    """The scheduled order with synchronous collectives: each runs at its start."""
 
     def __init__(self) -> None:
         self._results: dict[int, list[Any]] = {}
@@ -79,57 +80,15 @@ class Synchronous:
         return jax_adapter.bind_equation(op.eqn, inputs)
 
 
-class SocketAllToAlls:
-    """All-to-alls over the sockets of ``connection``; every other collective through
-    ``others``. Every op's inputs are pinned after the starts the plan puts before it."""
+def connect(kind: str, mesh: Mesh) -> Callable[[], Transport]:
+    """A factory of transports of ``kind`` (``xla`` or ``sync``) for ``mesh``.
 
-    def __init__(self, connection: SocketTransport, others: Transport):
-        self._sockets = EmittedOrder(connection)
-        self._others = others
-
-    def _carries(self, op: Op, operand: Any) -> bool:
-        return self._sockets.supports(
-            op.primitive, op.eqn.params, operand, op.outputs[0].aval.shape
-        )
-
-    def start(self, node: int, op: Op, operand: Any) -> None:
-        if self._carries(op, operand):
-            self._sockets.start(node, operand, op.eqn.params, is_ragged_exchange(op))
-        else:
-            self._others.start(node, op, operand)
-
-    def done(self, start: int, op: Op) -> list[Any]:
-        if self._sockets.is_pending(start):
-            return [self._sockets.done(start)]
-        return self._others.done(start, op)
-
-    def run(self, node: int, op: Op, inputs: list[Any]) -> list[Any]:
-        if op.primitive == "all_to_all" and len(inputs) == 1 and self._carries(op, inputs[0]):
-            # An all-to-all the plan left whole (schedule "none"): synchronous, on sockets.
-            return [self._sockets.now(node, inputs[0], op.eqn.params, is_ragged_exchange(op))]
-        results = self._others.run(node, op, self._sockets.pin(op.primitive, inputs))
-        self._sockets.record(results)
-        return results
-
-
-def connect(kind: str, mesh: Mesh, link_mbit: float | None = None) -> Callable[[], Transport]:
-    """A factory of transports of ``kind`` (``xla``, ``sync`` or ``socket``) for ``mesh``.
-
-    ``socket`` connects every process of the run (all of them must call this); where it
-    does not apply (another backend than CPU, one process) it is ``xla``. ``link_mbit``:
-    the link's rate between processes, which bounds how long a socket done waits (default:
-    the transport's). ``xla`` on a JAX whose async primitives the adapter does not know
-    raises :class:`~scheduling.program.jax_adapter.AsyncCollectivesUnavailable`.
+    ``xla`` on a JAX whose async primitives the adapter does not know raises
+    :class:`~scheduling.program.jax_adapter.AsyncCollectivesUnavailable`.
     """
     if kind == "sync":
         return Synchronous
+    if kind != "xla":
+        raise ValueError(f"transport {kind!r}: choose xla or sync")
     jax_adapter.require_async_collectives()
-    if kind == "socket" and socket_applies():
-        connection = SocketTransport.connect(mesh, link_mbit=link_mbit)
-        return lambda: SocketAllToAlls(connection, XlaAsync())
     return XlaAsync
-
-
-def socket_applies() -> bool:
-    """Whether socket all-to-alls help here: the CPU backend, more than one process."""
-    return jax.default_backend() == "cpu" and jax.process_count() > 1

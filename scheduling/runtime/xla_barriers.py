@@ -1,7 +1,7 @@
-"""The planned windows pinned with optimization barriers, which XLA's schedulers keep.
+"""The scheduled windows pinned with optimization barriers, which XLA's schedulers keep.
 
-A planned window is a critical collective's start, its done, and the computation the
-plan runs between them (:func:`~scheduling.runtime.xla_groups.window_nodes`). XLA:GPU's
+A scheduled window is a critical collective's start, its done, and the computation the
+schedule runs between them (:func:`~scheduling.runtime.xla_groups.window_nodes`). XLA:GPU's
 latency-hiding scheduler orders a module by its own cost model whatever order it was
 traced in, and the scheduling groups that would pin a window are dropped or mishandled
 by the XLA builds measured (:mod:`scheduling.runtime.xla_groups`). What no XLA pass
@@ -19,7 +19,7 @@ barriers bound a window:
 
 Between the two, the window's computation is what the scheduler has to hide the
 collective behind, and it places it inside; the compiled order says whether it did
-(:mod:`scheduling.reports.hlo_windows`, through the :data:`WINDOW_ATTRIBUTE` each
+(:mod:`scheduling.runtime.hlo_windows`, through the :data:`WINDOW_ATTRIBUTE` each
 pinned node is traced with). A barrier computes nothing: results are bit for bit those
 of the unpinned program. Deferrable collectives (gradient reductions) are not pinned, so
 that the scheduler may still move them off the link the critical path needs; nor is a
@@ -38,7 +38,7 @@ from scheduling.runtime.xla_groups import window_nodes
 # The frontend attribute each pinned node is traced with (the window's index): XLA
 # ignores it and keeps it on the instructions it compiles them to, which is how the
 # compiled order is read back.
-WINDOW_ATTRIBUTE = "_planned_window"
+WINDOW_ATTRIBUTE = "_scheduled_window"
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class Pin:
     """The barriers of one window, keyed in :func:`window_pins` by its start's node."""
 
     index: int  # the window's number, in the order of the starts
-    members: tuple[int, ...]  # the compute nodes the plan runs inside
+    members: tuple[int, ...]  # the compute nodes the schedule runs inside
     before: tuple[Value, ...]  # read by the members and defined before the start
     after: tuple[Value, ...]  # defined by the members and read outside the window
 

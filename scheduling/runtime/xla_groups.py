@@ -1,4 +1,4 @@
-"""The planned windows as scheduling groups that XLA:GPU's latency-hiding scheduler keeps.
+"""The scheduled windows as scheduling groups that XLA:GPU's latency-hiding scheduler keeps.
 
 An op traced under ``set_xla_metadata(_scheduling_group_id=K)`` joins group K. What the
 GPU compiler does with groups (XLA's ``LegalizeSchedulingAnnotations`` and the
@@ -13,14 +13,14 @@ latency-hiding scheduler's core) decides what a group may hold:
   (a "gap") fails compilation, as do two groups that reach each other both ways.
 
 So a critical window (:mod:`scheduling.program.graph`: a collective some computation
-waits for) becomes a group of its start, its done and the matrix products the plan puts
+waits for) becomes a group of its start, its done and the matrix products the schedule puts
 between them that no path joins, the costliest first, and none that would join two
 groups both ways. A window with no such product gets no group: XLA's scheduler then
 places its start and done as it sees fit, which is better than a synchronous collective.
 Deferrable collectives (gradient reductions) are left free as well, so that the
 scheduler may move them off the link the critical path needs.
 
-Measured, the groups do not carry the plan: on an H200 with jax 0.11.2 XLA drops the
+Measured, the groups do not carry the schedule: on an H200 with jax 0.11.2 XLA drops the
 attribute when it rewrites JAX's async all-to-all custom calls, and the compiled order is
 XLA's own; with jax 0.10.2 XLA crashes on a group over an all-to-all (so the adapter
 withholds them there) and keeps other groups without their products

@@ -1,19 +1,19 @@
-"""The plan's windows, handed to XLA:GPU's scheduler as a latency profile.
+"""The schedule's windows, handed to XLA:GPU's scheduler as a latency profile.
 
 Barriers (:mod:`scheduling.runtime.xla_barriers`) bound each window's computation to
 after its collective's operand exists and before its result is read; how early inside
 that span the collective starts is the latency-hiding scheduler's choice. It starts a
 collective once its estimate of the collective's time is covered by the computation it
 has placed after the start, and its estimates are its own: a fixed guess for each
-collective, a nominal cost for each instruction. Told a collective's planned time, it
+collective, a nominal cost for each instruction. Told a collective's scheduled time, it
 still starts it late wherever it counts more computation in the window than that time
-(the plan fills a window with all the computation it can hold), and part of the
+(the schedule fills a window with all the computation it can hold), and part of the
 window's computation runs before the collective.
 
 So each pinned window's start is told a latency nothing between its barriers can cover
 (:func:`window_latencies`): the scheduler then starts the collective at its barrier,
-where the plan starts it, and what it places inside is the computation the barriers
-bound. Nothing covers the plan's time of the whole step run serially, but one latency
+where the schedule starts it, and what it places inside is the computation the barriers
+bound. Nothing covers the schedule's time of the whole step run serially, but one latency
 for all is not enough where windows overlap: the scheduler works from the end of the
 step backwards, and where it places a start whose latency is not covered it advances
 its clock to that start's due time, a stall that counts for every collective still
@@ -29,7 +29,7 @@ names of the instructions of the module it schedules, and falls back to its own
 estimate for any other. Those names exist only once the module is compiled, and
 compiling the same module again gives the same names: so a scheduled step is compiled
 once, the start of each marked window is found in the compiled module (by its
-``_planned_window`` attribute) and given its latency, and the step is compiled again
+``_scheduled_window`` attribute) and given its latency, and the step is compiled again
 with that profile (:data:`PROFILE_OPTION`).
 """
 
@@ -42,7 +42,7 @@ from typing import Any
 
 from scheduling.program.capture import Op
 from scheduling.program.graph import Graph, Role
-from scheduling.reports.hlo_windows import entry_instructions, parse_instruction, windows
+from scheduling.runtime.hlo_windows import entry_instructions, parse_instruction, windows
 
 # The XLA debug option naming the profile, passed to one compile as a compiler option.
 PROFILE_OPTION = "xla_gpu_pgle_profile_file_or_directory_path"
@@ -52,7 +52,7 @@ def window_latencies(
     graph: Graph, count: int, op_seconds: Callable[[Op], float]
 ) -> dict[int, float]:
     """The latency the start of each of ``count`` pinned windows (numbered in the order
-    of the starts) is told: ``count - k`` times the plan's time of every op of ``graph``
+    of the starts) is told: ``count - k`` times the schedule's time of every op of ``graph``
     run one after another (a split collective counted once)."""
     serial = sum(op_seconds(node.op) for node in graph.nodes if node.role is not Role.DONE)
     return {k: serial * (count - k) for k in range(count)}
@@ -86,6 +86,6 @@ def compile_with_latencies(
     if not profile:
         return compiled
     with tempfile.TemporaryDirectory() as directory:
-        path = Path(directory) / "planned_latencies.pbtxt"
+        path = Path(directory) / "scheduled_latencies.pbtxt"
         path.write_text(profile)
         return lowered.compile(compiler_options={**options, PROFILE_OPTION: str(path)})

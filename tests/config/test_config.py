@@ -1,6 +1,8 @@
 """Every invalid configuration is refused with one message naming the field and the fix."""
 
 import dataclasses
+import json
+import re
 
 import pytest
 
@@ -15,7 +17,13 @@ from jaxmoe.config import (
     TrainConfig,
     capacity_per_expert,
 )
+from jaxmoe.config.schedule import schedule_section
 from jaxmoe.presets import PRESETS, preset
+
+
+def section(**fields):
+    """The schedule section as a configuration reads it."""
+    return schedule_section(fields)
 
 
 @pytest.mark.parametrize(
@@ -47,15 +55,24 @@ from jaxmoe.presets import PRESETS, preset
         (lambda: TrainConfig(batch_size=0), "train.batch_size=0"),
         (lambda: TrainConfig(learning_rate=0.0), "train.learning_rate=0.0: must be > 0"),
         (lambda: TrainConfig(grad_clip_norm=0.0), "train.grad_clip_norm=0.0"),
-        (lambda: ScheduleConfig(name="fast"), "schedule.name='fast': choose one of none"),
-        (lambda: ScheduleConfig(op_costs="guessed"), "schedule.op_costs='guessed'"),
-        (lambda: ScheduleConfig(async_min_bytes=-1), "schedule.async_min_bytes=-1"),
-        (lambda: ScheduleConfig(partition_chunks=9), "schedule.partition_chunks=9"),
-        (lambda: ScheduleConfig(partition_chunks=1), "or none to let the search choose"),
-        (lambda: ScheduleConfig(link_mbit=-5.0), "schedule.link_mbit=-5.0"),
-        (lambda: ScheduleConfig(name="expert_pipeline"), "needs its pipelining degree"),
-        (lambda: ScheduleConfig(transport="carrier pigeon"), "schedule.transport="),
-        (lambda: ScheduleConfig(profile="tpu"), "schedule.profile='tpu': choose one of a100"),
+        (lambda: section(name="fast"), "schedule.name='fast': choose one of none"),
+        (lambda: section(op_costs="guessed"), "schedule.op_costs='guessed'"),
+        (lambda: section(async_min_bytes=-1), "schedule.async_min_bytes=-1"),
+        (lambda: section(partition_chunks=9), "schedule.partition_chunks=9"),
+        (lambda: section(partition_chunks=1), "or none to let the search choose"),
+        (lambda: section(name="expert_pipeline"), "needs its pipelining degree"),
+        (lambda: section(transport="carrier pigeon"), "schedule.transport="),
+        (lambda: section(profile="tpu"), "schedule.profile='tpu': choose one of a100"),
+        (lambda: section(max_live_bytes_growth=float("inf")), "expected a finite float"),
+        (lambda: section(op_cost_cache="/cache"), "the run fills it in, not a setting"),
+        (lambda: section(widht=3), "unknown fields schedule.widht: schedule has "),
+        # Research options: no settings, each refused with where it went.
+        (lambda: section(link_mbit=-5.0), "schedule.link_mbit=-5.0: the cost model's link"),
+        (lambda: section(link_mbit=50.0), "is its profile's: choose --schedule.profile, or"),
+        (lambda: section(partition_always=True), "ExperimentalOptions(partition_always=True)"),
+        (lambda: section(exchange="rounds:8"), "ExperimentalOptions(exchange=...)"),
+        (lambda: section(transport="socket"), "experiments/emulation/socket_transport.py"),
+        (lambda: section(xla_pin="groups"), "ExperimentalOptions(xla_groups=True)"),
         (lambda: DataConfig(val_fraction=1.0), "data.val_fraction=1.0"),
         (
             lambda: Config(moe=MoEConfig(num_experts=6), parallel=ParallelConfig(expert=4)),
@@ -102,6 +119,76 @@ def test_configs_are_frozen():
 def test_round_trip_through_a_dict():
     config = Config(moe=MoEConfig(capacity_factor=None, top_k=2))
     assert Config.from_dict(config.to_dict()) == config
+
+
+def test_the_schedule_section_is_the_policy_and_round_trips_a_profile_of_its_own():
+    import scheduling
+
+    assert Config().schedule == scheduling.SchedulePolicy(name="none")
+    own = scheduling.PROFILES["cpu"].with_link(1e6)
+    config = Config(schedule=ScheduleConfig(name="lancet", profile=own))
+    assert Config.from_dict(config.to_dict()) == config
+
+
+def test_a_saved_schedule_section_of_before_keeps_its_settings_without_the_research_options():
+    values = Config().to_dict()
+    values["schedule"].update(partition_always=False, exchange=None, link_mbit=0.0)
+    assert Config.from_dict(values) == Config()
+    values["schedule"]["link_mbit"] = 50.0
+    with pytest.raises(ConfigError, match=r"^schedule\.link_mbit=50\.0: the cost model's link"):
+        Config.from_dict(values)
+
+
+@pytest.mark.parametrize(
+    ("old", "message"),
+    [
+        ("schedule_profile", "train.schedule_profile is now schedule.profile: write it there"),
+        ("schedule", "train.schedule is now schedule.name: write it there (--schedule.name)"),
+        ("schedule_socket_all_to_all", "train.schedule_socket_all_to_all: experimental"),
+    ],
+)
+def test_an_old_train_schedule_field_is_refused_naming_the_new_one(old, message):
+    values = Config().to_dict()
+    values["train"][old] = "cpu"
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        Config.from_dict(values)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--schedule.partition_always", "true"], "--schedule.partition_always: experimental"),
+        (["--schedule.exchange", "rounds:8"], "--schedule.exchange: experimental"),
+        (["--schedule.link_mbit", "50"], "--schedule.link_mbit: the cost model's link is its"),
+        (["--schedule.transport", "socket"], "schedule.transport='socket': experimental"),
+        (["--schedule.xla_pin", "groups"], "schedule.xla_pin='groups': experimental"),
+        (["--schedule.op_cost_cache", "x"], "--schedule.op_cost_cache: the run fills it in"),
+        (["--train.schedule_profile", "cpu"], "--train.schedule_profile is now --schedule.pro"),
+        (["--train.schedule_link_mbit", "5"], "--train.schedule_link_mbit: the cost model's"),
+    ],
+)
+def test_flags_of_the_research_options_and_old_fields_are_refused_in_one_line(argv, message):
+    from jaxmoe.cli.parser import config_from_train_args
+
+    with pytest.raises(ConfigError, match=re.escape(message)) as error:
+        config_from_train_args(argv)
+    assert "\n" not in str(error.value)
+
+
+def test_a_profile_file_is_named_in_the_configuration_and_read_by_the_input_checks(tmp_path):
+    from jaxmoe.cli.inputs import check_link_curves
+    from jaxmoe.cli.parser import config_from_train_args
+
+    missing = config_from_train_args(["--schedule.profile", str(tmp_path / "mine.json")])
+    with pytest.raises(ConfigError, match="cannot read this profile file"):
+        check_link_curves(missing.schedule)
+    import scheduling
+
+    (tmp_path / "mine.json").write_text(
+        json.dumps(dataclasses.asdict(scheduling.PROFILES["cpu"].with_link(1e6)))
+    )
+    check_link_curves(missing.schedule)
+    assert missing.schedule.device_profile.link_bytes_per_s == 1e6
 
 
 def test_unknown_preset_names_the_choices():

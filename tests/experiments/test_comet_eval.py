@@ -1,7 +1,7 @@
 """The COMET evaluation's single-layer program and its reading of the targets."""
 
 from experiments import comet_cluster, comet_eval
-from scheduling import SchedulePolicy, build_report, cost_model, plan
+from scheduling import SchedulePolicy, build_report, cost_model, schedule
 
 
 def test_single_layer_program_has_both_exchanges_and_comet_never_loses():
@@ -10,7 +10,8 @@ def test_single_layer_program_has_both_exchanges_and_comet_never_loses():
     assert all_to_alls == ["forward", "forward", "backward", "backward"]
     policy = SchedulePolicy(name="comet", profile="a100-8x-nvlink-400g")
     cost = cost_model(policy, mesh)
-    report = build_report(plan(program, policy, cost, [program.inputs[-2]]), cost, policy, program)
+    scheduled = schedule(program, policy, cost, [program.inputs[-2]])
+    report = build_report(scheduled, cost, policy, program)
     (layer,) = report.exchanges
     assert layer.phases == ["forward", "backward"]
     assert report.step_seconds <= report.baseline_step_seconds

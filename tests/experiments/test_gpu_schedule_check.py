@@ -13,15 +13,18 @@ def test_variants_name_a_schedule_and_how_it_is_pinned_and_emitted():
     config = preset("tiny")
 
     def variant(name):
-        schedule = gpu_schedule_check._variant(config, name).schedule
-        return schedule.name, schedule.xla_pin, schedule.transport
+        varied, experimental = gpu_schedule_check._variant(config, name)
+        schedule = varied.schedule
+        groups = experimental is not None and experimental.xla_groups
+        return schedule.name, "groups" if groups else schedule.xla_pin, schedule.transport
 
     assert variant("pair") == ("pair", "barriers", "xla")
     assert variant("pair:free") == ("pair", "none", "xla")
     assert variant("pair:groups") == ("pair", "groups", "xla")
     assert variant("lancet:sync") == ("lancet", "barriers", "sync")
     assert variant("lancet:sync:free") == ("lancet", "none", "sync")
-    assert gpu_schedule_check._variant(config, "pair:noprofile").schedule.xla_latencies is False
+    noprofile, _ = gpu_schedule_check._variant(config, "pair:noprofile")
+    assert noprofile.schedule.xla_latencies is False
     with pytest.raises(SystemExit, match="then any of :free, :noprofile, :groups, :sync"):
         gpu_schedule_check._variant(config, "pair:fast")
 
@@ -41,7 +44,16 @@ def test_the_configuration_takes_the_checks_layout_and_schedule_settings():
     assert (config.parallel.data, config.parallel.expert) == (1, 8)
     assert (config.model.num_layers, config.train.microbatches) == (2, 4)
     schedule = config.schedule
-    assert (schedule.link_mbit, schedule.async_min_bytes) == (5000.0, 1024)
+    assert schedule.async_min_bytes == 1024
+    # The link is told to the cost model as a profile: the named one, with that link.
+    assert schedule.device_profile.link_bytes_per_s == 5000e6 / 8
+    assert schedule.device_profile.flops_per_s == preset_profile().flops_per_s
+
+
+def preset_profile():
+    import scheduling
+
+    return scheduling.PROFILES["h100-8x-nvlink-3200g"]
 
 
 def test_the_devices_are_described_as_what_ran():

@@ -12,7 +12,7 @@ from scheduling import (
     cost_model,
     exposed_all_to_all,
     node_seconds,
-    plan,
+    schedule,
     simulate,
 )
 
@@ -60,9 +60,9 @@ def test_table_leaves_unmeasured_cluster_figures_out():
 
 
 def _step_and_exposed_all_to_all(program, policy, cost, batch):
-    planned = plan(program, policy, cost, batch)
-    timeline = simulate(planned.graph, planned.schedule.order, node_seconds(cost))
-    return timeline.step_seconds, exposed_all_to_all(planned.graph, timeline)
+    scheduled = schedule(program, policy, cost, batch)
+    timeline = simulate(scheduled.graph, scheduled.order.nodes, node_seconds(cost))
+    return timeline.step_seconds, exposed_all_to_all(scheduled.graph, timeline)
 
 
 @pytest.mark.parametrize("profile", lancet_eval.PROFILES)

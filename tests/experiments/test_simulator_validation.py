@@ -81,7 +81,8 @@ def test_compute_only_comes_from_the_run_or_from_a_full_run_of_the_same_step(tmp
 def test_the_regime_runs_every_all_to_all_on_sockets_with_none_first(tmp_path: Path):
     request = overlap_regime.request(sweep=tmp_path / "c")
     config = request.check()
-    assert config.schedule.transport == "socket"
+    assert request.experimental.transport == "socket"  # a research option, not a setting
+    assert config.schedule.transport == "xla"
     assert request.schedules[0] == "none"
     assert (request.hosts, request.devices_per_host) == (2, 1)
     assert (config.parallel.data, config.parallel.expert) == (1, 2)
@@ -92,7 +93,9 @@ def test_the_regime_runs_every_all_to_all_on_sockets_with_none_first(tmp_path: P
     assert quick.shaped_only and (quick.repeats, quick.warmup) == (3, 1)
     fast = overlap_regime.request(link_mbit=200, shaped_only=True)
     assert fast.link_mbit == 200 and fast.shaped_only
-    assert "--link-mbit 200 " in fast.command() and "--schedule.link_mbit 200" in fast.command()
+    assert "--link-mbit 200 " in fast.command()
+    assert "--experimental.link_mbit 200" in fast.command()
+    assert fast.experimental.link_mbit == 200
 
 
 def test_summary_gives_calibration_control_and_breakdown():

@@ -53,10 +53,11 @@ from jaxmoe.parallel.mesh import build_mesh, token_spec
 from jaxmoe.pipeline.params import PIPELINE_AXIS, stage_layout, to_layout
 from jaxmoe.pipeline.pipelined import SELECT_SCOPE
 from jaxmoe.pipeline.ticks import TickTable
-from jaxmoe.train.resolved import resolve
-from jaxmoe.train.scheduled import capture_train_step, schedule_policy, scheduled_train_step
+from jaxmoe.train.resolved import resolve, schedule_policy
+from jaxmoe.train.scheduled import capture_train_step, scheduled_train_step
 from jaxmoe.train.state import abstract_sharded_state, init_train_state, param_trees_mapped
 from tests.train.batches import random_batch
+from tests.train.runs import linked
 
 STEPS = 5
 MICROBATCHES = 2  # the fewest with which 2 stages run a forward and a backward slot in one tick
@@ -198,7 +199,7 @@ def test_the_paired_schedule_is_bit_for_bit_on_a_pipelined_step():
 
 def test_pair_runs_each_backward_slot_beside_the_next_forward_slot():
     # A slow link: the all-to-alls are long enough for the pairing to fill them.
-    paired = _with(config("plain", 2, schedule="pair"), "schedule", profile="cpu", link_mbit=50.0)
+    paired = _with(config("plain", 2, schedule="pair"), "schedule", profile=linked("cpu", 50.0))
     mesh = build_mesh(paired.parallel, devices(paired))
     program, _ = capture_train_step(resolve(paired, mesh))
 
@@ -206,8 +207,8 @@ def test_pair_runs_each_backward_slot_beside_the_next_forward_slot():
         """Per tick k: compute nodes of tick k+1's forward slot inside the windows of tick
         k's backward all-to-alls, and of tick k's backward slot inside tick k+1's."""
         policy = dataclasses.replace(schedule_policy(paired), name=name)
-        planned = scheduling.plan(program, policy, scheduling.cost_model(policy, mesh))
-        graph, order = planned.graph, planned.schedule.order
+        scheduled = scheduling.schedule(program, policy, scheduling.cost_model(policy, mesh))
+        graph, order = scheduled.graph, scheduled.order.nodes
         position = {node: i for i, node in enumerate(order)}
         assert all(position[p] < position[n] for n in range(len(order)) for p in graph.preds[n])
 

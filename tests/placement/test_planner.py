@@ -25,6 +25,7 @@ from jaxmoe.train.metrics import METRICS_FILE, read_rows
 from jaxmoe.train.resolved import resolve
 from jaxmoe.train.state import init_train_state
 from jaxmoe.train.step import build_train_step
+from scheduling import ExperimentalOptions
 from tests.train.batches import compiled_step, random_batch
 from tests.train.runs import with_schedule
 
@@ -49,10 +50,10 @@ def place(state, table: np.ndarray, mesh):
     return state._replace(placement=jax.device_put(jnp.asarray(table), state.placement.sharding))
 
 
-def run(config: Config, steps: int, table: np.ndarray | None = None):
+def run(config: Config, steps: int, table: np.ndarray | None = None, experimental=None):
     """Metrics of every step and the final state, with ``config.schedule.name``, from
     ``table`` as the placement (default: the initial one)."""
-    mesh, step_fn = compiled_step(config)
+    mesh, step_fn = compiled_step(config, experimental=experimental)
     state = init_train_state(resolve(config, mesh))
     if table is not None:
         state = place(state, table, mesh)
@@ -151,9 +152,10 @@ def test_a_placement_change_never_changes_parameter_values():
 # does (always, here) and moves work too.
 @pytest.mark.parametrize("schedule", ["dw", "lancet"])
 def test_schedules_compute_the_plain_step_with_a_placement(schedule):
-    config = with_schedule(config_with(4, capacity_factor=0.5), partition_always=True)
+    config = config_with(4, capacity_factor=0.5)
+    always = ExperimentalOptions(partition_always=True)
     reference = run(with_schedule(config, "none"), 2, SKEWED)
-    scheduled = run(with_schedule(config, schedule), 2, SKEWED)
+    scheduled = run(with_schedule(config, schedule), 2, SKEWED, always)
     if schedule == "dw":
         chex.assert_trees_all_equal(scheduled, reference)
     else:  # chunks compile differently: a few ulps; the same assignments are dropped

@@ -30,9 +30,14 @@ RELAXED = [name for name in ALGORITHMS if name not in EXACT]
 FREE = ConvergenceCosts("test: no convergence cost", TARGET_FRACTION, dict.fromkeys(RELAXED, 1.0))
 
 
+def linked(link_mbit: float) -> scheduling.DeviceProfile:
+    """The cpu profile with a link of ``link_mbit`` Mbit/s per device."""
+    return scheduling.PROFILES["cpu"].with_link(link_mbit * 1e6 / 8)
+
+
 def config_told(link_mbit: float, **schedule_fields):
     config = small_config(grad_sync="auto", grad_sync_devices_per_host=4)
-    config = with_schedule(config, profile="cpu", link_mbit=link_mbit, **schedule_fields)
+    config = with_schedule(config, profile=linked(link_mbit), **schedule_fields)
     return dataclasses.replace(config, parallel=ParallelConfig(data=2, expert=4))
 
 
@@ -179,8 +184,11 @@ def test_train_says_what_auto_chose_and_runs_it(tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
     argv = ["train", "--steps", "2", "--no-progress", "--out", str(out)]
     argv += ["--parallel.data", "2", "--parallel.expert", "4", "--train.grad_sync", "auto"]
-    argv += ["--train.grad_sync_devices_per_host", "4", "--schedule.profile", "cpu"]
-    argv += ["--schedule.link_mbit", "1", "--model.num_layers", "2"]
+    # The link told as a profile file of its own: the cpu profile at 1 Mbit/s.
+    profile = tmp_path / "cpu-1mbit.json"
+    profile.write_text(json.dumps(dataclasses.asdict(linked(1.0))))
+    argv += ["--train.grad_sync_devices_per_host", "4", "--schedule.profile", str(profile)]
+    argv += ["--model.num_layers", "2"]
     assert main(argv) == 0
     # One preparation: the mesh is built once, the choice made once, for the whole run.
     assert len(built) == 1

@@ -18,7 +18,8 @@ from jax.sharding import PartitionSpec as P
 import scheduling
 import scheduling.names
 import scheduling.runtime.pinning
-from scheduling.planning.policy import SchedulePolicy
+from scheduling.policy import ExperimentalOptions, SchedulePolicy
+from scheduling.profiles import PROFILE_FILES
 from scheduling.program import jax_adapter
 from scheduling.program.capture import capture
 from scheduling.program.graph import Kind, Role
@@ -125,7 +126,7 @@ def test_a_compiled_step_says_what_the_compiler_kept_of_its_windows(monkeypatch)
     step = _for_gpu(monkeypatch)
     windows = step.compile(*_args()).windows()
     text = step.lower(*_args()).as_text()
-    pinned = {int(g) for g in re.findall(r'_planned_window = "(\d+)"', text)}
+    pinned = {int(g) for g in re.findall(r'_scheduled_window = "(\d+)"', text)}
     assert windows.emitted == len(pinned) > 0
     # XLA:CPU runs every async pair synchronously: no window and no pair is left.
     assert (windows.kept, windows.collectives) == (0, 0)
@@ -139,15 +140,15 @@ def test_groups_are_withheld_where_the_compiler_mishandles_them(monkeypatch):
         return "this compiler crashes on them"
 
     monkeypatch.setattr(jax_adapter, "xla_groups_withheld", withheld)
-    policy = SchedulePolicy(name="dw", xla_pin="groups")
     step, _ = scheduling.optimize(
-        STEP, *_args(), mesh=mesh_x(), in_specs=IN_SPECS, out_specs=OUT_SPECS, policy=policy
-    )
+        STEP, *_args(), mesh=mesh_x(), in_specs=IN_SPECS, out_specs=OUT_SPECS, policy="dw",
+        experimental=ExperimentalOptions(xla_groups=True),
+    )  # fmt: skip
     assert platforms == ["cpu"]  # asked for the mesh's own platform
     assert (step.pinned.windows, step.pinned.withheld) == (0, "this compiler crashes on them")
     assert "_scheduling_group_id" not in step.lower(*_args()).as_text()
     line = step.compile(*_args()).windows().line()
-    assert line.startswith("planned windows not emitted as scheduling groups (this compiler")
+    assert line.startswith("scheduled windows not emitted as scheduling groups (this compiler")
 
 
 def test_the_xla_gpu_of_the_pinned_jax_gets_no_groups():
@@ -177,11 +178,11 @@ def test_stablehlo_has_one_async_pair_per_collective(policy):
 
 def test_stablehlo_of_dw_for_gpu_pins_its_windows_between_barriers(monkeypatch):
     text = _for_gpu(monkeypatch).lower(*_args()).as_text()
-    windows = {int(g) for g in re.findall(r'_planned_window = "(\d+)"', text)}
+    windows = {int(g) for g in re.findall(r'_scheduled_window = "(\d+)"', text)}
     assert windows and text.count("stablehlo.optimization_barrier") == 2 * len(windows)
     assert "_scheduling_group_id" not in text
     # For these CPUs, nothing: XLA:CPU runs the collectives synchronously.
-    assert not any(word in _stablehlo("dw") for word in ("_planned_window", "barrier"))
+    assert not any(word in _stablehlo("dw") for word in ("_scheduled_window", "barrier"))
 
 
 @pytest.mark.parametrize("policy", POLICY_NAMES)
@@ -206,10 +207,10 @@ def test_report_lists_every_collective_by_kind(policy):
 
 def test_report_of_dw_places_work_and_saves(tmp_path):
     _, report = _optimized("dw")
-    graph, schedule, *_ = scheduling.plan(_program(), SchedulePolicy(name="dw"))
+    graph, order, *_ = scheduling.schedule(_program(), SchedulePolicy(name="dw"))
     assert report.dw_ops == sum(kind is Kind.BACKWARD_DW for kind in graph.kinds) > 0
-    assert report.forced_placements == len(schedule.placement.forced)
-    assert report.withdrawn_placements == len(schedule.withdrawn)
+    assert report.forced_placements == len(order.placement.forced)
+    assert report.withdrawn_placements == len(order.withdrawn)
     assert report.dw_ops_placed == sum(len(c.placed_ops) for c in report.collectives)
     assert report.dw_ops_placed > 0
     placed_in = {c.kind for c in report.collectives if c.placed_ops}
@@ -227,10 +228,10 @@ def test_report_of_none_is_the_baseline():
     assert report.dw_ops_placed == 0
 
 
-def test_plan_for_none_splits_nothing():
-    graph, schedule, *_ = scheduling.plan(_program(), SchedulePolicy(name="none"))
+def test_the_schedule_of_none_splits_nothing():
+    graph, order, *_ = scheduling.schedule(_program(), SchedulePolicy(name="none"))
     assert not [n for n in graph.nodes if n.role is not Role.COMPUTE]
-    assert schedule.order == list(range(len(graph.nodes)))
+    assert order.nodes == list(range(len(graph.nodes)))
 
 
 @pytest.fixture
@@ -268,6 +269,8 @@ def test_without_async_primitives_the_sync_transport_is_exact(no_async):
         ({"max_live_bytes_growth": -0.5}, "max_live_bytes_growth"),
         ({"partition_chunks": 1}, "partition_chunks"),
         ({"name": "expert_pipeline"}, "partition_chunks"),
+        ({"transport": "socket"}, "ExperimentalOptions.transport"),
+        ({"xla_pin": "groups"}, "ExperimentalOptions.xla_groups"),
     ],
 )
 def test_schedule_policy_validation_names_the_field(kwargs, field):
@@ -286,9 +289,10 @@ def test_schedule_policy_profiles():
     assert SchedulePolicy().device_profile is scheduling.PROFILES["a100"]
     custom = scheduling.PROFILES["cpu"].with_link(1e9)
     assert SchedulePolicy(profile=custom).device_profile is custom
-    slower = SchedulePolicy(profile="cpu", link_mbit=8.0).device_profile
-    assert slower.link_bytes_per_s == 1e6
-    assert slower.flops_per_s == scheduling.PROFILES["cpu"].flops_per_s
+    assert (
+        SchedulePolicy(profile=str(PROFILE_FILES / "a100-8x-nvlink-400g.json")).device_profile
+        == (scheduling.PROFILES["a100-8x-nvlink-400g"])
+    )
     # The partitioning policies need batch arguments: they are tested in test_partition;
     # the exchange decompositions in test_exchange.
     partitioning = {"partition", "lancet", "expert_pipeline", "lancet+comet"}

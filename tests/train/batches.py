@@ -23,25 +23,27 @@ def random_batch(rng: np.random.Generator, config: Config, mesh: Mesh) -> jax.Ar
 
 
 def compiled_step(
-    config: Config, devices: Sequence[jax.Device] | None = None
+    config: Config, devices: Sequence[jax.Device] | None = None, experimental=None
 ) -> tuple[Mesh, Callable]:
-    """The mesh of ``config`` and its train step for ``config.schedule``, compiled ahead of
-    time: ``(state, batch) -> (state, metrics)``.
+    """The mesh of ``config`` and its train step for ``config.schedule`` (and the research
+    options ``experimental``), compiled ahead of time: ``(state, batch) -> (state, metrics)``.
 
     Compiled once per configuration and test process: tests in several modules train the
     same configuration (most often its unscheduled step, the reference of a schedule). The
     plain step does not depend on the schedule section, so all plain steps of a model
     share one compilation."""
-    if not config.schedule.rewrites:
+    own_transport = experimental is not None and experimental.transport is not None
+    if config.schedule.name == "none" and not own_transport:
         config = dataclasses.replace(config, schedule=ScheduleConfig(name="none"))
-    return _compiled_step(config, None if devices is None else tuple(devices))
+        experimental = None
+    return _compiled_step(config, None if devices is None else tuple(devices), experimental)
 
 
 # A few steps are shared across modules; more would keep their executables mapped.
 @functools.lru_cache(maxsize=8)
-def _compiled_step(config: Config, devices: tuple[jax.Device, ...] | None):
+def _compiled_step(config: Config, devices: tuple[jax.Device, ...] | None, experimental):
     mesh = build_mesh(config.parallel, devices)
-    return mesh, scheduled_train_step(resolve(config, mesh)).compile()
+    return mesh, scheduled_train_step(resolve(config, mesh), experimental).compile()
 
 
 def train_steps(config: Config, devices=None, steps: int | None = None) -> tuple[list, dict]:

@@ -22,6 +22,14 @@ EXACT_KEYS = (
 )
 
 
+def linked(profile: str, link_mbit: float):
+    """The profile named ``profile`` with a link of ``link_mbit`` Mbit/s per device (a slow
+    link, for the scheduler to have all-to-all windows worth filling)."""
+    import scheduling
+
+    return scheduling.PROFILES[profile].with_link(link_mbit * 1e6 / 8)
+
+
 def with_schedule(config: Config, name: str | None = None, **fields) -> Config:
     """``config`` with its schedule section's ``name`` and any other ``fields`` replaced."""
     if name is not None:

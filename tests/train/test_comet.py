@@ -9,24 +9,27 @@ compared exactly. But XLA:CPU compiles the pieces differently from the whole:
 a GEMM's blocking of the contracted axis depends on its row count, and the
 elementwise work around the pieces is fused (and contracted into FMAs)
 differently. Values then move by a few ulps from the second or third step on
-(the toy layer in ``tests/scheduling/test_exchange.py`` is bit for bit), so
+(the toy layer in ``tests/scheduling/passes/test_exchange.py`` is bit for bit), so
 the partitioned step's tolerances apply (``tests/train/test_partitioned.py``).
 """
 
 import pytest
 
-from jaxmoe.config import Config, ConfigError, MoEConfig, ParallelConfig, ScheduleConfig
+from jaxmoe.cli.parser import config_from_train_args
+from jaxmoe.config import ConfigError, MoEConfig, ParallelConfig
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.presets import preset
 from jaxmoe.train.resolved import resolve
 from jaxmoe.train.scheduled import scheduled_train_step
+from scheduling import ExperimentalOptions
 from tests.train.runs import with_schedule
 from tests.train.test_partitioned import assert_same_training
 from tests.train.test_scheduled import run, small
 
 
-def comet(config: Config, schedule: str, exchange: str | None) -> Config:
-    return with_schedule(config, schedule, exchange=exchange)
+def forced(exchange: str | None) -> ExperimentalOptions:
+    """Every exchange decomposed as ``exchange`` (a research option), to check each."""
+    return ExperimentalOptions(exchange=exchange)
 
 
 def test_comet_trains_like_none_over_five_steps():
@@ -34,7 +37,8 @@ def test_comet_trains_like_none_over_five_steps():
     config = small(ParallelConfig(2, 4), moe, layers=2, moe_every=1)
     reference = run(with_schedule(config, "none"), steps=5)
     assert any(m["dropped_fraction"] > 0 for m in reference[0])
-    assert_same_training(run(comet(config, "comet", "rounds:4"), steps=5), reference)
+    result = run(with_schedule(config, "comet"), steps=5, experimental=forced("rounds:4"))
+    assert_same_training(result, reference)
 
 
 @pytest.mark.parametrize(
@@ -54,7 +58,8 @@ def test_comet_trains_like_none_over_five_steps():
 def test_other_layouts_and_lancet_comet_train_like_none(mesh, moe, schedule, exchange):
     config = small(ParallelConfig(*mesh), moe, layers=2, moe_every=1)
     reference = run(with_schedule(config, "none"), steps=2)
-    assert_same_training(run(comet(config, schedule, exchange), steps=2), reference)
+    result = run(with_schedule(config, schedule), steps=2, experimental=forced(exchange))
+    assert_same_training(result, reference)
 
 
 def test_report_gives_every_moe_layer_its_decomposition():
@@ -69,8 +74,14 @@ def test_report_gives_every_moe_layer_its_decomposition():
     assert all(f"MoE layer {layer}" in table for layer in moe_layers)
 
 
-def test_schedule_exchange_is_checked():
-    with pytest.raises(ConfigError, match="rounds:G"):
-        ScheduleConfig(name="comet", exchange="rounds")
-    with pytest.raises(ConfigError, match="applies to the comet and lancet"):
-        ScheduleConfig(name="dw", exchange="chunks:2")
+def test_the_forced_exchange_is_checked():
+    with pytest.raises(ValueError, match="rounds:G"):
+        forced("rounds")
+    config = with_schedule(preset("tiny"), "dw")
+    with pytest.raises(ValueError, match="applies to the comet and lancet"):
+        scheduled_train_step(resolve(config, build_mesh(config.parallel)), forced("chunks:2"))
+
+
+def test_schedule_exchange_is_no_setting():
+    with pytest.raises(ConfigError, match=r"schedule\.exchange.*ExperimentalOptions"):
+        config_from_train_args(["--schedule", "comet", "--schedule.exchange", "rounds:8"])

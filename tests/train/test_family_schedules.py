@@ -16,6 +16,7 @@ import pytest
 
 from jaxmoe.config import Config, ParallelConfig
 from jaxmoe.presets import preset
+from scheduling import ExperimentalOptions
 from tests.train.runs import with_schedule
 from tests.train.test_scheduled import run
 
@@ -69,10 +70,10 @@ def test_every_schedule_trains_each_family_as_written(name, schedule):
     config = with_schedule(
         family(name),
         schedule,
-        partition_always=schedule in ("partition", "lancet"),
         partition_chunks=2 if schedule in ("partition", "expert_pipeline") else None,
     )
-    (history, _), (expected, _) = run(config, steps=STEPS), reference(name)
+    always = ExperimentalOptions(partition_always=schedule in ("partition", "lancet"))
+    (history, _), (expected, _) = run(config, STEPS, always), reference(name)
     for key in ("loss", "total_loss", "grad_norm"):
         np.testing.assert_allclose(
             [m[key] for m in history], [m[key] for m in expected], rtol=1e-5, err_msg=key

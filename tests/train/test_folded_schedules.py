@@ -30,8 +30,8 @@ from jaxmoe.train.resolved import resolve
 from jaxmoe.train.scheduled import axis_roles, capture_train_step, scheduled_train_step
 from scheduling import Phase, collective_purposes
 from tests.train.runs import with_schedule
-from tests.train.test_comet import comet
-from tests.train.test_partitioned import EXACT_METRICS, partitioned
+from tests.train.test_comet import forced
+from tests.train.test_partitioned import ALWAYS, EXACT_METRICS, partitioned
 from tests.train.test_scheduled import run, small
 
 # As tests/train/test_partitioned.py: its tolerances hold for five steps of 32 rows.
@@ -136,7 +136,7 @@ PARTITIONINGS = [("lancet", case) for case in CASES] + [("partition", "tensor2-f
 @pytest.mark.parametrize(("schedule", "case"), _cases(PARTITIONINGS))
 def test_partitioning_schedules_match_on_folded_layouts(case, schedule):
     _skip_until_the_layout_changes_the_program(case)
-    result = run(partitioned(_config(case), schedule, chunks=2), steps=STEPS)
+    result = run(partitioned(_config(case), schedule, chunks=2), steps=STEPS, experimental=ALWAYS)
     _assert_same_training(result, _reference(case))
 
 
@@ -159,10 +159,10 @@ def test_comet_decomposes_the_folded_exchange_and_matches(case, exchange):
     # tensor2-folded: the expert group (4) spans the tensor axis, so the all-to-all runs over
     # an axis tuple; with expert_tensor the pieces' GEMMs sit between expert-tensor gathers.
     _skip_until_the_layout_changes_the_program(case)
-    config = comet(_config(case), "comet", exchange)
-    report = scheduled_train_step(resolve(config, build_mesh(config.parallel))).report
+    config, options = with_schedule(_config(case), "comet"), forced(exchange)
+    report = scheduled_train_step(resolve(config, build_mesh(config.parallel)), options).report
     assert report.exchanges, "no MoE exchange recognised on the folded mesh"
     assert [layer.decomposition for layer in report.exchanges] == [exchange] * 2, [
         (layer.decomposition, layer.why) for layer in report.exchanges
     ]
-    _assert_same_training(run(config, steps=STEPS), _reference(case))
+    _assert_same_training(run(config, steps=STEPS, experimental=options), _reference(case))

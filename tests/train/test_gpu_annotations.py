@@ -1,6 +1,6 @@
 """What XLA:GPU needs to keep the plan, checked on the emitted train step (no GPU
 needed): pinned by barriers (the default), each critical window with computation in it
-is bounded by two optimization barriers and carries one ``_planned_window`` of its own
+is bounded by two optimization barriers and carries one ``_scheduled_window`` of its own
 (:mod:`scheduling.runtime.xla_barriers`), and the step is compiled with as many
 collectives in flight as its plan has; as scheduling groups, each window that holds
 a matrix product is one ``_scheduling_group_id`` — its async start, its done and the
@@ -19,9 +19,10 @@ from jaxmoe.presets import preset
 from jaxmoe.train.resolved import resolve
 from jaxmoe.train.scheduled import scheduled_train_step
 from scheduling.runtime.pinning import OVERLAP_LIMIT_OPTION
+from tests.train.runs import linked
 
 GROUP = re.compile(r'_scheduling_group_id = "(\d+)"')
-WINDOW = re.compile(r'_planned_window = "(\d+)"')
+WINDOW = re.compile(r'_scheduled_window = "(\d+)"')
 OP = re.compile(r'= "?((?:stablehlo|chlo)\.\w+)')
 
 
@@ -42,7 +43,14 @@ def _plan(name: str, xla_pin: str):
         model=dataclasses.replace(config.model, num_layers=2),
         train=dataclasses.replace(config.train, microbatches=2),
         # A slow link: the all-to-alls' windows hold the other microbatch's work.
-        schedule=dataclasses.replace(config.schedule, name=name, link_mbit=100, xla_pin=xla_pin),
+        schedule=dataclasses.replace(config.schedule, name=name, profile=linked("a100", 100)),
+    )
+    # Scheduling groups are a research option; the policy's pin is barriers or none.
+    if xla_pin == "groups":
+        experimental = scheduling.ExperimentalOptions(xla_groups=True)
+        return scheduled_train_step(resolve(config, build_mesh(config.parallel)), experimental)
+    config = dataclasses.replace(
+        config, schedule=dataclasses.replace(config.schedule, xla_pin=xla_pin)
     )
     return scheduled_train_step(resolve(config, build_mesh(config.parallel)))
 
@@ -99,5 +107,5 @@ def test_each_group_is_a_start_a_done_and_products_placed_between():
 
 def test_unpinned_the_windows_are_marked_and_not_held():
     text = planned("pair", "none").stablehlo()
-    assert "stablehlo.async_start" in text and "_planned_window" in text
+    assert "stablehlo.async_start" in text and "_scheduled_window" in text
     assert "optimization_barrier" not in text and "_scheduling_group_id" not in text

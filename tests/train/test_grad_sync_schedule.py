@@ -18,17 +18,17 @@ import pytest
 
 from jaxmoe.config import ParallelConfig
 from jaxmoe.parallel.mesh import build_mesh
-from jaxmoe.train.resolved import resolve
-from jaxmoe.train.scheduled import capture_train_step, schedule_policy
-from scheduling import Phase, Role, cost_model, node_seconds, plan, simulate
+from jaxmoe.train.resolved import resolve, schedule_policy
+from jaxmoe.train.scheduled import capture_train_step
+from scheduling import Phase, Role, cost_model, node_seconds, schedule, simulate
 
-from .runs import small_config, with_schedule
+from .runs import linked, small_config, with_schedule
 
 
 @pytest.fixture(scope="module")
 def planned():
     config = small_config(grad_sync="bucketed", grad_bucket_bytes=16 * 1024)
-    config = with_schedule(config, "dw", profile="cpu", link_mbit=50.0)
+    config = with_schedule(config, "dw", profile=linked("cpu", 50.0))
     # Four layers: the buckets of layer 3 are ready before layer 1's all-to-alls.
     config = dataclasses.replace(
         config,
@@ -38,7 +38,7 @@ def planned():
     mesh = build_mesh(config.parallel)
     program, _ = capture_train_step(resolve(config, mesh))
     policy = schedule_policy(config)
-    return plan(program, policy), node_seconds(cost_model(policy, mesh))
+    return schedule(program, policy), node_seconds(cost_model(policy, mesh))
 
 
 def bucket_starts(graph) -> list[int]:
@@ -100,13 +100,13 @@ def test_buckets_are_deferrable(planned):
 def test_buckets_never_delay_a_backward_all_to_all(planned):
     chosen, seconds = planned
     graph = chosen.graph
-    timeline = simulate(graph, chosen.schedule.order, seconds)
+    timeline = simulate(graph, chosen.order.nodes, seconds)
     for start in graph.backward_all_to_alls():
         waits = timeline.collectives[start.id]
         _, held_by_buckets = timeline.link_holders(waits.issued, waits.began)
         assert held_by_buckets == 0.0
     # Buckets started as early as possible: still none goes before a waiting all-to-all.
-    eager = eager_buckets(graph, chosen.schedule.order)
+    eager = eager_buckets(graph, chosen.order.nodes)
     assert buckets_that_cut_in(graph, simulate(graph, eager, seconds)) == 0
     # Control: one queue for all collectives, and buckets do go first.
     assert buckets_that_cut_in(graph, simulate(graph, eager, seconds, priorities=False)) > 0

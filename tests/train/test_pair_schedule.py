@@ -13,9 +13,9 @@ import pytest
 import scheduling
 from jaxmoe.config import Config, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
 from jaxmoe.parallel.mesh import build_mesh
-from jaxmoe.train.resolved import resolve
-from jaxmoe.train.scheduled import capture_train_step, schedule_policy
-from tests.train.runs import with_schedule
+from jaxmoe.train.resolved import resolve, schedule_policy
+from jaxmoe.train.scheduled import capture_train_step
+from tests.train.runs import linked, with_schedule
 from tests.train.test_scheduled import run
 
 STEPS = 2
@@ -57,15 +57,15 @@ def test_the_paired_step_trains_as_written(layout, schedule, pair):
 def test_the_paired_order_interleaves_microbatches_and_respects_dependences():
     # A slow link: the all-to-alls are long enough for the pairing to fill them.
     # Four layers (two MoE layers): a backward pass long enough to hold a forward one.
-    cfg = with_schedule(config("2x4", num_layers=4), "pair", profile="cpu", link_mbit=50.0)
+    cfg = with_schedule(config("2x4", num_layers=4), "pair", profile=linked("cpu", 50.0))
     mesh = build_mesh(cfg.parallel)
     program, sharded = capture_train_step(resolve(cfg, mesh))
     policy = schedule_policy(cfg)
-    planned = scheduling.plan(
+    scheduled = scheduling.schedule(
         program, policy, scheduling.cost_model(policy, mesh),
         scheduling.batch_inputs(program, sharded.batch_argnums),
     )  # fmt: skip
-    graph, order = planned.graph, planned.schedule.order
+    graph, order = scheduled.graph, scheduled.order.nodes
     position = {node: i for i, node in enumerate(order)}
     assert all(position[p] < position[n] for n in range(len(order)) for p in graph.preds[n])
 
@@ -97,8 +97,8 @@ def test_the_paired_order_interleaves_microbatches_and_respects_dependences():
     assert len(paired((0, "forward"), (1, "forward"))) > 0.25 * len(nodes(1, "forward"))
     assert len(paired((1, "backward"), (2, "backward"))) > 0.25 * len(nodes(2, "backward"))
     # Without pairing, microbatch 1's forward pass comes after microbatch 0's backward.
-    plain = scheduling.plan(program, dataclasses.replace(policy, name="dw"))
-    plain_position = {node: i for i, node in enumerate(plain.schedule.order)}
+    plain = scheduling.schedule(program, dataclasses.replace(policy, name="dw"))
+    plain_position = {node: i for i, node in enumerate(plain.order.nodes)}
     plain_backward = [plain_position[n] for n in range(len(order)) if pass_of(n) == (0, "backward")]
     plain_forward = [plain_position[n] for n in range(len(order)) if pass_of(n) == (1, "forward")]
     assert min(plain_forward) > max(plain_backward)

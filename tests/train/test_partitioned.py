@@ -24,15 +24,19 @@ from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.presets import preset
 from jaxmoe.train.resolved import resolve
 from jaxmoe.train.scheduled import capture_train_step, scheduled_train_step
-from scheduling import SchedulePolicy, aval_bytes, batch_inputs, plan
+from scheduling import ExperimentalOptions, SchedulePolicy, aval_bytes, batch_inputs, schedule
 from tests.train.runs import assert_trained_close, with_schedule
 from tests.train.test_scheduled import run, small
 
 EXACT_METRICS = ("dropped_fraction", "expert_imbalance")
 
 
+# Every range that can be partitioned is, so that each is checked for exactness.
+ALWAYS = ExperimentalOptions(partition_always=True)
+
+
 def partitioned(config: Config, schedule: str, chunks: int | None = None) -> Config:
-    return with_schedule(config, schedule, partition_always=True, partition_chunks=chunks)
+    return with_schedule(config, schedule, partition_chunks=chunks)
 
 
 def assert_same_training(result, reference):
@@ -74,7 +78,7 @@ def test_partitioned_training_matches_over_five_steps(mesh, moe, schedule, chunk
     config = small(ParallelConfig(*mesh), moe, layers=2, moe_every=1)
     config = dataclasses.replace(config, train=dataclasses.replace(config.train, batch_size=32))
     reference = run(with_schedule(config, "none"), steps=5)
-    result = run(partitioned(config, schedule, chunks), steps=5)
+    result = run(partitioned(config, schedule, chunks), steps=5, experimental=ALWAYS)
     assert_same_training(result, reference)
 
 
@@ -83,7 +87,9 @@ def test_drops_happen_and_match():
     config = small(ParallelConfig(2, 4), moe)
     reference = run(with_schedule(config, "none"), steps=2)
     assert all(m["dropped_fraction"] > 0 for m in reference[0])
-    assert_same_training(run(partitioned(config, "partition"), steps=2), reference)
+    assert_same_training(
+        run(partitioned(config, "partition"), steps=2, experimental=ALWAYS), reference
+    )
 
 
 @settings(
@@ -100,7 +106,9 @@ def test_partitioned_training_matches_on_generated_configs(mesh, top_k, capacity
     moe = MoEConfig(num_experts=8, top_k=top_k, capacity_factor=capacity)
     config = small(ParallelConfig(*mesh), moe, layers=layers, moe_every=1)
     reference = run(with_schedule(config, "none"), steps=2)
-    assert_same_training(run(partitioned(config, schedule), steps=2), reference)
+    assert_same_training(
+        run(partitioned(config, schedule), steps=2, experimental=ALWAYS), reference
+    )
 
 
 def _all_to_all_bytes(program) -> int:
@@ -112,32 +120,29 @@ def _all_to_all_bytes(program) -> int:
     )
 
 
-def _captured_and_planned(config: Config, policy: SchedulePolicy):
-    """The captured train step of ``config`` and the plan ``policy`` makes of it."""
+def _captured_and_scheduled(config: Config, policy: SchedulePolicy, experimental=None):
+    """The captured train step of ``config`` and the schedule ``policy`` makes of it."""
     program, sharded = capture_train_step(resolve(config, build_mesh(config.parallel)))
-    return program, plan(program, policy, batch_inputs=batch_inputs(program, sharded.batch_argnums))
+    batch = batch_inputs(program, sharded.batch_argnums)
+    return program, schedule(program, policy, batch_inputs=batch, experimental=experimental)
 
 
 @pytest.mark.parametrize("chunks", [None, 2, 4])
 def test_default_preset_all_to_all_bytes_grow_at_most_ten_percent(chunks):
-    policy = SchedulePolicy(
-        name="lancet",
-        profile="cpu",
-        partition_chunks=chunks,
-        partition_always=chunks is not None,
-    )
-    program, planned = _captured_and_planned(preset("tiny"), policy)
+    policy = SchedulePolicy(name="lancet", profile="cpu", partition_chunks=chunks)
+    always = ExperimentalOptions(partition_always=chunks is not None)
+    program, scheduled = _captured_and_scheduled(preset("tiny"), policy, always)
     if chunks is not None:
-        assert planned.partitions and all(c.plan.n == chunks for c in planned.partitions)
-    before, after = _all_to_all_bytes(program), _all_to_all_bytes(planned.graph.program)
+        assert scheduled.partitions and all(c.cut.n == chunks for c in scheduled.partitions)
+    before, after = _all_to_all_bytes(program), _all_to_all_bytes(scheduled.graph.program)
     assert after <= 1.10 * before
     assert after == before  # chunks hold whole routing groups: nothing is padded
 
 
 def test_report_lists_each_partitioned_range(tmp_path):
     config = partitioned(preset("tiny"), "lancet", chunks=2)
-    planned = scheduled_train_step(resolve(config, build_mesh(config.parallel)))
-    report = planned.report
+    scheduled = scheduled_train_step(resolve(config, build_mesh(config.parallel)), ALWAYS)
+    report = scheduled.report
     assert report.partitions
     for part in report.partitions:
         assert part.chunks == 2
@@ -151,10 +156,10 @@ def test_report_lists_each_partitioned_range(tmp_path):
 def test_expert_pipeline_chunks_each_moe_layer_between_its_all_to_alls():
     config = partitioned(preset("tiny"), "expert_pipeline", chunks=4)
     policy = SchedulePolicy(name="expert_pipeline", partition_chunks=4)
-    program, planned = _captured_and_planned(config, policy)
-    assert len(planned.partitions) == len(config.model.moe_layers)
-    for choice in planned.partitions:
-        first, last = program.ops[choice.plan.begin], program.ops[choice.plan.end - 1]
+    program, scheduled = _captured_and_scheduled(config, policy)
+    assert len(scheduled.partitions) == len(config.model.moe_layers)
+    for choice in scheduled.partitions:
+        first, last = program.ops[choice.cut.begin], program.ops[choice.cut.end - 1]
         assert first.primitive == last.primitive == "all_to_all"
         assert first.layer == last.layer and first.layer.endswith("/moe")
-        assert choice.plan.n == 4
+        assert choice.cut.n == 4

@@ -1,6 +1,7 @@
 """Dropless training with the ragged dispatch: the padded dispatch's losses, nothing
-dropped, every schedule exact, only the routed rows on the socket transport, and the
-scheduler's view of its exchanges (priced by the routed rows, left whole by COMET).
+dropped, every schedule exact, and the scheduler's view of its exchanges (priced by the
+routed rows, left whole by COMET). Only the routed rows go over the emulated cluster's
+socket transport: tests/experiments/emulation/test_socket_schedule.py.
 
 The models are the Mixtral- and DeepSeek-like ``-tiny`` presets cut to two layers of
 width 32 (sequence 16) on 2 x 4 devices, dropless.
@@ -8,9 +9,7 @@ width 32 (sequence 16) on 2 x 4 devices, dropless.
 
 import dataclasses
 import functools
-import importlib
 
-import chex
 import jax
 import numpy as np
 import pytest
@@ -22,6 +21,7 @@ from jaxmoe.presets import preset
 from jaxmoe.train.resolved import resolve
 from jaxmoe.train.scheduled import capture_train_step, scheduled_train_step
 from jaxmoe.train.state import init_train_state
+from scheduling import ExperimentalOptions
 from tests.train.batches import random_batch
 from tests.train.runs import with_schedule
 
@@ -56,10 +56,10 @@ def family(name: str, dispatch: str, layout: str = "data2-expert4", slots: int |
     return dataclasses.replace(config, model=model, moe=moe, train=train, parallel=parallel)
 
 
-def run(config: Config, steps: int = STEPS):
-    """Metrics of every step and the final parameters."""
+def run(config: Config, steps: int = STEPS, experimental=None):
+    """Metrics of every step and the final parameters (``experimental``: research options)."""
     mesh = build_mesh(config.parallel)
-    step = scheduled_train_step(resolve(config, mesh)).compile()
+    step = scheduled_train_step(resolve(config, mesh), experimental).compile()
     state = init_train_state(resolve(config, mesh))
     rng = np.random.default_rng(1)
     history = []
@@ -133,41 +133,17 @@ def test_every_schedule_is_exact_on_the_ragged_step(schedule):
     config = with_schedule(
         family(key[0], "ragged", *key[1:]),
         schedule,
-        partition_always=schedule in ("partition", "lancet"),
         partition_chunks=2 if schedule in ("partition", "expert_pipeline") else None,
     )
-    (history, _), (expected, _) = run(config), reference(key[0], "ragged", *key[1:])
+    always = ExperimentalOptions(partition_always=schedule in ("partition", "lancet"))
+    history, _ = run(config, experimental=always)
+    expected, _ = reference(key[0], "ragged", *key[1:])
     for key_ in ("loss", "total_loss", "grad_norm"):
         np.testing.assert_allclose(
             [m[key_] for m in history], [m[key_] for m in expected], rtol=1e-5, err_msg=key_
         )
     for key_ in ("dropped_fraction", "tokens_per_expert", "device_load"):
         np.testing.assert_array_equal([m[key_] for m in history], [m[key_] for m in expected])
-
-
-def test_the_socket_transport_sends_only_the_routed_rows(monkeypatch):
-    """In one process the socket transport hands its pieces over in memory: the step is bit
-    for bit the plain one, and the bytes of the ragged pieces are exactly the routed rows
-    (each assignment's row once per exchange: out and back, forward and backward)."""
-    transports = importlib.import_module("scheduling.runtime.transports")
-    monkeypatch.setattr(transports, "socket_applies", lambda: True)
-    monkeypatch.setattr(
-        transports.SocketTransport, "connect", classmethod(lambda cls, mesh, **_: cls(mesh, {}))
-    )
-    key = CASES["mixtral-replicas"]
-    config = family(key[0], "ragged", *key[1:])
-    socket = with_schedule(config, "none", transport="socket")
-    traffic = scheduling.SocketTransport.traffic
-    before = dict(traffic)
-    got = run(socket)
-    sent = traffic["local"] - before.get("local", 0)
-    whole = traffic["local_whole"] - before.get("local_whole", 0)
-    chex.assert_trees_all_equal(got, reference(key[0], "ragged", *key[1:]))
-    tokens = config.train.batch_size * config.model.seq_len
-    moe_layers = config.model.num_layers
-    rows = STEPS * moe_layers * 4 * tokens * config.moe.top_k
-    assert sent == rows * config.model.d_model * 4
-    assert whole > 2 * sent
 
 
 @functools.cache
@@ -204,7 +180,7 @@ def test_the_cost_model_prices_the_native_exchange_by_the_rows_it_moves():
     returned rows back, however large the receive buffer."""
     from jaxmoe.layers.ragged import ragged_all_to_all
     from scheduling.costs.cost_model import CostModel, collective_wire_bytes
-    from scheduling.costs.profiles import PROFILES
+    from scheduling.profiles import PROFILES
 
     mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
     spec = jax.sharding.PartitionSpec("x")
@@ -237,10 +213,14 @@ def test_the_cost_model_prices_the_native_exchange_by_the_rows_it_moves():
 
 
 def test_comet_refuses_ragged_exchanges_in_one_line():
-    from scheduling.passes.exchange_regions import RAGGED_REFUSAL, find_exchanges, plan_all
+    from scheduling.passes.exchange_regions import (
+        RAGGED_REFUSAL,
+        all_decompositions,
+        find_exchanges,
+    )
 
     _, program = _captured("mixtral-tiny")
     exchanges = find_exchanges(program)
     assert exchanges and all(exchange.refused == RAGGED_REFUSAL for exchange in exchanges)
-    assert all(plans == [] for plans in plan_all(program, (2, 4)).values())
+    assert all(regions == [] for regions in all_decompositions(program, (2, 4)).values())
     assert "\n" not in RAGGED_REFUSAL

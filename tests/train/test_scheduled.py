@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import scheduling
 import scheduling.names
 from jaxmoe.cli.main import main
+from jaxmoe.cli.parser import config_from_train_args
 from jaxmoe.config import (
     Config,
     ConfigError,
@@ -30,16 +31,17 @@ from jaxmoe.config import (
 )
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.presets import preset
-from jaxmoe.train.resolved import resolve
+from jaxmoe.train.resolved import resolve, schedule_policy
 from jaxmoe.train.scheduled import capture_train_step, scheduled_train_step
 from jaxmoe.train.state import init_train_state
 from tests.train.batches import compiled_step, random_batch
 from tests.train.runs import with_schedule
 
 
-def run(config: Config, steps: int):
-    """Metrics of every step and the final state, with ``config.schedule.name``."""
-    mesh, step = compiled_step(config)
+def run(config: Config, steps: int, experimental=None):
+    """Metrics of every step and the final state, with ``config.schedule.name`` (and the
+    research options ``experimental``)."""
+    mesh, step = compiled_step(config, experimental=experimental)
     state = init_train_state(resolve(config, mesh))
     rng = np.random.default_rng(1)
     history = []
@@ -128,7 +130,7 @@ def test_stablehlo_has_one_async_pair_per_collective():
     assert text.count("stablehlo.async_start") == collectives
     assert text.count("stablehlo.async_done") == collectives
     # For these CPUs nothing is pinned (for GPUs: tests/train/test_gpu_annotations.py).
-    assert "optimization_barrier" not in text and "_planned_window" not in text
+    assert "optimization_barrier" not in text and "_scheduled_window" not in text
 
 
 def test_default_preset_places_dw_work_in_every_backward_all_to_all_window():
@@ -155,17 +157,18 @@ def test_default_preset_places_dw_work_in_every_backward_all_to_all_window():
     json.dumps(report.to_json())
 
 
-def test_the_schedule_section_is_the_scheduling_policy_field_for_field():
-    policy_fields = {f.name for f in dataclasses.fields(scheduling.SchedulePolicy)}
-    section_fields = {f.name for f in dataclasses.fields(ScheduleConfig)}
-    assert section_fields == policy_fields - {"op_cost_cache"}
-    section = ScheduleConfig(name="lancet", profile="cpu", link_mbit=50.0, partition_chunks=4)
-    policy = section.policy(op_cost_cache="/cache")
-    assert all(getattr(policy, name) == getattr(section, name) for name in section_fields)
-    assert policy.op_cost_cache == "/cache"
+def test_the_schedule_section_is_the_scheduling_policy():
+    assert ScheduleConfig is scheduling.SchedulePolicy
+    section = config_from_train_args(["--schedule", "lancet", "--schedule.partition_chunks", "4"])
+    assert isinstance(section.schedule, scheduling.SchedulePolicy)
+    # The run fills in the op cost cache; nothing else changes.
+    policy = schedule_policy(section)
+    assert policy.op_cost_cache and policy == dataclasses.replace(
+        section.schedule, op_cost_cache=policy.op_cost_cache
+    )
     # The same checks, each naming the field as the caller knows it.
     with pytest.raises(ConfigError, match=r"^schedule\.partition_chunks=9: choose 2\.\.8"):
-        ScheduleConfig(name="lancet", partition_chunks=9)
+        config_from_train_args(["--schedule", "lancet", "--schedule.partition_chunks", "9"])
     with pytest.raises(ValueError, match=r"^SchedulePolicy\.partition_chunks=9: choose 2\.\.8"):
         scheduling.SchedulePolicy(name="lancet", partition_chunks=9)
 

@@ -32,7 +32,11 @@ def main() -> None:
     jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from scheduling import SocketAllToAll, SocketTransport, all_to_all_now
+    from experiments.emulation.socket_transport import (
+        SocketAllToAll,
+        SocketTransport,
+        all_to_all_now,
+    )
 
     mesh = jax.make_mesh((4,), ("x",))
     spec = PartitionSpec("x")

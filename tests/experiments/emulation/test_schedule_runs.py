@@ -88,7 +88,7 @@ def test_link_curves_run_on_the_configuration_given_as_flags():
         [],
         ["--preset", "small"],
         ["--moe.capacity_factor", "none", "--train.learning_rate", "1e-4"],
-        ["--schedule.transport", "socket", "--schedule.link_mbit", "50"],
+        ["--schedule.transport", "sync", "--schedule.profile", "cpu"],
     ):
         config = config_from_train_args(argv)
         assert config_from_train_args(config_flags(config)) == config, argv

@@ -1,0 +1,302 @@
+"""The list scheduler: the order of a graph's nodes, collectives started early and waited
+for late, the dW placement kept.
+
+The core of the scheduling layer: every candidate the search scores, and the step
+emitted, runs in an order made here. Each node gets a priority key and
+the ready node with the smallest key runs next, so the result is always a
+topological order; the keys only choose among valid orders:
+
+- a compute node keeps its program position, or the priority a pass gave it (paired
+  microbatches, :mod:`scheduling.passes.pair_microbatches`);
+- a collective start runs right after the last producer of its operand
+  ("as soon as its inputs exist"), a gather of sharded weights no earlier than it
+  takes to hide it (:mod:`scheduling.passes.prefetch`); where several become ready at
+  once, the critical ones start first and the deferrable ones (gradient reductions, see
+  ``scheduling.program.graph``) after the windows opened there, so that a runtime
+  serving collectives in start order gives the critical path the link first;
+- the dW nodes placed in a window run right after the window's start, in
+  placement order;
+- a collective done runs just before its first consumer ("only where it is
+  needed"), and never before the nodes placed in its window.
+
+Moving work changes how long buffers live. The live bytes of each order are
+counted (a value lives from its producer to its last consumer; a collective's
+result from its start); if the peak exceeds the original program's by more
+than the allowed growth, placements are withdrawn, largest outputs first,
+until it fits.
+"""
+
+from __future__ import annotations
+
+import copy
+import heapq
+from dataclasses import dataclass
+
+from scheduling.passes.schedule_dw import Placement
+from scheduling.program.capture import Value, aval_bytes
+from scheduling.program.graph import Graph, Role
+
+_STEP = 1e-3  # key offset between neighbours: far below the gap between program positions
+
+
+@dataclass
+class Order:
+    """The order of a graph's nodes, with the dW placement it keeps and its live bytes."""
+
+    nodes: list[int]  # node ids in execution order
+    placement: Placement
+    peak_live_bytes: int
+    baseline_peak_live_bytes: int
+    withdrawn: list[int]  # placements undone: cycles, then the live-bytes bound
+    # Early starts alone can exceed the bound; nothing is withdrawn for them, but it is said.
+    live_bytes_bound_exceeded: bool = False
+
+
+def _keys(
+    graph: Graph,
+    placement: Placement,
+    priorities: dict[int, float] | None = None,
+    earliest: dict[int, int] | None = None,
+) -> list[float]:
+    keys = [float(node.id) for node in graph.nodes]
+    earliest = earliest or {}
+    for node, key in (priorities or {}).items():
+        keys[node] = key
+    starts = [node.id for node in graph.nodes if node.role is Role.START]
+    # A start follows its operand's producer, which may be a placed node whose key follows
+    # another window's start: iterate to the fixed point (a chain of windows is finite).
+    for _ in range(len(starts) + 1):
+        changed = False
+        for start in starts:
+            offset = 2 * _STEP if start in graph.deferrable else _STEP
+            key = max((keys[p] for p in graph.preds[start]), default=-1.0) + offset
+            if start in earliest:  # a prefetch: no earlier than it takes to hide it
+                key = max(key, keys[earliest[start]] - _STEP / 2)
+            changed |= key != keys[start]
+            keys[start] = key
+        for start, nodes in placement.windows.items():
+            for rank, node in enumerate(nodes, start=1):
+                key = keys[start] + rank * _STEP / (len(nodes) + 1)
+                changed |= key != keys[node]
+                keys[node] = key
+        if not changed:
+            break
+    for node in graph.nodes:
+        if node.role is Role.DONE:
+            consumers = graph.succs[node.id]
+            first_use = min((keys[c] for c in consumers), default=float(len(graph.nodes)))
+            placed = placement.windows.get(node.partner, [])
+            latest_placed = max((keys[p] for p in placed), default=keys[node.partner])
+            keys[node.id] = max(first_use - _STEP, latest_placed + _STEP)
+    return keys
+
+
+class CyclicPlacement(Exception):
+    """The window edges close a cycle; ``placed`` are the placed nodes held up by it.
+    (``order`` withdraws such placements before it sorts.)"""
+
+    def __init__(self, placed: list[int]):
+        super().__init__(f"placements {placed} close a cycle")
+        self.placed = placed
+
+
+def topological_order(
+    graph: Graph,
+    placement: Placement,
+    priorities: dict[int, float] | None = None,
+    earliest: dict[int, int] | None = None,
+) -> list[int]:
+    """Ready node with the smallest key first; window edges keep placed nodes inside.
+
+    Raises :class:`CyclicPlacement` when the window edges make the graph cyclic (two
+    windows each holding work that the other's collective needs).
+    """
+    preds = [set(p) for p in graph.preds]
+    for start, nodes in placement.windows.items():
+        done = graph.nodes[start].partner
+        for node in nodes:
+            preds[node].add(start)
+            preds[done].add(node)
+    succs: list[list[int]] = [[] for _ in graph.nodes]
+    for node, node_preds in enumerate(preds):
+        for pred in node_preds:
+            succs[pred].append(node)
+    keys = _keys(graph, placement, priorities, earliest)
+    waiting = [len(p) for p in preds]
+    ready = [(keys[n], n) for n in range(len(graph.nodes)) if waiting[n] == 0]
+    heapq.heapify(ready)
+    result = []
+    while ready:
+        _, node = heapq.heappop(ready)
+        result.append(node)
+        for succ in succs[node]:
+            waiting[succ] -= 1
+            if waiting[succ] == 0:
+                heapq.heappush(ready, (keys[succ], succ))
+    if len(result) != len(graph.nodes):
+        stuck = set(range(len(graph.nodes))) - set(result)
+        raise CyclicPlacement(
+            sorted(n for nodes in placement.windows.values() for n in nodes if n in stuck)
+        )
+    return result
+
+
+def peak_live_bytes(graph: Graph, order: list[int], until: int | None = None) -> int:
+    """Largest total size of values alive at once when running in ``order`` (over its first
+    ``until`` positions: None, all of them)."""
+    position = {node: i for i, node in enumerate(order)}
+    born: dict[Value, int] = {value: 0 for value in graph.program.inputs}
+    last_use: dict[Value, int] = {}
+    for node in graph.nodes:
+        at = position[node.id]
+        if node.role is not Role.DONE:  # a start or a compute node reads the operands
+            # An async collective holds its operand until it is done.
+            used_until = position[node.partner] if node.role is Role.START else at
+            for atom in node.op.inputs:
+                if isinstance(atom, Value):
+                    last_use[atom] = max(last_use.get(atom, 0), used_until)
+        if node.role is Role.START:
+            continue  # the collective's result is recorded with its done
+        # An async collective's result buffer exists from its start.
+        born_at = position[node.partner] if node.role is Role.DONE else at
+        for value in node.op.outputs:
+            born[value] = born_at
+    end = len(order)
+    for atom in graph.program.outputs:
+        if isinstance(atom, Value):
+            last_use[atom] = end
+    delta = [0] * (end + 2)
+    for value, start in born.items():
+        size = aval_bytes(value.aval)
+        delta[start] += size
+        delta[last_use.get(value, start) + 1] -= size
+    peak = live = 0
+    for change in delta[: None if until is None else until]:
+        live += change
+        peak = max(peak, live)
+    return peak
+
+
+def order(
+    graph: Graph,
+    placement: Placement,
+    max_live_bytes_growth: float = 0.1,
+    priorities: dict[int, float] | None = None,
+    earliest: dict[int, int] | None = None,
+) -> Order:
+    """A topological order honouring ``placement`` (a copy is kept) within the bound, the
+    compute nodes of ``priorities`` at those keys instead of their program positions, and
+    the starts of ``earliest`` no earlier than the node it gives each
+    (:mod:`scheduling.passes.prefetch`).
+
+    Placements that close a cycle are withdrawn first (each is kept unless, with those
+    placed before it, it closes one), then, while the peak is over the bound, the largest
+    outputs (the fewest that fit, by bisection).
+    (Priorities are not withdrawn: running two microbatches at once holds both's
+    activations, which the order's peak reports. Where they alone exceed the bound,
+    their peak is the bound: placements are withdrawn only while they add to it.)
+    """
+    placement = copy.deepcopy(placement)
+    baseline = peak_live_bytes(graph, list(range(len(graph.nodes))))
+    limit = baseline * (1 + max_live_bytes_growth)
+    # What the priorities and early starts hold with nothing placed: withdrawing placements
+    # cannot bring the peak below it, so it is the bound when it is over the limit.
+    floor = peak_live_bytes(graph, topological_order(graph, Placement(), priorities, earliest))
+    bound = max(limit, floor)
+    withdrawn = _withdraw_cycles(graph, placement)
+    result = topological_order(graph, placement, priorities, earliest)
+    peak = peak_live_bytes(graph, result)
+    if peak > bound:
+        # Withdrawn largest outputs first: the fewest of them that bring the peak within
+        # the bound, found by bisection (withdrawing all of them reaches ``floor``).
+        # Withdrawing never closes a cycle.
+        placed = [n for nodes in placement.windows.values() for n in nodes]
+        largest = sorted(placed, key=lambda n: (_output_bytes(graph, n), n), reverse=True)
+
+        def without(count: int) -> tuple[Placement, list[int], int]:
+            fewer = copy.deepcopy(placement)
+            for node in largest[:count]:
+                fewer.remove(node)
+            ordered = topological_order(graph, fewer, priorities, earliest)
+            return fewer, ordered, peak_live_bytes(graph, ordered)
+
+        # Over the bound with ``low`` withdrawn, within it with ``high``.
+        low, high = 0, len(largest)
+        fits = without(high)
+        while high - low > 1:
+            middle = (low + high) // 2
+            candidate = without(middle)
+            if candidate[2] <= bound:
+                high, fits = middle, candidate
+            else:
+                low = middle
+        placement, result, peak = fits
+        withdrawn += largest[:high]
+    return Order(result, placement, peak, baseline, withdrawn, peak > limit)
+
+
+def _withdraw_cycles(graph: Graph, placement: Placement) -> list[int]:
+    """Withdraw (from ``placement``, in place) the placements that close a cycle, and
+    return them: in the order they were made, each is kept unless, with the graph's edges
+    and the placements kept before it, its window edges (start -> node -> done) close one.
+
+    A topological order of the edges kept so far is maintained as they are added
+    (Pearce and Kelly's dynamic topological order): an edge that agrees with it costs
+    nothing, and one that does not is decided by searching the nodes between its ends
+    only, which are then reordered. The graph's node ids are a topological order."""
+    succs = [list(s) for s in graph.succs]
+    preds = [list(p) for p in graph.preds]
+    position = list(range(len(graph.nodes)))  # node -> its place in the order
+
+    def add_edge(source: int, target: int) -> bool:
+        """Add ``source -> target`` unless it closes a cycle; whether it was added."""
+        low, high = position[target], position[source]
+        if low < high:
+            # Forward from ``target`` and backward from ``source``, between the two places.
+            forward, frontier, seen = [], [target], {target}
+            while frontier:
+                node = frontier.pop()
+                forward.append(node)
+                for succ in succs[node]:
+                    if succ == source:
+                        return False
+                    if succ not in seen and position[succ] < high:
+                        seen.add(succ)
+                        frontier.append(succ)
+            backward, frontier, seen = [], [source], {source}
+            while frontier:
+                node = frontier.pop()
+                backward.append(node)
+                for pred in preds[node]:
+                    if pred not in seen and position[pred] > low:
+                        seen.add(pred)
+                        frontier.append(pred)
+            # ``source``'s ancestors in that span move before ``target``'s descendants.
+            moved = sorted(backward, key=position.__getitem__)
+            moved += sorted(forward, key=position.__getitem__)
+            for place, node in zip(sorted(position[n] for n in moved), moved, strict=True):
+                position[node] = place
+        succs[source].append(target)
+        preds[target].append(source)
+        return True
+
+    def remove_edge(source: int, target: int) -> None:
+        succs[source].remove(target)
+        preds[target].remove(source)
+
+    withdrawn = []
+    for start, nodes in placement.windows.items():
+        done = graph.nodes[start].partner
+        for node in list(nodes):
+            if not add_edge(start, node):
+                withdrawn.append(node)
+            elif not add_edge(node, done):
+                remove_edge(start, node)
+                withdrawn.append(node)
+    for node in withdrawn:
+        placement.remove(node)
+    return withdrawn
+
+
+def _output_bytes(graph: Graph, node: int) -> int:
+    return sum(aval_bytes(v.aval) for v in graph.nodes[node].op.outputs)

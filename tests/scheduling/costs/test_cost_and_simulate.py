@@ -1,0 +1,450 @@
+"""cost: FLOPs, bytes and wire bytes per op; simulate: two-stream timelines computed by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from scheduling.costs.collective_groups import members_per_node
+from scheduling.costs.cost_model import CostModel, collective_wire_bytes, op_bytes, op_flops
+from scheduling.costs.simulate import simulate
+from scheduling.passes import split_async
+from scheduling.profiles import PROFILE_FILES, PROFILES, DeviceProfile, load_profile
+from scheduling.program.capture import capture
+from scheduling.program.graph import Graph, Role
+from tests.scheduling.toys import fixed_seconds, mesh_2x4, mesh_x, sds
+
+M, K, N_COLS = 3, 5, 7
+F32 = 4
+
+PROFILE = DeviceProfile(
+    "test",
+    flops_per_s=1e9,
+    memory_bytes_per_s=1e8,
+    op_overhead_s=1e-6,
+    link_bytes_per_s=1e6,
+    link_latency_s=1e-5,
+)
+
+
+def _ops(step, *shapes, mesh=None, in_specs, out_specs):
+    mesh = mesh or mesh_x()
+    program = capture(step, *shapes, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    return {op.primitive: op for op in program.ops}, program
+
+
+# Cost.
+
+
+def test_dot_general_flops_are_2mnk():
+    mesh = mesh_x()
+    ops, _ = _ops(
+        lambda a, b: (a @ b).reshape(-1),
+        sds(mesh, (M, K), P()),
+        sds(mesh, (K, N_COLS), P()),
+        in_specs=(P(), P()),
+        out_specs=P(),
+    )
+    dot = ops["dot_general"]
+    assert op_flops(dot) == 2 * M * N_COLS * K
+    assert op_bytes(dot) == (M * K + K * N_COLS + M * N_COLS) * F32
+    cost = CostModel(PROFILE, {"x": 8})
+    expected = PROFILE.op_overhead_s + max(
+        2 * M * N_COLS * K / PROFILE.flops_per_s, op_bytes(dot) / PROFILE.memory_bytes_per_s
+    )
+    assert cost.compute_seconds(dot) == pytest.approx(expected)
+    assert cost.seconds(dot) == pytest.approx(expected)
+    # A reshape is a view: no FLOPs, no bytes, no time (not even the per-op overhead).
+    reshape = ops["reshape"]
+    assert op_flops(reshape) == 0
+    assert op_bytes(reshape) == 0
+    assert cost.compute_seconds(reshape) == 0.0
+
+
+def test_batched_dot_general_flops():
+    mesh = mesh_x()
+    ops, _ = _ops(
+        lambda a, b: jnp.einsum("bmk,bkn->bmn", a, b),
+        sds(mesh, (2, M, K), P()),
+        sds(mesh, (2, K, N_COLS), P()),
+        in_specs=(P(), P()),
+        out_specs=P(),
+    )
+    assert op_flops(ops["dot_general"]) == 2 * 2 * M * N_COLS * K
+
+
+def test_elementwise_and_reduction_flops():
+    mesh = mesh_x()
+    ops, _ = _ops(
+        lambda a: jnp.sum(jnp.exp(a) + a),
+        sds(mesh, (M, K), P()),
+        in_specs=P(),
+        out_specs=P(),
+    )
+    assert op_flops(ops["add"]) == M * K
+    assert op_flops(ops["exp"]) == 8 * M * K
+    assert op_flops(ops["reduce_sum"]) == M * K
+
+
+def _collective_step(x):
+    return (
+        jax.lax.all_to_all(x, "x", 0, 0, tiled=True),
+        jax.lax.psum(x, "x"),
+        jax.lax.all_gather(x, "x", tiled=True),
+        jax.lax.ppermute(x, "x", [(i, (i + 1) % 8) for i in range(8)]),
+    )
+
+
+def test_collective_wire_bytes_over_eight_devices():
+    mesh = mesh_x()
+    ops, _ = _ops(
+        _collective_step,
+        sds(mesh, (64, 4), P("x")),
+        in_specs=P("x"),
+        out_specs=(P("x"), P("x"), P("x"), P("x")),
+    )
+    nbytes = 8 * 4 * F32  # per device
+    sizes = {"x": 8}
+    assert collective_wire_bytes(ops["all_to_all"], sizes) == pytest.approx(nbytes * 7 / 8)
+    assert collective_wire_bytes(ops["psum"], sizes) == pytest.approx(2 * nbytes * 7 / 8)
+    assert collective_wire_bytes(ops["all_gather"], sizes) == pytest.approx(8 * nbytes * 7 / 8)
+    assert collective_wire_bytes(ops["ppermute"], sizes) == pytest.approx(nbytes)
+    cost = CostModel(PROFILE, sizes)
+    a2a = ops["all_to_all"]
+    assert cost.seconds(a2a) == pytest.approx(
+        PROFILE.link_latency_s + nbytes * 7 / 8 / PROFILE.link_bytes_per_s
+    )
+    assert cost.collective_seconds(a2a) == cost.seconds(a2a)
+
+
+def test_collective_group_is_the_product_of_its_axes():
+    mesh = mesh_2x4()
+
+    def step(x):
+        return (
+            jax.lax.psum(x, ("data", "expert")),
+            jax.lax.all_to_all(x, "expert", 0, 0, tiled=True),
+        )
+
+    ops, _ = _ops(step, sds(mesh, (8, 4), P()), mesh=mesh, in_specs=P(), out_specs=(P(), P()))
+    nbytes = 8 * 4 * F32
+    sizes = dict(mesh.shape)
+    assert collective_wire_bytes(ops["psum"], sizes) == pytest.approx(2 * nbytes * 7 / 8)
+    assert collective_wire_bytes(ops["all_to_all"], sizes) == pytest.approx(nbytes * 3 / 4)
+
+
+def test_collective_over_a_group_of_one_costs_nothing():
+    mesh = jax.make_mesh((1, 8), ("one", "x"))
+    ops, _ = _ops(
+        lambda x: jax.lax.psum(x, "one"),
+        sds(mesh, (8, 4), P()),
+        mesh=mesh,
+        in_specs=P(),
+        out_specs=P(),
+    )
+    psum = ops["psum"]
+    cost = CostModel(PROFILE, dict(mesh.shape))
+    assert collective_wire_bytes(psum, dict(mesh.shape)) == 0.0
+    assert cost.seconds(psum) == 0.0  # not even the link latency
+    # The same op, costed for a larger group.
+    assert collective_wire_bytes(psum, {"one": 4}) > 0
+
+
+@pytest.mark.parametrize("field", ["flops_per_s", "memory_bytes_per_s", "link_bytes_per_s"])
+@pytest.mark.parametrize("value", [0.0, -1.0])
+def test_device_profile_rejects_non_positive_throughputs(field, value):
+    with pytest.raises(ValueError, match=field):
+        dataclasses.replace(PROFILE, **{field: value})
+
+
+def test_device_profile_with_link():
+    slow = PROFILE.with_link(1e3)
+    assert slow.link_bytes_per_s == 1e3
+    assert slow.link_latency_s == PROFILE.link_latency_s
+    assert PROFILE.with_link(1e3, 0.5).link_latency_s == 0.5
+    with pytest.raises(ValueError, match="link_bytes_per_s"):
+        PROFILE.with_link(0.0)
+    assert set(PROFILES) >= {"a100", "v100", "cpu"}
+
+
+# Simulate: hand-built graphs with fixed costs.
+
+
+def _one_a2a(w, x):
+    a = x * 2.0
+    t = jax.lax.all_to_all(a, "x", 0, 0, tiled=True)
+    b = w * 3.0
+    c = b * 4.0
+    return t + c
+
+
+def _one_a2a_program():
+    mesh = mesh_x()
+    return capture(
+        _one_a2a,
+        sds(mesh, (8, 4), P()),
+        sds(mesh, (64, 4), P("x")),
+        mesh=mesh,
+        in_specs=(P(), P("x")),
+        out_specs=P("x"),
+    )
+
+
+def test_sync_collective_blocks_compute_for_its_whole_time():
+    graph = Graph(_one_a2a_program(), split=lambda op: False)
+    assert [n.op.primitive for n in graph.nodes] == ["mul", "all_to_all", "mul", "mul", "add"]
+    seconds = fixed_seconds({0: 1.0, 1: 5.0, 2: 2.0, 3: 2.0, 4: 1.0})
+    timeline = simulate(graph, [0, 1, 2, 3, 4], seconds)
+    assert timeline.step_seconds == 11.0
+    assert timeline.compute_seconds == 6.0
+    assert timeline.communication_seconds == 5.0
+    timing = timeline.collectives[1]
+    assert (timing.node, timing.issued, timing.began, timing.finished, timing.stall) == (
+        1,
+        1.0,
+        1.0,
+        6.0,
+        5.0,
+    )
+    assert timeline.exposed_communication_seconds == 5.0
+
+
+@pytest.mark.parametrize(
+    ("compute_each", "stall", "step"),
+    [(3.0, 0.0, 8.0), (2.5, 0.0, 7.0), (2.0, 1.0, 7.0), (0.5, 4.0, 7.0)],
+)
+def test_async_collective_stalls_only_for_what_compute_does_not_cover(compute_each, stall, step):
+    graph = split_async(_one_a2a_program())
+    roles = [(n.op.primitive, n.role) for n in graph.nodes]
+    assert roles[1:3] == [("all_to_all", Role.START), ("all_to_all", Role.DONE)]
+    seconds = fixed_seconds({0: 1.0, 1: 5.0, 3: compute_each, 4: compute_each, 5: 1.0})
+    # The two independent muls run between start and done.
+    timeline = simulate(graph, [0, 1, 3, 4, 2, 5], seconds)
+    timing = timeline.collectives[1]
+    assert (timing.issued, timing.began, timing.finished) == (1.0, 1.0, 6.0)
+    assert timing.stall == pytest.approx(stall)
+    assert timing.stall == pytest.approx(max(0.0, 5.0 - 2 * compute_each))
+    assert timeline.step_seconds == pytest.approx(step)
+    assert timeline.exposed_communication_seconds == pytest.approx(stall)
+    assert timeline.compute_seconds == pytest.approx(2.0 + 2 * compute_each)
+
+
+def test_host_work_of_a_collective_runs_on_the_compute_stream():
+    # Issuing the transfer waits for the start's host work; the done's host work follows
+    # the transfer. Neither counts as compute.
+    graph = split_async(_one_a2a_program())
+    seconds = fixed_seconds({0: 1.0, 1: 5.0, 3: 2.0, 4: 2.0, 5: 1.0})
+    host = fixed_seconds({1: 0.5, 2: 0.25})
+    timeline = simulate(graph, [0, 1, 3, 4, 2, 5], seconds, host=host)
+    timing = timeline.collectives[1]
+    assert (timing.issued, timing.finished, timing.stall) == (1.5, 6.5, 1.0)
+    assert timeline.step_seconds == 1.0 + 0.5 + 4.0 + 1.0 + 0.25 + 1.0
+    assert timeline.compute_seconds == 6.0
+    # Unsplit, the collective's host work comes before it.
+    graph = Graph(_one_a2a_program(), split=lambda op: False)
+    sync = simulate(graph, [0, 1, 2, 3, 4], fixed_seconds({0: 1.0, 1: 5.0}), host=host)
+    assert (sync.collectives[1].issued, sync.step_seconds) == (1.5, 6.5)
+
+
+def test_async_collective_waited_at_once_is_as_slow_as_sync():
+    graph = split_async(_one_a2a_program())
+    seconds = fixed_seconds({0: 1.0, 1: 5.0, 3: 2.0, 4: 2.0, 5: 1.0})
+    timeline = simulate(graph, [0, 1, 2, 3, 4, 5], seconds)
+    assert timeline.collectives[1].stall == 5.0
+    assert timeline.step_seconds == 11.0
+
+
+def test_synchronous_backend_runs_a_split_collective_at_its_start():
+    # XLA's CPU backend compiles a start/done pair back to one synchronous collective:
+    # the compute stream waits for the whole transfer where the start stands.
+    graph = split_async(_one_a2a_program())
+    seconds = fixed_seconds({0: 1.0, 1: 5.0, 3: 2.0, 4: 2.0, 5: 1.0})
+    timeline = simulate(graph, [0, 1, 3, 4, 2, 5], seconds, asynchronous=False)
+    timing = timeline.collectives[1]
+    assert (timing.issued, timing.began, timing.finished, timing.stall) == (1.0, 1.0, 6.0, 5.0)
+    assert timeline.step_seconds == 11.0  # 7.0 on an asynchronous backend
+    assert timeline.exposed_communication_seconds == 5.0
+    assert timeline.compute_seconds == 6.0
+
+
+def test_a_predicate_chooses_which_split_collectives_overlap():
+    # The first all-to-all has the second one's input computation in its window; the
+    # predicate says which split collectives overlap (socket all-to-alls beside XLA's
+    # synchronous ones), the others run at their start.
+    graph = split_async(_two_a2a_program())
+    seconds = fixed_seconds({0: 3.0, 3: 3.0, 1: 4.0, 4: 4.0, 6: 1.0})
+    order = [0, 1, 3, 2, 4, 5, 6]
+
+    def step(asynchronous):
+        return simulate(graph, order, seconds, asynchronous=asynchronous).step_seconds
+
+    assert step(lambda node: node.id == 1) == step(True) == 3.0 + 3.0 + 1.0 + 4.0 + 1.0
+    assert step(lambda node: node.id == 4) == step(False) == 3.0 + 4.0 + 3.0 + 4.0 + 1.0
+
+
+def _two_a2a(x):
+    t1 = jax.lax.all_to_all(x * 2.0, "x", 0, 0, tiled=True)
+    t2 = jax.lax.all_to_all(x * 3.0, "x", 0, 0, tiled=True)
+    return t1 + t2
+
+
+def _two_a2a_program():
+    mesh = mesh_x()
+    return capture(
+        _two_a2a, sds(mesh, (64, 4), P("x")), mesh=mesh, in_specs=P("x"), out_specs=P("x")
+    )
+
+
+def test_communication_stream_serialises_collectives_started_together():
+    graph = split_async(_two_a2a_program())
+    kinds = [(n.op.primitive, n.role.value) for n in graph.nodes]
+    assert kinds == [
+        ("mul", "compute"), ("all_to_all", "start"), ("all_to_all", "done"),
+        ("mul", "compute"), ("all_to_all", "start"), ("all_to_all", "done"),
+        ("add", "compute"),
+    ]  # fmt: skip
+    seconds = fixed_seconds({0: 1.0, 3: 1.0, 1: 4.0, 4: 4.0, 6: 1.0})
+    timeline = simulate(graph, [0, 3, 1, 4, 2, 5, 6], seconds)
+    first, second = timeline.collectives[1], timeline.collectives[4]
+    assert (first.issued, first.began, first.finished, first.stall) == (2.0, 2.0, 6.0, 4.0)
+    # Issued at the same time, but the link is busy until the first one finishes.
+    assert (second.issued, second.began, second.finished, second.stall) == (2.0, 6.0, 10.0, 4.0)
+    assert timeline.step_seconds == 11.0
+    assert timeline.communication_seconds == 8.0
+    assert timeline.compute_seconds == 3.0
+    assert timeline.exposed_communication_seconds == 8.0
+
+
+def test_sync_collective_waits_for_the_link_then_for_its_transfer():
+    program = _two_a2a_program()
+    first_a2a = program.collectives()[0]
+    graph = Graph(program, split=lambda op: op is first_a2a)
+    kinds = [(n.op.primitive, n.role.value) for n in graph.nodes]
+    assert kinds == [
+        ("mul", "compute"), ("all_to_all", "start"), ("all_to_all", "done"),
+        ("mul", "compute"), ("all_to_all", "compute"), ("add", "compute"),
+    ]  # fmt: skip
+    seconds = fixed_seconds({0: 1.0, 1: 4.0, 3: 1.0, 4: 4.0, 5: 1.0})
+    timeline = simulate(graph, [0, 1, 3, 4, 2, 5], seconds)
+    async_timing, sync_timing = timeline.collectives[1], timeline.collectives[4]
+    assert (async_timing.began, async_timing.finished, async_timing.stall) == (1.0, 5.0, 0.0)
+    # Reached at 2, the link is free at 5, the transfer ends at 9: 7 lost.
+    assert (sync_timing.issued, sync_timing.began, sync_timing.finished) == (2.0, 5.0, 9.0)
+    assert sync_timing.stall == 7.0
+    assert timeline.step_seconds == 10.0
+
+
+# Multi-node profiles.
+
+
+def test_members_per_node_follow_the_mesh_order():
+    assert members_per_node(("expert",), {"data": 2, "expert": 8}, 8) == 8
+    assert members_per_node(("data",), {"data": 2, "expert": 8}, 8) == 1
+    assert members_per_node(("data", "expert"), {"data": 2, "expert": 8}, 8) == 8
+    assert members_per_node(("expert",), {"data": 1, "expert": 32}, 8) == 8
+    assert members_per_node(("data",), {"data": 4, "expert": 2}, 8) == 4
+
+
+NODES = dataclasses.replace(
+    PROFILE, devices_per_node=8, node_link_bytes_per_s=1e5, node_link_latency_s=2e-5
+)
+
+
+def _collective(kind):
+    mesh = mesh_x()
+    collectives = {
+        "all_to_all": lambda v: jax.lax.all_to_all(v, "x", 0, 0, tiled=True),
+        "psum": lambda v: jax.lax.psum(v, "x"),
+    }
+    ops, _ = _ops(
+        collectives[kind], sds(mesh, (8 * 16, 4), P("x")), in_specs=P("x"), out_specs=P("x")
+    )
+    return ops[kind]
+
+
+def test_all_to_all_across_nodes_by_hand():
+    op = _collective("all_to_all")
+    operand = 16 * 4 * F32
+    # 16 devices in 2 nodes: 7/16 of the buffer stays inside the node over each device's
+    # link; 8/16 leaves it, and the 8 devices of the node share the node link.
+    inside = operand * 7 / 16 / 1e6
+    across = 8 * operand * 8 / 16 / 1e5
+    expected = 1e-5 + 2e-5 + max(inside, across)
+    assert CostModel(NODES, {"x": 16}).seconds(op) == pytest.approx(expected)
+    # Within one node it is the flat model over the device link.
+    flat = 1e-5 + operand * 7 / 8 / 1e6
+    assert CostModel(NODES, {"x": 8}).seconds(op) == pytest.approx(flat)
+
+
+def test_all_reduce_across_nodes_is_hierarchical():
+    op = _collective("psum")
+    operand = 16 * 4 * F32
+    # 32 devices, 4 nodes: reduce inside the node, then across nodes (2 passes each).
+    expected = 1e-5 + 2e-5 + 2 * operand * 7 / 8 / 1e6 + 2 * operand * 3 / 4 / 1e5
+    assert CostModel(NODES, {"x": 32}).seconds(op) == pytest.approx(expected)
+
+
+def test_shipped_hardware_profiles_document_every_figure():
+    import json
+
+    for path in sorted(PROFILE_FILES.glob("*.json")):
+        data = json.loads(path.read_text())
+        profile = load_profile(path)
+        assert PROFILES[profile.name] == profile
+        assert profile.devices_per_node == 8
+        figures = {f.name for f in dataclasses.fields(DeviceProfile)} - {"name"}
+        assert set(data["sources"]) >= figures - {"devices_per_node"}
+    assert {"a100-8x-nvlink-400g", "v100-8x-nvlink-100g"} <= set(PROFILES)
+
+
+def test_profile_files_reject_unknown_fields(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('{"name": "x", "flops_per_s": 1, "memory_bytes_per_s": 1, "teraflops": 3}')
+    with pytest.raises(ValueError, match="teraflops"):
+        load_profile(path)
+
+
+def test_fused_elementwise_ops_pay_no_launch_overhead():
+    mesh = mesh_x()
+    ops, _ = _ops(
+        lambda a, b: jnp.tanh(a @ b),
+        sds(mesh, (M, K), P()),
+        sds(mesh, (K, N_COLS), P()),
+        in_specs=(P(), P()),
+        out_specs=P(),
+    )
+    separate = CostModel(PROFILE, {"x": 8})
+    fused = CostModel(dataclasses.replace(PROFILE, fused_elementwise=True), {"x": 8})
+    tanh, dot = ops["tanh"], ops["dot_general"]
+    assert separate.seconds(tanh) - fused.seconds(tanh) == pytest.approx(PROFILE.op_overhead_s)
+    assert fused.seconds(dot) == separate.seconds(dot)  # a matmul still launches a kernel
+
+
+def test_half_precision_matmuls_run_at_their_own_peak():
+    mesh = mesh_x()
+    # Large enough that the matmul is compute-bound on both peaks.
+    rows = 512
+    costs = CostModel(
+        dataclasses.replace(PROFILE, memory_bytes_per_s=1e15, half_precision_flops_per_s=4e9),
+        {"x": 8},
+    )
+    seconds = {}
+    for dtype in (jnp.float32, jnp.bfloat16):
+        ops, _ = _ops(
+            lambda a, b: a @ b,
+            sds(mesh, (rows, rows), P(), dtype),
+            sds(mesh, (rows, rows), P(), dtype),
+            in_specs=(P(), P()),
+            out_specs=P(),
+        )
+        dot = ops["dot_general"]
+        seconds[dtype] = costs.seconds(dot) - PROFILE.op_overhead_s
+        assert seconds[dtype] == pytest.approx(
+            op_flops(dot) / costs.profile.peak_flops_per_s(dtype)
+        )
+    assert seconds[jnp.float32] == pytest.approx(4 * seconds[jnp.bfloat16])
+    assert PROFILE.peak_flops_per_s(jnp.bfloat16) == PROFILE.flops_per_s  # none given

@@ -1,0 +1,193 @@
+"""Partition rules, one primitive at a time, checked against running the op on chunks."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from scheduling.passes.chunk_ops import chunk_aval, chunk_copy
+from scheduling.program import jax_adapter
+from scheduling.program.capture import Phase, Value, inline_jaxpr
+from scheduling.program.partition_rules import Split, chunking
+
+IN_BOUNDS = jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS
+
+
+def _single_op(fn, *shapes, dtype=jnp.float32):
+    """The one interesting op of ``fn`` (the last equation), with its input values."""
+    closed = jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(s, dtype) for s in shapes))
+    inputs = [Value(v.aval) for v in closed.jaxpr.invars]
+    ops, _ = inline_jaxpr(closed, inputs, "", Phase.FORWARD)
+    return ops[-1]
+
+
+def _check_against_chunks(fn, shapes, layouts, n, dtype=jnp.float32):
+    """Run the op's chunk copy on each chunk and compare with chunks of the whole result."""
+    op = _single_op(fn, *shapes, dtype=dtype)
+    how = chunking(op, layouts, [frozenset()] * len(layouts))
+    assert how is not None
+    rng = np.random.default_rng(0)
+    arrays = [jnp.asarray(rng.integers(0, 5, s), dtype) for s in shapes]
+    whole = jax_adapter.bind_equation(op.eqn, arrays)
+    for chunk in range(n):
+        pieces, chunk_inputs = [], []
+        for atom, array, cut, layout in zip(op.inputs, arrays, how.inputs, layouts, strict=True):
+            if cut is None:
+                pieces.append(array)
+                chunk_inputs.append(atom)
+            else:
+                pieces.append(take_chunk(array, layout, n, chunk))
+                chunk_inputs.append(Value(chunk_aval(atom.aval, cut, n)))
+        copy = chunk_copy(op, how, n, chunk_inputs)
+        results = jax_adapter.bind_equation(copy.eqn, pieces)
+        for result, expected, split in zip(results, whole, how.outputs, strict=True):
+            np.testing.assert_array_equal(result, take_chunk(expected, split, n, chunk))
+    return how
+
+
+def take_chunk(array, split: Split, n: int, chunk: int):
+    """The rows of chunk ``chunk`` of ``n`` of an array laid out by ``split``."""
+    shape = array.shape
+    axis = split.axis
+    grouped = array.reshape((*shape[:axis], split.outer, -1, *shape[axis + 1 :]))
+    rows = grouped.shape[axis + 1] // n
+    taken = grouped[(slice(None),) * (axis + 1) + (slice(chunk * rows, (chunk + 1) * rows),)]
+    return taken.reshape((*shape[:axis], -1, *shape[axis + 1 :]))
+
+
+def test_elementwise_with_broadcast_operands():
+    how = _check_against_chunks(lambda x, y: x * y, [(4, 3, 5), (1, 3, 5)], [Split(0), None], n=2)
+    assert how.inputs == (0, None)
+
+
+def test_reshape_that_merges_the_batch_with_a_later_axis():
+    how = _check_against_chunks(lambda x: x.reshape(24, 5), [(4, 6, 5)], [Split(0)], n=2)
+    assert how.outputs == (Split(0, 1, 6),)
+
+
+def test_reshape_of_a_batch_in_the_middle_of_an_axis():
+    # [outer 2, batch 4, inner 3] along axis 1 -> split into (8, 3): batch is in axis 0.
+    how = _check_against_chunks(
+        lambda x: x.reshape(5, 8, 3), [(5, 24)], [Split(1, outer=2, inner=3)], n=4
+    )
+    assert how.outputs == (Split(1, outer=2, inner=1),)
+
+
+def test_reshape_that_straddles_the_batch_has_no_rule():
+    op = _single_op(lambda x: x.reshape(2, 10), (4, 5))  # batch 4 -> 2 x (2 of 5)
+    assert chunking(op, [Split(0)], [frozenset()]) is None
+
+
+def test_transpose_and_dot_general_batch_and_free_axes():
+    _check_against_chunks(lambda x: x.transpose(2, 0, 1), [(4, 3, 5)], [Split(0)], n=2)
+    how = _check_against_chunks(lambda x, w: x @ w, [(4, 3, 5), (5, 2)], [Split(0), None], n=4)
+    assert how.outputs == (Split(0),)
+    how = _check_against_chunks(
+        lambda q, k: jnp.einsum("bqd,bkd->bqk", q, k), [(4, 3, 2), (4, 3, 2)], [Split(0)] * 2, n=2
+    )
+    assert how.outputs == (Split(0),)
+
+
+def test_contracting_or_reducing_over_the_batch_has_no_rule():
+    dot = _single_op(lambda x, w: jnp.einsum("bd,be->de", x, w), (4, 3), (4, 2))
+    assert chunking(dot, [Split(0), Split(0)], [frozenset()] * 2) is None
+    total = _single_op(lambda x: x.sum(0), (4, 3))
+    assert chunking(total, [Split(0)], [frozenset()]) is None
+    _check_against_chunks(lambda x: x.sum(1), [(4, 3)], [Split(0)], n=2)
+
+
+def test_prefix_along_another_axis_and_along_the_batch():
+    how = _check_against_chunks(lambda x: jnp.cumsum(x, 1), [(4, 3)], [Split(0)], n=2)
+    assert how.carry is None
+    op = _single_op(lambda x: jnp.cumsum(x, 0), (4, 3))
+    assert chunking(op, [Split(0)], [frozenset()]).carry == "add"
+    assert chunking(op, [Split(0, outer=2)], [frozenset()]) is None  # not contiguous
+
+
+def test_top_k_and_slice():
+    _check_against_chunks(lambda x: jax.lax.top_k(x, 2)[1], [(4, 6)], [Split(0)], n=2)
+    _check_against_chunks(lambda x: x[:, 1:4], [(4, 6)], [Split(0)], n=2)
+    op = _single_op(lambda x: x[1:3], (4, 6))
+    assert chunking(op, [Split(0)], [frozenset()]) is None
+
+
+def test_a_dynamic_slice_along_another_axis_keeps_the_batch():
+    # A device's slice of the sequence (axis 1), as sequence parallelism takes it; the
+    # index is a traced scalar, like the tensor rank.
+    def traced(axis):
+        closed = jax.make_jaxpr(lambda x, i: jax.lax.dynamic_slice_in_dim(x, i, 2, axis=axis))(
+            jax.ShapeDtypeStruct((4, 6), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32)
+        )
+        inputs = [Value(v.aval) for v in closed.jaxpr.invars]
+        return inline_jaxpr(closed, inputs, "", Phase.FORWARD)[0][-1]
+
+    op = traced(axis=1)
+    indices = len(op.inputs) - 1
+    how = chunking(op, [Split(0)] + [None] * indices, [frozenset()] * (1 + indices))
+    assert how is not None and how.inputs[0] == 0 and how.outputs == (Split(0),)
+    assert how.params(2)["slice_sizes"] == (2, 2)
+    x = jnp.arange(24.0).reshape(4, 6)
+    index_values = [getattr(atom, "value", 3) for atom in op.inputs[1:]]  # rows 0, column 3
+    for chunk in range(2):
+        inputs = [Value(chunk_aval(op.inputs[0].aval, 0, 2)), *op.inputs[1:]]
+        copy = chunk_copy(op, how, 2, inputs)
+        rows = x[2 * chunk : 2 * chunk + 2]
+        (result,) = jax_adapter.bind_equation(copy.eqn, [rows, *index_values])
+        np.testing.assert_array_equal(result, rows[:, 3:5])
+    # A slice that cuts the batch itself has no rule.
+    op = traced(axis=0)
+    indices = len(op.inputs) - 1
+    assert chunking(op, [Split(0)] + [None] * indices, [frozenset()] * (1 + indices)) is None
+
+
+def test_gather_of_rows_by_split_indices():
+    numbers = jax.lax.GatherDimensionNumbers(
+        offset_dims=(2,), collapsed_slice_dims=(0,), start_index_map=(0,)
+    )
+
+    def gather(table, index):
+        return jax.lax.gather(table, index, numbers, slice_sizes=(1, 3), mode=IN_BOUNDS)
+
+    _check_against_chunks(gather, [(7, 3), (4, 5, 1)], [None, Split(0)], n=2, dtype=jnp.int32)
+
+
+def test_batched_gather_and_scatter_add():
+    gather_numbers = jax.lax.GatherDimensionNumbers(
+        offset_dims=(2,),
+        collapsed_slice_dims=(1,),
+        start_index_map=(1,),
+        operand_batching_dims=(0,),
+        start_indices_batching_dims=(0,),
+    )
+
+    def gather(values, index):
+        return jax.lax.gather(values, index, gather_numbers, (1, 1, 2), mode=IN_BOUNDS)
+
+    _check_against_chunks(
+        gather, [(4, 6, 2), (4, 3, 1)], [Split(0), Split(0)], n=2, dtype=jnp.int32
+    )
+    scatter_numbers = jax.lax.ScatterDimensionNumbers(
+        update_window_dims=(2,),
+        inserted_window_dims=(1,),
+        scatter_dims_to_operand_dims=(1,),
+        operand_batching_dims=(0,),
+        scatter_indices_batching_dims=(0,),
+    )
+
+    def scatter_add(buffer, index, updates):
+        return jax.lax.scatter_add(buffer, index, updates, scatter_numbers, mode=IN_BOUNDS)
+
+    _check_against_chunks(
+        scatter_add,
+        [(4, 6, 2), (4, 3, 1), (4, 3, 2)],
+        [Split(0), Split(0), Split(0)],
+        n=2,
+        dtype=jnp.int32,
+    )
+
+
+def test_uniform_operand_is_cut_and_others_are_refused():
+    op = _single_op(lambda x, y: x + y, (4, 3), (4, 3))
+    assert chunking(op, [Split(0), None], [frozenset(), frozenset({0})]).inputs == (0, 0)
+    assert chunking(op, [Split(0), None], [frozenset(), frozenset()]) is None
