@@ -133,7 +133,7 @@ def _cell(text: str) -> str:
 def section_table(section: str, cls: type) -> str:
     """The markdown table of one section: a row per setting, in the class's order, with
     the default a configuration starts from (the schedule's run-filled fields left out)."""
-    defaults = getattr(Config(), section)
+    defaults = getattr(Config(), section, None) or cls()
     settings = [
         item
         for item in dataclasses.fields(cls)

@@ -25,10 +25,10 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jaxmoe.parallel.zero import GATHER_NAME, ZeroPlan, gather_axes, gather_params
+from jaxmoe.parallel.zero import GATHER_NAME, ZeroLayout, gather_axes, gather_params
 
 
-def gathering_call(plan: ZeroPlan) -> Callable[..., Any]:
+def gathering_call(plan: ZeroLayout) -> Callable[..., Any]:
     """How the blocks of ``plan``'s shards are called: ``(block, index, *args)`` gathers
     block ``index``'s parameters and runs it on them (see the module docstring)."""
 

@@ -13,7 +13,7 @@ in this order, and never which stage it runs:
   synchronisation sums them in (ZeRO-1 differentiates parameters gathered in the compute
   dtype, and sums their gradients in the parameters' float32).
 
-:func:`weights_for` chooses the strategy once, from the ZeRO plan.
+:func:`weights_for` chooses the strategy once, from the ZeRO layout.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 import jax
 
 from jaxmoe.parallel.fsdp import gathering_call
-from jaxmoe.parallel.zero import ZeroPlan, gather_all, gather_outside_blocks
+from jaxmoe.parallel.zero import ZeroLayout, gather_all, gather_outside_blocks
 
 PyTree = Any
 
@@ -49,7 +49,7 @@ class GatheredOnce(Weights):
     """ZeRO-1 (the distributed optimizer): every parameter gathered at the start of the
     step, unit by unit, and differentiated whole."""
 
-    plan: ZeroPlan
+    plan: ZeroLayout
 
     def for_step(self, params: PyTree) -> PyTree:
         return gather_all(params, self.plan)
@@ -63,13 +63,13 @@ class GatheredPerBlock(Weights):
     """ZeRO-3: the parameters outside the blocks gathered at the start of each forward
     pass, each block's gathered by the block right before it runs."""
 
-    plan: ZeroPlan
+    plan: ZeroLayout
 
     def for_forward(self, weights: PyTree) -> tuple[PyTree, Any]:
         return gather_outside_blocks(weights, self.plan), gathering_call(self.plan)
 
 
-def weights_for(plan: ZeroPlan | None) -> Weights:
+def weights_for(plan: ZeroLayout | None) -> Weights:
     """The strategy for the state's parameters under ``plan`` (None: no ZeRO)."""
     if plan is None:
         return Weights()

@@ -123,7 +123,7 @@ def _is_spec(x: Any) -> bool:
 
 
 @dataclass(frozen=True)
-class ZeroPlan:
+class ZeroLayout:
     """Where each parameter's shards lie, for ``stage`` (1 or 3) on a mesh of
     ``mesh_axes``; trees in the parameters' pure-dict structure."""
 
@@ -151,13 +151,13 @@ class ZeroPlan:
         return [(OUTSIDE_BLOCKS, None)] + [(f"{prefix}_{index}", index) for index in blocks]
 
 
-def plan_zero(
+def zero_layout(
     stage: int,
     shapes: PyTree,
     model_specs: PyTree,
     mesh_axes: MeshAxes,
     gather_dtypes: PyTree | None = None,
-) -> ZeroPlan:
+) -> ZeroLayout:
     """The plan for parameters of ``shapes`` (arrays or ShapeDtypeStructs) laid out by
     ``model_specs``; ``gather_dtypes`` default to each parameter's own dtype."""
     if stage not in (1, 3):
@@ -170,7 +170,7 @@ def plan_zero(
     specs = jax.tree.map(sharded_spec, model_specs, layouts, is_leaf=_is_spec)
     if gather_dtypes is None:
         gather_dtypes = jax.tree.map(lambda shape: jnp.dtype(shape.dtype).name, shapes)
-    return ZeroPlan(stage, layouts, model_specs, specs, gather_dtypes)
+    return ZeroLayout(stage, layouts, model_specs, specs, gather_dtypes)
 
 
 # ---------------------------------------------------------------------------------------
@@ -257,7 +257,7 @@ def gather_axes(layouts: PyTree) -> frozenset[tuple[str, ...]]:
     return frozenset(layout.axes for layout in jax.tree.leaves(layouts) if layout.axes)
 
 
-def gather_outside_blocks(shards: PyTree, plan: ZeroPlan) -> PyTree:
+def gather_outside_blocks(shards: PyTree, plan: ZeroLayout) -> PyTree:
     """The parameters outside the blocks gathered; the blocks' left as shards (ZeRO-3)."""
     outside = gather_params(
         plan.unit(shards, None),
@@ -268,7 +268,7 @@ def gather_outside_blocks(shards: PyTree, plan: ZeroPlan) -> PyTree:
     return {**outside, "blocks": shards["blocks"]} if "blocks" in shards else outside
 
 
-def gather_all(shards: PyTree, plan: ZeroPlan) -> PyTree:
+def gather_all(shards: PyTree, plan: ZeroLayout) -> PyTree:
     """Every parameter gathered, unit by unit: those outside the blocks, then each block
     (ZeRO-1's gathers at the start of the step)."""
     gathered = {
@@ -351,7 +351,7 @@ def bucketed_gradients(grads: PyTree, layouts: PyTree, bucket_bytes: int, whole:
     return jax.tree.unflatten(treedef, out)
 
 
-def sync_gradients(grads: PyTree, plan: ZeroPlan, algorithm: str, bucket_bytes: int) -> PyTree:
+def sync_gradients(grads: PyTree, plan: ZeroLayout, algorithm: str, bucket_bytes: int) -> PyTree:
     """The step's gradient synchronisation under ZeRO: ``grads`` (whole blocks for stage 1,
     shards for stage 3) -> the reduced shards the optimizer applies."""
     whole = plan.stage == 1
@@ -370,7 +370,7 @@ class ZeroSync(GradSync):
     gradients (whole blocks for stage 1, shards for stage 3) reduce-scattered onto the
     shards the optimizer updates (``allreduce`` or ``bucketed``; stateless)."""
 
-    plan: ZeroPlan
+    plan: ZeroLayout
     algorithm: str
     bucket_bytes: int
 

@@ -25,7 +25,7 @@ names the pipeline axis, so its gradient is not.
 The other trees shaped like the parameters (the optimizer's moments, a gradient-sync
 state) are converted alike by :func:`convert_param_trees`; checkpoints use it to restore
 a state saved in one pipeline layout into another. Under ``train.zero`` 1 a stacked
-block is sharded over its replicas as its layers are (:func:`stacked_zero_plan`), so a
+block is sharded over its replicas as its layers are (:func:`stacked_zero_layout`), so a
 checkpoint holds the same global arrays in every layout.
 """
 
@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec
 
 from jaxmoe.config import ParallelConfig
 from jaxmoe.config.layout import PIPELINE as PIPELINE_AXIS
-from jaxmoe.parallel.zero import ShardLayout, ZeroPlan
+from jaxmoe.parallel.zero import ShardLayout, ZeroLayout
 
 BLOCKS = "blocks"
 STAGE_BLOCKS = "stage_blocks"
@@ -201,8 +201,8 @@ def stacked_specs(specs: dict, layout: StageLayout, stage_axis: str | None = PIP
     )
 
 
-def stacked_zero_plan(plan: ZeroPlan, blocks: ZeroPlan, layout: StageLayout) -> ZeroPlan:
-    """The ZeRO plan of the stacked parameters (:mod:`jaxmoe.parallel.zero`) from two of
+def stacked_zero_layout(plan: ZeroLayout, blocks: ZeroLayout, layout: StageLayout) -> ZeroLayout:
+    """The ZeRO layout of the stacked parameters (:mod:`jaxmoe.parallel.zero`) from two of
     the model's: ``plan`` for the parameters outside the blocks (replicated over the
     pipeline axis, so sharded over it too), ``blocks`` for the blocks, planned without the
     pipeline axis (a stacked block is split over it by stage). A stacked block is sharded
@@ -221,7 +221,7 @@ def stacked_zero_plan(plan: ZeroPlan, blocks: ZeroPlan, layout: StageLayout) -> 
     def is_shards(x: Any) -> bool:
         return isinstance(x, ShardLayout)
 
-    return ZeroPlan(
+    return ZeroLayout(
         plan.stage,
         layouts=merged(
             plan.layouts, stacked_tree(blocks.layouts, layout, past_stacking, is_shards)

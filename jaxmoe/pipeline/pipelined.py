@@ -49,7 +49,7 @@ chunks admit layer counts that the chunks do not divide; they do not shorten a t
 
 **Under ZeRO-1** (``train.zero`` 1) the step gathers every parameter before the first
 tick, the stacked blocks included (:func:`~jaxmoe.pipeline.params.
-stacked_zero_plan`); the ticks compute with the gathered parameters, sum their gradients
+stacked_zero_layout`); the ticks compute with the gathered parameters, sum their gradients
 in the shards' dtype (float32), and the step reduce-scatters them after the last tick.
 
 **What each microbatch sees** is what it sees without the pipeline: its rows

@@ -3,7 +3,7 @@
 :func:`resolve` derives from a :class:`~jaxmoe.config.Config` (and the mesh it runs on,
 where there is one) everything the step, the state, its checkpoints and the planner's
 estimates are built from: the model's structure and parameter specs, the pipeline (its
-stage layout and tick table), the ZeRO plan and how the step reads its parameters under
+stage layout and tick table), the ZeRO layout and how the step reads its parameters under
 it, the gradient synchronisation, the optimizer, the scheduling policy, and the state's
 specs and shapes. Each is
 derived here and nowhere else; everything below the command line receives the :class:`Run`
@@ -31,9 +31,9 @@ from jaxmoe.parallel.grad_sync import GradSync, make_grad_sync
 from jaxmoe.parallel.mesh import mesh_axis_sizes
 from jaxmoe.parallel.sharding import param_specs
 from jaxmoe.parallel.weights import Weights, weights_for
-from jaxmoe.parallel.zero import ZeroPlan, ZeroSync, plan_zero
+from jaxmoe.parallel.zero import ZeroLayout, ZeroSync, zero_layout
 from jaxmoe.pipeline.model import PipelineModel, pipeline_model
-from jaxmoe.pipeline.params import PIPELINE_AXIS, StageLayout, stacked_zero_plan, stage_layout
+from jaxmoe.pipeline.params import PIPELINE_AXIS, StageLayout, stacked_zero_layout, stage_layout
 from jaxmoe.train import state
 from jaxmoe.train.optimizer import learning_rate_fn, make_optimizer
 
@@ -51,7 +51,7 @@ class Run:
     graphdef: nnx.GraphDef  # the model's structure
     model_specs: PyTree  # the model's parameter specs (before ZeRO or a pipeline)
     pipeline: PipelineModel | None  # the model cut for ``parallel.pipeline`` (None: none)
-    zero: ZeroPlan | None  # where each parameter's shards lie (None: no ZeRO)
+    zero: ZeroLayout | None  # where each parameter's shards lie (None: no ZeRO)
     weights: Weights  # how the step reads the state's parameters
     grad_sync: GradSync  # how the step synchronises the gradients
     optimizer: optax.GradientTransformation
@@ -99,7 +99,7 @@ def resolve(config: Config, mesh: Mesh | None = None, grad_sync_choice: Any = No
     model_specs = param_specs(abstract_params, axes)
     stages = stage_layout(config.parallel, config.model.num_layers)
     pipeline = None if stages is None else pipeline_model(config, stages)
-    zero = _zero_plan(config, abstract_params, model_specs, axes, stages)
+    zero = _zero_layout(config, abstract_params, model_specs, axes, stages)
     grad_sync = (
         make_grad_sync(config.train, mesh)
         if zero is None
@@ -134,25 +134,25 @@ def schedule_policy(config: Config) -> scheduling.SchedulePolicy:
     return dataclasses.replace(config.schedule, op_cost_cache=str(op_cost_cache()))
 
 
-def _zero_plan(
+def _zero_layout(
     config: Config,
     abstract_params: nnx.State,
     model_specs: PyTree,
     axes: Mapping[str, int],
     stages: StageLayout | None,
-) -> ZeroPlan | None:
+) -> ZeroLayout | None:
     """Where each parameter's shards lie under ``train.zero`` (None without ZeRO):
     :mod:`jaxmoe.parallel.zero`; under a pipeline, the stacked blocks'."""
     if not config.train.zero:
         return None
     shapes = nnx.to_pure_dict(abstract_params)
     dtypes = state.gather_dtypes(config.model, config.moe, config.train.seed)
-    plan = plan_zero(config.train.zero, shapes, model_specs, axes, dtypes)
+    plan = zero_layout(config.train.zero, shapes, model_specs, axes, dtypes)
     if stages is None:
         return plan
     # A stacked block is split over the pipeline axis by stage: its layers are sharded
     # over their replicas within a stage.
-    within_stage = plan_zero(
+    within_stage = zero_layout(
         config.train.zero, shapes, model_specs, {**axes, PIPELINE_AXIS: 1}, dtypes
     )
-    return stacked_zero_plan(plan, within_stage, stages)
+    return stacked_zero_layout(plan, within_stage, stages)

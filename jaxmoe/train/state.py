@@ -1,7 +1,7 @@
 """The training state: what it holds, its shapes and specs, and its initialisation.
 
 Everything here reads a resolved :class:`~jaxmoe.train.resolved.Run` (the specs, the
-pipeline's stage layout, the ZeRO plan, the gradient synchronisation and the optimizer it
+pipeline's stage layout, the ZeRO layout, the gradient synchronisation and the optimizer it
 holds), except :func:`abstract_model` and :func:`gather_dtypes`, which the resolution
 itself reads. Under a pipeline (``parallel.pipeline`` > 1) the state holds the blocks'
 parameters, and everything shaped like them, stacked by stage (:mod:`jaxmoe.pipeline.params`);

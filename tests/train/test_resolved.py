@@ -27,7 +27,7 @@ DERIVATIONS = (
     "resolve_grad_sync",
     "stage_layout",
     "pipeline_model",
-    "plan_zero",
+    "zero_layout",
     "weights_for",
     "make_grad_sync",
     "make_optimizer",
@@ -40,17 +40,17 @@ CASES = {
     "pipeline-zero1": (
         "--parallel.pipeline 2 --parallel.expert 4 --train.microbatches 2 --model.moe_every 1 "
         "--train.zero 1",
-        {"plan_zero": 2, "make_grad_sync": 0},
+        {"zero_layout": 2, "make_grad_sync": 0},
         GatheredOnce,
     ),
     "zero3": (
         "--parallel.expert 8 --train.zero 3",
-        {"stage_layout": 1, "pipeline_model": 0, "plan_zero": 1, "make_grad_sync": 0},
+        {"stage_layout": 1, "pipeline_model": 0, "zero_layout": 1, "make_grad_sync": 0},
         GatheredPerBlock,
     ),
     "int8": (
         "--parallel.data 2 --parallel.expert 4 --train.grad_sync int8",
-        {"pipeline_model": 0, "plan_zero": 0},
+        {"pipeline_model": 0, "zero_layout": 0},
         Weights,
     ),
 }
