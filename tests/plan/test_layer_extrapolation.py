@@ -96,9 +96,9 @@ def test_extrapolated_estimates_match_whole_traces(six_layer_mappings, monkeypat
     traced_layers = []
     capture = planner.capture_train_step
 
-    def counting(config, mesh):
-        traced_layers.append(config.model.num_layers)
-        return capture(config, mesh)
+    def counting(run):
+        traced_layers.append(run.config.model.num_layers)
+        return capture(run)
 
     monkeypatch.setattr(planner, "capture_train_step", counting)
     for config in six_layer_mappings:
