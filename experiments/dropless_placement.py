@@ -15,9 +15,11 @@ rounding of the step (the runs' routing drifts apart slowly), so the replays are
 those tables would have done; in capacity mode drops change training, so they replay the
 static run's routing. The ratios' spread: the same ratio in each of ``PLACEMENT_BLOCKS``
 blocks of the last half's steps. These runs deal an expert's rows round-robin over its
-copies; a third pair (``dropless_balanced``) splits them in the step from its own counts
-(``moe.replica_split balanced``), replayed with the planner's prediction and with
-hindsight. ``--placement-parts`` picks the pairs run (``PLACEMENT_PARTS``).
+copies, the baseline: a research option (``ExperimentalOptions(replica_split=
+"round_robin")`` of :mod:`jaxmoe.experimental`, passed to the run and to the replayed
+planner: :func:`placement_options`); a third pair (``dropless_balanced``) splits them in
+the step from its own counts, as the library does, replayed with the planner's prediction
+and with hindsight. ``--placement-parts`` picks the pairs run (``PLACEMENT_PARTS``).
 """
 
 from __future__ import annotations
@@ -39,16 +41,18 @@ PERSISTENCE_LAGS = (1, 5, 20)
 REPLAYS = ("static", "smoothed", "last", "mean", "fitted", "hindsight")
 
 
-def placement_config(steps: int, rebalance: int, dropless: bool, split: str = "round_robin"):
+def placement_config(steps: int, rebalance: int, dropless: bool):
     base = variant_config("tiny", "ragged dropless" if dropless else BASELINE, steps)
-    moe = dataclasses.replace(
-        base.moe,
-        slots_per_device=PLACEMENT_SLOTS,
-        rebalance_every=rebalance,
-        # How the ragged dispatch splits an expert's rows: capacity mode has no such choice.
-        replica_split=split if dropless else base.moe.replica_split,
-    )
+    moe = dataclasses.replace(base.moe, slots_per_device=PLACEMENT_SLOTS, rebalance_every=rebalance)
     return dataclasses.replace(base, moe=moe, train=dataclasses.replace(base.train, eval_batches=4))
+
+
+def placement_options(dropless: bool, split: str):
+    """The research options of a placement run: how the ragged dispatch splits an expert's
+    rows over its copies (``split``; capacity mode has no such choice: the library's)."""
+    from jaxmoe.experimental import DEFAULT, ExperimentalOptions
+
+    return ExperimentalOptions(replica_split=split) if dropless else DEFAULT
 
 
 def excess_load(loads: np.ndarray) -> float:
@@ -88,16 +92,27 @@ def fitted_loads(rows: list[dict], start: int) -> np.ndarray:
 
 
 def replay(
-    rows: list[dict], config, mode: str, smoothing: tuple[float, float] | None = None
+    rows: list[dict],
+    config,
+    mode: str,
+    smoothing: tuple[float, float] | None = None,
+    experimental=None,
 ) -> list[float]:
     """The planner's tables (re-planned after every step) applied to the routing of
     ``rows``, per step: dropless, the device load's (max / mean) - 1; capacity, the dropped
     fraction (exact from ``kept_by_copies``). ``mode``, ``smoothing``: see ``_history``;
     mode ``static``: the initial table throughout; ``fitted`` (dropless): planned from
-    ``fitted_loads`` over the last half (before it, from the last step)."""
+    ``fitted_loads`` over the last half (before it, from the last step). ``experimental``:
+    the run's research options (:func:`placement_options`; None: the library's)."""
+    from jaxmoe.experimental import DEFAULT
     from jaxmoe.placement.planner import device_loads, plan_placement
     from jaxmoe.placement.replicas import replicas_per_expert
     from jaxmoe.train.state import initial_placement
+
+    experimental = DEFAULT if experimental is None else experimental
+
+    def plan(table, window: list[dict], step: int, history):
+        return plan_placement(table, window, config, step, history, experimental)[0]
 
     history = _history("last" if mode == "fitted" else mode, smoothing)
     half = len(rows) // 2
@@ -108,15 +123,15 @@ def replay(
         if mode == "static":
             pass
         elif mode == "hindsight":
-            table, _ = plan_placement(table, [row], config, row["step"], _history(mode))
+            table = plan(table, [row], row["step"], _history(mode))
         elif fitted is not None and index >= half:
             predicted = {"step": row["step"], "tokens_per_expert": fitted[index - half]}
-            table, _ = plan_placement(table, [predicted], config, row["step"], _history(mode))
+            table = plan(table, [predicted], row["step"], _history(mode))
         elif index:
-            table, _ = plan_placement(table, [rows[index - 1]], config, row["step"], history)
+            table = plan(table, [rows[index - 1]], row["step"], history)
         load = np.asarray(row["tokens_per_expert"], np.float64)  # [layers, experts]
         if config.moe.dropless:
-            split = config.moe.replica_split
+            split = experimental.replica_split
             per_layer = [
                 device_loads(table[layer], load[layer], split) for layer in range(len(load))
             ]
@@ -168,19 +183,20 @@ def measure_placement_mode(steps: int, dropless: bool, split: str = "round_robin
     from experiments.placement_eval import _run
 
     runs, applied = {}, 0
+    options = placement_options(dropless, split)
     for label, rebalance in (("static", 0), ("dynamic", 1)):
-        rows, decisions, seconds = _run(placement_config(steps, rebalance, dropless, split))
+        rows, decisions, seconds = _run(placement_config(steps, rebalance, dropless), options)
         runs[label] = rows
         applied += sum(bool(decision.get("applied")) for decision in decisions)
         print(f"placement, dropless {dropless}, {split}, {label}: {seconds:.0f} s", flush=True)
     static, dynamic = runs["static"], runs["dynamic"]
-    config, half = placement_config(steps, 1, dropless, split), steps // 2
+    config, half = placement_config(steps, 1, dropless), steps // 2
     measured = {label: _placement_series(rows, dropless) for label, rows in runs.items()}
     if split == "balanced":
         modes = ["static", "smoothed", "hindsight"]
     else:
         modes = [mode for mode in REPLAYS if dropless or mode != "fitted"]
-    replays = {mode: np.array(replay(static, config, mode)) for mode in modes}
+    replays = {mode: np.array(replay(static, config, mode, experimental=options)) for mode in modes}
     entry = {
         "static": float(np.mean(measured["static"][half:])),
         "dynamic": float(np.mean(measured["dynamic"][half:])),
@@ -199,7 +215,7 @@ def measure_placement_mode(steps: int, dropless: bool, split: str = "round_robin
     return {
         **entry,
         "sweep": [
-            [h, w, float(np.mean(replay(static, config, "smoothed", (h, w))[half:]))]
+            [h, w, float(np.mean(replay(static, config, "smoothed", (h, w), options)[half:]))]
             for h, w in SMOOTHING_GRID
         ],
         "persistence": persistence(static[half:]),
@@ -338,7 +354,7 @@ def _balanced_split_lines(d: dict, b: dict) -> list[str]:
         ("dynamic table, balanced split", b["dynamic"], ""),
     ]
     lines = [
-        "### The step's own split (`moe.replica_split balanced`)",
+        "### The step's own split (balanced, the library's)",
         "",
         "The same dropless runs with the ragged dispatch splitting each expert's rows over "
         "its copies inside the step, from that step's routed counts "

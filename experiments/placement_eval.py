@@ -49,13 +49,17 @@ def _config(name: str, steps: int, slots: int, rebalance: int, capacity_factor: 
     return dataclasses.replace(base, moe=moe, train=train)
 
 
-def _run(config) -> tuple[list[dict], list[dict], float]:
+def _run(config, experimental=None) -> tuple[list[dict], list[dict], float]:
+    """Train ``config`` (with the research options ``experimental``, None: the library's):
+    its metrics, its placement decisions and its seconds."""
+    from jaxmoe.experimental import DEFAULT
     from jaxmoe.prepare import prepare_run
     from jaxmoe.train.loop import train
 
+    experimental = DEFAULT if experimental is None else experimental
     with tempfile.TemporaryDirectory() as scratch:
         started = time.perf_counter()
-        rows = train(prepare_run(config), scratch, progress=False)
+        rows = train(prepare_run(config, experimental=experimental), scratch, progress=False)
         seconds = time.perf_counter() - started
         log = Path(scratch) / "placement.jsonl"
         decisions = (

@@ -17,6 +17,7 @@ import jax
 from jax.sharding import Mesh
 
 from jaxmoe.config import Config
+from jaxmoe.experimental import DEFAULT, ExperimentalOptions
 from jaxmoe.parallel.distributed import DistributedConfig, initialize
 from jaxmoe.parallel.host_devices import ensure_host_devices
 from jaxmoe.parallel.mesh import build_mesh
@@ -25,14 +26,19 @@ from jaxmoe.train.resolved import Run, resolve
 
 
 def prepare_run(
-    config: Config, devices: Sequence[jax.Device] | None = None, *, mesh: Mesh | None = None
+    config: Config,
+    devices: Sequence[jax.Device] | None = None,
+    *,
+    mesh: Mesh | None = None,
+    experimental: ExperimentalOptions = DEFAULT,
 ) -> Run:
     """``config`` resolved on its mesh over ``devices`` (default: every device of every
-    process), or on ``mesh`` when one is given, its automatic choices made on it."""
+    process), or on ``mesh`` when one is given, its automatic choices made on it;
+    ``experimental``: an experiment's research options (:mod:`jaxmoe.experimental`)."""
     if mesh is None:
         mesh = build_mesh(config.parallel, devices)
     config, choice = resolve_grad_sync(config, mesh)
-    return resolve(config, mesh, choice)
+    return resolve(config, mesh, choice, experimental)
 
 
 def start_process(config: Config, distributed: DistributedConfig) -> Run:

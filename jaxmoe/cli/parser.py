@@ -21,6 +21,7 @@ import scheduling.names
 from jaxmoe import exit_codes
 from jaxmoe.cli import convert_command, data_command, generate_command
 from jaxmoe.config import Config, ConfigError
+from jaxmoe.config.moe import EXPERIMENTAL_FIELDS as EXPERIMENTAL_MOE_FIELDS
 from jaxmoe.config.schedule import (
     EXPERIMENTAL_FIELDS,
     EXPERIMENTAL_TRAIN_FIELDS,
@@ -119,6 +120,10 @@ def add_config_arguments(command: argparse.ArgumentParser, shortcuts: bool = Tru
     for name, hint in refused.items():
         command.add_argument(
             f"--schedule.{name}", action=_Removed, nargs="?", const=hint, help=argparse.SUPPRESS
+        )
+    for name, hint in EXPERIMENTAL_MOE_FIELDS.items():
+        command.add_argument(
+            f"--moe.{name}", action=_Removed, nargs="?", const=hint, help=argparse.SUPPRESS
         )
 
 

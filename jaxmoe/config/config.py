@@ -14,7 +14,7 @@ from jaxmoe.config.checks import ConfigError, require
 from jaxmoe.config.data import DataConfig
 from jaxmoe.config.layout import LayoutError, check_split_widths
 from jaxmoe.config.model import ModelConfig
-from jaxmoe.config.moe import MoEConfig, capacity_per_expert, shared_width
+from jaxmoe.config.moe import MoEConfig, capacity_per_expert, saved_moe_fields, shared_width
 from jaxmoe.config.parallel import ParallelConfig, check_pipeline
 from jaxmoe.config.schedule import (
     DEFAULT_SCHEDULE,
@@ -165,7 +165,8 @@ class Config:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Config:
         """The configuration ``to_dict`` wrote (one with an old ``train.schedule_*`` field is
-        refused, naming the new one)."""
+        refused, naming the new one; a research option that left its section is dropped at
+        the library's value and refused at any other, with its hint)."""
         values = {name: dict(section) for name, section in values.items()}
         refuse_moved_train_fields(values.get("train", {}))
         sections = {f.name: f.type for f in dataclasses.fields(cls)}
@@ -179,6 +180,8 @@ class Config:
             if name == "schedule":
                 built[name] = schedule_section(given)
                 continue
+            if name == "moe":
+                given = saved_moe_fields(given)
             known = {item.name for item in dataclasses.fields(section_type)}
             unknown_fields = sorted(set(given) - known)
             require(

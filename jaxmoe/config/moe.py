@@ -4,18 +4,34 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from jaxmoe.config import choices
-from jaxmoe.config.checks import check_types, non_negative, one_of, positive_int, require
+from jaxmoe.config.checks import (
+    ConfigError,
+    check_types,
+    non_negative,
+    one_of,
+    positive_int,
+    require,
+)
 from jaxmoe.config.model import ModelConfig
 
 # How dropless routing (capacity_factor None) moves and computes its tokens
 # (jaxmoe/layers/ragged.py): padded per-expert buffers of group_size slots, or only the
 # routed rows, sorted by expert, exchanged ragged and computed as one grouped GEMM.
 DROPLESS_DISPATCHES = ("padded", "ragged")
-# How the ragged dropless dispatch splits an expert's rows over its copies each step
-# (jaxmoe/placement/copy_split.py): balanced from the step's own counts, or dealt out evenly.
-REPLICA_SPLITS = ("balanced", "round_robin")
+
+# Research options that left the section (jaxmoe.experimental), and the hint for each.
+EXPERIMENTAL_FIELDS = {
+    "replica_split": (
+        "experimental, no longer a setting: remove it (the ragged dispatch always splits an "
+        "expert's rows balanced); experiments pass "
+        "jaxmoe.experimental.ExperimentalOptions(replica_split=...) to resolve"
+    ),
+}
+# A saved section's research options at these values were the library's behaviour: dropped.
+_DROPPED_DEFAULTS: dict[str, Any] = {"replica_split": "balanced"}
 
 
 @dataclass(frozen=True)
@@ -100,11 +116,6 @@ class MoEConfig:
     # whose rows for a device exceed the buffer drops the rows past it (counted in
     # dropped_fraction, as capacity drops are).
     ragged_buffer_factor: float | None = None
-    # ragged with replica slots only: which of an expert's rows each copy takes. balanced:
-    # chosen in the step from its routed counts so the devices' loads are as even as the
-    # replica table allows; round_robin: each source deals an expert's rows evenly over its
-    # copies.
-    replica_split: str = "balanced"
 
     def __post_init__(self) -> None:
         check_types("moe", self)
@@ -168,12 +179,6 @@ class MoEConfig:
                 f"moe.ragged_buffer_factor={self.ragged_buffer_factor!r}: must be > 0, or "
                 "none for the worst case",
             )
-        one_of("moe", "replica_split", self.replica_split, REPLICA_SPLITS)
-        require(
-            self.replica_split == REPLICA_SPLITS[0] or self.dropless_dispatch == "ragged",
-            f"moe.replica_split={self.replica_split} says how the ragged dispatch splits rows "
-            "over an expert's copies: set moe.dropless_dispatch ragged, or leave it balanced",
-        )
         one_of("moe", "score_function", self.score_function, choices.SCORE_FUNCTIONS)
         for name in ("aux_loss_coef", "seq_aux_loss_coef", "z_loss_coef", "expert_bias_rate"):
             non_negative("moe", name, getattr(self, name))
@@ -211,6 +216,21 @@ class MoEConfig:
     @property
     def dropless(self) -> bool:
         return self.capacity_factor is None
+
+
+def saved_moe_fields(values: dict[str, Any]) -> dict[str, Any]:
+    """A saved section's fields (``Config.to_dict``) without the research options that
+    left it, where they hold the library's behaviour (every configuration written before
+    they left, unless it chose otherwise); one at another value raises :class:`ConfigError`
+    in one line naming it and the fix."""
+    kept = {}
+    for field, value in values.items():
+        if field in EXPERIMENTAL_FIELDS:
+            if value != _DROPPED_DEFAULTS[field]:
+                raise ConfigError(f"moe.{field}={value!r}: {EXPERIMENTAL_FIELDS[field]}")
+            continue
+        kept[field] = value
+    return kept
 
 
 def capacity_per_expert(

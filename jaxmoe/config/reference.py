@@ -27,7 +27,7 @@ from typing import Any
 import scheduling.names
 from jaxmoe.config import choices
 from jaxmoe.config.config import Config
-from jaxmoe.config.moe import DROPLESS_DISPATCHES, REPLICA_SPLITS
+from jaxmoe.config.moe import DROPLESS_DISPATCHES
 from jaxmoe.config.schedule import RUN_FIELDS
 from jaxmoe.config.train import ZERO_STAGES
 
@@ -47,7 +47,6 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "moe.score_function": choices.SCORE_FUNCTIONS,
     "moe.dispatcher": choices.DISPATCHERS,
     "moe.dropless_dispatch": DROPLESS_DISPATCHES,
-    "moe.replica_split": REPLICA_SPLITS,
     "train.on_nonfinite": choices.ON_NONFINITE,
     "train.grad_sync": choices.GRAD_SYNC_CHOICES,
     "train.zero": ZERO_STAGES,

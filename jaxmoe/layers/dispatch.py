@@ -21,7 +21,8 @@ times the ``group_size * top_k`` assignments that carry tokens. The ragged dropl
 dispatch (``moe.dropless_dispatch ragged``, :mod:`jaxmoe.layers.ragged`) moves and
 computes only the routed rows instead; with replicas it splits an expert's
 assignments over its copies from each step's counts (:mod:`jaxmoe.placement.copy_split`),
-or deals them round-robin by :func:`replica_slots` (``moe.replica_split round_robin``).
+or deals them round-robin by :func:`replica_slots` (the research baseline:
+``ExperimentalOptions(replica_split="round_robin")``, :mod:`jaxmoe.experimental`).
 
 With replicas (:func:`plan_replicated_dispatch`) the buffer has ``capacity``
 slots per *expert slot*, and an expert with ``n`` copies takes its assignments,
@@ -120,9 +121,9 @@ def _round_robin(
 
 def replica_slots(expert_index: jax.Array, slot_expert: jax.Array, num_experts: int) -> jax.Array:
     """The expert slot of every assignment ``[G, S, k]`` when nothing drops (ragged
-    dropless dispatch, ``moe.replica_split round_robin``): an expert's assignments go
-    round-robin over its copies in priority order, as :func:`plan_replicated_dispatch`
-    places them without a capacity."""
+    dropless dispatch, ``ExperimentalOptions(replica_split="round_robin")``): an expert's
+    assignments go round-robin over its copies in priority order, as
+    :func:`plan_replicated_dispatch` places them without a capacity."""
     chex.assert_rank([expert_index, slot_expert], [3, 1])
     rank = _priority_rank(expert_index, num_experts)
     slot, _ = _round_robin(expert_index, rank, slot_expert, num_experts)

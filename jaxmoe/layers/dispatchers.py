@@ -11,7 +11,9 @@ configuration (:func:`choose_dispatcher`), and then calls on every device's toke
 - :class:`~jaxmoe.layers.ragged.RaggedDispatch` (``moe.dropless_dispatch ragged``): only
   the routed rows move, one grouped GEMM;
 - with a replica table, :class:`~jaxmoe.layers.replicated.ReplicatedDispatch` (padded) or
-  :class:`~jaxmoe.layers.replicated.ReplicatedRaggedDispatch`: slots for the copies too.
+  :class:`~jaxmoe.layers.replicated.ReplicatedRaggedDispatch`: slots for the copies too,
+  an expert's rows split over them balanced, or as the research options say
+  (:class:`jaxmoe.experimental.ExperimentalOptions`).
 
 Every capacity dispatcher plans the same slots (the rule of :mod:`jaxmoe.layers.dispatch`),
 so ``moe.dispatcher`` never changes which assignments are kept and dropped; as
@@ -29,6 +31,7 @@ from typing import Any, Protocol, TypeVar
 import jax
 
 from jaxmoe.config import MoEConfig
+from jaxmoe.experimental import DEFAULT, ExperimentalOptions
 from jaxmoe.layers.all_gather import AllGatherDispatch
 from jaxmoe.layers.dispatch import DispatchStats
 from jaxmoe.layers.experts import Experts
@@ -69,14 +72,17 @@ class Dispatcher(Protocol[Plan, Sent]):
         ...
 
 
-def choose_dispatcher(config: MoEConfig, replicas: bool) -> Dispatcher[Any, Any]:
-    """The dispatcher of ``config``; ``replicas``: over the slots of a replica table."""
+def choose_dispatcher(
+    config: MoEConfig, replicas: bool, experimental: ExperimentalOptions = DEFAULT
+) -> Dispatcher[Any, Any]:
+    """The dispatcher of ``config``; ``replicas``: over the slots of a replica table;
+    ``experimental``: research options (the ragged dispatch's split over copies)."""
     if config.dropless and config.dropless_dispatch == "ragged":
         if replicas:
             return ReplicatedRaggedDispatch(
                 config.num_experts,
                 config.ragged_buffer_factor,
-                split=COPY_SPLITS[config.replica_split],
+                split=COPY_SPLITS[experimental.replica_split],
             )
         return RaggedDispatch(config.num_experts, config.ragged_buffer_factor)
     if replicas:  # replica slots are exchanged by all_to_all (a configuration check)

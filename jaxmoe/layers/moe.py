@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec
 
 from jaxmoe.config import MoEConfig
 from jaxmoe.config.layout import TENSOR
+from jaxmoe.experimental import DEFAULT, ExperimentalOptions
 from jaxmoe.layers.dispatch import DispatchStats
 from jaxmoe.layers.dispatchers import Dispatcher, choose_dispatcher
 from jaxmoe.layers.experts import Experts
@@ -89,9 +90,13 @@ class MoELayer(nnx.Module):
         bias: bool = True,
         dtype: jnp.dtype,
         rngs: nnx.Rngs,
+        experimental: ExperimentalOptions = DEFAULT,
     ):
         """``activation`` and ``bias``: the experts' form (``model.activation``,
-        ``model.linear_bias``; :mod:`jaxmoe.layers.experts`)."""
+        ``model.linear_bias``; :mod:`jaxmoe.layers.experts`). ``experimental``: research
+        options of the dispatch (:mod:`jaxmoe.experimental`), kept for every configuration
+        the layer is given."""
+        self.experimental = experimental
         self.config = config
         self.router = Router(
             d_model,
@@ -128,8 +133,11 @@ class MoELayer(nnx.Module):
     @config.setter
     def config(self, config: MoEConfig) -> None:
         self._config = config
-        self.dispatcher: Dispatcher[Any, Any] = choose_dispatcher(config, replicas=False)
-        self.replica_dispatcher: Dispatcher[Any, Any] = choose_dispatcher(config, replicas=True)
+        experimental = self.experimental
+        self.dispatcher: Dispatcher[Any, Any] = choose_dispatcher(config, False, experimental)
+        self.replica_dispatcher: Dispatcher[Any, Any] = choose_dispatcher(
+            config, True, experimental
+        )
 
     def __call__(
         self,

@@ -6,9 +6,9 @@ experts and copies of others. The padded dispatch then gives every slot ``capaci
 places and deals an expert's assignments round-robin over its copies
 (:func:`~jaxmoe.layers.dispatch.plan_replicated_dispatch`); the ragged dispatch splits an
 expert's rows over its copies, balanced from the step's counts
-(:func:`~jaxmoe.placement.copy_split.balanced_slots`) or round-robin
-(``moe.replica_split``). Both report each slot's load and what each expert would keep
-with 1, 2, ... copies, for the placement planner.
+(:func:`~jaxmoe.placement.copy_split.balanced_slots`), or round-robin, the research
+baseline (:class:`jaxmoe.experimental.ExperimentalOptions`). Both report each slot's
+load and what each expert would keep with 1, 2, ... copies, for the placement planner.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def round_robin_slots(
     return replica_slots(choices[None], slot_expert, num_experts)[0], None
 
 
-# moe.replica_split -> the split.
+# ExperimentalOptions.replica_split -> the split.
 COPY_SPLITS: dict[str, CopySplit] = {"balanced": balanced_slots, "round_robin": round_robin_slots}
 
 

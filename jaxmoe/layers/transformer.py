@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmoe.config import ModelConfig, MoEConfig
+from jaxmoe.experimental import DEFAULT, ExperimentalOptions
 from jaxmoe.layers.attention import CausalSelfAttention, KVCache
 from jaxmoe.layers.mlp import DenseFFN
 from jaxmoe.layers.moe import MoELayer, RoutingStats
@@ -45,7 +46,13 @@ class Block(nnx.Module):
     (with its shared experts, when the model has them)."""
 
     def __init__(
-        self, model: ModelConfig, moe: MoEConfig | None, *, dtype: jnp.dtype, rngs: nnx.Rngs
+        self,
+        model: ModelConfig,
+        moe: MoEConfig | None,
+        *,
+        dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+        experimental: ExperimentalOptions = DEFAULT,
     ):
         self.attention_norm = make_norm(model, model.d_model, dtype=dtype, rngs=rngs)
         self.attention = CausalSelfAttention(model, dtype=dtype, rngs=rngs)
@@ -66,6 +73,7 @@ class Block(nnx.Module):
                 bias=model.linear_bias,
                 dtype=dtype,
                 rngs=rngs,
+                experimental=experimental,
             )
 
     @property
@@ -119,9 +127,18 @@ class Block(nnx.Module):
 
 
 class GPTMoE(nnx.Module):
-    """Token embeddings (and learned positions), the blocks, a final norm, the output head."""
+    """Token embeddings (and learned positions), the blocks, a final norm, the output head.
 
-    def __init__(self, model: ModelConfig, moe: MoEConfig, *, rngs: nnx.Rngs):
+    ``experimental``: research options of the MoE layers (:mod:`jaxmoe.experimental`)."""
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        moe: MoEConfig,
+        *,
+        rngs: nnx.Rngs,
+        experimental: ExperimentalOptions = DEFAULT,
+    ):
         dtype = jnp.dtype(model.dtype)
         self.config = model
         self.dtype = dtype
@@ -134,7 +151,13 @@ class GPTMoE(nnx.Module):
         )
         self.blocks = nnx.List(
             [
-                Block(model, moe if i in moe_layers else None, dtype=dtype, rngs=rngs)
+                Block(
+                    model,
+                    moe if i in moe_layers else None,
+                    dtype=dtype,
+                    rngs=rngs,
+                    experimental=experimental,
+                )
                 for i in range(model.num_layers)
             ]
         )

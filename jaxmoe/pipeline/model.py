@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from flax import nnx
 
 from jaxmoe.config import Config, ModelConfig, MoEConfig
+from jaxmoe.experimental import DEFAULT, ExperimentalOptions
 from jaxmoe.layers import GPTMoE
 from jaxmoe.layers.router import ExpertBias
 from jaxmoe.pipeline.params import StageLayout
@@ -39,19 +40,30 @@ class PipelineModel:
         return sum(rank is not None for rank in self.moe_rank)
 
 
-def pipeline_model(config: Config, layout: StageLayout) -> PipelineModel:
+def pipeline_model(
+    config: Config, layout: StageLayout, experimental: ExperimentalOptions = DEFAULT
+) -> PipelineModel:
     """``config``'s model cut for its pipeline's ``layout`` (on abstract parameters:
-    nothing is allocated)."""
+    nothing is allocated), its MoE layers built with the research options
+    ``experimental`` (:mod:`jaxmoe.experimental`)."""
+    train = config.train
     return _pipeline_model(
-        config.model, config.moe, layout, config.train.microbatches, config.train.seed
+        config.model, config.moe, layout, train.microbatches, train.seed, experimental
     )
 
 
 @functools.lru_cache(maxsize=16)
 def _pipeline_model(
-    model: ModelConfig, moe: MoEConfig, layout: StageLayout, microbatches: int, seed: int
+    model: ModelConfig,
+    moe: MoEConfig,
+    layout: StageLayout,
+    microbatches: int,
+    seed: int,
+    experimental: ExperimentalOptions,
 ) -> PipelineModel:
-    abstract = nnx.eval_shape(lambda: GPTMoE(model, moe, rngs=nnx.Rngs(seed)))
+    abstract = nnx.eval_shape(
+        lambda: GPTMoE(model, moe, rngs=nnx.Rngs(seed), experimental=experimental)
+    )
     blocks, ranks, moe_blocks = [], [], 0
     for j in range(layout.per_chunk):
         # A layer at position j (chunks hold alike blocks at each position).

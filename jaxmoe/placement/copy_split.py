@@ -5,8 +5,9 @@ before it: it says which devices hold a copy of which expert. Which rows each co
 can still be chosen inside the step, from that step's own routing. Under the ragged
 dropless dispatch (:mod:`jaxmoe.layers.ragged`) a device's work is the rows its slots
 receive, so here each expert's rows are split over its copies to even out the devices'
-loads (``moe.replica_split balanced``; ``round_robin`` deals them out evenly instead,
-:func:`~jaxmoe.layers.dispatch.replica_slots`):
+loads (the library's split; the research baseline
+``ExperimentalOptions(replica_split="round_robin")``, :mod:`jaxmoe.experimental`, deals
+them out evenly instead, :func:`~jaxmoe.layers.dispatch.replica_slots`):
 
 1. The devices of the expert group share their rows per expert: one ``all_gather`` of
    ``E`` integers each, which replaces the ragged dispatch's own gather of its counts.

@@ -28,7 +28,9 @@ The gains are those of the predicted next steps (``kept_by_copies`` as
 **Dropless mode**: nothing drops, so what placement changes is the slowest device's
 expert load (rows received and multiplied: with the ragged dispatch, the step time of the
 busiest device). How a device's load follows from a table depends on how the step splits
-an expert's rows over its copies (``moe.replica_split``, :func:`device_loads`):
+an expert's rows over its copies (:func:`device_loads`): ``balanced``, the library's, or
+``round_robin``, the research baseline (``ExperimentalOptions.replica_split``,
+:mod:`jaxmoe.experimental`; the padded dispatch always deals them round-robin):
 
 - ``round_robin``: evenly (each source deals them out), so a device's load is the sum of
   its copies' shares. From the predicted routed counts (``tokens_per_expert``) the planner
@@ -73,6 +75,7 @@ from typing import Any
 import numpy as np
 
 from jaxmoe.config import Config
+from jaxmoe.experimental import DEFAULT, ExperimentalOptions
 from jaxmoe.placement.copy_split import balanced_rows
 from jaxmoe.placement.replicas import EMPTY, replicas_per_expert, static_placement
 from jaxmoe.placement.routing_history import RoutingHistory
@@ -222,8 +225,8 @@ def copy_loads(table: np.ndarray, load: np.ndarray) -> np.ndarray:
 def device_loads(table: np.ndarray, load: np.ndarray, split: str = "round_robin") -> np.ndarray:
     """``[expert_axis]``: the routed assignments each device's slots take under ``table``
     when expert ``e`` has ``load[e]`` (ragged dropless), its copies sharing it as the step
-    splits it (``moe.replica_split``): evenly (``round_robin``) or ``balanced`` (then
-    ``load [..., E]`` may hold several routings: ``[..., expert_axis]``)."""
+    splits it: evenly (``round_robin``) or ``balanced`` (then ``load [..., E]`` may hold
+    several routings: ``[..., expert_axis]``)."""
     if split == "balanced":  # load [..., E]: several routings at once
         expert_axis, spare = table.shape
         home = np.arange(load.shape[-1]).reshape(expert_axis, -1)
@@ -327,11 +330,12 @@ def _plan_dropless(
     config: Config,
     step: int,
     costs: PlanCosts,
+    split: str,
 ) -> list[dict[str, Any]]:
-    """Dropless mode: each layer's table re-placed for an even device load (in place)."""
+    """Dropless mode: each layer's table re-placed for an even device load (in place),
+    judged under the step's ``split`` of an expert's rows over its copies."""
     window = config.moe.rebalance_every
     loads = history.predict("tokens_per_expert")  # [moe_layers, experts]
-    split = config.moe.replica_split if config.moe.dropless_dispatch == "ragged" else "round_robin"
     # Under the balanced split, tables are judged on these: [steps, moe_layers, experts].
     recent = history.recent("tokens_per_expert") if split == "balanced" else None
     decisions = []
@@ -386,20 +390,25 @@ def plan_placement(
     config: Config,
     step: int,
     history: RoutingHistory | None = None,
+    experimental: ExperimentalOptions = DEFAULT,
 ) -> tuple[np.ndarray, list[dict[str, Any]]]:
     """The new replica tables ``[moe_layers, expert_axis, replica_slots]`` after the window
     ``rows`` (metrics of its steps), and the decisions taken (see the module docstring).
 
     ``history``: the run's smoothed routing (:attr:`PlacementLog.history`), which ``rows``
     are folded into; None: the planner's own for ``config`` (one per configuration in this
-    process, started again when a window starts before the last step it saw)."""
+    process, started again when a window starts before the last step it saw).
+    ``experimental``: the run's research options (``Run.experimental``): the ragged
+    dispatch's split of an expert's rows over its copies."""
     costs = PlanCosts.of(config)
     window = config.moe.rebalance_every
     history = _history_for(config) if history is None else history
     history.update(rows)
     tables = np.array(placement, np.int32, copy=True)
     if config.moe.dropless:
-        return tables, _plan_dropless(tables, history, config, step, costs)
+        ragged = config.moe.dropless_dispatch == "ragged"
+        split = experimental.replica_split if ragged else "round_robin"
+        return tables, _plan_dropless(tables, history, config, step, costs, split)
     kept_by_copies = history.predict("kept_by_copies")[None]  # [1, layers, experts, copies]
     decisions: list[dict[str, Any]] = []
     value_s = costs.assignment_bytes / costs.link_bytes_per_s  # of one kept assignment

@@ -42,6 +42,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import type_handlers
 
 from jaxmoe.config import Config, ConfigError
+from jaxmoe.config.moe import saved_moe_fields
 from jaxmoe.pipeline.params import (
     PIPELINE_AXIS,
     StageLayout,
@@ -165,6 +166,13 @@ def check_compatible(saved: dict[str, Any], config: Config, step: int) -> list[s
             f"the checkpoint of step {step} holds a model of another shape ({', '.join(shape)}): "
             "resume with the saved values, or start a new run with --overwrite"
         )
+    try:  # a research option that left the section, at another value than the library's
+        saved_moe_fields(saved.get("moe", {}))
+    except ConfigError as error:
+        raise ConfigError(
+            f"the checkpoint of step {step} was written under {error}; or start a new run "
+            "with --overwrite"
+        ) from None
     # The gradient-sync state is part of the train state, shaped by its algorithm (and,
     # for the per-device residuals of int8 and decentralized-int8, by the layout).
     sync_fields = {"train.grad_sync"}

@@ -26,6 +26,7 @@ from tqdm import tqdm
 from jaxmoe import exit_codes
 from jaxmoe.config import Config
 from jaxmoe.data.batches import BatchSampler, load_splits, put_on_mesh, run_batches
+from jaxmoe.experimental import DEFAULT, ExperimentalOptions
 from jaxmoe.placement.planner import PlacementLog, plan_placement
 from jaxmoe.plan.mfu import estimated_mfu, mfu_meter, no_peak_message
 from jaxmoe.train.checkpoint import RunCheckpoints
@@ -91,15 +92,23 @@ def _checkpoint(
 
 
 def rebalance(
-    state: Any, rows: list[dict[str, Any]], config: Config, done: int, log: PlacementLog
+    state: Any,
+    rows: list[dict[str, Any]],
+    config: Config,
+    done: int,
+    log: PlacementLog,
+    experimental: ExperimentalOptions = DEFAULT,
 ) -> Any:
     """After ``done`` steps, every ``moe.rebalance_every``: a new placement from the window's
-    routing counts. The table is a step input: nothing recompiles."""
+    routing counts (``experimental``: the run's research options, ``Run.experimental``).
+    The table is a step input: nothing recompiles."""
     every = config.moe.rebalance_every
     if not every or done % every or done == config.train.steps:
         return state
     window = [row for row in rows if row["step"] >= done - every]
-    table, decisions = plan_placement(jax.device_get(state.placement), window, config, done)
+    table, decisions = plan_placement(
+        jax.device_get(state.placement), window, config, done, experimental=experimental
+    )
     log.write(decisions)
     # The layout the step returns it in: an equal layout spelt otherwise would recompile.
     return state._replace(placement=jax.device_put(table, state.placement.sharding))
@@ -293,7 +302,9 @@ def _train(
                     if primary:
                         bar.write(f"step {done}: val_loss {row['val_loss']:.4f}")
                 stop = signals.stop_after(done)
-                state = rebalance(state, [*history, *rows, row], config, done, placement_log)
+                state = rebalance(
+                    state, [*history, *rows, row], config, done, placement_log, run.experimental
+                )
                 if checkpoints is not None:
                     row["checkpoint_s"] = _checkpoint(checkpoints, state, config, done, stop)
                 rows.append(row)

@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 
 import scheduling
 from jaxmoe.config import Config
+from jaxmoe.experimental import DEFAULT, ExperimentalOptions
 from jaxmoe.parallel.grad_sync import GradSync, make_grad_sync
 from jaxmoe.parallel.mesh import mesh_axis_sizes
 from jaxmoe.parallel.sharding import param_specs
@@ -60,6 +61,9 @@ class Run:
     # What train.grad_sync auto chose and why (a plan.grad_sync_choice.GradSyncChoice), or
     # None when the configuration named an algorithm.
     grad_sync_choice: Any = None
+    # Research options of the model and its placement (jaxmoe.experimental): what the
+    # model's MoE layers were built with, and what the placement planner reads.
+    experimental: ExperimentalOptions = DEFAULT
 
     @property
     def stages(self) -> StageLayout | None:
@@ -90,15 +94,24 @@ class Run:
         return self.mesh
 
 
-def resolve(config: Config, mesh: Mesh | None = None, grad_sync_choice: Any = None) -> Run:
+def resolve(
+    config: Config,
+    mesh: Mesh | None = None,
+    grad_sync_choice: Any = None,
+    experimental: ExperimentalOptions = DEFAULT,
+) -> Run:
     """Everything ``config`` determines, on ``mesh`` (see the module docstring). The
     configuration's automatic choices must be made already (``train.grad_sync auto``:
-    :func:`jaxmoe.prepare.prepare_run`)."""
+    :func:`jaxmoe.prepare.prepare_run`). ``experimental``: research options, which an
+    experiment passes (:mod:`jaxmoe.experimental`; the defaults change nothing)."""
+    experimental.check(config.moe)
     axes = mesh_axis_sizes(config.parallel)
-    graphdef, abstract_params, _ = state.abstract_model(config.model, config.moe, config.train.seed)
+    graphdef, abstract_params, _ = state.abstract_model(
+        config.model, config.moe, config.train.seed, experimental
+    )
     model_specs = param_specs(abstract_params, axes)
     stages = stage_layout(config.parallel, config.model.num_layers)
-    pipeline = None if stages is None else pipeline_model(config, stages)
+    pipeline = None if stages is None else pipeline_model(config, stages, experimental)
     zero = _zero_layout(config, abstract_params, model_specs, axes, stages)
     grad_sync = (
         make_grad_sync(config.train, mesh)
@@ -120,6 +133,7 @@ def resolve(config: Config, mesh: Mesh | None = None, grad_sync_choice: Any = No
         learning_rate=learning_rate,
         policy=schedule_policy(config),
         grad_sync_choice=grad_sync_choice,
+        experimental=experimental,
     )
 
 

@@ -21,6 +21,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmoe.config import Config, ModelConfig, MoEConfig
+from jaxmoe.experimental import DEFAULT, ExperimentalOptions
 from jaxmoe.layers import GPTMoE
 from jaxmoe.layers.router import ExpertBias
 from jaxmoe.pipeline.params import stacked_specs, to_layout
@@ -47,20 +48,26 @@ class TrainState(NamedTuple):
     model_state: Any = None
 
 
-def build_model(config: Config) -> GPTMoE:
-    return GPTMoE(config.model, config.moe, rngs=nnx.Rngs(config.train.seed))
+def build_model(config: Config, experimental: ExperimentalOptions = DEFAULT) -> GPTMoE:
+    """The model of ``config``, its MoE layers built with the research options
+    ``experimental`` (:mod:`jaxmoe.experimental`)."""
+    rngs = nnx.Rngs(config.train.seed)
+    return GPTMoE(config.model, config.moe, rngs=rngs, experimental=experimental)
 
 
 @functools.lru_cache(maxsize=16)
 def abstract_model(
-    model: ModelConfig, moe: MoEConfig, seed: int
+    model: ModelConfig, moe: MoEConfig, seed: int, experimental: ExperimentalOptions = DEFAULT
 ) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
     """The model's structure and the shapes of its parameters and of its other state
-    (:func:`split_model`), without allocating anything.
+    (:func:`split_model`), without allocating anything; ``experimental`` as in
+    :func:`build_model` (the structure's, never the shapes').
 
     Kept per model: building it traces every initialiser, seconds for a large model, and a
     step's specs and state shapes ask for it many times."""
-    return split_model(nnx.eval_shape(lambda: GPTMoE(model, moe, rngs=nnx.Rngs(seed))))
+    return split_model(
+        nnx.eval_shape(lambda: GPTMoE(model, moe, rngs=nnx.Rngs(seed), experimental=experimental))
+    )
 
 
 def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
@@ -123,7 +130,7 @@ def gather_dtypes(model: ModelConfig, moe: MoEConfig, seed: int) -> Any:
 
 
 def _initial_state(run: Run) -> TrainState:
-    _, params, model_state = split_model(build_model(run.config))
+    _, params, model_state = split_model(build_model(run.config, run.experimental))
     return train_state_around(run, nnx.to_pure_dict(params), pure_model_state(model_state))
 
 
@@ -155,7 +162,7 @@ def abstract_state(run: Run) -> TrainState:
     """Shapes and dtypes of the state, computed without allocating it (``Run.state_shapes``)."""
     config = run.config
     _, abstract_params, abstract_model_state = abstract_model(
-        config.model, config.moe, config.train.seed
+        config.model, config.moe, config.train.seed, run.experimental
     )
     params = nnx.to_pure_dict(abstract_params)
     model_state = pure_model_state(abstract_model_state)

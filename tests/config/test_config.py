@@ -139,6 +139,24 @@ def test_a_saved_schedule_section_of_before_keeps_its_settings_without_the_resea
         Config.from_dict(values)
 
 
+def test_a_saved_moe_section_of_before_loads_without_the_replica_split_at_its_default():
+    """Runs saved while the split was a setting resume at ``balanced``, the library's; one
+    saved at another split is refused in one line naming the field and the fix."""
+    values = Config(moe=MoEConfig(capacity_factor=None, dropless_dispatch="ragged")).to_dict()
+    assert "replica_split" not in values["moe"]
+    values["moe"]["replica_split"] = "balanced"
+    assert Config.from_dict(values) == Config(
+        moe=MoEConfig(capacity_factor=None, dropless_dispatch="ragged")
+    )
+    values["moe"]["replica_split"] = "round_robin"
+    with pytest.raises(ConfigError) as error:
+        Config.from_dict(values)
+    message = str(error.value)
+    assert message.startswith("moe.replica_split='round_robin': experimental, no longer a setting")
+    assert "remove it" in message and "ExperimentalOptions(replica_split=...)" in message
+    assert "\n" not in message
+
+
 @pytest.mark.parametrize(
     ("old", "message"),
     [
@@ -165,6 +183,8 @@ def test_an_old_train_schedule_field_is_refused_naming_the_new_one(old, message)
         (["--schedule.op_cost_cache", "x"], "--schedule.op_cost_cache: the run fills it in"),
         (["--train.schedule_profile", "cpu"], "--train.schedule_profile is now --schedule.pro"),
         (["--train.schedule_link_mbit", "5"], "--train.schedule_link_mbit: the cost model's"),
+        (["--moe.replica_split", "round_robin"], "--moe.replica_split: experimental, no long"),
+        (["--moe.replica_split", "balanced"], "--moe.replica_split: experimental, no longer"),
     ],
 )
 def test_flags_of_the_research_options_and_old_fields_are_refused_in_one_line(argv, message):

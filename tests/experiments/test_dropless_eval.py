@@ -46,13 +46,18 @@ def _routing(dropless: bool) -> list[dict]:
 @pytest.mark.parametrize("dropless", [True, False])
 def test_replays_plan_before_each_step_and_hindsight_does_best(dropless):
     config = dropless_placement.placement_config(STEPS, 1, dropless)
+    options = dropless_placement.placement_options(dropless, "round_robin")
+
+    def replay(mode, smoothing=None):
+        return dropless_placement.replay(rows, config, mode, smoothing, options)
+
     rows = _routing(dropless)
     modes = [mode for mode in dropless_placement.REPLAYS if dropless or mode != "fitted"]
-    figures = {mode: np.mean(dropless_placement.replay(rows, config, mode)[1:]) for mode in modes}
+    figures = {mode: np.mean(replay(mode)[1:]) for mode in modes}
     assert figures["hindsight"] <= min(figures.values()) + 1e-9
     assert figures["smoothed"] < 0.7 * figures["static"]
-    swept = dropless_placement.replay(rows, config, "smoothed", SMOOTHING["tokens_per_expert"])
-    np.testing.assert_allclose(swept, dropless_placement.replay(rows, config, "smoothed"))
+    swept = replay("smoothed", SMOOTHING["tokens_per_expert"])
+    np.testing.assert_allclose(swept, replay("smoothed"))
 
 
 def _dispatch(scale: float) -> dict:

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from jaxmoe.config import MoEConfig
+from jaxmoe.experimental import ExperimentalOptions
 from jaxmoe.layers import moe
 from jaxmoe.layers.all_gather import AllGatherDispatch
 from jaxmoe.layers.dispatchers import choose_dispatcher
@@ -47,9 +48,11 @@ def test_each_configuration_chooses_its_dispatcher(name):
 
 def test_the_replica_split_is_the_ragged_dispatchers_choice_of_copy():
     balanced = choose_dispatcher(RAGGED, replicas=True)
-    round_robin = dataclasses.replace(RAGGED, replica_split="round_robin")
+    round_robin = ExperimentalOptions(replica_split="round_robin")
     assert balanced.split is balanced_slots
-    assert choose_dispatcher(round_robin, replicas=True).split is round_robin_slots
+    assert choose_dispatcher(RAGGED, replicas=True, experimental=round_robin).split is (
+        round_robin_slots
+    )
 
 
 def _layer(config: MoEConfig) -> MoELayer:
@@ -63,9 +66,9 @@ def _tokens() -> jax.Array:
 def test_a_layer_chooses_its_dispatchers_once_not_per_call(monkeypatch):
     chosen = []
 
-    def counting(config, replicas):
+    def counting(config, replicas, *experimental):
         chosen.append((config.dispatcher, replicas))
-        return choose_dispatcher(config, replicas)
+        return choose_dispatcher(config, replicas, *experimental)
 
     monkeypatch.setattr(moe, "choose_dispatcher", counting)
     layer = _layer(MoEConfig(num_experts=4, top_k=2))

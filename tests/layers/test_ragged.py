@@ -19,6 +19,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from jaxmoe.config import ConfigError, MoEConfig, ParallelConfig
+from jaxmoe.experimental import ExperimentalOptions
 from jaxmoe.layers.ragged import (
     emulated_ragged_all_to_all,
     ragged_all_to_all,
@@ -253,7 +254,8 @@ def test_rows_past_a_small_buffer_drop_and_are_counted():
 
 def test_the_replica_split_is_a_choice_of_the_ragged_dispatch():
     with pytest.raises(ConfigError, match="replica_split"):
-        MoEConfig(replica_split="evenly")
+        ExperimentalOptions(replica_split="evenly")
+    round_robin = ExperimentalOptions(replica_split="round_robin")
     with pytest.raises(ConfigError, match="dropless_dispatch ragged"):
-        MoEConfig(replica_split="round_robin")
-    MoEConfig(capacity_factor=None, dropless_dispatch="ragged", replica_split="round_robin")
+        round_robin.check(MoEConfig())
+    round_robin.check(MoEConfig(capacity_factor=None, dropless_dispatch="ragged"))

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from jaxmoe.config import Config, ModelConfig, MoEConfig, ParallelConfig
+from jaxmoe.experimental import ExperimentalOptions
 from jaxmoe.placement.planner import balanced_table, device_loads, plan_placement
 from jaxmoe.placement.replicas import EMPTY, replicas_per_expert, static_placement
 from jaxmoe.placement.routing_history import RoutingHistory
@@ -121,12 +122,10 @@ def test_balanced_device_loads_are_what_the_step_splits():
 
 
 def _balanced_plan(rows_load: np.ndarray, steps: int = 8):
-    config = dataclasses.replace(
-        _config(), moe=dataclasses.replace(_config().moe, replica_split="balanced")
-    )
+    config, balanced = _config(), ExperimentalOptions(replica_split="balanced")
     static = static_placement(EXPERTS, DEVICES, 3)[None]
     rows = [{"step": s, "tokens_per_expert": rows_load[None]} for s in range(steps)]
-    return static, *plan_placement(static, rows, config, steps, RoutingHistory())
+    return static, *plan_placement(static, rows, config, steps, RoutingHistory(), balanced)
 
 
 def test_with_the_balanced_split_a_spread_table_that_balances_stays():
@@ -137,7 +136,11 @@ def test_with_the_balanced_split_a_spread_table_that_balances_stays():
     np.testing.assert_array_equal(table, static)
     assert not any(d["applied"] for d in decisions)
     round_robin, _ = plan_placement(
-        static, [{"step": 0, "tokens_per_expert": mild[None]}], _config_round_robin(), 1
+        static,
+        [{"step": 0, "tokens_per_expert": mild[None]}],
+        _config(),
+        1,
+        experimental=ExperimentalOptions(replica_split="round_robin"),
     )
     assert np.any(round_robin != static)
 
@@ -150,9 +153,3 @@ def test_with_the_balanced_split_a_skew_beyond_the_spread_gets_more_copies():
         device_loads(static[0], SKEWED, "balanced").max()
     )
     assert replicas_per_expert(table[0], EXPERTS)[0] > replicas_per_expert(static[0], EXPERTS)[0]
-
-
-def _config_round_robin() -> Config:
-    return dataclasses.replace(
-        _config(), moe=dataclasses.replace(_config().moe, replica_split="round_robin")
-    )

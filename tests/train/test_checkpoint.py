@@ -143,6 +143,13 @@ def test_a_checkpoint_of_another_shape_is_refused():
     int8_tensor = dataclasses.replace(int8, parallel=ParallelConfig(data=1, expert=8, tensor=2))
     with pytest.raises(ConfigError, match=r"parallel\.tensor 1 -> 2"):
         check_compatible(int8.to_dict(), int8_tensor, step=7)
+    # A run saved under a research option that left the configuration, at another value
+    # than the library's, does not resume as if it had been the library's.
+    saved["moe"]["replica_split"] = "round_robin"
+    with pytest.raises(ConfigError, match=r"step 7 was written under moe\.replica_split="):
+        check_compatible(saved, small_config(), step=7)
+    saved["moe"]["replica_split"] = "balanced"
+    assert check_compatible(saved, small_config(), step=7) == []
 
 
 def test_only_the_last_checkpoints_are_kept(tmp_path):

@@ -98,3 +98,31 @@ def test_a_run_without_a_mesh_builds_shapes_but_no_step():
     assert run.state_shapes.params
     with pytest.raises(ValueError, match="without a mesh"):
         capture_train_step(run)
+
+
+def test_an_experiments_research_options_reach_the_moe_layers_the_run_builds():
+    """``resolve(..., experimental=...)``: the Run's model splits the ragged dispatch's rows
+    over an expert's copies as the options say; a configuration they do not apply to is
+    refused in one line."""
+    from flax import nnx
+
+    from jaxmoe.config import ConfigError
+    from jaxmoe.experimental import ExperimentalOptions
+    from jaxmoe.layers.replicated import round_robin_slots
+    from jaxmoe.placement.copy_split import balanced_slots
+    from jaxmoe.train.state import abstract_model
+
+    ragged = [*SMALL, "--moe.capacity_factor", "none", "--moe.dropless_dispatch", "ragged"]
+    config = config_from_train_args(ragged)
+    round_robin = ExperimentalOptions(replica_split="round_robin")
+    cases = ((ExperimentalOptions(), balanced_slots), (round_robin, round_robin_slots))
+    for options, split in cases:
+        run = resolved.resolve(config, experimental=options)
+        assert run.experimental == options
+        _, params, model_state = abstract_model(config.model, config.moe, config.train.seed)
+        model = nnx.merge(run.graphdef, params, model_state)
+        layers = [block.ffn for block in model.blocks if block.is_moe]
+        assert layers and all(layer.replica_dispatcher.split is split for layer in layers)
+    with pytest.raises(ConfigError, match="dropless_dispatch ragged") as error:
+        resolved.resolve(config_from_train_args(SMALL), experimental=round_robin)
+    assert "\n" not in str(error.value)
