@@ -5,10 +5,9 @@ where there is one) everything the step, the state, its checkpoints and the plan
 estimates are built from: the model's structure and parameter specs, the pipeline (its
 stage layout and tick table), the ZeRO layout and how the step reads its parameters under
 it, the gradient synchronisation, the optimizer, the scheduling policy, and the state's
-specs and shapes. Each is
-derived here and nowhere else; everything below the command line receives the :class:`Run`
-(:func:`jaxmoe.prepare.prepare_run` builds the one a run trains with, its mesh built and
-its automatic choices made first).
+specs and shapes. Each is derived here and nowhere else; everything below the command line
+receives the :class:`Run` (:func:`jaxmoe.prepare.prepare_run` builds the one a run trains
+with, its mesh built and its automatic choices made first).
 """
 
 from __future__ import annotations

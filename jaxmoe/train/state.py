@@ -63,8 +63,8 @@ def abstract_model(
     (:func:`split_model`), without allocating anything; ``experimental`` as in
     :func:`build_model` (the structure's, never the shapes').
 
-    Kept per model: building it traces every initialiser, seconds for a large model, and a
-    step's specs and state shapes ask for it many times."""
+    Kept per model: building it traces every initialiser, seconds for a large model, and
+    the planner and the tests resolve many runs of one model."""
     return split_model(
         nnx.eval_shape(lambda: GPTMoE(model, moe, rngs=nnx.Rngs(seed), experimental=experimental))
     )
