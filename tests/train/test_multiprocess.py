@@ -23,14 +23,11 @@ from jaxmoe.cli.launch import child_environment, failure_message, free_port, lau
 from jaxmoe.cli.main import main
 from jaxmoe.parallel.distributed import PEER_FAILURE_SIGNS
 
-# The tiny preset cut to one MoE layer of width 32 on sequences of 16 tokens, 8 a step: what
-# is under test is the processes, not the model, and a launch compiles it in seconds.
-SMALL = [
-    *("--model.num_layers", "1", "--model.moe_every", "1", "--model.seq_len", "16"),
-    *("--train.batch_size", "8", "--model.d_model", "32", "--model.d_ff", "64"),
-    *("--model.num_heads", "2", "--data.max_bytes", "200000"),
-    *("--no-progress", "--train.eval_every", "1000"),
-]
+from .runs import ONE_LAYER
+
+# The one-layer model of tests/train/runs.py: what is under test is the processes, not the
+# model, and a launch compiles it in seconds.
+SMALL = [*ONE_LAYER, "--no-progress", "--train.eval_every", "1000"]
 # The most steps whose step is the 5-step run's (above); runs that a test kills are this
 # long, so that they are still training when it kills them after their second step (a step
 # takes about 0.1 s with two processes).

@@ -31,13 +31,11 @@ from jaxmoe.train.state import init_train_state
 from jaxmoe.train.step import build_train_step
 
 from .batches import random_batch
-from .runs import EXACT_KEYS, small_config
-from .test_multiprocess import SMALL as MULTIPROCESS_SMALL
+from .runs import EXACT_KEYS, ONE_LAYER, small_config
 
-# The model of tests/train/test_multiprocess.py (one MoE layer of width 32, 8 sequences of
-# 16 tokens a step): what is under test is how a run ends, not the model.
-SMALL = [arg for arg in MULTIPROCESS_SMALL if arg not in ("--train.eval_every", "1000")]
-SMALL += ["--train.eval_every", "3"]
+# The one-layer model of tests/train/runs.py (width 32, 8 sequences of 16 tokens a step):
+# what is under test is how a run ends, not the model.
+SMALL = [*ONE_LAYER, "--no-progress", "--train.eval_every", "3"]
 # The most steps whose step compiles as the 8-step run's: the tiny preset warms up over 20
 # steps and decays over max(steps - 1, warmup + 1) = 21 for any run up to 22 steps, so such
 # runs read the step back from the persistent compilation cache.
