@@ -1,4 +1,5 @@
-# Entry points: `make demo` trains the default preset, `make test` runs ruff and the suite,
+# Entry points: `make demo` trains the default preset, `make test` runs ruff and the suite
+# (it ends with the 15 slowest tests and the run's CPU time, workers included, and wall time),
 # `make test-all` the suite with its slow cases (more layouts and families per claim),
 # `make reference` the README's configuration tables from the config fields' comments.
 PYTHON ?= python3

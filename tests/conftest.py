@@ -20,8 +20,10 @@ same executable, so nothing a test compares changes."""
 
 import gc
 import os
+import resource
 import shutil
 import tempfile
+import time
 
 import pytest
 
@@ -36,6 +38,10 @@ if _CACHE_OWNER:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxmoe-tests-xla-")
     # Small steps compile in well under JAX's default threshold of one second.
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.1"
+
+
+# The run's wall time is counted from here: the conftest is imported before collection.
+_STARTED = time.monotonic()
 
 
 def pytest_addoption(parser):
@@ -60,6 +66,25 @@ def pytest_collection_modifyitems(config, items):
 def pytest_unconfigure(config):
     if _CACHE_OWNER:
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter, config):
+    """One line after the slowest tests (``--durations``): the run's CPU time, user + sys of
+    this process and of its children (the xdist workers and the processes the tests start,
+    which the workers wait for), and its wall time. In the controlling process only: the
+    workers have ended and been waited for by now, so their time is counted."""
+    if hasattr(config, "workerinput"):
+        return
+    own, children = (
+        resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+    )
+    user, system = own.ru_utime + children.ru_utime, own.ru_stime + children.ru_stime
+    wall = time.monotonic() - _STARTED
+    terminalreporter.write_line(
+        f"CPU time {(user + system) / 60:.1f} min: user {user:.0f} s + sys {system:.0f} s "
+        f"(workers and the processes tests started included); wall {wall / 60:.1f} min"
+    )
 
 
 def pytest_xdist_auto_num_workers(config):

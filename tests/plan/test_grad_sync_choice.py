@@ -23,7 +23,7 @@ from jaxmoe.plan.grad_sync_choice import (
     resolve_grad_sync,
 )
 from jaxmoe.plan.grad_sync_trial import measured_step_seconds, trial_batches
-from tests.train.runs import small_config, with_schedule
+from tests.train.runs import ONE_LAYER, small_config, with_schedule
 
 RELAXED = [name for name in ALGORITHMS if name not in EXACT]
 # Every relaxed algorithm as good as an exact one: the choice is the estimated step's.
@@ -188,7 +188,7 @@ def test_train_says_what_auto_chose_and_runs_it(tmp_path, capsys, monkeypatch):
     profile = tmp_path / "cpu-1mbit.json"
     profile.write_text(json.dumps(dataclasses.asdict(linked(1.0))))
     argv += ["--train.grad_sync_devices_per_host", "4", "--schedule.profile", str(profile)]
-    argv += ["--model.num_layers", "2"]
+    argv += [*ONE_LAYER]
     assert main(argv) == 0
     # One preparation: the mesh is built once, the choice made once, for the whole run.
     assert len(built) == 1

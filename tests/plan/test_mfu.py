@@ -16,7 +16,7 @@ from jaxmoe.plan.model_flops import model_flops
 from jaxmoe.prepare import prepare_run
 from jaxmoe.train.loop import train
 from scheduling import PROFILES
-from tests.train.runs import small_config
+from tests.train.runs import one_layer_config, small_config
 
 
 @pytest.mark.parametrize(
@@ -60,7 +60,7 @@ def test_on_cpu_mfu_needs_an_explicit_peak():
 
 def test_metrics_have_mfu_from_the_logged_step_time(tmp_path):
     # Capacity factor 0.5 drops at least half the assignments: the mfu must not count them.
-    base = small_config(steps=3, peak_tflops=0.01)
+    base = one_layer_config(steps=3, peak_tflops=0.01)
     config = dataclasses.replace(base, moe=MoEConfig(num_experts=8, capacity_factor=0.5))
     train(prepare_run(config), tmp_path, progress=False)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

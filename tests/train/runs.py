@@ -5,6 +5,7 @@ import dataclasses
 import jax
 import numpy as np
 
+from jaxmoe.cli.parser import config_from_train_args
 from jaxmoe.config import Config, DataConfig
 from jaxmoe.presets import preset
 
@@ -35,6 +36,25 @@ def with_schedule(config: Config, name: str | None = None, **fields) -> Config:
     if name is not None:
         fields["name"] = name
     return dataclasses.replace(config, schedule=dataclasses.replace(config.schedule, **fields))
+
+
+# The tiny preset cut to one MoE layer of width 32 on sequences of 16 tokens, 8 a step, on
+# 200 kB of text, as ``jaxmoe train`` flags: the model of the tests of whole runs whose claims
+# are about the run (its processes, signals, checkpoints, files, metrics), not the model.
+# Every such run of at most 22 steps compiles one step: the preset warms up over 20 steps
+# and decays over max(steps - 1, warmup + 1) = 21 steps.
+ONE_LAYER = (
+    *("--model.num_layers", "1", "--model.moe_every", "1", "--model.seq_len", "16"),
+    *("--train.batch_size", "8", "--model.d_model", "32", "--model.d_ff", "64"),
+    *("--model.num_heads", "2", "--data.max_bytes", "200000"),
+)
+
+
+def one_layer_config(**train_fields) -> Config:
+    """:data:`ONE_LAYER` as a configuration (the tiny preset's training but for
+    ``train_fields``)."""
+    config = config_from_train_args(list(ONE_LAYER))
+    return dataclasses.replace(config, train=dataclasses.replace(config.train, **train_fields))
 
 
 def small_config(**train_fields) -> Config:

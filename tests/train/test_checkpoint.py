@@ -21,11 +21,11 @@ from jaxmoe.train.state import init_train_state
 from jaxmoe.train.step import build_train_step
 
 from .batches import random_batch
-from .runs import EXACT_KEYS, small_config
+from .runs import EXACT_KEYS, one_layer_config, small_config
 
 
 def test_resume_after_a_stop_is_the_uninterrupted_run_bit_for_bit(tmp_path, monkeypatch):
-    config = small_config(steps=6, eval_every=2)
+    config = one_layer_config(steps=6, eval_every=2)
     uninterrupted = loop.train(prepare_run(config), tmp_path / "whole", progress=False)
 
     # A stop request after 3 steps, as a signal would make (signals: test_run_control.py).
@@ -153,6 +153,6 @@ def test_a_checkpoint_of_another_shape_is_refused():
 
 
 def test_only_the_last_checkpoints_are_kept(tmp_path):
-    config = small_config(steps=5, checkpoint_every=1, keep_checkpoints=2)
+    config = one_layer_config(steps=5, checkpoint_every=1, keep_checkpoints=2)
     loop.train(prepare_run(config), tmp_path, progress=False)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["4", "5"]

@@ -11,6 +11,7 @@ import pytest
 from jaxmoe.cli import launch as launch_module
 from jaxmoe.cli.main import main
 from jaxmoe.cli.parser import config_from_train_args
+from tests.train.runs import ONE_LAYER
 
 # A refusal takes a parse and a file read; a compilation of even the smallest step takes
 # far longer on these hosts, so a refusal within this bound proves none happened.
@@ -170,12 +171,11 @@ def test_console_exit_status_in_a_fresh_process():
 
 def test_a_short_run_writes_config_and_metrics(tmp_path, capsys):
     out = tmp_path / "run"
-    argv = ["train", "--steps", "3", "--out", str(out), "--no-progress"]
-    argv += ["--model.num_layers", "2", "--model.d_model", "32", "--moe.capacity_factor", "none"]
-    argv += ["--train.eval_every", "2", "--data.max_bytes", "300000"]
+    argv = ["train", "--steps", "3", "--out", str(out), "--no-progress", *ONE_LAYER]
+    argv += ["--moe.capacity_factor", "none", "--train.eval_every", "2"]
     assert main(argv) == 0
     config = json.loads((out / "config.json").read_text())
-    assert config["model"]["num_layers"] == 2 and config["moe"]["capacity_factor"] is None
+    assert config["model"]["num_layers"] == 1 and config["moe"]["capacity_factor"] is None
     assert config["train"]["steps"] == 3
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [0, 1, 2]

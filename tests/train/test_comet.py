@@ -44,7 +44,13 @@ def test_comet_trains_like_none_over_five_steps():
 @pytest.mark.parametrize(
     ("mesh", "moe", "schedule", "exchange"),
     [
-        ((4, 2), MoEConfig(4, top_k=1, capacity_factor=None), "comet", "chunks:2"),
+        pytest.param(  # chunks also decompose the folded exchange (test_folded_schedules)
+            (4, 2),
+            MoEConfig(4, top_k=1, capacity_factor=None),
+            "comet",
+            "chunks:2",
+            marks=pytest.mark.slow,
+        ),
         pytest.param(  # lancet+comet also runs on every family and with pairing
             (2, 4),
             MoEConfig(8, top_k=2, capacity_factor=None),

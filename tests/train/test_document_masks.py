@@ -29,6 +29,15 @@ LLAMA = dataclasses.replace(
 DROPLESS = MoEConfig(num_experts=4, top_k=2, capacity_factor=None)
 
 
+@nnx.jit
+def _logits(net: GPTMoE, tokens, masks=None):
+    """The model's logits, compiled once per shape (run op by op, its hundreds of ops would
+    each be compiled)."""
+    positions, segment_ids = (None, None) if masks is None else masks
+    logits, _ = net(tokens, None, None, positions, segment_ids)
+    return logits
+
+
 def _row(rng, first: int) -> np.ndarray:
     """A window of SEQ + 1 tokens: ``first`` tokens of one document, EOD, another."""
     row = rng.integers(2, 64, SEQ + 1)
@@ -48,14 +57,13 @@ def test_a_document_does_not_see_the_one_before_it(model):
     def logits(row):
         batch = jnp.asarray(row[None])
         masks = document_masks(batch, EOD)
-        out, _ = net(batch[:, :-1], None, None, masks.positions, masks.segment_ids)
-        return np.asarray(out[0])
+        return np.asarray(_logits(net, batch[:, :-1], (masks.positions, masks.segment_ids))[0])
 
     a, b = logits(row), logits(other)
     np.testing.assert_allclose(a[first + 1 :], b[first + 1 :], rtol=1e-5, atol=1e-5)
     assert not np.allclose(a[:first], b[:first], atol=1e-3)
     # The second document is what it would be at the start of a row of its own.
-    alone, _ = net(jnp.asarray(row[None, first + 1 : -1]))
+    alone = _logits(net, jnp.asarray(row[None, first + 1 : -1]))
     np.testing.assert_allclose(a[first + 1 :], np.asarray(alone[0]), rtol=1e-5, atol=1e-5)
 
 
@@ -82,7 +90,7 @@ def test_the_eval_loss_is_the_mean_over_the_targets_inside_documents(tmp_path):
     graphdef = nnx.graphdef(GPTMoE(GPT, DROPLESS, rngs=nnx.Rngs(0)))
     net = nnx.merge(graphdef, jax.device_get(state.params))
     masks = document_masks(jnp.asarray(rows), EOD)
-    logits, _ = net(jnp.asarray(rows[:, :-1]), None, None, masks.positions, masks.segment_ids)
+    logits = _logits(net, jnp.asarray(rows[:, :-1]), (masks.positions, masks.segment_ids))
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.asarray(rows[:, 1:]))
     counted = np.asarray(masks.loss_mask, np.float64)
     expected = float(np.sum(np.asarray(ce) * counted) / counted.sum())

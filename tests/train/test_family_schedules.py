@@ -23,11 +23,13 @@ from tests.train.test_scheduled import run
 FAMILIES = ("mixtral-tiny", "qwen2_moe-tiny", "qwen3_moe-tiny", "deepseek_v3-tiny")
 SCHEDULES = ("async", "dw", "partition", "lancet", "comet", "lancet+comet", "expert_pipeline")
 STEPS = 2
-# By default every family runs the composed schedule (lancet+comet: split collectives,
-# partitioned ranges, decomposed exchanges, placed dW work); each schedule alone is exact
+# By default every family but Mixtral runs the composed schedule (lancet+comet: split
+# collectives, partitioned ranges, decomposed exchanges, placed dW work); Mixtral's blocks
+# (grouped-query attention, rotary positions, SwiGLU, softmax top-k renormalised) are all
+# Qwen3-MoE's too, which adds query/key norms, so it is slow. Each schedule alone is exact
 # on the default model by default (test_scheduled, test_partitioned, test_comet,
 # test_ragged_dropless). The rest of the cross product is slow.
-DEFAULT_CASES = {(name, "lancet+comet") for name in FAMILIES}
+DEFAULT_CASES = {(name, "lancet+comet") for name in FAMILIES if name != "mixtral-tiny"}
 CASES = [
     pytest.param(
         name, schedule, marks=() if (name, schedule) in DEFAULT_CASES else pytest.mark.slow

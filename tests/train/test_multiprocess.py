@@ -1,4 +1,11 @@
-"""Multi-process runs: real processes joined by gloo collectives on loopback."""
+"""Multi-process runs: real processes joined by gloo collectives on loopback.
+
+Every run here trains the small model for at most ``LONG`` steps: the tiny preset warms up
+over 20 steps and decays over ``max(steps - 1, warmup + 1)`` = 21 steps for any such run,
+so they all compile the same step, each process count's once, and read it back from the
+persistent compilation cache after. The single-process runs that the multi-process ones
+are compared with run in the test's own process: the same program on 8 devices.
+"""
 
 import io
 import json
@@ -13,10 +20,18 @@ from pathlib import Path
 import pytest
 
 from jaxmoe.cli.launch import child_environment, failure_message, free_port, launch
+from jaxmoe.cli.main import main
 from jaxmoe.parallel.distributed import PEER_FAILURE_SIGNS
 
-SMALL = ["--model.num_layers", "2", "--model.d_model", "64", "--data.max_bytes", "300000"]
-SMALL += ["--no-progress", "--train.eval_every", "1000"]
+from .runs import ONE_LAYER
+
+# The one-layer model of tests/train/runs.py: what is under test is the processes, not the
+# model, and a launch compiles it in seconds.
+SMALL = [*ONE_LAYER, "--no-progress", "--train.eval_every", "1000"]
+# The most steps whose step is the 5-step run's (above); runs that a test kills are this
+# long, so that they are still training when it kills them after their second step (a step
+# takes about 0.1 s with two processes).
+LONG = 22
 
 
 def jaxmoe(*args: str) -> list[str]:
@@ -28,17 +43,16 @@ def losses(run_dir: Path) -> list[float]:
     return [json.loads(row)["loss"] for row in rows]
 
 
+def train_here(out: Path, *args: str) -> list[float]:
+    """The losses of ``jaxmoe train ARGS --out OUT`` run in this process (8 devices)."""
+    assert main(["train", *args, "--out", str(out)]) == 0
+    return losses(out)
+
+
 def test_two_processes_train_like_one(tmp_path):
-    single, double = tmp_path / "one", tmp_path / "two"
     common = ["--steps", "5", *SMALL]
-    one = subprocess.run(
-        jaxmoe("train", *common, "--out", str(single)),
-        env=child_environment(),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert one.returncode == 0, one.stderr[-2000:]
+    single_losses = train_here(tmp_path / "one", *common)
+    double = tmp_path / "two"
     two = subprocess.run(
         jaxmoe("launch", "-n", "2", "--", "train", *common, "--out", str(double)),
         env=child_environment(),
@@ -49,7 +63,7 @@ def test_two_processes_train_like_one(tmp_path):
     assert two.returncode == 0, two.stdout[-3000:]
     assert "[host 0] done: 5 steps" in two.stdout
     assert "[host 1] done" not in two.stdout  # only process 0 reports and writes
-    single_losses, double_losses = losses(single), losses(double)
+    double_losses = losses(double)
     assert len(double_losses) == 5
     for a, b in zip(single_losses, double_losses, strict=True):
         assert abs(a - b) <= 1e-5 * abs(a), (single_losses, double_losses)
@@ -60,21 +74,7 @@ def test_hierarchical_takes_each_process_as_a_host(tmp_path):
     same losses, as one process told that hosts hold 4 devices."""
     common = ["--steps", "3", *SMALL, "--parallel.data", "2", "--parallel.expert", "4"]
     common += ["--train.grad_sync", "hierarchical"]
-    one = subprocess.run(
-        jaxmoe(
-            "train",
-            *common,
-            "--train.grad_sync_devices_per_host",
-            "4",
-            "--out",
-            str(tmp_path / "one"),
-        ),
-        env=child_environment(),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert one.returncode == 0, one.stderr[-2000:]
+    one = train_here(tmp_path / "one", *common, "--train.grad_sync_devices_per_host", "4")
     two = subprocess.run(
         jaxmoe("launch", "-n", "2", "--", "train", *common, "--out", str(tmp_path / "two")),
         env=child_environment(),
@@ -83,13 +83,13 @@ def test_hierarchical_takes_each_process_as_a_host(tmp_path):
         timeout=240,
     )
     assert two.returncode == 0, two.stdout[-3000:]
-    for a, b in zip(losses(tmp_path / "one"), losses(tmp_path / "two"), strict=True):
+    for a, b in zip(one, losses(tmp_path / "two"), strict=True):
         assert abs(a - b) <= 1e-5 * abs(a)
 
 
 def test_killing_one_process_stops_the_other_within_the_bound(tmp_path):
     port = free_port()
-    common = ["train", "--steps", "5000", *SMALL, "--heartbeat-timeout", "10"]
+    common = ["train", "--steps", str(LONG), *SMALL, "--heartbeat-timeout", "10"]
     common += ["--step-timeout", "60", "--coordinator", f"127.0.0.1:{port}"]
     out = tmp_path / "run"
     common += ["--num-processes", "2", "--out", str(out)]  # every process writes checkpoints
@@ -112,7 +112,7 @@ def test_killing_one_process_stops_the_other_within_the_bound(tmp_path):
         while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
             assert time.monotonic() < deadline, "training did not start"
             assert survivor.poll() is None and victim.poll() is None
-            time.sleep(0.5)
+            time.sleep(0.02)
         victim.kill()
         killed = time.monotonic()
         _, stderr = survivor.communicate(timeout=90)
@@ -147,7 +147,7 @@ def _children(parent: int) -> dict[int, list[str]]:
 def test_launcher_stops_the_others_at_once_when_one_is_killed(tmp_path):
     out = tmp_path / "run"
     launcher = subprocess.Popen(
-        jaxmoe("launch", "-n", "2", "--", "train", "--steps", "5000", *SMALL, "--out", str(out)),
+        jaxmoe("launch", "-n", "2", "--", "train", "--steps", str(LONG), *SMALL, "--out", str(out)),
         env=child_environment(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -162,7 +162,7 @@ def test_launcher_stops_the_others_at_once_when_one_is_killed(tmp_path):
         while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
             assert time.monotonic() < deadline, "training did not start"
             assert launcher.poll() is None, "".join(lines)
-            time.sleep(0.5)
+            time.sleep(0.02)
         (victim,) = (
             pid
             for pid, argv in _children(launcher.pid).items()

@@ -5,11 +5,12 @@ import sys
 import time
 
 from jaxmoe.cli.launch import child_environment
+from jaxmoe.cli.main import main
 from jaxmoe.exit_codes import PREEMPTED
 from jaxmoe.train.checkpoint import latest_checkpoint
 from jaxmoe.train.metrics import read_rows
 
-from .test_multiprocess import SMALL
+from .test_multiprocess import LONG, SMALL
 
 
 def jaxmoe(*args: str) -> list[str]:
@@ -17,16 +18,11 @@ def jaxmoe(*args: str) -> list[str]:
 
 
 def test_a_preempted_two_process_run_resumes_in_one_process(tmp_path):
-    # Enough steps that the agreed stop (a step or two after the signal) comes before the end.
-    common = ["--steps", "40", *SMALL]
-    single = subprocess.run(
-        jaxmoe("train", *common, "--out", str(tmp_path / "single")),
-        env=child_environment(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert single.returncode == 0, single.stderr[-2000:]
+    # Enough steps that the agreed stop (a step or two after the signal) comes before the
+    # end; the step of tests/train/test_multiprocess.py's runs (see LONG there). The
+    # uninterrupted run in this process.
+    common = ["--steps", str(LONG), *SMALL]
+    assert main(["train", *common, "--out", str(tmp_path / "single")]) == 0
 
     out = tmp_path / "two"
     launcher = subprocess.Popen(
@@ -48,7 +44,7 @@ def test_a_preempted_two_process_run_resumes_in_one_process(tmp_path):
     assert launcher.returncode == PREEMPTED, output[-3000:]
     assert "stopped on a signal after writing a checkpoint" in output
     saved = latest_checkpoint(out)
-    assert saved is not None and 2 <= saved < 40
+    assert saved is not None and 2 <= saved < LONG
 
     resumed = subprocess.run(
         jaxmoe("train", *common, "--out", str(out), "--resume"),
@@ -63,6 +59,6 @@ def test_a_preempted_two_process_run_resumes_in_one_process(tmp_path):
         read_rows(tmp_path / "single" / "metrics.jsonl"),
         read_rows(out / "metrics.jsonl"),
     )
-    assert [row["step"] for row in rows] == list(range(40))
+    assert [row["step"] for row in rows] == list(range(LONG))
     for a, b in zip(expected, rows, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(a["loss"]), (expected, rows)

@@ -35,7 +35,7 @@ from jaxmoe.train.resolved import resolve, schedule_policy
 from jaxmoe.train.scheduled import capture_train_step, scheduled_train_step
 from jaxmoe.train.state import init_train_state
 from tests.train.batches import compiled_step, random_batch
-from tests.train.runs import with_schedule
+from tests.train.runs import ONE_LAYER, with_schedule
 
 
 def run(config: Config, steps: int, experimental=None):
@@ -194,7 +194,7 @@ def test_schedule_command_writes_report_and_stablehlo(tmp_path, capsys):
 def test_train_with_schedule_saves_the_report(tmp_path):
     out = tmp_path / "run"
     argv = ["train", "--schedule", "dw", "--steps", "2", "--out", str(out), "--no-progress"]
-    argv += ["--model.num_layers", "2", "--data.max_bytes", "300000"]
+    argv += ONE_LAYER  # the model of tests/train/test_profiler.py's dw run
     assert main(argv) == 0
     assert json.loads((out / "schedule_report.json").read_text())["policy"] == "dw"
     assert json.loads((out / "config.json").read_text())["schedule"]["name"] == "dw"
