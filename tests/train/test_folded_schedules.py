@@ -100,9 +100,14 @@ def _reference(case: str):
 
 # expert_tensor2 alone is slow: tensor2-expert_tensor2 folds both axes by default. So are
 # the all_gather dispatcher (the folded layout's other exchange), dw where lancet packs the
-# same work on the same layout, and partition (lancet's ranges without the packing).
+# same work on the same layout, partition (lancet's ranges without the packing), and async
+# (dw splits the collectives as async does, and moves work: bit for bit on the same layout).
 SLOW_LAYOUTS = {"expert_tensor2", "tensor2-all_gather-dispatcher"}
-SLOW_CASES = {("dw", "tensor2-expert_tensor2"), ("partition", "tensor2-folded")}
+SLOW_CASES = {
+    ("dw", "tensor2-expert_tensor2"),
+    ("partition", "tensor2-folded"),
+    ("async", "tensor2-folded"),
+}
 
 
 def _cases(pairs: list[tuple[str, str]]) -> list:
