@@ -134,7 +134,11 @@ def pipelined_layout():
     return plain, staged
 
 
-@pytest.mark.parametrize(("zero", "microbatches"), [(0, 1), (0, 2), (0, 4), (1, 4)])
+@pytest.mark.parametrize(
+    ("zero", "microbatches"),
+    # Two microbatches lie between one and four, which run by default: slow.
+    [(0, 1), pytest.param(0, 2, marks=pytest.mark.slow), (0, 4), (1, 4)],
+)
 def test_a_stage_layout_without_a_pipeline_bounds_its_pipelines(zero, microbatches):
     plain, staged = pipelined_layout()
     sets = option_sets(plain.config)

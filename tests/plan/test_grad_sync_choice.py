@@ -23,7 +23,7 @@ from jaxmoe.plan.grad_sync_choice import (
     resolve_grad_sync,
 )
 from jaxmoe.plan.grad_sync_trial import measured_step_seconds, trial_batches
-from tests.train.runs import ONE_LAYER, small_config, with_schedule
+from tests.train.runs import ONE_LAYER, one_layer_config, small_config, with_schedule
 
 RELAXED = [name for name in ALGORITHMS if name not in EXACT]
 # Every relaxed algorithm as good as an exact one: the choice is the estimated step's.
@@ -35,8 +35,8 @@ def linked(link_mbit: float) -> scheduling.DeviceProfile:
     return scheduling.PROFILES["cpu"].with_link(link_mbit * 1e6 / 8)
 
 
-def config_told(link_mbit: float, **schedule_fields):
-    config = small_config(grad_sync="auto", grad_sync_devices_per_host=4)
+def config_told(link_mbit: float, base=small_config, **schedule_fields):
+    config = base(grad_sync="auto", grad_sync_devices_per_host=4)
     config = with_schedule(config, profile=linked(link_mbit), **schedule_fields)
     return dataclasses.replace(config, parallel=ParallelConfig(data=2, expert=4))
 
@@ -126,7 +126,8 @@ def test_no_trial_when_one_estimate_stands_alone(choices, mesh):
 
 
 def test_a_trial_times_the_run_own_steps(mesh):
-    config = with_trial(config_told(1.0), 0.15)
+    # The one-layer model: a trial times whatever step the run has.
+    config = with_trial(config_told(1.0, one_layer_config), 0.15)
     seconds = measured_step_seconds(config, mesh, "allreduce", trial_batches(config))
     assert 0.0 < seconds < 60.0
 

@@ -32,6 +32,9 @@ def forced(exchange: str | None) -> ExperimentalOptions:
     return ExperimentalOptions(exchange=exchange)
 
 
+# Slow: comet's exchanges decomposed in rounds (and in chunks) train like none over five steps
+# on the folded layouts by default (tests/train/test_folded_schedules.py).
+@pytest.mark.slow
 def test_comet_trains_like_none_over_five_steps():
     moe = MoEConfig(8, top_k=2, capacity_factor=1.0)
     config = small(ParallelConfig(2, 4), moe, layers=2, moe_every=1)

@@ -119,9 +119,11 @@ def test_ragged_dropless_trains_as_the_padded_dispatch_and_drops_nothing(case):
 @pytest.mark.parametrize(
     "schedule",
     [
-        # The composed schedules contain the slow ones' passes.
+        # The composed schedules contain the slow ones' passes (lancet's packing splits the
+        # collectives as dw and async do).
         pytest.param(
-            s, marks=pytest.mark.slow if s in ("dw", "partition", "comet", "lancet") else ()
+            s,
+            marks=pytest.mark.slow if s in ("async", "dw", "partition", "comet", "lancet") else (),
         )
         for s in SCHEDULES
     ],
