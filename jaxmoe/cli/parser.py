@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     existing.add_argument(
         "--overwrite", action="store_true", help="delete the run in --out first, start again"
     )
-    train.add_argument("--profile-steps", metavar="A:B", help="trace steps A..B to DIR/profile")
+    train.add_argument("--profile-steps", metavar="A:B", help="trace steps A..B to DIR/tensorboard")
     add_process_arguments(train)
     train.add_argument(
         "--step-timeout",

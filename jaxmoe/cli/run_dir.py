@@ -1,7 +1,8 @@
 """The run directory (``--out``): checked before anything compiles, started, resumed or cleared.
 
-A run directory holds :data:`RUN_FILES`: the configuration, the metrics, the
-schedule report and timeline, the checkpoints. Starting a run in a directory that
+A run directory holds :data:`RUN_FILES`: the configuration, the metrics (also for
+TensorBoard, with the profiler's traces), the schedule report and timeline, the
+checkpoints. Starting a run in a directory that
 holds another is refused unless the user says what to do with it: ``--resume``
 continues it from its latest complete checkpoint, ``--overwrite`` deletes those files
 (and only those) first. Every check here runs before the first compilation, so a bad
@@ -24,6 +25,7 @@ from jaxmoe.train.checkpoint import (
     saved_config,
 )
 from jaxmoe.train.metrics import METRICS_FILE
+from jaxmoe.train.tensorboard import TENSORBOARD_DIR
 
 # What a run writes under --out (and what --overwrite removes).
 RUN_FILES = (
@@ -34,7 +36,7 @@ RUN_FILES = (
     "schedule_timeline.png",
     "grad_sync_choice.json",
     "placement.jsonl",
-    "profile",
+    TENSORBOARD_DIR,
     CHECKPOINT_DIR,
 )
 

@@ -73,6 +73,12 @@ def _nonfinite(row: dict[str, Any]) -> bool:
     return not (math.isfinite(row["total_loss"]) and math.isfinite(row["grad_norm"]))
 
 
+def _checkpoint_due(config: Config, done: int, stop: bool) -> bool:
+    """Whether a checkpoint is saved after ``done`` steps."""
+    every = config.train.checkpoint_every
+    return stop or done == config.train.steps or bool(every and done % every == 0)
+
+
 def _checkpoint(
     checkpoints: RunCheckpoints, state: Any, config: Config, done: int, stop: bool
 ) -> float:
@@ -82,9 +88,8 @@ def _checkpoint(
     stop signal) is waited for, so the process never exits with a save half done.
     """
     started = time.perf_counter()
-    every = config.train.checkpoint_every
     final = stop or done == config.train.steps
-    if final or (every and done % every == 0):
+    if _checkpoint_due(config, done, stop):
         checkpoints.save(state)
     if final:
         checkpoints.wait()
@@ -309,6 +314,8 @@ def _train(
                     row["checkpoint_s"] = _checkpoint(checkpoints, state, config, done, stop)
                 rows.append(row)
                 log.write(row)
+                if checkpoints is not None and _checkpoint_due(config, done, stop):
+                    log.flush()  # the metrics on disk reach as far as the checkpoint
                 bar.set_postfix(
                     loss=f"{row['loss']:.3f}",
                     dropped=f"{row['dropped_fraction']:.2f}",

@@ -2,17 +2,18 @@
 
 ``DIR/config.json`` holds the resolved configuration; ``DIR/metrics.jsonl`` one
 line per step with at least ``step``, ``loss``, ``tokens_per_s``,
-``dropped_fraction`` and ``expert_imbalance``; ``DIR/schedule_report.json`` what
-the scheduling layer did to the step, when it ran. Only process 0 writes.
+``dropped_fraction`` and ``expert_imbalance``; ``DIR/tensorboard`` the same rows and
+configuration for TensorBoard (:mod:`jaxmoe.train.tensorboard`);
+``DIR/schedule_report.json`` what the scheduling layer did to the step, when it ran.
+Only process 0 writes.
 
 ``metrics.jsonl`` is strict JSON: a non-finite value is written as ``null``. Each
-line is written whole or not at all (a failed write, a full disk say, is cut off
-again), so every line of the file parses.
+line is written whole or not at all (:mod:`jaxmoe.train.appends`: a failed write, a
+full disk say, is cut off again), so every line of the file parses.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
@@ -23,6 +24,8 @@ import jax
 import numpy as np
 
 from jaxmoe.config import Config
+from jaxmoe.train import tensorboard
+from jaxmoe.train.appends import append_whole
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -57,7 +60,8 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
 
 
 class RunLog:
-    """Writes the run's configuration and metrics under ``out_dir`` (process 0 only).
+    """Writes the run's configuration and metrics under ``out_dir`` (process 0 only), to
+    ``metrics.jsonl`` and for TensorBoard.
 
     ``first_step`` is where this invocation starts: a resumed run keeps the rows of the
     steps before it and drops any later ones (work done after its checkpoint, which the
@@ -67,6 +71,7 @@ class RunLog:
     def __init__(self, out_dir: str | Path | None, config: Config, first_step: int = 0):
         self.active = out_dir is not None and jax.process_index() == 0
         self._fd: int | None = None
+        self._board: tensorboard.TensorBoardLog | None = None
         if not self.active:
             return
         self.out_dir = Path(out_dir)
@@ -78,6 +83,9 @@ class RunLog:
         staging.write_text("".join(json.dumps(row) + "\n" for row in kept))
         staging.replace(path)  # atomic: the old file or the new one, never a mix
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        self._board = tensorboard.TensorBoardLog(
+            tensorboard.log_dir(self.out_dir), config, first_step
+        )
 
     def write_schedule_report(self, report: Any) -> None:
         """``schedule_report.json``: what the scheduling layer did to the step, and
@@ -97,19 +105,23 @@ class RunLog:
             choice.save(self.out_dir / "grad_sync_choice.json")
 
     def write(self, row: dict[str, Any]) -> None:
-        """Append ``row`` as one line, whole: on a failed write the file is cut back."""
+        """Append ``row`` as one line, whole, and as TensorBoard summaries; raises OSError
+        when either cannot be written (what was written of it is cut back)."""
         if self._fd is None:
             return
-        line = (json.dumps(strict_json(row), allow_nan=False) + "\n").encode()
-        end = os.lseek(self._fd, 0, os.SEEK_END)
-        try:
-            if os.write(self._fd, line) != len(line):
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # a short write: disk full
-        except OSError:
-            os.ftruncate(self._fd, end)
-            raise
+        append_whole(self._fd, (json.dumps(strict_json(row), allow_nan=False) + "\n").encode())
+        self._board.write(row)
+
+    def flush(self) -> None:
+        """Put every row written so far on disk (at a checkpoint)."""
+        if self._fd is not None:
+            os.fsync(self._fd)
+            self._board.flush()
 
     def close(self) -> None:
         if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+            fd, self._fd = self._fd, None
+            try:
+                self._board.close()
+            finally:
+                os.close(fd)

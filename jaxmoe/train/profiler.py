@@ -5,11 +5,13 @@ and stops it after step B, once all of B's device work has finished, so the
 trace holds the real execution of steps A..B and nothing of compilation. Each
 traced step is marked with a ``StepTraceAnnotation`` (XProf's step view).
 
-``jax.profiler`` writes under ``DIR/profile/plugins/profile/<run>/``:
-``<host>.xplane.pb`` for XProf (TensorBoard's profile plugin) and
-``<host>.trace.json.gz``, Chrome trace events that https://ui.perfetto.dev
-opens. In a multi-process run each process traces its own devices, into
-``DIR/profile/process_<i>``.
+``jax.profiler`` is given the run's TensorBoard log directory, ``DIR/tensorboard``
+(:mod:`jaxmoe.train.tensorboard`), and writes under its ``plugins/profile/<session>/``:
+``<host>.xplane.pb`` for XProf (TensorBoard's profile plugin, which looks there) and
+``<host>.trace.json.gz``, Chrome trace events that https://ui.perfetto.dev opens. In a
+multi-process run each process traces its own devices, process 0 into that directory
+and process ``i`` into ``DIR/tensorboard/process_<i>`` (a log directory of its own:
+processes on one host would write the same file names).
 
 :func:`compare_with_trace` is ``jaxmoe schedule --trace``: the planned step's
 estimated op times beside those measured in such a trace
@@ -26,9 +28,8 @@ import jax
 
 import scheduling
 from jaxmoe.config import ConfigError
+from jaxmoe.train import tensorboard
 from jaxmoe.train.scheduled import TrainStep
-
-PROFILE_SUBDIR = "profile"
 
 
 def parse_profile_steps(text: str, steps: int, out_dir: str | Path | None) -> tuple[int, int]:
@@ -57,14 +58,14 @@ def check_profile_steps(window: tuple[int, int], steps: int, out_dir: str | Path
     if out_dir is None:
         raise ConfigError(
             f"--profile-steps {first}:{last} needs --out DIR: the trace is written to "
-            f"DIR/{PROFILE_SUBDIR}"
+            f"DIR/{tensorboard.TENSORBOARD_DIR}"
         )
 
 
 def profile_dir(out_dir: str | Path) -> Path:
-    """Where this process writes its trace."""
-    directory = Path(out_dir) / PROFILE_SUBDIR
-    if jax.process_count() > 1:
+    """The log directory this process gives ``jax.profiler``."""
+    directory = tensorboard.log_dir(out_dir)
+    if jax.process_index() > 0:
         directory /= f"process_{jax.process_index()}"
     return directory
 
@@ -131,7 +132,7 @@ def find_trace(path: str | Path) -> Path:
     except FileNotFoundError:
         raise ConfigError(
             f"--trace {path}: no *.trace.json.gz there; write one with "
-            "jaxmoe train --profile-steps A:B --out DIR (it goes under DIR/profile)"
+            "jaxmoe train --profile-steps A:B --out DIR (it goes under DIR/tensorboard)"
         ) from None
 
 

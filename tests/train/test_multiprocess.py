@@ -63,6 +63,7 @@ def test_two_processes_train_like_one(tmp_path):
     assert two.returncode == 0, two.stdout[-3000:]
     assert "[host 0] done: 5 steps" in two.stdout
     assert "[host 1] done" not in two.stdout  # only process 0 reports and writes
+    assert len(list((double / "tensorboard").glob("events.out.tfevents.*"))) == 1
     double_losses = losses(double)
     assert len(double_losses) == 5
     for a, b in zip(single_losses, double_losses, strict=True):

@@ -71,7 +71,11 @@ def profiled_run(tmp_path_factory):
 
 
 def test_profile_steps_writes_a_trace_of_those_steps(profiled_run):
-    (trace_file,) = (profiled_run / "profile").rglob("*.trace.json.gz")
+    # Where TensorBoard's profile plugin looks: plugins/profile/<session>/ in a log
+    # directory that holds the run's event files.
+    log_dir = profiled_run / "tensorboard"
+    assert list(log_dir.glob("events.out.tfevents.*"))
+    (trace_file,) = (log_dir / "plugins" / "profile").glob("*/*.trace.json.gz")
     assert list(trace_file.parent.glob("*.xplane.pb"))  # XProf's copy, beside it
     with gzip.open(trace_file, "rt") as file:
         events = json.load(file)["traceEvents"]  # the file parses
