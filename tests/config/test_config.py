@@ -65,7 +65,7 @@ def section(**fields):
         (lambda: section(profile="tpu"), "schedule.profile='tpu': choose one of a100"),
         (lambda: section(max_live_bytes_growth=float("inf")), "expected a finite float"),
         (lambda: section(op_cost_cache="/cache"), "the run fills it in, not a setting"),
-        (lambda: section(widht=3), "unknown fields schedule.widht: schedule has "),
+        (lambda: section(widht=3), "unknown field schedule.widht: schedule has "),
         # Research options: no settings, each refused with where it went.
         (lambda: section(link_mbit=-5.0), "schedule.link_mbit=-5.0: the cost model's link"),
         (lambda: section(link_mbit=50.0), "is its profile's: choose --schedule.profile, or"),
@@ -241,7 +241,7 @@ def test_capacity_and_moe_layers():
         (lambda: MoEConfig(normalize_top_k=1), "moe.normalize_top_k=1: expected a finite bool"),
         (
             lambda: Config.from_dict({"model": {"widht": 3}}),
-            "unknown fields model.widht: model has activation, attention_bias, d_ff, d_model",
+            "unknown field model.widht: model has activation, attention_bias, d_ff, d_model",
         ),
     ],
 )
