@@ -425,7 +425,8 @@ def plan_mappings(
     dividing the devices, with up to ``max_virtual_stages`` chunks per stage of at least
     one block each (uneven where the blocks do not divide:
     :func:`~jaxmoe.plan.mappings.pipelines_of`). ``cross_node_tensor``: also tensor
-    groups wider than a node (:mod:`jaxmoe.plan.mappings`)."""
+    groups wider than a node (:mod:`jaxmoe.plan.mappings`).
+    ``preset``: what the table calls the configuration (a preset's name, a file's path)."""
     check_plan_inputs(config, devices, profile, schedules)
     if top < 1:
         raise ConfigError(f"top={top}: rank at least one mapping")
@@ -442,7 +443,7 @@ def plan_mappings(
     if not space.valid:
         reasons = space.skipped_summary()
         raise ConfigError(
-            f"no valid mapping of preset {preset!r} on {devices} devices; "
+            f"no valid mapping of {preset!r} on {devices} devices; "
             f"{len(space.skipped)} refused, most often: {reasons[0] if reasons else 'none'}"
         )
     if memory_capacity_bytes is not None:
