@@ -7,13 +7,16 @@ preset (``--preset NAME``; ``tiny`` when neither is given, the defaults under a 
 alone). The shortcuts ``--steps N``, ``--data FILE`` and ``--schedule NAME`` set
 ``train.steps``, ``data.path`` and ``schedule.name`` (a shortcut and its field may both
 be given only with the same value). The configuration is resolved here, once:
-:func:`resolve_config`. A usage error is one line and exit status 2.
+:func:`resolve_config`. Flags are matched by their whole names only. A usage error is
+one line and exit status 2; an unknown flag's names the closest flag.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
+import sys
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -23,6 +26,7 @@ import scheduling.names
 from jaxmoe import exit_codes
 from jaxmoe.cli import convert_command, data_command, generate_command
 from jaxmoe.config import Config, ConfigError
+from jaxmoe.config.checks import closest
 from jaxmoe.config.files import read_config_file
 from jaxmoe.config.moe import EXPERIMENTAL_FIELDS as EXPERIMENTAL_MOE_FIELDS
 from jaxmoe.config.schedule import (
@@ -37,13 +41,60 @@ from jaxmoe.presets import PRESETS, preset
 SHORTCUTS = {"steps": "train.steps", "data": "data.path", "schedule": "schedule.name"}
 # The preset of a command line that names neither a preset nor a configuration file.
 DEFAULT_PRESET = "tiny"
+# What argparse reads as a negative number, not a flag.
+_NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (no usage block) and exit status 2."""
+    """argparse, but flags match by their whole names only (no prefixes), an unknown one
+    is refused naming the closest flag, and a usage error is one line (no usage block)
+    and exit status 2."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+        self._given: list[str] = []
+
+    def parse_known_args(self, args=None, namespace=None):
+        """argparse's, refusing an unknown flag here, where the (sub)command's flags are
+        known."""
+        self._given = list(sys.argv[1:] if args is None else args)
+        namespace, extras = super().parse_known_args(args, namespace)
+        unknown = self._unknown_flag(extras)
+        if unknown:
+            self.error(unknown)
+        return namespace, extras
 
     def error(self, message: str) -> NoReturn:
+        # A misspelt required flag is reported as itself, not as the flag missing.
+        if message.startswith(("the following arguments are required", "one of the arguments")):
+            message = self._unknown_flag(self._given) or message
         self.exit(exit_codes.USAGE_ERROR, f"{self.prog}: error: {message}\n")
+
+    def _unknown_flag(self, args: list[str]) -> str | None:
+        """The line refusing the first flag of ``args`` this parser does not know, naming
+        the closest one it does (None if every flag is known)."""
+        known = [option for action in self._actions for option in action.option_strings]
+        for arg in args:
+            if arg == "--":
+                return None
+            flag = arg.split("=", 1)[0]
+            if not flag.startswith("-") or flag == "-" or _NEGATIVE_NUMBER.match(flag):
+                continue
+            if flag in known:
+                continue
+            offered = [
+                option
+                for action in self._actions
+                if action.help != argparse.SUPPRESS and not isinstance(action, _Renamed | _Removed)
+                for option in action.option_strings
+                if option.startswith("--")
+            ]
+            # The flag it abbreviates, if one alone, else the nearest spelling.
+            extended = [option for option in offered if option.startswith(flag)]
+            guess = extended[0] if len(extended) == 1 else closest(flag, offered)
+            fix = f"did you mean {guess}?" if guess else f"see {self.prog} --help"
+            return f"unrecognized argument {flag}: {fix}"
+        return None
 
 
 def _parse_bool(text: str) -> bool:

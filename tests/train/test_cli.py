@@ -28,7 +28,7 @@ REFUSED_WITHIN_S = 15.0
         (["train", "--moe.capacity_factor", "abc"], "--moe.capacity_factor: cannot read 'abc'"),
         (["train", "--parallel.data", "2"], "2 x 8 x 1 = 16, but there are 8 devices"),
         (["train", "--preset", "huge"], "invalid choice: 'huge'"),
-        (["train", "--no-such-flag", "1"], "unrecognized arguments: --no-such-flag"),
+        (["train", "--no-such-flag", "1"], "unrecognized argument --no-such-flag: see jaxmoe"),
         (["train", "--steps", "many"], "invalid int value: 'many'"),
     ],
 )
@@ -126,6 +126,35 @@ def test_a_shortcut_and_its_field_may_repeat_the_same_value():
     assert config.train.steps == 5 and config.schedule.name == "dw"
     config = config_from_train_args(["--data", "corpus.txt", "--data.path", "corpus.txt"])
     assert config.data.path == "corpus.txt"
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag", "guess"),
+    [
+        # Abbreviations argparse took for the whole flag (config would have printed them),
+        # and misspellings; each case fails fast without the exact names.
+        (["config", "--model.d_mode", "64"], "--model.d_mode", "--model.d_model"),
+        (["config", "--train.zer", "2"], "--train.zer", "--train.zero"),
+        (["config", "--parallel.pipe", "3"], "--parallel.pipe", "--parallel.pipeline"),
+        (["config", "--moe.topk=2"], "--moe.topk", "--moe.top_k"),
+        (["train", "--stpes", "3"], "--stpes", "--steps"),
+        (["schedule", "--schedule.nmae", "dw"], "--schedule.nmae", "--schedule.name"),
+        (["plan", "--devise", "3", "--profile", "a100"], "--devise", "--devices"),
+        (["link-curves", "--out", "c.json", "--repaets", "2"], "--repaets", "--repeats"),
+        (["data", "--input", "a.txt", "--out", "a.bin", "--eod", "x"], "--eod", "--eod-token"),
+        (["convert", "--to-h", "x", "--out", "y"], "--to-h", "--to-hf"),
+        (["generate", "--check", "x", "--prompt", "y"], "--check", "--checkpoint"),
+        (["launch", "--num-procs", "2", "--", "train"], "--num-procs", "--num-processes"),
+        (["launch", "-n", "2", "--", "train", "--train.zer", "2"], "--train.zer", "--train.zero"),
+    ],
+)
+def test_flags_are_whole_names_and_an_unknown_one_names_the_closest(argv, flag, guess, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        raise SystemExit(main(argv))
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.endswith(f": error: unrecognized argument {flag}: did you mean {guess}?\n")
+    assert error.count("\n") == 1, error
 
 
 def _write(path, text):
