@@ -97,6 +97,7 @@ class Config:
         require(not self.replica_slots or plain, f"{replicas}=all_to_all, parallel.expert_tensor=1")
         self._check_routing_groups()
         self._check_microbatches()
+        self._check_pairing()
         check_pipeline(self.parallel, self.model, self.train)
 
     def _check_microbatches(self) -> None:
@@ -114,6 +115,23 @@ class Config:
             f"train.microbatches={microbatches}: a microbatch of {rows // microbatches} rows "
             f"would cut a routing group of {group_rows} rows (moe.group_size="
             f"{self.group_size}): choose fewer microbatches or smaller groups",
+        )
+
+    def _check_pairing(self) -> None:
+        """A schedule that pairs microbatches has two to pair: several microbatches, or a
+        pipeline's ticks."""
+        schedule, microbatches = self.schedule, self.train.microbatches
+        if not schedule.pairs_microbatches or microbatches > 1 or self.parallel.pipeline > 1:
+            return
+        field = (
+            "schedule.name=pair"
+            if schedule.name == "pair"
+            else f"schedule.pair_microbatches=true (with schedule.name={schedule.name})"
+        )
+        raise ConfigError(
+            f"{field} runs each microbatch's passes beside another's, but "
+            f"train.microbatches={microbatches} gives it one: set train.microbatches to 2 or "
+            "more (a divisor of the rows a device holds), or choose another schedule"
         )
 
     def _check_routing_groups(self) -> None:

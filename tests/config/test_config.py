@@ -75,6 +75,15 @@ def section(**fields):
         (lambda: section(xla_pin="groups"), "ExperimentalOptions(xla_groups=True)"),
         (lambda: DataConfig(val_fraction=1.0), "data.val_fraction=1.0"),
         (
+            lambda: Config(schedule=section(name="pair")),
+            "schedule.name=pair runs each microbatch's passes beside another's, but "
+            "train.microbatches=1 gives it one: set train.microbatches to 2 or more",
+        ),
+        (
+            lambda: Config(schedule=section(name="comet", pair_microbatches=True)),
+            "schedule.pair_microbatches=true (with schedule.name=comet) runs each microbatch's",
+        ),
+        (
             lambda: Config(moe=MoEConfig(num_experts=6), parallel=ParallelConfig(expert=4)),
             "moe.num_experts=6 is not divisible by parallel.expert=4",
         ),
