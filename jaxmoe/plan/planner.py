@@ -425,7 +425,7 @@ def plan_mappings(
     dividing the devices, with up to ``max_virtual_stages`` chunks per stage of at least
     one block each (uneven where the blocks do not divide:
     :func:`~jaxmoe.plan.mappings.pipelines_of`). ``cross_node_tensor``: also tensor
-    groups wider than a node (:mod:`jaxmoe.plan.mappings`).
+    groups wider than a node (:mod:`jaxmoe.plan.mappings`; a flat profile has no nodes).
     ``preset``: what the table calls the configuration (a preset's name, a file's path)."""
     check_plan_inputs(config, devices, profile, schedules)
     if top < 1:
@@ -437,7 +437,7 @@ def plan_mappings(
         config,
         devices,
         per_node,
-        max_tensor=None if cross_node_tensor else per_node,
+        max_tensor=None if cross_node_tensor or not per_node else per_node,
         pipelines=pipelines,
     )
     if not space.valid:

@@ -220,6 +220,11 @@ def test_cli_prints_the_table_and_writes_json(cache_home, tmp_path, monkeypatch,
         (["--devices", "0"], "--devices 0: must be a positive number"),
         (["--devices", "-4"], "--devices -4: must be a positive number"),
         (["--devices", "3"], "no valid mapping of 'tiny' on 3 devices"),
+        # A flat profile (a100: no nodes) bounds no tensor group; the reason is the batch.
+        (
+            ["--devices", "3", "--profile", "a100"],
+            "most often: 4 x train.batch_size=32 is not divisible by the 3 batch shards",
+        ),
         (["--schedule", "fastest"], "schedule.name='fastest'"),
         (["--parallel.expert", "2"], "--parallel.expert: jaxmoe plan chooses the layout"),
         (["--json", "/nonexistent/dir/plan.json"], "--json /nonexistent/dir/plan.json"),
