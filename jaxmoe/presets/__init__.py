@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from importlib import resources
+from importlib.resources.abc import Traversable
 
 from jaxmoe.config import Config, ConfigError
 from jaxmoe.config.files import read_config_file
@@ -30,8 +31,8 @@ PRESETS: tuple[str, ...] = tuple(
 )
 
 
-def preset_file(name: str):
-    """The file of the preset ``name`` (a :class:`importlib.resources` traversable)."""
+def preset_file(name: str) -> Traversable:
+    """The file of the preset ``name``, in the installed package."""
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)}")
     return _FILES / f"{name}{_SUFFIX}"
