@@ -1,7 +1,7 @@
 """Parallel folding in the planner: published MoE shapes, and the best folded mapping
 against the best mapping whose MoE reuses attention's layout.
 
-The models are the published architectures (jaxmoe/presets.py). The planner estimates
+The models are the published architectures (jaxmoe/presets/). The planner estimates
 them from one- and two-layer traces (:mod:`jaxmoe.plan.layer_extrapolation`), so every
 mapping on 64-256 devices is planned in seconds; ``experiments.folding_scale`` runs it.
 """
@@ -36,7 +36,7 @@ def planned_config(model: str, devices: int, **model_fields) -> Config:
     return Config.from_dict(values)
 
 
-# The models' true architectures (jaxmoe/presets.py: the shapes and blocks as each model's
+# The models' true architectures (jaxmoe/presets/: the shapes and blocks as each model's
 # config.json on the Hugging Face hub gives them: grouped-query attention, SwiGLU experts,
 # Qwen2's gated shared expert), with bfloat16 activations, sequences of SEQ_LEN tokens
 # and capacity factor 1.0 (chosen here).

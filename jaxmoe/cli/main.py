@@ -1,9 +1,9 @@
 """The ``jaxmoe`` command: parse, resolve the configuration once, run one subcommand.
 
-``train``, ``schedule``, ``plan``, ``link-curves``, ``data``, ``convert``, ``generate``
-and ``launch`` (N local processes of ``train``, for testing). A bad flag, value or input
-file prints one line and exits with status 2, before anything compiles; each
-subcommand checks only what it uses.
+``train``, ``schedule``, ``plan``, ``link-curves``, ``data``, ``convert``, ``generate``,
+``config`` (the configuration printed as a file) and ``launch`` (N local processes of
+``train``, for testing). A bad flag, value or input file prints one line and exits with
+status 2, before anything compiles; each subcommand checks only what it uses.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import scheduling.names
 from jaxmoe import exit_codes
 from jaxmoe.cli import (
+    config_command,
     convert_command,
     data_command,
     generate_command,
@@ -35,6 +36,7 @@ COMMANDS = {
     "data": data_command.run,
     "generate": generate_command.run,
     "convert": convert_command.run,
+    "config": config_command.run,
 }
 
 
@@ -94,8 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in ("data", "convert", "generate"):  # no preset's configuration, no devices
             return COMMANDS[args.command](None, args)
         config = resolve_config(args)
-        if args.command == "plan":  # traces on an abstract mesh: no devices needed
-            return COMMANDS["plan"](config, args)
+        if args.command in ("plan", "config"):  # an abstract mesh, or none: no devices
+            return COMMANDS[args.command](config, args)
         if args.command == "train":
             train_command.check_train_flags(args)
         # Before JAX creates its backends (at first use): the CPU platform's device count,

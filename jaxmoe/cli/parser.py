@@ -1,17 +1,22 @@
 """The command line's parser: subcommands, flags, and the configuration they describe.
 
 Every configuration field is a flag named after it, ``--SECTION.FIELD VALUE``
-(``--moe.top_k 2``, ``--moe.capacity_factor none``, ``--parallel.data 2``), on top
-of a named preset; the shortcuts ``--steps N``, ``--data FILE`` and ``--schedule
-NAME`` set ``train.steps``, ``data.path`` and ``schedule.name`` (a shortcut and its
-field may both be given only with the same value). The configuration is resolved here,
-once: :func:`resolve_config`. A usage error is one line and exit status 2.
+(``--moe.top_k 2``, ``--moe.capacity_factor none``, ``--parallel.data 2``), set over a
+configuration file (``--config FILE``: TOML, or a run's ``config.json``) set over a
+preset (``--preset NAME``; ``tiny`` when neither is given, the defaults under a file
+alone). The shortcuts ``--steps N``, ``--data FILE`` and ``--schedule NAME`` set
+``train.steps``, ``data.path`` and ``schedule.name`` (a shortcut and its field may both
+be given only with the same value). The configuration is resolved here, once:
+:func:`resolve_config`. Flags are matched by their whole names only. A usage error is
+one line and exit status 2; an unknown flag's names the closest flag.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
+import sys
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -21,6 +26,8 @@ import scheduling.names
 from jaxmoe import exit_codes
 from jaxmoe.cli import convert_command, data_command, generate_command
 from jaxmoe.config import Config, ConfigError
+from jaxmoe.config.checks import closest
+from jaxmoe.config.files import read_config_file
 from jaxmoe.config.moe import EXPERIMENTAL_FIELDS as EXPERIMENTAL_MOE_FIELDS
 from jaxmoe.config.schedule import (
     EXPERIMENTAL_FIELDS,
@@ -32,13 +39,62 @@ from jaxmoe.presets import PRESETS, preset
 
 # Shortcut flags and the configuration field each one sets.
 SHORTCUTS = {"steps": "train.steps", "data": "data.path", "schedule": "schedule.name"}
+# The preset of a command line that names neither a preset nor a configuration file.
+DEFAULT_PRESET = "tiny"
+# What argparse reads as a negative number, not a flag.
+_NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (no usage block) and exit status 2."""
+    """argparse, but flags match by their whole names only (no prefixes), an unknown one
+    is refused naming the closest flag, and a usage error is one line (no usage block)
+    and exit status 2."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+        self._given: list[str] = []
+
+    def parse_known_args(self, args=None, namespace=None):
+        """argparse's, refusing an unknown flag here, where the (sub)command's flags are
+        known."""
+        self._given = list(sys.argv[1:] if args is None else args)
+        namespace, extras = super().parse_known_args(args, namespace)
+        unknown = self._unknown_flag(extras)
+        if unknown:
+            self.error(unknown)
+        return namespace, extras
 
     def error(self, message: str) -> NoReturn:
+        # A misspelt required flag is reported as itself, not as the flag missing.
+        if message.startswith(("the following arguments are required", "one of the arguments")):
+            message = self._unknown_flag(self._given) or message
         self.exit(exit_codes.USAGE_ERROR, f"{self.prog}: error: {message}\n")
+
+    def _unknown_flag(self, args: list[str]) -> str | None:
+        """The line refusing the first flag of ``args`` this parser does not know, naming
+        the closest one it does (None if every flag is known)."""
+        known = [option for action in self._actions for option in action.option_strings]
+        for arg in args:
+            if arg == "--":
+                return None
+            flag = arg.split("=", 1)[0]
+            if not flag.startswith("-") or flag == "-" or _NEGATIVE_NUMBER.match(flag):
+                continue
+            if flag in known:
+                continue
+            offered = [
+                option
+                for action in self._actions
+                if action.help != argparse.SUPPRESS and not isinstance(action, _Renamed | _Removed)
+                for option in action.option_strings
+                if option.startswith("--")
+            ]
+            # The flag it abbreviates, if one alone, else the nearest spelling.
+            extended = [option for option in offered if option.startswith(flag)]
+            guess = extended[0] if len(extended) == 1 else closest(flag, offered)
+            fix = f"did you mean {guess}?" if guess else f"see {self.prog} --help"
+            return f"unrecognized argument {flag}: {fix}"
+        return None
 
 
 def _parse_bool(text: str) -> bool:
@@ -99,8 +155,19 @@ class _Removed(argparse.Action):
 
 
 def add_config_arguments(command: argparse.ArgumentParser, shortcuts: bool = True) -> None:
-    """The preset, the shortcuts and one ``--SECTION.FIELD`` flag per config field."""
-    command.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    """The preset, the configuration file, the shortcuts and one ``--SECTION.FIELD`` flag
+    per config field."""
+    command.add_argument(
+        "--preset",
+        choices=PRESETS,
+        help=f"a named configuration (default: {DEFAULT_PRESET}, unless --config is given)",
+    )
+    command.add_argument(
+        "--config",
+        metavar="FILE",
+        help="a configuration file (TOML, or a run's config.json), set over the preset "
+        "(or the defaults); flags override it",
+    )
     if shortcuts:
         command.add_argument("--steps", type=int, help="shortcut for --train.steps")
         command.add_argument("--data", help="a text file or a .bin of uint16 ids (--data.path)")
@@ -220,6 +287,11 @@ def build_parser() -> argparse.ArgumentParser:
         "generate", help="continue a prompt with a run's checkpoint (greedy or sampled)"
     )
     generate_command.add_arguments(generate)
+
+    config = commands.add_parser(
+        "config", help="print the configuration train would run, every field, as a --config file"
+    )
+    add_config_arguments(config)
     return parser
 
 
@@ -255,9 +327,27 @@ def _requested_values(args: argparse.Namespace) -> dict[str, Any]:
     return values
 
 
+def config_name(args: argparse.Namespace) -> str:
+    """What the configuration was made from, to name it: the preset, the file, or both."""
+    if args.config is None:
+        return args.preset or DEFAULT_PRESET
+    return args.config if args.preset is None else f"{args.preset} + {args.config}"
+
+
 def resolve_config(args: argparse.Namespace) -> Config:
-    """The preset with every override applied; raises ConfigError on a bad value."""
-    values = preset(args.preset).to_dict()
+    """The configuration of the command line: the preset (the defaults under a file
+    alone), the file's fields over it, the flags over both; raises ConfigError on a bad
+    name or value."""
+    values: dict[str, dict[str, Any]] = {}
+    if args.preset is not None or args.config is None:
+        values = preset(args.preset or DEFAULT_PRESET).to_dict()
+    if args.config is not None:
+        try:
+            given = read_config_file(args.config)
+        except ConfigError as error:
+            raise ConfigError(f"--config {error}") from None
+        for section, fields in given.items():
+            values.setdefault(section, {}).update(fields)
     requested = _requested_values(args)
     if args.command == "plan":  # the planner lays the model out itself; one device until then
         laid_out = sorted(name for name in requested if name.startswith("parallel."))
@@ -266,7 +356,7 @@ def resolve_config(args: argparse.Namespace) -> Config:
         values["parallel"] = {"data": 1, "expert": 1}
     for name, value in requested.items():
         section, field = name.split(".")
-        values[section][field] = value
+        values.setdefault(section, {})[field] = value
     return Config.from_dict(values)
 
 
@@ -278,5 +368,5 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def config_from_train_args(argv: Sequence[str]) -> Config:
-    """The configuration that ``jaxmoe train ARGV`` would run (preset plus overrides)."""
+    """The configuration that ``jaxmoe train ARGV`` would run (preset, file, flags)."""
     return resolve_config(parse(["train", *argv]))

@@ -13,6 +13,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from jaxmoe.cli.parser import config_name
 from jaxmoe.config import Config, ConfigError
 
 
@@ -27,7 +28,7 @@ def run(config: Config, args: argparse.Namespace) -> int:
             raise ConfigError(f"--json {args.json}: {folder} is not a writable directory")
     result = planner.plan_mappings(
         config,
-        args.preset,
+        config_name(args),
         args.devices,
         args.profile,
         schedules,

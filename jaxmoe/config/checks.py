@@ -8,9 +8,11 @@ says how to fix it; the helpers here are what :mod:`jaxmoe.config`'s dataclasses
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import types
 import typing
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -21,6 +23,38 @@ class ConfigError(ValueError):
 def require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
+
+
+def closest(name: str, names: Iterable[str]) -> str | None:
+    """The one of ``names`` that ``name`` most likely misspells, or None if none is close:
+    what a "did you mean" names. Dotted names (``section.field``, ``--section.field``) are
+    compared by their fields, a match in ``name``'s own section first."""
+    by_field: dict[str, list[str]] = {}
+    for candidate in names:
+        by_field.setdefault(candidate.rpartition(".")[2], []).append(candidate)
+    head, _, field = name.rpartition(".")
+    found = difflib.get_close_matches(field, list(by_field), n=1, cutoff=0.6)
+    if not found:
+        return None
+    candidates = by_field[found[0]]
+    return next((c for c in candidates if c.rpartition(".")[0] == head), candidates[0])
+
+
+def refuse_unknown(
+    section: str, given: Iterable[str], known: Iterable[str], elsewhere: Iterable[str] = ()
+) -> None:
+    """Raise :class:`ConfigError` for the first of ``given`` (field names of ``section``,
+    from a file, a dict or a saved configuration) that is not one of ``known``: the line
+    names the closest field of the section or of ``elsewhere`` (other sections' fields,
+    as ``section.field``), or every field of the section if none is close."""
+    known = sorted(known)
+    unknown = sorted(set(given) - set(known))
+    if not unknown:
+        return
+    key = f"{section}.{unknown[0]}"
+    guess = closest(key, [*(f"{section}.{name}" for name in known), *elsewhere])
+    fix = f"did you mean {guess}?" if guess else f"{section} has {', '.join(known)}"
+    raise ConfigError(f"unknown field {key}: {fix}")
 
 
 def matches(value: Any, annotation: Any) -> bool:

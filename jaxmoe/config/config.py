@@ -7,10 +7,12 @@ Checks that need the device count (the mesh must cover every device) live in
 from __future__ import annotations
 
 import dataclasses
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxmoe.config.checks import ConfigError, require
+from jaxmoe.config.checks import ConfigError, closest, refuse_unknown, require
 from jaxmoe.config.data import DataConfig
 from jaxmoe.config.layout import LayoutError, check_split_widths
 from jaxmoe.config.model import ModelConfig
@@ -18,8 +20,10 @@ from jaxmoe.config.moe import MoEConfig, capacity_per_expert, saved_moe_fields, 
 from jaxmoe.config.parallel import ParallelConfig, check_pipeline
 from jaxmoe.config.schedule import (
     DEFAULT_SCHEDULE,
+    RUN_FIELDS,
     ScheduleConfig,
     refuse_moved_train_fields,
+    saved_schedule_fields,
     schedule_section,
 )
 from jaxmoe.config.sizes import check_array_sizes
@@ -93,6 +97,7 @@ class Config:
         require(not self.replica_slots or plain, f"{replicas}=all_to_all, parallel.expert_tensor=1")
         self._check_routing_groups()
         self._check_microbatches()
+        self._check_pairing()
         check_pipeline(self.parallel, self.model, self.train)
 
     def _check_microbatches(self) -> None:
@@ -110,6 +115,23 @@ class Config:
             f"train.microbatches={microbatches}: a microbatch of {rows // microbatches} rows "
             f"would cut a routing group of {group_rows} rows (moe.group_size="
             f"{self.group_size}): choose fewer microbatches or smaller groups",
+        )
+
+    def _check_pairing(self) -> None:
+        """A schedule that pairs microbatches has two to pair: several microbatches, or a
+        pipeline's ticks."""
+        schedule, microbatches = self.schedule, self.train.microbatches
+        if not schedule.pairs_microbatches or microbatches > 1 or self.parallel.pipeline > 1:
+            return
+        field = (
+            "schedule.name=pair"
+            if schedule.name == "pair"
+            else f"schedule.pair_microbatches=true (with schedule.name={schedule.name})"
+        )
+        raise ConfigError(
+            f"{field} runs each microbatch's passes beside another's, but "
+            f"train.microbatches={microbatches} gives it one: set train.microbatches to 2 or "
+            "more (a divisor of the rows a device holds), or choose another schedule"
         )
 
     def _check_routing_groups(self) -> None:
@@ -163,31 +185,78 @@ class Config:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> Config:
-        """The configuration ``to_dict`` wrote (one with an old ``train.schedule_*`` field is
-        refused, naming the new one; a research option that left its section is dropped at
-        the library's value and refused at any other, with its hint)."""
-        values = {name: dict(section) for name, section in values.items()}
-        refuse_moved_train_fields(values.get("train", {}))
-        sections = {f.name: f.type for f in dataclasses.fields(cls)}
-        unknown = set(values) - set(sections)
-        require(not unknown, f"unknown config sections {sorted(unknown)}")
-        defaults = cls()
+    def from_dict(cls, values: Mapping[str, Any]) -> Config:
+        """The configuration of a nested dict, section -> field -> value: what ``to_dict``
+        wrote, a configuration file's tables, a preset's. The fields it leaves out take the
+        defaults. Every name and value is read by :func:`config_sections` first, then each
+        section and the whole are validated."""
+        given = config_sections(values)
         built = {}
-        for name in sections:
-            section_type = type(getattr(defaults, name))
-            given = values.get(name, {})
-            if name == "schedule":
-                built[name] = schedule_section(given)
-                continue
-            if name == "moe":
-                given = saved_moe_fields(given)
-            known = {item.name for item in dataclasses.fields(section_type)}
-            unknown_fields = sorted(set(given) - known)
-            require(
-                not unknown_fields,
-                f"unknown fields {', '.join(f'{name}.{f}' for f in unknown_fields)}: "
-                f"{name} has {', '.join(sorted(known))}",
-            )
-            built[name] = section_type(**given)
+        for name, section_type in section_types().items():
+            fields = given.get(name, {})
+            built[name] = schedule_section(fields) if name == "schedule" else section_type(**fields)
         return cls(**built)
+
+
+def section_types() -> dict[str, type]:
+    """Each section's name and the dataclass that holds it, in :class:`Config`'s order."""
+    defaults = Config()
+    return {item.name: type(getattr(defaults, item.name)) for item in dataclasses.fields(Config)}
+
+
+def _settings(section_type: type) -> list[str]:
+    return [
+        item.name
+        for item in dataclasses.fields(section_type)
+        if not (section_type is ScheduleConfig and item.name in RUN_FIELDS)
+    ]
+
+
+def _read_value(annotation: Any, value: Any) -> Any:
+    """A value as a field of type ``annotation`` takes it: ``"none"`` is None where the
+    field may be None (as on the command line: TOML has no null), an integer is a float
+    where the field is a float."""
+    options = typing.get_args(annotation) or (annotation,)
+    if type(None) in options and isinstance(value, str) and value.lower() in ("none", "null"):
+        return None
+    integer = isinstance(value, int) and not isinstance(value, bool)
+    if integer and float in options and int not in options:
+        return float(value)
+    return value
+
+
+def config_sections(values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The sections of a nested dict (section -> field -> value), read field by field
+    before any section is built: every section a table of fields and every name known
+    (ConfigError naming the closest known name otherwise), each value as its field takes
+    it (:func:`_read_value`), the settings that left a section dropped at their old
+    defaults or refused with where they went."""
+    types = section_types()
+    settings = {name: _settings(section_type) for name, section_type in types.items()}
+    every = [f"{name}.{field}" for name, fields in settings.items() for field in fields]
+    for name, section in values.items():
+        if name not in types:  # a misspelt section, or a field outside its section
+            guess = closest(name, types) or closest(name, every)
+            fix = f"did you mean {guess}?" if guess else f"the sections are {', '.join(types)}"
+            raise ConfigError(f"unknown section {name!r}: {fix}")
+        require(
+            isinstance(section, Mapping),
+            f"{name}={section!r}: {name} is a section, a table of its fields ([{name}] in a "
+            "configuration file)",
+        )
+    refuse_moved_train_fields(values.get("train", {}))
+    read = {}
+    for name, section in values.items():
+        hints = typing.get_type_hints(types[name])
+        fields = {
+            field: _read_value(hints[field], value) if field in hints else value
+            for field, value in section.items()
+        }
+        if name == "moe":
+            fields = saved_moe_fields(fields)
+        if name == "schedule":
+            fields = saved_schedule_fields(fields)
+        elsewhere = [n for n in every if not n.startswith(f"{name}.")]
+        refuse_unknown(name, fields, settings[name], elsewhere)
+        read[name] = fields
+    return read

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxmoe.config.checks import ConfigError, check_types
+from jaxmoe.config.checks import ConfigError, check_types, refuse_unknown
 from scheduling import DeviceProfile, PolicyError, SchedulePolicy
 
 ScheduleConfig = SchedulePolicy
@@ -100,11 +100,11 @@ def _fields(section: SchedulePolicy) -> dict[str, Any]:
     return {item.name: getattr(section, item.name) for item in dataclasses.fields(section)}
 
 
-def schedule_section(values: dict[str, Any]) -> SchedulePolicy:
-    """The section from its fields (a saved or given subset; the rest are the defaults'),
-    checked: ``ConfigError`` in one line for a bad value, a research option or a field
-    the run fills in. A saved section's research options at their old defaults (every
-    configuration written before they left) are dropped."""
+def saved_schedule_fields(values: dict[str, Any]) -> dict[str, Any]:
+    """A given or saved section's settings: without the research options at their old
+    defaults (every configuration written before they left) and the fields the run fills
+    in, left unset (as ``to_dict`` writes them); a research option at another value, or a
+    field the run fills in set, raises :class:`ConfigError` in one line."""
     values = {
         field: value
         for field, value in values.items()
@@ -114,13 +114,17 @@ def schedule_section(values: dict[str, Any]) -> SchedulePolicy:
         refuse_experimental(field, value)
         if field in RUN_FIELDS and value is not None:
             raise ConfigError(f"schedule.{field}={value!r}: the run fills it in, not a setting")
-    known = {item.name for item in dataclasses.fields(SchedulePolicy)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ConfigError(
-            f"unknown fields {', '.join(f'schedule.{f}' for f in unknown)}: schedule has "
-            f"{', '.join(sorted(known - set(RUN_FIELDS)))}"
-        )
+    return {field: value for field, value in values.items() if field not in RUN_FIELDS}
+
+
+def schedule_section(values: dict[str, Any]) -> SchedulePolicy:
+    """The section from its fields (a saved or given subset; the rest are the defaults'),
+    checked: ``ConfigError`` in one line for a bad value, an unknown field (naming the
+    closest), a research option or a field the run fills in
+    (:func:`saved_schedule_fields`)."""
+    values = saved_schedule_fields(values)
+    known = {item.name for item in dataclasses.fields(SchedulePolicy)} - set(RUN_FIELDS)
+    refuse_unknown("schedule", values, known)
     profile = values.get("profile")
     if isinstance(profile, dict):  # a DeviceProfile, as to_dict wrote it
         values["profile"] = DeviceProfile(**profile)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -194,6 +195,21 @@ def _check_outputs(request: CorpusRequest, files: Sequence[Path]) -> list[Path]:
     return outputs
 
 
+def _make_writable_folder(flag_value: str, folder: Path) -> None:
+    """``folder`` made if need be, and written to once; ConfigError naming ``--out`` if
+    that cannot be done."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        reason = "a file" if folder.is_file() else (error.strerror or str(error)).lower()
+        raise ConfigError(
+            f"--out {flag_value}: cannot write in {folder} ({reason}): choose a folder you "
+            "can write"
+        ) from None
+
+
 def make_corpus(request: CorpusRequest) -> CorpusInfo:
     """Check everything, then tokenize the inputs into ``request.out`` and its sidecar."""
     files = sources.expand_inputs(request.inputs)
@@ -201,6 +217,11 @@ def make_corpus(request: CorpusRequest) -> CorpusInfo:
         sources.check_input(path, request.text_field)
     if request.txt_separator == "":
         raise ConfigError("--txt-separator '': give a non-empty separator, or leave it out")
+    if not request.eod_token:
+        raise ConfigError(
+            "--eod-token '': the end-of-document token needs a text of its own: give one "
+            "(such as <|endoftext|>, the default), or leave the flag out"
+        )
     if request.train_tokenizer is not None and request.train_tokenizer < BYTE_ALPHABET + 1:
         raise ConfigError(
             f"--train-tokenizer {request.train_tokenizer}: at least {BYTE_ALPHABET + 1} "
@@ -210,7 +231,7 @@ def make_corpus(request: CorpusRequest) -> CorpusInfo:
     if request.tokenizer is not None:
         tokenizer = load_tokenizer(request.tokenizer)
         eod = eod_id(tokenizer, request.eod_token)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    _make_writable_folder(request.out, out.parent)
     if request.train_tokenizer is not None:
         tokenizer = train_tokenizer(files, request)
         eod = eod_id(tokenizer, request.eod_token)

@@ -64,6 +64,10 @@ def load_run_model(run_dir: str | Path, device: jax.Device | None = None) -> Run
     ConfigError (one line) without a directory, a checkpoint, or a readable one."""
     run_dir = Path(run_dir)
     where = f"--checkpoint {run_dir}"
+    if run_dir.exists() and not run_dir.is_dir():
+        run = next((p for p in run_dir.absolute().parents if (p / CHECKPOINT_DIR).is_dir()), None)
+        fix = f"the run it is in, --checkpoint {run}" if run else "the --out of a jaxmoe train run"
+        raise ConfigError(f"{where}: is a file, not a run directory: give {fix}")
     if not run_dir.is_dir():
         raise ConfigError(f"{where}: no such directory: give the --out of a jaxmoe train run")
     if not (run_dir / CHECKPOINT_DIR).is_dir() or not (steps := checkpoint_steps(run_dir)):
@@ -87,4 +91,7 @@ def load_run_model(run_dir: str | Path, device: jax.Device | None = None) -> Run
                 flush=True,
             )
     reasons = "; ".join(f"step {step} ({why})" for step, why in unreadable.items())
-    raise ConfigError(f"{where}: no checkpoint can be read: {reasons}")
+    raise ConfigError(
+        f"{where}: no checkpoint can be read: {reasons}; give a run directory whose "
+        "checkpoints are intact"
+    )

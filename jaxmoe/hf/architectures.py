@@ -340,13 +340,9 @@ def _rope_fields(fields: _Fields, family: str) -> dict[str, Any]:
 # -- jaxmoe -> config.json ---------------------------------------------------------------------
 
 
-def _refuse(family: str, field: str, value: Any, why: str) -> ConfigError:
-    return ConfigError(f"--to-hf: {field}={value!r}: {why} in a {family} model")
-
-
-def check_expressible(config: Config, family: str) -> None:
-    """Refuse, in one line naming the field, a configuration that ``family``'s
-    transformers model cannot express."""
+def inexpressible(config: Config, family: str) -> tuple[str, Any, Any] | None:
+    """The first field of ``config`` that ``family``'s transformers model cannot express:
+    ``(field, its value, the value the family has)``; None if it can express them all."""
     model, moe = config.model, config.moe
     required = {
         "model.norm": (model.norm, "rmsnorm"),
@@ -377,7 +373,17 @@ def check_expressible(config: Config, family: str) -> None:
         required["moe.num_shared_experts"] = (moe.num_shared_experts, 0)
     for field, (value, needed) in required.items():
         if value != needed:
-            raise _refuse(family, field, value, f"must be {needed!r}")
+            return field, value, needed
+    return None
+
+
+def check_expressible(config: Config, family: str) -> None:
+    """Refuse, in one line naming the field, a configuration that ``family``'s
+    transformers model cannot express."""
+    found = inexpressible(config, family)
+    if found is not None:
+        field, value, needed = found
+        raise ConfigError(f"--to-hf: {field}={value!r}: must be {needed!r} in a {family} model")
 
 
 def _put(values: dict[str, Any], names: tuple[str, ...], value: Any) -> None:

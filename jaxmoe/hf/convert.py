@@ -30,7 +30,14 @@ from typing import Any
 import numpy as np
 
 from jaxmoe.config import Config, ConfigError
-from jaxmoe.hf.architectures import Architecture, architecture_of, hf_config, read_architecture
+from jaxmoe.hf.architectures import (
+    FAMILIES,
+    Architecture,
+    architecture_of,
+    hf_config,
+    inexpressible,
+    read_architecture,
+)
 from jaxmoe.hf.files import (
     CONFIG,
     READ_DTYPES,
@@ -313,11 +320,38 @@ def plan_to_hf(
         raise ConfigError(f"--out {run}: the checkpoint of step {step} cannot be read") from error
     base_path = run / HF_DIR / CONFIG
     base = read_config(run / HF_DIR) if base_path.is_file() else None
+    fitting = [other for other in FAMILIES if inexpressible(config, other) is None]
+    if family is not None:
+        _refuse_family(config, step, family, f"--model-type {family}", fitting)
+    elif base is None and not fitting:  # no family named, and none would do
+        _refuse_family(config, step, FAMILIES[0], "--to-hf", fitting)
     family = architecture_of(config, base, family)
+    where = f"--to-hf (the run was converted from a {family} model)"
+    _refuse_family(config, step, family, where, fitting)
     if dtype is None:
         stored = (base or {}).get("dtype", (base or {}).get("torch_dtype"))
         dtype = stored if stored in WRITE_DTYPES else "float32"
     return ToHF(run, step, config, family, dtype, hf_config(config, family, dtype, base))
+
+
+def _refuse_family(config: Config, step: int, family: str, where: str, fitting: list[str]) -> None:
+    """ConfigError, in one line beginning with ``where``, if ``family``'s model cannot
+    express the checkpoint's configuration: the saved field that conflicts, and the family
+    that fits it (``fitting``), if any."""
+    mismatch = inexpressible(config, family)
+    if mismatch is None:
+        return
+    field, value, needed = mismatch
+    fix = (
+        f"give --model-type {fitting[0]}, whose blocks it has"
+        if fitting
+        else f"it has the blocks of no family jaxmoe writes ({', '.join(FAMILIES)}); export "
+        f"a run trained from one of their presets (--preset {FAMILIES[0]}-tiny, ...)"
+    )
+    raise ConfigError(
+        f"{where}: the checkpoint of step {step} was trained with {field}={value!r}, where a "
+        f"{family} model has {needed!r}: {fix}"
+    )
 
 
 def restore_params(run: Path, step: int, config: Config, device: Any) -> dict[str, Any]:

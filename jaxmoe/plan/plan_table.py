@@ -18,7 +18,7 @@ def table(result: PlanResult, verbose: bool = False) -> str:
     )
     capacity = result.profile.memory_capacity_bytes
     lines = [
-        f"jaxmoe plan: preset {result.preset!r} on {result.devices} devices of profile "
+        f"jaxmoe plan: {result.preset!r} on {result.devices} devices of profile "
         f"{result.profile.name!r} ({result.peak_flops_per_s / 1e12:g} TFLOP/s peak, "
         + (f"{capacity / 1e9:g} GB per device" if capacity else "no memory figure")
         + f"); {result.model_flops_per_step / 1e12:.4g} TFLOP of model FLOPs per step; "

@@ -425,7 +425,8 @@ def plan_mappings(
     dividing the devices, with up to ``max_virtual_stages`` chunks per stage of at least
     one block each (uneven where the blocks do not divide:
     :func:`~jaxmoe.plan.mappings.pipelines_of`). ``cross_node_tensor``: also tensor
-    groups wider than a node (:mod:`jaxmoe.plan.mappings`)."""
+    groups wider than a node (:mod:`jaxmoe.plan.mappings`; a flat profile has no nodes).
+    ``preset``: what the table calls the configuration (a preset's name, a file's path)."""
     check_plan_inputs(config, devices, profile, schedules)
     if top < 1:
         raise ConfigError(f"top={top}: rank at least one mapping")
@@ -436,13 +437,13 @@ def plan_mappings(
         config,
         devices,
         per_node,
-        max_tensor=None if cross_node_tensor else per_node,
+        max_tensor=None if cross_node_tensor or not per_node else per_node,
         pipelines=pipelines,
     )
     if not space.valid:
         reasons = space.skipped_summary()
         raise ConfigError(
-            f"no valid mapping of preset {preset!r} on {devices} devices; "
+            f"no valid mapping of {preset!r} on {devices} devices; "
             f"{len(space.skipped)} refused, most often: {reasons[0] if reasons else 'none'}"
         )
     if memory_capacity_bytes is not None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -216,11 +217,18 @@ def check_compatible(saved: dict[str, Any], config: Config, step: int) -> list[s
 
 def error_reason(error: BaseException) -> str:
     """Why reading failed, in one line: the first line of the error that caused the others
-    (Orbax wraps TensorStore's), at most 200 characters."""
-    while error.__cause__ is not None or error.__context__ is not None:
-        error = error.__cause__ or error.__context__
+    (Orbax wraps TensorStore's; an error raised ``from None`` caused nothing), at most 200
+    characters."""
+    while True:
+        cause = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+        if cause is None:
+            break
+        error = cause
     text = str(error).strip().splitlines()
-    return (text[0] if text else type(error).__name__)[:200]
+    reason = text[0] if text else type(error).__name__
+    if isinstance(error, json.JSONDecodeError):  # Orbax's metadata files are JSON
+        reason = f"a file of it is not valid JSON: {reason}"
+    return reason[:200]
 
 
 class CheckpointWriteError(OSError):

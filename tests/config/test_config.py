@@ -18,7 +18,7 @@ from jaxmoe.config import (
     capacity_per_expert,
 )
 from jaxmoe.config.schedule import schedule_section
-from jaxmoe.presets import PRESETS, preset
+from jaxmoe.presets import preset
 
 
 def section(**fields):
@@ -65,7 +65,7 @@ def section(**fields):
         (lambda: section(profile="tpu"), "schedule.profile='tpu': choose one of a100"),
         (lambda: section(max_live_bytes_growth=float("inf")), "expected a finite float"),
         (lambda: section(op_cost_cache="/cache"), "the run fills it in, not a setting"),
-        (lambda: section(widht=3), "unknown fields schedule.widht: schedule has "),
+        (lambda: section(widht=3), "unknown field schedule.widht: schedule has "),
         # Research options: no settings, each refused with where it went.
         (lambda: section(link_mbit=-5.0), "schedule.link_mbit=-5.0: the cost model's link"),
         (lambda: section(link_mbit=50.0), "is its profile's: choose --schedule.profile, or"),
@@ -74,6 +74,15 @@ def section(**fields):
         (lambda: section(transport="socket"), "experiments/emulation/socket_transport.py"),
         (lambda: section(xla_pin="groups"), "ExperimentalOptions(xla_groups=True)"),
         (lambda: DataConfig(val_fraction=1.0), "data.val_fraction=1.0"),
+        (
+            lambda: Config(schedule=section(name="pair")),
+            "schedule.name=pair runs each microbatch's passes beside another's, but "
+            "train.microbatches=1 gives it one: set train.microbatches to 2 or more",
+        ),
+        (
+            lambda: Config(schedule=section(name="comet", pair_microbatches=True)),
+            "schedule.pair_microbatches=true (with schedule.name=comet) runs each microbatch's",
+        ),
         (
             lambda: Config(moe=MoEConfig(num_experts=6), parallel=ParallelConfig(expert=4)),
             "moe.num_experts=6 is not divisible by parallel.expert=4",
@@ -218,11 +227,6 @@ def test_unknown_preset_names_the_choices():
         preset("huge")
 
 
-@pytest.mark.parametrize("name", sorted(PRESETS))
-def test_presets_are_valid(name):
-    assert preset(name).model.moe_layers
-
-
 def test_capacity_and_moe_layers():
     assert capacity_per_expert(64, 1, 1.25, 8) == 10
     assert capacity_per_expert(64, 2, 1.0, 8) == 16
@@ -241,7 +245,7 @@ def test_capacity_and_moe_layers():
         (lambda: MoEConfig(normalize_top_k=1), "moe.normalize_top_k=1: expected a finite bool"),
         (
             lambda: Config.from_dict({"model": {"widht": 3}}),
-            "unknown fields model.widht: model has activation, attention_bias, d_ff, d_model",
+            "unknown field model.widht: model has activation, attention_bias, d_ff, d_model",
         ),
     ],
 )

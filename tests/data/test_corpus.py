@@ -199,6 +199,15 @@ def test_bad_inputs_are_refused_in_one_line(tmp_path, capsys):
         (("--input", one, "--out", tmp_path / "out.txt", *tok), "must end in .bin"),
         (("--input", notes, "--out", tmp_path / "notes.bin", *tok), "would overwrite the input"),
         (("--input", one, "--out", out, "--train-tokenizer", 100), "at least 257"),
+        (
+            ("--input", one, "--out", one / "sub" / "o.bin", *tok),
+            f"--out {one / 'sub' / 'o.bin'}: cannot write in {one / 'sub'} (not a directory): "
+            "choose a folder you can write",
+        ),
+        (
+            ("--input", one, "--out", out, *tok, "--eod-token", ""),
+            "--eod-token '': the end-of-document token needs a text of its own",
+        ),
         (("--input", one, "--out", out, "--tokenizer", tmp_path / "none.json"), "no such file"),
         (("--input", one, "--out", out, "--tokenizer", one), "not a tokenizers file"),
         (

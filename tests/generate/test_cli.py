@@ -106,6 +106,12 @@ def test_an_unreadable_newest_checkpoint_is_passed_over_and_left_as_it_is(
         (["--checkpoint", "MISSING"], "no such directory"),
         (["--checkpoint", "EMPTY"], "holds no checkpoint"),
         (["--checkpoint", "BROKEN"], "no checkpoint can be read: step 0"),
+        (
+            ["--checkpoint", "GARBLED"],
+            "no checkpoint can be read: step 0 (a file of it is not valid JSON: Expecting "
+            "value: line 1 column 1 (char 0)); give a run directory whose checkpoints are intact",
+        ),
+        (["--checkpoint", "A_FILE"], "is a file, not a run directory: give the run it is in"),
     ],
 )
 def test_bad_input_is_one_line_and_status_2(run_dir, tmp_path, capsys, argv, message):
@@ -114,7 +120,15 @@ def test_bad_input_is_one_line_and_status_2(run_dir, tmp_path, capsys, argv, mes
     broken = tmp_path / "BROKEN" / "checkpoints" / "0"
     shutil.copytree(out / "checkpoints" / "0", broken)
     shutil.rmtree(broken / "state")
-    argv = [str(tmp_path / a) if a in ("MISSING", "EMPTY", "BROKEN") else a for a in argv]
+    garbled = tmp_path / "GARBLED" / "checkpoints" / "0"
+    shutil.copytree(out / "checkpoints" / "0", garbled)
+    (garbled / "state" / "_METADATA").write_text("garbage{")
+    a_run = tmp_path / "run"  # a run directory, and a file in it
+    (a_run / "checkpoints").mkdir(parents=True)
+    (a_run / "config.json").write_text("{}")
+    paths = {name: tmp_path / name for name in ("MISSING", "EMPTY", "BROKEN", "GARBLED")}
+    paths["A_FILE"] = a_run / "config.json"
+    argv = [str(paths[a]) if a in paths else a for a in argv]
     defaults = {"--checkpoint": str(out), "--prompt": PROMPT}
     for flag, value in defaults.items():
         if flag not in argv:

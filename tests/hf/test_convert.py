@@ -298,6 +298,13 @@ def test_exporting_a_run_not_converted_from_hf_needs_its_architecture(converted,
         plan_to_hf(run)
     with pytest.raises(ConfigError, match=r"--step 7: .* has checkpoints of steps 0"):
         plan_to_hf(run, step=7, family="mixtral")
+    # Another family's blocks: the saved field that conflicts, and the family that fits.
+    with pytest.raises(ConfigError) as error:
+        plan_to_hf(run, family="qwen3_moe")
+    assert str(error.value) == (
+        "--model-type qwen3_moe: the checkpoint of step 0 was trained with model.qk_norm=False, "
+        "where a qwen3_moe model has True: give --model-type mixtral, whose blocks it has"
+    )
 
     plan = plan_to_hf(run, family="mixtral")
 

@@ -1,5 +1,6 @@
 """``jaxmoe train``: overrides, files written, and exit status 2 on bad input."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -10,7 +11,9 @@ import pytest
 
 from jaxmoe.cli import launch as launch_module
 from jaxmoe.cli.main import main
-from jaxmoe.cli.parser import config_from_train_args
+from jaxmoe.cli.parser import config_from_train_args, parse, resolve_config
+from jaxmoe.config import Config, MoEConfig, TrainConfig
+from jaxmoe.presets import preset
 from tests.train.runs import ONE_LAYER
 
 # A refusal takes a parse and a file read; a compilation of even the smallest step takes
@@ -25,7 +28,7 @@ REFUSED_WITHIN_S = 15.0
         (["train", "--moe.capacity_factor", "abc"], "--moe.capacity_factor: cannot read 'abc'"),
         (["train", "--parallel.data", "2"], "2 x 8 x 1 = 16, but there are 8 devices"),
         (["train", "--preset", "huge"], "invalid choice: 'huge'"),
-        (["train", "--no-such-flag", "1"], "unrecognized arguments: --no-such-flag"),
+        (["train", "--no-such-flag", "1"], "unrecognized argument --no-such-flag: see jaxmoe"),
         (["train", "--steps", "many"], "invalid int value: 'many'"),
     ],
 )
@@ -53,6 +56,7 @@ def input_files(tmp_path):
     (tmp_path / "typo.json").write_text(
         '{"curves": [{"kind": "alltoall", "group_size": 8, "bytes": [1], "seconds": [1]}]}'
     )
+    (tmp_path / "typo.toml").write_text("[model]\nd_mode = 64\n")
     return tmp_path
 
 
@@ -83,10 +87,16 @@ CURVES = "--schedule.link_curves"
         (["--train.schedule", "dw"], "--train.schedule is now --schedule.name"),
         (["--model.d_model", "1000000000"], "the attention projections would have 3e+18"),
         (["--model.d_ff", str(10**16)], "the dense FFN weights would have 1.28e+18"),
+        (
+            ["--config", "{dir}/typo.toml"],
+            "--config {dir}/typo.toml: unknown field model.d_mode: did you mean model.d_model?",
+        ),
+        (["--config", "{dir}/absent.toml"], "absent.toml: no such file or directory"),
     ],
 )
 def test_bad_inputs_are_refused_before_compiling(input_files, argv, message, capsys):
     argv = [arg.format(dir=input_files) for arg in argv]
+    message = message.format(dir=input_files)
     started = time.monotonic()
     with pytest.raises(SystemExit) as exit_info:
         raise SystemExit(main(["train", *argv, "--out", str(input_files / "run")]))
@@ -116,6 +126,76 @@ def test_a_shortcut_and_its_field_may_repeat_the_same_value():
     assert config.train.steps == 5 and config.schedule.name == "dw"
     config = config_from_train_args(["--data", "corpus.txt", "--data.path", "corpus.txt"])
     assert config.data.path == "corpus.txt"
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag", "guess"),
+    [
+        # Abbreviations argparse took for the whole flag (config would have printed them),
+        # and misspellings; each case fails fast without the exact names.
+        (["config", "--model.d_mode", "64"], "--model.d_mode", "--model.d_model"),
+        (["config", "--train.zer", "2"], "--train.zer", "--train.zero"),
+        (["config", "--parallel.pipe", "3"], "--parallel.pipe", "--parallel.pipeline"),
+        (["config", "--moe.topk=2"], "--moe.topk", "--moe.top_k"),
+        (["train", "--stpes", "3"], "--stpes", "--steps"),
+        (["schedule", "--schedule.nmae", "dw"], "--schedule.nmae", "--schedule.name"),
+        (["plan", "--devise", "3", "--profile", "a100"], "--devise", "--devices"),
+        (["link-curves", "--out", "c.json", "--repaets", "2"], "--repaets", "--repeats"),
+        (["data", "--input", "a.txt", "--out", "a.bin", "--eod", "x"], "--eod", "--eod-token"),
+        (["convert", "--to-h", "x", "--out", "y"], "--to-h", "--to-hf"),
+        (["generate", "--check", "x", "--prompt", "y"], "--check", "--checkpoint"),
+        (["launch", "--num-procs", "2", "--", "train"], "--num-procs", "--num-processes"),
+        (["launch", "-n", "2", "--", "train", "--train.zer", "2"], "--train.zer", "--train.zero"),
+    ],
+)
+def test_flags_are_whole_names_and_an_unknown_one_names_the_closest(argv, flag, guess, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        raise SystemExit(main(argv))
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.endswith(f": error: unrecognized argument {flag}: did you mean {guess}?\n")
+    assert error.count("\n") == 1, error
+
+
+def _write(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+def test_a_file_is_set_over_the_preset_and_flags_over_the_file(tmp_path):
+    run = _write(tmp_path / "run.toml", "[moe]\ntop_k = 2\n[train]\nsteps = 7\nseed = 3\n")
+    config = config_from_train_args(
+        ["--preset", "mixtral-tiny", "--config", run, "--train.steps", "9"]
+    )
+    mixtral = preset("mixtral-tiny")
+    assert config.model == mixtral.model and config.parallel == mixtral.parallel
+    assert config.moe == dataclasses.replace(mixtral.moe, top_k=2)
+    assert config.train == dataclasses.replace(mixtral.train, steps=9, seed=3)
+    # A file alone is set over the defaults (a preset's file is such a file), not tiny.
+    alone = config_from_train_args(["--config", run])
+    assert alone == Config(moe=MoEConfig(top_k=2), train=TrainConfig(steps=7, seed=3))
+    assert config_from_train_args([]) == preset("tiny")
+
+
+def test_config_prints_every_field_as_a_file_that_repeats_the_configuration(tmp_path, capsys):
+    flags = ["--preset", "qwen3_moe-tiny", "--moe.capacity_factor", "none", "--steps", "5"]
+    assert main(["config", *flags]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"# jaxmoe config {' '.join(flags)}\n")
+    assert 'capacity_factor = "none"' in printed and "op_cost_cache" not in printed
+    repeated = config_from_train_args(["--config", _write(tmp_path / "q.toml", printed)])
+    assert repeated == config_from_train_args(flags)
+
+
+def test_the_commands_that_take_a_preset_take_a_file(tmp_path):
+    run = _write(tmp_path / "run.toml", "[model]\nnum_layers = 2\n[parallel]\nexpert = 4\n")
+    for command in ("schedule", "link-curves", "config"):
+        args = parse([command, "--config", run, *(["--out", "x"] * (command == "link-curves"))])
+        assert resolve_config(args).model.num_layers == 2
+        assert resolve_config(args).parallel.expert == 4
+    # The planner lays the model out itself: the file's layout is set aside.
+    planned = resolve_config(parse(["plan", "--config", run, "--devices", "8", "--profile", "cpu"]))
+    assert planned.model.num_layers == 2 and planned.parallel.expert == 1
 
 
 @pytest.mark.parametrize(
@@ -171,12 +251,15 @@ def test_console_exit_status_in_a_fresh_process():
 
 def test_a_short_run_writes_config_and_metrics(tmp_path, capsys):
     out = tmp_path / "run"
-    argv = ["train", "--steps", "3", "--out", str(out), "--no-progress", *ONE_LAYER]
-    argv += ["--moe.capacity_factor", "none", "--train.eval_every", "2"]
-    assert main(argv) == 0
+    flags = ["--steps", "3", *ONE_LAYER, "--moe.capacity_factor", "none"]
+    flags += ["--train.eval_every", "2"]
+    assert main(["train", *flags, "--out", str(out), "--no-progress"]) == 0
     config = json.loads((out / "config.json").read_text())
     assert config["model"]["num_layers"] == 1 and config["moe"]["capacity_factor"] is None
     assert config["train"]["steps"] == 3
+    # The saved configuration is a configuration file that repeats the run.
+    repeated = config_from_train_args(["--config", str(out / "config.json")])
+    assert repeated == config_from_train_args(flags)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [0, 1, 2]
     for key in ("loss", "tokens_per_s", "dropped_fraction", "expert_imbalance", "aux_loss"):
