@@ -151,13 +151,12 @@ def test_groups_are_withheld_where_the_compiler_mishandles_them(monkeypatch):
     assert line.startswith("scheduled windows not emitted as scheduling groups (this compiler")
 
 
-def test_the_xla_gpu_of_the_pinned_jax_gets_no_groups():
+def test_no_supported_xla_is_known_to_mishandle_groups():
+    # jax 0.10.2's XLA:GPU crashed on them; it is below the supported range.
+    assert jax_adapter.jax_supported()
+    assert not jax_adapter.jax_supported("0.10.2")
     assert jax_adapter.xla_groups_withheld("cpu") is None
-    reason = jax_adapter.xla_groups_withheld("gpu")
-    if jax.__version__ == "0.10.2":
-        assert "all-to-all" in reason
-    elif jax.__version__ == "0.11.2":  # measured: XLA drops them, harmlessly
-        assert reason is None
+    assert jax_adapter.xla_groups_withheld("gpu") is None
 
 
 @functools.cache
