@@ -88,10 +88,10 @@ def _resume_point(config: Config, args: argparse.Namespace) -> int | None:
 
 def run(config: Config, args: argparse.Namespace) -> int:
     import jax
-    from absl import logging as absl_logging
 
     from jaxmoe.plan.host_memory import check_host_memory
     from jaxmoe.prepare import start_process
+    from jaxmoe.train.failed_saves import quiet_failed_saves
     from jaxmoe.train.loop import RunStopped, train
     from jaxmoe.train.profiler import parse_profile_steps
     from jaxmoe.train.run_control import StopSignals
@@ -100,9 +100,8 @@ def run(config: Config, args: argparse.Namespace) -> int:
     if profile is not None:  # checked before anything starts or compiles
         profile = parse_profile_steps(profile, config.train.steps, args.out)
 
-    # Orbax logs through absl, a failed background write as tracebacks from several
-    # threads; the run reports each failure in one line of its own.
-    absl_logging.set_verbosity(absl_logging.FATAL)
+    # A failed checkpoint write is the run's one line, not Orbax's tracebacks as well.
+    quiet_failed_saves()
     distributed = distributed_config(args)
     _prepare_out(args, distributed)
     step_timeout = args.step_timeout
