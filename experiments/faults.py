@@ -421,7 +421,7 @@ def _bad_inputs(scratch: Path) -> list[Outcome]:
     data_dir = scratch / "data-dir"
     data_dir.mkdir()
     held = scratch / "held"
-    held.mkdir()
+    (held / "checkpoints" / "3").mkdir(parents=True)
     (held / "config.json").write_text("{}")
     cases = [
         ("--out /proc/x", ["train", "--out", "/proc/x"]),

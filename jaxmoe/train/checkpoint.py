@@ -54,6 +54,8 @@ from jaxmoe.train.resolved import Run
 from jaxmoe.train.state import TrainState, abstract_sharded_state, param_trees_mapped
 
 CHECKPOINT_DIR = "checkpoints"
+# What a checkpoint that cannot be read is renamed to: <step>.unreadable.
+SET_ASIDE_SUFFIX = ".unreadable"
 # Fields whose change gives parameters (or their optimizer state) other shapes.
 _SHAPE_FIELDS = {f"model.{field.name}" for field in dataclasses.fields(Config().model)} | {
     "moe.num_experts",
@@ -101,6 +103,13 @@ def checkpoint_steps(out_dir: Path) -> list[int]:
     as unreadable.
     """
     return sorted(ocp.utils.checkpoint_steps(out_dir / CHECKPOINT_DIR), reverse=True)
+
+
+def holds_checkpoints(out_dir: Path) -> bool:
+    """Whether ``out_dir`` holds a checkpoint: a complete one, or one set aside as unreadable
+    (a half-written one does not count)."""
+    directory = out_dir / CHECKPOINT_DIR
+    return bool(checkpoint_steps(out_dir)) or any(directory.glob(f"*{SET_ASIDE_SUFFIX}"))
 
 
 def restore_model(out_dir: Path, step: int, run: Run, device: Any) -> dict[str, Any]:
@@ -391,7 +400,7 @@ class RunCheckpoints:
         if jax.process_index() == 0:
             for step in steps:
                 source = self.directory / str(step)
-                target = self.directory / f"{step}.unreadable"
+                target = self.directory / f"{step}{SET_ASIDE_SUFFIX}"
                 if source.exists() and not target.exists():
                     source.rename(target)
         self._manager.reload()

@@ -18,6 +18,7 @@ import pytest
 
 from jaxmoe.cli.launch import child_environment
 from jaxmoe.cli.main import main
+from jaxmoe.cli.run_dir import prepare_run_dir
 from jaxmoe.config import ConfigError
 from jaxmoe.exit_codes import IO_ERROR as IO_ERROR_EXIT_CODE
 from jaxmoe.exit_codes import NONFINITE as NONFINITE_EXIT_CODE
@@ -213,7 +214,7 @@ def test_a_failed_metrics_write_leaves_only_whole_lines(tmp_path, monkeypatch):
     [
         ("file", [], "is a file, not a directory"),
         ("file-parent", [], "cannot write there"),
-        ("run", [], "already holds a run (config.json, metrics.jsonl): add --resume"),
+        ("run", [], "already holds a run (config.json, metrics.jsonl, checkpoints): add"),
         ("none", ["--resume", "--overwrite"], "not allowed with argument"),
         ("proc", [], "cannot write there"),
     ],
@@ -226,7 +227,7 @@ def test_a_bad_out_directory_is_one_line_before_compiling(tmp_path, capsys, setu
         (tmp_path / "afile").write_text("x")
         out = tmp_path / "afile" / "sub"
     elif setup == "run":
-        out.mkdir()
+        (out / "checkpoints" / "3").mkdir(parents=True)
         (out / "config.json").write_text("{}")
         (out / "metrics.jsonl").write_text("")
     elif setup == "proc":
@@ -249,6 +250,22 @@ def test_overwrite_deletes_the_run_files_and_nothing_else(tmp_path):
     assert (out / "notes.txt").read_text() == "mine"
     assert [row["step"] for row in strict_rows(out)] == [0]
     assert latest_checkpoint(out) == 1
+
+
+def test_what_a_run_wrote_before_its_first_checkpoint_is_replaced(tmp_path, capsys):
+    out = tmp_path / "out"
+    (out / "checkpoints" / "1.orbax-checkpoint-tmp").mkdir(parents=True)  # half written
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    (out / "notes.txt").write_text("mine")
+    prepare_run_dir(out, resume=False, overwrite=False)
+    assert [path.name for path in out.iterdir()] == ["notes.txt"]
+    assert "replacing the files of a run that wrote no checkpoint (metrics.jsonl, checkpo" in (
+        capsys.readouterr().out
+    )
+    # A checkpoint set aside as unreadable is still the run's: refused, not replaced.
+    (out / "checkpoints" / "2.unreadable").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="already holds a run"):
+        prepare_run_dir(out, resume=False, overwrite=False)
 
 
 def test_too_little_free_space_is_refused(tmp_path, monkeypatch):
@@ -294,6 +311,7 @@ def test_a_full_disk_stops_the_run_in_one_line_and_keeps_its_checkpoints(small_d
 FILLED_DURING_A_SAVE = """
 import sys
 from jaxmoe.cli.main import main
+from jaxmoe.cli.run_dir import prepare_run_dir
 from jaxmoe.train.checkpoint import RunCheckpoints
 
 save = RunCheckpoints._save
@@ -391,3 +409,6 @@ def test_a_signal_while_starting_ends_the_run_at_once_without_a_checkpoint(tmp_p
     assert "Traceback" not in stderr
     assert latest_checkpoint(out) is None
     assert read_rows(out / "metrics.jsonl") == []
+    # Nothing it leaves refuses the next run into the directory.
+    prepare_run_dir(out, resume=False, overwrite=False)
+    assert not (out / "checkpoints").exists()
