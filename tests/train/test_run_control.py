@@ -97,11 +97,27 @@ def resume_here(capsys, out: Path, steps: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> list[dict]:
-    """Eight steps of the small run, never interrupted."""
+def finished_run(tmp_path_factory) -> Path:
+    """The directory of eight steps of the small run, never interrupted (not to be changed)."""
     out = tmp_path_factory.mktemp("uninterrupted")
     assert main(["train", *SMALL, "--steps", "8", "--out", str(out)]) == 0
-    return strict_rows(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(finished_run) -> list[dict]:
+    """The metrics of :func:`finished_run`."""
+    return strict_rows(finished_run)
+
+
+def test_resuming_into_a_model_of_another_shape_is_one_line(finished_run, capsys):
+    argv = ["train", *SMALL, "--steps", "9", "--out", str(finished_run), "--resume"]
+    capsys.readouterr()
+    assert main([*argv, "--moe.num_shared_experts", "1"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1, error
+    assert "the checkpoint of step 8 holds a model of another shape (moe.num_shared_exper" in error
+    assert not list((finished_run / "checkpoints").glob("*.unreadable"))  # none set aside
 
 
 def test_sigterm_saves_exits_75_and_the_resumed_run_is_the_same(tmp_path, capsys, uninterrupted):
