@@ -1,8 +1,9 @@
 """``jaxmoe train``: one process of a run, from the command line to its last step.
 
 Before anything starts: the flags that are not configuration fields and the run
-directory are checked (``--out``, cleared for ``--overwrite``). Then the distributed
-runtime starts, the run is prepared once (:func:`jaxmoe.prepare.prepare_run`: the
+directory are checked (``--out``, cleared for ``--overwrite``), and a ``--resume`` of a
+run that has its steps already ends there, told by its checkpoints' steps alone. Then
+the distributed runtime starts, the run is prepared once (:func:`jaxmoe.prepare.prepare_run`: the
 mesh, every automatic choice), the checkpoint to resume from is found, and the loop
 trains.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from pathlib import Path
 
 from jaxmoe.config import Config, ConfigError
 from jaxmoe.parallel.distributed import DistributedConfig
@@ -62,6 +64,17 @@ def _prepare_out(args: argparse.Namespace, distributed: DistributedConfig) -> No
     )
 
 
+def _finished(config: Config, args: argparse.Namespace) -> bool:
+    """Whether ``--resume`` continues a run whose newest checkpoint has ``train.steps`` steps
+    already: read from the checkpoint directory's names, with nothing built or compiled."""
+    from jaxmoe.train.checkpoint import latest_checkpoint
+
+    if not args.resume or args.out is None:
+        return False
+    newest = latest_checkpoint(Path(args.out))
+    return newest is not None and newest >= config.train.steps
+
+
 def _resume_point(config: Config, args: argparse.Namespace) -> int | None:
     """Room for a checkpoint, and the checkpoint to resume from (after JAX starts)."""
     import jax
@@ -104,6 +117,10 @@ def run(config: Config, args: argparse.Namespace) -> int:
     quiet_failed_saves()
     distributed = distributed_config(args)
     _prepare_out(args, distributed)
+    if _finished(config, args):
+        if distributed.process_index_hint() == 0:
+            print(f"done: the run already has its {config.train.steps} steps")
+        return 0
     step_timeout = args.step_timeout
     if step_timeout is None and distributed.enabled:
         step_timeout = 120.0

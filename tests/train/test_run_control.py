@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxmoe import prepare
 from jaxmoe.cli.launch import child_environment
 from jaxmoe.cli.main import main
 from jaxmoe.cli.run_dir import prepare_run_dir
@@ -108,6 +109,16 @@ def finished_run(tmp_path_factory) -> Path:
 def uninterrupted(finished_run) -> list[dict]:
     """The metrics of :func:`finished_run`."""
     return strict_rows(finished_run)
+
+
+def test_resuming_a_finished_run_builds_nothing(finished_run, capsys, monkeypatch):
+    def start_process(*args, **kwargs):
+        raise AssertionError("the run was prepared")
+
+    monkeypatch.setattr(prepare, "start_process", start_process)
+    capsys.readouterr()
+    assert main(["train", *SMALL, "--steps", "8", "--out", str(finished_run), "--resume"]) == 0
+    assert capsys.readouterr().out == "done: the run already has its 8 steps\n"
 
 
 def test_resuming_into_a_model_of_another_shape_is_one_line(finished_run, capsys):
