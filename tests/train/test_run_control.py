@@ -417,6 +417,24 @@ def test_resume_passes_over_unreadable_checkpoints_and_deletes_nothing(
     assert sorted(p.name for p in checkpoints.iterdir()) == before
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_a_signal_while_jax_is_imported_ends_the_run_in_one_line(tmp_path, signum):
+    process = start_run(tmp_path / "run", "--steps", "5")
+    maps = Path(f"/proc/{process.pid}/maps")
+    deadline = time.monotonic() + 60
+    while "/jaxlib/" not in maps.read_text():  # JAX's extension modules are being loaded
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "JAX was never imported"
+        time.sleep(0.001)
+    process.send_signal(signum)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == PREEMPTED_EXIT_CODE, stderr
+    assert stderr == (
+        f"jaxmoe: {signum.name} while starting: stopped before the first step, no checkpoint "
+        "written\n"
+    )
+
+
 def test_a_signal_while_starting_ends_the_run_at_once_without_a_checkpoint(tmp_path):
     out = tmp_path / "run"
     process = start_run(out, "--steps", "5000")
