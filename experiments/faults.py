@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -267,6 +268,7 @@ def drill(steps: int, scratch: Path) -> list[Outcome]:
         )
     )
 
+    outcomes.extend(_finished_resumes(reference_dir, common))
     outcomes.extend(_corrupt_checkpoints(scratch, common, reference))
     outcomes.extend(_import_signals(scratch, common))
     outcomes.extend(_early_signals(scratch, common))
@@ -288,6 +290,32 @@ def drill(steps: int, scratch: Path) -> list[Outcome]:
     outcomes.append(_full_disk(scratch, common))
     outcomes.append(_disk_filled_mid_run(scratch, common))
     outcomes.extend(_bad_inputs(scratch))
+    return outcomes
+
+
+def _finished_resumes(out: Path, common: list[str]) -> list[Outcome]:
+    """``--resume`` of the finished reference run: as it is (nothing to train), and with a
+    shared expert more and a step more (arrays of other shapes)."""
+    outcomes = []
+    for name, extra in (
+        ("--resume of the finished run", []),
+        (
+            "--resume with a step more and moe.num_shared_experts 1",
+            ["--steps", str(int(common[1]) + 1), "--moe.num_shared_experts", "1"],
+        ),
+    ):
+        started = time.monotonic()
+        resumed = _run("train", *common, *extra, "--out", str(out), "--resume")
+        lines = (resumed.stdout + resumed.stderr).strip().splitlines()
+        outcomes.append(
+            Outcome(
+                name,
+                f"status {resumed.returncode}: {lines[-1] if lines else 'no message'}",
+                time.monotonic() - started,
+                None,
+                f"n/a (lines of output: {len(lines)})",
+            )
+        )
     return outcomes
 
 
@@ -317,16 +345,18 @@ def _resume_past(name: str, out: Path, common: list[str], reference: list[dict])
 
 
 def _corrupt_checkpoints(scratch: Path, common: list[str], reference: list[dict]) -> list[Outcome]:
-    """The newest checkpoint truncated, then also the next one without its metadata:
-    ``--resume`` passes over them to the newest intact one; with none intact it refuses."""
-    out = scratch / "corrupt"
+    """A run stopped half way, in three copies: its newest checkpoint truncated; that one
+    truncated and the one before without its metadata (``--resume`` passes over them to the
+    newest intact one); none with its metadata (``--resume`` refuses)."""
+    half_way = scratch / "half-way"
     half = [*common[:1], str(int(common[1]) // 2), *common[2:]]
-    first = _run("train", *half, "--out", str(out))
+    first = _run("train", *half, "--out", str(half_way))
     assert first.returncode == 0, first.stderr[-2000:]
-    checkpoints = out / "checkpoints"
-    newest = _checkpoint_step(out)
-    _truncate_largest_data_file(checkpoints / str(newest))
+    newest = _checkpoint_step(half_way)
     outcomes = []
+
+    out = shutil.copytree(half_way, scratch / "corrupt-newest")
+    _truncate_largest_data_file(out / "checkpoints" / str(newest))
     outcome = _resume_past(
         f"--resume with the newest checkpoint (step {newest}) half truncated",
         out,
@@ -334,9 +364,10 @@ def _corrupt_checkpoints(scratch: Path, common: list[str], reference: list[dict]
         reference,
     )
     outcomes.append(outcome)
-    newest = _checkpoint_step(out)
-    _truncate_largest_data_file(checkpoints / str(newest))
-    (checkpoints / str(newest - 2) / "state" / "_METADATA").unlink()
+
+    out = shutil.copytree(half_way, scratch / "corrupt-two")
+    _truncate_largest_data_file(out / "checkpoints" / str(newest))
+    (out / "checkpoints" / str(newest - 2) / "state" / "_METADATA").unlink()
     outcome = _resume_past(
         f"--resume with checkpoint {newest} truncated and {newest - 2} without its metadata",
         out,
@@ -344,6 +375,9 @@ def _corrupt_checkpoints(scratch: Path, common: list[str], reference: list[dict]
         reference,
     )
     outcomes.append(outcome)
+
+    out = shutil.copytree(half_way, scratch / "corrupt-all")
+    checkpoints = out / "checkpoints"
     for entry in checkpoints.iterdir():
         if entry.name.isdigit():
             (entry / "state" / "_METADATA").unlink()

@@ -65,13 +65,14 @@ def _prepare_out(args: argparse.Namespace, distributed: DistributedConfig) -> No
 
 
 def _finished(config: Config, args: argparse.Namespace) -> bool:
-    """Whether ``--resume`` continues a run whose newest checkpoint has ``train.steps`` steps
-    already: read from the checkpoint directory's names, with nothing built or compiled."""
-    from jaxmoe.train.checkpoint import latest_checkpoint
+    """Whether ``--resume`` continues a run whose newest checkpoint (with its tree metadata)
+    has ``train.steps`` steps already: read from the checkpoint directory, with nothing
+    built or compiled."""
+    from jaxmoe.train.checkpoint import newest_described
 
     if not args.resume or args.out is None:
         return False
-    newest = latest_checkpoint(Path(args.out))
+    newest = newest_described(Path(args.out))
     return newest is not None and newest >= config.train.steps
 
 

@@ -108,6 +108,18 @@ def checkpoint_steps(out_dir: Path) -> list[int]:
     return sorted(ocp.utils.checkpoint_steps(out_dir / CHECKPOINT_DIR), reverse=True)
 
 
+def _tree_metadata(out_dir: Path, step: int) -> Path:
+    """The file that describes the tree of the checkpoint of ``step``'s state: without it,
+    the checkpoint cannot be read."""
+    return out_dir / CHECKPOINT_DIR / str(step) / "state" / "_METADATA"
+
+
+def newest_described(out_dir: Path) -> int | None:
+    """The step of the newest complete checkpoint under ``out_dir`` that holds its tree
+    metadata, or None (whether its arrays can be read, only reading them tells)."""
+    return next((s for s in checkpoint_steps(out_dir) if _tree_metadata(out_dir, s).exists()), None)
+
+
 def holds_checkpoints(out_dir: Path) -> bool:
     """Whether ``out_dir`` holds a checkpoint: a complete one, or one set aside as unreadable
     (a half-written one does not count)."""
@@ -272,9 +284,9 @@ def _refuse_another_shape(saved: dict[str, Any], config: Config, step: int) -> N
         section, field = name.split(".")
         try:
             sections[section] = dataclasses.replace(sections[section], **{field: differ[name][1]})
-        except ConfigError:  # valid only with the other changes: one that counts
+            return _held_shapes(sections["model"], sections["moe"], seed) != held
+        except Exception:  # a model only the other changes make valid: this one counts
             return True
-        return _held_shapes(sections["model"], sections["moe"], seed) != held
 
     named = [name for name in differ if changes_the_arrays(name)] or list(differ)
     listed = ", ".join(f"{name} {differ[name][0]!r} -> {differ[name][1]!r}" for name in named)
@@ -365,7 +377,7 @@ class RunCheckpoints:
 
     def restore(self, step: int) -> TrainState:
         """The state saved at ``step``, laid out for the run's mesh and configuration."""
-        metadata = self.directory / str(step) / "state" / "_METADATA"
+        metadata = _tree_metadata(self.directory.parent, step)
         if not metadata.exists():  # Orbax would say only that the tree does not match
             raise FileNotFoundError(f"its tree metadata ({metadata.name}) is missing")
         current = abstract_sharded_state(self.run)

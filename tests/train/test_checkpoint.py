@@ -13,7 +13,12 @@ from jaxmoe.exit_codes import PREEMPTED as PREEMPTED_EXIT_CODE
 from jaxmoe.parallel.mesh import build_mesh, token_spec
 from jaxmoe.prepare import prepare_run
 from jaxmoe.train import loop
-from jaxmoe.train.checkpoint import RunCheckpoints, check_compatible, latest_checkpoint
+from jaxmoe.train.checkpoint import (
+    RunCheckpoints,
+    check_compatible,
+    latest_checkpoint,
+    newest_described,
+)
 from jaxmoe.train.metrics import read_rows
 from jaxmoe.train.resolved import resolve
 from jaxmoe.train.run_control import StopSignals
@@ -172,6 +177,15 @@ def test_a_checkpoint_restores_under_another_compute_dtype_and_recomputation(tmp
     assert changed == ["model.dtype", "model.recompute"]
     with RunCheckpoints(tmp_path, resolve(config, mesh)) as checkpoints:
         chex.assert_trees_all_equal(jax.device_get(checkpoints.restore(0)), expected)
+
+
+def test_the_newest_checkpoint_is_the_newest_with_its_tree_metadata(tmp_path):
+    for step in (2, 4, 6):
+        (tmp_path / "checkpoints" / str(step) / "state").mkdir(parents=True)
+    for step in (2, 4):
+        (tmp_path / "checkpoints" / str(step) / "state" / "_METADATA").write_text("{}")
+    assert latest_checkpoint(tmp_path) == 6
+    assert newest_described(tmp_path) == 4
 
 
 def test_only_the_last_checkpoints_are_kept(tmp_path):
