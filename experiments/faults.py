@@ -6,8 +6,9 @@ Every fault runs the ``jaxmoe`` command in fresh processes on a small model (the
 ``tiny`` preset cut to 2 layers of width 64): signals and kills mid-run and
 mid-checkpoint, a killed process of a two-process run, a resume into another
 layout, damaged newest checkpoints and none readable, a signal while the run
-starts, a diverging loss, a full disk (a small tmpfs; needs root, skipped
-without it) and bad inputs, an impossible shape among them. For each it
+imports JAX and while it starts, a diverging loss, a full disk and a disk that
+another process fills mid-run (small tmpfs mounts; need root, skipped without it)
+and bad inputs, an impossible shape among them. For each it
 records what the user sees (the exit status and the message), the time from the
 fault to the exit, the steps of work lost (done before the fault, not in the
 checkpoint it resumes from), and whether the resumed run logs the same metrics as
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -151,6 +153,18 @@ def _rows_at_least(count: int) -> Callable[[Path], bool]:
     return lambda out: len(_rows(out)) >= count
 
 
+def _writing_after(step: int) -> Callable[[Path], bool]:
+    """The checkpoint of ``step`` complete (Orbax renames its directory to the step when
+    it is) and the next one's being written."""
+
+    def writing(out: Path) -> bool:
+        checkpoints = out / "checkpoints"
+        names = [p.name for p in checkpoints.iterdir()] if checkpoints.exists() else []
+        return str(step) in names and any("tmp" in name for name in names)
+
+    return writing
+
+
 def _saving(out: Path) -> bool:
     checkpoints = out / "checkpoints"
     names = [p.name for p in checkpoints.iterdir()] if checkpoints.exists() else []
@@ -254,7 +268,9 @@ def drill(steps: int, scratch: Path) -> list[Outcome]:
         )
     )
 
+    outcomes.extend(_finished_resumes(reference_dir, common))
     outcomes.extend(_corrupt_checkpoints(scratch, common, reference))
+    outcomes.extend(_import_signals(scratch, common))
     outcomes.extend(_early_signals(scratch, common))
 
     out = scratch / "nan"
@@ -272,7 +288,34 @@ def drill(steps: int, scratch: Path) -> list[Outcome]:
         )
     )
     outcomes.append(_full_disk(scratch, common))
+    outcomes.append(_disk_filled_mid_run(scratch, common))
     outcomes.extend(_bad_inputs(scratch))
+    return outcomes
+
+
+def _finished_resumes(out: Path, common: list[str]) -> list[Outcome]:
+    """``--resume`` of the finished reference run: as it is (nothing to train), and with a
+    shared expert more and a step more (arrays of other shapes)."""
+    outcomes = []
+    for name, extra in (
+        ("--resume of the finished run", []),
+        (
+            "--resume with a step more and moe.num_shared_experts 1",
+            ["--steps", str(int(common[1]) + 1), "--moe.num_shared_experts", "1"],
+        ),
+    ):
+        started = time.monotonic()
+        resumed = _run("train", *common, *extra, "--out", str(out), "--resume")
+        lines = (resumed.stdout + resumed.stderr).strip().splitlines()
+        outcomes.append(
+            Outcome(
+                name,
+                f"status {resumed.returncode}: {lines[-1] if lines else 'no message'}",
+                time.monotonic() - started,
+                None,
+                f"n/a (lines of output: {len(lines)})",
+            )
+        )
     return outcomes
 
 
@@ -302,16 +345,18 @@ def _resume_past(name: str, out: Path, common: list[str], reference: list[dict])
 
 
 def _corrupt_checkpoints(scratch: Path, common: list[str], reference: list[dict]) -> list[Outcome]:
-    """The newest checkpoint truncated, then also the next one without its metadata:
-    ``--resume`` passes over them to the newest intact one; with none intact it refuses."""
-    out = scratch / "corrupt"
+    """A run stopped half way, in three copies: its newest checkpoint truncated; that one
+    truncated and the one before without its metadata (``--resume`` passes over them to the
+    newest intact one); none with its metadata (``--resume`` refuses)."""
+    half_way = scratch / "half-way"
     half = [*common[:1], str(int(common[1]) // 2), *common[2:]]
-    first = _run("train", *half, "--out", str(out))
+    first = _run("train", *half, "--out", str(half_way))
     assert first.returncode == 0, first.stderr[-2000:]
-    checkpoints = out / "checkpoints"
-    newest = _checkpoint_step(out)
-    _truncate_largest_data_file(checkpoints / str(newest))
+    newest = _checkpoint_step(half_way)
     outcomes = []
+
+    out = shutil.copytree(half_way, scratch / "corrupt-newest")
+    _truncate_largest_data_file(out / "checkpoints" / str(newest))
     outcome = _resume_past(
         f"--resume with the newest checkpoint (step {newest}) half truncated",
         out,
@@ -319,9 +364,10 @@ def _corrupt_checkpoints(scratch: Path, common: list[str], reference: list[dict]
         reference,
     )
     outcomes.append(outcome)
-    newest = _checkpoint_step(out)
-    _truncate_largest_data_file(checkpoints / str(newest))
-    (checkpoints / str(newest - 2) / "state" / "_METADATA").unlink()
+
+    out = shutil.copytree(half_way, scratch / "corrupt-two")
+    _truncate_largest_data_file(out / "checkpoints" / str(newest))
+    (out / "checkpoints" / str(newest - 2) / "state" / "_METADATA").unlink()
     outcome = _resume_past(
         f"--resume with checkpoint {newest} truncated and {newest - 2} without its metadata",
         out,
@@ -329,6 +375,9 @@ def _corrupt_checkpoints(scratch: Path, common: list[str], reference: list[dict]
         reference,
     )
     outcomes.append(outcome)
+
+    out = shutil.copytree(half_way, scratch / "corrupt-all")
+    checkpoints = out / "checkpoints"
     for entry in checkpoints.iterdir():
         if entry.name.isdigit():
             (entry / "state" / "_METADATA").unlink()
@@ -346,6 +395,47 @@ def _corrupt_checkpoints(scratch: Path, common: list[str], reference: list[dict]
         )
     )
     return outcomes
+
+
+def _import_signals(scratch: Path, common: list[str]) -> list[Outcome]:
+    """SIGINT and SIGTERM while the command imports JAX (once jaxlib's extension modules
+    are mapped into the process): it ends at once with status 75 and one line."""
+    outcomes = []
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        out = scratch / f"import-{signum.name}"
+        started = time.monotonic()
+        process = subprocess.Popen(
+            _jaxmoe("train", *common, "--out", str(out)),
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        maps = Path(f"/proc/{process.pid}/maps")
+        while "/jaxlib/" not in maps.read_text():
+            if process.poll() is not None or time.monotonic() > started + 60:
+                raise RuntimeError(f"JAX was never imported: {process.communicate()[0][-2000:]}")
+            time.sleep(0.001)
+        injected = time.monotonic()
+        process.send_signal(signum)
+        output, _ = process.communicate(timeout=120)
+        outcomes.append(
+            Outcome(
+                f"{signum.name} while importing JAX ({injected - started:.2f} s after the start)",
+                _seen(process.returncode, output),
+                time.monotonic() - injected,
+                None,
+                f"n/a (lines of output: {len(output.splitlines())}; tracebacks: "
+                f"{output.count('Traceback')}; run files left: {_run_files(out)})",
+            )
+        )
+    return outcomes
+
+
+def _run_files(out: Path) -> int:
+    from jaxmoe.cli.run_dir import RUN_FILES
+
+    return sum((out / name).exists() for name in RUN_FILES)
 
 
 def _early_signals(scratch: Path, common: list[str]) -> list[Outcome]:
@@ -408,6 +498,41 @@ def _full_disk(scratch: Path, common: list[str]) -> Outcome:
         subprocess.run(["umount", str(mount)], check=False)
 
 
+def _disk_filled_mid_run(scratch: Path, common: list[str]) -> Outcome:
+    """The disk filled by another process while the run writes its second checkpoint (of
+    step 4), the first one complete."""
+    name = "disk filled by another process during the write of checkpoint 4 (a 64 MB tmpfs)"
+    if os.geteuid() != 0:
+        return Outcome(name, "skipped: mounting a tmpfs needs root")
+    mount = scratch / "tmpfs-mid-run"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)], check=True)
+
+    def fill(process: subprocess.Popen) -> None:
+        with (mount / "filler").open("wb", buffering=0) as filler:
+            try:
+                while True:
+                    filler.write(bytes(1 << 20))
+            except OSError:
+                pass
+
+    try:
+        out = mount / "run"
+        argv = [*common, "--train.keep_checkpoints", "50"]
+        process, output, stop_s, done = _interrupt(out, argv, _writing_after(2), fill)
+        saved = _checkpoint_step(out)
+        return Outcome(
+            name,
+            _seen(process.returncode, output),
+            stop_s,
+            None if saved is None else max(0, done - saved),
+            f"n/a (last checkpoint kept: {saved}; lines of output: {len(output.splitlines())}; "
+            f"tracebacks: {output.count('Traceback')}; metrics strict JSON: {_strict_json(out)})",
+        )
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
 def _bad_inputs(scratch: Path) -> list[Outcome]:
     afile = scratch / "afile"
     afile.write_text("x")
@@ -421,8 +546,9 @@ def _bad_inputs(scratch: Path) -> list[Outcome]:
     data_dir = scratch / "data-dir"
     data_dir.mkdir()
     held = scratch / "held"
-    held.mkdir()
+    (held / "checkpoints" / "3").mkdir(parents=True)
     (held / "config.json").write_text("{}")
+    ragged = ["--moe.capacity_factor", "none", "--moe.dropless_dispatch", "ragged"]
     cases = [
         ("--out /proc/x", ["train", "--out", "/proc/x"]),
         ("--out under a file", ["train", "--out", str(afile / "sub")]),
@@ -439,6 +565,10 @@ def _bad_inputs(scratch: Path) -> list[Outcome]:
         ("--steps 3 --train.steps 5", ["train", "--steps", "3", "--train.steps", "5"]),
         ("launch -n 3 on 8 devices", ["launch", "-n", "3", "--", "train"]),
         ("--model.d_model 1000000000", ["train", "--model.d_model", "1000000000"]),
+        (
+            "ragged dispatch with parallel.expert_tensor 2",
+            ["train", *ragged, "--parallel.expert", "4", "--parallel.expert_tensor", "2"],
+        ),
     ]
     outcomes = []
     for name, argv in cases:

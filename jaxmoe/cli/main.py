@@ -27,6 +27,7 @@ from jaxmoe.cli import (
 from jaxmoe.cli.parser import parse, resolve_config
 from jaxmoe.config import Config, ConfigError
 from jaxmoe.parallel.host_devices import ensure_host_devices, ensure_xla_flags
+from jaxmoe.train.run_control import StopSignals
 
 COMMANDS = {
     "train": train_command.run,
@@ -88,6 +89,16 @@ def _launch(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] != ["train"]:
+        return _main(argv)
+    # A run's stop signals before anything heavy is imported: a signal while JAX and the
+    # rest load (a second or more) ends it in one line with status 75, as later in its
+    # start, not as an abort inside JAX's extension modules.
+    with StopSignals():
+        return _main(argv)
+
+
+def _main(argv: list[str]) -> int:
     command = argv[0] if argv else "jaxmoe"
     try:
         args = parse(argv)

@@ -2,11 +2,12 @@
 
 A run directory holds :data:`RUN_FILES`: the configuration, the metrics (also for
 TensorBoard, with the profiler's traces), the schedule report and timeline, the
-checkpoints. Starting a run in a directory that
-holds another is refused unless the user says what to do with it: ``--resume``
-continues it from its latest complete checkpoint, ``--overwrite`` deletes those files
-(and only those) first. Every check here runs before the first compilation, so a bad
-``--out`` costs a second, not a compilation.
+checkpoints. Starting a run in a directory that holds another (a checkpoint of it) is
+refused unless the user says what to do with it: ``--resume`` continues it from its
+latest complete checkpoint, ``--overwrite`` deletes those files (and only those) first.
+What a run wrote before its first checkpoint (one that failed or was stopped while it
+started) holds nothing to continue: the next run replaces it, saying so. Every check here
+runs before the first compilation, so a bad ``--out`` costs a second, not a compilation.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from jaxmoe.train.checkpoint import (
     CHECKPOINT_DIR,
     check_compatible,
     checkpoint_steps,
+    holds_checkpoints,
     saved_config,
 )
 from jaxmoe.train.metrics import METRICS_FILE
@@ -93,20 +95,30 @@ def prepare_run_dir(
 ) -> None:
     """Check ``out`` before JAX starts: writable, and holding no run unless told what to do.
 
-    ``primary``: this process clears the directory for ``--overwrite`` (process 0 of a
-    multi-process run; the others only check). Raises ConfigError.
+    ``primary``: this process clears the directory for ``--overwrite``, or of a run that
+    wrote no checkpoint (process 0 of a multi-process run; the others only check). Raises
+    ConfigError.
     """
     out = Path(out)
     if resume and overwrite:
         raise ConfigError("--resume continues a run and --overwrite deletes it: give one")
     _check_writable(out)
     existing = _existing_run_files(out)
-    if existing and not (resume or overwrite):
+    if not existing:
+        return
+    held = holds_checkpoints(out)
+    if held and not (resume or overwrite):
         raise ConfigError(
             f"--out {out} already holds a run ({', '.join(existing)}): add --resume to "
             "continue it, or --overwrite to delete it and start again"
         )
-    if overwrite and primary:
+    if primary and not held and not overwrite:
+        print(
+            f"--out {out}: replacing the files of a run that wrote no checkpoint "
+            f"({', '.join(existing)})",
+            flush=True,
+        )
+    if primary and (overwrite or not held):
         clear_run_files(out)
 
 

@@ -1,8 +1,9 @@
 """``jaxmoe train``: one process of a run, from the command line to its last step.
 
 Before anything starts: the flags that are not configuration fields and the run
-directory are checked (``--out``, cleared for ``--overwrite``). Then the distributed
-runtime starts, the run is prepared once (:func:`jaxmoe.prepare.prepare_run`: the
+directory are checked (``--out``, cleared for ``--overwrite``), and a ``--resume`` of a
+run that has its steps already ends there, told by its checkpoints' steps alone. Then
+the distributed runtime starts, the run is prepared once (:func:`jaxmoe.prepare.prepare_run`: the
 mesh, every automatic choice), the checkpoint to resume from is found, and the loop
 trains.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from pathlib import Path
 
 from jaxmoe.config import Config, ConfigError
 from jaxmoe.parallel.distributed import DistributedConfig
@@ -62,6 +64,18 @@ def _prepare_out(args: argparse.Namespace, distributed: DistributedConfig) -> No
     )
 
 
+def _finished(config: Config, args: argparse.Namespace) -> bool:
+    """Whether ``--resume`` continues a run whose newest checkpoint (with its tree metadata)
+    has ``train.steps`` steps already: read from the checkpoint directory, with nothing
+    built or compiled."""
+    from jaxmoe.train.checkpoint import newest_described
+
+    if not args.resume or args.out is None:
+        return False
+    newest = newest_described(Path(args.out))
+    return newest is not None and newest >= config.train.steps
+
+
 def _resume_point(config: Config, args: argparse.Namespace) -> int | None:
     """Room for a checkpoint, and the checkpoint to resume from (after JAX starts)."""
     import jax
@@ -88,10 +102,10 @@ def _resume_point(config: Config, args: argparse.Namespace) -> int | None:
 
 def run(config: Config, args: argparse.Namespace) -> int:
     import jax
-    from absl import logging as absl_logging
 
     from jaxmoe.plan.host_memory import check_host_memory
     from jaxmoe.prepare import start_process
+    from jaxmoe.train.failed_saves import quiet_failed_saves
     from jaxmoe.train.loop import RunStopped, train
     from jaxmoe.train.profiler import parse_profile_steps
     from jaxmoe.train.run_control import StopSignals
@@ -100,11 +114,14 @@ def run(config: Config, args: argparse.Namespace) -> int:
     if profile is not None:  # checked before anything starts or compiles
         profile = parse_profile_steps(profile, config.train.steps, args.out)
 
-    # Orbax logs through absl, a failed background write as tracebacks from several
-    # threads; the run reports each failure in one line of its own.
-    absl_logging.set_verbosity(absl_logging.FATAL)
+    # A failed checkpoint write is the run's one line, not Orbax's tracebacks as well.
+    quiet_failed_saves()
     distributed = distributed_config(args)
     _prepare_out(args, distributed)
+    if _finished(config, args):
+        if distributed.process_index_hint() == 0:
+            print(f"done: the run already has its {config.train.steps} steps")
+        return 0
     step_timeout = args.step_timeout
     if step_timeout is None and distributed.enabled:
         step_timeout = 120.0

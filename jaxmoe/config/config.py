@@ -95,6 +95,12 @@ class Config:
         plain = moe.dispatcher == "all_to_all" and parallel.expert_tensor == 1
         replicas = f"moe.slots_per_device={moe.slots_per_device} (replicas) needs moe.dispatcher"
         require(not self.replica_slots or plain, f"{replicas}=all_to_all, parallel.expert_tensor=1")
+        require(
+            moe.dropless_dispatch != "ragged" or parallel.expert_tensor == 1,
+            f"moe.dropless_dispatch=ragged needs whole experts on each device, and "
+            f"parallel.expert_tensor={parallel.expert_tensor} splits each expert's hidden "
+            "dimension: set parallel.expert_tensor 1, or moe.dropless_dispatch padded",
+        )
         self._check_routing_groups()
         self._check_microbatches()
         self._check_pairing()

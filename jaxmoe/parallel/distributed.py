@@ -29,8 +29,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-import jax
-
 from jaxmoe import exit_codes
 from jaxmoe.config import ConfigError
 
@@ -108,6 +106,10 @@ def cluster_detected() -> bool:
 
 def initialize(config: DistributedConfig) -> None:
     """Join the multi-process run described by ``config`` (nothing for one process)."""
+    # JAX is imported here, not with the module: the command line imports this module
+    # before it can install its stop signals, and importing JAX takes a second.
+    import jax
+
     if not config.enabled:
         return
     # gloo is what runs collectives between CPU processes (a no-op setting on GPU).

@@ -24,8 +24,9 @@ under another pipeline (``parallel.pipeline``, ``parallel.virtual_stages``; the 
 stacked by stage, :mod:`jaxmoe.pipeline.params`) is read in the layout it was
 written in, each stacked array split as the current mesh splits its layers (over the
 pipeline axis, where the current mesh has one), and then moved into the current
-layout, values unchanged. A checkpoint of a model of another shape is refused
-(:func:`check_compatible`).
+layout, values unchanged. A checkpoint whose arrays the current model would shape
+otherwise is refused (:func:`check_compatible`); one written under another compute dtype
+or recomputation, which leave the arrays as they are, is not.
 """
 
 from __future__ import annotations
@@ -39,10 +40,12 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from flax import nnx
 from orbax.checkpoint import type_handlers
 
-from jaxmoe.config import Config, ConfigError
+from jaxmoe.config import Config, ConfigError, ModelConfig, MoEConfig
 from jaxmoe.config.moe import saved_moe_fields
 from jaxmoe.pipeline.params import (
     PIPELINE_AXIS,
@@ -52,14 +55,16 @@ from jaxmoe.pipeline.params import (
     to_layout_specs,
 )
 from jaxmoe.train.resolved import Run
-from jaxmoe.train.state import TrainState, abstract_sharded_state, param_trees_mapped
+from jaxmoe.train.state import (
+    TrainState,
+    abstract_model,
+    abstract_sharded_state,
+    param_trees_mapped,
+)
 
 CHECKPOINT_DIR = "checkpoints"
-# Fields whose change gives parameters (or their optimizer state) other shapes.
-_SHAPE_FIELDS = {f"model.{field.name}" for field in dataclasses.fields(Config().model)} | {
-    "moe.num_experts",
-    "moe.d_expert",
-}
+# What a checkpoint that cannot be read is renamed to: <step>.unreadable.
+SET_ASIDE_SUFFIX = ".unreadable"
 
 
 def _handler_registry() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
@@ -104,6 +109,25 @@ def checkpoint_steps(out_dir: Path) -> list[int]:
     return sorted(ocp.utils.checkpoint_steps(out_dir / CHECKPOINT_DIR), reverse=True)
 
 
+def _tree_metadata(out_dir: Path, step: int) -> Path:
+    """The file that describes the tree of the checkpoint of ``step``'s state: without it,
+    the checkpoint cannot be read."""
+    return out_dir / CHECKPOINT_DIR / str(step) / "state" / "_METADATA"
+
+
+def newest_described(out_dir: Path) -> int | None:
+    """The step of the newest complete checkpoint under ``out_dir`` that holds its tree
+    metadata, or None (whether its arrays can be read, only reading them tells)."""
+    return next((s for s in checkpoint_steps(out_dir) if _tree_metadata(out_dir, s).exists()), None)
+
+
+def holds_checkpoints(out_dir: Path) -> bool:
+    """Whether ``out_dir`` holds a checkpoint: a complete one, or one set aside as unreadable
+    (a half-written one does not count)."""
+    directory = out_dir / CHECKPOINT_DIR
+    return bool(checkpoint_steps(out_dir)) or any(directory.glob(f"*{SET_ASIDE_SUFFIX}"))
+
+
 def restore_model(out_dir: Path, step: int, run: Run, device: Any) -> dict[str, Any]:
     """The parameters (and the model state, when the model has one: the routers' expert
     biases) of the checkpoint of ``step``, alone, as arrays on ``device``: the optimizer
@@ -146,10 +170,12 @@ def saved_config(out_dir: Path, step: int) -> dict[str, Any]:
 
 
 def check_compatible(saved: dict[str, Any], config: Config, step: int) -> list[str]:
-    """Refuse a checkpoint whose model or MoE shape differs from ``config``'s.
+    """Refuse a checkpoint that ``config``'s state cannot be restored from: arrays of other
+    shapes or dtypes (a wider model, a shared expert more; a change of compute dtype or of
+    recomputation leaves them as they are), or state of another algorithm or layout.
 
-    Returns the other fields that differ (``section.field``), which a resumed run may
-    change: the layout, the number of steps, the schedule, ...
+    Returns the fields that differ (``section.field``), which a resumed run may change: the
+    layout, the number of steps, the schedule, the compute dtype, ...
     """
     changes = {
         f"{section}.{name}": (saved.get(section, {}).get(name, value), value)
@@ -157,16 +183,6 @@ def check_compatible(saved: dict[str, Any], config: Config, step: int) -> list[s
         for name, value in values.items()
         if saved.get(section, {}).get(name, value) != value
     }
-    shape = [
-        f"{name} {old!r} -> {new!r}"
-        for name, (old, new) in changes.items()
-        if name in _SHAPE_FIELDS
-    ]
-    if shape:
-        raise ConfigError(
-            f"the checkpoint of step {step} holds a model of another shape ({', '.join(shape)}): "
-            "resume with the saved values, or start a new run with --overwrite"
-        )
     try:  # a research option that left the section, at another value than the library's
         saved_moe_fields(saved.get("moe", {}))
     except ConfigError as error:
@@ -212,7 +228,73 @@ def check_compatible(saved: dict[str, Any], config: Config, step: int) -> list[s
                 f"({', '.join(differ)}): resume with the saved values, or start a new run with "
                 "--overwrite"
             )
+    _refuse_another_shape(saved, config, step)
     return sorted(changes)
+
+
+def _saved_model(saved: dict[str, Any]) -> tuple[ModelConfig, MoEConfig]:
+    """The model and MoE sections a checkpoint was written under (a field written before it
+    existed at its default, as that run had it)."""
+
+    def section(kind: type, values: dict[str, Any]) -> Any:
+        known = {field.name for field in dataclasses.fields(kind)}
+        return kind(**{name: value for name, value in values.items() if name in known})
+
+    return (
+        section(ModelConfig, saved.get("model", {})),
+        section(MoEConfig, saved_moe_fields(saved.get("moe", {}))),
+    )
+
+
+def _held_shapes(model: ModelConfig, moe: MoEConfig, seed: int) -> Any:
+    """The shape and dtype of each array a checkpoint holds of the model: its parameters
+    (and so their optimizer moments) and its model state (the expert biases)."""
+    _, params, model_state = abstract_model(model, moe, seed)
+    return jax.tree.map(
+        lambda leaf: (leaf.shape, jnp.dtype(leaf.dtype)),
+        (nnx.to_pure_dict(params), nnx.to_pure_dict(model_state)),
+    )
+
+
+def _refuse_another_shape(saved: dict[str, Any], config: Config, step: int) -> None:
+    """Refuse a checkpoint whose model's arrays have other shapes or dtypes than
+    ``config``'s would, naming the fields that differ from the saved configuration and,
+    of those, the ones that change the arrays alone (all of them, where none does)."""
+    try:
+        model, moe = _saved_model(saved)
+    except ConfigError as error:
+        raise ConfigError(
+            f"the checkpoint of step {step} was written under {error}; start a new run with "
+            "--overwrite"
+        ) from None
+    differ = {
+        f"{name}.{field.name}": (getattr(old, field.name), getattr(new, field.name))
+        for name, old, new in (("model", model, config.model), ("moe", moe, config.moe))
+        for field in dataclasses.fields(old)
+        if getattr(old, field.name) != getattr(new, field.name)
+    }
+    if not differ:
+        return
+    seed = config.train.seed
+    held = _held_shapes(model, moe, seed)
+    if _held_shapes(config.model, config.moe, seed) == held:
+        return
+
+    def changes_the_arrays(name: str) -> bool:
+        sections = {"model": model, "moe": moe}
+        section, field = name.split(".")
+        try:
+            sections[section] = dataclasses.replace(sections[section], **{field: differ[name][1]})
+            return _held_shapes(sections["model"], sections["moe"], seed) != held
+        except Exception:  # a model only the other changes make valid: this one counts
+            return True
+
+    named = [name for name in differ if changes_the_arrays(name)] or list(differ)
+    listed = ", ".join(f"{name} {differ[name][0]!r} -> {differ[name][1]!r}" for name in named)
+    raise ConfigError(
+        f"the checkpoint of step {step} holds a model of another shape ({listed}): resume "
+        "with the saved values, or start a new run with --overwrite"
+    )
 
 
 def error_reason(error: BaseException) -> str:
@@ -303,7 +385,7 @@ class RunCheckpoints:
 
     def restore(self, step: int) -> TrainState:
         """The state saved at ``step``, laid out for the run's mesh and configuration."""
-        metadata = self.directory / str(step) / "state" / "_METADATA"
+        metadata = _tree_metadata(self.directory.parent, step)
         if not metadata.exists():  # Orbax would say only that the tree does not match
             raise FileNotFoundError(f"its tree metadata ({metadata.name}) is missing")
         current = abstract_sharded_state(self.run)
@@ -399,7 +481,7 @@ class RunCheckpoints:
         if jax.process_index() == 0:
             for step in steps:
                 source = self.directory / str(step)
-                target = self.directory / f"{step}.unreadable"
+                target = self.directory / f"{step}{SET_ASIDE_SUFFIX}"
                 if source.exists() and not target.exists():
                     source.rename(target)
         self._manager.reload()

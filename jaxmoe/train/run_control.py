@@ -5,9 +5,11 @@
 Clusters preempt a job with SIGTERM (SLURM, Kubernetes) and people stop one with
 Ctrl-C (SIGINT). What a signal does depends on where the run is:
 
-- **starting** (the distributed runtime, planning, the initial state, compilation):
-  nothing is worth keeping yet, so the process says so in one line and exits at once
-  with ``exit_codes.PREEMPTED``, having written no checkpoint. Long start-up work
+- **starting** (JAX's import, the distributed runtime, planning, the initial state,
+  compilation): nothing is worth keeping yet, so the process says so in one line and
+  exits at once with ``exit_codes.PREEMPTED``, having written no checkpoint. ``jaxmoe
+  train`` installs the handlers before it imports JAX (a signal inside the import of its
+  extension modules would otherwise abort the process). Long start-up work
   (compilation) runs through :meth:`StopSignals.interruptible`, so that the signal is
   acted on while XLA compiles rather than after.
 - **training**: the first signal asks the loop to finish the step it is in, write a

@@ -111,6 +111,13 @@ def section(**fields):
             ),
             "moe.slots_per_device=3 (replicas) needs moe.dispatcher=all_to_all, parallel.expert_te",
         ),
+        (
+            lambda: Config(
+                moe=MoEConfig(capacity_factor=None, dropless_dispatch="ragged"),
+                parallel=ParallelConfig(data=1, expert=4, expert_tensor=2),
+            ),
+            "parallel.expert_tensor=2 splits each expert's hidden dimension: set parallel.exp",
+        ),
     ],
 )
 def test_invalid_values_are_refused_with_the_field_named(build, message):

@@ -13,7 +13,12 @@ from jaxmoe.exit_codes import PREEMPTED as PREEMPTED_EXIT_CODE
 from jaxmoe.parallel.mesh import build_mesh, token_spec
 from jaxmoe.prepare import prepare_run
 from jaxmoe.train import loop
-from jaxmoe.train.checkpoint import RunCheckpoints, check_compatible, latest_checkpoint
+from jaxmoe.train.checkpoint import (
+    RunCheckpoints,
+    check_compatible,
+    latest_checkpoint,
+    newest_described,
+)
 from jaxmoe.train.metrics import read_rows
 from jaxmoe.train.resolved import resolve
 from jaxmoe.train.run_control import StopSignals
@@ -130,6 +135,13 @@ def test_a_checkpoint_of_another_shape_is_refused():
     )
     with pytest.raises(ConfigError, match=r"moe\.num_experts 8 -> 16"):
         check_compatible(saved, more_experts, step=7)
+    # Arrays the model gains: named by the field, not found missing when restoring.
+    shared = dataclasses.replace(
+        small_config(),
+        moe=dataclasses.replace(small_config().moe, num_shared_experts=1, jitter=0.1),
+    )
+    with pytest.raises(ConfigError, match=r"another shape \(moe\.num_shared_experts 0 -> 1\)"):
+        check_compatible(saved, shared, step=7)
     other_layout = dataclasses.replace(small_config(), parallel=ParallelConfig(data=2, expert=4))
     assert check_compatible(saved, other_layout, step=7) == ["parallel.data", "parallel.expert"]
     other_sync = small_config(grad_sync="delayed")
@@ -150,6 +162,30 @@ def test_a_checkpoint_of_another_shape_is_refused():
         check_compatible(saved, small_config(), step=7)
     saved["moe"]["replica_split"] = "balanced"
     assert check_compatible(saved, small_config(), step=7) == []
+
+
+def test_a_checkpoint_restores_under_another_compute_dtype_and_recomputation(tmp_path):
+    saved_config = one_layer_config()
+    mesh, state = _state_on(saved_config)
+    expected = jax.device_get(state)
+    with RunCheckpoints(tmp_path, resolve(saved_config)) as checkpoints:
+        checkpoints.save(state)
+        checkpoints.wait()
+    model = dataclasses.replace(saved_config.model, dtype="bfloat16", recompute="layer")
+    config = dataclasses.replace(saved_config, model=model)
+    changed = check_compatible(saved_config.to_dict(), config, step=0)
+    assert changed == ["model.dtype", "model.recompute"]
+    with RunCheckpoints(tmp_path, resolve(config, mesh)) as checkpoints:
+        chex.assert_trees_all_equal(jax.device_get(checkpoints.restore(0)), expected)
+
+
+def test_the_newest_checkpoint_is_the_newest_with_its_tree_metadata(tmp_path):
+    for step in (2, 4, 6):
+        (tmp_path / "checkpoints" / str(step) / "state").mkdir(parents=True)
+    for step in (2, 4):
+        (tmp_path / "checkpoints" / str(step) / "state" / "_METADATA").write_text("{}")
+    assert latest_checkpoint(tmp_path) == 6
+    assert newest_described(tmp_path) == 4
 
 
 def test_only_the_last_checkpoints_are_kept(tmp_path):

@@ -16,8 +16,10 @@ import jax
 import numpy as np
 import pytest
 
+from jaxmoe import prepare
 from jaxmoe.cli.launch import child_environment
 from jaxmoe.cli.main import main
+from jaxmoe.cli.run_dir import prepare_run_dir
 from jaxmoe.config import ConfigError
 from jaxmoe.exit_codes import IO_ERROR as IO_ERROR_EXIT_CODE
 from jaxmoe.exit_codes import NONFINITE as NONFINITE_EXIT_CODE
@@ -96,11 +98,37 @@ def resume_here(capsys, out: Path, steps: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> list[dict]:
-    """Eight steps of the small run, never interrupted."""
+def finished_run(tmp_path_factory) -> Path:
+    """The directory of eight steps of the small run, never interrupted (not to be changed)."""
     out = tmp_path_factory.mktemp("uninterrupted")
     assert main(["train", *SMALL, "--steps", "8", "--out", str(out)]) == 0
-    return strict_rows(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(finished_run) -> list[dict]:
+    """The metrics of :func:`finished_run`."""
+    return strict_rows(finished_run)
+
+
+def test_resuming_a_finished_run_builds_nothing(finished_run, capsys, monkeypatch):
+    def start_process(*args, **kwargs):
+        raise AssertionError("the run was prepared")
+
+    monkeypatch.setattr(prepare, "start_process", start_process)
+    capsys.readouterr()
+    assert main(["train", *SMALL, "--steps", "8", "--out", str(finished_run), "--resume"]) == 0
+    assert capsys.readouterr().out == "done: the run already has its 8 steps\n"
+
+
+def test_resuming_into_a_model_of_another_shape_is_one_line(finished_run, capsys):
+    argv = ["train", *SMALL, "--steps", "9", "--out", str(finished_run), "--resume"]
+    capsys.readouterr()
+    assert main([*argv, "--moe.num_shared_experts", "1"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1, error
+    assert "the checkpoint of step 8 holds a model of another shape (moe.num_shared_exper" in error
+    assert not list((finished_run / "checkpoints").glob("*.unreadable"))  # none set aside
 
 
 def test_sigterm_saves_exits_75_and_the_resumed_run_is_the_same(tmp_path, capsys, uninterrupted):
@@ -213,7 +241,7 @@ def test_a_failed_metrics_write_leaves_only_whole_lines(tmp_path, monkeypatch):
     [
         ("file", [], "is a file, not a directory"),
         ("file-parent", [], "cannot write there"),
-        ("run", [], "already holds a run (config.json, metrics.jsonl): add --resume"),
+        ("run", [], "already holds a run (config.json, metrics.jsonl, checkpoints): add"),
         ("none", ["--resume", "--overwrite"], "not allowed with argument"),
         ("proc", [], "cannot write there"),
     ],
@@ -226,7 +254,7 @@ def test_a_bad_out_directory_is_one_line_before_compiling(tmp_path, capsys, setu
         (tmp_path / "afile").write_text("x")
         out = tmp_path / "afile" / "sub"
     elif setup == "run":
-        out.mkdir()
+        (out / "checkpoints" / "3").mkdir(parents=True)
         (out / "config.json").write_text("{}")
         (out / "metrics.jsonl").write_text("")
     elif setup == "proc":
@@ -249,6 +277,22 @@ def test_overwrite_deletes_the_run_files_and_nothing_else(tmp_path):
     assert (out / "notes.txt").read_text() == "mine"
     assert [row["step"] for row in strict_rows(out)] == [0]
     assert latest_checkpoint(out) == 1
+
+
+def test_what_a_run_wrote_before_its_first_checkpoint_is_replaced(tmp_path, capsys):
+    out = tmp_path / "out"
+    (out / "checkpoints" / "1.orbax-checkpoint-tmp").mkdir(parents=True)  # half written
+    (out / "metrics.jsonl").write_text('{"step": 0}\n')
+    (out / "notes.txt").write_text("mine")
+    prepare_run_dir(out, resume=False, overwrite=False)
+    assert [path.name for path in out.iterdir()] == ["notes.txt"]
+    assert "replacing the files of a run that wrote no checkpoint (metrics.jsonl, checkpo" in (
+        capsys.readouterr().out
+    )
+    # A checkpoint set aside as unreadable is still the run's: refused, not replaced.
+    (out / "checkpoints" / "2.unreadable").mkdir(parents=True)
+    with pytest.raises(ConfigError, match="already holds a run"):
+        prepare_run_dir(out, resume=False, overwrite=False)
 
 
 def test_too_little_free_space_is_refused(tmp_path, monkeypatch):
@@ -287,6 +331,50 @@ def test_a_full_disk_stops_the_run_in_one_line_and_keeps_its_checkpoints(small_d
     saved = latest_checkpoint(out)
     assert saved is not None and f"the last checkpoint is step {saved}" in result.stderr
     strict_rows(out)  # every line whole
+
+
+# `jaxmoe train ARGS` with the disk filled, as another process would fill it, between the
+# room check of the checkpoint of step 2 and its write: the write fails part of the way.
+FILLED_DURING_A_SAVE = """
+import sys
+from jaxmoe.cli.main import main
+from jaxmoe.cli.run_dir import prepare_run_dir
+from jaxmoe.train.checkpoint import RunCheckpoints
+
+save = RunCheckpoints._save
+
+def fill_then_save(self, step, state, run):
+    if step == 2:
+        with open(self.directory.parent / "filler", "wb", buffering=0) as filler:
+            try:
+                while True:
+                    filler.write(bytes(1 << 16))
+            except OSError:
+                pass
+    save(self, step, state, run)
+
+RunCheckpoints._save = fill_then_save
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_disk_filling_during_a_checkpoint_write_is_one_line(small_disk):
+    out = small_disk / "run"
+    argv = ["train", *SMALL, "--steps", "4", "--out", str(out)]
+    argv += ["--train.checkpoint_every", "1", "--train.keep_checkpoints", "50"]
+    result = subprocess.run(
+        [sys.executable, "-c", FILLED_DURING_A_SAVE, *argv],
+        env=child_environment(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == IO_ERROR_EXIT_CODE, result.stderr[-2000:]
+    # Not Orbax's and TensorStore's reports of the same failure besides, one per array.
+    assert len(result.stderr.splitlines()) == 1, result.stderr[-2000:]
+    assert "no space left on device" in result.stderr
+    assert "the last checkpoint is step 1" in result.stderr
+    assert latest_checkpoint(out) == 1
 
 
 def _truncate_largest_data_file(checkpoint: Path) -> None:
@@ -329,6 +417,24 @@ def test_resume_passes_over_unreadable_checkpoints_and_deletes_nothing(
     assert sorted(p.name for p in checkpoints.iterdir()) == before
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_a_signal_while_jax_is_imported_ends_the_run_in_one_line(tmp_path, signum):
+    process = start_run(tmp_path / "run", "--steps", "5")
+    maps = Path(f"/proc/{process.pid}/maps")
+    deadline = time.monotonic() + 60
+    while "/jaxlib/" not in maps.read_text():  # JAX's extension modules are being loaded
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline, "JAX was never imported"
+        time.sleep(0.001)
+    process.send_signal(signum)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == PREEMPTED_EXIT_CODE, stderr
+    assert stderr == (
+        f"jaxmoe: {signum.name} while starting: stopped before the first step, no checkpoint "
+        "written\n"
+    )
+
+
 def test_a_signal_while_starting_ends_the_run_at_once_without_a_checkpoint(tmp_path):
     out = tmp_path / "run"
     process = start_run(out, "--steps", "5000")
@@ -348,3 +454,6 @@ def test_a_signal_while_starting_ends_the_run_at_once_without_a_checkpoint(tmp_p
     assert "Traceback" not in stderr
     assert latest_checkpoint(out) is None
     assert read_rows(out / "metrics.jsonl") == []
+    # Nothing it leaves refuses the next run into the directory.
+    prepare_run_dir(out, resume=False, overwrite=False)
+    assert not (out / "checkpoints").exists()
