@@ -25,11 +25,8 @@ tests measure that difference against full traces.
 from __future__ import annotations
 
 import dataclasses
-from typing import TypeVar
 
 from jaxmoe.config import Config
-
-Numbers = TypeVar("Numbers")  # a dataclass whose fields are all numbers
 
 # Fewer blocks than this are traced whole: two shallow traces would cost as much.
 MIN_BLOCKS = 3
@@ -71,8 +68,9 @@ def with_blocks(config: Config, blocks: int) -> Config:
     return Config.from_dict(values)
 
 
-def extrapolate(one_block: Numbers, two_blocks: Numbers, blocks: int) -> Numbers:
-    """The figures of a ``blocks``-block model from those of one and two blocks.
+def extrapolate[Numbers](one_block: Numbers, two_blocks: Numbers, blocks: int) -> Numbers:
+    """The figures of a ``blocks``-block model from those of one and two blocks (``Numbers``:
+    a dataclass whose fields are all numbers).
 
     Integer fields (bytes) stay integers: their per-block step is an exact integer."""
     if blocks < 1:

@@ -62,8 +62,9 @@ from scheduling import Phase, Program, Value, aval_bytes
 # Elementwise and layout ops: XLA fuses their values into the ops that read them.
 FUSIBLE = frozenset(
     {"add", "add_any", "sub", "mul", "div", "rem", "neg", "abs", "sign", "square", "sqrt",
-     "rsqrt", "cbrt", "exp", "exp2", "expm1", "log", "log1p", "tanh", "logistic", "sin",
-     "cos", "atan2", "erf", "erf_inv", "pow", "integer_pow", "max", "min", "clamp",
+     "rsqrt", "cbrt", "exp", "exp2", "expm1", "log", "log1p", "log2", "tanh", "logistic", "sin",
+     "cos", "atan2", "erf", "erf_inv", "pow", "integer_pow", "one_minus_square", "polynomial",
+     "max", "min", "clamp",
      "floor", "ceil", "round", "nextafter", "is_finite", "convert_element_type",
      "select_n", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor",
      "shift_left", "shift_right_logical", "shift_right_arithmetic", "population_count",
@@ -72,7 +73,7 @@ FUSIBLE = frozenset(
 )  # fmt: skip
 # Fused ops that XLA computes once rather than repeat in each reader.
 EXPENSIVE = frozenset(
-    {"div", "rem", "sqrt", "rsqrt", "cbrt", "exp", "exp2", "expm1", "log", "log1p", "tanh",
+    {"div", "rem", "sqrt", "rsqrt", "cbrt", "exp", "exp2", "expm1", "log", "log1p", "log2", "tanh",
      "logistic", "sin", "cos", "atan2", "erf", "erf_inv", "pow"}
 )  # fmt: skip
 # Ops that read fused operands (compute them inline): the fusible ops, reductions, and

@@ -48,15 +48,16 @@ FREE_PRIMITIVES = frozenset(
 )
 # Elementwise ops that cost several FLOPs per element.
 TRANSCENDENTAL = frozenset(
-    {"exp", "exp2", "log", "log1p", "tanh", "logistic", "erf", "erf_inv", "sin", "cos", "pow"}
-)
+    {"exp", "exp2", "log", "log1p", "log2", "tanh", "logistic", "erf", "erf_inv", "sin",
+     "cos", "pow"}
+)  # fmt: skip
 REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin", "cumsum"})
 # Ops that a fusing compiler folds into a neighbouring kernel (see fused_elementwise).
 FUSIBLE = frozenset(
     {"add", "sub", "mul", "div", "max", "min", "neg", "abs", "sign", "square", "sqrt",
-     "rsqrt", "integer_pow", "convert_element_type", "select_n", "eq", "ne", "lt", "le",
-     "gt", "ge", "and", "or", "not", "is_finite", "iota", "copy", "slice", "concatenate",
-     "transpose", "pad"}
+     "rsqrt", "integer_pow", "one_minus_square", "polynomial", "convert_element_type",
+     "select_n", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "is_finite", "iota",
+     "copy", "slice", "concatenate", "transpose", "pad"}
     | TRANSCENDENTAL
 )  # fmt: skip
 

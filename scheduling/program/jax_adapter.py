@@ -1,6 +1,6 @@
 """The one module that touches JAX internals (``jax._src``) and JAX's conventions.
 
-JAX 0.10.2 has asynchronous collective primitives, private to
+JAX (0.11.2 to 0.12.x) has asynchronous collective primitives, private to
 ``jax._src.lax.parallel``: ``<name>_start_p`` binds like the synchronous
 collective and returns a future; ``<name>_done_p`` takes the future and
 returns the result. They lower to ``stablehlo.async_start``/``async_done`` and
@@ -26,7 +26,26 @@ from typing import Any
 import jax
 from jax.extend import core as jcore
 
-SUPPORTED_JAX_VERSIONS = ("0.10.2", "0.11.2")
+# The JAX releases whose private primitives this module was checked against: from
+# 0.11.2 (the oldest the package accepts) up to, not including, 0.13. Within the range a
+# primitive is used only if the release has it (0.12 dropped ``psum_start_p``: a psum whose
+# operand varies over the mesh is ``psum_invariant``, which keeps its start).
+SUPPORTED_JAX_RANGE = ((0, 11, 2), (0, 13))
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:4])
+
+
+def jax_supported(version: str | None = None) -> bool:
+    """Whether ``version`` (default: the running JAX) is in :data:`SUPPORTED_JAX_RANGE`."""
+    oldest, newest = SUPPORTED_JAX_RANGE
+    return oldest <= _release(version or jax.__version__) < newest
+
+
+def _supported_range_text() -> str:
+    oldest, newest = SUPPORTED_JAX_RANGE
+    return f">={'.'.join(map(str, oldest))},<{'.'.join(map(str, newest))}"
 
 
 class AsyncCollectivesUnavailable(RuntimeError):
@@ -34,7 +53,7 @@ class AsyncCollectivesUnavailable(RuntimeError):
 
 
 def _load_async_primitives() -> dict[str, tuple[Any, Any]]:
-    if jax.__version__ not in SUPPORTED_JAX_VERSIONS:
+    if not jax_supported():
         return {}
     try:
         from jax._src.lax import parallel
@@ -52,7 +71,38 @@ def _load_async_primitives() -> dict[str, tuple[Any, Any]]:
     for name, (start, done) in pairs.items():
         if hasattr(parallel, start) and hasattr(parallel, done):
             found[name] = (getattr(parallel, start), getattr(parallel, done))
+    if "psum" not in found and hasattr(parallel, "psum_done_p"):
+        found["psum"] = (_psum_start_primitive(parallel), parallel.psum_done_p)
     return found
+
+
+def _psum_start_primitive(parallel: Any) -> Any:
+    """The start of a ``psum`` whose operand's variance is not tracked (``check_vma=False``).
+
+    From jax 0.11.2 the only async all-reduce is ``psum_invariant_start_p``, whose abstract
+    evaluation requires the operand to vary over the summed axes. This start has the
+    synchronous ``psum``'s abstract evaluation and JAX's own async all-reduce lowering, and
+    pairs with ``psum_done_p``: the same HLO as ``psum_invariant_start``, for the steps
+    this scheduler captures (traced with ``check_vma=False``).
+    """
+    from jax._src import core
+    from jax._src.interpreters import mlir
+    from jax._src.lax import lax
+
+    start = core.Primitive("psum_start")
+
+    def abstract_eval(aval: Any, *, axes: tuple, axis_index_groups: Any) -> Any:
+        out, effects = parallel.psum_p.abstract_eval(
+            aval, axes=axes, axis_index_groups=axis_index_groups
+        )
+        return core.AbstractFuture(out, parallel.psum_done_p.bind), effects
+
+    start.def_effectful_abstract_eval(abstract_eval)
+    mlir.register_lowering(
+        start,
+        functools.partial(parallel._all_reduce_lowering, lax.add_p, lax.reduce_sum, is_async=True),
+    )
+    return start
 
 
 _ASYNC_PRIMITIVES = _load_async_primitives()
@@ -66,7 +116,7 @@ def require_async_collectives() -> None:
     if not async_collectives_available():
         raise AsyncCollectivesUnavailable(
             f"jax {jax.__version__} is not a version whose async collectives this scheduler "
-            f"supports ({', '.join(SUPPORTED_JAX_VERSIONS)}): install a supported jax, or pass "
+            f"supports ({_supported_range_text()}): install a supported jax, or pass "
             'a policy with transport="sync" to keep the scheduled order with synchronous '
             "collectives"
         )
@@ -95,7 +145,15 @@ def can_start_async(primitive_name: str, params: dict[str, Any], num_operands: i
     if primitive_name not in _ASYNC_PRIMITIVES or num_operands != 1:
         return False
     # The async lowering of reduce_scatter exists only for the tiled form.
-    return not (primitive_name == "reduce_scatter" and not params.get("tiled", False))
+    if primitive_name == "reduce_scatter" and not params.get("tiled", False):
+        return False
+    # The async all-reduce lowering sums over named axes, without index groups.
+    if primitive_name == "psum":
+        axes = params.get("axes", ())
+        return params.get("axis_index_groups") is None and not any(
+            isinstance(axis, int) for axis in axes
+        )
+    return True
 
 
 def bind_start(primitive_name: str, operand: Any, params: dict[str, Any]) -> Any:
@@ -107,6 +165,28 @@ def bind_start(primitive_name: str, operand: Any, params: dict[str, Any]) -> Any
 def bind_done(primitive_name: str, future: Any) -> Any:
     _, done = _ASYNC_PRIMITIVES[primitive_name]
     return done.bind(future)
+
+
+# How an async collective's halves appear in the lowered StableHLO: from jax 0.11.2, custom
+# calls (``@"all-to-all-start"``, ``@"all-reduce-done"``, ...) that XLA turns into its async
+# collectives; before, ``stablehlo.async_start``/``async_done`` ops.
+_STABLEHLO_HALF = re.compile(
+    r'stablehlo\.custom_call @"(?:all-reduce|all-gather|all-to-all|reduce-scatter|'
+    r'collective-permute)-(start|done)"'
+)
+
+
+def stablehlo_async_half(line: str) -> str | None:
+    """``"start"`` or ``"done"`` where a line of lowered StableHLO is one half of an async
+    collective, else None."""
+    match = _STABLEHLO_HALF.search(line)
+    return None if match is None else match.group(1)
+
+
+def stablehlo_async_pairs(text: str) -> tuple[int, int]:
+    """The numbers of async collective starts and dones in lowered StableHLO text."""
+    halves = [stablehlo_async_half(line) for line in text.splitlines()]
+    return halves.count("start"), halves.count("done")
 
 
 def has_ordered_effect(eqn: Any) -> bool:
@@ -236,7 +316,7 @@ def without_transforms(name_stack: str) -> str:
 
 @functools.cache
 def _host_callback_primitive() -> Any | None:
-    if jax.__version__ not in SUPPORTED_JAX_VERSIONS:
+    if not jax_supported():
         return None
     try:
         from jax._src import callback, core, dispatch

@@ -18,6 +18,7 @@ from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.presets import preset
 from jaxmoe.train.resolved import resolve
 from jaxmoe.train.scheduled import scheduled_train_step
+from scheduling.program import jax_adapter
 from scheduling.runtime.pinning import OVERLAP_LIMIT_OPTION
 from tests.train.runs import linked
 
@@ -29,7 +30,7 @@ OP = re.compile(r'= "?((?:stablehlo|chlo)\.\w+)')
 @functools.cache
 def planned(name: str, xla_pin: str = "barriers"):
     """The train step as emitted for a GPU mesh, on the CPUs of the tests (groups: as
-    emitted for these CPUs, the XLA:GPU of jax 0.10.2 getting none)."""
+    emitted for these CPUs)."""
     if xla_pin == "groups":
         return _plan(name, xla_pin)
     with mock.patch.object(scheduling.runtime.pinning, "target_platform", lambda mesh: "gpu"):
@@ -61,9 +62,11 @@ def _groups(text: str, attribute=GROUP) -> dict[int, collections.Counter]:
         match = attribute.search(line)
         if match is None:
             continue
-        # A region op (an async start, a reduction) has its attributes after its region.
-        if line.lstrip().startswith("})"):
-            op = "stablehlo.async_start" if "!stablehlo.future" in line else "a region op"
+        half = jax_adapter.stablehlo_async_half(line)
+        if half is not None:
+            op = half
+        elif line.lstrip().startswith("})"):  # a region op's attributes follow its region
+            op = "a region op"
         else:
             op = OP.search(line).group(1)
         groups[int(match.group(1))][op] += 1
@@ -76,12 +79,12 @@ def test_each_window_is_a_start_a_done_and_computation_between_two_barriers():
     windows = _groups(text, WINDOW)
     assert windows, "no window was pinned"
     for ops in windows.values():
-        assert ops.pop("stablehlo.async_start") == 1 and ops.pop("stablehlo.async_done") == 1
+        assert ops.pop("start") == 1 and ops.pop("done") == 1
         assert ops  # the computation the plan placed inside
     assert text.count("stablehlo.optimization_barrier") == 2 * len(windows)
     assert "_scheduling_group_id" not in text
     # Deferrable collectives (the gradient reductions) are left free.
-    assert len(windows) < text.count('"stablehlo.async_done"')
+    assert len(windows) < jax_adapter.stablehlo_async_pairs(text)[1]
     # The pairing runs one microbatch's all-to-all beside the other's: the step is
     # compiled with at least that many collectives in flight.
     pinned = step.step.pinned
@@ -95,11 +98,11 @@ def test_each_group_is_a_start_a_done_and_products_placed_between():
     groups = _groups(text)
     assert groups, "no window became a group"
     for ops in groups.values():
-        assert ops.pop("stablehlo.async_start") == 1 and ops.pop("stablehlo.async_done") == 1
+        assert ops.pop("start") == 1 and ops.pop("done") == 1
         assert ops and set(ops) == {"stablehlo.dot_general"}
     # Deferrable collectives (the gradient reductions) are left free: fewer groups than
     # split collectives.
-    assert len(groups) < text.count('"stablehlo.async_done"')
+    assert len(groups) < jax_adapter.stablehlo_async_pairs(text)[1]
     # The pairing puts the other microbatch's products in the all-to-alls' windows.
     all_to_alls = [c for c in step.report.collectives if c.kind == "all_to_all"]
     assert len(groups) >= len(all_to_alls) // 2
@@ -107,5 +110,5 @@ def test_each_group_is_a_start_a_done_and_products_placed_between():
 
 def test_unpinned_the_windows_are_marked_and_not_held():
     text = planned("pair", "none").stablehlo()
-    assert "stablehlo.async_start" in text and "_scheduled_window" in text
+    assert jax_adapter.stablehlo_async_pairs(text)[0] > 0 and "_scheduled_window" in text
     assert "optimization_barrier" not in text and "_scheduling_group_id" not in text

@@ -36,11 +36,11 @@ def test_square_saves_one_activation():
     assert (saved.count, saved.bytes) == (1, ROWS * HIDDEN * F32)
 
 
-def test_tanh_saves_its_output_and_one_minus_it():
-    # JAX differentiates y = tanh(h) as g (1 - y) + g (1 - y) y: the backward pass reads
-    # y and 1 - y, two [rows, hidden] values.
+def test_tanh_saves_one_minus_its_output_squared():
+    # JAX differentiates y = tanh(h) as g (1 - y^2), 1 - y^2 computed in the forward pass
+    # (one_minus_square): the backward pass reads that one [rows, hidden] value.
     saved = saved_for_backward(_program(lambda w, x: jnp.sum(jnp.tanh(x @ w))))
-    assert (saved.count, saved.bytes) == (2, 2 * ROWS * HIDDEN * F32)
+    assert (saved.count, saved.bytes) == (1, ROWS * HIDDEN * F32)
 
 
 def test_a_linear_loss_saves_nothing():
@@ -50,8 +50,8 @@ def test_a_linear_loss_saves_nothing():
 
 def test_a_checkpointed_region_saves_its_input_and_is_recomputed_in_the_backward_pass():
     # Under jax.checkpoint the backward pass recomputes tanh from h = x @ w: it reads h
-    # alone, not y and 1 - y as above. The recomputation is inlined from the backward
-    # pass's remat body; labelled forward, it would count y and 1 - y as saved again.
+    # alone, not 1 - y^2 as above. The recomputation is inlined from the backward pass's
+    # remat body, and must be labelled backward.
     program = _program(lambda w, x: jnp.sum(jax.checkpoint(jnp.tanh)(x @ w)))
     assert saved_for_backward(program) == SavedValues(1, ROWS * HIDDEN * F32)
     tanhs = [op for op in program.ops if op.primitive == "tanh"]

@@ -44,7 +44,8 @@ def _optimized(loss_fn, **policy):
 def _assert_matches_reference(loss_fn, step):
     expected = reference(toys.make_step(loss_fn), toys.mesh_x(), toys.IN_SPECS, toys.OUT_SPECS)
     args = toys.args()
-    chex.assert_trees_all_close(step(*args), expected(*args), rtol=1e-6, atol=1e-6)
+    # A chunked reduction sums in another order: float32 rounding of the largest values.
+    chex.assert_trees_all_close(step(*args), expected(*args), rtol=1e-5, atol=1e-5)
 
 
 def _forward_all_to_alls(program):
