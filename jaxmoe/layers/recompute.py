@@ -12,8 +12,9 @@ positions, d_model]`` (Megatron-Core's ``--recompute-granularity full
 
 ``prevent_cse`` puts an ``optimization_barrier`` on the recomputation's inputs, without
 which XLA may merge the recomputation with the forward values it repeats and keep those
-alive after all; XLA:CPU drops that barrier (see the architecture notes), so on CPU the
-compiled memory need not fall by what the captured program says it should.
+alive after all. XLA:GPU, and XLA:CPU from jax 0.11.2, keep that barrier until the step
+is scheduled; XLA:CPU up to jax 0.10.2 dropped it first, and there the compiled memory
+did not fall (``docs/xla_notes.md``).
 
 How a block is called is the caller's: the plain call, or under fully sharded parameters
 (``train.zero 3``) the block's gather and call (:func:`jaxmoe.parallel.fsdp.gathering_call`),

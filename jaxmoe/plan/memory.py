@@ -15,10 +15,15 @@ program:
 - *Aliases.* ``reduce_precision`` to a dtype's own precision (what JAX puts on the values
   a remat region saves) is the identity. ``optimization_barrier`` passes its operands
   through, and makes them buffers.
-- *Backends.* XLA:GPU keeps the barriers; XLA:CPU removes them before it schedules, after
-  which common-subexpression elimination merges a recomputation with the forward values
-  it repeats (``keeps_barriers=False``): recomputation (``model.recompute``, ZeRO-3's
-  second gather of a block) then saves nothing on CPU. XLA:CPU also computes bfloat16
+- *Common subexpressions.* An op that repeats an earlier one (the same primitive,
+  parameters and operands) is merged into it, as XLA's CSE does; what is behind a barrier
+  is never the same as what is in front of it, so a recomputation (``model.recompute``,
+  ZeRO-3's second gather of a block) stays one, in the backward pass.
+- *Backends.* XLA:GPU, and XLA:CPU from jax 0.11.2, keep the barriers through CSE,
+  fusion and scheduling (XLA:CPU removes them after it has scheduled the step). XLA:CPU
+  up to jax 0.10.2 removed them before CSE, which then merged a recomputation with the
+  forward values it repeats, so that recomputation saved nothing on CPU;
+  ``keeps_barriers=False`` walks that compilation. XLA:CPU also computes bfloat16
   matmuls in float32 (it converts their operands), which this walk does not model: on
   CPU a bfloat16 step takes more memory than the walk says.
 - *Order.* Nothing in the step makes one microbatch's backward pass run before the next
@@ -34,7 +39,8 @@ program:
   tick's backward slot, and XLA:CPU runs forward slots early. On 2 stages it holds
   between this walk and the walk with every forward slot as many ticks ahead as a stage
   has chunks (``ticks_ahead``; tested on 1F1B, with ZeRO-1 and interleaved, where it
-  holds up to 12% more than this walk); the forward-first order bounds it from above.
+  holds up to 17% more than this walk with jax 0.12.0.1); the forward-first order bounds
+  it from above.
 
 At the peak the live buffers are counted by kind (:class:`StepMemory`). The walk is
 checked against XLA:CPU's compiled memory analysis in ``tests/plan/test_memory.py``.
@@ -150,10 +156,11 @@ def step_memory(
     program: Program, state: TrainState, *, keeps_barriers: bool = True, ticks_ahead: int = 0
 ) -> StepMemory:
     """The peak bytes per device of the captured train step ``program``, whose first
-    argument has the structure of ``state`` (module docstring). ``keeps_barriers``:
-    XLA:GPU's compilation (True) or XLA:CPU's (False). ``ticks_ahead``: a pipeline's
-    forward slots walked that many ticks early (each before the backward slot of the
-    tick that many before its own)."""
+    argument has the structure of ``state`` (module docstring). ``keeps_barriers``: the
+    compilation of XLA:GPU and of XLA:CPU from jax 0.11.2 (True), or one that drops the
+    barriers before CSE, as XLA:CPU up to jax 0.10.2 did (False). ``ticks_ahead``: a
+    pipeline's forward slots walked that many ticks early (each before the backward slot
+    of the tick that many before its own)."""
     walk = _Walk(program, state, keeps_barriers, ticks_ahead)
     peak, at_peak = -1, set()
     for _, live, size in walk.run():
@@ -279,32 +286,41 @@ class _Walk:
 
 
 def _walk_steps(program: Program, keeps_barriers: bool) -> tuple[list[_Step], list[Value]]:
-    """The program's ops with aliases resolved: identities and (where the backend drops
-    them) barriers forward their operands; without barriers, an op that repeats an
-    earlier one (same primitive, parameters and operands) is merged into it."""
-    alias: dict[Value, Value] = {}
+    """The program's ops with aliases resolved: identities and barriers forward their
+    operands; an op that repeats an earlier one (same primitive, parameters and operands)
+    is merged into it, where a kept barrier's results are new values (nothing behind it
+    merges with what is in front of it)."""
+    alias: dict[Value, Value] = {}  # the buffer that holds a value
+    same: dict[Value, Value] = {}  # the value it equals, as XLA's CSE compares them
     seen: dict[Any, tuple[Value, ...]] = {}
 
     def resolved(atom: Any) -> Any:
         return alias.get(atom, atom) if isinstance(atom, Value) else atom
+
+    def compared(atom: Any) -> Any:
+        return same.get(atom, atom) if isinstance(atom, Value) else atom
 
     steps = []
     for op in program.ops:
         reads = tuple(resolved(a) for a in op.inputs if isinstance(a, Value))
         name = op.primitive
         if name in _IDENTITIES or name == _BARRIER:
+            # A kept barrier reads its operands (they become buffers); it makes nothing,
+            # but what is behind it is new to CSE.
+            kept = name == _BARRIER and keeps_barriers
             for source, value in zip(op.inputs, op.outputs, strict=True):
                 if isinstance(source, Value):
                     alias[value] = resolved(source)
-            # A kept barrier reads its operands (they become buffers); it makes nothing.
-            kept = name == _BARRIER and keeps_barriers
+                    if not kept:
+                        same[value] = compared(source)
             steps.append(_Step(op, reads if kept else (), ()))
             continue
-        if not keeps_barriers and name not in _RANDOM:
-            key = _equation_key(op, resolved)
+        if name not in _RANDOM:
+            key = _equation_key(op, compared)
             if key is not None and key in seen:
                 for value, earlier in zip(op.outputs, seen[key], strict=True):
                     alias[value] = earlier
+                    same[value] = earlier
                 steps.append(_Step(op, (), ()))
                 continue
             if key is not None:
