@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 
 import scheduling
-from jaxmoe.config import Config, ConfigError, DataConfig, MoEConfig, ScheduleConfig, TrainConfig
+from jaxmoe.config import (
+    Config,
+    ConfigError,
+    DataConfig,
+    DataSource,
+    MoEConfig,
+    ScheduleConfig,
+    TrainConfig,
+)
 from jaxmoe.config.config import config_sections
 from jaxmoe.config.files import read_config_file, to_toml
 from jaxmoe.presets import PRESETS, preset, preset_file
@@ -48,7 +56,7 @@ def test_a_toml_file_reads_none_integers_and_a_profile_of_its_own(tmp_path):
 def test_a_saved_config_json_reads_back_as_the_configuration(tmp_path):
     config = Config(
         moe=MoEConfig(capacity_factor=None, top_k=2),
-        data=DataConfig(path='corpus "quoted"\n.txt'),
+        data=DataConfig(sources=(DataSource('corpus "quoted"\n.txt'),)),
         schedule=ScheduleConfig(name="lancet", profile=scheduling.PROFILES["cpu"]),
     )
     path = tmp_path / "config.json"
