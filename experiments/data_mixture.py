@@ -82,7 +82,6 @@ def measure(weights: tuple[float, float], corpora: tuple[Path, Path], steps: int
         train,
         NamedSharding(mesh, token_spec(mesh)),
         DataPosition(),
-        steps,
         config.data.prefetch,
     ) as batches:
         for _ in range(steps):

@@ -15,6 +15,7 @@ next unread example.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -61,16 +62,16 @@ def held_rows(
 
 
 class _HeldExamples(grain.transforms.DatasetSelectionMap):
-    """Row ``j`` that a process reads -> the example of the global sequence it is."""
+    """Row ``j`` that a process reads -> the example of the global sequence it is; without
+    end, as the sequence."""
 
-    def __init__(self, first_example: int, global_batch: int, rows: Sequence[int], steps: int):
+    def __init__(self, first_example: int, global_batch: int, rows: Sequence[int]):
         self._first = first_example
         self._batch = global_batch
         self._rows = tuple(rows)
-        self._steps = steps
 
     def __len__(self) -> int:
-        return self._steps * len(self._rows)
+        return sys.maxsize
 
     def __getitem__(self, index: int) -> tuple[int, int]:
         step, row = divmod(index, len(self._rows))
@@ -78,8 +79,8 @@ class _HeldExamples(grain.transforms.DatasetSelectionMap):
 
 
 class HostBatches:
-    """This process's rows of the next ``steps`` global batches from ``start``, read ahead
-    by ``prefetch`` Grain threads (0: on the caller's thread, when asked for).
+    """This process's rows of the global batches from ``start`` on, read ahead by
+    ``prefetch`` Grain threads (0: on the caller's thread, when asked for).
 
     ``devices``: whose rows to read (default: this process's devices); any other set only
     for :meth:`next_rows`, not for :meth:`next_on_mesh`.
@@ -90,7 +91,6 @@ class HostBatches:
         batches: BatchSampler,
         sharding: NamedSharding,
         start: DataPosition,
-        steps: int,
         prefetch: int,
         devices: Iterable[jax.Device] | None = None,
     ):
@@ -100,7 +100,7 @@ class HostBatches:
         self.shape = (batches.global_batch, batches.seq_len + 1)
         self.rows = held_rows(sharding, batches.global_batch, devices)
         self._place = {row: place for place, row in enumerate(self.rows)}
-        held = _HeldExamples(start.next_example, batches.global_batch, self.rows, steps)
+        held = _HeldExamples(start.next_example, batches.global_batch, self.rows)
         per_step = grain.MapDataset.select_from_datasets([batches.examples], held).batch(
             len(self.rows)
         )

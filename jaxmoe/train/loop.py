@@ -182,7 +182,6 @@ def _start(
         examples,
         NamedSharding(mesh, token_spec(mesh)),
         position,
-        config.train.steps - first_step,
         config.data.prefetch,
     )
     first_batch = train_batches.next_on_mesh()
