@@ -60,14 +60,11 @@ class DataSource:
         """``FILE`` (weight 1) or ``FILE:WEIGHT``: the last ``:`` followed by a number
         separates the weight."""
         path, colon, weight = text.rpartition(":")
-        if not (colon and path):
-            return cls(text)
         try:
-            return cls(path, float(weight))
-        except ConfigError:
-            raise
-        except ValueError:  # not a number: a colon in the file's name
+            value = float(weight)
+        except ValueError:  # no weight, or a colon in the file's name
             return cls(text)
+        return cls(path, value) if colon and path else cls(text)
 
 
 def parse_sources(texts: Sequence[str]) -> tuple[DataSource, ...]:

@@ -77,17 +77,14 @@ def mixed_examples(
     return grain.MapDataset.mix(shuffled, weights)
 
 
-def _tokenization(source: DataSource | None, corpus: TokenSplits) -> tuple:
-    """What a corpus's ids mean, as far as its file says: a mixture's corpora agree."""
+def _tokenization(source: DataSource | None, corpus: TokenSplits) -> str:
+    """What a corpus's ids are, as far as its files say: a mixture's corpora agree."""
     if corpus.info is not None:
-        return ("a tokenizer of", corpus.info.vocab_size, "tokens, end of document", corpus.eod_id)
+        eod = "none" if corpus.eod_id is None else corpus.eod_id
+        return f"the ids of a tokenizer of {corpus.info.vocab_size} (end of document {eod})"
     if source is None or not source.path.lower().endswith(".bin"):
-        return ("bytes",)
-    return ("ids without a sidecar",)
-
-
-def _describe(tokenization: tuple) -> str:
-    return " ".join(str(part) for part in tokenization)
+        return "bytes"
+    return "ids without a sidecar"
 
 
 def load_mixture(config: Config) -> Mixture:
@@ -119,9 +116,9 @@ def load_mixture(config: Config) -> Mixture:
     for source, kind in zip(sources[1:], kinds[1:], strict=True):
         if kind != kinds[0]:
             raise ConfigError(
-                f"data.sources: {sources[0].path!r} holds {_describe(kinds[0])}, but "
-                f"{source.path!r} holds {_describe(kind)}: a mixture's corpora share one "
-                "tokenizer (make them with the same jaxmoe data --tokenizer)"
+                f"data.sources: {sources[0].path!r} holds {kinds[0]}, but {source.path!r} "
+                f"holds {kind}: a mixture's corpora share one tokenizer (make them with the "
+                "same jaxmoe data --tokenizer)"
             )
     mixture = Mixture(tuple(corpora), tuple(s.weight if s else 1.0 for s in sources))
     if data.mask_across_documents and mixture.eod_id is None:
