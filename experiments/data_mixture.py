@@ -62,12 +62,11 @@ def measure(weights: tuple[float, float], corpora: tuple[Path, Path], steps: int
     validation batches, with ``weights``."""
     import jax
     import numpy as np
-    from jax.sharding import NamedSharding
 
     from jaxmoe.cli.parser import config_from_train_args
     from jaxmoe.data.host_batches import DataPosition, HostBatches
     from jaxmoe.data.mixture import load_mixture, run_batches
-    from jaxmoe.parallel.mesh import build_mesh, token_spec
+    from jaxmoe.parallel.mesh import build_mesh
 
     sources = [f"{path}:{weight:g}" for path, weight in zip(corpora, weights, strict=True)]
     config = config_from_train_args(
@@ -78,12 +77,7 @@ def measure(weights: tuple[float, float], corpora: tuple[Path, Path], steps: int
     mesh = build_mesh(config.parallel)
     second_per_step = []
     started = time.perf_counter()
-    with HostBatches(
-        train,
-        NamedSharding(mesh, token_spec(mesh)),
-        DataPosition(),
-        config.data.prefetch,
-    ) as batches:
+    with HostBatches(train, mesh, DataPosition(), config.data.prefetch) as batches:
         for _ in range(steps):
             rows = jax.device_get(batches.next_on_mesh())
             second_per_step.append(int((rows.min(axis=1) >= OFFSET).sum()))

@@ -23,9 +23,10 @@ from typing import Any
 import grain
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
 from jaxmoe.data.batches import BatchSampler
+from jaxmoe.parallel.mesh import token_spec
 
 
 @dataclass(frozen=True)
@@ -79,8 +80,9 @@ class _HeldExamples(grain.transforms.DatasetSelectionMap):
 
 
 class HostBatches:
-    """This process's rows of the global batches from ``start`` on, read ahead by
-    ``prefetch`` Grain threads (0: on the caller's thread, when asked for).
+    """This process's rows of the global batches from ``start`` on, sharded over the token
+    axes of ``mesh``, read ahead by ``prefetch`` Grain threads (0: on the caller's thread,
+    when asked for).
 
     ``devices``: whose rows to read (default: this process's devices); any other set only
     for :meth:`next_rows`, not for :meth:`next_on_mesh`.
@@ -89,16 +91,16 @@ class HostBatches:
     def __init__(
         self,
         batches: BatchSampler,
-        sharding: NamedSharding,
+        mesh: Mesh,
         start: DataPosition,
         prefetch: int,
         devices: Iterable[jax.Device] | None = None,
     ):
-        self.sharding = sharding
+        self.sharding = NamedSharding(mesh, token_spec(mesh))
         self.start = start
         self.global_batch = batches.global_batch
         self.shape = (batches.global_batch, batches.seq_len + 1)
-        self.rows = held_rows(sharding, batches.global_batch, devices)
+        self.rows = held_rows(self.sharding, batches.global_batch, devices)
         self._place = {row: place for place, row in enumerate(self.rows)}
         held = _HeldExamples(start.next_example, batches.global_batch, self.rows)
         per_step = grain.MapDataset.select_from_datasets([batches.examples], held).batch(

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding
 from tqdm import tqdm
 
 from jaxmoe import exit_codes
@@ -30,7 +29,6 @@ from jaxmoe.data.batches import BatchSampler, put_on_mesh
 from jaxmoe.data.host_batches import DataPosition, HostBatches
 from jaxmoe.data.mixture import load_mixture, run_batches
 from jaxmoe.experimental import DEFAULT, ExperimentalOptions
-from jaxmoe.parallel.mesh import token_spec
 from jaxmoe.placement.planner import PlacementLog, plan_placement
 from jaxmoe.plan.mfu import estimated_mfu, mfu_meter, no_peak_message
 from jaxmoe.train.checkpoint import RunCheckpoints, saved_run
@@ -178,12 +176,7 @@ def _start(
     else:
         state, first_step = signals.interruptible(lambda: init_train_state(run)), 0
         position = DataPosition()
-    train_batches = HostBatches(
-        examples,
-        NamedSharding(mesh, token_spec(mesh)),
-        position,
-        config.data.prefetch,
-    )
+    train_batches = HostBatches(examples, mesh, position, config.data.prefetch)
     first_batch = train_batches.next_on_mesh()
     planned = signals.interruptible(lambda: scheduled_train_step(run))
     # Compiled ahead so that the first step's time is a step, not a compilation.

@@ -52,7 +52,7 @@ def test_each_host_reads_its_rows_of_the_global_batch_and_no_other():
     seen = []
     for devices in hosts(layout, 2):
         read = []
-        with HostBatches(mixture(read), layout, DataPosition(), 0, devices) as batches:
+        with HostBatches(mixture(read), layout.mesh, DataPosition(), 0, devices) as batches:
             for step in range(3):
                 np.testing.assert_array_equal(
                     batches.next_rows(), expected.rows(step)[list(batches.rows)]
@@ -66,7 +66,7 @@ def test_each_host_reads_its_rows_of_the_global_batch_and_no_other():
 
 def test_the_global_batch_on_the_mesh_is_the_samplers():
     layout = sharding(2, 4)
-    with HostBatches(mixture(), layout, DataPosition(), 2) as batches:
+    with HostBatches(mixture(), layout.mesh, DataPosition(), 2) as batches:
         assert batches.rows == tuple(range(BATCH))  # one process holds every row
         for step in range(2):
             batch = batches.next_on_mesh()
@@ -76,14 +76,14 @@ def test_the_global_batch_on_the_mesh_is_the_samplers():
 
 def test_rows_are_read_ahead_on_grains_threads_and_the_position_counts_those_taken():
     read = []
-    with HostBatches(mixture(read), sharding(2, 4), DataPosition(32), 2) as batches:
+    with HostBatches(mixture(read), sharding(2, 4).mesh, DataPosition(32), 2) as batches:
         assert batches.position == DataPosition(32)
         batches.next_rows()
         assert batches.position == DataPosition(48)  # what was read ahead does not count
     threads = {thread for _, thread in read}
     assert threads and all(thread.startswith("grain-prefetch") for thread in threads)
     on_caller = []
-    with HostBatches(mixture(on_caller), sharding(2, 4), DataPosition(), 0) as batches:
+    with HostBatches(mixture(on_caller), sharding(2, 4).mesh, DataPosition(), 0) as batches:
         batches.next_rows()
     assert {thread for _, thread in on_caller} == {threading.current_thread().name}
 
@@ -94,7 +94,7 @@ def test_a_position_restored_in_another_layout_reads_the_uninterrupted_runs_rows
     before = sharding(2, 4)
     positions = set()
     for devices in hosts(before, 2):
-        with HostBatches(mixture(), before, DataPosition(), 2, devices) as batches:
+        with HostBatches(mixture(), before.mesh, DataPosition(), 2, devices) as batches:
             batches.next_rows(), batches.next_rows()
             positions.add(batches.position)
     (position,) = positions  # the same on every process
@@ -103,7 +103,7 @@ def test_a_position_restored_in_another_layout_reads_the_uninterrupted_runs_rows
     after = sharding(4, 2)
     restored = DataPosition.saved(saved, step=2, global_batch=BATCH)
     for devices in hosts(after, 4):
-        with HostBatches(mixture(), after, restored, 2, devices) as batches:
+        with HostBatches(mixture(), after.mesh, restored, 2, devices) as batches:
             assert len(batches.rows) == BATCH // 4
             for step in (2, 3):
                 np.testing.assert_array_equal(
@@ -111,7 +111,7 @@ def test_a_position_restored_in_another_layout_reads_the_uninterrupted_runs_rows
                 )
     # With half the batch size, the next unread examples: 32 .. 39, not 16 .. 23.
     halves = BatchSampler(expected.examples, SEQ_LEN, BATCH // 2)
-    with HostBatches(halves, after, restored, 0) as batches:
+    with HostBatches(halves, after.mesh, restored, 0) as batches:
         np.testing.assert_array_equal(batches.next_rows(), expected.rows(2)[: BATCH // 2])
 
 
