@@ -41,14 +41,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    from jaxmoe.data.batches import BatchSampler, TokenSplits, load_tokens, put_on_mesh
+    from jaxmoe.data.batches import put_on_mesh
+    from jaxmoe.data.mixture import load_mixture, run_batches
     from jaxmoe.train.state import init_train_state
     from jaxmoe.train.step import build_train_step
 
-    splits = TokenSplits(load_tokens(config.data), config.data.val_fraction, config.model.seq_len)
-    sampler = BatchSampler(
-        splits.train, config.model.seq_len, config.train.batch_size, config.train.seed
-    )
+    sampler = run_batches(config, load_mixture(config))[0]
     state = init_train_state(resolve(config, mesh))
     batches = [put_on_mesh(sampler, i, mesh) for i in range(args.warmup + args.steps)]
     step = build_train_step(resolve(config, mesh)).jit().lower(state, batches[0]).compile()

@@ -236,13 +236,11 @@ def _measure(config, args: argparse.Namespace, write, devices) -> dict[str, dict
 def _time(config, mesh, steps, results, args) -> None:
     import jax
 
-    from jaxmoe.data.batches import BatchSampler, TokenSplits, load_tokens, put_on_mesh
+    from jaxmoe.data.batches import put_on_mesh
+    from jaxmoe.data.mixture import load_mixture, run_batches
     from jaxmoe.train.state import init_train_state
 
-    splits = TokenSplits(load_tokens(config.data), config.data.val_fraction, config.model.seq_len)
-    sampler = BatchSampler(
-        splits.train, config.model.seq_len, config.train.batch_size, config.train.seed
-    )
+    sampler = run_batches(config, load_mixture(config))[0]
     batches = [put_on_mesh(sampler, i, mesh) for i in range(args.steps)]
     state = init_train_state(resolve(config, mesh))
     for step in steps.values():  # warm up each, outside the timed rounds

@@ -39,10 +39,10 @@ class Losses(NamedTuple):
 
 def document_eod_id(config: Config) -> int | None:
     """The end-of-document id the loss and attention stop at (``data.mask_across_documents``;
-    the corpus's sidecar says it), or None."""
+    the corpora's sidecars say it, the same for all), or None."""
     if not config.data.mask_across_documents:
         return None
-    return corpus_eod_id(config.data.path)
+    return corpus_eod_id(config.data.first_path)
 
 
 def _counted(batch: jax.Array, eod_id: int | None) -> jax.Array:

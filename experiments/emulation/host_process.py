@@ -51,11 +51,9 @@ def start_host(args: argparse.Namespace) -> Any:
 
 def train_batches(config) -> Any:
     """The training batches of ``config`` (a ``BatchSampler``; each host builds its rows)."""
-    from jaxmoe.data.batches import BatchSampler, load_splits
+    from jaxmoe.data.mixture import load_mixture, run_batches
 
-    return BatchSampler(
-        load_splits(config).train, config.model.seq_len, config.train.batch_size, config.train.seed
-    )
+    return run_batches(config, load_mixture(config))[0]
 
 
 def round_order(names: list[str], round_index: int) -> list[str]:

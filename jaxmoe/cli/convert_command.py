@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxmoe.config import Config, ConfigError
+from jaxmoe.config.data import DataSource, parse_sources
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 DEFAULT_SHARD_SIZE = "5GB"
@@ -64,8 +65,9 @@ def add_arguments(command: argparse.ArgumentParser, override_fields: dict[str, A
         help=f"largest safetensors file (default {DEFAULT_SHARD_SIZE})",
     )
     overrides = command.add_argument_group("--from-hf: configuration fields config.json leaves")
-    for name in override_fields:
-        overrides.add_argument(f"--{name}", dest=f"override:{name}", metavar="VALUE")
+    for name, (_, _, parse) in override_fields.items():
+        many = {"nargs": "+"} if parse is parse_sources else {}  # data.sources: FILE[:WEIGHT] ...
+        overrides.add_argument(f"--{name}", dest=f"override:{name}", metavar="VALUE", **many)
     command.set_defaults(override_fields=override_fields)
 
 
@@ -83,12 +85,15 @@ def requested_values(args: argparse.Namespace) -> dict[str, Any]:
     return values
 
 
-def _flag_value(value: Any) -> str:
+def _flag_values(name: str, value: Any) -> list[str]:
+    """The command line's values of the field ``name`` at ``value`` (as ``to_dict`` has it)."""
+    if name == "data.sources":
+        return [DataSource(**source).text for source in value] or ["none"]
     if value is None:
-        return "none"
+        return ["none"]
     if isinstance(value, bool):
-        return str(value).lower()
-    return str(value)
+        return [str(value).lower()]
+    return [str(value)]
 
 
 def train_command_line(config: Config, family: str, out: str) -> list[str]:
@@ -101,7 +106,7 @@ def train_command_line(config: Config, family: str, out: str) -> list[str]:
     for section, values in config.to_dict().items():
         for field, value in values.items():
             if base[section].get(field) != value:
-                args += [f"--{section}.{field}", _flag_value(value)]
+                args += [f"--{section}.{field}", *_flag_values(f"{section}.{field}", value)]
     return [*args, "--out", out, "--resume"]
 
 

@@ -1,6 +1,6 @@
 """The files a run reads, checked before anything compiles.
 
-A configuration names files (``data.path``, ``schedule.link_curves``, a
+A configuration names files (``data.sources``, ``schedule.link_curves``, a
 ``schedule.profile`` file)
 that are only opened deep inside a run, some after a long compilation. The
 command line calls :func:`check_input_files` first, so that a missing,
@@ -15,7 +15,7 @@ tokenizer's vocabulary against ``model.vocab_size``, the end-of-document id that
 from __future__ import annotations
 
 from jaxmoe.config import Config, ConfigError, ScheduleConfig
-from jaxmoe.data.batches import load_splits
+from jaxmoe.data.mixture import load_mixture
 from scheduling import CollectiveCurves
 
 
@@ -46,6 +46,6 @@ def check_link_curves(schedule: ScheduleConfig) -> None:
 def check_input_files(config: Config) -> None:
     """Read and validate every file the configuration names; ConfigError on the first bad one."""
     # The default corpus (the standard library) is not a user's file; the run reads it.
-    if config.data.path is not None:
-        load_splits(config)
+    if config.data.sources:
+        load_mixture(config)
     check_link_curves(config.schedule)

@@ -4,11 +4,13 @@ Every configuration field is a flag named after it, ``--SECTION.FIELD VALUE``
 (``--moe.top_k 2``, ``--moe.capacity_factor none``, ``--parallel.data 2``), set over a
 configuration file (``--config FILE``: TOML, or a run's ``config.json``) set over a
 preset (``--preset NAME``; ``tiny`` when neither is given, the defaults under a file
-alone). The shortcuts ``--steps N``, ``--data FILE`` and ``--schedule NAME`` set
-``train.steps``, ``data.path`` and ``schedule.name`` (a shortcut and its field may both
-be given only with the same value). The configuration is resolved here, once:
-:func:`resolve_config`. Flags are matched by their whole names only. A usage error is
-one line and exit status 2; an unknown flag's names the closest flag.
+alone). A field of several values takes them one after another (``--data.sources
+web.bin:3 code.bin:1``). The shortcuts ``--steps N``, ``--data FILE[:WEIGHT] ...`` and
+``--schedule NAME`` set ``train.steps``, ``data.sources`` and ``schedule.name`` (a
+shortcut and its field may both be given only with the same value). The configuration
+is resolved here, once: :func:`resolve_config`. Flags are matched by their whole names
+only. A usage error is one line and exit status 2; an unknown flag's names the closest
+flag.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from jaxmoe import exit_codes
 from jaxmoe.cli import convert_command, data_command, generate_command
 from jaxmoe.config import Config, ConfigError
 from jaxmoe.config.checks import closest
+from jaxmoe.config.data import DataSource, parse_sources
 from jaxmoe.config.files import read_config_file
 from jaxmoe.config.moe import EXPERIMENTAL_FIELDS as EXPERIMENTAL_MOE_FIELDS
 from jaxmoe.config.schedule import (
@@ -38,7 +41,9 @@ from jaxmoe.config.schedule import (
 from jaxmoe.presets import PRESETS, preset
 
 # Shortcut flags and the configuration field each one sets.
-SHORTCUTS = {"steps": "train.steps", "data": "data.path", "schedule": "schedule.name"}
+SHORTCUTS = {"steps": "train.steps", "data": "data.sources", "schedule": "schedule.name"}
+# Fields that left their section's flags, and the flag that sets them now.
+RENAMED_FIELDS = {"data.path": "--data.sources (or --data FILE)"}
 # The preset of a command line that names neither a preset nor a configuration file.
 DEFAULT_PRESET = "tiny"
 # What argparse reads as a negative number, not a flag.
@@ -106,8 +111,11 @@ def _parse_bool(text: str) -> bool:
     raise ValueError(f"not a boolean: {text!r}")
 
 
-def _value_parser(annotation: Any) -> Callable[[str], Any]:
-    """A str -> value converter for a config field's type; ``X | None`` accepts 'none'."""
+def _value_parser(annotation: Any) -> Callable[[Any], Any]:
+    """A str -> value converter for a config field's type; ``X | None`` accepts 'none'.
+    ``data.sources`` takes the list of its flag's values (:func:`_takes_list`)."""
+    if annotation == tuple[DataSource, ...]:
+        return parse_sources
     args = typing.get_args(annotation)
     if typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in args:
         (inner,) = (arg for arg in args if arg is not type(None))
@@ -122,7 +130,12 @@ def _value_parser(annotation: Any) -> Callable[[str], Any]:
     raise TypeError(f"no command-line parser for {annotation!r}")
 
 
-def override_fields() -> dict[str, tuple[str, str, Callable[[str], Any]]]:
+def _takes_list(parse: Callable[[Any], Any]) -> bool:
+    """Whether a field's flag takes several values (its parser reads their list)."""
+    return parse is parse_sources
+
+
+def override_fields() -> dict[str, tuple[str, str, Callable[[Any], Any]]]:
     """``'section.field' -> (section, field, parser)`` for every configuration field."""
     fields = {}
     run_fields = {f"schedule.{name}" for name in RUN_FIELDS}
@@ -170,13 +183,21 @@ def add_config_arguments(command: argparse.ArgumentParser, shortcuts: bool = Tru
     )
     if shortcuts:
         command.add_argument("--steps", type=int, help="shortcut for --train.steps")
-        command.add_argument("--data", help="a text file or a .bin of uint16 ids (--data.path)")
+        command.add_argument(
+            "--data",
+            nargs="+",
+            metavar="FILE[:WEIGHT]",
+            help="the corpora and their weights (--data.sources): text files or .bin corpora",
+        )
         command.add_argument(
             "--schedule", choices=scheduling.names.POLICIES, help="shortcut for --schedule.name"
         )
     overrides = command.add_argument_group("configuration overrides")
-    for name in override_fields():
-        overrides.add_argument(f"--{name}", dest=f"override:{name}", metavar="VALUE")
+    for name, (_, _, parse) in override_fields().items():
+        many = {"nargs": "+"} if _takes_list(parse) else {}
+        overrides.add_argument(f"--{name}", dest=f"override:{name}", metavar="VALUE", **many)
+    for old, new in RENAMED_FIELDS.items():
+        command.add_argument(f"--{old}", action=_Renamed, help=new)
     for old, new in MOVED_TRAIN_FIELDS.items():
         command.add_argument(f"--train.{old}", action=_Renamed, help=f"--schedule.{new}")
     for old, hint in EXPERIMENTAL_TRAIN_FIELDS.items():
@@ -295,11 +316,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _parse_override(name: str, text: str, parse: Callable[[str], Any]) -> Any:
+def _parse_override(name: str, text: str | list[str], parse: Callable[[Any], Any]) -> Any:
     try:
         return parse(text)
+    except ConfigError:
+        raise
     except ValueError:
         raise ConfigError(f"--{name}: cannot read {text!r} as a value of this field") from None
+
+
+def _flag_text(value: str | list[str]) -> str:
+    """A flag's value(s) as the command line gave them."""
+    return " ".join(value) if isinstance(value, list) else value
 
 
 def _requested_values(args: argparse.Namespace) -> dict[str, Any]:
@@ -318,10 +346,12 @@ def _requested_values(args: argparse.Namespace) -> dict[str, Any]:
         given = getattr(args, shortcut, None)
         if given is None or (args.command == "plan" and shortcut == "schedule"):
             continue
-        value = _parse_override(name, str(given), fields[name][2])
+        given = given if isinstance(given, list) else str(given)
+        value = _parse_override(name, given, fields[name][2])
         if name in values and values[name] != value:
             raise ConfigError(
-                f"--{shortcut} {given} and --{name} {texts[name]} disagree: give only one of them"
+                f"--{shortcut} {_flag_text(given)} and --{name} {_flag_text(texts[name])} "
+                "disagree: give only one of them"
             )
         values[name] = value
     return values

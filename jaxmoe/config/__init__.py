@@ -7,7 +7,7 @@ value raises :class:`ConfigError` with one line naming the field and the fix.
 
 from jaxmoe.config.checks import ConfigError
 from jaxmoe.config.config import Config
-from jaxmoe.config.data import DataConfig
+from jaxmoe.config.data import DataConfig, DataSource
 from jaxmoe.config.model import ModelConfig
 from jaxmoe.config.moe import MoEConfig, capacity_per_expert
 from jaxmoe.config.parallel import ParallelConfig
@@ -18,6 +18,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DataConfig",
+    "DataSource",
     "MoEConfig",
     "ModelConfig",
     "ParallelConfig",

@@ -58,7 +58,11 @@ def refuse_unknown(
 
 
 def matches(value: Any, annotation: Any) -> bool:
-    """Whether ``value`` has the field type ``annotation`` (int, float, str, bool, X | None)."""
+    """Whether ``value`` has the field type ``annotation`` (int, float, str, bool, X | None,
+    ``tuple[X, ...]``)."""
+    if typing.get_origin(annotation) is tuple:
+        (item, _) = typing.get_args(annotation)
+        return isinstance(value, tuple) and all(matches(element, item) for element in value)
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         return any(matches(value, option) for option in typing.get_args(annotation))
     if annotation is type(None):

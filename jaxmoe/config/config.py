@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaxmoe.config.checks import ConfigError, closest, refuse_unknown, require
-from jaxmoe.config.data import DataConfig
+from jaxmoe.config.data import DataConfig, saved_data_fields
 from jaxmoe.config.layout import LayoutError, check_split_widths
 from jaxmoe.config.model import ModelConfig
 from jaxmoe.config.moe import MoEConfig, capacity_per_expert, saved_moe_fields, shared_width
@@ -70,7 +70,7 @@ class Config:
         except LayoutError as error:
             raise ConfigError(str(error)) from None
         require(
-            self.model.vocab_size >= 256 or self.data.path is not None,
+            self.model.vocab_size >= 256 or bool(self.data.sources),
             f"model.vocab_size={self.model.vocab_size}: the default byte-level corpus "
             "needs at least 256",
         )
@@ -188,7 +188,9 @@ class Config:
         return (self.moe.slots_per_device or local) - local
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The configuration as JSON's types (lists for tuples): what a run saves, and what
+        a saved configuration reads back equal to."""
+        return _json_types(dataclasses.asdict(self))
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> Config:
@@ -202,6 +204,15 @@ class Config:
             fields = given.get(name, {})
             built[name] = schedule_section(fields) if name == "schedule" else section_type(**fields)
         return cls(**built)
+
+
+def _json_types(value: Any) -> Any:
+    """``value`` with every tuple a list, as it reads back from JSON."""
+    if isinstance(value, dict):
+        return {key: _json_types(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_types(item) for item in value]
+    return value
 
 
 def section_types() -> dict[str, type]:
@@ -262,6 +273,8 @@ def config_sections(values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
             fields = saved_moe_fields(fields)
         if name == "schedule":
             fields = saved_schedule_fields(fields)
+        if name == "data":
+            fields = saved_data_fields(fields)
         elsewhere = [n for n in every if not n.startswith(f"{name}.")]
         refuse_unknown(name, fields, settings[name], elsewhere)
         read[name] = fields

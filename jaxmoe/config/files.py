@@ -12,6 +12,7 @@ are such files (:mod:`jaxmoe.presets`); :func:`to_toml` writes one. No JAX here.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import tomllib
@@ -56,7 +57,14 @@ def read_config_file(path: str | Path) -> dict[str, dict[str, Any]]:
 
 
 def _scalar(value: Any) -> str:
-    """A field's value in TOML: None as ``"none"``, strings as basic strings."""
+    """A field's value in TOML: None as ``"none"``, strings as basic strings, a list (of
+    ``data.sources``) as an array of inline tables."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    if isinstance(value, Mapping):
+        return "{ " + ", ".join(f"{key} = {_scalar(item)}" for key, item in value.items()) + " }"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_scalar(item) for item in value) + "]"
     if value is None:
         return '"none"'
     if isinstance(value, bool):

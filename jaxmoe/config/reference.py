@@ -27,6 +27,7 @@ from typing import Any
 import scheduling.names
 from jaxmoe.config import choices
 from jaxmoe.config.config import Config
+from jaxmoe.config.data import DataSource
 from jaxmoe.config.moe import DROPLESS_DISPATCHES
 from jaxmoe.config.schedule import RUN_FIELDS
 from jaxmoe.config.train import ZERO_STAGES
@@ -64,6 +65,7 @@ _TYPE_WORDS = {
     "str": "text",
     "bool": "true or false",
     "None": "none",
+    "tuple[DataSource, ...]": "`FILE[:WEIGHT]` ...",
 }
 # Comments that speak to a tool, not to a reader.
 _PRAGMAS = ("fmt:", "noqa", "type:", "pragma")
@@ -110,8 +112,12 @@ def field_comments(cls: type) -> dict[str, str]:
 
 def _value(value: Any) -> str:
     """A value as it is written on the command line."""
-    if value is None:
+    if value is None or value == ():
         return "none"
+    if isinstance(value, tuple):  # data.sources
+        return " ".join(_value(item) for item in value)
+    if isinstance(value, DataSource):
+        return value.text
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value)

@@ -1,19 +1,20 @@
-"""Training text: the corpus, its train/validation split, and batches on the mesh.
+"""Training text: a corpus, its train/validation split, its sequences, and batches on the mesh.
 
 The default corpus is real text that every Python install carries: the source
 files of the standard library, read in sorted path order, as bytes (the
-token ids are byte values, vocabulary 256). ``DataConfig.path`` takes a text
+token ids are byte values, vocabulary 256). A source of ``data.sources`` is a text
 file (bytes again) or a ``.bin`` (any case) of little-endian token ids: with a
 sidecar ``NAME.json`` (what ``jaxmoe data`` writes, :mod:`jaxmoe.data.corpus`) in the
 sidecar's dtype (uint16 or uint32), its vocabulary and end-of-document id known;
 without one, uint16 ids. A ``.bin`` is memory-mapped, not read whole.
-:func:`load_splits` reads and checks it all, so that a bad file is refused
-before anything compiles.
 
-Batches are random windows of ``seq_len + 1`` tokens. Which windows form the
-global batch of a step depends only on the seed and the step, so runs on
-different meshes or process counts see the same data; each process builds
-only its own rows.
+A split's sequences are its windows of ``seq_len + 1`` tokens at a stride of
+``seq_len`` (:class:`TokenWindows`: every token is an input once), a random-access source
+for Grain; :mod:`jaxmoe.data.mixture` shuffles and mixes them into the run's global
+sequence of examples. A :class:`BatchSampler` cuts that sequence into global batches,
+batch ``k`` being examples ``k B .. k B + B - 1``, so that which rows form a batch depends
+only on the seed and the batch's index, on any mesh or process count; :func:`put_on_mesh`
+has each process build only its own rows of one.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+import grain
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from jaxmoe.config import Config, ConfigError, DataConfig
+from jaxmoe.config import ConfigError
 from jaxmoe.data.corpus import CorpusInfo, read_info
 from jaxmoe.parallel.mesh import token_spec
 
@@ -53,38 +55,41 @@ def _read_stdlib(max_bytes: int | None) -> np.ndarray:
     return np.frombuffer(b"".join(chunks)[:max_bytes], dtype=np.uint8)
 
 
-def _check_file(data: DataConfig) -> Path:
-    """``data.path``, a file; ConfigError saying why not."""
-    path = Path(data.path)
-    where = f"data.path={data.path!r}"
-    if path.is_dir():
-        raise ConfigError(f"{where} is a directory; give a text file or a .bin of token ids")
-    if not path.exists():
-        raise ConfigError(f"{where}: no such file; give a text file or a .bin of token ids")
-    return path
+def _where(path: str) -> str:
+    return f"data.sources: {path!r}"
 
 
-def _cannot_read(data: DataConfig, error: OSError) -> ConfigError:
-    return ConfigError(f"data.path={data.path!r}: cannot read it ({error.strerror or error})")
+def _check_file(path: str) -> Path:
+    """``path``, a file; ConfigError saying why not."""
+    file = Path(path)
+    if file.is_dir():
+        raise ConfigError(f"{_where(path)} is a directory; give a text file or a .bin of token ids")
+    if not file.exists():
+        raise ConfigError(f"{_where(path)}: no such file; give a text file or a .bin of token ids")
+    return file
 
 
-def _read_file(data: DataConfig) -> bytes:
-    """The bytes of ``data.path``; ConfigError saying why when it cannot be read."""
-    path = _check_file(data)
+def _cannot_read(path: str, error: OSError) -> ConfigError:
+    return ConfigError(f"{_where(path)}: cannot read it ({error.strerror or error})")
+
+
+def _read_file(path: str) -> bytes:
+    """The bytes of ``path``; ConfigError saying why when it cannot be read."""
+    file = _check_file(path)
     try:
-        return path.read_bytes()
+        return file.read_bytes()
     except OSError as error:
-        raise _cannot_read(data, error) from None
+        raise _cannot_read(path, error) from None
 
 
-def _map_ids(data: DataConfig, path: Path, dtype: str) -> np.ndarray:
+def _map_ids(path: str, dtype: str) -> np.ndarray:
     """The ids of a ``.bin``, memory-mapped read-only (an empty file: no ids)."""
     try:
-        if path.stat().st_size == 0:
+        if Path(path).stat().st_size == 0:
             return np.zeros(0, dtype=dtype)
         return np.memmap(path, dtype=dtype, mode="r")
     except OSError as error:
-        raise _cannot_read(data, error) from None
+        raise _cannot_read(path, error) from None
 
 
 @dataclass(frozen=True)
@@ -95,34 +100,33 @@ class Corpus:
     info: CorpusInfo | None = None
 
 
-def load_corpus(data: DataConfig) -> Corpus:
-    """The corpus of ``data``: a 1-D array of ids (uint16, or the sidecar's dtype)."""
-    if data.path is None:
-        return Corpus(_read_stdlib(data.max_bytes).astype(np.uint16))
-    path = _check_file(data)
-    if path.suffix.lower() != ".bin":
-        return Corpus(np.frombuffer(_read_file(data), dtype=np.uint8).astype(np.uint16))
-    info = read_info(path, f"data.path={data.path!r}")
+def load_corpus(path: str | None, max_bytes: int | None = None) -> Corpus:
+    """The corpus at ``path``, a 1-D array of ids (uint16, or the sidecar's dtype); None:
+    the standard library's sources, at most ``max_bytes`` of them (``data.max_bytes``)."""
+    if path is None:
+        return Corpus(_read_stdlib(max_bytes).astype(np.uint16))
+    file = _check_file(path)
+    if file.suffix.lower() != ".bin":
+        return Corpus(np.frombuffer(_read_file(path), dtype=np.uint8).astype(np.uint16))
+    info = read_info(file, _where(path))
     if info is not None:
-        return Corpus(_map_ids(data, path, info.numpy_dtype), info)
+        return Corpus(_map_ids(path, info.numpy_dtype), info)
     try:
-        size = path.stat().st_size
+        size = file.stat().st_size
     except OSError as error:
-        raise _cannot_read(data, error) from None
+        raise _cannot_read(path, error) from None
     if size % 2:
-        raise ConfigError(
-            f"data.path={data.path!r}: a .bin must hold uint16 token ids (even byte count)"
-        )
-    return Corpus(_map_ids(data, path, "<u2"))
+        raise ConfigError(f"{_where(path)}: a .bin must hold uint16 token ids (even byte count)")
+    return Corpus(_map_ids(path, "<u2"))
 
 
-def load_tokens(data: DataConfig) -> np.ndarray:
-    """All token ids of the corpus as a 1-D array (uint16, or uint32 as its sidecar says)."""
-    return load_corpus(data).tokens
+def load_tokens(path: str | None, max_bytes: int | None = None) -> np.ndarray:
+    """All token ids of the corpus at ``path`` as a 1-D array (:func:`load_corpus`)."""
+    return load_corpus(path, max_bytes).tokens
 
 
 class TokenSplits:
-    """The corpus split into a training head and a validation tail."""
+    """A corpus split into a training head and a validation tail."""
 
     def __init__(
         self,
@@ -130,16 +134,19 @@ class TokenSplits:
         val_fraction: float,
         seq_len: int,
         info: CorpusInfo | None = None,
+        name: str | None = None,
     ):
         self.seq_len = seq_len
         self.info = info
         split = int(len(tokens) * (1 - val_fraction))
         self.train, self.val = tokens[:split], tokens[split:]
-        for name, part in (("training", self.train), ("validation", self.val)):
+        of = "" if name is None else f" of {name!r}"
+        for split_name, part in (("training", self.train), ("validation", self.val)):
             if len(part) < seq_len + 1:
                 raise ConfigError(
-                    f"the {name} split has {len(part)} tokens, fewer than model.seq_len + 1 = "
-                    f"{seq_len + 1}: use more data or a different data.val_fraction"
+                    f"the {split_name} split{of} has {len(part)} tokens, fewer than "
+                    f"model.seq_len + 1 = {seq_len + 1}: use more data or a different "
+                    "data.val_fraction"
                 )
 
     @property
@@ -152,65 +159,38 @@ class TokenSplits:
         return None if self.info is None else self.info.eod_id
 
 
-def load_splits(config: Config) -> TokenSplits:
-    """The corpus of ``config``, split, with every token id inside the vocabulary.
+class TokenWindows:
+    """The sequences of a split, a random-access source for Grain: window ``i`` is tokens
+    ``i S .. i S + S`` (``S + 1`` of them, the last the target of the one before), so
+    that every token but the last is an input once a pass."""
 
-    Raises ConfigError for a file that cannot be read, a malformed ``.bin`` or sidecar,
-    too little data for one sequence in either split, a token id (or, with a sidecar, a
-    tokenizer's vocabulary) the model cannot embed, or ``data.mask_across_documents``
-    without an end-of-document id.
-    """
-    data, vocab = config.data, config.model.vocab_size
-    corpus = load_corpus(data)
-    splits = TokenSplits(corpus.tokens, data.val_fraction, config.model.seq_len, corpus.info)
-    if corpus.info is not None:  # the sidecar's vocabulary bounds every id: no scan
-        if corpus.info.vocab_size > vocab:
-            raise ConfigError(
-                f"model.vocab_size={vocab}, but the tokenizer of data.path={data.path!r} has "
-                f"{corpus.info.vocab_size} tokens: use --model.vocab_size "
-                f"{corpus.info.vocab_size} or more"
-            )
-    elif splits.max_token_id >= vocab:
-        raise ConfigError(
-            f"model.vocab_size={vocab}, but the data holds token id "
-            f"{splits.max_token_id}: use a vocabulary of at least {splits.max_token_id + 1}"
-        )
-    if data.mask_across_documents and splits.eod_id is None:
-        raise ConfigError(
-            f"data.mask_across_documents=True, but data.path={data.path!r} has no "
-            "end-of-document id (only a .bin with the sidecar that `jaxmoe data` writes has "
-            "one): make the corpus with jaxmoe data, or leave the flag out"
-        )
-    return splits
+    def __init__(self, tokens: np.ndarray, seq_len: int):
+        self.tokens = tokens
+        self.seq_len = seq_len
+
+    def __len__(self) -> int:
+        return (len(self.tokens) - 1) // self.seq_len
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        start = index * self.seq_len
+        return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int32)
 
 
 class BatchSampler:
-    """Random windows of ``seq_len + 1`` tokens; the global batch is a function of the step."""
+    """The global batches of a sequence of examples: batch ``k`` is examples ``k B .. k B
+    + B - 1`` of ``examples`` (a Grain MapDataset: index -> int32 ``[S + 1]``), a function
+    of the seed and ``k`` only."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, global_batch: int, seed: int):
-        self.tokens = tokens
+    def __init__(self, examples: grain.MapDataset, seq_len: int, global_batch: int):
+        self.examples = examples
         self.seq_len = seq_len
         self.global_batch = global_batch
-        self.seed = seed
-
-    def _starts(self, step: int) -> np.ndarray:
-        rng = np.random.default_rng((self.seed, step))
-        return rng.integers(0, len(self.tokens) - self.seq_len, size=self.global_batch)
 
     def rows(self, step: int, first: int = 0, count: int | None = None) -> np.ndarray:
-        """Rows ``first .. first + count`` of the batch of ``step``, int32 ``[count, S + 1]``."""
-        starts = self._starts(step)[first : None if count is None else first + count]
-        offsets = np.arange(self.seq_len + 1)
-        return self.tokens[starts[:, None] + offsets].astype(np.int32)
-
-
-def run_batches(config: Config, splits: TokenSplits) -> tuple[BatchSampler, BatchSampler]:
-    """The run's training and validation batches (validation drawn with the next seed)."""
-    seq_len, batch, seed = config.model.seq_len, config.train.batch_size, config.train.seed
-    return (
-        BatchSampler(splits.train, seq_len, batch, seed),
-        BatchSampler(splits.val, seq_len, batch, seed + 1),
-    )
+        """Rows ``first .. first + count`` of batch ``step``, int32 ``[count, S + 1]``."""
+        count = self.global_batch - first if count is None else count
+        start = step * self.global_batch + first
+        return np.stack([self.examples[start + row] for row in range(count)])
 
 
 def put_on_mesh(sampler: BatchSampler, step: int, mesh: Mesh) -> jax.Array:

@@ -141,9 +141,9 @@ def corpus_tokenizer(corpus: str | os.PathLike, info: CorpusInfo) -> Path | None
 
 
 def corpus_eod_id(path: str | None) -> int | None:
-    """The end-of-document id of the corpus at ``path`` (``data.path``): its sidecar's,
+    """The end-of-document id of the corpus at ``path`` (a ``data.sources`` path): its sidecar's,
     None for the default byte corpus, a text file or a ``.bin`` without a sidecar."""
     if path is None or Path(path).suffix.lower() != ".bin":
         return None
-    info = read_info(path, f"data.path={path!r}")
+    info = read_info(path, f"data.sources: {path!r}")
     return None if info is None else info.eod_id

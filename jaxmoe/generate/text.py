@@ -9,8 +9,8 @@ Where the tokenizer is found, first that applies:
    token ``eos_token`` of the ``tokenizer_config.json`` beside it, else none. A
    converted model (``DIR/hf/`` exists) without a tokenizer is refused: its ids are
    not bytes;
-2. the run's corpus (``data.path``), a ``.bin`` made by ``jaxmoe data``: the tokenizer
-   its sidecar names, its ``eod_id``;
+2. the run's corpus (the first of ``data.sources``), a ``.bin`` made by ``jaxmoe data``:
+   the tokenizer its sidecar names, its ``eod_id``;
 3. otherwise (the default corpus, a text file) the model reads bytes: a token is a byte
    of the UTF-8 text, and there is no end-of-document token.
 """
@@ -101,7 +101,7 @@ def run_codec(run_dir: str | Path, config: Config) -> TextCodec:
             f"{where}: a converted model without {HF_DIR}/{TOKENIZER_FILE}: copy the "
             f"model's {TOKENIZER_FILE} to {own}"
         )
-    path = config.data.path
+    path = config.data.first_path
     if path is None or Path(path).suffix.lower() != ".bin":
         return TextCodec(None, (), "bytes")
     sidecar = sidecar_path(path)

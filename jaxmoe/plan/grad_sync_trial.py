@@ -24,7 +24,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from jaxmoe.config import Config
-from jaxmoe.data.batches import BatchSampler, load_splits, put_on_mesh, run_batches
+from jaxmoe.data.batches import BatchSampler, put_on_mesh
+from jaxmoe.data.mixture import load_mixture, run_batches
 from jaxmoe.train.resolved import resolve
 from jaxmoe.train.scheduled import scheduled_train_step
 from jaxmoe.train.state import init_train_state
@@ -34,7 +35,7 @@ WARMUP = 2  # untimed steps: the first runs the step's one-time work (connection
 
 def trial_batches(config: Config) -> BatchSampler:
     """The run's training batches, as the training loop draws them."""
-    return run_batches(config, load_splits(config))[0]
+    return run_batches(config, load_mixture(config))[0]
 
 
 def measured_step_seconds(config: Config, mesh: Mesh, name: str, batches: BatchSampler) -> float:

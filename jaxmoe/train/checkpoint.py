@@ -6,9 +6,10 @@ A checkpoint is a directory ``OUT/checkpoints/<step>`` of three items:
   optimizer state, and the model state such as the expert biases of auxiliary-loss-free
   balancing) as sharded arrays; every process writes only its own shards.
 - ``run``: where the run stands besides the state: the next step, the data position
-  and the random streams. Batches and router noise are functions of
-  ``(train.seed, step)`` (:class:`~jaxmoe.data.batches.BatchSampler`,
-  ``jaxmoe.train.step``), so the seed and the step are the whole of both.
+  and the random streams. The data position is the index of the next example of the
+  run's global sequence (:class:`~jaxmoe.data.host_batches.DataPosition`), the same in
+  every layout; router noise is a function of ``(train.seed, step)``
+  (``jaxmoe.train.step``).
 - ``config``: the configuration the checkpoint was written under.
 
 Saving is asynchronous: :meth:`RunCheckpoints.save` returns once the arrays are
@@ -47,6 +48,7 @@ from orbax.checkpoint import type_handlers
 
 from jaxmoe.config import Config, ConfigError, ModelConfig, MoEConfig
 from jaxmoe.config.moe import saved_moe_fields
+from jaxmoe.data.host_batches import DataPosition
 from jaxmoe.pipeline.params import (
     PIPELINE_AXIS,
     StageLayout,
@@ -165,6 +167,14 @@ def latest_checkpoint(out_dir: Path) -> int | None:
 def saved_config(out_dir: Path, step: int) -> dict[str, Any]:
     """The configuration (as a dict) that the checkpoint of ``step`` was written under."""
     path = (out_dir / CHECKPOINT_DIR / str(step) / "config").absolute()
+    with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as reader:
+        return reader.restore(path)
+
+
+def saved_run(out_dir: Path, step: int) -> dict[str, Any]:
+    """Where the run stood at the checkpoint of ``step`` besides its state: the ``run``
+    item (:meth:`RunCheckpoints.save`)."""
+    path = (out_dir / CHECKPOINT_DIR / str(step) / "run").absolute()
     with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as reader:
         return reader.restore(path)
 
@@ -342,16 +352,18 @@ class RunCheckpoints:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
-    def save(self, state: TrainState) -> int:
-        """Start writing ``state`` (after ``state.step`` steps); returns that step.
+    def save(self, state: TrainState, data: DataPosition | None = None) -> int:
+        """Start writing ``state`` (after ``state.step`` steps) and where the input stands
+        (``data``; None: after ``state.step`` batches); returns that step.
 
         Returns once the arrays are copied to the host, so the caller may donate them
         to the next step; the files are written in the background.
         """
         step = int(jax.device_get(state.step))
+        position = {} if data is None else data.to_json()
         run = {
             "next_step": step,
-            "data": {"seed": self.config.train.seed, "next_batch": step},
+            "data": {"seed": self.config.train.seed, **position},
             "rng": {"seed": self.config.train.seed, "router_noise_step": step},
             "processes": jax.process_count(),
         }

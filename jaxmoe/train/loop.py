@@ -25,11 +25,13 @@ from tqdm import tqdm
 
 from jaxmoe import exit_codes
 from jaxmoe.config import Config
-from jaxmoe.data.batches import BatchSampler, load_splits, put_on_mesh, run_batches
+from jaxmoe.data.batches import BatchSampler, put_on_mesh
+from jaxmoe.data.host_batches import DataPosition, HostBatches
+from jaxmoe.data.mixture import load_mixture, run_batches
 from jaxmoe.experimental import DEFAULT, ExperimentalOptions
 from jaxmoe.placement.planner import PlacementLog, plan_placement
 from jaxmoe.plan.mfu import estimated_mfu, mfu_meter, no_peak_message
-from jaxmoe.train.checkpoint import RunCheckpoints
+from jaxmoe.train.checkpoint import RunCheckpoints, saved_run
 from jaxmoe.train.metrics import METRICS_FILE, RunLog, host_row, read_rows
 from jaxmoe.train.profiler import StepProfiler
 from jaxmoe.train.resolved import Run
@@ -80,7 +82,12 @@ def _checkpoint_due(config: Config, done: int, stop: bool) -> bool:
 
 
 def _checkpoint(
-    checkpoints: RunCheckpoints, state: Any, config: Config, done: int, stop: bool
+    checkpoints: RunCheckpoints,
+    state: Any,
+    config: Config,
+    done: int,
+    stop: bool,
+    data: DataPosition,
 ) -> float:
     """Save after ``done`` steps if it is time to; returns the seconds training waited.
 
@@ -90,7 +97,7 @@ def _checkpoint(
     started = time.perf_counter()
     final = stop or done == config.train.steps
     if _checkpoint_due(config, done, stop):
-        checkpoints.save(state)
+        checkpoints.save(state, data)
     if final:
         checkpoints.wait()
     return time.perf_counter() - started
@@ -141,7 +148,7 @@ class _Started:
 
     state: Any
     first_step: int
-    train_batches: BatchSampler
+    train_batches: HostBatches  # this process's rows, read ahead
     val_batches: BatchSampler
     first_batch: jax.Array
     planned: TrainStep
@@ -158,15 +165,19 @@ def _start(
     """The state (restored from the newest readable checkpoint when resuming), the data and
     the compiled steps; a signal meanwhile ends the process at once."""
     config, mesh = run.config, run.mesh
-    train_batches, val_batches = run_batches(config, load_splits(config))
+    examples, val_batches = run_batches(config, load_mixture(config))
     restored = None
     if checkpoints is not None and resume:
         restored = signals.interruptible(checkpoints.restore_newest)
     if restored is not None:
         state, first_step = restored
+        saved = saved_run(checkpoints.directory.parent, first_step).get("data", {})
+        position = DataPosition.saved(saved, first_step, config.train.batch_size)
     else:
         state, first_step = signals.interruptible(lambda: init_train_state(run)), 0
-    first_batch = put_on_mesh(train_batches, first_step, mesh)
+        position = DataPosition()
+    train_batches = HostBatches(examples, mesh, position, config.data.prefetch)
+    first_batch = train_batches.next_on_mesh()
     planned = signals.interruptible(lambda: scheduled_train_step(run))
     # Compiled ahead so that the first step's time is a step, not a compilation.
     train_step = signals.interruptible(planned.compile)
@@ -272,6 +283,7 @@ def _train(
         with (
             StepWatchdog(step_timeout_s) as watchdog,
             contextlib.closing(log),
+            started.train_batches,
             checkpoints or contextlib.nullcontext(),
             bar,
             profiler,
@@ -282,7 +294,7 @@ def _train(
                 batch_array = (
                     started.first_batch
                     if step == first_step
-                    else put_on_mesh(started.train_batches, step, mesh)
+                    else started.train_batches.next_on_mesh()
                 )
                 with watchdog.step(step):
                     state, metrics = train_step(state, batch_array)
@@ -311,7 +323,9 @@ def _train(
                     state, [*history, *rows, row], config, done, placement_log, run.experimental
                 )
                 if checkpoints is not None:
-                    row["checkpoint_s"] = _checkpoint(checkpoints, state, config, done, stop)
+                    row["checkpoint_s"] = _checkpoint(
+                        checkpoints, state, config, done, stop, started.train_batches.position
+                    )
                 rows.append(row)
                 log.write(row)
                 if checkpoints is not None and _checkpoint_due(config, done, stop):

@@ -10,6 +10,7 @@ from jaxmoe.config import (
     Config,
     ConfigError,
     DataConfig,
+    DataSource,
     ModelConfig,
     MoEConfig,
     ParallelConfig,
@@ -74,6 +75,14 @@ def section(**fields):
         (lambda: section(transport="socket"), "experiments/emulation/socket_transport.py"),
         (lambda: section(xla_pin="groups"), "ExperimentalOptions(xla_groups=True)"),
         (lambda: DataConfig(val_fraction=1.0), "data.val_fraction=1.0"),
+        (lambda: DataConfig(prefetch=-1), "data.prefetch=-1: must be an integer >= 0"),
+        (lambda: DataSource("a.bin", 0.0), "'a.bin' has weight 0.0: a weight is a finite"),
+        (lambda: DataSource("a.bin", float("nan")), "'a.bin' has weight nan"),
+        (lambda: DataSource(""), "data.sources: path='': give the corpus's file"),
+        (
+            lambda: DataConfig(sources=(DataSource("a.bin", 2.0), DataSource("./a.bin"))),
+            "data.sources: './a.bin' is given twice (as 'a.bin' too): give each corpus once",
+        ),
         (
             lambda: Config(schedule=section(name="pair")),
             "schedule.name=pair runs each microbatch's passes beside another's, but "

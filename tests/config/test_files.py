@@ -9,7 +9,15 @@ from pathlib import Path
 import pytest
 
 import scheduling
-from jaxmoe.config import Config, ConfigError, DataConfig, MoEConfig, ScheduleConfig, TrainConfig
+from jaxmoe.config import (
+    Config,
+    ConfigError,
+    DataConfig,
+    DataSource,
+    MoEConfig,
+    ScheduleConfig,
+    TrainConfig,
+)
 from jaxmoe.config.config import config_sections
 from jaxmoe.config.files import read_config_file, to_toml
 from jaxmoe.presets import PRESETS, preset, preset_file
@@ -48,12 +56,40 @@ def test_a_toml_file_reads_none_integers_and_a_profile_of_its_own(tmp_path):
 def test_a_saved_config_json_reads_back_as_the_configuration(tmp_path):
     config = Config(
         moe=MoEConfig(capacity_factor=None, top_k=2),
-        data=DataConfig(path='corpus "quoted"\n.txt'),
+        data=DataConfig(sources=(DataSource('corpus "quoted"\n.txt'),)),
         schedule=ScheduleConfig(name="lancet", profile=scheduling.PROFILES["cpu"]),
     )
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config.to_dict(), indent=2))  # as a run writes it
     assert Config.from_dict(read_config_file(path)) == config
+
+
+def test_a_mixture_is_a_list_of_tables_and_a_saved_data_path_one_source(tmp_path):
+    path = tmp_path / "mix.toml"
+    path.write_text('[data]\nsources = [{ path = "web.bin", weight = 3 }, { path = "c.bin" }]\n')
+    config = Config.from_dict(read_config_file(path))
+    assert config.data.sources == (DataSource("web.bin", 3.0), DataSource("c.bin", 1.0))
+    path.write_text(to_toml(config_sections(config.to_dict())))
+    assert 'sources = [{ path = "web.bin", weight = 3.0 }, { path = "c.bin"' in path.read_text()
+    assert Config.from_dict(read_config_file(path)) == config
+    # A run saved before mixtures: data.path, read as one source of weight 1.
+    saved = tmp_path / "config.json"
+    saved.write_text(json.dumps({"data": {"path": "web.bin", "val_fraction": 0.1}}))
+    assert Config.from_dict(read_config_file(saved)).data == DataConfig(
+        sources=(DataSource("web.bin"),), val_fraction=0.1
+    )
+    saved.write_text(json.dumps({"data": {"path": None}}))
+    assert Config.from_dict(read_config_file(saved)).data == DataConfig()
+    for text, message in [
+        ('sources = [{ path = "a.bin", wieght = 3 }]', "unknown field data.sources[0].wieght: "),
+        ('sources = ["a.bin"]', "data.sources[0]='a.bin': a source is a table, { path = "),
+        ("sources = [{ weight = 3 }]", "data.sources[0] has no path: give the corpus's file"),
+        ('path = "a.bin"\nsources = []', "data.path and data.sources are both given"),
+    ]:
+        path.write_text(f"[data]\n{text}\n")
+        with pytest.raises(ConfigError) as error:
+            read_config_file(path)
+        assert str(error.value).startswith(f"{path}: {message}")
 
 
 @pytest.mark.parametrize("name", ["tiny", "deepseek_v3-671b"])

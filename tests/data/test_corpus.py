@@ -8,10 +8,11 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from jaxmoe.cli.data_command import unescape
 from jaxmoe.cli.main import main
-from jaxmoe.config import Config, ConfigError, DataConfig, ModelConfig
+from jaxmoe.config import Config, ConfigError, DataConfig, DataSource, ModelConfig
 from jaxmoe.data import sources
-from jaxmoe.data.batches import BatchSampler, load_corpus, load_splits
+from jaxmoe.data.batches import load_corpus
 from jaxmoe.data.corpus import corpus_eod_id, corpus_tokenizer, read_info
+from jaxmoe.data.mixture import corpus_batches, load_mixture
 
 STORIES = [f"story {i}: the fox jumped {i} times over the lazy dog." for i in range(40)]
 
@@ -62,17 +63,20 @@ def test_a_trained_tokenizer_corpus_in_uint16_read_back_by_the_loader(tmp_path, 
     decoded = [tokenizer.decode(doc) for doc in _documents(out, info)]
     assert decoded == [one.read_text(), *STORIES]
 
-    config = Config(model=ModelConfig(vocab_size=300, seq_len=16), data=DataConfig(path=str(out)))
-    splits = load_splits(config)
+    config = Config(
+        model=ModelConfig(vocab_size=300, seq_len=16),
+        data=DataConfig(sources=(DataSource(str(out)),)),
+    )
+    (splits,) = load_mixture(config).corpora
     assert splits.eod_id == 0 == corpus_eod_id(str(out))
-    assert isinstance(load_corpus(config.data).tokens, np.memmap)
+    assert isinstance(load_corpus(str(out)).tokens, np.memmap)
     assert len(splits.train) + len(splits.val) == info.tokens
     with pytest.raises(
         ConfigError,
         match=r"^model\.vocab_size=256, .* has 300 tokens: use "
         r"--model\.vocab_size 300 or more$",
     ):
-        load_splits(Config(model=ModelConfig(vocab_size=256, seq_len=16), data=config.data))
+        load_mixture(Config(model=ModelConfig(vocab_size=256, seq_len=16), data=config.data))
 
     # The same tokenizer, given: the same ids; a .txt split at a separator.
     again = tmp_path / "again.bin"
@@ -162,14 +166,14 @@ def test_a_vocabulary_beyond_uint16_is_written_and_read_as_uint32(tmp_path, caps
     assert (info.dtype, info.vocab_size, info.eod_id, info.tokens) == ("uint32", 70_000, 1, 620)
     assert _documents(out, info) == [[int(w[1:]) for w in doc] for doc in words]
 
-    data = DataConfig(path=str(out))
-    splits = load_splits(Config(model=ModelConfig(vocab_size=70_000, seq_len=16), data=data))
+    data = DataConfig(sources=(DataSource(str(out)),))
+    mixture = load_mixture(Config(model=ModelConfig(vocab_size=70_000, seq_len=16), data=data))
+    (splits,) = mixture.corpora
     assert splits.train.dtype == np.dtype("<u4") and splits.max_token_id > 65_535
-    sampler = BatchSampler(splits.train, seq_len=16, global_batch=8, seed=0)
-    rows = sampler.rows(3)
+    rows = corpus_batches(splits.train, seq_len=16, global_batch=8).rows(3)
     whole = np.asarray(splits.train)
-    starts = np.random.default_rng((0, 3)).integers(0, len(whole) - 16, size=8)
-    np.testing.assert_array_equal(rows, [whole[s : s + 17] for s in starts])
+    windows = {tuple(whole[i * 16 : i * 16 + 17]) for i in range((len(whole) - 1) // 16)}
+    assert all(tuple(row) in windows for row in rows.tolist())
     assert rows.dtype == np.int32 and rows.max() > 65_535
 
     # jaxmoe train refuses it before anything compiles, in one line naming the field.
@@ -283,9 +287,9 @@ def test_document_masks_need_an_end_of_document_id(tmp_path):
     (tmp_path / "plain.txt").write_text("x" * 500)
     np.arange(500, dtype="<u2").tofile(tmp_path / "ids.bin")
     for name in ("plain.txt", "ids.bin"):
-        data = DataConfig(path=str(tmp_path / name), mask_across_documents=True)
+        data = DataConfig(sources=(DataSource(str(tmp_path / name)),), mask_across_documents=True)
         with pytest.raises(ConfigError, match=r"has no end-of-document id .*jaxmoe data"):
-            load_splits(Config(model=ModelConfig(vocab_size=512, seq_len=16), data=data))
+            load_mixture(Config(model=ModelConfig(vocab_size=512, seq_len=16), data=data))
     assert corpus_eod_id(str(tmp_path / "ids.bin")) is None and corpus_eod_id(None) is None
 
 
@@ -303,9 +307,12 @@ def test_sidecars_that_do_not_match_are_refused(tmp_path):
         "documents": 1,
         "tokens": 1000,
     }
-    config = Config(model=ModelConfig(vocab_size=128, seq_len=16), data=DataConfig(path=str(path)))
+    config = Config(
+        model=ModelConfig(vocab_size=128, seq_len=16),
+        data=DataConfig(sources=(DataSource(str(path)),)),
+    )
     (tmp_path / "c.json").write_text(json.dumps(sidecar))
-    assert load_splits(config).eod_id == 0
+    assert load_mixture(config).eod_id == 0
     for change, message in [
         ({"tokens": 999}, r"2000 bytes, but c\.json says 999 uint16 tokens"),
         ({"dtype": "uint32"}, r"2000 bytes, but c\.json says 1000 uint32 tokens \(4000 bytes\)"),
@@ -315,10 +322,10 @@ def test_sidecars_that_do_not_match_are_refused(tmp_path):
     ]:
         (tmp_path / "c.json").write_text(json.dumps(sidecar | change))
         with pytest.raises(ConfigError, match=message):
-            load_splits(config)
+            load_mixture(config)
     (tmp_path / "c.json").write_text("{not json")
     with pytest.raises(ConfigError, match=r"c\.json is not a valid sidecar"):
-        load_splits(config)
+        load_mixture(config)
 
 
 def test_text_files_split_at_a_separator_across_blocks(tmp_path, monkeypatch):

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from jaxmoe.cli.main import main
-from jaxmoe.config import ConfigError, DataConfig
+from jaxmoe.config import ConfigError, DataConfig, DataSource
 from jaxmoe.generate import Decoder, load_run_model, run_codec
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.presets import preset
@@ -188,7 +188,7 @@ def test_the_tokenizer_of_the_runs_corpus(tmp_path):
 
     corpus = tmp_path / "web.bin"
     np.zeros(4, "<u2").tofile(corpus)
-    config = dataclasses.replace(_config(), data=DataConfig(path=str(corpus)))
+    config = dataclasses.replace(_config(), data=DataConfig(sources=(DataSource(str(corpus)),)))
     with pytest.raises(ConfigError, match=r"has no sidecar web\.json here"):
         run_codec(tmp_path / "run", config)
     _word_tokenizer(tmp_path / "web.tokenizer.json", ["<unk>", "<|endoftext|>", "a"])

@@ -43,6 +43,7 @@ from jaxmoe.config import (
     Config,
     ConfigError,
     DataConfig,
+    DataSource,
     ModelConfig,
     MoEConfig,
     ParallelConfig,
@@ -384,7 +385,7 @@ def test_pipelined_evaluation_equals_the_unpipelined_one(tmp_path):
     losses = []
     llama = dict(moe_every=1, position="rope", norm="rmsnorm")
     for each in (config("plain", 2, 2, **llama), config("plain", **llama)):
-        data = DataConfig(path=str(corpus), mask_across_documents=True)
+        data = DataConfig(sources=(DataSource(str(corpus)),), mask_across_documents=True)
         each = dataclasses.replace(each, data=data)
         mesh = build_mesh(each.parallel, devices(each))
         state = init_train_state(resolve(each, mesh))

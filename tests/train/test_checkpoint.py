@@ -1,6 +1,8 @@
 """Checkpoints: exact resume, restore into another layout, refusal of another shape."""
 
 import dataclasses
+import json
+import shutil
 
 import chex
 import jax
@@ -8,7 +10,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from jaxmoe.config import Config, ConfigError, ParallelConfig
+from jaxmoe.config import Config, ConfigError, DataConfig, DataSource, ParallelConfig
+from jaxmoe.data.batches import load_tokens
 from jaxmoe.exit_codes import PREEMPTED as PREEMPTED_EXIT_CODE
 from jaxmoe.parallel.mesh import build_mesh, token_spec
 from jaxmoe.prepare import prepare_run
@@ -18,6 +21,7 @@ from jaxmoe.train.checkpoint import (
     check_compatible,
     latest_checkpoint,
     newest_described,
+    saved_run,
 )
 from jaxmoe.train.metrics import read_rows
 from jaxmoe.train.resolved import resolve
@@ -47,6 +51,37 @@ def test_resume_after_a_stop_is_the_uninterrupted_run_bit_for_bit(tmp_path, monk
     chex.assert_trees_all_equal(pick(stopped.value.rows + resumed), pick(uninterrupted))
     logged = read_rows(tmp_path / "parts" / "metrics.jsonl")
     assert [row["step"] for row in logged] == list(range(6))
+
+
+def test_a_mixture_resumes_bit_for_bit_and_so_does_a_checkpoint_without_its_position(
+    tmp_path, monkeypatch
+):
+    """Two corpora, 3 : 1 (the default corpus's first 200 kB cut in two): 4 steps, and 2
+    steps stopped and resumed from the data position saved with the checkpoint, or from a
+    checkpoint written before positions were saved (its run item without one)."""
+    text = bytes(load_tokens(None, max_bytes=200_000).astype("u1"))
+    (tmp_path / "a.txt").write_bytes(text[:120_000])
+    (tmp_path / "b.txt").write_bytes(text[120_000:])
+    config = one_layer_config(steps=4, eval_every=2)
+    sources = (DataSource(str(tmp_path / "a.txt"), 3.0), DataSource(str(tmp_path / "b.txt")))
+    config = dataclasses.replace(config, data=DataConfig(sources=sources))
+    uninterrupted = loop.train(prepare_run(config), tmp_path / "whole", progress=False)
+
+    monkeypatch.setattr(StopSignals, "stop_after", lambda self, done: done == 2)
+    with pytest.raises(loop.RunStopped) as stopped:
+        loop.train(prepare_run(config), tmp_path / "parts", progress=False)
+    monkeypatch.undo()
+    saved = saved_run(tmp_path / "parts", 2)
+    assert saved["data"]["next_example"] == 2 * config.train.batch_size
+    shutil.copytree(tmp_path / "parts", tmp_path / "old")
+    old_run = tmp_path / "old" / "checkpoints" / "2" / "run" / "metadata"
+    old_run.write_text(json.dumps({**saved, "data": {"seed": 0, "next_batch": 2}}))
+
+    pick = lambda rows: [{key: row.get(key) for key in EXACT_KEYS} for row in rows]
+    for out in ("parts", "old"):
+        resumed = loop.train(prepare_run(config), tmp_path / out, progress=False, resume=True)
+        assert [row["step"] for row in resumed] == [2, 3]
+        chex.assert_trees_all_equal(pick(stopped.value.rows + resumed), pick(uninterrupted))
 
 
 def _state_on(config: Config):

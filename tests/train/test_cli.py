@@ -12,7 +12,7 @@ import pytest
 from jaxmoe.cli import launch as launch_module
 from jaxmoe.cli.main import main
 from jaxmoe.cli.parser import config_from_train_args, parse, resolve_config
-from jaxmoe.config import Config, MoEConfig, TrainConfig
+from jaxmoe.config import Config, DataSource, MoEConfig, TrainConfig
 from jaxmoe.presets import preset
 from tests.train.runs import ONE_LAYER
 
@@ -44,10 +44,13 @@ def test_bad_input_is_one_line_and_status_2(argv, message, capsys):
 
 @pytest.fixture
 def input_files(tmp_path):
-    """A directory, a text file too short for one sequence, an odd-sized upper-case .BIN,
+    """A directory, a text file too short for one sequence and one long enough (and a link
+    to it), an odd-sized upper-case .BIN,
     a .bin with ids beyond the byte vocabulary, and curve files the cost model cannot use."""
     (tmp_path / "adir").mkdir()
     (tmp_path / "short.txt").write_text("hello")
+    (tmp_path / "long.txt").write_text("hello world " * 500)
+    (tmp_path / "link.txt").symlink_to(tmp_path / "long.txt")
     (tmp_path / "odd.BIN").write_bytes(b"abc")
     (np.arange(5000, dtype="<u2") % 1000).tofile(tmp_path / "wide.bin")
     (tmp_path / "broken.json").write_text("{not json")
@@ -79,10 +82,18 @@ CURVES = "--schedule.link_curves"
         (["--data", "{dir}/adir"], "adir' is a directory; give a text file or a .bin"),
         (["--data", "{dir}/absent.txt"], "absent.txt': no such file"),
         (["--data", "{dir}/odd.BIN"], "a .bin must hold uint16 token ids (even byte count)"),
-        (["--data", "{dir}/short.txt"], "the training split has 4 tokens"),
-        (["--data", "{dir}/wide.bin"], "the data holds token id 999"),
+        (["--data", "{dir}/short.txt"], "the training split of '{dir}/short.txt' has 4 tokens"),
+        (["--data", "{dir}/wide.bin"], "wide.bin' holds token id 999"),
+        (["--data", "{dir}/long.txt:0"], "long.txt' has weight 0.0: a weight is a finite number"),
+        (["--data", "{dir}/long.txt", "{dir}/long.txt:2"], "long.txt' is given twice"),
+        (["--data", "{dir}/long.txt", "{dir}/link.txt"], "link.txt' and '{dir}/long.txt' are the"),
+        (
+            ["--data", "{dir}/long.txt:3", "{dir}/wide.bin", "--model.vocab_size", "1000"],
+            "holds ids without a sidecar: a mixture's corpora share one tokenizer",
+        ),
         (["--steps", "3", "--train.steps", "5"], "--steps 3 and --train.steps 5 disagree"),
-        (["--data", "a.txt", "--data.path", "b.txt"], "--data a.txt and --data.path b.txt"),
+        (["--data", "a.txt", "--data.sources", "b.txt"], "--data a.txt and --data.sources b.txt"),
+        (["--data.path", "a.txt"], "--data.path is now --data.sources (or --data FILE)"),
         (["--schedule", "dw", "--schedule.name", "async"], "--schedule dw and --schedule.name"),
         (["--train.schedule", "dw"], "--train.schedule is now --schedule.name"),
         (["--model.d_model", "1000000000"], "the attention projections would have 3e+18"),
@@ -124,8 +135,10 @@ def test_a_shortcut_and_its_field_may_repeat_the_same_value():
         ["--steps", "5", "--train.steps", "5", "--schedule", "dw", "--schedule.name", "dw"]
     )
     assert config.train.steps == 5 and config.schedule.name == "dw"
-    config = config_from_train_args(["--data", "corpus.txt", "--data.path", "corpus.txt"])
-    assert config.data.path == "corpus.txt"
+    config = config_from_train_args(
+        ["--data", "a.txt", "b.bin:3", "--data.sources", "a.txt:1", "b.bin:3.0"]
+    )
+    assert config.data.sources == (DataSource("a.txt"), DataSource("b.bin", 3.0))
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,15 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxmoe.config import Config, DataConfig, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
+from jaxmoe.config import (
+    Config,
+    DataConfig,
+    DataSource,
+    ModelConfig,
+    MoEConfig,
+    ParallelConfig,
+    TrainConfig,
+)
 from jaxmoe.data.corpus import CorpusInfo, write_info
 from jaxmoe.data.documents import document_masks
 from jaxmoe.layers import GPTMoE
@@ -77,7 +85,7 @@ def test_the_eval_loss_is_the_mean_over_the_targets_inside_documents(tmp_path):
         moe=DROPLESS,
         parallel=ParallelConfig(data=2, expert=4),
         train=TrainConfig(batch_size=8),
-        data=DataConfig(path=str(corpus), mask_across_documents=True),
+        data=DataConfig(sources=(DataSource(str(corpus)),), mask_across_documents=True),
     )
     mesh = build_mesh(config.parallel)
     state = init_train_state(resolve(config, mesh))

@@ -17,7 +17,8 @@ import scheduling
 from experiments.emulation import socket_transport
 from experiments.emulation.socket_transport import over_sockets
 from jaxmoe.cli.parser import config_from_train_args
-from jaxmoe.data.batches import BatchSampler, load_splits, put_on_mesh
+from jaxmoe.data.batches import put_on_mesh
+from jaxmoe.data.mixture import load_mixture, run_batches
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.train.resolved import resolve
 from jaxmoe.train.scheduled import scheduled_train_step
@@ -33,9 +34,7 @@ SMALL = [
 
 
 def _steps(step, config, mesh, count=3):
-    sampler = BatchSampler(
-        load_splits(config).train, config.model.seq_len, config.train.batch_size, 0
-    )
+    sampler = run_batches(config, load_mixture(config))[0]
     state = init_train_state(resolve(config, mesh))
     for index in range(count):
         state, metrics = step(state, put_on_mesh(sampler, index, mesh))
