@@ -61,6 +61,15 @@ def _evaluate(eval_step: Callable, state: Any, sampler: BatchSampler, batches: i
     return float(sum(jax.device_get(losses)) / batches)
 
 
+def _write_failure(error: OSError) -> str:
+    """Why a write failed, as a clause: ``no space left on device: <file>``, not
+    ``[Errno 28] No space left on device``."""
+    if not error.strerror:
+        return str(error)
+    reason = error.strerror[:1].lower() + error.strerror[1:]
+    return f"{reason}: {error.filename}" if error.filename else reason
+
+
 def _where_to_resume(checkpoints: RunCheckpoints | None, advice: str = "") -> str:
     step = None if checkpoints is None else checkpoints.latest_step()
     if step is None:
@@ -344,7 +353,8 @@ def _train(
                     )
     except OSError as error:
         raise RunStopped(
-            f"writing the run's files failed ({error}); {_where_to_resume(checkpoints)}",
+            f"writing the run's files failed ({_write_failure(error)}); "
+            f"{_where_to_resume(checkpoints)}",
             exit_codes.IO_ERROR,
             rows,
         ) from error

@@ -1,6 +1,7 @@
 """The GPU check's schedule variants and device descriptions (its runs need a GPU)."""
 
 import argparse
+import dataclasses
 
 import pytest
 
@@ -10,7 +11,8 @@ from jaxmoe.presets import preset
 
 
 def test_variants_name_a_schedule_and_how_it_is_pinned_and_emitted():
-    config = preset("tiny")
+    config = preset("tiny")  # two microbatches, as the check runs it: pair needs them
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train, microbatches=2))
 
     def variant(name):
         varied, experimental = gpu_schedule_check._variant(config, name)
