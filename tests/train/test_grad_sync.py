@@ -32,9 +32,9 @@ from jaxmoe.train.step import build_train_step
 from .runs import small_config
 
 STEPS = 20
-# The runs compared with allreduce's step for step (bucketed, hierarchical, one host) and
-# int8's residual stop after this many steps of the same 20-step schedule: their claims
-# hold at every step. The relaxed algorithms' convergence is compared over all 20.
+# The runs compared with allreduce's step for step (bucketed, hierarchical, one host) stop
+# after this many steps of the same 20-step schedule: their claims hold at every step. The
+# relaxed algorithms' convergence is compared over all 20 (int8's residual after them).
 COMPARED_STEPS = 8
 
 
@@ -224,8 +224,10 @@ def test_on_one_host_nothing_is_relaxed(runs, name):
 
 
 def test_int8_keeps_a_residual_per_device(runs):
-    _, states = runs("int8", COMPARED_STEPS)
-    residual = states[COMPARED_STEPS].grad_sync["residual"]
+    # The run of the convergence test above: hosts of 4 devices, one copy of each expert
+    # per host, so every device quantises its whole expert gradient.
+    _, states = runs("int8", **HOSTS)
+    residual = states[STEPS].grad_sync["residual"]
     w_in = residual["blocks"][0]["ffn"]["experts"]["w_in"]
     # One block per device: (8 devices, 8 experts / 4, 64, 512).
     assert w_in.shape == (8, 2, 64, 512)
