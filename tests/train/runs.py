@@ -41,18 +41,22 @@ def with_schedule(config: Config, name: str | None = None, **fields) -> Config:
     return dataclasses.replace(config, schedule=dataclasses.replace(config.schedule, **fields))
 
 
-def default_corpus_head(max_bytes: int) -> str:
-    """A text file of the first ``max_bytes`` bytes of the default corpus (the standard
-    library's sources): the tokens ``--data.max_bytes`` gives, read as a file's bytes
-    without listing the standard library again for every run (0.6 s). Written once, by the
-    first process that asks, in the run's directory of shared files (tests/conftest.py)."""
-    path = Path(os.environ["JAXMOE_TEST_FILES"]) / f"default-corpus-{max_bytes}.txt"
+def default_corpus_head(max_bytes: int) -> tuple[str, str]:
+    """``jaxmoe train`` flags for the first ``max_bytes`` bytes of the default corpus (the
+    standard library's sources): in a test run, a text file of them, written once by the
+    first process that asks in the run's directory of shared files (tests/conftest.py) and
+    read as bytes, the same tokens without listing the standard library for every run
+    (0.3 to 0.6 s); outside one, ``--data.max_bytes``."""
+    files = os.environ.get("JAXMOE_TEST_FILES")
+    if files is None:
+        return ("--data.max_bytes", str(max_bytes))
+    path = Path(files) / f"default-corpus-{max_bytes}.txt"
     if not path.exists():
         tokens = load_tokens(DataConfig(max_bytes=max_bytes))
         partial = path.with_name(f"{path.name}.{os.getpid()}")
         partial.write_bytes(tokens.astype(np.uint8).tobytes())
         os.replace(partial, path)
-    return str(path)
+    return ("--data.path", str(path))
 
 
 # The tiny preset cut to one MoE layer of width 32 on sequences of 16 tokens, 8 a step, on
@@ -63,7 +67,7 @@ def default_corpus_head(max_bytes: int) -> str:
 ONE_LAYER = (
     *("--model.num_layers", "1", "--model.moe_every", "1", "--model.seq_len", "16"),
     *("--train.batch_size", "8", "--model.d_model", "32", "--model.d_ff", "64"),
-    *("--model.num_heads", "2", "--data.path", default_corpus_head(200_000)),
+    *("--model.num_heads", "2", *default_corpus_head(200_000)),
 )
 
 

@@ -28,7 +28,7 @@ from tests.train.test_ragged_dropless import CASES, STEPS, family, reference, ru
 SMALL = [
     *("--model.num_layers", "2", "--model.seq_len", "16", "--train.batch_size", "8"),
     *("--model.d_model", "32", "--model.d_ff", "64", "--model.num_heads", "2"),
-    *("--data.path", default_corpus_head(200_000)),
+    *default_corpus_head(200_000),
 ]
 
 
