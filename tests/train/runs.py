@@ -52,11 +52,11 @@ def default_corpus_head(max_bytes: int) -> tuple[str, str]:
         return ("--data.max_bytes", str(max_bytes))
     path = Path(files) / f"default-corpus-{max_bytes}.txt"
     if not path.exists():
-        tokens = load_tokens(DataConfig(max_bytes=max_bytes))
+        tokens = load_tokens(None, max_bytes)
         partial = path.with_name(f"{path.name}.{os.getpid()}")
         partial.write_bytes(tokens.astype(np.uint8).tobytes())
         os.replace(partial, path)
-    return ("--data.path", str(path))
+    return ("--data", str(path))
 
 
 # The tiny preset cut to one MoE layer of width 32 on sequences of 16 tokens, 8 a step, on
