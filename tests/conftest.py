@@ -36,8 +36,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _CACHE_OWNER = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 if _CACHE_OWNER:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxmoe-tests-xla-")
-    # Small steps compile in well under JAX's default threshold of one second.
-    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.1"
+    # Every program, however quick to compile: small steps compile in well under JAX's
+    # default threshold of one second, and the small programs of the layer tests, and the
+    # operations run outside a jit, which every module compiles again once the previous
+    # module's caches are released, read back in less time than they compile.
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+# Files the tests of the run share (the text of the small runs: tests/train/runs.py), in a
+# directory made and removed as the cache is.
+_FILES_OWNER = "JAXMOE_TEST_FILES" not in os.environ
+if _FILES_OWNER:
+    os.environ["JAXMOE_TEST_FILES"] = tempfile.mkdtemp(prefix="jaxmoe-tests-files-")
 
 
 # The run's wall time is counted from here: the conftest is imported before collection.
@@ -79,6 +87,8 @@ def pytest_collection_finish(session):
 def pytest_unconfigure(config):
     if _CACHE_OWNER:
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+    if _FILES_OWNER:
+        shutil.rmtree(os.environ["JAXMOE_TEST_FILES"], ignore_errors=True)
 
 
 @pytest.hookimpl(trylast=True)

@@ -1,12 +1,15 @@
 """A small configuration for tests that train whole runs, and what must match between runs."""
 
 import dataclasses
+import os
+from pathlib import Path
 
 import jax
 import numpy as np
 
 from jaxmoe.cli.parser import config_from_train_args
 from jaxmoe.config import Config, DataConfig
+from jaxmoe.data.batches import load_tokens
 from jaxmoe.presets import preset
 
 # Metrics that a resumed run reproduces exactly (times and throughput do not).
@@ -38,15 +41,33 @@ def with_schedule(config: Config, name: str | None = None, **fields) -> Config:
     return dataclasses.replace(config, schedule=dataclasses.replace(config.schedule, **fields))
 
 
+def default_corpus_head(max_bytes: int) -> tuple[str, str]:
+    """``jaxmoe train`` flags for the first ``max_bytes`` bytes of the default corpus (the
+    standard library's sources): in a test run, a text file of them, written once by the
+    first process that asks in the run's directory of shared files (tests/conftest.py) and
+    read as bytes, the same tokens without listing the standard library for every run
+    (0.3 to 0.6 s); outside one, ``--data.max_bytes``."""
+    files = os.environ.get("JAXMOE_TEST_FILES")
+    if files is None:
+        return ("--data.max_bytes", str(max_bytes))
+    path = Path(files) / f"default-corpus-{max_bytes}.txt"
+    if not path.exists():
+        tokens = load_tokens(None, max_bytes)
+        partial = path.with_name(f"{path.name}.{os.getpid()}")
+        partial.write_bytes(tokens.astype(np.uint8).tobytes())
+        os.replace(partial, path)
+    return ("--data", str(path))
+
+
 # The tiny preset cut to one MoE layer of width 32 on sequences of 16 tokens, 8 a step, on
-# 200 kB of text, as ``jaxmoe train`` flags: the model of the tests of whole runs whose claims
-# are about the run (its processes, signals, checkpoints, files, metrics), not the model.
-# Every such run of at most 22 steps compiles one step: the preset warms up over 20 steps
-# and decays over max(steps - 1, warmup + 1) = 21 steps.
+# the first 200 kB of the default corpus, as ``jaxmoe train`` flags: the model of the tests
+# of whole runs whose claims are about the run (its processes, signals, checkpoints, files,
+# metrics), not the model. Every such run of at most 22 steps compiles one step: the preset
+# warms up over 20 steps and decays over max(steps - 1, warmup + 1) = 21 steps.
 ONE_LAYER = (
     *("--model.num_layers", "1", "--model.moe_every", "1", "--model.seq_len", "16"),
     *("--train.batch_size", "8", "--model.d_model", "32", "--model.d_ff", "64"),
-    *("--model.num_heads", "2", "--data.max_bytes", "200000"),
+    *("--model.num_heads", "2", *default_corpus_head(200_000)),
 )
 
 

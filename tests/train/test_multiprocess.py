@@ -4,7 +4,8 @@ Every run here trains the small model for at most ``LONG`` steps: the tiny prese
 over 20 steps and decays over ``max(steps - 1, warmup + 1)`` = 21 steps for any such run,
 so they all compile the same step, each process count's once, and read it back from the
 persistent compilation cache after. The single-process runs that the multi-process ones
-are compared with run in the test's own process: the same program on 8 devices.
+are compared with run in the test's own process: the same program on 8 devices; so does
+the launcher, where a test does not signal or time it.
 """
 
 import io
@@ -49,20 +50,22 @@ def train_here(out: Path, *args: str) -> list[float]:
     return losses(out)
 
 
-def test_two_processes_train_like_one(tmp_path):
+def launch_here(capsys, *args: str) -> tuple[int, str]:
+    """``jaxmoe launch -n 2 -- train ARGS`` with the launcher in this process (its two
+    processes started as from the command line): its status and output."""
+    capsys.readouterr()
+    status = main(["launch", "-n", "2", "--", "train", *args])
+    return status, capsys.readouterr().out
+
+
+def test_two_processes_train_like_one(tmp_path, capsys):
     common = ["--steps", "5", *SMALL]
     single_losses = train_here(tmp_path / "one", *common)
     double = tmp_path / "two"
-    two = subprocess.run(
-        jaxmoe("launch", "-n", "2", "--", "train", *common, "--out", str(double)),
-        env=child_environment(),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert two.returncode == 0, two.stdout[-3000:]
-    assert "[host 0] done: 5 steps" in two.stdout
-    assert "[host 1] done" not in two.stdout  # only process 0 reports and writes
+    status, output = launch_here(capsys, *common, "--out", str(double))
+    assert status == 0, output[-3000:]
+    assert "[host 0] done: 5 steps" in output
+    assert "[host 1] done" not in output  # only process 0 reports and writes
     assert len(list((double / "tensorboard").glob("events.out.tfevents.*"))) == 1
     double_losses = losses(double)
     assert len(double_losses) == 5
@@ -70,20 +73,14 @@ def test_two_processes_train_like_one(tmp_path):
         assert abs(a - b) <= 1e-5 * abs(a), (single_losses, double_losses)
 
 
-def test_hierarchical_takes_each_process_as_a_host(tmp_path):
+def test_hierarchical_takes_each_process_as_a_host(tmp_path, capsys):
     """Two processes of 4 devices, hosts from the processes: the same grouping, hence the
     same losses, as one process told that hosts hold 4 devices."""
     common = ["--steps", "3", *SMALL, "--parallel.data", "2", "--parallel.expert", "4"]
     common += ["--train.grad_sync", "hierarchical"]
     one = train_here(tmp_path / "one", *common, "--train.grad_sync_devices_per_host", "4")
-    two = subprocess.run(
-        jaxmoe("launch", "-n", "2", "--", "train", *common, "--out", str(tmp_path / "two")),
-        env=child_environment(),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert two.returncode == 0, two.stdout[-3000:]
+    status, output = launch_here(capsys, *common, "--out", str(tmp_path / "two"))
+    assert status == 0, output[-3000:]
     for a, b in zip(one, losses(tmp_path / "two"), strict=True):
         assert abs(a - b) <= 1e-5 * abs(a)
 

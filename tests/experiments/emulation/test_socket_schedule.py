@@ -23,13 +23,13 @@ from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.train.resolved import resolve
 from jaxmoe.train.scheduled import scheduled_train_step
 from jaxmoe.train.state import init_train_state
-from tests.train.runs import with_schedule
+from tests.train.runs import default_corpus_head, with_schedule
 from tests.train.test_ragged_dropless import CASES, STEPS, family, reference, run
 
 SMALL = [
     *("--model.num_layers", "2", "--model.seq_len", "16", "--train.batch_size", "8"),
     *("--model.d_model", "32", "--model.d_ff", "64", "--model.num_heads", "2"),
-    *("--data.max_bytes", "200000"),
+    *default_corpus_head(200_000),
 ]
 
 
