@@ -7,6 +7,7 @@ DTYPES = ("float32", "bfloat16")
 # (softmax(QK^T) V; Megatron-Core's selective recomputation), or each whole block from
 # its input (full recomputation).
 RECOMPUTE = ("none", "attention", "layer")
+ATTENTION = ("auto", "blockwise", "cudnn", "dense")
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope")
 ROPE_SCALINGS = ("none", "linear", "yarn")

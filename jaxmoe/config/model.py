@@ -45,9 +45,21 @@ class ModelConfig:
     # state stay float32; the router, the logits and the loss are float32).
     dtype: str = "float32"
     # The backward pass recomputes this instead of keeping its activations: "none",
-    # "attention" (softmax(QK^T) V, whose weights are O(seq^2) per head), or "layer"
-    # (every block from its input, which is all a block keeps: jaxmoe/layers/recompute.py).
+    # "attention" (the dense core's softmax weights, O(seq^2) per head; the blockwise and
+    # cuDNN cores never keep them), or "layer" (every block from its input, which is all
+    # a block keeps: jaxmoe/layers/recompute.py).
     recompute: str = "none"
+    # The attention core (jaxmoe/layers/attention_core.py): "auto" (cuDNN's flash
+    # attention on a GPU that takes the shapes, else blockwise), "blockwise" (flash
+    # attention in JAX, on every backend), "cudnn" or "dense" (every score materialised:
+    # the reference).
+    attention: str = "auto"
+    # blockwise: the tile of queries and keys, in positions (at most this many scores a
+    # head at once: the tile's square).
+    attention_block: int = 512
+    # Keys a query sees, itself included (Mistral's sliding window); None: every earlier
+    # one.
+    sliding_window: int | None = None
     # "layernorm" (with a bias, GPT-2) or "rmsnorm" (Llama, Mixtral, Qwen, DeepSeek).
     norm: str = "layernorm"
     # The epsilon of every norm (usually 1e-5 or 1e-6).
@@ -99,6 +111,10 @@ class ModelConfig:
         )
         one_of("model", "dtype", self.dtype, choices.DTYPES)
         one_of("model", "recompute", self.recompute, choices.RECOMPUTE)
+        one_of("model", "attention", self.attention, choices.ATTENTION)
+        positive_int("model", "attention_block", self.attention_block)
+        if self.sliding_window is not None:
+            positive_int("model", "sliding_window", self.sliding_window)
         one_of("model", "norm", self.norm, choices.NORMS)
         one_of("model", "position", self.position, choices.POSITIONS)
         one_of("model", "rope_scaling", self.rope_scaling, choices.ROPE_SCALINGS)

@@ -18,22 +18,24 @@ too when the group divides them; when there are fewer key/value heads than tenso
 devices they are replicated (Megatron-Core does the same), and each device uses the
 one its query heads read.
 
-``recompute=True`` (``model.recompute="attention"``) is Megatron-Core's selective
-activation recomputation: the core attention (QK^T, scale, mask, softmax, x V) runs
-under ``jax.checkpoint``, so the backward pass recomputes it from q, k and v instead
-of keeping its ``[batch, heads, seq, seq]`` weights, the one activation that grows
-with seq^2. It costs QK^T and the softmax once more.
+The core (QK^T, scale, mask, softmax, x V) is :mod:`jaxmoe.layers.attention_core`,
+chosen once by ``model.attention``: blockwise or cuDNN flash attention, whose backward
+pass recomputes the scores tile by tile and keeps only the rows' log-sum-exp, or the
+dense reference. ``model.recompute="attention"`` is Megatron-Core's selective
+recomputation for the dense core: it runs under ``jax.checkpoint``, so the backward
+pass recomputes it from q, k and v instead of keeping its ``[batch, heads, seq, seq]``
+weights; the flash cores keep none, and run as they are.
 
 Decoding (:meth:`CausalSelfAttention.decode`, :mod:`jaxmoe.generate`) keeps each
 layer's keys and values in a :class:`KVCache` ``[batch, max_len, kv_heads, head_dim]``:
 a call writes its tokens' keys and values at the cache position and attends over the
-whole cache, masked to the positions written so far. It runs on one device, without
-tensor parallelism.
+whole cache with the same core, masked to the positions written so far. It runs on one
+device, without tensor parallelism.
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import chex
@@ -43,55 +45,11 @@ from flax import nnx
 
 from jaxmoe.config import ModelConfig
 from jaxmoe.config.layout import TENSOR, TENSOR_IF_DIVIDES
+from jaxmoe.layers.attention_core import AttentionCore, resolve_core
 from jaxmoe.layers.parallel_linear import HeadProjection, RowParallelLinear
 from jaxmoe.layers.rotary import rotate
 from jaxmoe.parallel.mesh import role_axes
 from jaxmoe.parallel.tensor_parallel import gather_sequence, tensor_group_size
-
-
-def core_attention(
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    segment_ids: jax.Array | None = None,
-) -> jax.Array:
-    """Causal ``softmax(q k^T / sqrt(head_dim)) v`` over ``[batch, seq, heads, head_dim]``;
-    ``key`` and ``value`` may have fewer heads, each shared by a group of query heads.
-
-    ``segment_ids [batch, seq]``: positions attend only within their own segment
-    (documents packed into one row)."""
-    batch, seq, heads, head_dim = query.shape
-    groups = heads // key.shape[2]
-    query = query.reshape(batch, seq, key.shape[2], groups, head_dim)
-    logits = jnp.einsum("bqkgd,bskd->bkgqs", query, key).astype(jnp.float32)
-    logits = logits / math.sqrt(head_dim)
-    allowed = jnp.tril(jnp.ones((seq, seq), dtype=bool))[None, None, None]
-    if segment_ids is not None:
-        same = segment_ids[:, :, None] == segment_ids[:, None, :]
-        allowed = allowed & same[:, None, None]
-    logits = jnp.where(allowed, logits, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(logits, axis=-1).astype(value.dtype)
-    attended = jnp.einsum("bkgqs,bskd->bqkgd", weights, value)
-    return attended.reshape(batch, seq, heads, head_dim)
-
-
-def cached_attention(
-    query: jax.Array, key: jax.Array, value: jax.Array, positions: jax.Array
-) -> jax.Array:
-    """:func:`core_attention` of new queries over a key/value cache: ``query [batch, new,
-    heads, head_dim]`` at cache positions ``positions [new]``, ``key`` and ``value``
-    ``[batch, max_len, kv_heads, head_dim]``; the query at position ``p`` sees the cache's
-    positions ``0 .. p`` (the later ones are not written yet)."""
-    batch, new, heads, head_dim = query.shape
-    groups = heads // key.shape[2]
-    query = query.reshape(batch, new, key.shape[2], groups, head_dim)
-    logits = jnp.einsum("bqkgd,bskd->bkgqs", query, key).astype(jnp.float32)
-    logits = logits / math.sqrt(head_dim)
-    allowed = jnp.arange(key.shape[1])[None, :] <= positions[:, None]  # [new, max_len]
-    logits = jnp.where(allowed[None, None, None], logits, jnp.finfo(jnp.float32).min)
-    weights = jax.nn.softmax(logits, axis=-1).astype(value.dtype)
-    attended = jnp.einsum("bkgqs,bskd->bqkgd", weights, value)
-    return attended.reshape(batch, new, heads, head_dim)
 
 
 class KVCache(NamedTuple):
@@ -102,9 +60,12 @@ class KVCache(NamedTuple):
     value: jax.Array
 
 
-# The barrier keeps XLA from merging the backward pass's recomputation with the forward
-# values, which would keep the weights alive again (the layers are unrolled, not a scan).
-recomputed_core_attention = jax.checkpoint(core_attention, prevent_cse=True)
+def recomputed(core: AttentionCore) -> Callable[..., jax.Array]:
+    """``core`` with its activations recomputed in the backward pass (the dense core's
+    weights). The barrier keeps XLA from merging the recomputation with the forward
+    values, which would keep the weights alive again (the layers are unrolled, not a
+    scan)."""
+    return jax.checkpoint(core, prevent_cse=True)
 
 
 def kv_heads_split(kv_heads: int) -> bool:
@@ -118,7 +79,14 @@ class CausalSelfAttention(nnx.Module):
         self.num_heads = model.num_heads
         self.num_kv_heads = model.kv_heads
         self.head_dim = model.attention_head_dim
-        self.recompute = model.recompute == "attention"
+        self.core = resolve_core(
+            model.attention,
+            dtype=dtype,
+            head_dim=model.attention_head_dim,
+            block=model.attention_block,
+            window=model.sliding_window,
+        )
+        self.recompute_core = model.recompute == "attention" and self.core.keeps_scores
         self.rope = model.position == "rope"
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         self.query = HeadProjection(
@@ -178,8 +146,8 @@ class CausalSelfAttention(nnx.Module):
         x = gather_sequence(x)
         query, key, value = self._heads(x, rotary)
         key, value = self._local_key_value(key, value)
-        attend = recomputed_core_attention if self.recompute else core_attention
-        attended = attend(query, key, value, segment_ids)
+        attend = recomputed(self.core) if self.recompute_core else self.core
+        attended = attend(query, key, value, segment_ids=segment_ids)
         batch, seq = attended.shape[:2]
         return self.out(attended.reshape(batch, seq, -1))
 
@@ -229,6 +197,6 @@ class CausalSelfAttention(nnx.Module):
             jax.lax.dynamic_update_slice(cache.value, value.astype(cache.value.dtype), start),
         )
         positions = index + jnp.arange(x.shape[1])
-        attended = cached_attention(query, cache.key, cache.value, positions)
+        attended = self.core(query, cache.key, cache.value, query_positions=positions)
         batch, new = attended.shape[:2]
         return self.out(attended.reshape(batch, new, -1)), cache

@@ -18,6 +18,16 @@ grouped GEMM (``ragged_dot_general``) multiplies ``N`` of its buffer's rows. Whe
 is uneven the busiest device receives more than ``N``: ``CostModel(ragged_load=)`` is that
 max/mean, from routing statistics (1: even routing).
 
+Control flow is priced by what it runs: a ``scan`` as its body's ops ``length`` times
+(a blockwise attention's loop over tiles), a ``cond`` as its costliest branch, a
+``while`` as one trip (its trip count is known only when the step runs). Slices and
+updates at a dynamic offset move the slice alone: XLA updates a loop's carry in place.
+
+Fused attention (cuDNN's flash attention, ``dot_product_attention_fwd`` and ``_bwd``
+custom calls) is priced by its matmuls: ``4 x batch x heads x q x k x head_dim`` FLOPs
+forward, 2.5 times that backward (five products to two), halved under a causal mask, and
+its operands and results in bytes.
+
 The device figures come from a :class:`~scheduling.profiles.DeviceProfile`.
 """
 
@@ -31,6 +41,7 @@ from typing import Any
 from scheduling.costs.collective_groups import GroupSpread, group_members, group_spread
 from scheduling.costs.link_model import CollectiveCurves
 from scheduling.profiles import DeviceProfile
+from scheduling.program import jax_adapter
 from scheduling.program.capture import Op, aval_bytes
 
 # Ops that only relabel or view memory.
@@ -91,9 +102,57 @@ def _ragged_dot_flops(op: Op) -> float:
     return flops
 
 
+def body_ops(op: Op) -> list[tuple[list[Op], float]]:
+    """The ops of each sub-program of a control-flow op, with how often each runs
+    (:func:`scheduling.program.jax_adapter.subprograms`); empty for any other op."""
+    return [
+        (
+            [
+                Op(-1, eqn, tuple(eqn.invars), tuple(eqn.outvars), op.name_stack, op.phase)
+                for eqn in jaxpr.eqns
+            ],
+            repeats,
+        )
+        for jaxpr, repeats in jax_adapter.subprograms(op.eqn)
+    ]
+
+
+def _over_bodies(op: Op, price) -> float:
+    """``price`` summed over a control-flow op's sub-programs: a scan's body times its
+    length, the costliest branch of a cond, a while's condition and body once."""
+    bodies = [repeats * sum(price(inner) for inner in ops) for ops, repeats in body_ops(op)]
+    if op.primitive == "cond":
+        return max(bodies, default=0.0)
+    return sum(bodies)
+
+
+# cuDNN's fused attention: its forward and backward custom calls.
+FUSED_ATTENTION = re.compile(r"dot_product_attention_(fwd|bwd)")
+
+
+def _fused_attention_flops(op: Op) -> float:
+    """cuDNN flash attention: the products ``q k^T`` and ``p v`` forward, five products
+    backward (2.5 times), over the visible half of the scores under a causal mask.
+    Operands ``[batch, q, heads, d]``, keys and values ``[batch, k, kv_heads, d]``."""
+    query, key, value = (a.aval.shape for a in op.inputs[:3])
+    batch, length, heads, head_dim = query
+    keys = key[1]
+    flops = 2.0 * batch * heads * length * keys * (head_dim + value[-1])
+    if "CAUSAL" in str(op.eqn.params.get("mask_type", "")):
+        flops /= 2
+    window = op.eqn.params.get("sliding_window_length")
+    if window:
+        flops *= min(1.0, window / keys)
+    return flops * (2.5 if FUSED_ATTENTION.search(op.primitive).group(1) == "bwd" else 1.0)
+
+
 def op_flops(op: Op) -> float:
     """Floating-point operations of one (non-collective) op."""
     name = op.primitive
+    if jax_adapter.subprograms(op.eqn):
+        return _over_bodies(op, op_flops)
+    if FUSED_ATTENTION.search(name):
+        return _fused_attention_flops(op)
     if name == "ragged_dot_general":
         return _ragged_dot_flops(op)
     if name == "dot_general":
@@ -109,10 +168,16 @@ def op_flops(op: Op) -> float:
     return elements * (8.0 if name in TRANSCENDENTAL else 1.0)
 
 
-def op_bytes(op: Op) -> int:
+def op_bytes(op: Op) -> float:
     """Bytes an op reads and writes."""
     if op.primitive in FREE_PRIMITIVES:
         return 0
+    if jax_adapter.subprograms(op.eqn):
+        return _over_bodies(op, op_bytes)
+    if op.primitive == "dynamic_slice":  # reads the slice, writes it
+        return 2 * sum(aval_bytes(v.aval) for v in op.outputs)
+    if op.primitive == "dynamic_update_slice":  # reads the update, writes it in place
+        return 2 * aval_bytes(op.inputs[1].aval)
     return sum(aval_bytes(a.aval) for a in op.inputs) + sum(aval_bytes(v.aval) for v in op.outputs)
 
 
@@ -235,6 +300,8 @@ class CostModel:
     def compute_seconds(self, op: Op) -> float:
         if op.primitive in FREE_PRIMITIVES:
             return 0.0
+        if jax_adapter.subprograms(op.eqn):  # each op of the body at its own roofline
+            return _over_bodies(op, self.seconds)
         profile = self.profile
         operand = op.inputs[0] if op.inputs else op.outputs[0]
         roofline = max(

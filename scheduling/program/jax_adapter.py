@@ -269,6 +269,21 @@ def carries_subprogram(eqn: Any) -> bool:
     )
 
 
+def subprograms(eqn: Any) -> list[tuple[Any, float]]:
+    """The sub-programs of a control-flow equation, each with how often it runs:
+    a ``scan``'s body ``length`` times, each branch of a ``cond`` once (the caller takes
+    the costliest), a ``while``'s condition and body once each (the trip count is known
+    only when the step runs). Empty for any other equation."""
+    params, name = eqn.params, eqn.primitive.name
+    if name == "scan":
+        return [(params["jaxpr"].jaxpr, float(params["length"]))]
+    if name == "cond":
+        return [(branch.jaxpr, 1.0) for branch in params["branches"]]
+    if name == "while":
+        return [(params["cond_jaxpr"].jaxpr, 1.0), (params["body_jaxpr"].jaxpr, 1.0)]
+    return []
+
+
 def shard_map_parts(eqn: Any) -> tuple[Any, Sequence[Any], Sequence[Any]]:
     """``(body jaxpr, in_specs, out_specs)`` of a ``shard_map`` equation."""
     if eqn.primitive.name != "shard_map":

@@ -16,7 +16,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxmoe.config import ModelConfig, ParallelConfig
 from jaxmoe.config.layout import TENSOR, axes_for_role
-from jaxmoe.layers.attention import CausalSelfAttention, core_attention
+from jaxmoe.layers.attention import CausalSelfAttention
+from jaxmoe.layers.attention_core import AttentionCore
 from jaxmoe.layers.rotary import rotary_tables
 from jaxmoe.parallel.mesh import build_mesh, token_spec
 from jaxmoe.parallel.sharding import param_specs
@@ -36,7 +37,15 @@ GQA = dataclasses.replace(
     norm="rmsnorm",
     linear_bias=False,
 )
-MODELS = {"mha": GPT, "gqa-rope": GQA}
+# The blockwise core in tiles of 2 positions (4 query tiles, 10 of 16 tile pairs), and
+# the dense reference core.
+TILED = dataclasses.replace(GQA, attention="blockwise", attention_block=2)
+MODELS = {
+    "mha": GPT,
+    "gqa-rope": GQA,
+    "gqa-rope-tiled": TILED,
+    "mha-dense": dataclasses.replace(GPT, attention="dense"),
+}
 
 
 def make_attention(model: ModelConfig, seed=0):
@@ -121,22 +130,24 @@ def test_matches_the_reference_attention(name):
     np.testing.assert_allclose(y, reference_attention(model, params, x), rtol=1e-5, atol=1e-5)
 
 
-def test_segments_keep_attention_inside_each_document():
-    attention = make_attention(GQA)
+@pytest.mark.parametrize("model", [GQA, TILED], ids=["one-tile", "tiled"])
+def test_segments_keep_attention_inside_each_document(model):
+    attention = make_attention(model)
     x = attention_input()
     segments = np.array([[0, 0, 0, 1, 1, 1, 1, 2]] * BATCH)
-    y = attention(jnp.asarray(x), rotary(GQA), jnp.asarray(segments))
+    y = attention(jnp.asarray(x), rotary(model), jnp.asarray(segments))
     params = nnx.to_pure_dict(nnx.state(attention))
     np.testing.assert_allclose(
-        y, reference_attention(GQA, params, x, segments), rtol=1e-5, atol=1e-5
+        y, reference_attention(model, params, x, segments), rtol=1e-5, atol=1e-5
     )
 
 
-def test_core_attention_at_the_first_position_returns_its_own_value():
+@pytest.mark.parametrize("kind", ["blockwise", "dense"])
+def test_core_attention_at_the_first_position_returns_its_own_value(kind):
     rng = np.random.default_rng(3)
     q, k, v = (jnp.asarray(rng.normal(size=(2, 5, 3, 4)), jnp.float32) for _ in range(3))
 
-    attended = core_attention(q, k, v)
+    attended = AttentionCore(kind, block=2)(q, k, v)
 
     assert attended.shape == (2, 5, 3, 4)
     np.testing.assert_allclose(attended[:, 0], v[:, 0], rtol=1e-6)
@@ -188,15 +199,18 @@ def primitive_names(attention, x):
     return names
 
 
+DENSE = dataclasses.replace(GPT, attention="dense")
+
+
 def test_recomputed_attention_has_the_same_outputs_and_gradients():
     x = jnp.asarray(attention_input())
     cotangent = jnp.asarray(attention_input(seed=4))
-    recomputing = dataclasses.replace(GPT, recompute="attention")
-    kept, recomputed = make_attention(GPT), make_attention(recomputing)
-    assert recomputed.recompute and not kept.recompute
+    recomputing = dataclasses.replace(DENSE, recompute="attention")
+    kept, recomputed = make_attention(DENSE), make_attention(recomputing)
+    assert recomputed.recompute_core and not kept.recompute_core
 
-    y, grads = forward_and_gradients(GPT, kept, x, cotangent)
-    y_recomputed, grads_recomputed = forward_and_gradients(GPT, recomputed, x, cotangent)
+    y, grads = forward_and_gradients(DENSE, kept, x, cotangent)
+    y_recomputed, grads_recomputed = forward_and_gradients(DENSE, recomputed, x, cotangent)
 
     np.testing.assert_array_equal(y_recomputed, y)
     for got, want in zip(jax.tree.leaves(grads_recomputed), jax.tree.leaves(grads), strict=True):
@@ -204,13 +218,16 @@ def test_recomputed_attention_has_the_same_outputs_and_gradients():
     assert any(np.any(leaf != 0) for leaf in jax.tree.leaves(grads))
 
 
-def test_only_the_recomputing_layer_checkpoints_its_core():
+def test_only_the_recomputing_dense_layer_checkpoints_its_core():
     x = jnp.zeros((1, SEQ, D_MODEL))
     remat = {"remat2", "checkpoint"}
-    recomputing = dataclasses.replace(GPT, recompute="attention")
+    recomputing = dataclasses.replace(DENSE, recompute="attention")
 
     assert primitive_names(make_attention(recomputing), x) & remat
-    assert not primitive_names(make_attention(GPT), x) & remat
+    assert not primitive_names(make_attention(DENSE), x) & remat
+    # The blockwise core keeps no weights: nothing to recompute around it.
+    flash = dataclasses.replace(GPT, attention="blockwise", recompute="attention")
+    assert not primitive_names(make_attention(flash), x) & remat
 
 
 # --- Tensor parallelism ----------------------------------------------------------------------
@@ -223,6 +240,7 @@ TP_CASES = {
     # two key/value heads, four tensor devices: key/value heads replicated
     "gqa-tensor4-replicated-kv": (GQA, ParallelConfig(data=4, expert=2, tensor=4)),
     "gqa-tensor2-split-kv": (GQA, ParallelConfig(data=2, expert=4, tensor=2)),
+    "gqa-tensor2-tiled": (TILED, ParallelConfig(data=2, expert=4, tensor=2)),
 }
 
 

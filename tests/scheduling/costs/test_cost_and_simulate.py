@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from scheduling.costs.collective_groups import members_per_node
+from scheduling.costs import cost_model
 from scheduling.costs.cost_model import CostModel, collective_wire_bytes, op_bytes, op_flops
 from scheduling.costs.simulate import simulate
 from scheduling.passes import split_async
@@ -63,6 +64,46 @@ def test_dot_general_flops_are_2mnk():
     assert op_flops(reshape) == 0
     assert op_bytes(reshape) == 0
     assert cost.compute_seconds(reshape) == 0.0
+
+
+def test_a_scan_is_priced_as_its_body_times_its_length():
+    mesh = mesh_x()
+
+    def step(a, b):
+        def body(carry, _):
+            return jnp.tanh(carry @ b), None
+
+        out, _ = jax.lax.scan(body, a, None, length=4)
+        return out.reshape(-1)
+
+    ops, _ = _ops(
+        step,
+        sds(mesh, (M, K), P()),
+        sds(mesh, (K, K), P()),
+        in_specs=(P(), P()),
+        out_specs=P(),
+    )
+    scan = ops["scan"]
+    assert op_flops(scan) == 4 * (2 * M * K * K + 8 * M * K)  # the product and its tanh
+    cost = CostModel(PROFILE, {"x": 8})
+    one_trip = PROFILE.op_overhead_s * 2 + (2 * M * K * K + 8 * M * K) / PROFILE.flops_per_s
+    assert cost.compute_seconds(scan) >= 4 * one_trip
+    assert cost.compute_seconds(scan) == pytest.approx(
+        4 * sum(cost.seconds(inner) for inner in cost_model.body_ops(scan)[0][0])
+    )
+
+
+def test_an_update_at_a_dynamic_offset_moves_the_update_alone():
+    mesh = mesh_x()
+    ops, _ = _ops(
+        lambda big, small, i: jax.lax.dynamic_update_slice_in_dim(big, small, i[0], 0),
+        sds(mesh, (64, K), P()),
+        sds(mesh, (2, K), P()),
+        sds(mesh, (1,), P(), jnp.int32),
+        in_specs=(P(), P(), P()),
+        out_specs=P(),
+    )
+    assert op_bytes(ops["dynamic_update_slice"]) == 2 * 2 * K * F32
 
 
 def test_batched_dot_general_flops():

@@ -1,0 +1,397 @@
+"""Blockwise attention in JAX: FlashAttention's online softmax, forward and backward.
+
+``softmax(q k^T * scale + mask) v`` computed one ``[block, block]`` tile of the scores
+at a time, so that no more than one tile per head exists at once (FlashAttention-2,
+arXiv 2307.08691, Algorithms 1 and 2). Tiles that the mask empties entirely are not
+computed: above the causal diagonal, and beyond a sliding window; with queries at
+positions known only when the step runs (decoding) every tile is visited and masked.
+
+Forward: for each query tile, a running maximum ``m``, a running sum ``l`` and an
+unnormalised output ``acc``, all float32; each key tile rescales them by
+``exp(m_old - m_new)``. It keeps the output and the log-sum-exp ``m + log l`` of every
+query row. Backward (a ``jax.custom_vjp``): from those two alone, each tile's weights
+``exp(s - lse)`` are recomputed and give the tile's share of ``dq``, ``dk`` and ``dv``:
+the scores are computed twice, as in every flash attention, and never stored.
+
+The tiles visited are a static list of ``(query tile, key tile)`` pairs, run by one
+``lax.scan``; with a single pair (a sequence no longer than a block) the tile is
+computed inline, with no loop. Sequences are padded to whole tiles: a padded key sits
+after every real query and the causal mask hides it; padded query rows are dropped.
+
+Queries may have more heads than keys (grouped-query attention): the query heads are
+grouped ``[kv_heads, heads / kv_heads]`` and each group reads its key/value head. Values
+may have their own head width (multi-head latent attention). GEMM inputs stay in the
+operands' dtype, with float32 accumulation; the softmax statistics are float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# The score of a masked position: far below any real score, yet finite, so that a row
+# whose every position so far is masked never computes ``inf - inf``.
+MASKED = -1e30
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """The static shape of one blockwise attention: tile sizes, the tiles visited and the
+    mask's static parts."""
+
+    query_len: int
+    key_len: int
+    query_block: int
+    key_block: int
+    # Keys a query sees, itself included (a sliding window); None: every earlier key.
+    window: int | None
+    # Queries sit at positions 0 .. query_len - 1 of the keys' sequence (self-attention);
+    # False: their positions are an operand (decoding over a cache).
+    aligned: bool
+    scale: float
+
+    @property
+    def query_tiles(self) -> int:
+        return -(-self.query_len // self.query_block)
+
+    @property
+    def key_tiles(self) -> int:
+        return -(-self.key_len // self.key_block)
+
+    def pairs(self) -> tuple[tuple[int, int], ...]:
+        """The ``(query tile, key tile)`` pairs the mask leaves anything in, query tile
+        by query tile."""
+        if not self.aligned:
+            return tuple((i, j) for i in range(self.query_tiles) for j in range(self.key_tiles))
+        pairs = []
+        for i in range(self.query_tiles):
+            first_query = i * self.query_block
+            last_query = min(self.query_len, first_query + self.query_block) - 1
+            for j in range(self.key_tiles):
+                first_key, last_key = j * self.key_block, (j + 1) * self.key_block - 1
+                if first_key > last_query:
+                    continue  # above the causal diagonal
+                if self.window is not None and last_key <= first_query - self.window:
+                    continue  # before every query's window
+                pairs.append((i, j))
+        return tuple(pairs)
+
+
+def tiling(
+    query_len: int,
+    key_len: int,
+    block: int,
+    *,
+    window: int | None,
+    aligned: bool,
+    scale: float,
+) -> Tiling:
+    """The tiling of a ``query_len x key_len`` attention in tiles of at most ``block``."""
+    return Tiling(
+        query_len=query_len,
+        key_len=key_len,
+        query_block=min(block, query_len),
+        key_block=min(block, key_len),
+        window=window,
+        aligned=aligned,
+        scale=scale,
+    )
+
+
+def blockwise_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    block: int,
+    scale: float | None = None,
+    window: int | None = None,
+    segment_ids: jax.Array | None = None,
+    query_positions: jax.Array | None = None,
+) -> jax.Array:
+    """Masked ``softmax(q k^T * scale) v`` over ``query [batch, q, heads, d]``, ``key
+    [batch, k, kv_heads, d]`` and ``value [batch, k, kv_heads, dv]`` in tiles of at most
+    ``block``; ``[batch, q, heads, dv]``.
+
+    Query ``i`` sits at position ``query_positions[i]`` of the keys (default ``i``:
+    self-attention) and sees the keys at that position and before, the last ``window``
+    of them where a window is given, and with ``segment_ids [batch, q]`` (self-attention
+    only) only those of its own segment. ``scale`` defaults to ``1 / sqrt(d)``."""
+    if query_positions is not None and segment_ids is not None:
+        raise ValueError("segment ids are for self-attention; a query with positions has none")
+    if query_positions is None and query.shape[1] != key.shape[1]:
+        raise ValueError(
+            f"{query.shape[1]} queries over {key.shape[1]} keys: give the queries' positions"
+        )
+    tiles = tiling(
+        query.shape[1],
+        key.shape[1],
+        block,
+        window=window,
+        aligned=query_positions is None,
+        scale=1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale),
+    )
+    if query_positions is None:
+        query_positions = jnp.arange(query.shape[1], dtype=jnp.int32)
+    if segment_ids is None:
+        segment_ids = jnp.zeros(query.shape[:2], jnp.int32)
+    return _attention(tiles, query, key, value, query_positions.astype(jnp.int32), segment_ids)
+
+
+# -- tiles --------------------------------------------------------------------------------
+
+
+def _pad_to(x: jax.Array, axis: int, size: int, fill=0) -> jax.Array:
+    """``x`` padded with ``fill`` along ``axis`` to ``size``."""
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=fill)
+
+
+def _tiles(x: jax.Array, tile: int, count: int) -> jax.Array:
+    """``[batch, len, ...]`` -> ``[count, batch, tile, ...]``, padded to whole tiles."""
+    x = _pad_to(x, 1, tile * count)
+    x = x.reshape(x.shape[0], count, tile, *x.shape[2:])
+    return jnp.moveaxis(x, 1, 0)
+
+
+def _untile(x: jax.Array, length: int) -> jax.Array:
+    """The inverse of :func:`_tiles`: ``[count, batch, tile, ...]`` -> ``[batch, length,
+    ...]``."""
+    x = jnp.moveaxis(x, 0, 1)
+    return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :length]
+
+
+@dataclass(frozen=True)
+class _Operands:
+    """The operands cut into tiles: queries ``[tiles, batch, block, kv_heads, groups, d]``,
+    keys ``[tiles, batch, block, kv_heads, d]``, values likewise with ``dv``, and the
+    positions and segments of the query rows and key columns."""
+
+    query: jax.Array
+    key: jax.Array
+    value: jax.Array
+    query_position: jax.Array  # [query tiles, block]
+    query_segment: jax.Array  # [query tiles, batch, block]
+    key_segment: jax.Array  # [key tiles, batch, block]
+
+
+def _cut(tiles: Tiling, query, key, value, query_positions, segment_ids) -> _Operands:
+    batch, _, heads, d = query.shape
+    kv_heads = key.shape[2]
+    grouped = query.reshape(batch, tiles.query_len, kv_heads, heads // kv_heads, d)
+    nq, nk, bq, bk = tiles.query_tiles, tiles.key_tiles, tiles.query_block, tiles.key_block
+    # Padded query rows sit after the last real one; padded keys after every query.
+    last = query_positions[-1] if query_positions.shape[0] else 0
+    padded_positions = last + 1 + jnp.arange(nq * bq - tiles.query_len, dtype=jnp.int32)
+    positions = jnp.concatenate([query_positions, padded_positions])
+    key_segments = segment_ids if tiles.aligned else jnp.zeros(key.shape[:2], jnp.int32)
+    return _Operands(
+        query=_tiles(grouped, bq, nq),
+        key=_tiles(key, bk, nk),
+        value=_tiles(value, bk, nk),
+        query_position=positions.reshape(nq, bq),
+        query_segment=_tiles(segment_ids, bq, nq),
+        key_segment=_tiles(_pad_to(key_segments, 1, nk * bk, fill=-1), bk, nk),
+    )
+
+
+def _visible(tiles: Tiling, ops: _Operands, i, j) -> jax.Array:
+    """Which keys of key tile ``j`` each query of query tile ``i`` sees: ``[batch, 1, 1,
+    block_q, block_k]`` (to broadcast over the key/value heads and their groups)."""
+    query_position = _take(ops.query_position, i)[:, None]
+    key_position = (j * tiles.key_block + jnp.arange(tiles.key_block, dtype=jnp.int32))[None]
+    visible = key_position <= query_position
+    if tiles.window is not None:
+        visible &= query_position - key_position < tiles.window
+    same = _take(ops.query_segment, i)[:, :, None] == _take(ops.key_segment, j)[:, None, :]
+    return (visible[None] & same)[:, None, None]
+
+
+def _scores(tiles: Tiling, query_tile: jax.Array, key_tile: jax.Array) -> jax.Array:
+    """``q k^T * scale`` of one tile: ``[batch, kv_heads, groups, block_q, block_k]``,
+    float32."""
+    scores = jnp.einsum(
+        "bqkgd,bskd->bkgqs", query_tile, key_tile, preferred_element_type=jnp.float32
+    )
+    return scores * tiles.scale
+
+
+def _per_row(x: jax.Array) -> jax.Array:
+    """Per-row statistics ``[..., kv_heads, groups, block]`` laid out like the output
+    rows, ``[..., block, kv_heads, groups, 1]``."""
+    return jnp.moveaxis(x, -1, -3)[..., None]
+
+
+def _take(x: jax.Array, index) -> jax.Array:
+    """Tile ``index`` of ``x`` (a static or traced index along axis 0)."""
+    return jax.lax.dynamic_index_in_dim(x, index, axis=0, keepdims=False)
+
+
+def _put(x: jax.Array, tile: jax.Array, index) -> jax.Array:
+    """``x`` with ``tile`` written at ``index`` along axis 0 (in place in XLA's loop)."""
+    return jax.lax.dynamic_update_index_in_dim(x, tile, index, axis=0)
+
+
+def _fields(ops: _Operands) -> tuple[jax.Array, ...]:
+    return tuple(getattr(ops, field.name) for field in dataclasses.fields(ops))
+
+
+def _varying(state: tuple[jax.Array, ...], *operands: jax.Array) -> tuple[jax.Array, ...]:
+    """``state`` typed as varying over the manual mesh axes ``operands`` vary over: inside
+    a ``shard_map`` a loop's carry has the type of what the loop writes into it."""
+    axes = set()
+    for operand in operands:  # outside a shard_map an array has no manual axis type
+        axes.update(getattr(getattr(jax.typeof(operand), "mat", None), "varying", ()))
+    if not axes:
+        return state
+    return tuple(jax.lax.pcast(x, tuple(sorted(axes)), to="varying") for x in state)
+
+
+def _visit_pairs(tiles: Tiling, visit, state):
+    """``state`` after ``visit(state, (i, j))`` for every tile pair: inline for one pair,
+    else one ``lax.scan`` over the pairs."""
+    pairs = np.asarray(tiles.pairs(), dtype=np.int32).reshape(-1, 2)
+    if len(pairs) == 1:
+        return visit(state, (0, 0))[0]
+    state, _ = jax.lax.scan(visit, state, (jnp.asarray(pairs[:, 0]), jnp.asarray(pairs[:, 1])))
+    return state
+
+
+# -- forward ------------------------------------------------------------------------------
+
+
+def _forward(tiles: Tiling, ops: _Operands) -> tuple[jax.Array, jax.Array]:
+    """Output tiles ``[query tiles, batch, block, kv_heads, groups, dv]`` (float32) and
+    the log-sum-exp of every query row ``[query tiles, batch, kv_heads, groups, block]``."""
+    nq, batch, bq, kv_heads, groups, _ = ops.query.shape
+    stats_shape = (nq, batch, kv_heads, groups, bq)
+    state = (
+        jnp.zeros((*ops.query.shape[:-1], ops.value.shape[-1]), jnp.float32),  # acc
+        jnp.full(stats_shape, MASKED, jnp.float32),  # the running maximum m
+        jnp.zeros(stats_shape, jnp.float32),  # the running sum l
+    )
+    state = _varying(state, *_fields(ops))
+
+    def visit(state, pair):
+        acc, maximum, total = state
+        i, j = pair
+        visible = _visible(tiles, ops, i, j)
+        scores = jnp.where(visible, _scores(tiles, _take(ops.query, i), _take(ops.key, j)), MASKED)
+        m_old, total_old = _take(maximum, i), _take(total, i)
+        m_new = jnp.maximum(m_old, scores.max(axis=-1))
+        weights = jnp.where(visible, jnp.exp(scores - m_new[..., None]), 0.0)
+        rescale = jnp.exp(m_old - m_new)
+        attended = jnp.einsum(
+            "bkgqs,bskd->bqkgd",
+            weights.astype(ops.value.dtype),
+            _take(ops.value, j),
+            preferred_element_type=jnp.float32,
+        )
+        acc_new = _take(acc, i) * _per_row(rescale) + attended
+        total_new = total_old * rescale + weights.sum(axis=-1)
+        return (_put(acc, acc_new, i), _put(maximum, m_new, i), _put(total, total_new, i)), None
+
+    acc, maximum, total = _visit_pairs(tiles, visit, state)
+    total = jnp.where(total == 0.0, 1.0, total)  # a row that sees nothing (causal: none)
+    return acc / _per_row(total), maximum + jnp.log(total)
+
+
+# -- backward -----------------------------------------------------------------------------
+
+
+def _backward(tiles: Tiling, ops: _Operands, out, lse, d_out):
+    """``dq, dk, dv`` tiles (float32) from the output tiles, the rows' log-sum-exp and the
+    output's cotangent tiles (FlashAttention-2's Algorithm 2)."""
+    # D_i = rowsum(dO_i * O_i): the softmax's backward, per query row.
+    row_dot = jnp.einsum("nbqkgd,nbqkgd->nbkgq", d_out.astype(jnp.float32), out)
+    state = (
+        jnp.zeros(ops.query.shape, jnp.float32),
+        jnp.zeros(ops.key.shape, jnp.float32),
+        jnp.zeros(ops.value.shape, jnp.float32),
+    )
+    state = _varying(state, *_fields(ops), out, lse, d_out)
+    dtype = ops.query.dtype
+
+    def visit(state, pair):
+        d_query, d_key, d_value = state
+        i, j = pair
+        query, key, value = _take(ops.query, i), _take(ops.key, j), _take(ops.value, j)
+        d_out_i = _take(d_out, i)
+        visible = _visible(tiles, ops, i, j)
+        scores = _scores(tiles, query, key)
+        weights = jnp.where(visible, jnp.exp(scores - _take(lse, i)[..., None]), 0.0)
+        d_value_j = jnp.einsum(
+            "bkgqs,bqkgd->bskd",
+            weights.astype(dtype),
+            d_out_i,
+            preferred_element_type=jnp.float32,
+        )
+        d_weights = jnp.einsum(
+            "bqkgd,bskd->bkgqs", d_out_i, value, preferred_element_type=jnp.float32
+        )
+        d_scores = (weights * (d_weights - _take(row_dot, i)[..., None])).astype(dtype)
+        d_query_i = jnp.einsum(
+            "bkgqs,bskd->bqkgd", d_scores, key, preferred_element_type=jnp.float32
+        )
+        d_key_j = jnp.einsum(
+            "bkgqs,bqkgd->bskd", d_scores, query, preferred_element_type=jnp.float32
+        )
+        return (
+            _put(d_query, _take(d_query, i) + d_query_i * tiles.scale, i),
+            _put(d_key, _take(d_key, j) + d_key_j * tiles.scale, j),
+            _put(d_value, _take(d_value, j) + d_value_j, j),
+        ), None
+
+    return _visit_pairs(tiles, visit, state)
+
+
+# -- the differentiable function ----------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(tiles: Tiling, query, key, value, query_positions, segment_ids):
+    return _attention_forward(tiles, query, key, value, query_positions, segment_ids)[0]
+
+
+def _attention_forward(tiles: Tiling, query, key, value, query_positions, segment_ids):
+    ops = _cut(tiles, query, key, value, query_positions, segment_ids)
+    out, lse = _forward(tiles, ops)
+    batch, _, heads, _ = query.shape
+    result = _untile(out, tiles.query_len).reshape(batch, tiles.query_len, heads, -1)
+    result = result.astype(query.dtype)
+    return result, (query, key, value, query_positions, segment_ids, result, lse)
+
+
+def _attention_backward(tiles: Tiling, residuals, d_result):
+    query, key, value, query_positions, segment_ids, result, lse = residuals
+    ops = _cut(tiles, query, key, value, query_positions, segment_ids)
+    batch, _, kv_heads, _ = key.shape
+
+    def output_tiles(x: jax.Array) -> jax.Array:
+        grouped = x.reshape(batch, tiles.query_len, kv_heads, -1, x.shape[-1])
+        return _tiles(grouped, tiles.query_block, tiles.query_tiles)
+
+    out, d_out = output_tiles(result).astype(jnp.float32), output_tiles(d_result)
+    d_query, d_key, d_value = _backward(tiles, ops, out, lse, d_out)
+    d_query = _untile(d_query, tiles.query_len).reshape(query.shape)
+    d_key = _untile(d_key, tiles.key_len)
+    d_value = _untile(d_value, tiles.key_len)
+    return (
+        d_query.astype(query.dtype),
+        d_key.astype(key.dtype),
+        d_value.astype(value.dtype),
+        None,
+        None,
+    )
+
+
+_attention.defvjp(_attention_forward, _attention_backward)
