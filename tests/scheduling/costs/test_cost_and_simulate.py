@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from scheduling.costs.collective_groups import members_per_node
 from scheduling.costs import cost_model
+from scheduling.costs.collective_groups import members_per_node
 from scheduling.costs.cost_model import CostModel, collective_wire_bytes, op_bytes, op_flops
 from scheduling.costs.simulate import simulate
 from scheduling.passes import split_async
