@@ -11,7 +11,8 @@ Qwen2-MoE's gated shared expert, and the dense layers (``decoder_sparse_step`` a
 ``model.moe_every``, ``mlp_only_layers`` = the first k layers as
 ``model.first_dense_layers``). The models are dropless: ``moe.capacity_factor`` None.
 What jaxmoe cannot compute the same way is refused in one line naming the field: a
-sliding window shorter than ``model.seq_len``, a rotary scaling other than linear or
+sliding window on some layers only (Qwen's ``max_window_layers``) shorter than
+``model.seq_len``, a rotary scaling other than linear or
 YaRN (or YaRN with other constants), an activation other than SiLU, Qwen3-MoE's
 ``attention_bias`` (its output projection's bias), dense layers anywhere but first.
 Fields that only matter to training in transformers (``router_aux_loss_coef``,
@@ -60,8 +61,9 @@ class Architecture:
     """What a ``config.json`` says, as jaxmoe fields.
 
     ``model`` and ``moe``: values of ``model.*`` and ``moe.*`` fields (the rest keep the
-    family preset's). ``sliding_window``: the attention window, when one applies and
-    jaxmoe must check it against ``model.seq_len``."""
+    family preset's). ``sliding_window``: an attention window on some layers only (Qwen's
+    ``max_window_layers``), which jaxmoe must check against ``model.seq_len``: it has one
+    window for every layer (``model.sliding_window``)."""
 
     family: str
     source: str
@@ -77,8 +79,8 @@ class Architecture:
         if window is not None and window < config.model.seq_len:
             raise ConfigError(
                 f"{self.source}: sliding_window={window} is shorter than model.seq_len="
-                f"{config.model.seq_len}, and jaxmoe attends over the whole sequence: "
-                f"convert with --model.seq_len {window} or less"
+                f"{config.model.seq_len} on some layers only (max_window_layers), and jaxmoe "
+                f"has one window for every layer: convert with --model.seq_len {window} or less"
             )
 
 
@@ -209,9 +211,8 @@ def read_architecture(values: dict[str, Any], source: str) -> Architecture:
     window = None
     if family == "mixtral":
         model["d_ff"] = fields.integer("intermediate_size")
-        window = fields.get("sliding_window")
-        if window is not None:
-            window = fields.integer("sliding_window")
+        if fields.get("sliding_window") is not None:  # Mistral's window, on every layer
+            model["sliding_window"] = fields.integer("sliding_window")
     else:
         moe["normalize_top_k"] = fields.boolean("norm_topk_prob", False)
         moe["d_expert"] = fields.integer("moe_intermediate_size")
@@ -221,7 +222,12 @@ def read_architecture(values: dict[str, Any], source: str) -> Architecture:
         # that an unused intermediate_size cannot refuse a layout.
         model["d_ff"] = fields.integer("intermediate_size") if dense else moe["d_expert"]
         if fields.boolean("use_sliding_window", False) and fields.get("sliding_window"):
-            window = fields.integer("sliding_window")
+            # Windowed are the layers from max_window_layers on (transformers' Qwen2).
+            first = fields.integer("max_window_layers", layers, minimum=0)
+            if first == 0:
+                model["sliding_window"] = fields.integer("sliding_window")
+            elif first < layers:
+                window = fields.integer("sliding_window")
     if family == "qwen2_moe":
         model["attention_bias"] = fields.boolean("qkv_bias", True)
         moe.update(
@@ -461,9 +467,7 @@ def hf_config(config: Config, family: str, dtype: str, base: dict[str, Any] | No
     _put(values, EXPERT_COUNT[family], moe.num_experts)
     if family == "mixtral":
         values["intermediate_size"] = model.d_ff
-        window = values.get("sliding_window")
-        if window is not None and window < model.seq_len:
-            values["sliding_window"] = None
+        values["sliding_window"] = model.sliding_window
     else:
         dense = model.first_dense_layers > 0 or model.moe_every > 1
         if dense or "intermediate_size" not in values:
@@ -476,7 +480,11 @@ def hf_config(config: Config, family: str, dtype: str, base: dict[str, Any] | No
         if model.first_dense_layers or "mlp_only_layers" in values:
             values["mlp_only_layers"] = list(range(model.first_dense_layers))
         window = values.get("sliding_window")
-        if values.get("use_sliding_window") and window and window < model.seq_len:
+        if model.sliding_window is not None:  # on every layer
+            values.update(
+                use_sliding_window=True, sliding_window=model.sliding_window, max_window_layers=0
+            )
+        elif values.get("use_sliding_window") and window and window < model.seq_len:
             values["use_sliding_window"] = False
     if family == "qwen2_moe":
         values["shared_expert_intermediate_size"] = shared_width(model, moe)

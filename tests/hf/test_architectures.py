@@ -225,17 +225,25 @@ def test_family_fields_jaxmoe_cannot_follow_are_refused(values, changes, message
     assert message in str(error.value)
 
 
-def test_a_sliding_window_shorter_than_the_sequence_is_refused():
-    values = {**MIXTRAL_8X7B, "sliding_window": 4096}
-    assert config_of(values, **{"model.seq_len": 4096}).model.seq_len == 4096
+def test_a_sliding_window_on_every_layer_maps_and_one_on_some_layers_only_is_refused():
+    mixtral = config_of({**MIXTRAL_8X7B, "sliding_window": 4096}, **{"model.seq_len": 8192})
+    assert mixtral.model.sliding_window == 4096
+    written = hf_config(mixtral, "mixtral", "bfloat16", base=None)
+    assert written["sliding_window"] == 4096
+    assert config_of(written, **{"model.seq_len": 8192}).model == mixtral.model
 
-    with pytest.raises(ConfigError) as error:
-        config_of(values, **{"model.seq_len": 8192})
-    assert "sliding_window=4096 is shorter than model.seq_len=8192" in str(error.value)
-    assert "--model.seq_len 4096 or less" in str(error.value)
     qwen = {**QWEN2_57B, "use_sliding_window": True, "sliding_window": 1024}
-    with pytest.raises(ConfigError, match="sliding_window=1024 is shorter"):
-        config_of(qwen)
+    # transformers' Qwen2 windows the layers from max_window_layers on: here none of 28.
+    assert config_of(qwen).model.sliding_window is None
+    every = config_of({**qwen, "max_window_layers": 0})
+    assert every.model.sliding_window == 1024
+    assert config_of(hf_config(every, "qwen2_moe", "bfloat16", base=None)).model == every.model
+    with pytest.raises(ConfigError) as error:
+        config_of({**qwen, "max_window_layers": 4})
+    assert "sliding_window=1024 is shorter than model.seq_len=4096 on some layers" in str(
+        error.value
+    )
+    assert "--model.seq_len 1024 or less" in str(error.value)
 
 
 def test_fields_config_json_sets_cannot_be_overridden():

@@ -245,9 +245,9 @@ def broken_copy(tmp_path: Path, family: str, config=None, drop=(), add=None) -> 
             "model.layers.0.block_sparse_moe.gate.bias is not a tensor of the mixtral model",
         ),
         (
-            "mixtral",
-            dict(config={"sliding_window": 8}),
-            "sliding_window=8 is shorter than model.seq_len=16",
+            "qwen2_moe",
+            dict(config={"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+            "sliding_window=8 is shorter than model.seq_len=16 on some layers only",
         ),
     ],
 )
