@@ -190,9 +190,10 @@ def _cut(tiles: Tiling, query, key, value, query_positions, segment_ids) -> _Ope
     grouped = query.reshape(batch, tiles.query_len, kv_heads, heads // kv_heads, d)
     nq, nk, bq, bk = tiles.query_tiles, tiles.key_tiles, tiles.query_block, tiles.key_block
     # Padded query rows sit after the last real one; padded keys after every query.
-    last = query_positions[-1] if query_positions.shape[0] else 0
-    padded_positions = last + 1 + jnp.arange(nq * bq - tiles.query_len, dtype=jnp.int32)
-    positions = jnp.concatenate([query_positions, padded_positions])
+    positions = query_positions
+    if nq * bq > tiles.query_len:
+        padding = jnp.arange(1, nq * bq - tiles.query_len + 1, dtype=jnp.int32)
+        positions = jnp.concatenate([positions, query_positions[-1] + padding])
     key_segments = segment_ids if tiles.aligned else jnp.zeros(key.shape[:2], jnp.int32)
     return _Operands(
         query=_tiles(grouped, bq, nq),

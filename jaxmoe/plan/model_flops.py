@@ -16,9 +16,10 @@ Megatron-LM", appendix; Chowdhery et al. 2022, "PaLM", appendix B):
 - Attention's two matmuls (query-key scores, weights x values) count the whole
   ``seq x seq`` matrix, ``4 seq heads head_dim`` per token and layer, although the
   causal mask makes half of it irrelevant: PaLM's MFU (``6N + 12 L H Q T`` per token)
-  and Megatron-LM's count do the same, and :mod:`jaxmoe.layers.attention` computes the
-  full matrix before masking it. MaxText now counts only the unmasked half; this count
-  does not halve it (halving would lower the attention term, and MFU, accordingly).
+  and Megatron-LM's count do the same (the dense attention core computes the full
+  matrix; the blockwise and cuDNN cores skip the masked tiles). MaxText now counts only
+  the unmasked half; this count does not halve it (halving would lower the attention
+  term, and MFU, accordingly).
 - Feed-forward blocks count two matrices (GELU) or three (SwiGLU's gate, up and down),
   for the dense FFN, the routed experts and the shared experts alike.
 - The token embedding is a lookup (no FLOPs); the output head, tied to it or not, is

@@ -30,6 +30,10 @@ Prefix operations along the batch axis (``cumsum``, ``cumprod``, ``cummax``,
 ``cummin``) are chunked with a carry: each chunk's prefix plus the running
 total of the chunks before it.
 
+cuDNN's fused attention (``dot_product_attention_fwd``/``bwd``) runs row by row of the
+batch and chunks along it. A ``scan`` (the blockwise attention's loop over tiles) has no
+rule: it stays whole, and ends a partitioned range where it reads a chunked value.
+
 Ragged ops (``ragged_dot_general``, a grouped GEMM; ``ragged_all_to_all``) are refused
 (:func:`_ragged`): their rows are grouped by sizes known only when the step runs, so
 no chunk of the batch is a fixed block of them.
@@ -37,6 +41,7 @@ no chunk of the batch is a fixed block of them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -467,6 +472,32 @@ def _scatter(op: Op, layouts, uniform) -> Chunking | None:
     )
 
 
+def _fused_attention(op: Op, layouts, uniform) -> Chunking | None:
+    """cuDNN's fused attention, forward or backward: every operand and result batch-major
+    (queries, keys, values ``[batch, seq, heads, dim]``, sequence lengths ``[batch]``, the
+    softmax statistics ``[batch, heads, seq]``), each row's attention its own. Chunked
+    along the batch where the batch is the whole leading axis; placeholders (an absent
+    bias, empty offsets) are read whole."""
+    split = _one_split(layouts)
+    if split is None or split != Split(0):
+        return None
+    batch = _shape(op.outputs[0])[0]
+    cuts: list[int | None] = []
+    for atom, layout, flat in zip(op.inputs, layouts, uniform, strict=True):
+        shape = _shape(atom)
+        if layout is not None:
+            cuts.append(0)
+        elif not shape or math.prod(shape) == 0 or shape[0] == 1:
+            cuts.append(None)
+        elif shape[0] == batch and 0 in flat:
+            cuts.append(0)
+        else:
+            return None
+    if any(not _shape(v) or _shape(v)[0] != batch for v in op.outputs):
+        return None
+    return Chunking(tuple(cuts), (split,) * len(op.outputs), _same_params(op))
+
+
 def _ragged(op: Op, layouts, uniform) -> Chunking | None:
     """Refused: rows grouped by run-time sizes hold no fixed block of the batch."""
     return None
@@ -499,6 +530,9 @@ RULES: dict[str, Callable[[Op, Sequence[Layout], Sequence[frozenset[int]]], Chun
     "scatter": _scatter,
     "ragged_dot_general": _ragged,
     "ragged_all_to_all": _ragged,
+    # cuDNN's flash attention (jax.nn.dot_product_attention on a GPU).
+    "dot_product_attention_fwd_wrapper": _fused_attention,
+    "dot_product_attention_bwd_wrapper": _fused_attention,
 }
 
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from scheduling.passes.chunk_ops import chunk_aval, chunk_copy
 from scheduling.program import jax_adapter
-from scheduling.program.capture import Phase, Value, inline_jaxpr
+from scheduling.program.capture import Op, Phase, Value, inline_jaxpr
 from scheduling.program.partition_rules import Split, chunking
 
 IN_BOUNDS = jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS
@@ -191,3 +193,27 @@ def test_uniform_operand_is_cut_and_others_are_refused():
     op = _single_op(lambda x, y: x + y, (4, 3), (4, 3))
     assert chunking(op, [Split(0), None], [frozenset(), frozenset({0})]).inputs == (0, 0)
     assert chunking(op, [Split(0), None], [frozenset(), frozenset()]) is None
+
+
+def test_cudnn_fused_attention_chunks_along_the_whole_leading_batch():
+    # cuDNN's attention cannot be traced without a GPU: its equation stands in by name.
+    def value(*shape):
+        return Value(jax.core.ShapedArray(shape, jnp.bfloat16))
+
+    query, key, val = value(4, 16, 8, 64), value(4, 16, 2, 64), value(4, 16, 2, 64)
+    absent_bias, lengths = value(0), value(4)
+    eqn = SimpleNamespace(
+        primitive=SimpleNamespace(name="dot_product_attention_fwd_wrapper"), params={}
+    )
+    outputs = (value(4, 16, 8, 64), value(4, 8, 16))  # the output, the softmax statistics
+    op = Op(0, eqn, (query, key, val, absent_bias, lengths), outputs, "")
+    uniform = [frozenset()] * 4 + [frozenset({0})]
+
+    how = chunking(op, [Split(0)] * 3 + [None, None], uniform)
+
+    assert how is not None and how.inputs == (0, 0, 0, None, 0)
+    assert how.outputs == (Split(0), Split(0))
+    # A batch folded with another factor (after an all-to-all) is not the leading rows.
+    assert chunking(op, [Split(0, outer=2)] * 3 + [None, None], uniform) is None
+    # Lengths that differ along the batch cannot be read whole.
+    assert chunking(op, [Split(0)] * 3 + [None, None], [frozenset()] * 5) is None
