@@ -14,8 +14,9 @@ query row. Backward (a ``jax.custom_vjp``): from those two alone, each tile's we
 the scores are computed twice, as in every flash attention, and never stored.
 
 The tiles visited are a static list of ``(query tile, key tile)`` pairs, run by one
-``lax.scan``; with a single pair (a sequence no longer than a block) the tile is
-computed inline, with no loop. Sequences are padded to whole tiles: a padded key sits
+``lax.scan``; a sequence no longer than a block is one tile, computed inline with no
+loop (and no tile axes: the ops the scheduler's partition rules know, as the dense
+core's). Sequences are padded to whole tiles: a padded key sits
 after every real query and the causal mask hides it; padded query rows are dropped.
 
 Queries may have more heads than keys (grouped-query attention): the query heads are
@@ -55,6 +56,11 @@ class Tiling:
     # False: their positions are an operand (decoding over a cache).
     aligned: bool
     scale: float
+
+    @property
+    def single(self) -> bool:
+        """One tile holds the whole attention: computed inline, with no loop."""
+        return self.query_tiles == 1 and self.key_tiles == 1
 
     @property
     def query_tiles(self) -> int:
@@ -139,9 +145,79 @@ def blockwise_attention(
     )
     if query_positions is None:
         query_positions = jnp.arange(query.shape[1], dtype=jnp.int32)
-    if segment_ids is None:
-        segment_ids = jnp.zeros(query.shape[:2], jnp.int32)
     return _attention(tiles, query, key, value, query_positions.astype(jnp.int32), segment_ids)
+
+
+# -- one tile -----------------------------------------------------------------------------
+#
+# Queries ``[batch, block_q, kv_heads, groups, d]``, keys ``[batch, block_k, kv_heads, d]``,
+# values ``[batch, block_k, kv_heads, dv]``; scores and weights ``[batch, kv_heads, groups,
+# block_q, block_k]``; per-row statistics ``[batch, kv_heads, groups, block_q]``. A whole
+# sequence of one tile is computed by these alone.
+
+
+def _visible(
+    tiles: Tiling,
+    query_position: jax.Array,
+    key_offset,
+    query_segment: jax.Array | None,
+    key_segment: jax.Array | None,
+) -> jax.Array:
+    """Which keys of a tile starting at ``key_offset`` each query sees: ``[batch or 1, 1, 1,
+    block_q, block_k]`` (to broadcast over the key/value heads and their groups)."""
+    key_position = key_offset + jnp.arange(tiles.key_block, dtype=jnp.int32)[None]
+    visible = key_position <= query_position[:, None]
+    if tiles.window is not None:
+        visible &= query_position[:, None] - key_position < tiles.window
+    visible = visible[None]
+    if query_segment is not None:
+        visible = visible & (query_segment[:, :, None] == key_segment[:, None, :])
+    return visible[:, None, None]
+
+
+def _weights(tiles: Tiling, query, key, visible, maximum=None):
+    """The tile's ``exp(q k^T * scale - maximum)``, zero where masked, and the maximum:
+    the tile's own row maxima, or the given one (the running maximum, or the backward
+    pass's log-sum-exp)."""
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", query, key, preferred_element_type=jnp.float32)
+    scores = jnp.where(visible, scores * tiles.scale, MASKED)
+    if maximum is None:
+        maximum = scores.max(axis=-1)
+    return jnp.where(visible, jnp.exp(scores - maximum[..., None]), 0.0), maximum
+
+
+def _weighted_values(weights: jax.Array, value: jax.Array) -> jax.Array:
+    """``weights @ v``: ``[batch, block_q, kv_heads, groups, dv]``, float32."""
+    return jnp.einsum(
+        "bkgqs,bskd->bqkgd", weights.astype(value.dtype), value, preferred_element_type=jnp.float32
+    )
+
+
+def _per_row(x: jax.Array) -> jax.Array:
+    """Per-row statistics ``[..., kv_heads, groups, block]`` laid out like the output rows,
+    ``[..., block, kv_heads, groups, 1]``."""
+    return jnp.moveaxis(x, -1, -3)[..., None]
+
+
+def _gradients(tiles: Tiling, query, key, value, visible, lse, row_dot, d_out):
+    """The tile's shares of ``dq``, ``dk`` and ``dv`` (float32) from its rows' log-sum-exp
+    and ``rowsum(dO * O)`` (FlashAttention-2's Algorithm 2)."""
+    dtype = query.dtype
+    weights, _ = _weights(tiles, query, key, visible, lse)
+    d_value = jnp.einsum(
+        "bkgqs,bqkgd->bskd", weights.astype(dtype), d_out, preferred_element_type=jnp.float32
+    )
+    d_weights = jnp.einsum("bqkgd,bskd->bkgqs", d_out, value, preferred_element_type=jnp.float32)
+    d_scores = (weights * (d_weights - row_dot[..., None])).astype(dtype)
+    d_query = jnp.einsum("bkgqs,bskd->bqkgd", d_scores, key, preferred_element_type=jnp.float32)
+    d_key = jnp.einsum("bkgqs,bqkgd->bskd", d_scores, query, preferred_element_type=jnp.float32)
+    return d_query * tiles.scale, d_key * tiles.scale, d_value
+
+
+def _row_dot(out: jax.Array, d_out: jax.Array) -> jax.Array:
+    """``rowsum(dO * O)`` per query row: ``[..., kv_heads, groups, block]``."""
+    rows = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    return jnp.moveaxis(rows, -3, -1)
 
 
 # -- tiles --------------------------------------------------------------------------------
@@ -156,9 +232,9 @@ def _pad_to(x: jax.Array, axis: int, size: int, fill=0) -> jax.Array:
     return jnp.pad(x, widths, constant_values=fill)
 
 
-def _tiles(x: jax.Array, tile: int, count: int) -> jax.Array:
+def _tiles(x: jax.Array, tile: int, count: int, fill=0) -> jax.Array:
     """``[batch, len, ...]`` -> ``[count, batch, tile, ...]``, padded to whole tiles."""
-    x = _pad_to(x, 1, tile * count)
+    x = _pad_to(x, 1, tile * count, fill)
     x = x.reshape(x.shape[0], count, tile, *x.shape[2:])
     return jnp.moveaxis(x, 1, 0)
 
@@ -170,71 +246,9 @@ def _untile(x: jax.Array, length: int) -> jax.Array:
     return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :length]
 
 
-@dataclass(frozen=True)
-class _Operands:
-    """The operands cut into tiles: queries ``[tiles, batch, block, kv_heads, groups, d]``,
-    keys ``[tiles, batch, block, kv_heads, d]``, values likewise with ``dv``, and the
-    positions and segments of the query rows and key columns."""
-
-    query: jax.Array
-    key: jax.Array
-    value: jax.Array
-    query_position: jax.Array  # [query tiles, block]
-    query_segment: jax.Array  # [query tiles, batch, block]
-    key_segment: jax.Array  # [key tiles, batch, block]
-
-
-def _cut(tiles: Tiling, query, key, value, query_positions, segment_ids) -> _Operands:
-    batch, _, heads, d = query.shape
-    kv_heads = key.shape[2]
-    grouped = query.reshape(batch, tiles.query_len, kv_heads, heads // kv_heads, d)
-    nq, nk, bq, bk = tiles.query_tiles, tiles.key_tiles, tiles.query_block, tiles.key_block
-    # Padded query rows sit after the last real one; padded keys after every query.
-    positions = query_positions
-    if nq * bq > tiles.query_len:
-        padding = jnp.arange(1, nq * bq - tiles.query_len + 1, dtype=jnp.int32)
-        positions = jnp.concatenate([positions, query_positions[-1] + padding])
-    key_segments = segment_ids if tiles.aligned else jnp.zeros(key.shape[:2], jnp.int32)
-    return _Operands(
-        query=_tiles(grouped, bq, nq),
-        key=_tiles(key, bk, nk),
-        value=_tiles(value, bk, nk),
-        query_position=positions.reshape(nq, bq),
-        query_segment=_tiles(segment_ids, bq, nq),
-        key_segment=_tiles(_pad_to(key_segments, 1, nk * bk, fill=-1), bk, nk),
-    )
-
-
-def _visible(tiles: Tiling, ops: _Operands, i, j) -> jax.Array:
-    """Which keys of key tile ``j`` each query of query tile ``i`` sees: ``[batch, 1, 1,
-    block_q, block_k]`` (to broadcast over the key/value heads and their groups)."""
-    query_position = _take(ops.query_position, i)[:, None]
-    key_position = (j * tiles.key_block + jnp.arange(tiles.key_block, dtype=jnp.int32))[None]
-    visible = key_position <= query_position
-    if tiles.window is not None:
-        visible &= query_position - key_position < tiles.window
-    same = _take(ops.query_segment, i)[:, :, None] == _take(ops.key_segment, j)[:, None, :]
-    return (visible[None] & same)[:, None, None]
-
-
-def _scores(tiles: Tiling, query_tile: jax.Array, key_tile: jax.Array) -> jax.Array:
-    """``q k^T * scale`` of one tile: ``[batch, kv_heads, groups, block_q, block_k]``,
-    float32."""
-    scores = jnp.einsum(
-        "bqkgd,bskd->bkgqs", query_tile, key_tile, preferred_element_type=jnp.float32
-    )
-    return scores * tiles.scale
-
-
-def _per_row(x: jax.Array) -> jax.Array:
-    """Per-row statistics ``[..., kv_heads, groups, block]`` laid out like the output
-    rows, ``[..., block, kv_heads, groups, 1]``."""
-    return jnp.moveaxis(x, -1, -3)[..., None]
-
-
-def _take(x: jax.Array, index) -> jax.Array:
-    """Tile ``index`` of ``x`` (a static or traced index along axis 0)."""
-    return jax.lax.dynamic_index_in_dim(x, index, axis=0, keepdims=False)
+def _take(x: jax.Array | None, index) -> jax.Array | None:
+    """Tile ``index`` of ``x`` (a traced index along axis 0)."""
+    return None if x is None else jax.lax.dynamic_index_in_dim(x, index, keepdims=False)
 
 
 def _put(x: jax.Array, tile: jax.Array, index) -> jax.Array:
@@ -242,8 +256,51 @@ def _put(x: jax.Array, tile: jax.Array, index) -> jax.Array:
     return jax.lax.dynamic_update_index_in_dim(x, tile, index, axis=0)
 
 
-def _fields(ops: _Operands) -> tuple[jax.Array, ...]:
-    return tuple(getattr(ops, field.name) for field in dataclasses.fields(ops))
+@dataclass(frozen=True)
+class _Tiled:
+    """The operands cut into tiles: queries ``[tiles, batch, block, kv_heads, groups, d]``,
+    keys ``[tiles, batch, block, kv_heads, d]``, values likewise with ``dv``, the positions
+    of the query rows ``[tiles, block]`` and the segments of the rows and columns
+    ``[tiles, batch, block]`` (None without segments)."""
+
+    query: jax.Array
+    key: jax.Array
+    value: jax.Array
+    query_position: jax.Array
+    query_segment: jax.Array | None
+    key_segment: jax.Array | None
+
+    def arrays(self) -> tuple[jax.Array, ...]:
+        values = (getattr(self, field.name) for field in dataclasses.fields(self))
+        return tuple(v for v in values if v is not None)
+
+    def visible(self, tiles: Tiling, i, j) -> jax.Array:
+        return _visible(
+            tiles,
+            _take(self.query_position, i),
+            j * tiles.key_block,
+            _take(self.query_segment, i),
+            _take(self.key_segment, j),
+        )
+
+
+def _cut(tiles: Tiling, query, key, value, query_positions, segment_ids) -> _Tiled:
+    nq, nk, bq, bk = tiles.query_tiles, tiles.key_tiles, tiles.query_block, tiles.key_block
+    # Padded query rows sit after the last real one; padded keys after every query, where
+    # the causal mask hides them (and a segment of their own, -1).
+    positions = query_positions
+    if nq * bq > tiles.query_len:
+        padding = jnp.arange(1, nq * bq - tiles.query_len + 1, dtype=jnp.int32)
+        positions = jnp.concatenate([positions, query_positions[-1] + padding])
+    segmented = segment_ids is not None
+    return _Tiled(
+        query=_tiles(query, bq, nq),
+        key=_tiles(key, bk, nk),
+        value=_tiles(value, bk, nk),
+        query_position=positions.reshape(nq, bq),
+        query_segment=_tiles(segment_ids, bq, nq) if segmented else None,
+        key_segment=_tiles(segment_ids, bk, nk, fill=-1) if segmented else None,
+    )
 
 
 def _varying(state: tuple[jax.Array, ...], *operands: jax.Array) -> tuple[jax.Array, ...]:
@@ -258,21 +315,15 @@ def _varying(state: tuple[jax.Array, ...], *operands: jax.Array) -> tuple[jax.Ar
 
 
 def _visit_pairs(tiles: Tiling, visit, state):
-    """``state`` after ``visit(state, (i, j))`` for every tile pair: inline for one pair,
-    else one ``lax.scan`` over the pairs."""
+    """``state`` after ``visit(state, (i, j))`` for every tile pair, one ``lax.scan``."""
     pairs = np.asarray(tiles.pairs(), dtype=np.int32).reshape(-1, 2)
-    if len(pairs) == 1:
-        return visit(state, (0, 0))[0]
     state, _ = jax.lax.scan(visit, state, (jnp.asarray(pairs[:, 0]), jnp.asarray(pairs[:, 1])))
     return state
 
 
-# -- forward ------------------------------------------------------------------------------
-
-
-def _forward(tiles: Tiling, ops: _Operands) -> tuple[jax.Array, jax.Array]:
-    """Output tiles ``[query tiles, batch, block, kv_heads, groups, dv]`` (float32) and
-    the log-sum-exp of every query row ``[query tiles, batch, kv_heads, groups, block]``."""
+def _tiled_forward(tiles: Tiling, ops: _Tiled) -> tuple[jax.Array, jax.Array]:
+    """Output tiles ``[query tiles, batch, block, kv_heads, groups, dv]`` (float32) and the
+    rows' log-sum-exp ``[query tiles, batch, kv_heads, groups, block]``."""
     nq, batch, bq, kv_heads, groups, _ = ops.query.shape
     stats_shape = (nq, batch, kv_heads, groups, bq)
     state = (
@@ -280,82 +331,61 @@ def _forward(tiles: Tiling, ops: _Operands) -> tuple[jax.Array, jax.Array]:
         jnp.full(stats_shape, MASKED, jnp.float32),  # the running maximum m
         jnp.zeros(stats_shape, jnp.float32),  # the running sum l
     )
-    state = _varying(state, *_fields(ops))
 
     def visit(state, pair):
         acc, maximum, total = state
         i, j = pair
-        visible = _visible(tiles, ops, i, j)
-        scores = jnp.where(visible, _scores(tiles, _take(ops.query, i), _take(ops.key, j)), MASKED)
+        query, key, visible = _take(ops.query, i), _take(ops.key, j), ops.visible(tiles, i, j)
+        scores = jnp.einsum("bqkgd,bskd->bkgqs", query, key, preferred_element_type=jnp.float32)
         m_old, total_old = _take(maximum, i), _take(total, i)
-        m_new = jnp.maximum(m_old, scores.max(axis=-1))
-        weights = jnp.where(visible, jnp.exp(scores - m_new[..., None]), 0.0)
+        m_new = jnp.maximum(m_old, jnp.where(visible, scores * tiles.scale, MASKED).max(axis=-1))
+        weights, _ = _weights(tiles, query, key, visible, m_new)
         rescale = jnp.exp(m_old - m_new)
-        attended = jnp.einsum(
-            "bkgqs,bskd->bqkgd",
-            weights.astype(ops.value.dtype),
-            _take(ops.value, j),
-            preferred_element_type=jnp.float32,
-        )
-        acc_new = _take(acc, i) * _per_row(rescale) + attended
+        acc_new = _take(acc, i) * _per_row(rescale) + _weighted_values(weights, _take(ops.value, j))
         total_new = total_old * rescale + weights.sum(axis=-1)
         return (_put(acc, acc_new, i), _put(maximum, m_new, i), _put(total, total_new, i)), None
 
-    acc, maximum, total = _visit_pairs(tiles, visit, state)
+    acc, maximum, total = _visit_pairs(tiles, visit, _varying(state, *ops.arrays()))
     total = jnp.where(total == 0.0, 1.0, total)  # a row that sees nothing (causal: none)
     return acc / _per_row(total), maximum + jnp.log(total)
 
 
-# -- backward -----------------------------------------------------------------------------
-
-
-def _backward(tiles: Tiling, ops: _Operands, out, lse, d_out):
-    """``dq, dk, dv`` tiles (float32) from the output tiles, the rows' log-sum-exp and the
-    output's cotangent tiles (FlashAttention-2's Algorithm 2)."""
-    # D_i = rowsum(dO_i * O_i): the softmax's backward, per query row.
-    row_dot = jnp.einsum("nbqkgd,nbqkgd->nbkgq", d_out.astype(jnp.float32), out)
+def _tiled_backward(tiles: Tiling, ops: _Tiled, lse, row_dot, d_out):
+    """``dq, dk, dv`` tiles (float32), each tile pair adding its shares."""
     state = (
         jnp.zeros(ops.query.shape, jnp.float32),
         jnp.zeros(ops.key.shape, jnp.float32),
         jnp.zeros(ops.value.shape, jnp.float32),
     )
-    state = _varying(state, *_fields(ops), out, lse, d_out)
-    dtype = ops.query.dtype
 
     def visit(state, pair):
         d_query, d_key, d_value = state
         i, j = pair
-        query, key, value = _take(ops.query, i), _take(ops.key, j), _take(ops.value, j)
-        d_out_i = _take(d_out, i)
-        visible = _visible(tiles, ops, i, j)
-        scores = _scores(tiles, query, key)
-        weights = jnp.where(visible, jnp.exp(scores - _take(lse, i)[..., None]), 0.0)
-        d_value_j = jnp.einsum(
-            "bkgqs,bqkgd->bskd",
-            weights.astype(dtype),
-            d_out_i,
-            preferred_element_type=jnp.float32,
-        )
-        d_weights = jnp.einsum(
-            "bqkgd,bskd->bkgqs", d_out_i, value, preferred_element_type=jnp.float32
-        )
-        d_scores = (weights * (d_weights - _take(row_dot, i)[..., None])).astype(dtype)
-        d_query_i = jnp.einsum(
-            "bkgqs,bskd->bqkgd", d_scores, key, preferred_element_type=jnp.float32
-        )
-        d_key_j = jnp.einsum(
-            "bkgqs,bqkgd->bskd", d_scores, query, preferred_element_type=jnp.float32
+        dq, dk, dv = _gradients(
+            tiles,
+            _take(ops.query, i),
+            _take(ops.key, j),
+            _take(ops.value, j),
+            ops.visible(tiles, i, j),
+            _take(lse, i),
+            _take(row_dot, i),
+            _take(d_out, i),
         )
         return (
-            _put(d_query, _take(d_query, i) + d_query_i * tiles.scale, i),
-            _put(d_key, _take(d_key, j) + d_key_j * tiles.scale, j),
-            _put(d_value, _take(d_value, j) + d_value_j, j),
+            _put(d_query, _take(d_query, i) + dq, i),
+            _put(d_key, _take(d_key, j) + dk, j),
+            _put(d_value, _take(d_value, j) + dv, j),
         ), None
 
-    return _visit_pairs(tiles, visit, state)
+    return _visit_pairs(tiles, visit, _varying(state, *ops.arrays(), lse, row_dot, d_out))
 
 
 # -- the differentiable function ----------------------------------------------------------
+
+
+def _grouped(x: jax.Array, kv_heads: int) -> jax.Array:
+    """``[batch, len, heads, d]`` -> ``[batch, len, kv_heads, groups, d]``."""
+    return x.reshape(*x.shape[:2], kv_heads, x.shape[2] // kv_heads, x.shape[3])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -364,30 +394,40 @@ def _attention(tiles: Tiling, query, key, value, query_positions, segment_ids):
 
 
 def _attention_forward(tiles: Tiling, query, key, value, query_positions, segment_ids):
-    ops = _cut(tiles, query, key, value, query_positions, segment_ids)
-    out, lse = _forward(tiles, ops)
-    batch, _, heads, _ = query.shape
-    result = _untile(out, tiles.query_len).reshape(batch, tiles.query_len, heads, -1)
-    result = result.astype(query.dtype)
+    grouped = _grouped(query, key.shape[2])
+    if tiles.single:
+        visible = _visible(tiles, query_positions, 0, segment_ids, segment_ids)
+        weights, maximum = _weights(tiles, grouped, key, visible)
+        total = weights.sum(axis=-1)
+        out = _weighted_values(weights, value) / _per_row(total)
+        lse = maximum + jnp.log(total)
+    else:
+        ops = _cut(tiles, grouped, key, value, query_positions, segment_ids)
+        out, lse = _tiled_forward(tiles, ops)
+        out = _untile(out, tiles.query_len)
+    result = out.reshape(*query.shape[:3], -1).astype(query.dtype)
     return result, (query, key, value, query_positions, segment_ids, result, lse)
 
 
 def _attention_backward(tiles: Tiling, residuals, d_result):
     query, key, value, query_positions, segment_ids, result, lse = residuals
-    ops = _cut(tiles, query, key, value, query_positions, segment_ids)
-    batch, _, kv_heads, _ = key.shape
-
-    def output_tiles(x: jax.Array) -> jax.Array:
-        grouped = x.reshape(batch, tiles.query_len, kv_heads, -1, x.shape[-1])
-        return _tiles(grouped, tiles.query_block, tiles.query_tiles)
-
-    out, d_out = output_tiles(result).astype(jnp.float32), output_tiles(d_result)
-    d_query, d_key, d_value = _backward(tiles, ops, out, lse, d_out)
-    d_query = _untile(d_query, tiles.query_len).reshape(query.shape)
-    d_key = _untile(d_key, tiles.key_len)
-    d_value = _untile(d_value, tiles.key_len)
+    kv_heads = key.shape[2]
+    grouped, d_out = _grouped(query, kv_heads), _grouped(d_result, kv_heads)
+    row_dot = _row_dot(_grouped(result, kv_heads), d_out)
+    if tiles.single:
+        visible = _visible(tiles, query_positions, 0, segment_ids, segment_ids)
+        d_query, d_key, d_value = _gradients(
+            tiles, grouped, key, value, visible, lse, row_dot, d_out
+        )
+    else:
+        ops = _cut(tiles, grouped, key, value, query_positions, segment_ids)
+        tiled = functools.partial(_tiles, tile=tiles.query_block, count=tiles.query_tiles)
+        row_dot = jnp.moveaxis(tiled(jnp.moveaxis(row_dot, -1, 1)), 2, -1)
+        d_query, d_key, d_value = _tiled_backward(tiles, ops, lse, row_dot, tiled(d_out))
+        d_query = _untile(d_query, tiles.query_len)
+        d_key, d_value = _untile(d_key, tiles.key_len), _untile(d_value, tiles.key_len)
     return (
-        d_query.astype(query.dtype),
+        d_query.reshape(query.shape).astype(query.dtype),
         d_key.astype(key.dtype),
         d_value.astype(value.dtype),
         None,

@@ -42,14 +42,16 @@ def option_sets(config: Config, microbatches: bool = True) -> list[Options]:
     """Every set of options for ``config``'s model, batch and layout: each ZeRO stage
     (0 and 1 with a pipeline: Config refuses ZeRO-3 there) and recomputation, and (with
     ``microbatches``) every number of microbatches that divides the rows of an attention
-    shard. Config checks each set against the layout."""
+    shard. Config checks each set against the layout. Recomputing the core attention is an
+    option of the dense core alone: the flash cores keep no weights to recompute."""
     rows = config.train.batch_size // config.parallel.batch_shards
     counts = [m for m in range(1, rows + 1) if rows % m == 0] if microbatches else [1]
     stages = ZERO_STAGES if config.parallel.pipeline == 1 else (0, 1)
+    recomputes = [r for r in RECOMPUTE if r != "attention" or config.model.attention == "dense"]
     return [
         Options(zero, recompute, count)
         for zero in stages
-        for recompute in RECOMPUTE
+        for recompute in recomputes
         for count in counts
     ]
 

@@ -261,7 +261,7 @@ def test_capacity_and_moe_layers():
         (lambda: MoEConfig(normalize_top_k=1), "moe.normalize_top_k=1: expected a finite bool"),
         (
             lambda: Config.from_dict({"model": {"widht": 3}}),
-            "unknown field model.widht: model has activation, attention_bias, d_ff, d_model",
+            "unknown field model.widht: model has activation, attention, attention_bias, attention",
         ),
     ],
 )

@@ -111,7 +111,7 @@ def test_every_field_written_as_toml_reads_back(name, tmp_path):
         ("[parallel]\npipe = 2", "unknown field parallel.pipe: did you mean parallel.pipeline?"),
         ("[schedule]\nnmae = 'dw'", "unknown field schedule.nmae: did you mean schedule.name?"),
         ("steps = 5", "unknown section 'steps': did you mean train.steps?"),
-        ("[model]\nwidht = 64", "unknown field model.widht: model has activation, attention_"),
+        ("[model]\nwidht = 64", "unknown field model.widht: model has activation, attention,"),
         ("model = 5", "model=5: model is a section, a table of its fields ([model] in a"),
         ("[model\nd_model = 64", "not valid TOML (Expected ']' at the end of a table declar"),
         ("[schedule]\nop_cost_cache = '/c'", "schedule.op_cost_cache='/c': the run fills it in"),

@@ -2,8 +2,10 @@
 and the memory of every option set of it, as the planner estimates them.
 
 A six-layer model (three blocks) on 4 devices, on a folded layout (tensor 2, an expert
-group of 2 inside it): the bounds come from one one-block trace at ZeRO-1 with full
-recomputation; each option set is then estimated from its one- and two-block traces.
+group of 2 inside it), with the dense attention core (the one whose weights recomputing
+the core attention drops; the flash cores' option sets have no such recomputation): the
+bounds come from one one-block trace at ZeRO-1 with full recomputation; each option set is
+then estimated from its one- and two-block traces.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ PROFILE = "h100-8x-nvlink-3200g"
 SIX_LAYERS = [
     "--preset", "tiny", "--model.num_layers", "6", "--model.d_model", "32",
     "--model.num_heads", "2", "--model.d_ff", "64", "--model.seq_len", "16",
-    "--moe.num_experts", "4", "--train.batch_size", "8",
+    "--moe.num_experts", "4", "--train.batch_size", "8", "--model.attention", "dense",
 ]  # fmt: skip
 VARIANTS = [
     Options(zero, recompute, 1)
@@ -95,6 +97,14 @@ def test_the_bounds_are_close_where_nothing_is_taken_away():
     assert bounds.step_bound(options) == pytest.approx(step, rel=0.15)
     # ZeRO-1's gathered parameters and the head's backward pass counted (0.55 without).
     assert bounds.memory_bound(options, planner.state_bytes(config)) > 0.9 * memory.total
+
+
+def test_the_flash_cores_have_no_core_recomputation_to_choose():
+    flash = dataclasses.replace(
+        layout().config, model=dataclasses.replace(layout().config.model, attention="auto")
+    )
+    assert {o.recompute for o in option_sets(flash)} == {"none", "layer"}
+    assert {o.recompute for o in option_sets(layout().config)} == {"none", "attention", "layer"}
 
 
 def test_recomputing_less_is_bounded_by_what_the_recomputation_keeps():

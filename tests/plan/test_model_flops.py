@@ -101,7 +101,9 @@ def test_padding_layout_and_drops():
 
 def traced_matmul_flops(config: Config) -> float:
     """Matmul FLOPs of the whole train step as traced: per device, times the devices
-    (every device computes distinct tokens and its own experts' slots)."""
+    (every device computes distinct tokens and its own experts' slots). The configurations
+    use the dense attention core, which computes what the count counts; a flash core's
+    backward pass computes the scores once more."""
     mesh = build_mesh(config.parallel)
     program, _ = capture_train_step(resolve(config, mesh))
     per_device = sum(op_flops(op) for op in program.ops if op.primitive == "dot_general")
@@ -122,7 +124,8 @@ def test_the_traced_step_computes_the_count_where_capacity_has_no_padding(data, 
     # 16 slots of a group are exactly its 16 assignments.
     config = Config(
         model=ModelConfig(
-            vocab_size=256, d_model=16, num_heads=2, num_layers=2, d_ff=32, seq_len=8
+            vocab_size=256, d_model=16, num_heads=2, num_layers=2, d_ff=32, seq_len=8,
+            attention="dense",
         ),
         moe=MoEConfig(num_experts=8, top_k=2, capacity_factor=1.0),
         parallel=ParallelConfig(data=data, expert=expert),
@@ -150,7 +153,7 @@ def test_the_traced_step_of_the_llama_blocks_computes_the_count():
         model=ModelConfig(
             vocab_size=256, d_model=16, num_heads=4, num_kv_heads=2, head_dim=8,
             num_layers=2, d_ff=32, seq_len=8, norm="rmsnorm", position="rope",
-            activation="swiglu", linear_bias=False, tie_embeddings=False,
+            activation="swiglu", linear_bias=False, tie_embeddings=False, attention="dense",
         ),
         moe=MoEConfig(
             num_experts=8, top_k=2, capacity_factor=1.0, d_expert=8, num_shared_experts=2,

@@ -1,4 +1,5 @@
-"""``model.recompute="attention"``: the backward pass recomputes the core attention.
+"""``model.recompute="attention"``: the backward pass recomputes the dense core attention;
+the flash cores keep no weights to recompute.
 
 It trains as ``"none"`` does, on the default and a tensor-parallel layout: the
 same forward pass (the first loss bit for bit) and the same arithmetic in the
@@ -8,7 +9,9 @@ parameters within tests/train/test_partitioned.py's tolerances. A scheduled
 step with it is bit for bit the unscheduled one (``dw``), or within those
 tolerances (``lancet``). The captured step keeps fewer forward values for the
 backward pass: at least the ``[batch, heads, seq, seq]`` attention weights of
-every layer fewer.
+every layer fewer. The blockwise core keeps as little without recomputing anything
+(its backward pass recomputes each tile's scores from the rows' log-sum-exp), and
+``"attention"`` leaves it as it is.
 """
 
 import dataclasses
@@ -39,9 +42,11 @@ STEPS_ON = [
 ]
 
 
-def _config(layout: str, recompute: str, schedule: str = "none") -> Config:
+def _config(
+    layout: str, recompute: str, schedule: str = "none", attention: str = "dense"
+) -> Config:
     config = small(LAYOUTS[layout], MoEConfig(num_experts=8, top_k=2, capacity_factor=1.0))
-    model = dataclasses.replace(config.model, recompute=recompute)
+    model = dataclasses.replace(config.model, recompute=recompute, attention=attention)
     return with_schedule(dataclasses.replace(config, model=model), schedule)
 
 
@@ -51,8 +56,8 @@ def _run(layout: str, recompute: str, schedule: str = "none", steps: int = 2):
 
 
 @functools.cache
-def _program(layout: str, recompute: str):
-    config = _config(layout, recompute)
+def _program(layout: str, recompute: str, attention: str = "dense"):
+    config = _config(layout, recompute, attention=attention)
     program, _ = capture_train_step(resolve(config, build_mesh(config.parallel)))
     return program
 
@@ -94,6 +99,10 @@ def test_the_attention_weights_are_no_longer_saved_for_backward(layout):
     kept = saved_for_backward(_program(layout, "none"))
     recomputed = saved_for_backward(_program(layout, "attention"))
     assert kept.bytes - recomputed.bytes >= model.num_layers * weights
+    # The blockwise core keeps no weights either, recomputing nothing.
+    flash = _program(layout, "attention", "blockwise")
+    assert kept.bytes - saved_for_backward(flash).bytes >= model.num_layers * weights
+    assert not any("rematted_computation" in op.name_stack for op in flash.ops)
 
 
 @pytest.mark.parametrize("layout", STEPS_ON)
