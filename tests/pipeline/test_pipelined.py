@@ -60,7 +60,7 @@ from jaxmoe.train.state import abstract_sharded_state, init_train_state, param_t
 from tests.train.batches import random_batch
 from tests.train.runs import linked
 
-STEPS = 5
+STEPS = 3
 MICROBATCHES = 2  # the fewest with which 2 stages run a forward and a backward slot in one tick
 LR = 1e-2
 # One stage's devices, the model and the routing on them: on the unfolded layout a spare
