@@ -124,7 +124,12 @@ def test_the_traced_step_computes_the_count_where_capacity_has_no_padding(data, 
     # 16 slots of a group are exactly its 16 assignments.
     config = Config(
         model=ModelConfig(
-            vocab_size=256, d_model=16, num_heads=2, num_layers=2, d_ff=32, seq_len=8,
+            vocab_size=256,
+            d_model=16,
+            num_heads=2,
+            num_layers=2,
+            d_ff=32,
+            seq_len=8,
             attention="dense",
         ),
         moe=MoEConfig(num_experts=8, top_k=2, capacity_factor=1.0),

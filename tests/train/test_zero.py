@@ -52,7 +52,13 @@ def config_for(layout: str, zero: int, **train_fields) -> Config:
     attention = "dense" if dtype == "bfloat16" else "auto"
     return Config(
         model=ModelConfig(
-            d_model=32, num_heads=2, num_layers=2, d_ff=64, seq_len=16, moe_every=2, dtype=dtype,
+            d_model=32,
+            num_heads=2,
+            num_layers=2,
+            d_ff=64,
+            seq_len=16,
+            moe_every=2,
+            dtype=dtype,
             attention=attention,
         ),
         moe=MoEConfig(num_experts=8, top_k=2, capacity_factor=1.0),
