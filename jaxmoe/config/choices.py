@@ -3,10 +3,11 @@ import it). The schedule section's choices are the scheduling layer's own
 (:mod:`scheduling.names`)."""
 
 DTYPES = ("float32", "bfloat16")
-# What the backward pass recomputes instead of keeping: nothing, the core attention
-# (softmax(QK^T) V; Megatron-Core's selective recomputation), or each whole block from
-# its input (full recomputation).
-RECOMPUTE = ("none", "attention", "layer")
+# What the backward pass recomputes instead of keeping, least first: nothing, the dense
+# core attention (softmax(QK^T) V; Megatron-Core's selective recomputation), everything
+# but the matmuls' and the exchanges' results (MaxText's "minimal"; "matmuls_offload"
+# keeps those in host memory), or each whole block from its input (full recomputation).
+RECOMPUTE = ("none", "attention", "matmuls", "matmuls_offload", "layer")
 ATTENTION = ("auto", "blockwise", "cudnn", "dense")
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope")

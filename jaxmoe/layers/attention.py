@@ -47,6 +47,7 @@ from jaxmoe.config import ModelConfig
 from jaxmoe.config.layout import TENSOR, TENSOR_IF_DIVIDES
 from jaxmoe.layers.attention_core import AttentionCore, resolve_core
 from jaxmoe.layers.parallel_linear import HeadProjection, RowParallelLinear
+from jaxmoe.layers.recompute import CORE_RECOMPUTED
 from jaxmoe.layers.rotary import rotate
 from jaxmoe.parallel.mesh import role_axes
 from jaxmoe.parallel.tensor_parallel import gather_sequence, tensor_group_size
@@ -86,7 +87,11 @@ class CausalSelfAttention(nnx.Module):
             block=model.attention_block,
             window=model.sliding_window,
         )
-        self.recompute_core = model.recompute == "attention" and self.core.keeps_scores
+        # The dense core's weights under "attention"; any core inside a block that keeps
+        # its matmuls (jaxmoe.layers.recompute), whose own scores are matmuls too.
+        self.recompute_core = (
+            model.recompute == "attention" and self.core.keeps_scores
+        ) or model.recompute in CORE_RECOMPUTED
         self.rope = model.position == "rope"
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         self.query = HeadProjection(

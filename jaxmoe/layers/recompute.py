@@ -1,5 +1,8 @@
-"""Full-layer recomputation (``model.recompute="layer"``): each block's forward pass runs
-again in the backward pass, from the block's input, instead of keeping its activations.
+"""Recomputation of a block (``model.recompute``): what its backward pass computes again
+instead of keeping from the forward pass.
+
+Full-layer recomputation (``"layer"``): each block's forward pass runs again in the
+backward pass, from the block's input, instead of keeping its activations.
 
 Every block is called through :func:`call_block`. Under ``"layer"`` the call runs under
 ``jax.checkpoint`` with JAX's default policy (nothing saved but the arguments) and
@@ -21,8 +24,20 @@ How a block is called is the caller's: the plain call, or under fully sharded pa
 so that the recomputed call gathers the block's parameters once more in the backward
 pass, as it does without recomputation.
 
-``"attention"`` (selective, Megatron-Core's default) recomputes the core attention only:
-:mod:`jaxmoe.layers.attention`.
+``"matmuls"`` (MaxText's ``minimal`` remat policy) keeps the results of a block's
+matmuls (projections, FFNs, the experts' grouped GEMMs) and of its exchanges (the
+all-to-alls, the tensor-parallel gathers and reduce-scatters) and recomputes the rest:
+norms, activations, routing, the attention core (run under a checkpoint of its own, so
+that none of its scores is kept, whatever the core), so the backward pass repeats no
+matmul but the attention core's and no collective. ``"matmuls_offload"`` keeps the same
+values in host memory (``pinned_host``), copied out in the forward pass and back in the
+backward one: a block then holds on the device only its input, as under ``"layer"``,
+without recomputing its matmuls. It needs a backend with pinned host memory
+(:func:`offload_available`: GPU, TPU, and XLA:CPU as of jax 0.12, where host and device
+memory are one and the policy computes the same values).
+
+``"attention"`` (selective, Megatron-Core's default) recomputes the dense core attention
+only (:mod:`jaxmoe.layers.attention`); the flash cores keep nothing to recompute.
 """
 
 from __future__ import annotations
@@ -31,6 +46,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.ad_checkpoint
 from flax import nnx
 
 # How a block is called: ``(block, index, *args) -> block's outputs``.
@@ -43,22 +59,64 @@ def plain_call(block: nnx.Module, index: int, *args: Any) -> Any:
     return block(*args)
 
 
-def recomputed(block: nnx.Module, index: int, call: BlockCall, *args: Any) -> Any:
-    """``call(block, index, *args)``, its activations recomputed in the backward pass."""
+# The primitives whose results "matmuls" keeps: the matmuls and the exchanges.
+KEPT_PRIMITIVES = frozenset(
+    {"dot_general", "ragged_dot_general", "all_to_all", "ragged_all_to_all", "all_gather",
+     "reduce_scatter", "psum", "psum_invariant", "ppermute"}
+)  # fmt: skip
+HOST = "pinned_host"
+
+
+def _keeps_matmuls(primitive: Any, *_: Any, **__: Any) -> bool:
+    return primitive.name in KEPT_PRIMITIVES
+
+
+def _offloads_matmuls(primitive: Any, *_: Any, **__: Any) -> Any:
+    if primitive.name in KEPT_PRIMITIVES:
+        return jax.ad_checkpoint.Offloadable(src="device", dst=HOST)
+    return False
+
+
+# The jax.checkpoint policy of each recomputation of a whole block.
+POLICIES = {
+    "layer": None,  # JAX's default: nothing kept but the block's arguments
+    "matmuls": _keeps_matmuls,
+    "matmuls_offload": _offloads_matmuls,
+}
+# The recomputations under which the attention core runs under a checkpoint of its own.
+CORE_RECOMPUTED = frozenset({"matmuls", "matmuls_offload"})
+
+
+def offload_available() -> bool:
+    """Whether the default device has pinned host memory to offload to."""
+    memories = jax.devices()[0].addressable_memories()
+    return any(memory.kind == HOST for memory in memories)
+
+
+def recomputed(
+    block: nnx.Module, index: int, call: BlockCall, *args: Any, recompute: str = "layer"
+) -> Any:
+    """``call(block, index, *args)``, its activations recomputed in the backward pass as
+    ``recompute`` says (:data:`POLICIES`)."""
     graphdef, state = nnx.split(block)
 
     def run(state: Any, args: tuple[Any, ...]) -> Any:
         return call(nnx.merge(graphdef, state), index, *args)
 
-    return jax.checkpoint(run, prevent_cse=True)(state, args)
+    return jax.checkpoint(run, prevent_cse=True, policy=POLICIES[recompute])(state, args)
 
 
 def call_block(
     recompute: str, block: nnx.Module, index: int, *args: Any, call: BlockCall | None = None
 ) -> Any:
     """Block ``index`` called on ``args`` through ``call`` (default :func:`plain_call`),
-    under :func:`recomputed` when ``recompute`` (``model.recompute``) is ``"layer"``."""
+    under :func:`recomputed` when ``recompute`` (``model.recompute``) recomputes blocks."""
     call = call or plain_call
-    if recompute == "layer":
-        return recomputed(block, index, call, *args)
+    if recompute in POLICIES:
+        if recompute == "matmuls_offload" and not offload_available():
+            raise ValueError(
+                f"model.recompute=matmuls_offload: the {jax.default_backend()} backend has no "
+                f"{HOST} memory to offload to; use model.recompute=matmuls"
+            )
+        return recomputed(block, index, call, *args, recompute=recompute)
     return call(block, index, *args)

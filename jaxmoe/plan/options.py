@@ -4,7 +4,9 @@ the planner tries every set of them on every layout (no JAX here).
 
 Ordered from least to most work: ZeRO 0, 1, 3 (``train.zero``: each stage shards more
 of the state and gathers more parameters), recomputation ``none``, ``attention``,
-``layer`` (``model.recompute``: jaxmoe.config.choices.RECOMPUTE lists them so), one
+``layer`` (``model.recompute``; :data:`PLANNED_RECOMPUTE`: the recomputations the
+bounds cover, in jaxmoe.config.choices.RECOMPUTE's order; ``matmuls`` and
+``matmuls_offload`` are not searched yet), one
 microbatch or more (``train.microbatches``: each one more pass over every layer's ops).
 The set of least memory is the last stage and the last recomputation, in one microbatch.
 The planner bounds a layout's option sets from one trace (:mod:`jaxmoe.plan.bounds`), of
@@ -21,6 +23,9 @@ from dataclasses import dataclass
 from jaxmoe.config import Config
 from jaxmoe.config.choices import RECOMPUTE
 from jaxmoe.config.train import ZERO_STAGES
+
+# The recomputations the planner searches and bounds (module docstring).
+PLANNED_RECOMPUTE = ("none", "attention", "layer")
 
 
 @dataclass(frozen=True)
@@ -47,7 +52,9 @@ def option_sets(config: Config, microbatches: bool = True) -> list[Options]:
     rows = config.train.batch_size // config.parallel.batch_shards
     counts = [m for m in range(1, rows + 1) if rows % m == 0] if microbatches else [1]
     stages = ZERO_STAGES if config.parallel.pipeline == 1 else (0, 1)
-    recomputes = [r for r in RECOMPUTE if r != "attention" or config.model.attention == "dense"]
+    recomputes = [
+        r for r in PLANNED_RECOMPUTE if r != "attention" or config.model.attention == "dense"
+    ]
     return [
         Options(zero, recompute, count)
         for zero in stages
