@@ -29,3 +29,7 @@ GRAD_SYNCS = (
 )
 # ``train.grad_sync`` may also be "auto": chosen from the cost model at start-up.
 GRAD_SYNC_CHOICES = (*GRAD_SYNCS, "auto")
+# The dtype gradients are summed across replicas in (Megatron-Core's --grad-reduce-in-bf16),
+# and the algorithms that sum them as they are (the others choose their own wire format).
+GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
+REDUCE_AS_GIVEN = ("allreduce", "bucketed", "hierarchical")

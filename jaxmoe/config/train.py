@@ -100,6 +100,11 @@ class TrainConfig:
     # sharded (each block also gathers its parameters right before it runs, forward and
     # backward). Needs grad_sync allreduce or bucketed.
     zero: int = 0
+    # The dtype the gradients are summed across replicas in: float32, or bfloat16 (half the
+    # bytes on the wire, Megatron-Core's --grad-reduce-in-bf16; the sums are cast back to
+    # float32 for the optimizer). bfloat16 needs grad_sync allreduce, bucketed or
+    # hierarchical, and zero 0 or 1.
+    grad_reduce_dtype: str = "float32"
 
     def __post_init__(self) -> None:
         check_types("train", self)
@@ -165,3 +170,21 @@ class TrainConfig:
             ">= 0 (0: no trial, the estimates decide)",
         )
         non_negative("train", "grad_sync_trial_margin", self.grad_sync_trial_margin)
+        require(
+            self.grad_reduce_dtype in choices.GRAD_REDUCE_DTYPES,
+            f"train.grad_reduce_dtype={self.grad_reduce_dtype!r}: choose one of "
+            f"{', '.join(choices.GRAD_REDUCE_DTYPES)}",
+        )
+        if self.grad_reduce_dtype != "float32":
+            require(
+                self.grad_sync in choices.REDUCE_AS_GIVEN,
+                f"train.grad_reduce_dtype={self.grad_reduce_dtype} with train.grad_sync="
+                f"{self.grad_sync}: that algorithm chooses its own wire format; use "
+                f"{', '.join(choices.REDUCE_AS_GIVEN)}",
+            )
+            require(
+                self.zero != 3,
+                f"train.grad_reduce_dtype={self.grad_reduce_dtype} with train.zero=3: its "
+                "reduce-scatters run inside the backward pass, in float32; use train.zero 0 "
+                "or 1",
+            )

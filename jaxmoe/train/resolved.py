@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.sharding import Mesh
@@ -28,6 +29,7 @@ import scheduling
 from jaxmoe.config import Config
 from jaxmoe.experimental import DEFAULT, ExperimentalOptions
 from jaxmoe.parallel.grad_sync import GradSync, make_grad_sync
+from jaxmoe.parallel.grad_sync.reduce_dtype import ReducedIn
 from jaxmoe.parallel.mesh import mesh_axis_sizes
 from jaxmoe.parallel.sharding import param_specs
 from jaxmoe.parallel.weights import Weights, weights_for
@@ -117,6 +119,8 @@ def resolve(
         if zero is None
         else ZeroSync(zero, config.train.grad_sync, config.train.grad_bucket_bytes)
     )
+    if config.train.grad_reduce_dtype != "float32":
+        grad_sync = ReducedIn(grad_sync, jnp.dtype(config.train.grad_reduce_dtype))
     learning_rate = learning_rate_fn(config.train)
     return Run(
         config=config,
