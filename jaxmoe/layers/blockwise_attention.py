@@ -410,6 +410,12 @@ def _attention_forward(tiles: Tiling, query, key, value, query_positions, segmen
 
 
 def _attention_backward(tiles: Tiling, residuals, d_result):
+    if tiles.single:
+        # The barrier ties the one tile's recomputation to the incoming gradient: without
+        # it XLA may compute the tile again as soon as q and k exist, in the forward pass,
+        # and hold it until the backward pass reads it (a loop over tiles reads the
+        # gradient from its first step).
+        residuals, d_result = jax.lax.optimization_barrier((residuals, d_result))
     query, key, value, query_positions, segment_ids, result, lse = residuals
     kv_heads = key.shape[2]
     grouped, d_out = _grouped(query, kv_heads), _grouped(d_result, kv_heads)
