@@ -175,12 +175,15 @@ def _visible(
     return visible[:, None, None]
 
 
-def _weights(tiles: Tiling, query, key, visible, maximum=None):
-    """The tile's ``exp(q k^T * scale - maximum)``, zero where masked, and the maximum:
-    the tile's own row maxima, or the given one (the running maximum, or the backward
-    pass's log-sum-exp)."""
+def _scores(tiles: Tiling, query, key, visible) -> jax.Array:
+    """The tile's ``q k^T * scale``, float32, ``MASKED`` where a query does not see a key."""
     scores = jnp.einsum("bqkgd,bskd->bkgqs", query, key, preferred_element_type=jnp.float32)
-    scores = jnp.where(visible, scores * tiles.scale, MASKED)
+    return jnp.where(visible, scores * tiles.scale, MASKED)
+
+
+def _weights(scores, visible, maximum=None):
+    """``exp(scores - maximum)``, zero where masked, and the maximum: the tile's own row
+    maxima, or the given one (the running maximum, or the backward pass's log-sum-exp)."""
     if maximum is None:
         maximum = scores.max(axis=-1)
     return jnp.where(visible, jnp.exp(scores - maximum[..., None]), 0.0), maximum
@@ -203,7 +206,7 @@ def _gradients(tiles: Tiling, query, key, value, visible, lse, row_dot, d_out):
     """The tile's shares of ``dq``, ``dk`` and ``dv`` (float32) from its rows' log-sum-exp
     and ``rowsum(dO * O)`` (FlashAttention-2's Algorithm 2)."""
     dtype = query.dtype
-    weights, _ = _weights(tiles, query, key, visible, lse)
+    weights, _ = _weights(_scores(tiles, query, key, visible), visible, lse)
     d_value = jnp.einsum(
         "bkgqs,bqkgd->bskd", weights.astype(dtype), d_out, preferred_element_type=jnp.float32
     )
@@ -336,10 +339,10 @@ def _tiled_forward(tiles: Tiling, ops: _Tiled) -> tuple[jax.Array, jax.Array]:
         acc, maximum, total = state
         i, j = pair
         query, key, visible = _take(ops.query, i), _take(ops.key, j), ops.visible(tiles, i, j)
-        scores = jnp.einsum("bqkgd,bskd->bkgqs", query, key, preferred_element_type=jnp.float32)
+        scores = _scores(tiles, query, key, visible)
         m_old, total_old = _take(maximum, i), _take(total, i)
-        m_new = jnp.maximum(m_old, jnp.where(visible, scores * tiles.scale, MASKED).max(axis=-1))
-        weights, _ = _weights(tiles, query, key, visible, m_new)
+        m_new = jnp.maximum(m_old, scores.max(axis=-1))
+        weights, _ = _weights(scores, visible, m_new)
         rescale = jnp.exp(m_old - m_new)
         acc_new = _take(acc, i) * _per_row(rescale) + _weighted_values(weights, _take(ops.value, j))
         total_new = total_old * rescale + weights.sum(axis=-1)
@@ -397,7 +400,7 @@ def _attention_forward(tiles: Tiling, query, key, value, query_positions, segmen
     grouped = _grouped(query, key.shape[2])
     if tiles.single:
         visible = _visible(tiles, query_positions, 0, segment_ids, segment_ids)
-        weights, maximum = _weights(tiles, grouped, key, visible)
+        weights, maximum = _weights(_scores(tiles, grouped, key, visible), visible)
         total = weights.sum(axis=-1)
         out = _weighted_values(weights, value) / _per_row(total)
         lse = maximum + jnp.log(total)
