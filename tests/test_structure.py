@@ -281,3 +281,10 @@ def test_every_path_the_documents_name_exists():
             if not hidden and not any(ROOT.glob(glob.escape(path) + "*")):
                 missing.append(f"{document.relative_to(ROOT)}: {path}")
     assert missing == []
+
+
+def test_train_holds_the_step_and_the_loop_only():
+    """``jaxmoe/train/`` keeps to the step and the run loop: ten modules at most at its top
+    (what a run writes for people to read lives in ``train/logs/``)."""
+    modules = [p.name for p in (ROOT / "jaxmoe" / "train").glob("*.py") if p.name != "__init__.py"]
+    assert len(modules) <= 10, sorted(modules)

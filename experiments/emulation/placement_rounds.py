@@ -114,8 +114,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from jaxmoe.data.batches import put_on_mesh
     from jaxmoe.placement.planner import PlacementLog
+    from jaxmoe.train.logs.metrics import host_row
     from jaxmoe.train.loop import rebalance
-    from jaxmoe.train.metrics import host_row
     from jaxmoe.train.scheduled import scheduled_train_step
     from jaxmoe.train.state import init_train_state
 

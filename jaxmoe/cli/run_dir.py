@@ -26,8 +26,8 @@ from jaxmoe.train.checkpoint import (
     holds_checkpoints,
     saved_config,
 )
-from jaxmoe.train.metrics import METRICS_FILE
-from jaxmoe.train.tensorboard import TENSORBOARD_DIR
+from jaxmoe.train.logs.metrics import METRICS_FILE
+from jaxmoe.train.logs.tensorboard import TENSORBOARD_DIR
 
 # What a run writes under --out (and what --overwrite removes).
 RUN_FILES = (

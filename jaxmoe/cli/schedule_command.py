@@ -18,7 +18,7 @@ def run(config: Config, args: argparse.Namespace) -> int:
     from jaxmoe.plan.grad_sync_choice import CHOICE_FILE
     from jaxmoe.plan.mfu import estimated_mfu
     from jaxmoe.prepare import prepare_run
-    from jaxmoe.train.profiler import compare_with_trace, find_trace
+    from jaxmoe.train.logs.profiler import compare_with_trace, find_trace
     from jaxmoe.train.scheduled import scheduled_train_step
 
     if config.schedule.name == "none":

@@ -106,8 +106,8 @@ def run(config: Config, args: argparse.Namespace) -> int:
     from jaxmoe.plan.host_memory import check_host_memory
     from jaxmoe.prepare import start_process
     from jaxmoe.train.failed_saves import quiet_failed_saves
+    from jaxmoe.train.logs.profiler import parse_profile_steps
     from jaxmoe.train.loop import RunStopped, train
-    from jaxmoe.train.profiler import parse_profile_steps
     from jaxmoe.train.run_control import StopSignals
 
     profile = args.profile_steps

@@ -32,8 +32,8 @@ from jaxmoe.experimental import DEFAULT, ExperimentalOptions
 from jaxmoe.placement.planner import PlacementLog, plan_placement
 from jaxmoe.plan.mfu import estimated_mfu, mfu_meter, no_peak_message
 from jaxmoe.train.checkpoint import RunCheckpoints, saved_run
-from jaxmoe.train.metrics import METRICS_FILE, RunLog, host_row, read_rows
-from jaxmoe.train.profiler import StepProfiler
+from jaxmoe.train.logs.metrics import METRICS_FILE, RunLog, host_row, read_rows
+from jaxmoe.train.logs.profiler import StepProfiler
 from jaxmoe.train.resolved import Run
 from jaxmoe.train.run_control import StepWatchdog, StopSignals
 from jaxmoe.train.scheduled import TrainStep, scheduled_train_step
@@ -227,7 +227,7 @@ def train(
     from the newest one that can be read (a new run if there is none). With
     ``step_timeout_s``, a step (or validation pass) that takes longer ends the process
     (see :mod:`jaxmoe.train.run_control`): in a multi-process run, a peer died. With
-    ``profile_steps=(A, B)``, steps A..B are traced (:mod:`jaxmoe.train.profiler`).
+    ``profile_steps=(A, B)``, steps A..B are traced (:mod:`jaxmoe.train.logs.profiler`).
     What ``train.grad_sync auto`` chose is logged with the run. ``signals``: the stop
     signals the caller installed when the process started (default: installed here).
     """

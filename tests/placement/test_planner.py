@@ -21,7 +21,7 @@ from jaxmoe.parallel.mesh import EXPERT_AXIS, build_mesh
 from jaxmoe.placement.planner import PLACEMENT_FILE
 from jaxmoe.placement.replicas import EMPTY, slot_weights
 from jaxmoe.train.checkpoint import RunCheckpoints, check_compatible
-from jaxmoe.train.metrics import METRICS_FILE, read_rows
+from jaxmoe.train.logs.metrics import METRICS_FILE, read_rows
 from jaxmoe.train.resolved import resolve
 from jaxmoe.train.state import init_train_state
 from jaxmoe.train.step import build_train_step

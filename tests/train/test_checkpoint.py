@@ -23,7 +23,7 @@ from jaxmoe.train.checkpoint import (
     newest_described,
     saved_run,
 )
-from jaxmoe.train.metrics import read_rows
+from jaxmoe.train.logs.metrics import read_rows
 from jaxmoe.train.resolved import resolve
 from jaxmoe.train.run_control import StopSignals
 from jaxmoe.train.state import init_train_state

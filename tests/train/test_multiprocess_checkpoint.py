@@ -8,7 +8,7 @@ from jaxmoe.cli.launch import child_environment
 from jaxmoe.cli.main import main
 from jaxmoe.exit_codes import PREEMPTED
 from jaxmoe.train.checkpoint import latest_checkpoint
-from jaxmoe.train.metrics import read_rows
+from jaxmoe.train.logs.metrics import read_rows
 
 from .test_multiprocess import LONG, SMALL
 

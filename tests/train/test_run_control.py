@@ -25,9 +25,9 @@ from jaxmoe.exit_codes import IO_ERROR as IO_ERROR_EXIT_CODE
 from jaxmoe.exit_codes import NONFINITE as NONFINITE_EXIT_CODE
 from jaxmoe.exit_codes import PREEMPTED as PREEMPTED_EXIT_CODE
 from jaxmoe.parallel.mesh import build_mesh
-from jaxmoe.train import metrics as metrics_module
 from jaxmoe.train.checkpoint import checkpoint_steps, latest_checkpoint
-from jaxmoe.train.metrics import RunLog, read_rows
+from jaxmoe.train.logs import metrics as metrics_module
+from jaxmoe.train.logs.metrics import RunLog, read_rows
 from jaxmoe.train.resolved import resolve
 from jaxmoe.train.state import init_train_state
 from jaxmoe.train.step import build_train_step

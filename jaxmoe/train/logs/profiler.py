@@ -6,7 +6,7 @@ trace holds the real execution of steps A..B and nothing of compilation. Each
 traced step is marked with a ``StepTraceAnnotation`` (XProf's step view).
 
 ``jax.profiler`` is given the run's TensorBoard log directory, ``DIR/tensorboard``
-(:mod:`jaxmoe.train.tensorboard`), and writes under its ``plugins/profile/<session>/``:
+(:mod:`jaxmoe.train.logs.tensorboard`), and writes under its ``plugins/profile/<session>/``:
 ``<host>.xplane.pb`` for XProf (TensorBoard's profile plugin, which looks there) and
 ``<host>.trace.json.gz``, Chrome trace events that https://ui.perfetto.dev opens. In a
 multi-process run each process traces its own devices, process 0 into that directory
@@ -28,7 +28,7 @@ import jax
 
 import scheduling
 from jaxmoe.config import ConfigError
-from jaxmoe.train import tensorboard
+from jaxmoe.train.logs import tensorboard
 from jaxmoe.train.scheduled import TrainStep
 
 

@@ -18,7 +18,7 @@ run does again), so every curve has one point per step, as ``metrics.jsonl`` has
 
 **Writing.** tensorboardX (pure Python; no TensorFlow) makes the events: its protocol
 buffers, summaries and record checksums. They are written here, in the training thread, a
-row's events in one write that is cut back when it fails (:mod:`jaxmoe.train.appends`, as
+row's events in one write that is cut back when it fails (:mod:`jaxmoe.train.logs.appends`, as
 ``metrics.jsonl``'s lines are), so that a failed write stops the run with
 ``exit_codes.IO_ERROR`` and the file holds whole records only. tensorboardX's own
 ``SummaryWriter`` writes from a thread of its own: an error there ends that thread unseen
@@ -46,7 +46,7 @@ from tensorboardX.proto.summary_pb2 import Summary
 from tensorboardX.record_writer import masked_crc32c
 
 from jaxmoe.config import Config
-from jaxmoe.train.appends import append_whole
+from jaxmoe.train.logs.appends import append_whole
 
 TENSORBOARD_DIR = "tensorboard"
 CONFIG_TAG = "config"

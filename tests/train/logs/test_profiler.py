@@ -9,7 +9,7 @@ import pytest
 
 from jaxmoe.cli.main import main
 from jaxmoe.config import ConfigError
-from jaxmoe.train.profiler import parse_profile_steps
+from jaxmoe.train.logs.profiler import parse_profile_steps
 from scheduling import read_trace
 from tests.train.test_multiprocess import SMALL
 

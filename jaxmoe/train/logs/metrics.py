@@ -3,12 +3,12 @@
 ``DIR/config.json`` holds the resolved configuration; ``DIR/metrics.jsonl`` one
 line per step with at least ``step``, ``loss``, ``tokens_per_s``,
 ``dropped_fraction`` and ``expert_imbalance``; ``DIR/tensorboard`` the same rows and
-configuration for TensorBoard (:mod:`jaxmoe.train.tensorboard`);
+configuration for TensorBoard (:mod:`jaxmoe.train.logs.tensorboard`);
 ``DIR/schedule_report.json`` what the scheduling layer did to the step, when it ran.
 Only process 0 writes.
 
 ``metrics.jsonl`` is strict JSON: a non-finite value is written as ``null``. Each
-line is written whole or not at all (:mod:`jaxmoe.train.appends`: a failed write, a
+line is written whole or not at all (:mod:`jaxmoe.train.logs.appends`: a failed write, a
 full disk say, is cut off again), so every line of the file parses.
 """
 
@@ -24,8 +24,8 @@ import jax
 import numpy as np
 
 from jaxmoe.config import Config
-from jaxmoe.train import tensorboard
-from jaxmoe.train.appends import append_whole
+from jaxmoe.train.logs import tensorboard
+from jaxmoe.train.logs.appends import append_whole
 
 METRICS_FILE = "metrics.jsonl"
 

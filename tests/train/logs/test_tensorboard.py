@@ -12,10 +12,9 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from jaxmoe.cli.main import main
-from jaxmoe.train import tensorboard
-from jaxmoe.train.metrics import read_rows
-
-from .runs import ONE_LAYER, small_config
+from jaxmoe.train.logs import tensorboard
+from jaxmoe.train.logs.metrics import read_rows
+from tests.train.runs import ONE_LAYER, small_config
 
 # The one-layer model: what is under test is the run's files, not the model.
 SMALL = [*ONE_LAYER, "--no-progress", "--train.eval_every", "3"]
