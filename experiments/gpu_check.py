@@ -751,7 +751,7 @@ def _estimate(run: Any, program: Any, mesh: Any) -> dict[str, Any]:
     """The cost model's seconds summed over the program's ops: whole, by phase, by block."""
     import scheduling
 
-    cost = scheduling.cost_model(run.policy, mesh)
+    cost = scheduling.cost_model(run.policy, mesh, program)
     total, phases, blocks = 0.0, {}, {}
     for op in program.ops:
         seconds = cost.seconds(op)

@@ -74,12 +74,14 @@ if TYPE_CHECKING:
     # 3. costs
     from scheduling.costs.cost_model import (
         FREE_PRIMITIVES,
-        FUSIBLE,
+        REDUCTIONS,
         CostModel,
         collective_wire_bytes,
+        is_matmul,
         is_ragged_exchange,
         op_flops,
     )
+    from scheduling.costs.fusion import FUSIBLE, Fusion, fuses_into_readers
     from scheduling.costs.link_model import CollectiveCurves, PiecewiseLinear
     from scheduling.costs.profiling import OpProfiler, ProfiledCostModel
     from scheduling.costs.simulate import Timeline, simulate

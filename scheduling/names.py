@@ -29,6 +29,11 @@ TICK_SCOPE = "tick_{}"
 # The name scope of the gathers of sharded weights before use (ZeRO-3): the scheduler
 # starts each only as early as it takes to hide it (scheduling.passes.prefetch).
 PARAMETER_GATHER_SCOPE = "param_gather"
+# The name scope of ops that a target with a fused kernel for them runs as one kernel
+# (an attention core, which cuDNN's flash attention computes in one): on a profile with
+# ``fused_kernels`` the values made and read inside one such scope stay on chip
+# (scheduling.costs.fusion).
+ONE_KERNEL_SCOPE = "one_kernel"
 
 # Multi-node cluster profiles are files (scheduling/profiles/NAME.json); three
 # single-device profiles are written in scheduling/profiles.py.

@@ -51,7 +51,7 @@ def optimize(
     experimental = experimental or ExperimentalOptions()
     experimental.check(policy)
     program = capture(step_fn, *example_args, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
-    cost = cost_model(policy, mesh)
+    cost = cost_model(policy, mesh, program)
     scheduled = schedule(program, policy, cost, batch_inputs(program, batch_argnums), experimental)
     if experimental.transport is not None:
         transport = experimental.transport(mesh)

@@ -13,7 +13,9 @@ anything compiles.
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -50,6 +52,13 @@ class DeviceProfile:
     memory_capacity_bytes: float = 0.0
     # The matmul peak with 16-bit float operands (bfloat16, float16); 0: ``flops_per_s``.
     half_precision_flops_per_s: float = 0.0
+    # The fraction of the peak a matmul reaches, by its FLOPs: points ``(flops, fraction)``
+    # in increasing FLOPs, interpolated in log FLOPs and held flat past either end; empty:
+    # the peak (1.0). Small products are memory-bound, which the roofline says already.
+    matmul_efficiency: tuple[tuple[float, float], ...] = ()
+    # The target runs the ops of a one-kernel scope (``scheduling.names.ONE_KERNEL_SCOPE``:
+    # the attention core, as cuDNN's flash attention) as one kernel.
+    fused_kernels: bool = False
 
     def __post_init__(self) -> None:
         for name in ("flops_per_s", "memory_bytes_per_s", "link_bytes_per_s"):
@@ -64,6 +73,14 @@ class DeviceProfile:
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"DeviceProfile.{name} must be >= 0")
+        points = self.matmul_efficiency
+        if any(len(p) != 2 or p[0] <= 0 or not 0 < p[1] <= 1 for p in points) or any(
+            b[0] <= a[0] for a, b in itertools.pairwise(points)
+        ):
+            raise ValueError(
+                "DeviceProfile.matmul_efficiency must be (flops, fraction) points, FLOPs "
+                "increasing and > 0, fractions in (0, 1]"
+            )
         if self.devices_per_node < 0:
             raise ValueError("DeviceProfile.devices_per_node must be >= 0 (0: one flat link)")
         if self.devices_per_node and self.node_link_bytes_per_s <= 0:
@@ -84,6 +101,19 @@ class DeviceProfile:
             return self.half_precision_flops_per_s
         return self.flops_per_s
 
+    def matmul_fraction(self, flops: float) -> float:
+        """The fraction of the peak a matmul of ``flops`` reaches (``matmul_efficiency``)."""
+        points = self.matmul_efficiency
+        if not points:
+            return 1.0
+        if flops <= points[0][0]:
+            return points[0][1]
+        for (x0, y0), (x1, y1) in itertools.pairwise(points):
+            if flops <= x1:
+                t = (math.log(flops) - math.log(x0)) / (math.log(x1) - math.log(x0))
+                return y0 + t * (y1 - y0)
+        return points[-1][1]
+
     def with_link(self, bytes_per_s: float, latency_s: float | None = None) -> DeviceProfile:
         return replace(
             self,
@@ -100,7 +130,10 @@ def load_profile(path: str | Path) -> DeviceProfile:
     unknown = set(data) - known - {"description", "sources"}
     if unknown:
         raise ValueError(f"{path}: unknown profile fields {sorted(unknown)}")
-    return DeviceProfile(**{name: value for name, value in data.items() if name in known})
+    values = {name: value for name, value in data.items() if name in known}
+    if "matmul_efficiency" in values:
+        values["matmul_efficiency"] = tuple(tuple(point) for point in values["matmul_efficiency"])
+    return DeviceProfile(**values)
 
 
 PROFILE_FILES = names.PROFILE_DIRECTORY

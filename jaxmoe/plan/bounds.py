@@ -63,7 +63,7 @@ from jaxmoe.parallel.zero import GATHER_SCOPE
 from jaxmoe.pipeline.ticks import TickTable
 from jaxmoe.plan.memory import backward_start, recomputed_for_backward
 from jaxmoe.plan.options import Options
-from scheduling import FREE_PRIMITIVES, FUSIBLE, CostModel, Phase, Program, Value, aval_bytes
+from scheduling import CostModel, Phase, Program, Value, aval_bytes
 
 # Ops that pass a parameter on as a parameter: casts, views and the barriers of a
 # recomputation's inputs.
@@ -320,13 +320,7 @@ def screen(
                 parts.append("update_compute")
         elif len(parts) == 1 and not collective and _on_parameters(op, shapes):
             parts.append("on_parameters")
-        fused = profile.fused_elementwise and op.primitive in FUSIBLE
-        pays_overhead = (
-            op.phase is not Phase.OPTIMIZER
-            and not collective
-            and op.primitive not in FREE_PRIMITIVES
-            and not fused
-        )
+        pays_overhead = op.phase is not Phase.OPTIMIZER and not collective and cost.launches(op)
         for part in parts:
             totals[part][0] += seconds
             totals[part][1] += seconds if in_block else 0.0

@@ -7,10 +7,9 @@ step's memory. What gets a buffer, and for how long, follows what XLA does with 
 program:
 
 - *Fusion.* A value gets no buffer when XLA fuses it into every op that reads it: an
-  elementwise or layout op's value (:data:`FUSIBLE`) whose readers all take fused
-  operands (:data:`FUSING_READERS`: elementwise ops, reductions, slices) and which is
-  cheap or read once (XLA repeats a cheap fused op in each reader, never an expensive
-  one, :data:`EXPENSIVE`). Its operands then stay alive until its readers run. The rest
+  elementwise or layout op's value whose readers all take fused operands and which is
+  cheap or read once (:func:`scheduling.fuses_into_readers`, the rule the cost model
+  prices kernels by). Its operands then stay alive until its readers run. The rest
   (matmuls, collectives, gathers, and what they read) get buffers.
 - *Aliases.* ``reduce_precision`` to a dtype's own precision (what JAX puts on the values
   a remat region saves) is the identity. ``optimization_barrier`` passes its operands
@@ -63,32 +62,8 @@ from jaxmoe.pipeline.ticks import TICK_SCOPE
 from jaxmoe.train.state import (
     TrainState,
 )
-from scheduling import Phase, Program, Value, aval_bytes
+from scheduling import Phase, Program, Value, aval_bytes, fuses_into_readers
 
-# Elementwise and layout ops: XLA fuses their values into the ops that read them.
-FUSIBLE = frozenset(
-    {"add", "add_any", "sub", "mul", "div", "rem", "neg", "abs", "sign", "square", "sqrt",
-     "rsqrt", "cbrt", "exp", "exp2", "expm1", "log", "log1p", "log2", "tanh", "logistic", "sin",
-     "cos", "atan2", "erf", "erf_inv", "pow", "integer_pow", "one_minus_square", "polynomial",
-     "max", "min", "clamp",
-     "floor", "ceil", "round", "nextafter", "is_finite", "convert_element_type",
-     "select_n", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor",
-     "shift_left", "shift_right_logical", "shift_right_arithmetic", "population_count",
-     "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "iota", "copy",
-     "copy_p", "stop_gradient", "pvary"}
-)  # fmt: skip
-# Fused ops that XLA computes once rather than repeat in each reader.
-EXPENSIVE = frozenset(
-    {"div", "rem", "sqrt", "rsqrt", "cbrt", "exp", "exp2", "expm1", "log", "log1p", "log2", "tanh",
-     "logistic", "sin", "cos", "atan2", "erf", "erf_inv", "pow"}
-)  # fmt: skip
-# Ops that read fused operands (compute them inline): the fusible ops, reductions, and
-# slicing, padding and concatenation.
-FUSING_READERS = FUSIBLE | frozenset(
-    {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
-     "argmax", "argmin", "cumsum", "cumlogsumexp", "cummax", "cummin", "slice",
-     "dynamic_slice", "pad", "concatenate"}
-)  # fmt: skip
 _IDENTITIES = frozenset({"reduce_precision"})
 _BARRIER = "optimization_barrier"
 _RANDOM = frozenset({"random_bits", "random_seed", "random_wrap", "rng_bit_generator"})
@@ -357,15 +332,8 @@ def _buffers(steps: Sequence[_Step], program: Program, outputs: set[Value]) -> s
             readers.setdefault(value, []).append(step.op.primitive)
     buffers = set(program.inputs) | outputs
     for step in steps:
-        fusible = step.op.primitive in FUSIBLE
         for value in step.makes:
-            names = readers.get(value, [])
-            fused = (
-                fusible
-                and all(name in FUSING_READERS for name in names)
-                and (step.op.primitive not in EXPENSIVE or len(names) <= 1)
-            )
-            if not fused:
+            if not fuses_into_readers(step.op.primitive, readers.get(value, [])):
                 buffers.add(value)
     return buffers
 

@@ -219,7 +219,7 @@ def _estimate_program(
     times = {}
     for schedule in schedules:
         policy = schedule_policy(_with_schedule(config, schedule, profile))
-        cost = cost_model(policy, mesh)
+        cost = cost_model(policy, mesh, program)
         scheduled = scheduling.schedule(program, policy, cost, batch)
         report = build_report(scheduled, cost, policy, program)
         times[schedule] = StepTime(
@@ -289,7 +289,7 @@ class Tracer:
         found = screen(
             program,
             resolve(traced).state_shapes,
-            cost_model(policy, program.mesh),
+            cost_model(policy, program.mesh, program),
             options_of(config),
             blocks,
             1 if shallow else blocks,

@@ -1,8 +1,18 @@
-"""A first, analytic cost model: seconds per op from FLOPs and bytes over a device profile.
+"""An analytic cost model: seconds per op from FLOPs and bytes over a device profile.
 
-Compute: ``overhead + max(flops / peak_flops, bytes / memory_bandwidth)``, a
-roofline with a fixed per-op cost (kernel launch, dispatch). Layout-only ops
+Compute: ``overhead + max(flops / (peak_flops x efficiency), bytes / memory_bandwidth)``,
+a roofline with a fixed cost per kernel (launch, dispatch). Matmuls run at the
+profile's matmul efficiency (:meth:`~scheduling.profiles.DeviceProfile.matmul_fraction`, a
+measured curve over the product's FLOPs), other ops at the peak. Layout-only ops
 (reshape, squeeze, ...) cost nothing: XLA makes them views or fuses them.
+
+Fusion (:mod:`scheduling.costs.fusion`, the rule the memory walk reads too): on a profile
+with ``fused_elementwise``, a cost model bound to a program (:meth:`CostModel.bound_to`)
+prices kernels, not ops: an op whose values XLA fuses into their readers costs its FLOPs
+alone (no bytes, no launch); a kernel's last op reads the buffers under its fused
+operands and writes its own. With ``fused_kernels``, the ops of a one-kernel scope (an
+attention core, which cuDNN runs as one kernel) read and write only what crosses the
+scope. Ops the bound program does not hold (copies a pass made later) are priced alone.
 Collectives: ``latency + bytes_on_the_wire / link_bandwidth`` with the usual
 algorithmic factors over a group of ``n`` devices (all-to-all and gathers move
 ``(n - 1) / n`` of the buffer, a ring all-reduce twice that).
@@ -33,12 +43,14 @@ The device figures come from a :class:`~scheduling.profiles.DeviceProfile`.
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 from collections.abc import Sequence
 from typing import Any
 
 from scheduling.costs.collective_groups import GroupSpread, group_members, group_spread
+from scheduling.costs.fusion import FUSIBLE, Fusion, kernel_scope
 from scheduling.costs.link_model import CollectiveCurves
 from scheduling.profiles import DeviceProfile
 from scheduling.program import jax_adapter
@@ -63,16 +75,6 @@ TRANSCENDENTAL = frozenset(
      "cos", "pow"}
 )  # fmt: skip
 REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "argmax", "argmin", "cumsum"})
-# Ops that a fusing compiler folds into a neighbouring kernel (see fused_elementwise).
-FUSIBLE = frozenset(
-    {"add", "sub", "mul", "div", "max", "min", "neg", "abs", "sign", "square", "sqrt",
-     "rsqrt", "integer_pow", "one_minus_square", "polynomial", "convert_element_type",
-     "select_n", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "is_finite", "iota",
-     "copy", "slice", "concatenate", "transpose", "pad"}
-    | TRANSCENDENTAL
-)  # fmt: skip
-
-
 # The name scope of ops that carry ragged rows; the number is their rows under even routing.
 RAGGED_SCOPE = re.compile(r"ragged_rows_(\d+)")
 
@@ -102,11 +104,13 @@ def _ragged_dot_flops(op: Op) -> float:
     return flops
 
 
-def body_ops(op: Op) -> list[tuple[list[Op], float]]:
-    """The ops of each sub-program of a control-flow op, with how often each runs
-    (:func:`scheduling.program.jax_adapter.subprograms`); empty for any other op."""
+def body_ops(op: Op) -> list[tuple[Any, list[Op], float]]:
+    """Each sub-program of a control-flow op (:func:`scheduling.program.jax_adapter.subprograms`):
+    its jaxpr, its ops (under the op's name stack) and how often it runs; empty for any
+    other op."""
     return [
         (
+            jaxpr,
             [
                 Op(-1, eqn, tuple(eqn.invars), tuple(eqn.outvars), op.name_stack, op.phase)
                 for eqn in jaxpr.eqns
@@ -120,7 +124,7 @@ def body_ops(op: Op) -> list[tuple[list[Op], float]]:
 def _over_bodies(op: Op, price) -> float:
     """``price`` summed over a control-flow op's sub-programs: a scan's body times its
     length, the costliest branch of a cond, a while's condition and body once."""
-    bodies = [repeats * sum(price(inner) for inner in ops) for ops, repeats in body_ops(op)]
+    bodies = [repeats * sum(price(inner) for inner in ops) for _, ops, repeats in body_ops(op)]
     if op.primitive == "cond":
         return max(bodies, default=0.0)
     return sum(bodies)
@@ -144,6 +148,14 @@ def _fused_attention_flops(op: Op) -> float:
     if window:
         flops *= min(1.0, window / keys)
     return flops * (2.5 if FUSED_ATTENTION.search(op.primitive).group(1) == "bwd" else 1.0)
+
+
+# Ops priced at the profile's matmul efficiency.
+MATMULS = frozenset({"dot_general", "ragged_dot_general"})
+
+
+def is_matmul(op: Op) -> bool:
+    return op.primitive in MATMULS or bool(FUSED_ATTENTION.search(op.primitive))
 
 
 def op_flops(op: Op) -> float:
@@ -287,6 +299,21 @@ class CostModel:
         self.curves = curves
         self.device_ids = None if device_ids is None else tuple(device_ids)
         self._spreads: dict[tuple, GroupSpread] = {}
+        self.fusion: Fusion | None = None  # of the program it is bound to
+        self._program: Any = None
+        self._bodies: dict[int, tuple[Any, list[tuple[list[Op], float, Fusion | None]]]] = {}
+
+    def bound_to(self, program: Any) -> CostModel:
+        """This model pricing the kernels of ``program`` (a captured
+        :class:`~scheduling.program.capture.Program`; see the module docstring); itself
+        where its profile does not fuse, or it is bound to ``program`` already."""
+        if not self.profile.fused_elementwise or self._program is program:
+            return self
+        bound = copy.copy(self)
+        bound.fusion = Fusion(program.ops, program.outputs, self.profile.fused_kernels)
+        bound._program = program
+        bound._bodies = {}
+        return bound
 
     def spread(self, op: Op) -> GroupSpread:
         """How the groups of collective ``op`` lie over the profile's nodes."""
@@ -300,17 +327,97 @@ class CostModel:
     def compute_seconds(self, op: Op) -> float:
         if op.primitive in FREE_PRIMITIVES:
             return 0.0
-        if jax_adapter.subprograms(op.eqn):  # each op of the body at its own roofline
-            return _over_bodies(op, self.seconds)
-        profile = self.profile
+        fusion = self.fusion if self.fusion is not None and self.fusion.knows(op) else None
+        if jax_adapter.subprograms(op.eqn):
+            return self._control_flow_seconds(op, fusion)
+        return self._kernel_seconds(op, fusion)
+
+    def arithmetic_seconds(self, op: Op) -> float:
+        """Seconds of ``op``'s FLOPs alone: at the profile's peak for its operands' dtype,
+        times its matmul efficiency where it is a matmul."""
+        flops = op_flops(op)
+        if not flops:
+            return 0.0
         operand = op.inputs[0] if op.inputs else op.outputs[0]
-        roofline = max(
-            op_flops(op) / profile.peak_flops_per_s(operand.aval.dtype),
-            op_bytes(op) / profile.memory_bytes_per_s,
-        )
-        if profile.fused_elementwise and op.primitive in FUSIBLE:
-            return roofline
-        return profile.op_overhead_s + roofline
+        peak = self.profile.peak_flops_per_s(operand.aval.dtype)
+        if is_matmul(op):
+            peak *= self.profile.matmul_fraction(flops)
+        return flops / peak
+
+    def launches(self, op: Op) -> bool:
+        """Whether ``op`` pays a kernel's launch: it writes a buffer of its own (on a fusing
+        profile, an op XLA fuses into its readers does not)."""
+        if op.primitive in FREE_PRIMITIVES or op.is_collective:
+            return False
+        if self.fusion is not None and self.fusion.knows(op):
+            return self.fusion.launches(op)
+        return not (self.profile.fused_elementwise and op.primitive in FUSIBLE)
+
+    def bytes_moved(self, op: Op) -> float:
+        """Bytes ``op`` reads and writes in memory as this model prices it (a control-flow
+        op: its bodies' ops, times how often each runs; in a one-kernel scope on a profile
+        with ``fused_kernels``, its own operands and results)."""
+        if op.primitive in FREE_PRIMITIVES:
+            return 0.0
+        fusion = self.fusion if self.fusion is not None and self.fusion.knows(op) else None
+        if not jax_adapter.subprograms(op.eqn):
+            return op_bytes(op) if fusion is None else fusion.bytes(op)
+        if fusion is not None and self.profile.fused_kernels and kernel_scope(op.name_stack):
+            return fusion.bytes(op)
+        bodies = [
+            repeats * sum(model.bytes_moved(inner) for inner in ops)
+            for ops, repeats, model in self.bodies(op)
+        ]
+        return max(bodies, default=0.0) if op.primitive == "cond" else sum(bodies)
+
+    def _kernel_seconds(self, op: Op, fusion: Fusion | None) -> float:
+        moved = op_bytes(op) if fusion is None else fusion.bytes(op)
+        roofline = max(self.arithmetic_seconds(op), moved / self.profile.memory_bytes_per_s)
+        return roofline + (self.profile.op_overhead_s if self.launches(op) else 0.0)
+
+    def _control_flow_seconds(self, op: Op, fusion: Fusion | None) -> float:
+        """A control-flow op: in a one-kernel scope on a profile with ``fused_kernels``,
+        one kernel (its bodies' arithmetic; its own operands and results moved once); else
+        each body op priced as a kernel of its body, times how often the body runs."""
+        if fusion is not None and self.profile.fused_kernels and kernel_scope(op.name_stack):
+            arithmetic = _over_bodies(op, self.arithmetic_seconds)
+            moved = fusion.bytes(op) / self.profile.memory_bytes_per_s
+            overhead = self.profile.op_overhead_s if fusion.launches(op) else 0.0
+            return max(arithmetic, moved) + overhead
+        bodies = [
+            repeats * sum(model.seconds(inner) for inner in ops)
+            for ops, repeats, model in self.bodies(op)
+        ]
+        if op.primitive == "cond":
+            return max(bodies, default=0.0)
+        return sum(bodies)
+
+    def bodies(self, op: Op) -> list[tuple[list[Op], float, CostModel]]:
+        """Each sub-program of control-flow op ``op``: its ops, how often it runs, and this
+        model pricing them (on a fusing profile, bound to the body's kernels)."""
+        return [
+            (ops, repeats, self if fusion is None else self._with_fusion(fusion))
+            for ops, repeats, fusion in self._bodies_of(op)
+        ]
+
+    def _bodies_of(self, op: Op) -> list[tuple[list[Op], float, Fusion | None]]:
+        """The sub-programs of ``op`` (its ops, repeats and, on a fusing profile, their
+        fusion), made once per sub-program."""
+        key = id(op.eqn)
+        if key not in self._bodies:
+            bodies = []
+            for jaxpr, ops, repeats in body_ops(op):
+                fused = None
+                if self.profile.fused_elementwise:
+                    fused = Fusion(ops, jaxpr.outvars, self.profile.fused_kernels)
+                bodies.append((ops, repeats, fused))
+            self._bodies[key] = (op.eqn, bodies)  # the equation kept: its id stays its own
+        return self._bodies[key][1]
+
+    def _with_fusion(self, fusion: Fusion) -> CostModel:
+        model = copy.copy(self)
+        model.fusion = fusion
+        return model
 
     def collective_seconds(self, op: Op) -> float:
         wire = collective_wire_bytes(op, self.axis_sizes, self.ragged_load)

@@ -270,11 +270,13 @@ def carries_subprogram(eqn: Any) -> bool:
 
 
 def subprograms(eqn: Any) -> list[tuple[Any, float]]:
-    """The sub-programs of a control-flow equation, each with how often it runs:
-    a ``scan``'s body ``length`` times, each branch of a ``cond`` once (the caller takes
-    the costliest), a ``while``'s condition and body once each (the trip count is known
-    only when the step runs). Empty for any other equation."""
+    """The sub-programs of a control-flow equation, each with how often it runs: a nested
+    ``jit``'s once, a ``scan``'s body ``length`` times, each branch of a ``cond`` once (the
+    caller takes the costliest), a ``while``'s condition and body once each (the trip count
+    is known only when the step runs). Empty for any other equation."""
     params, name = eqn.params, eqn.primitive.name
+    if name in ("jit", "pjit"):  # a nested call (capture inlines those of the step itself)
+        return [(params["jaxpr"].jaxpr, 1.0)]
     if name == "scan":
         return [(params["jaxpr"].jaxpr, float(params["length"]))]
     if name == "cond":

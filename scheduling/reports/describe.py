@@ -75,8 +75,10 @@ def build_report(
     axis_roles: AxisRoles | None = None,
 ) -> ScheduleReport:
     """The report of ``scheduled``; the baseline is ``original`` as captured. Each
-    collective's purpose is named with ``axis_roles`` (default: read off the axis names)."""
+    collective's purpose is named with ``axis_roles`` (default: read off the axis names).
+    ``cost`` prices ``original``'s kernels, as :func:`~scheduling.schedule` did."""
     graph, order = scheduled.graph, scheduled.order
+    cost = cost.bound_to(original)
     purposes = collective_purposes(graph.program, axis_roles)
     seconds = node_seconds(cost)
     timeline = simulate(graph, order.nodes, seconds)

@@ -39,8 +39,15 @@ class Schedule(NamedTuple):
     exchanges: Sequence[ExchangeChoice] = ()  # comet: every exchange, what was done with it
 
 
-def cost_model(policy: SchedulePolicy, mesh: Mesh) -> CostModel:
-    """The policy's cost model: analytic or measured ops; profile or measured links."""
+def cost_model(policy: SchedulePolicy, mesh: Mesh, program: Program | None = None) -> CostModel:
+    """The policy's cost model: analytic or measured ops; profile or measured links. Given
+    the ``program`` it prices, bound to it: on a fusing profile it prices that program's
+    kernels (:meth:`~scheduling.costs.cost_model.CostModel.bound_to`)."""
+    model = _cost_model(policy, mesh)
+    return model if program is None else model.bound_to(program)
+
+
+def _cost_model(policy: SchedulePolicy, mesh: Mesh) -> CostModel:
     curves = None if policy.link_curves is None else CollectiveCurves.load(policy.link_curves)
     if policy.op_costs == "measured":
         # Fake CPU devices share the host's cores: time each op on all of them at once.
@@ -84,6 +91,7 @@ def schedule(
     """What ``policy`` makes of ``program``: its graph, order and partitioned ranges.
     ``experimental``: the research options (:class:`~scheduling.policy.ExperimentalOptions`)."""
     cost = cost_model(policy, program.mesh) if cost is None else cost
+    cost = cost.bound_to(program)
     experimental = experimental or ExperimentalOptions()
     experimental.check(policy)
     if policy.name == "none":

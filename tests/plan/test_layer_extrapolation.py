@@ -110,7 +110,9 @@ def test_extrapolated_estimates_match_whole_traces(six_layer_mappings, monkeypat
         )
         assert traced_layers == [2, 4, 6]
         assert memory == whole_memory
-        assert times["none"].step == pytest.approx(whole_times["none"].step, rel=1e-9)
+        # Exact but for fusion: an expensive elementwise value that one block reads once
+        # XLA fuses into its reader, and gives a buffer where several blocks read it.
+        assert times["none"].step == pytest.approx(whole_times["none"].step, rel=1e-4)
         # dw overlaps weight gradients across block boundaries: 0.5% off on the tensor-
         # parallel mapping of this tiny model, where a boundary is a large part of a block.
         assert times["dw"].step == pytest.approx(whole_times["dw"].step, rel=1e-2)

@@ -89,7 +89,7 @@ def test_a_scan_is_priced_as_its_body_times_its_length():
     one_trip = PROFILE.op_overhead_s * 2 + (2 * M * K * K + 8 * M * K) / PROFILE.flops_per_s
     assert cost.compute_seconds(scan) >= 4 * one_trip
     assert cost.compute_seconds(scan) == pytest.approx(
-        4 * sum(cost.seconds(inner) for inner in cost_model.body_ops(scan)[0][0])
+        4 * sum(cost.seconds(inner) for inner in cost_model.body_ops(scan)[0][1])
     )
 
 

@@ -27,6 +27,7 @@ PROGRAMS = {name: toys.program(loss) for name, loss in LOSSES.items()}
 
 
 def _rank(program, policy: SchedulePolicy, cost: CostModel) -> tuple[float, float]:
+    cost = cost.bound_to(program)  # as schedule() prices it: the program's kernels
     scheduled = schedule(program, policy, cost, batch_inputs(program, (1,)))
     timeline = simulate(scheduled.graph, scheduled.order.nodes, node_seconds(cost))
     return timeline.step_seconds, exposed_all_to_all(scheduled.graph, timeline)

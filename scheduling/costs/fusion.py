@@ -1,0 +1,228 @@
+"""What a fusing compiler keeps out of memory: the values of a program that get no buffer.
+
+One rule, read by the time model (:class:`~scheduling.costs.cost_model.CostModel`: an op
+pays for the buffers it reads and writes, and a launch only when it writes one) and by
+the memory walk of a step (which gives such values no bytes), so that both agree about
+what XLA fuses:
+
+- *Loop fusion.* The value of an elementwise or layout op (:data:`FUSIBLE`) whose readers
+  all compute their operands inline (:data:`FUSING_READERS`: elementwise ops, reductions,
+  slices) is fused into them, unless the op is expensive (:data:`EXPENSIVE`) and read
+  more than once: XLA repeats a cheap producer in each reader, never an expensive one.
+  A reader of a fused value reads the fused op's operands instead, through any chain of
+  fused values.
+- *Multi-output fusion.* An elementwise or reduction op that reads the buffer of an
+  elementwise op (one that gets a buffer because it is returned, or read elsewhere), or
+  a buffer that an earlier such kernel reads, joins that kernel where nothing else it
+  reads depends on the kernel: the kernel writes both values and reads each buffer once
+  (an optimizer's update: the new moments and parameters from one pass over the old).
+- *One kernel.* The ops under a name scope :data:`scheduling.names.ONE_KERNEL_SCOPE`
+  run as one kernel on a target that has one for them (cuDNN's flash attention for an
+  attention core): a value made and read only inside one such scope (the same scope
+  path) stays on chip. Only a profile with ``fused_kernels`` prices them so.
+
+The values a program returns always get buffers; so do those of matmuls, collectives,
+gathers, scatters and control flow, whoever reads them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from scheduling.names import ONE_KERNEL_SCOPE
+from scheduling.program.capture import aval_bytes
+
+# Elementwise and layout ops: XLA fuses their values into the ops that read them.
+FUSIBLE = frozenset(
+    {"add", "add_any", "sub", "mul", "div", "rem", "neg", "abs", "sign", "square", "sqrt",
+     "rsqrt", "cbrt", "exp", "exp2", "expm1", "log", "log1p", "log2", "tanh", "logistic", "sin",
+     "cos", "atan2", "erf", "erf_inv", "pow", "integer_pow", "one_minus_square", "polynomial",
+     "max", "min", "clamp",
+     "floor", "ceil", "round", "nextafter", "is_finite", "convert_element_type",
+     "select_n", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor",
+     "shift_left", "shift_right_logical", "shift_right_arithmetic", "population_count",
+     "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "iota", "copy",
+     "copy_p", "stop_gradient", "pvary"}
+)  # fmt: skip
+# Fused ops that XLA computes once rather than repeat in each reader.
+EXPENSIVE = frozenset(
+    {"div", "rem", "sqrt", "rsqrt", "cbrt", "exp", "exp2", "expm1", "log", "log1p", "log2", "tanh",
+     "logistic", "sin", "cos", "atan2", "erf", "erf_inv", "pow"}
+)  # fmt: skip
+# Ops that read fused operands (compute them inline): the fusible ops, reductions, and
+# slicing, padding and concatenation.
+FUSING_READERS = FUSIBLE | frozenset(
+    {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+     "argmax", "argmin", "cumsum", "cumlogsumexp", "cummax", "cummin", "slice",
+     "dynamic_slice", "pad", "concatenate"}
+)  # fmt: skip
+
+
+def fuses_into_readers(primitive: str, readers: Sequence[str]) -> bool:
+    """Whether the value of a ``primitive`` op that ``readers`` read gets no buffer."""
+    return (
+        primitive in FUSIBLE
+        and all(reader in FUSING_READERS for reader in readers)
+        and (primitive not in EXPENSIVE or len(readers) <= 1)
+    )
+
+
+def kernel_scope(name_stack: str) -> str | None:
+    """The path of the innermost one-kernel scope an op runs under (None: none): ops of the
+    same path run in one kernel."""
+    parts = name_stack.split("/")
+    for end in range(len(parts), 0, -1):
+        if parts[end - 1] == ONE_KERNEL_SCOPE:
+            return "/".join(parts[:end])
+    return None
+
+
+class Fusion:
+    """The fused values of one program (its ops in order, and what it returns).
+
+    Works on any ops with ``primitive``, ``inputs``, ``outputs`` and ``name_stack``: a
+    captured program's, or a control-flow body's (JAX variables and literals). Values are
+    told apart by identity.
+    """
+
+    def __init__(self, ops: Sequence[Any], outputs: Iterable[Any], kernels: bool = False):
+        self._producer: dict[int, Any] = {}
+        readers: dict[int, list[Any]] = {}
+        for op in ops:
+            for value in op.outputs:
+                self._producer[id(value)] = op
+            for atom in op.inputs:
+                readers.setdefault(id(atom), []).append(op)
+        returned = {id(atom) for atom in outputs}
+        self._known = {id(op) for op in ops}
+        self._fused: set[int] = set()  # repeated in each reader: read through
+        self._on_chip: set[int] = set()  # kept inside one kernel: free
+        for op in ops:
+            scope = kernel_scope(op.name_stack) if kernels else None
+            for value in op.outputs:
+                if id(value) in returned:
+                    continue
+                read_by = readers.get(id(value), [])
+                if scope and read_by and all(kernel_scope(r.name_stack) == scope for r in read_by):
+                    self._on_chip.add(id(value))
+                elif fuses_into_readers(op.primitive, [r.primitive for r in read_by]):
+                    self._fused.add(id(value))
+        self._reads: dict[int, dict[int, int]] = {}
+        self._index = {id(op): index for index, op in enumerate(ops)}
+        self._bytes = self._kernel_bytes(ops)
+
+    def _kernel_bytes(self, ops: Sequence[Any]) -> dict[int, float]:
+        """Each op's bytes, in program order: a kernel joined to an earlier one (multi-output
+        fusion) reads only what that kernel has not read."""
+        members: dict[int, set[int]] = {}  # a kernel (its first op) -> its ops
+        kernel_of: dict[int, int] = {}  # op -> its kernel
+        first: dict[int, int] = {}  # a kernel -> the program index of its first op
+        kernel_reads: dict[int, set[int]] = {}  # a kernel -> the buffers it reads
+        reading: dict[int, int] = {}  # a buffer -> the last kernel of fusing ops reading it
+        own_reads: dict[int, dict[int, int]] = {}
+        found: dict[int, float] = {}
+        for index, op in enumerate(ops):
+            key = id(op)
+            if op.outputs and all(id(value) in self._fused for value in op.outputs):
+                found[key] = 0.0
+                continue
+            reads: dict[int, int] = {}
+            for atom in op.inputs:
+                reads.update(self._leaves(atom))
+            kernel = key
+            if op.primitive in FUSING_READERS:
+                # Producer and consumer: read what the producer's kernel read instead.
+                for value_id in list(reads):
+                    producer = self._producer.get(value_id)
+                    if producer is None or producer.primitive not in FUSIBLE:
+                        continue
+                    if id(producer) not in own_reads:
+                        continue
+                    joined = kernel_of[id(producer)]
+                    if self._independent(reads, members[joined], first[joined]):
+                        del reads[value_id]
+                        reads.update(own_reads[id(producer)])
+                        kernel = joined
+                        break
+                # Siblings: a kernel of fusing ops that read one of the same buffers.
+                if kernel == key:
+                    for value_id in reads:
+                        joined = reading.get(value_id)
+                        if joined is not None and self._independent(
+                            reads, members[joined], first[joined]
+                        ):
+                            kernel = joined
+                            break
+                for value_id in reads:
+                    reading[value_id] = kernel
+            if kernel == key:
+                members[key], first[key], kernel_reads[key] = set(), index, set()
+            members[kernel].add(key)
+            kernel_of[key] = kernel
+            own_reads[key] = reads
+            charged = kernel_reads[kernel]
+            fresh = sum(size for value_id, size in reads.items() if value_id not in charged)
+            charged.update(reads)
+            writes = sum(aval_bytes(v.aval) for v in op.outputs if not self.is_fused(v))
+            found[key] = float(fresh + writes)
+        return found
+
+    def _independent(
+        self, reads: dict[int, int], kernel: set[int], start: int, budget: int = 64
+    ) -> bool:
+        """Whether none of the buffers in ``reads`` depends on an op of ``kernel`` (whose
+        first op is at ``start``) other than as its direct value: a reader of them may join
+        that kernel without a cycle. Searches at most ``budget`` ops back; past that, no."""
+        stack = [
+            self._producer[value_id]
+            for value_id in reads
+            if value_id in self._producer and id(self._producer[value_id]) not in kernel
+        ]
+        seen: set[int] = set()
+        while stack:
+            op = stack.pop()
+            if id(op) in kernel:
+                return False
+            if id(op) in seen or self._index.get(id(op), -1) < start:
+                continue
+            seen.add(id(op))
+            if len(seen) > budget:
+                return False
+            stack += [self._producer[id(a)] for a in op.inputs if id(a) in self._producer]
+        return True
+
+    def knows(self, op: Any) -> bool:
+        """Whether ``op`` is one of the analysed program's (a copy made later is not)."""
+        return id(op) in self._known
+
+    def is_fused(self, value: Any) -> bool:
+        """Whether ``value`` gets no buffer (fused into its readers, or kept on chip)."""
+        return id(value) in self._fused or id(value) in self._on_chip
+
+    def launches(self, op: Any) -> bool:
+        """Whether ``op`` ends a kernel: it writes a buffer (an op whose values are all
+        fused runs inside its readers' kernels)."""
+        return any(not self.is_fused(value) for value in op.outputs) or not op.outputs
+
+    def _leaves(self, atom: Any) -> dict[int, int]:
+        """The buffers (id -> bytes) a reader of ``atom`` reads: ``atom`` itself, or through
+        a fused value, its producer's operands."""
+        key = id(atom)
+        if key in self._on_chip or not getattr(atom.aval, "shape", ()):
+            return {}  # kept in the kernel; or a scalar, passed as a kernel's argument
+        if key not in self._fused:
+            return {key: aval_bytes(atom.aval)}
+        if key not in self._reads:
+            found: dict[int, int] = {}
+            for operand in self._producer[key].inputs:
+                found.update(self._leaves(operand))
+            self._reads[key] = found
+        return self._reads[key]
+
+    def bytes(self, op: Any) -> float:
+        """Bytes ``op`` moves to and from memory: nothing where its values are computed
+        inside their readers' kernels; else the buffers it reads (through its fused
+        operands; nothing for what its kernel holds on chip, or another op of its kernel
+        read already) and those it writes."""
+        return self._bytes[id(op)]

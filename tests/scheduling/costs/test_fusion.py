@@ -1,0 +1,139 @@
+"""fusion: which values XLA keeps out of memory, and the kernels the cost model prices
+from it (bytes read through fused operands, one launch per kernel, one-kernel scopes,
+the matmul efficiency curve)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from scheduling.costs.cost_model import CostModel, op_flops
+from scheduling.costs.fusion import Fusion, fuses_into_readers
+from scheduling.names import ONE_KERNEL_SCOPE
+from scheduling.profiles import PROFILES, DeviceProfile
+from scheduling.program.capture import aval_bytes, capture
+from tests.scheduling.toys import mesh_x, sds
+
+ROWS, COLS = 64, 32
+F32 = 4
+FUSING = DeviceProfile(
+    "fusing", 1e12, 1e9, 1e-6, 1e9, 1e-6, fused_elementwise=True, fused_kernels=True
+)
+
+
+def _program(step, *shapes):
+    mesh = mesh_x()
+    args = [sds(mesh, shape, P()) for shape in shapes]
+    return capture(step, *args, mesh=mesh, in_specs=(P(),) * len(args), out_specs=P())
+
+
+def _by_primitive(program):
+    return {op.primitive: op for op in program.ops}
+
+
+def test_an_elementwise_chain_is_one_kernel_with_its_reduction():
+    # exp and mul fuse into the reduction: it reads x once and writes its row sums.
+    program = _program(lambda x: (jnp.exp(x) * 2.0).sum(axis=1), (ROWS, COLS))
+    fusion = Fusion(program.ops, program.outputs)
+    ops = _by_primitive(program)
+    for name in ("exp", "mul"):
+        assert not fusion.launches(ops[name]) and fusion.bytes(ops[name]) == 0
+    assert fusion.launches(ops["reduce_sum"])
+    assert fusion.bytes(ops["reduce_sum"]) == (ROWS * COLS + ROWS) * F32
+    cost = CostModel(FUSING, {"x": 8})
+    bound = cost.bound_to(program)
+    total = sum(bound.seconds(op) for op in program.ops)
+    unfused = sum(cost.seconds(op) for op in program.ops)
+    # One launch and one pass over x, against three of each.
+    assert total == pytest.approx(
+        FUSING.op_overhead_s + (ROWS * COLS + ROWS) * F32 / FUSING.memory_bytes_per_s,
+        rel=0.05,
+    )
+    assert unfused > 2.5 * total
+
+
+def test_a_value_a_matmul_reads_gets_a_buffer():
+    program = _program(lambda x, w: jnp.tanh(x * 3.0) @ w, (ROWS, COLS), (COLS, COLS))
+    fusion = Fusion(program.ops, program.outputs)
+    ops = _by_primitive(program)
+    # mul fuses into tanh, whose value the product reads from memory.
+    assert not fusion.launches(ops["mul"])
+    assert fusion.launches(ops["tanh"])
+    assert fusion.bytes(ops["tanh"]) == 2 * ROWS * COLS * F32
+    dot = ops["dot_general"]
+    assert fusion.bytes(dot) == (ROWS * COLS + COLS * COLS + ROWS * COLS) * F32
+
+
+def test_an_expensive_value_read_twice_is_computed_once():
+    assert fuses_into_readers("exp", ["add"])
+    assert not fuses_into_readers("exp", ["add", "mul"])
+    assert fuses_into_readers("mul", ["add", "sub"])  # cheap: repeated in each reader
+    assert not fuses_into_readers("mul", ["dot_general"])
+
+
+def test_a_one_kernel_scope_keeps_its_values_on_chip():
+    def step(x, w):
+        with jax.named_scope(ONE_KERNEL_SCOPE):
+            scores = jnp.exp(x @ w)
+            return (scores / scores.sum(axis=1, keepdims=True)) @ w.T
+
+    program = _program(step, (ROWS, COLS), (COLS, COLS))
+    kept = Fusion(program.ops, program.outputs, kernels=True)
+    loose = Fusion(program.ops, program.outputs, kernels=False)
+    inputs = (ROWS * COLS + COLS * COLS) * F32
+    output = ROWS * COLS * F32
+    # In one kernel: the operands read (by each product) and the result written, nothing
+    # in between.
+    kernel_bytes = sum(kept.bytes(op) for op in program.ops)
+    assert kernel_bytes <= 2 * inputs + output
+    assert sum(loose.bytes(op) for op in program.ops) > kernel_bytes + 2 * output
+    # A profile without fused kernels prices the ops as XLA fuses them.
+    plain = dataclasses.replace(FUSING, fused_kernels=False)
+    bound = CostModel(FUSING, {"x": 8}).bound_to(program)
+    unbound = CostModel(plain, {"x": 8}).bound_to(program)
+    assert sum(map(bound.seconds, program.ops)) < sum(map(unbound.seconds, program.ops))
+
+
+def test_a_scan_in_one_kernel_moves_its_operands_once():
+    def step(x, w):
+        with jax.named_scope(ONE_KERNEL_SCOPE):
+            out, _ = jax.lax.scan(lambda c, _: (jnp.tanh(c @ w), None), x, None, length=8)
+        return out
+
+    program = _program(step, (ROWS, COLS), (COLS, COLS))
+    scan = _by_primitive(program)["scan"]
+    bound = CostModel(FUSING, {"x": 8}).bound_to(program)
+    moved = sum(aval_bytes(a.aval) for a in scan.inputs) + aval_bytes(scan.outputs[0].aval)
+    assert bound.bytes_moved(scan) == moved
+    plain = CostModel(dataclasses.replace(FUSING, fused_kernels=False), {"x": 8})
+    assert plain.bound_to(program).bytes_moved(scan) >= 8 * moved  # every trip's carry
+
+
+def test_ops_a_pass_made_later_are_priced_alone():
+    program = _program(lambda x: (jnp.exp(x) * 2.0).sum(axis=1), (ROWS, COLS))
+    exp = _by_primitive(program)["exp"]
+    copy = dataclasses.replace(exp)  # a new op: not in the bound program
+    bound = CostModel(FUSING, {"x": 8}).bound_to(program)
+    assert bound.bytes_moved(exp) == 0
+    assert bound.bytes_moved(copy) == 2 * ROWS * COLS * F32
+
+
+def test_matmuls_run_at_the_profiles_efficiency_curve():
+    curve = dataclasses.replace(FUSING, matmul_efficiency=((1e6, 0.5), (1e10, 0.9)))
+    assert curve.matmul_fraction(1e3) == 0.5
+    assert curve.matmul_fraction(1e8) == pytest.approx(0.7)  # halfway in log FLOPs
+    assert curve.matmul_fraction(1e12) == 0.9
+    program = _program(lambda x, w: x @ w, (ROWS, COLS), (COLS, COLS))
+    dot = _by_primitive(program)["dot_general"]
+    flops = op_flops(dot)
+    assert CostModel(curve, {"x": 8}).arithmetic_seconds(dot) == pytest.approx(
+        flops / (FUSING.flops_per_s * curve.matmul_fraction(flops))
+    )
+    with pytest.raises(ValueError, match="matmul_efficiency"):
+        dataclasses.replace(FUSING, matmul_efficiency=((1e6, 1.5),))
+    h100 = PROFILES["h100-8x-nvlink-3200g"]
+    assert h100.matmul_fraction(2 * 8192**3) == 0.79 and h100.fused_kernels
