@@ -45,6 +45,8 @@ from jaxmoe.train.resolved import resolve
 
 RESULTS = Path(__file__).parent / "results"
 PROFILE = "h100-8x-nvlink-3200g"
+# The schedules the planner estimates for every mapping; the fastest counts.
+SCHEDULES = ("none", "dw", "lancet", "pair")
 # Megatron-Core's MFU on H100s (MoE Parallel Folding, arXiv 2504.14960, abstract).
 PUBLISHED_MFU = {"mixtral-8x22b": 0.493, "qwen2-57b-a14b": 0.390}
 CPU_DEVICES = 8
@@ -56,7 +58,7 @@ CPU_OPTIONS: dict[str, dict[str, Any]] = {
     "plain (data 2 x expert 4)": {},
     "ZeRO-1": {"train": {"zero": 1}},
     "ZeRO-3": {"train": {"zero": 3}},
-    "recompute attention": {"model": {"recompute": "attention"}},
+    "recompute matmuls": {"model": {"recompute": "matmuls"}},
     "recompute layer": {"model": {"recompute": "layer"}},
     "4 microbatches": {"train": {"microbatches": 4}},
     "pipeline 2, 4 microbatches (data 2 x expert 2 per stage)": {
@@ -81,18 +83,20 @@ LEFT_OUT = [
     "tokens per device per step (N sequences on N devices); the recipes' global batch of "
     "256 is larger, which amortises the gradient synchronisation and a pipeline's idle "
     "ticks over more tokens (the recipes' section sets the best layout at that batch too).",
-    "Fused kernels: the cost model charges every elementwise op its memory traffic and "
-    "attention is the plain softmax(QK^T)V with its [heads, seq, seq] weights (no flash "
-    "attention, no TransformerEngine, no grouped GEMM kernels).",
+    "Kernels: the cost model prices XLA's fusions (scheduling/costs/fusion.py; against the "
+    "optimized HLO of an H100 module its bytes are 0.97 of XLA's for matmuls and 1.17 for "
+    "the rest: experiments/results/fusion_check.md), matmuls at 79% of the bfloat16 peak "
+    "(one measured point on an H200), and the attention core as cuDNN's flash attention, "
+    "one kernel (traced blockwise here, where cuDNN cannot be traced). No grouped GEMM "
+    "kernel: the experts' products are batched matmuls over padded buffers.",
     "Microbatches: without a pipeline the memory walk runs every microbatch's forward "
     "pass first, as nothing in the step orders them (XLA:CPU does the same); XLA:GPU's "
     "memory scheduler may interleave them and hold less. A pipeline's ticks are walked in "
     "their order, which is below what XLA:CPU holds (part 2: the walk's ratio to XLA's "
     "peak), so pipelines near the limit may fit here and not on a "
     "device whose compiler runs later ticks' forward slots early.",
-    "Attention: jaxmoe's attention keeps its [heads, seq, seq] scores for the backward "
-    "pass (no flash attention), so at 4096 tokens a layer's activations are far above "
-    "Megatron-Core's; mappings without recomputation fit later here than there.",
+    "Attention: the flash core keeps q, k, v, its output and a log-sum-exp per row, "
+    "nothing of [seq, seq], as Megatron-Core's does.",
 ]
 
 
@@ -103,7 +107,13 @@ def plan_one(model: str, devices: int, top: int) -> dict[str, Any]:
     config = planned_config(model, devices)
     wall, cpu = time.perf_counter(), time.process_time()
     result = plan_mappings(
-        config, model, devices, PROFILE, top=top, progress=lambda line: print(line, flush=True)
+        config,
+        model,
+        devices,
+        PROFILE,
+        SCHEDULES,
+        top=top,
+        progress=lambda line: print(line, flush=True),
     )
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     print(f"{model} on {devices}: {len(result.estimates)} estimated, {wall:.0f} s", flush=True)
@@ -146,15 +156,15 @@ def planner_rows(runs: Sequence[dict[str, Any]]) -> list[str]:
 
 def best_rows(runs: Sequence[dict[str, Any]]) -> list[str]:
     lines = [
-        "| model | devices | best mapping that fits | step ms | compute ms | exposed "
-        "comm ms | MFU | MFU of its compute alone | published MFU | GB/device (master / "
-        "optim / params / activ / backward) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| model | devices | best mapping that fits | schedule | step ms | compute ms | "
+        "exposed comm ms | MFU | MFU of its compute alone | published MFU | target met | "
+        "GB/device (master / optim / params / activ / backward) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         result = run["result"]
         if not result.ranked:
-            lines.append(f"| {run['model']} | {run['devices']} | none fits | | | | | | | |")
+            lines.append(f"| {run['model']} | {run['devices']} | none fits |" + " |" * 9)
             continue
         best = result.ranked[0]
         t, m = best.best, best.memory
@@ -163,11 +173,13 @@ def best_rows(runs: Sequence[dict[str, Any]]) -> list[str]:
             _gb(getattr(m, k))
             for k in ("master", "optimizer", "parameters", "activations", "backward")
         )
+        published = PUBLISHED_MFU[run["model"]]
         lines.append(
             f"| {run['model']} | {run['devices']} | {best.mapping.label()} | "
-            f"{t.step * 1e3:.0f} | {t.compute * 1e3:.0f} | "
+            f"`{best.schedule}` | {t.step * 1e3:.0f} | {t.compute * 1e3:.0f} | "
             f"{t.exposed_communication * 1e3:.0f} | {best.mfu:.1%} | {compute_mfu:.1%} | "
-            f"{PUBLISHED_MFU[run['model']]:.1%} | {_gb(best.peak_bytes)} ({parts}) |"
+            f"{published:.1%} | {'yes' if best.mfu >= published else 'no'} | "
+            f"{_gb(best.peak_bytes)} ({parts}) |"
         )
     return lines
 
@@ -375,12 +387,13 @@ def report(
         "",
         f"Profile `{PROFILE}` (8 H100s per node over NVLink, 400 Gbit/s per GPU between "
         f"nodes, 80 GB per device); sequences of {SEQ_LEN} tokens, {SEQUENCES_PER_DEVICE} "
-        "per device per step, bfloat16 activations, capacity factor 1.0; schedule `none` "
-        "(no overlap: every collective exposed). The planner searches every layout (tensor "
+        "per device per step, bfloat16 activations, capacity factor 1.0, the flash "
+        "attention core. The planner searches every layout (tensor "
         "groups inside a node), ZeRO stage (0, 1, 3; 0 and 1 with a pipeline), "
-        "recomputation (none, attention, layer), number of microbatches and pipeline "
+        "recomputation (none, layer), number of microbatches and pipeline "
         "(stages dividing the devices, 1 or 2 virtual stages, chunks of whole blocks, "
-        "uneven where they do not divide); it "
+        "uneven where they do not divide), and estimates each mapping under the schedules "
+        f"{', '.join(f'`{name}`' for name in SCHEDULES)} (the fastest counts); it "
         "estimates, least step-time bound first, until "
         "the best that fit 80 GB are known (jaxmoe/plan/planner.py). Planner seconds are "
         "this run's, without the estimate cache, on a 2-core machine shared with other "

@@ -73,7 +73,9 @@ class DeviceProfile:
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"DeviceProfile.{name} must be >= 0")
-        points = self.matmul_efficiency
+        # Read from JSON (a profile file, a run's config.json) the points are lists.
+        points = tuple(tuple(point) for point in self.matmul_efficiency)
+        object.__setattr__(self, "matmul_efficiency", points)
         if any(len(p) != 2 or p[0] <= 0 or not 0 < p[1] <= 1 for p in points) or any(
             b[0] <= a[0] for a, b in itertools.pairwise(points)
         ):
@@ -130,10 +132,7 @@ def load_profile(path: str | Path) -> DeviceProfile:
     unknown = set(data) - known - {"description", "sources"}
     if unknown:
         raise ValueError(f"{path}: unknown profile fields {sorted(unknown)}")
-    values = {name: value for name, value in data.items() if name in known}
-    if "matmul_efficiency" in values:
-        values["matmul_efficiency"] = tuple(tuple(point) for point in values["matmul_efficiency"])
-    return DeviceProfile(**values)
+    return DeviceProfile(**{name: value for name, value in data.items() if name in known})
 
 
 PROFILE_FILES = names.PROFILE_DIRECTORY

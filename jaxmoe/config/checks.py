@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import types
 import typing
@@ -78,14 +79,21 @@ def matches(value: Any, annotation: Any) -> bool:
     return isinstance(value, annotation)
 
 
+@functools.cache
+def _declared(cls: type) -> tuple[tuple[str, Any], ...]:
+    """Each field of dataclass ``cls`` with its declared type (resolved once per class:
+    the planner builds thousands of configurations)."""
+    hints = typing.get_type_hints(cls)
+    return tuple((item.name, hints[item.name]) for item in dataclasses.fields(cls))
+
+
 def check_types(section: str, instance: Any) -> None:
     """Refuse a field whose value is not of its declared type (names the field)."""
-    hints = typing.get_type_hints(type(instance))
-    for item in dataclasses.fields(instance):
-        value, expected = getattr(instance, item.name), hints[item.name]
+    for name, expected in _declared(type(instance)):
+        value = getattr(instance, name)
         if not matches(value, expected):
             kind = getattr(expected, "__name__", str(expected))
-            raise ConfigError(f"{section}.{item.name}={value!r}: expected a finite {kind}")
+            raise ConfigError(f"{section}.{name}={value!r}: expected a finite {kind}")
 
 
 def positive_int(section: str, name: str, value: Any) -> None:

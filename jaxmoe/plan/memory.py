@@ -316,11 +316,27 @@ def _equation_key(op: Any, resolved: Any) -> Any:
             operands.append(("literal", repr(atom.value), str(atom.aval)))
         else:
             operands.append(("constant", id(atom.value)))
-    try:
-        params = repr(sorted(op.eqn.params.items()))
-    except TypeError:
-        return None
-    return op.primitive, params, tuple(operands)
+    params = _params_text(op.eqn)
+    return None if params is None else (op.primitive, params, tuple(operands))
+
+
+# Each equation's parameters as text, made once: a plan walks each traced program several
+# times (the step, the backward pass's start, the recomputations).
+_PARAMS: dict[int, tuple[Any, str | None]] = {}
+_PARAMS_KEPT = 200_000
+
+
+def _params_text(eqn: Any) -> str | None:
+    found = _PARAMS.get(id(eqn))
+    if found is None or found[0] is not eqn:
+        try:
+            text = repr(sorted(eqn.params.items()))
+        except TypeError:
+            text = None
+        if len(_PARAMS) >= _PARAMS_KEPT:
+            _PARAMS.clear()
+        found = _PARAMS[id(eqn)] = (eqn, text)
+    return found[1]
 
 
 def _buffers(steps: Sequence[_Step], program: Program, outputs: set[Value]) -> set[Value]:

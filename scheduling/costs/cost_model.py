@@ -271,6 +271,22 @@ def collective_wire_bytes(op: Op, axis_sizes: dict[str, int], ragged_load: float
     }.get(op.primitive, operand)
 
 
+# The fusions of the programs priced last: a plan prices each traced program under every
+# schedule it estimates, and a bound model is made for each.
+_FUSIONS: dict[tuple[int, bool], tuple[Any, Fusion]] = {}
+_FUSIONS_KEPT = 4
+
+
+def _fusion_of(program: Any, kernels: bool) -> Fusion:
+    key = (id(program), kernels)
+    found = _FUSIONS.get(key)
+    if found is None or found[0] is not program:
+        while len(_FUSIONS) >= _FUSIONS_KEPT:
+            del _FUSIONS[next(iter(_FUSIONS))]
+        found = _FUSIONS[key] = (program, Fusion(program.ops, program.outputs, kernels))
+    return found[1]
+
+
 class CostModel:
     """Estimated seconds of ops and collectives on one device profile.
 
@@ -310,7 +326,7 @@ class CostModel:
         if not self.profile.fused_elementwise or self._program is program:
             return self
         bound = copy.copy(self)
-        bound.fusion = Fusion(program.ops, program.outputs, self.profile.fused_kernels)
+        bound.fusion = _fusion_of(program, self.profile.fused_kernels)
         bound._program = program
         bound._bodies = {}
         return bound
