@@ -154,7 +154,8 @@ def render(times: list[dict], rss: list[dict], args: argparse.Namespace, command
         f"    {command}",
         "",
         f"`mixtral-tiny` (4 layers, width 128, 4 heads over 2 KV heads, 8 experts top-2, "
-        f"float32) on 8 fake CPU devices of this 2-core host, {args.tokens} tokens a step "
+        f"float32) on 8 fake CPU devices of a 2-core host shared with other work, "
+        f"{args.tokens} tokens a step "
         f"(at least one sequence per device), blockwise tiles of 512. Step time: "
         f"{args.rounds} rounds of {args.steps} steps of each core in turn, after an "
         "untimed step; median [min-max]; the ratio per round. XLA peak: the compiled "

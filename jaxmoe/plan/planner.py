@@ -209,6 +209,24 @@ def _with_schedule(config: Config, schedule: str, profile: str) -> Config:
     )
 
 
+def _applicable(config: Config, schedules: Sequence[str], profile: str) -> dict[str, Config]:
+    """``config`` under each of ``schedules`` that applies to it (``pair`` needs two
+    microbatches or a pipeline); refused when none does."""
+    found = {}
+    for schedule in schedules:
+        try:
+            found[schedule] = _with_schedule(config, schedule, profile)
+        except ConfigError:
+            continue
+    if not found:
+        raise ConfigError(
+            f"schedules {', '.join(schedules)}: none applies to this mapping "
+            f"({config.train.microbatches} microbatch(es), pipeline "
+            f"{config.parallel.pipeline}): add none"
+        )
+    return found
+
+
 def _estimate_program(
     program: Program, sharded: Any, config: Config, schedules: Sequence[str], profile: str
 ) -> Estimate:
@@ -217,8 +235,8 @@ def _estimate_program(
     memory = step_memory(program, resolve(config).state_shapes)
     batch = batch_inputs(program, sharded.batch_argnums)
     times = {}
-    for schedule in schedules:
-        policy = schedule_policy(_with_schedule(config, schedule, profile))
+    for schedule, variant in _applicable(config, schedules, profile).items():
+        policy = schedule_policy(variant)
         cost = cost_model(policy, mesh, program)
         scheduled = scheduling.schedule(program, policy, cost, batch)
         report = build_report(scheduled, cost, policy, program)
@@ -345,7 +363,8 @@ def estimate_mapping(
     one block and once with two, and the figures are extrapolated to the model's depth
     (:mod:`jaxmoe.plan.layer_extrapolation`). ``tracer``: the plan's traces, reused."""
     method = "extrapolated" if extrapolate_layers and extrapolates(config) else "traced"
-    keyed = {s: _with_schedule(config, s, profile) for s in schedules}
+    keyed = _applicable(config, schedules, profile)
+    schedules = tuple(keyed)
     found = {s: cache.load(keyed[s], s, method) for s in schedules}
     if all(found.values()):
         memory = next(iter(found.values()))[0]  # type: ignore[index]
@@ -382,7 +401,13 @@ def check_plan_inputs(config: Config, devices: int, profile: str, schedules: Seq
             f"--profile {profile!r}: choose one of {', '.join(sorted(scheduling.PROFILES))}"
         )
     for schedule in schedules:
-        _with_schedule(config, schedule, profile)  # the train config validates both
+        if schedule not in scheduling.names.POLICIES:
+            raise ConfigError(
+                f"--schedule {schedule!r}: choose from {', '.join(scheduling.names.POLICIES)}"
+            )
+    # Each mapping is estimated under the schedules that apply to it (pair: two
+    # microbatches or a pipeline); the configuration validates them against the rest.
+    _applicable(config, schedules, profile)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import pytest
 from jaxmoe import exit_codes
 from jaxmoe.cli import parser as cli
 from jaxmoe.cli.main import main
+from jaxmoe.config import ConfigError
 from jaxmoe.plan import planner
 from jaxmoe.plan.mappings import Mapping
 from jaxmoe.plan.mfu import mfu
@@ -225,7 +226,7 @@ def test_cli_prints_the_table_and_writes_json(cache_home, tmp_path, monkeypatch,
             ["--devices", "3", "--profile", "a100"],
             "most often: 4 x train.batch_size=32 is not divisible by the 3 batch shards",
         ),
-        (["--schedule", "fastest"], "schedule.name='fastest'"),
+        (["--schedule", "fastest"], "--schedule 'fastest': choose from"),
         (["--parallel.expert", "2"], "--parallel.expert: jaxmoe plan chooses the layout"),
         (["--json", "/nonexistent/dir/plan.json"], "--json /nonexistent/dir/plan.json"),
     ],
@@ -289,3 +290,13 @@ def test_a_schedule_that_gathers_ahead_adds_what_it_holds_to_the_memory(planned)
     assert times["none"].prefetched == 0 < times["async"].prefetched
     estimate = planner.MappingEstimate(sharded.mapping, memory, times, mfu=0.0, fits=True)
     assert estimate.peak_bytes == memory.total + estimate.best.prefetched
+
+
+def test_each_mapping_is_estimated_under_the_schedules_that_apply_to_it():
+    one = _config()
+    two = dataclasses.replace(one, train=dataclasses.replace(one.train, microbatches=2))
+    # pair runs one microbatch's passes beside another's: not on one microbatch.
+    assert list(planner._applicable(one, ["none", "pair"], PROFILE)) == ["none"]
+    assert list(planner._applicable(two, ["none", "pair"], PROFILE)) == ["none", "pair"]
+    with pytest.raises(ConfigError, match="none applies to this mapping"):
+        planner._applicable(one, ["pair"], PROFILE)
