@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 import scheduling.names
 from jaxmoe import exit_codes
 from jaxmoe.cli import convert_command, data_command, generate_command
-from jaxmoe.config import Config, ConfigError
+from jaxmoe.config import Config, ConfigError, choices
 from jaxmoe.config.checks import closest
 from jaxmoe.config.data import DataSource, parse_sources
 from jaxmoe.config.files import read_config_file
@@ -272,7 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--devices", type=int, required=True, help="devices to map onto")
     plan.add_argument("--profile", required=True, help="the cost model's device profile")
     plan.add_argument(
-        "--schedule", default="none", help="schedule(s), comma-separated: the fastest counts"
+        "--schedule",
+        default=",".join(choices.PLANNED_SCHEDULES),
+        help="schedules, comma-separated, each where it applies: the fastest counts",
     )
     plan.add_argument("--json", metavar="FILE", help="write the ranking as JSON")
     plan.add_argument("--verbose", action="store_true", help="why mappings were skipped")

@@ -33,3 +33,8 @@ GRAD_SYNC_CHOICES = (*GRAD_SYNCS, "auto")
 # and the algorithms that sum them as they are (the others choose their own wire format).
 GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
 REDUCE_AS_GIVEN = ("allreduce", "bucketed", "hierarchical")
+
+# The schedules jaxmoe plan estimates each mapping under (where each applies) unless told:
+# async and partition are parts of dw and lancet; comet and expert_pipeline are research
+# policies.
+PLANNED_SCHEDULES = ("none", "dw", "lancet", "pair")

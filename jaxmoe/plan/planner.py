@@ -51,7 +51,7 @@ from typing import Any
 
 import scheduling
 from jaxmoe.config import Config, ConfigError
-from jaxmoe.config.choices import DISPATCHERS
+from jaxmoe.config.choices import DISPATCHERS, PLANNED_SCHEDULES
 from jaxmoe.config.schedule import replace_section
 from jaxmoe.parallel.mesh import abstract_mesh
 from jaxmoe.plan.bounds import Screen, screen
@@ -426,7 +426,7 @@ def plan_mappings(
     preset: str,
     devices: int,
     profile: str,
-    schedules: Sequence[str] = ("none",),
+    schedules: Sequence[str] = PLANNED_SCHEDULES,
     *,
     cache_dir: Path | None = None,
     progress: Callable[[str], None] | None = None,

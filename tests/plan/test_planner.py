@@ -49,7 +49,7 @@ def cache_home(tmp_path_factory):
 def planned(cache_home):
     cache = cache_home / "jaxmoe" / "plan"  # where the CLI looks (XDG_CACHE_HOME)
     return planner.plan_mappings(
-        _config(), "tiny", DEVICES, PROFILE, cache_dir=cache, options=False
+        _config(), "tiny", DEVICES, PROFILE, ("none",), cache_dir=cache, options=False
     )
 
 
@@ -137,6 +137,7 @@ def test_mappings_over_the_memory_are_dropped(cache_home, planned, no_tracing):
         "tiny",
         DEVICES,
         PROFILE,
+        ("none",),
         cache_dir=cache_home / "jaxmoe" / "plan",
         memory_capacity_bytes=limit,
         options=False,
@@ -197,12 +198,13 @@ def test_cli_prints_the_table_and_writes_json(cache_home, tmp_path, monkeypatch,
     """The CLI searches every option set (ZeRO, recomputation, microbatches) too; its
     plan is made here first, so that the CLI reads every bound and estimate back."""
     searched = planner.plan_mappings(
-        _config(), "tiny", DEVICES, PROFILE, cache_dir=cache_home / "jaxmoe" / "plan"
+        _config(), "tiny", DEVICES, PROFILE, ("none",), cache_dir=cache_home / "jaxmoe" / "plan"
     )
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache_home))
     monkeypatch.setattr(planner, "capture_train_step", _refuse)
     out = tmp_path / "plan.json"
     argv = ["plan", *SMALL, "--devices", "2", "--profile", PROFILE, "--json", str(out)]
+    argv += ["--schedule", "none"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "jaxmoe plan: 'tiny' on 2 devices" in printed
@@ -300,3 +302,8 @@ def test_each_mapping_is_estimated_under_the_schedules_that_apply_to_it():
     assert list(planner._applicable(two, ["none", "pair"], PROFILE)) == ["none", "pair"]
     with pytest.raises(ConfigError, match="none applies to this mapping"):
         planner._applicable(one, ["pair"], PROFILE)
+
+
+def test_the_cli_plans_under_every_schedule_by_default():
+    args = cli.parse(["plan", *SMALL, "--devices", "2", "--profile", PROFILE])
+    assert args.schedule.split(",") == ["none", "dw", "lancet", "pair"]
