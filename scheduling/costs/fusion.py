@@ -110,6 +110,7 @@ class Fusion:
                     self._fused.add(id(value))
         self._reads: dict[int, dict[int, int]] = {}
         self._index = {id(op): index for index, op in enumerate(ops)}
+        self._joined: set[int] = set()  # ops that run in an earlier op's kernel
         self._bytes = self._kernel_bytes(ops)
 
     def _kernel_bytes(self, ops: Sequence[Any]) -> dict[int, float]:
@@ -132,7 +133,8 @@ class Fusion:
                 reads.update(self._leaves(atom))
             kernel = key
             if op.primitive in FUSING_READERS:
-                # Producer and consumer: read what the producer's kernel read instead.
+                # Producer and consumer: read what the producer read instead (of every
+                # producer in the kernel joined).
                 for value_id in list(reads):
                     producer = self._producer.get(value_id)
                     if producer is None or producer.primitive not in FUSIBLE:
@@ -140,11 +142,12 @@ class Fusion:
                     if id(producer) not in own_reads:
                         continue
                     joined = kernel_of[id(producer)]
+                    if kernel not in (key, joined):
+                        continue  # one kernel joined at most
                     if self._independent(reads, members[joined], first[joined]):
                         del reads[value_id]
                         reads.update(own_reads[id(producer)])
                         kernel = joined
-                        break
                 # Siblings: a kernel of fusing ops that read one of the same buffers.
                 if kernel == key:
                     for value_id in reads:
@@ -158,6 +161,8 @@ class Fusion:
                     reading[value_id] = kernel
             if kernel == key:
                 members[key], first[key], kernel_reads[key] = set(), index, set()
+            else:
+                self._joined.add(key)
             members[kernel].add(key)
             kernel_of[key] = kernel
             own_reads[key] = reads
@@ -201,8 +206,10 @@ class Fusion:
         return id(value) in self._fused or id(value) in self._on_chip
 
     def launches(self, op: Any) -> bool:
-        """Whether ``op`` ends a kernel: it writes a buffer (an op whose values are all
-        fused runs inside its readers' kernels)."""
+        """Whether ``op`` launches a kernel: it writes a buffer and joins no earlier kernel
+        (an op whose values are all fused runs inside its readers' kernels)."""
+        if id(op) in self._joined:
+            return False
         return any(not self.is_fused(value) for value in op.outputs) or not op.outputs
 
     def _leaves(self, atom: Any) -> dict[int, int]:

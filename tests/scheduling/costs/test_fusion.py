@@ -137,3 +137,19 @@ def test_matmuls_run_at_the_profiles_efficiency_curve():
         dataclasses.replace(FUSING, matmul_efficiency=((1e6, 1.5),))
     h100 = PROFILES["h100-8x-nvlink-3200g"]
     assert h100.matmul_fraction(2 * 8192**3) == 0.79 and h100.fused_kernels
+
+
+def test_an_optimizer_update_is_one_kernel():
+    # Adam's moments and the new parameters: one pass over g, m, v and p, one launch.
+    def update(g, m, v, p):
+        m2 = 0.9 * m + 0.1 * g
+        v2 = 0.99 * v + 0.01 * g * g
+        return m2, v2, p - 0.01 * m2 / (jnp.sqrt(v2) + 1e-8)
+
+    mesh = mesh_x()
+    args = [sds(mesh, (ROWS, COLS), P()) for _ in range(4)]
+    program = capture(update, *args, mesh=mesh, in_specs=(P(),) * 4, out_specs=(P(),) * 3)
+    fusion = Fusion(program.ops, program.outputs)
+    array = ROWS * COLS * F32
+    assert sum(fusion.bytes(op) for op in program.ops) == 7 * array  # 4 read, 3 written
+    assert sum(fusion.launches(op) for op in program.ops) == 1
