@@ -251,7 +251,6 @@ def recipe_lines(estimates: Sequence[Any]) -> list[str]:
             continue
         t, mapping = published.time, published.mapping
         recipe = RECIPES[model]
-        scores = f"[{MODELS[model].model.num_heads // recipe.tensor}, {SEQ_LEN}, {SEQ_LEN}]"
         parts = [
             f"the recipe as published estimates {published.mfu:.1%} MFU against "
             f"{PUBLISHED_MFU[model]:.1%} measured",
@@ -261,9 +260,9 @@ def recipe_lines(estimates: Sequence[Any]) -> list[str]:
             f"exposed communication is {t.exposed_communication / t.step:.0%} of the step",
             f"computation alone would give {published.mfu * t.step / t.compute:.1%}",
             f"it needs {_gb(published.memory.total)} GB per device here, "
-            f"{_gb(published.memory.activations)} GB of it activations: each layer keeps "
-            f"its attention scores, {scores} per sequence, where Megatron-Core's flash "
-            "attention keeps none",
+            f"{_gb(published.memory.activations)} GB of it activations (under 1F1B a "
+            f"stage holds up to {mapping.pipeline} microbatches' activations of its "
+            "layers before its first backward slot)",
         ]
         if recomputed.memory is None:
             parts.append(
