@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from experiments.shared.compiled_memory import compiled_peak
 from experiments.shared.results_file import command_line
 from experiments.shared.spread import Spread, round_ratios
 
@@ -65,13 +66,7 @@ def _compiled(config: Any) -> tuple[Any, Any, Any, int]:
     run = resolve(config, mesh)
     step = scheduled_train_step(run).compile()
     analysis = step.memory_analysis()
-    peak = (
-        analysis.argument_size_in_bytes
-        + analysis.output_size_in_bytes
-        - analysis.alias_size_in_bytes
-        + analysis.temp_size_in_bytes
-    )
-    return mesh, step, init_train_state(run), peak
+    return mesh, step, init_train_state(run), compiled_peak(analysis)
 
 
 def _batch(config: Any, mesh: Any, rng: Any) -> Any:

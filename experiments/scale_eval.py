@@ -40,6 +40,7 @@ from experiments.published_recipes import (
     estimate_in_fresh_process,
     recipe_mappings,
 )
+from experiments.shared.compiled_memory import compiled_peak
 from experiments.shared.results_file import command_line
 from jaxmoe.train.resolved import resolve
 
@@ -310,12 +311,7 @@ def measure_options_on_cpu(repeats: int) -> list[dict[str, Any]]:
         step = scheduled_train_step(resolve(config, mesh)).compile()
         compile_seconds = time.perf_counter() - started
         analysis = step.memory_analysis()
-        peak = (
-            analysis.argument_size_in_bytes
-            + analysis.output_size_in_bytes
-            - analysis.alias_size_in_bytes
-            + analysis.temp_size_in_bytes
-        )
+        peak = compiled_peak(analysis)
         program, _ = capture_train_step(resolve(config, mesh))
         state_shapes = resolve(config).state_shapes
         walk = step_memory(program, state_shapes, keeps_barriers=True)
