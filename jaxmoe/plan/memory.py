@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import numpy as np
 
 import scheduling.names
 from jaxmoe.parallel.zero import GATHER_SCOPE
@@ -199,7 +200,7 @@ def recomputed_for_backward(
     no barrier stands in front of it (a value is a buffer here as its readers other than
     barriers make it one). Each with the op that made it."""
     walk = _Walk(program, state, keeps_barriers)
-    _, outputs = _walk_steps(program, keeps_barriers)
+    outputs = _walked(program, keeps_barriers).outputs
     unbarred = [
         _Step(step.op, (), step.makes) if step.op.primitive == _BARRIER else step
         for step in walk.steps
@@ -231,12 +232,13 @@ class _Walk:
         if self.state_leaves >= len(program.inputs):
             raise ValueError("the program's inputs are not (state, batch)")
         self.program = program
-        self.steps, outputs = _walk_steps(program, keeps_barriers)
+        walked = _walked(program, keeps_barriers)
+        self.steps, outputs = walked.steps, walked.outputs
         # The step's arguments stay alive throughout (XLA does not free them); the new
         # state is written over the old (the state is donated): no buffer of its own.
         new_state = set(outputs[: self.state_leaves]) - set(program.inputs)
-        self.buffers = _buffers(self.steps, program, set(outputs)) - new_state
-        self.order = _forward_first(self.steps, ticks_ahead)
+        self.buffers = walked.buffers - new_state
+        self.order = walked.order(ticks_ahead)
         self.last_read = _last_reads(self.order, self.buffers, set(outputs) | set(program.inputs))
 
     def run(self) -> Iterator[tuple[_Step, set[Value], int]]:
@@ -258,6 +260,41 @@ class _Walk:
                 if value not in self.last_read:  # made and never read
                     live.discard(value)
                     size -= aval_bytes(value.aval)
+
+
+@dataclass(eq=False)
+class _Walked:
+    """What every walk of a program starts from: its steps, outputs and buffers, and the
+    orders walked so far (by ``ticks_ahead``)."""
+
+    steps: list[_Step]
+    outputs: list[Value]
+    buffers: set[Value]
+    orders: dict[int, list[_Step]]
+
+    def order(self, ticks_ahead: int) -> list[_Step]:
+        if ticks_ahead not in self.orders:
+            self.orders[ticks_ahead] = _forward_first(self.steps, ticks_ahead)
+        return self.orders[ticks_ahead]
+
+
+# The programs walked last, by identity: a plan walks each traced program several times
+# (its peak, the backward pass's start, the recomputations), and no walk changes them.
+_WALKED: dict[tuple[int, bool], tuple[Program, _Walked]] = {}
+_WALKED_KEPT = 8
+
+
+def _walked(program: Program, keeps_barriers: bool) -> _Walked:
+    """The steps of ``program`` (:func:`_walk_steps`) and the values that get buffers."""
+    key = (id(program), keeps_barriers)
+    found = _WALKED.get(key)
+    if found is None or found[0] is not program:
+        steps, outputs = _walk_steps(program, keeps_barriers)
+        if len(_WALKED) >= _WALKED_KEPT:
+            _WALKED.pop(next(iter(_WALKED)))
+        walked = _Walked(steps, outputs, _buffers(steps, program, set(outputs)), {})
+        found = _WALKED[key] = (program, walked)
+    return found[1]
 
 
 def _walk_steps(program: Program, keeps_barriers: bool) -> tuple[list[_Step], list[Value]]:
@@ -313,7 +350,8 @@ def _equation_key(op: Any, resolved: Any) -> Any:
         if isinstance(atom, Value):
             operands.append(atom.id)
         elif getattr(atom.aval, "shape", None) == ():
-            operands.append(("literal", repr(atom.value), str(atom.aval)))
+            value = np.asarray(atom.value)
+            operands.append(("literal", value.dtype.str, value.tobytes(), atom.aval))
         else:
             operands.append(("constant", id(atom.value)))
     params = _params_text(op.eqn)

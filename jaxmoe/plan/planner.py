@@ -26,7 +26,8 @@ bound of their step time, and only until the ``top`` best are known
    memory of each of its option sets (:mod:`jaxmoe.plan.bounds`). Those whose memory
    bound exceeds the device's are dropped.
 3. Least bound first, a mapping gets a trace of its own (a tighter bound), then its
-   estimate. Once the ``top`` best estimates that fit are no slower than every bound
+   estimate (the latest traces are kept: a deep model's own one-block trace is the first
+   of its estimate's two). Once the ``top`` best estimates that fit are no slower than every bound
    left, the search stops: those are the ``top`` best of all mappings. The rest are
    listed with their bounds.
 
@@ -76,9 +77,10 @@ from jaxmoe.train.scheduled import capture_train_step
 from scheduling import (
     Program,
     batch_inputs,
-    build_report,
     cost_model,
     gathers_in_flight_bytes,
+    node_seconds,
+    simulate,
 )
 
 MEMORY_METHOD = (
@@ -239,46 +241,53 @@ def _estimate_program(
         policy = schedule_policy(variant)
         cost = cost_model(policy, mesh, program)
         scheduled = scheduling.schedule(program, policy, cost, batch)
-        report = build_report(scheduled, cost, policy, program)
+        # The step as the schedule report simulates it (the report itself, with its
+        # trace and each collective's story, is not needed here).
+        timeline = simulate(scheduled.graph, scheduled.order.nodes, node_seconds(cost))
         times[schedule] = StepTime(
-            report.step_seconds,
-            report.compute_seconds,
-            report.communication_seconds,
-            report.exposed_communication_seconds,
+            timeline.step_seconds,
+            timeline.compute_seconds,
+            timeline.communication_seconds,
+            timeline.exposed_communication_seconds,
             gathers_in_flight_bytes(scheduled.graph, scheduled.order.nodes),
         )
     return memory, times
 
 
-class Tracer:
-    """The traces of one plan: each traced configuration's estimate, kept for the plan,
-    and the screens' bounds (a screen of a model traced whole is also its estimate)."""
+# The traced programs a plan keeps, the latest first: a mapping's one-block trace bounds it
+# (its screen) and, when it comes to be estimated, is the first of its estimate's two.
+PROGRAMS_KEPT = 32
 
-    def __init__(
-        self,
-        schedules: Sequence[str],
-        profile: str,
-        cache: EstimateCache,
-        keep_screened: bool = False,
-    ):
+
+class Tracer:
+    """The traces of one plan: the latest programs traced, each traced configuration's
+    estimate, kept for the plan, and the screens' bounds (a screen of a model traced
+    whole is also its estimate)."""
+
+    def __init__(self, schedules: Sequence[str], profile: str, cache: EstimateCache):
         self.schedules = tuple(schedules)
         self.profile = profile
         self.cache = cache
-        # Estimate a screen's one-block trace too (worth it where every screened mapping
-        # is to be estimated: its estimate then needs one trace more, not two).
-        self.keep_screened = keep_screened
         self.traced = 0  # traces taken
+        self._programs: dict[str, tuple[Program, Any]] = {}
         self._estimates: dict[str, Estimate] = {}
         # Computation alone bounds a schedule that may overlap communication.
         self._compute_only = any(s != "none" for s in schedules)
 
     def _trace(self, config: Config) -> tuple[Program, Any]:
-        self.traced += 1
-        return capture_train_step(resolve(config, abstract_mesh(config.parallel)))
+        key = _key(config)
+        found = self._programs.pop(key, None)
+        if found is None:
+            self.traced += 1
+            found = capture_train_step(resolve(config, abstract_mesh(config.parallel)))
+            if len(self._programs) >= PROGRAMS_KEPT:
+                self._programs.pop(next(iter(self._programs)))
+        self._programs[key] = found  # the latest last
+        return found
 
     def estimate(self, config: Config) -> Estimate:
         """Memory and simulated steps of ``config`` traced as it is (at its depth)."""
-        key = json.dumps(config.to_dict(), sort_keys=True)
+        key = _key(config)
         if key not in self._estimates:
             program, sharded = self._trace(config)
             self._estimates[key] = _estimate_program(
@@ -296,11 +305,6 @@ class Tracer:
         shallow = extrapolate_layers and extrapolates(config)
         traced = with_blocks(config, 1) if shallow else config
         program, sharded = self._trace(traced)
-        if not shallow or self.keep_screened:  # the trace is an estimate's: keep it
-            key = json.dumps(traced.to_dict(), sort_keys=True)
-            self._estimates[key] = _estimate_program(
-                program, sharded, traced, self.schedules, self.profile
-            )
         policy = schedule_policy(_with_schedule(config, "none", self.profile))
         blocks = block_count(config) or 1
         state = state_bytes(config)
@@ -316,6 +320,10 @@ class Tracer:
         )
         self.cache.save_screen(config, tag, found)
         return found
+
+
+def _key(config: Config) -> str:
+    return json.dumps(config.to_dict(), sort_keys=True)
 
 
 def state_bytes(config: Config) -> int:
@@ -475,10 +483,7 @@ def plan_mappings(
         device = dataclasses.replace(device, memory_capacity_bytes=memory_capacity_bytes)
     capacity = device.memory_capacity_bytes
     cache = EstimateCache(cache_dir)
-    # Without options every screened layout is estimated unless the search stops first.
-    tracer = Tracer(
-        schedules, profile, cache, keep_screened=not options and top >= len(space.valid)
-    )
+    tracer = Tracer(schedules, profile, cache)
     flops = model_flops(config).train_step()
     peak = device.peak_flops_per_s(config.model.dtype)
     estimates: list[MappingEstimate] = []

@@ -189,6 +189,8 @@ def has_ordered_effect(eqn: Any) -> bool:
 
     Collectives carry ``NamedAxisEffect``s, which are not ordered: they may move.
     """
+    if not eqn.effects:
+        return False
     from jax._src import effects
 
     return any(effects.ordered_effects.contains(effect) for effect in eqn.effects)
@@ -306,6 +308,7 @@ def ad_pass(name_stack: str) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def without_transforms(name_stack: str) -> str:
     """The name stack without AD transforms: ``transpose(jvp(layer_1))/moe`` becomes
     ``layer_1/moe``."""
