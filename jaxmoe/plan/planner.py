@@ -304,7 +304,7 @@ class Tracer:
             return found
         shallow = extrapolate_layers and extrapolates(config)
         traced = with_blocks(config, 1) if shallow else config
-        program, sharded = self._trace(traced)
+        program, _ = self._trace(traced)
         policy = schedule_policy(_with_schedule(config, "none", self.profile))
         blocks = block_count(config) or 1
         state = state_bytes(config)
