@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from scheduling.passes import chunk_ops
@@ -80,56 +81,86 @@ def cut_range(
 
     None when ``n`` does not divide the batch or no all-to-all would be chunked.
     """
+    return next(cut_ranges(program, layouts, consumers, begin, (end,), n))
+
+
+def cut_ranges(
+    program: Program,
+    layouts: BatchLayouts,
+    consumers: dict[Value, list[int]],
+    begin: int,
+    ends: Sequence[int],
+    n: int,
+) -> Iterator[RangeCut | None]:
+    """:func:`cut_range` of ``[begin, end)`` for each of the increasing ``ends``, in one
+    pass over the ops: a range's cut is the cut of the range it extends, and more."""
     if n < 2 or layouts.batch_size % n:
-        return None
+        yield from (None for _ in ends)
+        return
     chunked: list[int] = []
     stages: dict[int, int] = {}
     replicated: list[int] = []
     deferred: list[int] = []
     value_stage: dict[Value, int] = {}  # chunked result -> stage of its readers
     deferred_values: set[Value] = set()
-    stop = end
-    for position in range(begin, end):
-        op = program.ops[position]
-        if op.phase is not Phase.FORWARD:
-            stop = position
-            break
-        reads = [a for a in op.inputs if isinstance(a, Value)]
-        reads_deferred = any(a in deferred_values for a in reads)
-        reads_chunked = any(a in value_stage for a in reads)
-        how = layouts.chunkings.get(position)
-        if how is not None:
-            if reads_deferred:
-                stop = position  # it would wait for every chunk: the range ends here
-                break
-            stage = max((value_stage[a] for a in reads if a in value_stage), default=0)
-            chunked.append(position)
-            stages[position] = stage
-            after = stage + 1 if op.primitive in PIPELINED_COLLECTIVES else stage
-            value_stage.update(dict.fromkeys(op.outputs, after))
-        elif reads_chunked or reads_deferred:
-            deferred.append(position)
-            deferred_values.update(op.outputs)
-        else:
-            replicated.append(position)
-    if not any(program.ops[p].primitive == "all_to_all" for p in chunked):
-        return None
-    num_stages = max(value_stage.values()) + 1
-    range_cut = RangeCut(begin, stop, n, chunked, stages, replicated, deferred, num_stages)
-    inside = set(chunked)
     seeds: dict[Value, None] = {}
-    for position in chunked:
-        how = layouts.chunkings[position]
-        for atom, cut in zip(program.ops[position].inputs, how.inputs, strict=True):
-            if cut is not None and atom not in value_stage and layouts.layout(atom) is not None:
-                seeds[atom] = None
-    range_cut.seeds = list(seeds)
-    range_cut.escaping = [
-        value
-        for value in value_stage
-        if any(reader not in inside for reader in consumers.get(value, ()))
-    ]
-    return range_cut
+    exchanges = 0  # chunked all-to-alls
+    stop = None  # where the range had to end
+    position = begin
+    for end in ends:
+        while stop is None and position < end:
+            op = program.ops[position]
+            if op.phase is not Phase.FORWARD:
+                stop = position
+                break
+            reads = [a for a in op.inputs if isinstance(a, Value)]
+            reads_deferred = any(a in deferred_values for a in reads)
+            how = layouts.chunkings.get(position)
+            if how is not None:
+                if reads_deferred:
+                    stop = position  # it would wait for every chunk: the range ends here
+                    break
+                stage = max((value_stage[a] for a in reads if a in value_stage), default=0)
+                chunked.append(position)
+                stages[position] = stage
+                after = stage + 1 if op.primitive in PIPELINED_COLLECTIVES else stage
+                value_stage.update(dict.fromkeys(op.outputs, after))
+                exchanges += op.primitive == "all_to_all"
+                # A split value from before the range (made before its reader, so not
+                # made in the range later).
+                for atom, cut in zip(op.inputs, how.inputs, strict=True):
+                    if (
+                        cut is not None
+                        and atom not in value_stage
+                        and layouts.layout(atom) is not None
+                    ):
+                        seeds[atom] = None
+            elif reads_deferred or any(a in value_stage for a in reads):
+                deferred.append(position)
+                deferred_values.update(op.outputs)
+            else:
+                replicated.append(position)
+            position += 1
+        if not exchanges:
+            yield None
+            continue
+        inside = set(chunked)
+        yield RangeCut(
+            begin,
+            min(end, position) if stop is None else stop,
+            n,
+            list(chunked),
+            dict(stages),
+            list(replicated),
+            list(deferred),
+            max(value_stage.values()) + 1,
+            list(seeds),
+            [
+                value
+                for value in value_stage
+                if any(reader not in inside for reader in consumers.get(value, ()))
+            ],
+        )
 
 
 def materialize(

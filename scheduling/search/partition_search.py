@@ -24,6 +24,7 @@ from scheduling.passes.partition_forward import (
     RangeCut,
     consumers_of,
     cut_range,
+    cut_ranges,
 )
 from scheduling.program.batch_layout import BatchLayouts
 from scheduling.program.capture import Op, Phase, Program, Value
@@ -193,18 +194,26 @@ def candidates(
     ]
     found: list[RangeCandidate] = []
     for first, (begin, _) in enumerate(groups):
+        if not counts:
+            break
+        # The ranges from ``first`` that hold one MoE layer's all-to-alls: ``lasts``.
         layers: set[str] = set()
+        lasts = []
         for last in range(first, len(groups)):
             layers |= exchange_layers[last]
             if len(layers) > 1:
                 break  # would span the all-to-alls of two MoE layers
-            if not layers or not counts:
+            if layers:
+                lasts.append(last)
+        # The cut does not depend on n but for n itself: cut once per range, each range
+        # from ``first`` extending the one before it.
+        ends = [groups[last][1] for last in lasts]
+        cuts = cut_ranges(program, layouts, consumers, begin, ends, counts[0])
+        for last, range_end, cut in zip(lasts, ends, cuts, strict=True):
+            if cut is None:
                 continue
-            range_end = groups[last][1]
-            # The cut does not depend on n but for n itself: cut once per range.
-            cut = cut_range(program, layouts, consumers, begin, range_end, counts[0])
-            if cut is None or cut.end != range_end:
-                continue
+            if cut.end != range_end:
+                break  # the range had to end before: so do the longer ones
             unpartitioned = costs.unpartitioned(begin, range_end)
             for n in counts:
                 sized = dataclasses.replace(cut, n=n)
