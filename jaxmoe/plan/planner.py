@@ -27,9 +27,9 @@ bound of their step time, and only until the ``top`` best are known
    bound exceeds the device's are dropped.
 3. Least bound first, a mapping gets a trace of its own (a tighter bound), then its
    estimate (the latest traces are kept: a deep model's own one-block trace is the first
-   of its estimate's two). Once the ``top`` best estimates that fit are no slower than every bound
-   left, the search stops: those are the ``top`` best of all mappings. The rest are
-   listed with their bounds.
+   of its estimate's two). Once the ``top`` best estimates that fit are no slower than
+   every bound left, the search stops: those are the ``top`` best of all mappings. The
+   rest are listed with their bounds.
 
 The bounds hold for the ``none`` schedule; other schedules may hide communication, and
 are bounded by their computation alone.
@@ -254,8 +254,8 @@ def _estimate_program(
     return memory, times
 
 
-# The traced programs a plan keeps, the latest first: a mapping's one-block trace bounds it
-# (its screen) and, when it comes to be estimated, is the first of its estimate's two.
+# The traced programs a plan keeps (the oldest make way): a mapping's one-block trace bounds
+# it (its screen) and, when it comes to be estimated, is the first of its estimate's two.
 PROGRAMS_KEPT = 32
 
 
