@@ -284,16 +284,20 @@ def test_a_recomputed_chunk_selects_its_activations_not_its_parameters():
     assert not chunk_shapes & set(selected)
 
 
-def _saved(tmp_path, pipelined: Config, trained_state: bool = True):
-    """The pipelined run's final state (or its initial one, which needs no compiled
-    step), checkpointed in ``tmp_path``; and its mesh."""
+def _saved(tmp_path, pipelined: Config):
+    """A state of the pipelined run, checkpointed in ``tmp_path``; and its mesh. The
+    initial state with every value moved a little: each leaf its own values and the
+    optimizer's moments non-zero, as a trained state's are, with no step compiled."""
     from jaxmoe.train.checkpoint import RunCheckpoints
 
     mesh = build_mesh(pipelined.parallel, devices(pipelined))
-    if trained_state:
-        _, saved, _ = trained(pipelined)
-    else:
-        saved = jax.device_get(init_train_state(resolve(pipelined, mesh)))
+    rng = np.random.default_rng(3)
+    saved = jax.tree.map(
+        lambda leaf: leaf + rng.uniform(0, 1e-2, leaf.shape).astype(leaf.dtype)
+        if np.issubdtype(leaf.dtype, np.floating)
+        else leaf,
+        jax.device_get(init_train_state(resolve(pipelined, mesh))),
+    )
     shardings = jax.tree.map(
         lambda leaf: leaf.sharding, abstract_sharded_state(resolve(pipelined, mesh))
     )
@@ -303,7 +307,7 @@ def _saved(tmp_path, pipelined: Config, trained_state: bool = True):
     return saved, mesh
 
 
-def _restored_unpipelined(tmp_path, pipelined: Config, plain: Config, saved, step=STEPS):
+def _restored_unpipelined(tmp_path, pipelined: Config, plain: Config, saved, step=0):
     """The checkpoint in ``tmp_path`` restored in ``plain``'s layout, on one stage's
     devices, and what it must equal: the saved values unstacked."""
     from jaxmoe.train.checkpoint import RunCheckpoints
@@ -321,7 +325,7 @@ def test_a_pipelined_checkpoint_restores_in_every_pipeline_layout(tmp_path):
     pipelined, plain = config("plain", 2), config("plain")
     saved, mesh = _saved(tmp_path, pipelined)
     with RunCheckpoints(tmp_path, resolve(pipelined, mesh)) as checkpoints:
-        again = checkpoints.restore(STEPS)
+        again = checkpoints.restore(0)
     chex.assert_trees_all_equal(jax.device_get(again), saved)
     assert again.params["stage_blocks"][0]["attention_norm"]["scale"].sharding.spec[1] == (
         PIPELINE_AXIS
@@ -337,7 +341,7 @@ def test_a_pipelined_checkpoint_restores_in_every_pipeline_layout(tmp_path):
         checkpoints.save(restored)
         checkpoints.wait()
     with RunCheckpoints(tmp_path / "plain", resolve(pipelined, mesh)) as checkpoints:
-        stacked = checkpoints.restore(STEPS)
+        stacked = checkpoints.restore(0)
     chex.assert_trees_all_equal(jax.device_get(stacked), saved)
     expert_weight = stacked.params["stage_blocks"][1]["ffn"]["experts"]["w_in"]
     assert expert_weight.sharding.spec == PartitionSpec(None, PIPELINE_AXIS, "expert")
@@ -356,10 +360,10 @@ def _checkpoint_cases(alone: str) -> list:
 @pytest.mark.parametrize("case", _checkpoint_cases("uneven"))
 def test_an_uneven_checkpoint_restores_without_its_padding(tmp_path, case):
     pipelined, plain = _pipelined_and_plain(case)
-    saved, _ = _saved(tmp_path, pipelined, trained_state=False)
+    saved, _ = _saved(tmp_path, pipelined)
     # Read in the layout it was written in (chunks of 1 and 2 layers), then unstacked.
     assert stage_layout(pipelined.parallel, pipelined.model.num_layers).counts == (1, 2)
-    restored, unpipelined = _restored_unpipelined(tmp_path, pipelined, plain, saved, step=0)
+    restored, unpipelined = _restored_unpipelined(tmp_path, pipelined, plain, saved)
     chex.assert_trees_all_equal(jax.device_get(restored), unpipelined)
     assert sorted(restored.params["blocks"]) == [0, 1, 2]
 
@@ -369,7 +373,7 @@ def test_a_distributed_optimizer_checkpoint_restores_unpipelined_and_unsharded(t
     from jaxmoe.train.checkpoint import RunCheckpoints
 
     pipelined, plain = _pipelined_and_plain(case)
-    saved, mesh = _saved(tmp_path, pipelined, trained_state=False)
+    saved, mesh = _saved(tmp_path, pipelined)
     # Saved as the shards lie: a stacked block over its stage's replicas (the expert axis),
     # the parameters outside the blocks over the pipeline axis too.
     with RunCheckpoints(tmp_path, resolve(pipelined, mesh)) as checkpoints:
@@ -378,7 +382,7 @@ def test_a_distributed_optimizer_checkpoint_restores_unpipelined_and_unsharded(t
     assert kernel.sharding.spec == PartitionSpec(None, PIPELINE_AXIS, "expert")
     embedding = again.params["token_embed"]["embedding"]
     assert embedding.sharding.spec == PartitionSpec((PIPELINE_AXIS, "expert"))
-    restored, unpipelined = _restored_unpipelined(tmp_path, pipelined, plain, saved, step=0)
+    restored, unpipelined = _restored_unpipelined(tmp_path, pipelined, plain, saved)
     chex.assert_trees_all_equal(jax.device_get(restored), unpipelined)
 
 
