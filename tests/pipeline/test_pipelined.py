@@ -293,9 +293,11 @@ def _saved(tmp_path, pipelined: Config):
     mesh = build_mesh(pipelined.parallel, devices(pipelined))
     rng = np.random.default_rng(3)
     saved = jax.tree.map(
-        lambda leaf: leaf + rng.uniform(0, 1e-2, leaf.shape).astype(leaf.dtype)
-        if np.issubdtype(leaf.dtype, np.floating)
-        else leaf,
+        lambda leaf: (
+            leaf + rng.uniform(0, 1e-2, leaf.shape).astype(leaf.dtype)
+            if np.issubdtype(leaf.dtype, np.floating)
+            else leaf
+        ),
         jax.device_get(init_train_state(resolve(pipelined, mesh))),
     )
     shardings = jax.tree.map(
