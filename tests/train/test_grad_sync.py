@@ -198,14 +198,7 @@ HOSTS = {"grad_sync_devices_per_host": 4}
 MARGINS = {"int8": 0.05, "decentralized": 0.4, "decentralized-int8": 0.4, "delayed": 0.6}
 
 
-@pytest.mark.parametrize(
-    "name",
-    # decentralized-int8 mixes the hosts' parameters as decentralized does, compressed.
-    [
-        pytest.param(n, marks=pytest.mark.slow) if n == "decentralized" else n
-        for n in sorted(MARGINS)
-    ],
-)
+@pytest.mark.parametrize("name", sorted(MARGINS))
 def test_relaxed_algorithm_trains_close_to_allreduce(runs, name):
     reference = losses(runs("allreduce")[0])
     relaxed = losses(runs(name, **HOSTS)[0])
