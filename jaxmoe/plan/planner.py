@@ -256,7 +256,9 @@ def _estimate_program(
 
 # The traced programs a plan keeps (the oldest make way): a mapping's one-block trace bounds
 # it (its screen) and, when it comes to be estimated, is the first of its estimate's two.
+# At most this many, of at most this many ops in all (whole traces of deep models are long).
 PROGRAMS_KEPT = 32
+OPS_KEPT = 500_000
 
 
 class Tracer:
@@ -280,9 +282,12 @@ class Tracer:
         if found is None:
             self.traced += 1
             found = capture_train_step(resolve(config, abstract_mesh(config.parallel)))
-            if len(self._programs) >= PROGRAMS_KEPT:
-                self._programs.pop(next(iter(self._programs)))
         self._programs[key] = found  # the latest last
+        while len(self._programs) > 1 and (
+            len(self._programs) > PROGRAMS_KEPT
+            or sum(len(program.ops) for program, _ in self._programs.values()) > OPS_KEPT
+        ):
+            self._programs.pop(next(iter(self._programs)))
         return found
 
     def estimate(self, config: Config) -> Estimate:
