@@ -69,6 +69,7 @@ if TYPE_CHECKING:
     from scheduling.program.collective_purpose import AxisRoles, collective_purposes
     from scheduling.program.graph import Graph, Role
     from scheduling.program.jax_adapter import host_callback, host_callback_available
+    from scheduling.program.program_memo import ProgramMemo
     from scheduling.program.saved_values import saved_for_backward
 
     # 3. costs

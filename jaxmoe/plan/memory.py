@@ -63,7 +63,14 @@ from jaxmoe.pipeline.ticks import TICK_SCOPE
 from jaxmoe.train.state import (
     TrainState,
 )
-from scheduling import Phase, Program, Value, aval_bytes, fuses_into_readers
+from scheduling import (
+    Phase,
+    Program,
+    ProgramMemo,
+    Value,
+    aval_bytes,
+    fuses_into_readers,
+)
 
 _IDENTITIES = frozenset({"reduce_precision"})
 _BARRIER = "optimization_barrier"
@@ -278,23 +285,19 @@ class _Walked:
         return self.orders[ticks_ahead]
 
 
-# The programs walked last, by identity: a plan walks each traced program several times
-# (its peak, the backward pass's start, the recomputations), and no walk changes them.
-_WALKED: dict[tuple[int, bool], tuple[Program, _Walked]] = {}
-_WALKED_KEPT = 8
+# The programs walked last: a plan walks each traced program several times (its peak, the
+# backward pass's start, the recomputations), and no walk changes them.
+_WALKED: ProgramMemo[_Walked] = ProgramMemo(kept=8)
 
 
 def _walked(program: Program, keeps_barriers: bool) -> _Walked:
     """The steps of ``program`` (:func:`_walk_steps`) and the values that get buffers."""
-    key = (id(program), keeps_barriers)
-    found = _WALKED.get(key)
-    if found is None or found[0] is not program:
+
+    def walk() -> _Walked:
         steps, outputs = _walk_steps(program, keeps_barriers)
-        if len(_WALKED) >= _WALKED_KEPT:
-            _WALKED.pop(next(iter(_WALKED)))
-        walked = _Walked(steps, outputs, _buffers(steps, program, set(outputs)), {})
-        found = _WALKED[key] = (program, walked)
-    return found[1]
+        return _Walked(steps, outputs, _buffers(steps, program, set(outputs)), {})
+
+    return _WALKED.get(program, keeps_barriers, walk)
 
 
 def _walk_steps(program: Program, keeps_barriers: bool) -> tuple[list[_Step], list[Value]]:

@@ -55,6 +55,7 @@ from scheduling.costs.link_model import CollectiveCurves
 from scheduling.profiles import DeviceProfile
 from scheduling.program import jax_adapter
 from scheduling.program.capture import Op, aval_bytes
+from scheduling.program.program_memo import ProgramMemo
 
 # Ops that only relabel or view memory.
 FREE_PRIMITIVES = frozenset(
@@ -273,18 +274,7 @@ def collective_wire_bytes(op: Op, axis_sizes: dict[str, int], ragged_load: float
 
 # The fusions of the programs priced last: a plan prices each traced program under every
 # schedule it estimates, and a bound model is made for each.
-_FUSIONS: dict[tuple[int, bool], tuple[Any, Fusion]] = {}
-_FUSIONS_KEPT = 4
-
-
-def _fusion_of(program: Any, kernels: bool) -> Fusion:
-    key = (id(program), kernels)
-    found = _FUSIONS.get(key)
-    if found is None or found[0] is not program:
-        while len(_FUSIONS) >= _FUSIONS_KEPT:
-            del _FUSIONS[next(iter(_FUSIONS))]
-        found = _FUSIONS[key] = (program, Fusion(program.ops, program.outputs, kernels))
-    return found[1]
+_FUSIONS: ProgramMemo[Fusion] = ProgramMemo(kept=4)
 
 
 class CostModel:
@@ -326,7 +316,10 @@ class CostModel:
         if not self.profile.fused_elementwise or self._program is program:
             return self
         bound = copy.copy(self)
-        bound.fusion = _fusion_of(program, self.profile.fused_kernels)
+        kernels = self.profile.fused_kernels
+        bound.fusion = _FUSIONS.get(
+            program, kernels, lambda: Fusion(program.ops, program.outputs, kernels)
+        )
         bound._program = program
         bound._bodies = {}
         return bound
