@@ -27,11 +27,11 @@ SEQ_LEN = 4096
 SEQUENCES_PER_DEVICE = 1
 
 
-def planned_config(model: str, devices: int, **model_fields) -> Config:
-    """``model``'s published shape with the batch of ``devices`` devices, and any model
-    field overridden (e.g. ``recompute``)."""
+def planned_config(model: str, devices: int, batch: int | None = None, **model_fields) -> Config:
+    """``model``'s published shape with ``batch`` sequences a step (default: those of
+    ``devices`` devices), and any model field overridden (e.g. ``recompute``)."""
     values = MODELS[model].to_dict()
-    values["train"]["batch_size"] = devices * SEQUENCES_PER_DEVICE
+    values["train"]["batch_size"] = batch or devices * SEQUENCES_PER_DEVICE
     values["model"].update(model_fields)
     return Config.from_dict(values)
 

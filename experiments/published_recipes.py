@@ -13,10 +13,9 @@ on the same GPUs.
 Each is estimated as the planner estimates any mapping
 (:func:`jaxmoe.plan.planner.estimate_mapping`): the per-device step traced on an abstract
 mesh, priced by the cost model and the two-stream simulator on the H100 profile (schedule
-``none``), its memory walked. Beside each recipe as published: the same with full-layer
-recomputation (jaxmoe's attention keeps its ``[heads, seq, seq]`` scores, where
-Megatron-Core runs flash attention), and the planner's best layout of ``scale_eval``'s
-part 1 at the recipe's batch.
+``none``), its memory walked; beside it, the same with full-layer recomputation.
+``scale_eval`` sets them beside the planner's own search at the recipe's devices and
+global batch.
 """
 
 from __future__ import annotations
@@ -27,9 +26,9 @@ import os
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from experiments.folding_models import MODELS, SEQUENCES_PER_DEVICE
+from experiments.folding_models import planned_config
 from jaxmoe.config import Config
 from jaxmoe.plan.mappings import Mapping
 
@@ -81,7 +80,6 @@ class Recipe:
 # The rows estimated for each recipe.
 PUBLISHED_ROW = "as published"
 RECOMPUTED_ROW = "with full-layer recomputation"
-PLANNED_ROW = "the planner's best layout, at this batch"
 
 RECIPES = {
     "mixtral-8x22b": Recipe(devices=128, tensor=2, pipeline=8, virtual=1, expert=8),
@@ -107,31 +105,36 @@ class RecipeEstimate:
         m = self.mapping
         return (m.pipeline - 1) / (m.microbatches * m.virtual_stages)
 
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> RecipeEstimate:
+        from jaxmoe.plan.estimates import StepTime
+        from jaxmoe.plan.memory import StepMemory
+
+        memory, time = data["memory"], data["time"]
+        return RecipeEstimate(
+            **{
+                **data,
+                "mapping": Mapping(**data["mapping"]),
+                "memory": memory and StepMemory(**memory),
+                "time": time and StepTime(**time),
+            }
+        )
+
 
 def recipe_config(model: str) -> Config:
     """``model``'s published shape with its recipe's global batch."""
-    values = MODELS[model].to_dict()
-    values["train"]["batch_size"] = RECIPES[model].global_batch
-    return Config.from_dict(values)
-
-
-def at_recipe_batch(model: str, layout: Mapping) -> Mapping:
-    """``layout`` (a plan's, of one sequence per device) at the recipe's global batch, in
-    as many more microbatches, so each keeps the rows it had."""
     recipe = RECIPES[model]
-    more = recipe.global_batch // (layout.devices * SEQUENCES_PER_DEVICE)
-    return dataclasses.replace(layout, microbatches=layout.microbatches * more)
+    return planned_config(model, recipe.devices, recipe.global_batch)
 
 
-def recipe_mappings(model: str, planned: Mapping | None) -> list[tuple[str, Mapping]]:
+def recipe_mappings(model: str) -> list[tuple[str, Mapping]]:
     """The rows estimated for ``model``: its recipe as published and with full-layer
-    recomputation, and ``planned`` (the planner's best layout on the recipe's devices,
-    None: left out) at the recipe's batch."""
+    recomputation."""
     recipe = RECIPES[model]
-    rows = [(PUBLISHED_ROW, recipe.mapping()), (RECOMPUTED_ROW, recipe.mapping("layer"))]
-    if planned is not None:
-        rows.append((PLANNED_ROW, at_recipe_batch(model, planned)))
-    return rows
+    return [(PUBLISHED_ROW, recipe.mapping()), (RECOMPUTED_ROW, recipe.mapping("layer"))]
 
 
 def estimate_recipe_row(model: str, profile: str, row: str, mapping: Mapping) -> RecipeEstimate:

@@ -3,40 +3,49 @@ option measured on 8 CPU devices.
 
 Part 1 (the planner, ``jaxmoe plan``): Mixtral 8x22B and Qwen2-57B-A14B, their published
 architectures (:mod:`experiments.folding_models`), on 64, 128 and 256 H100s of the
-profile ``h100-8x-nvlink-3200g`` (8 per node, 80 GB each). The planner searches every
-layout with every ZeRO stage, recomputation, number of microbatches and pipeline
-(:mod:`jaxmoe.plan.planner`) and estimates the best that fit 80 GB; the best one is set
-against Megatron-Core's published MFU on H100s (MoE Parallel Folding: 49.3% for Mixtral
-8x22B, 39.0% for Qwen2-57B-A14B), with what the estimate says the gap is made of.
+profile ``h100-8x-nvlink-3200g`` (8 per node, 80 GB each) at one sequence per device, and
+at Megatron-Core's recipe (its devices and global batch), where its MFU was measured. The
+planner searches every layout with every ZeRO stage, recomputation, number of
+microbatches and pipeline (:mod:`jaxmoe.plan.planner`) under every schedule and
+estimates the best that fit 80 GB; the best one is set against Megatron-Core's published
+MFU on H100s (MoE Parallel Folding: 49.3% for Mixtral 8x22B, 39.0% for Qwen2-57B-A14B),
+with what the estimate says the gap is made of.
 
 Megatron-Core's own mappings of the two models (:mod:`experiments.published_recipes`) are
-estimated by the same planner, beside the best layout of part 1 at their batch.
+estimated by the same planner.
 
 Part 2 (8 CPU devices, XLA:CPU): a small model with each option against the plain step:
 the compiled memory (XLA's memory analysis) beside the memory walk of
 :mod:`jaxmoe.plan.memory` (as XLA:CPU and as XLA:GPU hold it), and the step time over
 repeated steps.
 
-    python -m experiments.scale_eval [--models M,...] [--devices 64,128,256] [--top 10]
-        [--repeats 5] [--skip-cpu] [--out FILE]
+A search takes minutes to an hour here, so each run does the parts and searches it is
+asked for and keeps the rest from the earlier runs (``scale_eval.json`` beside the
+report); the report names every command that made it.
+
+    python -m experiments.scale_eval [--models M,...] [--devices 64,128,256,recipe]
+        [--parts planner,recipes,cpu] [--top 10] [--repeats 5] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from experiments.folding_models import MODELS, SEQ_LEN, SEQUENCES_PER_DEVICE, planned_config
 from experiments.published_recipes import (
-    PLANNED_ROW,
     PUBLISHED_ROW,
     RECIPES,
     RECOMPUTED_ROW,
     SOURCE,
+    RecipeEstimate,
     estimate_in_fresh_process,
     recipe_mappings,
 )
@@ -44,8 +53,13 @@ from experiments.shared.compiled_memory import compiled_peak
 from experiments.shared.results_file import command_line
 from jaxmoe.train.resolved import resolve
 
+if TYPE_CHECKING:
+    from jaxmoe.plan.planner import MappingEstimate
+
 RESULTS = Path(__file__).parent / "results"
 PROFILE = "h100-8x-nvlink-3200g"
+# A search at a model's recipe's devices and global batch (``--devices``).
+RECIPE = "recipe"
 # The schedules the planner estimates for every mapping; the fastest counts.
 SCHEDULES = ("none", "dw", "lancet", "pair")
 # Megatron-Core's MFU on H100s (MoE Parallel Folding, arXiv 2504.14960, abstract).
@@ -80,10 +94,10 @@ LEFT_OUT = [
     "Everything here is simulated: step times are the scheduler's cost model and "
     "two-stream simulator on the H100 profile, not runs on H100s; memory is the walk of "
     "the traced per-device step (part 2 checks it against XLA:CPU), not a GPU's.",
-    f"The batch of the planner's search: {SEQUENCES_PER_DEVICE} sequence of {SEQ_LEN} "
-    "tokens per device per step (N sequences on N devices); the recipes' global batch of "
-    "256 is larger, which amortises the gradient synchronisation and a pipeline's idle "
-    "ticks over more tokens (the recipes' section sets the best layout at that batch too).",
+    f"The batch of the searches on N devices: {SEQUENCES_PER_DEVICE} sequence of {SEQ_LEN} "
+    "tokens per device per step (N sequences); the recipes' global batch of 256 is larger, "
+    "which amortises the gradient synchronisation and a pipeline's idle ticks over more "
+    "tokens (the searches at the recipes' settings have it).",
     "Kernels: the cost model prices XLA's fusions (scheduling/costs/fusion.py; against the "
     "optimized HLO of an H100 module its bytes are 0.97 of XLA's for matmuls and 1.17 for "
     "the rest: experiments/results/fusion_check.md), matmuls at 79% of the bfloat16 peak "
@@ -101,11 +115,59 @@ LEFT_OUT = [
 ]
 
 
-def plan_one(model: str, devices: int, top: int) -> dict[str, Any]:
-    """The planner's search for ``model`` on ``devices`` H100s, timed (no cache)."""
+@dataclass(frozen=True)
+class Search:
+    """One planner search of part 1, as the results keep it."""
+
+    model: str
+    devices: int
+    batch: int  # sequences a step
+    layouts: int  # valid layouts searched
+    estimated: int
+    fitting: int  # of the estimated, those that fit 80 GB
+    left_out: dict[str, int]  # mappings not estimated, by why: state, memory, step, refused
+    wall: float  # seconds
+    cpu: float
+    best: MappingEstimate | None  # the best that fits (None: none fits)
+    command: str  # the run that made it
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return (self.model, self.devices, self.batch)
+
+    def to_json(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["best"] = self.best.to_json() if self.best is not None else None
+        return data
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> Search:
+        from jaxmoe.plan.planner import MappingEstimate
+
+        best = data["best"]
+        return Search(**{**data, "best": best and MappingEstimate.from_json(best)})
+
+
+def searches_of(models: Sequence[str], devices: Sequence[str]) -> list[tuple[str, int, int]]:
+    """The (model, devices, batch) of each search ``--devices`` names: a number of devices
+    at one sequence each, or ``recipe``: the model's recipe's devices and global batch."""
+    found = []
+    for model in models:
+        for entry in devices:
+            if entry == RECIPE:
+                recipe = RECIPES[model]
+                found.append((model, recipe.devices, recipe.global_batch))
+            else:
+                found.append((model, int(entry), int(entry) * SEQUENCES_PER_DEVICE))
+    return found
+
+
+def plan_one(model: str, devices: int, batch: int, top: int, command: str) -> Search:
+    """The planner's search for ``model`` on ``devices`` H100s at ``batch`` sequences a
+    step, timed (no cache)."""
     from jaxmoe.plan.planner import plan_mappings
 
-    config = planned_config(model, devices)
+    config = planned_config(model, devices, batch)
     wall, cpu = time.perf_counter(), time.process_time()
     result = plan_mappings(
         config,
@@ -118,83 +180,89 @@ def plan_one(model: str, devices: int, top: int) -> dict[str, Any]:
     )
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     print(f"{model} on {devices}: {len(result.estimates)} estimated, {wall:.0f} s", flush=True)
-    return {"model": model, "devices": devices, "result": result, "wall": wall, "cpu": cpu}
+    left_out = {kind: 0 for kind in ("state", "memory", "step", "refused")}
+    for item in result.not_estimated:
+        left_out[item.kind] += 1
+    return Search(
+        model,
+        devices,
+        batch,
+        len(result.space.valid),
+        len(result.estimates),
+        len(result.ranked),
+        left_out,
+        wall,
+        cpu,
+        result.ranked[0] if result.ranked else None,
+        command,
+    )
 
 
 def _gb(size: float) -> str:
     return f"{size / 1e9:.1f}"
 
 
-def best_layout(runs: Sequence[dict[str, Any]], model: str) -> Any:
-    """The best mapping that fits of ``model``'s plan on its recipe's devices (None where
-    that plan was not run or nothing fits)."""
-    for run in runs:
-        if (run["model"], run["devices"]) == (model, RECIPES[model].devices):
-            ranked = run["result"].ranked
-            return ranked[0].mapping if ranked else None
-    return None
+def _at_recipe(search: Search) -> bool:
+    recipe = RECIPES[search.model]
+    return (search.devices, search.batch) == (recipe.devices, recipe.global_batch)
 
 
-def planner_rows(runs: Sequence[dict[str, Any]]) -> list[str]:
+def planner_rows(searches: Sequence[Search]) -> list[str]:
     lines = [
-        "| model | devices | layouts | estimated | fit 80 GB | not estimated (state / "
-        "memory bound / step bound / refused) | planner s (CPU s) |",
-        "|---|---|---|---|---|---|---|",
+        "| model | devices | sequences a step | layouts | estimated | fit 80 GB | not "
+        "estimated (state / memory bound / step bound / refused) | planner s (CPU s) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for run in runs:
-        result = run["result"]
-        kinds = {kind: 0 for kind in ("state", "memory", "step", "refused")}
-        for item in result.not_estimated:
-            kinds[item.kind] += 1
+    for search in searches:
+        kinds = search.left_out
         lines.append(
-            f"| {run['model']} | {run['devices']} | {len(result.space.valid)} | "
-            f"{len(result.estimates)} | {len(result.ranked)} | "
+            f"| {search.model} | {search.devices} | {search.batch} | {search.layouts} | "
+            f"{search.estimated} | {search.fitting} | "
             f"{' / '.join(str(kinds[k]) for k in ('state', 'memory', 'step', 'refused'))} | "
-            f"{run['wall']:.0f} ({run['cpu']:.0f}) |"
+            f"{search.wall:.0f} ({search.cpu:.0f}) |"
         )
     return lines
 
 
-def best_rows(runs: Sequence[dict[str, Any]]) -> list[str]:
+def best_rows(searches: Sequence[Search]) -> list[str]:
     lines = [
-        "| model | devices | best mapping that fits | schedule | step ms | compute ms | "
-        "exposed comm ms | MFU | MFU of its compute alone | published MFU | target met | "
-        "GB/device (master / optim / params / activ / backward) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | devices | sequences a step | best mapping that fits | schedule | step ms | "
+        "compute ms | exposed comm ms | MFU | MFU of its compute alone | published MFU | "
+        "target met | GB/device (master / optim / params / activ / backward) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for run in runs:
-        result = run["result"]
-        if not result.ranked:
-            lines.append(f"| {run['model']} | {run['devices']} | none fits |" + " |" * 9)
+    for search in searches:
+        head = f"| {search.model} | {search.devices} | {search.batch} |"
+        best = search.best
+        if best is None:
+            lines.append(f"{head} none fits |" + " |" * 9)
             continue
-        best = result.ranked[0]
         t, m = best.best, best.memory
         compute_mfu = best.mfu * t.step / t.compute if t.compute else 0.0
         parts = " / ".join(
             _gb(getattr(m, k))
             for k in ("master", "optimizer", "parameters", "activations", "backward")
         )
-        published = PUBLISHED_MFU[run["model"]]
+        published = PUBLISHED_MFU[search.model]
+        met = ("yes" if best.mfu >= published else "no") if _at_recipe(search) else "-"
         lines.append(
-            f"| {run['model']} | {run['devices']} | {best.mapping.label()} | "
+            f"{head} {best.mapping.label()} | "
             f"`{best.schedule}` | {t.step * 1e3:.0f} | {t.compute * 1e3:.0f} | "
             f"{t.exposed_communication * 1e3:.0f} | {best.mfu:.1%} | {compute_mfu:.1%} | "
-            f"{published:.1%} | {'yes' if best.mfu >= published else 'no'} | "
-            f"{_gb(best.peak_bytes)} ({parts}) |"
+            f"{published:.1%} | {met} | {_gb(best.peak_bytes)} ({parts}) |"
         )
     return lines
 
 
-def gap_lines(runs: Sequence[dict[str, Any]]) -> list[str]:
+def gap_lines(searches: Sequence[Search]) -> list[str]:
     """For each best mapping, what its step is made of, from the estimate."""
     lines = []
-    for run in runs:
-        result = run["result"]
-        if not result.ranked:
+    for search in searches:
+        best = search.best
+        if best is None:
             continue
-        best = result.ranked[0]
         t, mapping = best.best, best.mapping
-        published = PUBLISHED_MFU[run["model"]]
+        published = PUBLISHED_MFU[search.model]
         parts = [
             f"exposed communication is {t.exposed_communication / t.step:.0%} of the step",
             f"computation alone would give {best.mfu * t.step / t.compute:.1%} MFU"
@@ -208,9 +276,11 @@ def gap_lines(runs: Sequence[dict[str, Any]]) -> list[str]:
         if mapping.pipeline > 1:
             bubble = (mapping.pipeline - 1) / (mapping.microbatches * mapping.virtual_stages)
             parts.append(f"the pipeline's idle ticks add {bubble:.0%} to its work")
+        where = f"{search.model} on {search.devices} at {search.batch} sequences"
         lines.append(
-            f"- {run['model']} on {run['devices']}: {best.mfu:.1%} against {published:.1%} "
-            f"published; " + "; ".join(parts) + "."
+            f"- {where}: {best.mfu:.1%} against {published:.1%} published; "
+            + "; ".join(parts)
+            + "."
         )
     return lines
 
@@ -224,7 +294,7 @@ def recipe_rows(estimates: Sequence[Any]) -> list[str]:
     ]
     for e in estimates:
         t, m = e.time, e.memory
-        label = RECIPES[e.model].label() if e.row != PLANNED_ROW else e.mapping.label()
+        label = RECIPES[e.model].label()
         if t is None or m is None:
             lines.append(
                 f"| {e.model} | {label} | {e.row}: not estimated, {e.left_out} |" + " |" * 9
@@ -274,12 +344,6 @@ def recipe_lines(estimates: Sequence[Any]) -> list[str]:
                 f"with full-layer recomputation it needs {_gb(recomputed.memory.total)} GB "
                 f"({'fits' if recomputed.memory.total <= 80e9 else 'does not fit'}) at "
                 f"{recomputed.mfu:.1%} MFU"
-            )
-        if PLANNED_ROW in rows and rows[PLANNED_ROW].memory is not None:
-            planned = rows[PLANNED_ROW]
-            parts.append(
-                f"the planner's best layout at the same batch estimates {planned.mfu:.1%} "
-                f"({_gb(planned.memory.total)} GB)"
             )
         lines.append(f"- {model} on {recipe.devices}: " + "; ".join(parts) + ".")
     return lines
@@ -365,48 +429,106 @@ def cpu_rows(measured: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def report(
-    runs: Sequence[dict[str, Any]],
-    measured: Sequence[dict[str, Any]] | None,
-    command: str,
-    repeats: int,
-    recipes: Sequence[Any] = (),
-) -> str:
+@dataclass
+class Store:
+    """What the runs of this experiment made, kept beside the report
+    (``scale_eval.json``): each run replaces what it reran and keeps the rest, so the
+    report holds every search made so far, each with its command."""
+
+    searches: list[Search] = dataclasses.field(default_factory=list)
+    recipes: list[tuple[str, RecipeEstimate]] = dataclasses.field(default_factory=list)
+    cpu: dict[str, Any] | None = None  # part 2: its command, repeats and rows
+
+    @staticmethod
+    def load(path: Path) -> Store:
+        if not path.exists():
+            return Store()
+        data = json.loads(path.read_text())
+        return Store(
+            [Search.from_json(search) for search in data["searches"]],
+            [
+                (row["command"], RecipeEstimate.from_json(row["estimate"]))
+                for row in data["recipes"]
+            ],
+            data["cpu"],
+        )
+
+    def save(self, path: Path) -> None:
+        data = {
+            "searches": [search.to_json() for search in self.searches],
+            "recipes": [{"command": c, "estimate": e.to_json()} for c, e in self.recipes],
+            "cpu": self.cpu,
+        }
+        path.write_text(json.dumps(data, indent=1) + "\n")
+
+    def add_search(self, search: Search) -> None:
+        kept = [s for s in self.searches if s.key != search.key]
+        order = list(MODELS)
+        self.searches = sorted(
+            [*kept, search], key=lambda s: (order.index(s.model), s.devices, s.batch)
+        )
+
+    def add_recipes(self, model: str, command: str, estimates: Sequence[RecipeEstimate]) -> None:
+        kept = [(c, e) for c, e in self.recipes if e.model != model]
+        order = list(MODELS)
+        rows = [*kept, *((command, e) for e in estimates)]
+        self.recipes = sorted(rows, key=lambda row: order.index(row[1].model))
+
+    def commands(self) -> list[str]:
+        found = [s.command for s in self.searches] + [c for c, _ in self.recipes]
+        return list(dict.fromkeys([*found, *([self.cpu["command"]] if self.cpu else [])]))
+
+
+def report(store: Store) -> str:
     lines = [
         "# Fitting the seeds' models on H100 clusters (simulated), and the options on 8 CPU "
         "devices",
         "",
-        f"    {command}",
+        "Made by (each run keeps what the others made: experiments/results/scale_eval.json)",
         "",
-        "## The planner: Mixtral 8x22B and Qwen2-57B-A14B on H100s",
-        "",
-        f"Profile `{PROFILE}` (8 H100s per node over NVLink, 400 Gbit/s per GPU between "
-        f"nodes, 80 GB per device); sequences of {SEQ_LEN} tokens, {SEQUENCES_PER_DEVICE} "
-        "per device per step, bfloat16 activations, capacity factor 1.0, the flash "
-        "attention core. The planner searches every layout (tensor "
-        "groups inside a node), ZeRO stage (0, 1, 3; 0 and 1 with a pipeline), "
-        "recomputation (none, layer), number of microbatches and pipeline "
-        "(stages dividing the devices, 1 or 2 virtual stages, chunks of whole blocks, "
-        "uneven where they do not divide), and estimates each mapping under the schedules "
-        f"{', '.join(f'`{name}`' for name in SCHEDULES)} (the fastest counts); it "
-        "estimates, least step-time bound first, until "
-        "the best that fit 80 GB are known (jaxmoe/plan/planner.py). Planner seconds are "
-        "this run's, without the estimate cache, on a 2-core machine shared with other "
-        "work (CPU seconds beside).",
-        "",
-        *planner_rows(runs),
-        "",
-        "The best mapping that fits, against Megatron-Core's published MFU on H100s (MoE "
-        "Parallel Folding). Memory per device at the step's peak, as XLA:GPU would hold "
-        "the traced step (jaxmoe/plan/memory.py).",
-        "",
-        *best_rows(runs),
-        "",
-        "What the gaps are made of (from each estimate):",
-        "",
-        *gap_lines(runs),
+        *(f"    {command}" for command in store.commands()),
         "",
     ]
+    searches = store.searches
+    if searches:
+        lines += [
+            "## The planner: Mixtral 8x22B and Qwen2-57B-A14B on H100s",
+            "",
+            f"Profile `{PROFILE}` (8 H100s per node over NVLink, 400 Gbit/s per GPU between "
+            f"nodes, 80 GB per device); sequences of {SEQ_LEN} tokens, bfloat16 "
+            "activations, capacity factor 1.0, the flash attention core. Each model is "
+            f"searched on N devices at {SEQUENCES_PER_DEVICE} sequence per device per step, "
+            "and at Megatron-Core's recipe (its devices and global batch: "
+            + ", ".join(
+                f"{model} {recipe.devices} GPUs, {recipe.global_batch} sequences"
+                for model, recipe in RECIPES.items()
+            )
+            + "), where the published MFU was measured. The planner searches every layout "
+            "(tensor groups inside a node), ZeRO stage (0, 1, 3; 0 and 1 with a pipeline), "
+            "recomputation (none, layer), number of microbatches and pipeline "
+            "(stages dividing the devices, 1 or 2 virtual stages, chunks of whole blocks, "
+            "uneven where they do not divide), and estimates each mapping under the schedules "
+            f"{', '.join(f'`{name}`' for name in SCHEDULES)} (the fastest counts); it "
+            "estimates, least step-time bound first, until "
+            "the best that fit 80 GB are known (jaxmoe/plan/planner.py). Planner seconds are "
+            "each search's, without the estimate cache, on a 2-core machine shared with "
+            "other work (CPU seconds beside).",
+            "",
+            *planner_rows(searches),
+            "",
+            "The best mapping that fits, against Megatron-Core's published MFU on H100s (MoE "
+            "Parallel Folding), which is met or not at the recipe's devices and batch. Memory "
+            "per device at the step's peak, as XLA:GPU would hold the traced step "
+            "(jaxmoe/plan/memory.py).",
+            "",
+            *best_rows(searches),
+            "",
+            "What the gaps are made of (from each estimate):",
+            "",
+            *gap_lines(searches),
+            "",
+        ]
+    recipes = [estimate for _, estimate in store.recipes]
     if recipes:
         lines += [
             "## Megatron-Core's own mappings, estimated by the same planner",
@@ -417,8 +539,7 @@ def report(
             "recomputation; the paper's own table of settings is not reproduced here. "
             "Each is estimated as the planner estimates any mapping (profile, schedule "
             "`none` and memory walk as above; experiments/published_recipes.py), with "
-            "full-layer recomputation beside it, and the best layout of the table above on "
-            "the recipe's devices at the recipe's batch (in as many more microbatches). "
+            "full-layer recomputation beside it. "
             "*Pipeline idle*: the idle ticks over the work, (P - 1) / (M V).",
             "",
             *recipe_rows(recipes),
@@ -426,7 +547,8 @@ def report(
             *recipe_lines(recipes),
             "",
         ]
-    if measured is not None:
+    if store.cpu is not None:
+        measured, repeats = store.cpu["rows"], store.cpu["repeats"]
         lines += [
             f"## Each option on {CPU_DEVICES} CPU devices",
             "",
@@ -451,45 +573,65 @@ def report(
     return "\n".join(lines)
 
 
+PARTS = ("planner", "recipes", "cpu")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--devices", default="64,128,256")
+    parser.add_argument(
+        "--devices",
+        default=f"64,128,256,{RECIPE}",
+        help=f"the searches: devices at one sequence each, or {RECIPE} (the recipe's "
+        "devices and global batch)",
+    )
+    parser.add_argument("--parts", default=",".join(PARTS), help="what to run again")
     parser.add_argument("--top", type=int, default=10, help="the best mappings made sure of")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per CPU option")
-    parser.add_argument("--skip-cpu", action="store_true", help="leave out part 2")
     parser.add_argument("--out", type=Path, default=RESULTS / "scale_eval.md")
     args = parser.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     unknown = [m for m in models if m not in MODELS]
     if unknown:
         parser.error(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(MODELS)}")
-    try:
-        device_counts = [int(n) for n in args.devices.split(",") if n]
-    except ValueError:
-        parser.error(f"--devices {args.devices!r}: a comma-separated list of device counts")
+    entries = [n for n in args.devices.split(",") if n]
+    if not all(n == RECIPE or n.isdigit() for n in entries):
+        parser.error(f"--devices {args.devices!r}: device counts or {RECIPE}, comma-separated")
+    parts = [p for p in args.parts.split(",") if p]
+    if not parts or any(p not in PARTS for p in parts):
+        parser.error(f"--parts {args.parts!r}: choose from {', '.join(PARTS)}")
     if args.top < 1 or args.repeats < 1:
         parser.error("--top and --repeats: at least 1")
     if not args.out.parent.is_dir():
         parser.error(f"--out: {args.out.parent} is not a directory")
-    for model in models:  # every input checked before the first trace
-        for devices in device_counts:
-            planned_config(model, devices)
+    searches = searches_of(models, entries) if "planner" in parts else []
+    for model, devices, batch in searches:  # every input checked before the first trace
+        planned_config(model, devices, batch)
     command = command_line("experiments.scale_eval", sys.argv[1:] if argv is None else argv)
-    measured = None
-    if not args.skip_cpu:
+    stored = args.out.with_suffix(".json")
+    store = Store.load(stored)
+
+    def write() -> None:
+        store.save(stored)
+        args.out.write_text(report(store))
+
+    if "cpu" in parts:
         from experiments.shared.device_process import call_with_devices
 
-        measured = call_with_devices(CPU_DEVICES, measure_options_on_cpu, args.repeats)
-    runs, recipes = [], []
-    for model in models:
-        for devices in device_counts:
-            runs.append(plan_one(model, devices, args.top))
-            args.out.write_text(report(runs, measured, command, args.repeats))
-    for model in models:
-        for row, mapping in recipe_mappings(model, best_layout(runs, model)):
-            recipes.append(estimate_in_fresh_process(model, PROFILE, row, mapping))
-        args.out.write_text(report(runs, measured, command, args.repeats, recipes))
+        rows = call_with_devices(CPU_DEVICES, measure_options_on_cpu, args.repeats)
+        store.cpu = {"command": command, "repeats": args.repeats, "rows": rows}
+        write()
+    for model, devices, batch in searches:
+        store.add_search(plan_one(model, devices, batch, args.top, command))
+        write()
+    if "recipes" in parts:
+        for model in models:
+            estimates = [
+                estimate_in_fresh_process(model, PROFILE, row, mapping)
+                for row, mapping in recipe_mappings(model)
+            ]
+            store.add_recipes(model, command, estimates)
+            write()
 
 
 if __name__ == "__main__":

@@ -138,6 +138,19 @@ class MappingEstimate:
             "by_schedule": {name: dataclasses.asdict(t) for name, t in self.times.items()},
         }
 
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> MappingEstimate:
+        """The estimate whose :meth:`to_json` is ``data`` (its derived figures aside)."""
+        mapping = {f.name for f in dataclasses.fields(Mapping)}
+        memory = {f.name for f in dataclasses.fields(StepMemory)}
+        return MappingEstimate(
+            Mapping(**{k: v for k, v in data["mapping"].items() if k in mapping}),
+            StepMemory(**{k: v for k, v in data["memory_bytes"].items() if k in memory}),
+            {name: StepTime(**time) for name, time in data["by_schedule"].items()},
+            data["mfu"],
+            data["fits"],
+        )
+
 
 @dataclass(frozen=True)
 class NotEstimated:

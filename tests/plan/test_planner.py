@@ -178,6 +178,8 @@ def test_json_shape(planned):
     assert row["by_schedule"]["none"]["step"] == row["step_seconds"]
     assert {"mapping", "reason"} == set(data["skipped"][0])
     assert len(data["skipped"]) == 2  # all_gather without an expert group, twice
+    # What the plan wrote reads back as the estimates it ranked.
+    assert [planner.MappingEstimate.from_json(row) for row in data["ranked"]] == planned.ranked
 
 
 def test_table_has_every_column_and_a_row_per_mapping(planned):

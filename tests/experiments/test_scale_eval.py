@@ -1,0 +1,69 @@
+"""The scale evaluation's results store (experiments/scale_eval.py): each run replaces the
+searches it reran and keeps the others, and the report renders whatever is stored, the
+published MFU judged only at the recipe's devices and batch."""
+
+from experiments import scale_eval
+from experiments.published_recipes import PUBLISHED_ROW, RECIPES, RECOMPUTED_ROW, RecipeEstimate
+from jaxmoe.plan.estimates import StepTime
+from jaxmoe.plan.mappings import Mapping
+from jaxmoe.plan.memory import StepMemory
+from jaxmoe.plan.planner import MappingEstimate
+
+MEMORY = StepMemory(10**9, 2 * 10**9, 10**6, 3 * 10**9, 4 * 10**9, 10**8, 0, 1)
+
+
+def _search(devices: int, batch: int, mfu: float, command: str) -> scale_eval.Search:
+    mapping = Mapping(devices, 1, devices // 8, 8, 1, "all_to_all", zero=1, recompute="layer")
+    times = {"none": StepTime(2.0, 1.2, 1.0, 0.8), "dw": StepTime(1.5, 1.2, 1.0, 0.3)}
+    best = MappingEstimate(mapping, MEMORY, times, mfu, True)
+    left_out = {"state": 0, "memory": 3, "step": 4, "refused": 0}
+    return scale_eval.Search(
+        "mixtral-8x22b", devices, batch, 10, 5, 4, left_out, 60.0, 55.0, best, command
+    )
+
+
+def test_a_run_replaces_the_searches_it_reran_and_keeps_the_others(tmp_path):
+    path = tmp_path / "scale_eval.json"
+    recipe = RECIPES["mixtral-8x22b"]
+    store = scale_eval.Store()
+    store.add_search(_search(recipe.devices, recipe.global_batch, 0.30, "run a"))
+    store.add_search(_search(64, 64, 0.34, "run a"))
+    store.save(path)
+    store = scale_eval.Store.load(path)
+    store.add_search(_search(recipe.devices, recipe.global_batch, 0.50, "run b"))
+    estimate = RecipeEstimate(
+        "mixtral-8x22b", PUBLISHED_ROW, recipe.mapping(), MEMORY, StepTime(8, 7, 1, 0.5), 0.24
+    )
+    left_out = RecipeEstimate(
+        "mixtral-8x22b", RECOMPUTED_ROW, recipe.mapping("layer"), None, None, None, "too big"
+    )
+    store.add_recipes("mixtral-8x22b", "run c", [estimate, left_out])
+    store.save(path)
+    again = scale_eval.Store.load(path)
+    assert again == store
+    assert [(s.devices, s.best.mfu, s.command) for s in again.searches] == [
+        (64, 0.34, "run a"),
+        (recipe.devices, 0.50, "run b"),
+    ]
+    assert again.commands() == ["run a", "run b", "run c"]
+
+    text = scale_eval.report(again)
+    assert "    run a\n    run b\n    run c" in text
+    rows = [line for line in text.splitlines() if line.startswith("| mixtral-8x22b |")]
+    best = [row for row in rows if "`dw`" in row]
+    # The target is judged at the recipe's devices and batch alone.
+    assert best[0].split(" | ")[:3] == ["| mixtral-8x22b", "64", "64"]
+    assert " | - | " in best[0]
+    assert best[1].split(" | ")[:3] == ["| mixtral-8x22b", "128", "256"]
+    assert " | 50.0% | " in best[1] and " | yes | " in best[1]
+    assert any("as published" in row and "24.0%" in row for row in rows)
+    assert any("not estimated, too big" in row for row in rows)
+
+
+def test_recipe_names_each_models_recipe_settings():
+    searches = scale_eval.searches_of(["qwen2-57b-a14b"], ["64", "recipe"])
+    recipe = RECIPES["qwen2-57b-a14b"]
+    assert searches == [
+        ("qwen2-57b-a14b", 64, 64),
+        ("qwen2-57b-a14b", recipe.devices, recipe.global_batch),
+    ]
