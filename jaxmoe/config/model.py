@@ -90,6 +90,28 @@ class ModelConfig:
     linear_bias: bool = True
     # RMSNorm over each query and key head before the rotation (Qwen3).
     qk_norm: bool = False
+    # Multi-head latent attention (DeepSeek-V2/V3) when set: keys and values of every
+    # head expanded from one compressed latent of this width a token (with its RMSNorm);
+    # the decode cache holds the latent and the rotary key alone. None: grouped-query
+    # attention. jaxmoe/layers/latent_attention.py.
+    kv_lora_rank: int | None = None
+    # MLA: queries through a compression of this width (with its RMSNorm); None: one
+    # projection from the residual stream (DeepSeek-V2-Lite).
+    q_lora_rank: int | None = None
+    # MLA: each head's query and key features without rotary positions (DeepSeek-V3: 128).
+    qk_nope_head_dim: int | None = None
+    # MLA: each head's rotated query features, and the rotated key's, one a token shared
+    # by the heads (DeepSeek-V3: 64).
+    qk_rope_head_dim: int | None = None
+    # MLA: each head's value width (DeepSeek-V3: 128).
+    v_head_dim: int | None = None
+    # yarn: DeepSeek's mscale (0: not given), with m(s, a) = 0.1 a ln(s) + 1 for the factor
+    # s: with rope_mscale_all_dim too, the rotated features are scaled by m(s, mscale) /
+    # m(s, mscale_all_dim) instead of m(s, 1).
+    rope_mscale: float = 0.0
+    # yarn: DeepSeek's mscale_all_dim (0: not given): multi-head latent attention
+    # multiplies its softmax scale by m(s, mscale_all_dim)^2.
+    rope_mscale_all_dim: float = 0.0
     # "gelu" (two matrices and biases, GPT-2) or "swiglu" (gate, up and down matrices
     # without biases: silu(x W_gate) * (x W_up) W_down) for the dense FFN and the experts.
     activation: str = "gelu"
@@ -137,10 +159,17 @@ class ModelConfig:
             )
         else:
             positive_int("model", "head_dim", self.head_dim)
+        for name in ("rope_mscale", "rope_mscale_all_dim"):
+            require(
+                getattr(self, name) >= 0,
+                f"model.{name}={getattr(self, name)!r}: must be >= 0 (0: not given)",
+            )
+        self._check_latent_attention()
         require(
-            self.position != "rope" or self.attention_head_dim % 2 == 0,
-            f"model.head_dim={self.attention_head_dim}: rotary positions rotate pairs of "
-            "features, so a head needs an even width",
+            self.position != "rope" or self.rotary_head_dim % 2 == 0,
+            f"model.{'qk_rope_head_dim' if self.latent_attention else 'head_dim'}="
+            f"{self.rotary_head_dim}: rotary positions rotate pairs of features, so it "
+            "needs an even width",
         )
         if self.num_kv_heads is not None:
             positive_int("model", "num_kv_heads", self.num_kv_heads)
@@ -149,6 +178,64 @@ class ModelConfig:
                 f"model.num_kv_heads={self.num_kv_heads} does not divide model.num_heads="
                 f"{self.num_heads}: each key/value head serves a whole number of query heads",
             )
+
+    def _check_latent_attention(self) -> None:
+        dims = ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        if not self.latent_attention:
+            for name in ("q_lora_rank", *dims):
+                require(
+                    getattr(self, name) is None,
+                    f"model.{name}={getattr(self, name)!r}: a field of multi-head latent "
+                    "attention, which model.kv_lora_rank turns on: set it, or leave this unset",
+                )
+            return
+        positive_int("model", "kv_lora_rank", self.kv_lora_rank)
+        if self.q_lora_rank is not None:
+            positive_int("model", "q_lora_rank", self.q_lora_rank)
+        for name in dims:
+            require(
+                getattr(self, name) is not None,
+                f"model.{name} is unset: multi-head latent attention (model.kv_lora_rank) "
+                "needs qk_nope_head_dim, qk_rope_head_dim and v_head_dim",
+            )
+            positive_int("model", name, getattr(self, name))
+        refused = {
+            "position": (self.position != "rope", "its decoupled key is rotary: set rope"),
+            "num_kv_heads": (
+                self.num_kv_heads is not None,
+                "its keys and values are per head: leave it unset",
+            ),
+            "head_dim": (
+                self.head_dim is not None,
+                "its widths are qk_nope_head_dim, qk_rope_head_dim and v_head_dim: leave it unset",
+            ),
+            "qk_norm": (self.qk_norm, "it norms its latents, not its heads: turn it off"),
+            "attention_bias": (self.attention_bias, "it has no biases: turn it off"),
+        }
+        for name, (bad, fix) in refused.items():
+            require(
+                not bad,
+                f"model.{name}={getattr(self, name)!r} with multi-head latent attention "
+                f"(model.kv_lora_rank): {fix}",
+            )
+
+    @property
+    def latent_attention(self) -> bool:
+        """Whether attention is multi-head latent attention (``kv_lora_rank`` set)."""
+        return self.kv_lora_rank is not None
+
+    @property
+    def rotary_head_dim(self) -> int:
+        """The rotated features of a query or key head."""
+        if self.latent_attention:
+            assert self.qk_rope_head_dim is not None
+            return self.qk_rope_head_dim
+        return self.attention_head_dim
+
+    @property
+    def value_head_dim(self) -> int:
+        """The width of one value head (and of one head of attention's output)."""
+        return self.v_head_dim or self.attention_head_dim
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -161,7 +248,10 @@ class ModelConfig:
 
     @property
     def attention_head_dim(self) -> int:
-        """The width of one attention head."""
+        """The width of one query or key head."""
+        if self.latent_attention:
+            assert self.qk_nope_head_dim is not None and self.qk_rope_head_dim is not None
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
         return self.head_dim or self.d_model // self.num_heads
 
     @property

@@ -30,9 +30,9 @@ from flax import nnx
 from jaxmoe.config import MoEConfig
 from jaxmoe.generate.sampling import Sampling, choose_next
 from jaxmoe.layers import GPTMoE
-from jaxmoe.layers.attention import KVCache
+from jaxmoe.layers.transformer import LayerCache
 
-Cache = tuple[KVCache, ...]
+Cache = tuple[LayerCache, ...]
 GREEDY = Sampling()
 
 

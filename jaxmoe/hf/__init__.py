@@ -5,5 +5,6 @@ back, :mod:`jaxmoe.hf.tensors` is the table of which transformers tensor fills w
 of which jaxmoe parameter, :mod:`jaxmoe.hf.files` reads and writes safetensors shards, and
 :mod:`jaxmoe.hf.convert` converts a model directory into a run's step-0 checkpoint and a
 run's checkpoint into a model directory (``jaxmoe convert``). DeepSeek-V3 is not
-converted: its multi-head latent attention is not implemented.
+converted yet (jaxmoe trains its multi-head latent attention; its weights' layout is not
+mapped).
 """

@@ -43,8 +43,9 @@ ARCHITECTURES = {
 DEFAULT_ROPE_THETA = {"mixtral": 1e6, "qwen2_moe": 10000.0, "qwen3_moe": 10000.0}
 # Names other model families are known by, with why they cannot be converted.
 UNSUPPORTED = {
-    "deepseek_v3": "its multi-head latent attention is not implemented in jaxmoe",
-    "deepseek_v2": "its multi-head latent attention is not implemented in jaxmoe",
+    name: "jaxmoe trains its multi-head latent attention (model.kv_lora_rank) but does not "
+    "convert its checkpoints yet"
+    for name in ("deepseek_v3", "deepseek_v2")
 }
 # The configuration fields that give the experts' count, per family (transformers 5 saves
 # Qwen3-MoE's as num_local_experts, the hub's files say num_experts).
@@ -360,6 +361,9 @@ def inexpressible(config: Config, family: str) -> tuple[str, Any, Any] | None:
         "moe.num_expert_groups": (getattr(moe, "num_expert_groups", 1), 1),
         "moe.expert_bias_rate": (getattr(moe, "expert_bias_rate", 0.0), 0.0),
         "model.qk_norm": (model.qk_norm, family == "qwen3_moe"),
+        "model.kv_lora_rank": (model.kv_lora_rank, None),
+        "model.rope_mscale": (model.rope_mscale, 0.0),
+        "model.rope_mscale_all_dim": (model.rope_mscale_all_dim, 0.0),
     }
     if family == "mixtral":
         required.update(

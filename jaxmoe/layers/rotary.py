@@ -12,7 +12,14 @@ Scaling (``model.rope_scaling``), for contexts beyond the one a model was traine
   it: the high-frequency pairs keep their frequency, the low-frequency ones are
   interpolated by the factor, the band between blends linearly (``beta_fast`` 32,
   ``beta_slow`` 1 rotations over the original context), and the rotated features are
-  scaled by ``0.1 ln(factor) + 1``.
+  scaled by ``m(factor, 1)``, ``m(s, a) = 0.1 a ln(s) + 1``; or, with DeepSeek's
+  ``mscale`` and ``mscale_all_dim`` (``model.rope_mscale``, ``rope_mscale_all_dim``),
+  by ``m(factor, mscale) / m(factor, mscale_all_dim)``, and multi-head latent attention
+  multiplies its softmax scale by ``m(factor, mscale_all_dim)^2``
+  (:func:`attention_scale`).
+
+Multi-head latent attention rotates only ``model.qk_rope_head_dim`` features of a head
+(``model.rotary_head_dim``).
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ YARN_BETA_SLOW = 1.0
 def inverse_frequencies(model: ModelConfig) -> tuple[np.ndarray, float]:
     """The ``head_dim / 2`` rotation frequencies of ``model`` and the scale applied to the
     rotated features (1 unless YaRN)."""
-    dim = model.attention_head_dim
+    dim = model.rotary_head_dim
     exponents = np.arange(0, dim, 2, dtype=np.float64) / dim
     frequencies = 1.0 / model.rope_theta**exponents
     factor = model.rope_scaling_factor
@@ -53,7 +60,28 @@ def inverse_frequencies(model: ModelConfig) -> tuple[np.ndarray, float]:
     ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
     extrapolated = 1 - ramp  # 1: keep the frequency, 0: interpolate it
     frequencies = frequencies / factor * (1 - extrapolated) + frequencies * extrapolated
-    return frequencies, 0.1 * math.log(factor) + 1.0
+    if model.rope_mscale and model.rope_mscale_all_dim:
+        scale = yarn_mscale(factor, model.rope_mscale) / yarn_mscale(
+            factor, model.rope_mscale_all_dim
+        )
+    else:
+        scale = yarn_mscale(factor, 1.0)
+    return frequencies, scale
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's magnitude scale ``0.1 mscale ln(factor) + 1`` (1 without scaling)."""
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def attention_scale(model: ModelConfig) -> float:
+    """The softmax scale of attention's scores: ``1 / sqrt(head width)``, and for
+    multi-head latent attention under YaRN with ``rope_mscale_all_dim`` DeepSeek's
+    ``m(factor, mscale_all_dim)^2`` beside it."""
+    scale = 1.0 / math.sqrt(model.attention_head_dim)
+    if model.latent_attention and model.rope_scaling == "yarn" and model.rope_mscale_all_dim:
+        scale *= yarn_mscale(model.rope_scaling_factor, model.rope_mscale_all_dim) ** 2
+    return scale
 
 
 def rotary_tables(model: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -17,9 +17,14 @@ work on that slice, and the logits are this device's positions. The token
 embedding and the output head stay replicated: a vocabulary-parallel embedding is
 not implemented.
 
+Attention is grouped-query attention (:mod:`jaxmoe.layers.attention`) or, where the
+model sets ``kv_lora_rank``, multi-head latent attention
+(:mod:`jaxmoe.layers.latent_attention`), with one interface.
+
 Decoding (:mod:`jaxmoe.generate`) runs the same blocks through :meth:`GPTMoE.decode`:
 the new tokens at the cache position, each attention layer reading and extending its
-key/value cache (:class:`~jaxmoe.layers.attention.KVCache`), on one device.
+cache (:class:`~jaxmoe.layers.attention.KVCache`, or MLA's
+:class:`~jaxmoe.layers.latent_attention.LatentCache`), on one device.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from flax import nnx
 from jaxmoe.config import ModelConfig, MoEConfig
 from jaxmoe.experimental import DEFAULT, ExperimentalOptions
 from jaxmoe.layers.attention import CausalSelfAttention, KVCache
+from jaxmoe.layers.latent_attention import LatentAttention, LatentCache
 from jaxmoe.layers.mlp import DenseFFN
 from jaxmoe.layers.moe import MoELayer, RoutingStats
 from jaxmoe.layers.norms import make_norm
@@ -39,6 +45,9 @@ from jaxmoe.layers.recompute import BlockCall, call_block
 from jaxmoe.layers.rotary import rotary_tables
 from jaxmoe.layers.shared_experts import SharedExperts
 from jaxmoe.parallel.tensor_parallel import sequence_slice
+
+# One attention layer's decode cache.
+LayerCache = KVCache | LatentCache
 
 
 class Block(nnx.Module):
@@ -55,7 +64,8 @@ class Block(nnx.Module):
         experimental: ExperimentalOptions = DEFAULT,
     ):
         self.attention_norm = make_norm(model, model.d_model, dtype=dtype, rngs=rngs)
-        self.attention = CausalSelfAttention(model, dtype=dtype, rngs=rngs)
+        attention = LatentAttention if model.latent_attention else CausalSelfAttention
+        self.attention = attention(model, dtype=dtype, rngs=rngs)
         self.ffn_norm = make_norm(model, model.d_model, dtype=dtype, rngs=rngs)
         self.shared = (
             SharedExperts(model, moe, dtype=dtype, rngs=rngs)
@@ -95,10 +105,10 @@ class Block(nnx.Module):
     def decode(
         self,
         x: jax.Array,
-        cache: KVCache,
+        cache: LayerCache,
         index: jax.Array,
         rotary: tuple[jax.Array, jax.Array] | None = None,
-    ) -> tuple[jax.Array, KVCache]:
+    ) -> tuple[jax.Array, LayerCache]:
         """The block on new tokens ``x [batch, new, d_model]`` at cache positions ``index``
         on (:meth:`CausalSelfAttention.decode`); the FFN as in training, without router
         noise or replicas."""
@@ -242,8 +252,8 @@ class GPTMoE(nnx.Module):
             tied = self.head is None
             return self.token_embed.attend(normed) if tied else self.head(normed)
 
-    def init_cache(self, batch: int, max_len: int) -> tuple[KVCache, ...]:
-        """Empty key/value caches of ``max_len`` positions, one per layer, for
+    def init_cache(self, batch: int, max_len: int) -> tuple[LayerCache, ...]:
+        """Empty attention caches of ``max_len`` positions, one per layer, for
         :meth:`decode`. Learned positions bound ``max_len`` by ``model.seq_len``."""
         if self.position_embed is not None and max_len > self.position_embed.shape[0]:
             raise ValueError(
@@ -255,8 +265,8 @@ class GPTMoE(nnx.Module):
         )
 
     def decode(
-        self, tokens: jax.Array, cache: tuple[KVCache, ...], index: jax.Array
-    ) -> tuple[jax.Array, tuple[KVCache, ...]]:
+        self, tokens: jax.Array, cache: tuple[LayerCache, ...], index: jax.Array
+    ) -> tuple[jax.Array, tuple[LayerCache, ...]]:
         """``tokens [batch, new]`` at positions ``index .. index + new - 1`` (``index``: an
         int scalar, the same for every row; the caches hold the positions before it) ->
         float32 logits ``[batch, new, vocab]`` and the caches with the new keys and values.

@@ -13,6 +13,13 @@ Megatron-LM", appendix; Chowdhery et al. 2022, "PaLM", appendix B):
 - Attention's projections count each matrix at its shape: queries ``d_model x heads x
   head_dim``, keys and values ``d_model x kv_heads x head_dim`` each (grouped-query
   attention has fewer), the output ``heads x head_dim x d_model``.
+- Multi-head latent attention (DeepSeek) counts its matrices at their shapes too: the
+  queries' compression ``d_model x q_lora_rank`` and expansion ``q_lora_rank x heads x
+  (qk_nope_head_dim + qk_rope_head_dim)`` (or one ``d_model x heads x (...)`` matrix),
+  the keys' and values' compression ``d_model x (kv_lora_rank + qk_rope_head_dim)`` and
+  expansion ``kv_lora_rank x heads x (qk_nope_head_dim + v_head_dim)``, the output
+  ``heads x v_head_dim x d_model``; its scores are ``qk_nope_head_dim + qk_rope_head_dim``
+  wide a head, its weighted values ``v_head_dim``.
 - Attention's two matmuls (query-key scores, weights x values) count the whole
   ``seq x seq`` matrix, ``4 seq heads head_dim`` per token and layer, although the
   causal mask makes half of it irrelevant: PaLM's MFU (``6N + 12 L H Q T`` per token)
@@ -43,7 +50,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from jaxmoe.config import Config
+from jaxmoe.config import Config, ModelConfig
 from jaxmoe.config.moe import shared_width
 
 # Forward + backward: the backward pass computes both operands' gradients of each matmul.
@@ -84,16 +91,16 @@ def model_flops(config: Config) -> ModelFlops:
     moe_layers = len(model.moe_layers)
     d_expert = moe.d_expert or model.d_ff
     heads = model.num_heads * model.attention_head_dim  # all query heads, side by side
-    kv_heads = model.kv_heads * model.attention_head_dim
+    values = model.num_heads * model.value_head_dim
     matrices = 3 if model.activation == "swiglu" else 2  # per feed-forward block
 
     def matmul(rows: int, contracted: int, columns: int) -> int:
         return 2 * rows * contracted * columns
 
     return ModelFlops(
-        attention_projections=layers
-        * (matmul(tokens, width, heads + 2 * kv_heads) + matmul(tokens, heads, width)),
-        attention_matmuls=layers * 2 * matmul(tokens, heads, model.seq_len),
+        attention_projections=layers * _attention_projections(model, tokens),
+        attention_matmuls=layers
+        * (matmul(tokens, heads, model.seq_len) + matmul(tokens, values, model.seq_len)),
         dense_ffn=(layers - moe_layers) * matrices * matmul(tokens, width, model.d_ff),
         # The router's logits, and Qwen-MoE's gate on the shared experts.
         router=moe_layers * matmul(tokens, width, moe.num_experts + moe.shared_expert_gate),
@@ -101,3 +108,25 @@ def model_flops(config: Config) -> ModelFlops:
         shared_experts=moe_layers * matrices * matmul(tokens, width, shared_width(model, moe)),
         output_head=matmul(tokens, width, model.vocab_size),
     )
+
+
+def _attention_projections(model: ModelConfig, tokens: int) -> int:
+    """One layer's attention projections on ``tokens`` tokens (module notes)."""
+    width, heads = model.d_model, model.num_heads
+    query = heads * model.attention_head_dim
+    out = 2 * tokens * heads * model.value_head_dim * width
+    if not model.latent_attention:
+        key_value = 2 * model.kv_heads * model.attention_head_dim
+        return 2 * tokens * width * (query + key_value) + out
+    assert model.kv_lora_rank is not None and model.qk_nope_head_dim is not None
+    rank, rope = model.kv_lora_rank, model.rotary_head_dim
+    if model.q_lora_rank is None:
+        queries = 2 * tokens * width * query
+    else:
+        queries = 2 * tokens * model.q_lora_rank * (width + query)
+    keys_values = (
+        2
+        * tokens
+        * (width * (rank + rope) + rank * heads * (model.qk_nope_head_dim + model.value_head_dim))
+    )
+    return queries + keys_values + out

@@ -21,6 +21,9 @@ from jaxmoe.config import (
 from jaxmoe.config.schedule import schedule_section
 from jaxmoe.presets import preset
 
+# A valid multi-head latent attention, as the cases below change it.
+MLA = dict(kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4, position="rope")
+
 
 def section(**fields):
     """The schedule section as a configuration reads it."""
@@ -36,6 +39,14 @@ def section(**fields):
         (lambda: ModelConfig(num_layers=2, first_dense_layers=2), "leave no MoE layer"),
         (lambda: ModelConfig(num_heads=4, num_kv_heads=3), "model.num_kv_heads=3 does not"),
         (lambda: ModelConfig(position="rope", head_dim=7), "needs an even width"),
+        # Multi-head latent attention: its widths, and what it does not combine with.
+        (lambda: ModelConfig(kv_lora_rank=8), "model.qk_nope_head_dim is unset"),
+        (lambda: ModelConfig(q_lora_rank=8), "model.q_lora_rank=8: a field of multi-head"),
+        (lambda: ModelConfig(**dict(MLA, position="learned")), "model.position='learned' with"),
+        (lambda: ModelConfig(**MLA, num_kv_heads=2), "model.num_kv_heads=2 with multi-head"),
+        (lambda: ModelConfig(**dict(MLA, qk_rope_head_dim=3)), "model.qk_rope_head_dim=3: "),
+        (lambda: ModelConfig(**dict(MLA, kv_lora_rank=0)), "model.kv_lora_rank=0: must be"),
+        (lambda: ModelConfig(rope_mscale=-1.0), "model.rope_mscale=-1.0: must be >= 0"),
         (lambda: ModelConfig(norm="batchnorm"), "model.norm='batchnorm'"),
         (lambda: ModelConfig(rope_scaling_factor=0.5), "model.rope_scaling_factor=0.5"),
         (lambda: MoEConfig(shared_expert_gate=True), "set moe.num_shared_experts"),

@@ -12,8 +12,9 @@ from jaxmoe.layers import GPTMoE
 from jaxmoe.presets import preset
 
 # tiny: learned positions, LayerNorm, GELU, top-1; mixtral-tiny: rotary, GQA, SwiGLU,
-# top-2; qwen3_moe-tiny: rotary, GQA, query/key norms, a head width of its own, top-4.
-FAMILIES = ("tiny", "mixtral-tiny", "qwen3_moe-tiny")
+# top-2; qwen3_moe-tiny: rotary, GQA, query/key norms, a head width of its own, top-4;
+# deepseek_v3-tiny: multi-head latent attention (its latent cache), group-limited routing.
+FAMILIES = ("tiny", "mixtral-tiny", "qwen3_moe-tiny", "deepseek_v3-tiny")
 SEQ_LEN = 16
 
 

@@ -1,5 +1,6 @@
 """Cached decoding against the forward pass over the whole sequence, for the GPT-2 family
-and the Llama-derived ones (GQA, rotary positions, query/key norms)."""
+and the Llama-derived ones (GQA, rotary positions, query/key norms) and DeepSeek-V3's
+(multi-head latent attention: the latent cache, the up-projections absorbed)."""
 
 import jax
 import jax.numpy as jnp

@@ -177,3 +177,29 @@ def test_the_traced_step_of_the_llama_blocks_computes_the_count():
     assert math.isclose(
         traced_matmul_flops(config), flops.train_step() + combine_flops(config), rel_tol=1e-12
     )
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 8])
+def test_the_traced_step_of_latent_attention_computes_the_count(q_lora_rank):
+    # Multi-head latent attention: queries through a compression or straight from the
+    # residual stream, keys and values from one latent, a value width of its own.
+    config = Config(
+        model=ModelConfig(
+            vocab_size=256, d_model=16, num_heads=4, num_layers=2, d_ff=32, seq_len=8,
+            norm="rmsnorm", position="rope", activation="swiglu", linear_bias=False,
+            tie_embeddings=False, attention="dense", kv_lora_rank=12, q_lora_rank=q_lora_rank,
+            qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5,
+        ),
+        moe=MoEConfig(num_experts=8, top_k=2, capacity_factor=1.0, d_expert=8),
+        parallel=ParallelConfig(data=2, expert=4),
+        train=TrainConfig(batch_size=16),
+    )  # fmt: skip
+    flops = model_flops(config)
+    tokens = 16 * 8
+    queries = 16 * 4 * 10 if q_lora_rank is None else 16 * 8 + 8 * 4 * 10
+    per_token = queries + 16 * (12 + 4) + 12 * 4 * (6 + 5) + 4 * 5 * 16
+    assert flops.attention_projections == 2 * 2 * tokens * per_token
+    assert flops.attention_matmuls == 2 * (2 * tokens * 4 * (10 + 5) * 8)
+    assert math.isclose(
+        traced_matmul_flops(config), flops.train_step() + combine_flops(config), rel_tol=1e-12
+    )
