@@ -79,9 +79,22 @@ _PARTS = (
 # What JAX puts on the values a remat region keeps (ZeRO-3's fully sharded blocks keep all
 # but their gathers): the cost model prices it, XLA drops it.
 _REMAT_MARKS = frozenset({"reduce_precision"})
-# A block's ops: under its name scope ``layer_<i>``, or in a pipeline's chunk
+# A layer's ops: under its name scope ``layer_<i>``, or in a pipeline's chunk
 # ``chunk_layer_<j>`` (jaxmoe.pipeline.pipelined; ZeRO-1's gathers of a stacked block too).
-BLOCK_SCOPE = re.compile(r"(^|/)(chunk_)?layer_\d+(/|$)")
+LAYER_SCOPE = re.compile(r"(^|/)(chunk_)?layer_\d+(/|$)")
+
+
+def block_scope(first_dense_layers: int) -> re.Pattern[str]:
+    """The scope of the repeating blocks' ops (:mod:`jaxmoe.plan.layer_extrapolation`):
+    every layer's but the leading dense layers' (``model.first_dense_layers``), which
+    stand with the embedding, outside the blocks (a model with them is not pipelined
+    here: the planner bounds its pipelines by their own traces)."""
+    if not first_dense_layers:
+        return LAYER_SCOPE
+    leading = "|".join(str(index) for index in range(first_dense_layers))
+    return re.compile(rf"(^|/)(chunk_layer_\d+|layer_(?!(?:{leading})(?:/|$))\d+)(/|$)")
+
+
 _RECOMPUTED = "rematted_computation"
 
 
@@ -295,16 +308,19 @@ def screen(
     traced_blocks: int,
     state_bytes: int,
     compute_only: bool,
+    first_dense_layers: int = 0,
 ) -> Screen:
     """The bounds of the traced step ``program`` (``traced_blocks`` of the model's
-    ``blocks``; its first argument has the structure of ``state``), priced by ``cost``."""
+    ``blocks`` after its ``first_dense_layers``; its first argument has the structure of
+    ``state``), priced by ``cost``."""
+    blocks_scope = block_scope(first_dense_layers)
     totals = {name: [0.0, 0.0] for name in _PARTS}
     profile = cost.profile
     parameters = _parameters(program)
     weights = _parameters(program, program.inputs[: len(jax.tree.leaves(state))])
     shapes = {value.aval.shape for value in weights if value.aval.ndim}
     for op in program.ops:
-        in_block = bool(BLOCK_SCOPE.search(op.layer))
+        in_block = bool(blocks_scope.search(op.layer))
         collective = op.is_collective or op.primitive == "ragged_all_to_all"
         seconds = 0.0 if compute_only and collective else cost.seconds(op)
         parts = ["step"]
@@ -329,7 +345,7 @@ def screen(
                 totals[overhead][0] += profile.op_overhead_s
                 totals[overhead][1] += profile.op_overhead_s if in_block else 0.0
     # Parameters gathered or cast are the state's where the variant holds them whole.
-    start = backward_start(program, state, BLOCK_SCOPE)
+    start = backward_start(program, state, blocks_scope)
     saved_total, saved_blocks = start.bytes(leaving_out=parameters)
     gathers = _parameters(program, _gathered(program))
     with_gathers = start.bytes(leaving_out=parameters - gathers)
@@ -345,7 +361,7 @@ def screen(
         if value not in parameters
     }
     core = _core_attention(program, parameters)
-    in_blocks = {v: op for v, op in recomputed.items() if BLOCK_SCOPE.search(op.layer)}
+    in_blocks = {v: op for v, op in recomputed.items() if blocks_scope.search(op.layer)}
     return Screen(
         options=options,
         blocks=blocks,
@@ -415,7 +431,7 @@ def _core_attention(program: Program, parameters: set[Value]) -> set[Value]:
     ]
     by_layer: dict[str, list[Any]] = {}
     for op in recomputing:
-        found = BLOCK_SCOPE.search(op.layer)
+        found = LAYER_SCOPE.search(op.layer)
         by_layer.setdefault(found.group(0) if found else "", []).append(op)
     for ops in by_layer.values():
         matmuls = [

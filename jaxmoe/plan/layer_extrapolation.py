@@ -3,7 +3,9 @@ repeating block of layers.
 
 A model of ``num_layers`` layers whose FFN is an MoE every ``moe_every`` layers is
 ``num_layers / moe_every`` copies of one block (``moe_every - 1`` dense layers, then
-an MoE layer) between the same embedding and head. A quantity that each block adds
+an MoE layer) between the same embedding and head; leading dense layers
+(``first_dense_layers``, DeepSeek's) stand with the embedding, before the copies. A
+quantity that each block adds
 to in the same measure — parameters, optimizer state, saved activations, and the
 simulated step when blocks run one after another — is therefore affine in the block
 count ``n``::
@@ -44,13 +46,16 @@ def block_count(config: Config) -> int | None:
     model, tell the two apart."""
     model = config.model
     counts = config.parallel.chunk_layer_counts
+    if model.first_dense_layers and config.parallel.chunks > 1:
+        return None  # the leading dense layers make the first chunk unlike the others
     if counts is not None:
         longest = max(counts)
         return None if longest % model.moe_every else longest // model.moe_every
     per_block = model.moe_every * config.parallel.chunks
-    if model.num_layers % per_block:
+    repeating = model.num_layers - model.first_dense_layers
+    if repeating % per_block:
         return None
-    return model.num_layers // per_block
+    return repeating // per_block
 
 
 def extrapolates(config: Config) -> bool:
@@ -63,7 +68,9 @@ def with_blocks(config: Config, blocks: int) -> Config:
     """``config`` with its model cut (or grown) to ``blocks`` repeating blocks (in each
     chunk of a pipeline's layers)."""
     values = config.to_dict()
-    values["model"]["num_layers"] = blocks * config.model.moe_every * config.parallel.chunks
+    model = config.model
+    repeating = blocks * model.moe_every * config.parallel.chunks
+    values["model"]["num_layers"] = model.first_dense_layers + repeating
     values["parallel"]["chunk_layers"] = None  # equal chunks (see block_count)
     return Config.from_dict(values)
 

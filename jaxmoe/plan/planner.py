@@ -335,6 +335,7 @@ class Tracer:
             1 if shallow else blocks,
             state,
             self._compute_only,
+            config.model.first_dense_layers,
         )
         self.cache.save_screen(config, tag, found)
         return found
@@ -550,6 +551,8 @@ def plan_mappings(
             bounds = tracer.screen(traced.config, extrapolate_layers)
             screens[mapping.stage_layout] = bounds
             say(f"[{index + 1}/{len(space.valid)}] bounds from {traced.mapping.label()}")
+        elif config.model.first_dense_layers:
+            bounds = None  # its first stage holds the dense layers: bounded by its own trace
         else:  # bounded by its stage layout's screen without a pipeline, where there is one
             bounds = screens.get(mapping.stage_layout)
         for o in sets:

@@ -216,3 +216,37 @@ def test_uneven_chunks_are_bounded_as_the_longest():
     assert bounds.pipeline_memory_bound(options, state, 2, 1) == pytest.approx(
         four.pipeline_memory_bound(options, state, 2, 1), rel=1e-9
     )
+
+
+def test_leading_dense_layers_are_bounded_outside_the_blocks():
+    """DeepSeek's shape, small: two leading dense layers (each with more work than an MoE
+    block), then three MoE blocks of latent attention. Counted as blocks, the dense layers
+    would be multiplied by the block count and the bound would exceed the estimate."""
+    args = cli.parse(
+        ["plan", "--preset", "deepseek_v3-tiny", "--model.num_layers", "5",
+         "--model.first_dense_layers", "2", "--model.d_model", "32", "--model.num_heads",
+         "2", "--model.d_ff", "256", "--model.seq_len", "16", "--model.kv_lora_rank", "8",
+         "--model.q_lora_rank", "8", "--model.qk_nope_head_dim", "8",
+         "--model.qk_rope_head_dim", "4", "--model.v_head_dim", "8", "--moe.num_experts",
+         "8", "--moe.d_expert", "8", "--train.batch_size", "8", "--devices", "4",
+         "--profile", PROFILE]
+    )  # fmt: skip
+    config = cli.resolve_config(args)
+    (found,) = [
+        c
+        for c in enumerate_mappings(config, 4, 8).valid
+        if (c.mapping.tensor, c.mapping.expert, c.mapping.dispatcher) == (1, 4, "all_to_all")
+    ]
+    traced = with_options(found, Options(1, "layer", 1), 8)
+    bounds = tracer().screen(traced.config, extrapolate_layers=True)
+    steps = {}
+    for options in (Options(1, "layer", 1), Options(0, "none", 1)):
+        variant = with_options(found, options, 8).config
+        memory, times = planner.estimate_mapping(
+            variant, ["none"], PROFILE, planner.EstimateCache(None), tracer=tracer()
+        )
+        steps[options] = times["none"].step
+        assert bounds.step_bound(options) <= steps[options]
+        assert bounds.memory_bound(options, planner.state_bytes(variant)) <= memory.total
+    traced_options = Options(1, "layer", 1)
+    assert bounds.step_bound(traced_options) == pytest.approx(steps[traced_options], rel=0.3)
