@@ -11,6 +11,15 @@ positions then restart at each document (:mod:`jaxmoe.data.documents`).
 The routers' losses (load balancing, the sequence-wise balance loss, the z-loss) are
 means over a microbatch's groups and tokens, added per MoE layer (summed over layers, as
 in Switch and Megatron) with their coefficients, weighted by ``1 / microbatches``.
+
+With multi-token prediction (``model.mtp_depth`` D, :mod:`jaxmoe.layers.multi_token`),
+module ``k`` adds the cross-entropy of the token ``k + 1`` places ahead over the targets
+that exist (within the row, and with document masks within the position's document),
+divided by the denominator times ``(S - k) / S`` for rows of ``S`` targets: a mean over
+its targets (without document masks exactly; with them, the ``k`` positions before each
+document's end that predict nothing are not taken out of the count). The total adds
+``model.mtp_loss_weight`` times the modules' mean, which :attr:`Losses.ahead` reports.
+The modules' MoE blocks add their routers' losses as the model's layers do.
 """
 
 from __future__ import annotations
@@ -35,6 +44,8 @@ class Losses(NamedTuple):
     total: jax.Array  # what is differentiated (before the division by token shards)
     cross_entropy: jax.Array
     stats: RoutingStats
+    # The multi-token prediction modules' cross-entropy, their mean (0 without them).
+    ahead: jax.Array | float = 0.0
 
 
 def document_eod_id(config: Config) -> int | None:
@@ -105,15 +116,45 @@ def forward_losses(
     the model calls its blocks (:class:`~jaxmoe.layers.GPTMoE`; default the plain call)."""
     model = nnx.merge(graphdef, params, *([] if model_state is None else [model_state]))
     tokens = batch[:, :-1]
-    if eod_id is None:
-        logits, stats = model(tokens, key, placement, block_call=block_call)
-    else:
+    ahead_tokens = batch[:, 1:] if config.model.mtp_depth else None
+    positions = segment_ids = None
+    if eod_id is not None:
         masks = document_masks(batch, eod_id)
-        logits, stats = model(
-            tokens, key, placement, masks.positions, masks.segment_ids, block_call=block_call
-        )
+        positions, segment_ids = masks.positions, masks.segment_ids
+    outputs = model.outputs(
+        tokens, key, placement, positions, segment_ids, block_call, next_tokens=ahead_tokens
+    )
     if denominator is None:
         denominator = targets_per_shard(config, batch, eod_id)
-    entropy = cross_entropy(logits, batch, eod_id, denominator)
-    routers = router_losses(config.moe, stats)
-    return Losses(entropy + routers / microbatches, entropy, stats)
+    entropy = cross_entropy(outputs.logits, batch, eod_id, denominator)
+    routers = router_losses(config.moe, outputs.stats)
+    total = entropy + routers / microbatches
+    if not outputs.ahead:
+        return Losses(total, entropy, outputs.stats)
+    ahead = sum(
+        ahead_cross_entropy(logits, batch, k, eod_id, denominator)
+        for k, logits in enumerate(outputs.ahead, start=1)
+    ) / len(outputs.ahead)
+    total = total + config.model.mtp_loss_weight * ahead
+    return Losses(total, entropy, outputs.stats, ahead)
+
+
+def ahead_cross_entropy(
+    logits: jax.Array, batch: jax.Array, k: int, eod_id: int | None, denominator: jax.Array
+) -> jax.Array:
+    """Multi-token prediction module ``k``'s cross-entropy (float32 ``logits`` of this
+    device's positions): position ``i`` predicts token ``i + k + 1`` of the row, counted
+    where it is in the row and, with ``eod_id``, where the targets ``i + 1 .. i + k + 1``
+    all count (no document ends before it); over ``denominator`` scaled to the module's
+    targets (module docstring)."""
+    rows, length = batch.shape[0], batch.shape[1] - 1
+    denominator = denominator * (length - k) / length
+    labels = jnp.pad(batch[:, k + 1 :], ((0, 0), (0, k)))
+    within = jnp.broadcast_to(jnp.arange(length) < length - k, (rows, length))
+    counted = within.astype(jnp.float32)
+    if eod_id is not None:
+        mask = loss_mask(batch, eod_id).astype(jnp.float32)
+        for shift in range(k + 1):
+            counted = counted * jnp.pad(mask[:, shift:], ((0, 0), (0, shift)))
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, sequence_slice(labels))
+    return jnp.sum(losses * sequence_slice(counted)) / jnp.maximum(denominator, 1.0)

@@ -117,6 +117,15 @@ class ModelConfig:
     activation: str = "gelu"
     # The output head is the token embedding, transposed (GPT-2), or a matrix of its own.
     tie_embeddings: bool = True
+    # Multi-token prediction (DeepSeek-V3): this many sequential modules after the last
+    # layer, module k predicting the token k + 1 places ahead from the previous module's
+    # hidden state and the embedding of the token k places ahead (each: two norms, a
+    # projection of their concatenation, one block, a norm; the embedding and the output
+    # head shared). 0: none. jaxmoe/layers/multi_token.py.
+    mtp_depth: int = 0
+    # The weight of the multi-token prediction loss (the mean over the modules) in the
+    # total loss (DeepSeek-V3: 0.3, then 0.1).
+    mtp_loss_weight: float = 0.3
 
     def __post_init__(self) -> None:
         check_types("model", self)
@@ -128,7 +137,16 @@ class ModelConfig:
             f"model.first_dense_layers={self.first_dense_layers!r}: must be an integer >= 0",
         )
         require(
-            bool(self.moe_layers),
+            isinstance(self.mtp_depth, int) and 0 <= self.mtp_depth < self.seq_len,
+            f"model.mtp_depth={self.mtp_depth!r}: must be an integer from 0 (no multi-token "
+            f"prediction) to model.seq_len - 1 = {self.seq_len - 1}",
+        )
+        require(
+            self.mtp_loss_weight >= 0,
+            f"model.mtp_loss_weight={self.mtp_loss_weight!r}: must be >= 0",
+        )
+        require(
+            bool(self._moe_layers_among(range(self.num_layers))),
             f"model.moe_every={self.moe_every} and model.first_dense_layers="
             f"{self.first_dense_layers} leave no MoE layer among model.num_layers="
             f"{self.num_layers}: use fewer dense layers or a smaller moe_every",
@@ -239,11 +257,14 @@ class ModelConfig:
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
-        """Indices of the layers whose FFN is a Mixture of Experts."""
+        """Indices of the layers whose FFN is a Mixture of Experts, in depth order: the
+        model's, then the multi-token prediction modules' blocks, numbered on after the
+        last layer (as DeepSeek-V3's checkpoint numbers them)."""
+        return self._moe_layers_among(range(self.num_layers + self.mtp_depth))
+
+    def _moe_layers_among(self, layers: range) -> tuple[int, ...]:
         return tuple(
-            i
-            for i in range(self.first_dense_layers, self.num_layers)
-            if (i + 1) % self.moe_every == 0
+            i for i in layers if i >= self.first_dense_layers and (i + 1) % self.moe_every == 0
         )
 
     @property

@@ -114,6 +114,11 @@ def check_pipeline(parallel: ParallelConfig, model: ModelConfig, train: TrainCon
     and the options that compose with it."""
     if parallel.pipeline == 1:
         return
+    require(
+        model.mtp_depth == 0,
+        f"model.mtp_depth={model.mtp_depth} with parallel.pipeline={parallel.pipeline}: the "
+        "multi-token prediction modules are not pipelined; train them without a pipeline",
+    )
     chunks = f"parallel.pipeline x parallel.virtual_stages = {parallel.chunks}"
     counts = parallel.chunk_layer_counts
     if counts is None:

@@ -30,7 +30,7 @@ from flax import nnx
 from jaxmoe.config import MoEConfig
 from jaxmoe.generate.sampling import Sampling, choose_next
 from jaxmoe.layers import GPTMoE
-from jaxmoe.layers.transformer import LayerCache
+from jaxmoe.layers.block import LayerCache
 
 Cache = tuple[LayerCache, ...]
 GREEDY = Sampling()

@@ -364,6 +364,7 @@ def inexpressible(config: Config, family: str) -> tuple[str, Any, Any] | None:
         "model.kv_lora_rank": (model.kv_lora_rank, None),
         "model.rope_mscale": (model.rope_mscale, 0.0),
         "model.rope_mscale_all_dim": (model.rope_mscale_all_dim, 0.0),
+        "model.mtp_depth": (model.mtp_depth, 0),
     }
     if family == "mixtral":
         required.update(

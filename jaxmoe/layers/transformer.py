@@ -1,5 +1,6 @@
-"""The decoder: embeddings, pre-norm blocks with an MoE FFN in chosen layers, a final
-norm and the output head; layers unrolled.
+"""The decoder: embeddings, pre-norm blocks (:mod:`jaxmoe.layers.block`) with an MoE FFN
+in chosen layers, a final norm and the output head, and multi-token prediction's modules
+after them where the model has them (:mod:`jaxmoe.layers.multi_token`); layers unrolled.
 
 Layers are a Python loop, not a ``scan``: the scheduler must see each layer's
 collectives separately to overlap them with the computation of neighbouring
@@ -29,6 +30,8 @@ cache (:class:`~jaxmoe.layers.attention.KVCache`, or MLA's
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -36,104 +39,23 @@ from flax import nnx
 
 from jaxmoe.config import ModelConfig, MoEConfig
 from jaxmoe.experimental import DEFAULT, ExperimentalOptions
-from jaxmoe.layers.attention import CausalSelfAttention, KVCache
-from jaxmoe.layers.latent_attention import LatentAttention, LatentCache
-from jaxmoe.layers.mlp import DenseFFN
-from jaxmoe.layers.moe import MoELayer, RoutingStats
+from jaxmoe.layers.block import Block, LayerCache
+from jaxmoe.layers.moe import RoutingStats
+from jaxmoe.layers.multi_token import PredictionModule
 from jaxmoe.layers.norms import make_norm
 from jaxmoe.layers.recompute import BlockCall, call_block
 from jaxmoe.layers.rotary import rotary_tables
-from jaxmoe.layers.shared_experts import SharedExperts
 from jaxmoe.parallel.tensor_parallel import sequence_slice
 
-# One attention layer's decode cache.
-LayerCache = KVCache | LatentCache
 
+class Outputs(NamedTuple):
+    """What the model computes of a batch: float32 logits ``[batch, seq, vocab]``, routing
+    stats stacked over the MoE layers, and each multi-token prediction module's logits
+    (none unless asked for)."""
 
-class Block(nnx.Module):
-    """``x + attention(norm(x))``, then ``x + ffn(norm(x))``; the FFN is dense, or MoE
-    (with its shared experts, when the model has them)."""
-
-    def __init__(
-        self,
-        model: ModelConfig,
-        moe: MoEConfig | None,
-        *,
-        dtype: jnp.dtype,
-        rngs: nnx.Rngs,
-        experimental: ExperimentalOptions = DEFAULT,
-    ):
-        self.attention_norm = make_norm(model, model.d_model, dtype=dtype, rngs=rngs)
-        attention = LatentAttention if model.latent_attention else CausalSelfAttention
-        self.attention = attention(model, dtype=dtype, rngs=rngs)
-        self.ffn_norm = make_norm(model, model.d_model, dtype=dtype, rngs=rngs)
-        self.shared = (
-            SharedExperts(model, moe, dtype=dtype, rngs=rngs)
-            if moe is not None and moe.num_shared_experts
-            else None
-        )
-        if moe is None:
-            self.ffn = DenseFFN(model, model.d_ff, dtype=dtype, rngs=rngs)
-        else:
-            self.ffn = MoELayer(
-                model.d_model,
-                model.d_ff,
-                moe,
-                activation=model.activation,
-                bias=model.linear_bias,
-                dtype=dtype,
-                rngs=rngs,
-                experimental=experimental,
-            )
-
-    @property
-    def is_moe(self) -> bool:
-        return isinstance(self.ffn, MoELayer)
-
-    def __call__(
-        self,
-        x: jax.Array,
-        jitter_key: jax.Array | None = None,
-        replica_table: jax.Array | None = None,
-        rotary: tuple[jax.Array, jax.Array] | None = None,
-        segment_ids: jax.Array | None = None,
-    ) -> tuple[jax.Array, RoutingStats | None]:
-        with jax.named_scope("attention"):
-            x = x + self.attention(self.attention_norm(x), rotary, segment_ids)
-        return self._feed_forward(x, jitter_key, replica_table)
-
-    def decode(
-        self,
-        x: jax.Array,
-        cache: LayerCache,
-        index: jax.Array,
-        rotary: tuple[jax.Array, jax.Array] | None = None,
-    ) -> tuple[jax.Array, LayerCache]:
-        """The block on new tokens ``x [batch, new, d_model]`` at cache positions ``index``
-        on (:meth:`CausalSelfAttention.decode`); the FFN as in training, without router
-        noise or replicas."""
-        with jax.named_scope("attention"):
-            update, cache = self.attention.decode(self.attention_norm(x), cache, index, rotary)
-        x, _ = self._feed_forward(x + update)
-        return x, cache
-
-    def _feed_forward(
-        self,
-        x: jax.Array,
-        jitter_key: jax.Array | None = None,
-        replica_table: jax.Array | None = None,
-    ) -> tuple[jax.Array, RoutingStats | None]:
-        """``x + ffn(norm(x))`` and the MoE layer's routing stats (None when dense)."""
-        if not self.is_moe:
-            with jax.named_scope("ffn"):
-                return x + self.ffn(self.ffn_norm(x)), None
-        normed = self.ffn_norm(x)
-        with jax.named_scope("moe"):
-            update, stats = self.ffn(normed, jitter_key, replica_table)
-        if self.shared is not None:
-            with jax.named_scope("shared"):
-                update = update + self.shared(normed)
-        return x + update, stats
+    logits: jax.Array
+    stats: RoutingStats
+    ahead: tuple[jax.Array, ...] = ()
 
 
 class GPTMoE(nnx.Module):
@@ -177,6 +99,21 @@ class GPTMoE(nnx.Module):
             if model.tie_embeddings
             else nnx.Linear(model.d_model, model.vocab_size, use_bias=False, dtype=dtype, rngs=rngs)
         )
+        # Multi-token prediction's modules, made last (the rest is initialised as without
+        # them): their blocks are layers num_layers, ... on.
+        if model.mtp_depth:
+            self.mtp = nnx.List(
+                [
+                    PredictionModule(
+                        model,
+                        moe if model.num_layers + k in moe_layers else None,
+                        dtype=dtype,
+                        rngs=rngs,
+                        experimental=experimental,
+                    )
+                    for k in range(model.mtp_depth)
+                ]
+            )
 
     def __call__(
         self,
@@ -188,7 +125,26 @@ class GPTMoE(nnx.Module):
         block_call: BlockCall | None = None,
     ) -> tuple[jax.Array, RoutingStats]:
         """``tokens [batch, seq]`` -> float32 logits ``[batch, seq, vocab]`` and routing stats
-        stacked over the MoE layers (leading axis: MoE layer, in depth order).
+        stacked over the model's MoE layers (leading axis: MoE layer, in depth order); the
+        arguments as :meth:`outputs` takes them."""
+        outputs = self.outputs(tokens, jitter_key, placement, positions, segment_ids, block_call)
+        return outputs.logits, outputs.stats
+
+    def outputs(
+        self,
+        tokens: jax.Array,
+        jitter_key: jax.Array | None = None,
+        placement: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        block_call: BlockCall | None = None,
+        next_tokens: jax.Array | None = None,
+    ) -> Outputs:
+        """``tokens [batch, seq]`` -> float32 logits ``[batch, seq, vocab]`` and routing stats
+        stacked over the MoE layers (leading axis: MoE layer, in depth order), and with
+        ``next_tokens`` (``[batch, seq]``, each position's next token: the targets) the
+        multi-token prediction modules' logits (:mod:`jaxmoe.layers.multi_token`; none
+        without them), their MoE blocks' stats after the model's.
 
         Under tensor parallelism ``tokens`` are the whole rows and the logits are for this
         device's slice of the positions (:func:`~jaxmoe.parallel.tensor_parallel.sequence_slice`).
@@ -217,8 +173,52 @@ class GPTMoE(nnx.Module):
                 )  # fmt: skip
             if stats is not None:
                 layer_stats.append(stats)
+        logits = self.logits(x)
+        ahead = []
+        if next_tokens is not None and self.config.mtp_depth:
+            ahead = self._predict_ahead(
+                x, next_tokens, jitter_key, placement, rotary, segment_ids, layer_stats
+            )
         stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *layer_stats)
-        return self.logits(x), stacked
+        return Outputs(logits, stacked, tuple(ahead))
+
+    def _predict_ahead(
+        self,
+        x: jax.Array,
+        next_tokens: jax.Array,
+        jitter_key: jax.Array | None,
+        placement: jax.Array | None,
+        rotary: tuple[jax.Array, jax.Array] | None,
+        segment_ids: jax.Array | None,
+        layer_stats: list[RoutingStats],
+    ) -> list[jax.Array]:
+        """Each multi-token prediction module's float32 logits, its routing stats appended
+        to ``layer_stats``: module ``k`` reads the token ``k`` places ahead of each
+        position (``next_tokens`` shifted by ``k - 1``, the row's end padded with id 0,
+        whose positions predict nothing)."""
+        seq = next_tokens.shape[1]
+        logits = []
+        for k, module in enumerate(self.mtp, start=1):
+            index = self.config.num_layers + k - 1
+            ahead = jnp.pad(next_tokens[:, k - 1 :], ((0, 0), (0, k - 1)))
+            assert ahead.shape[1] == seq
+            key = None if jitter_key is None else jax.random.fold_in(jitter_key, index)
+            table = None
+            if placement is not None and module.block.is_moe:
+                table = placement[len(layer_stats)]
+            with jax.named_scope(f"mtp_{k}"):
+                embedded = self.token_embed(sequence_slice(ahead))
+                x, stats = module(
+                    x, embedded, self.config.recompute, index, key, table, rotary, segment_ids
+                )
+                with jax.named_scope("head"):
+                    normed = module.final_norm(x)
+                    tied = self.head is None
+                    head = self.token_embed.attend(normed) if tied else self.head(normed)
+                logits.append(head.astype(jnp.float32))
+            if stats is not None:
+                layer_stats.append(stats)
+        return logits
 
     def embed(
         self, tokens: jax.Array, positions: jax.Array | None = None

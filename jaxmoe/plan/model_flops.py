@@ -31,6 +31,10 @@ Megatron-LM", appendix; Chowdhery et al. 2022, "PaLM", appendix B):
   for the dense FFN, the routed experts and the shared experts alike.
 - The token embedding is a lookup (no FLOPs); the output head, tied to it or not, is
   a ``d_model x vocab`` matmul per token and counts.
+- Multi-token prediction (``model.mtp_depth`` modules, DeepSeek-V3) counts each module's
+  projection ``2 d_model x d_model``, its block (attention and FFN or MoE, counted with
+  the layers') and its pass through the output head, per token, as Megatron-Core counts
+  them.
 - An MoE layer counts its router (``d_model x num_experts`` per token) and the
   ``top_k`` experts each token is routed to: the active parameters only. What the
   implementation computes beyond that is not model FLOPs: the empty capacity slots
@@ -67,7 +71,8 @@ class ModelFlops:
     router: int
     experts: int  # top_k experts per token, every assignment kept
     shared_experts: int
-    output_head: int
+    output_head: int  # the model's and each multi-token prediction module's
+    multi_token_projections: int = 0  # each module's 2 d_model -> d_model projection
 
     @property
     def forward(self) -> int:
@@ -87,7 +92,8 @@ def model_flops(config: Config) -> ModelFlops:
     """The forward model FLOPs of one training step of ``config`` (see the module notes)."""
     model, moe = config.model, config.moe
     tokens = config.train.batch_size * model.seq_len
-    width, layers = model.d_model, model.num_layers
+    width = model.d_model
+    layers = model.num_layers + model.mtp_depth  # the modules' blocks with the layers
     moe_layers = len(model.moe_layers)
     d_expert = moe.d_expert or model.d_ff
     heads = model.num_heads * model.attention_head_dim  # all query heads, side by side
@@ -106,7 +112,8 @@ def model_flops(config: Config) -> ModelFlops:
         router=moe_layers * matmul(tokens, width, moe.num_experts + moe.shared_expert_gate),
         experts=moe_layers * matrices * matmul(tokens * moe.top_k, width, d_expert),
         shared_experts=moe_layers * matrices * matmul(tokens, width, shared_width(model, moe)),
-        output_head=matmul(tokens, width, model.vocab_size),
+        output_head=(1 + model.mtp_depth) * matmul(tokens, width, model.vocab_size),
+        multi_token_projections=model.mtp_depth * matmul(tokens, 2 * width, width),
     )
 
 

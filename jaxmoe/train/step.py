@@ -145,6 +145,7 @@ def _microbatch_gradients(run: Run, eod_id: int | None) -> Gradients:
             sum(part.total for part in parts),
             sum(part.cross_entropy for part in parts),
             combine_stats([part.stats for part in parts]),
+            sum(part.ahead for part in parts),
         )
         return losses, grads
 
@@ -248,6 +249,8 @@ def build_train_step(run: Run) -> ShardedStep:
                 "learning_rate": run.learning_rate(state.step),
                 **_routing_metrics(seq_aux_loss, losses.stats, axes, shards),
             }
+            if config.model.mtp_depth:
+                metrics["mtp_loss"] = jax.lax.psum(losses.ahead / shards, axes)
             if state.placement is not None:
                 metrics.update(_placement_metrics(losses.stats, state.placement, axes))
         model_state = state.model_state
@@ -315,14 +318,15 @@ def _update_expert_biases(model_state: Any, load: jax.Array, rate: float) -> Any
     """Each MoE layer's expert bias moved by its row of ``load [moe_layers, experts]``.
 
     The biases are the leaves of ``model_state``, one per MoE layer; the layers are in
-    depth order when sorted by the integer keys of their paths (the block indices)."""
+    depth order when sorted by the integer keys of their paths (the block indices), the
+    multi-token prediction modules' (under ``mtp``) after the model's."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(model_state)
     if len(leaves) != load.shape[0]:
         raise ValueError(f"{len(leaves)} expert biases for {load.shape[0]} MoE layers")
 
     def depth(path: Any) -> tuple[int, ...]:
-        keys = (getattr(entry, "key", getattr(entry, "idx", None)) for entry in path)
-        return tuple(key for key in keys if isinstance(key, int))
+        keys = [getattr(entry, "key", getattr(entry, "idx", None)) for entry in path]
+        return (int("mtp" in keys), *(key for key in keys if isinstance(key, int)))
 
     order = sorted(range(len(leaves)), key=lambda i: depth(leaves[i][0]))
     updated = [None] * len(leaves)

@@ -9,9 +9,9 @@ from flax import nnx
 
 from jaxmoe.config import ModelConfig, MoEConfig
 from jaxmoe.config.moe import shared_width
+from jaxmoe.layers.block import Block
 from jaxmoe.layers.mlp import DenseFFN
 from jaxmoe.layers.shared_experts import SharedExperts
-from jaxmoe.layers.transformer import Block
 
 MODEL = ModelConfig(
     d_model=16, num_heads=2, d_ff=32, seq_len=8, activation="swiglu", linear_bias=False

@@ -15,9 +15,10 @@ import pytest
 from flax import nnx
 
 from jaxmoe.config import ModelConfig, MoEConfig
+from jaxmoe.layers.block import Block
 from jaxmoe.layers.mlp import DenseFFN
 from jaxmoe.layers.moe import MoELayer
-from jaxmoe.layers.transformer import Block, GPTMoE
+from jaxmoe.layers.transformer import GPTMoE
 
 BATCH, SEQ, VOCAB, NUM_EXPERTS = 2, 16, 32, 4
 DROPLESS_TOP2 = MoEConfig(num_experts=NUM_EXPERTS, top_k=2, capacity_factor=None)

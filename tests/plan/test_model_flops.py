@@ -203,3 +203,24 @@ def test_the_traced_step_of_latent_attention_computes_the_count(q_lora_rank):
     assert math.isclose(
         traced_matmul_flops(config), flops.train_step() + combine_flops(config), rel_tol=1e-12
     )
+
+
+def test_the_traced_step_of_multi_token_prediction_computes_the_count():
+    # Two modules after two layers; the second module's block is an MoE block.
+    config = Config(
+        model=ModelConfig(
+            vocab_size=256, d_model=16, num_heads=2, num_layers=2, d_ff=32, seq_len=8,
+            moe_every=2, attention="dense", mtp_depth=2,
+        ),
+        moe=MoEConfig(num_experts=8, top_k=2, capacity_factor=1.0),
+        parallel=ParallelConfig(data=2, expert=4),
+        train=TrainConfig(batch_size=16),
+    )  # fmt: skip
+    assert config.model.moe_layers == (1, 3)
+    flops = model_flops(config)
+    tokens = 16 * 8
+    assert flops.multi_token_projections == 2 * 2 * tokens * 32 * 16
+    assert flops.output_head == 3 * 2 * tokens * 16 * 256
+    assert math.isclose(
+        traced_matmul_flops(config), flops.train_step() + combine_flops(config), rel_tol=1e-12
+    )
