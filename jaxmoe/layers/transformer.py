@@ -275,20 +275,56 @@ class GPTMoE(nnx.Module):
         of ``new = 1``. Positions are ``index`` on (learned positions or rotary tables);
         MoE layers route every token as in training, without router noise; their
         routing stats are dropped. One device, no mesh."""
+        logits, _, cache = self.decode_hidden(tokens, cache, index)
+        return logits, cache
+
+    def decode_hidden(
+        self, tokens: jax.Array, cache: tuple[LayerCache, ...], index: jax.Array
+    ) -> tuple[jax.Array, jax.Array, tuple[LayerCache, ...]]:
+        """:meth:`decode`, and the last block's output ``[batch, new, d_model]`` beside the
+        logits (what multi-token prediction's first module reads)."""
         chex.assert_rank(tokens, 2)
         chex.assert_type(tokens, int)
         chex.assert_equal(len(cache), len(self.blocks))
-        positions = index + jnp.arange(tokens.shape[1])
-        x = self.token_embed(tokens)
-        rotary = None
-        if self.position_embed is not None:
-            learned = jnp.take(self.position_embed[...], positions, axis=0)
-            x = x + learned.astype(self.dtype)[None]
-        else:
-            rotary = rotary_tables(self.config, positions)
+        x, rotary = self._decode_embed(tokens, index)
         caches = []
         for number, (block, layer_cache) in enumerate(zip(self.blocks, cache, strict=True)):
             with jax.named_scope(f"layer_{number}"):
                 x, layer_cache = block.decode(x, layer_cache, index, rotary)
             caches.append(layer_cache)
-        return self._head(x).astype(jnp.float32), tuple(caches)
+        return self._head(x).astype(jnp.float32), x, tuple(caches)
+
+    def _decode_embed(
+        self, tokens: jax.Array, index: jax.Array
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        """The embedded ``tokens`` at positions ``index`` on, and their rotary tables."""
+        positions = index + jnp.arange(tokens.shape[1])
+        x = self.token_embed(tokens)
+        if self.position_embed is None:
+            return x, rotary_tables(self.config, positions)
+        learned = jnp.take(self.position_embed[...], positions, axis=0)
+        return x + learned.astype(self.dtype)[None], None
+
+    def init_draft_cache(self, batch: int, max_len: int) -> LayerCache:
+        """An empty cache of multi-token prediction's first module's block, for
+        :meth:`decode_draft`."""
+        return self.mtp[0].block.attention.init_cache(batch, max_len, self.dtype)
+
+    def decode_draft(
+        self, hidden: jax.Array, next_tokens: jax.Array, cache: LayerCache, index: jax.Array
+    ) -> tuple[jax.Array, LayerCache]:
+        """Multi-token prediction's first module at positions ``index`` on: the model's last
+        block's output there ``hidden [batch, new, d_model]`` and the tokens that follow
+        them ``next_tokens [batch, new]`` -> float32 logits ``[batch, new, vocab]`` of the
+        tokens two places ahead (the drafts of speculative decoding), and its cache."""
+        module = self.mtp[0]
+        _, rotary = self._decode_embed(next_tokens, index)
+        with jax.named_scope("mtp_1"):
+            joined = jnp.concatenate(
+                [module.embedding_norm(self.token_embed(next_tokens)), module.hidden_norm(hidden)],
+                axis=-1,
+            )
+            x, cache = module.block.decode(module.projection(joined), cache, index, rotary)
+            normed = module.final_norm(x)
+            head = self.token_embed.attend(normed) if self.head is None else self.head(normed)
+        return head.astype(jnp.float32), cache

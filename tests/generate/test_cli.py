@@ -112,6 +112,14 @@ def test_an_unreadable_newest_checkpoint_is_passed_over_and_left_as_it_is(
             "value: line 1 column 1 (char 0)); give a run directory whose checkpoints are intact",
         ),
         (["--checkpoint", "A_FILE"], "is a file, not a run directory: give the run it is in"),
+        (
+            ["--speculative", "mtp"],
+            "--speculative mtp: the model has no multi-token prediction module",
+        ),
+        (
+            ["--speculative", "mtp", "--temperature", "0.5"],
+            "--speculative mtp with --temperature 0.5: speculative decoding is greedy here",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_status_2(run_dir, tmp_path, capsys, argv, message):
