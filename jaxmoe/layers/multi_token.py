@@ -2,13 +2,14 @@
 token further ahead, sequentially, sharing the model's embedding and output head.
 
 Module ``k`` (1-based, ``model.mtp_depth`` of them) reads, at position ``i``, the hidden
-state the previous module (the model's last layer for ``k = 1``) left there and the
-embedding of token ``i + k``: each through a norm of its own, concatenated (the
+state the previous module's final norm (the model's final norm for ``k = 1``) left there
+and the embedding of token ``i + k``: each through a norm of its own, concatenated (the
 embedding first, as DeepSeek-V3's checkpoint lays out its projection), projected from
 ``2 d_model`` back to ``d_model``, and run through one transformer block (an MoE block
-where the layer it stands for, ``num_layers + k - 1``, is an MoE layer), whose output is
-both the next module's input and, through a final norm of its own and the shared output
-head, the prediction of token ``i + k + 1``. Its block sees the same positions, rotary
+where the layer it stands for, ``num_layers + k - 1``, is an MoE layer) and a final norm
+of its own, whose output is both the next module's input and, through the shared output
+head, the prediction of token ``i + k + 1`` (Megatron-Core's and vLLM's wiring of
+DeepSeek-V3's module). Its block sees the same positions, rotary
 tables and documents as the model's layers.
 
 The losses (:mod:`jaxmoe.losses`) count the targets that exist: position ``i`` of module

@@ -173,18 +173,20 @@ class GPTMoE(nnx.Module):
                 )  # fmt: skip
             if stats is not None:
                 layer_stats.append(stats)
-        logits = self.logits(x)
+        with jax.named_scope("head"):
+            normed = self.final_norm(x)
+        logits = self._output_head(normed).astype(jnp.float32)
         ahead = []
         if next_tokens is not None and self.config.mtp_depth:
             ahead = self._predict_ahead(
-                x, next_tokens, jitter_key, placement, rotary, segment_ids, layer_stats
+                normed, next_tokens, jitter_key, placement, rotary, segment_ids, layer_stats
             )
         stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *layer_stats)
         return Outputs(logits, stacked, tuple(ahead))
 
     def _predict_ahead(
         self,
-        x: jax.Array,
+        hidden: jax.Array,
         next_tokens: jax.Array,
         jitter_key: jax.Array | None,
         placement: jax.Array | None,
@@ -193,9 +195,11 @@ class GPTMoE(nnx.Module):
         layer_stats: list[RoutingStats],
     ) -> list[jax.Array]:
         """Each multi-token prediction module's float32 logits, its routing stats appended
-        to ``layer_stats``: module ``k`` reads the token ``k`` places ahead of each
-        position (``next_tokens`` shifted by ``k - 1``, the row's end padded with id 0,
-        whose positions predict nothing)."""
+        to ``layer_stats``: module ``k`` reads the hidden state the model's final norm
+        (``hidden``), or module ``k - 1``'s, left at each position, and the token ``k``
+        places ahead of it (``next_tokens`` shifted by ``k - 1``, the row's end padded with
+        id 0, whose positions predict nothing), as Megatron-Core and vLLM run DeepSeek-V3's
+        module."""
         seq = next_tokens.shape[1]
         logits = []
         for k, module in enumerate(self.mtp, start=1):
@@ -209,13 +213,12 @@ class GPTMoE(nnx.Module):
             with jax.named_scope(f"mtp_{k}"):
                 embedded = self.token_embed(sequence_slice(ahead))
                 x, stats = module(
-                    x, embedded, self.config.recompute, index, key, table, rotary, segment_ids
-                )
+                    hidden, embedded, self.config.recompute, index, key, table, rotary,
+                    segment_ids,
+                )  # fmt: skip
                 with jax.named_scope("head"):
-                    normed = module.final_norm(x)
-                    tied = self.head is None
-                    head = self.token_embed.attend(normed) if tied else self.head(normed)
-                logits.append(head.astype(jnp.float32))
+                    hidden = module.final_norm(x)
+                    logits.append(self._output_head(hidden).astype(jnp.float32))
             if stats is not None:
                 layer_stats.append(stats)
         return logits
@@ -243,12 +246,13 @@ class GPTMoE(nnx.Module):
 
     def logits(self, x: jax.Array) -> jax.Array:
         """The last block's output -> float32 logits."""
-        return self._head(x).astype(jnp.float32)
-
-    def _head(self, x: jax.Array) -> jax.Array:
-        """The final norm and the output head: logits in the compute dtype."""
         with jax.named_scope("head"):
-            normed = self.final_norm(x)
+            return self._output_head(self.final_norm(x)).astype(jnp.float32)
+
+    def _output_head(self, normed: jax.Array) -> jax.Array:
+        """The output head (the token embedding's, tied, or its own) on normed hidden
+        states: logits in the compute dtype."""
+        with jax.named_scope("head"):
             tied = self.head is None
             return self.token_embed.attend(normed) if tied else self.head(normed)
 
@@ -281,7 +285,7 @@ class GPTMoE(nnx.Module):
     def decode_hidden(
         self, tokens: jax.Array, cache: tuple[LayerCache, ...], index: jax.Array
     ) -> tuple[jax.Array, jax.Array, tuple[LayerCache, ...]]:
-        """:meth:`decode`, and the last block's output ``[batch, new, d_model]`` beside the
+        """:meth:`decode`, and the final norm's output ``[batch, new, d_model]`` beside the
         logits (what multi-token prediction's first module reads)."""
         chex.assert_rank(tokens, 2)
         chex.assert_type(tokens, int)
@@ -292,7 +296,9 @@ class GPTMoE(nnx.Module):
             with jax.named_scope(f"layer_{number}"):
                 x, layer_cache = block.decode(x, layer_cache, index, rotary)
             caches.append(layer_cache)
-        return self._head(x).astype(jnp.float32), x, tuple(caches)
+        with jax.named_scope("head"):
+            normed = self.final_norm(x)
+        return self._output_head(normed).astype(jnp.float32), normed, tuple(caches)
 
     def _decode_embed(
         self, tokens: jax.Array, index: jax.Array
@@ -313,8 +319,8 @@ class GPTMoE(nnx.Module):
     def decode_draft(
         self, hidden: jax.Array, next_tokens: jax.Array, cache: LayerCache, index: jax.Array
     ) -> tuple[jax.Array, LayerCache]:
-        """Multi-token prediction's first module at positions ``index`` on: the model's last
-        block's output there ``hidden [batch, new, d_model]`` and the tokens that follow
+        """Multi-token prediction's first module at positions ``index`` on: the model's final
+        norm's output there ``hidden [batch, new, d_model]`` and the tokens that follow
         them ``next_tokens [batch, new]`` -> float32 logits ``[batch, new, vocab]`` of the
         tokens two places ahead (the drafts of speculative decoding), and its cache."""
         module = self.mtp[0]
@@ -325,6 +331,5 @@ class GPTMoE(nnx.Module):
                 axis=-1,
             )
             x, cache = module.block.decode(module.projection(joined), cache, index, rotary)
-            normed = module.final_norm(x)
-            head = self.token_embed.attend(normed) if self.head is None else self.head(normed)
+            head = self._output_head(module.final_norm(x))
         return head.astype(jnp.float32), cache
