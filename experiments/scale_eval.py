@@ -24,7 +24,7 @@ asked for and keeps the rest from the earlier runs (``scale_eval.json`` beside t
 report); the report names every command that made it.
 
     python -m experiments.scale_eval [--models M,...] [--devices 64,128,256,recipe]
-        [--parts planner,recipes,cpu] [--top 10] [--repeats 5] [--out FILE]
+        [--parts planner,recipes,cpu] [--top 10] [--time-limit S] [--repeats 5] [--out FILE]
 """
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ if TYPE_CHECKING:
 
 RESULTS = Path(__file__).parent / "results"
 PROFILE = "h100-8x-nvlink-3200g"
+# Why the planner left a mapping out (jaxmoe.plan.planner.NotEstimated.kind).
+KINDS = ("state", "memory", "step", "refused", "time")
 # A search at a model's recipe's devices and global batch (``--devices``).
 RECIPE = "recipe"
 # The schedules the planner estimates for every mapping; the fastest counts.
@@ -130,6 +132,7 @@ class Search:
     cpu: float
     best: MappingEstimate | None  # the best that fits (None: none fits)
     command: str  # the run that made it
+    complete: bool = True  # the best proven the best (False: --time-limit stopped it)
 
     @property
     def key(self) -> tuple[str, int, int]:
@@ -162,9 +165,11 @@ def searches_of(models: Sequence[str], devices: Sequence[str]) -> list[tuple[str
     return found
 
 
-def plan_one(model: str, devices: int, batch: int, top: int, command: str) -> Search:
+def plan_one(
+    model: str, devices: int, batch: int, top: int, command: str, time_limit: float | None
+) -> Search:
     """The planner's search for ``model`` on ``devices`` H100s at ``batch`` sequences a
-    step, timed (no cache)."""
+    step, timed (no cache), stopped after ``time_limit`` seconds where given."""
     from jaxmoe.plan.planner import plan_mappings
 
     config = planned_config(model, devices, batch)
@@ -177,10 +182,11 @@ def plan_one(model: str, devices: int, batch: int, top: int, command: str) -> Se
         SCHEDULES,
         top=top,
         progress=lambda line: print(line, flush=True),
+        time_limit=time_limit,
     )
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     print(f"{model} on {devices}: {len(result.estimates)} estimated, {wall:.0f} s", flush=True)
-    left_out = {kind: 0 for kind in ("state", "memory", "step", "refused")}
+    left_out = dict.fromkeys(KINDS, 0)
     for item in result.not_estimated:
         left_out[item.kind] += 1
     return Search(
@@ -195,6 +201,7 @@ def plan_one(model: str, devices: int, batch: int, top: int, command: str) -> Se
         cpu,
         result.ranked[0] if result.ranked else None,
         command,
+        result.complete,
     )
 
 
@@ -210,16 +217,18 @@ def _at_recipe(search: Search) -> bool:
 def planner_rows(searches: Sequence[Search]) -> list[str]:
     lines = [
         "| model | devices | sequences a step | layouts | estimated | fit 80 GB | not "
-        "estimated (state / memory bound / step bound / refused) | planner s (CPU s) |",
-        "|---|---|---|---|---|---|---|---|",
+        "estimated (state / memory bound / step bound / refused / time) | planner s (CPU s) "
+        "| best proven |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for search in searches:
         kinds = search.left_out
         lines.append(
             f"| {search.model} | {search.devices} | {search.batch} | {search.layouts} | "
             f"{search.estimated} | {search.fitting} | "
-            f"{' / '.join(str(kinds[k]) for k in ('state', 'memory', 'step', 'refused'))} | "
-            f"{search.wall:.0f} ({search.cpu:.0f}) |"
+            f"{' / '.join(str(kinds.get(k, 0)) for k in KINDS)} | "
+            f"{search.wall:.0f} ({search.cpu:.0f}) | "
+            f"{'yes' if search.complete else 'no: stopped at the time limit'} |"
         )
     return lines
 
@@ -587,6 +596,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--parts", default=",".join(PARTS), help="what to run again")
     parser.add_argument("--top", type=int, default=10, help="the best mappings made sure of")
+    parser.add_argument(
+        "--time-limit", type=float, help="seconds a search may take (its best then not proven)"
+    )
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per CPU option")
     parser.add_argument("--out", type=Path, default=RESULTS / "scale_eval.md")
     args = parser.parse_args(argv)
@@ -602,6 +614,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(f"--parts {args.parts!r}: choose from {', '.join(PARTS)}")
     if args.top < 1 or args.repeats < 1:
         parser.error("--top and --repeats: at least 1")
+    if args.time_limit is not None and not args.time_limit > 0:
+        parser.error(f"--time-limit {args.time_limit}: a number of seconds > 0")
     if not args.out.parent.is_dir():
         parser.error(f"--out: {args.out.parent} is not a directory")
     searches = searches_of(models, entries) if "planner" in parts else []
@@ -622,7 +636,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         store.cpu = {"command": command, "repeats": args.repeats, "rows": rows}
         write()
     for model, devices, batch in searches:
-        store.add_search(plan_one(model, devices, batch, args.top, command))
+        store.add_search(plan_one(model, devices, batch, args.top, command, args.time_limit))
         write()
     if "recipes" in parts:
         for model in models:

@@ -280,6 +280,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--verbose", action="store_true", help="why mappings were skipped")
     plan.add_argument("--no-cache", action="store_true", help="estimate afresh, keep nothing")
     plan.add_argument(
+        "--time-limit",
+        type=float,
+        metavar="SECONDS",
+        help="estimate no more mappings after this long: the best found, not proven the best",
+    )
+    plan.add_argument(
         "--trace-every-layer",
         action="store_true",
         help="trace each mapping's whole depth (default: one and two blocks, extrapolated)",

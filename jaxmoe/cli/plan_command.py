@@ -35,6 +35,7 @@ def run(config: Config, args: argparse.Namespace) -> int:
         cache_dir=None if args.no_cache else default_cache_dir(),
         progress=lambda line: print(line, file=sys.stderr, flush=True),
         extrapolate_layers=not args.trace_every_layer,
+        time_limit=args.time_limit,
     )
     print(plan_table.table(result, verbose=args.verbose))
     if args.json is not None:

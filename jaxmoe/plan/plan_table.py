@@ -66,9 +66,15 @@ def table(result: PlanResult, verbose: bool = False) -> str:
             lines += [row("-", e) for e in over]
     skipped = result.space.skipped
     left = result.not_estimated
+    unreached = [item for item in result.not_estimated if item.kind == "time"]
+    if not result.complete:
+        lines.append(
+            f"the search stopped at its time limit: the ranking is of the mappings estimated; "
+            f"{len(unreached)} mappings whose bounds are under the best were not estimated"
+        )
     lines.append(
         f"{len(result.estimates)} mappings estimated"
-        + (f" (the {result.top} best that fit are exact)" if result.top else "")
+        + (f" (the {result.top} best that fit are exact)" if result.top and result.complete else "")
         + f", {len(left)} not estimated, {len(skipped)} layouts skipped"
         + (":" if verbose and (skipped or left) else " (--verbose says why)")
     )

@@ -29,7 +29,8 @@ bound of their step time, and only until the ``top`` best are known
    estimate (the latest traces are kept: a deep model's own one-block trace is the first
    of its estimate's two). Once the ``top`` best estimates that fit are no slower than
    every bound left, the search stops: those are the ``top`` best of all mappings. The
-   rest are listed with their bounds.
+   rest are listed with their bounds. With a time limit (``jaxmoe plan --time-limit``)
+   the search may stop earlier: the best estimated so far, not proven the best.
 
 The bounds hold for the ``none`` schedule; other schedules may hide communication, and
 are bounded by their computation alone.
@@ -45,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,7 +159,9 @@ class NotEstimated:
     """A valid mapping the planner did not estimate, why, and its bounds where known."""
 
     mapping: Mapping
-    kind: str  # "refused" (by Config), "state", "memory" or "step" (its bound)
+    # "refused" (by Config), "state", "memory" or "step" (its bound), or "time" (its bound
+    # was under the best estimated when the search reached its time limit)
+    kind: str
     reason: str
     step_bound: float | None = None  # seconds
     memory_bound: int | None = None  # bytes per device
@@ -185,6 +189,8 @@ class PlanResult:
     peak_flops_per_s: float = 0.0  # the profile's for the model's dtype (the MFU's peak)
     not_estimated: tuple[NotEstimated, ...] = ()
     top: int = 0  # the best mappings the search made sure of (0: all were estimated)
+    # Whether the top mappings are proven the best (False: the time limit cut the search).
+    complete: bool = True
 
     @property
     def ranked(self) -> list[MappingEstimate]:
@@ -209,6 +215,7 @@ class PlanResult:
             if self.extrapolated
             else "traced whole",
             "top": self.top,
+            "complete": self.complete,
             "ranked": [{"rank": i + 1, **e.to_json()} for i, e in enumerate(self.ranked)],
             "over_memory": [e.to_json() for e in self.over_memory],
             "not_estimated": [n.to_json() for n in self.not_estimated],
@@ -464,6 +471,7 @@ def plan_mappings(
     pipeline: bool = True,
     max_virtual_stages: int = 2,
     cross_node_tensor: bool = False,
+    time_limit: float | None = None,
 ) -> PlanResult:
     """Estimate and rank the mappings of ``config``'s model on ``devices`` devices (module
     docstring): the ``top`` best that fit, and every mapping estimated on the way.
@@ -478,8 +486,15 @@ def plan_mappings(
     one block each (uneven where the blocks do not divide:
     :func:`~jaxmoe.plan.mappings.pipelines_of`). ``cross_node_tensor``: also tensor
     groups wider than a node (:mod:`jaxmoe.plan.mappings`; a flat profile has no nodes).
-    ``preset``: what the table calls the configuration (a preset's name, a file's path)."""
+    ``preset``: what the table calls the configuration (a preset's name, a file's path).
+    ``time_limit``: seconds from the start after which the search estimates no more
+    mappings (the layouts' screens are all taken first): the ranking is then of the
+    mappings estimated (``PlanResult.complete`` False), those left listed with their
+    bounds."""
+    started = time.monotonic()
     check_plan_inputs(config, devices, profile, schedules)
+    if time_limit is not None and not time_limit > 0:
+        raise ConfigError(f"--time-limit {time_limit}: give a number of seconds > 0")
     if top < 1:
         raise ConfigError(f"top={top}: rank at least one mapping")
     device = scheduling.PROFILES[profile]
@@ -619,16 +634,28 @@ def plan_mappings(
         )
         return Advance(estimated=True, figure=step if estimate.fits else None)
 
-    left = best_first(start, advance, top)
+    deadline = None if time_limit is None else started + time_limit
+    end = best_first(start, advance, top, deadline)
+    best = sorted(e.best.step for e in estimates if e.fits)[top - 1 : top]
+
+    def why_left(bound: float) -> tuple[str, str]:
+        if end.complete or (best and bound >= best[0]):
+            return "step", (
+                f"its step takes at least {bound * 1e3:.1f} ms, no less than the {top} best "
+                "estimated that fit"
+            )
+        return "time", (
+            f"its step takes at least {bound * 1e3:.1f} ms; not estimated within the "
+            f"time limit of {time_limit:g} s"
+        )
+
     left_out += [
         NotEstimated(
             pending.layout.mapping.with_options(pending.options),
-            "step",
-            f"its step takes at least {bound * 1e3:.1f} ms, no less than the {top} best "
-            "estimated that fit",
+            *why_left(bound),
             step_bound=bound,
         )
-        for bound, pending in left
+        for bound, pending in end.left
     ]
     estimates.sort(key=lambda e: (not e.fits, -e.mfu, e.peak_bytes))
     extrapolated = extrapolate_layers and extrapolates(config)
@@ -644,6 +671,7 @@ def plan_mappings(
         peak,
         tuple(left_out),
         top,
+        end.complete,
     )
 
 

@@ -7,7 +7,9 @@ or its figure (it is estimated; the figure counts unless it is left out, e.g. ov
 memory), or nothing (it is dropped). Once ``wanted`` figures count and the least bound
 left is no less than the ``wanted``-th least figure, no candidate left can be among the
 ``wanted`` least: the search stops, and those are exactly the ``wanted`` least figures
-of all candidates, as long as every bound is one.
+of all candidates, as long as every bound is one. With a ``deadline``, the search also
+stops when the clock passes it: the figures found are then the least of those estimated,
+not proven the least of all (:attr:`SearchEnd.complete`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -32,20 +35,38 @@ class Advance:
     figure: float | None = None
 
 
+@dataclass(frozen=True)
+class SearchEnd:
+    """Where the search stopped: the candidates left, least bound first, and whether the
+    ``wanted`` least figures are proven (False: the deadline passed first)."""
+
+    left: list[tuple[float, Any]]
+    complete: bool
+
+
 def best_first(
-    start: Iterable[tuple[float, Any]], advance: Callable[[Any], Advance], wanted: int
-) -> list[tuple[float, Any]]:
+    start: Iterable[tuple[float, Any]],
+    advance: Callable[[Any], Advance],
+    wanted: int,
+    deadline: float | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> SearchEnd:
     """Advance the candidates ``(bound, item)`` of ``start`` least bound first (module
-    docstring); returns those left when the search stopped, with their bounds."""
+    docstring), until the ``wanted`` least figures are known or ``clock()`` passes
+    ``deadline``."""
     if wanted < 1:
         raise ValueError(f"wanted={wanted}: the search needs at least one figure")
     tie = itertools.count()
     heap = [(bound, next(tie), item) for bound, item in start]
     heapq.heapify(heap)
     figures: list[float] = []
+    complete = True
     while heap:
         bound, _, item = heap[0]
         if len(figures) >= wanted and bound >= figures[wanted - 1]:
+            break
+        if deadline is not None and clock() >= deadline:
+            complete = False
             break
         heapq.heappop(heap)
         step = advance(item)
@@ -53,4 +74,4 @@ def best_first(
             heapq.heappush(heap, (max(bound, step.bound), next(tie), step.item))
         elif step.estimated and step.figure is not None:
             bisect.insort(figures, step.figure)
-    return [(bound, item) for bound, _, item in sorted(heap)]
+    return SearchEnd([(bound, item) for bound, _, item in sorted(heap)], complete)

@@ -2,6 +2,8 @@
 searches it reran and keeps the others, and the report renders whatever is stored, the
 published MFU judged only at the recipe's devices and batch."""
 
+import dataclasses
+
 from experiments import scale_eval
 from experiments.published_recipes import PUBLISHED_ROW, RECIPES, RECOMPUTED_ROW, RecipeEstimate
 from jaxmoe.plan.estimates import StepTime
@@ -27,7 +29,7 @@ def test_a_run_replaces_the_searches_it_reran_and_keeps_the_others(tmp_path):
     recipe = RECIPES["mixtral-8x22b"]
     store = scale_eval.Store()
     store.add_search(_search(recipe.devices, recipe.global_batch, 0.30, "run a"))
-    store.add_search(_search(64, 64, 0.34, "run a"))
+    store.add_search(dataclasses.replace(_search(64, 64, 0.34, "run a"), complete=False))
     store.save(path)
     store = scale_eval.Store.load(path)
     store.add_search(_search(recipe.devices, recipe.global_batch, 0.50, "run b"))
@@ -56,6 +58,10 @@ def test_a_run_replaces_the_searches_it_reran_and_keeps_the_others(tmp_path):
     assert " | - | " in best[0]
     assert best[1].split(" | ")[:3] == ["| mixtral-8x22b", "128", "256"]
     assert " | 50.0% | " in best[1] and " | yes | " in best[1]
+    # A search the time limit stopped says so.
+    searched = [row for row in rows if row.count(" | ") == 8]
+    assert searched[0].endswith("| no: stopped at the time limit |")
+    assert searched[1].endswith("| yes |")
     assert any("as published" in row and "24.0%" in row for row in rows)
     assert any("not estimated, too big" in row for row in rows)
 

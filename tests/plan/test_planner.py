@@ -174,7 +174,7 @@ def test_json_shape(planned):
     assert row["memory_bytes"]["total"] == sum(row["memory_bytes"][p] for p in parts)
     prefetched = row["by_schedule"][row["schedule"]]["prefetched"]
     assert row["peak_bytes"] == row["memory_bytes"]["total"] + prefetched
-    assert data["not_estimated"] == [] and data["top"] == 10
+    assert data["not_estimated"] == [] and data["top"] == 10 and data["complete"]
     assert row["by_schedule"]["none"]["step"] == row["step_seconds"]
     assert {"mapping", "reason"} == set(data["skipped"][0])
     assert len(data["skipped"]) == 2  # all_gather without an expert group, twice
@@ -233,6 +233,7 @@ def test_cli_prints_the_table_and_writes_json(cache_home, tmp_path, monkeypatch,
         (["--schedule", "fastest"], "--schedule 'fastest': choose from"),
         (["--parallel.expert", "2"], "--parallel.expert: jaxmoe plan chooses the layout"),
         (["--json", "/nonexistent/dir/plan.json"], "--json /nonexistent/dir/plan.json"),
+        (["--time-limit", "0"], "--time-limit 0.0: give a number of seconds > 0"),
     ],
 )
 def test_cli_refusals_are_one_line_before_anything_is_traced(extra, message, no_tracing, capsys):
@@ -309,3 +310,18 @@ def test_each_mapping_is_estimated_under_the_schedules_that_apply_to_it():
 def test_the_cli_plans_under_every_schedule_by_default():
     args = cli.parse(["plan", *SMALL, "--devices", "2", "--profile", PROFILE])
     assert args.schedule.split(",") == ["none", "dw", "lancet", "pair"]
+
+
+def test_a_time_limit_ranks_what_was_estimated_and_says_so(cache_home, planned, no_tracing):
+    """A limit already passed when the search begins (the screens come from the cache):
+    nothing is estimated, every mapping is left with its bound, and the table says the
+    ranking is not proven."""
+    cache = cache_home / "jaxmoe" / "plan"
+    result = planner.plan_mappings(
+        _config(), "tiny", DEVICES, PROFILE, ("none",), cache_dir=cache, options=False,
+        time_limit=1e-9,
+    )  # fmt: skip
+    assert not result.complete and result.estimates == []
+    assert {item.kind for item in result.not_estimated} == {"time"}
+    assert len(result.not_estimated) == len(planned.estimates)
+    assert "the search stopped at its time limit" in table(result)

@@ -36,7 +36,9 @@ def test_the_wanted_least_figures_are_exact(seed, wanted):
             return Advance(tighter, (name, "tighter"))
         return Advance(estimated=True, figure=figure if counts else None)
 
-    left = best_first(((c[0], (n, "bound")) for n, c in candidates.items()), advance, wanted)
+    end = best_first(((c[0], (n, "bound")) for n, c in candidates.items()), advance, wanted)
+    left = end.left
+    assert end.complete
     estimated = {name for name, stage in advanced if stage == "tighter"}
     counted = sorted(candidates[n][2] for n in estimated if candidates[n][3])
     every = sorted(c[2] for c in candidates.values() if c[3])
@@ -52,10 +54,26 @@ def test_dropped_candidates_never_count():
     def advance(item):
         return Advance() if item == "dropped" else Advance(estimated=True, figure=2.0)
 
-    left = best_first([(1.0, "dropped"), (1.5, "kept")], advance, 1)
-    assert left == []
+    end = best_first([(1.0, "dropped"), (1.5, "kept")], advance, 1)
+    assert end.left == [] and end.complete
 
 
 def test_at_least_one_figure_is_wanted():
     with pytest.raises(ValueError, match="wanted=0"):
         best_first([], lambda item: Advance(), 0)
+
+
+def test_a_deadline_stops_the_search_with_what_it_estimated():
+    """A clock that passes the deadline after three advances: the candidates not advanced
+    are left, least bound first, and the search says it is not complete."""
+    ticks = iter(range(100))
+    advanced = []
+
+    def advance(item):
+        advanced.append(item)
+        return Advance(estimated=True, figure=10.0 + item)
+
+    start = [(float(n), n) for n in (4, 2, 0, 3, 1)]
+    end = best_first(start, advance, 2, deadline=3, clock=lambda: next(ticks))
+    assert advanced == [0, 1, 2]
+    assert end.left == [(3.0, 3), (4.0, 4)] and not end.complete
