@@ -34,7 +34,7 @@ import dataclasses
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,7 +50,7 @@ from experiments.published_recipes import (
     recipe_mappings,
 )
 from experiments.shared.compiled_memory import compiled_peak
-from experiments.shared.results_file import command_line
+from experiments.shared.results_file import command_line, kept_section
 from jaxmoe.train.resolved import resolve
 
 if TYPE_CHECKING:
@@ -488,7 +488,16 @@ class Store:
         return list(dict.fromkeys([*found, *([self.cpu["command"]] if self.cpu else [])]))
 
 
-def report(store: Store) -> str:
+# The report's sections whose part a run may not have made yet: kept from the report it
+# overwrites (experiments.shared.results_file.kept_section), or left out.
+RECIPES_HEADING = "## Megatron-Core's own mappings, estimated by the same planner"
+CPU_HEADING = f"## Each option on {CPU_DEVICES} CPU devices"
+LEFT_OUT_HEADING = "## What this leaves out"
+
+
+def report(store: Store, earlier: Path | None = None) -> str:
+    """The report of what ``store`` holds; a part it does not hold yet is kept from the
+    ``earlier`` report where that has it."""
     lines = [
         "# Fitting the seeds' models on H100 clusters (simulated), and the options on 8 CPU "
         "devices",
@@ -538,9 +547,11 @@ def report(store: Store) -> str:
             "",
         ]
     recipes = [estimate for _, estimate in store.recipes]
+    if not recipes and earlier is not None:
+        lines += kept_section(earlier, RECIPES_HEADING, "\n## ", "--parts")
     if recipes:
         lines += [
-            "## Megatron-Core's own mappings, estimated by the same planner",
+            RECIPES_HEADING,
             "",
             f"{SOURCE}: sequences of {SEQ_LEN}, micro-batches of 1 sequence, each recipe's "
             "global batch (the rows of a data replica in that many microbatches), the "
@@ -556,10 +567,12 @@ def report(store: Store) -> str:
             *recipe_lines(recipes),
             "",
         ]
+    if store.cpu is None and earlier is not None:
+        lines += kept_section(earlier, CPU_HEADING, "\n## ", "--parts")
     if store.cpu is not None:
         measured, repeats = store.cpu["rows"], store.cpu["repeats"]
         lines += [
-            f"## Each option on {CPU_DEVICES} CPU devices",
+            CPU_HEADING,
             "",
             "A small model (4 MoE layers of 8 experts, top 2; width 128; 32 positions; 32 "
             f"sequences per step; float32), XLA:CPU. Memory: XLA's compiled peak "
@@ -578,7 +591,7 @@ def report(store: Store) -> str:
             *cpu_rows(measured),
             "",
         ]
-    lines += ["## What this leaves out", "", *(f"- {line}" for line in LEFT_OUT), ""]
+    lines += [LEFT_OUT_HEADING, "", *(f"- {line}" for line in LEFT_OUT), ""]
     return "\n".join(lines)
 
 
@@ -623,29 +636,31 @@ def main(argv: Sequence[str] | None = None) -> None:
         planned_config(model, devices, batch)
     command = command_line("experiments.scale_eval", sys.argv[1:] if argv is None else argv)
     stored = args.out.with_suffix(".json")
-    store = Store.load(stored)
 
-    def write() -> None:
+    def write(add: Callable[[Store], None]) -> None:
+        """Add what this run made to the store as it is now (other runs may be adding
+        theirs), and render the report from it."""
+        store = Store.load(stored)
+        add(store)
         store.save(stored)
-        args.out.write_text(report(store))
+        args.out.write_text(report(store, args.out))
 
     if "cpu" in parts:
         from experiments.shared.device_process import call_with_devices
 
         rows = call_with_devices(CPU_DEVICES, measure_options_on_cpu, args.repeats)
-        store.cpu = {"command": command, "repeats": args.repeats, "rows": rows}
-        write()
+        cpu = {"command": command, "repeats": args.repeats, "rows": rows}
+        write(lambda store: setattr(store, "cpu", cpu))
     for model, devices, batch in searches:
-        store.add_search(plan_one(model, devices, batch, args.top, command, args.time_limit))
-        write()
+        search = plan_one(model, devices, batch, args.top, command, args.time_limit)
+        write(lambda store, search=search: store.add_search(search))
     if "recipes" in parts:
         for model in models:
             estimates = [
                 estimate_in_fresh_process(model, PROFILE, row, mapping)
                 for row, mapping in recipe_mappings(model)
             ]
-            store.add_recipes(model, command, estimates)
-            write()
+            write(lambda store, m=model, e=estimates: store.add_recipes(m, command, e))
 
 
 if __name__ == "__main__":

@@ -73,3 +73,23 @@ def test_recipe_names_each_models_recipe_settings():
         ("qwen2-57b-a14b", 64, 64),
         ("qwen2-57b-a14b", recipe.devices, recipe.global_batch),
     ]
+
+
+def test_parts_not_run_yet_are_kept_from_the_earlier_report(tmp_path):
+    earlier = tmp_path / "scale_eval.md"
+    earlier.write_text(
+        "# Title\n\n    python -m experiments.scale_eval\n\n"
+        f"{scale_eval.RECIPES_HEADING}\n\nthe recipes' table\n\n"
+        f"{scale_eval.CPU_HEADING}\n\nthe options' table\n\n"
+        f"{scale_eval.LEFT_OUT_HEADING}\n\n- something\n"
+    )
+    store = scale_eval.Store()
+    store.add_search(_search(64, 64, 0.34, "run a"))
+    text = scale_eval.report(store, earlier)
+    for heading, body in (
+        (scale_eval.RECIPES_HEADING, "the recipes' table"),
+        (scale_eval.CPU_HEADING, "the options' table"),
+    ):
+        section = text[text.index(heading) :]
+        assert section.index("Kept from an earlier run") < section.index(body)
+    assert text.count(scale_eval.LEFT_OUT_HEADING) == 1
