@@ -69,6 +69,25 @@ def recomputed(core: AttentionCore) -> Callable[..., jax.Array]:
     return jax.checkpoint(core, prevent_cse=True)
 
 
+def model_core(model: ModelConfig, dtype: jnp.dtype) -> tuple[AttentionCore, bool]:
+    """The attention core of ``model`` (query and value widths, tile, window), and whether
+    the layer recomputes it: the dense core's weights under ``recompute="attention"``, any
+    core inside a block that keeps its matmuls (:mod:`jaxmoe.layers.recompute`), whose own
+    scores are matmuls too."""
+    core = resolve_core(
+        model.attention,
+        dtype=dtype,
+        head_dim=model.attention_head_dim,
+        value_head_dim=model.value_head_dim,
+        block=model.attention_block,
+        window=model.sliding_window,
+    )
+    recompute = (model.recompute == "attention" and core.keeps_scores) or (
+        model.recompute in CORE_RECOMPUTED
+    )
+    return core, recompute
+
+
 def kv_heads_split(kv_heads: int) -> bool:
     """Whether this device holds its own share of the key/value heads (the tensor group
     divides them) rather than all of them, replicated."""
@@ -80,18 +99,7 @@ class CausalSelfAttention(nnx.Module):
         self.num_heads = model.num_heads
         self.num_kv_heads = model.kv_heads
         self.head_dim = model.attention_head_dim
-        self.core = resolve_core(
-            model.attention,
-            dtype=dtype,
-            head_dim=model.attention_head_dim,
-            block=model.attention_block,
-            window=model.sliding_window,
-        )
-        # The dense core's weights under "attention"; any core inside a block that keeps
-        # its matmuls (jaxmoe.layers.recompute), whose own scores are matmuls too.
-        self.recompute_core = (
-            model.recompute == "attention" and self.core.keeps_scores
-        ) or model.recompute in CORE_RECOMPUTED
+        self.core, self.recompute_core = model_core(model, dtype)
         self.rope = model.position == "rope"
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         self.query = HeadProjection(

@@ -43,10 +43,8 @@ from flax import nnx
 
 from jaxmoe.config import ModelConfig
 from jaxmoe.config.layout import TENSOR
-from jaxmoe.layers.attention import recomputed
-from jaxmoe.layers.attention_core import resolve_core
+from jaxmoe.layers.attention import model_core, recomputed
 from jaxmoe.layers.parallel_linear import HeadProjection, RowParallelLinear
-from jaxmoe.layers.recompute import CORE_RECOMPUTED
 from jaxmoe.layers.rotary import attention_scale, rotate
 from jaxmoe.parallel.tensor_parallel import gather_sequence, tensor_group_size
 
@@ -69,17 +67,7 @@ class LatentAttention(nnx.Module):
         self.rope_dim = model.rotary_head_dim
         self.value_dim = model.value_head_dim
         self.scale = attention_scale(model)
-        self.core = resolve_core(
-            model.attention,
-            dtype=dtype,
-            head_dim=model.attention_head_dim,
-            value_head_dim=self.value_dim,
-            block=model.attention_block,
-            window=model.sliding_window,
-        )
-        self.recompute_core = (
-            model.recompute == "attention" and self.core.keeps_scores
-        ) or model.recompute in CORE_RECOMPUTED
+        self.core, self.recompute_core = model_core(model, dtype)
 
         def projection(width: int, features: tuple[int, ...], split: tuple) -> HeadProjection:
             return HeadProjection(
