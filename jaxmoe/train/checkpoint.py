@@ -323,6 +323,13 @@ def error_reason(error: BaseException) -> str:
     return reason[:200]
 
 
+# What a save writes beyond its arrays' bytes: Orbax's chunked layout rounds and indexes
+# them (up to a tenth more, measured on the small models), and each save adds metadata
+# files of a few kilobytes each.
+SAVE_HEADROOM = 0.1
+SAVE_METADATA_BYTES = 256 * 1024
+
+
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written (a full disk, say); the message says why."""
 
@@ -376,7 +383,8 @@ class RunCheckpoints:
     def _check_room(self, step: int, state: TrainState) -> None:
         """Refuse a save that would fill the disk: stopping before it keeps what is there
         whole (a write that runs out of space mid-way fails in Orbax's threads)."""
-        needed = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
+        arrays = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
+        needed = arrays * (1 + SAVE_HEADROOM) + SAVE_METADATA_BYTES
         free = shutil.disk_usage(self.directory).free
         if free < needed:
             raise CheckpointWriteError(
