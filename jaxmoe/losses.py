@@ -37,7 +37,7 @@ from jaxmoe.data.corpus import corpus_eod_id
 from jaxmoe.data.documents import document_masks, loss_mask
 from jaxmoe.layers import RoutingStats
 from jaxmoe.parallel.collectives import manual_axes
-from jaxmoe.parallel.tensor_parallel import sequence_slice
+from jaxmoe.parallel.sequence_split import sequence_slice
 
 
 class Losses(NamedTuple):

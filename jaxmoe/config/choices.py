@@ -15,6 +15,9 @@ ROPE_SCALINGS = ("none", "linear", "yarn")
 ACTIVATIONS = ("gelu", "swiglu")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ON_NONFINITE = ("stop", "skip")
+# How a context group exchanges keys and values (jaxmoe/layers/context_attention.py):
+# blocks passed around the ring, or all gathered at once.
+CONTEXT_EXCHANGES = ("ring", "all_gather")
 # How tokens reach the experts (jaxmoe/layers/dispatchers.py).
 DISPATCHERS = ("all_to_all", "all_gather")
 # The algorithms of jaxmoe.parallel.grad_sync, one module each.

@@ -52,7 +52,8 @@ class Config:
         require(
             train.batch_size % parallel.batch_shards == 0,
             f"train.batch_size={train.batch_size} is not divisible by the "
-            f"{parallel.batch_shards} batch shards (devices / parallel.tensor): "
+            f"{parallel.batch_shards} batch shards (devices / (parallel.tensor x "
+            "parallel.context)): "
             "use a multiple of it",
         )
         try:
@@ -61,6 +62,7 @@ class Config:
                 expert_tensor=parallel.expert_tensor,
                 seq_len=self.model.seq_len,
                 num_heads=self.model.num_heads,
+                context=parallel.context,
                 d_ff=self.model.d_ff,
                 d_expert=moe.d_expert or self.model.d_ff,
                 d_expert_field="moe.d_expert" if moe.d_expert else "model.d_ff",

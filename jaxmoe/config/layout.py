@@ -5,32 +5,37 @@ split that numbering, each as a mixed radix with its innermost factor first:
 
 - **attention** (and the dense layers): ``tensor`` (Megatron tensor
   parallelism, with sequence parallelism outside the tensor-parallel regions),
-  then ``data`` (every other device);
+  then ``context`` (the sequence split for attention: context parallelism), then
+  ``data`` (every other device);
 - **MoE**: ``expert_tensor`` (each expert's hidden dimension split), then
   ``expert`` (experts spread, the all-to-all group), then ``expert_data``.
 
 ``parallel.data x parallel.expert x parallel.expert_tensor`` is the device
 count, so today's ``--parallel.data D --parallel.expert E`` keeps its meaning;
-``parallel.tensor`` only re-reads the same devices for attention.
+``parallel.tensor`` and ``parallel.context`` only re-read the same devices for
+attention.
 
 JAX collectives name mesh axes, not process groups, so each group of either
 layout must be a tuple of mesh axes. The mesh is therefore the common
 refinement of the two layouts: its axes are the intervals between the cut
-points ``{1, tensor, expert_tensor, expert_tensor x expert, N}`` of the
+points ``{1, tensor, tensor x context, expert_tensor, expert_tensor x expert, N}`` of the
 device numbering, which must form a divisibility chain (otherwise some group
 is not a set of mesh axes, and :func:`check_layout` says what to change). Each
 mesh axis plays one attention role and one MoE role, and is named after them:
 
-==========  ===============  ====================
-mesh axis   attention role   MoE role
-==========  ===============  ====================
-data        data             expert_data
-expert      data             expert
-expert_tensor data           expert_tensor
-tensor      tensor           expert_tensor
-tensor_expert tensor         expert
-tensor_expert_data tensor    expert_data
-==========  ===============  ====================
+=====================  ===============  ====================
+mesh axis              attention role   MoE role
+=====================  ===============  ====================
+data                   data             expert_data
+expert                 data             expert
+expert_tensor          data             expert_tensor
+context                context          expert
+context_expert_data    context          expert_data
+context_expert_tensor  context          expert_tensor
+tensor                 tensor           expert_tensor
+tensor_expert          tensor           expert
+tensor_expert_data     tensor           expert_data
+=====================  ===============  ====================
 
 Without tensor or expert-tensor parallelism the mesh is today's
 ``(data, expert)``. Under ``parallel.pipeline`` P > 1 those axes fold one pipeline
@@ -43,15 +48,17 @@ the same rows), so no group of a role spans stages. This module is arithmetic on
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 # Roles of the two layouts.
 ATTENTION_DATA = "data"
+CONTEXT = "context"
 TENSOR = "tensor"
 EXPERT_DATA = "expert_data"
 EXPERT = "expert"
 EXPERT_TENSOR = "expert_tensor"
-ATTENTION_ROLES = (ATTENTION_DATA, TENSOR)
+ATTENTION_ROLES = (ATTENTION_DATA, CONTEXT, TENSOR)
 MOE_ROLES = (EXPERT_DATA, EXPERT, EXPERT_TENSOR)
 # A parameter dimension split over the tensor group where the group divides it and
 # replicated where it does not (key/value heads fewer than the tensor devices).
@@ -62,6 +69,9 @@ AXIS_NAMES = {
     (ATTENTION_DATA, EXPERT_DATA): "data",
     (ATTENTION_DATA, EXPERT): "expert",
     (ATTENTION_DATA, EXPERT_TENSOR): "expert_tensor",
+    (CONTEXT, EXPERT): "context",
+    (CONTEXT, EXPERT_DATA): "context_expert_data",
+    (CONTEXT, EXPERT_TENSOR): "context_expert_tensor",
     (TENSOR, EXPERT_TENSOR): "tensor",
     (TENSOR, EXPERT): "tensor_expert",
     (TENSOR, EXPERT_DATA): "tensor_expert_data",
@@ -85,45 +95,61 @@ class MeshAxis:
     stride: int  # distance in the device numbering between neighbours along this axis
 
 
-def check_layout(devices: int, tensor: int, expert: int, expert_tensor: int) -> None:
+def check_layout(
+    devices: int, tensor: int, expert: int, expert_tensor: int, context: int = 1
+) -> None:
     """Raise :class:`LayoutError` naming the fields when the two layouts do not fold."""
     moe_group = expert * expert_tensor
-    if devices % tensor:
+    sequence_group = tensor * context
+    if devices % sequence_group:
         raise LayoutError(
-            f"parallel.tensor={tensor} does not divide the {devices} devices "
-            "(parallel.data x parallel.expert x parallel.expert_tensor): choose a divisor of "
-            f"{devices}"
+            f"parallel.tensor x parallel.context = {tensor} x {context} does not divide the "
+            f"{devices} devices (parallel.data x parallel.expert x parallel.expert_tensor): "
+            f"choose sizes whose product divides {devices}"
         )
-    cuts = sorted({1, tensor, expert_tensor, moe_group, devices})
+    cuts = sorted({1, tensor, sequence_group, expert_tensor, moe_group, devices})
     for inner, outer in itertools.pairwise(cuts):
         if outer % inner:
             raise LayoutError(
-                f"parallel.tensor={tensor} does not fold with parallel.expert_tensor="
-                f"{expert_tensor} x parallel.expert={expert}: each of tensor, expert_tensor "
-                f"and expert_tensor x expert (= {moe_group}) must divide the next larger one "
+                f"parallel.tensor={tensor} x parallel.context={context} does not fold with "
+                f"parallel.expert_tensor={expert_tensor} x parallel.expert={expert}: each of "
+                f"tensor, tensor x context (= {sequence_group}), expert_tensor and "
+                f"expert_tensor x expert (= {moe_group}) must divide the next larger one "
                 f"(here {inner} does not divide {outer}), so that every group is a set of "
                 "mesh axes; choose sizes that nest, e.g. powers of two"
             )
 
 
 def mesh_axes(
-    data: int, tensor: int, expert: int, expert_tensor: int, pipeline: int = 1
+    data: int,
+    tensor: int,
+    expert: int,
+    expert_tensor: int,
+    pipeline: int = 1,
+    context: int = 1,
 ) -> tuple[MeshAxis, ...]:
     """The folded mesh's axes, outermost (largest stride) first; under a pipeline
     (``pipeline`` > 1) the ``pipeline`` axis, then a stage's."""
     devices = data * expert * expert_tensor
     stages = (MeshAxis(PIPELINE, pipeline, devices),) if pipeline > 1 else ()
-    return (*stages, *_stage_axes(data, tensor, expert, expert_tensor))
+    return (*stages, *_stage_axes(data, tensor, expert, expert_tensor, context))
 
 
-def _stage_axes(data: int, tensor: int, expert: int, expert_tensor: int) -> tuple[MeshAxis, ...]:
+def _stage_axes(
+    data: int, tensor: int, expert: int, expert_tensor: int, context: int
+) -> tuple[MeshAxis, ...]:
     """The axes folding one stage's ``data x expert x expert_tensor`` devices."""
     devices = data * expert * expert_tensor
-    check_layout(devices, tensor, expert, expert_tensor)
-    cuts = sorted({1, tensor, expert_tensor, expert * expert_tensor, devices})
+    check_layout(devices, tensor, expert, expert_tensor, context)
+    cuts = sorted({1, tensor, tensor * context, expert_tensor, expert * expert_tensor, devices})
     axes = []
     for inner, outer in itertools.pairwise(cuts):
-        attention_role = TENSOR if outer <= tensor else ATTENTION_DATA
+        if outer <= tensor:
+            attention_role = TENSOR
+        elif outer <= tensor * context:
+            attention_role = CONTEXT
+        else:
+            attention_role = ATTENTION_DATA
         if outer <= expert_tensor:
             moe_role = EXPERT_TENSOR
         elif outer <= expert * expert_tensor:
@@ -146,12 +172,21 @@ def axes_for_role(role: str, axis_names: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(name for name in axis_names if name in AXIS_ROLES and role in AXIS_ROLES[name])
 
 
+def contiguous_positions(seq_len: int, context: int, tensor: int) -> int:
+    """The longest run that every device's share of a row is cut into, as positions of
+    the row (:mod:`jaxmoe.parallel.sequence_split`): its two chunks' and its tensor slice's
+    lengths' greatest common divisor; the whole share without context parallelism."""
+    share = seq_len // (context * tensor)
+    return share if context == 1 else math.gcd(seq_len // (2 * context), share)
+
+
 def check_split_widths(
     *,
     tensor: int,
     expert_tensor: int,
     seq_len: int,
     num_heads: int,
+    context: int = 1,
     d_ff: int,
     d_expert: int,
     d_expert_field: str = "moe.d_expert",
@@ -171,6 +206,14 @@ def check_split_widths(
         (d_expert_field, d_expert, "parallel.expert_tensor", expert_tensor, "expert hidden split"),
         (d_shared_field, d_shared, "parallel.tensor", tensor, "shared experts hidden split"),
     )
+    if context > 1:
+        splits = (
+            ("model.seq_len", seq_len, "2 x parallel.context", 2 * context, "two chunks a "
+             "device of the context group"),
+            (f"model.seq_len / parallel.context = {seq_len // context}", seq_len // context,
+             "parallel.tensor", tensor, "sequence parallelism inside the context group"),
+            *splits[1:],
+        )  # fmt: skip
     for field, size, axis_field, ways, what in splits:
         if size % ways:
             raise LayoutError(

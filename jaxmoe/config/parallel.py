@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jaxmoe.config.checks import ConfigError, check_types, positive_int, require
+from jaxmoe.config.checks import ConfigError, check_types, one_of, positive_int, require
+from jaxmoe.config.choices import CONTEXT_EXCHANGES
 from jaxmoe.config.layout import LayoutError, check_layout
 from jaxmoe.config.model import ModelConfig
 from jaxmoe.config.train import TrainConfig
@@ -19,7 +20,9 @@ class ParallelConfig:
     MoE layers: ``data x expert x expert_tensor`` devices (expert-data replicas,
     the expert group, each expert's hidden dimension split). Attention and dense
     layers: ``tensor``-way tensor (and sequence) parallelism over the same
-    devices, data parallelism over the rest. Those are one pipeline stage's devices;
+    devices, ``context``-way context parallelism (each sequence split, two load-balanced
+    chunks a device) over the next ones, data parallelism over the rest. Those are one
+    pipeline stage's devices;
     ``pipeline`` stages of them hold the blocks in ``pipeline x virtual_stages`` chunks
     of consecutive layers (chunk ``v x pipeline + s`` on stage ``s``), equal or as
     ``chunk_layers`` says, and every stage reads the same rows.
@@ -34,6 +37,12 @@ class ParallelConfig:
     tensor: int = 1
     # MoE layers: the devices each expert's hidden dimension is split over.
     expert_tensor: int = 1
+    # Attention: each sequence split over this many devices (context parallelism), next
+    # to the tensor group; they hold the same rows, each two chunks of their positions.
+    context: int = 1
+    # How a context group's keys and values reach every query: "ring" (blocks passed
+    # around the group, one per step) or "all_gather" (all at once).
+    context_exchange: str = "ring"
     # Pipeline stages (1: no pipeline).
     pipeline: int = 1
     # Chunks of layers per stage (1: the plain 1F1B schedule, a stage's layers
@@ -44,15 +53,26 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         check_types("parallel", self)
-        for name in ("data", "expert", "tensor", "expert_tensor", "pipeline", "virtual_stages"):
+        for name in (
+            "data",
+            "expert",
+            "tensor",
+            "expert_tensor",
+            "context",
+            "pipeline",
+            "virtual_stages",
+        ):
             positive_int("parallel", name, getattr(self, name))
+        one_of("parallel", "context_exchange", self.context_exchange, CONTEXT_EXCHANGES)
         require(
             self.virtual_stages == 1 or self.pipeline > 1,
             f"parallel.virtual_stages={self.virtual_stages} needs parallel.pipeline > 1: "
             "virtual stages are chunks of a pipeline stage's layers",
         )
         try:
-            check_layout(self.stage_devices, self.tensor, self.expert, self.expert_tensor)
+            check_layout(
+                self.stage_devices, self.tensor, self.expert, self.expert_tensor, self.context
+            )
         except LayoutError as error:
             raise ConfigError(str(error)) from None
         if self.chunk_layers is not None:
@@ -96,10 +116,16 @@ class ParallelConfig:
         return self.pipeline * self.virtual_stages
 
     @property
+    def sequence_shards(self) -> int:
+        """The devices holding the same rows, each its share of their positions: the
+        context group times the tensor group."""
+        return self.context * self.tensor
+
+    @property
     def batch_shards(self) -> int:
         """Attention's data parallelism: the batch is split this many ways (the stages of
         a pipeline read the same rows)."""
-        return self.stage_devices // self.tensor
+        return self.stage_devices // self.sequence_shards
 
     @property
     def token_shards(self) -> int:

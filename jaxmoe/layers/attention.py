@@ -69,8 +69,11 @@ def recomputed(core: AttentionCore) -> Callable[..., jax.Array]:
     return jax.checkpoint(core, prevent_cse=True)
 
 
-def model_core(model: ModelConfig, dtype: jnp.dtype) -> tuple[AttentionCore, bool]:
-    """The attention core of ``model`` (query and value widths, tile, window), and whether
+def model_core(
+    model: ModelConfig, dtype: jnp.dtype, context_exchange: str = "ring"
+) -> tuple[AttentionCore, bool]:
+    """The attention core of ``model`` (query and value widths, tile, window; how a context
+    group exchanges keys and values, ``parallel.context_exchange``), and whether
     the layer recomputes it: the dense core's weights under ``recompute="attention"``, any
     core inside a block that keeps its matmuls (:mod:`jaxmoe.layers.recompute`), whose own
     scores are matmuls too."""
@@ -81,6 +84,7 @@ def model_core(model: ModelConfig, dtype: jnp.dtype) -> tuple[AttentionCore, boo
         value_head_dim=model.value_head_dim,
         block=model.attention_block,
         window=model.sliding_window,
+        context_exchange=context_exchange,
     )
     recompute = (model.recompute == "attention" and core.keeps_scores) or (
         model.recompute in CORE_RECOMPUTED
@@ -95,11 +99,18 @@ def kv_heads_split(kv_heads: int) -> bool:
 
 
 class CausalSelfAttention(nnx.Module):
-    def __init__(self, model: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        model: ModelConfig,
+        *,
+        dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+        context_exchange: str = "ring",
+    ):
         self.num_heads = model.num_heads
         self.num_kv_heads = model.kv_heads
         self.head_dim = model.attention_head_dim
-        self.core, self.recompute_core = model_core(model, dtype)
+        self.core, self.recompute_core = model_core(model, dtype, context_exchange)
         self.rope = model.position == "rope"
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         self.query = HeadProjection(

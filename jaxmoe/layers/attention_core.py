@@ -18,6 +18,11 @@ One function, three implementations, chosen once per model (``model.attention``)
 ``"auto"`` (the default) is cuDNN on a GPU where it takes the model's shapes and
 dtype, else blockwise.
 
+Under context parallelism (``parallel.context``) a device holds two chunks of each
+sequence, and its attention runs as pieces over its context group's blocks of keys and
+values (:mod:`jaxmoe.layers.context_attention`), each piece blockwise whatever the kind:
+the pieces' log-sum-exps, which merge them, are the blockwise core's.
+
 The mask is causal by position: query ``i`` sees the keys at its position and
 before, only the last ``model.sliding_window`` of them where the family has a sliding
 window (Mistral's convention: the window counts the query itself), and with segment
@@ -35,6 +40,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxmoe.layers.blockwise_attention import blockwise_attention
+from jaxmoe.layers.context_attention import EXCHANGES, context_attention
+from jaxmoe.parallel.sequence_split import context_size
 from scheduling.names import ONE_KERNEL_SCOPE
 
 KINDS = ("blockwise", "cudnn", "dense")
@@ -59,10 +66,16 @@ class AttentionCore:
     kind: str  # one of KINDS
     block: int = 512  # blockwise: the tile size
     window: int | None = None  # keys a query sees, itself included; None: all before it
+    # How a context group exchanges keys and values (parallel.context_exchange).
+    context_exchange: str = "ring"
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"attention core {self.kind!r}: one of {', '.join(KINDS)}")
+        if self.context_exchange not in EXCHANGES:
+            raise ValueError(
+                f"context exchange {self.context_exchange!r}: one of {', '.join(EXCHANGES)}"
+            )
 
     @property
     def keeps_scores(self) -> bool:
@@ -82,11 +95,20 @@ class AttentionCore:
         """``query [batch, q, heads, d]``, ``key [batch, k, kv_heads, d]``, ``value [batch,
         k, kv_heads, dv]`` -> ``[batch, q, heads, dv]``.
 
-        ``segment_ids [batch, q]``: self-attention over packed documents.
+        ``segment_ids [batch, q]``: self-attention over packed documents (under context
+        parallelism the whole rows', ``q`` being this device's two chunks of them).
         ``query_positions [q]``: the queries' positions among the keys (decoding over a
         cache of ``k`` positions, of which those after a query's are not written yet);
         default: query ``i`` at position ``i`` of the same sequence. ``scale``: of the
         scores, default ``1 / sqrt(d)``."""
+        if query_positions is None and context_size() > 1:
+            if self.window is not None:
+                raise ValueError("a sliding window does not run under context parallelism")
+            with jax.named_scope("attention_core_context"):
+                return context_attention(
+                    query, key, value, exchange=self.context_exchange, block=self.block,
+                    scale=scale, segment_ids=segment_ids,
+                )  # fmt: skip
         with jax.named_scope(f"attention_core_{self.kind}"):
             if self.kind == "dense":
                 return dense_attention(
@@ -184,6 +206,7 @@ def resolve_core(
     value_head_dim: int | None = None,
     block: int = 512,
     window: int | None = None,
+    context_exchange: str = "ring",
 ) -> AttentionCore:
     """The core ``model.attention`` names (``"auto"`` resolved for the running backend);
     a one-line error where ``"cudnn"`` is asked for and cannot run."""
@@ -195,4 +218,4 @@ def resolve_core(
             f"model.attention=cudnn: cuDNN's flash attention cannot run here ({refusal}); "
             "use model.attention=auto or blockwise"
         )
-    return AttentionCore(kind, block=block, window=window)
+    return AttentionCore(kind, block=block, window=window, context_exchange=context_exchange)

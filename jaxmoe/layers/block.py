@@ -35,10 +35,11 @@ class Block(nnx.Module):
         dtype: jnp.dtype,
         rngs: nnx.Rngs,
         experimental: ExperimentalOptions = DEFAULT,
+        context_exchange: str = "ring",
     ):
         self.attention_norm = make_norm(model, model.d_model, dtype=dtype, rngs=rngs)
         attention = LatentAttention if model.latent_attention else CausalSelfAttention
-        self.attention = attention(model, dtype=dtype, rngs=rngs)
+        self.attention = attention(model, dtype=dtype, rngs=rngs, context_exchange=context_exchange)
         self.ffn_norm = make_norm(model, model.d_model, dtype=dtype, rngs=rngs)
         self.shared = (
             SharedExperts(model, moe, dtype=dtype, rngs=rngs)

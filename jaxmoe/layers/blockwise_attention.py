@@ -19,6 +19,12 @@ loop (and no tile axes: the ops the scheduler's partition rules know, as the den
 core's). Sequences are padded to whole tiles: a padded key sits
 after every real query and the causal mask hides it; padded query rows are dropped.
 
+:func:`blockwise_attention_with_lse` also returns the rows' log-sum-exp, differentiable
+like the output (its cotangent adds ``d_lse`` times the weights to the scores'), so that
+partial attentions over different keys merge exactly: context parallelism's ring
+(:mod:`jaxmoe.layers.context_attention`). Its queries may see every key (the keys of an
+earlier chunk), and its queries' and keys' segments are given apart.
+
 Queries may have more heads than keys (grouped-query attention): the query heads are
 grouped ``[kv_heads, heads / kv_heads]`` and each group reads its key/value head. Values
 may have their own head width (multi-head latent attention). GEMM inputs stay in the
@@ -145,7 +151,54 @@ def blockwise_attention(
     )
     if query_positions is None:
         query_positions = jnp.arange(query.shape[1], dtype=jnp.int32)
-    return _attention(tiles, query, key, value, query_positions.astype(jnp.int32), segment_ids)
+    positions = query_positions.astype(jnp.int32)
+    return _attention(tiles, query, key, value, positions, segment_ids, segment_ids)
+
+
+def blockwise_attention_with_lse(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    block: int,
+    causal: bool,
+    scale: float | None = None,
+    query_segment_ids: jax.Array | None = None,
+    key_segment_ids: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`blockwise_attention`'s output in float32 and the rows' log-sum-exp ``[batch,
+    q, heads]`` (float32), both differentiable.
+
+    ``causal``: self-attention, query ``i`` seeing keys ``0 .. i``; False: every query sees
+    every key (the keys all precede the queries). With ``query_segment_ids [batch, q]``
+    and ``key_segment_ids [batch, k]`` a query sees only the keys of its own segment. A
+    row that sees no key has output 0 and log-sum-exp :data:`MASKED`, so that it adds
+    nothing where partial attentions are merged."""
+    if causal and query.shape[1] != key.shape[1]:
+        raise ValueError(f"causal self-attention of {query.shape[1]} queries over {key.shape[1]}")
+    if (query_segment_ids is None) != (key_segment_ids is None):
+        raise ValueError("give the segments of both the queries and the keys, or of neither")
+    tiles = tiling(
+        query.shape[1],
+        key.shape[1],
+        block,
+        window=None,
+        aligned=causal,
+        scale=1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale),
+    )
+    # Every query sits at the last key's position, or (causal) at its own.
+    last = key.shape[1] - 1
+    positions = jnp.arange(query.shape[1]) if causal else jnp.full(query.shape[1], last)
+    out, lse = _attention_with_lse(
+        tiles,
+        query,
+        key,
+        value,
+        positions.astype(jnp.int32),
+        query_segment_ids,
+        key_segment_ids,
+    )
+    return out, lse
 
 
 # -- one tile -----------------------------------------------------------------------------
@@ -287,7 +340,7 @@ class _Tiled:
         )
 
 
-def _cut(tiles: Tiling, query, key, value, query_positions, segment_ids) -> _Tiled:
+def _cut(tiles: Tiling, query, key, value, query_positions, query_segment, key_segment) -> _Tiled:
     nq, nk, bq, bk = tiles.query_tiles, tiles.key_tiles, tiles.query_block, tiles.key_block
     # Padded query rows sit after the last real one; padded keys after every query, where
     # the causal mask hides them (and a segment of their own, -1).
@@ -295,14 +348,14 @@ def _cut(tiles: Tiling, query, key, value, query_positions, segment_ids) -> _Til
     if nq * bq > tiles.query_len:
         padding = jnp.arange(1, nq * bq - tiles.query_len + 1, dtype=jnp.int32)
         positions = jnp.concatenate([positions, query_positions[-1] + padding])
-    segmented = segment_ids is not None
+    segmented = query_segment is not None
     return _Tiled(
         query=_tiles(query, bq, nq),
         key=_tiles(key, bk, nk),
         value=_tiles(value, bk, nk),
         query_position=positions.reshape(nq, bq),
-        query_segment=_tiles(segment_ids, bq, nq) if segmented else None,
-        key_segment=_tiles(segment_ids, bk, nk, fill=-1) if segmented else None,
+        query_segment=_tiles(query_segment, bq, nq) if segmented else None,
+        key_segment=_tiles(key_segment, bk, nk, fill=-1) if segmented else None,
     )
 
 
@@ -391,45 +444,65 @@ def _grouped(x: jax.Array, kv_heads: int) -> jax.Array:
     return x.reshape(*x.shape[:2], kv_heads, x.shape[2] // kv_heads, x.shape[3])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(tiles: Tiling, query, key, value, query_positions, segment_ids):
-    return _attention_forward(tiles, query, key, value, query_positions, segment_ids)[0]
+def _rows(lse: jax.Array, tiles: Tiling) -> jax.Array:
+    """Per-row statistics in the forward pass's layout (``[batch, kv_heads, groups, q]``,
+    or tiled ``[query tiles, batch, kv_heads, groups, block]``) -> ``[batch, q, heads]``."""
+    if not tiles.single:
+        lse = jnp.moveaxis(lse, 0, -2)  # [batch, kv_heads, groups, tiles, block]
+        lse = lse.reshape(*lse.shape[:-2], -1)[..., : tiles.query_len]
+    lse = jnp.moveaxis(lse, -1, 1)  # [batch, q, kv_heads, groups]
+    return lse.reshape(*lse.shape[:2], -1)
 
 
-def _attention_forward(tiles: Tiling, query, key, value, query_positions, segment_ids):
+def _from_rows(rows: jax.Array, kv_heads: int) -> jax.Array:
+    """``[batch, q, heads]`` -> ``[batch, kv_heads, groups, q]``, the layout of
+    :func:`_row_dot`."""
+    grouped = rows.reshape(*rows.shape[:2], kv_heads, -1)
+    return jnp.moveaxis(grouped, 1, -1)
+
+
+def _forward(tiles: Tiling, query, key, value, query_positions, query_segment, key_segment):
+    """The float32 output ``[batch, q, heads, dv]`` and the rows' log-sum-exp in the
+    forward pass's layout (:func:`_rows`)."""
     grouped = _grouped(query, key.shape[2])
     if tiles.single:
-        visible = _visible(tiles, query_positions, 0, segment_ids, segment_ids)
+        visible = _visible(tiles, query_positions, 0, query_segment, key_segment)
         weights, maximum = _weights(_scores(tiles, grouped, key, visible), visible)
         total = weights.sum(axis=-1)
+        if not tiles.aligned:  # a row may see nothing (causal self-attention sees itself)
+            total = jnp.where(total == 0.0, 1.0, total)
         out = _weighted_values(weights, value) / _per_row(total)
         lse = maximum + jnp.log(total)
     else:
-        ops = _cut(tiles, grouped, key, value, query_positions, segment_ids)
+        ops = _cut(tiles, grouped, key, value, query_positions, query_segment, key_segment)
         out, lse = _tiled_forward(tiles, ops)
         out = _untile(out, tiles.query_len)
-    result = out.reshape(*query.shape[:3], -1).astype(query.dtype)
-    return result, (query, key, value, query_positions, segment_ids, result, lse)
+    return out.reshape(*query.shape[:3], -1), lse
 
 
-def _attention_backward(tiles: Tiling, residuals, d_result):
+def _backward(tiles: Tiling, residuals, d_result, d_lse=None):
+    """``dq, dk, dv`` from the forward pass's residuals and the output's cotangent, and
+    the log-sum-exp's (``[batch, q, heads]``) where it is an output too."""
     if tiles.single:
         # The barrier ties the one tile's recomputation to the incoming gradient: without
         # it XLA may compute the tile again as soon as q and k exist, in the forward pass,
         # and hold it until the backward pass reads it (a loop over tiles reads the
         # gradient from its first step).
         residuals, d_result = jax.lax.optimization_barrier((residuals, d_result))
-    query, key, value, query_positions, segment_ids, result, lse = residuals
+    query, key, value, query_positions, query_segment, key_segment, result, lse = residuals
     kv_heads = key.shape[2]
     grouped, d_out = _grouped(query, kv_heads), _grouped(d_result, kv_heads)
     row_dot = _row_dot(_grouped(result, kv_heads), d_out)
+    if d_lse is not None:
+        # d lse / d scores is the weights: the scores' cotangent gains d_lse x weights.
+        row_dot = row_dot - _from_rows(d_lse.astype(jnp.float32), kv_heads)
     if tiles.single:
-        visible = _visible(tiles, query_positions, 0, segment_ids, segment_ids)
+        visible = _visible(tiles, query_positions, 0, query_segment, key_segment)
         d_query, d_key, d_value = _gradients(
             tiles, grouped, key, value, visible, lse, row_dot, d_out
         )
     else:
-        ops = _cut(tiles, grouped, key, value, query_positions, segment_ids)
+        ops = _cut(tiles, grouped, key, value, query_positions, query_segment, key_segment)
         tiled = functools.partial(_tiles, tile=tiles.query_block, count=tiles.query_tiles)
         row_dot = jnp.moveaxis(tiled(jnp.moveaxis(row_dot, -1, 1)), 2, -1)
         d_query, d_key, d_value = _tiled_backward(tiles, ops, lse, row_dot, tiled(d_out))
@@ -441,7 +514,54 @@ def _attention_backward(tiles: Tiling, residuals, d_result):
         d_value.astype(value.dtype),
         None,
         None,
+        None,
     )
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(tiles: Tiling, query, key, value, query_positions, query_segment, key_segment):
+    return _attention_forward(
+        tiles, query, key, value, query_positions, query_segment, key_segment
+    )[0]
+
+
+def _attention_forward(
+    tiles: Tiling, query, key, value, query_positions, query_segment, key_segment
+):
+    out, lse = _forward(tiles, query, key, value, query_positions, query_segment, key_segment)
+    result = out.astype(query.dtype)
+    operands = (query, key, value, query_positions, query_segment, key_segment)
+    return result, (*operands, result, lse)
+
+
+def _attention_backward(tiles: Tiling, residuals, d_result):
+    return _backward(tiles, residuals, d_result)
+
+
 _attention.defvjp(_attention_forward, _attention_backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention_with_lse(
+    tiles: Tiling, query, key, value, query_positions, query_segment, key_segment
+):
+    return _attention_with_lse_forward(
+        tiles, query, key, value, query_positions, query_segment, key_segment
+    )[0]
+
+
+def _attention_with_lse_forward(
+    tiles: Tiling, query, key, value, query_positions, query_segment, key_segment
+):
+    out, lse = _forward(tiles, query, key, value, query_positions, query_segment, key_segment)
+    operands = (query, key, value, query_positions, query_segment, key_segment)
+    # The output is kept in the operands' dtype, as the plain attention keeps it.
+    return (out, _rows(lse, tiles)), (*operands, out.astype(query.dtype), lse)
+
+
+def _attention_with_lse_backward(tiles: Tiling, residuals, cotangents):
+    d_out, d_lse = cotangents
+    return _backward(tiles, residuals, d_out, d_lse)
+
+
+_attention_with_lse.defvjp(_attention_with_lse_forward, _attention_with_lse_backward)

@@ -58,7 +58,14 @@ class LatentCache(NamedTuple):
 
 
 class LatentAttention(nnx.Module):
-    def __init__(self, model: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        model: ModelConfig,
+        *,
+        dtype: jnp.dtype,
+        rngs: nnx.Rngs,
+        context_exchange: str = "ring",
+    ):
         assert model.latent_attention
         assert model.kv_lora_rank is not None and model.qk_nope_head_dim is not None
         self.num_heads = heads = model.num_heads
@@ -67,7 +74,7 @@ class LatentAttention(nnx.Module):
         self.rope_dim = model.rotary_head_dim
         self.value_dim = model.value_head_dim
         self.scale = attention_scale(model)
-        self.core, self.recompute_core = model_core(model, dtype)
+        self.core, self.recompute_core = model_core(model, dtype, context_exchange)
 
         def projection(width: int, features: tuple[int, ...], split: tuple) -> HeadProjection:
             return HeadProjection(

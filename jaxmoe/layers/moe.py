@@ -2,15 +2,15 @@
 
 Per device, a layer takes its local tokens ``[batch, seq, d]``, routes each to its top-k
 experts (:mod:`jaxmoe.layers.router`), groups the choices into routing groups
-(:mod:`jaxmoe.layers.routing_groups`: capacity is counted per group, and under sequence
-parallelism a group of whole sequences is planned from choices gathered over the tensor
-group), and hands them to its dispatcher (:mod:`jaxmoe.layers.dispatchers`), chosen once
+(:mod:`jaxmoe.layers.routing_groups`: capacity is counted per group, and under context or
+sequence parallelism a group of whole sequences is planned from choices gathered over the
+sequence group), and hands them to its dispatcher (:mod:`jaxmoe.layers.dispatchers`), chosen once
 from its configuration: the dispatcher plans which assignments each group keeps, sends the
 tokens to the devices of their experts, runs the experts there, and brings each token's
 combined output back. The losses that are means over a group (the load-balancing loss, the
-sequence-wise one) are, for a group split over the tensor group, partial sums over each
-device's positions, given the whole group's counts: summed over the tensor group they are
-the group's loss.
+sequence-wise one) are, for a group split over the sequence group, partial sums over each
+device's positions, given the whole group's counts: summed over the sequence group they
+are the group's loss.
 
 Inside the whole-step ``shard_map`` (the expert axis is manual) the layer
 calls the collectives directly. Called from global-view code under a mesh
@@ -30,7 +30,6 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxmoe.config import MoEConfig
-from jaxmoe.config.layout import TENSOR
 from jaxmoe.experimental import DEFAULT, ExperimentalOptions
 from jaxmoe.layers.dispatch import DispatchStats
 from jaxmoe.layers.dispatchers import Dispatcher, choose_dispatcher
@@ -38,16 +37,16 @@ from jaxmoe.layers.experts import Experts
 from jaxmoe.layers.router import Router, RouterOutput, balance_loss
 from jaxmoe.layers.routing_groups import RoutingGroups, routing_groups
 from jaxmoe.parallel.collectives import manual_axes
-from jaxmoe.parallel.mesh import role_axes
+from jaxmoe.parallel.sequence_split import sequence_group_axes, sequence_group_size
 from jaxmoe.parallel.sharding import param_specs
-from jaxmoe.parallel.tensor_parallel import tensor_group_size
 
 
 class RoutingStats(NamedTuple):
     """What one MoE layer reports about its routing, for the loss and for metrics."""
 
     # Load-balancing loss (mean over routing groups). Under sequence parallelism with
-    # groups of whole sequences, this device's part: tensor x its partial sums.
+    # groups of whole sequences, this device's part: the sequence group's size x its
+    # partial sums.
     aux_loss: jax.Array
     z_loss: jax.Array  # router z-loss (mean over tokens)
     # DeepSeek-V3's sequence-wise balance loss (mean over rows), as aux_loss; 0 unless
@@ -162,8 +161,9 @@ class MoELayer(nnx.Module):
     ) -> tuple[jax.Array, RoutingStats]:
         """The layer on this device's tokens ``[batch, seq, d]``; stats are local.
 
-        ``sequence_parallel``: inside the whole-step shard_map, the devices of a tensor
-        group hold the same rows, each its slice of the positions (False: whole rows).
+        ``sequence_parallel``: inside the whole-step shard_map, the devices of a sequence
+        group (context and tensor) hold the same rows, each its share of the positions
+        (False: whole rows).
         ``replica_table`` (``[expert_axis, replica_slots]``, :mod:`jaxmoe.placement.replicas`)
         adds replica slots: assignments spread over every copy of their expert, and
         capacity is counted per slot.
@@ -172,15 +172,15 @@ class MoELayer(nnx.Module):
             x, (None, None, self.router.d_model), custom_message="MoE input [batch, seq, d_model]"
         )
         config = self.config
-        tensor = tensor_group_size() if sequence_parallel else 1
+        sequence = sequence_group_size() if sequence_parallel else 1
         dispatcher = self.dispatcher if replica_table is None else self.replica_dispatcher
         route = self.router(x, jitter_key)  # [batch, seq, ...]: this device's positions
-        groups = routing_groups(route.expert_index, config.num_experts, config.group_size, tensor)
+        groups = routing_groups(route.expert_index, config.num_experts, config.group_size, sequence)
         plan = dispatcher.plan(route, groups, replica_table)
         sent = dispatcher.send(x, plan)
         outputs = dispatcher.run_experts(self.experts, sent)
         y = dispatcher.combine(outputs, sent).astype(x.dtype)
-        stats = _routing_stats(route, groups, config, tensor, dispatcher.stats(groups, sent))
+        stats = _routing_stats(route, groups, config, sequence, dispatcher.stats(groups, sent))
         return y.reshape(x.shape), stats
 
     def _shard_mapped(
@@ -212,14 +212,14 @@ def _routing_stats(
     route: RouterOutput,
     groups: RoutingGroups,
     config: MoEConfig,
-    tensor: int,
+    sequence: int,
     dispatched: DispatchStats,
 ) -> RoutingStats:
     """This device's stats: the balance losses of its groups and rows (partial where they
-    span the ``tensor`` group), its routed counts, and what the dispatch dropped."""
+    span the ``sequence`` group), its routed counts, and what the dispatch dropped."""
     num_experts, top_k = config.num_experts, config.top_k
     # With the sums of this device's probabilities, a partial loss when the group spans
-    # the tensor group.
+    # the sequence group.
     probability_sum = jnp.sum(
         route.probabilities.reshape(groups.count, groups.local, num_experts), axis=1
     )
@@ -227,11 +227,13 @@ def _routing_stats(
     aux_loss = groups.parts * jnp.mean(losses)
     if config.seq_aux_loss_coef > 0:
         row_counts = _counts(groups.choices.reshape(groups.rows, -1, top_k), num_experts, (1, 2))
-        if groups.parts == 1 and tensor > 1:
-            row_counts = jax.lax.psum(row_counts, role_axes(TENSOR))
+        if groups.parts == 1 and sequence > 1:
+            row_counts = jax.lax.psum(row_counts, sequence_group_axes())
         row_probability = jnp.sum(route.probabilities, axis=1)
-        full_seq = route.expert_index.shape[1] * tensor
-        seq_aux_loss = tensor * jnp.mean(balance_loss(row_counts, row_probability, full_seq, top_k))
+        full_seq = route.expert_index.shape[1] * sequence
+        seq_aux_loss = sequence * jnp.mean(
+            balance_loss(row_counts, row_probability, full_seq, top_k)
+        )
     else:
         seq_aux_loss = jnp.zeros((), jnp.float32)
     return RoutingStats(

@@ -42,13 +42,21 @@ class PredictionModule(nnx.Module):
         dtype: jnp.dtype,
         rngs: nnx.Rngs,
         experimental: ExperimentalOptions = DEFAULT,
+        context_exchange: str = "ring",
     ):
         self.embedding_norm = make_norm(model, model.d_model, dtype=dtype, rngs=rngs)
         self.hidden_norm = make_norm(model, model.d_model, dtype=dtype, rngs=rngs)
         self.projection = nnx.Linear(
             2 * model.d_model, model.d_model, use_bias=False, dtype=dtype, rngs=rngs
         )
-        self.block = Block(model, moe, dtype=dtype, rngs=rngs, experimental=experimental)
+        self.block = Block(
+            model,
+            moe,
+            dtype=dtype,
+            rngs=rngs,
+            experimental=experimental,
+            context_exchange=context_exchange,
+        )
         self.final_norm = make_norm(model, model.d_model, dtype=dtype, rngs=rngs)
 
     def __call__(

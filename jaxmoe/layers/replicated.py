@@ -24,7 +24,7 @@ from jaxmoe.layers.padded import PaddedDispatch, Sent, SlotPlan, plan_slots
 from jaxmoe.layers.ragged import RaggedDispatch, RaggedSent
 from jaxmoe.layers.router import RouterOutput
 from jaxmoe.layers.routing_groups import RoutingGroups
-from jaxmoe.parallel.tensor_parallel import sequence_shard_index
+from jaxmoe.parallel.sequence_split import sequence_group_index
 from jaxmoe.placement.copy_split import balanced_slots
 from jaxmoe.placement.replicas import slot_experts
 
@@ -51,7 +51,7 @@ def kept_by_copies(groups: RoutingGroups, capacity: int, copies: int) -> jax.Arr
     places = capacity * jnp.arange(1, copies + 1, dtype=jnp.int32)
     kept = jnp.sum(jnp.minimum(groups.counts[:, :, None], places), axis=0)
     if groups.parts > 1:  # every member holds the whole groups' counts: count them once
-        kept = jnp.where(sequence_shard_index() == 0, kept, 0)
+        kept = jnp.where(sequence_group_index() == 0, kept, 0)
     return kept
 
 

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmoe.config import ModelConfig
+from jaxmoe.parallel.sequence_split import context_slice
 
 YARN_BETA_FAST = 32.0
 YARN_BETA_SLOW = 1.0
@@ -93,6 +94,13 @@ def rotary_tables(model: ModelConfig, positions: jax.Array) -> tuple[jax.Array, 
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(frequencies, jnp.float32)
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles) * scale, jnp.sin(angles) * scale
+
+
+def attention_tables(model: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The tables of the positions this device's attention covers: of ``positions``
+    (``[seq]`` or ``[batch, seq]``, whole rows), its context group's chunks
+    (:mod:`jaxmoe.parallel.sequence_split`; all of them without context parallelism)."""
+    return rotary_tables(model, context_slice(positions, positions.ndim - 1))
 
 
 def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

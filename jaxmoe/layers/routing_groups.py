@@ -1,14 +1,16 @@
 """Routing groups: the tokens that share each expert's capacity, and this device's part.
 
 Capacity is counted per routing group (``moe.group_size``; by default one whole sequence,
-whatever the layout), and the load-balancing loss averages over groups. Under tensor
-(sequence) parallelism a device holds only ``seq_len / tensor`` positions of each row; a
-group of whole sequences is then planned from the group's choices, all-gathered over the
-tensor group (``[rows, seq_len / tensor, top_k]`` integers), identically on every member,
-and each device dispatches the assignments of its own positions
-(:func:`~jaxmoe.layers.dispatch.local_plan`). So ``parallel.tensor`` and
-``parallel.expert_tensor`` never change which tokens are dropped. A ``group_size`` that
-divides a device's slice of a sequence needs no gather.
+whatever the layout), and the load-balancing loss averages over groups. Under context
+and tensor (sequence) parallelism a device holds only its share of each row's positions
+(:mod:`jaxmoe.parallel.sequence_split`); a group of whole sequences is then planned from
+the group's choices, gathered over the sequence group back into position order
+(``[rows, seq_len, top_k]`` integers), identically on every member, and each device
+dispatches the assignments of its own positions
+(:func:`~jaxmoe.layers.dispatch.local_plan`). So ``parallel.context``,
+``parallel.tensor`` and ``parallel.expert_tensor`` never change which tokens are
+dropped. A ``group_size`` that divides the runs a device's share is cut into
+(:func:`~jaxmoe.config.layout.contiguous_positions`) needs no gather.
 """
 
 from __future__ import annotations
@@ -18,10 +20,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxmoe.config.layout import TENSOR
+from jaxmoe.config.layout import contiguous_positions
 from jaxmoe.layers.dispatch import DispatchPlan, local_plan
-from jaxmoe.parallel.mesh import role_axes
-from jaxmoe.parallel.tensor_parallel import sequence_slice
+from jaxmoe.parallel.sequence_split import context_size, gather_positions, sequence_slice
 
 
 class RoutingGroups(NamedTuple):
@@ -31,7 +32,7 @@ class RoutingGroups(NamedTuple):
     counts: jax.Array  # [groups, num_experts]: assignments routed to each expert, pre-drop
     rows: int  # rows of tokens this device holds
     local: int  # positions of a group this device holds
-    parts: int  # devices a group is split over: its tensor group when gathered, else 1
+    parts: int  # devices a group is split over: its sequence group when gathered, else 1
 
     @property
     def count(self) -> int:
@@ -47,7 +48,7 @@ class RoutingGroups(NamedTuple):
         """This device's part of the whole groups' plan (``capacity`` places per slot), in a
         buffer of its own: ``(plan, places per slot)``.
 
-        A group split over the tensor group is planned alike by every member, which keeps
+        A group split over the sequence group is planned alike by every member, which keeps
         its own positions' assignments, packed in ``min(capacity, local)`` places per slot
         (a token sends at most one assignment to a slot)."""
         if self.parts == 1:
@@ -67,19 +68,20 @@ class RoutingGroups(NamedTuple):
 
 
 def routing_groups(
-    choices: jax.Array, num_experts: int, group_size: int | None, tensor: int
+    choices: jax.Array, num_experts: int, group_size: int | None, sequence: int
 ) -> RoutingGroups:
     """The routing groups of this device's tokens' ``choices [rows, positions, top_k]``.
 
-    ``tensor``: the devices of its tensor group, each holding its slice of the positions
-    of the same rows (1: whole rows). ``group_size`` None: one whole sequence."""
+    ``sequence``: the devices of its sequence group, each holding its share of the
+    positions of the same rows (1: whole rows). ``group_size`` None: one whole
+    sequence."""
     rows, positions, top_k = choices.shape
-    size = group_size or positions * tensor
-    if spans_the_tensor_group(rows, positions, tensor, size):
+    size = group_size or positions * sequence
+    if spans_the_sequence_group(rows, positions, sequence, size):
         # Whole sequences: every member plans the group's assignments alike from the
         # gathered choices and keeps those of its own positions.
-        choices = jax.lax.all_gather(choices, role_axes(TENSOR), axis=1, tiled=True)
-        parts = tensor
+        choices = gather_positions(choices)
+        parts = sequence
     elif (rows * positions) % size:
         raise ValueError(
             f"moe.group_size={size} does not divide the {rows * positions} tokens on this device"
@@ -91,19 +93,24 @@ def routing_groups(
     return RoutingGroups(grouped, counts, rows, size // parts, parts)
 
 
-def spans_the_tensor_group(rows: int, positions: int, tensor: int, group_size: int) -> bool:
-    """Whether routing groups of ``group_size`` are whole sequences split over the tensor
+def spans_the_sequence_group(rows: int, positions: int, sequence: int, group_size: int) -> bool:
+    """Whether routing groups of ``group_size`` are whole sequences split over the sequence
     group (planned from gathered choices), rather than inside this device's tokens.
 
-    ``positions``: of each of the ``rows`` this device holds, its slice of ``positions *
-    tensor``. Raises ValueError for a group size that is neither."""
-    if tensor == 1 or positions % group_size == 0:
+    ``positions``: of each of the ``rows`` this device holds, its share of ``positions *
+    sequence``. Raises ValueError for a group size that is neither."""
+    if sequence == 1:
         return False
-    full_seq = positions * tensor
+    full_seq = positions * sequence
+    context = context_size()
+    runs = contiguous_positions(full_seq, context, sequence // context)
+    if runs % group_size == 0:
+        return False
     if group_size % full_seq == 0 and rows % (group_size // full_seq) == 0:
         return True
     raise ValueError(
-        f"moe.group_size={group_size}: under tensor parallelism a routing group is a divisor "
-        f"of the {positions} positions a device holds of each row, or whole sequences "
+        f"moe.group_size={group_size}: under context or tensor parallelism a routing group "
+        f"is a divisor of the runs of {runs} positions a device holds of each row, or whole "
+        "sequences "
         f"(a multiple of {full_seq}) whose count divides the {rows} rows of a device"
     )

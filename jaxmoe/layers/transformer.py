@@ -44,8 +44,8 @@ from jaxmoe.layers.moe import RoutingStats
 from jaxmoe.layers.multi_token import PredictionModule
 from jaxmoe.layers.norms import make_norm
 from jaxmoe.layers.recompute import BlockCall, call_block
-from jaxmoe.layers.rotary import rotary_tables
-from jaxmoe.parallel.tensor_parallel import sequence_slice
+from jaxmoe.layers.rotary import attention_tables, rotary_tables
+from jaxmoe.parallel.sequence_split import sequence_slice
 
 
 class Outputs(NamedTuple):
@@ -61,7 +61,9 @@ class Outputs(NamedTuple):
 class GPTMoE(nnx.Module):
     """Token embeddings (and learned positions), the blocks, a final norm, the output head.
 
-    ``experimental``: research options of the MoE layers (:mod:`jaxmoe.experimental`)."""
+    ``experimental``: research options of the MoE layers (:mod:`jaxmoe.experimental`).
+    ``context_exchange``: how a context group exchanges keys and values
+    (``parallel.context_exchange``, :mod:`jaxmoe.layers.context_attention`)."""
 
     def __init__(
         self,
@@ -70,6 +72,7 @@ class GPTMoE(nnx.Module):
         *,
         rngs: nnx.Rngs,
         experimental: ExperimentalOptions = DEFAULT,
+        context_exchange: str = "ring",
     ):
         dtype = jnp.dtype(model.dtype)
         self.config = model
@@ -89,6 +92,7 @@ class GPTMoE(nnx.Module):
                     dtype=dtype,
                     rngs=rngs,
                     experimental=experimental,
+                    context_exchange=context_exchange,
                 )
                 for i in range(model.num_layers)
             ]
@@ -110,6 +114,7 @@ class GPTMoE(nnx.Module):
                         dtype=dtype,
                         rngs=rngs,
                         experimental=experimental,
+                        context_exchange=context_exchange,
                     )
                     for k in range(model.mtp_depth)
                 ]
@@ -147,7 +152,7 @@ class GPTMoE(nnx.Module):
         without them), their MoE blocks' stats after the model's.
 
         Under tensor parallelism ``tokens`` are the whole rows and the logits are for this
-        device's slice of the positions (:func:`~jaxmoe.parallel.tensor_parallel.sequence_slice`).
+        device's slice of the positions (:func:`~jaxmoe.parallel.sequence_split.sequence_slice`).
 
         ``placement``: the replica tables of the MoE layers, ``[moe_layers, expert_axis,
         replica_slots]`` (:mod:`jaxmoe.placement.replicas`), or None for no replicas.
@@ -227,16 +232,16 @@ class GPTMoE(nnx.Module):
         self, tokens: jax.Array, positions: jax.Array | None = None
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         """What the first block reads: the embedded ``tokens [batch, seq]`` (this device's
-        positions under tensor parallelism) and the rotary tables (None under learned
+        share of the positions under context and tensor parallelism) and the rotary tables
+        of the positions its attention covers (its context chunks; None under learned
         positions); ``positions`` as in :meth:`__call__`."""
         chex.assert_rank(tokens, 2)
         chex.assert_type(tokens, int)
         seq = tokens.shape[1]
         x = self.token_embed(sequence_slice(tokens))
         if self.position_embed is None:
-            return x, rotary_tables(
-                self.config, jnp.arange(seq) if positions is None else positions
-            )
+            positions = jnp.arange(seq) if positions is None else positions
+            return x, attention_tables(self.config, positions)
         chex.assert_axis_dimension_lteq(tokens, 1, self.position_embed.shape[0])
         if positions is None:  # every row at 0 .. seq - 1: one slice, broadcast
             learned = sequence_slice(self.position_embed[...][None, :seq])

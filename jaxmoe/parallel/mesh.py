@@ -28,7 +28,12 @@ EXPERT_AXIS = "expert"
 def mesh_axis_sizes(parallel: ParallelConfig) -> dict[str, int]:
     """Mesh axis name -> size, in mesh order (outermost first)."""
     axes = mesh_axes(
-        parallel.data, parallel.tensor, parallel.expert, parallel.expert_tensor, parallel.pipeline
+        parallel.data,
+        parallel.tensor,
+        parallel.expert,
+        parallel.expert_tensor,
+        parallel.pipeline,
+        parallel.context,
     )
     return {axis.name: axis.size for axis in axes}
 
@@ -39,7 +44,8 @@ def mesh_axis_names(parallel: ParallelConfig) -> tuple[str, ...]:
 
 def token_spec(mesh: Mesh) -> PartitionSpec:
     """Spec of a ``[batch, ...]`` array of token rows on ``mesh``: batch split over the data
-    axes, replicated over the tensor axes (each tensor rank takes its sequence slice)."""
+    axes, replicated over the context and tensor axes (each device takes its share of the
+    positions: :mod:`jaxmoe.parallel.sequence_split`)."""
     return PartitionSpec(axes_for_role(ATTENTION_DATA, tuple(mesh.axis_names)))
 
 

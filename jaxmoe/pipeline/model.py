@@ -48,7 +48,13 @@ def pipeline_model(
     ``experimental`` (:mod:`jaxmoe.experimental`)."""
     train = config.train
     return _pipeline_model(
-        config.model, config.moe, layout, train.microbatches, train.seed, experimental
+        config.model,
+        config.moe,
+        layout,
+        train.microbatches,
+        train.seed,
+        experimental,
+        config.parallel.context_exchange,
     )
 
 
@@ -60,9 +66,16 @@ def _pipeline_model(
     microbatches: int,
     seed: int,
     experimental: ExperimentalOptions,
+    context_exchange: str,
 ) -> PipelineModel:
     abstract = nnx.eval_shape(
-        lambda: GPTMoE(model, moe, rngs=nnx.Rngs(seed), experimental=experimental)
+        lambda: GPTMoE(
+            model,
+            moe,
+            rngs=nnx.Rngs(seed),
+            experimental=experimental,
+            context_exchange=context_exchange,
+        )
     )
     blocks, ranks, moe_blocks = [], [], 0
     for j in range(layout.per_chunk):

@@ -76,7 +76,7 @@ from jaxmoe.config import Config
 from jaxmoe.data.documents import document_masks
 from jaxmoe.layers import GPTMoE, RoutingStats
 from jaxmoe.layers.recompute import call_block
-from jaxmoe.layers.rotary import rotary_tables
+from jaxmoe.layers.rotary import attention_tables
 from jaxmoe.losses import Losses, cross_entropy, router_losses
 from jaxmoe.pipeline.microbatches import microbatch_rows
 from jaxmoe.pipeline.model import PipelineModel
@@ -195,8 +195,8 @@ class _Pipeline:
         if model.position != "rope":
             return None
         if self.eod_id is None:
-            return rotary_tables(model, jnp.arange(model.seq_len))
-        tables = [rotary_tables(model, mb.positions) for mb in self.inputs]
+            return attention_tables(model, jnp.arange(model.seq_len))
+        tables = [attention_tables(model, mb.positions) for mb in self.inputs]
         return jax.tree.map(lambda *t: jnp.stack(t), *tables)
 
     def _stacked_biases(self, model_state: PyTree) -> list[PyTree]:

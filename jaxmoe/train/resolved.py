@@ -108,7 +108,11 @@ def resolve(
     experimental.check(config.moe)
     axes = mesh_axis_sizes(config.parallel)
     graphdef, abstract_params, _ = state.abstract_model(
-        config.model, config.moe, config.train.seed, experimental
+        config.model,
+        config.moe,
+        config.train.seed,
+        experimental,
+        config.parallel.context_exchange,
     )
     model_specs = param_specs(abstract_params, axes)
     stages = stage_layout(config.parallel, config.model.num_layers)

@@ -52,21 +52,40 @@ def build_model(config: Config, experimental: ExperimentalOptions = DEFAULT) -> 
     """The model of ``config``, its MoE layers built with the research options
     ``experimental`` (:mod:`jaxmoe.experimental`)."""
     rngs = nnx.Rngs(config.train.seed)
-    return GPTMoE(config.model, config.moe, rngs=rngs, experimental=experimental)
+    return GPTMoE(
+        config.model,
+        config.moe,
+        rngs=rngs,
+        experimental=experimental,
+        context_exchange=config.parallel.context_exchange,
+    )
 
 
 @functools.lru_cache(maxsize=16)
 def abstract_model(
-    model: ModelConfig, moe: MoEConfig, seed: int, experimental: ExperimentalOptions = DEFAULT
+    model: ModelConfig,
+    moe: MoEConfig,
+    seed: int,
+    experimental: ExperimentalOptions = DEFAULT,
+    context_exchange: str = "ring",
 ) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
     """The model's structure and the shapes of its parameters and of its other state
-    (:func:`split_model`), without allocating anything; ``experimental`` as in
-    :func:`build_model` (the structure's, never the shapes').
+    (:func:`split_model`), without allocating anything; ``experimental`` and
+    ``context_exchange`` as :func:`build_model` takes them from the run (the structure's,
+    never the shapes').
 
     Kept per model: building it traces every initialiser, seconds for a large model, and
     the planner and the tests resolve many runs of one model."""
     return split_model(
-        nnx.eval_shape(lambda: GPTMoE(model, moe, rngs=nnx.Rngs(seed), experimental=experimental))
+        nnx.eval_shape(
+            lambda: GPTMoE(
+                model,
+                moe,
+                rngs=nnx.Rngs(seed),
+                experimental=experimental,
+                context_exchange=context_exchange,
+            )
+        )
     )
 
 

@@ -18,6 +18,9 @@ attention roles:
   reads what a dispatch of its layer sent; in the backward pass the order is
   reversed);
 - ``expert-tensor all_gather``: around the expert GEMMs of split experts;
+- ``context ppermute (ring)`` / ``context all_gather (keys and values)``: context
+  parallelism's exchange of attention's keys and values, a block at a time around the
+  ring, or all at once;
 - ``gradient psum``: anything under ``grad_reduce``;
 - ``parameter all_gather``: anything under ``param_gather`` (sharded weights gathered
   before use).
@@ -44,6 +47,7 @@ TASK_SCOPES = {
 ROLE_NAMES = {
     "data": "data",
     "tensor": "tensor",
+    "context": "context",
     "expert": "expert",
     "expert_tensor": "expert-tensor",
     "expert_data": "expert-data",
@@ -127,6 +131,10 @@ def collective_purposes(program: Program, roles: AxisRoles | None = None) -> dic
         if kind == "all_to_all" and moe:
             combine = exchange_second.get(op, False) != (op.phase is Phase.BACKWARD)
             detail = " (combine)" if combine else " (dispatch)"
+        elif group == "context" and dense and kind == "ppermute":
+            detail = " (ring)"
+        elif group == "context" and dense and kind == "all_gather":
+            detail = " (keys and values)"
         elif kind in ("all_gather", "reduce_scatter") and dense and _along_sequence(op):
             detail = " (sequence)"
         purposes[op] = f"{group} {kind}{detail}"

@@ -8,7 +8,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxmoe.config import ParallelConfig
 from jaxmoe.config.layout import TENSOR
 from jaxmoe.parallel.mesh import build_mesh, role_axes
-from jaxmoe.parallel.tensor_parallel import gather_sequence, scatter_sequence, sequence_slice
+from jaxmoe.parallel.sequence_split import sequence_slice
+from jaxmoe.parallel.tensor_parallel import gather_sequence, scatter_sequence
 
 # Tensor groups of 4 devices that span two mesh axes (tensor_expert_data, tensor_expert).
 FOLDED = ParallelConfig(data=4, expert=2, tensor=4)
