@@ -14,7 +14,7 @@ from typing import Any
 
 from jaxmoe.config.checks import ConfigError, closest, refuse_unknown, require
 from jaxmoe.config.data import DataConfig, saved_data_fields
-from jaxmoe.config.layout import LayoutError, check_split_widths
+from jaxmoe.config.layout import LayoutError, check_split_widths, contiguous_positions
 from jaxmoe.config.model import ModelConfig
 from jaxmoe.config.moe import MoEConfig, capacity_per_expert, saved_moe_fields, shared_width
 from jaxmoe.config.parallel import ParallelConfig, check_pipeline
@@ -103,6 +103,12 @@ class Config:
             f"parallel.expert_tensor={parallel.expert_tensor} splits each expert's hidden "
             "dimension: set parallel.expert_tensor 1, or moe.dropless_dispatch padded",
         )
+        require(
+            parallel.context == 1 or self.model.sliding_window is None,
+            f"parallel.context={parallel.context} with model.sliding_window="
+            f"{self.model.sliding_window}: context parallelism runs full causal attention; "
+            "train a sliding-window model with parallel.context 1",
+        )
         self._check_routing_groups()
         self._check_microbatches()
         self._check_pairing()
@@ -143,11 +149,12 @@ class Config:
         )
 
     def _check_routing_groups(self) -> None:
-        """A routing group lies inside a device's tokens, or (under tensor parallelism) is
-        whole sequences of the rows a device holds: see ``moe.group_size``."""
-        group, seq_len, tensor = self.group_size, self.model.seq_len, self.parallel.tensor
-        rows = self.train.batch_size // self.parallel.batch_shards
-        if tensor == 1:
+        """A routing group lies inside a device's tokens, or (under context or tensor
+        parallelism) is whole sequences of the rows a device holds: see ``moe.group_size``."""
+        parallel = self.parallel
+        group, seq_len, sequence = self.group_size, self.model.seq_len, parallel.sequence_shards
+        rows = self.train.batch_size // parallel.batch_shards
+        if sequence == 1:
             tokens = self.tokens_per_device
             require(
                 tokens % group == 0,
@@ -155,20 +162,25 @@ class Config:
                 "(train.batch_size / token shards x model.seq_len): choose a divisor of it",
             )
             return
-        positions = seq_len // tensor
+        runs = contiguous_positions(seq_len, parallel.context, parallel.tensor)
+        layout = " and ".join(
+            f"parallel.{name}={getattr(parallel, name)}"
+            for name in ("context", "tensor")
+            if getattr(parallel, name) > 1
+        )
         whole = group % seq_len == 0 and rows % (group // seq_len) == 0
         require(
-            positions % group == 0 or whole,
-            f"moe.group_size={group}: under parallel.tensor={tensor} a routing group must "
-            f"divide the {positions} positions a device holds of each row (model.seq_len / "
-            f"parallel.tensor), or be whole sequences (a multiple of model.seq_len={seq_len}) "
-            f"whose count divides the {rows} rows per device; leave it unset for one sequence",
+            runs % group == 0 or whole,
+            f"moe.group_size={group}: under {layout} a routing group must divide the runs of "
+            f"{runs} consecutive positions a device holds of each row, or be whole sequences "
+            f"(a multiple of model.seq_len={seq_len}) whose count divides the {rows} rows per "
+            "device; leave it unset for one sequence",
         )
 
     @property
     def tokens_per_device(self) -> int:
         rows = self.train.batch_size // self.parallel.batch_shards
-        return rows * self.model.seq_len // self.parallel.tensor
+        return rows * self.model.seq_len // self.parallel.sequence_shards
 
     @property
     def group_size(self) -> int:

@@ -101,19 +101,23 @@ def check_layout(
     """Raise :class:`LayoutError` naming the fields when the two layouts do not fold."""
     moe_group = expert * expert_tensor
     sequence_group = tensor * context
+    if context == 1:
+        sequence, splits = f"parallel.tensor={tensor}", "tensor, "
+    else:
+        sequence = f"parallel.tensor={tensor} x parallel.context={context}"
+        splits = f"tensor, tensor x context (= {sequence_group}), "
     if devices % sequence_group:
         raise LayoutError(
-            f"parallel.tensor x parallel.context = {tensor} x {context} does not divide the "
-            f"{devices} devices (parallel.data x parallel.expert x parallel.expert_tensor): "
-            f"choose sizes whose product divides {devices}"
+            f"{sequence} does not divide the {devices} devices (parallel.data x "
+            "parallel.expert x parallel.expert_tensor): choose sizes whose product divides "
+            f"{devices}"
         )
     cuts = sorted({1, tensor, sequence_group, expert_tensor, moe_group, devices})
     for inner, outer in itertools.pairwise(cuts):
         if outer % inner:
             raise LayoutError(
-                f"parallel.tensor={tensor} x parallel.context={context} does not fold with "
-                f"parallel.expert_tensor={expert_tensor} x parallel.expert={expert}: each of "
-                f"tensor, tensor x context (= {sequence_group}), expert_tensor and "
+                f"{sequence} does not fold with parallel.expert_tensor={expert_tensor} x "
+                f"parallel.expert={expert}: each of {splits}expert_tensor and "
                 f"expert_tensor x expert (= {moe_group}) must divide the next larger one "
                 f"(here {inner} does not divide {outer}), so that every group is a set of "
                 "mesh axes; choose sizes that nest, e.g. powers of two"
@@ -210,7 +214,7 @@ def check_split_widths(
         splits = (
             ("model.seq_len", seq_len, "2 x parallel.context", 2 * context, "two chunks a "
              "device of the context group"),
-            (f"model.seq_len / parallel.context = {seq_len // context}", seq_len // context,
+            ("model.seq_len / parallel.context", seq_len // context,
              "parallel.tensor", tensor, "sequence parallelism inside the context group"),
             *splits[1:],
         )  # fmt: skip

@@ -208,6 +208,7 @@ def check_compatible(saved: dict[str, Any], config: Config, step: int) -> list[s
             "parallel.data",
             "parallel.expert",
             "parallel.tensor",
+            "parallel.context",
             "parallel.expert_tensor",
         }
     # The expert biases of auxiliary-loss-free balancing exist only with a positive rate

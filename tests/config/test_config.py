@@ -138,6 +138,45 @@ def section(**fields):
             ),
             "parallel.expert_tensor=2 splits each expert's hidden dimension: set parallel.exp",
         ),
+        (
+            lambda: ParallelConfig(data=1, expert=8, context=2, context_exchange="p2p"),
+            "parallel.context_exchange='p2p'",
+        ),
+        (
+            lambda: ParallelConfig(data=1, expert=8, context=3),
+            "parallel.tensor=1 x parallel.context=3 does not divide the 8 devices",
+        ),
+        (
+            lambda: ParallelConfig(data=2, expert=3, context=2),
+            "tensor x context (= 2), expert_tensor and expert_tensor x expert (= 3) must divide",
+        ),
+        (
+            lambda: Config(
+                model=ModelConfig(seq_len=12), parallel=ParallelConfig(data=1, expert=8, context=4)
+            ),
+            "model.seq_len=12 is not divisible by 2 x parallel.context=8 (two chunks a device",
+        ),
+        (
+            lambda: Config(
+                model=ModelConfig(seq_len=20),
+                parallel=ParallelConfig(data=1, expert=8, context=2, tensor=4),
+            ),
+            "model.seq_len / parallel.context=10 is not divisible by parallel.tensor=4",
+        ),
+        (
+            lambda: Config(
+                model=ModelConfig(sliding_window=8), parallel=ParallelConfig(expert=8, context=2)
+            ),
+            "parallel.context=2 with model.sliding_window=8: context parallelism runs full",
+        ),
+        (
+            lambda: Config(
+                model=ModelConfig(seq_len=64),
+                moe=MoEConfig(group_size=32),
+                parallel=ParallelConfig(expert=8, context=2),
+            ),
+            "a routing group must divide the runs of 16 consecutive positions a device holds",
+        ),
     ],
 )
 def test_invalid_values_are_refused_with_the_field_named(build, message):

@@ -46,6 +46,20 @@ def test_tensor_wider_than_the_expert_group():
     ]
 
 
+def test_context_between_tensor_and_data():
+    # 8 devices: attention 2 data x 2 context x 2 tensor; MoE 2 expert data x 4 experts. The
+    # context pairs of tensor pairs, (0..3) and (4..7), are the expert groups.
+    axes = [(axis.name, axis.size) for axis in mesh_axes(2, 2, 4, 1, context=2)]
+    assert axes == [("expert", 1), ("data", 2), ("context", 2), ("tensor_expert", 2)]
+    names = tuple(name for name, _ in axes)
+    assert axes_for_role("context", names) == ("context",)
+    assert axes_for_role("expert", names) == ("expert", "context", "tensor_expert")
+    assert axes_for_role("data", names) == ("expert", "data")
+    # Context parallelism wider than the expert group: its outer half replicates experts.
+    axes = [(axis.name, axis.size) for axis in mesh_axes(2, 1, 4, 1, context=8)]
+    assert axes == [("data", 1), ("expert", 1), ("context_expert_data", 2), ("context", 4)]
+
+
 def test_layouts_that_do_not_nest_are_refused_with_the_fields_named():
     with pytest.raises(ConfigError, match=r"parallel.tensor=3 does not divide the 8 devices"):
         ParallelConfig(data=1, expert=8, tensor=3)

@@ -123,12 +123,21 @@ def test_restore_into_another_layout_gives_the_saved_values(tmp_path, layout):
     assert np.isfinite(metrics["loss"])
 
 
-def test_a_checkpoint_without_tensor_parallelism_restores_and_trains_with_it(tmp_path):
-    # Routing groups of 32 positions lie inside one device's half of a 64-position row under
-    # tensor=2 too, so both layouts route (and drop) the same tokens.
+# Routing groups of 32 positions lie inside one device's half of a 64-position row under
+# tensor=2 too; groups of whole rows are gathered over the context group; either way both
+# layouts route (and drop) the same tokens.
+SPLIT_SEQUENCES = {
+    "tensor2": (ParallelConfig(data=1, expert=8, tensor=2), 32),
+    "context2-tensor2": (ParallelConfig(data=2, expert=4, context=2, tensor=2), None),
+}
+
+
+@pytest.mark.parametrize("layout", list(SPLIT_SEQUENCES))
+def test_a_checkpoint_without_split_sequences_restores_and_trains_with_them(tmp_path, layout):
+    parallel, group_size = SPLIT_SEQUENCES[layout]
     saved_config = small_config(steps=2)
     saved_config = dataclasses.replace(
-        saved_config, moe=dataclasses.replace(saved_config.moe, group_size=32)
+        saved_config, moe=dataclasses.replace(saved_config.moe, group_size=group_size)
     )
     mesh, state = _state_on(saved_config)
     step = build_train_step(resolve(saved_config, mesh)).jit()
@@ -143,7 +152,7 @@ def test_a_checkpoint_without_tensor_parallelism_restores_and_trains_with_it(tmp
     ).astype(np.int32)
     _, expected = step(state, jax.device_put(next_rows, NamedSharding(mesh, token_spec(mesh))))
 
-    config = dataclasses.replace(saved_config, parallel=ParallelConfig(data=1, expert=8, tensor=2))
+    config = dataclasses.replace(saved_config, parallel=parallel)
     new_mesh = build_mesh(config.parallel)
     with RunCheckpoints(tmp_path, resolve(config, new_mesh)) as checkpoints:
         restored = checkpoints.restore(1)
