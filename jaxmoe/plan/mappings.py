@@ -1,7 +1,8 @@
 """Every parallel mapping of one model onto N devices, as configurations (no JAX here).
 
-A mapping is a layout: the attention layout (data x tensor), the MoE layout (expert data x
-expert x expert tensor) over the same N devices, and the token dispatcher between them
+A mapping is a layout: the attention layout (data x context x tensor), the MoE layout
+(expert data x expert x expert tensor) over the same N devices, and the token dispatcher
+between them
 (see :mod:`jaxmoe.config.layout`); and the options it runs with (:mod:`jaxmoe.plan.
 options`: ZeRO stage, recomputation, microbatches). The model, the global batch and every
 other setting stay the preset's. Each candidate is validated by
@@ -12,18 +13,28 @@ Layouts whose tensor group (attention's, or an expert's) is wider than a node ar
 skipped unless asked for (``max_tensor``): such a group exchanges activations in every
 layer, forward and backward, over the links between nodes instead of the node's own
 (Megatron-Core and MaxText keep tensor parallelism inside a node for this reason).
+
+Context parallelism is tried, with both of its exchanges, at the degrees whose chunks of a
+sequence hold at least :data:`MIN_CONTEXT_CHUNK` positions (:func:`context_degrees`):
+shorter chunks make a ring step's transfer about as long as the attention that hides it,
+and a model of short sequences fits without splitting them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from jaxmoe.config import Config, ConfigError, ParallelConfig
-from jaxmoe.config.choices import DISPATCHERS
+from jaxmoe.config.choices import CONTEXT_EXCHANGES, DISPATCHERS
 from jaxmoe.plan.options import Options, options_of
+
+# The fewest positions of a context-parallel chunk the planner tries (a sequence of 2C
+# chunks over a context group of C devices).
+MIN_CONTEXT_CHUNK = 2048
 
 
 @dataclass(frozen=True)
@@ -41,10 +52,20 @@ class Mapping:
     microbatches: int = 1  # train.microbatches
     pipeline: int = 1  # stages, each of devices / pipeline devices laid out as above
     virtual_stages: int = 1  # chunks of layers per stage (the interleaved schedule)
+    context: int = 1  # attention: each sequence split over this many devices
+    context_exchange: str = "ring"  # how they exchange keys and values
 
     @property
     def attention_data(self) -> int:
-        return self.devices // (self.pipeline * self.tensor)
+        return self.devices // (self.pipeline * self.context * self.tensor)
+
+    @property
+    def attention_label(self) -> str:
+        """The attention layout: data x tensor, or data x context x tensor (exchange)."""
+        if self.context == 1:
+            return f"{self.attention_data}x{self.tensor}"
+        exchange = "ring" if self.context_exchange == "ring" else "ag"
+        return f"{self.attention_data}x{self.context}x{self.tensor} {exchange}"
 
     @property
     def options(self) -> Options:
@@ -56,9 +77,17 @@ class Mapping:
         return dataclasses.replace(self, **dataclasses.asdict(Options()))
 
     @property
-    def stage_layout(self) -> tuple[int, int, int, str]:
-        """What a stage's devices do: tensor, expert, expert tensor, dispatcher."""
-        return (self.tensor, self.expert, self.expert_tensor, self.dispatcher)
+    def stage_layout(self) -> tuple[int, int, int, str, int, str]:
+        """What a stage's devices do: tensor, expert, expert tensor, dispatcher, context and
+        its exchange."""
+        return (
+            self.tensor,
+            self.expert,
+            self.expert_tensor,
+            self.dispatcher,
+            self.context,
+            self.context_exchange,
+        )
 
     def with_options(self, options: Options) -> Mapping:
         return dataclasses.replace(self, **dataclasses.asdict(options))
@@ -72,7 +101,7 @@ class Mapping:
             virtual = f" ({self.virtual_stages} virtual)" if self.virtual_stages > 1 else ""
             pipeline = f", pipeline {self.pipeline}{virtual}"
         return (
-            f"attention {self.attention_data}x{self.tensor}, MoE {self.expert_data}x"
+            f"attention {self.attention_label}, MoE {self.expert_data}x"
             f"{self.expert}x{self.expert_tensor}, {self.dispatcher}{pipeline}{options}"
         )
 
@@ -119,6 +148,8 @@ def with_mapping(config: Config, mapping: Mapping, devices_per_host: int) -> Con
             expert=mapping.expert,
             tensor=mapping.tensor,
             expert_tensor=mapping.expert_tensor,
+            context=mapping.context,
+            context_exchange=mapping.context_exchange,
             pipeline=mapping.pipeline,
             virtual_stages=mapping.virtual_stages,
             chunk_layers=chunk_layers_of(
@@ -145,6 +176,7 @@ def enumerate_mappings(
     devices_per_host: int = 0,
     max_tensor: int | None = None,
     pipelines: Sequence[tuple[int, int]] = ((1, 1),),
+    contexts: Sequence[int] = (1,),
 ) -> MappingSpace:
     """Every layout of ``config``'s model onto ``devices`` devices, valid or not, with the
     options ``config`` runs with.
@@ -152,8 +184,10 @@ def enumerate_mappings(
     ``devices_per_host``: see :func:`with_mapping` (0: all devices on one host).
     ``max_tensor``: the widest tensor group (attention's and an expert's) tried (None: any;
     see the module docstring). ``pipelines``: the (stages, virtual stages) tried, each
-    dividing the devices into stages laid out alike. Without an expert group (expert x
-    expert tensor = 1) every dispatcher is the same program, so only the first is tried.
+    dividing the devices into stages laid out alike. ``contexts``: the context degrees
+    tried, each with both exchanges (:func:`context_degrees`). Without an expert group
+    (expert x expert tensor = 1) every dispatcher is the same program, so only the first
+    is tried.
     """
     if devices < 1:
         raise ConfigError(f"--devices {devices}: must be a positive number of devices")
@@ -164,7 +198,7 @@ def enumerate_mappings(
             continue
         _enumerate_stage(
             config, devices, stages, virtual, options, devices_per_host, max_tensor,
-            valid, skipped,
+            contexts, valid, skipped,
         )  # fmt: skip
     return MappingSpace(valid, skipped)
 
@@ -187,6 +221,19 @@ def pipelines_of(config: Config, devices: int, max_virtual_stages: int = 2) -> l
     return found
 
 
+def context_degrees(config: Config, devices: int) -> list[int]:
+    """The context degrees a plan of ``config``'s model on ``devices`` devices tries: 1,
+    and each divisor of the devices whose chunks hold at least :data:`MIN_CONTEXT_CHUNK`
+    positions of a sequence (module docstring)."""
+    seq_len = config.model.seq_len
+    return [
+        degree
+        for degree in divisors(devices)
+        if degree == 1
+        or (seq_len % (2 * degree) == 0 and seq_len // (2 * degree) >= MIN_CONTEXT_CHUNK)
+    ]
+
+
 def chunk_layers_of(num_layers: int, moe_every: int, chunks: int) -> str | None:
     """``parallel.chunk_layers`` of ``chunks`` chunks over the model's blocks of
     ``moe_every`` layers, as even as whole blocks allow (the first chunks one block
@@ -207,13 +254,20 @@ def _enumerate_stage(
     options: dict,
     devices_per_host: int,
     max_tensor: int | None,
+    contexts: Sequence[int],
     valid: list[Candidate],
     skipped: list[Candidate],
 ) -> None:
     """The layouts of one pipeline stage's ``devices // stages`` devices (all of them
     without a pipeline), into ``valid`` and ``skipped``."""
     stage = devices // stages
-    for tensor in divisors(stage):
+    splits = [
+        (context, exchange)
+        for context in contexts
+        if stage % context == 0
+        for exchange in (CONTEXT_EXCHANGES if context > 1 else CONTEXT_EXCHANGES[:1])
+    ]
+    for tensor, (context, exchange) in itertools.product(divisors(stage), splits):
         for expert_tensor in divisors(stage):
             for expert in divisors(stage // expert_tensor):
                 expert_data = stage // (expert * expert_tensor)
@@ -221,6 +275,7 @@ def _enumerate_stage(
                     mapping = Mapping(
                         devices, tensor, expert_data, expert, expert_tensor, dispatcher,
                         **options, pipeline=stages, virtual_stages=virtual,
+                        context=context, context_exchange=exchange,
                     )  # fmt: skip
                     if max_tensor is not None and max(tensor, expert_tensor) > max_tensor:
                         reason = (

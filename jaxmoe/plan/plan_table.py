@@ -10,8 +10,9 @@ def table(result: PlanResult, verbose: bool = False) -> str:
     """The ranked mappings, every column, and what was dropped or skipped."""
     largest = max((e.peak_bytes for e in result.estimates), default=0)
     unit, scale, exponent = ("GB", 1e9, 9) if largest >= 1e9 else ("MB", 1e6, 6)
+    width = max([9] + [len(e.mapping.attention_label) for e in result.estimates])
     header = (
-        f"{'#':>3}  {'attention':>9}  {'MoE':>8}  {'dispatcher':<10}  {'ZeRO':>4}  "
+        f"{'#':>3}  {'attention':>{width}}  {'MoE':>8}  {'dispatcher':<10}  {'ZeRO':>4}  "
         f"{'recompute':<9}  {'mb':>3}  {'schedule':<8}  {'step ms':>9}  {'MFU %':>6}  "
         f"{'compute':>8}  {'comm':>8}  {'exposed':>8}  {'master':>7}  {'optim':>7}  "
         f"{'params':>7}  {'activ':>7}  {'bwd':>7}  {'total ' + unit:>8}"
@@ -23,7 +24,8 @@ def table(result: PlanResult, verbose: bool = False) -> str:
         + (f"{capacity / 1e9:g} GB per device" if capacity else "no memory figure")
         + f"); {result.model_flops_per_step / 1e12:.4g} TFLOP of model FLOPs per step; "
         f"schedules {', '.join(result.schedules)}",
-        "attention = data x tensor; MoE = expert data x expert x expert tensor; ZeRO stage, "
+        "attention = data x tensor (or data x context x tensor, ring or all-gathered keys "
+        "and values); MoE = expert data x expert x expert tensor; ZeRO stage, "
         "recomputation and microbatches (mb); times in ms; memory per device at the step's "
         f"peak in {unit} (1e{exponent} bytes; --verbose says what each column holds)"
         + (
@@ -41,7 +43,7 @@ def table(result: PlanResult, verbose: bool = False) -> str:
     def row(rank: str, e: MappingEstimate) -> str:
         m, t, mem = e.mapping, e.best, e.memory
         return (
-            f"{rank:>3}  {f'{m.attention_data}x{m.tensor}':>9}  "
+            f"{rank:>3}  {m.attention_label:>{width}}  "
             f"{f'{m.expert_data}x{m.expert}x{m.expert_tensor}':>8}  {m.dispatcher:<10}  "
             f"{m.zero:>4}  {m.recompute:<9}  {m.microbatches:>3}  "
             f"{e.schedule:<8}  {t.step * 1e3:>9.3f}  {e.mfu * 100:>6.3g}  "

@@ -64,6 +64,7 @@ from jaxmoe.plan.mappings import (
     Candidate,
     Mapping,
     MappingSpace,
+    context_degrees,
     enumerate_mappings,
     pipelines_of,
     with_options,
@@ -506,6 +507,7 @@ def plan_mappings(
         per_node,
         max_tensor=None if cross_node_tensor or not per_node else per_node,
         pipelines=pipelines,
+        contexts=context_degrees(config, devices),
     )
     if not space.valid:
         reasons = space.skipped_summary()
@@ -530,7 +532,7 @@ def plan_mappings(
     def leave(mapping: Mapping, kind: str, reason: str, memory: int | None = None) -> None:
         left_out.append(NotEstimated(mapping, kind, reason, memory_bound=memory))
 
-    screens: dict[tuple[int, int, int, str], Screen] = {}  # stage layout -> its screen
+    screens: dict[tuple, Screen] = {}  # stage layout -> its screen
     start = []
     for index, layout in enumerate(space.valid):
         assert layout.config is not None

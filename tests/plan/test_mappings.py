@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
 from jaxmoe.config import Config, ConfigError, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
-from jaxmoe.plan.mappings import Mapping, enumerate_mappings
+from jaxmoe.plan.mappings import Mapping, context_degrees, enumerate_mappings
 from jaxmoe.presets import preset
 
 
@@ -47,6 +48,28 @@ def test_every_valid_mapping_keeps_the_model_and_the_global_batch():
         )
         assert config.moe.dispatcher == mapping.dispatcher
         assert config.parallel.batch_shards == mapping.attention_data
+
+
+def test_context_degrees_are_tried_where_chunks_hold_enough_positions():
+    tiny = preset("tiny")
+    assert context_degrees(tiny, 8) == [1]  # rows of 64 positions
+    long = dataclasses.replace(tiny, model=dataclasses.replace(tiny.model, seq_len=32768))
+    assert context_degrees(long, 128) == [1, 2, 4, 8]  # chunks of 8192 .. 2048
+    space = enumerate_mappings(long, 8, contexts=(1, 2))
+    valid = {c.mapping for c in space.valid}
+    ring = Mapping(8, 2, 1, 8, 1, "all_to_all", context=2, context_exchange="ring")
+    gathered = dataclasses.replace(ring, context_exchange="all_gather")
+    assert {ring, gathered} <= valid
+    assert ring.attention_data == 2
+    assert ring.label().startswith("attention 2x2x2 ring, MoE 1x8x1")
+    assert gathered.label().startswith("attention 2x2x2 ag, MoE 1x8x1")
+    config = next(c.config for c in space.valid if c.mapping == gathered)
+    assert (config.parallel.context, config.parallel.context_exchange) == (2, "all_gather")
+    assert config.parallel.batch_shards == gathered.attention_data
+    # Context degree 1 has one exchange: the same program either way.
+    assert not any(
+        c.mapping.context == 1 and c.mapping.context_exchange != "ring" for c in space.valid
+    )
 
 
 def test_layouts_that_do_not_fold_are_skipped_with_the_reason():
