@@ -12,7 +12,8 @@ MFU on H100s (MoE Parallel Folding: 49.3% for Mixtral 8x22B, 39.0% for Qwen2-57B
 with what the estimate says the gap is made of.
 
 Megatron-Core's own mappings of the two models (:mod:`experiments.published_recipes`) are
-estimated by the same planner.
+estimated by the same planner. Mixtral 8x22B at 32K and 128K tokens a sequence, with
+context parallelism, is searched as :mod:`experiments.long_context` says (part ``long``).
 
 Part 2 (8 CPU devices, XLA:CPU): a small model with each option against the plain step:
 the compiled memory (XLA's memory analysis) beside the memory walk of
@@ -24,7 +25,8 @@ asked for and keeps the rest from the earlier runs (``scale_eval.json`` beside t
 report); the report names every command that made it.
 
     python -m experiments.scale_eval [--models M,...] [--devices 64,128,256,recipe]
-        [--parts planner,recipes,cpu] [--top 10] [--time-limit S] [--repeats 5] [--out FILE]
+        [--parts planner,recipes,long,cpu] [--top 10] [--time-limit S] [--repeats 5]
+        [--out FILE]
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from experiments import long_context
 from experiments.folding_models import MODELS, SEQ_LEN, SEQUENCES_PER_DEVICE, planned_config
 from experiments.published_recipes import (
     PUBLISHED_ROW,
@@ -133,10 +136,16 @@ class Search:
     best: MappingEstimate | None  # the best that fits (None: none fits)
     command: str  # the run that made it
     complete: bool = True  # the best proven the best (False: --time-limit stopped it)
+    seq_len: int = SEQ_LEN  # tokens a sequence
 
     @property
-    def key(self) -> tuple[str, int, int]:
-        return (self.model, self.devices, self.batch)
+    def key(self) -> tuple[str, int, int, int]:
+        return (self.model, self.devices, self.batch, self.seq_len)
+
+    @property
+    def long(self) -> bool:
+        """A search of :mod:`experiments.long_context` (longer sequences)."""
+        return self.seq_len != SEQ_LEN
 
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -166,13 +175,22 @@ def searches_of(models: Sequence[str], devices: Sequence[str]) -> list[tuple[str
 
 
 def plan_one(
-    model: str, devices: int, batch: int, top: int, command: str, time_limit: float | None
+    model: str,
+    devices: int,
+    batch: int,
+    top: int,
+    command: str,
+    time_limit: float | None,
+    seq_len: int = SEQ_LEN,
 ) -> Search:
     """The planner's search for ``model`` on ``devices`` H100s at ``batch`` sequences a
-    step, timed (no cache), stopped after ``time_limit`` seconds where given."""
+    step, timed (no cache), stopped after ``time_limit`` seconds where given. Longer
+    sequences than the pretraining length search :mod:`experiments.long_context`'s
+    layouts."""
     from jaxmoe.plan.planner import plan_mappings
 
-    config = planned_config(model, devices, batch)
+    config = planned_config(model, devices, batch, seq_len=seq_len)
+    long = seq_len != SEQ_LEN
     wall, cpu = time.perf_counter(), time.process_time()
     result = plan_mappings(
         config,
@@ -183,6 +201,8 @@ def plan_one(
         top=top,
         progress=lambda line: print(line, flush=True),
         time_limit=time_limit,
+        pipeline=not long,
+        layouts=long_context.recipe_moe_layout if long else None,
     )
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     print(f"{model} on {devices}: {len(result.estimates)} estimated, {wall:.0f} s", flush=True)
@@ -202,6 +222,7 @@ def plan_one(
         result.ranked[0] if result.ranked else None,
         command,
         result.complete,
+        seq_len,
     )
 
 
@@ -474,7 +495,8 @@ class Store:
         kept = [s for s in self.searches if s.key != search.key]
         order = list(MODELS)
         self.searches = sorted(
-            [*kept, search], key=lambda s: (order.index(s.model), s.devices, s.batch)
+            [*kept, search],
+            key=lambda s: (s.seq_len, order.index(s.model), s.devices, s.batch),
         )
 
     def add_recipes(self, model: str, command: str, estimates: Sequence[RecipeEstimate]) -> None:
@@ -491,6 +513,7 @@ class Store:
 # The report's sections whose part a run may not have made yet: kept from the report it
 # overwrites (experiments.shared.results_file.kept_section), or left out.
 RECIPES_HEADING = "## Megatron-Core's own mappings, estimated by the same planner"
+LONG_HEADING = "## Long sequences: Mixtral 8x22B at 32K and 128K tokens, context parallel"
 CPU_HEADING = f"## Each option on {CPU_DEVICES} CPU devices"
 LEFT_OUT_HEADING = "## What this leaves out"
 
@@ -507,7 +530,8 @@ def report(store: Store, earlier: Path | None = None) -> str:
         *(f"    {command}" for command in store.commands()),
         "",
     ]
-    searches = store.searches
+    searches = [search for search in store.searches if not search.long]
+    long = [search for search in store.searches if search.long]
     if searches:
         lines += [
             "## The planner: Mixtral 8x22B and Qwen2-57B-A14B on H100s",
@@ -567,6 +591,21 @@ def report(store: Store, earlier: Path | None = None) -> str:
             *recipe_lines(recipes),
             "",
         ]
+    if long:
+        lines += [
+            LONG_HEADING,
+            "",
+            "Searched as above (profile, schedules, memory walk), with the tokens of a step "
+            f"kept at the 4K recipe's ({long_context.TOKENS_PER_STEP} tokens), the recipe's "
+            f"MoE layout (expert groups of {long_context.EXPERT_GROUP}, whole experts, the "
+            "all-to-all dispatcher) and no pipeline: every attention layout (data x context "
+            "x tensor, tensor inside a node, context degrees whose chunks hold at least 2048 "
+            "positions, ring or all-gathered keys and values), ZeRO stage, recomputation and "
+            "number of microbatches (experiments/long_context.py).",
+            "",
+            *long_context.rows(long),
+            "",
+        ]
     if store.cpu is None and earlier is not None:
         lines += kept_section(earlier, CPU_HEADING, "\n## ", "--parts")
     if store.cpu is not None:
@@ -595,7 +634,7 @@ def report(store: Store, earlier: Path | None = None) -> str:
     return "\n".join(lines)
 
 
-PARTS = ("planner", "recipes", "cpu")
+PARTS = ("planner", "recipes", "long", "cpu")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -654,6 +693,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     for model, devices, batch in searches:
         search = plan_one(model, devices, batch, args.top, command, args.time_limit)
         write(lambda store, search=search: store.add_search(search))
+    if "long" in parts:
+        for seq_len, devices in long_context.SETTINGS:
+            batch = long_context.sequences(seq_len)
+            search = plan_one(
+                long_context.MODEL, devices, batch, args.top, command, args.time_limit, seq_len
+            )
+            write(lambda store, search=search: store.add_search(search))
     if "recipes" in parts:
         for model in models:
             estimates = [

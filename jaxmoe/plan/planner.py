@@ -473,6 +473,7 @@ def plan_mappings(
     max_virtual_stages: int = 2,
     cross_node_tensor: bool = False,
     time_limit: float | None = None,
+    layouts: Callable[[Mapping], bool] | None = None,
 ) -> PlanResult:
     """Estimate and rank the mappings of ``config``'s model on ``devices`` devices (module
     docstring): the ``top`` best that fit, and every mapping estimated on the way.
@@ -491,7 +492,8 @@ def plan_mappings(
     ``time_limit``: seconds from the start after which the search estimates no more
     mappings (the layouts' screens are all taken first): the ranking is then of the
     mappings estimated (``PlanResult.complete`` False), those left listed with their
-    bounds."""
+    bounds. ``layouts``: which layouts to search (None: all); the others are skipped,
+    saying so."""
     started = time.monotonic()
     check_plan_inputs(config, devices, profile, schedules)
     if time_limit is not None and not time_limit > 0:
@@ -509,6 +511,16 @@ def plan_mappings(
         pipelines=pipelines,
         contexts=context_degrees(config, devices),
     )
+    if layouts is not None:
+        space = MappingSpace(
+            [c for c in space.valid if layouts(c.mapping)],
+            space.skipped
+            + [
+                dataclasses.replace(c, config=None, reason="outside the layouts asked for")
+                for c in space.valid
+                if not layouts(c.mapping)
+            ],
+        )
     if not space.valid:
         reasons = space.skipped_summary()
         raise ConfigError(

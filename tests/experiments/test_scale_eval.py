@@ -93,3 +93,22 @@ def test_parts_not_run_yet_are_kept_from_the_earlier_report(tmp_path):
         section = text[text.index(heading) :]
         assert section.index("Kept from an earlier run") < section.index(body)
     assert text.count(scale_eval.LEFT_OUT_HEADING) == 1
+
+
+def test_long_sequence_searches_have_their_own_table(tmp_path):
+    store = scale_eval.Store()
+    store.add_search(_search(128, 128, 0.34, "run a"))
+    long = dataclasses.replace(_search(128, 32, 0.28, "run b"), seq_len=32768)
+    context = Mapping(128, 2, 16, 8, 1, "all_to_all", zero=1, context=4)
+    long = dataclasses.replace(long, best=dataclasses.replace(long.best, mapping=context))
+    store.add_search(long)
+    path = tmp_path / "scale_eval.json"
+    store.save(path)
+    again = scale_eval.Store.load(path)
+    assert again == store and [s.long for s in again.searches] == [False, True]
+    text = scale_eval.report(again)
+    section = text.split(scale_eval.LONG_HEADING)[1].split("\n## ")[0]
+    (row,) = [line for line in section.splitlines() if line.startswith("| 32768 |")]
+    assert "attention 16x4x2 ring, MoE 16x8x1" in row and " | 28.0% | " in row
+    # The 4K tables leave it out.
+    assert text.split(scale_eval.LONG_HEADING)[0].count("| mixtral-8x22b | 128 |") == 2

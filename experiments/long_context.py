@@ -1,0 +1,71 @@
+"""Long sequences in the planner: Mixtral 8x22B at 32K and 128K tokens, with context
+parallelism, on 128 and 256 H100s.
+
+Each search keeps the tokens of a step at Megatron-Core's 4K recipe's (256 sequences of
+4096, about a million tokens: 32 sequences of 32K, 8 of 128K), and the recipe's MoE layout
+(8 experts a group, whole experts, the all-to-all dispatcher), and searches the attention
+layout (tensor inside a node, the context degree and its exchange), the ZeRO stage,
+recomputation and microbatches, without a pipeline; the planner's context degrees are those
+whose chunks hold at least 2048 positions (:data:`jaxmoe.plan.mappings.MIN_CONTEXT_CHUNK`).
+``experiments.scale_eval --parts long`` runs them and reports them beside the 4K searches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from experiments.folding_models import SEQ_LEN
+
+if TYPE_CHECKING:
+    from experiments.scale_eval import Search
+    from jaxmoe.plan.mappings import Mapping
+
+MODEL = "mixtral-8x22b"
+# (sequence length, devices) of each search.
+SETTINGS = ((32768, 128), (131072, 256))
+# Tokens a step: Megatron-Core's recipe's, 256 sequences of 4096.
+TOKENS_PER_STEP = 256 * SEQ_LEN
+# The recipe's MoE layout, kept: the expert group and the dispatcher.
+EXPERT_GROUP = 8
+
+
+def sequences(seq_len: int) -> int:
+    """Sequences a step at ``seq_len`` tokens each."""
+    return TOKENS_PER_STEP // seq_len
+
+
+def recipe_moe_layout(mapping: Mapping) -> bool:
+    """Whether ``mapping``'s MoE layout is the recipe's (the layouts searched)."""
+    return (
+        mapping.expert == EXPERT_GROUP
+        and mapping.expert_tensor == 1
+        and mapping.dispatcher == "all_to_all"
+    )
+
+
+def rows(searches: Sequence[Search]) -> list[str]:
+    """The table of the long-sequence searches: the best mapping that fits and its MFU."""
+    lines = [
+        "| tokens a sequence | devices | sequences a step | layouts | estimated | fit 80 GB | "
+        "best proven | best mapping that fits | schedule | step ms | compute ms | exposed "
+        "comm ms | MFU | GB/device |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for search in searches:
+        head = (
+            f"| {search.seq_len} | {search.devices} | {search.batch} | {search.layouts} | "
+            f"{search.estimated} | {search.fitting} | "
+            f"{'yes' if search.complete else 'no: stopped at the time limit'} |"
+        )
+        best = search.best
+        if best is None:
+            lines.append(f"{head} none fits |" + " |" * 6)
+            continue
+        t = best.best
+        lines.append(
+            f"{head} {best.mapping.label()} | `{best.schedule}` | {t.step * 1e3:.0f} | "
+            f"{t.compute * 1e3:.0f} | {t.exposed_communication * 1e3:.0f} | {best.mfu:.1%} | "
+            f"{best.peak_bytes / 1e9:.1f} |"
+        )
+    return lines
