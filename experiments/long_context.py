@@ -2,11 +2,13 @@
 parallelism, on 128 and 256 H100s.
 
 Each search keeps the tokens of a step at Megatron-Core's 4K recipe's (256 sequences of
-4096, about a million tokens: 32 sequences of 32K, 8 of 128K), and the recipe's MoE layout
-(8 experts a group, whole experts, the all-to-all dispatcher), and searches the attention
-layout (tensor inside a node, the context degree and its exchange), the ZeRO stage,
+4096, about a million tokens: 32 sequences of 32K, 8 of 128K), the recipe's tensor degree
+(2, with sequence parallelism) and MoE layout (8 experts a group, whole experts, the
+all-to-all dispatcher), and searches the context degree and its exchange, the ZeRO stage,
 recomputation and microbatches, without a pipeline; the planner's context degrees are those
 whose chunks hold at least 2048 positions (:data:`jaxmoe.plan.mappings.MIN_CONTEXT_CHUNK`).
+The recipe's other choices stay fixed because a screen at these lengths is a minute's
+trace, and every attention layout would take hours here.
 ``experiments.scale_eval --parts long`` runs them and reports them beside the 4K searches.
 """
 
@@ -26,7 +28,8 @@ MODEL = "mixtral-8x22b"
 SETTINGS = ((32768, 128), (131072, 256))
 # Tokens a step: Megatron-Core's recipe's, 256 sequences of 4096.
 TOKENS_PER_STEP = 256 * SEQ_LEN
-# The recipe's MoE layout, kept: the expert group and the dispatcher.
+# The recipe's tensor degree and MoE layout, kept: the expert group and the dispatcher.
+TENSOR = 2
 EXPERT_GROUP = 8
 
 
@@ -35,10 +38,12 @@ def sequences(seq_len: int) -> int:
     return TOKENS_PER_STEP // seq_len
 
 
-def recipe_moe_layout(mapping: Mapping) -> bool:
-    """Whether ``mapping``'s MoE layout is the recipe's (the layouts searched)."""
+def searched(mapping: Mapping) -> bool:
+    """Whether ``mapping``'s tensor degree and MoE layout are the recipe's (the layouts
+    searched)."""
     return (
-        mapping.expert == EXPERT_GROUP
+        mapping.tensor == TENSOR
+        and mapping.expert == EXPERT_GROUP
         and mapping.expert_tensor == 1
         and mapping.dispatcher == "all_to_all"
     )

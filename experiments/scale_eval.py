@@ -202,7 +202,7 @@ def plan_one(
         progress=lambda line: print(line, flush=True),
         time_limit=time_limit,
         pipeline=not long,
-        layouts=long_context.recipe_moe_layout if long else None,
+        layouts=long_context.searched if long else None,
     )
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     print(f"{model} on {devices}: {len(result.estimates)} estimated, {wall:.0f} s", flush=True)
@@ -597,10 +597,10 @@ def report(store: Store, earlier: Path | None = None) -> str:
             "",
             "Searched as above (profile, schedules, memory walk), with the tokens of a step "
             f"kept at the 4K recipe's ({long_context.TOKENS_PER_STEP} tokens), the recipe's "
-            f"MoE layout (expert groups of {long_context.EXPERT_GROUP}, whole experts, the "
-            "all-to-all dispatcher) and no pipeline: every attention layout (data x context "
-            "x tensor, tensor inside a node, context degrees whose chunks hold at least 2048 "
-            "positions, ring or all-gathered keys and values), ZeRO stage, recomputation and "
+            f"tensor degree ({long_context.TENSOR}) and MoE layout (expert groups of "
+            f"{long_context.EXPERT_GROUP}, whole experts, the all-to-all dispatcher) and no "
+            "pipeline: every context degree whose chunks hold at least 2048 positions (and "
+            "none), ring or all-gathered keys and values, ZeRO stage, recomputation and "
             "number of microbatches (experiments/long_context.py).",
             "",
             *long_context.rows(long),
