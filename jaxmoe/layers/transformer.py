@@ -164,10 +164,7 @@ class GPTMoE(nnx.Module):
         x, rotary = self.embed(tokens, positions)
         layer_stats = []
         for index, block in enumerate(self.blocks):
-            key = None if jitter_key is None else jax.random.fold_in(jitter_key, index)
-            table = None
-            if placement is not None and block.is_moe:
-                table = placement[len(layer_stats)]
+            key, table = _layer_inputs(jitter_key, placement, index, block, len(layer_stats))
             # Named scopes put the layer into every equation's name stack, where the
             # scheduler's reports find it. The block's call is recomputed in the backward
             # pass under model.recompute="layer".
@@ -211,10 +208,7 @@ class GPTMoE(nnx.Module):
             index = self.config.num_layers + k - 1
             ahead = jnp.pad(next_tokens[:, k - 1 :], ((0, 0), (0, k - 1)))
             assert ahead.shape[1] == seq
-            key = None if jitter_key is None else jax.random.fold_in(jitter_key, index)
-            table = None
-            if placement is not None and module.block.is_moe:
-                table = placement[len(layer_stats)]
+            key, table = _layer_inputs(jitter_key, placement, index, module.block, len(layer_stats))
             with jax.named_scope(f"mtp_{k}"):
                 embedded = self.token_embed(sequence_slice(ahead))
                 x, stats = module(
@@ -338,3 +332,17 @@ class GPTMoE(nnx.Module):
             x, cache = module.block.decode(module.projection(joined), cache, index, rotary)
             head = self._output_head(module.final_norm(x))
         return head.astype(jnp.float32), cache
+
+
+def _layer_inputs(
+    jitter_key: jax.Array | None,
+    placement: jax.Array | None,
+    index: int,
+    block: Block,
+    moe_row: int,
+) -> tuple[jax.Array | None, jax.Array | None]:
+    """Layer ``index``'s router-jitter key and, for an MoE block, its replica table: row
+    ``moe_row`` of ``placement`` (the MoE blocks before it)."""
+    key = None if jitter_key is None else jax.random.fold_in(jitter_key, index)
+    table = placement[moe_row] if placement is not None and block.is_moe else None
+    return key, table
