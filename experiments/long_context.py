@@ -9,18 +9,27 @@ recomputation and microbatches, without a pipeline; the planner's context degree
 whose chunks hold at least 2048 positions (:data:`jaxmoe.plan.mappings.MIN_CONTEXT_CHUNK`).
 The recipe's other choices stay fixed because a screen at these lengths is a minute's
 trace, and every attention layout would take hours here.
+
+Routing groups are :data:`GROUP_SIZE` consecutive tokens, inside every device's share of
+a sequence (its chunks hold at least 2048 positions, and tensor parallelism 2 splits them
+in two): each device plans its own tokens' capacity, as Megatron-Core does. Groups of a
+whole 32K sequence would be planned from choices gathered over the sequence group, each
+device's buffers sized for its share of a group's capacity (the same drops as one
+device, at the price of buffers several times the routed tokens).
 ``experiments.scale_eval --parts long`` runs them and reports them beside the 4K searches.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from experiments.folding_models import SEQ_LEN
+from experiments.folding_models import SEQ_LEN, planned_config
 
 if TYPE_CHECKING:
     from experiments.scale_eval import Search
+    from jaxmoe.config import Config
     from jaxmoe.plan.mappings import Mapping
 
 MODEL = "mixtral-8x22b"
@@ -31,11 +40,20 @@ TOKENS_PER_STEP = 256 * SEQ_LEN
 # The recipe's tensor degree and MoE layout, kept: the expert group and the dispatcher.
 TENSOR = 2
 EXPERT_GROUP = 8
+# Tokens a routing group (module docstring).
+GROUP_SIZE = 2048
 
 
 def sequences(seq_len: int) -> int:
     """Sequences a step at ``seq_len`` tokens each."""
     return TOKENS_PER_STEP // seq_len
+
+
+def config(seq_len: int, devices: int) -> Config:
+    """The model at ``seq_len`` tokens a sequence on ``devices`` devices, its routing groups
+    of :data:`GROUP_SIZE` tokens."""
+    planned = planned_config(MODEL, devices, sequences(seq_len), seq_len=seq_len)
+    return dataclasses.replace(planned, moe=dataclasses.replace(planned.moe, group_size=GROUP_SIZE))
 
 
 def searched(mapping: Mapping) -> bool:

@@ -189,8 +189,10 @@ def plan_one(
     layouts."""
     from jaxmoe.plan.planner import plan_mappings
 
-    config = planned_config(model, devices, batch, seq_len=seq_len)
     long = seq_len != SEQ_LEN
+    config = (
+        long_context.config(seq_len, devices) if long else planned_config(model, devices, batch)
+    )
     wall, cpu = time.perf_counter(), time.process_time()
     result = plan_mappings(
         config,
@@ -601,7 +603,9 @@ def report(store: Store, earlier: Path | None = None) -> str:
             f"{long_context.EXPERT_GROUP}, whole experts, the all-to-all dispatcher) and no "
             "pipeline: every context degree whose chunks hold at least 2048 positions (and "
             "none), ring or all-gathered keys and values, ZeRO stage, recomputation and "
-            "number of microbatches (experiments/long_context.py).",
+            "number of microbatches; routing groups of "
+            f"{long_context.GROUP_SIZE} tokens, inside each device's share of a sequence "
+            "(experiments/long_context.py).",
             "",
             *long_context.rows(long),
             "",
