@@ -19,11 +19,13 @@ loop (and no tile axes: the ops the scheduler's partition rules know, as the den
 core's). Sequences are padded to whole tiles: a padded key sits
 after every real query and the causal mask hides it; padded query rows are dropped.
 
-:func:`blockwise_attention_with_lse` also returns the rows' log-sum-exp, differentiable
-like the output (its cotangent adds ``d_lse`` times the weights to the scores'), so that
-partial attentions over different keys merge exactly: context parallelism's ring
-(:mod:`jaxmoe.layers.context_attention`). Its queries may see every key (the keys of an
-earlier chunk), and its queries' and keys' segments are given apart.
+:func:`attention_with_lse` and :func:`attention_gradients` are the two passes apart, for
+an attention computed in pieces over different keys (context parallelism's ring,
+:mod:`jaxmoe.layers.context_attention`): the first gives a piece's output and its rows'
+log-sum-exp, which merge the pieces exactly; the second a piece's share of ``dq``, ``dk``
+and ``dv`` from the merged rows' output and log-sum-exp, the same formula as within one
+attention. A piece's queries may see every key (the keys of an earlier chunk), and its
+queries' and keys' segments are given apart.
 
 Queries may have more heads than keys (grouped-query attention): the query heads are
 grouped ``[kv_heads, heads / kv_heads]`` and each group reads its key/value head. Values
@@ -155,7 +157,25 @@ def blockwise_attention(
     return _attention(tiles, query, key, value, positions, segment_ids, segment_ids)
 
 
-def blockwise_attention_with_lse(
+def _piece(query, key, *, block, causal, scale) -> tuple[Tiling, jax.Array]:
+    """The tiling of a piece and its queries' positions: their own (causal), or the last
+    key's (every key seen)."""
+    if causal and query.shape[1] != key.shape[1]:
+        raise ValueError(f"causal self-attention of {query.shape[1]} queries over {key.shape[1]}")
+    tiles = tiling(
+        query.shape[1],
+        key.shape[1],
+        block,
+        window=None,
+        aligned=causal,
+        scale=1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale),
+    )
+    last = key.shape[1] - 1
+    positions = jnp.arange(query.shape[1]) if causal else jnp.full(query.shape[1], last)
+    return tiles, positions.astype(jnp.int32)
+
+
+def attention_with_lse(
     query: jax.Array,
     key: jax.Array,
     value: jax.Array,
@@ -166,39 +186,50 @@ def blockwise_attention_with_lse(
     query_segment_ids: jax.Array | None = None,
     key_segment_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """:func:`blockwise_attention`'s output in float32 and the rows' log-sum-exp ``[batch,
-    q, heads]`` (float32), both differentiable.
+    """One piece's forward pass: :func:`blockwise_attention`'s output in float32 and the
+    rows' log-sum-exp ``[batch, q, heads]`` (float32). Not differentiable: the caller's
+    own derivative calls :func:`attention_gradients`.
 
     ``causal``: self-attention, query ``i`` seeing keys ``0 .. i``; False: every query sees
     every key (the keys all precede the queries). With ``query_segment_ids [batch, q]``
     and ``key_segment_ids [batch, k]`` a query sees only the keys of its own segment. A
     row that sees no key has output 0 and log-sum-exp :data:`MASKED`, so that it adds
-    nothing where partial attentions are merged."""
-    if causal and query.shape[1] != key.shape[1]:
-        raise ValueError(f"causal self-attention of {query.shape[1]} queries over {key.shape[1]}")
-    if (query_segment_ids is None) != (key_segment_ids is None):
-        raise ValueError("give the segments of both the queries and the keys, or of neither")
-    tiles = tiling(
-        query.shape[1],
-        key.shape[1],
-        block,
-        window=None,
-        aligned=causal,
-        scale=1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale),
-    )
-    # Every query sits at the last key's position, or (causal) at its own.
-    last = key.shape[1] - 1
-    positions = jnp.arange(query.shape[1]) if causal else jnp.full(query.shape[1], last)
-    out, lse = _attention_with_lse(
-        tiles,
+    nothing where pieces are merged."""
+    tiles, positions = _piece(query, key, block=block, causal=causal, scale=scale)
+    out, lse = _forward(tiles, query, key, value, positions, query_segment_ids, key_segment_ids)
+    return out, _rows(lse, tiles)
+
+
+def attention_gradients(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    out: jax.Array,
+    lse: jax.Array,
+    d_out: jax.Array,
+    *,
+    block: int,
+    causal: bool,
+    scale: float | None = None,
+    query_segment_ids: jax.Array | None = None,
+    key_segment_ids: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One piece's share of ``dq``, ``dk`` and ``dv`` (float32), the arguments as
+    :func:`attention_with_lse` takes them, given the rows' output ``out [batch, q, heads,
+    dv]``, log-sum-exp ``lse [batch, q, heads]`` and output cotangent ``d_out``, all of the
+    whole attention the piece is part of (the rows' softmax over every key)."""
+    tiles, positions = _piece(query, key, block=block, causal=causal, scale=scale)
+    residuals = (
         query,
         key,
         value,
-        positions.astype(jnp.int32),
+        positions,
         query_segment_ids,
         key_segment_ids,
+        out.astype(query.dtype),
+        _in_forward_layout(lse.astype(jnp.float32), tiles, key.shape[2]),
     )
-    return out, lse
+    return _gradients_of(tiles, residuals, d_out)
 
 
 # -- one tile -----------------------------------------------------------------------------
@@ -454,11 +485,15 @@ def _rows(lse: jax.Array, tiles: Tiling) -> jax.Array:
     return lse.reshape(*lse.shape[:2], -1)
 
 
-def _from_rows(rows: jax.Array, kv_heads: int) -> jax.Array:
-    """``[batch, q, heads]`` -> ``[batch, kv_heads, groups, q]``, the layout of
-    :func:`_row_dot`."""
-    grouped = rows.reshape(*rows.shape[:2], kv_heads, -1)
-    return jnp.moveaxis(grouped, 1, -1)
+def _in_forward_layout(rows: jax.Array, tiles: Tiling, kv_heads: int) -> jax.Array:
+    """The inverse of :func:`_rows`: ``[batch, q, heads]`` -> the forward pass's layout.
+    Padded query rows get a log-sum-exp that gives their weights 0."""
+    grouped = jnp.moveaxis(rows.reshape(*rows.shape[:2], kv_heads, -1), 1, -1)
+    if tiles.single:
+        return grouped  # [batch, kv_heads, groups, q]
+    padded = _pad_to(grouped, 3, tiles.query_tiles * tiles.query_block, fill=-MASKED)
+    tiled = padded.reshape(*padded.shape[:3], tiles.query_tiles, tiles.query_block)
+    return jnp.moveaxis(tiled, 3, 0)  # [query tiles, batch, kv_heads, groups, block]
 
 
 def _forward(tiles: Tiling, query, key, value, query_positions, query_segment, key_segment):
@@ -480,9 +515,9 @@ def _forward(tiles: Tiling, query, key, value, query_positions, query_segment, k
     return out.reshape(*query.shape[:3], -1), lse
 
 
-def _backward(tiles: Tiling, residuals, d_result, d_lse=None):
-    """``dq, dk, dv`` from the forward pass's residuals and the output's cotangent, and
-    the log-sum-exp's (``[batch, q, heads]``) where it is an output too."""
+def _gradients_of(tiles: Tiling, residuals, d_result):
+    """``dq, dk, dv`` (float32) from the forward pass's residuals and the output's
+    cotangent."""
     if tiles.single:
         # The barrier ties the one tile's recomputation to the incoming gradient: without
         # it XLA may compute the tile again as soon as q and k exist, in the forward pass,
@@ -493,9 +528,6 @@ def _backward(tiles: Tiling, residuals, d_result, d_lse=None):
     kv_heads = key.shape[2]
     grouped, d_out = _grouped(query, kv_heads), _grouped(d_result, kv_heads)
     row_dot = _row_dot(_grouped(result, kv_heads), d_out)
-    if d_lse is not None:
-        # d lse / d scores is the weights: the scores' cotangent gains d_lse x weights.
-        row_dot = row_dot - _from_rows(d_lse.astype(jnp.float32), kv_heads)
     if tiles.single:
         visible = _visible(tiles, query_positions, 0, query_segment, key_segment)
         d_query, d_key, d_value = _gradients(
@@ -508,8 +540,16 @@ def _backward(tiles: Tiling, residuals, d_result, d_lse=None):
         d_query, d_key, d_value = _tiled_backward(tiles, ops, lse, row_dot, tiled(d_out))
         d_query = _untile(d_query, tiles.query_len)
         d_key, d_value = _untile(d_key, tiles.key_len), _untile(d_value, tiles.key_len)
+    return d_query.reshape(query.shape), d_key, d_value
+
+
+def _backward(tiles: Tiling, residuals, d_result):
+    """:func:`_gradients_of` in the operands' dtypes, and no cotangent for the positions
+    and segments."""
+    query, key, value = residuals[:3]
+    d_query, d_key, d_value = _gradients_of(tiles, residuals, d_result)
     return (
-        d_query.reshape(query.shape).astype(query.dtype),
+        d_query.astype(query.dtype),
         d_key.astype(key.dtype),
         d_value.astype(value.dtype),
         None,
@@ -539,29 +579,3 @@ def _attention_backward(tiles: Tiling, residuals, d_result):
 
 
 _attention.defvjp(_attention_forward, _attention_backward)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention_with_lse(
-    tiles: Tiling, query, key, value, query_positions, query_segment, key_segment
-):
-    return _attention_with_lse_forward(
-        tiles, query, key, value, query_positions, query_segment, key_segment
-    )[0]
-
-
-def _attention_with_lse_forward(
-    tiles: Tiling, query, key, value, query_positions, query_segment, key_segment
-):
-    out, lse = _forward(tiles, query, key, value, query_positions, query_segment, key_segment)
-    operands = (query, key, value, query_positions, query_segment, key_segment)
-    # The output is kept in the operands' dtype, as the plain attention keeps it.
-    return (out, _rows(lse, tiles)), (*operands, out.astype(query.dtype), lse)
-
-
-def _attention_with_lse_backward(tiles: Tiling, residuals, cotangents):
-    d_out, d_lse = cotangents
-    return _backward(tiles, residuals, d_out, d_lse)
-
-
-_attention_with_lse.defvjp(_attention_with_lse_forward, _attention_with_lse_backward)
