@@ -169,6 +169,7 @@ def test_json_shape(planned):
     assert set(row["mapping"]) == {
         "devices", "tensor", "attention_data", "expert_data", "expert", "expert_tensor",
         "dispatcher", "zero", "recompute", "microbatches", "pipeline", "virtual_stages",
+        "context", "context_exchange",
     }  # fmt: skip
     parts = ("master", "optimizer", "batch", "parameters", "activations", "backward", "pipeline")
     assert row["memory_bytes"]["total"] == sum(row["memory_bytes"][p] for p in parts)
