@@ -39,8 +39,9 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from jaxmoe.config.choices import CONTEXT_EXCHANGES
 from jaxmoe.layers.blockwise_attention import blockwise_attention
-from jaxmoe.layers.context_attention import EXCHANGES, context_attention
+from jaxmoe.layers.context_attention import context_attention
 from jaxmoe.parallel.sequence_split import context_size
 from scheduling.names import ONE_KERNEL_SCOPE
 
@@ -72,9 +73,9 @@ class AttentionCore:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"attention core {self.kind!r}: one of {', '.join(KINDS)}")
-        if self.context_exchange not in EXCHANGES:
+        if self.context_exchange not in CONTEXT_EXCHANGES:
             raise ValueError(
-                f"context exchange {self.context_exchange!r}: one of {', '.join(EXCHANGES)}"
+                f"context exchange {self.context_exchange!r}: one of {', '.join(CONTEXT_EXCHANGES)}"
             )
 
     @property

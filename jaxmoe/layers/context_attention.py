@@ -55,13 +55,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxmoe.config.choices import CONTEXT_EXCHANGES
 from jaxmoe.config.layout import CONTEXT
 from jaxmoe.layers.blockwise_attention import MASKED, attention_gradients, attention_with_lse
 from jaxmoe.parallel.mesh import role_axes
 from jaxmoe.parallel.sequence_split import context_chunks, context_index, context_size
 from scheduling.names import ONE_KERNEL_SCOPE
-
-EXCHANGES = ("ring", "all_gather")
 
 
 def chunk_pairs(device: int, devices: int) -> list[tuple[int, int, bool]]:
@@ -297,6 +296,6 @@ def context_attention(
 
     ``segment_ids [batch, seq]``: the whole rows' (every device of the group holds them).
     ``block``: the tile of each piece's blockwise attention."""
-    if exchange not in EXCHANGES:
-        raise ValueError(f"context exchange {exchange!r}: one of {', '.join(EXCHANGES)}")
+    if exchange not in CONTEXT_EXCHANGES:
+        raise ValueError(f"context exchange {exchange!r}: one of {', '.join(CONTEXT_EXCHANGES)}")
     return _attend(_Ring(exchange, block, scale), query, key, value, segment_ids)
