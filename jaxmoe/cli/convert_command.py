@@ -5,7 +5,8 @@
     jaxmoe convert --to-hf exported/ --out runs/qwen3 [--step N] [--dtype bfloat16]
 
 ``--from-hf`` reads a transformers model directory (``config.json`` and safetensors
-shards) of Mixtral, Qwen2-MoE or Qwen3-MoE into ``--out`` as the checkpoint of step 0
+shards) of Mixtral, Qwen2-MoE, Qwen3-MoE or DeepSeek-V3 (Kimi K2 too), block-scaled FP8
+weights dequantized, into ``--out`` as the checkpoint of step 0
 (the weights, a fresh optimizer state, the configuration), shard by shard, and prints
 the ``jaxmoe train --resume`` line that continues from it; ``--SECTION.FIELD`` flags set
 the fields config.json does not (``--model.seq_len``, ``--model.dtype``, ``--train.*``,
@@ -25,7 +26,7 @@ from typing import Any
 from jaxmoe.config import Config, ConfigError
 from jaxmoe.config.data import DataSource, parse_sources
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 DEFAULT_SHARD_SIZE = "5GB"
 _TO_HF_FLAGS = ("step", "dtype", "model_type", "max_shard_size")
 
@@ -51,8 +52,9 @@ def add_arguments(command: argparse.ArgumentParser, override_fields: dict[str, A
     export.add_argument("--step", type=int, help="the checkpoint to export (default: newest)")
     export.add_argument(
         "--dtype",
-        choices=["float32", "bfloat16", "float16"],
-        help="the weights' dtype (default: the source model's, else float32)",
+        choices=["float32", "bfloat16", "float16", "float8_e4m3fn"],
+        help="the weights' dtype (default: the source model's, else float32); "
+        "float8_e4m3fn: the linear layers' block-scaled FP8, the rest bfloat16",
     )
     export.add_argument(
         "--model-type",

@@ -1,15 +1,23 @@
 """A Hugging Face ``config.json`` and jaxmoe's model and MoE sections, both ways.
 
 Read: :func:`read_architecture` checks the file's ``model_type`` (``mixtral``,
-``qwen2_moe``, ``qwen3_moe``) and every field that shapes the model, and returns the
-jaxmoe fields of that model (:class:`Architecture`): RMSNorm and its epsilon, rotary
-positions (theta; linear or YaRN scaling, from ``rope_scaling`` or transformers 5's
-``rope_parameters``), grouped-query attention (key/value heads, head width), the
-query/key/value biases (Qwen2-MoE), the query/key norms (Qwen3-MoE), SwiGLU without
-biases, the untied or tied head, the experts (count, top-k, width, ``norm_topk_prob``),
-Qwen2-MoE's gated shared expert, and the dense layers (``decoder_sparse_step`` as
-``model.moe_every``, ``mlp_only_layers`` = the first k layers as
-``model.first_dense_layers``). The models are dropless: ``moe.capacity_factor`` None.
+``qwen2_moe``, ``qwen3_moe``, ``deepseek_v3``, or a name another model of one of these
+architectures goes by: Kimi K2's ``kimi_k2``) and every field that shapes the model, and
+returns the jaxmoe fields of that model (:class:`Architecture`): RMSNorm and its
+epsilon, rotary positions (theta; linear or YaRN scaling, from ``rope_scaling`` or
+transformers 5's ``rope_parameters``, with DeepSeek's ``mscale`` and ``mscale_all_dim``),
+grouped-query attention (key/value heads, head width), the query/key/value biases
+(Qwen2-MoE), the query/key norms (Qwen3-MoE), SwiGLU without biases, the untied or tied
+head, the experts (count, top-k, width, ``norm_topk_prob``), Qwen2-MoE's gated shared
+expert, and the dense layers (``decoder_sparse_step`` as ``model.moe_every``,
+``mlp_only_layers`` = the first k layers as ``model.first_dense_layers``). DeepSeek-V3:
+multi-head latent attention (the ranks and head widths), its rotary features stored
+interleaved (``rope_interleave``, :attr:`Architecture.rotary_interleaved`), the sigmoid
+router with its selection bias, expert groups and ``routed_scaling_factor``, the shared
+experts, ``first_k_dense_replace`` and the multi-token prediction modules
+(``num_nextn_predict_layers``). A ``quantization_config`` of block-scaled FP8 weights
+(:mod:`jaxmoe.hf.block_fp8`) gives :attr:`Architecture.fp8_block`. The models are
+dropless: ``moe.capacity_factor`` None.
 What jaxmoe cannot compute the same way is refused in one line naming the field: a
 sliding window on some layers only (Qwen's ``max_window_layers``) shorter than
 ``model.seq_len``, a rotary scaling other than linear or
@@ -33,19 +41,26 @@ from typing import Any
 from jaxmoe.config import Config, ConfigError, ModelConfig
 from jaxmoe.config.moe import shared_width
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
+# Other names of those architectures' models: model_type -> the family.
+ALIASES = {"kimi_k2": "deepseek_v3"}
 # transformers' defaults for fields a config.json may leave out.
-DEFAULT_ROPE_THETA = {"mixtral": 1e6, "qwen2_moe": 10000.0, "qwen3_moe": 10000.0}
+DEFAULT_ROPE_THETA = {
+    "mixtral": 1e6,
+    "qwen2_moe": 10000.0,
+    "qwen3_moe": 10000.0,
+    "deepseek_v3": 10000.0,
+}
 # Names other model families are known by, with why they cannot be converted.
 UNSUPPORTED = {
-    name: "jaxmoe trains its multi-head latent attention (model.kv_lora_rank) but does not "
-    "convert its checkpoints yet"
-    for name in ("deepseek_v3", "deepseek_v2")
+    "deepseek_v2": "its router (softmax scores, greedy group-limited choice) is not "
+    "DeepSeek-V3's, and jaxmoe has only V3's",
 }
 # The configuration fields that give the experts' count, per family (transformers 5 saves
 # Qwen3-MoE's as num_local_experts, the hub's files say num_experts).
@@ -53,6 +68,7 @@ EXPERT_COUNT = {
     "mixtral": ("num_local_experts", "num_experts"),
     "qwen2_moe": ("num_experts",),
     "qwen3_moe": ("num_experts", "num_local_experts"),
+    "deepseek_v3": ("n_routed_experts",),
 }
 YARN_BETA_FAST, YARN_BETA_SLOW = 32, 1
 
@@ -64,7 +80,10 @@ class Architecture:
     ``model`` and ``moe``: values of ``model.*`` and ``moe.*`` fields (the rest keep the
     family preset's). ``sliding_window``: an attention window on some layers only (Qwen's
     ``max_window_layers``), which jaxmoe must check against ``model.seq_len``: it has one
-    window for every layer (``model.sliding_window``)."""
+    window for every layer (``model.sliding_window``). ``rotary_interleaved``: the rotated
+    features of the query and key projections are stored in interleaved pairs
+    (DeepSeek-V3's ``rope_interleave``), where jaxmoe rotates halves. ``fp8_block``: the
+    weights are block-scaled FP8 with blocks of this shape (else None)."""
 
     family: str
     source: str
@@ -73,6 +92,8 @@ class Architecture:
     moe: dict[str, Any]
     sliding_window: int | None
     dtype: str | None
+    rotary_interleaved: bool = False
+    fp8_block: tuple[int, int] | None = None
 
     def check_config(self, config: Config) -> None:
         """What depends on fields the command line may change (``model.seq_len``)."""
@@ -134,25 +155,28 @@ class _Fields:
 
 
 def model_type_of(values: dict[str, Any], source: str) -> str:
-    """The family of a ``config.json``, refused unless jaxmoe converts it."""
+    """The family of a ``config.json`` (its ``model_type``, or the family an alias names),
+    refused unless jaxmoe converts it."""
     model_type = values.get("model_type")
+    known = (*FAMILIES, *ALIASES)
     if model_type in UNSUPPORTED:
         raise ConfigError(
             f"{source}: model_type={model_type!r} is not supported: {UNSUPPORTED[model_type]}; "
-            f"jaxmoe converts {', '.join(FAMILIES)}"
+            f"jaxmoe converts {', '.join(known)}"
         )
-    if model_type not in FAMILIES:
+    if model_type not in known:
         raise ConfigError(
             f"{source}: model_type={model_type!r} is not supported: jaxmoe converts "
-            f"{', '.join(FAMILIES)}"
+            f"{', '.join(known)}"
         )
+    family = ALIASES.get(model_type, model_type)
     architectures = values.get("architectures")
-    if architectures is not None and architectures != [ARCHITECTURES[model_type]]:
+    if architectures is not None and architectures != [ARCHITECTURES[family]]:
         raise ConfigError(
             f"{source}: architectures={architectures!r}: jaxmoe converts the causal language "
-            f"model, [{ARCHITECTURES[model_type]!r}]"
+            f"model, [{ARCHITECTURES[family]!r}]"
         )
-    return model_type
+    return family
 
 
 def read_architecture(values: dict[str, Any], source: str) -> Architecture:
@@ -186,7 +210,9 @@ def read_architecture(values: dict[str, Any], source: str) -> Architecture:
         moe_every=1,
         first_dense_layers=0,
     )
-    if fields.has("head_dim"):
+    if family == "deepseek_v3":  # its head_dim is the rotary width (qk_rope_head_dim)
+        pass
+    elif fields.has("head_dim"):
         model["head_dim"] = fields.integer("head_dim")
     elif hidden % heads:
         raise fields.error(
@@ -210,7 +236,13 @@ def read_architecture(values: dict[str, Any], source: str) -> Architecture:
         shared_expert_gate=False,
     )
     window = None
-    if family == "mixtral":
+    if family == "deepseek_v3":
+        model.update(_latent_attention(fields, heads))
+        model.update(_deepseek_layers(fields, layers))
+        moe.update(_deepseek_router(fields))
+        # Its selection bias is a tensor of the model; the rate it moves at, the preset's.
+        del moe["expert_bias_rate"]
+    elif family == "mixtral":
         model["d_ff"] = fields.integer("intermediate_size")
         if fields.get("sliding_window") is not None:  # Mistral's window, on every layer
             model["sliding_window"] = fields.integer("sliding_window")
@@ -245,7 +277,113 @@ def read_architecture(values: dict[str, Any], source: str) -> Architecture:
                 "with model.linear_bias (on every layer): not supported",
             )
     dtype = values.get("dtype", values.get("torch_dtype"))
-    return Architecture(family, source, values, model, moe, window, dtype)
+    interleaved = rotary_interleaved(values, family)
+    if interleaved:
+        fields.boolean("rope_interleave", True)  # a boolean when given
+    return Architecture(
+        family, source, values, model, moe, window, dtype, interleaved, _fp8_block(fields)
+    )
+
+
+def rotary_interleaved(values: dict[str, Any] | None, family: str) -> bool:
+    """Whether a ``family`` model with this ``config.json`` (None: a new one) stores its
+    rotated query and key features in interleaved pairs (DeepSeek-V3's
+    ``rope_interleave``, true unless the file says otherwise)."""
+    return family == "deepseek_v3" and (values or {}).get("rope_interleave", True) is not False
+
+
+def _latent_attention(fields: _Fields, heads: int) -> dict[str, Any]:
+    """DeepSeek-V3's multi-head latent attention: its ranks and head widths (a query
+    rank of null: queries straight from the residual stream)."""
+    kv_heads = fields.get("num_key_value_heads", heads)
+    if kv_heads != heads:
+        raise fields.error(
+            "num_key_value_heads",
+            f"multi-head latent attention gives every head its key and value: must be "
+            f"num_attention_heads={heads}",
+        )
+    if fields.boolean("attention_bias", False):
+        raise fields.error("attention_bias", "jaxmoe's latent attention has no biases")
+    nope, rope = fields.integer("qk_nope_head_dim"), fields.integer("qk_rope_head_dim")
+    # transformers' derived widths, where the file has them, must agree with the ranks.
+    for name, width in (("qk_head_dim", nope + rope), ("head_dim", rope)):
+        if fields.has(name) and fields.get(name) != width:
+            raise fields.error(
+                name,
+                f"must be {width} (qk_nope_head_dim={nope}, qk_rope_head_dim={rope}): the "
+                "latent attention's widths disagree",
+            )
+    return dict(
+        num_kv_heads=None,
+        kv_lora_rank=fields.integer("kv_lora_rank"),
+        q_lora_rank=fields.integer("q_lora_rank") if fields.has("q_lora_rank") else None,
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope,
+        v_head_dim=fields.integer("v_head_dim"),
+    )
+
+
+def _deepseek_layers(fields: _Fields, layers: int) -> dict[str, Any]:
+    """The dense layers (``first_k_dense_replace``), their width, and the multi-token
+    prediction modules stored after the last layer (``num_nextn_predict_layers``)."""
+    if fields.get("moe_layer_freq", 1) != 1:
+        raise fields.error(
+            "moe_layer_freq",
+            "jaxmoe converts DeepSeek-V3 models whose layers after the dense ones are all MoE",
+        )
+    first = fields.integer("first_k_dense_replace", 0, minimum=0)
+    if first >= layers:
+        raise fields.error("first_k_dense_replace", f"leaves no MoE layer among {layers}")
+    return dict(
+        d_ff=fields.integer("intermediate_size"),
+        first_dense_layers=first,
+        moe_every=1,
+        mtp_depth=fields.integer("num_nextn_predict_layers", 0, minimum=0),
+    )
+
+
+def _deepseek_router(fields: _Fields) -> dict[str, Any]:
+    """DeepSeek-V3's router: sigmoid scores, a selection bias, expert groups, the scaled
+    weights; its experts' width and shared experts."""
+    for name, value in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if fields.get(name, value) != value:
+            raise fields.error(name, f"jaxmoe converts DeepSeek-V3's router ({name} {value!r})")
+    groups = fields.integer("n_group", 1)
+    return dict(
+        score_function="sigmoid",
+        routed_scaling_factor=fields.number("routed_scaling_factor", 1.0),
+        num_expert_groups=groups,
+        top_k_expert_groups=fields.integer("topk_group", groups),
+        normalize_top_k=fields.boolean("norm_topk_prob", True),
+        d_expert=fields.integer("moe_intermediate_size"),
+        num_shared_experts=fields.integer("n_shared_experts", 0, minimum=0),
+    )
+
+
+def _fp8_block(fields: _Fields) -> tuple[int, int] | None:
+    """The block of block-scaled FP8 weights (``quantization_config``), or None."""
+    name = "quantization_config"
+    settings = fields.get(name)
+    if settings is None:
+        return None
+    if not isinstance(settings, dict) or settings.get("quant_method") != "fp8":
+        raise fields.error(
+            name, "jaxmoe reads block-scaled FP8 weights (quant_method 'fp8') or unquantized ones"
+        )
+    if settings.get("fmt", "e4m3") != "e4m3":
+        raise fields.error(name, f"fmt={settings.get('fmt')!r}: jaxmoe reads e4m3 weights")
+    block = settings.get("weight_block_size")
+    if (
+        not isinstance(block, list)
+        or len(block) != 2
+        or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in block)
+    ):
+        raise fields.error(
+            name,
+            f"weight_block_size={block!r}: jaxmoe reads FP8 weights with one scale per block "
+            "of [rows, columns] elements, such as [128, 128]",
+        )
+    return block[0], block[1]
 
 
 def _dense_layers(fields: _Fields, layers: int) -> dict[str, int]:
@@ -292,7 +430,13 @@ def _rope_fields(fields: _Fields, family: str) -> dict[str, Any]:
     """``model.rope_theta``, ``model.rope_scaling``, its factor and original context."""
     theta, parameters, name = _rope_parameters(fields, family)
     kind = parameters.get("rope_type", parameters.get("type", "default"))
-    values: dict[str, Any] = dict(rope_theta=theta, rope_scaling="none", rope_scaling_factor=1.0)
+    values: dict[str, Any] = dict(
+        rope_theta=theta,
+        rope_scaling="none",
+        rope_scaling_factor=1.0,
+        rope_mscale=0.0,
+        rope_mscale_all_dim=0.0,
+    )
     partial = parameters.get("partial_rotary_factor", fields.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise fields.error(name, f"partial_rotary_factor={partial!r}: jaxmoe rotates whole heads")
@@ -332,9 +476,17 @@ def _rope_fields(fields: _Fields, family: str) -> dict[str, Any]:
             raise fields.error(name, f"yarn {key}={value!r}: jaxmoe's YaRN has {allowed[1]}")
     attention = parameters.get("attention_factor")
     mscale, mscale_all = parameters.get("mscale"), parameters.get("mscale_all_dim")
-    if attention is None and mscale and mscale_all:
+    for key, value in (("mscale", mscale), ("mscale_all_dim", mscale_all)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int | float) or value < 0
+        ):
+            raise fields.error(name, f"yarn {key}={value!r}: must be a number >= 0")
+    if mscale and mscale_all:  # DeepSeek's: jaxmoe scales as transformers does
+        values.update(rope_mscale=float(mscale), rope_mscale_all_dim=float(mscale_all))
         scaled = lambda m: 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
-        attention = scaled(mscale) / scaled(mscale_all)
+        expected = scaled(mscale) / scaled(mscale_all)
+    elif mscale_all and family == "deepseek_v3":  # the softmax scale's alone
+        values["rope_mscale_all_dim"] = float(mscale_all)
     if attention is not None and not math.isclose(attention, expected, rel_tol=1e-9):
         raise fields.error(
             name,
@@ -356,16 +508,38 @@ def inexpressible(config: Config, family: str) -> tuple[str, Any, Any] | None:
         "model.position": (model.position, "rope"),
         "model.activation": (model.activation, "swiglu"),
         "model.linear_bias": (model.linear_bias, False),
-        "moe.score_function": (moe.score_function, "softmax"),
-        "moe.routed_scaling_factor": (getattr(moe, "routed_scaling_factor", 1.0), 1.0),
-        "moe.num_expert_groups": (getattr(moe, "num_expert_groups", 1), 1),
-        "moe.expert_bias_rate": (getattr(moe, "expert_bias_rate", 0.0), 0.0),
         "model.qk_norm": (model.qk_norm, family == "qwen3_moe"),
-        "model.kv_lora_rank": (model.kv_lora_rank, None),
-        "model.rope_mscale": (model.rope_mscale, 0.0),
-        "model.rope_mscale_all_dim": (model.rope_mscale_all_dim, 0.0),
-        "model.mtp_depth": (model.mtp_depth, 0),
     }
+    if family == "deepseek_v3":
+        required.update(
+            {
+                "model.kv_lora_rank": (model.kv_lora_rank, model.kv_lora_rank or "a rank"),
+                "model.attention_bias": (model.attention_bias, False),
+                "model.moe_every": (model.moe_every, 1),
+                "moe.score_function": (moe.score_function, "sigmoid"),
+                # The selection bias (e_score_correction_bias) is a tensor of every model.
+                "moe.expert_bias_rate": (
+                    moe.expert_bias_rate,
+                    moe.expert_bias_rate if moe.expert_bias_rate > 0 else "a rate > 0",
+                ),
+                "moe.shared_expert_gate": (moe.shared_expert_gate, False),
+                "moe.d_shared_expert": (
+                    shared_width(model, moe),
+                    moe.num_shared_experts * (moe.d_expert or model.d_ff),
+                ),
+            }
+        )
+    else:
+        required.update(
+            {
+                "moe.score_function": (moe.score_function, "softmax"),
+                "moe.routed_scaling_factor": (moe.routed_scaling_factor, 1.0),
+                "moe.num_expert_groups": (moe.num_expert_groups, 1),
+                "moe.expert_bias_rate": (moe.expert_bias_rate, 0.0),
+                "model.kv_lora_rank": (model.kv_lora_rank, None),
+                "model.mtp_depth": (model.mtp_depth, 0),
+            }
+        )
     if family == "mixtral":
         required.update(
             {
@@ -423,6 +597,10 @@ def _rope_entries(model: ModelConfig, base: dict[str, Any], family: str) -> dict
         scaling = {"rope_type": model.rope_scaling, "factor": model.rope_scaling_factor}
         if model.rope_scaling == "yarn":
             scaling["original_max_position_embeddings"] = model.rope_original_seq_len
+            if model.rope_mscale:
+                scaling["mscale"] = model.rope_mscale
+            if model.rope_mscale_all_dim:
+                scaling["mscale_all_dim"] = model.rope_mscale_all_dim
     if "rope_parameters" in base:
         return {
             "rope_parameters": {"rope_theta": model.rope_theta, "rope_type": "default", **scaling}
@@ -435,21 +613,35 @@ def _rope_fields_of(model: ModelConfig) -> dict[str, Any]:
         rope_theta=model.rope_theta,
         rope_scaling=model.rope_scaling,
         rope_scaling_factor=model.rope_scaling_factor if model.rope_scaling != "none" else 1.0,
+        rope_mscale=0.0,
+        rope_mscale_all_dim=0.0,
     )
     if model.rope_scaling == "yarn":
-        values["rope_original_seq_len"] = model.rope_original_seq_len
+        values.update(
+            rope_original_seq_len=model.rope_original_seq_len,
+            rope_mscale=model.rope_mscale,
+            rope_mscale_all_dim=model.rope_mscale_all_dim,
+        )
     return values
 
 
-def hf_config(config: Config, family: str, dtype: str, base: dict[str, Any] | None) -> dict:
+def hf_config(
+    config: Config,
+    family: str,
+    dtype: str,
+    base: dict[str, Any] | None,
+    fp8_block: tuple[int, int] | None = None,
+) -> dict:
     """The ``config.json`` of ``config`` as a ``family`` model whose weights are stored in
-    ``dtype``, on top of ``base`` (the file it was converted from, or None)."""
+    ``dtype`` (its linear layers' as block-scaled FP8 with blocks of ``fp8_block``, when
+    given), on top of ``base`` (the file it was converted from, or None)."""
     check_expressible(config, family)
     model, moe = config.model, config.moe
     values = dict(base or {})
+    model_type = values.get("model_type")
     values.update(
         architectures=[ARCHITECTURES[family]],
-        model_type=family,
+        model_type=model_type if ALIASES.get(model_type) == family else family,
         vocab_size=model.vocab_size,
         hidden_size=model.d_model,
         num_attention_heads=model.num_heads,
@@ -464,13 +656,17 @@ def hf_config(config: Config, family: str, dtype: str, base: dict[str, Any] | No
     if model.rope_scaling == "yarn":
         context = max(context, int(model.rope_original_seq_len * model.rope_scaling_factor))
     values.setdefault("max_position_embeddings", context)
-    if model.head_dim is not None or family == "qwen3_moe" or values.get("head_dim") is not None:
+    if family == "deepseek_v3":
+        pass  # _deepseek_entries
+    elif model.head_dim is not None or family == "qwen3_moe" or values.get("head_dim") is not None:
         values["head_dim"] = model.attention_head_dim
     for key in ("rope_parameters", "rope_theta", "rope_scaling"):
         values.pop(key, None)
     values.update(_rope_entries(model, base or {}, family))
     _put(values, EXPERT_COUNT[family], moe.num_experts)
-    if family == "mixtral":
+    if family == "deepseek_v3":
+        values.update(_deepseek_entries(config, base))
+    elif family == "mixtral":
         values["intermediate_size"] = model.d_ff
         values["sliding_window"] = model.sliding_window
     else:
@@ -500,7 +696,51 @@ def hf_config(config: Config, family: str, dtype: str, base: dict[str, Any] | No
     if family == "qwen3_moe":
         values["attention_bias"] = False
     _put(values, ("dtype", "torch_dtype"), dtype)
+    values.pop("quantization_config", None)
+    if fp8_block is not None:
+        settings = dict((base or {}).get("quantization_config") or {})
+        if settings.get("quant_method") != "fp8":
+            settings = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8"}
+        values["quantization_config"] = {**settings, "weight_block_size": list(fp8_block)}
     return dict(sorted(values.items()))
+
+
+def _deepseek_entries(config: Config, base: dict[str, Any] | None) -> dict[str, Any]:
+    """DeepSeek-V3's fields: latent attention, router, experts, dense and MTP layers (on
+    top of ``base``, the file converted from, or None)."""
+    model, moe = config.model, config.moe
+    entries: dict[str, Any] = dict(
+        num_key_value_heads=model.num_heads,
+        kv_lora_rank=model.kv_lora_rank,
+        q_lora_rank=model.q_lora_rank,
+        qk_nope_head_dim=model.qk_nope_head_dim,
+        qk_rope_head_dim=model.qk_rope_head_dim,
+        v_head_dim=model.v_head_dim,
+        attention_bias=False,
+        intermediate_size=model.d_ff,
+        moe_intermediate_size=moe.d_expert or model.d_ff,
+        n_shared_experts=moe.num_shared_experts,
+        first_k_dense_replace=model.first_dense_layers,
+        n_group=moe.num_expert_groups,
+        topk_group=moe.top_k_expert_groups or moe.num_expert_groups,
+        routed_scaling_factor=moe.routed_scaling_factor,
+        norm_topk_prob=moe.normalize_top_k,
+    )
+    # transformers writes these beside the widths: the rotary width as head_dim, the
+    # query's as qk_head_dim, and rope_interleave (true unless the file says otherwise).
+    new, values = base is None, base or {}
+    if new or "head_dim" in values:
+        entries["head_dim"] = model.rotary_head_dim
+    if new or "qk_head_dim" in values:
+        entries["qk_head_dim"] = model.attention_head_dim
+    if new:
+        entries["rope_interleave"] = True
+    if model.mtp_depth or "num_nextn_predict_layers" in values:
+        entries["num_nextn_predict_layers"] = model.mtp_depth
+    for name, value in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if name in values:
+            entries[name] = value
+    return entries
 
 
 def architecture_of(config: Config, base: dict[str, Any] | None, family: str | None) -> str:

@@ -37,9 +37,12 @@ from jaxmoe.hf.architectures import (
     hf_config,
     inexpressible,
     read_architecture,
+    rotary_interleaved,
 )
+from jaxmoe.hf.block_fp8 import SCALE_SUFFIX, dequantize, quantize, scale_name, scale_shape
 from jaxmoe.hf.files import (
     CONFIG,
+    FP8_STORED,
     READ_DTYPES,
     WRITE_DTYPES,
     TensorInfo,
@@ -59,8 +62,12 @@ from jaxmoe.presets import preset
 
 HF_DIR = "hf"  # RUN/hf/: the source's config.json and tokenizer files
 # The fields a converted configuration may take from the command line although
-# config.json sets them: the training sequence, the compute dtype, token dropping.
-FREE_FIELDS = {"model.seq_len", "model.dtype", "moe.capacity_factor"}
+# config.json sets them: the training sequence, the compute dtype, token dropping, and
+# how many of the stored multi-token prediction modules to train.
+FREE_FIELDS = {"model.seq_len", "model.dtype", "moe.capacity_factor", "model.mtp_depth"}
+# --dtype of block-scaled FP8 linear weights (the other tensors in bfloat16).
+FP8_DTYPE = "float8_e4m3fn"
+DEFAULT_FP8_BLOCK = (128, 128)
 
 
 # -- Hugging Face -> jaxmoe ---------------------------------------------------------------------
@@ -114,16 +121,36 @@ def abstract_leaves(config: Config) -> dict[str, Any]:
     return trees
 
 
-def _rules_for(family: str, trees: dict[str, Any]) -> dict[str, TensorRule]:
+def _rules_for(
+    family: str, trees: dict[str, Any], config: Config, values: dict[str, Any] | None
+) -> dict[str, TensorRule]:
+    """The tensor table of ``config``'s model as a ``family`` model with the
+    ``config.json`` ``values`` (None: a new file)."""
     from jaxmoe.hf.tensors import leaf_shapes
 
-    return tensor_rules(family, {name: leaf_shapes(tree) for name, tree in trees.items()})
+    interleaved = config.model.rotary_head_dim if rotary_interleaved(values, family) else 0
+    shapes = {name: leaf_shapes(tree) for name, tree in trees.items()}
+    return tensor_rules(family, shapes, interleaved)
 
 
-def _ignorable(name: str, config: Config) -> bool:
-    return name.endswith(IGNORED_SUFFIXES) or (
-        name == "lm_head.weight" and config.model.tie_embeddings
-    )
+def _layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    if parts[:2] == ["model", "layers"] and parts[2].isdigit():
+        return int(parts[2])
+    return None
+
+
+def _ignorable(name: str, config: Config, architecture: Architecture) -> bool:
+    """Tensors the files may hold that the run does not read: old rotary tables, a tied
+    head, FP8 scales (read with their weight), the MTP layers beyond ``model.mtp_depth``."""
+    if name.endswith((*IGNORED_SUFFIXES, SCALE_SUFFIX)):
+        return True
+    if name == "lm_head.weight" and config.model.tie_embeddings:
+        return True
+    layer = _layer_of(name)
+    stored = architecture.model.get("mtp_depth", 0)
+    first = config.model.num_layers + config.model.mtp_depth
+    return layer is not None and first <= layer < config.model.num_layers + stored
 
 
 def _unexpected_hint(name: str, config: Config, family: str) -> str:
@@ -131,7 +158,9 @@ def _unexpected_hint(name: str, config: Config, family: str) -> str:
     parts = name.split(".")
     if parts[:2] == ["model", "layers"] and parts[2].isdigit():
         if int(parts[2]) >= config.model.num_layers:
-            return f" (config.json's num_hidden_layers is {config.model.num_layers})"
+            mtp = config.model.mtp_depth
+            more = f" and {mtp} MTP layer{'s' if mtp > 1 else ''}" if mtp else ""
+            return f" (config.json's num_hidden_layers is {config.model.num_layers}{more})"
         if "experts" in parts:
             expert = parts[parts.index("experts") + 1]
             if expert.isdigit() and int(expert) >= config.moe.num_experts:
@@ -144,17 +173,29 @@ def check_tensors(
     headers: dict[str, TensorInfo],
     rules: dict[str, TensorRule],
     config: Config,
-    family: str,
+    architecture: Architecture,
 ) -> None:
-    """Every tensor the model needs is there, of its shape and a float dtype, and no other."""
-    missing = [name for name in rules if name not in headers]
+    """Every tensor the model needs is there, of its shape and a float dtype (FP8 with
+    its block scales where config.json says so), and no other. The copies of the
+    embedding and head an MTP layer keeps may be absent: they are not read."""
+    family = architecture.family
+    missing = [name for name, rule in rules.items() if name not in headers and not rule.copy]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        layer = _layer_of(missing[0])
+        hint = (
+            f" (config.json's num_nextn_predict_layers names MTP layers after layer "
+            f"{config.model.num_layers - 1}: convert with --model.mtp_depth 0 to leave them)"
+            if layer is not None and layer >= config.model.num_layers
+            else ""
+        )
         raise ConfigError(
             f"--from-hf {directory}: {missing[0]}{more} is missing from the safetensors "
-            f"files: they do not hold the {family} model config.json describes"
+            f"files{hint}: they do not hold the {family} model config.json describes"
         )
-    unexpected = sorted(n for n in headers if n not in rules and not _ignorable(n, config))
+    unexpected = sorted(
+        n for n in headers if n not in rules and not _ignorable(n, config, architecture)
+    )
     if unexpected:
         name = unexpected[0]
         more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
@@ -164,18 +205,47 @@ def check_tensors(
             "config.json are of different models"
         )
     for name, rule in rules.items():
-        info = headers[name]
+        info = headers.get(name)
+        if info is None:
+            continue
         if info.shape != rule.hf_shape:
             raise ConfigError(
                 f"{info.file}: {name} is {list(info.shape)}, but config.json's "
                 f"[{', '.join(rule.dims)}] = {list(rule.hf_shape)}: the weights and "
                 "config.json are of different models"
             )
-        if info.dtype not in READ_DTYPES:
+        if info.dtype == FP8_STORED and not rule.copy:
+            _check_fp8(name, info, headers, architecture)
+        elif info.dtype not in READ_DTYPES and not rule.copy:
             raise ConfigError(
                 f"{info.file}: {name} is {info.dtype}: jaxmoe reads "
-                f"{', '.join(READ_DTYPES)} weights (dequantize the model first)"
+                f"{', '.join(READ_DTYPES)} weights, and block-scaled {FP8_STORED} ones"
             )
+
+
+def _check_fp8(
+    name: str, info: TensorInfo, headers: dict[str, TensorInfo], architecture: Architecture
+) -> None:
+    """An FP8 weight has its ``weight_scale_inv``, one float per block config.json gives."""
+    block = architecture.fp8_block
+    if block is None:
+        raise ConfigError(
+            f"{info.file}: {name} is {FP8_STORED}, but config.json has no quantization_config "
+            "giving its weight_block_size: the weights and config.json are of different models"
+        )
+    scale = headers.get(scale_name(name))
+    if scale is None:
+        raise ConfigError(
+            f"{info.file}: {name} is {FP8_STORED} without its {scale_name(name)}: jaxmoe reads "
+            "FP8 weights with their block scales"
+        )
+    expected = scale_shape(info.shape, block)
+    if scale.shape != expected or scale.dtype not in READ_DTYPES:
+        raise ConfigError(
+            f"{scale.file}: {scale_name(name)} is {scale.dtype} {list(scale.shape)}, but "
+            f"{name} {list(info.shape)} in blocks of {list(block)} (quantization_config's "
+            f"weight_block_size) has {list(expected)} float scales"
+        )
 
 
 def plan_from_hf(directory: str | Path, overrides: dict[str, Any] | None = None) -> FromHF:
@@ -186,8 +256,8 @@ def plan_from_hf(directory: str | Path, overrides: dict[str, Any] | None = None)
     architecture = read_architecture(values, str(directory / CONFIG))
     config = converted_config(architecture, overrides or {})
     headers = read_headers(directory)
-    rules = _rules_for(architecture.family, abstract_leaves(config))
-    check_tensors(directory, headers, rules, config, architecture.family)
+    rules = _rules_for(architecture.family, abstract_leaves(config), config, values)
+    check_tensors(directory, headers, rules, config, architecture)
     return FromHF(directory, architecture, config, headers, rules)
 
 
@@ -200,19 +270,23 @@ def load_weights(plan: FromHF, device: Any) -> dict[str, Any]:
 
     trees = abstract_leaves(plan.config)
     flat = {name: dict(zip(*_paths_and_leaves(tree), strict=True)) for name, tree in trees.items()}
+    read = {name: rule for name, rule in plan.rules.items() if not rule.copy}
     remaining: dict[tuple, int] = {}
-    for rule in plan.rules.values():
+    for rule in read.values():
         key = (rule.collection, rule.path)
         remaining[key] = remaining.get(key, 0) + 1
+    scales = _fp8_scales(plan, read)
     buffers: dict[tuple, np.ndarray] = {}
     placed: dict[tuple, Any] = {}
     files: dict[Path, list[str]] = {}
-    for name in plan.rules:
+    for name in read:
         files.setdefault(plan.headers[name].file, []).append(name)
     for name, tensor in read_tensors(files):
-        rule = plan.rules[name]
+        rule = read[name]
         key = (rule.collection, rule.path)
         abstract = flat[rule.collection][rule.path]
+        if name in scales:
+            tensor = dequantize(tensor, scales.pop(name), plan.architecture.fp8_block)
         if key not in buffers:
             buffers[key] = np.empty(abstract.shape, abstract.dtype)
         buffers[key][rule.index] = rule.to_jaxmoe(tensor).astype(abstract.dtype)
@@ -223,6 +297,19 @@ def load_weights(plan: FromHF, device: Any) -> dict[str, Any]:
     return {
         name: _rebuild(tree, {path: placed[(name, path)] for path in flat[name]})
         for name, tree in trees.items()
+    }
+
+
+def _fp8_scales(plan: FromHF, read: dict[str, TensorRule]) -> dict[str, np.ndarray]:
+    """FP8 weight -> its block scales, read first (a scale may be in another shard)."""
+    files: dict[Path, list[str]] = {}
+    for name in read:
+        if plan.headers[name].dtype == FP8_STORED:
+            scale = plan.headers[scale_name(name)]
+            files.setdefault(scale.file, []).append(scale_name(name))
+    return {
+        name.removesuffix(SCALE_SUFFIX): tensor.astype(np.float32)
+        for name, tensor in read_tensors(files)
     }
 
 
@@ -291,8 +378,9 @@ class ToHF:
     step: int
     config: Config
     family: str
-    dtype: str
+    dtype: str  # FP8_DTYPE: block-scaled FP8 linear weights, the other tensors bfloat16
     hf_values: dict[str, Any]
+    fp8_block: tuple[int, int] | None = None
 
 
 def plan_to_hf(
@@ -328,10 +416,21 @@ def plan_to_hf(
     family = architecture_of(config, base, family)
     where = f"--to-hf (the run was converted from a {family} model)"
     _refuse_family(config, step, family, where, fitting)
+    base_block = _stored_fp8_block(base)
     if dtype is None:
         stored = (base or {}).get("dtype", (base or {}).get("torch_dtype"))
-        dtype = stored if stored in WRITE_DTYPES else "float32"
-    return ToHF(run, step, config, family, dtype, hf_config(config, family, dtype, base))
+        dtype = FP8_DTYPE if base_block else stored if stored in WRITE_DTYPES else "float32"
+    block = (base_block or DEFAULT_FP8_BLOCK) if dtype == FP8_DTYPE else None
+    others = "bfloat16" if block else dtype
+    values = hf_config(config, family, others, base, block)
+    return ToHF(run, step, config, family, dtype, values, block)
+
+
+def _stored_fp8_block(base: dict[str, Any] | None) -> tuple[int, int] | None:
+    """The FP8 block of the model a run was converted from (None: not FP8)."""
+    if base is None or base.get("quantization_config") is None:
+        return None
+    return read_architecture(base, "the run's hf/config.json").fp8_block
 
 
 def _refuse_family(config: Config, step: int, family: str, where: str, fitting: list[str]) -> None:
@@ -369,19 +468,30 @@ def write_hf(
     directory: str | Path,
     dtype: str = "float32",
     max_shard_bytes: int = 5 * 10**9,
+    values: dict[str, Any] | None = None,
+    fp8_block: tuple[int, int] | None = None,
 ) -> dict[str, str]:
     """Write the model's tensors (``collections``: ``params`` and maybe ``model_state``,
-    pure dicts of arrays) into ``directory`` as transformers names them; returns the
-    weight map (tensor -> file). The config.json is the caller's."""
+    pure dicts of arrays) into ``directory`` as transformers names them, in ``dtype``, or
+    with ``fp8_block`` the linear layers' as block-scaled FP8 and the rest in ``dtype``;
+    ``values``: the config.json they go with (None: a new one). Returns the weight map
+    (tensor -> file). The config.json is the caller's to write."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    rules = _rules_for(family, collections)
+    rules = _rules_for(family, collections, config, values)
     leaves = {
         name: dict(zip(*_paths_and_leaves(tree), strict=True)) for name, tree in collections.items()
     }
     target = WRITE_DTYPES[dtype]
-    itemsize = np.dtype(target).itemsize
-    sizes = [(name, int(np.prod(rule.hf_shape)) * itemsize) for name, rule in rules.items()]
+    quantized = {name for name, rule in rules.items() if fp8_block and rule.block_fp8}
+    dtypes = {name: np.float32 if rule.kept_float32 else target for name, rule in rules.items()}
+    sizes = []
+    for name, rule in rules.items():
+        elements = int(np.prod(rule.hf_shape))
+        if name in quantized:
+            sizes.append((name, elements + 4 * int(np.prod(scale_shape(rule.hf_shape, fp8_block)))))
+        else:
+            sizes.append((name, elements * np.dtype(dtypes[name]).itemsize))
     shards = plan_shards(sizes, max_shard_bytes)
     files = shard_names(len(shards))
     weight_map = {}
@@ -390,7 +500,12 @@ def write_hf(
         for name in names:
             rule = rules[name]
             leaf = np.asarray(leaves[rule.collection][rule.path])
-            tensors[name] = rule.to_hf(leaf[rule.index]).astype(target)
+            tensor = rule.to_hf(leaf[rule.index])
+            if name in quantized:
+                tensors[name], tensors[scale_name(name)] = quantize(tensor, fp8_block)
+                weight_map[scale_name(name)] = file
+            else:
+                tensors[name] = tensor.astype(dtypes[name])
             weight_map[name] = file
         write_shard(directory / file, tensors)
         del tensors
@@ -404,8 +519,16 @@ def to_hf(plan: ToHF, directory: str | Path, max_shard_bytes: int = 5 * 10**9) -
     shards, config.json and the tokenizer files the run kept. Returns the shard count."""
     directory = Path(directory)
     collections = restore_params(plan.run, plan.step, plan.config, host_device())
+    others = "bfloat16" if plan.fp8_block else plan.dtype
     weight_map = write_hf(
-        collections, plan.family, plan.config, directory, plan.dtype, max_shard_bytes
+        collections,
+        plan.family,
+        plan.config,
+        directory,
+        others,
+        max_shard_bytes,
+        plan.hf_values,
+        plan.fp8_block,
     )
     write_config(directory, plan.hf_values)
     kept = plan.run / HF_DIR

@@ -41,6 +41,10 @@ SIDE_FILES = (
 )
 # Weight dtypes jaxmoe reads (widened to its float32 parameters, exactly) and writes.
 READ_DTYPES = {"F32": np.float32, "BF16": ml_dtypes.bfloat16, "F16": np.float16}
+# Block-scaled FP8 weights (jaxmoe/hf/block_fp8.py), read with their scales.
+FP8_STORED = "F8_E4M3"
+# Dtypes safetensors' numpy reader cannot name (numpy has no float8): read as raw bytes.
+RAW_DTYPES = {FP8_STORED: ml_dtypes.float8_e4m3fn}
 WRITE_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
@@ -121,7 +125,23 @@ def read_tensors(files: dict[Path, list[str]]) -> Iterator[tuple[str, np.ndarray
     for file, names in files.items():
         with safe_open(file, framework="numpy") as handle:
             for name in names:
-                yield name, handle.get_tensor(name)
+                dtype = handle.get_slice(name).get_dtype()
+                if dtype in RAW_DTYPES:
+                    yield name, _read_raw(file, name, RAW_DTYPES[dtype])
+                else:
+                    yield name, handle.get_tensor(name)
+
+
+def _read_raw(file: Path, name: str, dtype: Any) -> np.ndarray:
+    """One tensor of a safetensors file from its bytes: the file is an 8-byte little-endian
+    header length, the JSON header (each tensor's shape and byte range), then the data."""
+    with open(file, "rb") as handle:
+        length = int.from_bytes(handle.read(8), "little")
+        entry = json.loads(handle.read(length))[name]
+        begin, end = entry["data_offsets"]
+        handle.seek(8 + length + begin)
+        data = handle.read(end - begin)
+    return np.frombuffer(data, dtype).reshape(entry["shape"])
 
 
 def plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:

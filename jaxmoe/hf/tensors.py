@@ -8,7 +8,13 @@ one line (the table needs a row: a new kind of parameter, such as a router's exp
 bias, is one more row, with ``collection="model_state"`` for a variable that is not a
 parameter). Names in the templates: ``{moe}``, ``{gate}``, ``{up}``, ``{down}`` differ
 by family (:data:`FAMILY_NAMES`); ``{e}`` is an expert, and a row with it is repeated
-for every expert along the leaf's leading axis.
+for every expert along the leaf's leading axis. DeepSeek-V3's layers differ from the
+others' in their attention (multi-head latent attention), their shared experts and their
+router's selection bias: :data:`FAMILY_BLOCK_TENSORS` has those rows. Its multi-token
+prediction modules are stored as layers after the last one (``mtp.{k}`` is layer
+``num_hidden_layers + k``): their block as any layer's, their norms and projection by
+:data:`MTP_TENSORS`, and the copies they keep of the model's embedding and head
+(:data:`MTP_COPIES`), which jaxmoe shares: written from the model's, not read.
 
 Layouts: a torch ``Linear`` weight is ``[out, in]`` and jaxmoe's kernels are
 ``[in, *out]``, so a ``LINEAR`` tensor is transposed and its output axis unflattened
@@ -17,11 +23,16 @@ Layouts: a torch ``Linear`` weight is ``[out, in]`` and jaxmoe's kernels are
 embedding) is copied. Key and value projections fill ``key_value.kernel [d, 2, kv_heads,
 head_dim]`` at index 0 and 1 of its second axis; gate and up matrices fill
 ``gate_up.kernel [d, 2, h]`` and ``experts.w_in [E, d, 2, h]`` the same way (gate 0, up
-1). Every conversion is a transpose and a reshape of the same numbers, exact both ways.
+1). DeepSeek-V3 stores the rotated features of its query and key projections in
+interleaved pairs (``rope_interleave``) where jaxmoe rotates halves
+(:mod:`jaxmoe.layers.rotary`): a ``rotary`` part's last ``qk_rope_head_dim`` output
+features are permuted from one order to the other. Every conversion is a transpose, a
+reshape and a permutation of the same numbers, exact both ways.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +71,14 @@ FAMILY_NAMES = {
         experts="num_experts",
         expert_width="moe_intermediate_size",
     ),
+    "deepseek_v3": dict(
+        moe="mlp",
+        gate="gate_proj",
+        up="up_proj",
+        down="down_proj",
+        experts="n_routed_experts",
+        expert_width="moe_intermediate_size",
+    ),
 }
 
 
@@ -72,6 +91,7 @@ class Part:
     index: tuple[Any, ...] = ()
     layout: str = LINEAR
     dims: tuple[str, ...] = ()
+    rotary: bool = False  # its last qk_rope_head_dim output features are rotated
 
 
 _Q = "num_attention_heads x head_dim"
@@ -136,6 +156,75 @@ BLOCK_TENSORS: dict[str, tuple[Part, ...]] = {
     "shared.gate.kernel": (Part("mlp.shared_expert_gate.weight", (), LINEAR, ("1", _D)),),
 }
 
+# DeepSeek-V3's rows in place of the others' (or beside them).
+_ROPE = "qk_rope_head_dim"
+_QK = f"num_attention_heads x (qk_nope_head_dim + {_ROPE})"
+_SHARED = "n_shared_experts x moe_intermediate_size"
+FAMILY_BLOCK_TENSORS: dict[str, dict[str, tuple[Part, ...]]] = {
+    "deepseek_v3": {
+        "attention.query.kernel": (
+            Part("self_attn.q_proj.weight", (), LINEAR, (_QK, _D), rotary=True),
+        ),
+        "attention.query_down.kernel": (
+            Part("self_attn.q_a_proj.weight", (), LINEAR, ("q_lora_rank", _D)),
+        ),
+        "attention.query_norm.scale": (
+            Part("self_attn.q_a_layernorm.weight", (), VECTOR, ("q_lora_rank",)),
+        ),
+        "attention.query_up.kernel": (
+            Part("self_attn.q_b_proj.weight", (), LINEAR, (_QK, "q_lora_rank"), rotary=True),
+        ),
+        "attention.kv_down.kernel": (
+            Part(
+                "self_attn.kv_a_proj_with_mqa.weight",
+                (),
+                LINEAR,
+                (f"kv_lora_rank + {_ROPE}", _D),
+                rotary=True,
+            ),
+        ),
+        "attention.kv_norm.scale": (
+            Part("self_attn.kv_a_layernorm.weight", (), VECTOR, ("kv_lora_rank",)),
+        ),
+        "attention.kv_up.kernel": (
+            Part(
+                "self_attn.kv_b_proj.weight",
+                (),
+                LINEAR,
+                ("num_attention_heads x (qk_nope_head_dim + v_head_dim)", "kv_lora_rank"),
+            ),
+        ),
+        "attention.out.kernel": (
+            Part("self_attn.o_proj.weight", (), LINEAR, (_D, "num_attention_heads x v_head_dim")),
+        ),
+        "ffn.router.expert_bias": (
+            Part("mlp.gate.e_score_correction_bias", (), VECTOR, ("n_routed_experts",)),
+        ),
+        "shared.ffn.gate_up.kernel": (
+            Part("mlp.shared_experts.gate_proj.weight", (ALL, 0), LINEAR, (_SHARED, _D)),
+            Part("mlp.shared_experts.up_proj.weight", (ALL, 1), LINEAR, (_SHARED, _D)),
+        ),
+        "shared.ffn.down.kernel": (
+            Part("mlp.shared_experts.down_proj.weight", (), LINEAR, (_D, _SHARED)),
+        ),
+    },
+}
+
+# A multi-token prediction module's leaves outside its block (jaxmoe ``mtp.{k}.*``) ->
+# the tensors of its layer, ``model.layers.{num_hidden_layers + k}``.
+MTP_TENSORS: dict[str, tuple[Part, ...]] = {
+    "embedding_norm.scale": (Part("enorm.weight", (), VECTOR, (_D,)),),
+    "hidden_norm.scale": (Part("hnorm.weight", (), VECTOR, (_D,)),),
+    "projection.kernel": (Part("eh_proj.weight", (), LINEAR, (_D, "2 x hidden_size")),),
+    "final_norm.scale": (Part("shared_head.norm.weight", (), VECTOR, (_D,)),),
+}
+# The copies an MTP layer stores of the model's embedding and head: its tensor -> the
+# model's leaf (the embedding when the head is tied to it).
+MTP_COPIES = {
+    "embed_tokens.weight": ("token_embed.embedding",),
+    "shared_head.head.weight": ("head.kernel", "token_embed.embedding"),
+}
+
 # jaxmoe leaves outside the blocks -> their tensors.
 MODEL_TENSORS: dict[str, tuple[Part, ...]] = {
     "token_embed.embedding": (Part("model.embed_tokens.weight", (), SAME, ("vocab_size", _D)),),
@@ -158,6 +247,28 @@ class TensorRule:
     part_shape: tuple[int, ...]  # the part's shape in jaxmoe's layout
     layout: str
     dims: tuple[str, ...]  # the config.json fields of the tensor's dimensions
+    interleaved: int = 0  # the trailing output features stored in interleaved pairs
+    copy: bool = False  # a copy of the leaf (an MTP layer's embedding or head): not read
+
+    @property
+    def block_fp8(self) -> bool:
+        """Whether an FP8 checkpoint stores it in block-scaled FP8: the linear layers of
+        the decoder (and MTP) layers, but the routers and Qwen2-MoE's shared-expert gate,
+        which DeepSeek-V3's and transformers' FP8 checkpoints keep in higher precision."""
+        return (
+            self.layout == LINEAR
+            and not self.copy
+            and self.name.startswith("model.layers.")
+            and "router" not in self.path
+            and self.path[-2:] != ("gate", "kernel")
+        )
+
+    @property
+    def kept_float32(self) -> bool:
+        """Whether checkpoints keep it in float32 whatever the others' dtype: the routers'
+        selection bias (DeepSeek-V3's and transformers' ``e_score_correction_bias``),
+        whose small updates a narrower type would lose."""
+        return "expert_bias" in self.path
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
@@ -172,13 +283,30 @@ class TensorRule:
         """The transformers tensor as its part of the jaxmoe leaf."""
         if self.layout == LINEAR:
             tensor = tensor.T
-        return tensor.reshape(self.part_shape)
+        part = tensor.reshape(self.part_shape)
+        if self.interleaved:
+            part = _permute_rotary(part, self.interleaved, _halves_order(self.interleaved))
+        return part
 
     def to_hf(self, part: np.ndarray) -> np.ndarray:
         """The jaxmoe part as the transformers tensor (C-contiguous)."""
+        if self.interleaved:
+            order = np.argsort(_halves_order(self.interleaved))
+            part = _permute_rotary(part, self.interleaved, order)
         if self.layout == LINEAR:
             return np.ascontiguousarray(part.reshape(self.part_shape[0], -1).T)
         return np.ascontiguousarray(part.reshape(self.hf_shape))
+
+
+def _halves_order(width: int) -> np.ndarray:
+    """The interleaved features ``[x0, y0, x1, y1, ...]`` in rotate-half order ``[x0, x1,
+    ..., y0, y1, ...]`` (indices into the interleaved ones)."""
+    return np.concatenate([np.arange(0, width, 2), np.arange(1, width, 2)])
+
+
+def _permute_rotary(part: np.ndarray, width: int, order: np.ndarray) -> np.ndarray:
+    """``part`` with its last ``width`` features (of its last axis) taken in ``order``."""
+    return np.concatenate([part[..., :-width], part[..., -width:][..., order]], axis=-1)
 
 
 def _key(entry: Any) -> str | int:
@@ -195,18 +323,32 @@ def _fill(template: str, names: dict[str, str], **more: Any) -> str:
 
 
 def tensor_rules(
-    family: str, leaves: dict[str, dict[tuple[str | int, ...], tuple[int, ...]]]
+    family: str,
+    leaves: dict[str, dict[tuple[str | int, ...], tuple[int, ...]]],
+    interleaved_rotary: int = 0,
 ) -> dict[str, TensorRule]:
     """Every transformers tensor of the model whose jaxmoe leaves are ``leaves``
     (collection -> leaf path -> shape), in the order transformers lists them: the
-    embedding, the layers in order, the final norm, the head."""
+    embedding, the layers in order (the MTP layers last), the final norm, the head.
+    ``interleaved_rotary``: the rotary width of the projections whose rotated features
+    are stored in interleaved pairs (0: none are)."""
     names = FAMILY_NAMES[family]
+    block_tensors = {**BLOCK_TENSORS, **FAMILY_BLOCK_TENSORS.get(family, {})}
+    layers = 1 + max(
+        (path[1] for paths in leaves.values() for path in paths if path[0] == "blocks"), default=-1
+    )
     rules: list[TensorRule] = []
     for collection, paths in leaves.items():
         for path, shape in paths.items():
             if path[0] == "blocks":
                 layer, key = path[1], ".".join(str(k) for k in path[2:])
-                parts, prefix = BLOCK_TENSORS.get(key), f"model.layers.{layer}."
+                parts, prefix = block_tensors.get(key), f"model.layers.{layer}."
+            elif path[0] == "mtp" and path[2] == "block":
+                key = ".".join(str(k) for k in path[3:])
+                parts, prefix = block_tensors.get(key), f"model.layers.{layers + path[1]}."
+            elif path[0] == "mtp":
+                key = ".".join(str(k) for k in path[2:])
+                parts, prefix = MTP_TENSORS.get(key), f"model.layers.{layers + path[1]}."
             else:
                 key = ".".join(str(k) for k in path)
                 parts, prefix = MODEL_TENSORS.get(key), ""
@@ -217,12 +359,13 @@ def tensor_rules(
                     "jaxmoe/hf/tensors.py: this model cannot be converted until the table "
                     "has a row for it"
                 )
-            rules.extend(_expand(parts, names, prefix, collection, path, shape))
+            rules.extend(_expand(parts, names, prefix, collection, path, shape, interleaved_rotary))
     _check_tiling(rules, leaves)
+    rules.extend(_mtp_copies(leaves, layers))
     return {rule.name: rule for rule in sorted(rules, key=_order)}
 
 
-def _expand(parts, names, prefix, collection, path, shape) -> list[TensorRule]:
+def _expand(parts, names, prefix, collection, path, shape, interleaved_rotary) -> list[TensorRule]:
     """The rules of one leaf's parts, a part naming ``{e}`` once per expert."""
     rules = []
     for part in parts:
@@ -238,6 +381,26 @@ def _expand(parts, names, prefix, collection, path, shape) -> list[TensorRule]:
                     part_shape=_part_shape(shape, index),
                     layout=part.layout,
                     dims=tuple(_fill(dim, names) for dim in part.dims),
+                    interleaved=interleaved_rotary if part.rotary else 0,
+                )
+            )
+    return rules
+
+
+def _mtp_copies(leaves, layers: int) -> list[TensorRule]:
+    """The copies of the model's embedding and head each MTP layer stores."""
+    params = leaves.get("params", {})
+    modules = sorted({path[1] for path in params if path[0] == "mtp"})
+    rules = []
+    for module in modules:
+        for tensor, candidates in MTP_COPIES.items():
+            path = next(tuple(c.split(".")) for c in candidates if tuple(c.split(".")) in params)
+            (rule,) = _expand(
+                MODEL_TENSORS[".".join(path)], {}, "", "params", path, params[path], 0
+            )
+            rules.append(
+                dataclasses.replace(
+                    rule, name=f"model.layers.{layers + module}.{tensor}", copy=True
                 )
             )
     return rules

@@ -86,10 +86,61 @@ QWEN3_30B = {
     "use_sliding_window": False,
     "vocab_size": 151936,
 }
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "attention_bias": False,
+    "first_k_dense_replace": 3,
+    "hidden_act": "silu",
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 163840,
+    "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1,
+    "n_group": 8,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 61,
+    "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "quantization_config": {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    },
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "tie_word_embeddings": False,
+    "topk_group": 4,
+    "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16",
+    "v_head_dim": 128,
+    "vocab_size": 129280,
+}
 PUBLISHED = [
     (MIXTRAL_8X7B, "mixtral-8x7b"),
     (QWEN2_57B, "qwen2_moe-57b-a14b"),
     (QWEN3_30B, "qwen3_moe-30b-a3b"),
+    (DEEPSEEK_V3, "deepseek_v3-671b"),
 ]
 # What a preset leaves to training: the sequence, the compute dtype, dropping, the
 # unused width of the dense FFN in a model without dense layers.
@@ -129,12 +180,42 @@ def test_the_written_config_reads_back_to_the_same_model(values, name):
     config = config_of(values)
     family = values["model_type"]
 
-    written = hf_config(config, family, "bfloat16", base=None)
+    block = read(values).fp8_block
+
+    written = hf_config(config, family, "bfloat16", base=None, fp8_block=block)
     again = config_of(written)
 
     assert again.model == config.model and again.moe == config.moe
-    rebased = hf_config(config, family, "bfloat16", base=values)
+    rebased = hf_config(config, family, "bfloat16", base=values, fp8_block=block)
     assert rebased == dict(sorted(values.items())) | {"torch_dtype": "bfloat16"}
+
+
+def test_deepseek_v3_maps_its_latent_attention_router_mtp_and_fp8_blocks():
+    architecture = read(DEEPSEEK_V3)
+    model = config_of(DEEPSEEK_V3).model
+
+    assert architecture.family == "deepseek_v3" and architecture.fp8_block == (128, 128)
+    assert architecture.rotary_interleaved  # transformers' default for rope_interleave
+    assert (model.kv_lora_rank, model.q_lora_rank, model.v_head_dim) == (512, 1536, 128)
+    assert (model.rope_mscale, model.rope_mscale_all_dim, model.mtp_depth) == (1.0, 1.0, 1)
+    assert not read({**DEEPSEEK_V3, "rope_interleave": False}).rotary_interleaved
+    # Queries straight from the residual stream (DeepSeek-V2-Lite's shape of V3).
+    assert config_of({**DEEPSEEK_V3, "q_lora_rank": None}).model.q_lora_rank is None
+    # MTP modules: as many as the file stores, or fewer (--model.mtp_depth 0 leaves them).
+    assert config_of(DEEPSEEK_V3, **{"model.mtp_depth": 0}).model.mtp_depth == 0
+
+
+def test_kimi_k2_converts_as_deepseek_v3_and_keeps_its_name():
+    kimi = {**DEEPSEEK_V3, "model_type": "kimi_k2", "n_routed_experts": 384}
+    kimi |= {"num_attention_heads": 64, "num_key_value_heads": 64, "n_group": 1, "topk_group": 1}
+
+    config = config_of(kimi)
+
+    assert read(kimi).family == "deepseek_v3"
+    assert (config.moe.num_experts, config.model.num_heads) == (384, 64)
+    written = hf_config(config, "deepseek_v3", "bfloat16", base=kimi, fp8_block=(128, 128))
+    assert written["model_type"] == "kimi_k2"
+    assert written["architectures"] == ["DeepseekV3ForCausalLM"]
 
 
 def test_transformers_5_rope_parameters_and_expert_count_are_read():
@@ -186,7 +267,7 @@ def test_yarn_constants_that_jaxmoe_shares_are_accepted():
     ("changes", "message"),
     [
         (dict(model_type="llama"), "model_type='llama' is not supported: jaxmoe converts"),
-        (dict(model_type="deepseek_v3"), "does not convert its checkpoints yet"),
+        (dict(model_type="deepseek_v2"), "its router (softmax scores"),
         (dict(architectures=["MixtralForSequenceClassification"]), "the causal language model"),
         (dict(hidden_act="gelu"), "hidden_act='gelu': jaxmoe's SwiGLU"),
         (dict(num_hidden_layers=None), "num_hidden_layers is missing"),
@@ -223,6 +304,38 @@ def test_family_fields_jaxmoe_cannot_follow_are_refused(values, changes, message
     with pytest.raises(ConfigError) as error:
         read(values, **changes)
     assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (dict(num_key_value_heads=8), "num_key_value_heads=8: multi-head latent attention"),
+        (dict(kv_lora_rank=None), "kv_lora_rank is missing"),
+        (dict(qk_head_dim=128), "qk_head_dim=128: must be 192 (qk_nope_head_dim=128"),
+        (dict(head_dim=128), "head_dim=128: must be 64"),
+        (dict(attention_bias=True), "attention_bias=True: jaxmoe's latent attention"),
+        (dict(scoring_func="softmax"), "scoring_func='softmax': jaxmoe converts DeepSeek-V3's"),
+        (dict(moe_layer_freq=2), "moe_layer_freq=2: jaxmoe converts DeepSeek-V3 models"),
+        (dict(first_k_dense_replace=61), "first_k_dense_replace=61: leaves no MoE layer"),
+        (
+            dict(quantization_config={"quant_method": "fp8", "fmt": "e4m3"}),
+            "weight_block_size=None: jaxmoe reads FP8 weights with one scale per block",
+        ),
+        (
+            dict(quantization_config={"quant_method": "awq"}),
+            "quantization_config={'quant_method': 'awq'}: jaxmoe reads block-scaled FP8",
+        ),
+        (
+            dict(rope_scaling={**DEEPSEEK_V3["rope_scaling"], "mscale": -1}),
+            "yarn mscale=-1: must be a number >= 0",
+        ),
+    ],
+)
+def test_deepseek_fields_jaxmoe_cannot_follow_are_refused(changes, message):
+    with pytest.raises(ConfigError) as error:
+        read(DEEPSEEK_V3, **changes)
+    assert message in str(error.value) and "\n" not in str(error.value)
+    assert str(error.value).startswith("config.json: ")
 
 
 def test_a_sliding_window_on_every_layer_maps_and_one_on_some_layers_only_is_refused():

@@ -1,11 +1,12 @@
 """Hugging Face checkpoints in and out, against the real implementation.
 
-The fixtures (``tests/fixtures/hf/<family>``, made by ``tools/make_hf_fixtures.py`` with
+The fixtures (``tests/fixtures/hf/<name>``, made by ``tools/make_hf_fixtures.py`` with
 transformers) hold a tiny random model's weights and config.json, token ids and the
-logits transformers computes for them. Here: the converted model's logits on 8 devices
-match (one forward per family); HF -> jaxmoe -> HF is bit-exact, through a checkpoint
-restored in each layout, and through several shards; every bad input is refused in one
-line before a tensor is read.
+logits transformers computes for them (DeepSeek-V3's: its MTP module's too, and a copy
+in block-scaled FP8). Here: the converted model's logits on 8 devices match (one forward
+per fixture); HF -> jaxmoe -> HF is bit-exact, through a checkpoint restored in each
+layout, and through several shards; every bad input is refused in one line before a
+tensor is read.
 """
 
 import dataclasses
@@ -14,6 +15,7 @@ import shutil
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -25,13 +27,22 @@ from jaxmoe.cli.main import main
 from jaxmoe.cli.parser import config_from_train_args
 from jaxmoe.config import Config, ConfigError, ParallelConfig
 from jaxmoe.config.layout import ATTENTION_DATA, TENSOR, axes_for_role
-from jaxmoe.hf.convert import from_hf, plan_from_hf, plan_to_hf, to_hf, write_hf
+from jaxmoe.hf.convert import FP8_DTYPE, from_hf, plan_from_hf, plan_to_hf, to_hf, write_hf
+from jaxmoe.hf.files import read_tensors
 from jaxmoe.parallel.mesh import build_mesh, token_spec
 from jaxmoe.train.checkpoint import RunCheckpoints, saved_config
 from jaxmoe.train.resolved import resolve
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "hf"
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+# Fixture -> its family.
+FIXTURE_FAMILIES = {
+    "mixtral": "mixtral",
+    "qwen2_moe": "qwen2_moe",
+    "qwen3_moe": "qwen3_moe",
+    "deepseek_v3": "deepseek_v3",
+    "deepseek_v3_fp8": "deepseek_v3",
+}
+FIXTURE_NAMES = tuple(FIXTURE_FAMILIES)
 SEQ = 16  # the fixtures' token rows
 LAYOUTS = {
     "expert 8": dict(data=1, expert=8),
@@ -41,11 +52,13 @@ LAYOUTS = {
 
 
 def tensors_of(directory: Path) -> dict[str, np.ndarray]:
-    tensors = {}
+    """Every tensor of the directory's shards (FP8 ones too, which safetensors' numpy
+    reader cannot name)."""
+    files = {}
     for file in sorted(directory.glob("*.safetensors")):
         with safe_open(file, "numpy") as handle:
-            tensors.update({name: handle.get_tensor(name) for name in handle.keys()})  # noqa: SIM118
-    return tensors
+            files[file] = list(handle.keys())
+    return dict(read_tensors(files))
 
 
 def assert_bit_exact(got: dict[str, np.ndarray], family: str) -> None:
@@ -60,10 +73,10 @@ def assert_bit_exact(got: dict[str, np.ndarray], family: str) -> None:
 def converted(tmp_path_factory):
     """family -> the run directory of its converted fixture (converted once)."""
     runs = {}
-    for family in FAMILIES:
-        out = tmp_path_factory.mktemp(f"run-{family}")
-        from_hf(plan_from_hf(FIXTURES / family, {"model.seq_len": SEQ}), out)
-        runs[family] = out
+    for name in FIXTURE_NAMES:
+        out = tmp_path_factory.mktemp(f"run-{name}")
+        from_hf(plan_from_hf(FIXTURES / name, {"model.seq_len": SEQ}), out)
+        runs[name] = out
     return runs
 
 
@@ -76,22 +89,28 @@ def layout_config(run: Path, **parallel) -> Config:
     )
 
 
-def restored_params(run: Path, **parallel):
+def restored_state(run: Path, **parallel):
     config = layout_config(run, **parallel)
     mesh = build_mesh(config.parallel)
-    return config, mesh, RunCheckpoints(run, resolve(config, mesh)).restore(0).params
+    return config, mesh, RunCheckpoints(run, resolve(config, mesh)).restore(0)
 
 
-def logits_on_mesh(config: Config, mesh, params, tokens: np.ndarray) -> np.ndarray:
-    """The model's float32 logits for ``tokens``, computed per device in the run's
-    shard_map (each device its rows; under tensor parallelism its positions)."""
+def logits_on_mesh(config: Config, mesh, state, tokens: np.ndarray) -> list[np.ndarray]:
+    """The model's float32 logits for ``tokens``, then each MTP module's, computed per
+    device in the run's shard_map (each device its rows; under tensor parallelism its
+    positions)."""
     resolved = resolve(config)
-    graphdef, specs = resolved.graphdef, resolved.model_specs
-    names = tuple(mesh.axis_names)
+    graphdef, names = resolved.graphdef, tuple(mesh.axis_names)
+    collections = (state.params, state.model_state)[
+        : 2 if jax.tree.leaves(state.model_state) else 1
+    ]
+    specs = (resolved.model_specs, resolved.specs.model_state)[: len(collections)]
 
-    def per_device(params, tokens):
-        logits, _ = nnx.merge(graphdef, params)(tokens)
-        return logits
+    def per_device(collections, tokens):
+        model = nnx.merge(graphdef, *collections)
+        ahead = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
+        outputs = model.outputs(tokens, next_tokens=ahead)
+        return [outputs.logits, *outputs.ahead]
 
     out = PartitionSpec(
         axes_for_role(ATTENTION_DATA, names), axes_for_role(TENSOR, names) or None, None
@@ -106,44 +125,68 @@ def logits_on_mesh(config: Config, mesh, params, tokens: np.ndarray) -> np.ndarr
         )
     )
     tokens = jax.device_put(tokens, NamedSharding(mesh, token_spec(mesh)))
-    return np.asarray(forward(params, tokens))
+    return [np.asarray(logits) for logits in forward(collections, tokens)]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_converted_logits_match_transformers(converted, family):
-    config, mesh, params = restored_params(converted[family], **LAYOUTS["expert 8"])
-    ids = np.load(FIXTURES / family / "token_ids.npy")
-    expected = np.load(FIXTURES / family / "logits.npy")
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_converted_logits_match_transformers(converted, name):
+    config, mesh, state = restored_state(converted[name], **LAYOUTS["expert 8"])
+    ids = np.load(FIXTURES / name / "token_ids.npy")
+    expected = np.load(FIXTURES / name / "logits.npy")
     copies = 8 // ids.shape[0]  # a row per device
 
-    logits = logits_on_mesh(config, mesh, params, np.tile(ids, (copies, 1)))
+    logits, *ahead = logits_on_mesh(config, mesh, state, np.tile(ids, (copies, 1)))
 
     np.testing.assert_allclose(logits, np.tile(expected, (copies, 1, 1)), rtol=0, atol=1e-4)
+    if (FIXTURES / name / "mtp_logits.npy").is_file():  # the last position has no target
+        expected = np.tile(np.load(FIXTURES / name / "mtp_logits.npy"), (copies, 1, 1))
+        np.testing.assert_allclose(ahead[0][:, :-1], expected, rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_hf_to_jaxmoe_to_hf_is_bit_exact(converted, family, tmp_path):
-    plan = plan_to_hf(converted[family])
-    assert plan.dtype == ("bfloat16" if family == "mixtral" else "float32")  # as stored
+@pytest.mark.parametrize("name", FIXTURE_NAMES)
+def test_hf_to_jaxmoe_to_hf_is_bit_exact(converted, name, tmp_path):
+    plan = plan_to_hf(converted[name])
+    stored = {"mixtral": "bfloat16", "deepseek_v3": "bfloat16", "deepseek_v3_fp8": FP8_DTYPE}
+    assert plan.dtype == stored.get(name, "float32")
 
     assert to_hf(plan, tmp_path) == 1
-    assert_bit_exact(tensors_of(tmp_path), family)
+    assert_bit_exact(tensors_of(tmp_path), name)
     written = json.loads((tmp_path / "config.json").read_text())
-    assert written == json.loads((FIXTURES / family / "config.json").read_text())
+    assert written == json.loads((FIXTURES / name / "config.json").read_text())
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(
+    "name",
+    [
+        "mixtral",
+        "qwen2_moe",
+        "qwen3_moe",
+        "deepseek_v3_fp8",
+        pytest.param("deepseek_v3", marks=pytest.mark.slow),
+    ],
+)
 def test_the_checkpoint_restores_in_every_layout_to_the_same_tensors(
-    converted, family, layout, tmp_path
+    converted, name, layout, tmp_path
 ):
-    config, _, params = restored_params(converted[family], **LAYOUTS[layout])
-    assert jax.tree.leaves(params)[0].sharding.mesh.size == 8
+    config, _, state = restored_state(converted[name], **LAYOUTS[layout])
+    assert jax.tree.leaves(state.params)[0].sharding.mesh.size == 8
 
-    dtype = plan_to_hf(converted[family]).dtype
-    write_hf({"params": params}, family, config, tmp_path, dtype=dtype)
+    plan = plan_to_hf(converted[name])
+    collections = {"params": state.params, "model_state": state.model_state}
+    others = "bfloat16" if plan.fp8_block else plan.dtype
+    family = FIXTURE_FAMILIES[name]
+    write_hf(
+        collections,
+        family,
+        config,
+        tmp_path,
+        others,
+        values=plan.hf_values,
+        fp8_block=plan.fp8_block,
+    )
 
-    assert_bit_exact(tensors_of(tmp_path), family)
+    assert_bit_exact(tensors_of(tmp_path), name)
 
 
 def test_sharded_checkpoints_are_read_and_written_shard_by_shard(converted, tmp_path):
@@ -158,6 +201,20 @@ def test_sharded_checkpoints_are_read_and_written_shard_by_shard(converted, tmp_
     to_hf(plan_to_hf(again), back)
 
     assert_bit_exact(tensors_of(back), "qwen2_moe")
+
+
+FP8_BLOCKS_OF_32 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [32, 32]}
+
+
+def test_kimi_k2_and_a_model_without_its_mtp_layers_convert(converted, tmp_path):
+    kimi = broken_copy(tmp_path, "deepseek_v3_fp8", config={"model_type": "kimi_k2"})
+    plan = plan_from_hf(kimi, {"model.seq_len": SEQ})
+    assert plan.architecture.family == "deepseek_v3" and plan.config.model.mtp_depth == 1
+
+    # Without its MTP module (transformers saves none): the layer's tensors are left.
+    plan = plan_from_hf(kimi, {"model.seq_len": SEQ, "model.mtp_depth": 0})
+    assert plan.config.model.mtp_depth == 0
+    assert not any(name.startswith("model.layers.3.") for name in plan.rules)
 
 
 def run_cli(argv, capsys):
@@ -248,6 +305,36 @@ def broken_copy(tmp_path: Path, family: str, config=None, drop=(), add=None) -> 
             "qwen2_moe",
             dict(config={"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
             "sliding_window=8 is shorter than model.seq_len=16 on some layers only",
+        ),
+        (
+            "deepseek_v3_fp8",
+            dict(drop=["model.layers.1.self_attn.o_proj.weight_scale_inv"]),
+            "model.layers.1.self_attn.o_proj.weight is F8_E4M3 without its "
+            "model.layers.1.self_attn.o_proj.weight_scale_inv",
+        ),
+        (
+            "deepseek_v3_fp8",
+            dict(config={"quantization_config": FP8_BLOCKS_OF_32}),
+            "model.layers.0.mlp.down_proj.weight_scale_inv is F32 [2, 4], but "
+            "model.layers.0.mlp.down_proj.weight [32, 64] in blocks of [32, 32] "
+            "(quantization_config's weight_block_size) has [1, 2] float scales",
+        ),
+        (
+            "deepseek_v3_fp8",
+            dict(config={"quantization_config": None}),
+            "is F8_E4M3, but config.json has no quantization_config giving its weight_block_size",
+        ),
+        (
+            "deepseek_v3",
+            dict(drop=[f"model.layers.3.{n}.weight" for n in ("enorm", "hnorm", "eh_proj")]),
+            "model.layers.3.eh_proj.weight (and 2 more) is missing from the safetensors files "
+            "(config.json's num_nextn_predict_layers names MTP layers after layer 2: convert "
+            "with --model.mtp_depth 0 to leave them)",
+        ),
+        (
+            "deepseek_v3",
+            dict(config={"qk_head_dim": 20}),
+            "qk_head_dim=20: must be 16 (qk_nope_head_dim=8, qk_rope_head_dim=8)",
         ),
     ],
 )

@@ -14,14 +14,16 @@ from jaxmoe.hf.convert import abstract_leaves, converted_config
 from jaxmoe.hf.tensors import leaf_shapes, tensor_rules
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "hf"
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 
 
 def rules_of(family):
     values = json.loads((FIXTURES / family / "config.json").read_text())
-    config = converted_config(read_architecture(values, "config.json"), {})
+    architecture = read_architecture(values, "config.json")
+    config = converted_config(architecture, {})
     trees = abstract_leaves(config)
-    return tensor_rules(family, {name: leaf_shapes(tree) for name, tree in trees.items()})
+    rotary = config.model.rotary_head_dim if architecture.rotary_interleaved else 0
+    return tensor_rules(family, {name: leaf_shapes(tree) for name, tree in trees.items()}, rotary)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -33,6 +35,36 @@ def test_the_rules_name_every_tensor_of_the_checkpoint_with_its_shape(family):
     assert set(rules) == set(shapes)
     assert {name: rule.hf_shape for name, rule in rules.items()} == shapes
     assert next(iter(rules)) == "model.embed_tokens.weight"  # transformers' order
+
+
+def test_deepseek_v3_rows_latent_attention_the_selection_bias_and_the_mtp_layer():
+    rules = rules_of("deepseek_v3")  # 3 layers, 4 heads: nope 8, rope 8, value 12
+
+    kv_down = rules["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"]
+    assert (kv_down.path[-2:], kv_down.interleaved) == (("kv_down", "kernel"), 8)
+    # Interleaved pairs (x0, y0, x1, y1, ...) become halves (x0, x1, ..., y0, y1, ...).
+    weight = np.arange(24 * 32, dtype=np.float32).reshape(24, 32)
+    kernel = kv_down.to_jaxmoe(weight)  # [d, kv_lora_rank 16 + rope 8]
+    assert kernel[0, :16].tolist() == weight[:16, 0].tolist()  # the latent, unpermuted
+    assert kernel[0, 16:].tolist() == weight[[16, 18, 20, 22, 17, 19, 21, 23], 0].tolist()
+    query_up = rules["model.layers.1.self_attn.q_b_proj.weight"]
+    assert query_up.interleaved == 8 and query_up.part_shape == (16, 4, 16)
+    assert rules["model.layers.1.self_attn.kv_b_proj.weight"].interleaved == 0
+
+    bias = rules["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert (bias.collection, bias.kept_float32, bias.block_fp8) == ("model_state", True, False)
+    assert not rules["model.layers.1.mlp.gate.weight"].block_fp8  # the router
+    assert rules["model.layers.1.mlp.experts.3.up_proj.weight"].block_fp8
+    shared = rules["model.layers.1.mlp.shared_experts.down_proj.weight"]
+    assert shared.path == ("blocks", 1, "shared", "ffn", "down", "kernel")
+
+    # The MTP module is layer 3: its block as any layer's, its own norms and projection,
+    # and copies of the embedding and head that are written, not read.
+    assert rules["model.layers.3.self_attn.o_proj.weight"].path[:3] == ("mtp", 0, "block")
+    assert rules["model.layers.3.eh_proj.weight"].path == ("mtp", 0, "projection", "kernel")
+    assert rules["model.layers.3.shared_head.norm.weight"].path[-2] == "final_norm"
+    head = rules["model.layers.3.shared_head.head.weight"]
+    assert head.copy and head.path == ("head", "kernel") and not head.block_fp8
 
 
 @pytest.mark.parametrize("family", FAMILIES)
