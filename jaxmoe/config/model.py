@@ -44,6 +44,12 @@ class ModelConfig:
     # "bfloat16" is mixed precision (the parameters, their gradients and the optimizer
     # state stay float32; the router, the logits and the loss are float32).
     dtype: str = "float32"
+    # FP8 training: the attention, dense and expert GEMMs (forward and both gradients)
+    # take float8_e4m3fn operands with float32 accumulation, scaled "tensorwise" (one scale
+    # per operand) or "blockwise" (DeepSeek-V3: 1 x 128 tiles of activations, 128 x 128
+    # blocks of weights); the parameters, optimizer state, attention core, router and head
+    # keep model.dtype. "none": off. jaxmoe/layers/fp8.py.
+    fp8: str = "none"
     # The backward pass recomputes this instead of keeping its activations: "none",
     # "attention" (the dense core's softmax weights, O(seq^2) per head; the blockwise and
     # cuDNN cores never keep them), "matmuls" (all but the matmuls' and the exchanges'
@@ -152,6 +158,7 @@ class ModelConfig:
             f"{self.num_layers}: use fewer dense layers or a smaller moe_every",
         )
         one_of("model", "dtype", self.dtype, choices.DTYPES)
+        one_of("model", "fp8", self.fp8, choices.FP8_RECIPES)
         one_of("model", "recompute", self.recompute, choices.RECOMPUTE)
         one_of("model", "attention", self.attention, choices.ATTENTION)
         positive_int("model", "attention_block", self.attention_block)

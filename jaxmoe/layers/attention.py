@@ -120,6 +120,7 @@ class CausalSelfAttention(nnx.Module):
             use_bias=model.attention_bias,
             dtype=dtype,
             rngs=rngs,
+            fp8=model.fp8,
         )
         self.key_value = HeadProjection(
             model.d_model,
@@ -128,6 +129,7 @@ class CausalSelfAttention(nnx.Module):
             use_bias=model.attention_bias,
             dtype=dtype,
             rngs=rngs,
+            fp8=model.fp8,
         )
         # Qwen3's query and key norms: an RMSNorm over each head's features, one scale of
         # head_dim shared by the heads.
@@ -135,7 +137,12 @@ class CausalSelfAttention(nnx.Module):
         self.query_norm = norm() if model.qk_norm else None
         self.key_norm = norm() if model.qk_norm else None
         self.out = RowParallelLinear(
-            heads * head_dim, model.d_model, use_bias=model.linear_bias, dtype=dtype, rngs=rngs
+            heads * head_dim,
+            model.d_model,
+            use_bias=model.linear_bias,
+            dtype=dtype,
+            rngs=rngs,
+            fp8=model.fp8,
         )
 
     def _local_key_value(self, key: jax.Array, value: jax.Array):

@@ -55,6 +55,7 @@ class Block(nnx.Module):
                 moe,
                 activation=model.activation,
                 bias=model.linear_bias,
+                fp8=model.fp8,
                 dtype=dtype,
                 rngs=rngs,
                 experimental=experimental,

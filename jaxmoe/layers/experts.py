@@ -13,7 +13,9 @@ each device holds and computes only its local experts. The hidden dimension is s
 over the expert-tensor group (``parallel.expert_tensor``): ``w_in`` and ``b_in`` by
 column, ``w_out`` by row, ``b_out`` replicated. A device then computes a partial output
 (its hidden slice's share, without ``b_out``); the dispatcher sums the partials over
-the group and adds the output bias once (:mod:`jaxmoe.layers.dispatchers`).
+the group and adds the output bias once (:mod:`jaxmoe.layers.dispatchers`). With
+``model.fp8`` both forms run their GEMMs in FP8 (:mod:`jaxmoe.layers.fp8`: each slot's
+weights scaled on their own).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmoe.config.layout import EXPERT, EXPERT_TENSOR
+from jaxmoe.layers import fp8
 from jaxmoe.parallel.sharding import ExpertParam
 from jaxmoe.placement.replicas import slot_weights
 
@@ -43,10 +46,12 @@ class Experts(nnx.Module):
         *,
         activation: str = "gelu",
         bias: bool = True,
+        fp8: str = "none",
         dtype: jnp.dtype,
         rngs: nnx.Rngs,
     ):
         self.dtype = dtype
+        self.fp8 = fp8
         self.swiglu = activation == "swiglu"
         # Fan-in is the model width; the leading expert axis is a batch axis.
         init = nnx.initializers.variance_scaling(
@@ -97,15 +102,31 @@ class Experts(nnx.Module):
         )
         x = x.astype(self.dtype)
         if self.swiglu:
-            gate_up = jnp.einsum("esd,edth->esth", x, w_in.astype(self.dtype))
+            gate_up = self._per_slot(x, w_in)
             hidden = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
         else:
-            hidden = jnp.einsum("esd,edh->esh", x, w_in.astype(self.dtype))
+            hidden = self._per_slot(x, w_in)
             if self.b_in is not None:
                 b_in = slot_weights(self.b_in[...], replica_table)
                 hidden = hidden + b_in[:, None, :].astype(self.dtype)
             hidden = jax.nn.gelu(hidden)
-        return jnp.einsum("esh,ehd->esd", hidden, w_out.astype(self.dtype))
+        return self._per_slot(hidden, w_out)
+
+    def _per_slot(self, x: jax.Array, w: jax.Array) -> jax.Array:
+        """``x [slots, tokens, K]`` through each slot's ``w [slots, K, *features]``."""
+        w = w.astype(self.dtype)
+        if self.fp8 != "none":
+            return fp8.batched_matmul(x, w, self.fp8)
+        return jnp.einsum("esd,edth->esth" if w.ndim == 4 else "esd,edh->esh", x, w)
+
+    def _grouped(self, x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        """``jax.lax.ragged_dot`` of ``x [rows, K]`` with ``w [slots, K, *features]``."""
+        w = w.astype(self.dtype)
+        if self.fp8 != "none":
+            return fp8.grouped_matmul(x, w, group_sizes, self.fp8)
+        features = w.shape[2:]
+        flat = w.reshape(*w.shape[:2], -1)
+        return jax.lax.ragged_dot(x, flat, group_sizes).reshape(x.shape[0], *features)
 
     def grouped(
         self, x: jax.Array, group_sizes: jax.Array, replica_table: jax.Array | None = None
@@ -133,17 +154,14 @@ class Experts(nnx.Module):
             return jnp.take(bias, row_slot, axis=0, mode="fill", fill_value=0)
 
         if self.swiglu:
-            hidden_width = w_in.shape[-1]
-            gate_up = jax.lax.ragged_dot(
-                x, w_in.reshape(slots, d_model, 2 * hidden_width).astype(self.dtype), group_sizes
-            ).reshape(rows, 2, hidden_width)
+            gate_up = self._grouped(x, w_in, group_sizes)
             hidden = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
         else:
-            hidden = jax.lax.ragged_dot(x, w_in.astype(self.dtype), group_sizes)
+            hidden = self._grouped(x, w_in, group_sizes)
             if self.b_in is not None:
                 hidden = hidden + per_row(self.b_in[...])
             hidden = jax.nn.gelu(hidden)
-        out = jax.lax.ragged_dot(hidden, w_out.astype(self.dtype), group_sizes)
+        out = self._grouped(hidden, w_out, group_sizes)
         if self.b_out is not None:
             out = out + per_row(self.b_out[...])
         return out

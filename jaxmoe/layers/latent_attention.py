@@ -78,7 +78,13 @@ class LatentAttention(nnx.Module):
 
         def projection(width: int, features: tuple[int, ...], split: tuple) -> HeadProjection:
             return HeadProjection(
-                width, features, parallel_axes=split, use_bias=False, dtype=dtype, rngs=rngs
+                width,
+                features,
+                parallel_axes=split,
+                use_bias=False,
+                dtype=dtype,
+                rngs=rngs,
+                fp8=model.fp8,
             )
 
         def norm(width: int) -> nnx.RMSNorm:
@@ -99,7 +105,12 @@ class LatentAttention(nnx.Module):
             self.kv_lora_rank, (heads, self.nope_dim + self.value_dim), (TENSOR, None)
         )
         self.out = RowParallelLinear(
-            heads * self.value_dim, model.d_model, use_bias=False, dtype=dtype, rngs=rngs
+            heads * self.value_dim,
+            model.d_model,
+            use_bias=False,
+            dtype=dtype,
+            rngs=rngs,
+            fp8=model.fp8,
         )
 
     def __call__(

@@ -39,13 +39,14 @@ class DenseFFN(nnx.Module):
                 use_bias=bias,
                 dtype=dtype,
                 rngs=rngs,
+                fp8=model.fp8,
             )
         else:
             self.up = ColumnParallelLinear(
-                model.d_model, d_hidden, use_bias=bias, dtype=dtype, rngs=rngs
+                model.d_model, d_hidden, use_bias=bias, dtype=dtype, rngs=rngs, fp8=model.fp8
             )
         self.down = RowParallelLinear(
-            d_hidden, model.d_model, use_bias=bias, dtype=dtype, rngs=rngs
+            d_hidden, model.d_model, use_bias=bias, dtype=dtype, rngs=rngs, fp8=model.fp8
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -87,12 +87,14 @@ class MoELayer(nnx.Module):
         *,
         activation: str = "gelu",
         bias: bool = True,
+        fp8: str = "none",
         dtype: jnp.dtype,
         rngs: nnx.Rngs,
         experimental: ExperimentalOptions = DEFAULT,
     ):
-        """``activation`` and ``bias``: the experts' form (``model.activation``,
-        ``model.linear_bias``; :mod:`jaxmoe.layers.experts`). ``experimental``: research
+        """``activation``, ``bias`` and ``fp8``: the experts' form and GEMMs
+        (``model.activation``, ``model.linear_bias``, ``model.fp8``;
+        :mod:`jaxmoe.layers.experts`). ``experimental``: research
         options of the dispatch (:mod:`jaxmoe.experimental`), kept for every configuration
         the layer is given."""
         self.experimental = experimental
@@ -116,6 +118,7 @@ class MoELayer(nnx.Module):
             config.d_expert or d_hidden,
             activation=activation,
             bias=bias,
+            fp8=fp8,
             dtype=dtype,
             rngs=rngs,
         )

@@ -26,6 +26,7 @@ from flax import nnx
 from jaxmoe.config import ModelConfig, MoEConfig
 from jaxmoe.experimental import DEFAULT, ExperimentalOptions
 from jaxmoe.layers.block import Block
+from jaxmoe.layers.fp8 import dot_general as fp8_dot_general
 from jaxmoe.layers.moe import RoutingStats
 from jaxmoe.layers.norms import make_norm
 from jaxmoe.layers.recompute import call_block
@@ -47,7 +48,12 @@ class PredictionModule(nnx.Module):
         self.embedding_norm = make_norm(model, model.d_model, dtype=dtype, rngs=rngs)
         self.hidden_norm = make_norm(model, model.d_model, dtype=dtype, rngs=rngs)
         self.projection = nnx.Linear(
-            2 * model.d_model, model.d_model, use_bias=False, dtype=dtype, rngs=rngs
+            2 * model.d_model,
+            model.d_model,
+            use_bias=False,
+            dtype=dtype,
+            rngs=rngs,
+            dot_general=fp8_dot_general(model.fp8),
         )
         self.block = Block(
             model,

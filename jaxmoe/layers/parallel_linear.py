@@ -23,18 +23,22 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmoe.config.layout import TENSOR
+from jaxmoe.layers.fp8 import contract
+from jaxmoe.layers.fp8 import dot_general as fp8_dot_general
 from jaxmoe.parallel.tensor_parallel import scatter_sequence
 
 
 class ColumnParallelLinear(nnx.Linear):
-    """``nnx.Linear`` whose output features are split over the tensor group."""
+    """``nnx.Linear`` whose output features are split over the tensor group (its product
+    in FP8 by the ``fp8`` recipe, :mod:`jaxmoe.layers.fp8`)."""
 
-    def __init__(self, in_features: int, out_features: int, **kwargs):
+    def __init__(self, in_features: int, out_features: int, *, fp8: str = "none", **kwargs):
         super().__init__(
             in_features,
             out_features,
             kernel_metadata={"parallel_axes": (None, TENSOR)},
             bias_metadata={"parallel_axes": (TENSOR,)},
+            dot_general=fp8_dot_general(fp8),
             **kwargs,
         )
 
@@ -42,18 +46,22 @@ class ColumnParallelLinear(nnx.Linear):
 class RowParallelLinear(nnx.Linear):
     """``nnx.Linear`` whose input features are split over the tensor group; its output
     leaves the tensor-parallel region: ``[rows, seq, in / tensor] -> [rows, seq / tensor,
-    out]``."""
+    out]`` (its product in FP8 by the ``fp8`` recipe)."""
 
-    def __init__(self, in_features: int, out_features: int, **kwargs):
+    def __init__(self, in_features: int, out_features: int, *, fp8: str = "none", **kwargs):
         super().__init__(
-            in_features, out_features, kernel_metadata={"parallel_axes": (TENSOR, None)}, **kwargs
+            in_features,
+            out_features,
+            kernel_metadata={"parallel_axes": (TENSOR, None)},
+            dot_general=fp8_dot_general(fp8),
+            **kwargs,
         )
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
         inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
-        partial = jax.lax.dot_general(
+        partial = self.dot_general(
             inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())), precision=self.precision
         )
         y = scatter_sequence(partial)
@@ -68,7 +76,8 @@ class HeadProjection(nnx.Module):
     feature axis), the split applied as it is found in the arrays (a shard inside the
     whole-step shard_map). The projections into heads (query, keys and values) and the
     fused gate and up matrices of SwiGLU use it; ``nnx.Einsum`` reshapes its bias to the
-    declared shape, which a shard does not have."""
+    declared shape, which a shard does not have. Its product is FP8 by the ``fp8`` recipe
+    (:mod:`jaxmoe.layers.fp8`; ``"none"``: in ``dtype``)."""
 
     def __init__(
         self,
@@ -79,8 +88,10 @@ class HeadProjection(nnx.Module):
         use_bias: bool,
         dtype: jnp.dtype,
         rngs: nnx.Rngs,
+        fp8: str = "none",
     ):
         self.dtype = dtype
+        self.fp8 = fp8
         out_axes = tuple(range(1, len(features) + 1))
         init = nnx.initializers.variance_scaling(
             1.0, "fan_in", "truncated_normal", in_axis=0, out_axis=out_axes
@@ -94,7 +105,7 @@ class HeadProjection(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.kernel[...].astype(self.dtype)
-        y = jnp.tensordot(x.astype(self.dtype), kernel, axes=((x.ndim - 1,), (0,)))
+        y = contract(x.astype(self.dtype), kernel, self.fp8)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         return y

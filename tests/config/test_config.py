@@ -52,6 +52,10 @@ def section(**fields):
         (lambda: MoEConfig(shared_expert_gate=True), "set moe.num_shared_experts"),
         (lambda: ModelConfig(dtype="float16"), "model.dtype='float16'"),
         (
+            lambda: ModelConfig(fp8="e5m2"),
+            "model.fp8='e5m2': must be one of none, tensorwise, blockwise",
+        ),
+        (
             lambda: ModelConfig(recompute="full"),
             "model.recompute='full': must be one of none, attention",
         ),

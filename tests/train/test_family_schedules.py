@@ -3,9 +3,9 @@ as written (``none``) within 1e-5 relative, and the same tokens drop.
 
 Each family is its ``-tiny`` preset cut to two layers of width 32 (sequence 16), so
 that its blocks (grouped-query attention, rotary positions, query/key norms, SwiGLU,
-shared experts and their gate, DeepSeek's routing with its selection bias, a leading
-dense layer, an untied head) all run in the scheduled program; capacity 1.0, so that
-drops happen and must match.
+shared experts and their gate, DeepSeek's latent attention, routing with its selection
+bias and multi-token prediction, a leading dense layer, an untied head, FP8 GEMMs) all
+run in the scheduled program; capacity 1.0, so that drops happen and must match.
 """
 
 import dataclasses
@@ -20,11 +20,20 @@ from scheduling import ExperimentalOptions
 from tests.train.runs import with_schedule
 from tests.train.test_scheduled import run
 
-FAMILIES = ("mixtral-tiny", "qwen2_moe-tiny", "qwen3_moe-tiny", "deepseek_v3-tiny")
+# "+fp8": the family with its GEMMs in FP8 (model.fp8 blockwise: DeepSeek-V3's scales).
+FAMILIES = (
+    "mixtral-tiny",
+    "qwen2_moe-tiny",
+    "qwen3_moe-tiny",
+    "deepseek_v3-tiny",
+    "deepseek_v3-tiny+fp8",
+)
 SCHEDULES = ("async", "dw", "partition", "lancet", "comet", "lancet+comet", "expert_pipeline")
 STEPS = 2
-# By default DeepSeek-V3 runs the composed schedule (lancet+comet: split collectives,
-# partitioned ranges, decomposed exchanges, placed dW work) with drops. Mixtral's blocks
+# By default DeepSeek-V3 with its GEMMs in FP8 runs the composed schedule (lancet+comet:
+# split collectives, partitioned ranges, decomposed exchanges, placed dW work) with drops:
+# the same program as without FP8 but for the quantization around each product, whose
+# float8 values the schedule moves like any other. Mixtral's blocks
 # (grouped-query attention, rotary positions, SwiGLU, softmax top-k renormalised) run it by
 # default in tests/train/test_ragged_dropless.py (dropless, ragged); Qwen3-MoE adds to them
 # query/key norms and a head width of its own, elementwise on the heads and a shape; Qwen2-
@@ -32,7 +41,7 @@ STEPS = 2
 # are elementwise on the same values): all three are slow. Each schedule alone is exact on
 # the default model by default (test_scheduled, test_partitioned, test_comet,
 # test_ragged_dropless). The rest of the cross product is slow.
-DEFAULT_CASES = {("deepseek_v3-tiny", "lancet+comet")}
+DEFAULT_CASES = {("deepseek_v3-tiny+fp8", "lancet+comet")}
 CASES = [
     pytest.param(
         name, schedule, marks=() if (name, schedule) in DEFAULT_CASES else pytest.mark.slow
@@ -44,9 +53,11 @@ CASES = [
 
 @functools.cache
 def family(name: str) -> Config:
+    name, _, fp8 = name.partition("+")
     config = preset(name)
     model = dataclasses.replace(
         config.model,
+        fp8="blockwise" if fp8 else "none",
         d_model=32,
         num_layers=2,
         seq_len=16,
