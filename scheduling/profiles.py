@@ -22,8 +22,10 @@ from typing import Any
 
 from scheduling import names
 
-# Operand dtypes that run at a profile's half-precision peak (NumPy dtype names).
+# Operand dtypes that run at a profile's half-precision peak (NumPy dtype names), and at
+# its 8-bit float peak.
 HALF_PRECISION = frozenset({"bfloat16", "float16"})
+EIGHT_BIT = frozenset({"float8_e4m3fn", "float8_e5m2"})
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,9 @@ class DeviceProfile:
     memory_capacity_bytes: float = 0.0
     # The matmul peak with 16-bit float operands (bfloat16, float16); 0: ``flops_per_s``.
     half_precision_flops_per_s: float = 0.0
+    # The matmul peak with 8-bit float operands (float8_e4m3fn, float8_e5m2); 0: the
+    # 16-bit peak (a device without FP8 tensor cores multiplies them widened).
+    fp8_flops_per_s: float = 0.0
     # The fraction of the peak a matmul reaches, by its FLOPs: points ``(flops, fraction)``
     # in increasing FLOPs, interpolated in log FLOPs and held flat past either end; empty:
     # the peak (1.0). Small products are memory-bound, which the roofline says already.
@@ -70,6 +75,7 @@ class DeviceProfile:
             "node_link_latency_s",
             "memory_capacity_bytes",
             "half_precision_flops_per_s",
+            "fp8_flops_per_s",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"DeviceProfile.{name} must be >= 0")
@@ -91,15 +97,18 @@ class DeviceProfile:
             )
 
     def peak_flops_per_s(self, dtype: Any) -> float:
-        """The compute peak for operands of ``dtype`` (16-bit floats have their own; JAX's
-        extended dtypes, such as PRNG keys, are not NumPy dtypes and count as full width)."""
+        """The compute peak for operands of ``dtype`` (16-bit and 8-bit floats have their
+        own; JAX's extended dtypes, such as PRNG keys, are not NumPy dtypes and count as
+        full width)."""
         import numpy as np  # only when costing, where JAX (and NumPy) are loaded
 
         try:
-            half = np.dtype(dtype).name in HALF_PRECISION
+            name = np.dtype(dtype).name
         except TypeError:
-            half = False
-        if self.half_precision_flops_per_s and half:
+            name = ""
+        if name in EIGHT_BIT and self.fp8_flops_per_s:
+            return self.fp8_flops_per_s
+        if (name in HALF_PRECISION or name in EIGHT_BIT) and self.half_precision_flops_per_s:
             return self.half_precision_flops_per_s
         return self.flops_per_s
 

@@ -14,7 +14,7 @@ from scheduling.costs.collective_groups import members_per_node
 from scheduling.costs.cost_model import CostModel, collective_wire_bytes, op_bytes, op_flops
 from scheduling.costs.simulate import simulate
 from scheduling.passes import split_async
-from scheduling.profiles import PROFILE_FILES, PROFILES, DeviceProfile, load_profile
+from scheduling.profiles import PROFILE_FILES, PROFILES, DeviceProfile, device_profile, load_profile
 from scheduling.program.capture import capture
 from scheduling.program.graph import Graph, Role
 from tests.scheduling.toys import fixed_seconds, mesh_2x4, mesh_x, sds
@@ -489,3 +489,28 @@ def test_half_precision_matmuls_run_at_their_own_peak():
         )
     assert seconds[jnp.float32] == pytest.approx(4 * seconds[jnp.bfloat16])
     assert PROFILE.peak_flops_per_s(jnp.bfloat16) == PROFILE.flops_per_s  # none given
+
+
+def test_fp8_matmuls_run_at_their_own_peak_and_at_16_bits_without_one():
+    mesh = mesh_x()
+    eight = jnp.float8_e4m3fn
+    ops, _ = _ops(
+        lambda a, b: jax.lax.dot_general(
+            a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        ),
+        sds(mesh, (512, 512), P(), eight),
+        sds(mesh, (512, 512), P(), eight),
+        in_specs=(P(), P()),
+        out_specs=P(),
+    )
+    dot = ops["dot_general"]
+    fast = dataclasses.replace(
+        PROFILE, memory_bytes_per_s=1e15, half_precision_flops_per_s=4e9, fp8_flops_per_s=8e9
+    )
+    widened = dataclasses.replace(fast, fp8_flops_per_s=0.0)  # no FP8 tensor cores
+
+    for profile, peak in ((fast, 8e9), (widened, 4e9)):
+        seconds = CostModel(profile, {"x": 8}).seconds(dot) - PROFILE.op_overhead_s
+        assert seconds == pytest.approx(op_flops(dot) / peak)
+    h100 = device_profile("h100-8x-nvlink-3200g")
+    assert h100.peak_flops_per_s(eight) == 2 * h100.peak_flops_per_s(jnp.bfloat16)
