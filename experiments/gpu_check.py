@@ -1,8 +1,9 @@
 """The project's open GPU questions, answered in one run on one GPU (under 8 minutes).
 
-    python -m experiments.gpu_check [--out DIR] [--sections attention,gemm,step,schedule] [--dry]
+    python -m experiments.gpu_check [--out DIR] [--sections attention,gemm,fp8,step,schedule]
+        [--dry]
 
-Four sections, each in its own time limit; one that fails or runs out of time is
+Five sections, each in its own time limit; one that fails or runs out of time is
 recorded with its error, and the others still run:
 
 - **attention**: the attention cores (:mod:`jaxmoe.layers.attention_core`) at Mixtral's
@@ -23,6 +24,11 @@ recorded with its error, and the others still run:
   dependent products (``x @ up @ down``, repeated) inside one program, and each
   measurement queues calls enough for about 20 TFLOP, so that small sizes are not timed
   as dispatches.
+- **fp8**: one expert block (:class:`~jaxmoe.layers.experts.Experts`, SwiGLU, Mixtral
+  8x7B's widths, its 8 experts' slots of 2048 tokens each, bfloat16) forward and
+  backward, its GEMMs as ``model.fp8`` none (bfloat16), tensorwise and blockwise run them
+  (:mod:`jaxmoe.layers.fp8`), timed round-robin: each recipe's time and its ratio to
+  bfloat16, and whether the compiled module holds an FP8 GEMM.
 - **step**: one training step on one device (parallel data 1 x expert 1) of a
   Mixtral-style model (the ``mixtral-8x7b`` preset at d_model 2048, 8 layers, d_ff 4096,
   8 experts top-2, 4096 tokens a row, bfloat16, ``model.attention`` auto), its batch
@@ -74,7 +80,7 @@ from experiments.shared.spread import Spread, round_ratios
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).parent / "results" / "gpu_check"
-SECTIONS = ("attention", "gemm", "step", "schedule")
+SECTIONS = ("attention", "gemm", "fp8", "step", "schedule")
 TOTAL_S = 430  # the whole run, startup aside, within 8 minutes
 STEP_PROFILE = "h100-8x-nvlink-3200g"
 SCHEDULE_ARGS = (
@@ -100,6 +106,8 @@ class Sizes:
     gemm_call_flops: float
     gemm_measure_flops: float  # calls per measurement, queued, to take at least this
     gemm_rounds: int
+    # fp8: one expert block's (experts, tokens a slot, d_model, hidden width)
+    expert_block: tuple[int, int, int, int]
     # step
     step_preset: str
     step_model: dict[str, Any]
@@ -111,7 +119,7 @@ class Sizes:
 
 
 GPU = Sizes(
-    limits={"attention": 90, "gemm": 60, "step": 150, "schedule": 130},
+    limits={"attention": 90, "gemm": 60, "fp8": 40, "step": 110, "schedule": 130},
     attention=(1, 4096, 32, 8, 128),
     attention_dtype="bfloat16",
     blocks=(512, 1024),
@@ -129,6 +137,7 @@ GPU = Sizes(
     gemm_call_flops=4e12,
     gemm_measure_flops=2e13,
     gemm_rounds=7,
+    expert_block=(8, 2048, 4096, 14336),
     step_preset="mixtral-8x7b",
     step_model=dict(d_model=2048, num_layers=8, d_ff=4096, seq_len=4096, attention="auto"),
     step_batches=(1, 2, 4, 8, 16, 32),
@@ -138,7 +147,7 @@ GPU = Sizes(
     steps=10,
 )
 DRY = Sizes(
-    limits={"attention": 60, "gemm": 30, "step": 60, "schedule": 5},
+    limits={"attention": 60, "gemm": 30, "fp8": 30, "step": 60, "schedule": 5},
     attention=(1, 64, 4, 2, 16),
     attention_dtype="float32",
     blocks=(16, 32),
@@ -149,6 +158,7 @@ DRY = Sizes(
     gemm_call_flops=1e6,
     gemm_measure_flops=1e6,
     gemm_rounds=1,
+    expert_block=(2, 16, 32, 64),
     step_preset="tiny",
     step_model=dict(num_layers=2, seq_len=32, attention="auto"),
     step_batches=(1, 2),
@@ -632,6 +642,57 @@ def _fp8_error(x: Any, up: Any) -> float:
     return float(error(x, up))
 
 
+# -- fp8 -----------------------------------------------------------------------------------
+
+FP8_RECIPES = ("none", "tensorwise", "blockwise")
+
+
+def fp8(setup: Setup, budget: Budget, found: dict[str, Any]) -> dict[str, Any]:
+    """One expert block forward and backward, its GEMMs in bfloat16 and in FP8."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxmoe.layers.experts import Experts
+
+    experts, tokens, d_model, hidden = setup.sizes.expert_block
+    dtype = jnp.float32 if setup.dry else jnp.bfloat16
+    flops = 3 * 2 * (3 * experts * tokens * d_model * hidden)  # 3 GEMMs, forward + 2 grads
+    found.update(
+        experts=experts, tokens=tokens, d_model=d_model, hidden=hidden, dtype=str(dtype.dtype),
+        model_tflop=flops / 1e12, rounds=setup.sizes.rounds, recipes={},
+    )  # fmt: skip
+    x = jax.random.normal(jax.random.key(0), (experts, tokens, d_model), dtype)
+    calls = {}
+    for recipe in FP8_RECIPES:
+        entry = found["recipes"][recipe] = {}
+        block = Experts(
+            experts, d_model, hidden, activation="swiglu", bias=False, fp8=recipe,
+            dtype=dtype, rngs=nnx.Rngs(0),
+        )  # fmt: skip
+        graphdef, params = nnx.split(block)
+
+        def loss(params, x, graphdef=graphdef):
+            return jnp.sum(nnx.merge(graphdef, params)(x).astype(jnp.float32) ** 2)
+
+        try:
+            compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).compile()
+            jax.block_until_ready(compiled(params, x))
+        except Exception as error:
+            entry["error"] = _error_text(error)
+            continue
+        entry["fp8_gemm"] = _holds_fp8_gemm(compiled.as_text())
+        calls[recipe] = (compiled, (params, x))
+    seconds = _time_calls(calls, setup.sizes.rounds, setup.sizes.repeats, budget)
+    for recipe, values in seconds.items():
+        entry = found["recipes"][recipe]
+        entry["seconds"] = _spread(values)
+        entry["tflops"] = _spread([flops / s / 1e12 for s in values])
+        if recipe != "none" and "none" in seconds:
+            entry["over_bf16"] = _spread(round_ratios(seconds["none"], values))
+    return found
+
+
 # -- step ----------------------------------------------------------------------------------
 
 
@@ -888,7 +949,13 @@ def _text(output: bytes | str | None) -> str:
     return output or ""
 
 
-SECTION_FUNCTIONS = {"attention": attention, "gemm": gemm, "step": step, "schedule": schedule}
+SECTION_FUNCTIONS = {
+    "attention": attention,
+    "gemm": gemm,
+    "fp8": fp8,
+    "step": step,
+    "schedule": schedule,
+}
 
 
 # -- the files -----------------------------------------------------------------------------
@@ -1080,9 +1147,35 @@ def _report_schedule(found: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def _report_fp8(found: dict[str, Any]) -> list[str]:
+    if "recipes" not in found:
+        return []
+    lines = [
+        f"{found['experts']} experts x {found['tokens']} tokens, d_model {found['d_model']}, "
+        f"hidden {found['hidden']} (SwiGLU), {found['dtype']}; forward + backward "
+        f"({found['model_tflop']:.2f} TFLOP a call), median [range] over up to "
+        f"{found['rounds']} round-robin rounds. `over bf16`: bfloat16's time over this one's "
+        "(above 1: faster).",
+        "",
+        "| model.fp8 | ms | TFLOP/s | over bf16 | FP8 GEMM |",
+        "|---|---|---|---|---|",
+    ]
+    for recipe, entry in found["recipes"].items():
+        if "error" in entry:
+            lines.append(f"| {recipe} | {entry['error'].splitlines()[0][:120]} ||||")
+            continue
+        fp8 = {True: "yes", False: "no", None: "-"}[entry.get("fp8_gemm")]
+        lines.append(
+            f"| {recipe} | {_ms(entry.get('seconds'))} | {_ratio(entry.get('tflops'))} | "
+            f"{_ratio(entry.get('over_bf16'))} | {fp8} |"
+        )
+    return [*lines, ""]
+
+
 REPORTERS = {
     "attention": _report_attention,
     "gemm": _report_gemm,
+    "fp8": _report_fp8,
     "step": _report_step,
     "schedule": _report_schedule,
 }

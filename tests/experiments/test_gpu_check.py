@@ -168,3 +168,13 @@ def test_where_the_memory_walk_fails_the_step_takes_its_set_batch(monkeypatch):
     assert batch == sizes.step_batch_unwalked
     assert fit["error"] == "NotImplementedError: no walk for this primitive"
     assert gpu_check._fit_text(fit).endswith("for this primitive`): a set batch")
+
+
+def test_fp8_times_one_expert_block_under_each_recipe(dry_run):
+    found = dry_run[2]["sections"]["fp8"]
+    assert (found["experts"], found["tokens"]) == gpu_check.DRY.expert_block[:2]
+    assert list(found["recipes"]) == list(gpu_check.FP8_RECIPES)
+    for recipe, entry in found["recipes"].items():
+        assert entry["seconds"]["median"] > 0 and entry["tflops"]["median"] > 0
+        assert entry["fp8_gemm"] is False  # XLA:CPU widens the float8 operands
+        assert ("over_bf16" in entry) == (recipe != "none")
