@@ -38,9 +38,6 @@ GRAD_SYNC_CHOICES = (*GRAD_SYNCS, "auto")
 # The dtype gradients are summed across replicas in (Megatron-Core's --grad-reduce-in-bf16),
 # and the algorithms that sum them as they are (the others choose their own wire format).
 GRAD_REDUCE_DTYPES = ("float32", "bfloat16")
-# FP8 training's scaling of the GEMM operands (jaxmoe/layers/fp8.py): off, one scale per
-# operand, or DeepSeek-V3's 1 x 128 activation tiles and 128 x 128 weight blocks.
-FP8_RECIPES = ("none", "tensorwise", "blockwise")
 REDUCE_AS_GIVEN = ("allreduce", "bucketed", "hierarchical")
 
 # The schedules jaxmoe plan estimates each mapping under (where each applies) unless told:

@@ -47,8 +47,9 @@ class ModelConfig:
     # FP8 training: the attention, dense and expert GEMMs (forward and both gradients)
     # take float8_e4m3fn operands with float32 accumulation, scaled "tensorwise" (one scale
     # per operand) or "blockwise" (DeepSeek-V3: 1 x 128 tiles of activations, 128 x 128
-    # blocks of weights); the parameters, optimizer state, attention core, router and head
-    # keep model.dtype. "none": off. jaxmoe/layers/fp8.py.
+    # blocks of weights; the weight gradient's operands one scale per feature); the
+    # parameters, optimizer state, attention core, router and head keep model.dtype.
+    # "none": off. jaxmoe/layers/fp8.py.
     fp8: str = "none"
     # The backward pass recomputes this instead of keeping its activations: "none",
     # "attention" (the dense core's softmax weights, O(seq^2) per head; the blockwise and

@@ -40,6 +40,7 @@ from typing import Any
 
 from jaxmoe.config import Config, ConfigError, ModelConfig
 from jaxmoe.config.moe import shared_width
+from jaxmoe.hf.block_fp8 import POWER_OF_TWO, SCALE_FORMATS
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 ARCHITECTURES = {
@@ -372,6 +373,12 @@ def _fp8_block(fields: _Fields) -> tuple[int, int] | None:
         )
     if settings.get("fmt", "e4m3") != "e4m3":
         raise fields.error(name, f"fmt={settings.get('fmt')!r}: jaxmoe reads e4m3 weights")
+    if settings.get("scale_fmt") not in SCALE_FORMATS:
+        raise fields.error(
+            name,
+            f"scale_fmt={settings.get('scale_fmt')!r}: jaxmoe reads float32 scales, powers of "
+            f"two ({POWER_OF_TWO!r}) or not",
+        )
     block = settings.get("weight_block_size")
     if (
         not isinstance(block, list)

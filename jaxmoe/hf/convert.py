@@ -39,7 +39,14 @@ from jaxmoe.hf.architectures import (
     read_architecture,
     rotary_interleaved,
 )
-from jaxmoe.hf.block_fp8 import SCALE_SUFFIX, dequantize, quantize, scale_name, scale_shape
+from jaxmoe.hf.block_fp8 import (
+    POWER_OF_TWO,
+    SCALE_SUFFIX,
+    dequantize,
+    quantize,
+    scale_name,
+    scale_shape,
+)
 from jaxmoe.hf.files import (
     CONFIG,
     FP8_STORED,
@@ -484,6 +491,8 @@ def write_hf(
     }
     target = WRITE_DTYPES[dtype]
     quantized = {name for name, rule in rules.items() if fp8_block and rule.block_fp8}
+    settings = (values or {}).get("quantization_config") or {}
+    power_of_two = settings.get("scale_fmt") == POWER_OF_TWO
     dtypes = {name: np.float32 if rule.kept_float32 else target for name, rule in rules.items()}
     sizes = []
     for name, rule in rules.items():
@@ -502,7 +511,7 @@ def write_hf(
             leaf = np.asarray(leaves[rule.collection][rule.path])
             tensor = rule.to_hf(leaf[rule.index])
             if name in quantized:
-                tensors[name], tensors[scale_name(name)] = quantize(tensor, fp8_block)
+                tensors[name], tensors[scale_name(name)] = quantize(tensor, fp8_block, power_of_two)
                 weight_map[scale_name(name)] = file
             else:
                 tensors[name] = tensor.astype(dtypes[name])

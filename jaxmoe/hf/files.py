@@ -123,25 +123,35 @@ def read_tensors(files: dict[Path, list[str]]) -> Iterator[tuple[str, np.ndarray
     from safetensors import safe_open
 
     for file, names in files.items():
+        raw = None  # the file's header, read once, when a tensor needs it
         with safe_open(file, framework="numpy") as handle:
             for name in names:
                 dtype = handle.get_slice(name).get_dtype()
                 if dtype in RAW_DTYPES:
-                    yield name, _read_raw(file, name, RAW_DTYPES[dtype])
+                    raw = raw or _RawFile(file)
+                    yield name, raw.read(name, RAW_DTYPES[dtype])
                 else:
                     yield name, handle.get_tensor(name)
 
 
-def _read_raw(file: Path, name: str, dtype: Any) -> np.ndarray:
-    """One tensor of a safetensors file from its bytes: the file is an 8-byte little-endian
+class _RawFile:
+    """A safetensors file's tensors from their bytes: the file is an 8-byte little-endian
     header length, the JSON header (each tensor's shape and byte range), then the data."""
-    with open(file, "rb") as handle:
-        length = int.from_bytes(handle.read(8), "little")
-        entry = json.loads(handle.read(length))[name]
+
+    def __init__(self, file: Path):
+        self.file = file
+        with open(file, "rb") as handle:
+            length = int.from_bytes(handle.read(8), "little")
+            self.header = json.loads(handle.read(length))
+        self.data_start = 8 + length
+
+    def read(self, name: str, dtype: Any) -> np.ndarray:
+        entry = self.header[name]
         begin, end = entry["data_offsets"]
-        handle.seek(8 + length + begin)
-        data = handle.read(end - begin)
-    return np.frombuffer(data, dtype).reshape(entry["shape"])
+        with open(self.file, "rb") as handle:
+            handle.seek(self.data_start + begin)
+            data = handle.read(end - begin)
+        return np.frombuffer(data, dtype).reshape(entry["shape"])
 
 
 def plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmoe.config.layout import EXPERT, EXPERT_TENSOR
-from jaxmoe.layers import fp8
+from jaxmoe.layers.fp8 import batched_matmul, grouped_matmul
 from jaxmoe.parallel.sharding import ExpertParam
 from jaxmoe.placement.replicas import slot_weights
 
@@ -116,14 +116,14 @@ class Experts(nnx.Module):
         """``x [slots, tokens, K]`` through each slot's ``w [slots, K, *features]``."""
         w = w.astype(self.dtype)
         if self.fp8 != "none":
-            return fp8.batched_matmul(x, w, self.fp8)
+            return batched_matmul(x, w, self.fp8)
         return jnp.einsum("esd,edth->esth" if w.ndim == 4 else "esd,edh->esh", x, w)
 
     def _grouped(self, x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
         """``jax.lax.ragged_dot`` of ``x [rows, K]`` with ``w [slots, K, *features]``."""
         w = w.astype(self.dtype)
         if self.fp8 != "none":
-            return fp8.grouped_matmul(x, w, group_sizes, self.fp8)
+            return grouped_matmul(x, w, group_sizes, self.fp8)
         features = w.shape[2:]
         flat = w.reshape(*w.shape[:2], -1)
         return jax.lax.ragged_dot(x, flat, group_sizes).reshape(x.shape[0], *features)

@@ -13,21 +13,29 @@ values ("current scaling", no amax history). The recipes:
 - ``blockwise``: DeepSeek-V3's fine-grained scaling: activations (and gradients) in tiles
   of 1 x :data:`BLOCK` along the contraction, weights in blocks of :data:`BLOCK` x
   :data:`BLOCK`. Scales that vary along the contraction do not factor out: the product
-  is a batch of FP8 GEMMs over the contraction's 128-wide slices, each slice's float32
-  partial product scaled and summed (DeepSeek's kernels promote to float32 every 128 of
-  the contraction; here the promotion is a batch dimension, ``K / 128`` times the
-  output's memory in flight).
+  runs slice by slice over the contraction's 128-wide slices (a ``lax.scan``), each
+  slice's FP8 product scaled and added to one float32 accumulator, as DeepSeek's
+  kernels promote to float32 every 128 of the contraction. It reproduces what those
+  kernels compute; without such a fused kernel its K = 128 products are not faster than
+  one bfloat16 GEMM.
 
 The weight gradient contracts over the tokens; its operands (the layer's input and the
 output's gradient) take one scale per feature over the tokens they contract (per expert
-in the grouped GEMM), which factors out of the sum over tokens in both recipes.
+in the grouped GEMM), which factors out of the sum over tokens in both recipes (DeepSeek
+tiles the tokens by 128 there: finer, and not a single GEMM).
+
+The scales are those of what a device holds inside the whole-step ``shard_map`` (its
+tokens, its shard of a weight split over a tensor or expert-tensor group): a layout that
+splits an operand otherwise scales it otherwise, within e4m3's rounding.
 
 The derivatives are the products' own (:func:`jax.custom_vjp`): the forward pass keeps
 its inputs in their dtype and quantizes them again for the gradients, so nothing in the
 saved activations changes. Parameters, their gradients and the optimizer state keep
 their dtype (``model.dtype``: float32 or bfloat16 master weights); what enters each GEMM
 is FP8. The attention core (scores and values), the router and the output head stay in
-``model.dtype``, as DeepSeek-V3 keeps them.
+``model.dtype``, as DeepSeek-V3 keeps them. Each product's result is named
+:data:`PRODUCT` (``checkpoint_name``), so that recomputation keeps it as it keeps a
+``dot_general``'s (:mod:`jaxmoe.layers.recompute`).
 """
 
 from __future__ import annotations
@@ -37,11 +45,15 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxmoe.config.choices import FP8_RECIPES
 
 FP8 = jnp.float8_e4m3fn
 E4M3_MAX = float(jnp.finfo(FP8).max)  # 448
 BLOCK = 128  # DeepSeek-V3's tile and block width
-RECIPES = ("tensorwise", "blockwise")
+RECIPES = tuple(recipe for recipe in FP8_RECIPES if recipe != "none")
+PRODUCT = "fp8_product"  # the name of every product's result
 # The smallest amax a scale is taken from: an all-zero operand gets a scale, not a 0/0.
 _TINY = 1e-12
 
@@ -81,22 +93,41 @@ def _dot(lhs: jax.Array, rhs: jax.Array, contract: tuple[int, int], batch=((), (
     )
 
 
+def _weight_blocks(w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``w [..., K, N]`` in 128 x 128 blocks: the FP8 values ``[..., KB, 128, NB * 128]``
+    (K and N padded with zeros) and the scale of each column of each slice of K,
+    ``[..., KB, NB * 128]`` (each block's scale repeated over its 128 columns)."""
+    padded = _pad_to(_pad_to(w, -2, BLOCK), -1, BLOCK)
+    *lead, k, n = padded.shape
+    blocks = padded.reshape(*lead, k // BLOCK, BLOCK, n // BLOCK, BLOCK)
+    scale = _scale(jnp.max(jnp.abs(blocks), axis=(-3, -1)))  # [..., KB, NB]
+    values = _quantize(blocks, scale[..., :, None, :, None]).reshape(*lead, k // BLOCK, BLOCK, n)
+    return values, jnp.repeat(scale, BLOCK, axis=-1)
+
+
+def _activation_tiles(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``x [M, K]`` in 1 x 128 tiles: the FP8 values ``[KB, M, 128]`` and the scales
+    ``[KB, M]``, slice of K first (what a scan over the slices reads)."""
+    tiles = _blocks_of(x, BLOCK)  # [M, KB, 128]
+    scale = _scale(jnp.max(jnp.abs(tiles), axis=2))  # [M, KB]
+    values = _quantize(tiles, scale[:, :, None])
+    return jnp.swapaxes(values, 0, 1), scale.T
+
+
 def _blockwise_product(x: jax.Array, w: jax.Array) -> jax.Array:
     """``x [M, K] @ w [K, N]`` with 1 x 128 tiles of ``x`` and 128 x 128 blocks of ``w``,
-    float32: the FP8 product of each 128-wide slice of K, scaled, summed over slices."""
-    n = w.shape[1]
-    tiles = _blocks_of(x, BLOCK)  # [M, KB, 128]
-    x_scale = _scale(jnp.max(jnp.abs(tiles), axis=2))  # [M, KB]
-    x8 = _quantize(tiles, x_scale[:, :, None])
-    padded = _pad_to(_pad_to(w, 0, BLOCK), 1, BLOCK)
-    kb, nb = padded.shape[0] // BLOCK, padded.shape[1] // BLOCK
-    blocks = padded.reshape(kb, BLOCK, nb, BLOCK)
-    w_scale = _scale(jnp.max(jnp.abs(blocks), axis=(1, 3)))  # [KB, NB]
-    w8 = _quantize(blocks, w_scale[:, None, :, None]).reshape(kb, BLOCK, nb * BLOCK)
-    partial = _dot(x8, w8, (2, 1), ((1,), (0,)))  # [KB, M, NB * 128]
-    column_scale = jnp.repeat(w_scale, BLOCK, axis=1)  # [KB, NB * 128]
-    scaled = partial * x_scale.T[:, :, None] * column_scale[:, None, :]
-    return jnp.sum(scaled, axis=0)[:, :n]
+    float32: slice by slice of K, each FP8 product scaled into one accumulator."""
+    x8, x_scale = _activation_tiles(x)
+    w8, w_scale = _weight_blocks(w)
+
+    def add_slice(total, slice_):
+        x8, x_scale, w8, w_scale = slice_
+        product = _dot(x8, w8, (1, 0))  # [M, NB * 128]
+        return total + product * x_scale[:, None] * w_scale[None, :], None
+
+    initial = jnp.zeros((x.shape[0], w8.shape[-1]), jnp.float32)
+    total, _ = jax.lax.scan(add_slice, initial, (x8, x_scale, w8, w_scale))
+    return total[:, : w.shape[1]]
 
 
 def _product(x: jax.Array, w: jax.Array, recipe: str) -> jax.Array:
@@ -144,7 +175,7 @@ def matmul(x: jax.Array, w: jax.Array, recipe: str) -> jax.Array:
     features = w.shape[1:]
     flat = x.reshape(-1, x.shape[-1])
     y = _matmul(flat, w.reshape(w.shape[0], math.prod(features)), recipe)
-    return y.reshape(*x.shape[:-1], *features)
+    return checkpoint_name(y.reshape(*x.shape[:-1], *features), PRODUCT)
 
 
 def contract(x: jax.Array, w: jax.Array, recipe: str) -> jax.Array:
@@ -163,9 +194,17 @@ def dot_general(recipe: str):
     if recipe == "none":
         return jax.lax.dot_general
 
-    def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, **_):
+    def fp8_dot_general(
+        lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, out_sharding=None
+    ):
+        del precision  # the operands are FP8 whatever the precision asked of the dot
         (contracting, batch) = dimension_numbers
-        assert contracting == ((lhs.ndim - 1,), (0,)) and batch == ((), ()), dimension_numbers
+        if contracting != ((lhs.ndim - 1,), (0,)) or batch != ((), ()):
+            raise ValueError(
+                f"FP8 products contract x's last axis with w's first: {dimension_numbers}"
+            )
+        if preferred_element_type is not None or out_sharding is not None:
+            raise ValueError("FP8 products give the input's dtype and its sharding")
         return matmul(lhs, rhs, recipe)
 
     return fp8_dot_general
@@ -181,14 +220,19 @@ def batched_matmul(x: jax.Array, w: jax.Array, recipe: str) -> jax.Array:
 
 
 def _row_groups(group_sizes: jax.Array, rows: int) -> jax.Array:
-    """Each row's group (rows past the groups: the last group, whose rows are zero)."""
-    return jnp.repeat(
-        jnp.arange(group_sizes.shape[0]), group_sizes, total_repeat_length=rows
-    ).astype(jnp.int32)
+    """Each row's group; rows past the groups get ``len(group_sizes)``, a group of none."""
+    ends = jnp.cumsum(group_sizes)
+    return jnp.sum(ends[None, :] <= jnp.arange(rows, dtype=ends.dtype)[:, None], axis=1)
 
 
 def _ragged(x8: jax.Array, w8: jax.Array, group_sizes: jax.Array) -> jax.Array:
     return jax.lax.ragged_dot(x8, w8, group_sizes, preferred_element_type=jnp.float32)
+
+
+def _per_row(values: jax.Array, groups: jax.Array) -> jax.Array:
+    """Each row's entry of a per-group array (rows past the groups: the last group's,
+    whose products there are zero)."""
+    return jnp.take(values, groups, axis=0, mode="clip")
 
 
 def _grouped_product(x: jax.Array, w: jax.Array, group_sizes: jax.Array, recipe: str):
@@ -198,22 +242,19 @@ def _grouped_product(x: jax.Array, w: jax.Array, group_sizes: jax.Array, recipe:
         x8, x_scale = _tensorwise(x)
         w_scale = _scale(jnp.max(jnp.abs(w), axis=(1, 2)))  # [E]
         w8 = _quantize(w, w_scale[:, None, None])
-        return _ragged(x8, w8, group_sizes) * (x_scale * w_scale[groups])[:, None]
-    n = w.shape[2]
-    tiles = _blocks_of(x, BLOCK)  # [T, KB, 128]
-    x_scale = _scale(jnp.max(jnp.abs(tiles), axis=2))  # [T, KB]
-    x8 = _quantize(tiles, x_scale[:, :, None])
-    padded = _pad_to(_pad_to(w, 1, BLOCK), 2, BLOCK)
-    experts, kb, nb = padded.shape[0], padded.shape[1] // BLOCK, padded.shape[2] // BLOCK
-    blocks = padded.reshape(experts, kb, BLOCK, nb, BLOCK)
-    w_scale = _scale(jnp.max(jnp.abs(blocks), axis=(2, 4)))  # [E, KB, NB]
-    w8 = _quantize(blocks, w_scale[:, :, None, :, None]).reshape(experts, kb, BLOCK, -1)
-    total = jnp.zeros((x.shape[0], nb * BLOCK), jnp.float32)
-    for k in range(kb):  # one grouped GEMM per 128-wide slice of K, promoted and summed
-        partial = _ragged(x8[:, k], w8[:, k], group_sizes)
-        column_scale = jnp.repeat(w_scale[:, k], BLOCK, axis=1)[groups]  # [T, NB * 128]
-        total = total + partial * x_scale[:, k, None] * column_scale
-    return total[:, :n]
+        return _ragged(x8, w8, group_sizes) * (x_scale * _per_row(w_scale, groups))[:, None]
+    x8, x_scale = _activation_tiles(x)  # [KB, T, 128], [KB, T]
+    w8, w_scale = _weight_blocks(w)  # [E, KB, 128, N'], [E, KB, N']
+    w8, w_scale = jnp.swapaxes(w8, 0, 1), jnp.swapaxes(w_scale, 0, 1)  # slice of K first
+
+    def add_slice(total, slice_):  # one grouped GEMM per 128-wide slice of K
+        x8, x_scale, w8, w_scale = slice_
+        product = _ragged(x8, w8, group_sizes)  # [T, N']
+        return total + product * x_scale[:, None] * _per_row(w_scale, groups), None
+
+    initial = jnp.zeros((x.shape[0], w8.shape[-1]), jnp.float32)
+    total, _ = jax.lax.scan(add_slice, initial, (x8, x_scale, w8, w_scale))
+    return total[:, : w.shape[2]]
 
 
 def _grouped_weight_gradient(x, g, group_sizes):
@@ -222,10 +263,10 @@ def _grouped_weight_gradient(x, g, group_sizes):
     experts = group_sizes.shape[0]
     groups = _row_groups(group_sizes, x.shape[0])
 
-    def per_group(values):
-        amax = jax.ops.segment_max(jnp.abs(values), groups, num_segments=experts)
-        scale = _scale(amax)  # [E, C]
-        return _quantize(values, scale[groups]), scale
+    def per_group(values):  # the rows past the groups: a segment of their own, dropped
+        amax = jax.ops.segment_max(jnp.abs(values), groups, num_segments=experts + 1)
+        scale = _scale(amax[:experts])  # [E, C]
+        return _quantize(values, _per_row(scale, groups)), scale
 
     (x8, x_scale), (g8, g_scale) = per_group(x), per_group(g)
     numbers = jax.lax.RaggedDotDimensionNumbers(
@@ -263,4 +304,5 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, recipe: s
     ``[T, *features]`` in ``x``'s dtype."""
     features = w.shape[2:]
     flat = w.reshape(w.shape[0], w.shape[1], math.prod(features))
-    return _grouped(x, flat, group_sizes, recipe).reshape(x.shape[0], *features)
+    y = _grouped(x, flat, group_sizes, recipe).reshape(x.shape[0], *features)
+    return checkpoint_name(y, PRODUCT)

@@ -49,6 +49,8 @@ import jax
 import jax.ad_checkpoint
 from flax import nnx
 
+from jaxmoe.layers.fp8 import PRODUCT as FP8_PRODUCT
+
 # How a block is called: ``(block, index, *args) -> block's outputs``.
 BlockCall = Callable[..., Any]
 
@@ -67,12 +69,20 @@ KEPT_PRIMITIVES = frozenset(
 HOST = "pinned_host"
 
 
-def _keeps_matmuls(primitive: Any, *_: Any, **__: Any) -> bool:
+def _kept(primitive: Any, params: dict[str, Any]) -> bool:
+    """A matmul's or an exchange's result, or an FP8 product's (named: its dots sit in a
+    ``custom_vjp``, :mod:`jaxmoe.layers.fp8`)."""
+    if primitive.name == "name":
+        return params.get("name") == FP8_PRODUCT
     return primitive.name in KEPT_PRIMITIVES
 
 
-def _offloads_matmuls(primitive: Any, *_: Any, **__: Any) -> Any:
-    if primitive.name in KEPT_PRIMITIVES:
+def _keeps_matmuls(primitive: Any, *_: Any, **params: Any) -> bool:
+    return _kept(primitive, params)
+
+
+def _offloads_matmuls(primitive: Any, *_: Any, **params: Any) -> Any:
+    if _kept(primitive, params):
         return jax.ad_checkpoint.Offloadable(src="device", dst=HOST)
     return False
 

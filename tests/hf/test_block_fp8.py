@@ -45,3 +45,18 @@ def test_a_fresh_weight_gets_the_amax_scale_of_each_block():
     error = np.abs(dequantize(values, scale, BLOCK) - weight) / np.abs(weight).max()
     assert error.max() < 2**-3  # e4m3's 3 mantissa bits, relative to the block's largest
     assert np.array_equal(quantize(dequantize(values, scale, BLOCK), BLOCK)[1], scale)
+
+
+def test_power_of_two_scales_are_kept_powers_of_two_and_read_back_the_same():
+    rng = np.random.default_rng(2)
+    weight = rng.standard_normal((40, 24)).astype(np.float32) * 3
+
+    values, scale = quantize(weight, BLOCK, power_of_two=True)
+
+    assert np.all(np.exp2(np.round(np.log2(scale))) == scale)
+    assert np.all(scale >= np.abs(weight[:16, :16]).max() / E4M3_MAX)
+    # Read and written again: the same weights (a block whose largest value rounded down to
+    # 224 may come back as twice its values at half its scale).
+    widened = dequantize(values, scale, BLOCK)
+    again, scale_again = quantize(widened, BLOCK, power_of_two=True)
+    assert np.array_equal(dequantize(again, scale_again, BLOCK), widened)

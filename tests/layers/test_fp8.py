@@ -106,3 +106,14 @@ def test_the_nnx_dot_general_is_one_function_per_recipe():
     x, w = operands((8, 32), (32, 16))
     product = fp8.dot_general("tensorwise")(x, w, (((1,), (0,)), ((), ())))
     assert jnp.array_equal(product, fp8.matmul(x, w, "tensorwise"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recomputing_all_but_the_matmuls_keeps_the_fp8_products(recipe, capsys):
+    from jaxmoe.layers.recompute import _keeps_matmuls
+
+    x, w = operands((64, 256), (256, 96))
+    block = jax.checkpoint(loss_of(lambda x, w: fp8.matmul(x, w, recipe)), policy=_keeps_matmuls)
+    jax.ad_checkpoint.print_saved_residuals(block, x, w)
+    saved = capsys.readouterr().out
+    assert f"f32[64,96] named '{fp8.PRODUCT}'" in saved, saved
