@@ -46,6 +46,10 @@ ALL = slice(None)
 
 # The family's names for the MoE block and the experts' three matrices, and the
 # config.json fields that give the experts' count and width (for messages).
+_PROJECTIONS = dict(
+    moe="mlp", gate="gate_proj", up="up_proj", down="down_proj",
+    expert_width="moe_intermediate_size",
+)  # fmt: skip
 FAMILY_NAMES = {
     "mixtral": dict(
         moe="block_sparse_moe",
@@ -55,30 +59,9 @@ FAMILY_NAMES = {
         experts="num_local_experts",
         expert_width="intermediate_size",
     ),
-    "qwen2_moe": dict(
-        moe="mlp",
-        gate="gate_proj",
-        up="up_proj",
-        down="down_proj",
-        experts="num_experts",
-        expert_width="moe_intermediate_size",
-    ),
-    "qwen3_moe": dict(
-        moe="mlp",
-        gate="gate_proj",
-        up="up_proj",
-        down="down_proj",
-        experts="num_experts",
-        expert_width="moe_intermediate_size",
-    ),
-    "deepseek_v3": dict(
-        moe="mlp",
-        gate="gate_proj",
-        up="up_proj",
-        down="down_proj",
-        experts="n_routed_experts",
-        expert_width="moe_intermediate_size",
-    ),
+    "qwen2_moe": dict(_PROJECTIONS, experts="num_experts"),
+    "qwen3_moe": dict(_PROJECTIONS, experts="num_experts"),
+    "deepseek_v3": dict(_PROJECTIONS, experts="n_routed_experts"),
 }
 
 
