@@ -40,6 +40,7 @@ COMMAND = "python -m jaxmoe.config.reference --write README.md"
 # place of the field's type. A key that names no field is reported by the tests.
 CHOICES: dict[str, tuple[Any, ...]] = {
     "model.dtype": choices.DTYPES,
+    "model.fp8": choices.FP8_RECIPES,
     "model.recompute": choices.RECOMPUTE,
     "model.norm": choices.NORMS,
     "model.position": choices.POSITIONS,
