@@ -7,7 +7,8 @@ ahead of time for one H100 (no GPU needed), its GEMMs read back from the optimiz
 For each preset and recipe, the preset's train step (one device, ``model.dtype bfloat16``) is
 compiled for the GPU the target description gives (:mod:`experiments.shared.gpu_devices`;
 it needs XLA's CUDA plugin wheels of this JAX, ``jax-cuda12-plugin`` and
-``jax-cuda12-pjrt``, and ``JAX_PLATFORMS=cpu``). Every ``dot`` of the optimized module
+``jax-cuda12-pjrt`` or their CUDA 13 pair, ``ptxas`` (``nvidia-cuda-nvcc-cu12``), and
+``JAX_PLATFORMS=cpu``). Every ``dot`` of the optimized module
 (inside XLA:GPU's GEMM fusions, and cuBLAS calls) is counted by its operands' element
 types: with ``model.fp8`` the attention, dense and expert GEMMs of the forward pass and
 both gradients take ``f8e4m3fn`` operands (the fused GEMM kernels on Hopper multiply
