@@ -482,7 +482,10 @@ def write_hf(
     pure dicts of arrays) into ``directory`` as transformers names them, in ``dtype``, or
     with ``fp8_block`` the linear layers' as block-scaled FP8 and the rest in ``dtype``;
     ``values``: the config.json they go with (None: a new one). Returns the weight map
-    (tensor -> file). The config.json is the caller's to write."""
+    (tensor -> file). The FP8 tensors are :attr:`~jaxmoe.hf.tensors.TensorRule.block_fp8`'s,
+    but for those ``values``' ``quantization_config`` leaves out (``modules_to_not_convert``,
+    matched as transformers does: any part of the name). The config.json is the caller's
+    to write."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     rules = _rules_for(family, collections, config, values)
@@ -490,8 +493,13 @@ def write_hf(
         name: dict(zip(*_paths_and_leaves(tree), strict=True)) for name, tree in collections.items()
     }
     target = WRITE_DTYPES[dtype]
-    quantized = {name for name, rule in rules.items() if fp8_block and rule.block_fp8}
     settings = (values or {}).get("quantization_config") or {}
+    kept = settings.get("modules_to_not_convert") or []  # transformers': module names' parts
+    quantized = {
+        name
+        for name, rule in rules.items()
+        if fp8_block and rule.block_fp8 and not any(part in name for part in kept)
+    }
     power_of_two = settings.get("scale_fmt") == POWER_OF_TWO
     dtypes = {name: np.float32 if rule.kept_float32 else target for name, rule in rules.items()}
     sizes = []

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
@@ -187,6 +188,22 @@ def test_the_checkpoint_restores_in_every_layout_to_the_same_tensors(
     )
 
     assert_bit_exact(tensors_of(tmp_path), name)
+
+
+def test_fp8_export_leaves_the_modules_the_config_leaves_out(converted, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(converted["deepseek_v3_fp8"], run)
+    values = json.loads((run / "hf" / "config.json").read_text())
+    values["quantization_config"]["modules_to_not_convert"] = ["lm_head", "self_attn.o_proj"]
+    (run / "hf" / "config.json").write_text(json.dumps(values))
+
+    to_hf(plan_to_hf(run), tmp_path / "out")
+
+    tensors = tensors_of(tmp_path / "out")
+    o_proj = "model.layers.1.self_attn.o_proj.weight"
+    assert tensors[o_proj].dtype == ml_dtypes.bfloat16 and o_proj + "_scale_inv" not in tensors
+    q_b = "model.layers.1.self_attn.q_b_proj.weight"
+    assert tensors[q_b].dtype == ml_dtypes.float8_e4m3fn and q_b + "_scale_inv" in tensors
 
 
 def test_sharded_checkpoints_are_read_and_written_shard_by_shard(converted, tmp_path):
