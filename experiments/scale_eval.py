@@ -1,5 +1,5 @@
-"""Fitting the seeds' models on H100 clusters, in the simulator, and each memory-saving
-option measured on 8 CPU devices.
+"""Fitting the seeds' models on H100 clusters and DeepSeek-V3 on B200 and H100 clusters,
+in the simulator, and each memory-saving option measured on 8 CPU devices.
 
 Part 1 (the planner, ``jaxmoe plan``): Mixtral 8x22B and Qwen2-57B-A14B, their published
 architectures (:mod:`experiments.folding_models`), on 64, 128 and 256 H100s of the
@@ -13,7 +13,9 @@ with what the estimate says the gap is made of.
 
 Megatron-Core's own mappings of the two models (:mod:`experiments.published_recipes`) are
 estimated by the same planner. Mixtral 8x22B at 32K and 128K tokens a sequence, with
-context parallelism, is searched as :mod:`experiments.long_context` says (part ``long``).
+context parallelism, is searched as :mod:`experiments.long_context` says (part ``long``);
+DeepSeek-V3 in FP8 on Megatron-Core's B200 and H100 systems, beside its published
+throughput, as :mod:`experiments.deepseek_v3_fit` says (part ``deepseek``).
 
 Part 2 (8 CPU devices, XLA:CPU): a small model with each option against the plain step:
 the compiled memory (XLA's memory analysis) beside the memory walk of
@@ -25,7 +27,7 @@ asked for and keeps the rest from the earlier runs (``scale_eval.json`` beside t
 report); the report names every command that made it.
 
     python -m experiments.scale_eval [--models M,...] [--devices 64,128,256,recipe]
-        [--parts planner,recipes,long,cpu] [--top 10] [--time-limit S] [--repeats 5]
+        [--parts planner,recipes,long,deepseek,cpu] [--top 10] [--time-limit S] [--repeats 5]
         [--out FILE]
 """
 
@@ -41,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from experiments import long_context
+from experiments import deepseek_v3_fit, long_context
 from experiments.folding_models import MODELS, SEQ_LEN, SEQUENCES_PER_DEVICE, planned_config
 from experiments.published_recipes import (
     PUBLISHED_ROW,
@@ -137,15 +139,21 @@ class Search:
     command: str  # the run that made it
     complete: bool = True  # the best proven the best (False: --time-limit stopped it)
     seq_len: int = SEQ_LEN  # tokens a sequence
+    profile: str = PROFILE  # the cost model's device profile
 
     @property
-    def key(self) -> tuple[str, int, int, int]:
-        return (self.model, self.devices, self.batch, self.seq_len)
+    def key(self) -> tuple[str, int, int, int, str]:
+        return (self.model, self.devices, self.batch, self.seq_len, self.profile)
 
     @property
     def long(self) -> bool:
         """A search of :mod:`experiments.long_context` (longer sequences)."""
         return self.seq_len != SEQ_LEN
+
+    @property
+    def deepseek(self) -> bool:
+        """A search of :mod:`experiments.deepseek_v3_fit`."""
+        return self.model == deepseek_v3_fit.MODEL
 
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -182,29 +190,33 @@ def plan_one(
     command: str,
     time_limit: float | None,
     seq_len: int = SEQ_LEN,
+    profile: str = PROFILE,
 ) -> Search:
-    """The planner's search for ``model`` on ``devices`` H100s at ``batch`` sequences a
-    step, timed (no cache), stopped after ``time_limit`` seconds where given. Longer
-    sequences than the pretraining length search :mod:`experiments.long_context`'s
-    layouts."""
+    """The planner's search for ``model`` on ``devices`` devices of ``profile`` at
+    ``batch`` sequences a step, timed (no cache), stopped after ``time_limit`` seconds
+    where given. Longer sequences than the pretraining length search
+    :mod:`experiments.long_context`'s layouts, DeepSeek-V3
+    :mod:`experiments.deepseek_v3_fit`'s; neither with a pipeline."""
     from jaxmoe.plan.planner import plan_mappings
 
-    long = seq_len != SEQ_LEN
-    config = (
-        long_context.config(seq_len, devices) if long else planned_config(model, devices, batch)
-    )
+    if model == deepseek_v3_fit.MODEL:
+        config, layouts = deepseek_v3_fit.config(batch), deepseek_v3_fit.searched
+    elif seq_len != SEQ_LEN:
+        config, layouts = long_context.config(seq_len, devices), long_context.searched
+    else:
+        config, layouts = planned_config(model, devices, batch), None
     wall, cpu = time.perf_counter(), time.process_time()
     result = plan_mappings(
         config,
         model,
         devices,
-        PROFILE,
+        profile,
         SCHEDULES,
         top=top,
         progress=lambda line: print(line, flush=True),
         time_limit=time_limit,
-        pipeline=not long,
-        layouts=long_context.searched if long else None,
+        pipeline=layouts is None,
+        layouts=layouts,
     )
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     print(f"{model} on {devices}: {len(result.estimates)} estimated, {wall:.0f} s", flush=True)
@@ -225,6 +237,7 @@ def plan_one(
         command,
         result.complete,
         seq_len,
+        profile,
     )
 
 
@@ -495,7 +508,7 @@ class Store:
 
     def add_search(self, search: Search) -> None:
         kept = [s for s in self.searches if s.key != search.key]
-        order = list(MODELS)
+        order = [*MODELS, deepseek_v3_fit.MODEL]
         self.searches = sorted(
             [*kept, search],
             key=lambda s: (s.seq_len, order.index(s.model), s.devices, s.batch),
@@ -516,6 +529,7 @@ class Store:
 # overwrites (experiments.shared.results_file.kept_section), or left out.
 RECIPES_HEADING = "## Megatron-Core's own mappings, estimated by the same planner"
 LONG_HEADING = "## Long sequences: Mixtral 8x22B at 32K and 128K tokens, context parallel"
+DEEPSEEK_HEADING = "## DeepSeek-V3 in FP8 on B200s and H100s, beside Megatron-Core's figures"
 CPU_HEADING = f"## Each option on {CPU_DEVICES} CPU devices"
 LEFT_OUT_HEADING = "## What this leaves out"
 
@@ -524,16 +538,17 @@ def report(store: Store, earlier: Path | None = None) -> str:
     """The report of what ``store`` holds; a part it does not hold yet is kept from the
     ``earlier`` report where that has it."""
     lines = [
-        "# Fitting the seeds' models on H100 clusters (simulated), and the options on 8 CPU "
-        "devices",
+        "# Fitting the seeds' models on H100 clusters and DeepSeek-V3 on B200 and H100 "
+        "clusters (simulated), and the options on 8 CPU devices",
         "",
         "Made by (each run keeps what the others made: experiments/results/scale_eval.json)",
         "",
         *(f"    {command}" for command in store.commands()),
         "",
     ]
-    searches = [search for search in store.searches if not search.long]
+    searches = [s for s in store.searches if not (s.long or s.deepseek)]
     long = [search for search in store.searches if search.long]
+    deepseek = [search for search in store.searches if search.deepseek]
     if searches:
         lines += [
             "## The planner: Mixtral 8x22B and Qwen2-57B-A14B on H100s",
@@ -610,6 +625,28 @@ def report(store: Store, earlier: Path | None = None) -> str:
             *long_context.rows(long),
             "",
         ]
+    if deepseek:
+        lines += [
+            DEEPSEEK_HEADING,
+            "",
+            f"Beside each of Megatron-Core's published DeepSeek-V3 runs ({deepseek_v3_fit.SOURCE}: "
+            "sequences of 4096, micro-batches of one sequence, token-dropless with the tokens "
+            "forced to balance), the planner's best mapping on the same system's profile at "
+            "the same global batch, as above (schedules, memory walk), with "
+            f"`model.fp8 {deepseek_v3_fit.FP8}` (the cost of current-scaling FP8, and of "
+            "MXFP8, whose block scales Blackwell's tensor cores apply inside the product) "
+            "and capacity factor 1.0. Layouts: attention tensor degree 1 or 2, whole experts "
+            "in groups of at least 8, the all-to-all dispatcher, every ZeRO stage, "
+            "recomputation and number of microbatches, no pipeline (a pipelined DeepSeek-V3 "
+            "is traced whole, hours a mapping here; so Megatron-Core's own mappings are not "
+            "estimated). TFLOP/s per GPU are model FLOPs (MLA and MTP included) over the "
+            "step; MFU is over the profile's 16-bit peak (B200: 2250, H100: 989.5 TFLOP/s "
+            "dense), as Megatron-Core's TFLOP/s would be read against it "
+            "(experiments/deepseek_v3_fit.py).",
+            "",
+            *deepseek_v3_fit.rows(deepseek),
+            "",
+        ]
     if store.cpu is None and earlier is not None:
         lines += kept_section(earlier, CPU_HEADING, "\n## ", "--parts")
     if store.cpu is not None:
@@ -638,7 +675,7 @@ def report(store: Store, earlier: Path | None = None) -> str:
     return "\n".join(lines)
 
 
-PARTS = ("planner", "recipes", "long", "cpu")
+PARTS = ("planner", "recipes", "long", "deepseek", "cpu")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -648,7 +685,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--devices",
         default=f"64,128,256,{RECIPE}",
         help=f"the searches: devices at one sequence each, or {RECIPE} (the recipe's "
-        "devices and global batch)",
+        "devices and global batch); part deepseek: the published runs on these devices "
+        f"({RECIPE}: all)",
     )
     parser.add_argument("--parts", default=",".join(PARTS), help="what to run again")
     parser.add_argument("--top", type=int, default=10, help="the best mappings made sure of")
@@ -703,6 +741,16 @@ def main(argv: Sequence[str] | None = None) -> None:
             search = plan_one(
                 long_context.MODEL, devices, batch, args.top, command, args.time_limit, seq_len
             )
+            write(lambda store, search=search: store.add_search(search))
+    if "deepseek" in parts:
+        runs = deepseek_v3_fit.PUBLISHED
+        if RECIPE not in entries:  # the published runs on the devices asked for
+            runs = tuple(run for run in runs if str(run.devices) in entries)
+        for run in runs:
+            search = plan_one(
+                deepseek_v3_fit.MODEL, run.devices, run.global_batch, args.top, command,
+                args.time_limit, profile=run.profile,
+            )  # fmt: skip
             write(lambda store, search=search: store.add_search(search))
     if "recipes" in parts:
         for model in models:

@@ -32,6 +32,9 @@ class DevicePeak:
 # First match wins: a variant before its family. NVIDIA's datasheets give tensor-core
 # figures with 2:4 sparsity; the dense peak is half of them.
 DEVICE_PEAKS = (
+    # NVIDIA HGX B200 specifications: BF16 4.5 and TF32 2.2 PFLOPS per GPU with sparsity
+    # (as in scheduling/profiles/b200-8x-nvlink-3200g.json).
+    DevicePeak(r"\bB200\b", 2250.0, 1100.0),
     # NVIDIA H200 NVL datasheet: BF16 1,671 and TF32 835 TFLOPS with sparsity.
     DevicePeak(r"\bH200 NVL\b", 835.5, 417.5),
     # NVIDIA H200 (SXM) datasheet: BF16 1,979 and TF32 989 TFLOPS with sparsity.

@@ -112,3 +112,43 @@ def test_long_sequence_searches_have_their_own_table(tmp_path):
     assert "attention 16x4x2 ring, MoE 16x8x1" in row and " | 28.0% | " in row
     # The 4K tables leave it out.
     assert text.split(scale_eval.LONG_HEADING)[0].count("| mixtral-8x22b | 128 |") == 2
+
+
+def test_deepseek_searches_sit_beside_the_published_runs(tmp_path):
+    from experiments import deepseek_v3_fit
+
+    b200 = deepseek_v3_fit.published("b200-8x-nvlink-3200g", 256)
+    search = dataclasses.replace(
+        _search(256, b200.global_batch, 0.40, "run d"),
+        model=deepseek_v3_fit.MODEL,
+        profile=b200.profile,
+    )
+    store = scale_eval.Store()
+    store.add_search(_search(64, 64, 0.34, "run a"))
+    store.add_search(search)
+    path = tmp_path / "scale_eval.json"
+    store.save(path)
+    again = scale_eval.Store.load(path)
+    assert again == store and [s.deepseek for s in again.searches] == [False, True]
+    text = scale_eval.report(again)
+    section = text.split(scale_eval.DEEPSEEK_HEADING)[1].split("\n## ")[0]
+    published, simulated = [line for line in section.splitlines() if "| 256 | 4096 |" in line]
+    assert "Megatron-Core (26.04.01)" in published and "| 3328 | 864 |" in published
+    # 4096 sequences of 4096 tokens over the 1.5 s step of 256 devices; the MFU is over
+    # the B200's bfloat16 peak of 2250 TFLOP/s.
+    assert simulated.startswith("| DGX-B200 (simulated) |")
+    assert "| 43691 | 900 | 40.0% | 1.50 |" in simulated
+    # The other tables leave it out.
+    assert deepseek_v3_fit.MODEL not in text.split(scale_eval.DEEPSEEK_HEADING)[0]
+
+
+def test_deepseek_searches_its_published_kind_of_layout():
+    from experiments import deepseek_v3_fit
+
+    config = deepseek_v3_fit.config(4096)
+    assert (config.model.fp8, config.train.batch_size) == (deepseek_v3_fit.FP8, 4096)
+    assert config.model.mtp_depth == 1 and config.model.kv_lora_rank == 512
+    assert deepseek_v3_fit.searched(Mapping(256, 1, 8, 32, 1, "all_to_all"))
+    assert not deepseek_v3_fit.searched(Mapping(256, 4, 8, 32, 1, "all_to_all"))
+    assert not deepseek_v3_fit.searched(Mapping(256, 1, 8, 32, 1, "all_gather"))
+    assert not deepseek_v3_fit.searched(Mapping(256, 1, 8, 32, 1, "all_to_all", pipeline=2))

@@ -31,10 +31,12 @@ from tests.train.runs import one_layer_config, small_config
         ("NVIDIA A100 80GB PCIe", "float32", 156.0),
         ("Tesla V100-SXM2-32GB", "bfloat16", 15.7),
         ("Tesla V100-PCIE-16GB", "float32", 14.0),
+        ("NVIDIA B200", "bfloat16", 2250.0),
         # Not in the table: no peak rather than a neighbour's.
         ("cpu", "float32", None),
         ("NVIDIA H100 NVL", "bfloat16", None),
         ("NVIDIA GH200 480GB", "bfloat16", None),
+        ("NVIDIA GB200", "bfloat16", None),
         ("TPU v4", "bfloat16", None),
     ],
 )

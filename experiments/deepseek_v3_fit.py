@@ -1,0 +1,145 @@
+"""DeepSeek-V3 in the planner: Megatron-Core's published throughput beside the planner's
+best mapping on the same GPUs, at the same global batch, in FP8.
+
+Megatron-Core's figures are Megatron-Bridge's performance summary (NVIDIA-NeMo/
+Megatron-Bridge, ``docs/performance-summary-archive.md``): DeepSeek-V3 pretraining,
+sequences of 4096 tokens, micro-batches of one sequence, token-dropless with the tokens
+forced to balance over the experts; model TFLOP/s per GPU as Megatron counts them (MLA
+and MTP included, as :func:`jaxmoe.plan.model_flops.model_flops` counts them).
+
+Each search runs :func:`jaxmoe.plan.planner.plan_mappings` on the published system's
+profile and device count, at its global batch, with ``model.fp8 tensorwise``: one scale
+per tensor, the cost of Megatron's current-scaling FP8 and of MXFP8 on a B200, whose
+tensor cores apply the 32-element block scales inside the product (jaxmoe's blockwise
+recipe is DeepSeek's 128-wide tiles, accumulated slice by slice). Capacity factor 1.0
+stands for the forced balance: every expert receives exactly its share.
+
+The layouts searched are those of the published mappings' kind: attention tensor degree
+1 or 2, whole experts (expert tensor degree 1) in groups of at least 8, the all-to-all
+dispatcher (top-8 of 256 experts: an all-gather dispatcher would move every token to
+every device), no pipeline. A pipelined DeepSeek-V3 is traced whole (its three leading
+dense layers make the first chunk unlike the others, so the one- and two-block
+extrapolation does not apply): 61 layers in ``microbatches x virtual`` ticks, hours a
+mapping here. So Megatron's own mappings are not estimated, and the planner's best is a
+mapping without a pipeline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from experiments.folding_models import SEQ_LEN
+from jaxmoe.config import Config
+from jaxmoe.presets import preset
+
+if TYPE_CHECKING:
+    from experiments.scale_eval import Search
+    from jaxmoe.plan.mappings import Mapping
+
+MODEL = "deepseek_v3-671b"
+# The FP8 recipe of the searches (module docstring).
+FP8 = "tensorwise"
+SOURCE = (
+    "Megatron-Bridge's performance summary (github.com/NVIDIA-NeMo/Megatron-Bridge, "
+    "docs/performance-summary-archive.md)"
+)
+
+
+@dataclass(frozen=True)
+class Published:
+    """One of Megatron-Core's measured DeepSeek-V3 runs."""
+
+    system: str  # as the summary names it
+    profile: str  # jaxmoe's profile of that system
+    devices: int
+    precision: str
+    global_batch: int  # sequences a step
+    mapping: str  # Megatron's parallel sizes
+    tokens_per_s_per_gpu: float
+    tflops_per_gpu: float
+    release: str  # the NeMo container the figure was measured with
+
+
+PUBLISHED = (
+    Published(
+        "DGX-B200", "b200-8x-nvlink-3200g", 256, "MXFP8", 4096,
+        "TP1 PP8 VP2 EP32 CP1, recompute MLA up-projection and MLP",
+        3328, 864, "26.04.01",
+    ),
+    Published(
+        "DGX-H100", "h100-8x-nvlink-3200g", 1024,
+        "FP8 (330 TFLOP/s with DeepSeek's 128x128 and 1x128 blocks)", 8192,
+        "TP2 PP8 VP4 EP64 CP1", 1297, 338, "25.09",
+    ),
+)  # fmt: skip
+
+
+def published(profile: str, devices: int) -> Published:
+    """The published run on ``devices`` devices of ``profile``."""
+    for run in PUBLISHED:
+        if (run.profile, run.devices) == (profile, devices):
+            return run
+    raise KeyError(f"no published DeepSeek-V3 run on {devices} devices of {profile}")
+
+
+def config(batch: int) -> Config:
+    """DeepSeek-V3 (the ``deepseek_v3-671b`` preset, its published architecture with its
+    MTP module) at ``batch`` sequences of :data:`SEQ_LEN` a step, in FP8."""
+    model = preset(MODEL)
+    if model.model.seq_len != SEQ_LEN:
+        raise ValueError(f"{MODEL}: sequences of {model.model.seq_len}, not {SEQ_LEN}")
+    return dataclasses.replace(
+        model,
+        model=dataclasses.replace(model.model, fp8=FP8),
+        train=dataclasses.replace(model.train, batch_size=batch),
+    )
+
+
+def searched(mapping: Mapping) -> bool:
+    """Whether ``mapping`` is of the layouts searched (module docstring)."""
+    return (
+        mapping.tensor <= 2
+        and mapping.expert >= 8
+        and mapping.expert_tensor == 1
+        and mapping.dispatcher == "all_to_all"
+        and mapping.pipeline == 1
+    )
+
+
+def rows(searches: Sequence[Search]) -> list[str]:
+    """Each published run beside the planner's best mapping on its system."""
+    import scheduling
+
+    lines = [
+        "| system | devices | sequences a step | precision | mapping | tokens/s per GPU | "
+        "TFLOP/s per GPU | MFU (16-bit peak) | step s | exposed comm s | GB/device | "
+        "estimated (fit) | best proven |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for search in searches:
+        run = published(search.profile, search.devices)
+        lines.append(
+            f"| {run.system} | {run.devices} | {run.global_batch} | {run.precision} | "
+            f"Megatron-Core ({run.release}): {run.mapping} | {run.tokens_per_s_per_gpu:.0f} | "
+            f"{run.tflops_per_gpu:.0f} | | | | | | |"
+        )
+        head = f"| {run.system} (simulated) | {search.devices} | {search.batch} | FP8 {FP8} |"
+        best = search.best
+        if best is None:
+            lines.append(f"{head} jaxmoe: none fits |" + " |" * 8)
+            continue
+        t = best.best
+        tokens = search.batch * search.seq_len / t.step / search.devices
+        # The planner's MFU is over the model dtype's (bfloat16) peak of the profile.
+        tflops = best.mfu * scheduling.PROFILES[search.profile].peak_flops_per_s("bfloat16")
+        lines.append(
+            f"{head} jaxmoe: {best.mapping.label()}, `{best.schedule}` | {tokens:.0f} | "
+            f"{tflops / 1e12:.0f} | {best.mfu:.1%} | {t.step:.2f} | "
+            f"{t.exposed_communication:.2f} | {best.peak_bytes / 1e9:.1f} | "
+            f"{search.estimated} ({search.fitting}) | "
+            f"{'yes' if search.complete else 'no: stopped at the time limit'} |"
+        )
+    return lines
