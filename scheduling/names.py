@@ -23,6 +23,10 @@ DECOMPOSING = frozenset({"comet", "lancet+comet"})
 # The name scope of a step's microbatch i (gradient accumulation inside one step): the
 # ``pair`` policies run each microbatch's passes beside another microbatch's.
 MICROBATCH_SCOPE = "microbatch_{}"
+# The microbatches a step may have in flight: microbatch i's forward pass waits for
+# microbatch i - 3's backward pass, the fewest that leave every policy's order possible
+# (``pair`` runs forward i beside backward i - 2, once backward i - 3 has ended).
+MICROBATCHES_IN_FLIGHT = 3
 # The name scope of a pipelined step's tick i (one stage's forward slot and backward slot,
 # of different microbatches): the ``pair`` policies run the two slots side by side.
 TICK_SCOPE = "tick_{}"

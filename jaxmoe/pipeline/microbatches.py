@@ -8,6 +8,14 @@ The losses are scaled so that the sum is the gradient of the step's mean loss
 (:mod:`jaxmoe.losses`). The loop is unrolled, like the layers: the scheduler sees
 every microbatch's collectives, and may run one microbatch's forward pass beside
 another's backward pass.
+
+Nothing in the gradients orders one microbatch's backward pass before a later one's
+forward pass, and XLA would run every forward pass first, holding the activations of the
+whole batch. So microbatch i's parameters and rows pass through an
+``optimization_barrier`` with the gradients summed up to microbatch i -
+:data:`~scheduling.names.MICROBATCHES_IN_FLIGHT`: at most that many microbatches'
+activations are alive, in every schedule's order, and accumulating over more
+microbatches holds fewer rows.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from jaxmoe.layers import RoutingStats
 
 # The scheduler reads the microbatches of a step from this scope.
 SCOPE = scheduling.names.MICROBATCH_SCOPE
+IN_FLIGHT = scheduling.names.MICROBATCHES_IN_FLIGHT
 
 
 def microbatch_rows(batch: jax.Array, microbatches: int) -> list[jax.Array]:
@@ -49,18 +58,34 @@ def combine_stats(parts: list[RoutingStats]) -> RoutingStats:
 
 
 def accumulate(
-    value_and_grad: Callable[[jax.Array, int], tuple[Any, Any]],
+    value_and_grad: Callable[[Any, jax.Array, int], tuple[Any, Any]],
+    weights: Any,
     batch: jax.Array,
     microbatches: int,
 ) -> tuple[list[Any], Any]:
-    """``value_and_grad(rows, index) -> (aux, grads)`` on every microbatch of ``batch``:
-    each one's ``aux``, and the gradients summed."""
-    auxes, total = [], None
+    """``value_and_grad(weights, rows, index) -> (aux, grads)`` on every microbatch of
+    ``batch``, at most :data:`IN_FLIGHT` at a time: each one's ``aux``, and the gradients
+    summed in microbatch order.
+
+    Microbatch i starts behind a barrier with the sum up to microbatch i - IN_FLIGHT, and
+    the next microbatch's gradients are added to what comes out of it: the running sum is
+    one chain, each sum read once, so waiting holds no sum alive beside the next."""
+    auxes, pending, total = [], [], None
     for index, rows in enumerate(microbatch_rows(batch, microbatches)):
+        if index >= IN_FLIGHT:  # total: the sum up to microbatch index - IN_FLIGHT
+            weights, rows, total = jax.lax.optimization_barrier((weights, rows, total))
         # One microbatch is the step as written: no scope of its own.
         scope = jax.named_scope(SCOPE.format(index)) if microbatches > 1 else nullcontext()
         with scope:
-            aux, grads = value_and_grad(rows, index)
+            aux, grads = value_and_grad(weights, rows, index)
         auxes.append(aux)
-        total = grads if total is None else jax.tree.map(jnp.add, total, grads)
+        pending.append(grads)
+        if len(pending) == IN_FLIGHT:
+            total = _add(total, pending.pop(0))
+    for grads in pending:
+        total = _add(total, grads)
     return auxes, total
+
+
+def _add(total: Any, grads: Any) -> Any:
+    return grads if total is None else jax.tree.map(jnp.add, total, grads)

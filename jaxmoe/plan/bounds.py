@@ -30,9 +30,10 @@ Memory of a variant. The state (parameters and optimizer state, :func:`jaxmoe.tr
 state_memory.memory_per_device`) is there throughout, and when the backward pass begins the
 forward values that it reads are alive (:func:`jaxmoe.plan.memory.backward_start`;
 gathered or cast parameters aside). A variant that recomputes no more, in as many
-microbatches or more, keeps at least those, at any ZeRO stage: every microbatch's forward
-pass runs first, each keeping its share of the rows' values; the plain step and ZeRO-1
-keep what differentiation needs, a fully sharded block more. A pipeline's stage walks its
+microbatches or more, keeps at least their share of those, at any ZeRO stage: up to
+:data:`~scheduling.names.MICROBATCHES_IN_FLIGHT` microbatches' forward passes run before
+the first backward pass, each keeping its share of the rows' values; the plain step and
+ZeRO-1 keep what differentiation needs, a fully sharded block more. A pipeline's stage walks its
 ticks in order, so it keeps at least the residuals of every forward slot up to its first
 backward slot, each one chunk's on one microbatch (an idle stage's on zeros). One that
 recomputes less keeps more: what the traced recomputation makes again and the backward pass reads
@@ -64,6 +65,7 @@ from jaxmoe.pipeline.ticks import TickTable
 from jaxmoe.plan.memory import backward_start, recomputed_for_backward
 from jaxmoe.plan.options import Options
 from scheduling import CostModel, Phase, Program, Value, aval_bytes
+from scheduling.names import MICROBATCHES_IN_FLIGHT
 
 # Ops that pass a parameter on as a parameter: casts, views and the barriers of a
 # recomputation's inputs.
@@ -211,11 +213,11 @@ class Screen:
         return max(block, 0.0), max(outside, 0.0)
 
     def keeps_at_least(self, options: Options) -> bool:
-        """Whether ``options`` keep at least what the traced options keep for the backward
-        pass, parameters aside: no more recomputation, and as many microbatches or more
-        (the walk runs every microbatch's forward pass first, each keeping its share of
-        the rows' values). Any ZeRO stage: a plain or ZeRO-1 step keeps what
-        differentiation needs, a fully sharded block more."""
+        """Whether ``options`` keep at least their share of what the traced options keep
+        for the backward pass, parameters aside: no more recomputation, and as many
+        microbatches or more (the walk runs the forward passes of the microbatches in
+        flight first, each keeping its share of the rows' values). Any ZeRO stage: a plain
+        or ZeRO-1 step keeps what differentiation needs, a fully sharded block more."""
         return RECOMPUTE.index(options.recompute) <= RECOMPUTE.index(self.options.recompute) and (
             options.microbatches >= self.options.microbatches
         )
@@ -227,8 +229,13 @@ class Screen:
         if not self.keeps_at_least(options):
             return state
         rows = self.options.microbatches / options.microbatches
+        # The rows of the microbatches in flight, over the traced step's.
+        in_flight = rows * _in_flight(options.microbatches) / _in_flight(self.options.microbatches)
         return int(
-            state + self._kept(options) + self._gathered(options, 1) + self.head_transient * rows
+            state
+            + self._kept(options) * in_flight
+            + self._gathered(options, 1)
+            + self.head_transient * rows
         )
 
     def _kept(self, options: Options, padded: float = 1.0) -> float:
@@ -297,6 +304,11 @@ class Screen:
         return Screen(
             **{**data, **splits, "options": Options(**data["options"])}  # type: ignore[arg-type]
         )
+
+
+def _in_flight(microbatches: int) -> int:
+    """How many of a step's ``microbatches`` have their activations alive at once."""
+    return min(microbatches, MICROBATCHES_IN_FLIGHT)
 
 
 def screen(

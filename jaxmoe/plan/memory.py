@@ -25,11 +25,13 @@ program:
   ``keeps_barriers=False`` walks that compilation. XLA:CPU also computes bfloat16
   matmuls in float32 (it converts their operands), which this walk does not model: on
   CPU a bfloat16 step takes more memory than the walk says.
-- *Order.* Nothing in the step makes one microbatch's backward pass run before the next
-  microbatch's forward pass, and XLA:CPU runs every forward pass first (four
-  microbatches hold as much as one batch of four times the rows). The walk does the
-  same: each op as soon as its operands are ready, forward ops first. So gradient
-  accumulation lowers the estimate only by what the program's dependencies order.
+- *Order.* The walk runs each op as soon as its operands are ready, forward ops first.
+  A microbatch's forward pass waits for the backward pass of the microbatch
+  :data:`~scheduling.names.MICROBATCHES_IN_FLIGHT` before it
+  (:mod:`jaxmoe.pipeline.microbatches`), and nothing else orders them: up to that many
+  microbatches' activations are alive, and gradient accumulation over more microbatches
+  holds fewer rows. XLA:CPU holds somewhat more than the walk there (it runs the passes
+  in another order; ``tests/plan/test_memory.py`` bounds it).
   A pipeline's ticks (:data:`~jaxmoe.pipeline.ticks.TICK_SCOPE`) are walked
   in their order, each tick's forward slot before its backward slot, as the schedule
   runs them: a stage holds a microbatch's residuals from its forward slot to its

@@ -126,7 +126,7 @@ def _microbatch_gradients(run: Run, eod_id: int | None) -> Gradients:
     microbatches, shards = config.train.microbatches, config.parallel.token_shards
 
     def gradients(weights, batch, key, placement, model_state, denominator, params):
-        def microbatch(rows: jax.Array, index: int):
+        def microbatch(weights, rows: jax.Array, index: int):
             mkey = key if key is None or microbatches == 1 else jax.random.fold_in(key, index)
 
             def loss_fn(weights):
@@ -140,7 +140,7 @@ def _microbatch_gradients(run: Run, eod_id: int | None) -> Gradients:
             (_, losses), grads = jax.value_and_grad(loss_fn, has_aux=True)(weights)
             return losses, weights_of.gradients(grads, params)
 
-        parts, grads = accumulate(microbatch, batch, microbatches)
+        parts, grads = accumulate(microbatch, weights, batch, microbatches)
         losses = Losses(
             sum(part.total for part in parts),
             sum(part.cross_entropy for part in parts),
