@@ -4,8 +4,10 @@ best mapping on the same GPUs, at the same global batch, in FP8.
 Megatron-Core's figures are Megatron-Bridge's performance summary (NVIDIA-NeMo/
 Megatron-Bridge, ``docs/performance-summary-archive.md``): DeepSeek-V3 pretraining,
 sequences of 4096 tokens, micro-batches of one sequence, token-dropless with the tokens
-forced to balance over the experts; model TFLOP/s per GPU as Megatron counts them (MLA
-and MTP included, as :func:`jaxmoe.plan.model_flops.model_flops` counts them).
+forced to balance over the experts, with DeepSeek-V3's one MTP module (Megatron-Bridge's
+DeepSeek-V3 pretraining configuration sets ``mtp_num_layers`` 1); model TFLOP/s per GPU
+as Megatron counts them (MLA and MTP included, as
+:func:`jaxmoe.plan.model_flops.model_flops` counts them).
 
 Each search runs :func:`jaxmoe.plan.planner.plan_mappings` on the published system's
 profile and device count, at its global batch, with ``model.fp8 tensorwise``: one scale

@@ -111,9 +111,10 @@ LEFT_OUT = [
     "(one measured point on an H200), and the attention core as cuDNN's flash attention, "
     "one kernel (traced blockwise here, where cuDNN cannot be traced). No grouped GEMM "
     "kernel: the experts' products are batched matmuls over padded buffers.",
-    "Microbatches: without a pipeline the memory walk runs every microbatch's forward "
-    "pass first, as nothing in the step orders them (XLA:CPU does the same); XLA:GPU's "
-    "memory scheduler may interleave them and hold less. A pipeline's ticks are walked in "
+    "Microbatches: without a pipeline at most three are in flight (each waits for the "
+    "backward pass three before it; jaxmoe/pipeline/microbatches.py), and the walk runs "
+    "their forward passes as early as that allows; XLA:CPU holds up to a quarter more "
+    "there (tests/plan/test_memory.py). A pipeline's ticks are walked in "
     "their order, which is below what XLA:CPU holds (part 2: the walk's ratio to XLA's "
     "peak), so pipelines near the limit may fit here and not on a "
     "device whose compiler runs later ticks' forward slots early.",
@@ -662,8 +663,9 @@ def report(store: Store, earlier: Path | None = None) -> str:
             f"Measured with jax {measured[0]['jax']}. From jax 0.11.2 XLA:CPU keeps the "
             "barriers in front of a recomputation until it has scheduled the step, as XLA:GPU "
             "does (up to jax 0.10.2 it dropped them before CSE, and its memory did not fall: "
-            "the walk with the barriers dropped says what it held then); it runs every "
-            "microbatch's forward pass first. The walk follows a pipeline's ticks in their "
+            "the walk with the barriers dropped says what it held then); it runs the "
+            "forward passes of the microbatches in flight (up to three) first. The walk "
+            "follows a pipeline's ticks in their "
             "order; XLA:CPU holds more (it runs forward slots before the previous tick's "
             "backward slot, which nothing orders after them; tests/plan/test_memory.py "
             "bounds it by the walk with every forward slot a stage's chunks of ticks early).",
