@@ -24,6 +24,13 @@ dense layers make the first chunk unlike the others, so the one- and two-block
 extrapolation does not apply): 61 layers in ``microbatches x virtual`` ticks, hours a
 mapping here. So Megatron's own mappings are not estimated, and the planner's best is a
 mapping without a pipeline.
+
+The options are fixed (:data:`OPTIONS`), not searched: each estimate of DeepSeek-V3 in
+16 microbatches takes minutes here. Micro-batches of one sequence, as Megatron's; ZeRO-3,
+since without a pipeline the float32 gradients of a device's replicated layers alone
+(attention, the dense layers, the shared experts: about 20 billion parameters) are
+80 GB under ZeRO-1; full-layer recomputation, since three microbatches are in flight
+(:data:`scheduling.names.MICROBATCHES_IN_FLIGHT`).
 """
 
 from __future__ import annotations
@@ -87,16 +94,26 @@ def published(profile: str, devices: int) -> Published:
     raise KeyError(f"no published DeepSeek-V3 run on {devices} devices of {profile}")
 
 
-def config(batch: int) -> Config:
+# The options of every mapping searched (module docstring); microbatches: one sequence
+# each.
+OPTIONS = {"zero": 3, "recompute": "layer"}
+
+
+def config(batch: int, devices: int) -> Config:
     """DeepSeek-V3 (the ``deepseek_v3-671b`` preset, its published architecture with its
-    MTP module) at ``batch`` sequences of :data:`SEQ_LEN` a step, in FP8."""
+    MTP module) at ``batch`` sequences of :data:`SEQ_LEN` a step on ``devices`` devices,
+    in FP8, with :data:`OPTIONS` and a microbatch per sequence of a device."""
     model = preset(MODEL)
     if model.model.seq_len != SEQ_LEN:
         raise ValueError(f"{MODEL}: sequences of {model.model.seq_len}, not {SEQ_LEN}")
+    if batch % devices:
+        raise ValueError(f"{batch} sequences do not split over {devices} devices")
     return dataclasses.replace(
         model,
-        model=dataclasses.replace(model.model, fp8=FP8),
-        train=dataclasses.replace(model.train, batch_size=batch),
+        model=dataclasses.replace(model.model, fp8=FP8, recompute=OPTIONS["recompute"]),
+        train=dataclasses.replace(
+            model.train, batch_size=batch, zero=OPTIONS["zero"], microbatches=batch // devices
+        ),
     )
 
 

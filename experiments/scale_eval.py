@@ -201,7 +201,7 @@ def plan_one(
     from jaxmoe.plan.planner import plan_mappings
 
     if model == deepseek_v3_fit.MODEL:
-        config, layouts = deepseek_v3_fit.config(batch), deepseek_v3_fit.searched
+        config, layouts = deepseek_v3_fit.config(batch, devices), deepseek_v3_fit.searched
     elif seq_len != SEQ_LEN:
         config, layouts = long_context.config(seq_len, devices), long_context.searched
     else:
@@ -218,6 +218,7 @@ def plan_one(
         time_limit=time_limit,
         pipeline=layouts is None,
         layouts=layouts,
+        options=model != deepseek_v3_fit.MODEL,  # its options fixed: deepseek_v3_fit.OPTIONS
     )
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     print(f"{model} on {devices}: {len(result.estimates)} estimated, {wall:.0f} s", flush=True)
@@ -637,13 +638,13 @@ def report(store: Store, earlier: Path | None = None) -> str:
             f"`model.fp8 {deepseek_v3_fit.FP8}` (the cost of current-scaling FP8, and of "
             "MXFP8, whose block scales Blackwell's tensor cores apply inside the product) "
             "and capacity factor 1.0. Layouts: attention tensor degree 1 or 2, whole experts "
-            "in groups of at least 8, the all-to-all dispatcher, every ZeRO stage, "
-            "recomputation and number of microbatches, no pipeline (a pipelined DeepSeek-V3 "
-            "is traced whole, hours a mapping here; so Megatron-Core's own mappings are not "
-            "estimated). TFLOP/s per GPU are model FLOPs (MLA and MTP included) over the "
-            "step; MFU is over the profile's 16-bit peak (B200: 2250, H100: 989.5 TFLOP/s "
-            "dense), as Megatron-Core's TFLOP/s would be read against it "
-            "(experiments/deepseek_v3_fit.py).",
+            "in groups of at least 8, the all-to-all dispatcher, no pipeline (a pipelined "
+            "DeepSeek-V3 is traced whole, hours a mapping here; so Megatron-Core's own "
+            "mappings are not estimated); options fixed, not searched: micro-batches of one "
+            "sequence, ZeRO-3, full-layer recomputation. TFLOP/s per GPU are model FLOPs "
+            "(MLA and MTP included) over the step; MFU is over the profile's 16-bit peak "
+            "(B200: 2250, H100: 989.5 TFLOP/s dense), as Megatron-Core's TFLOP/s would be "
+            "read against it (experiments/deepseek_v3_fit.py).",
             "",
             *deepseek_v3_fit.rows(deepseek),
             "",

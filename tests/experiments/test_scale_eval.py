@@ -145,8 +145,13 @@ def test_deepseek_searches_sit_beside_the_published_runs(tmp_path):
 def test_deepseek_searches_its_published_kind_of_layout():
     from experiments import deepseek_v3_fit
 
-    config = deepseek_v3_fit.config(4096)
+    config = deepseek_v3_fit.config(4096, 256)
     assert (config.model.fp8, config.train.batch_size) == (deepseek_v3_fit.FP8, 4096)
+    assert (config.train.microbatches, config.train.zero, config.model.recompute) == (
+        16,
+        3,
+        "layer",
+    )
     assert config.model.mtp_depth == 1 and config.model.kv_lora_rank == 512
     assert deepseek_v3_fit.searched(Mapping(256, 1, 8, 32, 1, "all_to_all"))
     assert not deepseek_v3_fit.searched(Mapping(256, 4, 8, 32, 1, "all_to_all"))
