@@ -214,9 +214,7 @@ def order(
         largest = sorted(placed, key=lambda n: (_output_bytes(graph, n), n), reverse=True)
 
         def without(count: int) -> tuple[Placement, list[int], int]:
-            fewer = copy.deepcopy(placement)
-            for node in largest[:count]:
-                fewer.remove(node)
+            fewer = placement.without(largest[:count])
             ordered = topological_order(graph, fewer, priorities, earliest)
             return fewer, ordered, peak_live_bytes(graph, ordered)
 

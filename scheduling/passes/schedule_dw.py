@@ -19,7 +19,7 @@ one opens, or was placed earlier in this window.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from scheduling.program.graph import Graph, Node
@@ -40,6 +40,14 @@ class Placement:
             if node in nodes:
                 nodes.remove(node)
         self.forced.discard(node)
+
+    def without(self, nodes: Collection[int]) -> Placement:
+        """A copy with ``nodes`` withdrawn (one pass over the placements)."""
+        gone = set(nodes)
+        return Placement(
+            {start: [n for n in placed if n not in gone] for start, placed in self.windows.items()},
+            self.forced - gone,
+        )
 
 
 def schedule_dw(
@@ -72,17 +80,18 @@ def schedule_dw(
                 placement.forced.add(member)
                 remaining -= seconds(graph.nodes[member])
 
-        # 2. Greedy best fit by estimated time.
-        while remaining > 0:
-            available = [node for node in pool if window.ready(node)]
-            if not available:
-                break
-            best = min(available, key=lambda n: (abs(seconds(graph.nodes[n]) - remaining), n))
-            cost = seconds(graph.nodes[best])
-            if cost > 2 * remaining and window.nodes:
+        # 2. Greedy best fit by estimated time. Placing a node makes values available and
+        # never takes one away: the ready candidates are kept up to date, not recounted.
+        cost = {node: seconds(graph.nodes[node]) for node in pool}
+        ready = {node for node in pool if window.ready(node)}
+        while remaining > 0 and ready:
+            best = min(ready, key=lambda n: (abs(cost[n] - remaining), n))
+            if cost[best] > 2 * remaining and window.nodes:
                 break
             window.place(best, pool)
-            remaining -= cost
+            ready.discard(best)
+            ready.update(n for n in graph.succs[best] if n in pool and window.ready(n))
+            remaining -= cost[best]
     return placement
 
 

@@ -61,12 +61,14 @@ class Node:
 
 
 def _bits(mask: int) -> list[int]:
-    """Indices of the set bits of ``mask``, ascending."""
+    """Indices of the set bits of ``mask``, ascending (read off its binary digits: taking
+    the lowest bit off a program-sized integer one at a time copies it each time)."""
+    digits = bin(mask)[:1:-1]  # least significant first, without "0b"
     out = []
-    while mask:
-        low = mask & -mask
-        out.append(low.bit_length() - 1)
-        mask ^= low
+    index = digits.find("1")
+    while index >= 0:
+        out.append(index)
+        index = digits.find("1", index + 1)
     return out
 
 
