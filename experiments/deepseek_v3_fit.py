@@ -16,27 +16,29 @@ tensor cores apply the 32-element block scales inside the product (jaxmoe's bloc
 recipe is DeepSeek's 128-wide tiles, accumulated slice by slice). Capacity factor 1.0
 stands for the forced balance: every expert receives exactly its share.
 
-The layouts searched are those of the published mappings' kind: attention tensor degree
-1 or 2, whole experts (expert tensor degree 1) in groups of at least 8, the all-to-all
-dispatcher (top-8 of 256 experts: an all-gather dispatcher would move every token to
-every device), no pipeline. A pipelined DeepSeek-V3 is traced whole (its three leading
-dense layers make the first chunk unlike the others, so the one- and two-block
+The mappings estimated are few, each of them an estimate of about ten minutes here (the
+trace of 16 microbatches, and the schedules' dW packing on it): for each published run,
+Megatron's tensor and expert-parallel degrees, and where those differ from it, one
+expert a device (:attr:`Published.layouts`); whole experts (expert tensor degree 1), the
+all-to-all dispatcher (top-8 of 256 experts: an all-gather dispatcher would move every
+token to every device), no pipeline. A pipelined DeepSeek-V3 is traced whole (its three
+leading dense layers make the first chunk unlike the others, so the one- and two-block
 extrapolation does not apply): 61 layers in ``microbatches x virtual`` ticks, hours a
-mapping here. So Megatron's own mappings are not estimated, and the planner's best is a
-mapping without a pipeline.
+mapping here. So Megatron's own mappings, pipelines included, are not estimated.
 
-The options are fixed (:data:`OPTIONS`), not searched: each estimate of DeepSeek-V3 in
-16 microbatches takes minutes here. Micro-batches of one sequence, as Megatron's; ZeRO-3,
-since without a pipeline the float32 gradients of a device's replicated layers alone
-(attention, the dense layers, the shared experts: about 20 billion parameters) are
-80 GB under ZeRO-1; full-layer recomputation, since three microbatches are in flight
+The options are fixed (:data:`OPTIONS`), not searched. Micro-batches of one sequence, as
+Megatron's. ZeRO-3: without a pipeline each device holds the layers every data replica
+repeats (attention, the dense layers, the shared experts: about 20 billion parameters),
+and the planner's bounds for 16 microbatches with full recomputation on 256 B200s are
+589 GB a device under ZeRO-1 and 293 GB without ZeRO, against 180. Full-layer
+recomputation: three microbatches are in flight
 (:data:`scheduling.names.MICROBATCHES_IN_FLIGHT`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -70,18 +72,20 @@ class Published:
     tokens_per_s_per_gpu: float
     tflops_per_gpu: float
     release: str  # the NeMo container the figure was measured with
+    # The (tensor, expert) degrees of the mappings estimated beside it (module docstring).
+    layouts: tuple[tuple[int, int], ...] = ()
 
 
 PUBLISHED = (
     Published(
         "DGX-B200", "b200-8x-nvlink-3200g", 256, "MXFP8", 4096,
         "TP1 PP8 VP2 EP32 CP1, recompute MLA up-projection and MLP",
-        3328, 864, "26.04.01",
+        3328, 864, "26.04.01", ((1, 32), (1, 256)),
     ),
     Published(
         "DGX-H100", "h100-8x-nvlink-3200g", 1024,
         "FP8 (330 TFLOP/s with DeepSeek's 128x128 and 1x128 blocks)", 8192,
-        "TP2 PP8 VP4 EP64 CP1", 1297, 338, "25.09",
+        "TP2 PP8 VP4 EP64 CP1", 1297, 338, "25.09", ((2, 64),),
     ),
 )  # fmt: skip
 
@@ -117,15 +121,19 @@ def config(batch: int, devices: int) -> Config:
     )
 
 
-def searched(mapping: Mapping) -> bool:
-    """Whether ``mapping`` is of the layouts searched (module docstring)."""
-    return (
-        mapping.tensor <= 2
-        and mapping.expert >= 8
-        and mapping.expert_tensor == 1
-        and mapping.dispatcher == "all_to_all"
-        and mapping.pipeline == 1
-    )
+def searched(run: Published) -> Callable[[Mapping], bool]:
+    """Whether a mapping is one of those estimated beside ``run`` (module docstring)."""
+
+    def layout(mapping: Mapping) -> bool:
+        return (
+            (mapping.tensor, mapping.expert) in run.layouts
+            and mapping.expert_tensor == 1
+            and mapping.dispatcher == "all_to_all"
+            and mapping.pipeline == 1
+            and mapping.context == 1
+        )
+
+    return layout
 
 
 def rows(searches: Sequence[Search]) -> list[str]:

@@ -201,7 +201,8 @@ def plan_one(
     from jaxmoe.plan.planner import plan_mappings
 
     if model == deepseek_v3_fit.MODEL:
-        config, layouts = deepseek_v3_fit.config(batch, devices), deepseek_v3_fit.searched
+        run = deepseek_v3_fit.published(profile, devices)
+        config, layouts = deepseek_v3_fit.config(batch, devices), deepseek_v3_fit.searched(run)
     elif seq_len != SEQ_LEN:
         config, layouts = long_context.config(seq_len, devices), long_context.searched
     else:
@@ -637,11 +638,13 @@ def report(store: Store, earlier: Path | None = None) -> str:
             "the same global batch, as above (schedules, memory walk), with "
             f"`model.fp8 {deepseek_v3_fit.FP8}` (the cost of current-scaling FP8, and of "
             "MXFP8, whose block scales Blackwell's tensor cores apply inside the product) "
-            "and capacity factor 1.0. Layouts: attention tensor degree 1 or 2, whole experts "
-            "in groups of at least 8, the all-to-all dispatcher, no pipeline (a pipelined "
-            "DeepSeek-V3 is traced whole, hours a mapping here; so Megatron-Core's own "
-            "mappings are not estimated); options fixed, not searched: micro-batches of one "
-            "sequence, ZeRO-3, full-layer recomputation. TFLOP/s per GPU are model FLOPs "
+            "and capacity factor 1.0. Each estimate takes about ten minutes here, so a few "
+            "mappings are estimated, not searched: Megatron-Core's tensor and expert-parallel "
+            "degrees, and on the B200s one expert a device; whole experts, the all-to-all "
+            "dispatcher, no pipeline (a pipelined DeepSeek-V3 is traced whole, hours a "
+            "mapping here; so Megatron-Core's own mappings are not estimated); micro-batches "
+            "of one sequence, ZeRO-3 (the planner bounds ZeRO-1 at 589 GB a device on the "
+            "B200s), full-layer recomputation. TFLOP/s per GPU are model FLOPs "
             "(MLA and MTP included) over the step; MFU is over the profile's 16-bit peak "
             "(B200: 2250, H100: 989.5 TFLOP/s dense), as Megatron-Core's TFLOP/s would be "
             "read against it (experiments/deepseek_v3_fit.py).",

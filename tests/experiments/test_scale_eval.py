@@ -153,7 +153,10 @@ def test_deepseek_searches_its_published_kind_of_layout():
         "layer",
     )
     assert config.model.mtp_depth == 1 and config.model.kv_lora_rank == 512
-    assert deepseek_v3_fit.searched(Mapping(256, 1, 8, 32, 1, "all_to_all"))
-    assert not deepseek_v3_fit.searched(Mapping(256, 4, 8, 32, 1, "all_to_all"))
-    assert not deepseek_v3_fit.searched(Mapping(256, 1, 8, 32, 1, "all_gather"))
-    assert not deepseek_v3_fit.searched(Mapping(256, 1, 8, 32, 1, "all_to_all", pipeline=2))
+    searched = deepseek_v3_fit.searched(deepseek_v3_fit.published("b200-8x-nvlink-3200g", 256))
+    assert searched(Mapping(256, 1, 8, 32, 1, "all_to_all", zero=3))
+    assert searched(Mapping(256, 1, 1, 256, 1, "all_to_all", zero=3))
+    assert not searched(Mapping(256, 2, 4, 32, 1, "all_to_all", zero=3))
+    assert not searched(Mapping(256, 1, 16, 16, 1, "all_to_all", zero=3))
+    assert not searched(Mapping(256, 1, 8, 32, 1, "all_gather", zero=3))
+    assert not searched(Mapping(256, 1, 8, 32, 1, "all_to_all", pipeline=2))
