@@ -169,4 +169,26 @@ def rows(searches: Sequence[Search]) -> list[str]:
             f"{search.estimated} ({search.fitting}) | "
             f"{'yes' if search.complete else 'no: stopped at the time limit'} |"
         )
+    return [*lines, "", *gap_lines(searches)]
+
+
+def gap_lines(searches: Sequence[Search]) -> list[str]:
+    """For each estimate, what its step is made of against the published figure."""
+    lines = []
+    for search in searches:
+        run, best = published(search.profile, search.devices), search.best
+        if best is None:
+            continue
+        t = best.best
+        tokens = search.batch * search.seq_len / t.step / search.devices
+        lines.append(
+            f"- {run.system} on {run.devices}: {tokens:.0f} tokens/s per GPU against "
+            f"{run.tokens_per_s_per_gpu:.0f} published ({run.tokens_per_s_per_gpu / tokens:.1f}x); "
+            f"its computation takes {t.compute:.1f} s of the {t.step:.1f} s step, "
+            f"{t.exposed_communication:.1f} s are exposed communication (of "
+            f"{t.communication:.1f} s). Without a pipeline, ZeRO-3 gathers the parameters "
+            "every data replica repeats (attention, the dense layers, the shared experts) "
+            "and reduce-scatters their gradients in every microbatch's passes; a pipeline "
+            "keeps each stage's layers resident."
+        )
     return lines
