@@ -31,7 +31,7 @@ state_memory.memory_per_device`) is there throughout, and when the backward pass
 forward values that it reads are alive (:func:`jaxmoe.plan.memory.backward_start`;
 gathered or cast parameters aside). A variant that recomputes no more, in as many
 microbatches or more, keeps at least their share of those, at any ZeRO stage: up to
-:data:`~scheduling.names.MICROBATCHES_IN_FLIGHT` microbatches' forward passes run before
+:func:`jaxmoe.pipeline.microbatches.in_flight` microbatches' forward passes run before
 the first backward pass, each keeping its share of the rows' values; the plain step and
 ZeRO-1 keep what differentiation needs, a fully sharded block more. A pipeline's stage walks its
 ticks in order, so it keeps at least the residuals of every forward slot up to its first
@@ -61,11 +61,11 @@ import jax
 
 from jaxmoe.config.choices import RECOMPUTE
 from jaxmoe.parallel.zero import GATHER_SCOPE
+from jaxmoe.pipeline.microbatches import in_flight as in_flight_of
 from jaxmoe.pipeline.ticks import TickTable
 from jaxmoe.plan.memory import backward_start, recomputed_for_backward
 from jaxmoe.plan.options import Options
 from scheduling import CostModel, Phase, Program, Value, aval_bytes
-from scheduling.names import MICROBATCHES_IN_FLIGHT
 
 # Ops that pass a parameter on as a parameter: casts, views and the barriers of a
 # recomputation's inputs.
@@ -230,7 +230,9 @@ class Screen:
             return state
         rows = self.options.microbatches / options.microbatches
         # The rows of the microbatches in flight, over the traced step's.
-        in_flight = rows * _in_flight(options.microbatches) / _in_flight(self.options.microbatches)
+        in_flight = (
+            rows * in_flight_of(options.microbatches) / in_flight_of(self.options.microbatches)
+        )
         return int(
             state
             + self._kept(options) * in_flight
@@ -304,11 +306,6 @@ class Screen:
         return Screen(
             **{**data, **splits, "options": Options(**data["options"])}  # type: ignore[arg-type]
         )
-
-
-def _in_flight(microbatches: int) -> int:
-    """How many of a step's ``microbatches`` have their activations alive at once."""
-    return min(microbatches, MICROBATCHES_IN_FLIGHT)
 
 
 def screen(

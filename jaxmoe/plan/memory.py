@@ -26,12 +26,13 @@ program:
   matmuls in float32 (it converts their operands), which this walk does not model: on
   CPU a bfloat16 step takes more memory than the walk says.
 - *Order.* The walk runs each op as soon as its operands are ready, forward ops first.
-  A microbatch's forward pass waits for the backward pass of the microbatch
-  :data:`~scheduling.names.MICROBATCHES_IN_FLIGHT` before it
+  From six microbatches on, a microbatch's forward pass waits for the backward pass of
+  the microbatch :data:`~scheduling.names.MICROBATCHES_IN_FLIGHT` before it
   (:mod:`jaxmoe.pipeline.microbatches`), and nothing else orders them: up to that many
   microbatches' activations are alive, and gradient accumulation over more microbatches
-  holds fewer rows. XLA:CPU holds somewhat more than the walk there (it runs the passes
-  in another order; ``tests/plan/test_memory.py`` bounds it).
+  holds fewer rows; fewer microbatches run their forward passes first. XLA:CPU holds
+  somewhat more than the walk of an ordered step (it runs the passes in another order;
+  ``tests/plan/test_memory.py`` bounds it).
   A pipeline's ticks (:data:`~jaxmoe.pipeline.ticks.TICK_SCOPE`) are walked
   in their order, each tick's forward slot before its backward slot, as the schedule
   runs them: a stage holds a microbatch's residuals from its forward slot to its
