@@ -159,7 +159,7 @@ def rows(searches: Sequence[Search]) -> list[str]:
             lines.append(f"{head} jaxmoe: none fits |" + " |" * 8)
             continue
         t = best.best
-        tokens = search.batch * search.seq_len / t.step / search.devices
+        tokens = _tokens_per_s_per_gpu(search)
         # The planner's MFU is over the model dtype's (bfloat16) peak of the profile.
         tflops = best.mfu * scheduling.PROFILES[search.profile].peak_flops_per_s("bfloat16")
         lines.append(
@@ -180,7 +180,7 @@ def gap_lines(searches: Sequence[Search]) -> list[str]:
         if best is None:
             continue
         t = best.best
-        tokens = search.batch * search.seq_len / t.step / search.devices
+        tokens = _tokens_per_s_per_gpu(search)
         lines.append(
             f"- {run.system} on {run.devices}: {tokens:.0f} tokens/s per GPU against "
             f"{run.tokens_per_s_per_gpu:.0f} published ({run.tokens_per_s_per_gpu / tokens:.1f}x); "
@@ -192,3 +192,9 @@ def gap_lines(searches: Sequence[Search]) -> list[str]:
             "keeps each stage's layers resident."
         )
     return lines
+
+
+def _tokens_per_s_per_gpu(search: Search) -> float:
+    """The tokens a device trains per second at the search's best step."""
+    assert search.best is not None
+    return search.batch * search.seq_len / search.best.best.step / search.devices
