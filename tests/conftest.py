@@ -3,15 +3,16 @@
 
 Most of the suite's time is XLA compiling small training steps that then run for a few
 steps: at ``--xla_backend_optimization_level=0`` they compile in about 60% of the CPU
-time; without the verification of the MLIR each fusion emitter writes
-(``--xla_cpu_emitter_verification_level=0``) in about 15% less again. The tests check what
-is computed, never how fast; neither flag changes the generated code's results, the HLO
-passes (fusion, buffer assignment, the memory analysis the memory tests read) are the same
-at every level, and processes the tests start inherit the flags. (``--xla_cpu_use_fusion_emitters=false``
-would take the suite's CPU time down by about a quarter again, but the legacy emitters
-round equal inputs differently from one fusion, or one row of a fusion, to another: the
-tests of exactness across programs and replicas, such as the socket transport's bit for
-bit, fail under them while they hold on the default code generation a user runs.)
+time, and without the verification of the MLIR each fusion emitter writes
+(``--xla_cpu_emitter_verification_level=0``) in a few percent less again. The tests check
+what is computed, never how fast: neither flag changes what the generated code computes,
+the HLO passes (fusion, buffer assignment, the memory analysis the memory tests read) are
+the same at every level, and processes the tests start inherit the flags.
+(``--xla_cpu_use_fusion_emitters=false`` would take the suite's CPU time down by about a
+quarter again, but the legacy emitters round equal inputs differently from one fusion, or
+one row of a fusion, to another: the tests of exactness across programs and replicas, such
+as the socket transport's bit for bit, fail under them while they hold on the default code
+generation a user runs.)
 
 Each test module's compiled programs are released when it ends: XLA:CPU maps every
 executable's code into memory, and a worker that kept all of them would reach the
