@@ -13,6 +13,7 @@ import functools
 
 import chex
 import numpy as np
+import pytest
 
 from jaxmoe.cli.parser import config_from_train_args
 from jaxmoe.parallel.mesh import build_mesh
@@ -49,6 +50,9 @@ def test_the_flag_sets_the_field():
     assert config_from_train_args(["--model.recompute", "layer"]).model.recompute == "layer"
 
 
+# By default the pipeline's interleaved case trains recomputed layers as the microbatch
+# loop that keeps them (tests/pipeline/test_pipelined.py); here, with no pipeline, slow.
+@pytest.mark.slow
 def test_recomputing_layers_trains_as_keeping_them():
     # One microbatch: the pipeline's interleaved case recomputes over microbatches.
     recomputed, kept = (
