@@ -53,12 +53,13 @@ def experts_of(params):
     return {index: block["ffn"]["experts"] for index, block in blocks if "experts" in block["ffn"]}
 
 
+# Expert hidden widths split over expert_tensor train as the unfolded layout by default in
+# tests/train/test_tensor_parallel.py (d2e2t2et2-sequence: drops, the same tokens, the
+# losses and gradient norm within 1e-6); here the expert-tensor mappings are slow, the
+# all-gather dispatcher is the default case.
 @pytest.mark.parametrize(
     "mapping",
-    [
-        pytest.param(name, marks=pytest.mark.slow if name == "data2-expert2-et2" else ())
-        for name in MAPPINGS
-    ],
+    [pytest.param(name, marks=pytest.mark.slow if "et2" in name else ()) for name in MAPPINGS],
 )
 def test_same_training_as_the_unfolded_layout(mapping):
     reference, reference_params, _ = train(*REFERENCE)
