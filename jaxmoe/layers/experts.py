@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmoe.config.layout import EXPERT, EXPERT_TENSOR
-from jaxmoe.layers.fp8 import batched_matmul, grouped_matmul
+from jaxmoe.layers.fp8 import batched_matmul, grouped_matmul, row_groups
 from jaxmoe.parallel.sharding import ExpertParam
 from jaxmoe.placement.replicas import slot_weights
 
@@ -145,9 +145,7 @@ class Experts(nnx.Module):
         chex.assert_shape(group_sizes, (slots,), custom_message="group_sizes [slots]")
         rows = x.shape[0]
         x = x.astype(self.dtype)
-        # The slot of each row (``slots`` past the groups), for the biases.
-        ends = jnp.cumsum(group_sizes)
-        row_slot = jnp.sum(ends[None, :] <= jnp.arange(rows, dtype=ends.dtype)[:, None], axis=1)
+        row_slot = row_groups(group_sizes, rows)  # for the biases
 
         def per_row(bias: jax.Array) -> jax.Array:
             bias = slot_weights(bias, replica_table).astype(self.dtype)

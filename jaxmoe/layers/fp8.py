@@ -219,8 +219,9 @@ def batched_matmul(x: jax.Array, w: jax.Array, recipe: str) -> jax.Array:
 # -- the grouped GEMM of ragged dispatch --------------------------------------------------
 
 
-def _row_groups(group_sizes: jax.Array, rows: int) -> jax.Array:
-    """Each row's group; rows past the groups get ``len(group_sizes)``, a group of none."""
+def row_groups(group_sizes: jax.Array, rows: int) -> jax.Array:
+    """Each row's group of a grouped GEMM's ``rows``; rows past the groups get
+    ``len(group_sizes)``, a group of none."""
     ends = jnp.cumsum(group_sizes)
     return jnp.sum(ends[None, :] <= jnp.arange(rows, dtype=ends.dtype)[:, None], axis=1)
 
@@ -237,7 +238,7 @@ def _per_row(values: jax.Array, groups: jax.Array) -> jax.Array:
 
 def _grouped_product(x: jax.Array, w: jax.Array, group_sizes: jax.Array, recipe: str):
     """``x [T, K]`` rows of group e times ``w[e] [K, N]``, in FP8, float32."""
-    groups = _row_groups(group_sizes, x.shape[0])
+    groups = row_groups(group_sizes, x.shape[0])
     if recipe == "tensorwise":  # one scale for the rows, one per expert's weights
         x8, x_scale = _tensorwise(x)
         w_scale = _scale(jnp.max(jnp.abs(w), axis=(1, 2)))  # [E]
@@ -261,7 +262,7 @@ def _grouped_weight_gradient(x, g, group_sizes):
     """Per group e: ``x_e^T @ g_e`` ``[E, K, N]``, the operands scaled per feature over
     each group's rows (a ragged contraction over the tokens)."""
     experts = group_sizes.shape[0]
-    groups = _row_groups(group_sizes, x.shape[0])
+    groups = row_groups(group_sizes, x.shape[0])
 
     def per_group(values):  # the rows past the groups: a segment of their own, dropped
         amax = jax.ops.segment_max(jnp.abs(values), groups, num_segments=experts + 1)
