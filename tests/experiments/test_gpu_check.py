@@ -130,24 +130,24 @@ def test_the_schedule_check_runs_in_a_process_of_its_own_and_its_table_is_kept(
         out.write_text(json.dumps(written))
         return subprocess.CompletedProcess(command, 0, "stdout", "")
 
-    monkeypatch.setattr(gpu_check.subprocess, "run", run)
+    monkeypatch.setattr(gpu_check.schedule.subprocess, "run", run)
     setup = gpu_check.Setup(False, gpu_check.GPU, tmp_path, jax.devices()[0])
-    found = gpu_check.schedule(setup, gpu_check.Budget(time.monotonic() + 60), {})
+    found = gpu_check.schedule.measure(setup, gpu_check.Budget(time.monotonic() + 60), {})
     ((command, options),) = commands
     assert command[1:3] == ["-m", "experiments.gpu_schedule_check"]
     assert command[-2:] == ["--out", str(tmp_path / "gpu_schedule_check.md")]
     assert options["env"]["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
     assert 50 < options["timeout"] < 60
     assert found["returncode"] == 0 and found["results"] == written
-    table = gpu_check._report_schedule(found)
+    table = gpu_check.schedule.report(found)
     assert "| none | 11 of 12 | 30 of 32 | 7.5 | 2.5 [2.0-3.0] |" in table
     assert "| pair | XlaRuntimeError: boom ||||" in table
 
     def late(command, **options):
         raise subprocess.TimeoutExpired(command, options["timeout"], b"half", None)
 
-    monkeypatch.setattr(gpu_check.subprocess, "run", late)  # the last run's file stays
-    found = gpu_check.schedule(setup, gpu_check.Budget(time.monotonic() + 60), {})
+    monkeypatch.setattr(gpu_check.schedule.subprocess, "run", late)  # the last run's file stays
+    found = gpu_check.schedule.measure(setup, gpu_check.Budget(time.monotonic() + 60), {})
     assert found["error"].startswith("gpu_schedule_check ran past 5")
     assert found["output_tail"] == "half" and "results" not in found
 
@@ -163,17 +163,17 @@ def test_where_the_memory_walk_fails_the_step_takes_its_set_batch(monkeypatch):
 
     monkeypatch.setattr(jaxmoe.plan.memory, "step_memory", failing)
     sizes = gpu_check.DRY
-    mesh = build_mesh(gpu_check._step_config(sizes, 1).parallel, [jax.devices()[0]])
-    batch, fit, _ = gpu_check._fit_batch(mesh, sizes)
+    mesh = build_mesh(gpu_check.step.step_config(sizes, 1).parallel, [jax.devices()[0]])
+    batch, fit, _ = gpu_check.step.fit_batch(mesh, sizes)
     assert batch == sizes.step_batch_unwalked
     assert fit["error"] == "NotImplementedError: no walk for this primitive"
-    assert gpu_check._fit_text(fit).endswith("for this primitive`): a set batch")
+    assert gpu_check.step.fit_text(fit).endswith("for this primitive`): a set batch")
 
 
 def test_fp8_times_one_expert_block_under_each_recipe(dry_run):
     found = dry_run[2]["sections"]["fp8"]
     assert (found["experts"], found["tokens"]) == gpu_check.DRY.expert_block[:2]
-    assert list(found["recipes"]) == list(gpu_check.FP8_RECIPES)
+    assert list(found["recipes"]) == list(gpu_check.fp8.FP8_RECIPES)
     for recipe, entry in found["recipes"].items():
         assert entry["seconds"]["median"] > 0 and entry["tflops"]["median"] > 0
         assert entry["fp8_gemm"] is False  # XLA:CPU widens the float8 operands

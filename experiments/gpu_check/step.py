@@ -1,0 +1,278 @@
+"""The step section: one training step on one device of a Mixtral-style model at the
+largest batch the memory walk fits: its time, tokens per second and MFU, and the cost
+model's estimate of the step and of one block against them."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from typing import Any
+
+from experiments.gpu_check.setup import Budget, Setup, Sizes, error_text, ms_text, spread_of
+from experiments.shared.spread import Spread
+
+STEP_PROFILE = "h100-8x-nvlink-3200g"
+
+
+def measure(setup: Setup, budget: Budget, found: dict[str, Any]) -> dict[str, Any]:
+    """One device's training step: time, tokens/s, MFU, and the cost model's estimate."""
+    from jaxmoe.parallel.mesh import build_mesh
+
+    sizes = setup.sizes
+    mesh = build_mesh(step_config(sizes, batch=1).parallel, [setup.device])
+    batch, fit, captured = fit_batch(mesh, sizes)
+    config = step_config(sizes, batch)
+    model, moe = config.model, config.moe
+    found.update(
+        preset=sizes.step_preset,
+        model=dict(
+            d_model=model.d_model,
+            layers=model.num_layers,
+            d_ff=model.d_ff,
+            heads=model.num_heads,
+            kv_heads=model.kv_heads,
+            seq_len=model.seq_len,
+            vocab=model.vocab_size,
+            dtype=model.dtype,
+            attention=model.attention,
+            attention_core=_core_kind(model),
+            experts=moe.num_experts,
+            top_k=moe.top_k,
+            capacity_factor=moe.capacity_factor,
+        ),
+        layout="parallel data 1 x expert 1 (one device)",
+        batch=batch,
+        tokens_per_step=batch * model.seq_len,
+        memory_fit=fit,
+    )
+    run, program, sharded = captured.get(batch) or _capture(config, mesh)
+    try:
+        found["estimate"] = _estimate(run, program, mesh)
+    except Exception as error:  # the step is still measured
+        found["estimate"] = {"error": error_text(error)}
+    if not budget.fits(20):
+        found["measured"] = {"error": "not run: the section's time ran out"}
+        return found
+    found["measured"] = measured = {}
+    _measure_step(setup, budget, run, sharded, measured)
+    _compare(found, config, setup.device.device_kind)
+    return found
+
+
+def _core_kind(model: Any) -> str:
+    """The attention core ``model.attention`` resolves to on this backend."""
+    import jax.numpy as jnp
+
+    from jaxmoe.layers.attention_core import resolve_core
+
+    dtype, head_dim = jnp.dtype(model.dtype), model.attention_head_dim
+    return resolve_core(model.attention, dtype=dtype, head_dim=head_dim).kind
+
+
+def step_config(sizes: Sizes, batch: int) -> Any:
+    from jaxmoe.presets import preset
+
+    config = preset(sizes.step_preset)
+    return dataclasses.replace(
+        config,
+        model=dataclasses.replace(config.model, **sizes.step_model),
+        parallel=dataclasses.replace(config.parallel, data=1, expert=1),
+        train=dataclasses.replace(config.train, batch_size=batch, microbatches=1),
+        schedule=dataclasses.replace(config.schedule, name="none", profile=STEP_PROFILE),
+    )
+
+
+def _capture(config: Any, mesh: Any) -> tuple[Any, Any, Any]:
+    """The resolved run, its captured per-device program and its sharded step."""
+    from jaxmoe.train.resolved import resolve
+    from jaxmoe.train.scheduled import capture_train_step
+
+    run = resolve(config, mesh)
+    program, sharded = capture_train_step(run)
+    return run, program, sharded
+
+
+def fit_batch(mesh: Any, sizes: Sizes) -> tuple[int, dict[str, Any], dict]:
+    """The largest candidate batch whose step the memory walk fits in the budget,
+    extrapolated linearly from the walks of batches 1 and 2; how it was found; the
+    captures of batches 1 and 2 (by batch)."""
+    from jaxmoe.plan.memory import step_memory
+
+    programs, totals = {}, {}
+    method = "jaxmoe.plan.memory.step_memory at batches 1 and 2, extrapolated linearly"
+    try:
+        for rows in (1, 2):
+            captured = _capture(step_config(sizes, rows), mesh)
+            programs[rows] = captured
+            totals[rows] = step_memory(captured[1], captured[0].state_shapes).total
+    except Exception as error:  # then the batch the walk gave on a CPU host
+        fit = {"method": method, "error": error_text(error), "fits": None}
+        return sizes.step_batch_unwalked, fit, programs
+    per_row = totals[2] - totals[1]
+    fixed = totals[1] - per_row
+
+    def estimate(rows: int) -> float:
+        return fixed + rows * per_row
+
+    fitting = [b for b in sizes.step_batches if estimate(b) <= sizes.step_memory_bytes]
+    batch = max(fitting, default=min(sizes.step_batches))
+    fit = {
+        "method": method,
+        "budget_bytes": sizes.step_memory_bytes,
+        "walked_bytes": totals,
+        "estimated_bytes": estimate(batch),
+        "fits": bool(fitting),
+    }
+    return batch, fit, programs
+
+
+def _estimate(run: Any, program: Any, mesh: Any) -> dict[str, Any]:
+    """The cost model's seconds summed over the program's ops: whole, by phase, by block."""
+    import scheduling
+
+    cost = scheduling.cost_model(run.policy, mesh, program)
+    total, phases, blocks = 0.0, {}, {}
+    for op in program.ops:
+        seconds = cost.seconds(op)
+        total += seconds
+        phases[op.phase.value] = phases.get(op.phase.value, 0.0) + seconds
+        layer = re.match(r"layer_(\d+)(?:/|$)", op.layer)
+        if layer:
+            blocks[int(layer.group(1))] = blocks.get(int(layer.group(1)), 0.0) + seconds
+    return {
+        "profile": STEP_PROFILE,
+        "ops": len(program.ops),
+        "step_s": total,
+        "phases_s": phases,
+        "blocks_s": [blocks[i] for i in sorted(blocks)],
+        "block_s": sum(blocks.values()) / max(1, len(blocks)),
+    }
+
+
+def _measure_step(
+    setup: Setup, budget: Budget, run: Any, sharded: Any, measured: dict[str, Any]
+) -> None:
+    """Compile the step, warm it up, then time each step to completion."""
+    import jax
+
+    from jaxmoe.train.state import init_train_state
+
+    sizes, config = setup.sizes, run.config
+    state = init_train_state(run)
+    batches = _token_batches(run, 3)
+    began = time.perf_counter()
+    compiled = sharded.jit().lower(state, batches[0]).compile()
+    measured["compile_s"] = round(time.perf_counter() - began, 2)
+    for index in range(sizes.warmup):
+        state, metrics = compiled(state, batches[index % len(batches)])
+    jax.block_until_ready(metrics)
+    seconds, dropped = [], []
+    for index in range(sizes.steps):
+        if index >= 2 and not budget.fits(3):
+            break
+        began = time.perf_counter()
+        state, metrics = compiled(state, batches[index % len(batches)])
+        jax.block_until_ready(metrics)
+        seconds.append(time.perf_counter() - began)
+        dropped.append(float(metrics.get("dropped_fraction", 0.0)))
+    measured["step_s"] = spread_of(seconds)
+    measured["dropped_fraction"] = sum(dropped) / len(dropped)
+    measured["tokens_per_s"] = (
+        config.train.batch_size * config.model.seq_len / Spread.of(seconds).median
+    )
+
+
+def _token_batches(run: Any, count: int) -> list[Any]:
+    """Random token rows ``[batch, seq + 1]``, placed as the step reads its batches."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    from jaxmoe.parallel.mesh import token_spec
+
+    config, mesh = run.config, run.on_mesh
+    shape = (config.train.batch_size, config.model.seq_len + 1)
+    sharding = NamedSharding(mesh, token_spec(mesh))
+    keys = jax.random.split(jax.random.key(2), count)
+    vocab = config.model.vocab_size
+    return [
+        jax.device_put(jax.random.randint(key, shape, 0, vocab, jax.numpy.int32), sharding)
+        for key in keys
+    ]
+
+
+def _compare(found: dict[str, Any], config: Any, device_kind: str) -> None:
+    """MFU, and the estimate over the measured time (the step, and one block)."""
+    from jaxmoe.plan.mfu import datasheet_peak_tflops, mfu
+    from jaxmoe.plan.model_flops import model_flops
+
+    measured, estimate = found["measured"], found["estimate"]
+    median = measured["step_s"]["median"]
+    flops = model_flops(config)
+    found["model_flops_per_step"] = flops.train_step()
+    peak = datasheet_peak_tflops(device_kind, config.model.dtype)
+    found["peak_tflops"] = peak
+    if peak:
+        found["mfu"] = mfu(flops.train_step(), median, 1, peak * 1e12)
+        dropped = flops.train_step(measured["dropped_fraction"])
+        found["mfu_dropped_not_counted"] = mfu(dropped, median, 1, peak * 1e12)
+    if "error" in estimate:
+        return
+    block = median / config.model.num_layers
+    found["comparison"] = {
+        "step_estimate_over_measured": estimate["step_s"] / median,
+        "block_measured_s": block,
+        "block_measured_is": "derived: measured step time / layers (it includes the "
+        "embedding, the head, the loss and the optimizer)",
+        "block_estimate_over_measured": estimate["block_s"] / block,
+    }
+
+
+def report(found: dict[str, Any]) -> list[str]:
+    if "model" not in found:
+        return []
+    model = found["model"]
+    lines = [
+        f"Preset `{found['preset']}` at d_model {model['d_model']}, {model['layers']} layers, "
+        f"d_ff {model['d_ff']}, {model['experts']} experts top-{model['top_k']}, "
+        f"{model['seq_len']} tokens a row, {model['dtype']}, attention {model['attention']} "
+        f"({model['attention_core']}); {found['layout']}; batch {found['batch']} "
+        f"({found['tokens_per_step']:,} tokens), {fit_text(found['memory_fit'])}.",
+        "",
+    ]
+    estimate, measured = found.get("estimate", {}), found.get("measured", {})
+    if "step_s" in estimate:
+        lines.append(
+            f"- cost model ({estimate['profile']}): step {estimate['step_s'] * 1e3:.2f} ms, "
+            f"one block {estimate['block_s'] * 1e3:.3f} ms (mean over the blocks)"
+        )
+    else:
+        lines.append(f"- cost model: {estimate.get('error', 'no estimate').splitlines()[0]}")
+    if "step_s" not in measured:
+        error = measured.get("error", "not measured")
+        return [*lines, f"- measured: {error.splitlines()[0]}", ""]
+    mfu = f"{found['mfu']:.1%}" if "mfu" in found else "- (no datasheet peak for this device)"
+    lines.append(
+        f"- measured: compile {measured['compile_s']:.1f} s; "
+        f"step {ms_text(measured['step_s'])} ms; "
+        f"{measured['tokens_per_s']:,.0f} tokens/s; MFU {mfu}; dropped fraction "
+        f"{measured['dropped_fraction']:.3f}"
+    )
+    comparison = found.get("comparison")
+    if comparison:
+        lines.append(
+            f"- estimate / measured: step {comparison['step_estimate_over_measured']:.2f}; "
+            f"block {comparison['block_estimate_over_measured']:.2f}, the measured block "
+            f"{comparison['block_measured_s'] * 1e3:.3f} ms ({comparison['block_measured_is']})"
+        )
+    return [*lines, ""]
+
+
+def fit_text(fit: dict[str, Any]) -> str:
+    if "error" in fit:
+        return f"the memory walk failed (`{fit['error'].splitlines()[0]}`): a set batch"
+    return (
+        f"the memory walk's estimate {fit['estimated_bytes'] / 1e9:.2f} GB of a "
+        f"{fit['budget_bytes'] / 1e9:g} GB budget"
+        + ("" if fit["fits"] else " (not even the smallest batch fits)")
+    )
