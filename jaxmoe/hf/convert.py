@@ -30,15 +30,7 @@ from typing import Any
 import numpy as np
 
 from jaxmoe.config import Config, ConfigError
-from jaxmoe.hf.architectures import (
-    FAMILIES,
-    Architecture,
-    architecture_of,
-    hf_config,
-    inexpressible,
-    read_architecture,
-    rotary_interleaved,
-)
+from jaxmoe.hf.architectures import FAMILIES, Architecture, read_architecture, rotary_interleaved
 from jaxmoe.hf.block_fp8 import (
     POWER_OF_TWO,
     SCALE_SUFFIX,
@@ -64,6 +56,7 @@ from jaxmoe.hf.files import (
     write_index,
     write_shard,
 )
+from jaxmoe.hf.hf_config import architecture_of, hf_config, inexpressible
 from jaxmoe.hf.tensors import IGNORED_SUFFIXES, TensorRule, tensor_rules
 from jaxmoe.presets import preset
 

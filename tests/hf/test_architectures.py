@@ -8,8 +8,9 @@ import math
 import pytest
 
 from jaxmoe.config import Config, ConfigError, ModelConfig, MoEConfig
-from jaxmoe.hf.architectures import check_expressible, hf_config, read_architecture
+from jaxmoe.hf.architectures import read_architecture
 from jaxmoe.hf.convert import converted_config
+from jaxmoe.hf.hf_config import check_expressible, hf_config
 from jaxmoe.presets import preset
 
 # The hub's config.json files (transformers 4 format: rope_theta and rope_scaling), the
