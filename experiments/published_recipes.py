@@ -11,7 +11,7 @@ of settings is not reproduced here; these are its authors' settings for the same
 on the same GPUs.
 
 Each is estimated as the planner estimates any mapping
-(:func:`jaxmoe.plan.planner.estimate_mapping`): the per-device step traced on an abstract
+(:func:`jaxmoe.plan.tracer.estimate_mapping`): the per-device step traced on an abstract
 mesh, priced by the cost model and the two-stream simulator on the H100 profile (schedule
 ``none``), its memory walked; beside it, the same with full-layer recomputation.
 ``scale_eval`` sets them beside the planner's own search at the recipe's devices and
@@ -144,7 +144,7 @@ def estimate_recipe_row(model: str, profile: str, row: str, mapping: Mapping) ->
     from jaxmoe.plan.mappings import with_mapping
     from jaxmoe.plan.mfu import mfu
     from jaxmoe.plan.model_flops import model_flops
-    from jaxmoe.plan.planner import estimate_mapping
+    from jaxmoe.plan.tracer import estimate_mapping
 
     recipe = RECIPES[model]
     config = recipe_config(model)

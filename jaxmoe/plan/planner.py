@@ -44,8 +44,6 @@ model estimates afresh.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -54,12 +52,10 @@ from typing import Any
 
 import scheduling
 from jaxmoe.config import Config, ConfigError
-from jaxmoe.config.choices import DISPATCHERS, PLANNED_SCHEDULES
-from jaxmoe.config.schedule import replace_section
-from jaxmoe.parallel.mesh import abstract_mesh
-from jaxmoe.plan.bounds import Screen, screen
-from jaxmoe.plan.estimates import Estimate, EstimateCache, StepTime
-from jaxmoe.plan.layer_extrapolation import block_count, extrapolate, extrapolates, with_blocks
+from jaxmoe.config.choices import PLANNED_SCHEDULES
+from jaxmoe.plan.bounds import Screen
+from jaxmoe.plan.estimates import EstimateCache, StepTime
+from jaxmoe.plan.layer_extrapolation import extrapolates
 from jaxmoe.plan.mappings import (
     Candidate,
     Mapping,
@@ -69,22 +65,12 @@ from jaxmoe.plan.mappings import (
     pipelines_of,
     with_options,
 )
-from jaxmoe.plan.memory import StepMemory, step_memory
+from jaxmoe.plan.memory import StepMemory
 from jaxmoe.plan.mfu import mfu
 from jaxmoe.plan.model_flops import model_flops
 from jaxmoe.plan.options import Options, bounding, option_sets, options_of
 from jaxmoe.plan.search import Advance, best_first
-from jaxmoe.plan.state_memory import memory_per_device
-from jaxmoe.train.resolved import resolve, schedule_policy
-from jaxmoe.train.scheduled import capture_train_step
-from scheduling import (
-    Program,
-    batch_inputs,
-    cost_model,
-    gathers_in_flight_bytes,
-    node_seconds,
-    simulate,
-)
+from jaxmoe.plan.tracer import Tracer, applicable_schedules, estimate_mapping, state_bytes
 
 MEMORY_METHOD = (
     "per device, the peak of the step as XLA:GPU holds it (jaxmoe/plan/memory.py): the "
@@ -226,207 +212,6 @@ class PlanResult:
         }
 
 
-def _with_schedule(config: Config, schedule: str, profile: str) -> Config:
-    return dataclasses.replace(
-        config, schedule=replace_section(config.schedule, name=schedule, profile=profile)
-    )
-
-
-def _applicable(config: Config, schedules: Sequence[str], profile: str) -> dict[str, Config]:
-    """``config`` under each of ``schedules`` that applies to it (``pair`` needs two
-    microbatches or a pipeline); refused when none does."""
-    found = {}
-    for schedule in schedules:
-        try:
-            found[schedule] = _with_schedule(config, schedule, profile)
-        except ConfigError:
-            continue
-    if not found:
-        raise ConfigError(
-            f"schedules {', '.join(schedules)}: none applies to this mapping "
-            f"({config.train.microbatches} microbatch(es), pipeline "
-            f"{config.parallel.pipeline}): add none"
-        )
-    return found
-
-
-def _estimate_program(
-    program: Program, sharded: Any, config: Config, schedules: Sequence[str], profile: str
-) -> Estimate:
-    """Memory per device and each schedule's simulated step of the traced step ``program``."""
-    mesh = program.mesh
-    memory = step_memory(program, resolve(config).state_shapes)
-    batch = batch_inputs(program, sharded.batch_argnums)
-    times = {}
-    for schedule, variant in _applicable(config, schedules, profile).items():
-        policy = schedule_policy(variant)
-        cost = cost_model(policy, mesh, program)
-        scheduled = scheduling.schedule(program, policy, cost, batch)
-        # The step as the schedule report simulates it (the report itself, with its
-        # trace and each collective's story, is not needed here).
-        timeline = simulate(scheduled.graph, scheduled.order.nodes, node_seconds(cost))
-        times[schedule] = StepTime(
-            timeline.step_seconds,
-            timeline.compute_seconds,
-            timeline.communication_seconds,
-            timeline.exposed_communication_seconds,
-            gathers_in_flight_bytes(scheduled.graph, scheduled.order.nodes),
-        )
-    return memory, times
-
-
-# The traced programs a plan keeps (the oldest make way): a mapping's one-block trace bounds
-# it (its screen) and, when it comes to be estimated, is the first of its estimate's two.
-# At most this many, of at most this many ops in all (whole traces of deep models are long).
-PROGRAMS_KEPT = 32
-OPS_KEPT = 500_000
-
-
-class Tracer:
-    """The traces of one plan: the latest programs traced, each traced configuration's
-    estimate, kept for the plan, and the screens' bounds (a screen of a model traced
-    whole is also its estimate)."""
-
-    def __init__(self, schedules: Sequence[str], profile: str, cache: EstimateCache):
-        self.schedules = tuple(schedules)
-        self.profile = profile
-        self.cache = cache
-        self.traced = 0  # traces taken
-        self._programs: dict[str, tuple[Program, Any]] = {}
-        self._estimates: dict[str, Estimate] = {}
-        # Computation alone bounds a schedule that may overlap communication.
-        self._compute_only = any(s != "none" for s in schedules)
-
-    def _trace(self, config: Config) -> tuple[Program, Any]:
-        key = _key(config)
-        found = self._programs.pop(key, None)
-        if found is None:
-            self.traced += 1
-            found = capture_train_step(resolve(config, abstract_mesh(config.parallel)))
-        self._programs[key] = found  # the latest last
-        while len(self._programs) > 1 and (
-            len(self._programs) > PROGRAMS_KEPT
-            or sum(len(program.ops) for program, _ in self._programs.values()) > OPS_KEPT
-        ):
-            self._programs.pop(next(iter(self._programs)))
-        return found
-
-    def estimate(self, config: Config) -> Estimate:
-        """Memory and simulated steps of ``config`` traced as it is (at its depth)."""
-        key = _key(config)
-        if key not in self._estimates:
-            program, sharded = self._trace(config)
-            self._estimates[key] = _estimate_program(
-                program, sharded, config, self.schedules, self.profile
-            )
-        return self._estimates[key]
-
-    def screen(self, config: Config, extrapolate_layers: bool) -> Screen:
-        """The bounds of ``config`` (:mod:`jaxmoe.plan.bounds`), from a one-block trace
-        (or a whole one: ``extrapolate_layers`` off, or a model of few blocks)."""
-        tag = ",".join(self.schedules) + (":extrapolated" if extrapolate_layers else "")
-        found = self.cache.load_screen(config, tag)
-        if found is not None:
-            return found
-        shallow = extrapolate_layers and extrapolates(config)
-        traced = with_blocks(config, 1) if shallow else config
-        program, _ = self._trace(traced)
-        policy = schedule_policy(_with_schedule(config, "none", self.profile))
-        blocks = block_count(config) or 1
-        state = state_bytes(config)
-        found = screen(
-            program,
-            resolve(traced).state_shapes,
-            cost_model(policy, program.mesh, program),
-            options_of(config),
-            blocks,
-            1 if shallow else blocks,
-            state,
-            self._compute_only,
-            config.model.first_dense_layers,
-        )
-        self.cache.save_screen(config, tag, found)
-        return found
-
-
-def _key(config: Config) -> str:
-    return json.dumps(config.to_dict(), sort_keys=True)
-
-
-def state_bytes(config: Config) -> int:
-    """The bytes per device of ``config``'s parameters and optimizer state, as the state
-    holds them (:func:`~jaxmoe.plan.state_memory.memory_per_device`); from one- and two-block
-    models for a deep one (exact: every block holds the same)."""
-    values = config.to_dict()
-    # Neither the dispatcher, the recomputation nor the microbatches change the state.
-    values["moe"]["dispatcher"] = DISPATCHERS[0]
-    values["model"]["recompute"] = "none"
-    values["train"]["microbatches"] = 1
-    return _state_bytes(json.dumps(values, sort_keys=True))
-
-
-@functools.lru_cache(maxsize=4096)
-def _state_bytes(values: str) -> int:
-    config = Config.from_dict(json.loads(values))
-
-    def held(config: Config) -> int:
-        memory = memory_per_device(config)
-        return memory.parameters + memory.optimizer
-
-    if not extrapolates(config):
-        return held(config)
-    blocks = block_count(config)
-    assert blocks is not None
-    one, two = held(with_blocks(config, 1)), held(with_blocks(config, 2))
-    return one + (blocks - 1) * (two - one)
-
-
-def estimate_mapping(
-    config: Config,
-    schedules: Sequence[str],
-    profile: str,
-    cache: EstimateCache,
-    *,
-    extrapolate_layers: bool = True,
-    tracer: Tracer | None = None,
-) -> Estimate:
-    """Memory per device and the simulated step of each schedule, for a mapped config.
-
-    Nothing is traced when every schedule is cached. Otherwise the step is traced once
-    for all schedules, or, with ``extrapolate_layers`` and a model of at least
-    :data:`~jaxmoe.plan.layer_extrapolation.MIN_BLOCKS` repeating blocks, once with
-    one block and once with two, and the figures are extrapolated to the model's depth
-    (:mod:`jaxmoe.plan.layer_extrapolation`). ``tracer``: the plan's traces, reused."""
-    method = "extrapolated" if extrapolate_layers and extrapolates(config) else "traced"
-    keyed = _applicable(config, schedules, profile)
-    schedules = tuple(keyed)
-    found = {s: cache.load(keyed[s], s, method) for s in schedules}
-    if all(found.values()):
-        memory = next(iter(found.values()))[0]  # type: ignore[index]
-        return memory, {s: hit[1] for s, hit in found.items()}  # type: ignore[index]
-    tracer = tracer or Tracer(schedules, profile, cache)
-    if method == "traced":
-        memory, times = tracer.estimate(config)
-    else:
-        blocks = block_count(config)
-        assert blocks is not None
-        one = tracer.estimate(with_blocks(config, 1))
-        two = tracer.estimate(with_blocks(config, 2))
-        memory = extrapolate(one[0], two[0], blocks)
-        times = {s: _extrapolated_time(one[1][s], two[1][s], blocks) for s in schedules}
-    for schedule in schedules:
-        cache.save(keyed[schedule], schedule, method, memory, times[schedule])
-    return memory, times
-
-
-def _extrapolated_time(one: StepTime, two: StepTime, blocks: int) -> StepTime:
-    """A ``blocks``-block step from one- and two-block steps: the times grow by a block's
-    each block; the gathers held ahead of use are a maximum over the step (a schedule
-    prefetches a few blocks ahead however deep the model), the two-block step's."""
-    grown = extrapolate(one, two, blocks)
-    return dataclasses.replace(grown, prefetched=max(one.prefetched, two.prefetched))
-
-
 def check_plan_inputs(config: Config, devices: int, profile: str, schedules: Sequence[str]):
     """Every input of a plan, refused with one ConfigError line before anything is traced."""
     if not schedules:
@@ -442,7 +227,7 @@ def check_plan_inputs(config: Config, devices: int, profile: str, schedules: Seq
             )
     # Each mapping is estimated under the schedules that apply to it (pair: two
     # microbatches or a pipeline); the configuration validates them against the rest.
-    _applicable(config, schedules, profile)
+    applicable_schedules(config, schedules, profile)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import functools
 import pytest
 
 from jaxmoe.cli import parser as cli
-from jaxmoe.plan import planner
+from jaxmoe.plan import estimates, tracer
 from jaxmoe.plan.mappings import enumerate_mappings, with_options
 from jaxmoe.plan.options import Options, bounding, option_sets
 
@@ -47,8 +47,8 @@ def layout():
 
 
 @functools.cache
-def tracer() -> planner.Tracer:
-    return planner.Tracer(["none"], PROFILE, planner.EstimateCache(None))
+def plan_traces() -> tracer.Tracer:
+    return tracer.Tracer(["none"], PROFILE, estimates.EstimateCache(None))
 
 
 @functools.cache
@@ -56,15 +56,15 @@ def screened():
     sets = option_sets(layout().config)
     assert bounding(sets) == Options(1, "layer", 1)
     traced = with_options(layout(), bounding(sets), 8)
-    return tracer().screen(traced.config, extrapolate_layers=True)
+    return plan_traces().screen(traced.config, extrapolate_layers=True)
 
 
 @functools.cache
 def estimated(options: Options):
     variant = with_options(layout(), options, 8)
     assert variant.config is not None, variant.reason
-    memory, times = planner.estimate_mapping(
-        variant.config, ["none"], PROFILE, planner.EstimateCache(None), tracer=tracer()
+    memory, times = tracer.estimate_mapping(
+        variant.config, ["none"], PROFILE, estimates.EstimateCache(None), tracer=plan_traces()
     )
     return variant.config, memory, times["none"].step
 
@@ -86,7 +86,7 @@ def test_one_trace_bounds_every_option_set(options):
     config, memory, step = estimated(options)
     bounds = screened()
     assert bounds.step_bound(options) <= step
-    assert bounds.memory_bound(options, planner.state_bytes(config)) <= memory.total
+    assert bounds.memory_bound(options, tracer.state_bytes(config)) <= memory.total
 
 
 def test_the_bounds_are_close_where_nothing_is_taken_away():
@@ -97,7 +97,7 @@ def test_the_bounds_are_close_where_nothing_is_taken_away():
     # what the least-memory trace materialises that this set fuses (0.82 of the step).
     assert bounds.step_bound(options) == pytest.approx(step, rel=0.2)
     # ZeRO-1's gathered parameters and the head's backward pass counted (0.55 without).
-    assert bounds.memory_bound(options, planner.state_bytes(config)) > 0.9 * memory.total
+    assert bounds.memory_bound(options, tracer.state_bytes(config)) > 0.9 * memory.total
 
 
 def test_the_flash_cores_have_no_core_recomputation_to_choose():
@@ -110,7 +110,7 @@ def test_the_flash_cores_have_no_core_recomputation_to_choose():
 
 def test_recomputing_less_is_bounded_by_what_the_recomputation_keeps():
     bounds = screened()
-    state = planner.state_bytes(with_options(layout(), Options(0, "none", 1), 8).config)
+    state = tracer.state_bytes(with_options(layout(), Options(0, "none", 1), 8).config)
     kept, without_core, recomputing = (
         bounds.memory_bound(Options(0, recompute, 1), state)
         for recompute in ("none", "attention", "layer")
@@ -153,11 +153,11 @@ def pipelined_layout():
 def test_a_stage_layout_without_a_pipeline_bounds_its_pipelines(zero, microbatches):
     plain, staged = pipelined_layout()
     sets = option_sets(plain.config)
-    bounds = tracer().screen(with_options(plain, bounding(sets), 8).config, True)
+    bounds = plan_traces().screen(with_options(plain, bounding(sets), 8).config, True)
     options = Options(zero, "none", microbatches)
     variant = with_options(staged, options, 8)
-    memory, times = planner.estimate_mapping(
-        variant.config, ["none"], PROFILE, planner.EstimateCache(None), tracer=tracer()
+    memory, times = tracer.estimate_mapping(
+        variant.config, ["none"], PROFILE, estimates.EstimateCache(None), tracer=plan_traces()
     )
     # One microbatch runs each op once per tick over two ticks of half the layers: the
     # per-op overheads of one pass, not of two; four run them four times over. The ops
@@ -166,7 +166,7 @@ def test_a_stage_layout_without_a_pipeline_bounds_its_pipelines(zero, microbatch
     # 0.79 where a kernel's fused operands differ between the traces).
     assert 0.75 * times["none"].step <= bounds.pipeline_step_bound(options, 2, 1)
     assert bounds.pipeline_step_bound(options, 2, 1) <= times["none"].step
-    state = planner.state_bytes(variant.config)
+    state = tracer.state_bytes(variant.config)
     memory_bound = bounds.pipeline_memory_bound(options, state, 2, 1)
     assert memory_bound <= memory.total
     if microbatches == 1:  # both ticks' forward slots keep a set: one stage's on zeros
@@ -193,13 +193,13 @@ def test_a_pipelines_own_one_block_screen_bounds_it_closely(options):
         if (c.mapping.tensor, c.mapping.expert, c.mapping.dispatcher) == (1, 2, "all_to_all")
     ]
     variant = with_options(staged, options, 8)
-    own = tracer().screen(variant.config, True)
+    own = plan_traces().screen(variant.config, True)
     assert own.blocks == 3
-    memory, times = planner.estimate_mapping(
-        variant.config, ["none"], PROFILE, planner.EstimateCache(None), tracer=tracer()
+    memory, times = tracer.estimate_mapping(
+        variant.config, ["none"], PROFILE, estimates.EstimateCache(None), tracer=plan_traces()
     )
     assert 0.8 * times["none"].step <= own.step_bound(options) <= times["none"].step
-    assert own.memory_bound(options, planner.state_bytes(variant.config)) <= memory.total
+    assert own.memory_bound(options, tracer.state_bytes(variant.config)) <= memory.total
 
 
 def test_uneven_chunks_are_bounded_as_the_longest():
@@ -212,7 +212,7 @@ def test_uneven_chunks_are_bounded_as_the_longest():
     assert bounds.pipeline_step_bound(options, 2, 1) == pytest.approx(
         four.pipeline_step_bound(options, 2, 1)
     )
-    state = planner.state_bytes(layout().config)
+    state = tracer.state_bytes(layout().config)
     assert bounds.pipeline_memory_bound(options, state, 2, 1) == pytest.approx(
         four.pipeline_memory_bound(options, state, 2, 1), rel=1e-9
     )
@@ -238,15 +238,15 @@ def test_leading_dense_layers_are_bounded_outside_the_blocks():
         if (c.mapping.tensor, c.mapping.expert, c.mapping.dispatcher) == (1, 4, "all_to_all")
     ]
     traced = with_options(found, Options(1, "layer", 1), 8)
-    bounds = tracer().screen(traced.config, extrapolate_layers=True)
+    bounds = plan_traces().screen(traced.config, extrapolate_layers=True)
     steps = {}
     for options in (Options(1, "layer", 1), Options(0, "none", 1)):
         variant = with_options(found, options, 8).config
-        memory, times = planner.estimate_mapping(
-            variant, ["none"], PROFILE, planner.EstimateCache(None), tracer=tracer()
+        memory, times = tracer.estimate_mapping(
+            variant, ["none"], PROFILE, estimates.EstimateCache(None), tracer=plan_traces()
         )
         steps[options] = times["none"].step
         assert bounds.step_bound(options) <= steps[options]
-        assert bounds.memory_bound(options, planner.state_bytes(variant)) <= memory.total
+        assert bounds.memory_bound(options, tracer.state_bytes(variant)) <= memory.total
     traced_options = Options(1, "layer", 1)
     assert bounds.step_bound(traced_options) == pytest.approx(steps[traced_options], rel=0.3)

@@ -10,7 +10,7 @@ import pytest
 
 from jaxmoe.cli import parser as cli
 from jaxmoe.config import Config, ConfigError, ModelConfig
-from jaxmoe.plan import planner
+from jaxmoe.plan import estimates, tracer
 from jaxmoe.plan.layer_extrapolation import (
     block_count,
     extrapolate,
@@ -96,20 +96,20 @@ def six_layer_mappings():
 
 def test_extrapolated_estimates_match_whole_traces(six_layer_mappings, monkeypatch):
     schedules = ["none", "dw"]
-    cache = planner.EstimateCache(None)
+    cache = estimates.EstimateCache(None)
     traced_layers = []
-    capture = planner.capture_train_step
+    capture = tracer.capture_train_step
 
     def counting(run):
         traced_layers.append(run.config.model.num_layers)
         return capture(run)
 
-    monkeypatch.setattr(planner, "capture_train_step", counting)
+    monkeypatch.setattr(tracer, "capture_train_step", counting)
     for config in six_layer_mappings:
         traced_layers.clear()
-        memory, times = planner.estimate_mapping(config, schedules, PROFILE, cache)
+        memory, times = tracer.estimate_mapping(config, schedules, PROFILE, cache)
         assert traced_layers == [2, 4]  # one block, two blocks; never the whole depth
-        whole_memory, whole_times = planner.estimate_mapping(
+        whole_memory, whole_times = tracer.estimate_mapping(
             config, schedules, PROFILE, cache, extrapolate_layers=False
         )
         assert traced_layers == [2, 4, 6]
@@ -143,16 +143,16 @@ def test_leading_dense_layers_extrapolate_as_the_embedding_does(monkeypatch):
     config = with_mapping(cli.resolve_config(args), Mapping(4, 1, 1, 4, 1, "all_to_all"), 8)
     assert block_count(config) == 3
     traced_layers = []
-    capture = planner.capture_train_step
+    capture = tracer.capture_train_step
 
     def counting(run):
         traced_layers.append(run.config.model.num_layers)
         return capture(run)
 
-    monkeypatch.setattr(planner, "capture_train_step", counting)
-    cache = planner.EstimateCache(None)
-    memory, times = planner.estimate_mapping(config, ["none"], PROFILE, cache)
-    whole_memory, whole_times = planner.estimate_mapping(
+    monkeypatch.setattr(tracer, "capture_train_step", counting)
+    cache = estimates.EstimateCache(None)
+    memory, times = tracer.estimate_mapping(config, ["none"], PROFILE, cache)
+    whole_memory, whole_times = tracer.estimate_mapping(
         config, ["none"], PROFILE, cache, extrapolate_layers=False
     )
     assert traced_layers == [2, 3, 4]

@@ -18,7 +18,7 @@ from jaxmoe import exit_codes
 from jaxmoe.cli import parser as cli
 from jaxmoe.cli.main import main
 from jaxmoe.config import ConfigError
-from jaxmoe.plan import planner
+from jaxmoe.plan import estimates, planner, tracer
 from jaxmoe.plan.mappings import Mapping
 from jaxmoe.plan.mfu import mfu
 from jaxmoe.plan.plan_table import table
@@ -61,7 +61,7 @@ def _refuse(*args, **kwargs):
 def no_tracing(monkeypatch):
     """Fail if anything is traced: every estimate must come from the cache (or nothing
     may be estimated at all)."""
-    monkeypatch.setattr(planner, "capture_train_step", _refuse)
+    monkeypatch.setattr(tracer, "capture_train_step", _refuse)
 
 
 def _estimate(result, **layout):
@@ -204,7 +204,7 @@ def test_cli_prints_the_table_and_writes_json(cache_home, tmp_path, monkeypatch,
         _config(), "tiny", DEVICES, PROFILE, ("none",), cache_dir=cache_home / "jaxmoe" / "plan"
     )
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache_home))
-    monkeypatch.setattr(planner, "capture_train_step", _refuse)
+    monkeypatch.setattr(tracer, "capture_train_step", _refuse)
     out = tmp_path / "plan.json"
     argv = ["plan", *SMALL, "--devices", "2", "--profile", PROFILE, "--json", str(out)]
     argv += ["--schedule", "none"]
@@ -267,8 +267,8 @@ def test_with_several_schedules_the_fastest_counts(planned):
         for c in planned.space.valid
         if (c.mapping.expert, c.mapping.tensor, c.mapping.dispatcher) == (2, 1, "all_to_all")
     ]
-    memory, times = planner.estimate_mapping(
-        candidate.config, ["none", "async"], PROFILE, planner.EstimateCache(None)
+    memory, times = tracer.estimate_mapping(
+        candidate.config, ["none", "async"], PROFILE, estimates.EstimateCache(None)
     )
     unscheduled = _estimate(planned, tensor=1, expert=2, expert_tensor=1)
     assert memory == unscheduled.memory  # the program's, whatever the schedule
@@ -289,8 +289,8 @@ def test_a_schedule_that_gathers_ahead_adds_what_it_holds_to_the_memory(planned)
         if (c.mapping.expert, c.mapping.tensor, c.mapping.dispatcher) == (2, 1, "all_to_all")
     ]
     sharded = with_options(candidate, Options(zero=3), DEVICES)
-    memory, times = planner.estimate_mapping(
-        sharded.config, ["none", "async"], PROFILE, planner.EstimateCache(None)
+    memory, times = tracer.estimate_mapping(
+        sharded.config, ["none", "async"], PROFILE, estimates.EstimateCache(None)
     )
     # none runs each gather where it stands; async starts them ahead of their use.
     assert times["none"].prefetched == 0 < times["async"].prefetched
@@ -302,10 +302,10 @@ def test_each_mapping_is_estimated_under_the_schedules_that_apply_to_it():
     one = _config()
     two = dataclasses.replace(one, train=dataclasses.replace(one.train, microbatches=2))
     # pair runs one microbatch's passes beside another's: not on one microbatch.
-    assert list(planner._applicable(one, ["none", "pair"], PROFILE)) == ["none"]
-    assert list(planner._applicable(two, ["none", "pair"], PROFILE)) == ["none", "pair"]
+    assert list(tracer.applicable_schedules(one, ["none", "pair"], PROFILE)) == ["none"]
+    assert list(tracer.applicable_schedules(two, ["none", "pair"], PROFILE)) == ["none", "pair"]
     with pytest.raises(ConfigError, match="none applies to this mapping"):
-        planner._applicable(one, ["pair"], PROFILE)
+        tracer.applicable_schedules(one, ["pair"], PROFILE)
 
 
 def test_the_cli_plans_under_every_schedule_by_default():
