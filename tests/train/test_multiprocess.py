@@ -58,6 +58,20 @@ def launch_here(capsys, *args: str) -> tuple[int, str]:
     return status, capsys.readouterr().out
 
 
+def assert_launched_like(capsys, expected: list[float], out: Path, *args: str) -> None:
+    """``jaxmoe launch -n 2 -- train ARGS --out OUT`` ends well, only process 0 reports and
+    writes, and its losses are ``expected`` (one process's) within 1e-5 relative."""
+    status, output = launch_here(capsys, *args, "--out", str(out))
+    assert status == 0, output[-3000:]
+    assert f"[host 0] done: {len(expected)} steps" in output
+    assert "[host 1] done" not in output  # only process 0 reports and writes
+    assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    launched = losses(out)
+    assert len(launched) == len(expected)
+    for a, b in zip(expected, launched, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(a), (expected, launched)
+
+
 # Two processes train like one under the default gradient sync in
 # test_multiprocess_checkpoint.py's run (losses within 1e-5 up to the preemption), and with
 # hierarchical sync below, which also checks what only process 0 reports and writes.
@@ -65,16 +79,7 @@ def launch_here(capsys, *args: str) -> tuple[int, str]:
 def test_two_processes_train_like_one(tmp_path, capsys):
     common = ["--steps", "5", *SMALL]
     single_losses = train_here(tmp_path / "one", *common)
-    double = tmp_path / "two"
-    status, output = launch_here(capsys, *common, "--out", str(double))
-    assert status == 0, output[-3000:]
-    assert "[host 0] done: 5 steps" in output
-    assert "[host 1] done" not in output  # only process 0 reports and writes
-    assert len(list((double / "tensorboard").glob("events.out.tfevents.*"))) == 1
-    double_losses = losses(double)
-    assert len(double_losses) == 5
-    for a, b in zip(single_losses, double_losses, strict=True):
-        assert abs(a - b) <= 1e-5 * abs(a), (single_losses, double_losses)
+    assert_launched_like(capsys, single_losses, tmp_path / "two", *common)
 
 
 def test_hierarchical_takes_each_process_as_a_host(tmp_path, capsys):
@@ -83,16 +88,7 @@ def test_hierarchical_takes_each_process_as_a_host(tmp_path, capsys):
     common = ["--steps", "3", *SMALL, "--parallel.data", "2", "--parallel.expert", "4"]
     common += ["--train.grad_sync", "hierarchical"]
     one = train_here(tmp_path / "one", *common, "--train.grad_sync_devices_per_host", "4")
-    two = tmp_path / "two"
-    status, output = launch_here(capsys, *common, "--out", str(two))
-    assert status == 0, output[-3000:]
-    assert "[host 0] done: 3 steps" in output
-    assert "[host 1] done" not in output  # only process 0 reports and writes
-    assert len(list((two / "tensorboard").glob("events.out.tfevents.*"))) == 1
-    double = losses(two)
-    assert len(double) == 3
-    for a, b in zip(one, double, strict=True):
-        assert abs(a - b) <= 1e-5 * abs(a)
+    assert_launched_like(capsys, one, tmp_path / "two", *common)
 
 
 def test_killing_one_process_stops_the_other_within_the_bound(tmp_path):

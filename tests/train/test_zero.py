@@ -211,9 +211,8 @@ def test_the_state_holds_shards():
 
 # A schedule that packs dW work (pair) is bit for bit on a ZeRO-1 step by default in
 # tests/pipeline/test_pipelined.py; dw on the unpipelined ZeRO steps is slow.
-@pytest.mark.parametrize(
-    "zero", [pytest.param(1, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)]
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [1, 3])
 def test_dw_schedule_is_exact_on_a_zero_step(zero):
     config = config_for("2x4", zero=zero)
     scheduled = run(with_schedule(config, "dw"), steps=3)
