@@ -5,9 +5,11 @@ of its step time and memory per device, and of those of its variants with other 
 The mapping's step is traced with one block (or whole, for a model of few blocks) and
 each op priced by the cost model. In the ``none`` schedule the simulated step is the sum
 of its ops' costs (collectives run where they stand, nothing beside them), so the step of
-``n`` blocks is at least the ops outside the block plus ``n`` times the block's own ops
-(each further block adds those, and its share of the update). With other schedules
-communication may hide behind computation: the bound counts computation alone.
+``n`` blocks is at least the ops outside the block plus ``n`` times the block's own ops:
+those in its scope, and the update's ops on its parameters alone (their gradients'
+squares and sums in the clipping, their moments and steps), which each further block
+adds again. With other schedules communication may hide behind computation: the bound
+counts computation alone.
 
 Time of a variant. One that does less work than the traced options is bounded by taking
 away the ops it may not run: with other recomputation, every op of the traced
@@ -24,7 +26,8 @@ runs in each op's overhead and the work of the ops on parameters alone (casts an
 transposes of weights, casts of weight gradients: no rows in them). Every stage runs the
 embedding, the head and the loss on its microbatches. The update and ZeRO-1's gathers
 are of fewer layers over fewer replicas and taken away, but for the optimizer's own ops
-where the traced step shards the optimizer: a stage's shards are as large.
+where the traced step shards the optimizer: a stage's shards are as large, and the
+stage of most blocks holds at least ``1 / stages`` of them.
 
 Memory of a variant. The state (parameters and optimizer state, :func:`jaxmoe.train.
 state_memory.memory_per_device`) is there throughout, and when the backward pass begins the
@@ -194,7 +197,11 @@ class Screen:
             + block_fixed / traced * ticks / (stages * virtual)
             + max(outside - outside_fixed, 0.0) * min(stages, options.microbatches / traced)
             + outside_fixed / traced * options.microbatches
-            + (self.update_compute.at(self.blocks) if self.options.zero else 0.0)
+            + (
+                self.update_compute.outside + self.update_compute.block * -(-self.blocks // stages)
+                if self.options.zero
+                else 0.0
+            )
         )
 
     def _pass_parts(self, recompute: str, overheads: bool = False) -> tuple[float, float]:
@@ -328,8 +335,9 @@ def screen(
     parameters = _parameters(program)
     weights = _parameters(program, program.inputs[: len(jax.tree.leaves(state))])
     shapes = {value.aval.shape for value in weights if value.aval.ndim}
+    update_in_blocks = _update_in_blocks(program, blocks_scope)
     for op in program.ops:
-        in_block = bool(blocks_scope.search(op.layer))
+        in_block = bool(blocks_scope.search(op.layer)) or op.index in update_in_blocks
         collective = op.is_collective or op.primitive == "ragged_all_to_all"
         seconds = 0.0 if compute_only and collective else cost.seconds(op)
         parts = ["step"]
@@ -389,6 +397,49 @@ def screen(
         compute_only=compute_only,
         **splits,
     )
+
+
+# Ops that put several values into one: at a greater depth one such op may take every
+# block's values, so they are not counted once per block.
+_PACKS = frozenset({"concatenate", "pad", "dynamic_update_slice", "scatter", "scatter-add"})
+
+
+def _update_in_blocks(program: Program, blocks_scope: re.Pattern[str]) -> set[int]:
+    """The update's ops (the gradients' sums, clipping, the optimizer) that each block
+    repeats for its own parameters: outside the blocks' scope, they are found by what they
+    read. A value made in a block's scope is the block's; one made elsewhere in the forward
+    or backward pass is not (the embedding's and the head's gradients); any other value is
+    of what it is made from. An update op counts once per block when what it reads is the
+    block's, values of both kinds aside (a global norm's running sum, and what it scales
+    by): a per-parameter square, sum, moment or step. Collectives and ops that pack values
+    together are left outside the blocks (at a greater depth one may serve every block),
+    so the blocks' share stays a lower bound of what each further block adds."""
+    block, other = 1, 2
+    kind: dict[Value, int] = {}
+    found: set[int] = set()
+    for op in program.ops:
+        if op.phase is not Phase.OPTIMIZER:
+            mark = block if blocks_scope.search(op.layer) else other
+        else:
+            read = 0
+            for a in op.inputs:
+                if isinstance(a, Value):
+                    read |= kind.get(a, 0)
+            mark = read
+            pure = 0
+            for a in op.inputs:
+                if isinstance(a, Value) and kind.get(a, 0) != block | other:
+                    pure |= kind.get(a, 0)
+            if (
+                pure == block
+                and not op.is_collective
+                and op.primitive not in _PACKS
+                and op.primitive != "ragged_all_to_all"
+            ):
+                found.add(op.index)
+        for value in op.outputs:
+            kind[value] = mark
+    return found
 
 
 def _bytes(values: dict[Value, Any]) -> float:

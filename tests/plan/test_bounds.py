@@ -93,9 +93,11 @@ def test_the_bounds_are_close_where_nothing_is_taken_away():
     options = Options(1, "layer", 1)
     config, memory, step = estimated(options)
     bounds = screened()
-    # The update's share of each further block is what the step bound leaves out, and
-    # what the least-memory trace materialises that this set fuses (0.82 of the step).
-    assert bounds.step_bound(options) == pytest.approx(step, rel=0.2)
+    # Each further block's update (its parameters' clipping and optimizer steps) is
+    # counted with the block: 0.94 of the step (0.88 when it was left outside the
+    # blocks). What is left out is what the bounding trace materialises that this set
+    # fuses.
+    assert bounds.step_bound(options) == pytest.approx(step, rel=0.08)
     # ZeRO-1's gathered parameters and the head's backward pass counted (0.55 without).
     assert bounds.memory_bound(options, tracer.state_bytes(config)) > 0.9 * memory.total
 
