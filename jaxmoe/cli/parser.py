@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import sys
 import types
@@ -284,6 +285,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         metavar="SECONDS",
         help="estimate no more mappings after this long: the best found, not proven the best",
+    )
+    plan.add_argument(
+        "--jobs",
+        type=int,
+        default=min(os.cpu_count() or 1, 8),
+        help="worker processes tracing side by side (default: the cores, at most 8)",
     )
     plan.add_argument(
         "--trace-every-layer",

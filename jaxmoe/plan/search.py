@@ -50,28 +50,45 @@ def best_first(
     wanted: int,
     deadline: float | None = None,
     clock: Callable[[], float] = time.monotonic,
+    *,
+    width: int = 1,
+    prepare: Callable[[list[Any]], None] | None = None,
 ) -> SearchEnd:
     """Advance the candidates ``(bound, item)`` of ``start`` least bound first (module
     docstring), until the ``wanted`` least figures are known or ``clock()`` passes
-    ``deadline``."""
+    ``deadline``.
+
+    ``width``: how many candidates are taken at once, each of the least bounds left that
+    the figures found so far do not rule out; ``prepare`` is given them together before
+    each is advanced (to do their work side by side). A wider search may advance a
+    candidate that a narrower one would have ruled out by a figure found meanwhile, never
+    one fewer: the figures it proves are the same."""
     if wanted < 1:
         raise ValueError(f"wanted={wanted}: the search needs at least one figure")
+    if width < 1:
+        raise ValueError(f"width={width}: advance at least one candidate at a time")
     tie = itertools.count()
     heap = [(bound, next(tie), item) for bound, item in start]
     heapq.heapify(heap)
     figures: list[float] = []
     complete = True
-    while heap:
-        bound, _, item = heap[0]
-        if len(figures) >= wanted and bound >= figures[wanted - 1]:
-            break
+
+    def ruled_out(bound: float) -> bool:
+        return len(figures) >= wanted and bound >= figures[wanted - 1]
+
+    while heap and not ruled_out(heap[0][0]):
         if deadline is not None and clock() >= deadline:
             complete = False
             break
-        heapq.heappop(heap)
-        step = advance(item)
-        if step.bound is not None:
-            heapq.heappush(heap, (max(bound, step.bound), next(tie), step.item))
-        elif step.estimated and step.figure is not None:
-            bisect.insort(figures, step.figure)
+        taken = [heapq.heappop(heap)]
+        while heap and len(taken) < width and not ruled_out(heap[0][0]):
+            taken.append(heapq.heappop(heap))
+        if prepare is not None:
+            prepare([item for _, _, item in taken])
+        for bound, _, item in taken:
+            step = advance(item)
+            if step.bound is not None:
+                heapq.heappush(heap, (max(bound, step.bound), next(tie), step.item))
+            elif step.estimated and step.figure is not None:
+                bisect.insort(figures, step.figure)
     return SearchEnd([(bound, item) for bound, _, item in sorted(heap)], complete)

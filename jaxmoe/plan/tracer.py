@@ -133,13 +133,20 @@ class Tracer:
             )
         return self._estimates[key]
 
+    def _screen_tag(self, extrapolate_layers: bool) -> str:
+        return ",".join(self.schedules) + (":extrapolated" if extrapolate_layers else "")
+
+    def cached_screen(self, config: Config, extrapolate_layers: bool) -> Screen | None:
+        """The bounds of ``config`` where the plan's cache holds them, else None."""
+        return self.cache.load_screen(config, self._screen_tag(extrapolate_layers))
+
     def screen(self, config: Config, extrapolate_layers: bool) -> Screen:
         """The bounds of ``config`` (:mod:`jaxmoe.plan.bounds`), from a one-block trace
         (or a whole one: ``extrapolate_layers`` off, or a model of few blocks)."""
-        tag = ",".join(self.schedules) + (":extrapolated" if extrapolate_layers else "")
-        found = self.cache.load_screen(config, tag)
+        found = self.cached_screen(config, extrapolate_layers)
         if found is not None:
             return found
+        tag = self._screen_tag(extrapolate_layers)
         shallow = extrapolate_layers and extrapolates(config)
         traced = with_blocks(config, 1) if shallow else config
         program, _ = self._trace(traced)
@@ -193,6 +200,24 @@ def _state_bytes(values: str) -> int:
     return one + (blocks - 1) * (two - one)
 
 
+def cached_estimate(
+    config: Config,
+    schedules: Sequence[str],
+    profile: str,
+    cache: EstimateCache,
+    extrapolate_layers: bool = True,
+) -> Estimate | None:
+    """The estimate of ``config`` (:func:`estimate_mapping`) where the cache holds it under
+    every schedule that applies, else None."""
+    method = "extrapolated" if extrapolate_layers and extrapolates(config) else "traced"
+    keyed = applicable_schedules(config, schedules, profile)
+    found = {s: cache.load(keyed[s], s, method) for s in keyed}
+    if not all(found.values()):
+        return None
+    memory = next(iter(found.values()))[0]  # type: ignore[index]
+    return memory, {s: hit[1] for s, hit in found.items()}  # type: ignore[index]
+
+
 def estimate_mapping(
     config: Config,
     schedules: Sequence[str],
@@ -209,13 +234,12 @@ def estimate_mapping(
     :data:`~jaxmoe.plan.layer_extrapolation.MIN_BLOCKS` repeating blocks, once with
     one block and once with two, and the figures are extrapolated to the model's depth
     (:mod:`jaxmoe.plan.layer_extrapolation`). ``tracer``: the plan's traces, reused."""
+    found = cached_estimate(config, schedules, profile, cache, extrapolate_layers)
+    if found is not None:
+        return found
     method = "extrapolated" if extrapolate_layers and extrapolates(config) else "traced"
     keyed = applicable_schedules(config, schedules, profile)
     schedules = tuple(keyed)
-    found = {s: cache.load(keyed[s], s, method) for s in schedules}
-    if all(found.values()):
-        memory = next(iter(found.values()))[0]  # type: ignore[index]
-        return memory, {s: hit[1] for s, hit in found.items()}  # type: ignore[index]
     tracer = tracer or Tracer(schedules, profile, cache)
     if method == "traced":
         memory, times = tracer.estimate(config)

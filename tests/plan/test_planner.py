@@ -129,6 +129,15 @@ def test_every_valid_mapping_is_estimated_and_ranked_by_mfu(planned):
     assert best.mfu == pytest.approx(mfu(flops, best.best.step, DEVICES, 494.5e12))
 
 
+def test_worker_processes_plan_as_the_planner_does(planned, no_tracing):
+    """Traced and priced on two worker processes (this process traces nothing), nothing
+    cached, every estimate is the planner's own, in the same order."""
+    found = planner.plan_mappings(
+        _config(), "tiny", DEVICES, PROFILE, ("none",), options=False, jobs=2
+    )
+    assert [e.to_json() for e in found.estimates] == [e.to_json() for e in planned.estimates]
+
+
 def test_mappings_over_the_memory_are_dropped(cache_home, planned, no_tracing):
     totals = sorted(e.memory.total for e in planned.estimates)
     limit = (totals[0] + totals[-1]) / 2

@@ -24,9 +24,13 @@ def _candidates(seed: int, count: int = 40) -> dict[str, tuple[float, float, flo
 
 @pytest.mark.parametrize("seed", range(5))
 @pytest.mark.parametrize("wanted", [1, 3])
-def test_the_wanted_least_figures_are_exact(seed, wanted):
+@pytest.mark.parametrize("width", [1, 4])
+def test_the_wanted_least_figures_are_exact(seed, wanted, width):
+    """Also when candidates are taken several at a time (the planner's workers): each
+    batch is prepared together, then advanced in order."""
     candidates = _candidates(seed)
     advanced = []
+    batches = []
 
     def advance(item):
         name, stage = item
@@ -36,9 +40,17 @@ def test_the_wanted_least_figures_are_exact(seed, wanted):
             return Advance(tighter, (name, "tighter"))
         return Advance(estimated=True, figure=figure if counts else None)
 
-    end = best_first(((c[0], (n, "bound")) for n, c in candidates.items()), advance, wanted)
+    end = best_first(
+        ((c[0], (n, "bound")) for n, c in candidates.items()),
+        advance,
+        wanted,
+        width=width,
+        prepare=batches.append,
+    )
     left = end.left
     assert end.complete
+    assert [item for batch in batches for item in batch] == advanced
+    assert max(len(batch) for batch in batches) == width
     estimated = {name for name, stage in advanced if stage == "tighter"}
     counted = sorted(candidates[n][2] for n in estimated if candidates[n][3])
     every = sorted(c[2] for c in candidates.values() if c[3])

@@ -1,0 +1,148 @@
+"""The planner's traces on worker processes: screens and estimates of mapped configurations
+taken ``jobs`` at a time (``jaxmoe plan --jobs``).
+
+A trace is Python work in JAX's tracer, one core's worth, so a plan on a many-core host
+runs its traces side by side in processes of their own. Each worker keeps a
+:class:`~jaxmoe.plan.tracer.Tracer` of its own, and a mapping's work always goes to the
+same worker (chosen by its layout), so the one-block trace of a mapping's screen is still
+the first of its estimate's two. Configurations travel as their dictionaries, screens and
+estimates as their JSON records, so a worker computes exactly what the planner's own
+tracer computes: the ranking does not depend on ``jobs``.
+
+Workers are started with ``spawn`` (JAX is not safe to fork once imported) and inherit the
+environment, so they trace for the same backend as the planner; they are told not to
+preallocate accelerator memory, since they trace on abstract meshes and run nothing.
+This module imports no JAX at its top: a worker loads JAX once its environment is set.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jaxmoe.config import Config
+
+# Set in each worker by _start.
+_TRACER: Any = None
+_EXTRAPOLATE = True
+
+
+def _start(schedules: tuple[str, ...], profile: str, cache_dir: str | None, extrapolate: bool):
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    from jaxmoe.plan.estimates import EstimateCache
+    from jaxmoe.plan.tracer import Tracer
+
+    global _TRACER, _EXTRAPOLATE
+    _TRACER = Tracer(
+        schedules, profile, EstimateCache(None if cache_dir is None else Path(cache_dir))
+    )
+    _EXTRAPOLATE = extrapolate
+
+
+def _screen(values: dict[str, Any]) -> dict[str, Any]:
+    return _TRACER.screen(Config.from_dict(values), _EXTRAPOLATE).to_json()
+
+
+def _estimate(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    import dataclasses
+
+    from jaxmoe.plan.tracer import estimate_mapping
+
+    memory, times = estimate_mapping(
+        Config.from_dict(values),
+        _TRACER.schedules,
+        _TRACER.profile,
+        _TRACER.cache,
+        extrapolate_layers=_EXTRAPOLATE,
+        tracer=_TRACER,
+    )
+    return dataclasses.asdict(memory), {s: dataclasses.asdict(t) for s, t in times.items()}
+
+
+@dataclass(frozen=True)
+class Work:
+    """A screen (``"screen"``) or an estimate (``"estimate"``) of a mapped configuration;
+    ``key`` names its mapping, so that its screen and its estimate share a worker."""
+
+    kind: str
+    config: Config
+    key: Any
+
+
+class TracePool:
+    """``jobs`` worker processes, each tracing and pricing as a planner's
+    :class:`~jaxmoe.plan.tracer.Tracer` would (module docstring), started when first
+    given work."""
+
+    def __init__(
+        self,
+        jobs: int,
+        schedules: Sequence[str],
+        profile: str,
+        cache_dir: Path | None,
+        extrapolate_layers: bool,
+    ):
+        if jobs < 2:
+            raise ValueError(f"jobs={jobs}: a pool has two workers or more")
+        self.jobs = jobs
+        self._start = (
+            tuple(schedules),
+            profile,
+            None if cache_dir is None else str(cache_dir),
+            extrapolate_layers,
+        )
+        self._workers: list[concurrent.futures.ProcessPoolExecutor] = []
+        self._affinity: dict[Any, int] = {}  # a mapping's key -> the worker that traced it
+
+    def close(self) -> None:
+        """Stop the workers (work not begun is dropped)."""
+        for worker in self._workers:
+            worker.shutdown(cancel_futures=True)
+        self._workers = []
+
+    def _started(self) -> list[concurrent.futures.ProcessPoolExecutor]:
+        if not self._workers:
+            context = multiprocessing.get_context("spawn")
+            self._workers = [
+                concurrent.futures.ProcessPoolExecutor(
+                    1, mp_context=context, initializer=_start, initargs=self._start
+                )
+                for _ in range(self.jobs)
+            ]
+        return self._workers
+
+    def run(self, work: Sequence[Work]) -> list[Any]:
+        """Each of ``work`` done on a worker, side by side: a
+        :class:`~jaxmoe.plan.bounds.Screen` for a screen, ``(memory, times)`` for an
+        estimate, in ``work``'s order. A mapping goes to the worker that traced it before
+        where that one is not already given other work of this call (then its trace is
+        kept there), else to the worker given least."""
+        from jaxmoe.plan.bounds import Screen
+        from jaxmoe.plan.estimates import StepTime
+        from jaxmoe.plan.memory import StepMemory
+
+        workers = self._started()
+        given = [0] * len(workers)
+        futures = []
+        for item in work:
+            index = self._affinity.get(item.key)
+            if index is None or given[index]:
+                index = min(range(len(workers)), key=given.__getitem__)
+            given[index] += 1
+            self._affinity[item.key] = index
+            task = _screen if item.kind == "screen" else _estimate
+            futures.append(workers[index].submit(task, item.config.to_dict()))
+        results = []
+        for item, future in zip(work, futures, strict=True):
+            found = future.result()
+            if item.kind == "screen":
+                results.append(Screen.from_json(found))
+            else:
+                memory, times = found
+                results.append((StepMemory(**memory), {s: StepTime(**t) for s, t in times.items()}))
+        return results
