@@ -341,169 +341,167 @@ def plan_mappings(
         left_out.append(NotEstimated(mapping, kind, reason, memory_bound=memory))
 
     pool = TracePool(jobs, schedules, profile, cache_dir, extrapolate_layers) if jobs > 1 else None
-    try:
 
-        def screens_of(configs: list[tuple[Config, Mapping]]) -> list[Screen]:
-            """The bounds of each configuration (on the workers, those not cached)."""
-            found: list[Screen | None] = [
-                tracer.cached_screen(c, extrapolate_layers) if pool is not None else None
-                for c, _ in configs
-            ]
-            traced = [i for i, screen in enumerate(found) if screen is None]
-            if pool is not None and traced:
-                work = [Work("screen", configs[i][0], configs[i][1]) for i in traced]
-                for i, screen in zip(traced, pool.run(work), strict=True):
-                    found[i] = screen
-            return [
-                screen if screen is not None else tracer.screen(c, extrapolate_layers)
-                for screen, (c, _) in zip(found, configs, strict=True)
-            ]
+    def screens_of(configs: list[tuple[Config, Mapping]]) -> list[Screen]:
+        """The bounds of each configuration (on the workers, those not cached)."""
+        found: list[Screen | None] = [
+            tracer.cached_screen(c, extrapolate_layers) if pool is not None else None
+            for c, _ in configs
+        ]
+        traced = [i for i, screen in enumerate(found) if screen is None]
+        if pool is not None and traced:
+            work = [Work("screen", configs[i][0], configs[i][1]) for i in traced]
+            for i, screen in zip(traced, pool.run(work), strict=True):
+                found[i] = screen
+        return [
+            screen if screen is not None else tracer.screen(c, extrapolate_layers)
+            for screen, (c, _) in zip(found, configs, strict=True)
+        ]
 
-        # Each layout's option sets that Config accepts, and the state of each ZeRO stage;
-        # then the screens of the layouts without a pipeline, all at once.
-        laid_out = []
-        for layout in space.valid:
-            assert layout.config is not None
-            mapping = layout.mapping
-            sets = option_sets(layout.config, options) if options else [options_of(config)]
-            states = {}  # ZeRO stage -> the state's bytes (the options change nothing else)
-            for zero in sorted({o.zero for o in sets}):
-                staged = with_options(layout, Options(zero=zero), per_node)
-                if staged.config is None:
-                    for o in sets:
-                        if o.zero == zero:
-                            leave(mapping.with_options(o), "refused", staged.reason)
-                else:
-                    states[zero] = state_bytes(staged.config)
-            sets = [o for o in sets if o.zero in states]
-            if not sets:
-                continue
-            if over(min(states.values())):
-                least = min(states.values())
-                reason = (
-                    f"its state alone needs {least / 1e9:.1f} GB or more (that of the options of "
-                    "least memory)"
-                )
+    # Each layout's option sets that Config accepts, and the state of each ZeRO stage;
+    # then the screens of the layouts without a pipeline, all at once.
+    laid_out = []
+    for layout in space.valid:
+        assert layout.config is not None
+        mapping = layout.mapping
+        sets = option_sets(layout.config, options) if options else [options_of(config)]
+        states = {}  # ZeRO stage -> the state's bytes (the options change nothing else)
+        for zero in sorted({o.zero for o in sets}):
+            staged = with_options(layout, Options(zero=zero), per_node)
+            if staged.config is None:
                 for o in sets:
-                    leave(mapping.with_options(o), "state", reason, least)
-                continue
-            traced = None
-            if mapping.pipeline == 1:
-                traced = with_options(layout, bounding(sets), per_node)
-                if traced.config is None:
-                    for o in sets:
-                        leave(mapping.with_options(o), "refused", traced.reason)
-                    continue
-            laid_out.append((layout, sets, states, traced))
-        to_screen = [traced for _, _, _, traced in laid_out if traced is not None]
-        screens: dict[tuple, Screen] = {}  # stage layout -> its screen
-        for index, (traced, found) in enumerate(
-            zip(to_screen, screens_of([(t.config, t.mapping) for t in to_screen]), strict=True)
-        ):
-            screens[traced.mapping.stage_layout] = found
-            say(f"[{index + 1}/{len(to_screen)}] bounds from {traced.mapping.label()}")
-
-        start = []
-        for layout, sets, states, traced in laid_out:
-            mapping = layout.mapping
-            if traced is not None or not config.model.first_dense_layers:
-                # Its own screen, or (a pipeline) its stage layout's without a pipeline.
-                bounds = screens.get(mapping.stage_layout)
+                    if o.zero == zero:
+                        leave(mapping.with_options(o), "refused", staged.reason)
             else:
-                bounds = None  # its first stage holds the dense layers: bounded by its own trace
+                states[zero] = state_bytes(staged.config)
+        sets = [o for o in sets if o.zero in states]
+        if not sets:
+            continue
+        if over(min(states.values())):
+            least = min(states.values())
+            reason = (
+                f"its state alone needs {least / 1e9:.1f} GB or more (that of the options of "
+                "least memory)"
+            )
             for o in sets:
-                if bounds is None:
-                    start.append((0.0, _Pending(layout, o, None, False)))
-                    continue
-                if mapping.pipeline == 1:
-                    memory = bounds.memory_bound(o, states[o.zero])
-                else:
-                    memory = bounds.pipeline_memory_bound(
-                        o, states[o.zero], mapping.pipeline, mapping.virtual_stages
-                    )
-                if over(memory):
-                    leave(mapping.with_options(o), "memory", _over_reason(memory), memory)
-                    continue
-                if mapping.pipeline == 1:
-                    step = bounds.step_bound(o)
-                else:
-                    step = bounds.pipeline_step_bound(o, mapping.pipeline, mapping.virtual_stages)
-                own = mapping.pipeline == 1 and o == bounds.options
-                start.append((step, _Pending(layout, o, bounds, own)))
+                leave(mapping.with_options(o), "state", reason, least)
+            continue
+        traced = None
+        if mapping.pipeline == 1:
+            traced = with_options(layout, bounding(sets), per_node)
+            if traced.config is None:
+                for o in sets:
+                    leave(mapping.with_options(o), "refused", traced.reason)
+                continue
+        laid_out.append((layout, sets, states, traced))
+    to_screen = [traced for _, _, _, traced in laid_out if traced is not None]
+    screens: dict[tuple, Screen] = {}  # stage layout -> its screen
+    for index, (traced, found) in enumerate(
+        zip(to_screen, screens_of([(t.config, t.mapping) for t in to_screen]), strict=True)
+    ):
+        screens[traced.mapping.stage_layout] = found
+        say(f"[{index + 1}/{len(to_screen)}] bounds from {traced.mapping.label()}")
 
-        # What the workers found for the candidates taken together, by candidate.
-        prepared: dict[int, Any] = {}
+    start = []
+    for layout, sets, states, traced in laid_out:
+        mapping = layout.mapping
+        if traced is not None or not config.model.first_dense_layers:
+            # Its own screen, or (a pipeline) its stage layout's without a pipeline.
+            bounds = screens.get(mapping.stage_layout)
+        else:
+            bounds = None  # its first stage holds the dense layers: bounded by its own trace
+        for o in sets:
+            if bounds is None:
+                start.append((0.0, _Pending(layout, o, None, False)))
+                continue
+            if mapping.pipeline == 1:
+                memory = bounds.memory_bound(o, states[o.zero])
+            else:
+                memory = bounds.pipeline_memory_bound(
+                    o, states[o.zero], mapping.pipeline, mapping.virtual_stages
+                )
+            if over(memory):
+                leave(mapping.with_options(o), "memory", _over_reason(memory), memory)
+                continue
+            if mapping.pipeline == 1:
+                step = bounds.step_bound(o)
+            else:
+                step = bounds.pipeline_step_bound(o, mapping.pipeline, mapping.virtual_stages)
+            own = mapping.pipeline == 1 and o == bounds.options
+            start.append((step, _Pending(layout, o, bounds, own)))
 
-        def prepare(pendings: list[_Pending]) -> None:
-            if pool is None:
-                return
-            work, ids = [], []
-            for pending in pendings:
-                candidate = with_options(pending.layout, pending.options, per_node)
-                if candidate.config is None:
-                    continue
-                if not pending.own:
-                    if tracer.cached_screen(candidate.config, extrapolate_layers) is None:
-                        work.append(Work("screen", candidate.config, candidate.mapping))
-                        ids.append(id(pending))
-                elif (
-                    cached_estimate(candidate.config, schedules, profile, cache, extrapolate_layers)
-                    is None
-                ):
-                    work.append(Work("estimate", candidate.config, candidate.mapping))
-                    ids.append(id(pending))
-            prepared.update(zip(ids, pool.run(work), strict=True))
+    # What the workers found for the candidates taken together, by candidate.
+    prepared: dict[int, Any] = {}
 
-        def advance(pending: _Pending) -> Advance:
+    def prepare(pendings: list[_Pending]) -> None:
+        if pool is None:
+            return
+        work, ids = [], []
+        for pending in pendings:
             candidate = with_options(pending.layout, pending.options, per_node)
             if candidate.config is None:
-                leave(candidate.mapping, "refused", candidate.reason)
-                return Advance()
-            options_now = pending.options
-            found = prepared.pop(id(pending), None)
+                continue
             if not pending.own:
-                own = found or tracer.screen(candidate.config, extrapolate_layers)
-                memory = own.memory_bound(options_now, state_bytes(candidate.config))
-                say(
-                    f"bounds of {candidate.mapping.label()}: "
-                    f"{own.step_bound(options_now) * 1e3:.1f} ms, {memory / 1e9:.1f} GB"
-                )
-                if over(memory):
-                    leave(candidate.mapping, "memory", _over_reason(memory), memory)
-                    return Advance()
-                return Advance(
-                    own.step_bound(options_now),
-                    _Pending(pending.layout, options_now, own, True),
-                )
-            memory, times = found or estimate_mapping(
-                candidate.config,
-                schedules,
-                profile,
-                cache,
-                extrapolate_layers=extrapolate_layers,
-                tracer=tracer,
-            )
-            fastest = min(times.values(), key=lambda t: t.step)
-            step = fastest.step
-            estimate = MappingEstimate(
-                mapping=candidate.mapping,
-                memory=memory,
-                times=times,
-                mfu=mfu(flops, step, devices, peak),
-                fits=not over(memory.total + fastest.prefetched),
-            )
-            estimates.append(estimate)
-            say(
-                f"estimated {candidate.mapping.label()}: {step * 1e3:.3f} ms, "
-                f"{estimate.peak_bytes / 1e9:.3f} GB"
-            )
-            return Advance(estimated=True, figure=step if estimate.fits else None)
+                if tracer.cached_screen(candidate.config, extrapolate_layers) is None:
+                    work.append(Work("screen", candidate.config, candidate.mapping))
+                    ids.append(id(pending))
+            elif (
+                cached_estimate(candidate.config, schedules, profile, cache, extrapolate_layers)
+                is None
+            ):
+                work.append(Work("estimate", candidate.config, candidate.mapping))
+                ids.append(id(pending))
+        prepared.update(zip(ids, pool.run(work), strict=True))
 
-        deadline = None if time_limit is None else started + time_limit
-        end = best_first(start, advance, top, deadline, width=jobs, prepare=prepare)
-    finally:
-        if pool is not None:
-            pool.close()
+    def advance(pending: _Pending) -> Advance:
+        candidate = with_options(pending.layout, pending.options, per_node)
+        if candidate.config is None:
+            leave(candidate.mapping, "refused", candidate.reason)
+            return Advance()
+        options_now = pending.options
+        found = prepared.pop(id(pending), None)
+        if not pending.own:
+            own = found or tracer.screen(candidate.config, extrapolate_layers)
+            memory = own.memory_bound(options_now, state_bytes(candidate.config))
+            say(
+                f"bounds of {candidate.mapping.label()}: "
+                f"{own.step_bound(options_now) * 1e3:.1f} ms, {memory / 1e9:.1f} GB"
+            )
+            if over(memory):
+                leave(candidate.mapping, "memory", _over_reason(memory), memory)
+                return Advance()
+            return Advance(
+                own.step_bound(options_now),
+                _Pending(pending.layout, options_now, own, True),
+            )
+        memory, times = found or estimate_mapping(
+            candidate.config,
+            schedules,
+            profile,
+            cache,
+            extrapolate_layers=extrapolate_layers,
+            tracer=tracer,
+        )
+        fastest = min(times.values(), key=lambda t: t.step)
+        step = fastest.step
+        estimate = MappingEstimate(
+            mapping=candidate.mapping,
+            memory=memory,
+            times=times,
+            mfu=mfu(flops, step, devices, peak),
+            fits=not over(memory.total + fastest.prefetched),
+        )
+        estimates.append(estimate)
+        say(
+            f"estimated {candidate.mapping.label()}: {step * 1e3:.3f} ms, "
+            f"{estimate.peak_bytes / 1e9:.3f} GB"
+        )
+        return Advance(estimated=True, figure=step if estimate.fits else None)
+
+    deadline = None if time_limit is None else started + time_limit
+    end = best_first(start, advance, top, deadline, width=jobs, prepare=prepare)
+    if pool is not None:
+        pool.close()
     best = sorted(e.best.step for e in estimates if e.fits)[top - 1 : top]
 
     def why_left(bound: float) -> tuple[str, str]:

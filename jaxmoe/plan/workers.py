@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import multiprocessing
 import os
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +65,11 @@ def _estimate(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[st
     return dataclasses.asdict(memory), {s: dataclasses.asdict(t) for s, t in times.items()}
 
 
+def _shut_down(workers: list[concurrent.futures.ProcessPoolExecutor]) -> None:
+    for worker in workers:
+        worker.shutdown(cancel_futures=True)
+
+
 @dataclass(frozen=True)
 class Work:
     """A screen (``"screen"``) or an estimate (``"estimate"``) of a mapped configuration;
@@ -98,12 +104,14 @@ class TracePool:
         )
         self._workers: list[concurrent.futures.ProcessPoolExecutor] = []
         self._affinity: dict[Any, int] = {}  # a mapping's key -> the worker that traced it
+        self._stop: weakref.finalize | None = None
 
     def close(self) -> None:
-        """Stop the workers (work not begun is dropped)."""
-        for worker in self._workers:
-            worker.shutdown(cancel_futures=True)
-        self._workers = []
+        """Stop the workers (work not begun is dropped); also done when the pool is
+        collected, e.g. after a plan raised."""
+        if self._stop is not None:
+            self._stop()
+        self._workers, self._stop = [], None
 
     def _started(self) -> list[concurrent.futures.ProcessPoolExecutor]:
         if not self._workers:
@@ -114,6 +122,7 @@ class TracePool:
                 )
                 for _ in range(self.jobs)
             ]
+            self._stop = weakref.finalize(self, _shut_down, self._workers)
         return self._workers
 
     def run(self, work: Sequence[Work]) -> list[Any]:
