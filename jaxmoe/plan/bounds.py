@@ -55,6 +55,8 @@ against estimates.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -421,21 +423,11 @@ def _update_in_blocks(program: Program, blocks_scope: re.Pattern[str]) -> set[in
         if op.phase is not Phase.OPTIMIZER:
             mark = block if blocks_scope.search(op.layer) else other
         else:
-            read = 0
-            for a in op.inputs:
-                if isinstance(a, Value):
-                    read |= kind.get(a, 0)
-            mark = read
-            pure = 0
-            for a in op.inputs:
-                if isinstance(a, Value) and kind.get(a, 0) != block | other:
-                    pure |= kind.get(a, 0)
-            if (
-                pure == block
-                and not op.is_collective
-                and op.primitive not in _PACKS
-                and op.primitive != "ragged_all_to_all"
-            ):
+            read = [kind.get(a, 0) for a in op.inputs if isinstance(a, Value)]
+            mark = functools.reduce(operator.or_, read, 0)
+            pure = functools.reduce(operator.or_, (k for k in read if k != block | other), 0)
+            collective = op.is_collective or op.primitive == "ragged_all_to_all"
+            if pure == block and not collective and op.primitive not in _PACKS:
                 found.add(op.index)
         for value in op.outputs:
             kind[value] = mark

@@ -5,9 +5,9 @@ A trace is Python work in JAX's tracer, one core's worth, so a plan on a many-co
 runs its traces side by side in processes of their own. Each worker keeps a
 :class:`~jaxmoe.plan.tracer.Tracer` of its own, and a mapping's work always goes to the
 same worker (chosen by its layout), so the one-block trace of a mapping's screen is still
-the first of its estimate's two. Configurations travel as their dictionaries, screens and
-estimates as their JSON records, so a worker computes exactly what the planner's own
-tracer computes: the ranking does not depend on ``jobs``.
+the first of its estimate's two. Configurations, screens and estimates travel pickled
+(frozen dataclasses), and a worker computes exactly what the planner's own tracer
+computes: the ranking does not depend on ``jobs``.
 
 Workers are started with ``spawn`` (JAX is not safe to fork once imported) and inherit the
 environment, so they trace for the same backend as the planner; they are told not to
@@ -45,24 +45,21 @@ def _start(schedules: tuple[str, ...], profile: str, cache_dir: str | None, extr
     _EXTRAPOLATE = extrapolate
 
 
-def _screen(values: dict[str, Any]) -> dict[str, Any]:
-    return _TRACER.screen(Config.from_dict(values), _EXTRAPOLATE).to_json()
+def _screen(config: Config) -> Any:
+    return _TRACER.screen(config, _EXTRAPOLATE)
 
 
-def _estimate(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    import dataclasses
-
+def _estimate(config: Config) -> Any:
     from jaxmoe.plan.tracer import estimate_mapping
 
-    memory, times = estimate_mapping(
-        Config.from_dict(values),
+    return estimate_mapping(
+        config,
         _TRACER.schedules,
         _TRACER.profile,
         _TRACER.cache,
         extrapolate_layers=_EXTRAPOLATE,
         tracer=_TRACER,
     )
-    return dataclasses.asdict(memory), {s: dataclasses.asdict(t) for s, t in times.items()}
 
 
 def _shut_down(workers: list[concurrent.futures.ProcessPoolExecutor]) -> None:
@@ -131,10 +128,6 @@ class TracePool:
         estimate, in ``work``'s order. A mapping goes to the worker that traced it before
         where that one is not already given other work of this call (then its trace is
         kept there), else to the worker given least."""
-        from jaxmoe.plan.bounds import Screen
-        from jaxmoe.plan.estimates import StepTime
-        from jaxmoe.plan.memory import StepMemory
-
         workers = self._started()
         given = [0] * len(workers)
         futures = []
@@ -145,13 +138,5 @@ class TracePool:
             given[index] += 1
             self._affinity[item.key] = index
             task = _screen if item.kind == "screen" else _estimate
-            futures.append(workers[index].submit(task, item.config.to_dict()))
-        results = []
-        for item, future in zip(work, futures, strict=True):
-            found = future.result()
-            if item.kind == "screen":
-                results.append(Screen.from_json(found))
-            else:
-                memory, times = found
-                results.append((StepMemory(**memory), {s: StepTime(**t) for s, t in times.items()}))
-        return results
+            futures.append(workers[index].submit(task, item.config))
+        return [future.result() for future in futures]
