@@ -54,6 +54,7 @@ import scheduling
 from jaxmoe.config import Config, ConfigError
 from jaxmoe.config.choices import PLANNED_SCHEDULES
 from jaxmoe.plan.bounds import Screen
+from jaxmoe.plan.collector import collecting_less
 from jaxmoe.plan.estimates import EstimateCache, StepTime
 from jaxmoe.plan.layer_extrapolation import extrapolates
 from jaxmoe.plan.mappings import (
@@ -248,6 +249,7 @@ class _Pending:
     own: bool
 
 
+@collecting_less
 def plan_mappings(
     config: Config,
     preset: str,

@@ -35,6 +35,7 @@ _EXTRAPOLATE = True
 
 def _start(schedules: tuple[str, ...], profile: str, cache_dir: str | None, extrapolate: bool):
     os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    from jaxmoe.plan.collector import collect_less
     from jaxmoe.plan.estimates import EstimateCache
     from jaxmoe.plan.tracer import Tracer
 
@@ -43,6 +44,7 @@ def _start(schedules: tuple[str, ...], profile: str, cache_dir: str | None, extr
         schedules, profile, EstimateCache(None if cache_dir is None else Path(cache_dir))
     )
     _EXTRAPOLATE = extrapolate
+    collect_less()
 
 
 def _screen(config: Config) -> Any:
