@@ -7,10 +7,12 @@ all-gather exchange per device in a ``shard_map``, and compares the outputs and 
 gradients of q, k and v with the dense reference core on the whole rows: float32, within
 2e-5. Three broken variants (the ring turned the wrong way, the pieces merged without
 rescaling their softmax, the own block without its causal mask) must fail the same
-comparison, so the comparison is known to see each.
+comparison of outputs, so the comparison is known to see each. The cases of one group size
+run side by side in one compiled program, and so do the broken variants' forward passes.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +46,8 @@ CASES = {
 }
 
 
+@functools.cache
+@jax.jit
 def _operands():
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
     query = jax.random.normal(keys[0], (2, SEQ, HEADS, HEAD_DIM))
@@ -55,54 +59,81 @@ def _operands():
     return query, key, value, weights, segments
 
 
-def _reference(query, key, value, weights, segments):
+@functools.cache
+def _reference(documents: bool):
+    """The dense core's output on the whole rows and its gradients of q, k and v."""
+    query, key, value, weights, segments = _operands()
+    segments = segments if documents else None
+
     def loss(query, key, value):
         out = dense_attention(query, key, value, segments)
         return jnp.sum(out * weights), out
 
-    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(query, key, value)
+    reference = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+    (_, out), grads = jax.jit(reference)(query, key, value)
     return out, grads
 
 
-def _context_parallel(case: Case, query, key, value, weights, segments):
-    """Outputs (each device's rows put back in place) and gradients of the split run."""
-    mesh = build_mesh(ParallelConfig(data=4, expert=2, context=case.context))
-
-    def per_device(query, key, value, weights, segments):
-        def loss(query, key, value):
-            local = [context_slice(x) for x in (query, key, value)]
-            out = ring.context_attention(
-                *local, exchange=case.exchange, block=4, segment_ids=segments
-            )
-            return jnp.sum(out * context_slice(weights)), out
-
-        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(
-            query, key, value
-        )
-        axes = role_axes(CONTEXT)
-        # Every device's rows at their positions; the full gradients summed over the group.
-        order = np.argsort(zigzag_order(SEQ, case.context))
-        gathered = jax.lax.all_gather(out, axes, axis=1, tiled=True)[:, order]
-        return gathered, jax.tree.map(lambda g: jax.lax.psum(g, axes), grads)
-
+def _on_context_group(context: int, per_device, *operands):
+    """``per_device`` on every device of a mesh with context groups of ``context``, each
+    device given the whole operands; one compiled program."""
+    mesh = build_mesh(ParallelConfig(data=4, expert=2, context=context))
     mapped = jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(PartitionSpec(),) * 5,
+        in_specs=(PartitionSpec(),) * len(operands),
         out_specs=PartitionSpec(),
         check_vma=False,
     )
-    return jax.jit(mapped)(query, key, value, weights, segments if case.documents else None)
+    return jax.jit(mapped)(*operands)
+
+
+def _split_attention(case: Case, query, key, value, segments):
+    """This device's output of ``case``'s context attention, on its chunks of the rows."""
+    local = [context_slice(x) for x in (query, key, value)]
+    return ring.context_attention(
+        *local,
+        exchange=case.exchange,
+        block=4,
+        segment_ids=segments if case.documents else None,
+    )
+
+
+def _in_place(out, context: int):
+    """Every device's rows of the group at their positions."""
+    order = np.argsort(zigzag_order(SEQ, context))
+    return jax.lax.all_gather(out, role_axes(CONTEXT), axis=1, tiled=True)[:, order]
+
+
+def _split_with_gradients(case: Case, query, key, value, weights, segments):
+    """Per device: the group's output and the full gradients of q, k and v (summed over
+    the group) of ``case``'s split run."""
+
+    def loss(query, key, value):
+        out = _split_attention(case, query, key, value, segments)
+        return jnp.sum(out * context_slice(weights)), out
+
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(query, key, value)
+    axes = role_axes(CONTEXT)
+    return _in_place(out, case.context), jax.tree.map(lambda g: jax.lax.psum(g, axes), grads)
+
+
+@functools.cache
+def _context_parallel(context: int) -> dict:
+    """Each case of a group of ``context`` devices by name: its outputs and gradients of
+    the split run. The group's cases run side by side in one program."""
+    cases = {name: case for name, case in CASES.items() if case.context == context}
+
+    def per_device(*operands):
+        return {name: _split_with_gradients(case, *operands) for name, case in cases.items()}
+
+    return _on_context_group(context, per_device, *_operands())
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_context_parallel_attention_is_attention_over_the_whole_sequence(name):
-    case = CASES[name]
-    query, key, value, weights, segments = _operands()
-    expected_out, expected_grads = _reference(
-        query, key, value, weights, segments if case.documents else None
-    )
-    out, grads = _context_parallel(case, query, key, value, weights, segments)
+    expected_out, expected_grads = _reference(documents=CASES[name].documents)
+    out, grads = _context_parallel(CASES[name].context)[name]
     np.testing.assert_allclose(out, expected_out, rtol=2e-5, atol=2e-5)
     for got, want, name in zip(grads, expected_grads, ("dq", "dk", "dv"), strict=True):
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=name)
@@ -131,16 +162,32 @@ BROKEN = {
 }
 
 
+@functools.cache
+def _broken_outputs() -> dict:
+    """Each broken variant's output of the ring over 4 devices without documents, by name:
+    the variants side by side in one program, each traced with its replacement in place."""
+    case = Case(4, "ring")
+
+    def per_device(query, key, value):
+        outputs = {}
+        for broken, (target, replacement) in BROKEN.items():
+            with pytest.MonkeyPatch.context() as patch:
+                if target == "jax.lax.ppermute":
+                    patch.setattr(ring.jax.lax, "ppermute", replacement)
+                else:
+                    patch.setattr(ring, target, replacement)
+                out = _split_attention(case, query, key, value, None)
+            outputs[broken] = _in_place(out, case.context)
+        return outputs
+
+    query, key, value, _, _ = _operands()
+    return _on_context_group(case.context, per_device, query, key, value)
+
+
 @pytest.mark.parametrize("broken", list(BROKEN))
-def test_the_comparison_fails_for_a_broken_ring(broken, monkeypatch):
-    target, replacement = BROKEN[broken]
-    if target == "jax.lax.ppermute":
-        monkeypatch.setattr(ring.jax.lax, "ppermute", replacement)
-    else:
-        monkeypatch.setattr(ring, target, replacement)
-    query, key, value, weights, _ = _operands()
-    expected_out, _ = _reference(query, key, value, weights, None)
-    out, _ = _context_parallel(Case(4, "ring"), query, key, value, weights, None)
+def test_the_comparison_fails_for_a_broken_ring(broken):
+    expected_out, _ = _reference(documents=False)
+    out = _broken_outputs()[broken]
     assert not np.allclose(out, expected_out, rtol=2e-5, atol=2e-5)
 
 

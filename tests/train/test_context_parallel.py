@@ -25,7 +25,12 @@ from jaxmoe.data.corpus import CorpusInfo, write_info
 from jaxmoe.parallel.mesh import build_mesh, token_spec
 from jaxmoe.presets import preset
 from jaxmoe.train.resolved import resolve
-from jaxmoe.train.scheduled import axis_roles, capture_train_step, scheduled_train_step
+from jaxmoe.train.scheduled import (
+    TrainStep,
+    axis_roles,
+    capture_train_step,
+    scheduled_train_step,
+)
 from jaxmoe.train.state import init_train_state
 from scheduling import Phase, collective_purposes
 from tests.train.batches import compiled_step
@@ -95,8 +100,15 @@ def _rows(rng: np.random.Generator, config: Config) -> np.ndarray:
     return rows.astype(np.int32)
 
 
+@functools.cache
 def train(config: Config) -> list[dict]:
-    mesh, step = compiled_step(config)
+    """Each step's metrics of ``config``'s plain step (kept for the module: the first case's
+    split run is the unscheduled reference of the ring's schedule too)."""
+    return run_steps(config, *compiled_step(config))
+
+
+def run_steps(config: Config, mesh, step) -> list[dict]:
+    """Each step's metrics of ``STEPS`` steps of ``step`` from ``config``'s initial state."""
     state = init_train_state(resolve(config, mesh))
     rng = np.random.default_rng(0)
     history = []
@@ -133,13 +145,23 @@ def test_context_parallelism_trains_as_whole_sequences(case, corpus):
 
 
 def _ring(corpus: str) -> Config:
-    """The first case's configuration (its plain step is compiled already when the tests
-    share a process)."""
+    """The first case's configuration (its plain step is compiled and its run done already
+    when the tests share a process)."""
     family, parallel, _ = CASES["mixtral-ring2-documents"]
     return config(family, parallel, corpus)
 
 
-def test_the_ring_is_named_and_its_transfers_run_beside_attention_under_a_schedule(corpus):
+@pytest.fixture(scope="module")
+def scheduled_ring(corpus) -> tuple[Config, TrainStep]:
+    """The first case under the ``dw`` schedule and its step, scheduled once for its report
+    and its run."""
+    dw = with_schedule(_ring(corpus), "dw")
+    return dw, scheduled_train_step(resolve(dw, build_mesh(dw.parallel)))
+
+
+def test_the_ring_is_named_and_its_transfers_run_beside_attention_under_a_schedule(
+    corpus, scheduled_ring
+):
     ring_config = _ring(corpus)
     program, _ = capture_train_step(resolve(ring_config, build_mesh(ring_config.parallel)))
     purposes = collective_purposes(program, axis_roles())
@@ -149,8 +171,7 @@ def test_the_ring_is_named_and_its_transfers_run_beside_attention_under_a_schedu
     phases = [op.phase for op in ring]
     assert phases.count(Phase.FORWARD) == 1 * 2 * 2
     assert phases.count(Phase.BACKWARD) == (1 + 1 + 1) * 2 * 2
-    dw = with_schedule(ring_config, "dw")
-    report = scheduled_train_step(resolve(dw, build_mesh(dw.parallel))).report
+    report = scheduled_ring[1].report
     transfers = [c for c in report.collectives if c.purpose == "context ppermute (ring)"]
     assert len(transfers) == len(ring) and all(c.is_async for c in transfers)
     # A step's transfer waits only for the block before it, so the attention of that block
@@ -164,6 +185,7 @@ def test_the_ring_is_named_and_its_transfers_run_beside_attention_under_a_schedu
     assert hidden > 0.8, [c.why for c in backward]
 
 
-def test_the_scheduled_ring_is_the_unscheduled_one_bit_for_bit(corpus):
-    ring_config = _ring(corpus)
-    chex.assert_trees_all_equal(train(with_schedule(ring_config, "dw")), train(ring_config))
+def test_the_scheduled_ring_is_the_unscheduled_one_bit_for_bit(corpus, scheduled_ring):
+    dw, step = scheduled_ring
+    scheduled = run_steps(dw, build_mesh(dw.parallel), step.compile())
+    chex.assert_trees_all_equal(scheduled, train(_ring(corpus)))

@@ -13,6 +13,7 @@ update of 1e-3.
 """
 
 import dataclasses
+import functools
 
 import chex
 import pytest
@@ -124,10 +125,18 @@ def _all_to_all_bytes(program) -> int:
     )
 
 
+@functools.cache
+def _captured(config: Config):
+    """The captured train step of ``config`` and its batch inputs: the step does not depend
+    on the schedule section, so the cases below schedule one capture of the default preset
+    (scheduling reads a program, never changes it)."""
+    program, sharded = capture_train_step(resolve(config, build_mesh(config.parallel)))
+    return program, batch_inputs(program, sharded.batch_argnums)
+
+
 def _captured_and_scheduled(config: Config, policy: SchedulePolicy, experimental=None):
     """The captured train step of ``config`` and the schedule ``policy`` makes of it."""
-    program, sharded = capture_train_step(resolve(config, build_mesh(config.parallel)))
-    batch = batch_inputs(program, sharded.batch_argnums)
+    program, batch = _captured(with_schedule(config, "none", partition_chunks=None))
     return program, schedule(program, policy, batch_inputs=batch, experimental=experimental)
 
 

@@ -6,6 +6,7 @@ metrics, updated parameters and optimizer state.
 """
 
 import dataclasses
+import functools
 import json
 from collections import Counter
 
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from jax.sharding import Mesh
 
 import scheduling
 import scheduling.names
@@ -38,12 +40,26 @@ from scheduling.program import jax_adapter
 from tests.train.batches import compiled_step, random_batch
 from tests.train.runs import ONE_LAYER, with_schedule
 
+NO_SCHEDULE = ScheduleConfig(name="none")
 
-def run(config: Config, steps: int, experimental=None):
-    """Metrics of every step and the final state, with ``config.schedule.name`` (and the
-    research options ``experimental``)."""
-    mesh, step = compiled_step(config, experimental=experimental)
+
+# The initial state depends on the model, its training and the mesh, never on the schedule
+# section: the runs of one configuration under several schedules start from one
+# initialisation (one to two seconds of tracing and compiling), copied to the devices afresh
+# for each run (the step donates it). At most eight states, kept on the host.
+@functools.lru_cache(maxsize=8)
+def _initial_state(config: Config, mesh: Mesh):
     state = init_train_state(resolve(config, mesh))
+    return jax.device_get(state), jax.tree.map(lambda array: array.sharding, state)
+
+
+def run(config: Config, steps: int, experimental=None, compiled=None):
+    """Metrics of every step and the final state, with ``config.schedule.name`` (and the
+    research options ``experimental``); ``compiled``: the ``(mesh, step)`` of ``config``
+    where the caller has compiled it already (else :func:`tests.train.batches.compiled_step`'s)."""
+    mesh, step = compiled or compiled_step(config, experimental=experimental)
+    host_state, shardings = _initial_state(dataclasses.replace(config, schedule=NO_SCHEDULE), mesh)
+    state = jax.device_put(host_state, shardings)
     rng = np.random.default_rng(1)
     history = []
     for _ in range(steps):
@@ -221,11 +237,13 @@ def test_small_collectives_can_stay_synchronous_and_combined():
     assert len(planned.report.kept_synchronous) == small_ones
     assert planned.report.not_understood == []
 
-    def compiled_all_reduces(config: Config) -> int:
-        """In the compiled step, the one the runs below (and the dw test above) use."""
-        return compiled_step(config)[1].as_text().count(" all-reduce(")
+    def all_reduces(step) -> int:
+        return step.as_text().count(" all-reduce(")
 
-    # The small reductions left synchronous are merged by XLA's all-reduce combiner (so
-    # are, on XLA:CPU, async pairs that carry no scheduling group).
-    assert compiled_all_reduces(config) <= compiled_all_reduces(with_schedule(base, "dw"))
-    chex.assert_trees_all_equal(run(config, steps=2), run(with_schedule(base, "none"), steps=2))
+    # In the compiled steps (the planned one, which the run below uses, and the dw test's
+    # above), the small reductions left synchronous are merged by XLA's all-reduce combiner
+    # (so are, on XLA:CPU, async pairs that carry no scheduling group).
+    compiled = build_mesh(config.parallel), planned.compile()
+    assert all_reduces(compiled[1]) <= all_reduces(compiled_step(with_schedule(base, "dw"))[1])
+    reference = run(with_schedule(base, "none"), steps=2)
+    chex.assert_trees_all_equal(run(config, steps=2, compiled=compiled), reference)

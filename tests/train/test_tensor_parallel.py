@@ -72,6 +72,13 @@ def run_steps(parallel: ParallelConfig, moe: MoEConfig):
 
 
 @functools.cache
+def initial_params(parallel: ParallelConfig):
+    """The initial parameters on ``parallel``'s mesh, as the train state places them."""
+    config = small_config(parallel, CAPACITY)
+    return init_train_state(resolve(config, build_mesh(config.parallel))).params
+
+
+@functools.cache
 def first_gradients(parallel: ParallelConfig):
     """The reduced gradients of the first step (the global mean loss's gradient)."""
     config = small_config(parallel, CAPACITY)
@@ -92,7 +99,7 @@ def first_gradients(parallel: ParallelConfig):
         check_vma=False,
     )
     batch = random_batch(np.random.default_rng(0), config, mesh)
-    return jax.device_get(jax.jit(gradients)(init_train_state(resolve(config, mesh)).params, batch))
+    return jax.device_get(jax.jit(gradients)(initial_params(parallel), batch))
 
 
 @pytest.mark.parametrize("layout", ["d4e2t4"])
@@ -201,9 +208,7 @@ def test_tensor_collectives_are_equations_of_the_step_over_the_tensor_axes():
 
 
 def test_parameters_split_over_the_tensor_axes():
-    config = small_config(FOLDED["d4e2t4"], CAPACITY)
-    mesh = build_mesh(config.parallel)
-    params = init_train_state(resolve(config, mesh)).params
+    params = initial_params(FOLDED["d4e2t4"])  # the gradient test's too
     tensor = ("tensor_expert_data", "tensor_expert")
     attention, ffn = params["blocks"][0]["attention"], params["blocks"][0]["ffn"]
     expected = {

@@ -11,7 +11,8 @@ restores with or without it, and into other layouts. The memory of the state is 
 shards' (XLA's argument sizes agree to the byte), and a ZeRO-3 step keeps no block's
 gathered parameters for its backward pass.
 
-Compiled steps are shared through a module cache: one per configuration.
+Compiled steps are shared through a module cache: one per configuration; so are the captured
+steps the scheduler reads.
 """
 
 import dataclasses
@@ -32,7 +33,7 @@ from jaxmoe.train.resolved import resolve
 from jaxmoe.train.scheduled import capture_train_step, scheduled_train_step
 from jaxmoe.train.state import init_train_state
 from scheduling import Phase
-from scheduling.program.capture import Value
+from scheduling.program.capture import Program, Value
 from scheduling.program.collective_purpose import collective_purposes
 from tests.train.batches import random_batch
 from tests.train.runs import with_schedule
@@ -73,6 +74,14 @@ def config_for(layout: str, zero: int, **train_fields) -> Config:
 def compiled(config: Config):
     mesh = build_mesh(config.parallel)
     return mesh, scheduled_train_step(resolve(config, mesh)).compile()
+
+
+@functools.cache
+def captured(zero: int) -> Program:
+    """The step on the (2, 4) mesh as the scheduler sees it, one capture per ZeRO stage."""
+    config = config_for("2x4", zero=zero)
+    program, _ = capture_train_step(resolve(config, build_mesh(config.parallel)))
+    return program
 
 
 @functools.cache
@@ -241,8 +250,7 @@ def test_state_memory_is_what_xla_passes_the_step():
 
 def test_a_fully_sharded_step_keeps_no_gathered_block_for_the_backward_pass():
     def saved_from_gathers(zero: int) -> list[str]:
-        config = config_for("2x4", zero=zero)
-        program, _ = capture_train_step(resolve(config, build_mesh(config.parallel)))
+        program = captured(zero)
         made = {v: op for op in program.ops if op.phase is Phase.FORWARD for v in op.outputs}
         saved = {
             value
@@ -309,8 +317,7 @@ def test_a_checkpoint_restores_across_zero_and_layouts(tmp_path, saved, restored
 
 
 def test_the_report_names_the_parameter_gathers():
-    config = config_for("2x4", zero=3)
-    program, _ = capture_train_step(resolve(config, build_mesh(config.parallel)))
+    program = captured(3)
     purposes = collective_purposes(program)
     gathers = [op for op in program.collectives() if "param_gather/layer_1" in op.layer]
     # Block 1's gathers run twice: before its forward pass and again before its backward.
