@@ -30,6 +30,8 @@ import time
 
 import pytest
 
+from jaxmoe.plan.collector import THRESHOLDS  # imports no JAX
+
 _FLAGS = (
     "--xla_force_host_platform_device_count=8",
     "--xla_backend_optimization_level=0",
@@ -63,7 +65,7 @@ _STARTED = time.monotonic()
 # (JAX, Flax, the test modules) every 70,000 net allocations, about 6% of a test's CPU
 # time. Young objects are still collected every 50,000; the whole heap after each module
 # (below). What a test computes does not depend on when garbage is collected.
-gc.set_threshold(50_000, 20, 100)
+gc.set_threshold(*THRESHOLDS)
 
 
 def pytest_addoption(parser):
