@@ -11,7 +11,6 @@ import dataclasses
 import functools
 import json
 from collections.abc import Sequence
-from typing import Any
 
 import scheduling
 from jaxmoe.config import Config, ConfigError
@@ -24,8 +23,9 @@ from jaxmoe.plan.layer_extrapolation import block_count, extrapolate, extrapolat
 from jaxmoe.plan.memory import step_memory
 from jaxmoe.plan.options import options_of
 from jaxmoe.plan.state_memory import memory_per_device
-from jaxmoe.train.resolved import resolve, schedule_policy
+from jaxmoe.train.resolved import Run, resolve, schedule_policy
 from jaxmoe.train.scheduled import capture_train_step
+from jaxmoe.train.step import ShardedStep
 from scheduling import (
     Program,
     batch_inputs,
@@ -62,13 +62,22 @@ def applicable_schedules(
     return found
 
 
+@dataclasses.dataclass(frozen=True)
+class Traced:
+    """A configuration's per-device step as traced, with what the trace resolved."""
+
+    program: Program
+    step: ShardedStep
+    run: Run  # its state's shapes were computed for the trace
+
+
 def _estimate_program(
-    program: Program, sharded: Any, config: Config, schedules: Sequence[str], profile: str
+    traced: Traced, config: Config, schedules: Sequence[str], profile: str
 ) -> Estimate:
-    """Memory per device and each schedule's simulated step of the traced step ``program``."""
-    mesh = program.mesh
-    memory = step_memory(program, resolve(config).state_shapes)
-    batch = batch_inputs(program, sharded.batch_argnums)
+    """Memory per device and each schedule's simulated step of the traced step."""
+    program, mesh = traced.program, traced.program.mesh
+    memory = step_memory(program, traced.run.state_shapes)
+    batch = batch_inputs(program, traced.step.batch_argnums)
     times = {}
     for schedule, variant in applicable_schedules(config, schedules, profile).items():
         policy = schedule_policy(variant)
@@ -104,21 +113,22 @@ class Tracer:
         self.profile = profile
         self.cache = cache
         self.traced = 0  # traces taken
-        self._programs: dict[str, tuple[Program, Any]] = {}
+        self._programs: dict[str, Traced] = {}
         self._estimates: dict[str, Estimate] = {}
         # Computation alone bounds a schedule that may overlap communication.
         self._compute_only = any(s != "none" for s in schedules)
 
-    def _trace(self, config: Config) -> tuple[Program, Any]:
+    def _trace(self, config: Config) -> Traced:
         key = _key(config)
         found = self._programs.pop(key, None)
         if found is None:
             self.traced += 1
-            found = capture_train_step(resolve(config, abstract_mesh(config.parallel)))
+            run = resolve(config, abstract_mesh(config.parallel))
+            found = Traced(*capture_train_step(run), run)
         self._programs[key] = found  # the latest last
         while len(self._programs) > 1 and (
             len(self._programs) > PROGRAMS_KEPT
-            or sum(len(program.ops) for program, _ in self._programs.values()) > OPS_KEPT
+            or sum(len(kept.program.ops) for kept in self._programs.values()) > OPS_KEPT
         ):
             self._programs.pop(next(iter(self._programs)))
         return found
@@ -127,9 +137,8 @@ class Tracer:
         """Memory and simulated steps of ``config`` traced as it is (at its depth)."""
         key = _key(config)
         if key not in self._estimates:
-            program, sharded = self._trace(config)
             self._estimates[key] = _estimate_program(
-                program, sharded, config, self.schedules, self.profile
+                self._trace(config), config, self.schedules, self.profile
             )
         return self._estimates[key]
 
@@ -149,13 +158,14 @@ class Tracer:
         tag = self._screen_tag(extrapolate_layers)
         shallow = extrapolate_layers and extrapolates(config)
         traced = with_blocks(config, 1) if shallow else config
-        program, _ = self._trace(traced)
+        step = self._trace(traced)
+        program = step.program
         policy = schedule_policy(_with_schedule(config, "none", self.profile))
         blocks = block_count(config) or 1
         state = state_bytes(config)
         found = screen(
             program,
-            resolve(traced).state_shapes,
+            step.run.state_shapes,
             cost_model(policy, program.mesh, program),
             options_of(config),
             blocks,
