@@ -89,6 +89,15 @@ class Decentralized(GradSync):
         own = worker_gradients(grads, specs, mesh_axes, self.devices_per_host, self.bucket_bytes)
         return Synced(own, state)
 
+    def mix(self, share: jax.Array, group: Replicas) -> jax.Array:
+        """A worker's share of a bucket of parameters mixed with its neighbours'."""
+        return ring_mix(share, group)
+
+    @property
+    def align(self) -> int:
+        """Buckets and shares hold whole blocks of this many elements (between_workers)."""
+        return 1
+
     def after_update(
         self, params: PyTree, step: jax.Array, specs: PyTree, mesh_axes: MeshAxes
     ) -> PyTree:
@@ -100,6 +109,7 @@ class Decentralized(GradSync):
             mesh_axes,
             self.devices_per_host,
             self.bucket_bytes,
-            ring_mix,
+            self.mix,
             scope=MIX_SCOPE,
+            align=self.align,
         )

@@ -38,16 +38,9 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from jaxmoe.parallel.grad_sync.base import GradSync, MeshAxes, PyTree, Synced
-from jaxmoe.parallel.grad_sync.decentralized import MIX_SCOPE
+from jaxmoe.parallel.grad_sync.decentralized import Decentralized
 from jaxmoe.parallel.grad_sync.quantize import DEFAULT_CHUNK, Quantized, dequantize, quantize
-from jaxmoe.parallel.grad_sync.workers import (
-    Replicas,
-    between_workers,
-    host_perm,
-    ring_shifts,
-    worker_gradients,
-)
+from jaxmoe.parallel.grad_sync.workers import Replicas, host_perm, ring_shifts
 
 
 def quantized_ring_mix(value: jax.Array, group: Replicas, chunk: int) -> jax.Array:
@@ -70,29 +63,12 @@ def quantized_ring_mix(value: jax.Array, group: Replicas, chunk: int) -> jax.Arr
 
 
 @dataclass(frozen=True)
-class DecentralizedInt8(GradSync):
-    bucket_bytes: int = 25 * 2**20
-    # Hosts (see hierarchical.py); 1: every device a worker of its own.
-    devices_per_host: int = 1
+class DecentralizedInt8(Decentralized):
     chunk: int = DEFAULT_CHUNK
 
-    def __call__(self, grads: PyTree, state: PyTree, specs: PyTree, mesh_axes: MeshAxes) -> Synced:
-        own = worker_gradients(grads, specs, mesh_axes, self.devices_per_host, self.bucket_bytes)
-        return Synced(own, state)
+    def mix(self, share: jax.Array, group: Replicas) -> jax.Array:
+        return quantized_ring_mix(share, group, self.chunk)
 
-    def after_update(
-        self, params: PyTree, step: jax.Array, specs: PyTree, mesh_axes: MeshAxes
-    ) -> PyTree:
-        del step  # the ring is the same every step
-
-        # Shares of whole chunks, so that each chunk keeps to one parameter.
-        return between_workers(
-            params,
-            specs,
-            mesh_axes,
-            self.devices_per_host,
-            self.bucket_bytes,
-            lambda share, group: quantized_ring_mix(share, group, self.chunk),
-            scope=MIX_SCOPE,
-            align=self.chunk,
-        )
+    @property
+    def align(self) -> int:
+        return self.chunk  # shares of whole chunks, so that each chunk keeps to one parameter
