@@ -96,8 +96,10 @@ def _estimate_program(
     return memory, times
 
 
-# The traced programs a plan keeps (the oldest make way): a mapping's one-block trace bounds
-# it (its screen) and, when it comes to be estimated, is the first of its estimate's two.
+# The traced programs a plan keeps: a mapping's one-block trace bounds it (its screen) and,
+# when it comes to be estimated, is the first of its estimate's two. The search estimates
+# mappings in the order of their bounds, so the programs that make way are those already
+# estimated, then those whose screens bound their mappings highest (estimated last, if ever).
 # At most this many, of at most this many ops in all (whole traces of deep models are long).
 PROGRAMS_KEPT = 32
 OPS_KEPT = 500_000
@@ -115,6 +117,7 @@ class Tracer:
         self.traced = 0  # traces taken
         self._programs: dict[str, Traced] = {}
         self._estimates: dict[str, Estimate] = {}
+        self._bounds: dict[str, float] = {}  # by traced configuration: its screen's step bound
         # Computation alone bounds a schedule that may overlap communication.
         self._compute_only = any(s != "none" for s in schedules)
 
@@ -130,8 +133,17 @@ class Tracer:
             len(self._programs) > PROGRAMS_KEPT
             or sum(len(kept.program.ops) for kept in self._programs.values()) > OPS_KEPT
         ):
-            self._programs.pop(next(iter(self._programs)))
+            self._programs.pop(self._least_needed())
         return found
+
+    def _least_needed(self) -> str:
+        """The kept program least likely to be read again: the oldest already estimated,
+        else the one whose screen bounds its mapping highest, else the oldest."""
+        for key in self._programs:
+            if key in self._estimates:
+                return key
+        bounded = [key for key in self._programs if key in self._bounds]
+        return max(bounded, key=self._bounds.__getitem__) if bounded else next(iter(self._programs))
 
     def estimate(self, config: Config) -> Estimate:
         """Memory and simulated steps of ``config`` traced as it is (at its depth)."""
@@ -174,6 +186,7 @@ class Tracer:
             self._compute_only,
             config.model.first_dense_layers,
         )
+        self._bounds[_key(traced)] = found.step_bound(options_of(config))
         self.cache.save_screen(config, tag, found)
         return found
 

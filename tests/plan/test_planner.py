@@ -8,6 +8,7 @@ in tests/plan/.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import re
@@ -45,12 +46,27 @@ def cache_home(tmp_path_factory):
     return tmp_path_factory.mktemp("xdg_cache")
 
 
+# Fewer traces kept than the plan has mappings, so that which are kept matters; how often
+# the plan traced each configuration.
+TRACES_KEPT = 8
+TRACED: collections.Counter[str] = collections.Counter()
+
+
 @pytest.fixture(scope="module")
 def planned(cache_home):
     cache = cache_home / "jaxmoe" / "plan"  # where the CLI looks (XDG_CACHE_HOME)
-    return planner.plan_mappings(
-        _config(), "tiny", DEVICES, PROFILE, ("none",), cache_dir=cache, options=False
-    )
+    capture = tracer.capture_train_step
+
+    def counted(run):
+        TRACED[tracer._key(run.config)] += 1
+        return capture(run)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tracer, "PROGRAMS_KEPT", TRACES_KEPT)
+        patch.setattr(tracer, "capture_train_step", counted)
+        return planner.plan_mappings(
+            _config(), "tiny", DEVICES, PROFILE, ("none",), cache_dir=cache, options=False
+        )
 
 
 def _refuse(*args, **kwargs):
@@ -127,6 +143,14 @@ def test_every_valid_mapping_is_estimated_and_ranked_by_mfu(planned):
     assert best.schedule == "none"
     flops = planned.model_flops_per_step
     assert best.mfu == pytest.approx(mfu(flops, best.best.step, DEVICES, 494.5e12))
+
+
+def test_the_traces_kept_are_of_the_mappings_estimated_next(planned):
+    # Every layout is screened from its trace, then estimated least bound first (each from
+    # the trace it was screened from: the model is traced whole). The traces kept are those
+    # of the least bounds, so only the estimates past the first TRACES_KEPT trace again.
+    assert len(TRACED) == len(planned.estimates) == 10
+    assert sum(TRACED.values()) == len(TRACED) + len(planned.estimates) - TRACES_KEPT
 
 
 def test_worker_processes_plan_as_the_planner_does(planned, no_tracing):
