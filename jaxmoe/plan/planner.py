@@ -27,10 +27,11 @@ bound of their step time, and only until the ``top`` best are known
    bound exceeds the device's are dropped.
 3. Least bound first, a mapping gets a trace of its own (a tighter bound), then its
    estimate (the traces of the least bounds are kept: a deep model's own one-block trace
-   is the first of its estimate's two). Once the ``top`` best estimates that fit are no slower than
-   every bound left, the search stops: those are the ``top`` best of all mappings. The
-   rest are listed with their bounds. With a time limit (``jaxmoe plan --time-limit``)
-   the search may stop earlier: the best estimated so far, not proven the best.
+   is the first of its estimate's two). Once the ``top`` best estimates that fit are no
+   slower than every bound left, the search stops: those are the ``top`` best of all
+   mappings. The rest are listed with their bounds. With a time limit (``jaxmoe plan
+   --time-limit``) the search may stop earlier: the best estimated so far, not proven the
+   best.
 
 The bounds hold for the ``none`` schedule; other schedules may hide communication, and
 are bounded by their computation alone.

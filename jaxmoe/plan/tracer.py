@@ -106,9 +106,9 @@ OPS_KEPT = 500_000
 
 
 class Tracer:
-    """The traces of one plan: the latest programs traced, each traced configuration's
-    estimate, kept for the plan, and the screens' bounds (a screen of a model traced
-    whole is also its estimate)."""
+    """The traces of one plan: the programs its search reads next (see above), each traced
+    configuration's estimate, kept for the plan, and the screens' bounds (a screen of a
+    model traced whole is also its estimate)."""
 
     def __init__(self, schedules: Sequence[str], profile: str, cache: EstimateCache):
         self.schedules = tuple(schedules)
@@ -175,18 +175,19 @@ class Tracer:
         policy = schedule_policy(_with_schedule(config, "none", self.profile))
         blocks = block_count(config) or 1
         state = state_bytes(config)
+        options = options_of(config)
         found = screen(
             program,
             step.run.state_shapes,
             cost_model(policy, program.mesh, program),
-            options_of(config),
+            options,
             blocks,
             1 if shallow else blocks,
             state,
             self._compute_only,
             config.model.first_dense_layers,
         )
-        self._bounds[_key(traced)] = found.step_bound(options_of(config))
+        self._bounds[_key(traced)] = found.step_bound(options)
         self.cache.save_screen(config, tag, found)
         return found
 
