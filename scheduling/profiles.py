@@ -13,6 +13,7 @@ anything compiles.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -26,6 +27,18 @@ from scheduling import names
 # its 8-bit float peak.
 HALF_PRECISION = frozenset({"bfloat16", "float16"})
 EIGHT_BIT = frozenset({"float8_e4m3fn", "float8_e5m2"})
+
+
+@functools.cache
+def _dtype_name(dtype: Any) -> str:
+    """``dtype``'s NumPy name ("" for JAX's extended dtypes); asked once per dtype, since
+    NumPy builds the name anew each time it is read."""
+    import numpy as np  # only when costing, where JAX (and NumPy) are loaded
+
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return ""
 
 
 @dataclass(frozen=True)
@@ -100,12 +113,7 @@ class DeviceProfile:
         """The compute peak for operands of ``dtype`` (16-bit and 8-bit floats have their
         own; JAX's extended dtypes, such as PRNG keys, are not NumPy dtypes and count as
         full width)."""
-        import numpy as np  # only when costing, where JAX (and NumPy) are loaded
-
-        try:
-            name = np.dtype(dtype).name
-        except TypeError:
-            name = ""
+        name = _dtype_name(dtype)
         if name in EIGHT_BIT and self.fp8_flops_per_s:
             return self.fp8_flops_per_s
         if (name in HALF_PRECISION or name in EIGHT_BIT) and self.half_precision_flops_per_s:

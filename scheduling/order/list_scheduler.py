@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import heapq
+import weakref
 from dataclasses import dataclass
 
 from scheduling.passes.schedule_dw import Placement
@@ -111,28 +112,27 @@ def topological_order(
     Raises :class:`CyclicPlacement` when the window edges make the graph cyclic (two
     windows each holding work that the other's collective needs).
     """
-    preds = [set(p) for p in graph.preds]
+    # The window edges not already in the graph, on top of its own.
+    added: dict[int, list[int]] = {}
+    waiting = [len(p) for p in graph.preds]
     for start, nodes in placement.windows.items():
         done = graph.nodes[start].partner
-        for node in nodes:
-            preds[node].add(start)
-            preds[done].add(node)
-    succs: list[list[int]] = [[] for _ in graph.nodes]
-    for node, node_preds in enumerate(preds):
-        for pred in node_preds:
-            succs[pred].append(node)
+        for source, target in [(start, n) for n in nodes] + [(n, done) for n in nodes]:
+            if source not in graph.preds[target] and target not in added.get(source, ()):
+                added.setdefault(source, []).append(target)
+                waiting[target] += 1
     keys = _keys(graph, placement, priorities, earliest)
-    waiting = [len(p) for p in preds]
     ready = [(keys[n], n) for n in range(len(graph.nodes)) if waiting[n] == 0]
     heapq.heapify(ready)
     result = []
     while ready:
         _, node = heapq.heappop(ready)
         result.append(node)
-        for succ in succs[node]:
-            waiting[succ] -= 1
-            if waiting[succ] == 0:
-                heapq.heappush(ready, (keys[succ], succ))
+        for succs in (graph.succs[node], added.get(node, ())):
+            for succ in succs:
+                waiting[succ] -= 1
+                if waiting[succ] == 0:
+                    heapq.heappush(ready, (keys[succ], succ))
     if len(result) != len(graph.nodes):
         stuck = set(range(len(graph.nodes))) - set(result)
         raise CyclicPlacement(
@@ -141,35 +141,73 @@ def topological_order(
     return result
 
 
-def peak_live_bytes(graph: Graph, order: list[int], until: int | None = None) -> int:
-    """Largest total size of values alive at once when running in ``order`` (over its first
-    ``until`` positions: None, all of them)."""
-    position = {node: i for i, node in enumerate(order)}
-    born: dict[Value, int] = {value: 0 for value in graph.program.inputs}
-    last_use: dict[Value, int] = {}
+@dataclass(frozen=True)
+class _Lifetimes:
+    """Where each value of a graph (of some bytes) begins and ends, by node: the same for
+    every order of it, so found once per graph."""
+
+    sizes: list[int]
+    born: list[int]  # the node whose position it is made at; -1: a program input (at 0)
+    uses: list[list[int]]  # the nodes whose positions it is held until (none: at its birth)
+    results: list[bool]  # a program result: held to the end
+
+
+_LIFETIMES: weakref.WeakKeyDictionary[Graph, _Lifetimes] = weakref.WeakKeyDictionary()
+
+
+def _lifetimes(graph: Graph) -> _Lifetimes:
+    found = _LIFETIMES.get(graph)
+    if found is not None:
+        return found
+    born: dict[Value, int] = dict.fromkeys(graph.program.inputs, -1)
+    uses: dict[Value, list[int]] = {}
     for node in graph.nodes:
-        at = position[node.id]
         if node.role is not Role.DONE:  # a start or a compute node reads the operands
             # An async collective holds its operand until it is done.
-            used_until = position[node.partner] if node.role is Role.START else at
+            held_by = node.partner if node.role is Role.START else node.id
             for atom in node.op.inputs:
                 if isinstance(atom, Value):
-                    last_use[atom] = max(last_use.get(atom, 0), used_until)
+                    uses.setdefault(atom, []).append(held_by)
         if node.role is Role.START:
             continue  # the collective's result is recorded with its done
         # An async collective's result buffer exists from its start.
-        born_at = position[node.partner] if node.role is Role.DONE else at
+        born_at = node.partner if node.role is Role.DONE else node.id
         for value in node.op.outputs:
             born[value] = born_at
+    results = {atom for atom in graph.program.outputs if isinstance(atom, Value)}
+    sized = [(value, aval_bytes(value.aval)) for value in born]
+    sized = [(value, size) for value, size in sized if size]
+    found = _Lifetimes(
+        [size for _, size in sized],
+        [born[value] for value, _ in sized],
+        [uses.get(value, []) for value, _ in sized],
+        [value in results for value, _ in sized],
+    )
+    _LIFETIMES[graph] = found
+    return found
+
+
+def peak_live_bytes(graph: Graph, order: list[int], until: int | None = None) -> int:
+    """Largest total size of values alive at once when running in ``order`` (over its first
+    ``until`` positions: None, all of them)."""
+    lives = _lifetimes(graph)
+    position = [0] * len(graph.nodes)
+    for at, node in enumerate(order):
+        position[node] = at
     end = len(order)
-    for atom in graph.program.outputs:
-        if isinstance(atom, Value):
-            last_use[atom] = end
     delta = [0] * (end + 2)
-    for value, start in born.items():
-        size = aval_bytes(value.aval)
+    for size, born, uses, result in zip(
+        lives.sizes, lives.born, lives.uses, lives.results, strict=True
+    ):
+        start = 0 if born < 0 else position[born]
+        if result:
+            last = end
+        elif uses:
+            last = max(0, *map(position.__getitem__, uses))
+        else:
+            last = start
         delta[start] += size
-        delta[last_use.get(value, start) + 1] -= size
+        delta[last + 1] -= size
     peak = live = 0
     for change in delta[: None if until is None else until]:
         live += change

@@ -102,6 +102,8 @@ def cut_ranges(
     replicated: list[int] = []
     deferred: list[int] = []
     value_stage: dict[Value, int] = {}  # chunked result -> stage of its readers
+    unread: dict[Value, int] = {}  # chunked result -> its reads by ops not chunked (yet)
+    last_stage = 0  # the latest stage of a chunked result
     deferred_values: set[Value] = set()
     seeds: dict[Value, None] = {}
     exchanges = 0  # chunked all-to-alls
@@ -125,6 +127,12 @@ def cut_ranges(
                 stages[position] = stage
                 after = stage + 1 if op.primitive in PIPELINED_COLLECTIVES else stage
                 value_stage.update(dict.fromkeys(op.outputs, after))
+                if op.outputs:
+                    last_stage = max(last_stage, after)
+                for atom in reads:  # one read per operand, as ``consumers`` counts them
+                    if atom in unread:
+                        unread[atom] -= 1
+                unread.update((value, len(consumers.get(value, ()))) for value in op.outputs)
                 exchanges += op.primitive == "all_to_all"
                 # A split value from before the range (made before its reader, so not
                 # made in the range later).
@@ -144,7 +152,6 @@ def cut_ranges(
         if not exchanges:
             yield None
             continue
-        inside = set(chunked)
         yield RangeCut(
             begin,
             min(end, position) if stop is None else stop,
@@ -153,13 +160,9 @@ def cut_ranges(
             dict(stages),
             list(replicated),
             list(deferred),
-            max(value_stage.values()) + 1,
+            last_stage + 1,
             list(seeds),
-            [
-                value
-                for value in value_stage
-                if any(reader not in inside for reader in consumers.get(value, ()))
-            ],
+            [value for value in value_stage if unread[value]],
         )
 
 

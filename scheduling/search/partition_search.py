@@ -147,6 +147,42 @@ class _RangeCosts:
         return pipeline_seconds(compute, collectives, n, before, after)
 
 
+class _Extending:
+    """:meth:`_RangeCosts.partitioned` of the cuts of one range as it extends (for one
+    ``n``), each cut's lists those of the cut before it and more: the sums of the ops seen
+    carried over, each new op added, in the same order, so the same figures."""
+
+    def __init__(self, costs: _RangeCosts, n: int):
+        self.costs, self.n = costs, n
+        self.compute: list[float] = []  # by stage
+        self.collectives: list[float] = []
+        self.seeded = self.before = self.after = 0.0
+        self.counted = [0, 0, 0, 0]  # chunked, seeds, replicated and deferred summed
+
+    def partitioned(self, cut: RangeCut) -> float:
+        costs, n, counted = self.costs, self.n, self.counted
+        stages = cut.num_stages
+        self.compute += [0.0] * (stages - len(self.compute))
+        self.collectives += [0.0] * (stages - 1 - len(self.collectives))
+        for position in cut.chunked[counted[0] :]:
+            stage = cut.stages[position]
+            if costs.program.ops[position].primitive in PIPELINED_COLLECTIVES:
+                self.collectives[stage] += costs.chunk(position, n)
+            else:
+                self.compute[stage] += costs.chunk(position, n)
+        for seed in cut.seeds[counted[1] :]:
+            self.seeded += costs.cut(seed, n)
+        for position in cut.replicated[counted[2] :]:
+            self.before += costs.whole(position)
+        for position in cut.deferred[counted[3] :]:
+            self.after += costs.whole(position)
+        self.counted = [len(cut.chunked), len(cut.seeds), len(cut.replicated), len(cut.deferred)]
+        compute = list(self.compute)
+        compute[0] += self.seeded
+        after = self.after + sum(costs.join(value, n) for value in cut.escaping)
+        return pipeline_seconds(compute, list(self.collectives), n, self.before, after)
+
+
 def op_groups(program: Program) -> list[tuple[int, int]]:
     """``[begin, end)`` of each op group of the forward pass, in program order."""
     groups: list[tuple[int, int]] = []
@@ -209,15 +245,19 @@ def candidates(
         # from ``first`` extending the one before it.
         ends = [groups[last][1] for last in lasts]
         cuts = cut_ranges(program, layouts, consumers, begin, ends, counts[0])
+        extending = [_Extending(costs, n) for n in counts]
+        unpartitioned, summed = 0.0, begin  # of ops [begin, summed)
         for last, range_end, cut in zip(lasts, ends, cuts, strict=True):
             if cut is None:
                 continue
             if cut.end != range_end:
                 break  # the range had to end before: so do the longer ones
-            unpartitioned = costs.unpartitioned(begin, range_end)
-            for n in counts:
+            for position in range(summed, range_end):
+                unpartitioned += costs.whole(position)
+            summed = range_end
+            for n, sums in zip(counts, extending, strict=True):
                 sized = dataclasses.replace(cut, n=n)
-                choice = PartitionChoice(sized, costs.partitioned(sized), unpartitioned)
+                choice = PartitionChoice(sized, sums.partitioned(sized), unpartitioned)
                 found.append(RangeCandidate(first, last, choice))
     return groups, found, costs.unpartitioned
 
