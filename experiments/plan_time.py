@@ -1,0 +1,197 @@
+"""How long the planner takes to price a traced step, this checkout against another.
+
+    python -m experiments.plan_time --against DIR [--repeats 5] [--preset small]
+
+For a few mappings of the preset on 8 devices (one and two blocks each, as the planner
+traces them), each step is traced once; then the pricing the planner does for every
+estimate (``jaxmoe/plan/tracer.py``: the scheduling layer's cost model, ``schedule`` and
+two-stream simulation under ``none``, ``dw``, ``lancet`` and ``pair``) is timed in CPU
+seconds, in rounds that alternate the two source trees (each in a process of its own,
+with that tree first on ``sys.path``). The tracing is not timed. Each side's simulated
+step times are hashed: equal digests say both trees priced every program alike.
+Writes ``experiments/results/plan_time.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from experiments.shared.results_file import command_line
+from experiments.shared.spread import Spread, round_ratios
+
+RESULTS = Path(__file__).parent / "results" / "plan_time.md"
+ROOT = Path(__file__).resolve().parent.parent
+SCHEDULES = ("none", "dw", "lancet", "pair")  # the planner's
+PROFILE = "h100-8x-nvlink-3200g"
+# (ZeRO stage, expert, expert tensor): MoE layouts of the preset on 8 devices, attention 8 x 1.
+MAPPINGS = ((1, 8, 1), (0, 2, 1), (1, 2, 4))
+
+
+def _measure(preset_name: str, profile: str, schedules: list, mappings: list, repeats: int) -> dict:
+    """Run in the tree measured (its source is sent to a fresh process): the CPU seconds of
+    each repeat of pricing every traced program, and a digest of what it priced."""
+    import dataclasses
+    import hashlib
+    import time
+
+    import scheduling
+    from jaxmoe.config import ConfigError
+    from jaxmoe.config.schedule import replace_section
+    from jaxmoe.parallel.mesh import abstract_mesh
+    from jaxmoe.plan.layer_extrapolation import with_blocks
+    from jaxmoe.plan.mappings import Mapping, with_mapping
+    from jaxmoe.presets import preset
+    from jaxmoe.train.resolved import resolve, schedule_policy
+    from jaxmoe.train.scheduled import capture_train_step
+    from scheduling import batch_inputs, cost_model, node_seconds, simulate
+
+    config = preset(preset_name)
+    traced = []
+    for zero, expert, expert_tensor in mappings:
+        mapping = Mapping(
+            devices=8, tensor=1, expert_data=8 // (expert * expert_tensor), expert=expert,
+            expert_tensor=expert_tensor, dispatcher="all_to_all", zero=zero,
+        )  # fmt: skip
+        mapped = with_mapping(config, mapping, 8)
+        for blocks in (1, 2):
+            shallow = with_blocks(mapped, blocks)
+            program, step = capture_train_step(resolve(shallow, abstract_mesh(shallow.parallel)))
+            traced.append((shallow, program, batch_inputs(program, step.batch_argnums)))
+
+    def price() -> list:
+        found = []
+        for shallow, program, batch in traced:
+            for name in schedules:
+                section = replace_section(shallow.schedule, name=name, profile=profile)
+                try:
+                    variant = dataclasses.replace(shallow, schedule=section)
+                except ConfigError:
+                    continue  # pair: one microbatch and no pipeline
+                policy = schedule_policy(variant)
+                cost = cost_model(policy, program.mesh, program)
+                scheduled = scheduling.schedule(program, policy, cost, batch)
+                timeline = simulate(scheduled.graph, scheduled.order.nodes, node_seconds(cost))
+                found.append((name, timeline.step_seconds, timeline.exposed_communication_seconds))
+        return found
+
+    seconds, digests = [], set()
+    for _ in range(repeats):
+        started = time.process_time()
+        found = price()
+        seconds.append(time.process_time() - started)
+        digests.add(hashlib.sha1(repr(found).encode()).hexdigest()[:12])
+    return {"seconds": seconds, "digests": sorted(digests), "programs": len(traced)}
+
+
+def _run(tree: Path, preset: str, repeats: int) -> dict:
+    """:func:`_measure` in a fresh process that imports ``tree``'s jaxmoe and scheduling."""
+    source = inspect.getsource(_measure)
+    arguments = (preset, PROFILE, list(SCHEDULES), list(MAPPINGS), repeats)
+    call = f"{_measure.__name__}{arguments!r}"
+    code = f"import json\n{source}\nprint(json.dumps({call}))"
+    env = dict(os.environ, PYTHONPATH=str(tree), JAX_PLATFORMS="cpu")
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=tree, env=env, capture_output=True, text=True
+    )
+    if done.returncode:
+        raise RuntimeError(f"{tree}: the measurement failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _commit(tree: Path) -> str:
+    """``tree``'s commit and subject (its changes uncommitted not said)."""
+    found = subprocess.run(
+        ["git", "-C", str(tree), "log", "-1", "--format=%h %s"], capture_output=True, text=True
+    )
+    return found.stdout.strip() or "a tree outside git"
+
+
+def report(rounds: list[tuple[dict, dict]], this: str, other: str, argv: list[str]) -> str:
+    """The results file: each side's CPU seconds per round (the median of its repeats),
+    the per-round ratios, and whether both priced alike."""
+    here = [statistics.median(mine["seconds"]) for mine, _ in rounds]
+    there = [statistics.median(theirs["seconds"]) for _, theirs in rounds]
+    ratios = round_ratios(there, here)
+    digests = {d for mine, theirs in rounds for d in (*mine["digests"], *theirs["digests"])}
+    lines = [
+        "# The planner's pricing of traced steps: this tree against another",
+        "",
+        f"Command: `{command_line('experiments.plan_time', _named(argv))}` (DIR: a checkout "
+        "of the other tree)",
+        "",
+        f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores.",
+        "",
+        f"This tree: {this}. The other: {other}.",
+        "",
+        f"{rounds[0][0]['programs']} traced programs (the `{argv_preset(argv)}` preset's "
+        f"mappings {', '.join(map(str, MAPPINGS))} as (ZeRO, expert, expert tensor), one and "
+        f"two blocks), priced under {', '.join(SCHEDULES)} where each applies; CPU seconds "
+        "of one pricing of all of them, the median of each process's repeats, the two trees "
+        "alternating round by round.",
+        "",
+        "| round | this tree s | other tree s | other / this |",
+        "|---|---|---|---|",
+        *(
+            f"| {i + 1} | {a:.2f} | {b:.2f} | {r:.2f} |"
+            for i, (a, b, r) in enumerate(zip(here, there, ratios, strict=True))
+        ),
+        "",
+        f"This tree {Spread.of(here).format(1, 2)} s, the other "
+        f"{Spread.of(there).format(1, 2)} s (median [range]); other / this "
+        f"{Spread.of(ratios).format(1, 2)}.",
+        "",
+        "Priced alike (the simulated steps' digests equal): "
+        + ("yes." if len(digests) == 1 else f"no ({len(digests)} digests)."),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _named(argv: list[str]) -> list[str]:
+    """``argv`` with the other tree's path as ``DIR``: the file names its commit instead."""
+    named = list(argv)
+    for index, arg in enumerate(argv):
+        if arg == "--against" and index + 1 < len(argv):
+            named[index + 1] = "DIR"
+        elif arg.startswith("--against="):
+            named[index] = "--against=DIR"
+    return named
+
+
+def argv_preset(argv: list[str]) -> str:
+    return argv[argv.index("--preset") + 1] if "--preset" in argv else "small"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--against", type=Path, required=True, help="another checkout's root")
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="pricings in each process")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    rounds = []
+    for index in range(args.rounds):
+        # Alternate which tree goes first, so neither always runs on a warmer host.
+        trees = (ROOT, args.against) if index % 2 == 0 else (args.against, ROOT)
+        found = {tree: _run(tree, args.preset, args.repeats) for tree in trees}
+        rounds.append((found[ROOT], found[args.against]))
+        print(
+            f"round {index + 1}: {found[ROOT]['seconds']} against {found[args.against]['seconds']}"
+        )
+    args.out.write_text(report(rounds, _commit(ROOT), _commit(args.against), argv))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

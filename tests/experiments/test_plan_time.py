@@ -1,0 +1,47 @@
+"""The pricing-time comparison (experiments/plan_time.py): its results file states each
+round's ratio and the spread, and says whether both trees priced the programs alike; the
+source it sends to the other tree runs on its own."""
+
+import ast
+import builtins
+import inspect
+
+from experiments import plan_time
+
+
+def _side(seconds, digest="abc"):
+    return {"seconds": seconds, "digests": [digest], "programs": 6}
+
+
+def test_the_results_give_each_rounds_ratio_and_the_spread():
+    rounds = [(_side([1.0, 1.2, 1.1]), _side([2.2, 2.0, 2.4])), (_side([2.0]), _side([3.0]))]
+    text = plan_time.report(rounds, "def456 new", "abc123 old", ["--against", "/elsewhere"])
+    assert "| 1 | 1.10 | 2.20 | 2.00 |" in text
+    assert "| 2 | 2.00 | 3.00 | 1.50 |" in text
+    assert "other / this 1.75 [1.50-2.00]" in text
+    assert "Priced alike (the simulated steps' digests equal): yes." in text
+    # The other tree is named by its commit, not by where it was checked out.
+    assert "--against DIR" in text and "/elsewhere" not in text
+
+
+def test_a_difference_in_what_was_priced_is_said():
+    rounds = [(_side([1.0]), _side([2.0], digest="def"))]
+    text = plan_time.report(rounds, "def456 new", "abc123 old", ["--against", "/elsewhere"])
+    assert "Priced alike (the simulated steps' digests equal): no (2 digests)." in text
+
+
+def test_the_measurement_reads_no_name_of_its_module():
+    """It runs in another tree as source alone: every name it reads is its own, an
+    argument, an import inside it, or a builtin."""
+    tree = ast.parse(inspect.getsource(plan_time._measure))
+    function = tree.body[0]
+    bound = {a.arg for a in function.args.args}
+    for node in ast.walk(function):
+        if isinstance(node, ast.alias):
+            bound.add((node.asname or node.name).split(".")[0])
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            bound.add(node.id)
+        elif isinstance(node, ast.FunctionDef):
+            bound.add(node.name)
+    read = {n.id for n in ast.walk(function) if isinstance(n, ast.Name)}
+    assert read - bound <= set(vars(builtins))
