@@ -33,6 +33,8 @@ import heapq
 import weakref
 from dataclasses import dataclass
 
+import numpy as np
+
 from scheduling.passes.schedule_dw import Placement
 from scheduling.program.capture import Value, aval_bytes
 from scheduling.program.graph import Graph, Role
@@ -144,12 +146,16 @@ def topological_order(
 @dataclass(frozen=True)
 class _Lifetimes:
     """Where each value of a graph (of some bytes) begins and ends, by node: the same for
-    every order of it, so found once per graph."""
+    every order of it, so found once per graph. Arrays over the values, but ``readers``:
+    the nodes that hold a read value (and not a result) until they run, those of each
+    value from its offset in ``read_from``."""
 
-    sizes: list[int]
-    born: list[int]  # the node whose position it is made at; -1: a program input (at 0)
-    uses: list[list[int]]  # the nodes whose positions it is held until (none: at its birth)
-    results: list[bool]  # a program result: held to the end
+    sizes: np.ndarray
+    born: np.ndarray  # the node it is made at; -1: a program input (made at the start)
+    read: np.ndarray  # the values read (their indices), results aside
+    readers: np.ndarray
+    read_from: np.ndarray
+    results: np.ndarray  # the program's results (their indices): held to the end
 
 
 _LIFETIMES: weakref.WeakKeyDictionary[Graph, _Lifetimes] = weakref.WeakKeyDictionary()
@@ -177,11 +183,15 @@ def _lifetimes(graph: Graph) -> _Lifetimes:
     results = {atom for atom in graph.program.outputs if isinstance(atom, Value)}
     sized = [(value, aval_bytes(value.aval)) for value in born]
     sized = [(value, size) for value, size in sized if size]
+    read = [i for i, (v, _) in enumerate(sized) if v in uses and v not in results]
+    held = [uses[sized[i][0]] for i in read]
     found = _Lifetimes(
-        [size for _, size in sized],
-        [born[value] for value, _ in sized],
-        [uses.get(value, []) for value, _ in sized],
-        [value in results for value, _ in sized],
+        np.array([size for _, size in sized], np.int64),
+        np.array([born[value] for value, _ in sized], np.int64),
+        np.array(read, np.int64),
+        np.array([node for nodes in held for node in nodes], np.int64),
+        np.cumsum([0] + [len(nodes) for nodes in held[:-1]], dtype=np.int64),
+        np.array([i for i, (v, _) in enumerate(sized) if v in results], np.int64),
     )
     _LIFETIMES[graph] = found
     return found
@@ -191,28 +201,21 @@ def peak_live_bytes(graph: Graph, order: list[int], until: int | None = None) ->
     """Largest total size of values alive at once when running in ``order`` (over its first
     ``until`` positions: None, all of them)."""
     lives = _lifetimes(graph)
-    position = [0] * len(graph.nodes)
-    for at, node in enumerate(order):
-        position[node] = at
     end = len(order)
-    delta = [0] * (end + 2)
-    for size, born, uses, result in zip(
-        lives.sizes, lives.born, lives.uses, lives.results, strict=True
-    ):
-        start = 0 if born < 0 else position[born]
-        if result:
-            last = end
-        elif uses:
-            last = max(0, *map(position.__getitem__, uses))
-        else:
-            last = start
-        delta[start] += size
-        delta[last + 1] -= size
-    peak = live = 0
-    for change in delta[: None if until is None else until]:
-        live += change
-        peak = max(peak, live)
-    return peak
+    # Each node's position, and one more slot (0) that a program input's -1 reads.
+    position = np.zeros(len(graph.nodes) + 1, np.int64)
+    position[np.asarray(order, np.int64)] = np.arange(end)
+    start = position[lives.born]
+    last = start.copy()
+    if lives.read.size:
+        held = np.maximum.reduceat(position[lives.readers], lives.read_from)
+        last[lives.read] = np.maximum(held, 0)
+    last[lives.results] = end
+    delta = np.zeros(end + 2, np.int64)
+    np.add.at(delta, start, lives.sizes)
+    np.add.at(delta, last + 1, -lives.sizes)
+    live = np.cumsum(delta[:until])
+    return max(0, int(live.max())) if live.size else 0
 
 
 def order(
