@@ -114,7 +114,9 @@ def _commit(tree: Path) -> str:
     return found.stdout.strip() or "a tree outside git"
 
 
-def report(rounds: list[tuple[dict, dict]], this: str, other: str, argv: list[str]) -> str:
+def report(
+    rounds: list[tuple[dict, dict]], this: str, other: str, preset: str, argv: list[str]
+) -> str:
     """The results file: each side's CPU seconds per round (the median of its repeats),
     the per-round ratios, and whether both priced alike."""
     here = [statistics.median(mine["seconds"]) for mine, _ in rounds]
@@ -131,7 +133,7 @@ def report(rounds: list[tuple[dict, dict]], this: str, other: str, argv: list[st
         "",
         f"This tree: {this}. The other: {other}.",
         "",
-        f"{rounds[0][0]['programs']} traced programs (the `{argv_preset(argv)}` preset's "
+        f"{rounds[0][0]['programs']} traced programs (the `{preset}` preset's "
         f"mappings {', '.join(map(str, MAPPINGS))} as (ZeRO, expert, expert tensor), one and "
         f"two blocks), priced under {', '.join(SCHEDULES)} where each applies; CPU seconds "
         "of one pricing of all of them, the median of each process's repeats, the two trees "
@@ -166,10 +168,6 @@ def _named(argv: list[str]) -> list[str]:
     return named
 
 
-def argv_preset(argv: list[str]) -> str:
-    return argv[argv.index("--preset") + 1] if "--preset" in argv else "small"
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -188,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"round {index + 1}: {found[ROOT]['seconds']} against {found[args.against]['seconds']}"
         )
-    args.out.write_text(report(rounds, _commit(ROOT), _commit(args.against), argv))
+    args.out.write_text(report(rounds, _commit(ROOT), _commit(args.against), args.preset, argv))
     print(f"wrote {args.out}")
     return 0
 

@@ -131,26 +131,14 @@ class _RangeCosts:
         return sum(self.whole(p) for p in range(begin, end))
 
     def partitioned(self, range_cut: RangeCut) -> float:
-        n = range_cut.n
-        compute = [0.0] * range_cut.num_stages
-        collectives = [0.0] * (range_cut.num_stages - 1)
-        for position in range_cut.chunked:
-            stage = range_cut.stages[position]
-            if self.program.ops[position].primitive in PIPELINED_COLLECTIVES:
-                collectives[stage] += self.chunk(position, n)
-            else:
-                compute[stage] += self.chunk(position, n)
-        compute[0] += sum(self.cut(seed, n) for seed in range_cut.seeds)
-        before = sum(self.whole(p) for p in range_cut.replicated)
-        after = sum(self.whole(p) for p in range_cut.deferred)
-        after += sum(self.join(value, n) for value in range_cut.escaping)
-        return pipeline_seconds(compute, collectives, n, before, after)
+        """The range's estimate on two streams (:func:`pipeline_seconds`)."""
+        return _Extending(self, range_cut.n).partitioned(range_cut)
 
 
 class _Extending:
-    """:meth:`_RangeCosts.partitioned` of the cuts of one range as it extends (for one
-    ``n``), each cut's lists those of the cut before it and more: the sums of the ops seen
-    carried over, each new op added, in the same order, so the same figures."""
+    """The estimates of the cuts of one range as it extends (for one ``n``), each cut's
+    lists those of the cut before it and more: the sums of the ops seen carried over, each
+    new op added in order. (One cut alone: :meth:`_RangeCosts.partitioned`.)"""
 
     def __init__(self, costs: _RangeCosts, n: int):
         self.costs, self.n = costs, n

@@ -8,6 +8,8 @@ import inspect
 
 from experiments import plan_time
 
+ARGV = ["--against", "/elsewhere"]
+
 
 def _side(seconds, digest="abc"):
     return {"seconds": seconds, "digests": [digest], "programs": 6}
@@ -15,7 +17,7 @@ def _side(seconds, digest="abc"):
 
 def test_the_results_give_each_rounds_ratio_and_the_spread():
     rounds = [(_side([1.0, 1.2, 1.1]), _side([2.2, 2.0, 2.4])), (_side([2.0]), _side([3.0]))]
-    text = plan_time.report(rounds, "def456 new", "abc123 old", ["--against", "/elsewhere"])
+    text = plan_time.report(rounds, "def456 new", "abc123 old", "small", ARGV)
     assert "| 1 | 1.10 | 2.20 | 2.00 |" in text
     assert "| 2 | 2.00 | 3.00 | 1.50 |" in text
     assert "other / this 1.75 [1.50-2.00]" in text
@@ -26,7 +28,7 @@ def test_the_results_give_each_rounds_ratio_and_the_spread():
 
 def test_a_difference_in_what_was_priced_is_said():
     rounds = [(_side([1.0]), _side([2.0], digest="def"))]
-    text = plan_time.report(rounds, "def456 new", "abc123 old", ["--against", "/elsewhere"])
+    text = plan_time.report(rounds, "def456 new", "abc123 old", "small", ARGV)
     assert "Priced alike (the simulated steps' digests equal): no (2 digests)." in text
 
 
