@@ -65,8 +65,7 @@ class Recorder:
         function = str(fields.get("fun_name", "?"))
         if function.startswith("jit(") and function.endswith(")"):
             function = function[4:-1]  # the lowering's and the compile's name of a jit
-        record = {"test": test, "event": kind, "function": function,
-                  "seconds": seconds}  # fmt: skip
+        record = {"test": test, "event": kind, "function": function, "seconds": seconds}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
