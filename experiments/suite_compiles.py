@@ -6,11 +6,11 @@ report of those records.
     .venv/bin/python -m experiments.suite_compiles [--records DIR] [--top N]
 
 Each process of the run (pytest and each xdist worker) appends one JSON line per event to
-a file of its own under ``--records`` (``$SUITE_COMPILES_DIR`` for the plugin; default
-``runs/suite_compiles``, emptied by the process that starts the run). The durations are
-JAX's own (:mod:`jax.monitoring`, wall seconds in the process that traced or compiled):
-a compile the persistent cache answered is counted too, as the time of its read. The
-processes tests start are not recorded. The report is written to
+a file of its own under ``$SUITE_COMPILES_DIR`` (default ``runs/suite_compiles``), emptied
+by the process that starts the run; the report reads them there (or from ``--records``).
+The durations are JAX's own (:mod:`jax.monitoring`, wall seconds in the process that
+traced or compiled): a compile the persistent cache answered is counted too, as the time
+of its read. The processes tests start are not recorded. The report is written to
 ``experiments/results/suite_compiles.md`` with the command that made it.
 """
 
@@ -116,13 +116,15 @@ def _top(records: Sequence[dict], key, top: int) -> list[tuple[str, float, int]]
 def report(records: Sequence[dict], top: int) -> list[str]:
     """The totals of each event, then the tests, test files and jitted functions whose
     compiles took longest (and the tests whose traces did)."""
+    by_event = collections.defaultdict(list)
+    for record in records:
+        by_event[record["event"]].append(record)
     lines = ["| event | seconds | events |", "|---|---|---|"]
     for kind in EVENTS.values():
-        chosen = [r for r in records if r["event"] == kind]
+        chosen = by_event[kind]
         lines.append(f"| {kind} | {sum(r['seconds'] for r in chosen):.1f} | {len(chosen)} |")
     lines.append("")
-    compiles = [r for r in records if r["event"] == "compile"]
-    traces = [r for r in records if r["event"] == "trace"]
+    compiles, traces = by_event["compile"], by_event["trace"]
     lines += _table("Compile, by test", _top(compiles, lambda r: r["test"], top), "test")
     lines += _table(
         "Compile, by test file", _top(compiles, lambda r: r["test"].split("::")[0], top), "file"
@@ -136,14 +138,14 @@ def report(records: Sequence[dict], top: int) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--records", type=Path, default=RECORDS)
+    parser.add_argument("--records", type=Path, default=_records_dir())
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     records = read_records(args.records)
     if not records:
-        print(f"no records under {args.records}: run the suite with -p experiments."
-              "suite_compiles first", file=sys.stderr)  # fmt: skip
+        hint = "run the suite with -p experiments.suite_compiles first"
+        print(f"no records under {args.records}: {hint}", file=sys.stderr)
         return 2
     command = command_line("experiments.suite_compiles", argv if argv is not None else sys.argv[1:])
     text = [
