@@ -113,6 +113,8 @@ def test_choices_remade_from_the_saved_curves_need_no_cluster(tmp_path):
     shutil.copy(RESULTS / "grad_sync_eval.json", out.with_suffix(".json"))
     before = json.loads(out.with_suffix(".json").read_text())
     argv = ["--links", "300", "--repeats", "2", "--steps", str(before["steps"])]
+    # Extra flags go to the runs' configuration: auto's choice traced at one layer.
+    argv += ["--model.num_layers", "1", "--model.moe_every", "1"]
     assert main([*argv, "--choices-only", "--saved-curves", "--out", str(out)]) == 0
     after = json.loads(out.with_suffix(".json").read_text())
     assert after["runs"] == before["runs"]

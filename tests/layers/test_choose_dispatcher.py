@@ -73,9 +73,10 @@ def test_a_layer_chooses_its_dispatchers_once_not_per_call(monkeypatch):
     monkeypatch.setattr(moe, "choose_dispatcher", counting)
     layer = _layer(MoEConfig(num_experts=4, top_k=2))
     assert chosen == [("all_to_all", False), ("all_to_all", True)]
-    x = _tokens()
-    layer(x)
-    layer(x, replica_table=jnp.asarray([[0, 1]], jnp.int32))
+    # The choice is Python's: calls traced (for their shapes) take the path a run takes.
+    x, table = _tokens(), jnp.asarray([[0, 1]], jnp.int32)
+    jax.eval_shape(lambda x: layer(x), x)
+    jax.eval_shape(lambda x: layer(x, replica_table=table), x)
     graphdef, state = nnx.split(layer)
     jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))(state, x)
     assert len(chosen) == 2
@@ -110,7 +111,7 @@ def test_a_call_takes_one_path_through_its_dispatcher(with_table):
     used, other = names[::-1] if with_table else names
     setattr(layer, used, Recording(getattr(layer, used), steps))
     setattr(layer, other, Recording(getattr(layer, other), unused))
-    _, stats = layer(_tokens(), replica_table=table)
+    _, stats = jax.eval_shape(lambda x: layer(x, replica_table=table), _tokens())
     assert steps == ["plan", "send", "run_experts", "combine", "stats"]
     assert unused == []
     assert (stats.slot_load is not None) == with_table

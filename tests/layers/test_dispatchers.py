@@ -82,13 +82,15 @@ def one_device(case: Case):
 
 
 def _layer_cases() -> list:
-    """Every mapping with top2-capacity, and every case on the folded layout with both
-    dispatchers, by default; the rest of the cross product is slow."""
+    """Every mapping with top2-capacity, and top-2 dropless on the folded layout with both
+    dispatchers, by default; the rest of the cross product is slow (top-1 routing is
+    tests/layers/test_moe.py's, on one device)."""
     return [
         pytest.param(
             case, layout, dispatcher, id=f"{case.name}-{layout}-{dispatcher}",
             marks=()
-            if case.name == "top2-capacity" or layout == "tensor2-expert2-et4"
+            if case.name == "top2-capacity"
+            or (layout == "tensor2-expert2-et4" and case.name == "top2-dropless")
             else pytest.mark.slow,
         )
         for case in CASES

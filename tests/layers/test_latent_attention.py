@@ -137,7 +137,9 @@ TP_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(TP_CASES))
+# Four ways is another size of the split two ways checks (tensor groups over two mesh axes:
+# tests/layers/test_attention.py's mha-tensor4-two-mesh-axes): slow.
+@pytest.mark.parametrize("case", ["tensor2", pytest.param("tensor4", marks=pytest.mark.slow)])
 def test_heads_split_over_the_tensor_group_match_the_unsplit_layer(case):
     """Outputs and the gradients of every parameter (the replicated compressions' summed
     over the group) and of the input."""

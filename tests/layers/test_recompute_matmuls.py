@@ -37,9 +37,10 @@ def _backward(program, primitives) -> list:
 
 
 def test_keeping_matmuls_trains_as_keeping_everything():
+    # Two layers: a dense block and an MoE block, each with the policy.
     (history, state, _), (expected, expected_state, _) = (
-        trained(config("plain", recompute="matmuls", microbatches=1)),
-        trained(config("plain", microbatches=1)),
+        trained(config("plain", recompute="matmuls", microbatches=1, num_layers=2)),
+        trained(config("plain", microbatches=1, num_layers=2)),
     )
     assert history[0]["loss"] == expected[0]["loss"]
     for key in ("loss", "aux_loss", "z_loss"):

@@ -25,11 +25,12 @@ LAYOUTS = {
 
 
 def config(parallel: ParallelConfig, microbatches: int) -> Config:
+    # With 3 microbatches this is tests/train/test_pair_schedule.py's reference: one program.
     return Config(
         model=ModelConfig(d_model=32, num_heads=2, num_layers=2, d_ff=64, seq_len=16),
         moe=MoEConfig(num_experts=8, top_k=2, capacity_factor=1.0),
         parallel=parallel,
-        train=TrainConfig(batch_size=32, warmup_steps=1, learning_rate=1e-2,
+        train=TrainConfig(batch_size=24, warmup_steps=1, learning_rate=1e-2,
                           microbatches=microbatches),
     )  # fmt: skip
 
@@ -44,8 +45,8 @@ def trained(layout: str, microbatches: int):
     "layout",
     ["2x4", pytest.param("tensor2", marks=pytest.mark.slow)],
 )
-def test_four_microbatches_train_as_one_batch(layout):
-    (whole, whole_state), (parts, parts_state) = trained(layout, 1), trained(layout, 4)
+def test_three_microbatches_train_as_one_batch(layout):
+    (whole, whole_state), (parts, parts_state) = trained(layout, 1), trained(layout, 3)
     # The same tokens drop: routing groups are whole rows, microbatches whole rows too.
     for key in ("dropped_fraction", "tokens_per_expert"):
         np.testing.assert_array_equal([m[key] for m in parts], [m[key] for m in whole])
@@ -62,9 +63,9 @@ def test_four_microbatches_train_as_one_batch(layout):
 
 def test_each_microbatch_is_a_scope_of_the_captured_step():
     mesh = build_mesh(LAYOUTS["2x4"])
-    program, _ = capture_train_step(resolve(config(LAYOUTS["2x4"], 4), mesh))
+    program, _ = capture_train_step(resolve(config(LAYOUTS["2x4"], 3), mesh))
     scopes = {op.layer.split("/")[0] for op in program.ops if op.layer.startswith("microbatch_")}
-    assert scopes == {f"microbatch_{i}" for i in range(4)}
+    assert scopes == {f"microbatch_{i}" for i in range(3)}
     one, _ = capture_train_step(resolve(config(LAYOUTS["2x4"], 1), mesh))
     assert not any("microbatch" in op.name_stack for op in one.ops)
 

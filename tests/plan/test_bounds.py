@@ -72,8 +72,7 @@ def estimated(options: Options):
 # By default each ZeRO stage, each recomputation and both microbatch counts once; the rest
 # of the option sets are slow.
 DEFAULT_VARIANTS = {
-    Options(0, "none", 1), Options(1, "layer", 1), Options(3, "attention", 1),
-    Options(0, "none", 2), Options(3, "attention", 2),
+    Options(0, "none", 1), Options(1, "layer", 1), Options(3, "attention", 2),
 }  # fmt: skip
 
 

@@ -9,10 +9,11 @@ from jax.sharding import Mesh
 
 import scheduling
 from jaxmoe.cli.main import main
-from jaxmoe.config import ParallelConfig
+from jaxmoe.config import ParallelConfig, ScheduleConfig
 from jaxmoe.parallel import mesh as mesh_module
 from jaxmoe.parallel.grad_sync import ALGORITHMS, EXACT
 from jaxmoe.parallel.mesh import build_mesh
+from jaxmoe.plan import grad_sync_choice
 from jaxmoe.plan.grad_sync_choice import (
     CONVERGENCE_FILE,
     TARGET_FRACTION,
@@ -23,6 +24,7 @@ from jaxmoe.plan.grad_sync_choice import (
     resolve_grad_sync,
 )
 from jaxmoe.plan.grad_sync_trial import measured_step_seconds, trial_batches
+from jaxmoe.train.scheduled import capture_train_step
 from tests.train.runs import ONE_LAYER, one_layer_config, small_config, with_schedule
 
 RELAXED = [name for name in ALGORITHMS if name not in EXACT]
@@ -44,6 +46,29 @@ def config_told(link_mbit: float, base=small_config, **schedule_fields):
 @pytest.fixture(scope="module")
 def mesh():
     return build_mesh(ParallelConfig(data=2, expert=4))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_capture_per_algorithm():
+    """The choices below differ in the link, the trial and the convergence costs, none of
+    which changes the captured step: each algorithm's step is captured once per module."""
+    captured = {}
+
+    def capture_once(run):
+        key = dataclasses.replace(
+            run.config,
+            schedule=ScheduleConfig(),
+            train=dataclasses.replace(
+                run.config.train, grad_sync_trial_steps=0, grad_sync_trial_margin=0.0
+            ),
+        )
+        if key not in captured:
+            captured[key] = capture_train_step(run)
+        return captured[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(grad_sync_choice, "capture_train_step", capture_once)
+        yield
 
 
 @pytest.fixture(scope="module")

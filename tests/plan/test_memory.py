@@ -164,6 +164,7 @@ def test_the_peak_by_kind():
     assert 0 < zero1.parameters <= gathered
 
 
+@functools.cache
 def walked(**fields) -> tuple[StepMemory, StepMemory]:
     """The walk of a configuration that is captured but not compiled, with the barriers
     kept and dropped before CSE."""

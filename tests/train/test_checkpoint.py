@@ -123,11 +123,11 @@ def test_restore_into_another_layout_gives_the_saved_values(tmp_path, layout):
     assert np.isfinite(metrics["loss"])
 
 
-# Routing groups of 32 positions lie inside one device's half of a 64-position row under
+# Routing groups of 8 positions lie inside one device's half of a 16-position row under
 # tensor=2 too; groups of whole rows are gathered over the context group; either way both
 # layouts route (and drop) the same tokens.
 SPLIT_SEQUENCES = {
-    "tensor2": (ParallelConfig(data=1, expert=8, tensor=2), 32),
+    "tensor2": (ParallelConfig(data=1, expert=8, tensor=2), 8),
     "context2-tensor2": (ParallelConfig(data=2, expert=4, context=2, tensor=2), None),
 }
 
@@ -139,7 +139,7 @@ SPLIT_SEQUENCES = {
 )
 def test_a_checkpoint_without_split_sequences_restores_and_trains_with_them(tmp_path, layout):
     parallel, group_size = SPLIT_SEQUENCES[layout]
-    saved_config = small_config(steps=2)
+    saved_config = one_layer_config(steps=2)
     saved_config = dataclasses.replace(
         saved_config, moe=dataclasses.replace(saved_config.moe, group_size=group_size)
     )

@@ -69,7 +69,10 @@ def test_rounds_and_chunks_apply_and_mixing_sources_stops_rounds():
     assert any(regions for regions in mixed.values())
 
 
-@pytest.mark.parametrize("decomposition", ["rounds:8", "chunks:2", "chunks:8"])
+# Eight chunks are another count of the pieces two check: slow.
+@pytest.mark.parametrize(
+    "decomposition", ["rounds:8", "chunks:2", pytest.param("chunks:8", marks=pytest.mark.slow)]
+)
 def test_decomposed_step_is_bitwise_equal(decomposition):
     policy = SchedulePolicy(name="comet")
     optimized, expected, report = _optimized(policy, exchange=decomposition)
