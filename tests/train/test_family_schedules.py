@@ -1,11 +1,12 @@
 """Every schedule on every model family: the losses of the scheduled step equal the step
 as written (``none``) within 1e-5 relative, and the same tokens drop.
 
-Each family is its ``-tiny`` preset cut to two layers of width 32 (sequence 16), so
+Each family is its ``-tiny`` preset cut to one MoE layer of width 32 (sequence 16), so
 that its blocks (grouped-query attention, rotary positions, query/key norms, SwiGLU,
 shared experts and their gate, DeepSeek's latent attention, routing with its selection
-bias and multi-token prediction, a leading dense layer, an untied head, FP8 GEMMs) all
-run in the scheduled program; capacity 1.0, so that drops happen and must match.
+bias and multi-token prediction, an untied head, FP8 GEMMs) all run in the scheduled
+program; capacity 1.0, so that drops happen and must match. (A dense layer's weight
+gradients are placed by dw as an MoE layer's dense ones are: tests/train/test_scheduled.py.)
 """
 
 import dataclasses
@@ -59,7 +60,8 @@ def family(name: str) -> Config:
         config.model,
         fp8="blockwise" if fp8 else "none",
         d_model=32,
-        num_layers=2,
+        num_layers=1,
+        first_dense_layers=0,
         seq_len=16,
         head_dim=16 if config.model.head_dim else None,
         d_ff=64,
