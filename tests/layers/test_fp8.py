@@ -34,17 +34,20 @@ def test_products_and_their_gradients_are_float32_s_within_e4m3(recipe):
     x, w = operands((64, 200), (200, 96))
     exact = lambda x, w: x @ w
     fp8_product = lambda x, w: fp8.matmul(x, w, recipe)
+    # One program of the products and their gradients (op by op, each would compile alone).
+    both = jax.jit(
+        lambda x, w: [(f(x, w), jax.grad(loss_of(f), (0, 1))(x, w)) for f in (fp8_product, exact)]
+    )
+    (product, got), (expected_product, expected) = both(x, w)
 
-    assert fp8_product(x, w).dtype == x.dtype
-    assert relative(fp8_product(x, w), exact(x, w)) < FP8_ERROR
-    got = jax.grad(loss_of(fp8_product), (0, 1))(x, w)
-    expected = jax.grad(loss_of(exact), (0, 1))(x, w)
+    assert product.dtype == x.dtype
+    assert relative(product, expected_product) < FP8_ERROR
     for a, b in zip(got, expected, strict=True):
         assert a.shape == b.shape and relative(a, b) < FP8_ERROR
 
     # The experts' batched GEMM: each expert's weights scaled on their own.
     xe, we = operands((4, 16, 200), (4, 200, 2, 24))
-    batched = fp8.batched_matmul(xe, we, recipe)
+    batched = jax.jit(lambda x, w: fp8.batched_matmul(x, w, recipe))(xe, we)
     assert relative(batched, jnp.einsum("esd,edth->esth", xe, we)) < FP8_ERROR
 
 
@@ -54,11 +57,13 @@ def test_the_grouped_gemm_and_its_gradients_follow_ragged_dot(recipe):
     sizes = jnp.array([10, 0, 30, 20], jnp.int32)  # an empty group; 4 rows past them
     exact = lambda x, w: jax.lax.ragged_dot(x, w, sizes)
     grouped = lambda x, w: fp8.grouped_matmul(x, w, sizes, recipe)
+    both = jax.jit(
+        lambda x, w: [(f(x, w), jax.grad(loss_of(f), (0, 1))(x, w)) for f in (grouped, exact)]
+    )
+    (product, got), (expected_product, expected) = both(x, w)
 
-    assert relative(grouped(x, w), exact(x, w)) < FP8_ERROR
-    assert jnp.all(grouped(x, w)[60:] == 0)
-    got = jax.grad(loss_of(grouped), (0, 1))(x, w)
-    expected = jax.grad(loss_of(exact), (0, 1))(x, w)
+    assert relative(product, expected_product) < FP8_ERROR
+    assert jnp.all(product[60:] == 0)
     for a, b in zip(got, expected, strict=True):
         assert relative(a, b) < FP8_ERROR
     assert jnp.all(got[1][1] == 0)  # the empty group's weights get no gradient

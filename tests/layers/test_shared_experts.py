@@ -38,11 +38,17 @@ def test_gated_shared_experts_scale_the_ffn_by_a_sigmoid_per_token():
 def test_an_moe_block_adds_the_shared_output_to_the_routed_one():
     block = Block(MODEL, MOE, dtype=jnp.float32, rngs=nnx.Rngs(0))
     x = jnp.asarray(np.random.default_rng(2).normal(size=(2, 8, 16)), jnp.float32)
-    y, stats = block(x)
-    attended = x + block.attention(block.attention_norm(x))
-    normed = block.ffn_norm(attended)
-    routed, _ = block.ffn(normed)
-    np.testing.assert_allclose(y, attended + routed + block.shared(normed), rtol=1e-5, atol=1e-5)
+
+    @nnx.jit
+    def block_and_parts(block, x):
+        y, stats = block(x)
+        attended = x + block.attention(block.attention_norm(x))
+        normed = block.ffn_norm(attended)
+        routed, _ = block.ffn(normed)
+        return y, stats, attended + routed + block.shared(normed)
+
+    y, stats, parts = block_and_parts(block, x)
+    np.testing.assert_allclose(y, parts, rtol=1e-5, atol=1e-5)
     assert stats is not None
     plain = Block(
         MODEL, dataclasses.replace(MOE, num_shared_experts=0), dtype=jnp.float32, rngs=nnx.Rngs(0)

@@ -23,7 +23,12 @@ LLAMA = dict(
 )  # fmt: skip
 # (parallel layout, model fields, train fields) of each layout.
 LAYOUTS = {
-    "tensor2-sequence-gqa": (ParallelConfig(data=2, expert=4, tensor=2), LLAMA, {}),
+    # One MoE layer: the cores are compared layer by layer, and a dense FFN adds none.
+    "tensor2-sequence-gqa": (
+        ParallelConfig(data=2, expert=4, tensor=2),
+        dict(LLAMA, num_layers=1, moe_every=1),
+        {},
+    ),
     "pipeline2-folded": (
         ParallelConfig(data=1, expert=2, expert_tensor=2, tensor=2, pipeline=2),
         dict(num_layers=4, moe_every=1),

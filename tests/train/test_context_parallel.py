@@ -1,14 +1,14 @@
 """Context parallelism trains as the unsplit sequence does, and its ring is scheduled exactly.
 
 Each case trains a family's tiny preset (one MoE layer, two under a pipeline; rows of 32
-positions, attention tiles of 4) for 5 steps on 8 fake devices with its sequences split over a context group, and the same
-model with whole sequences on every device: losses, gradient norms and the routers' losses
-within 1e-5 relative, the same tokens routed to each expert and the same fraction dropped
-(capacity factor 1: about a third of the assignments drop). Mixtral's rows are packed
-documents (end-of-document tokens inside and on the edges of chunks), so attention,
-positions and the loss restart inside a device's chunks; DeepSeek-V3's (latent attention,
-multi-token prediction, sequence-wise balance loss) split over context and tensor groups
-at once.
+positions, attention tiles of 4) for 5 steps on 8 fake devices with its sequences split
+over a context group, and the same model with whole sequences on every device: losses,
+gradient norms and the routers' losses within 1e-5 relative, the same tokens routed to
+each expert and the same fraction dropped (capacity factor 1: about a third of the
+assignments drop). Mixtral's rows are packed documents (end-of-document tokens inside and
+on the edges of chunks), so attention, positions and the loss restart inside a device's
+chunks; DeepSeek-V3's (latent attention, multi-token prediction, sequence-wise balance
+loss) split over context and tensor groups at once.
 """
 
 import dataclasses
