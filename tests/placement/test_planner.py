@@ -29,13 +29,14 @@ from scheduling import ExperimentalOptions
 from tests.train.batches import compiled_step, random_batch
 from tests.train.runs import ONE_LAYER, with_schedule
 
-# One MoE layer (the second of two), 8 experts on a 2 x 4 mesh: 2 experts per device.
+# One MoE layer, 8 experts on a 2 x 4 mesh: 2 experts per device.
 SKEWED = np.asarray([[[0, 0], [0, 1], [EMPTY, 2], [0, 7]]], np.int32)  # expert 0: 5 copies
 
 
 def config_with(slots: int | None = None, capacity_factor: float | None = 1.0, **train) -> Config:
     return Config(
-        model=ModelConfig(d_model=32, num_heads=2, num_layers=2, d_ff=64, seq_len=16),
+        # One MoE layer: placement is the MoE layer's slots and table.
+        model=ModelConfig(d_model=32, num_heads=2, num_layers=1, d_ff=64, seq_len=16, moe_every=1),
         moe=MoEConfig(
             num_experts=8, top_k=2, capacity_factor=capacity_factor, slots_per_device=slots
         ),
@@ -138,9 +139,9 @@ def test_a_placement_change_never_changes_parameter_values():
     for table in (np.asarray(state.placement), SKEWED):
         slots = jax.device_get(gather_slots(state.params, jnp.asarray(table)))
         full = np.concatenate([np.arange(8).reshape(4, 2), table[0]], axis=1).reshape(-1)
-        experts = jax.tree_util.tree_leaves(home["blocks"][1]["ffn"]["experts"])
+        experts = jax.tree_util.tree_leaves(home["blocks"][0]["ffn"]["experts"])
         for weights, home_weights in zip(
-            jax.tree_util.tree_leaves(slots["blocks"][1]["ffn"]["experts"]), experts, strict=True
+            jax.tree_util.tree_leaves(slots["blocks"][0]["ffn"]["experts"]), experts, strict=True
         ):
             for slot, expert in enumerate(full):
                 expected = home_weights[expert] if expert >= 0 else np.zeros_like(home_weights[0])
