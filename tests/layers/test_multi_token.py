@@ -3,6 +3,7 @@
 was, and the modules' MoE blocks are layers after the model's."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -24,14 +25,16 @@ MODEL = ModelConfig(
 MOE = MoEConfig(num_experts=4, top_k=2, capacity_factor=None)
 
 
-@jax.jit
-def _ahead(state, rows):
-    model = nnx.merge(graphdef, state)
-    return model.outputs(rows[:, :-1], next_tokens=rows[:, 1:]).ahead
+@functools.cache
+def model() -> GPTMoE:
+    """The model with two modules, built by the first test that reads it (not when the
+    module is collected, in every process of the run)."""
+    return GPTMoE(MODEL, MOE, rngs=nnx.Rngs(0))
 
 
-model = GPTMoE(MODEL, MOE, rngs=nnx.Rngs(0))
-graphdef, state = nnx.split(model)
+@functools.partial(jax.jit, static_argnums=0)
+def _ahead(graphdef, state, rows):
+    return nnx.merge(graphdef, state).outputs(rows[:, :-1], next_tokens=rows[:, 1:]).ahead
 
 
 @pytest.mark.parametrize("changed", [3, 6, SEQ])
@@ -41,7 +44,8 @@ def test_module_k_at_position_i_reads_the_tokens_up_to_i_plus_k(changed):
     rows = np.random.default_rng(0).integers(0, 64, (2, SEQ + 1)).astype(np.int32)
     other = rows.copy()
     other[:, changed] = (other[:, changed] + 1) % 64
-    before, after = _ahead(state, rows), _ahead(state, other)
+    graphdef, state = nnx.split(model())
+    before, after = _ahead(graphdef, state, rows), _ahead(graphdef, state, other)
     for k, (a, b) in enumerate(zip(before, after, strict=True), start=1):
         first = changed - k
         np.testing.assert_array_equal(a[:, :first], b[:, :first], err_msg=f"module {k}")
@@ -54,17 +58,17 @@ def test_without_modules_the_model_is_unchanged():
     assert "mtp" not in params
     # The modules are added after everything else: the model's own parameters and logits
     # are those of the model without them.
-    with_modules = nnx.to_pure_dict(nnx.state(model))
+    with_modules = nnx.to_pure_dict(nnx.state(model()))
     equal = jax.tree.map(np.array_equal, {k: with_modules[k] for k in params}, params)
     assert all(jax.tree.leaves(equal))
     rows = jnp.asarray(np.random.default_rng(1).integers(0, 64, (2, SEQ)), jnp.int32)
-    np.testing.assert_array_equal(plain(rows)[0], model(rows)[0])
+    np.testing.assert_array_equal(plain(rows)[0], model()(rows)[0])
 
 
 def test_the_modules_blocks_are_layers_after_the_models():
     assert MODEL.moe_layers == (0, 1, 2, 3)
     assert dataclasses.replace(MODEL, moe_every=2).moe_layers == (1, 3)
-    assert model.mtp[0].block.is_moe
+    assert model().mtp[0].block.is_moe
 
 
 def test_bad_depths_and_a_pipeline_are_refused_in_one_line():
