@@ -119,7 +119,6 @@ def report(rounds: list[dict[str, dict]], argv: list[str]) -> str:
     """The results file: each round's figures of every variant; the counts; and per figure
     of time, each variant's median and range, and its ratio to the reference's taken round
     by round."""
-    variants = [v for v in VARIANTS if v in rounds[0]]
     lines = [
         "# What a small step's compile is made of",
         "",
@@ -139,7 +138,7 @@ def report(rounds: list[dict[str, dict]], argv: list[str]) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for index, found in enumerate(rounds):
-        for variant in variants:
+        for variant in VARIANTS:
             f = found[variant]
             lines.append(
                 f"| {index + 1} | {variant} | {f['parameters']} | {f['equations']} | "
@@ -148,7 +147,7 @@ def report(rounds: list[dict[str, dict]], argv: list[str]) -> str:
             )
     lines.append("")
     reference = rounds[0][REFERENCE]
-    for variant in variants[1:]:
+    for variant in VARIANTS[1:]:
         counts = ", ".join(
             f"{key} {rounds[0][variant][key]} against {reference[key]} "
             f"({rounds[0][variant][key] / reference[key]:.2f})"
@@ -158,7 +157,7 @@ def report(rounds: list[dict[str, dict]], argv: list[str]) -> str:
     for key in SECONDS:
         base = [found[REFERENCE][key] for found in rounds]
         parts = [f"{REFERENCE} {Spread.of(base).format(1, 2)} s"]
-        for variant in variants[1:]:
+        for variant in VARIANTS[1:]:
             values = [found[variant][key] for found in rounds]
             ratios = round_ratios(values, base)
             parts.append(
