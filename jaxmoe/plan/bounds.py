@@ -8,8 +8,12 @@ of its ops' costs (collectives run where they stand, nothing beside them), so th
 ``n`` blocks is at least the ops outside the block plus ``n`` times the block's own ops:
 those in its scope, and the update's ops on its parameters alone (their gradients'
 squares and sums in the clipping, their moments and steps), which each further block
-adds again. With other schedules communication may hide behind computation: the bound
-counts computation alone.
+adds again. With other schedules communication may hide behind computation, but the
+link still runs every collective, one at a time (:mod:`scheduling.costs.simulate`): the
+bound is the larger of the computation alone and the link's work. A schedule splits or
+moves collectives and drops none, and a collective split into pieces costs no less than
+whole (each piece pays the link's latency); a pipeline's stage is bounded by its
+computation alone.
 
 Time of a variant. One that does less work than the traced options is bounded by taking
 away the ops it may not run: with other recomputation, every op of the traced
@@ -17,7 +21,8 @@ recomputation (JAX names them ``rematted_computation``); at a lower ZeRO stage, 
 parameter gather and the marks JAX puts on the values a fully sharded block keeps (an
 all-reduce costs at least the reduce-scatter it replaces). One in more microbatches runs
 its forward and backward ops once more per microbatch, each paying at least the
-profile's per-op overhead.
+profile's per-op overhead (its collectives carry the same rows in smaller pieces: no less
+link work).
 
 A pipeline's stage laid out as the traced step (without a pipeline) runs the same ops for
 its chunks' layers over its microbatches, with idle ticks that run the same code on
@@ -82,6 +87,7 @@ _CARRIES_PARAMETERS = frozenset(
 _PARTS = (
     "step", "recomputing", "sharding", "update", "update_compute", "on_parameters",
     "overhead_step", "overhead_recomputing", "overhead_sharding", "overhead_update",
+    "link", "link_recomputing", "link_sharding",
 )  # fmt: skip
 # What JAX puts on the values a remat region keeps (ZeRO-3's fully sharded blocks keep all
 # but their gathers): the cost model prices it, XLA drops it.
@@ -140,6 +146,11 @@ class Screen:
     overhead_recomputing: Split
     overhead_sharding: Split
     overhead_update: Split
+    # Seconds of the collectives (the link's work), of the recomputations' and of the
+    # parameter gathers among them: what the link runs whatever the schedule.
+    link: Split
+    link_recomputing: Split
+    link_sharding: Split
     state: int  # bytes of the state at the model's depth
     saved: Split  # bytes of forward values alive when the backward pass begins
     # Of the parameters gathered by ZeRO (and their casts), the bytes alive then.
@@ -164,6 +175,20 @@ class Screen:
             overhead -= self.overhead_sharding.at(self.blocks)
         extra = options.microbatches - self.options.microbatches
         seconds += extra * overhead / self.options.microbatches
+        if self.compute_only:
+            seconds = max(seconds, self.link_bound(options))
+        return max(seconds, 0.0)
+
+    def link_bound(self, options: Options) -> float:
+        """A lower bound of the link's work in the traced layout with ``options``: its
+        collectives, less those recomputed (other recomputation) and the parameter gathers
+        (a lower ZeRO stage). Microbatches split the rows' collectives into as many of a
+        share each, no less in all; schedules split or move collectives, never drop one."""
+        seconds = self.link.at(self.blocks)
+        if options.recompute != self.options.recompute:
+            seconds -= self.link_recomputing.at(self.blocks)
+        if options.zero < self.options.zero:
+            seconds -= self.link_sharding.at(self.blocks)
         return max(seconds, 0.0)
 
     def pipeline_step_bound(self, options: Options, stages: int, virtual: int) -> float:
@@ -341,7 +366,8 @@ def screen(
     for op in program.ops:
         in_block = bool(blocks_scope.search(op.layer)) or op.index in update_in_blocks
         collective = op.is_collective or op.primitive == "ragged_all_to_all"
-        seconds = 0.0 if compute_only and collective else cost.seconds(op)
+        priced = cost.seconds(op)
+        seconds = 0.0 if compute_only and collective else priced
         parts = ["step"]
         if _RECOMPUTED in op.name_stack:
             parts.append("recomputing")
@@ -356,7 +382,14 @@ def screen(
         elif len(parts) == 1 and not collective and _on_parameters(op, shapes):
             parts.append("on_parameters")
         pays_overhead = op.phase is not Phase.OPTIMIZER and not collective and cost.launches(op)
+        if collective:
+            linked = ("link" if part == "step" else f"link_{part}" for part in parts)
+            parts += [part for part in linked if part in totals]
         for part in parts:
+            if part.startswith("link"):
+                totals[part][0] += priced
+                totals[part][1] += priced if in_block else 0.0
+                continue
             totals[part][0] += seconds
             totals[part][1] += seconds if in_block else 0.0
             overhead = f"overhead_{part}"

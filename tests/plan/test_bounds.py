@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 
 import pytest
 
@@ -119,6 +120,44 @@ def test_recomputing_less_is_bounded_by_what_the_recomputation_keeps():
     # The core attention's values (queries-keys matmul to the values' matmul) are found.
     assert bounds.recomputed_core.block > 0
     assert kept > without_core > recomputing
+
+
+# A link far slower than the devices (10 MB/s between any two): the step's collectives
+# take longer than its computation, which the schedules that overlap them cannot change.
+SLOW_LINK = dict(
+    name="slow-link", flops_per_s=1e15, memory_bytes_per_s=3e12, op_overhead_s=5e-6,
+    link_bytes_per_s=1e7, link_latency_s=1e-5,
+)  # fmt: skip
+OVERLAPPING = ["none", "dw", "lancet"]
+
+
+@pytest.mark.parametrize(
+    # Recomputing less and a lower ZeRO stage (their parts of the link taken away): slow.
+    "options",
+    [Options(1, "layer", 1), pytest.param(Options(0, "none", 1), marks=pytest.mark.slow)],
+)
+def test_the_link_bounds_a_step_whose_schedules_overlap_communication(tmp_path, options):
+    """Under schedules that may hide communication behind computation, the link still runs
+    every collective one at a time: its work bounds the step where it exceeds the
+    computation. Recomputing less takes away the recomputed exchanges, a lower ZeRO
+    stage the parameter gathers."""
+    profile = tmp_path / "slow-link.json"
+    profile.write_text(json.dumps(SLOW_LINK))
+    traces = tracer.Tracer(OVERLAPPING, str(profile), estimates.EstimateCache(None))
+    sets = option_sets(layout().config)
+    bounds = traces.screen(with_options(layout(), bounding(sets), 8).config, True)
+    variant = with_options(layout(), options, 8).config
+    _, times = tracer.estimate_mapping(
+        variant, OVERLAPPING, str(profile), estimates.EstimateCache(None), tracer=traces
+    )
+    fastest = min(t.step for t in times.values())
+    assert bounds.link_recomputing.block > 0 and bounds.link_sharding.block > 0
+    # The link binds: computation alone bounds the traced options' step at 0.24 of the
+    # fastest schedule's, the link at 0.72 (ZeRO-0 without recomputation: 0.47, its
+    # all-reduces bounded by the reduce-scatters they replace).
+    assert bounds.step_bound(options) == bounds.link_bound(options) <= fastest
+    if options == bounds.options:  # nothing taken away
+        assert bounds.step_bound(options) >= 0.65 * fastest
 
 
 def test_a_variant_in_fewer_microbatches_is_not_bounded():
