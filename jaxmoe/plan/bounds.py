@@ -12,8 +12,8 @@ adds again. With other schedules communication may hide behind computation, but 
 link still runs every collective, one at a time (:mod:`scheduling.costs.simulate`): the
 bound is the larger of the computation alone and the link's work. A schedule splits or
 moves collectives and drops none, and a collective split into pieces costs no less than
-whole (each piece pays the link's latency); a pipeline's stage is bounded by its
-computation alone.
+whole (each piece pays the link's latency; a measured curve of the link is taken to grow
+no faster than the bytes). A pipeline's stage is bounded by its computation alone.
 
 Time of a variant. One that does less work than the traced options is bounded by taking
 away the ops it may not run: with other recomputation, every op of the traced
