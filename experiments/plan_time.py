@@ -69,6 +69,7 @@ def _measure(preset_name: str, profile: str, schedules: list, mappings: list, re
     def price() -> list:
         found = []
         for shallow, program, batch in traced:
+            cost = None  # one model prices the program under every schedule, as the planner's
             for name in schedules:
                 section = replace_section(shallow.schedule, name=name, profile=profile)
                 try:
@@ -76,7 +77,7 @@ def _measure(preset_name: str, profile: str, schedules: list, mappings: list, re
                 except ConfigError:
                     continue  # pair: one microbatch and no pipeline
                 policy = schedule_policy(variant)
-                cost = cost_model(policy, program.mesh, program)
+                cost = cost or cost_model(policy, program.mesh, program)
                 scheduled = scheduling.schedule(program, policy, cost, batch)
                 timeline = simulate(scheduled.graph, scheduled.order.nodes, node_seconds(cost))
                 found.append((name, timeline.step_seconds, timeline.exposed_communication_seconds))

@@ -308,6 +308,7 @@ class CostModel:
         self.fusion: Fusion | None = None  # of the program it is bound to
         self._program: Any = None
         self._bodies: dict[int, tuple[Any, list[tuple[list[Op], float, Fusion | None]]]] = {}
+        self._priced: dict[Op, float] = {}  # each op's seconds, once priced
 
     def bound_to(self, program: Any) -> CostModel:
         """This model pricing the kernels of ``program`` (a captured
@@ -322,6 +323,7 @@ class CostModel:
         )
         bound._program = program
         bound._bodies = {}
+        bound._priced = {}
         return bound
 
     def spread(self, op: Op) -> GroupSpread:
@@ -426,6 +428,7 @@ class CostModel:
     def _with_fusion(self, fusion: Fusion) -> CostModel:
         model = copy.copy(self)
         model.fusion = fusion
+        model._priced = {}
         return model
 
     def collective_seconds(self, op: Op) -> float:
@@ -506,6 +509,13 @@ class CostModel:
         return latency + inside + across * max(1, spread.groups_sharing_a_node)
 
     def seconds(self, op: Op) -> float:
-        if op.is_collective or op.primitive == "ragged_all_to_all":
-            return self.collective_seconds(op)
-        return self.compute_seconds(op)
+        """Seconds of ``op``, priced once per op: the schedules of one program, each
+        candidate of their searches and each simulation ask again for the same ops."""
+        found = self._priced.get(op)
+        if found is None:
+            if op.is_collective or op.primitive == "ragged_all_to_all":
+                found = self.collective_seconds(op)
+            else:
+                found = self.compute_seconds(op)
+            self._priced[op] = found
+        return found
