@@ -77,7 +77,8 @@ def _measure(preset_name: str, profile: str, schedules: list, mappings: list, re
                 except ConfigError:
                     continue  # pair: one microbatch and no pipeline
                 policy = schedule_policy(variant)
-                cost = cost or cost_model(policy, program.mesh, program)
+                if cost is None:
+                    cost = cost_model(policy, program.mesh, program)
                 scheduled = scheduling.schedule(program, policy, cost, batch)
                 timeline = simulate(scheduled.graph, scheduled.order.nodes, node_seconds(cost))
                 found.append((name, timeline.step_seconds, timeline.exposed_communication_seconds))

@@ -13,7 +13,9 @@ link still runs every collective, one at a time (:mod:`scheduling.costs.simulate
 bound is the larger of the computation alone and the link's work. A schedule splits or
 moves collectives and drops none, and a collective split into pieces costs no less than
 whole (each piece pays the link's latency; a measured curve of the link is taken to grow
-no faster than the bytes). A pipeline's stage is bounded by its computation alone.
+no faster than the bytes). Not so where a schedule rewrites exchanges into other
+collectives (``comet``): those schedules, and a pipeline's stage, are bounded by the
+computation alone.
 
 Time of a variant. One that does less work than the traced options is bounded by taking
 away the ops it may not run: with other recomputation, every op of the traced
@@ -160,6 +162,7 @@ class Screen:
     recomputed: Split  # bytes a recomputation makes again for the backward pass
     recomputed_core: Split  # of them, the core attention's
     compute_only: bool
+    link_bounds: bool = True  # with compute_only: the link's work bounds the step too
 
     def step_bound(self, options: Options) -> float:
         """A lower bound of the step time of the traced layout with ``options``."""
@@ -175,7 +178,7 @@ class Screen:
             overhead -= self.overhead_sharding.at(self.blocks)
         extra = options.microbatches - self.options.microbatches
         seconds += extra * overhead / self.options.microbatches
-        if self.compute_only:
+        if self.compute_only and self.link_bounds:
             seconds = max(seconds, self.link_bound(options))
         return max(seconds, 0.0)
 
@@ -351,6 +354,7 @@ def screen(
     traced_blocks: int,
     state_bytes: int,
     compute_only: bool,
+    link_bounds: bool = True,
     first_dense_layers: int = 0,
 ) -> Screen:
     """The bounds of the traced step ``program`` (``traced_blocks`` of the model's
@@ -430,6 +434,7 @@ def screen(
             traced_blocks,
         ),
         compute_only=compute_only,
+        link_bounds=link_bounds,
         **splits,
     )
 

@@ -34,7 +34,8 @@ bound of their step time, and only until the ``top`` best are known
    best.
 
 The bounds hold for the ``none`` schedule; other schedules may hide communication, and
-are bounded by their computation alone.
+are bounded by the larger of their computation and their link's work (by their
+computation alone for a pipeline, and where ``comet`` rewrites the exchanges).
 
 Estimates and bounds are kept on disk (``$XDG_CACHE_HOME/jaxmoe/plan``), keyed by the
 mapped configuration, the profile, the schedule and a digest of this package's and the

@@ -124,8 +124,11 @@ class Tracer:
         self._programs: dict[str, Traced] = {}
         self._estimates: dict[str, Estimate] = {}
         self._bounds: dict[str, float] = {}  # by traced configuration: its screen's step bound
-        # Computation alone bounds a schedule that may overlap communication.
+        # A schedule that may overlap communication is bounded by the larger of its
+        # computation and its link's work; by its computation alone where a schedule
+        # rewrites exchanges into other collectives (comet), which may cost the link less.
         self._compute_only = any(s != "none" for s in schedules)
+        self._link_bounds = not any(s in scheduling.names.DECOMPOSING for s in schedules)
 
     def _trace(self, config: Config) -> Traced:
         key = _key(config)
@@ -191,6 +194,7 @@ class Tracer:
             1 if shallow else blocks,
             state,
             self._compute_only,
+            self._link_bounds,
             config.model.first_dense_layers,
         )
         self._bounds[_key(traced)] = found.step_bound(options)
@@ -287,7 +291,15 @@ def estimate_mapping(
 
 def _extrapolated_time(one: StepTime, two: StepTime, blocks: int) -> StepTime:
     """A ``blocks``-block step from one- and two-block steps: the times grow by a block's
-    each block; the gathers held ahead of use are a maximum over the step (a schedule
+    each block, but the step runs all its computation on one stream and all its
+    collectives on one link, so it is no shorter than either (where a further block's
+    communication hides better than the first's, the exposed communication's growth would
+    say otherwise); the gathers held ahead of use are a maximum over the step (a schedule
     prefetches a few blocks ahead however deep the model), the two-block step's."""
     grown = extrapolate(one, two, blocks)
-    return dataclasses.replace(grown, prefetched=max(one.prefetched, two.prefetched))
+    return dataclasses.replace(
+        grown,
+        step=max(grown.step, grown.compute, grown.communication),
+        exposed_communication=max(grown.exposed_communication, 0.0),
+        prefetched=max(one.prefetched, two.prefetched),
+    )

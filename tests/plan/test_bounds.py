@@ -134,7 +134,11 @@ OVERLAPPING = ["none", "dw", "lancet"]
 @pytest.mark.parametrize(
     # Recomputing less and a lower ZeRO stage (their parts of the link taken away): slow.
     "options",
-    [Options(1, "layer", 1), pytest.param(Options(0, "none", 1), marks=pytest.mark.slow)],
+    [
+        Options(1, "layer", 1),
+        pytest.param(Options(0, "none", 1), marks=pytest.mark.slow),
+        pytest.param(Options(3, "attention", 2), marks=pytest.mark.slow),
+    ],
 )
 def test_the_link_bounds_a_step_whose_schedules_overlap_communication(tmp_path, options):
     """Under schedules that may hide communication behind computation, the link still runs
@@ -158,6 +162,18 @@ def test_the_link_bounds_a_step_whose_schedules_overlap_communication(tmp_path, 
     assert bounds.step_bound(options) == bounds.link_bound(options) <= fastest
     if options == bounds.options:  # nothing taken away
         assert bounds.step_bound(options) >= 0.65 * fastest
+
+
+def test_a_schedule_that_rewrites_the_exchanges_is_bounded_by_its_computation(tmp_path):
+    """``comet`` turns each all-to-all into rounds of other collectives, which may cost
+    the link less than the exchange: its screens count the computation alone."""
+    profile = tmp_path / "slow-link.json"
+    profile.write_text(json.dumps(SLOW_LINK))
+    traces = tracer.Tracer(["none", "comet"], str(profile), estimates.EstimateCache(None))
+    options = bounding(option_sets(layout().config))
+    bounds = traces.screen(with_options(layout(), options, 8).config, True)
+    assert not bounds.link_bounds
+    assert bounds.step_bound(options) < bounds.link_bound(options)
 
 
 def test_a_variant_in_fewer_microbatches_is_not_bounded():

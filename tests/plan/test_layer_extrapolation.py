@@ -71,6 +71,19 @@ def test_extrapolate_is_the_line_through_one_and_two_blocks():
         extrapolate(one, two, 0)
 
 
+def test_an_extrapolated_step_is_no_shorter_than_its_computation_or_its_link():
+    """The second block's communication hides better than the first's: the exposed
+    communication shrinks a block at a time, and its line would take the step under the
+    computation (and the link's work) at depth. The step runs both to the end."""
+    one = estimates.StepTime(step=10.0, compute=6.0, communication=5.0, exposed_communication=4.0)
+    two = estimates.StepTime(step=11.0, compute=8.0, communication=9.0, exposed_communication=3.0)
+    deep = tracer._extrapolated_time(one, two, 8)
+    assert (deep.compute, deep.communication) == (20.0, 33.0)
+    assert deep.step == 33.0  # the line alone: 17
+    assert deep.exposed_communication == 0.0  # the line alone: -3
+    assert tracer._extrapolated_time(one, two, 2) == two
+
+
 @pytest.fixture(scope="module")
 def six_layer_mappings():
     """Two mappings of a six-layer (three-block) model on 4 devices: an expert group
