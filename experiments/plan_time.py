@@ -79,6 +79,8 @@ def _measure(preset_name: str, profile: str, schedules: list, mappings: list, re
                 policy = schedule_policy(variant)
                 if cost is None:
                     cost = cost_model(policy, program.mesh, program)
+                    # as the planner prices (a tree from before the memo prices each time)
+                    cost = cost.priced_once() if hasattr(cost, "priced_once") else cost
                 scheduled = scheduling.schedule(program, policy, cost, batch)
                 timeline = simulate(scheduled.graph, scheduled.order.nodes, node_seconds(cost))
                 found.append((name, timeline.step_seconds, timeline.exposed_communication_seconds))

@@ -80,13 +80,13 @@ def _estimate_program(
     batch = batch_inputs(program, traced.step.batch_argnums)
     times = {}
     # The schedules differ in their names alone: one model prices the program for all,
-    # each op once.
+    # each op once (the model goes with this estimate).
     costs: dict[tuple, scheduling.CostModel] = {}
     for schedule, variant in applicable_schedules(config, schedules, profile).items():
         policy = schedule_policy(variant)
         pricing = (policy.profile, policy.link_curves, policy.op_costs, policy.op_cost_cache)
         if pricing not in costs:
-            costs[pricing] = cost_model(policy, mesh, program)
+            costs[pricing] = cost_model(policy, mesh, program).priced_once()
         cost = costs[pricing]
         scheduled = scheduling.schedule(program, policy, cost, batch)
         # The step as the schedule report simulates it (the report itself, with its

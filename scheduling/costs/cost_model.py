@@ -308,7 +308,7 @@ class CostModel:
         self.fusion: Fusion | None = None  # of the program it is bound to
         self._program: Any = None
         self._bodies: dict[int, tuple[Any, list[tuple[list[Op], float, Fusion | None]]]] = {}
-        self._priced: dict[Op, float] = {}  # each op's seconds, once priced
+        self._priced: dict[Op, float] | None = None  # each op's seconds: priced_once
 
     def bound_to(self, program: Any) -> CostModel:
         """This model pricing the kernels of ``program`` (a captured
@@ -323,8 +323,17 @@ class CostModel:
         )
         bound._program = program
         bound._bodies = {}
-        bound._priced = {}
+        bound._priced = None if self._priced is None else {}
         return bound
+
+    def priced_once(self) -> CostModel:
+        """This model remembering each op's seconds once priced, for a caller that asks
+        for the same ops many times and then lets the model go (the planner prices one
+        program under every schedule, each search weighing many candidates). The memo
+        keeps every op it priced alive: not for a model a compiled step holds."""
+        model = copy.copy(self)
+        model._priced = {}
+        return model
 
     def spread(self, op: Op) -> GroupSpread:
         """How the groups of collective ``op`` lie over the profile's nodes."""
@@ -428,7 +437,7 @@ class CostModel:
     def _with_fusion(self, fusion: Fusion) -> CostModel:
         model = copy.copy(self)
         model.fusion = fusion
-        model._priced = {}
+        model._priced = None if self._priced is None else {}
         return model
 
     def collective_seconds(self, op: Op) -> float:
@@ -509,13 +518,14 @@ class CostModel:
         return latency + inside + across * max(1, spread.groups_sharing_a_node)
 
     def seconds(self, op: Op) -> float:
-        """Seconds of ``op``, priced once per op: the schedules of one program, each
-        candidate of their searches and each simulation ask again for the same ops."""
+        if self._priced is None:
+            return self._seconds(op)
         found = self._priced.get(op)
         if found is None:
-            if op.is_collective or op.primitive == "ragged_all_to_all":
-                found = self.collective_seconds(op)
-            else:
-                found = self.compute_seconds(op)
-            self._priced[op] = found
+            found = self._priced[op] = self._seconds(op)
         return found
+
+    def _seconds(self, op: Op) -> float:
+        if op.is_collective or op.primitive == "ragged_all_to_all":
+            return self.collective_seconds(op)
+        return self.compute_seconds(op)
