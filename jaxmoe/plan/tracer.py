@@ -81,13 +81,11 @@ def _estimate_program(
     times = {}
     # The schedules differ in their names alone: one model prices the program for all,
     # each op once (the model goes with this estimate).
-    costs: dict[tuple, scheduling.CostModel] = {}
+    cost = None
     for schedule, variant in applicable_schedules(config, schedules, profile).items():
         policy = schedule_policy(variant)
-        pricing = (policy.profile, policy.link_curves, policy.op_costs, policy.op_cost_cache)
-        if pricing not in costs:
-            costs[pricing] = cost_model(policy, mesh, program).priced_once()
-        cost = costs[pricing]
+        if cost is None:
+            cost = cost_model(policy, mesh, program).priced_once()
         scheduled = scheduling.schedule(program, policy, cost, batch)
         # The step as the schedule report simulates it (the report itself, with its
         # trace and each collective's story, is not needed here).
