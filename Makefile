@@ -35,11 +35,14 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# --dist loadscope: each test module runs whole on one worker, so the steps its tests share
+# (module fixtures, cached helpers) compile and run once; a module split between workers
+# builds them on each.
 test: lint
-	$(BIN)/python -m pytest -n auto --dist worksteal
+	$(BIN)/python -m pytest -n auto --dist loadscope
 
 test-all: lint
-	$(BIN)/python -m pytest -n auto --dist worksteal --slow
+	$(BIN)/python -m pytest -n auto --dist loadscope --slow
 
 # The README's configuration tables, rewritten from the comments of the config fields.
 reference: $(STAMP)

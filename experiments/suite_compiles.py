@@ -2,7 +2,7 @@
 trace, lowering and backend-compile durations against the test that caused them, and the
 report of those records.
 
-    .venv/bin/python -m pytest -p experiments.suite_compiles -n auto --dist worksteal
+    .venv/bin/python -m pytest -p experiments.suite_compiles -n auto --dist loadscope
     .venv/bin/python -m experiments.suite_compiles [--records DIR] [--top N]
 
 Each process of the run (pytest and each xdist worker) appends one JSON line per event to
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         "# Where the suite's JAX time goes",
         "",
         "Recorded with `python -m pytest -p experiments.suite_compiles -n auto --dist "
-        "worksteal`, reported with",
+        "loadscope`, reported with",
         f"`{command}`.",
         "Wall seconds inside the worker processes; the processes tests start are not recorded.",
         "",

@@ -19,12 +19,13 @@ def _tokens(name: str, batch: int, length: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab, (batch, length), dtype=np.int32)
 
 
-# Mixtral's attention (grouped-query, rotary) is Qwen3-MoE's without the query/key norms:
-# another family for the claim qwen3_moe-tiny checks (and tests/generate/test_hf_fixtures.py
-# decodes a converted Mixtral against transformers).
+# The other families' cached decoding (grouped-query and latent attention, rotary positions,
+# query/key norms, a head width of their own) is checked by default against transformers'
+# logits in tests/generate/test_hf_fixtures.py, from the prefill on, one position at a
+# time: here they are slow.
 @pytest.mark.parametrize(
     "name",
-    [pytest.param(name, marks=pytest.mark.slow) if name == "mixtral-tiny" else name
+    [name if name == "tiny" else pytest.param(name, marks=pytest.mark.slow)
      for name in FAMILIES],
 )  # fmt: skip
 def test_cached_decoding_gives_the_logits_of_the_full_forward_pass(name):
@@ -63,8 +64,9 @@ def test_greedy_generation_is_the_argmax_of_repeated_full_forward_passes(name):
 
 
 def test_generation_stops_at_a_stop_id_and_at_the_last_position():
-    decoder = Decoder(small_model("mixtral-tiny"))
-    prompt = _tokens("mixtral-tiny", batch=2, length=4, seed=1)
+    # The greedy test's model and prompt shape: the same prefill and step programs.
+    decoder = Decoder(small_model("tiny"))
+    prompt = _tokens("tiny", batch=2, length=4, seed=1)
     whole = decoder.generate(prompt, 6)
     stop = whole[0][2]
     stopped = decoder.generate(prompt, 6, stop_ids=[stop])
@@ -72,11 +74,11 @@ def test_generation_stops_at_a_stop_id_and_at_the_last_position():
         expected = row[: row.index(stop)] if stop in row else row
         assert continuation == expected
     # Sequences end at model.seq_len positions.
-    long_prompt = _tokens("mixtral-tiny", batch=1, length=SEQ_LEN - 2)
+    long_prompt = _tokens("tiny", batch=1, length=SEQ_LEN - 2)
     assert len(decoder.generate(long_prompt, 10)[0]) == 2
-    assert decoder.generate(_tokens("mixtral-tiny", 1, SEQ_LEN), 10) == [[]]
+    assert decoder.generate(_tokens("tiny", 1, SEQ_LEN), 10) == [[]]
     with pytest.raises(ValueError, match=r"model\.seq_len is 16"):
-        decoder.generate(_tokens("mixtral-tiny", 1, SEQ_LEN + 1), 1)
+        decoder.generate(_tokens("tiny", 1, SEQ_LEN + 1), 1)
 
 
 def test_learned_positions_bound_the_cache():
@@ -105,10 +107,11 @@ def test_each_decoding_step_after_the_prefill_reuses_one_compilation():
 
 def test_sampling_from_the_single_likeliest_token_is_greedy():
     decoder = Decoder(small_model("tiny"))
-    prompt = _tokens("tiny", batch=2, length=3, seed=3)
-    greedy = decoder.generate(prompt, 4)
-    assert decoder.generate(prompt, 4, Sampling(temperature=1.5, top_k=1), seed=4) == greedy
-    assert decoder.generate(prompt, 4, Sampling(temperature=1.5, top_p=1e-6), seed=4) == greedy
+    # The greedy test's prompt shape and length: its programs (the settings are traced).
+    prompt = _tokens("tiny", batch=2, length=4, seed=3)
+    greedy = decoder.generate(prompt, 6)
+    assert decoder.generate(prompt, 6, Sampling(temperature=1.5, top_k=1), seed=4) == greedy
+    assert decoder.generate(prompt, 6, Sampling(temperature=1.5, top_p=1e-6), seed=4) == greedy
 
 
 def test_sampling_draws_only_what_the_filters_keep():

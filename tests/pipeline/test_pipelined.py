@@ -404,8 +404,9 @@ def test_pipelined_evaluation_equals_the_unpipelined_one(tmp_path):
     rows = np.random.default_rng(2).integers(2, 256, (16, 17)).astype(np.int32)
     rows[np.arange(16), np.arange(16)] = 1  # one end of document in each row, at another place
     losses = []
-    llama = dict(moe_every=1, position="rope", norm="rmsnorm")
-    for each in (config("plain", 2, 2, **llama), config("plain", **llama)):
+    # One MoE layer a stage: stage 1 runs a microbatch while stage 0 runs the next.
+    llama = dict(num_layers=2, moe_every=1, position="rope", norm="rmsnorm")
+    for each in (config("plain", 2, **llama), config("plain", **llama)):
         data = DataConfig(sources=(DataSource(str(corpus)),), mask_across_documents=True)
         each = dataclasses.replace(each, data=data)
         mesh = build_mesh(each.parallel, devices(each))

@@ -33,6 +33,9 @@ from .batches import random_batch
 from .runs import EXACT_KEYS, one_layer_config, small_config
 
 
+# The mixture's run below stops, resumes and matches the uninterrupted run bit for bit by
+# default, and test_run_control.py's SIGTERM run its metrics file row for row: slow.
+@pytest.mark.slow
 def test_resume_after_a_stop_is_the_uninterrupted_run_bit_for_bit(tmp_path, monkeypatch):
     config = one_layer_config(steps=6, eval_every=2)
     uninterrupted = loop.train(prepare_run(config), tmp_path / "whole", progress=False)
@@ -67,9 +70,12 @@ def test_a_mixture_resumes_bit_for_bit_and_so_does_a_checkpoint_without_its_posi
     config = dataclasses.replace(config, data=DataConfig(sources=sources))
     uninterrupted = loop.train(prepare_run(config), tmp_path / "whole", progress=False)
 
+    # A stop request after 2 steps, as a signal would make (signals: test_run_control.py).
     monkeypatch.setattr(StopSignals, "stop_after", lambda self, done: done == 2)
     with pytest.raises(loop.RunStopped) as stopped:
         loop.train(prepare_run(config), tmp_path / "parts", progress=False)
+    assert stopped.value.status == PREEMPTED_EXIT_CODE
+    assert latest_checkpoint(tmp_path / "parts") == 2
     monkeypatch.undo()
     saved = saved_run(tmp_path / "parts", 2)
     assert saved["data"]["next_example"] == 2 * config.train.batch_size
@@ -82,6 +88,8 @@ def test_a_mixture_resumes_bit_for_bit_and_so_does_a_checkpoint_without_its_posi
         resumed = loop.train(prepare_run(config), tmp_path / out, progress=False, resume=True)
         assert [row["step"] for row in resumed] == [2, 3]
         chex.assert_trees_all_equal(pick(stopped.value.rows + resumed), pick(uninterrupted))
+        logged = read_rows(tmp_path / out / "metrics.jsonl")
+        assert [row["step"] for row in logged] == list(range(4))
 
 
 def _state_on(config: Config):

@@ -38,7 +38,7 @@ from jaxmoe.train.scheduled import capture_train_step, scheduled_train_step
 from jaxmoe.train.state import init_train_state
 from scheduling.program import jax_adapter
 from tests.train.batches import compiled_step, random_batch
-from tests.train.runs import ONE_LAYER, with_schedule
+from tests.train.runs import with_schedule
 
 NO_SCHEDULE = ScheduleConfig(name="none")
 
@@ -213,15 +213,6 @@ def test_schedule_command_writes_report_and_stablehlo(tmp_path, capsys):
     trace = json.loads((out / "schedule_timeline.json").read_text())
     assert {e["tid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1}
     assert (out / "schedule_timeline.png").read_bytes().startswith(b"\x89PNG")
-
-
-def test_train_with_schedule_saves_the_report(tmp_path):
-    out = tmp_path / "run"
-    argv = ["train", "--schedule", "dw", "--steps", "2", "--out", str(out), "--no-progress"]
-    argv += ONE_LAYER  # the model of tests/train/test_profiler.py's dw run
-    assert main(argv) == 0
-    assert json.loads((out / "schedule_report.json").read_text())["policy"] == "dw"
-    assert json.loads((out / "config.json").read_text())["schedule"]["name"] == "dw"
 
 
 def test_small_collectives_can_stay_synchronous_and_combined():

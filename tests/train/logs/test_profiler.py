@@ -89,6 +89,11 @@ def test_profile_steps_writes_a_trace_of_those_steps(profiled_run):
     assert any(op.startswith("psum_start") or "all-reduce" in op for op in measured.seconds)
 
 
+def test_a_scheduled_run_saves_its_schedule_report(profiled_run):
+    assert json.loads((profiled_run / "schedule_report.json").read_text())["policy"] == "dw"
+    assert json.loads((profiled_run / "config.json").read_text())["schedule"]["name"] == "dw"
+
+
 def test_schedule_lists_the_ops_the_cost_model_mis_estimates(profiled_run, tmp_path, capsys):
     out = tmp_path / "inspect"
 
