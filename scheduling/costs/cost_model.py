@@ -518,6 +518,8 @@ class CostModel:
         return latency + inside + across * max(1, spread.groups_sharing_a_node)
 
     def seconds(self, op: Op) -> float:
+        """Seconds of ``op`` (a collective on the link, anything else as computation),
+        looked up once priced where the model is :meth:`priced_once`."""
         if self._priced is None:
             return self._seconds(op)
         found = self._priced.get(op)
