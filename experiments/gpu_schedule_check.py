@@ -54,6 +54,7 @@ from pathlib import Path
 
 from experiments.shared.results_file import command_line
 from experiments.shared.spread import Spread, round_ratios
+from experiments.shared.token_batches import random_token_batches
 from jaxmoe.train.resolved import resolve
 
 RESULTS = Path(__file__).parent / "results" / "gpu_schedule_check.md"
@@ -236,12 +237,9 @@ def _measure(config, args: argparse.Namespace, write, devices) -> dict[str, dict
 def _time(config, mesh, steps, results, args) -> None:
     import jax
 
-    from jaxmoe.data.batches import put_on_mesh
-    from jaxmoe.data.mixture import load_mixture, run_batches
     from jaxmoe.train.state import init_train_state
 
-    sampler = run_batches(config, load_mixture(config))[0]
-    batches = [put_on_mesh(sampler, i, mesh) for i in range(args.steps)]
+    batches = random_token_batches(config, mesh, args.steps)
     state = init_train_state(resolve(config, mesh))
     for step in steps.values():  # warm up each, outside the timed rounds
         state, metrics = step(state, batches[0])

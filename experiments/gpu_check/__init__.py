@@ -46,19 +46,25 @@ recorded with its error, and the others still run:
 
 Writes ``DIR/gpu_check.json`` (every section, the jax version, the device, the command)
 and ``DIR/gpu_check.md`` after each section, so that a run cut short keeps what it
-measured. The GPU's memory is allocated as needed (``XLA_PYTHON_CLIENT_PREALLOCATE``
-false unless set), so that the schedule section's process finds room on it.
+measured. A run of some sections (``--sections``) replaces those in DIR's files and keeps
+the others that a run on the same kind of device wrote there; each section records the
+run it came from (its command, jax version, XLA flags and date). The GPU's memory is
+allocated as needed (``XLA_PYTHON_CLIENT_PREALLOCATE`` false unless set), so that the
+schedule section's process finds room on it.
 
 ``--dry`` runs every section on a CPU device at tiny shapes (seconds; float32, one round)
 to try the code paths; its files say so in their first line, hold no GPU figures and go
 by default to ``experiments/results/gpu_check/dry/``, leaving a GPU run's files alone.
-Without ``--dry`` the script refuses to run where no GPU is visible.
+Without ``--dry`` the script refuses to run where no GPU is visible, and runs under the
+XLA flags that a run with ``model.fp8`` sets (:data:`jaxmoe.layers.fp8.XLA_GPU_FLAGS`:
+cuBLASLt, not Triton, for GEMMs) unless XLA_FLAGS names them.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
 import os
 import signal
@@ -82,6 +88,8 @@ from experiments.gpu_check.setup import (
     error_text,
 )
 from experiments.shared.results_file import command_line
+from jaxmoe.layers import fp8 as fp8_layers
+from jaxmoe.parallel.host_devices import ensure_xla_flags
 
 SECTION_MODULES = {
     "attention": attention,
@@ -110,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry:
         # The schedule section's process shares the GPU: allocate only what is used.
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+        # The flags a run with model.fp8 sets, so that FP8 products compile as they do
+        # there (with Triton's GEMMs on, one FP8 expert block compiled for minutes).
+        ensure_xla_flags(list(fp8_layers.XLA_GPU_FLAGS))
 
     import jax
 
@@ -122,10 +133,15 @@ def main(argv: list[str] | None = None) -> int:
     setup = Setup(args.dry, DRY if args.dry else GPU, out, jax.devices()[0])
     command = command_line("experiments.gpu_check", sys.argv[1:] if argv is None else argv)
     results = _header(setup, command)
+    results["sections"] = _kept_sections(setup.out / "gpu_check.json", results, chosen)
     started = time.monotonic()
     for name in chosen:
         limit = min(setup.sizes.limits[name], started + TOTAL_S - time.monotonic())
-        results["sections"][name] = _run_section(name, SECTION_FUNCTIONS[name], setup, limit)
+        found = _run_section(name, SECTION_FUNCTIONS[name], setup, limit)
+        results["sections"][name] = {**found, "run": _run_of(results)}
+        results["sections"] = {
+            n: results["sections"][n] for n in SECTIONS if n in results["sections"]
+        }
         _write(setup, results)
     print((setup.out / "gpu_check.md").read_text())
     return 0
@@ -143,7 +159,31 @@ def _header(setup: Setup, command: str) -> dict[str, Any]:
         "device_kind": setup.device.device_kind,
         "devices": jax.device_count(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "date": datetime.date.today().isoformat(),
         "sections": {},
+    }
+
+
+def _run_of(header: dict[str, Any]) -> dict[str, Any]:
+    """What a section records of the run that measured it."""
+    return {key: header[key] for key in ("command", "jax", "xla_flags", "date")}
+
+
+def _kept_sections(
+    path: Path, header: dict[str, Any], chosen: list[str]
+) -> dict[str, dict[str, Any]]:
+    """The sections of an earlier run's file at ``path`` that this run does not measure,
+    when that run was on the same kind of device (and as dry as this one); each with its
+    run (a file written before sections recorded theirs: that file's own)."""
+    if not path.exists():
+        return {}
+    earlier = json.loads(path.read_text())
+    if (earlier.get("dry"), earlier.get("device_kind")) != (header["dry"], header["device_kind"]):
+        return {}
+    return {
+        name: {**found, "run": found.get("run") or _run_of({"date": None, **earlier})}
+        for name, found in earlier.get("sections", {}).items()
+        if name in SECTIONS and name not in chosen
     }
 
 
@@ -206,14 +246,22 @@ def _report(results: dict[str, Any]) -> str:
     lines = [
         title,
         "",
-        f"Command: `{results['command']}`",
+        f"Command (the latest run): `{results['command']}`",
         "",
         f"{results['devices']} x {results['device_kind']} ({results['platform']}), "
         f"jax {results['jax']}, XLA flags `{results['xla_flags']}`.",
         "",
     ]
+    latest = _run_of(results)
     for name, found in results["sections"].items():
         lines += [f"## {name}", ""]
+        run = found.get("run", latest)
+        if run != latest:
+            lines += [
+                f"From an earlier run: `{run['command']}`, jax {run['jax']}, XLA flags "
+                f"`{run['xla_flags']}`" + (f", {run['date']}." if run["date"] else "."),
+                "",
+            ]
         if "error" in found:
             lines += [f"Error: `{found['error'].splitlines()[0]}`", ""]
         lines += REPORTERS[name](found)

@@ -138,8 +138,12 @@ def _gemm_kernels(hlo: str) -> list[str]:
 
 
 def holds_fp8_gemm(hlo: str) -> bool:
-    """Whether a GEMM of the module (cuBLAS, Triton or cuDNN) takes float8 operands."""
-    gemm = re.compile(r"cublas|__triton_gemm|__cudnn\$fusion")
+    """Whether a GEMM of the module takes float8 operands: cuBLASLt's FP8 GEMM (its target
+    names the type; its operands' types are on other lines), or a Triton or cuDNN fusion
+    whose line holds a float8 type."""
+    if "__cublas$lt$matmul$f8" in hlo:
+        return True
+    gemm = re.compile(r"__triton_gemm|__cudnn\$fusion")
     return any("f8e4m3fn" in line and gemm.search(line) for line in hlo.splitlines())
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from experiments.gpu_check.setup import Budget, Setup, Sizes, error_text, ms_text, spread_of
 from experiments.shared.spread import Spread
+from experiments.shared.token_batches import random_token_batches
 
 STEP_PROFILE = "h100-8x-nvlink-3200g"
 
@@ -160,7 +161,7 @@ def _measure_step(
 
     sizes, config = setup.sizes, run.config
     state = init_train_state(run)
-    batches = _token_batches(run, 3)
+    batches = random_token_batches(run.config, run.on_mesh, 3)
     began = time.perf_counter()
     compiled = sharded.jit().lower(state, batches[0]).compile()
     measured["compile_s"] = round(time.perf_counter() - began, 2)
@@ -181,24 +182,6 @@ def _measure_step(
     measured["tokens_per_s"] = (
         config.train.batch_size * config.model.seq_len / Spread.of(seconds).median
     )
-
-
-def _token_batches(run: Any, count: int) -> list[Any]:
-    """Random token rows ``[batch, seq + 1]``, placed as the step reads its batches."""
-    import jax
-    from jax.sharding import NamedSharding
-
-    from jaxmoe.parallel.mesh import token_spec
-
-    config, mesh = run.config, run.on_mesh
-    shape = (config.train.batch_size, config.model.seq_len + 1)
-    sharding = NamedSharding(mesh, token_spec(mesh))
-    keys = jax.random.split(jax.random.key(2), count)
-    vocab = config.model.vocab_size
-    return [
-        jax.device_put(jax.random.randint(key, shape, 0, vocab, jax.numpy.int32), sharding)
-        for key in keys
-    ]
 
 
 def _compare(found: dict[str, Any], config: Any, device_kind: str) -> None:

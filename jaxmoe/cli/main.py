@@ -26,6 +26,7 @@ from jaxmoe.cli import (
 )
 from jaxmoe.cli.parser import parse, resolve_config
 from jaxmoe.config import Config, ConfigError
+from jaxmoe.layers import fp8
 from jaxmoe.parallel.host_devices import ensure_host_devices, ensure_xla_flags
 from jaxmoe.train.run_control import StopSignals
 
@@ -112,15 +113,25 @@ def _main(argv: list[str]) -> int:
         if args.command == "train":
             train_command.check_train_flags(args)
         # Before JAX creates its backends (at first use): the CPU platform's device count,
-        # and on GPU the scheduler that keeps a scheduled step's windows.
+        # and what XLA:GPU needs of the run.
         ensure_host_devices(_devices_per_process(config, args))
-        if config.schedule.name != "none":
-            ensure_xla_flags(list(scheduling.names.XLA_GPU_FLAGS))
+        ensure_xla_flags(xla_gpu_flags(config))
         _check_input_files(config, args)
         return COMMANDS[args.command](config, args)
     except ConfigError as error:
         print(f"jaxmoe {command}: error: {error}", file=sys.stderr)
         return exit_codes.USAGE_ERROR
+
+
+def xla_gpu_flags(config: Config) -> list[str]:
+    """The XLA flags ``config`` needs on GPU (other backends ignore them): the scheduler
+    that keeps a scheduled step's windows, and cuBLASLt for FP8 products."""
+    flags = []
+    if config.schedule.name != "none":
+        flags += scheduling.names.XLA_GPU_FLAGS
+    if config.model.fp8 != "none":
+        flags += fp8.XLA_GPU_FLAGS
+    return flags
 
 
 if __name__ == "__main__":

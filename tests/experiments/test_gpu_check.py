@@ -3,6 +3,7 @@ the files it writes (the figures themselves need the GPU)."""
 
 import dataclasses
 import json
+import os
 import time
 
 import pytest
@@ -102,9 +103,47 @@ def test_a_failing_or_overrunning_section_is_recorded_and_the_others_run(tmp_pat
     assert "Error: `RuntimeError: no such kernel`" in (tmp_path / "gpu_check.md").read_text()
 
 
+def test_a_run_of_some_sections_keeps_the_others_with_the_run_they_came_from(tmp_path, monkeypatch):
+    def measuring(value):
+        def measure(setup, budget, found):
+            found["value"] = value
+
+        return measure
+
+    def run(sections, value):
+        functions = {
+            **gpu_check.SECTION_FUNCTIONS,
+            "gemm": measuring(value),
+            "fp8": measuring(value),
+        }
+        monkeypatch.setattr(gpu_check, "SECTION_FUNCTIONS", functions)
+        assert gpu_check.main(["--dry", "--out", str(tmp_path), "--sections", sections]) == 0
+        return json.loads((tmp_path / "gpu_check.json").read_text())
+
+    reporters = {**gpu_check.REPORTERS, "gemm": lambda found: [], "fp8": lambda found: []}
+    monkeypatch.setattr(gpu_check, "REPORTERS", reporters)
+    first = run("fp8,gemm", 1)["sections"]
+    assert [first[name]["value"] for name in first] == [1, 1]
+    results = run("fp8", 2)
+    assert list(results["sections"]) == ["gemm", "fp8"]  # in the check's order
+    gemm, fp8 = results["sections"]["gemm"], results["sections"]["fp8"]
+    assert (gemm["value"], fp8["value"]) == (1, 2)
+    assert gemm["run"]["command"].endswith("--sections fp8,gemm")
+    assert fp8["run"]["command"] == results["command"] and fp8["run"]["date"] == results["date"]
+    markdown = (tmp_path / "gpu_check.md").read_text()
+    assert markdown.count("From an earlier run: `") == 1
+    assert f"From an earlier run: `{gemm['run']['command']}`, jax " in markdown
+
+    other_device = {**results, "device_kind": "another device"}
+    (tmp_path / "gpu_check.json").write_text(json.dumps(other_device))
+    assert list(run("fp8", 3)["sections"]) == ["fp8"]
+
+
 def test_without_dry_it_refuses_a_host_with_no_gpu(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # restored after
     assert gpu_check.main(["--out", str(tmp_path)]) == 2
+    assert "--xla_gpu_enable_triton_gemm=false" in os.environ["XLA_FLAGS"]  # as with model.fp8
     assert capsys.readouterr().out.strip() == (
         "gpu_check needs a GPU, and found cpu: --dry tries it on CPU"
     )

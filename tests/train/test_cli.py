@@ -130,6 +130,23 @@ def test_a_run_larger_than_the_host_is_refused_before_anything_is_allocated(tmp_
     assert time.monotonic() - started < REFUSED_WITHIN_S
 
 
+def test_the_xla_gpu_flags_follow_the_schedule_and_fp8():
+    import scheduling.names
+    from jaxmoe.cli.main import xla_gpu_flags
+    from jaxmoe.layers import fp8
+
+    def flags(*argv):
+        return xla_gpu_flags(resolve_config(parse(["train", *argv])))
+
+    assert flags() == []
+    assert flags("--schedule", "lancet") == list(scheduling.names.XLA_GPU_FLAGS)
+    assert flags("--model.fp8", "tensorwise") == ["--xla_gpu_enable_triton_gemm=false"]
+    assert flags("--schedule", "lancet", "--model.fp8", "blockwise") == [
+        *scheduling.names.XLA_GPU_FLAGS,
+        *fp8.XLA_GPU_FLAGS,
+    ]
+
+
 def test_a_shortcut_and_its_field_may_repeat_the_same_value():
     config = config_from_train_args(
         ["--steps", "5", "--train.steps", "5", "--schedule", "dw", "--schedule.name", "dw"]
