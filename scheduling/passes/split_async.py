@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
+
+from jax.sharding import Mesh
 
 from scheduling.program import jax_adapter
 from scheduling.program.capture import Op, Program, aval_bytes
@@ -21,9 +24,20 @@ def splittable(op: Op) -> bool:
     )
 
 
+def moves_data(op: Op, mesh: Mesh) -> bool:
+    """Whether the collective ``op`` exchanges anything: its named axes span more than one
+    device. One over axes of size 1 is the identity, which XLA removes; as an async pair it
+    would leave XLA:GPU an async computation around a parameter, which its profile-guided
+    latency estimator refuses ("Unsupported async done wrapped instruction")."""
+    params = op.eqn.params
+    axes = params.get("axes", params.get("axis_name", ()))
+    axes = axes if isinstance(axes, tuple) else (axes,)
+    return math.prod(mesh.shape[axis] for axis in axes if isinstance(axis, str)) > 1
+
+
 def split_async(program: Program, kinds: Iterable[str] | None = None, min_bytes: int = 0) -> Graph:
-    """The program's graph with every splittable collective (of ``kinds``; for combinable
-    ones, with an operand of at least ``min_bytes``) as a pair.
+    """The program's graph with every splittable collective that moves data (of ``kinds``;
+    for combinable ones, with an operand of at least ``min_bytes``) as a pair.
 
     Without async primitives in this JAX the schedule still has the pairs; the emitter
     then either refuses or binds the synchronous collective (transport ``sync``).
@@ -34,6 +48,8 @@ def split_async(program: Program, kinds: Iterable[str] | None = None, min_bytes:
         if allowed is not None and op.primitive not in allowed:
             return False
         if op.primitive in COMBINABLE and sum(aval_bytes(a.aval) for a in op.inputs) < min_bytes:
+            return False
+        if op.is_collective and not moves_data(op, program.mesh):
             return False
         if not jax_adapter.async_collectives_available():
             return op.is_collective and len(op.inputs) == 1

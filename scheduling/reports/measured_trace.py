@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from scheduling.program.capture import COLLECTIVES
+from scheduling.runtime.hlo_windows import without_window_scope
 
 Key = tuple[str, str]  # (name stack, primitive)
 
@@ -121,6 +122,7 @@ def key_of(op_name: str) -> Key | None:
     """The ``(name_stack, primitive)`` an XLA ``op_name`` names, or None (no equation)."""
     scoped = op_name.split("shard_map/", 1)[-1] if "shard_map/" in op_name else op_name
     stack, _, primitive = scoped.rpartition("/")
+    stack = without_window_scope(stack)  # a pinned collective's window is not its op's
     for suffix in ("_start", "_done"):
         if primitive.endswith(suffix) and primitive.removesuffix(suffix) in COLLECTIVES:
             primitive = primitive.removesuffix(suffix)

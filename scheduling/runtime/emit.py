@@ -33,7 +33,7 @@ from scheduling.program import jax_adapter
 from scheduling.program.capture import Constant, Op, Program, Value
 from scheduling.program.graph import Graph, Role
 from scheduling.runtime import pinning, transports
-from scheduling.runtime.hlo_windows import KeptWindows, kept_windows
+from scheduling.runtime.hlo_windows import KeptWindows, kept_windows, window_scope
 from scheduling.runtime.pinning import Pinning
 from scheduling.runtime.transports import Transport, XlaAsync
 from scheduling.runtime.xla_latencies import compile_with_latencies
@@ -55,6 +55,13 @@ def per_device_function(
     its windows pinned as ``pinned`` says (default: not at all)."""
     program = graph.program
     pinned = pinned or Pinning()
+
+    def scoped(name_stack: str, mark: int | None) -> str:
+        """A pinned collective's name stack, its window's scope added (XLA:GPU keeps an
+        async collective's op_name, not its frontend attributes)."""
+        if mark is None:
+            return name_stack
+        return "/".join(filter(None, (name_stack, window_scope(pinned.attribute, mark))))
 
     def run(*flat_args: Any) -> tuple[Any, ...]:
         env: dict[Value, Any] = dict(zip(program.inputs, flat_args, strict=True))
@@ -85,10 +92,11 @@ def per_device_function(
                     passed = dict(zip(pin.before, before, strict=True))
                     for member in pin.members:
                         bound.setdefault(member, {}).update(passed)
-                with scope, jax_adapter.traced_as(op.eqn, op.name_stack):
+                with scope, jax_adapter.traced_as(op.eqn, scoped(op.name_stack, mark)):
                     carrier.start(node_id, op, operand)
                 continue
-            with scope, jax_adapter.traced_as(op.eqn, op.name_stack):
+            stack = scoped(op.name_stack, mark) if node.role is Role.DONE else op.name_stack
+            with scope, jax_adapter.traced_as(op.eqn, stack):
                 if node.role is Role.DONE:
                     results = carrier.done(node.partner, op)
                 else:

@@ -3,7 +3,11 @@
 Each pinned window is traced with one frontend attribute naming it: its collective's
 start, the computation placed in it, and its done (``_scheduled_window``, beside the
 barriers of :mod:`scheduling.runtime.xla_barriers`), or its start, done and products
-(``_scheduling_group_id``, :mod:`scheduling.runtime.xla_groups`). In a scheduled HLO
+(``_scheduling_group_id``, :mod:`scheduling.runtime.xla_groups`). XLA:GPU drops a
+collective's frontend attributes when it turns JAX's custom calls for the async halves
+into its own async start and done (jax 0.11.2 and 0.12), and keeps their ``op_name``: so
+the start and done are also traced under a name scope that names the window
+(:func:`window_scope`), which is read as the attribute is. In a scheduled HLO
 module (XLA:GPU with the latency-hiding scheduler) the entry computation lists its
 instructions in execution order, each with the frontend attributes it kept. A window
 survived when its start comes before every other instruction carrying its number and its
@@ -24,6 +28,8 @@ from scheduling.runtime.xla_barriers import WINDOW_ATTRIBUTE
 from scheduling.runtime.xla_groups import GROUP_ATTRIBUTE
 
 _GROUP = re.compile(rf'(?:{GROUP_ATTRIBUTE}|{WINDOW_ATTRIBUTE})="?(\d+)"?')
+# A window's scope as one component of an op_name's name stack.
+_SCOPE = re.compile(rf"(?:^|/)(?:{GROUP_ATTRIBUTE}|{WINDOW_ATTRIBUTE})=\d+(?=/|$)")
 # name = shape opcode(operands...: the shape is one array type or a tuple, which nests.
 _HEAD = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
 _OPCODE = re.compile(r"\s+([\w\-]+)\(")
@@ -34,6 +40,16 @@ _DONE = re.compile(r"-done$")
 _BOOKKEEPING = frozenset(
     {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "copy"}
 )
+
+
+def window_scope(attribute: str, mark: int) -> str:
+    """The name scope a window's start and done are traced under (``attribute=mark``)."""
+    return f"{attribute}={mark}"
+
+
+def without_window_scope(name_stack: str) -> str:
+    """``name_stack`` (a path of scopes) without a window's scope: the op's own stack."""
+    return _SCOPE.sub("", name_stack).lstrip("/")
 
 
 @dataclass

@@ -2,7 +2,13 @@
 
 import re
 
-from scheduling.runtime.hlo_windows import async_pairs, broken_windows, kept_windows, windows
+from scheduling.runtime.hlo_windows import (
+    async_pairs,
+    broken_windows,
+    kept_windows,
+    windows,
+    without_window_scope,
+)
 
 G0 = 'frontend_attributes={_scheduling_group_id="0"}'
 G1 = 'frontend_attributes={_scheduling_group_id="1"}'
@@ -73,6 +79,31 @@ def test_async_pairs_and_what_runs_between():
     ]
     assert [p.overlapped for p in pairs] == [True, False]
     assert windows(ASYNC)[0].kept
+
+
+# As XLA:GPU compiles JAX's async halves (jax 0.12, an H100 target): the start and done
+# keep their op_name, which holds the window's scope, and lose their frontend attributes;
+# the computation inside keeps the attribute.
+W2 = 'frontend_attributes={_scheduled_window="2"}'
+SCOPE = 'metadata={{op_name="jit(run)/shard_map/moe/_scheduled_window=2/all_to_all_{}"}}'
+SCOPED = f"""HloModule step, is_scheduled=true
+
+ENTRY %main (p0: f32[8,4]) -> f32[8,4] {{
+  %p0 = {T} parameter(0)
+  %all-to-all-start.8 = (({T}), {T}) async-start(%p0), calls=%c, {SCOPE.format("start")}
+  %fusion.4 = {T} fusion(%p0), kind=kLoop, calls=%f, {W2}, metadata={{op_name="jit(run)/mul"}}
+  %all-to-all-done.8 = {T} async-done(%all-to-all-start.8), {SCOPE.format("done")}
+  ROOT %add = {T} add(%all-to-all-done.8, %fusion.4)
+}}
+"""
+
+
+def test_a_window_is_read_from_its_collectives_op_name_where_xla_drops_their_attributes():
+    window = windows(SCOPED)[2]
+    assert (window.start, window.done, window.inside, window.kept) == (1, 3, [2], True)
+    assert without_window_scope("microbatch_0/moe/_scheduled_window=2") == "microbatch_0/moe"
+    assert without_window_scope("_scheduling_group_id=12/layer_0") == "layer_0"
+    assert without_window_scope("layer_0/x_scheduled_window=2") == "layer_0/x_scheduled_window=2"
 
 
 def test_kept_windows_counts_the_emitted_windows_against_the_kept_ones():
