@@ -63,6 +63,22 @@ def test_split_async_kinds_restricts_which_collectives_split(program):
     assert psums and all(n.role is Role.COMPUTE for n in psums)
 
 
+def test_a_collective_over_axes_of_size_1_is_not_split():
+    mesh = jax.make_mesh((1, 8), ("data", "expert"))
+
+    def step(x):
+        summed = jax.lax.psum(x, "data")  # one device per group: the identity
+        return jax.lax.psum(summed, ("data", "expert"))
+
+    spec = P(("data", "expert"))
+    program = capture(step, sds(mesh, (64, 4), spec), mesh=mesh, in_specs=(spec,), out_specs=P())
+    graph = split_async(program)
+    assert [n.op.eqn.params["axes"] for n in graph.starts()] == [("data", "expert")]
+    assert [n.role for n in graph.nodes if n.op.eqn.params.get("axes") == ("data",)] == [
+        Role.COMPUTE
+    ]
+
+
 def test_node_ids_are_a_topological_order(program):
     graph = split_async(program)
     for node in graph.nodes:

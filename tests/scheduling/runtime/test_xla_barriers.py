@@ -5,6 +5,7 @@ mesh here is of CPUs: the tests that emit for a GPU say so)."""
 from __future__ import annotations
 
 import functools
+import re
 
 import chex
 import jax
@@ -138,6 +139,14 @@ def test_the_barriers_bound_the_window_in_the_traced_step(for_gpu):
     later = body.eqns[body.eqns.index(second) + 1 :]
     assert all(v not in e.invars for e in later for v in second.invars)
     assert dots[2].invars[0] is second.outvars[0]  # a @ w
+    # XLA:GPU keeps the start's and done's op_name, not their frontend attributes: their
+    # name stack names the window, as the attribute does.
+    text = step.lower(*args).as_text(debug_info=True)
+    for half in ("start", "done"):
+        (line,) = [line for line in text.splitlines() if f'@"all-to-all-{half}"' in line]
+        location = re.search(r"loc\(#(\w+)\)", line).group(1)
+        named = rf'#{location} = loc\("(?:[^"]*/)?_scheduled_window=0/all_to_all_{half}"'
+        assert re.search(named, text)
 
 
 def test_pinned_and_free_steps_compute_the_same_bits(for_gpu):
