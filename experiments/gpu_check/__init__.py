@@ -56,8 +56,9 @@ schedule section's process finds room on it.
 to try the code paths; its files say so in their first line, hold no GPU figures and go
 by default to ``experiments/results/gpu_check/dry/``, leaving a GPU run's files alone.
 Without ``--dry`` the script refuses to run where no GPU is visible, and runs under the
-XLA flags that a run with ``model.fp8`` sets (:data:`jaxmoe.layers.fp8.XLA_GPU_FLAGS`:
-cuBLASLt, not Triton, for GEMMs) unless XLA_FLAGS names them.
+XLA flags that a run with ``model.fp8`` sets
+(:data:`jaxmoe.parallel.host_devices.FP8_XLA_GPU_FLAGS`: cuBLASLt, not Triton, for GEMMs)
+unless XLA_FLAGS names them.
 """
 
 from __future__ import annotations
@@ -88,8 +89,7 @@ from experiments.gpu_check.setup import (
     error_text,
 )
 from experiments.shared.results_file import command_line
-from jaxmoe.layers import fp8 as fp8_layers
-from jaxmoe.parallel.host_devices import ensure_xla_flags
+from jaxmoe.parallel.host_devices import FP8_XLA_GPU_FLAGS, ensure_xla_flags
 
 SECTION_MODULES = {
     "attention": attention,
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         # The flags a run with model.fp8 sets, so that FP8 products compile as they do
         # there (with Triton's GEMMs on, one FP8 expert block compiled for minutes).
-        ensure_xla_flags(list(fp8_layers.XLA_GPU_FLAGS))
+        ensure_xla_flags(list(FP8_XLA_GPU_FLAGS))
 
     import jax
 

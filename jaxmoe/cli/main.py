@@ -12,7 +12,6 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-import scheduling.names
 from jaxmoe import exit_codes
 from jaxmoe.cli import (
     config_command,
@@ -26,8 +25,7 @@ from jaxmoe.cli import (
 )
 from jaxmoe.cli.parser import parse, resolve_config
 from jaxmoe.config import Config, ConfigError
-from jaxmoe.layers import fp8
-from jaxmoe.parallel.host_devices import ensure_host_devices, ensure_xla_flags
+from jaxmoe.parallel.host_devices import ensure_host_devices, ensure_xla_flags, xla_flags_for
 from jaxmoe.train.run_control import StopSignals
 
 COMMANDS = {
@@ -115,23 +113,12 @@ def _main(argv: list[str]) -> int:
         # Before JAX creates its backends (at first use): the CPU platform's device count,
         # and what XLA:GPU needs of the run.
         ensure_host_devices(_devices_per_process(config, args))
-        ensure_xla_flags(xla_gpu_flags(config))
+        ensure_xla_flags(xla_flags_for(config))
         _check_input_files(config, args)
         return COMMANDS[args.command](config, args)
     except ConfigError as error:
         print(f"jaxmoe {command}: error: {error}", file=sys.stderr)
         return exit_codes.USAGE_ERROR
-
-
-def xla_gpu_flags(config: Config) -> list[str]:
-    """The XLA flags ``config`` needs on GPU (other backends ignore them): the scheduler
-    that keeps a scheduled step's windows, and cuBLASLt for FP8 products."""
-    flags = []
-    if config.schedule.name != "none":
-        flags += scheduling.names.XLA_GPU_FLAGS
-    if config.model.fp8 != "none":
-        flags += fp8.XLA_GPU_FLAGS
-    return flags
 
 
 if __name__ == "__main__":

@@ -20,6 +20,9 @@ values ("current scaling", no amax history). The recipes:
   one bfloat16 GEMM (on an H200, one Mixtral-width expert block forward and backward took
   6.5x bfloat16's time, tensorwise 0.92x: ``experiments/results/gpu_check/``).
 
+On GPU a run with FP8 products compiles with XLA's Triton GEMMs off
+(:data:`jaxmoe.parallel.host_devices.FP8_XLA_GPU_FLAGS`), so that cuBLASLt runs them.
+
 The weight gradient contracts over the tokens; its operands (the layer's input and the
 output's gradient) take one scale per feature over the tokens they contract (per expert
 in the grouped GEMM), which factors out of the sum over tokens in both recipes (DeepSeek
@@ -55,12 +58,6 @@ E4M3_MAX = float(jnp.finfo(FP8).max)  # 448
 BLOCK = 128  # DeepSeek-V3's tile and block width
 RECIPES = tuple(recipe for recipe in FP8_RECIPES if recipe != "none")
 PRODUCT = "fp8_product"  # the name of every product's result
-# XLA flags under which XLA:GPU runs the FP8 products as cuBLASLt FP8 GEMMs, set before
-# JAX starts its backends by a run whose model.fp8 is not "none": XLA's Triton GEMMs off.
-# With them on (jax 0.11.2, an H200), compiling one expert block's FP8 forward and backward
-# ran past 70 s, autotuning Triton's tilings of each FP8 product; with them off it took
-# 1.2 s, and a bfloat16 step's time stayed inside its spread (136.5 against 137.8 ms).
-XLA_GPU_FLAGS = ("--xla_gpu_enable_triton_gemm=false",)
 # The smallest amax a scale is taken from: an all-zero operand gets a scale, not a 0/0.
 _TINY = 1e-12
 

@@ -1,9 +1,23 @@
 """XLA flags set before JAX starts its backends: the CPU (host) platform's device count,
-and the flags under which XLA:GPU keeps a scheduled step's plan."""
+and what XLA:GPU needs of a run (the flags under which it keeps a scheduled step's plan,
+and those under which it runs FP8 products as cuBLASLt FP8 GEMMs)."""
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
+
+import scheduling.names
+
+if TYPE_CHECKING:
+    from jaxmoe.config import Config
+
+# XLA flags under which XLA:GPU runs FP8 products (``model.fp8``) as cuBLASLt FP8 GEMMs:
+# XLA's Triton GEMMs off. With them on (jax 0.11.2, an H200), compiling one expert
+# block's FP8 forward and backward ran past 70 s, autotuning Triton's tilings of each FP8
+# product; with them off it took 1.2 s, and a bfloat16 step's time stayed inside its
+# spread (136.5 against 137.8 ms: experiments/results/gpu_check/).
+FP8_XLA_GPU_FLAGS = ("--xla_gpu_enable_triton_gemm=false",)
 
 
 def ensure_host_devices(count: int) -> None:
@@ -30,3 +44,14 @@ def ensure_xla_flags(flags: list[str]) -> None:
         if name not in current:
             current = f"{current} {flag}".strip()
     os.environ["XLA_FLAGS"] = current
+
+
+def xla_flags_for(config: Config) -> list[str]:
+    """The XLA flags ``config`` needs on GPU (other backends ignore them): the scheduler
+    that keeps a scheduled step's windows, and cuBLASLt for FP8 products."""
+    flags = []
+    if config.schedule.name != "none":
+        flags += scheduling.names.XLA_GPU_FLAGS
+    if config.model.fp8 != "none":
+        flags += FP8_XLA_GPU_FLAGS
+    return flags

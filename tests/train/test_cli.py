@@ -130,20 +130,19 @@ def test_a_run_larger_than_the_host_is_refused_before_anything_is_allocated(tmp_
     assert time.monotonic() - started < REFUSED_WITHIN_S
 
 
-def test_the_xla_gpu_flags_follow_the_schedule_and_fp8():
+def test_the_xla_flags_follow_the_schedule_and_fp8():
     import scheduling.names
-    from jaxmoe.cli.main import xla_gpu_flags
-    from jaxmoe.layers import fp8
+    from jaxmoe.parallel.host_devices import FP8_XLA_GPU_FLAGS, xla_flags_for
 
     def flags(*argv):
-        return xla_gpu_flags(resolve_config(parse(["train", *argv])))
+        return xla_flags_for(resolve_config(parse(["train", *argv])))
 
     assert flags() == []
     assert flags("--schedule", "lancet") == list(scheduling.names.XLA_GPU_FLAGS)
     assert flags("--model.fp8", "tensorwise") == ["--xla_gpu_enable_triton_gemm=false"]
     assert flags("--schedule", "lancet", "--model.fp8", "blockwise") == [
         *scheduling.names.XLA_GPU_FLAGS,
-        *fp8.XLA_GPU_FLAGS,
+        *FP8_XLA_GPU_FLAGS,
     ]
 
 
