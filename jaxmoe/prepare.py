@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from jaxmoe.config import Config
 from jaxmoe.experimental import DEFAULT, ExperimentalOptions
 from jaxmoe.parallel.distributed import DistributedConfig, initialize
-from jaxmoe.parallel.host_devices import ensure_host_devices
+from jaxmoe.parallel.host_devices import ensure_host_devices, ensure_xla_flags, xla_flags_for
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.plan.grad_sync_choice import resolve_grad_sync
 from jaxmoe.train.resolved import Run, resolve
@@ -42,8 +42,10 @@ def prepare_run(
 
 
 def start_process(config: Config, distributed: DistributedConfig) -> Run:
-    """This process's part of the run: the CPU platform's share of the mesh's devices
-    (before JAX starts its backends), the distributed runtime, and the prepared run."""
+    """This process's part of the run: the CPU platform's share of the mesh's devices and
+    what XLA:GPU needs of the run (before JAX starts its backends), the distributed
+    runtime, and the prepared run."""
     ensure_host_devices(config.parallel.num_devices // distributed.process_count_hint())
+    ensure_xla_flags(xla_flags_for(config))
     initialize(distributed)
     return prepare_run(config)
