@@ -37,8 +37,9 @@ recorded with its error, and the others still run:
   :func:`jaxmoe.plan.model_flops.model_flops` over the datasheet peak), and the cost
   model's estimate (``scheduling.cost_model`` with the ``h100-8x-nvlink-3200g`` profile,
   summed over the captured per-device program's ops) against it, for the whole step and
-  for one block (the ops under ``layer_<i>``), the measured block taken as step time over
-  layers.
+  for one block (the ops under ``layer_<i>``), the measured block from a ``jax.profiler``
+  trace of two steps (the device time of the executed ops whose op_name names that
+  layer; step time over layers where the trace cannot be read).
 - **schedule**: :mod:`experiments.gpu_schedule_check` on JAX's mock topology of 8 GPUs
   (``none``, ``lancet``, ``pair``: windows kept, all-to-alls overlapped, step times). It
   runs in a process of its own: the mock topology must be chosen before JAX starts its

@@ -3,8 +3,9 @@
 Reading. ``jax.profiler`` writes ``plugins/profile/<run>/<host>.trace.json.gz``
 (Chrome trace events) beside ``<host>.xplane.pb``. Each op that XLA executes is
 an event whose ``args`` name it: ``hlo_op`` (the instruction's name in the
-compiled module), ``hlo_module``, ``device_ordinal`` and ``run_id`` (one
-execution of the module). The step's module is the one with the most time;
+compiled module), ``hlo_module``, and on XLA:CPU ``device_ordinal`` and ``run_id``
+(one execution of the module); an event without them counts under its trace
+process and as part of one execution. The step's module is the one with the most time;
 only its complete executions count (a trace that starts while a step is still
 running holds part of it). Times are means per device per step.
 
@@ -92,20 +93,20 @@ def read_trace(path: str | Path, module: str | None = None) -> MeasuredOps:
     runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for event in ops:
         if event["args"]["hlo_module"] == module:
-            runs[event["args"]["run_id"]].append(event)
+            runs[event["args"].get("run_id", "")].append(event)
     if not runs:
         raise ValueError(f"{path}: no executions of module {module!r}")
     complete = max(len(run) for run in runs.values())
     kept = [run for run in runs.values() if len(run) == complete]
-    devices = {event["args"]["device_ordinal"] for run in kept for event in run}
+    devices = {_device(event) for run in kept for event in run}
     total: dict[str, float] = defaultdict(float)
     for run in kept:
         for event in run:
-            total[event["name"]] += event["dur"] * 1e-6
+            total[event["args"]["hlo_op"]] += event["dur"] * 1e-6
     per = len(kept) * len(devices)
     spans = [max(e["ts"] + e["dur"] for e in run) - min(e["ts"] for e in run) for run in kept]
     first_device = min(devices, key=str)
-    shown = [e for e in kept[0] if e["args"]["device_ordinal"] == first_device]
+    shown = [e for e in kept[0] if _device(e) == first_device]
     shown.sort(key=lambda e: e["ts"])
     origin = shown[0]["ts"]
     return MeasuredOps(
@@ -114,8 +115,13 @@ def read_trace(path: str | Path, module: str | None = None) -> MeasuredOps:
         devices=len(devices),
         seconds={name: seconds / per for name, seconds in total.items()},
         step_seconds=sum(spans) / len(spans) * 1e-6,
-        timeline=[(e["name"], (e["ts"] - origin) * 1e-6, e["dur"] * 1e-6) for e in shown],
+        timeline=[(e["args"]["hlo_op"], (e["ts"] - origin) * 1e-6, e["dur"] * 1e-6) for e in shown],
     )
+
+
+def _device(event: dict[str, Any]) -> str:
+    """The device an executed op's event ran on: its ordinal, else its trace process."""
+    return str(event["args"].get("device_ordinal", event.get("pid")))
 
 
 def key_of(op_name: str) -> Key | None:

@@ -68,8 +68,12 @@ def test_the_step_is_measured_and_estimated_per_step_and_per_block(dry_run):
     assert set(estimate["phases_s"]) >= {"forward", "backward"}
     assert len(step["measured"]["step_s"]["values"]) == gpu_check.DRY.steps
     assert "mfu" not in step  # no peak for a CPU
+    profile = step["measured"]["profile"]  # each block's ops timed in a profiler trace
+    assert profile["steps"] >= 1 and len(profile["blocks_s"]) == 2
+    assert 0 < sum(profile["blocks_s"]) < profile["ops_s"]  # the head, loss and update too
     comparison = step["comparison"]
-    assert comparison["block_measured_is"].startswith("derived: measured step time / layers")
+    assert comparison["block_measured_is"].startswith("profiled: the device time of the ops")
+    assert comparison["block_measured_s"] == profile["block_s"]
     assert comparison["step_estimate_over_measured"] > 0
 
 

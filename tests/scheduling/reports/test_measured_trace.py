@@ -103,6 +103,29 @@ def test_read_trace_keeps_complete_runs_and_averages_per_device(tmp_path):
     assert starts == pytest.approx((0.0, 20e-6)) and seconds == pytest.approx((10e-6, 30e-6))
 
 
+def test_read_trace_takes_ops_by_their_hlo_name_where_events_name_kernels(tmp_path):
+    # As a GPU's kernels are traced: the event names the kernel, its args the XLA op, and
+    # neither an execution nor a device ordinal (the device is the trace's process).
+    def kernel(name, op, pid, ts, dur):
+        args = {"hlo_op": op, "hlo_module": "jit_run"}
+        return {"ph": "X", "pid": pid, "tid": 7, "name": name, "ts": ts, "dur": dur, "args": args}
+
+    events = [
+        kernel("sm90_xmma_gemm_bf16", "gemm_fusion_dot.4", 3, 0, 40),
+        kernel("loop_add_fusion", "loop_add_fusion", 3, 40, 10),
+        kernel("sm90_xmma_gemm_bf16", "gemm_fusion_dot.4", 3, 60, 20),
+    ]
+    _write_trace(tmp_path / "plugins/profile/run/host.trace.json.gz", events)
+    measured = read_trace(tmp_path)
+    assert (measured.steps, measured.devices) == (1, 1)
+    assert measured.seconds == pytest.approx({"gemm_fusion_dot.4": 60e-6, "loop_add_fusion": 10e-6})
+    assert [name for name, *_ in measured.timeline] == [
+        "gemm_fusion_dot.4",
+        "loop_add_fusion",
+        "gemm_fusion_dot.4",
+    ]
+
+
 def test_find_trace_file_names_what_is_missing(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"trace\.json\.gz"):
         measured_trace.find_trace_file(tmp_path)
