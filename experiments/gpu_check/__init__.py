@@ -29,11 +29,11 @@ recorded with its error, and the others still run:
   backward, its GEMMs as ``model.fp8`` none (bfloat16), tensorwise and blockwise run them
   (:mod:`jaxmoe.layers.fp8`), timed round-robin: each recipe's time and its ratio to
   bfloat16, and whether the compiled module holds an FP8 GEMM.
-- **step**: one training step on one device (parallel data 1 x expert 1) of a
-  Mixtral-style model (the ``mixtral-8x7b`` preset at d_model 2048, 8 layers, d_ff 4096,
-  8 experts top-2, 4096 tokens a row, bfloat16, ``model.attention`` auto), its batch
-  the largest that the memory walk (:func:`jaxmoe.plan.memory.step_memory`, extrapolated
-  from batches of 1 and 2) fits in 60 GB: median step time, tokens/s, MFU (model FLOPs of
+- **step**: one training step on one device (parallel data 1 x expert 1) of Mixtral
+  8x7B cut to two blocks (the ``mixtral-8x7b`` preset: d_model 4096, d_ff 14336, 32 query
+  heads over 8, 8 experts top-2, 4096 tokens a row, bfloat16, ``model.attention`` auto),
+  its batch the largest that the memory walk (:func:`jaxmoe.plan.memory.step_memory`, at
+  each candidate batch) fits in 80 GB: median step time, tokens/s, MFU (model FLOPs of
   :func:`jaxmoe.plan.model_flops.model_flops` over the datasheet peak), and the cost
   model's estimate (``scheduling.cost_model`` with the ``h100-8x-nvlink-3200g`` profile,
   summed over the captured per-device program's ops) against it, for the whole step and

@@ -95,35 +95,34 @@ def _capture(config: Any, mesh: Any) -> tuple[Any, Any, Any]:
 
 
 def fit_batch(mesh: Any, sizes: Sizes) -> tuple[int, dict[str, Any], dict]:
-    """The largest candidate batch whose step the memory walk fits in the budget,
-    extrapolated linearly from the walks of batches 1 and 2; how it was found; the
-    captures of batches 1 and 2 (by batch)."""
+    """The largest candidate batch whose step the memory walk fits in the budget, each
+    candidate walked from the smallest up to the first over the budget (the peak need not
+    grow with the batch at first: with few rows it is the optimizer's update); how it was
+    found; the captures of the batches that fit (by batch)."""
     from jaxmoe.plan.memory import step_memory
 
-    programs, totals = {}, {}
-    method = "jaxmoe.plan.memory.step_memory at batches 1 and 2, extrapolated linearly"
+    programs, walked = {}, {}
+    method = (
+        "jaxmoe.plan.memory.step_memory at each candidate batch, smallest first, up to the "
+        "first over the budget"
+    )
     try:
-        for rows in (1, 2):
+        for rows in sorted(sizes.step_batches):
             captured = _capture(step_config(sizes, rows), mesh)
+            walked[rows] = step_memory(captured[1], captured[0].state_shapes).total
+            if walked[rows] > sizes.step_memory_bytes:
+                break
             programs[rows] = captured
-            totals[rows] = step_memory(captured[1], captured[0].state_shapes).total
     except Exception as error:  # then the batch the walk gave on a CPU host
         fit = {"method": method, "error": error_text(error), "fits": None}
         return sizes.step_batch_unwalked, fit, programs
-    per_row = totals[2] - totals[1]
-    fixed = totals[1] - per_row
-
-    def estimate(rows: int) -> float:
-        return fixed + rows * per_row
-
-    fitting = [b for b in sizes.step_batches if estimate(b) <= sizes.step_memory_bytes]
-    batch = max(fitting, default=min(sizes.step_batches))
+    batch = max(programs, default=min(sizes.step_batches))
     fit = {
         "method": method,
         "budget_bytes": sizes.step_memory_bytes,
-        "walked_bytes": totals,
-        "estimated_bytes": estimate(batch),
-        "fits": bool(fitting),
+        "walked_bytes": walked,
+        "estimated_bytes": walked[batch],
+        "fits": bool(programs),
     }
     return batch, fit, programs
 

@@ -213,6 +213,30 @@ def test_where_the_memory_walk_fails_the_step_takes_its_set_batch(monkeypatch):
     assert gpu_check.step.fit_text(fit).endswith("for this primitive`): a set batch")
 
 
+def test_the_step_takes_the_largest_batch_the_walk_fits_walking_each_candidate(monkeypatch):
+    from types import SimpleNamespace
+
+    import jaxmoe.plan.memory
+
+    # The peak stays the optimizer update's at first, then grows with the rows.
+    walk = {1: 5e9, 2: 5e9, 4: 8e9, 8: 12e9, 16: 20e9}
+
+    def capture(config, mesh):
+        return SimpleNamespace(state_shapes=None), config.train.batch_size, None
+
+    monkeypatch.setattr(gpu_check.step, "_capture", capture)
+    monkeypatch.setattr(
+        jaxmoe.plan.memory, "step_memory", lambda rows, shapes: SimpleNamespace(total=walk[rows])
+    )
+    sizes = dataclasses.replace(
+        gpu_check.DRY, step_batches=(16, 1, 8, 2, 4), step_memory_bytes=10e9
+    )
+    batch, fit, captured = gpu_check.step.fit_batch(None, sizes)
+    assert batch == 4 and fit["fits"] and fit["estimated_bytes"] == 8e9
+    assert list(fit["walked_bytes"]) == [1, 2, 4, 8]  # none walked past the first over
+    assert sorted(captured) == [1, 2, 4]
+
+
 def test_fp8_times_one_expert_block_under_each_recipe(dry_run):
     found = dry_run[2]["sections"]["fp8"]
     assert (found["experts"], found["tokens"]) == gpu_check.DRY.expert_block[:2]
