@@ -9,17 +9,21 @@ from typing import Any
 
 def random_token_batches(config: Any, mesh: Any, count: int, seed: int = 2) -> list[Any]:
     """``count`` batches of uniformly random token ids below the model's vocabulary size,
-    each sharded over ``mesh``'s token axes."""
+    each sharded over ``mesh``'s token axes. Each process builds only the shards its own
+    devices hold (a mocked topology's other devices are not this process's)."""
     import jax
-    import jax.numpy as jnp
+    import numpy as np
     from jax.sharding import NamedSharding
 
     from jaxmoe.parallel.mesh import token_spec
 
     shape = (config.train.batch_size, config.model.seq_len + 1)
     sharding = NamedSharding(mesh, token_spec(mesh))
-    vocab = config.model.vocab_size
-    return [
-        jax.device_put(jax.random.randint(key, shape, 0, vocab, jnp.int32), sharding)
-        for key in jax.random.split(jax.random.key(seed), count)
-    ]
+    rng = np.random.default_rng(seed)
+    batches = []
+    for _ in range(count):
+        rows = rng.integers(0, config.model.vocab_size, size=shape, dtype=np.int32)
+        batches.append(
+            jax.make_array_from_callback(shape, sharding, lambda index, r=rows: r[index])
+        )
+    return batches
