@@ -140,9 +140,6 @@ def main(argv: list[str] | None = None) -> int:
         limit = min(setup.sizes.limits[name], started + TOTAL_S - time.monotonic())
         found = _run_section(name, SECTION_FUNCTIONS[name], setup, limit)
         results["sections"][name] = {**found, "run": _run_of(results)}
-        results["sections"] = {
-            n: results["sections"][n] for n in SECTIONS if n in results["sections"]
-        }
         _write(setup, results)
     print((setup.out / "gpu_check.md").read_text())
     return 0
@@ -226,6 +223,9 @@ def _time_limit(seconds: float) -> Iterator[None]:
 
 
 def _write(setup: Setup, results: dict[str, Any]) -> None:
+    """Both files, their sections in the check's order (kept ones and new alike)."""
+    sections = results["sections"]
+    results = {**results, "sections": {n: sections[n] for n in SECTIONS if n in sections}}
     setup.out.mkdir(parents=True, exist_ok=True)
     text = json.dumps(results, indent=1, default=_json_default)
     # The first key on the first line, so that a dry run's file says so there.

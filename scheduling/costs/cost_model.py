@@ -55,6 +55,7 @@ from scheduling.costs.link_model import CollectiveCurves
 from scheduling.profiles import DeviceProfile
 from scheduling.program import jax_adapter
 from scheduling.program.capture import Op, aval_bytes
+from scheduling.program.collective_purpose import collective_axes
 from scheduling.program.program_memo import ProgramMemo
 
 # Ops that only relabel or view memory.
@@ -194,13 +195,6 @@ def op_bytes(op: Op) -> float:
     return sum(aval_bytes(a.aval) for a in op.inputs) + sum(aval_bytes(v.aval) for v in op.outputs)
 
 
-def _group_axes(op: Op) -> tuple[str, ...]:
-    params = op.eqn.params
-    axes = params.get("axes", params.get("axis_name", ()))
-    axes = axes if isinstance(axes, tuple | list) else (axes,)
-    return tuple(axis for axis in axes if isinstance(axis, str))
-
-
 def _index_groups(op: Op) -> tuple[tuple[int, ...], ...] | None:
     """The op's ``axis_index_groups`` (subgroups of the devices along its axes), if any."""
     return op.eqn.params.get("axis_index_groups")
@@ -210,7 +204,7 @@ def _group_size(op: Op, axis_sizes: dict[str, int]) -> int:
     groups = _index_groups(op)
     if groups:
         return len(groups[0])
-    return math.prod(axis_sizes.get(axis, 1) for axis in _group_axes(op))
+    return math.prod(axis_sizes.get(axis, 1) for axis in collective_axes(op))
 
 
 def is_ragged_exchange(op: Op) -> bool:
@@ -337,7 +331,7 @@ class CostModel:
 
     def spread(self, op: Op) -> GroupSpread:
         """How the groups of collective ``op`` lie over the profile's nodes."""
-        key = (_group_axes(op), _index_groups(op))
+        key = (collective_axes(op), _index_groups(op))
         if key not in self._spreads:
             self._spreads[key] = group_spread(
                 key[0], self.axis_sizes, self.profile.devices_per_node, self.device_ids, key[1]
@@ -466,7 +460,7 @@ class CostModel:
         other groups on the node (every device runs the collective, each in its group)."""
         profile = self.profile
         operand = sum(aval_bytes(a.aval) for a in op.inputs)
-        members = group_members(_group_axes(op), self.axis_sizes)
+        members = group_members(collective_axes(op), self.axis_sizes)
         ids = self.device_ids or range(math.prod(self.axis_sizes.values()))
         node = [ids[member] // profile.devices_per_node for member in members]
         crossing: dict[tuple[str, int], int] = {}

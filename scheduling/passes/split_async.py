@@ -9,6 +9,7 @@ from jax.sharding import Mesh
 
 from scheduling.program import jax_adapter
 from scheduling.program.capture import Op, Program, aval_bytes
+from scheduling.program.collective_purpose import collective_axes
 from scheduling.program.graph import Graph
 
 # Collectives that XLA's combiners merge when they stay synchronous; ``min_bytes``
@@ -29,10 +30,7 @@ def moves_data(op: Op, mesh: Mesh) -> bool:
     device. One over axes of size 1 is the identity, which XLA removes; as an async pair it
     would leave XLA:GPU an async computation around a parameter, which its profile-guided
     latency estimator refuses ("Unsupported async done wrapped instruction")."""
-    params = op.eqn.params
-    axes = params.get("axes", params.get("axis_name", ()))
-    axes = axes if isinstance(axes, tuple) else (axes,)
-    return math.prod(mesh.shape[axis] for axis in axes if isinstance(axis, str)) > 1
+    return math.prod(mesh.shape[axis] for axis in collective_axes(op)) > 1
 
 
 def split_async(program: Program, kinds: Iterable[str] | None = None, min_bytes: int = 0) -> Graph:
