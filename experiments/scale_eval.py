@@ -56,6 +56,7 @@ from experiments.published_recipes import (
     recipe_mappings,
 )
 from experiments.shared.results_file import command_line, kept_section
+from jaxmoe.plan.options import PLANNED_RECOMPUTE
 
 if TYPE_CHECKING:
     from jaxmoe.plan.planner import MappingEstimate
@@ -295,6 +296,11 @@ def gap_lines(searches: Sequence[Search]) -> list[str]:
             parts.append("every block's forward pass runs twice (full recomputation)")
         elif mapping.recompute == "attention":
             parts.append("the core attention runs twice (selective recomputation)")
+        elif mapping.recompute == "matmuls":
+            parts.append(
+                "the backward pass recomputes the norms, activations, routing and the "
+                "attention core, no matmul of a weight (the matmuls' results kept)"
+            )
         if mapping.pipeline > 1:
             bubble = (mapping.pipeline - 1) / (mapping.microbatches * mapping.virtual_stages)
             parts.append(f"the pipeline's idle ticks add {bubble:.0%} to its work")
@@ -461,7 +467,8 @@ def report(store: Store, earlier: Path | None = None) -> str:
             )
             + "), where the published MFU was measured. The planner searches every layout "
             "(tensor groups inside a node), ZeRO stage (0, 1, 3; 0 and 1 with a pipeline), "
-            "recomputation (none, layer), number of microbatches and pipeline "
+            f"recomputation ({', '.join(r for r in PLANNED_RECOMPUTE if r != 'attention')}), "
+            "number of microbatches and pipeline "
             "(stages dividing the devices, 1 or 2 virtual stages, chunks of whole blocks, "
             "uneven where they do not divide), and estimates each mapping under the schedules "
             f"{', '.join(f'`{name}`' for name in SCHEDULES)} (the fastest counts); it "

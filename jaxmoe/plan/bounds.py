@@ -49,7 +49,8 @@ backward slot, each one chunk's on one microbatch (an idle stage's on zeros). On
 recomputes less keeps more: what the traced recomputation makes again and the backward pass reads
 (:func:`jaxmoe.plan.memory.recomputed_for_backward`), all of it without recomputation,
 all but the core attention's (the values from the matmul of queries and keys to the
-matmul with the values) when only the core attention is recomputed. Two more are alive
+matmul with the values) when only the core attention is recomputed, and the results of
+its weight matmuls and exchanges under ``matmuls`` (which recomputes the rest). Two more are alive
 then or soon after: ZeRO-1's gathered parameters (gathered once, held to the backward
 pass), and what the head's backward pass makes before the first block's (the logits'
 gradients: ``BackwardStart.transient``), on each microbatch's rows.
@@ -72,6 +73,7 @@ from typing import Any
 import jax
 
 from jaxmoe.config.choices import RECOMPUTE
+from jaxmoe.layers.recompute import KEPT_PRIMITIVES
 from jaxmoe.parallel.zero import GATHER_SCOPE
 from jaxmoe.pipeline.microbatches import in_flight as in_flight_of
 from jaxmoe.pipeline.ticks import TickTable
@@ -161,6 +163,8 @@ class Screen:
     head_transient: int
     recomputed: Split  # bytes a recomputation makes again for the backward pass
     recomputed_core: Split  # of them, the core attention's
+    # Of them, the results of weight matmuls and exchanges: what ``matmuls`` keeps.
+    recomputed_matmuls: Split
     compute_only: bool
     link_bounds: bool = True  # with compute_only: the link's work bounds the step too
 
@@ -286,6 +290,8 @@ class Screen:
             kept = self.recomputed.block
             if options.recompute == "attention":
                 kept -= self.recomputed_core.block
+            elif options.recompute == "matmuls":
+                kept = self.recomputed_matmuls.block
             block += max(kept, 0.0)
         return self.saved.outside + self.blocks * padded * block
 
@@ -338,7 +344,8 @@ class Screen:
 
     @staticmethod
     def from_json(data: dict[str, Any]) -> Screen:
-        names = (*_PARTS, "saved", "gathered", "recomputed", "recomputed_core")
+        kept = ("saved", "gathered", "recomputed", "recomputed_core", "recomputed_matmuls")
+        names = (*_PARTS, *kept)
         splits = {name: Split(**data[name]) for name in names}
         return Screen(
             **{**data, **splits, "options": Options(**data["options"])}  # type: ignore[arg-type]
@@ -418,6 +425,7 @@ def screen(
     }
     core = _core_attention(program, parameters)
     in_blocks = {v: op for v, op in recomputed.items() if blocks_scope.search(op.layer)}
+    matmuls = {v: op for v, op in in_blocks.items() if _kept_by_matmuls(op, parameters)}
     return Screen(
         options=options,
         blocks=blocks,
@@ -433,6 +441,7 @@ def screen(
             _bytes({v: op for v, op in in_blocks.items() if v in core}),
             traced_blocks,
         ),
+        recomputed_matmuls=Split.of(_bytes(matmuls), _bytes(matmuls), traced_blocks),
         compute_only=compute_only,
         link_bounds=link_bounds,
         **splits,
@@ -509,6 +518,18 @@ def _parameters(program: Program, inputs: Sequence[Value] | None = None) -> set[
         if carries and all(a in parameters for a in op.inputs if isinstance(a, Value)):
             parameters.update(op.outputs)
     return parameters
+
+
+def _kept_by_matmuls(op: Any, parameters: set[Value]) -> bool:
+    """Whether ``matmuls`` keeps what ``op`` makes: a matmul of a weight (the attention
+    core's matmuls of two activations run under a checkpoint of their own, kept by none)
+    or an exchange (:data:`jaxmoe.layers.recompute.KEPT_PRIMITIVES`). An FP8 product's
+    matmuls are left out: a lower bound may keep less."""
+    if op.primitive not in KEPT_PRIMITIVES:
+        return False
+    if op.primitive in ("dot_general", "ragged_dot_general"):
+        return any(a in parameters for a in op.inputs if isinstance(a, Value))
+    return True
 
 
 def _core_attention(program: Program, parameters: set[Value]) -> set[Value]:

@@ -4,9 +4,10 @@ the planner tries every set of them on every layout (no JAX here).
 
 Ordered from least to most work: ZeRO 0, 1, 3 (``train.zero``: each stage shards more
 of the state and gathers more parameters), recomputation ``none``, ``attention``,
-``layer`` (``model.recompute``; :data:`PLANNED_RECOMPUTE`: the recomputations the
-bounds cover, in jaxmoe.config.choices.RECOMPUTE's order; ``matmuls`` and
-``matmuls_offload`` are not searched yet), one
+``matmuls``, ``layer`` (``model.recompute``; :data:`PLANNED_RECOMPUTE`: the
+recomputations the bounds cover, in jaxmoe.config.choices.RECOMPUTE's order;
+``matmuls_offload`` is not searched: the cost model prices its copies to and from host
+memory as copies within the device's memory, far faster than the host link), one
 microbatch or more (``train.microbatches``: each one more pass over every layer's ops).
 The set of least memory is the last stage and the last recomputation, in one microbatch.
 The planner bounds a layout's option sets from one trace (:mod:`jaxmoe.plan.bounds`), of
@@ -25,7 +26,7 @@ from jaxmoe.config.choices import RECOMPUTE
 from jaxmoe.config.train import ZERO_STAGES
 
 # The recomputations the planner searches and bounds (module docstring).
-PLANNED_RECOMPUTE = ("none", "attention", "layer")
+PLANNED_RECOMPUTE = ("none", "attention", "matmuls", "layer")
 
 
 @dataclass(frozen=True)

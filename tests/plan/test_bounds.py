@@ -30,8 +30,8 @@ SIX_LAYERS = [
 VARIANTS = [
     Options(zero, recompute, 1)
     for zero in (0, 1, 3)
-    for recompute in ("none", "attention", "layer")
-] + [Options(0, "none", 2), Options(3, "attention", 2)]
+    for recompute in ("none", "attention", "matmuls", "layer")
+] + [Options(0, "none", 2), Options(3, "attention", 2), Options(1, "matmuls", 2)]
 
 
 @functools.cache
@@ -74,6 +74,7 @@ def estimated(options: Options):
 # of the option sets are slow.
 DEFAULT_VARIANTS = {
     Options(0, "none", 1), Options(1, "layer", 1), Options(3, "attention", 2),
+    Options(1, "matmuls", 1),
 }  # fmt: skip
 
 
@@ -106,20 +107,27 @@ def test_the_flash_cores_have_no_core_recomputation_to_choose():
     flash = dataclasses.replace(
         layout().config, model=dataclasses.replace(layout().config.model, attention="auto")
     )
-    assert {o.recompute for o in option_sets(flash)} == {"none", "layer"}
-    assert {o.recompute for o in option_sets(layout().config)} == {"none", "attention", "layer"}
+    assert {o.recompute for o in option_sets(flash)} == {"none", "matmuls", "layer"}
+    assert {o.recompute for o in option_sets(layout().config)} == {
+        "none", "attention", "matmuls", "layer"
+    }  # fmt: skip
 
 
 def test_recomputing_less_is_bounded_by_what_the_recomputation_keeps():
     bounds = screened()
     state = tracer.state_bytes(with_options(layout(), Options(0, "none", 1), 8).config)
-    kept, without_core, recomputing = (
+    kept, without_core, matmuls, recomputing = (
         bounds.memory_bound(Options(0, recompute, 1), state)
-        for recompute in ("none", "attention", "layer")
+        for recompute in ("none", "attention", "matmuls", "layer")
     )
     # The core attention's values (queries-keys matmul to the values' matmul) are found.
     assert bounds.recomputed_core.block > 0
     assert kept > without_core > recomputing
+    # ``matmuls`` keeps the results of the weight matmuls and the exchanges, not the
+    # norms, the activations or the core attention's.
+    elementwise = bounds.recomputed.block - bounds.recomputed_core.block
+    assert 0 < bounds.recomputed_matmuls.block < elementwise
+    assert kept > matmuls > recomputing
 
 
 # A link far slower than the devices (10 MB/s between any two): the step's collectives

@@ -20,9 +20,10 @@ def test_every_stage_recomputation_and_divisor_of_the_rows():
     config = _config()  # 8 batch shards: 2 rows each
     sets = option_sets(config)
     assert {o.microbatches for o in sets} == {1, 2}
-    # The default (flash) attention core: no core recomputation to choose.
-    assert {o.recompute for o in sets} == {"none", "layer"}
-    assert len(sets) == len(ZERO_STAGES) * 2 * 2
+    # The default (flash) attention core: no core recomputation to choose; the matmuls'
+    # results kept, or nothing but the blocks' inputs.
+    assert {o.recompute for o in sets} == {"none", "matmuls", "layer"}
+    assert len(sets) == len(ZERO_STAGES) * 3 * 2
     assert {o.microbatches for o in option_sets(config, microbatches=False)} == {1}
     assert options_of(config) == Options()
 
