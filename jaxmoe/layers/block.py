@@ -56,6 +56,7 @@ class Block(nnx.Module):
                 activation=model.activation,
                 bias=model.linear_bias,
                 fp8=model.fp8,
+                recompute=model.recompute,
                 dtype=dtype,
                 rngs=rngs,
                 experimental=experimental,

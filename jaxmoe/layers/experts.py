@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmoe.config.layout import EXPERT, EXPERT_TENSOR
+from jaxmoe.layers import activations
 from jaxmoe.layers.fp8 import batched_matmul, grouped_matmul, row_groups
 from jaxmoe.parallel.sharding import ExpertParam
 from jaxmoe.placement.replicas import slot_weights
@@ -47,11 +48,13 @@ class Experts(nnx.Module):
         activation: str = "gelu",
         bias: bool = True,
         fp8: str = "none",
+        recompute: str = "none",
         dtype: jnp.dtype,
         rngs: nnx.Rngs,
     ):
         self.dtype = dtype
         self.fp8 = fp8
+        self.recompute = recompute  # model.recompute: how the activation keeps its values
         self.swiglu = activation == "swiglu"
         # Fan-in is the model width; the leading expert axis is a batch axis.
         init = nnx.initializers.variance_scaling(
@@ -102,14 +105,13 @@ class Experts(nnx.Module):
         )
         x = x.astype(self.dtype)
         if self.swiglu:
-            gate_up = self._per_slot(x, w_in)
-            hidden = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
+            hidden = activations.activate("swiglu", self._per_slot(x, w_in), self.recompute)
         else:
             hidden = self._per_slot(x, w_in)
             if self.b_in is not None:
                 b_in = slot_weights(self.b_in[...], replica_table)
                 hidden = hidden + b_in[:, None, :].astype(self.dtype)
-            hidden = jax.nn.gelu(hidden)
+            hidden = activations.activate("gelu", hidden, self.recompute)
         return self._per_slot(hidden, w_out)
 
     def _per_slot(self, x: jax.Array, w: jax.Array) -> jax.Array:
@@ -152,13 +154,14 @@ class Experts(nnx.Module):
             return jnp.take(bias, row_slot, axis=0, mode="fill", fill_value=0)
 
         if self.swiglu:
-            gate_up = self._grouped(x, w_in, group_sizes)
-            hidden = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
+            hidden = activations.activate(
+                "swiglu", self._grouped(x, w_in, group_sizes), self.recompute
+            )
         else:
             hidden = self._grouped(x, w_in, group_sizes)
             if self.b_in is not None:
                 hidden = hidden + per_row(self.b_in[...])
-            hidden = jax.nn.gelu(hidden)
+            hidden = activations.activate("gelu", hidden, self.recompute)
         out = self._grouped(hidden, w_out, group_sizes)
         if self.b_out is not None:
             out = out + per_row(self.b_out[...])

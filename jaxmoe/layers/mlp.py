@@ -19,6 +19,7 @@ from flax import nnx
 
 from jaxmoe.config import ModelConfig
 from jaxmoe.config.layout import TENSOR
+from jaxmoe.layers import activations
 from jaxmoe.layers.parallel_linear import (
     ColumnParallelLinear,
     HeadProjection,
@@ -30,6 +31,7 @@ from jaxmoe.parallel.tensor_parallel import gather_sequence
 class DenseFFN(nnx.Module):
     def __init__(self, model: ModelConfig, d_hidden: int, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         self.swiglu = model.activation == "swiglu"
+        self.recompute = model.recompute  # how the activation keeps its values
         bias = model.linear_bias
         if self.swiglu:
             self.gate_up = HeadProjection(
@@ -54,8 +56,7 @@ class DenseFFN(nnx.Module):
         under tensor parallelism)."""
         x = gather_sequence(x)
         if self.swiglu:
-            gate_up = self.gate_up(x)
-            hidden = jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
+            hidden = activations.activate("swiglu", self.gate_up(x), self.recompute)
         else:
-            hidden = jax.nn.gelu(self.up(x))
+            hidden = activations.activate("gelu", self.up(x), self.recompute)
         return self.down(hidden)

@@ -88,13 +88,16 @@ class MoELayer(nnx.Module):
         activation: str = "gelu",
         bias: bool = True,
         fp8: str = "none",
+        recompute: str = "none",
         dtype: jnp.dtype,
         rngs: nnx.Rngs,
         experimental: ExperimentalOptions = DEFAULT,
     ):
         """``activation``, ``bias`` and ``fp8``: the experts' form and GEMMs
         (``model.activation``, ``model.linear_bias``, ``model.fp8``;
-        :mod:`jaxmoe.layers.experts`). ``experimental``: research
+        :mod:`jaxmoe.layers.experts`); ``recompute``: the block's recomputation
+        (``model.recompute``), which decides what the activation keeps
+        (:mod:`jaxmoe.layers.activations`). ``experimental``: research
         options of the dispatch (:mod:`jaxmoe.experimental`), kept for every configuration
         the layer is given."""
         self.experimental = experimental
@@ -119,6 +122,7 @@ class MoELayer(nnx.Module):
             activation=activation,
             bias=bias,
             fp8=fp8,
+            recompute=recompute,
             dtype=dtype,
             rngs=rngs,
         )

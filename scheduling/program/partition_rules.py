@@ -387,8 +387,9 @@ def _reduce_scatter(op: Op, layouts, uniform) -> Chunking | None:
     )
 
 
-def _all_reduce(op: Op, layouts, uniform) -> Chunking | None:
-    """psum and its kin reduce across devices elementwise: every operand chunked alike."""
+def _each_operand_alike(op: Op, layouts, uniform) -> Chunking | None:
+    """psum and its kin reduce across devices elementwise, and an optimization_barrier
+    passes each operand on as its result: every operand chunked alike, and its result."""
     if any(layout is None for layout in layouts):
         return None  # an unsplit operand would be reduced once per chunk
     return Chunking(tuple(layout.axis for layout in layouts), tuple(layouts), _same_params(op))
@@ -523,7 +524,8 @@ RULES: dict[str, Callable[[Op, Sequence[Layout], Sequence[frozenset[int]]], Chun
     "all_to_all": _all_to_all,
     "all_gather": _all_gather,
     "reduce_scatter": _reduce_scatter,
-    **dict.fromkeys(("psum", "psum_invariant", "pmax", "pmin"), _all_reduce),
+    **dict.fromkeys(("psum", "psum_invariant", "pmax", "pmin"), _each_operand_alike),
+    "optimization_barrier": _each_operand_alike,
     "gather": _gather,
     "scatter-add": _scatter,
     "scatter_add": _scatter,

@@ -63,6 +63,18 @@ def test_elementwise_with_broadcast_operands():
     assert how.inputs == (0, None)
 
 
+def test_an_optimization_barrier_chunks_each_operand_as_its_result():
+    how = _check_against_chunks(
+        lambda x, y: jax.lax.optimization_barrier((x, y)),
+        [(4, 3), (2, 4)],
+        [Split(0), Split(1)],
+        n=2,
+    )
+    assert how.outputs == (Split(0), Split(1))
+    op = _single_op(lambda x, y: jax.lax.optimization_barrier((x, y)), (4, 3), (4, 3))
+    assert chunking(op, [Split(0), None], [frozenset()] * 2) is None
+
+
 def test_reshape_that_merges_the_batch_with_a_later_axis():
     how = _check_against_chunks(lambda x: x.reshape(24, 5), [(4, 6, 5)], [Split(0)], n=2)
     assert how.outputs == (Split(0, 1, 6),)
