@@ -59,6 +59,8 @@ gelu.__doc__ = """``jax.nn.gelu`` (the tanh approximation), keeping its input al
 
 
 _AS_WRITTEN = {"swiglu": _swiglu, "gelu": jax.nn.gelu}
+# The name scope of an activation's ops (the planner's bounds read it).
+SCOPE = "activation"
 _INPUT_KEPT = {"swiglu": swiglu, "gelu": gelu}
 
 
@@ -67,4 +69,5 @@ def activate(activation: str, x: jax.Array, recompute: str) -> jax.Array:
     says (``model.recompute``): keeping its input alone, or as written where the block is
     recomputed (module docstring)."""
     forms = _AS_WRITTEN if recompute in POLICIES else _INPUT_KEPT
-    return forms[activation](x)
+    with jax.named_scope(SCOPE):
+        return forms[activation](x)

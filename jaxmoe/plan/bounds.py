@@ -47,10 +47,12 @@ ZeRO-1 keep what differentiation needs, a fully sharded block more. A pipeline's
 ticks in order, so it keeps at least the residuals of every forward slot up to its first
 backward slot, each one chunk's on one microbatch (an idle stage's on zeros). One that
 recomputes less keeps more: what the traced recomputation makes again and the backward pass reads
-(:func:`jaxmoe.plan.memory.recomputed_for_backward`), all of it without recomputation,
-all but the core attention's (the values from the matmul of queries and keys to the
-matmul with the values) when only the core attention is recomputed, and the results of
-its weight matmuls and exchanges under ``matmuls`` (which recomputes the rest). Two more are alive
+(:func:`jaxmoe.plan.memory.recomputed_for_backward`; the activations' values aside,
+which a block whose forward values are kept does not keep:
+:mod:`jaxmoe.layers.activations`), all of it without recomputation, all but the core
+attention's (the values from the matmul of queries and keys to the matmul with the
+values) when only the core attention is recomputed, and the results of its weight
+matmuls and exchanges under ``matmuls`` (which recomputes the rest). Two more are alive
 then or soon after: ZeRO-1's gathered parameters (gathered once, held to the backward
 pass), and what the head's backward pass makes before the first block's (the logits'
 gradients: ``BackwardStart.transient``), on each microbatch's rows.
@@ -73,6 +75,7 @@ from typing import Any
 import jax
 
 from jaxmoe.config.choices import RECOMPUTE
+from jaxmoe.layers.activations import SCOPE as ACTIVATION_SCOPE
 from jaxmoe.layers.recompute import KEPT_PRIMITIVES
 from jaxmoe.parallel.zero import GATHER_SCOPE
 from jaxmoe.pipeline.microbatches import in_flight as in_flight_of
@@ -113,6 +116,7 @@ def block_scope(first_dense_layers: int) -> re.Pattern[str]:
 
 
 _RECOMPUTED = "rematted_computation"
+_ACTIVATION = re.compile(rf"(^|/){ACTIVATION_SCOPE}(/|$)")
 
 
 @dataclass(frozen=True)
@@ -417,11 +421,13 @@ def screen(
         for name, (total, in_blocks) in totals.items()
     }
     # A recomputation's parameters (a block's gathers, their casts) are the state's, or
-    # gathered again, where nothing is recomputed: not activations it keeps.
+    # gathered again, where nothing is recomputed: not activations it keeps. Nor are an
+    # activation's values: a block whose forward values are kept keeps its input alone
+    # (jaxmoe.layers.activations), made by the matmul before it.
     recomputed = {
         value: op
         for value, op in recomputed_for_backward(program, state).items()
-        if value not in parameters
+        if value not in parameters and not _ACTIVATION.search(op.layer)
     }
     core = _core_attention(program, parameters)
     in_blocks = {v: op for v, op in recomputed.items() if blocks_scope.search(op.layer)}

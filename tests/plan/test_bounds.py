@@ -130,6 +130,32 @@ def test_recomputing_less_is_bounded_by_what_the_recomputation_keeps():
     assert kept > matmuls > recomputing
 
 
+def test_a_swiglu_block_that_keeps_its_forward_values_is_bounded():
+    """Recomputed, the SwiGLU's values are made again as written (the gate's sigmoid and
+    silu); a block that keeps its forward values keeps the activation's input alone
+    (jaxmoe/layers/activations.py): the bound from the recomputing trace counts none of
+    the activation's values for it, and holds."""
+    args = cli.parse(
+        ["plan", *SIX_LAYERS, "--model.activation", "swiglu", "--devices", "4",
+         "--profile", PROFILE]
+    )  # fmt: skip
+    config = cli.resolve_config(args)
+    (found,) = [
+        c
+        for c in enumerate_mappings(config, 4, 8).valid
+        if (c.mapping.tensor, c.mapping.expert, c.mapping.expert_tensor, c.mapping.dispatcher)
+        == (2, 2, 1, "all_to_all")
+    ]
+    traces = tracer.Tracer(["none"], PROFILE, estimates.EstimateCache(None))
+    bounds = traces.screen(with_options(found, Options(1, "layer", 1), 8).config, True)
+    plain = with_options(found, Options(1, "none", 1), 8).config
+    memory, _ = tracer.estimate_mapping(
+        plain, ["none"], PROFILE, estimates.EstimateCache(None), tracer=traces
+    )
+    bound = bounds.memory_bound(Options(1, "none", 1), tracer.state_bytes(plain))
+    assert bounds.options.recompute == "layer" and bound <= memory.total
+
+
 # A link far slower than the devices (10 MB/s between any two): the step's collectives
 # take longer than its computation, which the schedules that overlap them cannot change.
 SLOW_LINK = dict(
