@@ -26,6 +26,9 @@ import jax
 
 from jaxmoe.layers.recompute import POLICIES
 
+# The name scope of an activation's ops (the planner's bounds read it).
+SCOPE = "activation"
+
 
 def _swiglu(gate_up: jax.Array) -> jax.Array:
     return jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :]
@@ -59,8 +62,6 @@ gelu.__doc__ = """``jax.nn.gelu`` (the tanh approximation), keeping its input al
 
 
 _AS_WRITTEN = {"swiglu": _swiglu, "gelu": jax.nn.gelu}
-# The name scope of an activation's ops (the planner's bounds read it).
-SCOPE = "activation"
 _INPUT_KEPT = {"swiglu": swiglu, "gelu": gelu}
 
 
