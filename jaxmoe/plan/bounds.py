@@ -47,9 +47,9 @@ ZeRO-1 keep what differentiation needs, a fully sharded block more. A pipeline's
 ticks in order, so it keeps at least the residuals of every forward slot up to its first
 backward slot, each one chunk's on one microbatch (an idle stage's on zeros). One that
 recomputes less keeps more: what the traced recomputation makes again and the backward pass reads
-(:func:`jaxmoe.plan.memory.recomputed_for_backward`; the activations' values aside,
-which a block whose forward values are kept does not keep:
-:mod:`jaxmoe.layers.activations`), all of it without recomputation, all but the core
+(:func:`jaxmoe.plan.memory.recomputed_for_backward`; the activations' and the norms'
+values aside, which a block whose forward values are kept does not keep:
+:mod:`jaxmoe.layers.input_kept`), all of it without recomputation, all but the core
 attention's (the values from the matmul of queries and keys to the matmul with the
 values) when only the core attention is recomputed, and the results of its weight
 matmuls and exchanges under ``matmuls`` (which recomputes the rest). Two more are alive
@@ -76,6 +76,7 @@ import jax
 
 from jaxmoe.config.choices import RECOMPUTE
 from jaxmoe.layers.activations import SCOPE as ACTIVATION_SCOPE
+from jaxmoe.layers.norms import SCOPE as NORM_SCOPE
 from jaxmoe.layers.recompute import KEPT_PRIMITIVES
 from jaxmoe.parallel.zero import GATHER_SCOPE
 from jaxmoe.pipeline.microbatches import in_flight as in_flight_of
@@ -116,7 +117,7 @@ def block_scope(first_dense_layers: int) -> re.Pattern[str]:
 
 
 _RECOMPUTED = "rematted_computation"
-_ACTIVATION = re.compile(rf"(^|/){ACTIVATION_SCOPE}(/|$)")
+_INPUT_KEPT = re.compile(rf"(^|/)({ACTIVATION_SCOPE}|{NORM_SCOPE})(/|$)")
 
 
 @dataclass(frozen=True)
@@ -422,12 +423,12 @@ def screen(
     }
     # A recomputation's parameters (a block's gathers, their casts) are the state's, or
     # gathered again, where nothing is recomputed: not activations it keeps. Nor are an
-    # activation's values: a block whose forward values are kept keeps its input alone
-    # (jaxmoe.layers.activations), made by the matmul before it.
+    # activation's or a norm's values: a block whose forward values are kept keeps their
+    # inputs alone (jaxmoe.layers.input_kept), made by the ops before them.
     recomputed = {
         value: op
         for value, op in recomputed_for_backward(program, state).items()
-        if value not in parameters and not _ACTIVATION.search(op.layer)
+        if value not in parameters and not _INPUT_KEPT.search(op.layer)
     }
     core = _core_attention(program, parameters)
     in_blocks = {v: op for v, op in recomputed.items() if blocks_scope.search(op.layer)}

@@ -253,8 +253,10 @@ def test_a_stage_layout_without_a_pipeline_bounds_its_pipelines(zero, microbatch
     # per-op overheads of one pass, not of two; four run them four times over. The ops
     # on parameters alone (casts, transposes) run once a tick whatever its rows, and
     # every stage runs the head on its rows (without both: 0.75 of the estimate; with both,
-    # 0.79 where a kernel's fused operands differ between the traces).
-    assert 0.75 * times["none"].step <= bounds.pipeline_step_bound(options, 2, 1)
+    # 0.79 where a kernel's fused operands differ between the traces). The estimate's
+    # norms normalise again in the backward pass (they keep their inputs alone), the
+    # bound's, from a recomputing trace, do not: 0.749 of it.
+    assert 0.74 * times["none"].step <= bounds.pipeline_step_bound(options, 2, 1)
     assert bounds.pipeline_step_bound(options, 2, 1) <= times["none"].step
     state = tracer.state_bytes(variant.config)
     memory_bound = bounds.pipeline_memory_bound(options, state, 2, 1)
