@@ -26,6 +26,7 @@ from experiments.folding_models import planned_config
 from experiments.shared.results_file import command_line
 from jaxmoe.config import ModelConfig
 from jaxmoe.layers import activations, norms
+from jaxmoe.train import state
 
 RESULTS = Path(__file__).parent / "results" / "input_kept_memory.md"
 PROFILE = "h100-8x-nvlink-3200g"
@@ -53,11 +54,20 @@ def kept_as(form: str) -> Iterator[None]:
     """The activations and norms of every block whose forward values are kept, keeping
     their inputs alone as ``form`` says (the others as written)."""
     kept = FORMS[form]
-    with contextlib.ExitStack() as stack:
-        for name, module in (("activations", activations), ("norms", norms)):
-            if name not in kept:
-                stack.enter_context(mock.patch.object(module, "kept_inputs", lambda _: False))
-        yield
+    # A model's structure, its norms' classes among it, is built once per model: afresh
+    # in each form.
+    for cached in (state.abstract_model, state.gather_dtypes):
+        cached.cache_clear()
+    try:
+        with contextlib.ExitStack() as stack:
+            for name, module in (("activations", activations), ("norms", norms)):
+                if name not in kept:
+                    patched = mock.patch.object(module, "kept_inputs", lambda _: False)
+                    stack.enter_context(patched)
+            yield
+    finally:
+        for cached in (state.abstract_model, state.gather_dtypes):
+            cached.cache_clear()
 
 
 def swiglu_temporaries(layers: int, tokens: int, width: int, hidden: int) -> int:
