@@ -51,7 +51,8 @@ class ModelConfig:
     # parameters, optimizer state, attention core, router and head keep model.dtype.
     # "none": off. jaxmoe/layers/fp8.py.
     fp8: str = "none"
-    # The backward pass recomputes this instead of keeping its activations: "none",
+    # The backward pass recomputes this instead of keeping its activations: "none" (the
+    # norms and activations keep only their inputs: jaxmoe/layers/input_kept.py),
     # "attention" (the dense core's softmax weights, O(seq^2) per head; the blockwise and
     # cuDNN cores never keep them), "matmuls" (all but the matmuls' and the exchanges'
     # results: norms, activations, the attention core), "matmuls_offload" (the same, what
