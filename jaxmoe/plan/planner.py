@@ -23,8 +23,11 @@ bound of their step time, and only until the ``top`` best are known
    dropped untraced.
 2. Each layout is traced once with one block under its options of least memory
    (:func:`~jaxmoe.plan.options.least_memory`): lower bounds of the step time and the
-   memory of each of its option sets (:mod:`jaxmoe.plan.bounds`). Those whose memory
-   bound exceeds the device's are dropped.
+   memory of each of its option sets (:mod:`jaxmoe.plan.bounds`). A pipeline is bounded
+   from its stage layout's trace without a pipeline; where that is no layout of these
+   devices (their rows do not split so far) or its first stage holds leading dense
+   layers, from traces of its own, one for each number of microbatches. Those whose
+   memory bound exceeds the device's are dropped.
 3. Least bound first, a mapping gets a trace of its own (a tighter bound), then its
    estimate (the traces of the least bounds are kept: a deep model's own one-block trace
    is the first of its estimate's two). Once the ``top`` best estimates that fit are no
@@ -365,6 +368,7 @@ def plan_mappings(
     # Each layout's option sets that Config accepts, and the state of each ZeRO stage;
     # then the screens of the layouts without a pipeline, all at once.
     laid_out = []
+    to_pipe: list[Candidate] = []  # the pipelines screened on their own
     for layout in space.valid:
         assert layout.config is not None
         mapping = layout.mapping
@@ -398,40 +402,58 @@ def plan_mappings(
                     leave(mapping.with_options(o), "refused", traced.reason)
                 continue
         laid_out.append((layout, sets, states, traced))
-    to_screen = [traced for _, _, _, traced in laid_out if traced is not None]
-    screens: dict[tuple, Screen] = {}  # stage layout -> its screen
+    # A pipeline is bounded from its stage layout's screen without a pipeline; where that
+    # layout is not valid on these devices (their rows do not split), or its first stage
+    # holds the leading dense layers, from screens of its own: one for each number of
+    # microbatches (idle ticks run on zeros, so more microbatches do less work a tick).
+    staged = {traced.mapping.stage_layout for _, _, _, traced in laid_out if traced is not None}
+    for layout, sets, _, traced in laid_out:
+        if traced is None and (
+            config.model.first_dense_layers or layout.mapping.stage_layout not in staged
+        ):
+            for count in sorted({o.microbatches for o in sets}):
+                own = with_options(
+                    layout, bounding([o for o in sets if o.microbatches == count]), per_node
+                )
+                if own.config is not None:
+                    to_pipe.append(own)
+    to_screen = [traced for _, _, _, traced in laid_out if traced is not None] + to_pipe
+    screens: dict[tuple, Screen] = {}  # stage layout (or a pipeline's, microbatches) -> screen
     for index, (traced, found) in enumerate(
         zip(to_screen, screens_of([(t.config, t.mapping) for t in to_screen]), strict=True)
     ):
-        screens[traced.mapping.stage_layout] = found
+        screens[_screened(traced.mapping)] = found
         say(f"[{index + 1}/{len(to_screen)}] bounds from {traced.mapping.label()}")
 
     start = []
-    for layout, sets, states, traced in laid_out:
+    for layout, sets, states, _ in laid_out:
         mapping = layout.mapping
-        if traced is not None or not config.model.first_dense_layers:
-            # Its own screen, or (a pipeline) its stage layout's without a pipeline.
-            bounds = screens.get(mapping.stage_layout)
-        else:
-            bounds = None  # its first stage holds the dense layers: bounded by its own trace
+        # A pipeline's stage layout without a pipeline (not where its first stage holds
+        # the dense layers).
+        staged_screen = (
+            None if config.model.first_dense_layers else screens.get(mapping.stage_layout)
+        )
         for o in sets:
-            if bounds is None:
-                start.append((0.0, _Pending(layout, o, None, False)))
-                continue
-            if mapping.pipeline == 1:
+            bounds = screens.get(_screened(mapping.with_options(o)))  # its layout's own
+            from_stages = bounds is None and mapping.pipeline > 1 and staged_screen is not None
+            if bounds is not None:
                 memory = bounds.memory_bound(o, states[o.zero])
-            else:
+            elif from_stages:
+                bounds = staged_screen
                 memory = bounds.pipeline_memory_bound(
                     o, states[o.zero], mapping.pipeline, mapping.virtual_stages
                 )
+            else:
+                start.append((0.0, _Pending(layout, o, None, False)))
+                continue
             if over(memory):
                 leave(mapping.with_options(o), "memory", _over_reason(memory), memory)
                 continue
-            if mapping.pipeline == 1:
-                step = bounds.step_bound(o)
-            else:
+            if from_stages:
                 step = bounds.pipeline_step_bound(o, mapping.pipeline, mapping.virtual_stages)
-            own = mapping.pipeline == 1 and o == bounds.options
+                own = False
+            else:
+                step, own = bounds.step_bound(o), o == bounds.options
             start.append((step, _Pending(layout, o, bounds, own)))
 
     # What the workers found for the candidates taken together, by candidate.
@@ -543,6 +565,15 @@ def plan_mappings(
         top,
         end.complete,
     )
+
+
+def _screened(mapping: Mapping) -> tuple:
+    """What a screen bounds: a stage layout without a pipeline, or a pipeline's layout in
+    a number of microbatches."""
+    if mapping.pipeline == 1:
+        return mapping.stage_layout
+    layout = dataclasses.replace(mapping, zero=0, recompute="none", microbatches=1)
+    return layout, mapping.microbatches
 
 
 def _over_reason(memory: int) -> str:

@@ -346,3 +346,25 @@ def test_leading_dense_layers_are_bounded_outside_the_blocks():
         assert bounds.memory_bound(options, tracer.state_bytes(variant)) <= memory.total
     traced_options = Options(1, "layer", 1)
     assert bounds.step_bound(traced_options) == pytest.approx(steps[traced_options], rel=0.3)
+
+
+# Two microbatches are the same claim on a screen of its own: slow.
+@pytest.mark.parametrize("microbatches", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_pipelines_own_screen_bounds_its_option_sets_in_as_many_microbatches(microbatches):
+    """Where a pipeline's stage layout is not valid without a pipeline, the planner bounds
+    its option sets from a screen of its own in each number of microbatches, of the set
+    that recomputes most: less recomputation and a lower ZeRO stage are taken away."""
+    _, staged = pipelined_layout()
+    sets = [o for o in option_sets(staged.config) if o.microbatches == microbatches]
+    traced = bounding(sets)
+    assert (traced.zero, traced.recompute) == (1, "layer")
+    bounds = plan_traces().screen(with_options(staged, traced, 8).config, True)
+    for options in (Options(0, "none", microbatches), Options(1, "matmuls", microbatches)):
+        variant = with_options(staged, options, 8)
+        memory, times = tracer.estimate_mapping(
+            variant.config, ["none"], PROFILE, estimates.EstimateCache(None), tracer=plan_traces()
+        )
+        # Measured: 0.89 to 0.91 of the estimate.
+        assert 0.85 * times["none"].step <= bounds.step_bound(options) <= times["none"].step
+        state = tracer.state_bytes(variant.config)
+        assert bounds.memory_bound(options, state) <= memory.total, options

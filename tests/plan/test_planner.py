@@ -366,3 +366,32 @@ def test_a_time_limit_ranks_what_was_estimated_and_says_so(cache_home, planned, 
     assert {item.kind for item in result.not_estimated} == {"time"}
     assert len(result.not_estimated) == len(planned.estimates)
     assert "the search stopped at its time limit" in table(result)
+
+
+def test_a_pipeline_whose_stages_are_no_layout_of_their_own_is_bounded_by_its_own_screen(
+    monkeypatch,
+):
+    """Two rows on 4 devices: no layout of one tensor device without a pipeline splits
+    them, so a pipeline of 2 stages of such devices has no stage layout to be bounded by.
+    Its option sets are bounded from one screen of its own (each number of microbatches):
+    the search traces fewer of them than there are."""
+    rows = ["--model.num_layers", "4", "--train.batch_size", "2"]
+    args = cli.parse(["plan", *SMALL, *rows, "--devices", "4", "--profile", PROFILE])
+    config = cli.resolve_config(args)
+    traced: set[str] = set()
+    capture = tracer.capture_train_step
+
+    def counted(run):
+        traced.add(tracer._key(run.config))
+        return capture(run)
+
+    monkeypatch.setattr(tracer, "capture_train_step", counted)
+
+    def piped(mapping: Mapping) -> bool:
+        return mapping.pipeline == 2 and mapping.tensor == 1 and mapping.expert == 2
+
+    result = planner.plan_mappings(config, "tiny", 4, PROFILE, ("none",), top=1, layouts=piped)
+    sets = len(result.estimates) + len(result.not_estimated)
+    assert sets >= 6 and result.complete
+    assert not any(n.step_bound == 0 for n in result.not_estimated)
+    assert len(traced) < sets
