@@ -55,7 +55,7 @@ from experiments.published_recipes import (
     estimate_in_fresh_process,
     recipe_mappings,
 )
-from experiments.shared.results_file import command_line, kept_section
+from experiments.shared.results_file import command_line, kept_section, source_tree
 from jaxmoe.plan.options import PLANNED_RECOMPUTE
 
 if TYPE_CHECKING:
@@ -386,6 +386,9 @@ class Store:
     searches: list[Search] = dataclasses.field(default_factory=list)
     recipes: list[tuple[str, RecipeEstimate]] = dataclasses.field(default_factory=list)
     cpu: dict[str, Any] | None = None  # part 2: its command, repeats and rows
+    # Each command's source tree when it last ran ("at" results_file.source_tree), or the
+    # commit that recorded what it made.
+    trees: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @staticmethod
     def load(path: Path) -> Store:
@@ -399,6 +402,7 @@ class Store:
                 for row in data["recipes"]
             ],
             data["cpu"],
+            data.get("trees", {}),
         )
 
     def save(self, path: Path) -> None:
@@ -406,6 +410,7 @@ class Store:
             "searches": [search.to_json() for search in self.searches],
             "recipes": [{"command": c, "estimate": e.to_json()} for c, e in self.recipes],
             "cpu": self.cpu,
+            "trees": self.trees,
         }
         path.write_text(json.dumps(data, indent=1) + "\n")
 
@@ -446,7 +451,10 @@ def report(store: Store, earlier: Path | None = None) -> str:
         "",
         "Made by (each run keeps what the others made: experiments/results/scale_eval.json)",
         "",
-        *(f"    {command}" for command in store.commands()),
+        *(
+            f"    {command}" + (f"  # {store.trees[command]}" if command in store.trees else "")
+            for command in store.commands()
+        ),
         "",
     ]
     searches = [s for s in store.searches if not (s.long or s.deepseek)]
@@ -624,12 +632,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         planned_config(model, devices, batch)
     command = command_line("experiments.scale_eval", sys.argv[1:] if argv is None else argv)
     stored = args.out.with_suffix(".json")
+    tree = source_tree()  # what this run's code is
 
     def write(add: Callable[[Store], None]) -> None:
         """Add what this run made to the store as it is now (other runs may be adding
         theirs), and render the report from it."""
         store = Store.load(stored)
         add(store)
+        store.trees[command] = f"at {tree}"
         store.save(stored)
         args.out.write_text(report(store, args.out))
 

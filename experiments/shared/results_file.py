@@ -1,10 +1,11 @@
-"""Results files: the command line they record, and the sections a run that skips a part
-keeps from the file it overwrites."""
+"""Results files: the command line they record, the source tree it ran on, and the
+sections a run that skips a part keeps from the file it overwrites."""
 
 from __future__ import annotations
 
 import re
 import shlex
+import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,6 +15,25 @@ KEPT = "Kept from an earlier run"
 def command_line(module: str, argv: Sequence[str]) -> str:
     """``python -m MODULE ARGV``, quoted for a shell: how a results file names its command."""
     return shlex.join(["python", "-m", module, *argv])
+
+
+def source_tree() -> str:
+    """The commit this checkout is at (short), with ``+`` where its files differ from it;
+    ``unknown`` outside a git checkout."""
+    root = Path(__file__).resolve().parents[2]
+
+    def git(*args: str) -> str:
+        found = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+        if found.returncode:
+            raise OSError(found.stderr.strip())
+        return found.stdout.strip()
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        edited = git("status", "--porcelain", "--untracked-files=no")
+    except OSError:
+        return "unknown"
+    return commit + ("+" if edited else "")
 
 
 def kept_section(path: Path, heading: str, end: str | None, flag: str) -> list[str]:

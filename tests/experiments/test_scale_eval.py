@@ -3,9 +3,11 @@ searches it reran and keeps the others, and the report renders whatever is store
 published MFU judged only at the recipe's devices and batch."""
 
 import dataclasses
+import re
 
 from experiments import scale_eval
 from experiments.published_recipes import PUBLISHED_ROW, RECIPES, RECOMPUTED_ROW, RecipeEstimate
+from experiments.shared import results_file
 from jaxmoe.plan.estimates import StepTime
 from jaxmoe.plan.mappings import Mapping
 from jaxmoe.plan.memory import StepMemory
@@ -51,6 +53,8 @@ def test_a_run_replaces_the_searches_it_reran_and_keeps_the_others(tmp_path):
 
     text = scale_eval.report(again)
     assert "    run a\n    run b\n    run c" in text
+    again.trees["run b"] = "at abc1234"  # the source tree a run ran at, where known
+    assert "    run a\n    run b  # at abc1234\n    run c" in scale_eval.report(again)
     rows = [line for line in text.splitlines() if line.startswith("| mixtral-8x22b |")]
     best = [row for row in rows if "`dw`" in row]
     # The target is judged at the recipe's devices and batch alone.
@@ -160,3 +164,8 @@ def test_deepseek_searches_its_published_kind_of_layout():
     assert not searched(Mapping(256, 1, 16, 16, 1, "all_to_all", zero=3))
     assert not searched(Mapping(256, 1, 8, 32, 1, "all_gather", zero=3))
     assert not searched(Mapping(256, 1, 8, 32, 1, "all_to_all", pipeline=2))
+
+
+def test_a_run_names_its_source_tree():
+    tree = results_file.source_tree()
+    assert re.fullmatch(r"[0-9a-f]{7,}\+?|unknown", tree), tree
