@@ -7,8 +7,9 @@ until the backward pass: SwiGLU its gate, its up projection, a sigmoid and a sil
 of a bfloat16 input the input again in float32, its statistics and the normalised
 values. :func:`keeping_inputs` makes a function a ``jax.custom_vjp`` whose residuals are
 its arguments alone, and whose backward pass runs it again from them before taking JAX's
-own derivative (Megatron-Core's fused SwiGLU and its norms keep their inputs alike). The
-values and the derivatives are JAX's: only what is kept between the passes changes.
+own derivative (Megatron-Core's fused SwiGLU keeps its input alike, and its fused norms
+their input and each row's statistics). The values and the derivatives are JAX's: only
+what is kept between the passes changes.
 
 An ``optimization_barrier`` ties the recomputation to the incoming gradient: without it
 XLA would merge it with the forward pass's identical ops and keep their results after
