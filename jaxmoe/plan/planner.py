@@ -366,9 +366,9 @@ def plan_mappings(
         ]
 
     # Each layout's option sets that Config accepts, and the state of each ZeRO stage;
-    # then the screens of the layouts without a pipeline, all at once.
+    # then the screens of the layouts (and of the pipelines bounded on their own), all at
+    # once.
     laid_out = []
-    to_pipe: list[Candidate] = []  # the pipelines screened on their own
     for layout in space.valid:
         assert layout.config is not None
         mapping = layout.mapping
@@ -407,6 +407,7 @@ def plan_mappings(
     # holds the leading dense layers, from screens of its own: one for each number of
     # microbatches (idle ticks run on zeros, so more microbatches do less work a tick).
     staged = {traced.mapping.stage_layout for _, _, _, traced in laid_out if traced is not None}
+    to_pipe: list[Candidate] = []  # the pipelines screened on their own
     for layout, sets, _, traced in laid_out:
         if traced is None and (
             config.model.first_dense_layers or layout.mapping.stage_layout not in staged
@@ -572,8 +573,7 @@ def _screened(mapping: Mapping) -> tuple:
     a number of microbatches."""
     if mapping.pipeline == 1:
         return mapping.stage_layout
-    layout = dataclasses.replace(mapping, zero=0, recompute="none", microbatches=1)
-    return layout, mapping.microbatches
+    return mapping.with_options(Options()), mapping.microbatches
 
 
 def _over_reason(memory: int) -> str:
