@@ -22,7 +22,9 @@ did not fall (``docs/xla_notes.md``).
 How a block is called is the caller's: the plain call, or under fully sharded parameters
 (``train.zero 3``) the block's gather and call (:func:`jaxmoe.parallel.fsdp.gathering_call`),
 so that the recomputed call gathers the block's parameters once more in the backward
-pass, as it does without recomputation.
+pass, as it does without recomputation. Such a call names the values it gathers
+(:class:`Regathering`), and no policy keeps them: ``"matmuls"`` keeps the exchanges'
+results, and would otherwise keep every block's gathered parameters to the backward pass.
 
 ``"matmuls"`` (MaxText's ``minimal`` remat policy) keeps the results of a block's
 matmuls (projections, FFNs, the experts' grouped GEMMs) and of its exchanges (the
@@ -43,7 +45,7 @@ only (:mod:`jaxmoe.layers.attention`); the flash cores keep nothing to recompute
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.ad_checkpoint
@@ -53,6 +55,17 @@ from jaxmoe.layers.fp8 import PRODUCT as FP8_PRODUCT
 
 # How a block is called: ``(block, index, *args) -> block's outputs``.
 BlockCall = Callable[..., Any]
+
+
+@runtime_checkable
+class Regathering(Protocol):
+    """A block call that gathers the block's parameters (ZeRO-3) and gathers them again in
+    the backward pass: ``regathered(index)`` tells those gathers among the values block
+    ``index`` makes, ``(primitive, **params) -> bool``."""
+
+    def __call__(self, block: nnx.Module, index: int, *args: Any) -> Any: ...
+
+    def regathered(self, index: int) -> Callable[..., bool]: ...
 
 
 def plain_call(block: nnx.Module, index: int, *args: Any) -> Any:
@@ -113,7 +126,19 @@ def recomputed(
     def run(state: Any, args: tuple[Any, ...]) -> Any:
         return call(nnx.merge(graphdef, state), index, *args)
 
-    return jax.checkpoint(run, prevent_cse=True, policy=POLICIES[recompute])(state, args)
+    policy = POLICIES[recompute]
+    if policy is not None and isinstance(call, Regathering):
+        policy = _except(policy, call.regathered(index))
+    return jax.checkpoint(run, prevent_cse=True, policy=policy)(state, args)
+
+
+def _except(policy: Callable[..., Any], regathered: Callable[..., bool]) -> Callable[..., Any]:
+    """``policy``, keeping none of the values ``regathered`` tells."""
+
+    def keeps(primitive: Any, *args: Any, **params: Any) -> Any:
+        return False if regathered(primitive, **params) else policy(primitive, *args, **params)
+
+    return keeps
 
 
 def call_block(

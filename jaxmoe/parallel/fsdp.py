@@ -20,6 +20,7 @@ group is every replica of a parameter) is then gathered again in the backward pa
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -28,39 +29,56 @@ from flax import nnx
 from jaxmoe.parallel.zero import GATHER_NAME, ZeroLayout, gather_axes, gather_params
 
 
-def gathering_call(plan: ZeroLayout) -> Callable[..., Any]:
+@dataclass(frozen=True)
+class GatheringCall:
     """How the blocks of ``plan``'s shards are called: ``(block, index, *args)`` gathers
     block ``index``'s parameters and runs it on them (see the module docstring)."""
 
-    def call(block: nnx.Module, index: int, *args: Any) -> Any:
+    plan: ZeroLayout
+
+    def __call__(self, block: nnx.Module, index: int, *args: Any) -> Any:
         graphdef, params, rest = nnx.split(block, nnx.Param, ...)
         shards = nnx.to_pure_dict(params)
         others = nnx.to_pure_dict(rest)
-        layouts = plan.unit(plan.layouts, index)
-        dtypes = plan.unit(plan.gather_dtypes, index)
+        layouts = self.plan.unit(self.plan.layouts, index)
+        dtypes = self.plan.unit(self.plan.gather_dtypes, index)
 
         def run(shards: Any, others: Any, args: tuple[Any, ...]) -> Any:
             gathered = gather_params(shards, layouts, dtypes, f"layer_{index}")
             states = [gathered, others] if jax.tree.leaves(others) else [gathered]
             return nnx.merge(graphdef, *states)(*args)
 
-        policy = _saving_all_but_gathers(gather_axes(layouts))
+        policy = _saving_all_but(self.regathered(index))
         return jax.checkpoint(run, policy=policy)(shards, others, args)
 
-    return call
+    def regathered(self, index: int) -> Callable[..., bool]:
+        """Whether a value block ``index`` makes is a gather of its parameters, gathered
+        again in the backward pass rather than kept, under any recomputation too
+        (:mod:`jaxmoe.layers.recompute`): ``(primitive, **params) -> bool``."""
+        axes = gather_axes(self.plan.unit(self.plan.layouts, index))
+
+        def gathers(primitive: Any, **params: Any) -> bool:
+            if primitive.name == "custom_vjp_call":
+                return params.get("name") == GATHER_NAME
+            if primitive.name == "all_gather":
+                names = params.get("axis_name", ())
+                return (tuple(names) if isinstance(names, tuple | list) else (names,)) in axes
+            return False
+
+        return gathers
 
 
-def _saving_all_but_gathers(axes: frozenset[tuple[str, ...]]) -> Any:
+def gathering_call(plan: ZeroLayout) -> GatheringCall:
+    """How the blocks of ``plan``'s shards are called (:class:`GatheringCall`)."""
+    return GatheringCall(plan)
+
+
+def _saving_all_but(regathered: Callable[..., bool]) -> Any:
     """A rematerialisation policy: save every value but the parameters' gathers (the
     custom_vjp of :func:`~jaxmoe.parallel.zero.gather_param` and, once JAX has inlined
-    it, its all_gather over one of ``axes``)."""
+    it, its all_gather over one of the block's gather axes)."""
 
     def saveable(primitive: Any, *_: Any, **params: Any) -> bool:
-        if primitive.name == "custom_vjp_call":
-            return params.get("name") != GATHER_NAME
-        if primitive.name == "all_gather":
-            names = params.get("axis_name", ())
-            return (tuple(names) if isinstance(names, tuple | list) else (names,)) not in axes
-        return True
+        return not regathered(primitive, **params)
 
     return saveable

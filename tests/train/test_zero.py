@@ -77,9 +77,13 @@ def compiled(config: Config):
 
 
 @functools.cache
-def captured(zero: int) -> Program:
-    """The step on the (2, 4) mesh as the scheduler sees it, one capture per ZeRO stage."""
+def captured(zero: int, recompute: str = "none") -> Program:
+    """The step on the (2, 4) mesh as the scheduler sees it, one capture per ZeRO stage
+    (and recomputation)."""
     config = config_for("2x4", zero=zero)
+    if recompute != "none":
+        model = dataclasses.replace(config.model, recompute=recompute)
+        config = dataclasses.replace(config, model=model)
     program, _ = capture_train_step(resolve(config, build_mesh(config.parallel)))
     return program
 
@@ -248,9 +252,13 @@ def test_state_memory_is_what_xla_passes_the_step():
     assert zero3.gradients < plain.gradients and zero3.gathered < zero1.gathered
 
 
-def test_a_fully_sharded_step_keeps_no_gathered_block_for_the_backward_pass():
+@pytest.mark.parametrize("recompute", ["none", "matmuls"])
+def test_a_fully_sharded_step_keeps_no_gathered_block_for_the_backward_pass(recompute):
+    """Also where the recomputation keeps the exchanges' results (matmuls): the blocks'
+    gathers are gathered again, not kept (jaxmoe/layers/recompute.py)."""
+
     def saved_from_gathers(zero: int) -> list[str]:
-        program = captured(zero)
+        program = captured(zero, recompute)
         made = {v: op for op in program.ops if op.phase is Phase.FORWARD for v in op.outputs}
         saved = {
             value
