@@ -10,6 +10,17 @@ recomputations the bounds cover, in jaxmoe.config.choices.RECOMPUTE's order;
 memory as copies within the device's memory, far faster than the host link), one
 microbatch or more (``train.microbatches``: each one more pass over every layer's ops).
 The set of least memory is the last stage and the last recomputation, in one microbatch.
+
+Recomputation buys memory with work and nothing else: it adds computation to the compute
+stream, collectives to the link (``layer`` runs a block's exchanges again), and reads of
+recomputed values where the step without it reads kept ones, which are ready no later.
+So a step that recomputes more is no faster than the same step recomputing less, in the
+best order of each (a ZeRO-3 block gathers its parameters again in the backward pass
+under every recomputation: :mod:`jaxmoe.layers.recompute`). The schedules' orders are
+heuristics, and may come out slightly shorter with more work (by 0.2% on a tiny model
+under ``pair``, ``tests/plan/test_planner.py``). The planner walks each stage and
+microbatch count's sets least recomputation first (:func:`recompute_chains`) and tries
+more only where less does not fit.
 The planner bounds a layout's option sets from one trace (:mod:`jaxmoe.plan.bounds`), of
 the set that recomputes most, in one microbatch, at ZeRO-1: a fully sharded block
 (ZeRO-3) keeps every value it makes for the backward pass (JAX's policy for its gathers),
@@ -62,6 +73,15 @@ def option_sets(config: Config, microbatches: bool = True) -> list[Options]:
         for recompute in recomputes
         for count in counts
     ]
+
+
+def recompute_chains(sets: list[Options]) -> list[list[Options]]:
+    """``sets`` by ZeRO stage and number of microbatches, each group least recomputation
+    first (module docstring): where one of a group fits, those after it are never faster."""
+    chains: dict[tuple[int, int], list[Options]] = {}
+    for o in sorted(sets, key=lambda o: RECOMPUTE.index(o.recompute)):
+        chains.setdefault((o.zero, o.microbatches), []).append(o)
+    return list(chains.values())
 
 
 def least_memory(sets: list[Options]) -> Options:

@@ -30,11 +30,13 @@ bound of their step time, and only until the ``top`` best are known
    memory bound exceeds the device's are dropped.
 3. Least bound first, a mapping gets a trace of its own (a tighter bound), then its
    estimate (the traces of the least bounds are kept: a deep model's own one-block trace
-   is the first of its estimate's two). Once the ``top`` best estimates that fit are no
-   slower than every bound left, the search stops: those are the ``top`` best of all
-   mappings. The rest are listed with their bounds. With a time limit (``jaxmoe plan
-   --time-limit``) the search may stop earlier: the best estimated so far, not proven the
-   best.
+   is the first of its estimate's two). A recomputation is searched only where the same
+   layout and options recomputing less do not fit: it adds work and frees memory, so it is
+   no faster (:mod:`jaxmoe.plan.options`), and its bound is at least theirs. Once the
+   ``top`` best estimates that fit are no slower than every bound left, the search stops:
+   those are the ``top`` best of all mappings. The rest are listed with their bounds.
+   With a time limit (``jaxmoe plan --time-limit``) the search may stop earlier: the best
+   estimated so far, not proven the best.
 
 The bounds hold for the ``none`` schedule; other schedules may hide communication, and
 are bounded by the larger of their computation and their link's work (by their
@@ -74,7 +76,7 @@ from jaxmoe.plan.mappings import (
 from jaxmoe.plan.memory import StepMemory
 from jaxmoe.plan.mfu import mfu
 from jaxmoe.plan.model_flops import model_flops
-from jaxmoe.plan.options import Options, bounding, option_sets, options_of
+from jaxmoe.plan.options import Options, bounding, option_sets, options_of, recompute_chains
 from jaxmoe.plan.search import Advance, best_first
 from jaxmoe.plan.tracer import (
     Tracer,
@@ -159,8 +161,9 @@ class NotEstimated:
     """A valid mapping the planner did not estimate, why, and its bounds where known."""
 
     mapping: Mapping
-    # "refused" (by Config), "state", "memory" or "step" (its bound), or "time" (its bound
-    # was under the best estimated when the search reached its time limit)
+    # "refused" (by Config), "state", "memory" or "step" (its bound), "recompute" (the same
+    # options recomputing less fit), or "time" (its bound was under the best estimated when
+    # the search reached its time limit)
     kind: str
     reason: str
     step_bound: float | None = None  # seconds
@@ -246,12 +249,27 @@ def check_plan_inputs(config: Config, devices: int, profile: str, schedules: Seq
 @dataclass(frozen=True)
 class _Pending:
     """A mapping in the search: its layout, its options, and the screen its bound comes
-    from (its own trace's, or that of the layout's options it was bounded from)."""
+    from (its own trace's, or that of the layout's options it was bounded from); and the
+    same layout and options recomputing more, each with its bound, tried only where this
+    one does not fit (:func:`~jaxmoe.plan.options.recompute_chains`)."""
 
     layout: Candidate
     options: Options
     screen: Screen | None
     own: bool
+    more_recomputed: tuple[tuple[float, _Pending], ...] = ()
+
+    def mapping(self) -> Mapping:
+        return self.layout.mapping.with_options(self.options)
+
+    def next_recomputed(self, at_least: float) -> tuple[tuple[float, _Pending], ...]:
+        """The next set to try, where this one does not fit: its bound, at least
+        ``at_least`` (this one's step or bound: recomputing more is no faster)."""
+        if not self.more_recomputed:
+            return ()
+        (bound, following), *rest = self.more_recomputed
+        released = dataclasses.replace(following, more_recomputed=tuple(rest))
+        return ((max(bound, at_least), released),)
 
 
 @collecting_less
@@ -426,36 +444,43 @@ def plan_mappings(
         screens[_screened(traced.mapping)] = found
         say(f"[{index + 1}/{len(to_screen)}] bounds from {traced.mapping.label()}")
 
-    start = []
-    for layout, sets, states, _ in laid_out:
+    def pending_of(layout: Candidate, o: Options, states: dict) -> tuple[float, _Pending] | None:
+        """``layout`` with ``o`` in the search with its bound, or None (left out: its
+        memory bound is over the device's)."""
         mapping = layout.mapping
-        # A pipeline's stage layout without a pipeline (not where its first stage holds
-        # the dense layers).
+        bounds = screens.get(_screened(mapping.with_options(o)))  # its layout's own
+        # Else from a pipeline's stage layout without a pipeline (not where its first stage
+        # holds the dense layers).
         staged_screen = (
             None if config.model.first_dense_layers else screens.get(mapping.stage_layout)
         )
-        for o in sets:
-            bounds = screens.get(_screened(mapping.with_options(o)))  # its layout's own
-            from_stages = bounds is None and mapping.pipeline > 1 and staged_screen is not None
-            if bounds is not None:
-                memory = bounds.memory_bound(o, states[o.zero])
-            elif from_stages:
-                bounds = staged_screen
-                memory = bounds.pipeline_memory_bound(
-                    o, states[o.zero], mapping.pipeline, mapping.virtual_stages
-                )
-            else:
-                start.append((0.0, _Pending(layout, o, None, False)))
-                continue
-            if over(memory):
-                leave(mapping.with_options(o), "memory", _over_reason(memory), memory)
-                continue
-            if from_stages:
-                step = bounds.pipeline_step_bound(o, mapping.pipeline, mapping.virtual_stages)
-                own = False
-            else:
-                step, own = bounds.step_bound(o), o == bounds.options
-            start.append((step, _Pending(layout, o, bounds, own)))
+        from_stages = bounds is None and mapping.pipeline > 1 and staged_screen is not None
+        if bounds is not None:
+            memory = bounds.memory_bound(o, states[o.zero])
+        elif from_stages:
+            bounds = staged_screen
+            memory = bounds.pipeline_memory_bound(
+                o, states[o.zero], mapping.pipeline, mapping.virtual_stages
+            )
+        else:
+            return 0.0, _Pending(layout, o, None, False)
+        if over(memory):
+            leave(mapping.with_options(o), "memory", _over_reason(memory), memory)
+            return None
+        if from_stages:
+            step = bounds.pipeline_step_bound(o, mapping.pipeline, mapping.virtual_stages)
+            return step, _Pending(layout, o, bounds, False)
+        return bounds.step_bound(o), _Pending(layout, o, bounds, o == bounds.options)
+
+    # Each stage and microbatch count's option sets least recomputation first: the first
+    # that is not over memory is searched, the rest wait until it does not fit.
+    start = []
+    for layout, sets, states, _ in laid_out:
+        for chain in recompute_chains(sets):
+            found = [p for p in (pending_of(layout, o, states) for o in chain) if p is not None]
+            if found:
+                bound, first = found[0]
+                start.append((bound, dataclasses.replace(first, more_recomputed=tuple(found[1:]))))
 
     # What the workers found for the candidates taken together, by candidate.
     prepared: dict[int, Any] = {}
@@ -484,23 +509,21 @@ def plan_mappings(
         candidate = with_options(pending.layout, pending.options, per_node)
         if candidate.config is None:
             leave(candidate.mapping, "refused", candidate.reason)
-            return Advance()
+            return Advance(releases=pending.next_recomputed(0.0))
         options_now = pending.options
         found = prepared.pop(id(pending), None)
         if not pending.own:
             own = found or tracer.screen(candidate.config, extrapolate_layers)
             memory = own.memory_bound(options_now, state_bytes(candidate.config))
+            bound = own.step_bound(options_now)
             say(
                 f"bounds of {candidate.mapping.label()}: "
-                f"{own.step_bound(options_now) * 1e3:.1f} ms, {memory / 1e9:.1f} GB"
+                f"{bound * 1e3:.1f} ms, {memory / 1e9:.1f} GB"
             )
             if over(memory):
                 leave(candidate.mapping, "memory", _over_reason(memory), memory)
-                return Advance()
-            return Advance(
-                own.step_bound(options_now),
-                _Pending(pending.layout, options_now, own, True),
-            )
+                return Advance(releases=pending.next_recomputed(bound))
+            return Advance(bound, dataclasses.replace(pending, screen=own, own=True))
         memory, times = found or estimate_mapping(
             candidate.config,
             schedules,
@@ -523,7 +546,15 @@ def plan_mappings(
             f"estimated {candidate.mapping.label()}: {step * 1e3:.3f} ms, "
             f"{estimate.peak_bytes / 1e9:.3f} GB"
         )
-        return Advance(estimated=True, figure=step if estimate.fits else None)
+        if not estimate.fits:
+            return Advance(estimated=True, releases=pending.next_recomputed(step))
+        for _, more in pending.more_recomputed:
+            leave(
+                more.mapping(),
+                "recompute",
+                f"it recomputes more than {pending.options.recompute}, which fits: no faster",
+            )
+        return Advance(estimated=True, figure=step)
 
     deadline = None if time_limit is None else started + time_limit
     end = best_first(start, advance, top, deadline, width=jobs, prepare=prepare)
@@ -542,13 +573,16 @@ def plan_mappings(
             f"time limit of {time_limit:g} s"
         )
 
-    left_out += [
-        NotEstimated(
-            pending.layout.mapping.with_options(pending.options),
-            *why_left(bound),
-            step_bound=bound,
-        )
+    # What the search left, and the sets each of them held back (recomputing more: no
+    # faster than it, so bounded by its bound too).
+    left = [
+        (max(bound, more_bound), more)
         for bound, pending in end.left
+        for more_bound, more in ((bound, pending), *pending.more_recomputed)
+    ]
+    left_out += [
+        NotEstimated(pending.mapping(), *why_left(bound), step_bound=bound)
+        for bound, pending in left
     ]
     estimates.sort(key=lambda e: (not e.fits, -e.mfu, e.peak_bytes))
     extrapolated = extrapolate_layers and extrapolates(config)

@@ -4,7 +4,9 @@ best ones are known (no JAX here).
 Each candidate starts with a lower bound of its figure (a step time). Taking the
 candidate of least bound, the search advances it: a tighter bound (it goes back with it),
 or its figure (it is estimated; the figure counts unless it is left out, e.g. over
-memory), or nothing (it is dropped). Once ``wanted`` figures count and the least bound
+memory), or nothing (it is dropped). Advancing a candidate may also release others, each
+with its bound: candidates that only count where this one does not (the planner's
+recomputations, :mod:`jaxmoe.plan.planner`). Once ``wanted`` figures count and the least bound
 left is no less than the ``wanted``-th least figure, no candidate left can be among the
 ``wanted`` least: the search stops, and those are exactly the ``wanted`` least figures
 of all candidates, as long as every bound is one. With a ``deadline``, the search also
@@ -27,12 +29,13 @@ from typing import Any
 class Advance:
     """What advancing a candidate gave: a tighter ``bound`` (and the candidate to keep,
     ``item``), or its ``figure`` once estimated (None where it does not count), or neither
-    (dropped)."""
+    (dropped); and the candidates it ``releases``, ``(bound, item)`` each, to the search."""
 
     bound: float | None = None
     item: Any = None
     estimated: bool = False
     figure: float | None = None
+    releases: tuple[tuple[float, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -91,4 +94,6 @@ def best_first(
                 heapq.heappush(heap, (max(bound, step.bound), next(tie), step.item))
             elif step.estimated and step.figure is not None:
                 bisect.insort(figures, step.figure)
+            for released in step.releases:
+                heapq.heappush(heap, (released[0], next(tie), released[1]))
     return SearchEnd([(bound, item) for bound, _, item in sorted(heap)], complete)

@@ -5,7 +5,14 @@ from __future__ import annotations
 from jaxmoe.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from jaxmoe.config.choices import RECOMPUTE
 from jaxmoe.config.train import ZERO_STAGES
-from jaxmoe.plan.options import Options, bounding, least_memory, option_sets, options_of
+from jaxmoe.plan.options import (
+    Options,
+    bounding,
+    least_memory,
+    option_sets,
+    options_of,
+    recompute_chains,
+)
 
 
 def _config(batch: int = 16) -> Config:
@@ -35,3 +42,14 @@ def test_least_memory_and_the_traced_set():
     assert bounding(sets) == Options(1, RECOMPUTE[-1], 1)
     assert bounding([Options(0, "none", 2), Options(3, "none", 2)]) == Options(0, "none", 2)
     assert Options(3, "layer", 2).label() == "ZeRO-3, recompute layer, microbatches 2"
+
+
+def test_each_stage_and_microbatch_count_recomputes_least_first():
+    sets = option_sets(_config())
+    chains = recompute_chains(list(reversed(sets)))
+    assert len(chains) == len(ZERO_STAGES) * 2
+    assert {o for chain in chains for o in chain} == set(sets)
+    assert sum(len(chain) for chain in chains) == len(sets)
+    for chain in chains:
+        assert len({(o.zero, o.microbatches) for o in chain}) == 1
+        assert [o.recompute for o in chain] == ["none", "matmuls", "layer"]

@@ -89,3 +89,50 @@ def test_a_deadline_stops_the_search_with_what_it_estimated():
     end = best_first(start, advance, 2, deadline=3, clock=lambda: next(ticks))
     assert advanced == [0, 1, 2]
     assert end.left == [(3.0, 3), (4.0, 4)] and not end.complete
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("width", [1, 4])
+def test_candidates_released_by_another_are_searched_as_they_come(seed, width):
+    """Chains of candidates, each figure no less than the one before it: only the first
+    of a chain starts; the next is released, at least at the figure before it, when one
+    does not count. The least figures are those of every candidate that may count: each
+    chain's up to and including its first that counts."""
+    rng = random.Random(seed)
+    chains = []
+    for index in range(12):
+        figures = sorted(rng.uniform(1.0, 10.0) for _ in range(3))
+        counts = [rng.random() > 0.5 for _ in figures]
+        members = enumerate(zip(figures, counts, strict=True))
+        chains.append([(f"c{index}.{i}", figure, c) for i, (figure, c) in members])
+    advanced = []
+
+    def advance(item):
+        chain, place = item
+        name, figure, counts = chains[chain][place]
+        advanced.append(name)
+        released = ()
+        if not counts and place + 1 < len(chains[chain]):
+            following = chains[chain][place + 1][1]
+            released = ((max(figure, following * rng.uniform(0.5, 1.0)), (chain, place + 1)),)
+        return Advance(estimated=True, figure=figure if counts else None, releases=released)
+
+    start = [(chain[0][1] * 0.8, (index, 0)) for index, chain in enumerate(chains)]
+    end = best_first(start, advance, 3, width=width)
+    assert end.complete
+    may_count = []
+    for chain in chains:
+        for _, figure, counts in chain:
+            if counts:
+                may_count.append(figure)
+                break
+    found = sorted(
+        figure for chain in chains for name, figure, counts in chain if counts and name in advanced
+    )
+    assert found[:3] == sorted(may_count)[:3]
+    # A chain's later candidates were advanced only after an earlier one did not count.
+    for chain in chains:
+        names = [name for name, _, _ in chain]
+        for place, (_, _, counts) in enumerate(chain[:-1]):
+            if counts:
+                assert not set(names[place + 1 :]) & set(advanced)
