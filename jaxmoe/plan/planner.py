@@ -548,12 +548,11 @@ def plan_mappings(
         )
         if not estimate.fits:
             return Advance(estimated=True, releases=pending.next_recomputed(step))
-        for _, more in pending.more_recomputed:
-            leave(
-                more.mapping(),
-                "recompute",
-                f"it recomputes more than {pending.options.recompute}, which fits: no faster",
-            )
+        reason = f"it recomputes more than {pending.options.recompute}, which fits: no faster"
+        left_out.extend(
+            NotEstimated(more.mapping(), "recompute", reason, step_bound=max(bound, step))
+            for bound, more in pending.more_recomputed
+        )
         return Advance(estimated=True, figure=step)
 
     deadline = None if time_limit is None else started + time_limit
