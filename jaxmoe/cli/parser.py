@@ -287,6 +287,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="estimate no more mappings after this long: the best found, not proven the best",
     )
     plan.add_argument(
+        "--top",
+        type=int,
+        default=10,
+        help="the best mappings that fit to make sure of: the search stops once they are known",
+    )
+    plan.add_argument(
         "--jobs",
         type=int,
         default=min(os.cpu_count() or 1, 8),

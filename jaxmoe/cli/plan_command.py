@@ -36,6 +36,7 @@ def run(config: Config, args: argparse.Namespace) -> int:
         progress=lambda line: print(line, file=sys.stderr, flush=True),
         extrapolate_layers=not args.trace_every_layer,
         time_limit=args.time_limit,
+        top=args.top,
         jobs=args.jobs,
     )
     print(plan_table.table(result, verbose=args.verbose))

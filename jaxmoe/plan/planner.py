@@ -318,7 +318,7 @@ def plan_mappings(
     if time_limit is not None and not time_limit > 0:
         raise ConfigError(f"--time-limit {time_limit}: give a number of seconds > 0")
     if top < 1:
-        raise ConfigError(f"top={top}: rank at least one mapping")
+        raise ConfigError(f"--top {top}: rank at least one mapping")
     if jobs < 1:
         raise ConfigError(f"--jobs {jobs}: give a number of worker processes >= 1")
     device = scheduling.PROFILES[profile]

@@ -260,6 +260,11 @@ def test_cli_prints_the_table_and_writes_json(cache_home, tmp_path, monkeypatch,
     assert len(data["ranked"]) >= 10 and data["top"] == 10
     # The search stopped before estimating every option set of every layout.
     assert {n["kind"] for n in data["not_estimated"]} >= {"step"}
+    # Making sure of the best alone: the same best, from no more estimates.
+    assert main([*argv, "--top", "1"]) == 0
+    best = json.loads(out.read_text())
+    assert best["top"] == 1 and best["ranked"][0]["mapping"] == data["ranked"][0]["mapping"]
+    assert len(best["ranked"]) <= len(data["ranked"])
 
 
 @pytest.mark.parametrize(
@@ -278,6 +283,7 @@ def test_cli_prints_the_table_and_writes_json(cache_home, tmp_path, monkeypatch,
         (["--parallel.expert", "2"], "--parallel.expert: jaxmoe plan chooses the layout"),
         (["--json", "/nonexistent/dir/plan.json"], "--json /nonexistent/dir/plan.json"),
         (["--time-limit", "0"], "--time-limit 0.0: give a number of seconds > 0"),
+        (["--top", "0"], "--top 0: rank at least one mapping"),
     ],
 )
 def test_cli_refusals_are_one_line_before_anything_is_traced(extra, message, no_tracing, capsys):
