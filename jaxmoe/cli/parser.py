@@ -29,7 +29,7 @@ import scheduling.names
 from jaxmoe import exit_codes
 from jaxmoe.cli import convert_command, data_command, generate_command
 from jaxmoe.config import Config, ConfigError, choices
-from jaxmoe.config.checks import closest
+from jaxmoe.config.checks import closest, field_types
 from jaxmoe.config.data import DataSource, parse_sources
 from jaxmoe.config.files import read_config_file
 from jaxmoe.config.moe import EXPERIMENTAL_FIELDS as EXPERIMENTAL_MOE_FIELDS
@@ -142,7 +142,7 @@ def override_fields() -> dict[str, tuple[str, str, Callable[[Any], Any]]]:
     run_fields = {f"schedule.{name}" for name in RUN_FIELDS}
     for section in dataclasses.fields(Config):
         section_type = type(getattr(Config(), section.name))
-        hints = typing.get_type_hints(section_type)
+        hints = field_types(section_type)
         for field in dataclasses.fields(section_type):
             if f"{section.name}.{field.name}" in run_fields:
                 continue

@@ -13,7 +13,7 @@ import functools
 import math
 import types
 import typing
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 
@@ -80,10 +80,16 @@ def matches(value: Any, annotation: Any) -> bool:
 
 
 @functools.cache
+def field_types(cls: type) -> Mapping[str, Any]:
+    """The declared type of each field of dataclass ``cls``, resolved once per class (the
+    planner builds thousands of configurations; resolving the annotations is most of it)."""
+    return types.MappingProxyType(typing.get_type_hints(cls))
+
+
+@functools.cache
 def _declared(cls: type) -> tuple[tuple[str, Any], ...]:
-    """Each field of dataclass ``cls`` with its declared type (resolved once per class:
-    the planner builds thousands of configurations)."""
-    hints = typing.get_type_hints(cls)
+    """Each field of dataclass ``cls`` with its declared type."""
+    hints = field_types(cls)
     return tuple((item.name, hints[item.name]) for item in dataclasses.fields(cls))
 
 

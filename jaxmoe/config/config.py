@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxmoe.config.checks import ConfigError, closest, refuse_unknown, require
+from jaxmoe.config.checks import ConfigError, closest, field_types, refuse_unknown, require
 from jaxmoe.config.data import DataConfig, saved_data_fields
 from jaxmoe.config.layout import LayoutError, check_split_widths, contiguous_positions
 from jaxmoe.config.model import ModelConfig
@@ -278,7 +278,7 @@ def config_sections(values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     refuse_moved_train_fields(values.get("train", {}))
     read = {}
     for name, section in values.items():
-        hints = typing.get_type_hints(types[name])
+        hints = field_types(types[name])
         fields = {
             field: _read_value(hints[field], value) if field in hints else value
             for field, value in section.items()
@@ -289,7 +289,8 @@ def config_sections(values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
             fields = saved_schedule_fields(fields)
         if name == "data":
             fields = saved_data_fields(fields)
-        elsewhere = [n for n in every if not n.startswith(f"{name}.")]
+        # The other sections' fields, read only to name the closest to an unknown one.
+        elsewhere = (n for n in every if not n.startswith(f"{name}."))
         refuse_unknown(name, fields, settings[name], elsewhere)
         read[name] = fields
     return read
