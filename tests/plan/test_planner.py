@@ -36,11 +36,13 @@ SMALL = [
     "--moe.num_experts", "4", "--train.batch_size", "8",
 ]  # fmt: skip
 DEVICES = 2
+# For the searches over every option set: 2 rows a batch shard, so 1 or 2 microbatches.
+SEARCHED = [*SMALL[:-1], "4"]
 F32 = 4
 
 
-def _config():
-    args = cli.parse(["plan", *SMALL, "--devices", str(DEVICES), "--profile", PROFILE])
+def _config(flags=SMALL):
+    args = cli.parse(["plan", *flags, "--devices", str(DEVICES), "--profile", PROFILE])
     return cli.resolve_config(args)
 
 
@@ -244,20 +246,27 @@ def test_cli_prints_the_table_and_writes_json(cache_home, tmp_path, monkeypatch,
     """The CLI searches every option set (ZeRO, recomputation, microbatches) too; its
     plan is made here first, so that the CLI reads every bound and estimate back."""
     searched = planner.plan_mappings(
-        _config(), "tiny", DEVICES, PROFILE, ("none",), cache_dir=cache_home / "jaxmoe" / "plan"
+        _config(SEARCHED),
+        "tiny",
+        DEVICES,
+        PROFILE,
+        ("none",),
+        cache_dir=cache_home / "jaxmoe" / "plan",
+        top=3,
     )
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache_home))
     monkeypatch.setattr(tracer, "capture_train_step", _refuse)
     out = tmp_path / "plan.json"
-    argv = ["plan", *SMALL, "--devices", "2", "--profile", PROFILE, "--json", str(out)]
+    argv = ["plan", *SEARCHED, "--devices", "2", "--profile", PROFILE, "--json", str(out)]
     argv += ["--schedule", "none"]
-    assert main(argv) == 0
+    assert cli.parse(argv).top == 10  # by default
+    assert main([*argv, "--top", "3"]) == 0
     printed = capsys.readouterr().out
     assert "jaxmoe plan: 'tiny' on 2 devices" in printed
     data = json.loads(out.read_text())
     assert data["command"].startswith("jaxmoe plan --preset tiny")
     assert data["ranked"][0]["mapping"] == searched.ranked[0].mapping.to_json()
-    assert len(data["ranked"]) >= 10 and data["top"] == 10
+    assert len(data["ranked"]) >= 3 and data["top"] == 3
     # The search stopped before estimating every option set of every layout.
     assert {n["kind"] for n in data["not_estimated"]} >= {"step"}
     # Making sure of the best alone: the same best, from no more estimates.
@@ -440,10 +449,11 @@ def test_recomputing_more_is_no_faster_under_any_schedule():
                 assert more_times[schedule].step >= time.step * 0.99
 
 
-def test_a_recomputation_is_searched_only_where_recomputing_less_does_not_fit(tmp_path):
-    config = _config()
-    # The second search reads the first's bounds and estimates back.
-    searched = dict(layouts=_one_layout, cache_dir=tmp_path, top=100)
+def test_a_recomputation_is_searched_only_where_recomputing_less_does_not_fit(cache_home):
+    config = _config(SEARCHED)
+    # The second search reads the first's bounds and estimates back (and both, those of the
+    # CLI's search where it ran first).
+    searched = dict(layouts=_one_layout, cache_dir=cache_home / "jaxmoe" / "plan", top=100)
     everything = planner.plan_mappings(config, "tiny", DEVICES, PROFILE, ("none",), **searched)
     assert everything.complete
     # Everything fits: no set that recomputes is estimated; each is left out, the same
