@@ -9,7 +9,9 @@ planner searches every layout with every ZeRO stage, recomputation, number of
 microbatches and pipeline (:mod:`jaxmoe.plan.planner`) under every schedule and
 estimates the best that fit 80 GB; the best one is set against Megatron-Core's published
 MFU on H100s (MoE Parallel Folding: 49.3% for Mixtral 8x22B, 39.0% for Qwen2-57B-A14B),
-with what the estimate says the gap is made of.
+with what the estimate says the gap is made of; part ``exposed`` breaks each best
+mapping's exposed communication down by what each collective is for
+(:mod:`experiments.exposed_communication`).
 
 Megatron-Core's own mappings of the two models (:mod:`experiments.published_recipes`) are
 estimated by the same planner. Mixtral 8x22B at 32K and 128K tokens a sequence, with
@@ -27,8 +29,8 @@ asked for and keeps the rest from the earlier runs (``scale_eval.json`` beside t
 report); the report names every command that made it.
 
     python -m experiments.scale_eval [--models M,...] [--devices 64,128,256,recipe]
-        [--parts planner,recipes,long,deepseek,cpu] [--top 10] [--time-limit S] [--repeats 5]
-        [--out FILE]
+        [--parts planner,exposed,recipes,long,deepseek,cpu] [--top 10] [--time-limit S]
+        [--repeats 5] [--out FILE]
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 from experiments import deepseek_v3_fit, long_context
 from experiments.cpu_options import CPU_DEVICES, cpu_rows, measure_options_on_cpu
+from experiments.exposed_communication import ExposedCommunication, exposed_communication
 from experiments.folding_models import MODELS, SEQ_LEN, SEQUENCES_PER_DEVICE, planned_config
 from experiments.published_recipes import (
     PUBLISHED_ROW,
@@ -116,6 +119,9 @@ class Search:
     complete: bool = True  # the best proven the best (False: --time-limit stopped it)
     seq_len: int = SEQ_LEN  # tokens a sequence
     profile: str = PROFILE  # the cost model's device profile
+    # The best mapping's communication by purpose (part exposed), where it was broken down.
+    exposed: ExposedCommunication | None = None
+    exposed_command: str = ""  # the run that broke it down
 
     @property
     def key(self) -> tuple[str, int, int, int, str]:
@@ -141,7 +147,14 @@ class Search:
         from jaxmoe.plan.planner import MappingEstimate
 
         best = data["best"]
-        return Search(**{**data, "best": best and MappingEstimate.from_json(best)})
+        exposed = data.get("exposed")
+        return Search(
+            **{
+                **data,
+                "best": best and MappingEstimate.from_json(best),
+                "exposed": exposed and ExposedCommunication.from_json(exposed),
+            }
+        )
 
 
 def searches_of(models: Sequence[str], devices: Sequence[str]) -> list[tuple[str, int, int]]:
@@ -305,6 +318,8 @@ def gap_lines(searches: Sequence[Search]) -> list[str]:
         if mapping.pipeline > 1:
             bubble = (mapping.pipeline - 1) / (mapping.microbatches * mapping.virtual_stages)
             parts.append(f"the pipeline's idle ticks add {bubble:.0%} to its work")
+        if search.exposed is not None:
+            parts.append(_exposed_by_purpose(search.exposed))
         where = f"{search.model} on {search.devices} at {search.batch} sequences"
         lines.append(
             f"- {where}: {best.mfu:.1%} against {published:.1%} published; "
@@ -312,6 +327,20 @@ def gap_lines(searches: Sequence[Search]) -> list[str]:
             + "."
         )
     return lines
+
+
+def _exposed_by_purpose(exposed: ExposedCommunication) -> str:
+    """Where the exposed communication goes (part exposed), the largest first."""
+    largest = ", ".join(
+        f"{purpose} {seconds * 1e3:.0f} ms (of {linked * 1e3:.0f})"
+        for purpose, seconds, linked in exposed.largest(4)
+    )
+    cut = (
+        f"the schedule partitioned {exposed.partitioned_ranges} forward range(s)"
+        if exposed.partitioned_ranges
+        else f"no forward range partitioned ({exposed.rows_per_device} row(s) a device)"
+    )
+    return f"exposed under `{exposed.schedule}`: {largest}; {cut}"
 
 
 def recipe_rows(estimates: Sequence[Any]) -> list[str]:
@@ -431,6 +460,7 @@ class Store:
 
     def commands(self) -> list[str]:
         found = [s.command for s in self.searches] + [c for c, _ in self.recipes]
+        found += [s.exposed_command for s in self.searches if s.exposed_command]
         return list(dict.fromkeys([*found, *([self.cpu["command"]] if self.cpu else [])]))
 
 
@@ -591,7 +621,20 @@ def report(store: Store, earlier: Path | None = None) -> str:
     return "\n".join(lines)
 
 
-PARTS = ("planner", "recipes", "long", "deepseek", "cpu")
+PARTS = ("planner", "exposed", "recipes", "long", "deepseek", "cpu")
+
+
+def break_down(search: Search, command: str) -> Search:
+    """``search`` with its best mapping's communication by purpose (part exposed), made by
+    ``command``."""
+    from jaxmoe.plan.mappings import with_mapping
+    from scheduling import PROFILES
+
+    assert search.best is not None
+    config = planned_config(search.model, search.devices, search.batch)
+    mapped = with_mapping(config, search.best.mapping, PROFILES[search.profile].devices_per_node)
+    exposed = exposed_communication(mapped, search.best.schedule, search.profile)
+    return dataclasses.replace(search, exposed=exposed, exposed_command=command)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -653,6 +696,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     for model, devices, batch in searches:
         search = plan_one(model, devices, batch, args.top, command, args.time_limit)
         write(lambda store, search=search: store.add_search(search))
+    if "exposed" in parts:
+        # The stored searches' best mappings (those --models and --devices name).
+        asked = {(m, d, b, SEQ_LEN, PROFILE) for m, d, b in searches_of(models, entries)}
+        for earlier in Store.load(stored).searches:
+            if earlier.key in asked and earlier.best is not None:
+                search = break_down(earlier, command)
+                write(lambda store, search=search: store.add_search(search))
     if "long" in parts:
         for seq_len, devices in long_context.SETTINGS:
             batch = long_context.sequences(seq_len)

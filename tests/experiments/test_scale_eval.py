@@ -169,3 +169,28 @@ def test_deepseek_searches_its_published_kind_of_layout():
 def test_a_run_names_its_source_tree():
     tree = results_file.source_tree()
     assert re.fullmatch(r"[0-9a-f]{7,}\+?|unknown", tree), tree
+
+
+def test_a_best_mappings_exposed_communication_is_kept_and_reported(tmp_path):
+    from experiments.exposed_communication import ExposedCommunication
+
+    exposed = ExposedCommunication(
+        "dw",
+        {"expert all_to_all (dispatch)": 0.2, "gradient reduce_scatter": 0.1},
+        {"expert all_to_all (dispatch)": 0.25, "gradient reduce_scatter": 0.4},
+        1,
+        0,
+    )
+    search = dataclasses.replace(
+        _search(64, 64, 0.34, "run a"), exposed=exposed, exposed_command="run e"
+    )
+    store = scale_eval.Store()
+    store.add_search(search)
+    store.save(tmp_path / "scale_eval.json")
+    again = scale_eval.Store.load(tmp_path / "scale_eval.json")
+    assert again == store and again.commands() == ["run a", "run e"]
+    (line,) = scale_eval.gap_lines(again.searches)
+    assert line.endswith(
+        "exposed under `dw`: expert all_to_all (dispatch) 200 ms (of 250), gradient "
+        "reduce_scatter 100 ms (of 400); no forward range partitioned (1 row(s) a device)."
+    )

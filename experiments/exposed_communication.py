@@ -1,0 +1,108 @@
+"""Where a planned step's exposed communication goes, by what each collective is for.
+
+The planner's estimate says how long a step's compute stream waits for communication in
+all (:class:`jaxmoe.plan.estimates.StepTime`); this says for which collectives. The
+mapping's step is traced as the planner traces it (one block and two for a deep model),
+scheduled under the schedule the planner chose, and simulated on the cost model. Each
+collective's stall (the compute stream's wait at its done) is summed by its purpose
+(:func:`scheduling.collective_purposes`, e.g. ``expert all_to_all (dispatch)``); the
+stalls sum to the simulated exposed communication. A deep model's figures are the
+one-block step's plus its further blocks', each the two-block step's less the one-block
+step's (:mod:`jaxmoe.plan.layer_extrapolation`), so they sum to the extrapolated exposed
+communication before the planner's floor at zero.
+
+It also says how many forward ranges the schedule partitioned: Lancet's partition cuts a
+device's rows into chunks (:mod:`scheduling.search.partition_search`), so a step of one
+row a device has none to cut.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import scheduling
+from jaxmoe.config import Config
+from jaxmoe.config.schedule import replace_section
+from jaxmoe.parallel.mesh import abstract_mesh
+from jaxmoe.plan.layer_extrapolation import block_count, extrapolates, with_blocks
+from jaxmoe.train.resolved import resolve, schedule_policy
+from jaxmoe.train.scheduled import capture_train_step
+from scheduling import batch_inputs, collective_purposes, cost_model, node_seconds, simulate
+
+
+@dataclass(frozen=True)
+class ExposedCommunication:
+    """A step's communication by purpose: seconds the compute stream waits at its
+    collectives, and seconds the link runs them."""
+
+    schedule: str
+    exposed: dict[str, float]  # purpose -> seconds
+    communication: dict[str, float]  # purpose -> seconds
+    rows_per_device: int  # the rows a device's step holds (its microbatches' together)
+    partitioned_ranges: int  # forward ranges the schedule cut into chunks (one block)
+
+    @property
+    def exposed_seconds(self) -> float:
+        return sum(self.exposed.values())
+
+    def largest(self, count: int) -> list[tuple[str, float, float]]:
+        """The ``count`` purposes that expose the most: purpose, exposed, communication."""
+        ranked = sorted(self.exposed, key=self.exposed.__getitem__, reverse=True)
+        return [(p, self.exposed[p], self.communication[p]) for p in ranked[:count]]
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> ExposedCommunication:
+        return ExposedCommunication(**data)
+
+
+def _traced_step(config: Config, schedule: str, profile: str) -> tuple[dict, dict, int]:
+    """Stalls and link seconds by purpose of ``config``'s step under ``schedule``, and the
+    forward ranges it partitioned."""
+    config = dataclasses.replace(
+        config, schedule=replace_section(config.schedule, name=schedule, profile=profile)
+    )
+    run = resolve(config, abstract_mesh(config.parallel))
+    program, step = capture_train_step(run)
+    policy = schedule_policy(config)
+    cost = cost_model(policy, program.mesh, program).priced_once()
+    scheduled = scheduling.schedule(
+        program, policy, cost, batch_inputs(program, step.batch_argnums)
+    )
+    seconds = node_seconds(cost)
+    timeline = simulate(scheduled.graph, scheduled.order.nodes, seconds)
+    purposes = collective_purposes(scheduled.graph.program)
+    exposed: collections.Counter[str] = collections.Counter()
+    linked: collections.Counter[str] = collections.Counter()
+    for timing in timeline.collectives.values():
+        node = scheduled.graph.nodes[timing.node]
+        purpose = purposes.get(node.op, node.op.primitive)
+        exposed[purpose] += timing.stall
+        linked[purpose] += seconds(node)
+    return dict(exposed), dict(linked), len(scheduled.partitions)
+
+
+def exposed_communication(config: Config, schedule: str, profile: str) -> ExposedCommunication:
+    """``config``'s step (a mapped configuration, as the planner estimates it) under
+    ``schedule`` on ``profile``: its communication by purpose (module docstring)."""
+    rows = config.train.batch_size // config.parallel.batch_shards
+    if not extrapolates(config):
+        exposed, linked, ranges = _traced_step(config, schedule, profile)
+        return ExposedCommunication(schedule, exposed, linked, rows, ranges)
+    blocks = block_count(config)
+    assert blocks is not None
+    one = _traced_step(with_blocks(config, 1), schedule, profile)
+    two = _traced_step(with_blocks(config, 2), schedule, profile)
+
+    def deep(first: dict[str, float], second: dict[str, float]) -> dict[str, float]:
+        return {
+            p: first.get(p, 0.0) + (blocks - 1) * (second.get(p, 0.0) - first.get(p, 0.0))
+            for p in first.keys() | second.keys()
+        }
+
+    return ExposedCommunication(schedule, deep(one[0], two[0]), deep(one[1], two[1]), rows, one[2])
