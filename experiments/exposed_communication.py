@@ -6,7 +6,9 @@ mapping's step is traced as the planner traces it (one block and two for a deep 
 scheduled under the schedule the planner chose, and simulated on the cost model. Each
 collective's stall (the compute stream's wait at its done) is summed by its purpose
 (:func:`scheduling.collective_purposes`, e.g. ``expert all_to_all (dispatch)``); the
-stalls sum to the simulated exposed communication. A deep model's figures are the
+stalls sum to the simulated exposed communication. A stall is the whole wait at that
+done, for the collectives the link runs before it too, so a purpose may be waited for
+longer than its own transfers take. A deep model's figures are the
 one-block step's plus its further blocks', each the two-block step's less the one-block
 step's (:mod:`jaxmoe.plan.layer_extrapolation`), so they sum to the extrapolated exposed
 communication before the planner's floor at zero.
@@ -48,10 +50,12 @@ class ExposedCommunication:
     def exposed_seconds(self) -> float:
         return sum(self.exposed.values())
 
-    def largest(self, count: int) -> list[tuple[str, float, float]]:
-        """The ``count`` purposes that expose the most: purpose, exposed, communication."""
+    def largest(self, count: int, least: float = 0.0) -> list[tuple[str, float, float]]:
+        """The ``count`` purposes waited for longest, each more than ``least`` seconds:
+        purpose, exposed, communication."""
         ranked = sorted(self.exposed, key=self.exposed.__getitem__, reverse=True)
-        return [(p, self.exposed[p], self.communication[p]) for p in ranked[:count]]
+        kept = [p for p in ranked[:count] if self.exposed[p] > least]
+        return [(p, self.exposed[p], self.communication[p]) for p in kept]
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -75,6 +75,11 @@ SCHEDULES = ("none", "dw", "lancet", "pair")
 # Megatron-Core's MFU on H100s (MoE Parallel Folding, arXiv 2504.14960, abstract).
 PUBLISHED_MFU = {"mixtral-8x22b": 0.493, "qwen2-57b-a14b": 0.390}
 LEFT_OUT = [
+    "Lancet's forward partitioning cuts a device's rows into chunks (scheduling/search/"
+    "partition_search.py: the chunk counts that divide them). At one sequence a device "
+    "it has nothing to cut, so `lancet` schedules as `dw` does there, and the forward "
+    "pass waits for its exchanges in full (the best mappings' waits above). Cutting along "
+    "the sequence's tokens instead is not built.",
     "Everything here is simulated: step times are the scheduler's cost model and "
     "two-stream simulator on the H100 profile, not runs on H100s; memory is the walk of "
     "the traced per-device step (part 2 checks it against XLA:CPU), not a GPU's.",
@@ -330,17 +335,17 @@ def gap_lines(searches: Sequence[Search]) -> list[str]:
 
 
 def _exposed_by_purpose(exposed: ExposedCommunication) -> str:
-    """Where the exposed communication goes (part exposed), the largest first."""
-    largest = ", ".join(
-        f"{purpose} {seconds * 1e3:.0f} ms (of {linked * 1e3:.0f})"
-        for purpose, seconds, linked in exposed.largest(4)
+    """What the compute stream waits for (part exposed), longest first."""
+    waits = ", ".join(
+        f"{purpose} {seconds * 1e3:.0f} ms (its transfers {linked * 1e3:.0f})"
+        for purpose, seconds, linked in exposed.largest(4, least=5e-4)
     )
     cut = (
-        f"the schedule partitioned {exposed.partitioned_ranges} forward range(s)"
+        f"; it partitioned {exposed.partitioned_ranges} forward range(s)"
         if exposed.partitioned_ranges
-        else f"no forward range partitioned ({exposed.rows_per_device} row(s) a device)"
+        else ""
     )
-    return f"exposed under `{exposed.schedule}`: {largest}; {cut}"
+    return f"under `{exposed.schedule}` the compute stream waits for {waits}{cut}"
 
 
 def recipe_rows(estimates: Sequence[Any]) -> list[str]:

@@ -191,6 +191,6 @@ def test_a_best_mappings_exposed_communication_is_kept_and_reported(tmp_path):
     assert again == store and again.commands() == ["run a", "run e"]
     (line,) = scale_eval.gap_lines(again.searches)
     assert line.endswith(
-        "exposed under `dw`: expert all_to_all (dispatch) 200 ms (of 250), gradient "
-        "reduce_scatter 100 ms (of 400); no forward range partitioned (1 row(s) a device)."
+        "under `dw` the compute stream waits for expert all_to_all (dispatch) 200 ms (its "
+        "transfers 250), gradient reduce_scatter 100 ms (its transfers 400)."
     )
