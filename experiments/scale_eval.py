@@ -78,8 +78,8 @@ LEFT_OUT = [
     "Lancet's forward partitioning cuts a device's rows into chunks (scheduling/search/"
     "partition_search.py: the chunk counts that divide them). At one sequence a device "
     "it has nothing to cut, so `lancet` schedules as `dw` does there, and the forward "
-    "pass waits for its exchanges in full (the best mappings' waits above). Cutting along "
-    "the sequence's tokens instead is not built.",
+    "pass's exchanges hide only behind what happens to be ready beside them (the best "
+    "mappings' waits above). Cutting along the sequence's tokens instead is not built.",
     "Everything here is simulated: step times are the scheduler's cost model and "
     "two-stream simulator on the H100 profile, not runs on H100s; memory is the walk of "
     "the traced per-device step (part 2 checks it against XLA:CPU), not a GPU's.",
