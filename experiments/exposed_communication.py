@@ -106,7 +106,7 @@ def exposed_communication(config: Config, schedule: str, profile: str) -> Expose
     def deep(first: dict[str, float], second: dict[str, float]) -> dict[str, float]:
         return {
             p: first.get(p, 0.0) + (blocks - 1) * (second.get(p, 0.0) - first.get(p, 0.0))
-            for p in first.keys() | second.keys()
+            for p in sorted(first.keys() | second.keys())
         }
 
     return ExposedCommunication(schedule, deep(one[0], two[0]), deep(one[1], two[1]), rows, one[2])
