@@ -1,7 +1,8 @@
 """Uniform axes: along which axes an unsplit value is the same everywhere.
 
-Broadcasts, iotas and the masks built from them are uniform along the axes
-they were broadcast over; a chunked op may take any ``1/n`` slice of such a
+Broadcasts, iotas and the masks built from them are uniform along the axes they
+were broadcast over, and so are their transposes, reshapes and elementwise results
+along the axes that carry those; a chunked op may take any ``1/n`` slice of such a
 value along them (see :mod:`scheduling.program.partition_rules`).
 """
 
@@ -39,4 +40,22 @@ def uniform_axes(op: Op, uniform: Sequence[frozenset[int]]) -> list[frozenset[in
     if op.primitive == "transpose":
         permutation = params["permutation"]
         return [frozenset(i for i, d in enumerate(permutation) if d in uniform[0])]
+    if op.primitive in ("reshape", "squeeze"):
+        return [_reshaped(_shape(op.inputs[0]), out_shapes[0], uniform[0])]
     return [frozenset() for _ in op.outputs]
+
+
+def _reshaped(
+    in_shape: tuple[int, ...], out_shape: tuple[int, ...], axes: frozenset[int]
+) -> frozenset[int]:
+    """The uniform axes of a reshape's result: all of them where the operand is the same
+    everywhere; where the reshape only adds or drops axes of size 1, the operand's uniform
+    axes (and every axis of size 1); else none."""
+    if all(d in axes or size == 1 for d, size in enumerate(in_shape)):
+        return frozenset(range(len(out_shape)))
+    kept_in = [d for d, size in enumerate(in_shape) if size != 1]
+    kept_out = [d for d, size in enumerate(out_shape) if size != 1]
+    if [in_shape[d] for d in kept_in] != [out_shape[d] for d in kept_out]:
+        return frozenset()
+    ones = {d for d, size in enumerate(out_shape) if size == 1}
+    return frozenset(o for i, o in zip(kept_in, kept_out, strict=True) if i in axes) | ones

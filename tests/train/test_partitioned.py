@@ -182,3 +182,24 @@ def test_expert_pipeline_chunks_each_moe_layer_between_its_all_to_alls():
         assert first.primitive == last.primitive == "all_to_all"
         assert first.layer == last.layer and first.layer.endswith("/moe")
         assert choice.cut.n == 4
+
+
+@pytest.mark.parametrize(
+    "family", ["mixtral-tiny", "qwen2_moe-tiny", "qwen3_moe-tiny", "deepseek_v3-tiny", "tiny"]
+)
+def test_the_batch_reaches_each_familys_expert_exchanges(family):
+    """Lancet's partition follows the batch from the step's inputs (scheduling.program.
+    batch_layout): through RMSNorm (its epsilon broadcast, then given an axis of 1) to the
+    expert all-to-alls, so that their ranges can be cut."""
+    from scheduling.program.batch_layout import analyze
+    from scheduling.program.capture import Phase
+
+    config = preset(family)
+    program, step = capture_train_step(resolve(config, build_mesh(config.parallel)))
+    layouts = analyze(program, batch_inputs(program, step.batch_argnums))
+    exchanges = [
+        position
+        for position, op in enumerate(program.ops)
+        if op.primitive == "all_to_all" and op.phase is Phase.FORWARD
+    ]
+    assert exchanges and all(position in layouts.chunkings for position in exchanges)

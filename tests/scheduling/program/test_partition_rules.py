@@ -229,3 +229,19 @@ def test_cudnn_fused_attention_chunks_along_the_whole_leading_batch():
     assert chunking(op, [Split(0, outer=2)] * 3 + [None, None], uniform) is None
     # Lengths that differ along the batch cannot be read whole.
     assert chunking(op, [Split(0)] * 3 + [None, None], [frozenset()] * 5) is None
+
+
+def test_a_reshape_keeps_what_it_reshapes_uniform():
+    """A fill reshaped is a fill (RMSNorm's epsilon, broadcast then given a trailing axis
+    of 1); a reshape that adds or drops axes of size 1 keeps the uniform axes it carries;
+    one that merges a uniform axis with another keeps none."""
+    from scheduling.program.uniform_axes import uniform_axes
+
+    fill = _single_op(lambda x: jnp.reshape(x, (4, 6, 1)), (4, 6))
+    assert uniform_axes(fill, [frozenset({0, 1})]) == [frozenset({0, 1, 2})]
+    added = _single_op(lambda x: jnp.reshape(x, (4, 1, 6)), (4, 6))
+    assert uniform_axes(added, [frozenset({1})]) == [frozenset({1, 2})]
+    squeezed = _single_op(lambda x: jnp.squeeze(x, 1), (4, 1, 6))
+    assert uniform_axes(squeezed, [frozenset({0})]) == [frozenset({0})]
+    merged = _single_op(lambda x: jnp.reshape(x, (24,)), (4, 6))
+    assert uniform_axes(merged, [frozenset({1})]) == [frozenset()]
