@@ -80,8 +80,10 @@ LEFT_OUT = [
     "it has nothing to cut, so `lancet` schedules as `dw` does there, and the forward "
     "pass's exchanges hide only behind what happens to be ready beside them (the best "
     "mappings' waits above). Cutting along the sequence's tokens instead is not built. "
-    "Nor does it cut a range of the best mapping at the recipe of Qwen2-57B-A14B, four "
-    "sequences a device (with or without recomputation); why is not yet known.",
+    "Nor does it cut a range at the recipes (two and four sequences a device): the batch "
+    "layouts it follows from the step's inputs stop at the flash attention core the "
+    "planner traces, a `lax.scan` over tiles, for which it has no partition rule "
+    "(cuDNN's attention, which a GPU step runs, has one).",
     "Everything here is simulated: step times are the scheduler's cost model and "
     "two-stream simulator on the H100 profile, not runs on H100s; memory is the walk of "
     "the traced per-device step (part 2 checks it against XLA:CPU), not a GPU's.",
