@@ -26,6 +26,8 @@ from jaxmoe.presets import preset
 from jaxmoe.train.resolved import resolve
 from jaxmoe.train.scheduled import capture_train_step, scheduled_train_step
 from scheduling import ExperimentalOptions, SchedulePolicy, aval_bytes, batch_inputs, schedule
+from scheduling.program.batch_layout import analyze
+from scheduling.program.capture import Phase
 from tests.train.runs import assert_trained_close, with_schedule
 from tests.train.test_scheduled import run, small
 
@@ -184,16 +186,12 @@ def test_expert_pipeline_chunks_each_moe_layer_between_its_all_to_alls():
         assert choice.cut.n == 4
 
 
-@pytest.mark.parametrize(
-    "family", ["mixtral-tiny", "qwen2_moe-tiny", "qwen3_moe-tiny", "deepseek_v3-tiny", "tiny"]
-)
+# Mixtral's and Qwen2-MoE's RMSNorm (Qwen3-MoE's is the same), DeepSeek-V3's latent attention.
+@pytest.mark.parametrize("family", ["mixtral-tiny", "qwen2_moe-tiny", "deepseek_v3-tiny"])
 def test_the_batch_reaches_each_familys_expert_exchanges(family):
     """Lancet's partition follows the batch from the step's inputs (scheduling.program.
     batch_layout): through RMSNorm (its epsilon broadcast, then given an axis of 1) to the
     expert all-to-alls, so that their ranges can be cut."""
-    from scheduling.program.batch_layout import analyze
-    from scheduling.program.capture import Phase
-
     config = preset(family)
     program, step = capture_train_step(resolve(config, build_mesh(config.parallel)))
     layouts = analyze(program, batch_inputs(program, step.batch_argnums))
