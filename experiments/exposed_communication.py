@@ -27,11 +27,9 @@ from typing import Any
 
 import scheduling
 from jaxmoe.config import Config
-from jaxmoe.config.schedule import replace_section
-from jaxmoe.parallel.mesh import abstract_mesh
 from jaxmoe.plan.layer_extrapolation import block_count, extrapolates, with_blocks
-from jaxmoe.train.resolved import resolve, schedule_policy
-from jaxmoe.train.scheduled import capture_train_step
+from jaxmoe.plan.tracer import trace, with_schedule
+from jaxmoe.train.resolved import schedule_policy
 from scheduling import batch_inputs, collective_purposes, cost_model, node_seconds, simulate
 
 
@@ -68,11 +66,9 @@ class ExposedCommunication:
 def _traced_step(config: Config, schedule: str, profile: str) -> tuple[dict, dict, int]:
     """Stalls and link seconds by purpose of ``config``'s step under ``schedule``, and the
     forward ranges it partitioned."""
-    config = dataclasses.replace(
-        config, schedule=replace_section(config.schedule, name=schedule, profile=profile)
-    )
-    run = resolve(config, abstract_mesh(config.parallel))
-    program, step = capture_train_step(run)
+    config = with_schedule(config, schedule, profile)
+    traced = trace(config)
+    program, step = traced.program, traced.step
     policy = schedule_policy(config)
     cost = cost_model(policy, program.mesh, program).priced_once()
     scheduled = scheduling.schedule(

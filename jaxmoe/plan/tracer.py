@@ -36,7 +36,8 @@ from scheduling import (
 )
 
 
-def _with_schedule(config: Config, schedule: str, profile: str) -> Config:
+def with_schedule(config: Config, schedule: str, profile: str) -> Config:
+    """``config`` scheduled by ``schedule`` on the device profile ``profile``."""
     return dataclasses.replace(
         config, schedule=replace_section(config.schedule, name=schedule, profile=profile)
     )
@@ -50,7 +51,7 @@ def applicable_schedules(
     found = {}
     for schedule in schedules:
         try:
-            found[schedule] = _with_schedule(config, schedule, profile)
+            found[schedule] = with_schedule(config, schedule, profile)
         except ConfigError:
             continue
     if not found:
@@ -69,6 +70,13 @@ class Traced:
     program: Program
     step: ShardedStep
     run: Run  # its state's shapes were computed for the trace
+
+
+def trace(config: Config) -> Traced:
+    """``config``'s per-device step traced on an abstract mesh of its devices (none are
+    needed)."""
+    run = resolve(config, abstract_mesh(config.parallel))
+    return Traced(*capture_train_step(run), run)
 
 
 def _estimate_program(
@@ -133,8 +141,7 @@ class Tracer:
         found = self._programs.pop(key, None)
         if found is None:
             self.traced += 1
-            run = resolve(config, abstract_mesh(config.parallel))
-            found = Traced(*capture_train_step(run), run)
+            found = trace(config)
         self._programs[key] = found  # the latest last
         while len(self._programs) > 1 and (
             len(self._programs) > PROGRAMS_KEPT
@@ -179,7 +186,7 @@ class Tracer:
         traced = with_blocks(config, 1) if shallow else config
         step = self._trace(traced)
         program = step.program
-        policy = schedule_policy(_with_schedule(config, "none", self.profile))
+        policy = schedule_policy(with_schedule(config, "none", self.profile))
         blocks = block_count(config) or 1
         state = state_bytes(config)
         options = options_of(config)
