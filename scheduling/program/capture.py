@@ -6,8 +6,9 @@ the body of that ``shard_map`` is the per-device program. Call-like equations
 inlined recursively, so every collective and every piece of computation is a
 top-level op. Control flow (``scan``, ``while``, ``cond``) and any other
 equation that carries a sub-program stays one opaque op: the scheduler moves
-it as a whole and never looks inside (a collective inside it stays
-synchronous; the report lists such ops).
+it as a whole (a collective inside it stays synchronous; the report lists such
+ops). Only the forward partition looks into a ``scan``, to cut it along the
+batch (:mod:`scheduling.program.batch_layout`).
 
 Remat bodies are inlined like the others, so that the collectives in them are
 visible. Where JAX's lowering puts an ``optimization_barrier`` on a

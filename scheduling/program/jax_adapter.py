@@ -288,6 +288,18 @@ def subprograms(eqn: Any) -> list[tuple[Any, float]]:
     return []
 
 
+def scan_operands(eqn: Any) -> tuple[int, int]:
+    """``(consts, carries)``: how many of a ``scan``'s operands are loop invariants and
+    how many carries; the rest are scanned. Its body takes them in that order and gives
+    the carries, then the stacked results. JAX from 0.12 describes the groups as flat
+    trees (``ft_in``); before, as counts."""
+    params = eqn.params
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carries, _ = params["ft_in"].unpack()
+    return len(consts), len(carries)
+
+
 def shard_map_parts(eqn: Any) -> tuple[Any, Sequence[Any], Sequence[Any]]:
     """``(body jaxpr, in_specs, out_specs)`` of a ``shard_map`` equation."""
     if eqn.primitive.name != "shard_map":

@@ -31,8 +31,11 @@ Prefix operations along the batch axis (``cumsum``, ``cumprod``, ``cummax``,
 total of the chunks before it.
 
 cuDNN's fused attention (``dot_product_attention_fwd``/``bwd``) runs row by row of the
-batch and chunks along it. A ``scan`` (the blockwise attention's loop over tiles) has no
-rule: it stays whole, and ends a partitioned range where it reads a chunked value.
+batch and chunks along it. A ``scan`` (the blockwise attention's loop over tiles) chunks
+where every op of its body does, by these rules (:mod:`scheduling.program.batch_layout`
+follows the batch into the body; :mod:`scheduling.program.scan_body` rebuilds it at chunk
+size). ``dynamic_update_slice`` chunks where the update covers the whole batch axis (a
+loop's tile written into its carry).
 
 Ragged ops (``ragged_dot_general``, a grouped GEMM; ``ragged_all_to_all``) are refused
 (:func:`_ragged`): their rows are grouped by sizes known only when the step runs, so
@@ -301,6 +304,23 @@ def _dynamic_slice(op: Op, layouts, uniform) -> Chunking | None:
     )
 
 
+def _dynamic_update_slice(op: Op, layouts, uniform) -> Chunking | None:
+    """An update along other axes (a tile written into a loop's carry): the batch passes
+    through when the update covers all of it; its start index there is then clamped to 0.
+    An operand that is not split (zeros to write into) is cut where it is uniform."""
+    operand, update, *indices = layouts
+    split = _one_split((operand, update))
+    if split is None or any(index is not None for index in indices):
+        return None
+    axis = split.axis
+    if _shape(op.inputs[1])[axis] != _shape(op.inputs[0])[axis]:
+        return None
+    for layout, flat in zip((operand, update), uniform, strict=False):
+        if layout is None and axis not in flat:
+            return None
+    return Chunking((axis, axis, *(None for _ in indices)), (split,), _same_params(op))
+
+
 def _pad(op: Op, layouts, uniform) -> Chunking | None:
     layout, padding_value = layouts
     if layout is None or padding_value is not None:
@@ -515,6 +535,7 @@ RULES: dict[str, Callable[[Op, Sequence[Layout], Sequence[frozenset[int]]], Chun
     "dot_general": _dot_general,
     "slice": _slice,
     "dynamic_slice": _dynamic_slice,
+    "dynamic_update_slice": _dynamic_update_slice,
     "pad": _pad,
     "concatenate": _concatenate,
     "split": _split,

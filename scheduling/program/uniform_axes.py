@@ -1,9 +1,10 @@
 """Uniform axes: along which axes an unsplit value is the same everywhere.
 
 Broadcasts, iotas and the masks built from them are uniform along the axes they
-were broadcast over, and so are their transposes, reshapes and elementwise results
-along the axes that carry those; a chunked op may take any ``1/n`` slice of such a
-value along them (see :mod:`scheduling.program.partition_rules`).
+were broadcast over, and so are their transposes, reshapes, slices and elementwise
+results along the axes that carry those (and an update written into a uniform value
+where both are uniform along an axis the update covers whole); a chunked op may take
+any ``1/n`` slice of such a value along them (see :mod:`scheduling.program.partition_rules`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,14 @@ def uniform_axes(op: Op, uniform: Sequence[frozenset[int]]) -> list[frozenset[in
         return [frozenset(i for i, d in enumerate(permutation) if d in uniform[0])]
     if op.primitive in ("reshape", "squeeze"):
         return [_reshaped(_shape(op.inputs[0]), out_shapes[0], uniform[0])]
+    if op.primitive in ("slice", "dynamic_slice"):  # any part of a uniform value is uniform
+        return [uniform[0] | {d for d, size in enumerate(out_shapes[0]) if size == 1}]
+    if op.primitive == "dynamic_update_slice":
+        # Along an axis the update covers whole, each position is the operand's or the
+        # update's all along it.
+        (shape,), update = out_shapes, _shape(op.inputs[1])
+        flat = {d for d in uniform[0] & uniform[1] if update[d] == shape[d]}
+        return [frozenset(flat | {d for d, size in enumerate(shape) if size == 1})]
     return [frozenset() for _ in op.outputs]
 
 

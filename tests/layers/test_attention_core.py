@@ -9,6 +9,7 @@ scores to bfloat16 before the softmax and lands within 4e-2.
 """
 
 import functools
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,9 @@ import pytest
 from jaxmoe.config import ModelConfig
 from jaxmoe.layers.attention_core import AttentionCore, dense_attention, resolve_core
 from jaxmoe.layers.blockwise_attention import tiling
+from scheduling.program import jax_adapter
+from scheduling.program.batch_layout import analyze
+from scheduling.program.capture import Constant, Phase, Value, inline_jaxpr
 
 
 def operands(batch, seq, heads, kv_heads, dim, dtype=jnp.float32, seed=0, value_dim=None):
@@ -148,6 +152,50 @@ def test_the_blockwise_core_never_holds_more_than_a_tile_of_scores_per_head(kind
         assert largest >= heads * seq * seq
     else:  # one tile of scores per head, or the operands' own [seq, heads, 4] size
         assert largest <= max(heads * block * block, seq * heads * 4)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_the_blockwise_loop_runs_chunk_by_chunk_of_the_batch(n):
+    """Lancet's partition can cut the blockwise core's loops into chunks of the batch
+    (scheduling.program.batch_layout): over packed documents and a sliding window, each
+    chunk's loop, rebuilt at its size, gives exactly its rows of the whole loop."""
+    core = AttentionCore("blockwise", block=8, window=13)
+    query, key, value = operands(4, 37, 4, 2, 8)
+    segments = packed_segments(4, 37)
+
+    def loss(query, key, value, segments):
+        return jnp.sum(core(query, key, value, segment_ids=segments) ** 2)
+
+    closed = jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1, 2)))(
+        query, key, value, segments
+    )
+    inputs = [Value(var.aval) for var in closed.jaxpr.invars]
+    ops, _ = inline_jaxpr(closed, inputs, "", Phase.FORWARD)
+    layouts = analyze(SimpleNamespace(ops=ops), inputs)
+    env = dict(zip(inputs, (query, key, value, segments), strict=True))
+
+    def read(atom):
+        return atom.value if isinstance(atom, Constant) else env[atom]
+
+    loops = 0
+    for position, op in enumerate(ops):
+        operands_ = [read(atom) for atom in op.inputs]
+        results = jax_adapter.bind_equation(op.eqn, operands_)
+        env.update(zip(op.outputs, results, strict=True))
+        how = layouts.chunkings.get(position)
+        if op.primitive != "scan" or how is None:
+            continue
+        loops += 1
+        for chunk in range(n):
+            pieces = [
+                x if cut is None else np.split(np.asarray(x), n, axis=cut)[chunk]
+                for x, cut in zip(operands_, how.inputs, strict=True)
+            ]
+            copy = jax_adapter.bind_equation(op.eqn.replace(params=how.params(n)), pieces)
+            for got, whole, split in zip(copy, results, how.outputs, strict=True):
+                rows = np.split(np.asarray(whole), n, split.axis)[chunk]
+                np.testing.assert_array_equal(got, rows)
+    assert loops == 2  # the forward loop and the backward's (one phase here: no AD stacks)
 
 
 def test_auto_resolves_to_blockwise_off_gpu_and_cudnn_is_refused_in_one_line():

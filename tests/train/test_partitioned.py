@@ -186,15 +186,20 @@ def test_expert_pipeline_chunks_each_moe_layer_between_its_all_to_alls():
         assert choice.cut.n == 4
 
 
-# Mixtral's and Qwen2-MoE's RMSNorm (Qwen3-MoE's is the same), DeepSeek-V3's latent attention.
+# Mixtral's and Qwen2-MoE's RMSNorm (Qwen3-MoE's is the same), DeepSeek-V3's latent attention;
+# the attention core a loop over tiles (the blockwise core at sequences longer than a tile).
 @pytest.mark.parametrize("family", ["mixtral-tiny", "qwen2_moe-tiny", "deepseek_v3-tiny"])
 def test_the_batch_reaches_each_familys_expert_exchanges(family):
     """Lancet's partition follows the batch from the step's inputs (scheduling.program.
-    batch_layout): through RMSNorm (its epsilon broadcast, then given an axis of 1) to the
-    expert all-to-alls, so that their ranges can be cut."""
+    batch_layout): through RMSNorm (its epsilon broadcast, then given an axis of 1) and the
+    blockwise attention's loop to the expert all-to-alls, so that their ranges can be cut."""
     config = preset(family)
+    model = dataclasses.replace(config.model, attention_block=config.model.seq_len // 4)
+    config = dataclasses.replace(config, model=model)
     program, step = capture_train_step(resolve(config, build_mesh(config.parallel)))
     layouts = analyze(program, batch_inputs(program, step.batch_argnums))
+    loops = [op.index for op in program.ops if op.primitive == "scan" and op.phase is Phase.FORWARD]
+    assert loops and all(position in layouts.chunkings for position in loops)
     exchanges = [
         position
         for position, op in enumerate(program.ops)

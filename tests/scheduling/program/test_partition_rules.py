@@ -245,3 +245,50 @@ def test_a_reshape_keeps_what_it_reshapes_uniform():
     assert uniform_axes(squeezed, [frozenset({0})]) == [frozenset({0})]
     merged = _single_op(lambda x: jnp.reshape(x, (24,)), (4, 6))
     assert uniform_axes(merged, [frozenset({1})]) == [frozenset()]
+
+
+def _traced_update():
+    """``dynamic_update_slice`` of a ``[tiles, batch, 3]`` carry with one tile at a traced
+    index, as a loop over tiles writes its output."""
+
+    def write(out, tile, i):
+        return jax.lax.dynamic_update_index_in_dim(out, tile, i, 0)
+
+    closed = jax.make_jaxpr(write)(
+        jax.ShapeDtypeStruct((2, 4, 3), jnp.float32),
+        jax.ShapeDtypeStruct((4, 3), jnp.float32),
+        jax.ShapeDtypeStruct((), jnp.int32),
+    )
+    inputs = [Value(v.aval) for v in closed.jaxpr.invars]
+    return inline_jaxpr(closed, inputs, "", Phase.FORWARD)[0][-1]
+
+
+def test_a_tile_written_into_every_row_keeps_the_batch():
+    op = _traced_update()
+    assert op.primitive == "dynamic_update_slice"
+    indices = len(op.inputs) - 2
+    layouts = [Split(1), Split(1)] + [None] * indices
+    how = chunking(op, layouts, [frozenset()] * len(layouts))
+    assert how is not None and how.inputs[:2] == (1, 1) and how.outputs == (Split(1),)
+    out = jnp.arange(24.0).reshape(2, 4, 3)
+    tile = -jnp.arange(12.0).reshape(1, 4, 3)
+    index_values = [getattr(atom, "value", 1) for atom in op.inputs[2:]]  # tile 1
+    (whole,) = jax_adapter.bind_equation(op.eqn, [out, tile, *index_values])
+    for chunk in range(2):
+        rows = slice(2 * chunk, 2 * chunk + 2)
+        (result,) = jax_adapter.bind_equation(op.eqn, [out[:, rows], tile[:, rows], *index_values])
+        np.testing.assert_array_equal(result, whole[:, rows])
+    # Zeros to write into (not split, uniform) are cut; an operand that is neither, not.
+    uniform = [frozenset({0, 1, 2}), frozenset()] + [frozenset()] * indices
+    assert chunking(op, [None, Split(1)] + [None] * indices, uniform).inputs[:2] == (1, 1)
+    assert chunking(op, [None, Split(1)] + [None] * indices, [frozenset()] * 5) is None
+
+
+def test_slices_and_updates_of_uniform_values_are_uniform():
+    from scheduling.program.uniform_axes import uniform_axes
+
+    sliced = _single_op(lambda x: jax.lax.dynamic_index_in_dim(x, 1, keepdims=True), (2, 4, 3))
+    assert uniform_axes(sliced, [frozenset({1}), frozenset()]) == [frozenset({0, 1})]
+    op = _traced_update()
+    flat = [frozenset({1, 2}), frozenset({1})] + [frozenset()] * (len(op.inputs) - 2)
+    assert uniform_axes(op, flat) == [frozenset({1})]  # the tile covers all of axis 1

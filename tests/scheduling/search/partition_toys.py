@@ -71,6 +71,34 @@ def prefix_over_batch_loss(params, x):
     return jnp.sum(h * h)
 
 
+TILES = 2  # tiles of the tokens that tiled_loss's loop visits
+
+
+def tiled_loss(params, x):
+    """A loop over tiles of the tokens before the exchange, as the blockwise attention's
+    forward pass: each row's running maximum, and each tile written into the loop's output
+    as it is visited (the carries start as a fill and zeros, not split; the loop splits
+    them). The loop reads the examples, not the parameters, so nothing is differentiated
+    through it."""
+    w1, w2, _ = params
+    with jax.named_scope("layer_0/tiled"):
+        tiles = x.reshape(x.shape[0], TILES, TOKENS // TILES, D).transpose(1, 0, 2, 3)
+
+        def visit(state, i):
+            running, out = state
+            tile = jax.lax.dynamic_index_in_dim(tiles, i, keepdims=False)  # [B, t, D]
+            running = jnp.maximum(running, tile.max(axis=1))
+            written = jnp.exp(tile - running[:, None])
+            return (running, jax.lax.dynamic_update_index_in_dim(out, written, i, 0)), None
+
+        init = (jnp.full((x.shape[0], D), -1e30), jnp.zeros_like(tiles))
+        (running, out), _ = jax.lax.scan(visit, init, jnp.arange(TILES))
+        h = jnp.tanh((out.transpose(1, 0, 2, 3).reshape(x.shape) * running[:, None]) @ w1)
+    with jax.named_scope("layer_0/moe"):
+        h = exchange(h) @ w2
+    return jnp.sum(h * h)
+
+
 def make_step(loss_fn):
     def step(params, x):
         loss, grads = jax.value_and_grad(loss_fn)(params, x)

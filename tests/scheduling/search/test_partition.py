@@ -13,8 +13,11 @@ from scheduling.passes.partition_forward import consumers_of, cut_range, partiti
 from scheduling.policy import ExperimentalOptions, SchedulePolicy
 from scheduling.program.batch_layout import analyze
 from scheduling.program.capture import Phase, aval_bytes
+from scheduling.program.partition_rules import Split
+from scheduling.runtime.emit import emit
 from scheduling.search.partition_search import op_groups, pipeline_seconds, search
 from scheduling.search.schedule import batch_inputs
+from scheduling.search.step_estimate import schedule_program
 from tests.scheduling.search import partition_toys as toys
 from tests.scheduling.toys import reference
 
@@ -149,6 +152,29 @@ def test_a_prefix_sum_along_the_batch_carries_across_chunks():
     step, report = _optimized(toys.prefix_over_batch_loss, partition_chunks=4)
     assert report.partitions and report.partitions[0].chunks == 4
     _assert_matches_reference(toys.prefix_over_batch_loss, step)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_loop_over_tiles_runs_chunk_by_chunk(n):
+    """The loop of tiled_loss (a ``scan`` whose carries the loop splits) is cut with the
+    range before the exchange: each chunk runs the loop rebuilt at its size."""
+    program = toys.program(toys.tiled_loss)
+    layouts = _layouts(program)
+    (loop,) = [op for op in program.ops if op.primitive == "scan"]
+    assert layouts.chunkings[loop.index].outputs == (Split(0), Split(1))
+    (a2a,) = _forward_all_to_alls(program)
+    cut = cut_range(program, layouts, consumers_of(program), 0, a2a.index + 1, n)
+    assert cut is not None and loop.index in cut.chunked
+    partitioned = partition_program(program, layouts, [cut])
+    loops = [op for op in partitioned.ops if op.primitive == "scan"]
+    assert [op.outputs[0].aval.shape[0] for op in loops] == [toys.BATCH // n] * n
+    policy = SchedulePolicy(name="partition")
+    graph, order, _ = schedule_program(partitioned, policy, lambda node: 1e-3, pack_dw=False)
+    step = emit(graph, order)
+    expected = reference(
+        toys.make_step(toys.tiled_loss), toys.mesh_x(), toys.IN_SPECS, toys.OUT_SPECS
+    )
+    chex.assert_trees_all_close(step(*toys.args()), expected(*toys.args()), rtol=1e-6, atol=1e-6)
 
 
 def test_all_to_all_bytes_do_not_grow():
