@@ -74,7 +74,7 @@ def _traced_step(config: Config, schedule: str, profile: str) -> tuple[dict, dic
     scheduled = scheduling.schedule(
         program, policy, cost, batch_inputs(program, step.batch_argnums)
     )
-    seconds = node_seconds(cost)
+    seconds = node_seconds(cost.rebound(scheduled.graph.program))
     timeline = simulate(scheduled.graph, scheduled.order.nodes, seconds)
     purposes = collective_purposes(scheduled.graph.program)
     exposed: collections.Counter[str] = collections.Counter()

@@ -51,7 +51,7 @@ def _measure(preset_name: str, profile: str, schedules: list, mappings: list, re
     from jaxmoe.presets import preset
     from jaxmoe.train.resolved import resolve, schedule_policy
     from jaxmoe.train.scheduled import capture_train_step
-    from scheduling import batch_inputs, cost_model, node_seconds, simulate
+    from scheduling import batch_inputs, cost_model
 
     config = preset(preset_name)
     traced = []
@@ -82,7 +82,7 @@ def _measure(preset_name: str, profile: str, schedules: list, mappings: list, re
                     # as the planner prices (a tree from before the memo prices each time)
                     cost = cost.priced_once() if hasattr(cost, "priced_once") else cost
                 scheduled = scheduling.schedule(program, policy, cost, batch)
-                timeline = simulate(scheduled.graph, scheduled.order.nodes, node_seconds(cost))
+                timeline = scheduling.estimate(scheduled.graph, scheduled.order, cost)
                 found.append((name, timeline.step_seconds, timeline.exposed_communication_seconds))
         return found
 

@@ -31,8 +31,6 @@ from scheduling import (
     batch_inputs,
     cost_model,
     gathers_in_flight_bytes,
-    node_seconds,
-    simulate,
 )
 
 
@@ -97,7 +95,7 @@ def _estimate_program(
         scheduled = scheduling.schedule(program, policy, cost, batch)
         # The step as the schedule report simulates it (the report itself, with its
         # trace and each collective's story, is not needed here).
-        timeline = simulate(scheduled.graph, scheduled.order.nodes, node_seconds(cost))
+        timeline = scheduling.estimate(scheduled.graph, scheduled.order, cost)
         times[schedule] = StepTime(
             timeline.step_seconds,
             timeline.compute_seconds,

@@ -28,6 +28,10 @@ grouped GEMM (``ragged_dot_general``) multiplies ``N`` of its buffer's rows. Whe
 is uneven the busiest device receives more than ``N``: ``CostModel(ragged_load=)`` is that
 max/mean, from routing statistics (1: even routing).
 
+A copy of a bound program's op run on a chunk of the batch, priced before the program
+that holds it exists (the forward partition's search), is fused as the op it copies is
+(:meth:`CostModel.chunk_seconds`).
+
 Control flow is priced by what it runs: a ``scan`` as its body's ops ``length`` times
 (a blockwise attention's loop over tiles), a ``cond`` as its costliest branch, a
 ``while`` as one trip (its trip count is known only when the step runs). Slices and
@@ -195,6 +199,11 @@ def op_bytes(op: Op) -> float:
     return sum(aval_bytes(a.aval) for a in op.inputs) + sum(aval_bytes(v.aval) for v in op.outputs)
 
 
+def _own_bytes(op: Op) -> float:
+    """Bytes of an op's own operands and results (a control-flow op's, not its bodies')."""
+    return float(sum(aval_bytes(a.aval) for a in (*op.inputs, *op.outputs)))
+
+
 def _index_groups(op: Op) -> tuple[tuple[int, ...], ...] | None:
     """The op's ``axis_index_groups`` (subgroups of the devices along its axes), if any."""
     return op.eqn.params.get("axis_index_groups")
@@ -319,6 +328,11 @@ class CostModel:
         bound._bodies = {}
         bound._priced = None if self._priced is None else {}
         return bound
+
+    def rebound(self, program: Any) -> CostModel:
+        """This model pricing ``program``, made from the program it is bound to (that one
+        partitioned, say: its kernels are its own); itself where it is bound to none."""
+        return self if self._program is None else self.bound_to(program)
 
     def priced_once(self) -> CostModel:
         """This model remembering each op's seconds once priced, for a caller that asks
@@ -520,6 +534,28 @@ class CostModel:
         if found is None:
             found = self._priced[op] = self._seconds(op)
         return found
+
+    def chunk_seconds(self, original: Op, copy: Op) -> float:
+        """Seconds of ``copy``, an op of the bound program run on a chunk of the batch, as
+        a fusing compiler would run it where it runs ``original`` so: fused where that is
+        fused, one kernel where that is, its memory traffic the original's scaled by how
+        much less the copy reads and writes (a chunk reads a weight whole, and its rows
+        in part). The search prices a range partitioned before that program exists."""
+        fusion = self.fusion
+        if fusion is None or not fusion.knows(original) or original.is_collective:
+            return self.seconds(copy)
+        if original.primitive in FREE_PRIMITIVES:
+            return 0.0
+        whole, part = _own_bytes(original), _own_bytes(copy)
+        moved = fusion.bytes(original) * (part / whole if whole else 1.0)
+        if jax_adapter.subprograms(original.eqn):
+            if not (self.profile.fused_kernels and kernel_scope(original.name_stack)):
+                return self.seconds(copy)  # its bodies' ops, priced as kernels of the body
+            arithmetic = _over_bodies(copy, self.arithmetic_seconds)
+        else:
+            arithmetic = self.arithmetic_seconds(copy)
+        launch = self.profile.op_overhead_s if fusion.launches(original) else 0.0
+        return max(arithmetic, moved / self.profile.memory_bytes_per_s) + launch
 
     def _seconds(self, op: Op) -> float:
         if op.is_collective or op.primitive == "ragged_all_to_all":

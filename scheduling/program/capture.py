@@ -2,9 +2,9 @@
 
 The step is traced under a ``shard_map`` over the whole mesh (all axes manual);
 the body of that ``shard_map`` is the per-device program. Call-like equations
-(``jit``, ``closed_call``, ``custom_jvp_call``, ``custom_vjp_call``, remat) are
-inlined recursively, so every collective and every piece of computation is a
-top-level op. Control flow (``scan``, ``while``, ``cond``) and any other
+(``jit``, ``closed_call`` or ``eval_jaxpr``, ``custom_jvp_call``, ``custom_vjp_call``,
+remat) are inlined recursively, so every collective and every piece of computation is
+a top-level op. Control flow (``scan``, ``while``, ``cond``) and any other
 equation that carries a sub-program stays one opaque op: the scheduler moves
 it as a whole (a collective inside it stays synchronous; the report lists such
 ops). Only the forward partition looks into a ``scan``, to cut it along the

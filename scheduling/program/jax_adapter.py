@@ -224,11 +224,13 @@ def bind_equation(eqn: Any, operands: Sequence[Any]) -> list[Any]:
 
 # -- Conventions of JAX's jaxprs ------------------------------------------------------
 
-# Call-like primitives and the parameter that holds their body.
+# Call-like primitives and the parameter that holds their body. JAX 0.12 calls its
+# ``closed_call`` ``eval_jaxpr``: a custom_vjp's forward rule, differentiated, is one.
 INLINED_BODIES = {
     "jit": "jaxpr",
     "pjit": "jaxpr",
     "closed_call": "call_jaxpr",
+    "eval_jaxpr": "call_jaxpr",
     "core_call": "call_jaxpr",
     "custom_jvp_call": "call_jaxpr",
     "custom_vjp_call": "call_jaxpr",
@@ -273,12 +275,14 @@ def carries_subprogram(eqn: Any) -> bool:
 
 def subprograms(eqn: Any) -> list[tuple[Any, float]]:
     """The sub-programs of a control-flow equation, each with how often it runs: a nested
-    ``jit``'s once, a ``scan``'s body ``length`` times, each branch of a ``cond`` once (the
-    caller takes the costliest), a ``while``'s condition and body once each (the trip count
-    is known only when the step runs). Empty for any other equation."""
+    call's (``jit``, ``eval_jaxpr``, any of :data:`INLINED_BODIES`) once, a ``scan``'s body
+    ``length`` times, each branch of a ``cond`` once (the caller takes the costliest), a
+    ``while``'s condition and body once each (the trip count is known only when the step
+    runs). Empty for any other equation."""
     params, name = eqn.params, eqn.primitive.name
-    if name in ("jit", "pjit"):  # a nested call (capture inlines those of the step itself)
-        return [(params["jaxpr"].jaxpr, 1.0)]
+    call = inlined_body(eqn)  # a nested call (capture inlines those of the step itself)
+    if call is not None:
+        return [(call[0], 1.0)]
     if name == "scan":
         return [(params["jaxpr"].jaxpr, float(params["length"]))]
     if name == "cond":

@@ -80,10 +80,10 @@ def build_report(
     graph, order = scheduled.graph, scheduled.order
     cost = cost.bound_to(original)
     purposes = collective_purposes(graph.program, axis_roles)
-    seconds = node_seconds(cost)
+    seconds = node_seconds(cost.rebound(graph.program))  # a partitioned program's kernels
     timeline = simulate(graph, order.nodes, seconds)
     baseline_graph = Graph(original, split=lambda op: False)
-    baseline = simulate(baseline_graph, list(range(len(baseline_graph.nodes))), seconds)
+    baseline = simulate(baseline_graph, list(range(len(baseline_graph.nodes))), node_seconds(cost))
 
     collectives = []
     for index, timing in enumerate(sorted(timeline.collectives.values(), key=lambda t: t.node)):

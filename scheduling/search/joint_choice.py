@@ -33,7 +33,11 @@ def best_partitioned(
     whole step; with ``always``, every range that can be partitioned."""
     assert estimates.layouts is not None
     groups, found, unpartitioned = candidates(
-        estimates.program, estimates.layouts, estimates.seconds_of_op, counts
+        estimates.program,
+        estimates.layouts,
+        estimates.seconds_of_op,
+        counts,
+        estimates.seconds_of_chunk,
     )
     choices = choose(groups, found, unpartitioned, always)
     if not always:
@@ -45,7 +49,11 @@ def best_lancet(estimates: StepEstimates, counts: Sequence[int]) -> StepEstimate
     """The best of the parts' choices and of the joint search (see the module docstring)."""
     assert estimates.layouts is not None
     groups, found, unpartitioned = candidates(
-        estimates.program, estimates.layouts, estimates.seconds_of_op, counts
+        estimates.program,
+        estimates.layouts,
+        estimates.seconds_of_op,
+        counts,
+        estimates.seconds_of_chunk,
     )
     partition = estimates.keep_what_pays(choose(groups, found, unpartitioned), pack_dw=False)
     parts = [

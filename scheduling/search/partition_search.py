@@ -30,6 +30,9 @@ from scheduling.program.batch_layout import BatchLayouts
 from scheduling.program.capture import Op, Phase, Program, Value
 
 CHUNK_COUNTS = tuple(range(2, 9))
+# Seconds of a chunk copy (the second op) of an op of the program (the first): priced as
+# the program's op is fused (scheduling.costs.cost_model.CostModel.chunk_seconds).
+ChunkSeconds = Callable[[Op, Op], float]
 # With ``always``, each kept range lowers the objective by this much, so the programme
 # partitions wherever it legally can (and picks the best estimate among those choices).
 _ALWAYS_BONUS = 1e6
@@ -82,10 +85,17 @@ def pipeline_seconds(
 class _RangeCosts:
     """Estimated seconds of ranges, with per-op chunk costs cached across candidates."""
 
-    def __init__(self, program: Program, layouts: BatchLayouts, seconds: Callable[[Op], float]):
+    def __init__(
+        self,
+        program: Program,
+        layouts: BatchLayouts,
+        seconds: Callable[[Op], float],
+        chunk_seconds: ChunkSeconds | None = None,
+    ):
         self.program = program
         self.layouts = layouts
         self.seconds = seconds
+        self.chunk_seconds = chunk_seconds or (lambda original, copy: seconds(copy))
         self._whole: dict[int, float] = {}
         self._chunk: dict[tuple[int, int], float] = {}
         self._cut: dict[tuple[Value, int], float] = {}
@@ -105,7 +115,8 @@ class _RangeCosts:
                 atom if cut is None else Value(chunk_ops.chunk_aval(atom.aval, cut, n))
                 for atom, cut in zip(op.inputs, how.inputs, strict=True)
             ]
-            self._chunk[key] = self.seconds(chunk_ops.chunk_copy(op, how, n, inputs))
+            copy = chunk_ops.chunk_copy(op, how, n, inputs)
+            self._chunk[key] = self.chunk_seconds(op, copy)
         return self._chunk[key]
 
     def cut(self, value: Value, n: int) -> float:
@@ -205,12 +216,13 @@ def candidates(
     layouts: BatchLayouts,
     seconds: Callable[[Op], float],
     chunk_counts: Sequence[int] = CHUNK_COUNTS,
+    chunk_seconds: ChunkSeconds | None = None,
 ) -> tuple[list[tuple[int, int]], list[RangeCandidate], Callable[[int, int], float]]:
     """The op groups; every range (of one MoE layer's all-to-alls) with every ``n``; and
     the estimate of ops ``[begin, end)`` unpartitioned."""
     groups = op_groups(program)
     consumers = consumers_of(program)
-    costs = _RangeCosts(program, layouts, seconds)
+    costs = _RangeCosts(program, layouts, seconds, chunk_seconds)
     counts = [n for n in chunk_counts if n >= 2 and layouts.batch_size % n == 0]
     exchange_layers = [
         {program.ops[p].layer for p in range(b, e) if program.ops[p].primitive == "all_to_all"}
@@ -295,19 +307,26 @@ def search(
     seconds: Callable[[Op], float],
     chunk_counts: Sequence[int] = CHUNK_COUNTS,
     always: bool = False,
+    chunk_seconds: ChunkSeconds | None = None,
 ) -> list[PartitionChoice]:
     """The ranges to partition, in program order, with their estimates."""
-    groups, found, unpartitioned = candidates(program, layouts, seconds, chunk_counts)
+    groups, found, unpartitioned = candidates(
+        program, layouts, seconds, chunk_counts, chunk_seconds
+    )
     return choose(groups, found, unpartitioned, always)
 
 
 def expert_pipelines(
-    program: Program, layouts: BatchLayouts, n: int, seconds: Callable[[Op], float]
+    program: Program,
+    layouts: BatchLayouts,
+    n: int,
+    seconds: Callable[[Op], float],
+    chunk_seconds: ChunkSeconds | None = None,
 ) -> list[PartitionChoice]:
     """The Tutel-style baseline: each MoE layer from its first forward all-to-all to its
     last, in ``n`` chunks (no search; a layer whose range cannot be chunked is left)."""
     consumers = consumers_of(program)
-    costs = _RangeCosts(program, layouts, seconds)
+    costs = _RangeCosts(program, layouts, seconds, chunk_seconds)
     by_layer: dict[str, list[int]] = {}
     for position, op in enumerate(program.ops):
         if op.primitive == "all_to_all" and op.phase is Phase.FORWARD:

@@ -116,7 +116,9 @@ def schedule(
         best, exchanges = best_lancet_comet(estimates, counts, forced)
     elif policy.name == "expert_pipeline":
         assert layouts is not None and policy.partition_chunks is not None
-        pipelines = expert_pipelines(program, layouts, policy.partition_chunks, cost.seconds)
+        pipelines = expert_pipelines(
+            program, layouts, policy.partition_chunks, cost.seconds, cost.chunk_seconds
+        )
         best = estimates(pipelines, pack_dw=False)
     elif policy.name == "lancet" and not experimental.partition_always:
         best = best_lancet(estimates, counts)

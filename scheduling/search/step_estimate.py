@@ -47,9 +47,11 @@ def node_seconds(
 
 def estimate(graph: Graph, order: Order | Sequence[int], cost: CostModel) -> Timeline:
     """The simulated timeline of ``graph`` run in ``order`` (an
-    :class:`~scheduling.order.list_scheduler.Order` or a list of node ids) under ``cost``."""
+    :class:`~scheduling.order.list_scheduler.Order` or a list of node ids) under ``cost``,
+    which prices the kernels of the graph's program (a partitioned one's its own) where it
+    is bound to the program the graph was made from."""
     nodes = order.nodes if isinstance(order, Order) else list(order)
-    return simulate(graph, nodes, node_seconds(cost))
+    return simulate(graph, nodes, node_seconds(cost.rebound(graph.program)))
 
 
 def exposed_all_to_all(graph: Graph, timeline: Timeline) -> float:
@@ -115,7 +117,9 @@ class StepEstimates:
         self.program = program
         self.layouts = layouts
         self.policy = policy
+        self.cost = cost
         self.seconds_of_op = cost.seconds
+        self.seconds_of_chunk = cost.chunk_seconds
         self.seconds = node_seconds(cost)
         self._memo: dict[tuple, StepEstimate] = {}
         self._programs: dict[tuple, Program] = {}
@@ -149,7 +153,11 @@ class StepEstimates:
             program = self.partitioned(partitions)
             if decompositions:
                 program = decompose_program(program, list(decompositions))
-            graph, ordered, timeline = schedule_program(program, self.policy, self.seconds, pack_dw)
+            # A partitioned program's kernels are its own: the model bound to it prices them.
+            seconds = self.seconds
+            if program is not self.program:
+                seconds = node_seconds(self.cost.rebound(program))
+            graph, ordered, timeline = schedule_program(program, self.policy, seconds, pack_dw)
             self._memo[key] = StepEstimate(
                 list(partitions), pack_dw, graph, ordered, timeline, list(decompositions)
             )

@@ -12,10 +12,9 @@ from scheduling import (
     SchedulePolicy,
     batch_inputs,
     cost_model,
+    estimate,
     exposed_all_to_all,
-    node_seconds,
     schedule,
-    simulate,
 )
 
 
@@ -63,7 +62,7 @@ def test_table_leaves_unmeasured_cluster_figures_out():
 
 def _step_and_exposed_all_to_all(program, policy, cost, batch):
     scheduled = schedule(program, policy, cost, batch)
-    timeline = simulate(scheduled.graph, scheduled.order.nodes, node_seconds(cost))
+    timeline = estimate(scheduled.graph, scheduled.order, cost)
     return timeline.step_seconds, exposed_all_to_all(scheduled.graph, timeline)
 
 

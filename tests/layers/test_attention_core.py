@@ -198,6 +198,21 @@ def test_the_blockwise_loop_runs_chunk_by_chunk_of_the_batch(n):
     assert loops == 2  # the forward loop and the backward's (one phase here: no AD stacks)
 
 
+def test_under_recomputation_both_loops_are_captured():
+    """Differentiated under ``jax.checkpoint`` (``model.recompute``), the core's forward
+    rule is evaluated through a call (``eval_jaxpr`` in JAX 0.12): capture inlines it, so
+    that the scheduler sees and prices the forward loop and its recomputation."""
+    core = AttentionCore("blockwise", block=8)
+    query, key, value = operands(2, 32, 2, 2, 8)
+    recomputed = jax.checkpoint(lambda q, k, v: jnp.sum(core(q, k, v) ** 2))
+    closed = jax.make_jaxpr(jax.grad(recomputed, argnums=(0, 1, 2)))(query, key, value)
+    assert "eval_jaxpr" in {eqn.primitive.name for eqn in closed.jaxpr.eqns}
+    inputs = [Value(var.aval) for var in closed.jaxpr.invars]
+    ops, _ = inline_jaxpr(closed, inputs, "", Phase.FORWARD)
+    assert not [op for op in ops if op.is_opaque and op.primitive != "scan"]
+    assert [op.primitive for op in ops].count("scan") == 3  # forward, recomputed, backward
+
+
 def test_auto_resolves_to_blockwise_off_gpu_and_cudnn_is_refused_in_one_line():
     model = ModelConfig(dtype="bfloat16")
     core = resolve_core(model.attention, dtype=jnp.bfloat16, head_dim=32)

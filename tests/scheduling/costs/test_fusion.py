@@ -14,8 +14,10 @@ from jax.sharding import PartitionSpec as P
 from scheduling.costs.cost_model import CostModel, op_flops
 from scheduling.costs.fusion import Fusion, fuses_into_readers
 from scheduling.names import ONE_KERNEL_SCOPE
+from scheduling.passes.chunk_ops import chunk_aval, chunk_copy
 from scheduling.profiles import PROFILES, DeviceProfile
-from scheduling.program.capture import aval_bytes, capture
+from scheduling.program.capture import Value, aval_bytes, capture
+from scheduling.program.partition_rules import Split, chunking
 from tests.scheduling.toys import mesh_x, sds
 
 ROWS, COLS = 64, 32
@@ -66,6 +68,34 @@ def test_a_value_a_matmul_reads_gets_a_buffer():
     assert fusion.bytes(ops["tanh"]) == 2 * ROWS * COLS * F32
     dot = ops["dot_general"]
     assert fusion.bytes(dot) == (ROWS * COLS + COLS * COLS + ROWS * COLS) * F32
+
+
+def test_a_chunk_copy_is_fused_as_the_op_it_copies():
+    """The forward partition's search prices chunk copies before their program exists:
+    each as its original is fused (a fused op's copy moves nothing and launches nothing),
+    its traffic scaled by what the copy reads and writes (the weight whole, half the rows)."""
+    program = _program(lambda x, w: jnp.tanh(x * 3.0) @ w, (ROWS, COLS), (COLS, COLS))
+    bound = CostModel(FUSING, {"x": 8}).bound_to(program)
+    ops = _by_primitive(program)
+
+    def half(op):
+        how = chunking(op, [Split(0)] + [None] * (len(op.inputs) - 1), [frozenset()] * 2)
+        inputs = [
+            Value(chunk_aval(a.aval, 0, 2)) if cut is not None else a
+            for a, cut in zip(op.inputs, how.inputs, strict=True)
+        ]
+        return chunk_copy(op, how, 2, inputs)
+
+    mul, dot = ops["mul"], ops["dot_general"]
+    assert bound.chunk_seconds(mul, half(mul)) == pytest.approx(bound.arithmetic_seconds(half(mul)))
+    assert bound.seconds(half(mul)) > FUSING.op_overhead_s  # unknown to the fusion: a kernel
+    whole = (ROWS * COLS + COLS * COLS + ROWS * COLS) * F32
+    part = (ROWS * COLS // 2 + COLS * COLS + ROWS * COLS // 2) * F32
+    assert bound.chunk_seconds(dot, half(dot)) == pytest.approx(
+        max(bound.arithmetic_seconds(half(dot)), part / FUSING.memory_bytes_per_s)
+        + FUSING.op_overhead_s
+    )
+    assert part < whole
 
 
 def test_an_expensive_value_read_twice_is_computed_once():

@@ -32,6 +32,7 @@ CALL_LIKE = (
     "jit",
     "pjit",
     "closed_call",
+    "eval_jaxpr",
     "remat2",
     "checkpoint",
     "custom_jvp_call",

@@ -27,9 +27,10 @@ PROGRAMS = {name: toys.program(loss) for name, loss in LOSSES.items()}
 
 
 def _rank(program, policy: SchedulePolicy, cost: CostModel) -> tuple[float, float]:
-    cost = cost.bound_to(program)  # as schedule() prices it: the program's kernels
+    cost = cost.bound_to(program)  # as schedule() prices it: the program's kernels,
     scheduled = schedule(program, policy, cost, batch_inputs(program, (1,)))
-    timeline = simulate(scheduled.graph, scheduled.order.nodes, node_seconds(cost))
+    priced = cost.rebound(scheduled.graph.program)  # and a partitioned program's its own
+    timeline = simulate(scheduled.graph, scheduled.order.nodes, node_seconds(priced))
     return timeline.step_seconds, exposed_all_to_all(scheduled.graph, timeline)
 
 
