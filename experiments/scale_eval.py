@@ -80,10 +80,11 @@ LEFT_OUT = [
     "it has nothing to cut, so `lancet` schedules as `dw` does there, and the forward "
     "pass's exchanges hide only behind what happens to be ready beside them (the best "
     "mappings' waits above). Cutting along the sequence's tokens instead is not built. "
-    "Nor does it cut a range at the recipes (two and four sequences a device): the batch "
-    "layouts it follows from the step's inputs stop at the flash attention core the "
-    "planner traces, a `lax.scan` over tiles, for which it has no partition rule "
-    "(cuDNN's attention, which a GPU step runs, has one).",
+    "At the recipes (two and four sequences a device) it cuts ranges through the flash "
+    "attention core the planner traces, a `lax.scan` over tiles that each chunk runs "
+    "rebuilt at its size (scheduling/program/batch_layout.py); a range then reassembles "
+    "the values read after it, the backward pass's among them, from its chunks, a copy "
+    "the estimate charges.",
     "Everything here is simulated: step times are the scheduler's cost model and "
     "two-stream simulator on the H100 profile, not runs on H100s; memory is the walk of "
     "the traced per-device step (part 2 checks it against XLA:CPU), not a GPU's.",
