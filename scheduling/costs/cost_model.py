@@ -400,8 +400,13 @@ class CostModel:
 
     def _kernel_seconds(self, op: Op, fusion: Fusion | None) -> float:
         moved = op_bytes(op) if fusion is None else fusion.bytes(op)
-        roofline = max(self.arithmetic_seconds(op), moved / self.profile.memory_bytes_per_s)
-        return roofline + (self.profile.op_overhead_s if self.launches(op) else 0.0)
+        return self._kernel(self.arithmetic_seconds(op), moved, self.launches(op))
+
+    def _kernel(self, arithmetic: float, moved: float, launches: bool) -> float:
+        """One kernel's seconds: the roofline of its arithmetic and the bytes it moves, and
+        the profile's launch cost where it launches."""
+        roofline = max(arithmetic, moved / self.profile.memory_bytes_per_s)
+        return roofline + (self.profile.op_overhead_s if launches else 0.0)
 
     def _control_flow_seconds(self, op: Op, fusion: Fusion | None) -> float:
         """A control-flow op: in a one-kernel scope on a profile with ``fused_kernels``,
@@ -409,9 +414,7 @@ class CostModel:
         each body op priced as a kernel of its body, times how often the body runs."""
         if fusion is not None and self.profile.fused_kernels and kernel_scope(op.name_stack):
             arithmetic = _over_bodies(op, self.arithmetic_seconds)
-            moved = fusion.bytes(op) / self.profile.memory_bytes_per_s
-            overhead = self.profile.op_overhead_s if fusion.launches(op) else 0.0
-            return max(arithmetic, moved) + overhead
+            return self._kernel(arithmetic, fusion.bytes(op), fusion.launches(op))
         bodies = [
             repeats * sum(model.seconds(inner) for inner in ops)
             for ops, repeats, model in self.bodies(op)
@@ -554,8 +557,7 @@ class CostModel:
             arithmetic = _over_bodies(copy, self.arithmetic_seconds)
         else:
             arithmetic = self.arithmetic_seconds(copy)
-        launch = self.profile.op_overhead_s if fusion.launches(original) else 0.0
-        return max(arithmetic, moved / self.profile.memory_bytes_per_s) + launch
+        return self._kernel(arithmetic, moved, fusion.launches(original))
 
     def _seconds(self, op: Op) -> float:
         if op.is_collective or op.primitive == "ragged_all_to_all":
