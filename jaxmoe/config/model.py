@@ -54,10 +54,10 @@ class ModelConfig:
     # The backward pass recomputes this instead of keeping its activations: "none" (the
     # norms and activations keep only their inputs: jaxmoe/layers/input_kept.py),
     # "attention" (the dense core's softmax weights, O(seq^2) per head; the blockwise and
-    # cuDNN cores never keep them), "matmuls" (all but the matmuls' and the exchanges'
-    # results: norms, activations, the attention core), "matmuls_offload" (the same, what
-    # is kept held in host memory: GPU and TPU), or "layer" (every block from its input,
-    # which is all a block keeps). jaxmoe/layers/recompute.py.
+    # cuDNN cores never keep them), "matmuls" (all but the results of the matmuls, the
+    # exchanges and the flash attention core: norms, activations), "matmuls_offload" (the
+    # same, what is kept held in host memory: GPU and TPU), or "layer" (every block from its
+    # input, which is all a block keeps). jaxmoe/layers/recompute.py.
     recompute: str = "none"
     # The attention core (jaxmoe/layers/attention_core.py): "auto" (cuDNN's flash
     # attention on a GPU that takes the shapes, else blockwise), "blockwise" (flash

@@ -47,7 +47,6 @@ from jaxmoe.config import ModelConfig
 from jaxmoe.config.layout import TENSOR, TENSOR_IF_DIVIDES
 from jaxmoe.layers.attention_core import AttentionCore, resolve_core
 from jaxmoe.layers.parallel_linear import HeadProjection, RowParallelLinear
-from jaxmoe.layers.recompute import CORE_RECOMPUTED
 from jaxmoe.layers.rotary import rotate
 from jaxmoe.parallel.mesh import role_axes
 from jaxmoe.parallel.tensor_parallel import gather_sequence, tensor_group_size
@@ -74,9 +73,7 @@ def model_core(
 ) -> tuple[AttentionCore, bool]:
     """The attention core of ``model`` (query and value widths, tile, window; how a context
     group exchanges keys and values, ``parallel.context_exchange``), and whether
-    the layer recomputes it: the dense core's weights under ``recompute="attention"``, any
-    core inside a block that keeps its matmuls (:mod:`jaxmoe.layers.recompute`), whose own
-    scores are matmuls too."""
+    the layer recomputes it: the dense core's weights under ``recompute="attention"``."""
     core = resolve_core(
         model.attention,
         dtype=dtype,
@@ -86,10 +83,7 @@ def model_core(
         window=model.sliding_window,
         context_exchange=context_exchange,
     )
-    recompute = (model.recompute == "attention" and core.keeps_scores) or (
-        model.recompute in CORE_RECOMPUTED
-    )
-    return core, recompute
+    return core, model.recompute == "attention" and core.keeps_scores
 
 
 def kv_heads_split(kv_heads: int) -> bool:

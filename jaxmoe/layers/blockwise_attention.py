@@ -12,6 +12,9 @@ unnormalised output ``acc``, all float32; each key tile rescales them by
 query row. Backward (a ``jax.custom_vjp``): from those two alone, each tile's weights
 ``exp(s - lse)`` are recomputed and give the tile's share of ``dq``, ``dk`` and ``dv``:
 the scores are computed twice, as in every flash attention, and never stored.
+The forward
+pass names those two :data:`RESIDUALS`: a recomputation policy that keeps matmuls' results
+keeps them too (:mod:`jaxmoe.layers.recompute`), and with them nothing of the loop.
 
 The tiles visited are a static list of ``(query tile, key tile)`` pairs, run by one
 ``lax.scan``; a sequence no longer than a block is one tile, computed inline with no
@@ -43,7 +46,12 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
+# The name of what the forward pass keeps for the backward pass beyond its operands: the
+# output and the rows' log-sum-exp. A checkpoint policy that keeps nothing of a loop's
+# iterations must keep these: else the backward pass runs the loop again to make them.
+RESIDUALS = "flash_attention_residuals"
 # The score of a masked position: far below any real score, yet finite, so that a row
 # whose every position so far is masked never computes ``inf - inf``.
 MASKED = -1e30
@@ -569,7 +577,7 @@ def _attention_forward(
     tiles: Tiling, query, key, value, query_positions, query_segment, key_segment
 ):
     out, lse = _forward(tiles, query, key, value, query_positions, query_segment, key_segment)
-    result = out.astype(query.dtype)
+    result, lse = checkpoint_name((out.astype(query.dtype), lse), RESIDUALS)
     operands = (query, key, value, query_positions, query_segment, key_segment)
     return result, (*operands, result, lse)
 

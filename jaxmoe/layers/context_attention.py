@@ -35,8 +35,9 @@ FlashAttention's online softmax merges tiles, in float32.
 
 The derivative is the ring's own (a ``jax.custom_vjp``), as in ring flash attention: the
 forward pass keeps this device's queries, keys and values, the merged output and its
-rows' log-sum-exp, nothing of a piece; the backward pass exchanges the blocks again and
-computes each piece's gradients from the merged rows
+rows' log-sum-exp (the last two named
+:data:`~jaxmoe.layers.blockwise_attention.RESIDUALS`), nothing of a piece; the backward
+pass exchanges the blocks again and computes each piece's gradients from the merged rows
 (:func:`~jaxmoe.layers.blockwise_attention.attention_gradients`). Each block's ``dk`` and
 ``dv`` travel around the ring with it, each device adding its pieces' shares, and one more
 step takes them home; under ``all_gather`` they are reduce-scattered home. Kept by
@@ -54,10 +55,16 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxmoe.config.choices import CONTEXT_EXCHANGES
 from jaxmoe.config.layout import CONTEXT
-from jaxmoe.layers.blockwise_attention import MASKED, attention_gradients, attention_with_lse
+from jaxmoe.layers.blockwise_attention import (
+    MASKED,
+    RESIDUALS,
+    attention_gradients,
+    attention_with_lse,
+)
 from jaxmoe.parallel.mesh import role_axes
 from jaxmoe.parallel.sequence_split import context_chunks, context_index, context_size
 from scheduling.names import ONE_KERNEL_SCOPE
@@ -273,7 +280,7 @@ def _attend(ring: _Ring, query, key, value, segment_ids):
 
 def _attend_forward(ring: _Ring, query, key, value, segment_ids):
     out, lse = _forward(ring, query, key, value, segment_ids)
-    result = out.astype(query.dtype)
+    result, lse = checkpoint_name((out.astype(query.dtype), lse), RESIDUALS)
     return result, (query, key, value, segment_ids, result, lse)
 
 

@@ -27,16 +27,22 @@ pass, as it does without recomputation. Such a call names the values it gathers
 results, and would otherwise keep every block's gathered parameters to the backward pass.
 
 ``"matmuls"`` (MaxText's ``minimal`` remat policy) keeps the results of a block's
-matmuls (projections, FFNs, the experts' grouped GEMMs) and of its exchanges (the
-all-to-alls, the tensor-parallel gathers and reduce-scatters) and recomputes the rest:
-norms, activations, routing, the attention core (run under a checkpoint of its own, so
-that none of its scores is kept, whatever the core), so the backward pass repeats no
-matmul but the attention core's and no collective. ``"matmuls_offload"`` keeps the same
-values in host memory (``pinned_host``), copied out in the forward pass and back in the
-backward one: a block then holds on the device only its input, as under ``"layer"``,
-without recomputing its matmuls. It needs a backend with pinned host memory
-(:func:`offload_available`: GPU, TPU, and XLA:CPU as of jax 0.12, where host and device
-memory are one and the policy computes the same values).
+matmuls (projections, FFNs, the experts' grouped GEMMs), of its exchanges (the
+all-to-alls, the tensor-parallel gathers and reduce-scatters) and of its flash attention
+core (its output and rows' log-sum-exp, :data:`~jaxmoe.layers.blockwise_attention.
+RESIDUALS`, or cuDNN's fused forward pass) and recomputes the rest: norms, activations,
+routing. So the backward pass repeats no matmul and no collective, and the flash core's
+backward pass recomputes its scores tile by tile, as it always does. The core's residuals
+must be kept by name: JAX applies a checkpoint's policy inside every checkpoint nested in
+it, and recomputing the blockwise core's loop under this policy would keep the scores of
+every tile, the matmuls of its iterations (4 GB a layer for Qwen2-57B-A14B at four
+sequences of 4096). The dense core's scores are a matmul's result, and ``"matmuls"``
+keeps them (it is the reference core; ``"attention"`` recomputes it).
+``"matmuls_offload"`` keeps the same values in host memory (``pinned_host``), copied out
+in the forward pass and back in the backward one: a block then holds on the device only
+its input, as under ``"layer"``, without recomputing its matmuls. It needs a backend with
+pinned host memory (:func:`offload_available`: GPU, TPU, and XLA:CPU as of jax 0.12,
+where host and device memory are one and the policy computes the same values).
 
 ``"attention"`` (selective, Megatron-Core's default) recomputes the dense core attention
 only (:mod:`jaxmoe.layers.attention`); the flash cores keep nothing to recompute.
@@ -51,6 +57,7 @@ import jax
 import jax.ad_checkpoint
 from flax import nnx
 
+from jaxmoe.layers.blockwise_attention import RESIDUALS as FLASH_RESIDUALS
 from jaxmoe.layers.fp8 import PRODUCT as FP8_PRODUCT
 
 # How a block is called: ``(block, index, *args) -> block's outputs``.
@@ -79,15 +86,22 @@ KEPT_PRIMITIVES = frozenset(
     {"dot_general", "ragged_dot_general", "all_to_all", "ragged_all_to_all", "all_gather",
      "reduce_scatter", "psum", "psum_invariant", "ppermute"}
 )  # fmt: skip
+# cuDNN's fused attention forward pass as JAX binds it (jax.nn.dot_product_attention): its
+# output and softmax statistics, the residuals of its backward pass.
+CUDNN_ATTENTION_FORWARD = frozenset(
+    {"dot_product_attention_fwd", "dot_product_attention_fwd_wrapper"}
+)
+# The values "matmuls" keeps by name: FP8 products (their dots sit in a custom_vjp,
+# jaxmoe/layers/fp8.py) and the flash cores' residuals.
+KEPT_NAMES = frozenset({FP8_PRODUCT, FLASH_RESIDUALS})
 HOST = "pinned_host"
 
 
 def _kept(primitive: Any, params: dict[str, Any]) -> bool:
-    """A matmul's or an exchange's result, or an FP8 product's (named: its dots sit in a
-    ``custom_vjp``, :mod:`jaxmoe.layers.fp8`)."""
+    """A matmul's, an exchange's or a flash attention's result (by primitive or by name)."""
     if primitive.name == "name":
-        return params.get("name") == FP8_PRODUCT
-    return primitive.name in KEPT_PRIMITIVES
+        return params.get("name") in KEPT_NAMES
+    return primitive.name in KEPT_PRIMITIVES or primitive.name in CUDNN_ATTENTION_FORWARD
 
 
 def _keeps_matmuls(primitive: Any, *_: Any, **params: Any) -> bool:
@@ -106,8 +120,6 @@ POLICIES = {
     "matmuls": _keeps_matmuls,
     "matmuls_offload": _offloads_matmuls,
 }
-# The recomputations under which the attention core runs under a checkpoint of its own.
-CORE_RECOMPUTED = frozenset({"matmuls", "matmuls_offload"})
 
 
 def offload_available() -> bool:

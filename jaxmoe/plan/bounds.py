@@ -528,10 +528,10 @@ def _parameters(program: Program, inputs: Sequence[Value] | None = None) -> set[
 
 
 def _kept_by_matmuls(op: Any, parameters: set[Value]) -> bool:
-    """Whether ``matmuls`` keeps what ``op`` makes: a matmul of a weight (the attention
-    core's matmuls of two activations run under a checkpoint of their own, kept by none)
-    or an exchange (:data:`jaxmoe.layers.recompute.KEPT_PRIMITIVES`). An FP8 product's
-    matmuls are left out: a lower bound may keep less."""
+    """Whether ``matmuls`` keeps what ``op`` makes: a matmul of a weight or an exchange
+    (:data:`jaxmoe.layers.recompute.KEPT_PRIMITIVES`). An FP8 product's matmuls, the flash
+    cores' residuals and the dense core's scores are left out: a lower bound may keep
+    less."""
     if op.primitive not in KEPT_PRIMITIVES:
         return False
     if op.primitive in ("dot_general", "ragged_dot_general"):

@@ -1,11 +1,12 @@
-"""``model.recompute="matmuls"`` (and ``"matmuls_offload"``): a block keeps its matmuls'
-and exchanges' results and recomputes the rest, the attention core included.
+"""``model.recompute="matmuls"`` (and ``"matmuls_offload"``): a block keeps its matmuls',
+exchanges' and flash attention core's results and recomputes the rest.
 
 It trains as ``"none"`` does (the same tolerances as tests/layers/test_recompute_layer.py:
 the losses over the steps 2e-6 relative, the parameters lr / 200). In the captured step
-the backward pass repeats no collective and no matmul but the attention core's; the
-values it keeps for the backward pass lie between full recomputation's and none's, and
-so does the memory walk's peak. The offloading policy keeps the same values, in host
+the backward pass repeats no collective and no matmul; the values it keeps for the
+backward pass lie between full recomputation's and none's, and so does the memory walk's
+peak; of a blockwise core that loops over tiles it keeps no more than ``"none"`` does
+(nothing of the loop's iterations). The offloading policy keeps the same values, in host
 memory, and computes the same step.
 """
 
@@ -20,15 +21,15 @@ from jaxmoe.plan.memory import step_memory
 from jaxmoe.train.resolved import resolve
 from jaxmoe.train.scheduled import capture_train_step
 from scheduling import saved_for_backward
-from scheduling.program.capture import Phase
+from scheduling.program.capture import Phase, aval_bytes
 from tests.pipeline.test_pipelined import LR, config, devices, trained
 
 COLLECTIVES = {"all_to_all", "all_gather", "reduce_scatter", "psum", "ppermute"}
 
 
 @functools.cache
-def _program(recompute: str):
-    each = config("plain", recompute=recompute, microbatches=1)
+def _program(recompute: str, **model_fields):
+    each = config("plain", recompute=recompute, microbatches=1, **model_fields)
     return capture_train_step(resolve(each, build_mesh(each.parallel, devices(each))))[0]
 
 
@@ -54,14 +55,34 @@ def test_keeping_matmuls_trains_as_keeping_everything():
 
 
 @pytest.mark.parametrize("recompute", ["matmuls", "matmuls_offload"])
-def test_the_backward_pass_repeats_no_collective_and_only_the_core_attentions_matmuls(recompute):
+def test_the_backward_pass_repeats_no_collective_and_no_matmul(recompute):
     program, plain = _program(recompute), _program("none")
     assert len(_backward(program, COLLECTIVES)) == len(_backward(plain, COLLECTIVES))
     recomputed = [op for op in program.ops if "rematted_computation" in op.name_stack]
-    assert recomputed  # norms, activations, routing, the core
-    assert all(
-        "attention_core" in op.name_stack for op in recomputed if op.primitive == "dot_general"
-    )
+    assert recomputed  # norms, activations, routing
+    assert not [op for op in recomputed if op.primitive == "dot_general"]
+
+
+def _kept_of_the_core(program) -> int:
+    """Bytes the backward pass reads of what the attention cores' forward passes made."""
+    made = {value: op for op in program.ops if op.phase is Phase.FORWARD for value in op.outputs}
+    kept = {
+        value
+        for op in program.ops
+        if op.phase is Phase.BACKWARD
+        for value in op.inputs
+        if value in made and "attention_core" in made[value].name_stack
+    }
+    return sum(aval_bytes(value.aval) for value in kept)
+
+
+def test_a_blockwise_loop_keeps_nothing_of_its_tiles():
+    # Four tiles of four positions, ten visited: a policy that keeps matmuls' results
+    # applies inside the core's loop too, and would keep every tile's scores unless the
+    # core's output and log-sum-exp were kept by name.
+    tiled = dict(attention_block=4)
+    kept = {r: _kept_of_the_core(_program(r, **tiled)) for r in ("none", "matmuls")}
+    assert 0 < kept["matmuls"] <= kept["none"]
 
 
 def test_what_a_block_keeps_lies_between_full_recomputation_and_none():
