@@ -47,6 +47,7 @@ output on after one forward).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -183,3 +184,10 @@ def chunk_layers(num_layers: int, stages: int, virtual: int) -> int:
 def chunk_layer(layer_in_chunk: int, chunk: int, per_chunk: int) -> int:
     """The model's layer index of a chunk's ``layer_in_chunk``-th layer."""
     return chunk * per_chunk + layer_in_chunk
+
+
+@functools.cache
+def tick_table(stages: int, virtual: int, microbatches: int) -> TickTable:
+    """The :class:`TickTable` of this shape, its ticks built once: the planner bounds
+    thousands of pipelined option sets on a few shapes."""
+    return TickTable(stages, virtual, microbatches)

@@ -80,7 +80,7 @@ from jaxmoe.layers.norms import SCOPE as NORM_SCOPE
 from jaxmoe.layers.recompute import KEPT_PRIMITIVES
 from jaxmoe.parallel.zero import GATHER_SCOPE
 from jaxmoe.pipeline.microbatches import in_flight as in_flight_of
-from jaxmoe.pipeline.ticks import TickTable
+from jaxmoe.pipeline.ticks import tick_table
 from jaxmoe.plan.memory import backward_start, recomputed_for_backward
 from jaxmoe.plan.options import Options
 from scheduling import CostModel, Phase, Program, Value, aval_bytes
@@ -230,7 +230,7 @@ class Screen:
         padded = self._padded(stages, virtual)
         block, block_fixed = block * padded, block_fixed * padded
         outside_fixed += self.on_parameters.outside
-        ticks = TickTable(stages, virtual, options.microbatches).busy_forward_ticks
+        ticks = tick_table(stages, virtual, options.microbatches).busy_forward_ticks
         return (
             max(block - block_fixed, 0.0) * ticks / (options.microbatches * virtual)
             + block_fixed / traced * ticks / (stages * virtual)
@@ -332,7 +332,7 @@ class Screen:
         over the microbatches, no more than the traced step's counted)."""
         if not self.keeps_at_least(options):
             return state
-        schedule = TickTable(stages, virtual, options.microbatches)
+        schedule = tick_table(stages, virtual, options.microbatches)
         first = next(tick.index for tick in schedule.ticks if tick.has_backward)
         held = sum(tick.has_forward for tick in schedule.ticks[: first + 1])
         rows = min(1.0, stages * self.options.microbatches / options.microbatches)
