@@ -86,11 +86,10 @@ KEPT_PRIMITIVES = frozenset(
     {"dot_general", "ragged_dot_general", "all_to_all", "ragged_all_to_all", "all_gather",
      "reduce_scatter", "psum", "psum_invariant", "ppermute"}
 )  # fmt: skip
-# cuDNN's fused attention forward pass as JAX binds it (jax.nn.dot_product_attention): its
-# output and softmax statistics, the residuals of its backward pass.
-CUDNN_ATTENTION_FORWARD = frozenset(
-    {"dot_product_attention_fwd", "dot_product_attention_fwd_wrapper"}
-)
+# cuDNN's fused attention forward pass as jax.nn.dot_product_attention's custom_vjp binds it
+# in training: its results are the output and the softmax statistics, the residuals of its
+# backward pass.
+CUDNN_ATTENTION_FORWARD = frozenset({"dot_product_attention_fwd_wrapper"})
 # The values "matmuls" keeps by name: FP8 products (their dots sit in a custom_vjp,
 # jaxmoe/layers/fp8.py) and the flash cores' residuals.
 KEPT_NAMES = frozenset({FP8_PRODUCT, FLASH_RESIDUALS})
