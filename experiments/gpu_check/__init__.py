@@ -14,7 +14,9 @@ recorded with its error, and the others still run:
   ``dk``, ``dv`` (``jax.vjp`` with one fixed random cotangent) against the dense core in
   float32 at the highest matmul precision (largest absolute difference); forward plus
   backward timed, the cores round-robin, so that each ratio to cuDNN is of two
-  measurements taken side by side.
+  measurements taken side by side. And how many of a flash core's forward passes the
+  backward pass runs again under ``model.recompute matmuls``'s policy (0 where the policy
+  keeps its residuals, as it keeps cuDNN's by its forward primitive).
 - **gemm**: bfloat16 matmuls, square (1024 to 8192) and two MoE expert shapes (tokens x
   d_model @ d_model x d_ff): TFLOP/s and the fraction of the device's dense datasheet
   peak (:func:`jaxmoe.plan.mfu.datasheet_peak_tflops`); the same products with

@@ -1,6 +1,8 @@
 """The attention section: the attention cores (cuDNN's flash attention, blockwise at two
 block sizes, dense below a size of its scores) against the dense core in float32, and
-their forward plus backward times, round-robin, without and with packed documents."""
+their forward plus backward times, round-robin, without and with packed documents; and
+whether the backward pass runs a flash core's forward pass again under ``model.recompute
+matmuls``'s policy (0: the policy keeps its residuals)."""
 
 from __future__ import annotations
 
@@ -46,6 +48,64 @@ def measure(setup: Setup, budget: Budget, found: dict[str, Any]) -> dict[str, An
         if segments is not None:
             entry["documents"] = int(segments.max()) + 1
         _attention_variant(setup, budget, operands, segments, entry)
+    found["forwards_under_matmuls"] = _forwards_under_matmuls(setup, operands)
+    return found
+
+
+# The primitive of each flash core's forward pass, as traced: cuDNN's fused kernel, the
+# blockwise core's loop over tiles (its backward pass is a loop too: what counts is the
+# loops a policy adds to the gradient without one).
+FORWARD_PRIMITIVES = {"cudnn": "dot_product_attention_fwd_wrapper", "blockwise": "scan"}
+
+
+def _forwards_under_matmuls(setup: Setup, operands: tuple) -> dict[str, Any]:
+    """For each flash core that runs here: how many more of its forward passes the traced
+    gradient of a block-like function holds checkpointed with ``"matmuls"``'s policy than
+    without a checkpoint (the passes its backward pass runs again)."""
+    import jax
+
+    from jaxmoe.layers.attention_core import cudnn_takes
+    from jaxmoe.layers.recompute import POLICIES
+
+    cores, _ = _cores(setup, cudnn_takes(operands[0].dtype, operands[0].shape[-1]))
+    again: dict[str, Any] = {}
+    for name, core in cores.items():
+        kind = name.split("_")[0]
+        if kind not in FORWARD_PRIMITIVES or kind in again:
+            continue
+
+        def block(q, k, v, core=core):
+            return (core(q, k, v).astype(q.dtype) ** 2).sum()
+
+        def forwards(function: Callable, kind: str = kind) -> int:
+            traced = jax.make_jaxpr(jax.grad(function, argnums=(0, 1, 2)))(*operands[:3])
+            return _count(traced.jaxpr, FORWARD_PRIMITIVES[kind])
+
+        try:
+            again[kind] = forwards(jax.checkpoint(block, policy=POLICIES["matmuls"])) - forwards(
+                block
+            )
+        except Exception as error:  # a core that cannot be traced here is a finding
+            again[kind] = error_text(error)
+    return again
+
+
+def _count(jaxpr: Any, primitive: str) -> int:
+    """Equations of ``primitive`` in ``jaxpr`` and every jaxpr nested in it (a loop counts
+    once, not its body's)."""
+    import jax
+
+    found = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == primitive:
+            found += 1
+            continue
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, tuple | list) else (value,):
+                if isinstance(inner, jax.extend.core.ClosedJaxpr):
+                    found += _count(inner.jaxpr, primitive)
+                elif isinstance(inner, jax.extend.core.Jaxpr):
+                    found += _count(inner, primitive)
     return found
 
 
@@ -243,4 +303,12 @@ def report(found: dict[str, Any]) -> list[str]:
             )
         lines += [f"- {name} not run: {why}" for name, why in entry.get("skipped", {}).items()]
         lines.append("")
+    forwards = found.get("forwards_under_matmuls", {})
+    if forwards:
+        lines += [
+            "Forward passes of each flash core that the backward pass runs again under "
+            "`model.recompute matmuls`'s policy (0: its residuals kept): "
+            + ", ".join(f"{kind} {count}" for kind, count in forwards.items()),
+            "",
+        ]
     return lines

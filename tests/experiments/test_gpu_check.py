@@ -46,6 +46,8 @@ def test_attention_compares_every_core_that_runs_with_the_float32_reference(dry_
             assert max(result["max_abs_diff"].values()) < 1e-4  # float32 throughout
             assert len(result["seconds"]["values"]) == 1 and result["ratio"]["median"] > 0
     assert attention["variants"]["packed"]["documents"] == 5
+    # Under "matmuls" the blockwise core's forward loop runs once: its residuals are kept.
+    assert attention["forwards_under_matmuls"] == {"blockwise": 0}
 
 
 def test_gemm_times_bf16_and_fp8_side_by_side(dry_run):
