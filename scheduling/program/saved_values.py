@@ -16,7 +16,9 @@ memory), and it needs working buffers for the op that runs at the peak (more).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from scheduling.program.capture import Phase, Program, Value, aval_bytes
 
@@ -29,9 +31,17 @@ class SavedValues:
     bytes: int
 
 
-def saved_for_backward(program: Program) -> SavedValues:
-    """The values made by forward-phase ops and read by backward-phase ops, each once."""
-    forward = {value for op in program.ops if op.phase is Phase.FORWARD for value in op.outputs}
+def saved_for_backward(
+    program: Program, made_by: Callable[[Any], bool] | None = None
+) -> SavedValues:
+    """The values made by forward-phase ops (those ``made_by`` accepts, where given) and
+    read by backward-phase ops, each once."""
+    forward = {
+        value
+        for op in program.ops
+        if op.phase is Phase.FORWARD and (made_by is None or made_by(op))
+        for value in op.outputs
+    }
     saved = {
         atom
         for op in program.ops

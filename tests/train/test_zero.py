@@ -32,8 +32,8 @@ from jaxmoe.train.checkpoint import RunCheckpoints
 from jaxmoe.train.resolved import resolve
 from jaxmoe.train.scheduled import capture_train_step, scheduled_train_step
 from jaxmoe.train.state import abstract_sharded_state, init_train_state
-from scheduling import Phase
-from scheduling.program.capture import Program, Value
+from scheduling import Phase, saved_for_backward
+from scheduling.program.capture import Program
 from scheduling.program.collective_purpose import collective_purposes
 from tests.train.batches import random_batch
 from tests.train.runs import with_schedule
@@ -257,20 +257,13 @@ def test_a_fully_sharded_step_keeps_no_gathered_block_for_the_backward_pass(reco
     """Also where the recomputation keeps the exchanges' results (matmuls): the blocks'
     gathers are gathered again, not kept (jaxmoe/layers/recompute.py)."""
 
-    def saved_from_gathers(zero: int) -> list[str]:
-        program = captured(zero, recompute)
-        made = {v: op for op in program.ops if op.phase is Phase.FORWARD for v in op.outputs}
-        saved = {
-            value
-            for op in program.ops
-            if op.phase is Phase.BACKWARD
-            for value in op.inputs
-            if isinstance(value, Value) and value in made
-        }
-        return [made[v].layer for v in saved if "param_gather/layer_" in made[v].layer]
+    def saved_from_gathers(zero: int) -> int:
+        return saved_for_backward(
+            captured(zero, recompute), made_by=lambda op: "param_gather/layer_" in op.layer
+        ).count
 
     assert saved_from_gathers(1)  # ZeRO-1 keeps its gathered parameters through the step
-    assert saved_from_gathers(3) == []
+    assert saved_from_gathers(3) == 0
 
 
 # -------------------------------------------------------------------------------------

@@ -56,3 +56,12 @@ def test_a_checkpointed_region_saves_its_input_and_is_recomputed_in_the_backward
     assert saved_for_backward(program) == SavedValues(1, ROWS * HIDDEN * F32)
     tanhs = [op for op in program.ops if op.primitive == "tanh"]
     assert [op.phase for op in tanhs] == [Phase.FORWARD, Phase.BACKWARD]
+
+
+def test_only_what_the_chosen_ops_made_counts():
+    # The gradient of tanh(h) h with h = x @ w reads h, y = tanh(h) and 1 - y^2: choosing
+    # the matmul's results leaves h.
+    program = _program(lambda w, x: jnp.sum(jnp.tanh(x @ w) * (x @ w)))
+    assert saved_for_backward(program).count == 3
+    chosen = saved_for_backward(program, made_by=lambda op: op.primitive == "dot_general")
+    assert chosen == SavedValues(1, ROWS * HIDDEN * F32)
