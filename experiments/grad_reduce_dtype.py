@@ -2,13 +2,15 @@
 ``float32`` against ``bfloat16`` over one run each, the same data, seed and steps.
 
     python -m experiments.grad_reduce_dtype [--preset tiny] [--steps 200] [--data 4]
-        [--expert 2] [--out FILE]
+        [--expert 2] [--zero 0] [--out FILE]
 
 Trains the preset twice with ``jaxmoe train`` on the 8 fake CPU devices of this host,
 ``--data`` replicas (the gradients of every parameter are summed over them; the experts'
-over the replicas of each expert), once per dtype, and compares the training losses
-step by step: the largest and the mean relative difference, and the mean loss of the last
-tenth of the steps of each. Writes ``experiments/results/grad_reduce_dtype.md``.
+over the replicas of each expert), at ZeRO stage ``--zero`` (3: the sums are the
+reduce-scatters in each block's backward pass), once per dtype, and compares the training
+losses step by step: the largest and the mean relative difference, and the mean loss of the
+last tenth of the steps of each. Writes ``experiments/results/grad_reduce_dtype.md`` (with
+``--zero 3``, ``grad_reduce_dtype_zero3.md``).
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ RESULTS = Path(__file__).parent / "results" / "grad_reduce_dtype.md"
 DTYPES = ("float32", "bfloat16")
 
 
-def train(out: Path, preset: str, steps: int, data: int, expert: int, dtype: str) -> list[float]:
+def train(out: Path, args: argparse.Namespace, dtype: str) -> list[float]:
     """The training losses of one run."""
     from jaxmoe.cli.main import main as jaxmoe
 
-    argv = ["train", "--preset", preset, "--steps", str(steps), "--out", str(out)]
-    argv += ["--parallel.data", str(data), "--parallel.expert", str(expert)]
-    argv += ["--train.grad_reduce_dtype", dtype, "--train.eval_every", str(steps)]
+    argv = ["train", "--preset", args.preset, "--steps", str(args.steps), "--out", str(out)]
+    argv += ["--parallel.data", str(args.data), "--parallel.expert", str(args.expert)]
+    argv += ["--train.zero", str(args.zero)]
+    argv += ["--train.grad_reduce_dtype", dtype, "--train.eval_every", str(args.steps)]
     if jaxmoe(argv) != 0:
         raise RuntimeError(f"jaxmoe {' '.join(argv)} failed")
     rows = (out / "metrics.jsonl").read_text().splitlines()
@@ -51,7 +54,8 @@ def render(losses: dict[str, list[float]], args: argparse.Namespace, argv: list[
         f"Command: `{command_line('experiments.grad_reduce_dtype', argv)}`",
         "",
         f"`{args.preset}` for {args.steps} steps on 8 fake CPU devices (data {args.data} x "
-        f"expert {args.expert}), the same data and seed; `train.grad_reduce_dtype` float32 "
+        f"expert {args.expert}), ZeRO-{args.zero}, the same data and seed; "
+        "`train.grad_reduce_dtype` float32 "
         "against bfloat16 (Megatron-Core's `--grad-reduce-in-bf16`). One run each.",
         "",
         "| | float32 sums | bfloat16 sums |",
@@ -76,17 +80,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--data", type=int, default=4)
     parser.add_argument("--expert", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--zero", type=int, default=0, choices=(0, 1, 3))
+    parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    args.out = args.out or (
+        RESULTS if not args.zero else RESULTS.with_stem(f"{RESULTS.stem}_zero{args.zero}")
+    )
     os.environ["XLA_FLAGS"] = " ".join(
         [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]
     ).strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     with tempfile.TemporaryDirectory() as runs:
-        losses = {
-            dtype: train(Path(runs) / dtype, args.preset, args.steps, args.data, args.expert, dtype)
-            for dtype in DTYPES
-        }
+        losses = {dtype: train(Path(runs) / dtype, args, dtype) for dtype in DTYPES}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(render(losses, args, argv))
     print(args.out.read_text())

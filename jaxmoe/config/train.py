@@ -102,8 +102,8 @@ class TrainConfig:
     zero: int = 0
     # The dtype the gradients are summed across replicas in: float32, or bfloat16 (half the
     # bytes on the wire, Megatron-Core's --grad-reduce-in-bf16; the sums are cast back to
-    # float32 for the optimizer). bfloat16 needs grad_sync allreduce, bucketed or
-    # hierarchical, and zero 0 or 1.
+    # float32 for the optimizer; under zero 3, each block's reduce-scatters in its backward
+    # pass too). bfloat16 needs grad_sync allreduce, bucketed or hierarchical.
     grad_reduce_dtype: str = "float32"
 
     def __post_init__(self) -> None:
@@ -181,10 +181,4 @@ class TrainConfig:
                 f"train.grad_reduce_dtype={self.grad_reduce_dtype} with train.grad_sync="
                 f"{self.grad_sync}: that algorithm chooses its own wire format; use "
                 f"{', '.join(choices.REDUCE_AS_GIVEN)}",
-            )
-            require(
-                self.zero != 3,
-                f"train.grad_reduce_dtype={self.grad_reduce_dtype} with train.zero=3: its "
-                "reduce-scatters run inside the backward pass, in float32; use train.zero 0 "
-                "or 1",
             )

@@ -44,7 +44,9 @@ class GatheringCall:
         dtypes = self.plan.unit(self.plan.gather_dtypes, index)
 
         def run(shards: Any, others: Any, args: tuple[Any, ...]) -> Any:
-            gathered = gather_params(shards, layouts, dtypes, f"layer_{index}")
+            gathered = gather_params(
+                shards, layouts, dtypes, f"layer_{index}", self.plan.reduce_dtype
+            )
             states = [gathered, others] if jax.tree.leaves(others) else [gathered]
             return nnx.merge(graphdef, *states)(*args)
 

@@ -39,9 +39,11 @@ are fused into flat buckets, each one ``psum_scatter`` of rows of shards. A para
 gathered in the compute dtype where the model reads it only through one cast to it
 (``gather dtypes``, :func:`jaxmoe.train.state.gather_dtypes`), else in its own dtype;
 its gradient is reduced in the parameter's dtype (float32) either way, as the plain step
-reduces it. Every collective is an equation of the per-device step under a name scope:
-``param_gather/<unit>`` for the gathers (the scheduler's reports call them ``parameter
-all_gather``), ``grad_reduce/...`` for the gradients.
+reduces it, unless ``train.grad_reduce_dtype`` narrows the sums (ZeRO-3's gathers then
+reduce-scatter in that dtype, :attr:`ZeroLayout.reduce_dtype`). Every collective is an
+equation of the per-device step under a name scope: ``param_gather/<unit>`` for the
+gathers (the scheduler's reports call them ``parameter all_gather``), ``grad_reduce/...``
+for the gradients.
 """
 
 from __future__ import annotations
@@ -135,6 +137,10 @@ class ZeroLayout:
     # Where the trees hold the blocks: the model's ``blocks`` (by layer) or a pipeline's
     # ``stage_blocks`` (by chunk position, :mod:`jaxmoe.pipeline.params`).
     blocks_key: str = "blocks"
+    # The dtype a gather's derivative reduce-scatters the gradient in (a name; the
+    # reduced shard is cast back to the parameter's dtype), or None: the parameter's own.
+    # Where the gathers are differentiated: stage 3 (``train.grad_reduce_dtype``).
+    reduce_dtype: str | None = None
 
     def unit(self, tree: PyTree, index: int | None) -> PyTree:
         """The part of ``tree`` (laid out like the parameters) of block ``index``, or with
@@ -157,9 +163,11 @@ def zero_layout(
     model_specs: PyTree,
     mesh_axes: MeshAxes,
     gather_dtypes: PyTree | None = None,
+    reduce_dtype: str | None = None,
 ) -> ZeroLayout:
     """The plan for parameters of ``shapes`` (arrays or ShapeDtypeStructs) laid out by
-    ``model_specs``; ``gather_dtypes`` default to each parameter's own dtype."""
+    ``model_specs``; ``gather_dtypes`` default to each parameter's own dtype, and so does
+    the dtype of their gradients' reduce-scatters (``reduce_dtype``)."""
     if stage not in (1, 3):
         raise ValueError(f"ZeRO stage {stage}: 1 or 3")
     layouts = jax.tree.map(
@@ -170,7 +178,7 @@ def zero_layout(
     specs = jax.tree.map(sharded_spec, model_specs, layouts, is_leaf=_is_spec)
     if gather_dtypes is None:
         gather_dtypes = jax.tree.map(lambda shape: jnp.dtype(shape.dtype).name, shapes)
-    return ZeroLayout(stage, layouts, model_specs, specs, gather_dtypes)
+    return ZeroLayout(stage, layouts, model_specs, specs, gather_dtypes, reduce_dtype=reduce_dtype)
 
 
 # ---------------------------------------------------------------------------------------
@@ -215,10 +223,17 @@ def _reduce_scatter(
 GATHER_NAME = "gather_shards"
 
 
-def gather_param(shard: jax.Array, layout: ShardLayout, dtype: str, scope: str) -> jax.Array:
+def gather_param(
+    shard: jax.Array,
+    layout: ShardLayout,
+    dtype: str,
+    scope: str,
+    reduce_dtype: str | None = None,
+) -> jax.Array:
     """One parameter's shard -> the device's block, in ``dtype``: one all_gather (tiled)
     whose output is the parameter the model reads. Its derivative reduce-scatters the
-    cotangent in the shard's own dtype (float32), as the plain step sums gradients."""
+    cotangent in ``reduce_dtype`` (default: the shard's own, float32, as the plain step
+    sums gradients) and casts the reduced shard to the shard's dtype."""
     if not layout.axes:
         return shard.astype(dtype)
     axes, dim = layout.axes, layout.dim
@@ -232,20 +247,28 @@ def gather_param(shard: jax.Array, layout: ShardLayout, dtype: str, scope: str) 
 
     def backward(_: None, cotangent: jax.Array) -> tuple[jax.Array]:
         with jax.named_scope(f"grad_reduce/{scope}"):
-            reduced = cotangent.astype(shard.dtype)
-            return (jax.lax.psum_scatter(reduced, axes, scatter_dimension=dim, tiled=True),)
+            summed = cotangent.astype(reduce_dtype or shard.dtype)
+            reduced = jax.lax.psum_scatter(summed, axes, scatter_dimension=dim, tiled=True)
+            return (reduced.astype(shard.dtype),)
 
     gather = jax.custom_vjp(gather_shards)
     gather.defvjp(forward, backward)
     return gather(shard)
 
 
-def gather_params(shards: PyTree, layouts: PyTree, dtypes: PyTree, scope: str) -> PyTree:
+def gather_params(
+    shards: PyTree,
+    layouts: PyTree,
+    dtypes: PyTree,
+    scope: str,
+    reduce_dtype: str | None = None,
+) -> PyTree:
     """Per device: the parameters of one unit (``shards`` in the plan's layout) gathered
     over their replicas, each in its gather dtype, one all_gather each (see the module
-    docstring). Inside a shard_map over the whole mesh; differentiable."""
+    docstring). Inside a shard_map over the whole mesh; differentiable, each gradient
+    reduce-scattered in ``reduce_dtype`` (default: its parameter's)."""
     return jax.tree.map(
-        lambda shard, layout, dtype: gather_param(shard, layout, dtype, scope),
+        lambda shard, layout, dtype: gather_param(shard, layout, dtype, scope, reduce_dtype),
         shards,
         layouts,
         dtypes,
@@ -264,6 +287,7 @@ def gather_outside_blocks(shards: PyTree, plan: ZeroLayout) -> PyTree:
         plan.unit(plan.layouts, None),
         plan.unit(plan.gather_dtypes, None),
         OUTSIDE_BLOCKS,
+        plan.reduce_dtype,
     )
     return {**outside, "blocks": shards["blocks"]} if "blocks" in shards else outside
 

@@ -168,7 +168,11 @@ def _zero_layout(
         return None
     shapes = nnx.to_pure_dict(abstract_params)
     dtypes = state.gather_dtypes(config.model, config.moe, config.train.seed)
-    plan = zero_layout(config.train.zero, shapes, model_specs, axes, dtypes)
+    # Stage 3 reduce-scatters each block's gradients inside the backward pass, where its
+    # gathers are differentiated: in train.grad_reduce_dtype there (the other stages' sums
+    # are cast around their gradient sync: ReducedIn).
+    reduce_dtype = config.train.grad_reduce_dtype if config.train.zero == 3 else None
+    plan = zero_layout(config.train.zero, shapes, model_specs, axes, dtypes, reduce_dtype)
     if stages is None:
         return plan
     # A stacked block is split over the pipeline axis by stage: its layers are sharded

@@ -4,6 +4,10 @@
 (``allreduce``, ``bucketed``, ``hierarchical``, and ZeRO-1's reduce-scatters): each
 floating-point gradient is cast to the dtype before the algorithm runs and its result
 cast back to the gradient's own dtype (float32, what the optimizer reads) after it.
+ZeRO-3 reduce-scatters each block's gradients inside the backward pass, in the
+derivative of the block's gathers, which take the dtype from the ZeRO layout
+(:attr:`jaxmoe.parallel.zero.ZeroLayout.reduce_dtype`); what reaches the algorithm then
+is already summed in it (casting it again is exact).
 Megatron-Core's ``--grad-reduce-in-bf16``: half the bytes on the wire, and the sums
 rounded to bfloat16's 8 bits of mantissa at each step of the reduction.
 """
