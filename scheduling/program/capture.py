@@ -4,9 +4,10 @@ The step is traced under a ``shard_map`` over the whole mesh (all axes manual);
 the body of that ``shard_map`` is the per-device program. Call-like equations
 (``jit``, ``closed_call`` or ``eval_jaxpr``, ``custom_jvp_call``, ``custom_vjp_call``,
 remat) are inlined recursively, so every collective and every piece of computation is
-a top-level op. Control flow (``scan``, ``while``, ``cond``) and any other
-equation that carries a sub-program stays one opaque op: the scheduler moves
-it as a whole (a collective inside it stays synchronous; the report lists such
+a top-level op; annotations for autodiff (``checkpoint_name``) are dropped, each result
+its operand, as they are once differentiated. Control flow (``scan``, ``while``,
+``cond``) and any other equation that carries a sub-program stays one opaque op: the
+scheduler moves it as a whole (a collective inside it stays synchronous; the report lists such
 ops). Only the forward partition looks into a ``scan``, to cut it along the
 batch (:mod:`scheduling.program.batch_layout`).
 
@@ -185,6 +186,9 @@ class _Flattener:
             env[var] = arg
         for eqn in jaxpr.eqns:
             inputs = [self.atom(env, var) for var in eqn.invars]
+            if jax_adapter.is_annotation(eqn):
+                env.update(zip(eqn.outvars, inputs, strict=True))
+                continue
             eqn_stack = _join_stacks(stack, str(eqn.source_info.name_stack))
             body = jax_adapter.inlined_body(eqn)
             if body is not None:

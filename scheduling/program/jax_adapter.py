@@ -238,6 +238,14 @@ INLINED_BODIES = {
     "checkpoint": "jaxpr",
 }
 REMAT_PRIMITIVES = frozenset({"remat2", "checkpoint"})
+# Equations that only annotate a value for differentiation: ``checkpoint_name``'s, which
+# a checkpoint policy reads. Past differentiation each is its operand (XLA never sees it).
+ANNOTATIONS = frozenset({"name"})
+
+
+def is_annotation(eqn: Any) -> bool:
+    """Whether ``eqn`` passes its operand through unchanged, an annotation for autodiff."""
+    return eqn.primitive.name in ANNOTATIONS
 
 
 def inlined_body(eqn: Any) -> tuple[Any, Sequence[Any]] | None:

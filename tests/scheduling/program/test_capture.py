@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jcore
 from jax.sharding import PartitionSpec as P
 
@@ -303,3 +304,30 @@ def test_a_recomputation_stays_behind_its_barrier(prevent_cse):
     )
     assert "optimization_barrier" in emitted.lower(w, x).as_text()
     chex.assert_trees_all_equal(emitted(w, x), reference(step, mesh, in_specs, out_specs)(w, x))
+
+
+def _named_grad_step(w, x):
+    def loss(w):
+        h = checkpoint_name(x @ w, "kept")
+        return jnp.sum(jnp.tanh(h) ** 2)
+
+    policy = jax.checkpoint_policies.save_only_these_names("kept")
+    return jax.grad(jax.checkpoint(loss, policy=policy))(w)
+
+
+def test_an_annotation_for_autodiff_is_no_op_of_the_program():
+    # checkpoint_name's equations only tell a policy what to keep: once differentiated,
+    # each is its operand, and the program's ops read the named value's producer.
+    mesh = mesh_x()
+    in_specs, out_specs = (P(), P("x")), P()
+    w = put(mesh, jnp.eye(D, dtype=jnp.float32) * 0.5, P())
+    x = put(mesh, jnp.arange(64 * D, dtype=jnp.float32).reshape(64, D) / 100.0, P("x"))
+    raw = _primitives(_raw_jaxpr(_named_grad_step, (w, x), in_specs, out_specs, mesh))
+    assert "name" in raw  # the traced step holds the annotation
+    program = capture(_named_grad_step, w, x, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    assert "name" not in {op.primitive for op in program.ops}
+    step, _ = scheduling.optimize(
+        _named_grad_step, w, x, mesh=mesh, in_specs=in_specs, out_specs=out_specs, policy="async"
+    )
+    expected = reference(_named_grad_step, mesh, in_specs, out_specs)(w, x)
+    chex.assert_trees_all_equal(step(w, x), expected)
