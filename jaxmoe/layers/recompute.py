@@ -29,15 +29,16 @@ results, and would otherwise keep every block's gathered parameters to the backw
 ``"matmuls"`` (MaxText's ``minimal`` remat policy) keeps the results of a block's
 matmuls (projections, FFNs, the experts' grouped GEMMs), of its exchanges (the
 all-to-alls, the tensor-parallel gathers and reduce-scatters) and of its flash attention
-core (its output and rows' log-sum-exp, :data:`~jaxmoe.layers.blockwise_attention.
-RESIDUALS`, or cuDNN's fused forward pass) and recomputes the rest: norms, activations,
-routing. So the backward pass repeats no matmul and no collective, and the flash core's
-backward pass recomputes its scores tile by tile, as it always does. The core's residuals
-must be kept by name: JAX applies a checkpoint's policy inside every checkpoint nested in
-it, and recomputing the blockwise core's loop under this policy would keep the scores of
-every tile, the matmuls of its iterations (4 GB a layer for Qwen2-57B-A14B at four
-sequences of 4096). The dense core's scores are a matmul's result, and ``"matmuls"``
-keeps them (it is the reference core; ``"attention"`` recomputes it).
+core (its output and rows' log-sum-exp, named
+:data:`~jaxmoe.layers.blockwise_attention.RESIDUALS`, or cuDNN's fused forward pass) and
+recomputes the rest: norms, activations, routing. So the backward pass repeats no matmul
+and no collective, and the flash core's backward pass recomputes its scores tile by
+tile, as it always does. The core's residuals must be kept by name: JAX applies a
+checkpoint's policy inside every checkpoint nested in it, and recomputing the blockwise
+core's loop under this policy would keep the scores of every tile, the matmuls of its
+iterations (over 5 GB a layer for Qwen2-57B-A14B at four sequences of 4096). The dense
+core's scores are a matmul's result, and ``"matmuls"`` keeps them (it is the reference
+core; ``"attention"`` recomputes it).
 ``"matmuls_offload"`` keeps the same values in host memory (``pinned_host``), copied out
 in the forward pass and back in the backward one: a block then holds on the device only
 its input, as under ``"layer"``, without recomputing its matmuls. It needs a backend with
