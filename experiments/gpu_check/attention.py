@@ -93,19 +93,14 @@ def _forwards_under_matmuls(setup: Setup, operands: tuple) -> dict[str, Any]:
 def _count(jaxpr: Any, primitive: str) -> int:
     """Equations of ``primitive`` in ``jaxpr`` and every jaxpr nested in it (a loop counts
     once, not its body's)."""
-    import jax
+    from jax.extend.core import jaxprs_in_params
 
     found = 0
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == primitive:
             found += 1
-            continue
-        for value in eqn.params.values():
-            for inner in value if isinstance(value, tuple | list) else (value,):
-                if isinstance(inner, jax.extend.core.ClosedJaxpr):
-                    found += _count(inner.jaxpr, primitive)
-                elif isinstance(inner, jax.extend.core.Jaxpr):
-                    found += _count(inner, primitive)
+        else:
+            found += sum(_count(inner, primitive) for inner in jaxprs_in_params(eqn.params))
     return found
 
 

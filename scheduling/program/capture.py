@@ -7,8 +7,8 @@ remat) are inlined recursively, so every collective and every piece of computati
 a top-level op; annotations for autodiff (``checkpoint_name``) are dropped, each result
 its operand, as they are once differentiated. Control flow (``scan``, ``while``,
 ``cond``) and any other equation that carries a sub-program stays one opaque op: the
-scheduler moves it as a whole (a collective inside it stays synchronous; the report lists such
-ops). Only the forward partition looks into a ``scan``, to cut it along the
+scheduler moves it as a whole (a collective inside it stays synchronous; the report
+lists such ops). Only the forward partition looks into a ``scan``, to cut it along the
 batch (:mod:`scheduling.program.batch_layout`).
 
 Remat bodies are inlined like the others, so that the collectives in them are

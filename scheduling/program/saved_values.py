@@ -18,9 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-from scheduling.program.capture import Phase, Program, Value, aval_bytes
+from scheduling.program.capture import Op, Phase, Program, Value, aval_bytes
 
 
 @dataclass(frozen=True)
@@ -32,7 +31,7 @@ class SavedValues:
 
 
 def saved_for_backward(
-    program: Program, made_by: Callable[[Any], bool] | None = None
+    program: Program, made_by: Callable[[Op], bool] | None = None
 ) -> SavedValues:
     """The values made by forward-phase ops (those ``made_by`` accepts, where given) and
     read by backward-phase ops, each once."""
