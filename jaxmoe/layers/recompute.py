@@ -51,6 +51,7 @@ only (:mod:`jaxmoe.layers.attention`); the flash cores keep nothing to recompute
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
@@ -134,14 +135,29 @@ def recomputed(
     """``call(block, index, *args)``, its activations recomputed in the backward pass as
     ``recompute`` says (:data:`POLICIES`)."""
     graphdef, state = nnx.split(block)
-
-    def run(state: Any, args: tuple[Any, ...]) -> Any:
-        return call(nnx.merge(graphdef, state), index, *args)
-
     policy = POLICIES[recompute]
-    if policy is not None and isinstance(call, Regathering):
-        policy = _except(policy, call.regathered(index))
+    if call is plain_call:
+        run = _plain_run(graphdef)
+    else:
+
+        def run(state: Any, args: tuple[Any, ...]) -> Any:
+            return call(nnx.merge(graphdef, state), index, *args)
+
+        if policy is not None and isinstance(call, Regathering):
+            policy = _except(policy, call.regathered(index))
     return jax.checkpoint(run, prevent_cse=True, policy=policy)(state, args)
+
+
+# The recomputed function of a plainly called block, one per block definition: JAX keys
+# its traces of a checkpoint (and their derivatives and transposes) on the function and
+# its arguments' shapes, so identical blocks are traced once per step, not once each.
+# Bounded: a model has few distinct blocks, and a function kept keeps its traces.
+@functools.lru_cache(maxsize=16)
+def _plain_run(graphdef: nnx.GraphDef) -> Callable[[Any, tuple[Any, ...]], Any]:
+    def run(state: Any, args: tuple[Any, ...]) -> Any:
+        return plain_call(nnx.merge(graphdef, state), 0, *args)
+
+    return run
 
 
 def _except(policy: Callable[..., Any], regathered: Callable[..., bool]) -> Callable[..., Any]:

@@ -5,8 +5,9 @@ bit for bit), the gradients the same arithmetic in other XLA fusions. Tolerances
 losses over 5 steps 2e-6 relative, Adam's first moment after one step 1e-5 relative, the
 parameters after 5 steps lr / 200 (measured: the losses and parameters bit for bit, the
 routers' losses as reported within 1e-7). The captured step keeps, of everything the
-blocks compute, their inputs alone for the backward pass. With the pipeline:
-tests/pipeline/test_pipelined.py (interleaved case).
+blocks compute, their inputs alone for the backward pass. Identical blocks are traced
+once, into the same program. With the pipeline: tests/pipeline/test_pipelined.py
+(interleaved case).
 """
 
 import functools
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 from jaxmoe.cli.parser import config_from_train_args
+from jaxmoe.layers import recompute
 from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.train.resolved import resolve
 from jaxmoe.train.scheduled import capture_train_step
@@ -93,3 +95,42 @@ def test_a_recomputed_block_keeps_its_input_alone():
     for scope in blocks:
         kept_bytes = sum(np.prod(value.aval.shape) * F32 for value in kept[scope])
         assert kept_bytes > 10 * np.prod(block_input) * F32, scope
+
+
+def _structure(program) -> list[tuple]:
+    """Each op's primitive, scope, phase, result types and operands (by the op and result
+    that made each, the step's input, or a constant's type)."""
+    made = {value: ("input", i) for i, value in enumerate(program.inputs)}
+    ops = []
+    for op in program.ops:
+        operands = tuple(
+            made[atom] if isinstance(atom, Value) else ("constant", str(atom.aval))
+            for atom in op.inputs
+        )
+        results = [str(value.aval) for value in op.outputs]
+        ops.append((op.primitive, op.name_stack, op.phase, results, operands))
+        made.update({value: (op.index, i) for i, value in enumerate(op.outputs)})
+    return ops
+
+
+def test_identical_blocks_are_traced_once_into_the_same_program(monkeypatch):
+    each = config("plain", recompute="layer")
+    mesh = build_mesh(each.parallel, devices(each))
+    traced = []
+    plain = recompute.plain_call
+
+    def counted(block, index, *args):
+        traced.append(type(block).__name__)
+        return plain(block, index, *args)
+
+    monkeypatch.setattr(recompute, "plain_call", counted)
+    recompute._plain_run.cache_clear()  # JAX's traces of earlier tests' blocks aside
+    shared, _ = capture_train_step(resolve(each, mesh))
+    # 4 layers, dense and MoE in turn, in 2 microbatches: one trace of each kind of block.
+    assert sorted(traced) == ["Block", "Block"] and each.model.num_layers * MICROBATCHES == 8
+    # Each block traced on its own (a new function for each call) makes the same program.
+    traced.clear()
+    monkeypatch.setattr(recompute, "_plain_run", recompute._plain_run.__wrapped__)
+    own, _ = capture_train_step(resolve(each, mesh))
+    assert len(traced) == 8
+    assert _structure(shared) == _structure(own)
