@@ -1,14 +1,23 @@
-"""How long the planner takes to price a traced step, this checkout against another.
+"""How long the planner takes to trace and to price a step, this checkout against another.
 
     python -m experiments.plan_time --against DIR [--repeats 5] [--preset small]
 
-For a few mappings of the preset on 8 devices (one and two blocks each, as the planner
-traces them), each step is traced once; then the pricing the planner does for every
-estimate (``jaxmoe/plan/tracer.py``: the scheduling layer's cost model, ``schedule`` and
-two-stream simulation under ``none``, ``dw``, ``lancet`` and ``pair``) is timed in CPU
-seconds, in rounds that alternate the two source trees (each in a process of its own,
-with that tree first on ``sys.path``). The tracing is not timed. Each side's simulated
-step times are hashed: equal digests say both trees priced every program alike.
+In rounds that alternate the two source trees (each in a process of its own, with that
+tree first on ``sys.path``), for a few mappings of the preset on 8 devices:
+
+- *Pricing.* One and two blocks each, as the planner traces them, are traced once; then
+  the pricing the planner does for every estimate (``jaxmoe/plan/tracer.py``: the
+  scheduling layer's cost model, ``schedule`` and two-stream simulation under ``none``,
+  ``dw``, ``lancet`` and ``pair``) is timed in CPU seconds, ``--repeats`` times. Each
+  side's simulated step times are hashed: equal digests say both trees priced every
+  program alike.
+- *Tracing.* Then each mapping at the model's whole depth is traced once under each of
+  ``model.recompute none`` and ``layer``, timed in CPU seconds (the process warm from the
+  traces above, none of these shapes traced before under that recomputation). Each
+  side's captured programs (every op's primitive, name stack and result types, and where
+  its operands come from) are hashed: equal digests say both trees traced the same
+  programs.
+
 Writes ``experiments/results/plan_time.md``.
 """
 
@@ -51,7 +60,7 @@ def _measure(preset_name: str, profile: str, schedules: list, mappings: list, re
     from jaxmoe.presets import preset
     from jaxmoe.train.resolved import resolve, schedule_policy
     from jaxmoe.train.scheduled import capture_train_step
-    from scheduling import batch_inputs, cost_model
+    from scheduling import Value, batch_inputs, cost_model
 
     config = preset(preset_name)
     traced = []
@@ -92,7 +101,35 @@ def _measure(preset_name: str, profile: str, schedules: list, mappings: list, re
         found = price()
         seconds.append(time.process_time() - started)
         digests.add(hashlib.sha1(repr(found).encode()).hexdigest()[:12])
-    return {"seconds": seconds, "digests": sorted(digests), "programs": len(traced)}
+
+    trace_seconds, programs = {}, hashlib.sha1()
+    for recompute in ("none", "layer"):
+        started = time.process_time()
+        for zero, expert, expert_tensor in mappings:
+            mapping = Mapping(
+                devices=8, tensor=1, expert_data=8 // (expert * expert_tensor), expert=expert,
+                expert_tensor=expert_tensor, dispatcher="all_to_all", zero=zero,
+                recompute=recompute,
+            )  # fmt: skip
+            whole = with_mapping(config, mapping, 8)
+            program, _ = capture_train_step(resolve(whole, abstract_mesh(whole.parallel)))
+            # Each op's primitive, name stack, result types and where its operands come from.
+            made = {value: ("input", i) for i, value in enumerate(program.inputs)}
+            for index, op in enumerate(program.ops):
+                operands = [
+                    made[atom] if isinstance(atom, Value) else str(atom.aval) for atom in op.inputs
+                ]
+                results = [str(value.aval) for value in op.outputs]
+                programs.update(repr((op.primitive, op.name_stack, results, operands)).encode())
+                made.update({value: (index, i) for i, value in enumerate(op.outputs)})
+        trace_seconds[recompute] = time.process_time() - started
+    return {
+        "seconds": seconds,
+        "digests": sorted(digests),
+        "programs": len(traced),
+        "trace_seconds": trace_seconds,
+        "trace_digest": programs.hexdigest()[:12],
+    }
 
 
 def _run(tree: Path, preset: str, repeats: int) -> dict:
@@ -128,7 +165,7 @@ def report(
     ratios = round_ratios(there, here)
     digests = {d for mine, theirs in rounds for d in (*mine["digests"], *theirs["digests"])}
     lines = [
-        "# The planner's pricing of traced steps: this tree against another",
+        "# The planner's pricing and tracing of steps: this tree against another",
         "",
         f"Command: `{command_line('experiments.plan_time', _named(argv))}` (DIR: a checkout "
         "of the other tree)",
@@ -158,7 +195,47 @@ def report(
         + ("yes." if len(digests) == 1 else f"no ({len(digests)} digests)."),
         "",
     ]
+    if all("trace_seconds" in side for pair in rounds for side in pair):
+        lines += _tracing(rounds)
     return "\n".join(lines)
+
+
+def _tracing(rounds: list[tuple[dict, dict]]) -> list[str]:
+    """The tracing table: each side's CPU seconds per round and recomputation, the ratios,
+    and whether both traced the same programs."""
+    recomputes = list(rounds[0][0]["trace_seconds"])
+    lines = [
+        "## Tracing",
+        "",
+        f"The same mappings at the model's whole depth, each traced once per round under "
+        f"`model.recompute` {' and '.join(recomputes)}: CPU seconds of tracing all of them.",
+        "",
+        "| round | recompute | this tree s | other tree s | other / this |",
+        "|---|---|---|---|---|",
+    ]
+    summary = []
+    for recompute in recomputes:
+        here = [mine["trace_seconds"][recompute] for mine, _ in rounds]
+        there = [theirs["trace_seconds"][recompute] for _, theirs in rounds]
+        ratios = round_ratios(there, here)
+        lines += [
+            f"| {i + 1} | {recompute} | {a:.2f} | {b:.2f} | {r:.2f} |"
+            for i, (a, b, r) in enumerate(zip(here, there, ratios, strict=True))
+        ]
+        summary.append(
+            f"- `{recompute}`: this tree {Spread.of(here).format(1, 2)} s, the other "
+            f"{Spread.of(there).format(1, 2)} s; other / this {Spread.of(ratios).format(1, 2)}."
+        )
+    digests = {side["trace_digest"] for pair in rounds for side in pair}
+    return [
+        *lines,
+        "",
+        *summary,
+        "",
+        "Traced alike (the programs' digests equal): "
+        + ("yes." if len(digests) == 1 else f"no ({len(digests)} digests)."),
+        "",
+    ]
 
 
 def _named(argv: list[str]) -> list[str]:
@@ -187,9 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         trees = (ROOT, args.against) if index % 2 == 0 else (args.against, ROOT)
         found = {tree: _run(tree, args.preset, args.repeats) for tree in trees}
         rounds.append((found[ROOT], found[args.against]))
-        print(
-            f"round {index + 1}: {found[ROOT]['seconds']} against {found[args.against]['seconds']}"
-        )
+        print(f"round {index + 1}: {found[ROOT]} against {found[args.against]}")
     args.out.write_text(report(rounds, _commit(ROOT), _commit(args.against), args.preset, argv))
     print(f"wrote {args.out}")
     return 0

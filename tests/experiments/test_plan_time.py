@@ -1,6 +1,7 @@
-"""The pricing-time comparison (experiments/plan_time.py): its results file states each
-round's ratio and the spread, and says whether both trees priced the programs alike; the
-source it sends to the other tree runs on its own."""
+"""The planner-time comparison (experiments/plan_time.py): its results file states each
+round's ratio and the spread, of pricing and of tracing, and says whether both trees
+priced and traced the programs alike; the source it sends to the other tree runs on its
+own."""
 
 import ast
 import builtins
@@ -11,8 +12,11 @@ from experiments import plan_time
 ARGV = ["--against", "/elsewhere"]
 
 
-def _side(seconds, digest="abc"):
-    return {"seconds": seconds, "digests": [digest], "programs": 6}
+def _side(seconds, digest="abc", traced=None, trace_digest="123"):
+    side = {"seconds": seconds, "digests": [digest], "programs": 6}
+    if traced is not None:
+        side.update(trace_seconds=traced, trace_digest=trace_digest)
+    return side
 
 
 def test_the_results_give_each_rounds_ratio_and_the_spread():
@@ -47,3 +51,27 @@ def test_the_measurement_reads_no_name_of_its_module():
             bound.add(node.name)
     read = {n.id for n in ast.walk(function) if isinstance(n, ast.Name)}
     assert read - bound <= set(vars(builtins))
+
+
+def test_the_tracing_table_gives_each_recomputations_ratio():
+    rounds = [
+        (
+            _side([1.0], traced={"none": 2.0, "layer": 1.0}),
+            _side([1.0], traced={"none": 2.0, "layer": 1.5}),
+        ),
+        (
+            _side([1.0], traced={"none": 1.0, "layer": 1.0}),
+            _side([1.0], traced={"none": 1.1, "layer": 2.0}),
+        ),
+    ]
+    text = plan_time.report(rounds, "def456 new", "abc123 old", "small", ARGV)
+    assert "| 1 | layer | 1.00 | 1.50 | 1.50 |" in text
+    assert "| 2 | none | 1.00 | 1.10 | 1.10 |" in text
+    assert (
+        "- `layer`: this tree 1.00 [1.00-1.00] s, the other 1.75 [1.50-2.00] s; "
+        "other / this 1.75 [1.50-2.00]." in text
+    )
+    assert "Traced alike (the programs' digests equal): yes." in text
+    rounds[1] = (rounds[1][0], _side([1.0], traced={"none": 1.0, "layer": 1.0}, trace_digest="456"))
+    text = plan_time.report(rounds, "def456 new", "abc123 old", "small", ARGV)
+    assert "Traced alike (the programs' digests equal): no (2 digests)." in text
