@@ -153,19 +153,28 @@ def local_plan(
 
 
 def dispatch(x: jax.Array, plan: DispatchPlan, num_slots: int) -> jax.Array:
-    """Scatter tokens ``[G, S, d]`` into their slots: ``[G, num_slots, d]``; empty slots are 0."""
+    """Place tokens ``[G, S, d]`` in their slots: ``[G, num_slots, d]``; empty slots are 0.
+
+    Each slot gathers the token that fills it (the plan's slots inverted, in integers),
+    rather than each token being scattered into a buffer of zeros: the backward pass then
+    sums each token's slots into a buffer of tokens, and no buffer of slots is made from
+    zeros in either pass (XLA's CSE would merge the forward pass's with the backward
+    pass's, keeping it alive in between)."""
     chex.assert_rank(x, 3)
     chex.assert_shape(
         plan.slot, (*x.shape[:2], None), custom_message="plan slots [groups, tokens, top_k]"
     )
 
-    def scatter_group(tokens: jax.Array, slot: jax.Array) -> jax.Array:
-        top_k = slot.shape[-1]
-        updates = jnp.repeat(tokens, top_k, axis=0)  # token-major, matching slot.reshape(-1)
-        buffer = jnp.zeros((num_slots, tokens.shape[-1]), tokens.dtype)
-        return buffer.at[slot.reshape(-1)].add(updates, mode="drop")
+    def gather_group(tokens: jax.Array, slot: jax.Array) -> jax.Array:
+        count, top_k = slot.shape
+        # The token of each slot, ``count`` where none fills it (a kept assignment has a
+        # slot of its own; a dropped one points past the last and is dropped here).
+        token = jnp.repeat(jnp.arange(count, dtype=jnp.int32), top_k)  # token-major
+        source = jnp.full((num_slots,), count, jnp.int32)
+        source = source.at[slot.reshape(-1)].set(token, mode="drop")
+        return tokens.at[source].get(mode="fill", fill_value=0)
 
-    return jax.vmap(scatter_group)(x, plan.slot)
+    return jax.vmap(gather_group)(x, plan.slot)
 
 
 def combine(expert_output: jax.Array, plan: DispatchPlan, weight: jax.Array) -> jax.Array:

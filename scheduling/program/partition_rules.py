@@ -466,9 +466,12 @@ def _gather(op: Op, layouts, uniform) -> Chunking | None:
 
 
 def _scatter(op: Op, layouts, uniform) -> Chunking | None:
+    """Each row's updates written into its own operand's row, along a batching axis of the
+    indices. An operand or updates that are not split (zeros to write into, positions
+    ``0 .. n``) are cut where they are uniform."""
     operand, indices, updates = layouts
     numbers = op.eqn.params["dimension_numbers"]
-    if indices is None or updates is None:
+    if indices is None:
         return None
     if indices.axis not in numbers.scatter_indices_batching_dims:
         return None
@@ -484,10 +487,13 @@ def _scatter(op: Op, layouts, uniform) -> Chunking | None:
         return None
     update_rank = len(_shape(op.inputs[2]))
     scatter_axes = [d for d in range(update_rank) if d not in numbers.update_window_dims]
-    if scatter_axes[indices.axis] != updates.axis:
+    update_axis = scatter_axes[indices.axis]
+    if updates is None and update_axis not in uniform[2]:
+        return None
+    if updates is not None and updates.axis != update_axis:
         return None
     return Chunking(
-        (operand_axis, indices.axis, updates.axis),
+        (operand_axis, indices.axis, update_axis),
         (indices.moved(operand_axis),),
         _same_params(op),
     )

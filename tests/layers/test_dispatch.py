@@ -213,6 +213,37 @@ def test_dispatch_places_each_token_in_its_slot_and_leaves_the_rest_zero():
     np.testing.assert_array_equal(slots, [1, 2, 3, 6, 5, 2])
 
 
+def _scattered(closed) -> list[tuple[int, ...]]:
+    """The shapes of the buffers ``closed`` (and every jaxpr in it) scatters into."""
+    found = []
+    for eqn in closed.jaxpr.eqns:
+        if eqn.primitive.name.startswith("scatter"):
+            found.append(tuple(eqn.outvars[0].aval.shape))
+        for inner in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += _scattered(jax.extend.core.ClosedJaxpr(inner, ()))
+    return found
+
+
+def test_each_slot_gathers_its_token_and_each_token_sums_its_slots():
+    """Neither pass scatters into a buffer of slots (made of zeros, which XLA's CSE would
+    share between the passes, alive from the forward pass to the backward): the slots
+    gather their tokens, and the gradient of a token is the sum of its slots'."""
+    x = jnp.arange(1.0, 7.0)[None, :, None] * jnp.ones((1, 6, 2))
+    plan = plan_dispatch(jnp.asarray(HAND_INDEX), num_experts=3, capacity=3)
+    scale = jnp.arange(1.0, 10.0)[None, :, None]  # slot s weighs s + 1
+
+    def loss(x):
+        return jnp.sum(dispatch(x, plan, 9) * scale)
+
+    # Slots 0 <- t0, 1 <- t1, 2 <- t3, 3 <- t2, 4 <- t5, 5 <- t0, 6 <- t4, 7 <- t1, 8 <- t5.
+    np.testing.assert_array_equal(
+        np.asarray(dispatch(x, plan, 9))[0, :, 0], [1, 2, 4, 3, 6, 1, 5, 2, 6]
+    )
+    np.testing.assert_array_equal(np.asarray(jax.grad(loss)(x))[0, :, 0], [7, 10, 4, 3, 7, 14])
+    scattered = _scattered(jax.make_jaxpr(jax.value_and_grad(loss))(x))
+    assert scattered and not [shape for shape in scattered if shape[-2:] == (9, 2)], scattered
+
+
 def test_combine_drops_contribute_zero():
     x = jnp.arange(1.0, 7.0)[None, :, None] * jnp.ones((1, 6, 2))
     plan = plan_dispatch(jnp.asarray(HAND_INDEX), num_experts=3, capacity=2)

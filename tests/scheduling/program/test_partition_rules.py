@@ -24,13 +24,16 @@ def _single_op(fn, *shapes, dtype=jnp.float32):
     return ops[-1]
 
 
-def _check_against_chunks(fn, shapes, layouts, n, dtype=jnp.float32):
-    """Run the op's chunk copy on each chunk and compare with chunks of the whole result."""
+def _check_against_chunks(fn, shapes, layouts, n, dtype=jnp.float32, uniform=None, arrays=None):
+    """Run the op's chunk copy on each chunk and compare with chunks of the whole result
+    (``uniform``: the axes along which each input is the same, where not split; ``arrays``:
+    the inputs, else random integers)."""
     op = _single_op(fn, *shapes, dtype=dtype)
-    how = chunking(op, layouts, [frozenset()] * len(layouts))
+    how = chunking(op, layouts, uniform or [frozenset()] * len(layouts))
     assert how is not None
     rng = np.random.default_rng(0)
-    arrays = [jnp.asarray(rng.integers(0, 5, s), dtype) for s in shapes]
+    if arrays is None:
+        arrays = [jnp.asarray(rng.integers(0, 5, s), dtype) for s in shapes]
     whole = jax_adapter.bind_equation(op.eqn, arrays)
     for chunk in range(n):
         pieces, chunk_inputs = [], []
@@ -39,7 +42,7 @@ def _check_against_chunks(fn, shapes, layouts, n, dtype=jnp.float32):
                 pieces.append(array)
                 chunk_inputs.append(atom)
             else:
-                pieces.append(take_chunk(array, layout, n, chunk))
+                pieces.append(take_chunk(array, layout or Split(cut), n, chunk))
                 chunk_inputs.append(Value(chunk_aval(atom.aval, cut, n)))
         copy = chunk_copy(op, how, n, chunk_inputs)
         results = jax_adapter.bind_equation(copy.eqn, pieces)
@@ -199,6 +202,33 @@ def test_batched_gather_and_scatter_add():
         n=2,
         dtype=jnp.int32,
     )
+
+
+def test_a_scatter_of_the_same_updates_into_each_rows_own_buffer():
+    """Positions ``0 .. 5`` written into each row's slots (the dispatch's slots inverted):
+    the buffer and the updates, the same for every row, are cut where they are uniform."""
+    numbers = jax.lax.ScatterDimensionNumbers(
+        update_window_dims=(),
+        inserted_window_dims=(1,),
+        scatter_dims_to_operand_dims=(1,),
+        operand_batching_dims=(0,),
+        scatter_indices_batching_dims=(0,),
+    )
+
+    def scatter(buffer, index, updates):
+        return jax.lax.scatter(buffer, index, updates, numbers, mode=IN_BOUNDS)
+
+    rng = np.random.default_rng(0)
+    slots = np.stack([rng.permutation(9)[:6] for _ in range(4)])[..., None]  # distinct a row
+    arrays = [jnp.full((4, 9), 6), jnp.asarray(slots), jnp.tile(jnp.arange(6), (4, 1))]
+    uniform = [frozenset({0}), frozenset(), frozenset({0})]
+    how = _check_against_chunks(
+        scatter, [(4, 9), (4, 6, 1), (4, 6)], [None, Split(0), None], 2, jnp.int32, uniform, arrays
+    )
+    assert how.inputs == (0, 0, 0) and how.outputs == (Split(0),)
+    # Updates that differ along the rows but are not split cannot be cut.
+    op = _single_op(scatter, (4, 9), (4, 6, 1), (4, 6), dtype=jnp.int32)
+    assert chunking(op, [None, Split(0), None], [frozenset({0}), frozenset(), frozenset()]) is None
 
 
 def test_uniform_operand_is_cut_and_others_are_refused():
