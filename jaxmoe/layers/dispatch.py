@@ -158,8 +158,8 @@ def dispatch(x: jax.Array, plan: DispatchPlan, num_slots: int) -> jax.Array:
     Each slot gathers the token that fills it (the plan's slots inverted, in integers),
     rather than each token being scattered into a buffer of zeros: the backward pass then
     sums each token's slots into a buffer of tokens, and no buffer of slots is made from
-    zeros in either pass (XLA's CSE would merge the forward pass's with the backward
-    pass's, keeping it alive in between)."""
+    zeros in either pass. XLA merges equal buffers of zeros (``docs/xla_notes.md``): the
+    forward pass's and the backward pass's would be one, alive from one to the other."""
     chex.assert_rank(x, 3)
     chex.assert_shape(
         plan.slot, (*x.shape[:2], None), custom_message="plan slots [groups, tokens, top_k]"
