@@ -577,7 +577,11 @@ def _attention_forward(
     tiles: Tiling, query, key, value, query_positions, query_segment, key_segment
 ):
     out, lse = _forward(tiles, query, key, value, query_positions, query_segment, key_segment)
-    result, lse = checkpoint_name((out.astype(query.dtype), lse), RESIDUALS)
+    # The output in its own dtype is a buffer of its own (the barrier), as a fused kernel's
+    # is: else XLA may compute it from the float32 accumulator in each of its readers, the
+    # backward pass's among them, and keep that, twice its size, to the backward pass.
+    result, lse = jax.lax.optimization_barrier((out.astype(query.dtype), lse))
+    result, lse = checkpoint_name((result, lse), RESIDUALS)
     operands = (query, key, value, query_positions, query_segment, key_segment)
     return result, (*operands, result, lse)
 

@@ -11,13 +11,15 @@ memory, and computes the same step.
 """
 
 import functools
+import re
 
 import chex
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxmoe.parallel.mesh import build_mesh
-from jaxmoe.plan.memory import step_memory
+from jaxmoe.plan.memory import backward_start, step_memory
 from jaxmoe.train.resolved import resolve
 from jaxmoe.train.scheduled import capture_train_step
 from scheduling import saved_for_backward
@@ -77,6 +79,22 @@ def test_a_blockwise_loop_keeps_nothing_of_its_tiles():
         for r in ("none", "matmuls")
     }
     assert 0 < kept["matmuls"] <= kept["none"]
+
+
+def test_the_flash_core_keeps_its_output_in_the_models_dtype():
+    """Its output is a buffer of its own: when the backward pass begins, the core holds its
+    output in bfloat16, and of its loop's float32 results the rows' log-sum-exp alone, not
+    the accumulator the output is made from."""
+    fields = dict(attention_block=4, dtype="bfloat16")
+    program = _program("none", **fields)
+    state = resolve(config("plain", microbatches=1, **fields)).state_shapes
+    start = backward_start(program, state, re.compile("attention_core"))
+    made_by = {value: op.primitive for op in program.ops for value in op.outputs}
+    kept = [(made_by[value], value.aval) for value, in_core in start.kept.items() if in_core]
+    outputs = [aval for _, aval in kept if aval.dtype == jnp.bfloat16 and aval.ndim == 4]
+    assert outputs  # [batch, positions, heads, head width]
+    looped = [aval for made, aval in kept if made == "scan" and aval.size >= outputs[0].size]
+    assert not looped, looped
 
 
 def test_what_a_block_keeps_lies_between_full_recomputation_and_none():
