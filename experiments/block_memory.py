@@ -9,9 +9,10 @@ an abstract mesh of its devices; the planner's memory walk (:mod:`jaxmoe.plan.me
 tells which buffers are alive when the backward pass begins. Those made in the block's
 scope are grouped by the op that made them (primitive, scope inside the block, dtype and
 shape), largest first; the block's weights that ZeRO-1 gathered (once, held to the
-backward pass) are counted apart. The cases put Megatron-Core's Mixtral 8x22B layout (tensor 2 with
-sequence parallelism, experts over 8, no recomputation) beside the same without tensor
-parallelism, where a device holds a whole sequence.
+backward pass) are counted apart, as the walk counts them. The cases put Megatron-Core's
+Mixtral 8x22B layout (tensor 2 with sequence parallelism, experts over 8, no
+recomputation) beside the same without tensor parallelism, where a device holds a whole
+sequence.
 
 Memory, not timings: the same on every run.
 """
@@ -40,11 +41,12 @@ ROWS = 16  # the largest groups shown per case
 def kept_by_op(model: str, fields: dict) -> dict:
     """The block's kept buffers grouped by the op that made them, and the totals."""
     from experiments.folding_models import planned_config
+    from jaxmoe.parallel.zero import GATHER_SCOPE
     from jaxmoe.plan.layer_extrapolation import with_blocks
     from jaxmoe.plan.mappings import Mapping, with_mapping
     from jaxmoe.plan.memory import backward_start
     from jaxmoe.plan.tracer import trace
-    from scheduling import Value, aval_bytes, batch_inputs
+    from scheduling import aval_bytes
 
     mapping = Mapping(
         devices=DEVICES, expert_tensor=1, dispatcher="all_to_all", zero=1, recompute="none",
@@ -55,25 +57,19 @@ def kept_by_op(model: str, fields: dict) -> dict:
     traced = trace(config)
     start = backward_start(traced.program, traced.run.state_shapes, re.compile(r"layer_"))
     made_by = {value: op for op in traced.program.ops for value in op.outputs}
-    # The values made from the state alone (the weights, not the batch's rows).
-    batch = set(batch_inputs(traced.program, traced.step.batch_argnums))
-    of_state = {value for value in traced.program.inputs if value not in batch}
-    for op in traced.program.ops:
-        if all(atom in of_state for atom in op.inputs if isinstance(atom, Value)):
-            of_state.update(op.outputs)
     groups: collections.Counter = collections.Counter()
     parameters = 0
     for value, in_block in start.kept.items():
         op = made_by.get(value)
         if not in_block or op is None:
             continue
-        if op.primitive == "all_gather" and value in of_state:
+        if op.primitive == "all_gather" and GATHER_SCOPE in op.layer:
             parameters += aval_bytes(value.aval)  # ZeRO-1 gathers the block's weights once
             continue
         scope = re.sub(r"^.*?layer_\d+/?", "", op.layer) or "(the block)"
         key = (op.primitive, scope, str(value.aval.dtype), tuple(value.aval.shape))
         groups[key] += aval_bytes(value.aval)
-    tokens = config.model.seq_len // fields["tensor"]
+    tokens = config.model.seq_len // mapping.tensor  # sequence parallel over the tensor group
     return {
         "label": mapping.label(),
         "tokens": tokens,

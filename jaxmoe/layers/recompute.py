@@ -155,7 +155,7 @@ def recomputed(
 @functools.lru_cache(maxsize=16)
 def _plain_run(graphdef: nnx.GraphDef) -> Callable[[Any, tuple[Any, ...]], Any]:
     def run(state: Any, args: tuple[Any, ...]) -> Any:
-        return plain_call(nnx.merge(graphdef, state), 0, *args)
+        return plain_call(nnx.merge(graphdef, state), 0, *args)  # it reads no index
 
     return run
 
