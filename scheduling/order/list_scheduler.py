@@ -12,8 +12,9 @@ topological order; the keys only choose among valid orders:
   ("as soon as its inputs exist"), a gather of sharded weights no earlier than it
   takes to hide it (:mod:`scheduling.passes.prefetch`); where several become ready at
   once, the critical ones start first and the deferrable ones (gradient reductions, see
-  ``scheduling.program.graph``) after the windows opened there, so that a runtime
-  serving collectives in start order gives the critical path the link first;
+  ``scheduling.program.graph``) after the windows opened there, and those of one class
+  in the order their results are first read, so that a runtime serving collectives in
+  start order gives the critical path the link first;
 - the dW nodes placed in a window run right after the window's start, in
   placement order;
 - a collective done runs just before its first consumer ("only where it is
@@ -31,6 +32,7 @@ from __future__ import annotations
 import copy
 import heapq
 import weakref
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,13 +71,16 @@ def _keys(
     # A start follows its operand's producer, which may be a placed node whose key follows
     # another window's start: iterate to the fixed point (a chain of windows is finite).
     for _ in range(len(starts) + 1):
-        changed = False
+        ready: dict[int, float] = {}
         for start in starts:
             offset = 2 * _STEP if start in graph.deferrable else _STEP
             key = max((keys[p] for p in graph.preds[start]), default=-1.0) + offset
             if start in earliest:  # a prefetch: no earlier than it takes to hide it
                 key = max(key, keys[earliest[start]] - _STEP / 2)
-            changed |= key != keys[start]
+            ready[start] = key
+        _in_order_of_need(graph, keys, ready, [s for s in earliest if s not in graph.deferrable])
+        changed = any(keys[start] != key for start, key in ready.items())
+        for start, key in ready.items():
             keys[start] = key
         for start, nodes in placement.windows.items():
             for rank, node in enumerate(nodes, start=1):
@@ -92,6 +97,35 @@ def _keys(
             latest_placed = max((keys[p] for p in placed), default=keys[node.partner])
             keys[node.id] = max(first_use - _STEP, latest_placed + _STEP)
     return keys
+
+
+def _in_order_of_need(
+    graph: Graph, keys: list[float], ready: dict[int, float], prefetched: Collection[int]
+) -> None:
+    """Orders the starts of ``ready`` (start -> key) by when their results are first read,
+    in place: the link serves collectives in the order they start, so that the compute
+    stream gets first what it waits for first. Starts that share a key go in that order;
+    so do the ``prefetched`` gathers of weights, each no earlier than those read before
+    it (they read nothing the step computes, so waiting costs them nothing but the lead
+    the link would have lost to the other anyway)."""
+    latest = -1.0
+    for start in sorted(prefetched, key=lambda start: (_first_read(graph, keys, start), start)):
+        latest = ready[start] = max(ready[start], latest)
+    together: dict[float, list[int]] = {}
+    for start, key in ready.items():
+        together.setdefault(key, []).append(start)
+    for key, group in together.items():
+        if len(group) < 2:
+            continue
+        group.sort(key=lambda start: (_first_read(graph, keys, start), start))
+        for rank, start in enumerate(group):
+            ready[start] = key + rank * _STEP / (4 * len(group))
+
+
+def _first_read(graph: Graph, keys: list[float], start: int) -> float:
+    """The key of the first node that reads what collective ``start`` makes."""
+    done = graph.nodes[start].partner
+    return min((keys[reader] for reader in graph.succs[done]), default=float(len(graph.nodes)))
 
 
 class CyclicPlacement(Exception):

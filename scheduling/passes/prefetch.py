@@ -6,11 +6,13 @@ is the start of the step, whose arguments they read: every block's weights would
 gathered at once and held until used, which is what sharding them avoids. Here each such
 gather gets an earliest position instead. Walking back from its first consumer in program
 order, the compute before it is added up until it reaches ``lead`` times the gather's
-estimated time; the start runs no earlier than there. The prefetch depth thus follows the
-cost model: a slow link or small blocks prefetch further ahead, and each block of lead
-holds one more block's gathered weights. A gather whose operand is made later than that
-(a backward pass's second gather, behind its recomputation's barrier) starts after it, as
-any collective does.
+estimated time; the start runs no earlier than there, nor later than the gathers needed
+after it start: the link serves gathers in the order they start, so a small gather that
+needs little lead would otherwise wait behind a large one needed later. The prefetch
+depth thus follows the cost model: a slow link or small blocks prefetch further ahead,
+and each block of lead holds one more block's gathered weights. A gather whose operand
+is made later than that (a backward pass's second gather, behind its recomputation's
+barrier) starts after it, as any collective does.
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ def prefetch_bounds(graph: Graph, seconds: Callable[[Node], float], lead: float)
             if node.role is Role.COMPUTE and not node.is_collective:
                 covered += seconds(node)
         bounds[start.id] = earliest
+    # The link serves gathers in the order they start: one needed sooner starts no later
+    # than one needed after it, or it waits behind that one's transfer.
+    needed = sorted(bounds, key=lambda start: (min(graph.succs[graph.nodes[start].partner]), start))
+    sooner = len(graph.nodes)
+    for start in reversed(needed):
+        sooner = bounds[start] = min(bounds[start], sooner)
     return bounds
 
 

@@ -442,11 +442,12 @@ def test_recomputing_more_is_no_faster_under_any_schedule():
             assert more_memory.total <= memory.total
             assert times.keys() == more_times.keys()
             # The fastest schedule's step, which the planner ranks, within the rounding of
-            # the values a ZeRO-3 block keeps without recomputation (matmuls 0.4% shorter,
-            # jaxmoe/plan/options.py); each schedule's within its heuristic order's slack
-            # (pair at ZeRO-3 in two microbatches: 0.2% shorter with matmuls recomputed).
+            # the values a ZeRO-3 block keeps without recomputation and the order of its
+            # gathers (matmuls 0.8% shorter under dw, jaxmoe/plan/options.py); each
+            # schedule's within its heuristic order's slack (pair at ZeRO-3 in two
+            # microbatches: 0.2% shorter with matmuls recomputed).
             fastest = min(t.step for t in times.values())
-            assert min(t.step for t in more_times.values()) >= fastest * 0.995
+            assert min(t.step for t in more_times.values()) >= fastest * 0.99
             for schedule, time in times.items():
                 assert more_times[schedule].step >= time.step * 0.99
 

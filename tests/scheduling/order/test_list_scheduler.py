@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -255,3 +256,28 @@ def test_order_does_not_change_the_callers_placement():
     before = {start: list(nodes) for start, nodes in placement.windows.items()}
     order(graph, placement, max_live_bytes_growth=0.0)
     assert placement.windows == before
+
+
+def _two_collectives_of_one_value(x):
+    """Two collectives of one value: the first in program order is read last."""
+    y = jnp.tanh(x)
+    read_last = jax.lax.psum(y, "x")
+    read_first = jax.lax.all_gather(y, "x", tiled=True)
+    z = jnp.tanh(read_first).sum()
+    return jnp.tanh(read_last) + z
+
+
+def test_starts_ready_together_go_in_the_order_their_results_are_read():
+    mesh = mesh_x()
+    program = capture(
+        _two_collectives_of_one_value, sds(mesh, (8, 8), P("x")),
+        mesh=mesh, in_specs=(P("x"),), out_specs=P("x"),
+    )  # fmt: skip
+    graph = split_async(program)
+    read_last, read_first = graph.starts()
+    ordered = order(graph, Placement(), 0.1)
+    _check_order(graph, ordered)
+    position = {node: i for i, node in enumerate(ordered.nodes)}
+    # Both start once their operand exists; the link gets first what is read first.
+    assert position[read_first.id] < position[read_last.id]
+    assert position[read_last.id] < position[read_first.partner]

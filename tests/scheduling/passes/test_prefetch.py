@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from scheduling.costs.simulate import simulate
 from scheduling.names import PARAMETER_GATHER_SCOPE
 from scheduling.order.list_scheduler import order
 from scheduling.passes import Placement, split_async
@@ -117,3 +118,51 @@ def test_gathered_bytes_in_flight_follow_the_lead():
     led = order(graph, Placement(), 0.1, None, prefetch_bounds(graph, _seconds(3.0), 1.0))
     # Each starts three ops before its use, within the block before: one ahead at a time.
     assert gathers_in_flight_bytes(graph, led.nodes) == one
+
+
+def _small_then_large(small, large, x):
+    """One block reading a small gathered weight, then, five ops later, a large one (gathered
+    first in program order)."""
+    with jax.named_scope("layer_0"), jax.named_scope(PARAMETER_GATHER_SCOPE):
+        w_large = jax.lax.all_gather(large, "x", tiled=True)
+        w_small = jax.lax.all_gather(small, "x", tiled=True)
+    for _ in range(4):
+        x = jnp.tanh(x)
+    x = x @ w_small
+    for _ in range(4):
+        x = jnp.tanh(x)
+    return x @ w_large
+
+
+def test_a_gather_read_sooner_starts_no_later_than_one_read_after_it():
+    mesh = mesh_x()
+    graph = split_async(
+        capture(
+            _small_then_large,
+            sds(mesh, (WIDTH, WIDTH), P("x")),
+            sds(mesh, (WIDTH, WIDTH), P("x")),
+            sds(mesh, (N * 2, WIDTH), P("x")),
+            mesh=mesh,
+            in_specs=(P("x"), P("x"), P("x")),
+            out_specs=P("x"),
+        )
+    )
+    large, small = _starts(graph)
+    assert min(graph.succs[small.partner]) < min(graph.succs[large.partner])
+
+    def seconds(node):  # the large gather needs eight ops of lead, the small one one
+        if node.role is Role.DONE:
+            return 0.0
+        if node.op.primitive == "all_gather":
+            return 8.0 if node.op is large.op else 1.0
+        return 1.0
+
+    bounds = prefetch_bounds(graph, seconds, 1.0)
+    # By its own lead the small one would start just before its use, after the large
+    # one had taken the link: it starts with the large one instead.
+    assert bounds[small.id] == bounds[large.id] < min(graph.succs[small.partner]) - 1
+    ordered = order(graph, Placement(), 0.1, None, bounds)
+    position = {node: i for i, node in enumerate(ordered.nodes)}
+    # Together, in the order they are read: the link serves the small one first.
+    assert position[small.id] < position[large.id]
+    assert simulate(graph, ordered.nodes, seconds).collectives[small.id].stall == 0.0
