@@ -68,7 +68,6 @@ def _keys(
     for node, key in (priorities or {}).items():
         keys[node] = key
     starts = [node.id for node in graph.nodes if node.role is Role.START]
-    placed = placement.window_of()
     # A start follows its operand's producer, which may be a placed node whose key follows
     # another window's start: iterate to the fixed point (a chain of windows is finite).
     for _ in range(len(starts) + 1):
@@ -77,9 +76,9 @@ def _keys(
             offset = 2 * _STEP if start in graph.deferrable else _STEP
             key = max((keys[p] for p in graph.preds[start]), default=-1.0) + offset
             if start in earliest:  # a prefetch: no earlier than it takes to hide it
-                key = max(key, keys[_staying(earliest[start], placed, len(keys))] - _STEP / 2)
+                key = max(key, keys[earliest[start]] - _STEP / 2)
             ready[start] = key
-        _in_order_of_need(graph, keys, ready, earliest)
+        _in_order_of_need(graph, keys, ready, [s for s in earliest if s not in graph.deferrable])
         changed = any(keys[start] != key for start, key in ready.items())
         for start, key in ready.items():
             keys[start] = key
@@ -98,15 +97,6 @@ def _keys(
             latest_placed = max((keys[p] for p in placed), default=keys[node.partner])
             keys[node.id] = max(first_use - _STEP, latest_placed + _STEP)
     return keys
-
-
-def _staying(node: int, placed: Collection[int], count: int) -> int:
-    """``node``, or where it was placed in a window (it runs there, elsewhere), the first
-    node after it in program order that stays: a prefetch's bound is a place in the
-    program, not the work that was there."""
-    while node in placed and node + 1 < count:
-        node += 1
-    return node
 
 
 def _in_order_of_need(

@@ -7,10 +7,13 @@ inputs will exist when the window opens: every predecessor is an ancestor of
 the all-to-all's start, lies in an earlier window that closes before this
 one opens, or was placed earlier in this window.
 
-1. Forced: candidates whose last possible window is this one go in first,
-   with the not-yet-placed candidates they depend on.
+1. Forced (unless ``force`` is off): candidates whose last possible window is this one
+   go in first, with the not-yet-placed candidates they depend on.
    Forcing ignores the window's capacity: the last backward all-to-all can take far
-   more work than it hides (the report shows placed time against window time).
+   more work than it hides (the report shows placed time against window time). That
+   hides the all-to-all behind work that would otherwise run after it, and holds back
+   its result until the work is done; which weighs more depends on the step, so the
+   search scores both (:func:`scheduling.search.step_estimate.schedule_program`).
 2. Greedy best fit: repeatedly take the candidate whose estimated time is
    closest to the remaining time. Stop when the remaining time is <= 0, when
    no candidate is left, or when the best candidate is over twice the
@@ -51,9 +54,13 @@ class Placement:
 
 
 def schedule_dw(
-    graph: Graph, seconds: Callable[[Node], float], windows: list[Node] | None = None
+    graph: Graph,
+    seconds: Callable[[Node], float],
+    windows: list[Node] | None = None,
+    force: bool = True,
 ) -> Placement:
-    """Place dW nodes into ``windows`` (default: the backward all-to-alls)."""
+    """Place dW nodes into ``windows`` (default: the backward all-to-alls); ``force``: each
+    window takes first the candidates whose last window it is, whatever its capacity."""
     windows = graph.backward_all_to_alls() if windows is None else windows
     candidates = {start.id: graph.dw_candidates(start) for start in windows}
     last_window: dict[int, int] = {}
@@ -69,7 +76,7 @@ def schedule_dw(
         remaining = seconds(start)
 
         # 1. Forced: this is the node's last window; bring the candidates it needs along.
-        for node in sorted(pool):
+        for node in sorted(pool) if force else ():
             if node not in pool or last_window[node] != start.id:
                 continue
             needed = window.missing_inputs(node, pool)

@@ -93,15 +93,27 @@ def schedule_program(
     program: Program, policy: SchedulePolicy, seconds: Callable[[Node], float], pack_dw: bool
 ) -> tuple[Graph, Order, Timeline]:
     """Split, pair microbatches (where the policy does), place dW work (if ``pack_dw``:
-    with pairing, into the windows no other microbatch fills), bound the gathers of
-    sharded weights to a prefetch, order; and the simulated timeline."""
+    with pairing, into the windows no other microbatch fills; with and without forcing a
+    window's last candidates into it, the shorter simulated step kept), bound the gathers
+    of sharded weights to a prefetch, order; and the simulated timeline."""
     graph = split_async(program, min_bytes=policy.async_min_bytes)
     priorities = pair_priorities(graph, seconds) if policy.pairs_microbatches else None
     windows = unpaired_windows(graph) if priorities else None
-    placement = schedule_dw(graph, seconds, windows) if pack_dw else Placement()
     earliest = prefetch_bounds(graph, seconds, policy.prefetch_lead)
-    ordered = order(graph, placement, policy.max_live_bytes_growth, priorities, earliest)
-    return graph, ordered, simulate(graph, ordered.nodes, seconds)
+
+    def ordered(placement: Placement) -> tuple[Order, Timeline]:
+        nodes = order(graph, placement, policy.max_live_bytes_growth, priorities, earliest)
+        return nodes, simulate(graph, nodes.nodes, seconds)
+
+    if not pack_dw:
+        return graph, *ordered(Placement())
+    forced = schedule_dw(graph, seconds, windows)
+    best = ordered(forced)
+    if forced.forced:
+        unforced = ordered(schedule_dw(graph, seconds, windows, force=False))
+        if unforced[1].step_seconds < best[1].step_seconds:
+            best = unforced
+    return graph, *best
 
 
 class StepEstimates:

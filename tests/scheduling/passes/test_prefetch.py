@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import pytest
@@ -168,42 +166,3 @@ def test_a_gather_read_sooner_starts_no_later_than_one_read_after_it():
     # Together, in the order they are read: the link serves the small one first.
     assert position[small.id] < position[large.id]
     assert simulate(graph, ordered.nodes, seconds).collectives[small.id].stall == 0.0
-
-
-def _layers_then_a_reduction(shards, x, y):
-    """The three blocks, then (in program order) a reduction of another input, which reads
-    nothing of theirs."""
-    x = _sharded_layers(shards, x)
-    for _ in range(4):
-        y = jnp.tanh(y)
-    return x, jax.lax.psum(y, "x")
-
-
-def test_a_bound_on_work_placed_in_a_window_stays_at_its_place_in_the_program():
-    """A prefetch's bound is a place in the program: where the ops there were placed in a
-    later collective's window (dW packing does so), the gather starts where they were,
-    not where they went."""
-    mesh = mesh_x()
-    graph = split_async(
-        capture(
-            _layers_then_a_reduction,
-            tuple(sds(mesh, (WIDTH, WIDTH), P("x")) for _ in range(LAYERS)),
-            sds(mesh, (N * 2, WIDTH), P("x")),
-            sds(mesh, (N * 2, WIDTH), P("x")),
-            mesh=mesh,
-            in_specs=((P("x"),) * LAYERS, P("x"), P("x")),
-            out_specs=(P("x"), P()),
-        )
-    )
-    bounds = prefetch_bounds(graph, _seconds(gather=3.0), 1.0)
-    *_, last = _starts(graph)
-    (reduction,) = [start for start in graph.starts() if start.op.primitive == "psum"]
-    anchor = bounds[last.id]
-    assert graph.nodes[anchor].role is Role.COMPUTE and anchor < reduction.id
-    # The op at the last gather's bound and the one before it run in the reduction's
-    # window (they do not depend on it).
-    placement = Placement({reduction.id: [anchor - 1, anchor]})
-    ordered = order(graph, placement, math.inf, None, bounds)
-    position = {node: i for i, node in enumerate(ordered.nodes)}
-    assert position[reduction.id] < position[anchor - 1] < position[anchor]
-    assert position[last.id] < position[reduction.id]

@@ -133,3 +133,15 @@ def test_schedule_dw_placements_are_valid_on_synthetic_graphs(step, capacity):
     costs = {n.id: 1.0 + n.id % 3 for n in graph.nodes}
     costs.update({s.id: capacity for s in graph.starts()})
     _check_placement(graph, schedule_dw(graph, fixed_seconds(costs)))
+
+
+def test_without_forcing_a_window_takes_only_its_best_fit():
+    graph = window_graph(forced_step)
+    first, second = two_windows(graph)
+    n1, n2, free = dw_candidates(graph, first)
+    costs = {first.id: 1.0, second.id: 1.0, n1: 5.0, n2: 5.0, free: 0.5}
+    placement = schedule_dw(graph, fixed_seconds(costs), force=False)
+    # The closest to the first window's 1s, then nothing over twice what is left.
+    assert placement.windows[first.id] == [free]
+    assert placement.windows[second.id] == []
+    assert placement.forced == set()
