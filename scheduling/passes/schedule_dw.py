@@ -12,8 +12,9 @@ one opens, or was placed earlier in this window.
    Forcing ignores the window's capacity: the last backward all-to-all can take far
    more work than it hides (the report shows placed time against window time). That
    hides the all-to-all behind work that would otherwise run after it, and holds back
-   its result until the work is done; which weighs more depends on the step, so the
-   search scores both (:func:`scheduling.search.step_estimate.schedule_program`).
+   its result until the work is done; which weighs more depends on the step, so where
+   the forced work overfills a window the search scores both
+   (:func:`scheduling.search.step_estimate.schedule_program`).
 2. Greedy best fit: repeatedly take the candidate whose estimated time is
    closest to the remaining time. Stop when the remaining time is <= 0, when
    no candidate is left, or when the best candidate is over twice the

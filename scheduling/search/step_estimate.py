@@ -93,8 +93,9 @@ def schedule_program(
     program: Program, policy: SchedulePolicy, seconds: Callable[[Node], float], pack_dw: bool
 ) -> tuple[Graph, Order, Timeline]:
     """Split, pair microbatches (where the policy does), place dW work (if ``pack_dw``:
-    with pairing, into the windows no other microbatch fills; with and without forcing a
-    window's last candidates into it, the shorter simulated step kept), bound the gathers
+    with pairing, into the windows no other microbatch fills; where forcing a window's
+    last candidates into it overfills it, also without forcing, the shorter simulated
+    step kept), bound the gathers
     of sharded weights to a prefetch, order; and the simulated timeline."""
     graph = split_async(program, min_bytes=policy.async_min_bytes)
     priorities = pair_priorities(graph, seconds) if policy.pairs_microbatches else None
@@ -109,11 +110,20 @@ def schedule_program(
         return graph, *ordered(Placement())
     forced = schedule_dw(graph, seconds, windows)
     best = ordered(forced)
-    if forced.forced:
+    if _overfilled(graph, forced, seconds):
         unforced = ordered(schedule_dw(graph, seconds, windows, force=False))
         if unforced[1].step_seconds < best[1].step_seconds:
             best = unforced
     return graph, *best
+
+
+def _overfilled(graph: Graph, placement: Placement, seconds: Callable[[Node], float]) -> bool:
+    """Whether the work forced into some window takes longer than its all-to-all."""
+    return any(
+        sum(seconds(graph.nodes[n]) for n in nodes if n in placement.forced)
+        > seconds(graph.nodes[start])
+        for start, nodes in placement.windows.items()
+    )
 
 
 class StepEstimates:

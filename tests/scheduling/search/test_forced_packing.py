@@ -1,5 +1,5 @@
-"""schedule_program scores dW packing with and without forcing each window's last
-candidates into it, and keeps the shorter simulated step."""
+"""schedule_program scores dW packing with each window's last candidates forced into it
+and, where they overfill it, without; it keeps the shorter simulated step."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ from jax.sharding import PartitionSpec as P
 from scheduling.policy import SchedulePolicy
 from scheduling.program.capture import capture
 from scheduling.search import step_estimate
-from tests.scheduling.toys import as_backward, mesh_x, sds
-from tests.scheduling.window_toys import chain_step, cost_model_seconds, forced_step
+from tests.scheduling.toys import as_backward, fixed_seconds, mesh_x, sds
+from tests.scheduling.window_toys import dw_candidates, forced_step, two_windows
 
 
-def _program(step=forced_step):
+def _program():
     mesh = mesh_x()
     return as_backward(
         capture(
-            step,
+            forced_step,
             sds(mesh, (8, 4), P()),
             sds(mesh, (64, 4), P("x")),
             mesh=mesh,
@@ -27,6 +27,15 @@ def _program(step=forced_step):
             out_specs=P(),
         )
     )
+
+
+def _seconds(program, window):
+    """Each all-to-all ``window`` s; the two candidates forced into the first 5 s each."""
+    graph = step_estimate.split_async(program)
+    first, second = two_windows(graph)
+    n1, n2, free = dw_candidates(graph, first)
+    costs = {first.id: window, second.id: window, n1: 5.0, n2: 5.0, free: 0.5}
+    return fixed_seconds(costs, default=0.1)
 
 
 @pytest.mark.parametrize("forced_shorter", [True, False])
@@ -43,24 +52,19 @@ def test_the_placement_of_the_shorter_simulated_step_is_kept(monkeypatch, forced
         return dataclasses.replace(timeline, step_seconds=step)
 
     monkeypatch.setattr(step_estimate, "simulate", simulated)
-    graph = step_estimate.split_async(program)
-    seconds = cost_model_seconds(graph)
     _, order, timeline = step_estimate.schedule_program(
-        program, SchedulePolicy("dw"), seconds, pack_dw=True
+        program, SchedulePolicy("dw"), _seconds(program, window=1.0), pack_dw=True
     )
     assert len(steps) == 2 and timeline.step_seconds == 1.0
     assert bool(order.placement.forced) == forced_shorter
-    # Without forcing, the window takes only what fits it best.
-    assert all(order.placement.windows.values())
 
 
-def test_a_packing_that_forces_nothing_is_scored_once(monkeypatch):
-    program = _program(chain_step)  # its one candidate chain fits the first window
+def test_a_window_its_forced_work_fits_is_scored_once(monkeypatch):
+    program = _program()
     calls = []
     simulate = step_estimate.simulate
     monkeypatch.setattr(step_estimate, "simulate", lambda *args: calls.append(1) or simulate(*args))
-    graph = step_estimate.split_async(program)
     _, order, _ = step_estimate.schedule_program(
-        program, SchedulePolicy("dw"), cost_model_seconds(graph), pack_dw=True
+        program, SchedulePolicy("dw"), _seconds(program, window=20.0), pack_dw=True
     )
-    assert not order.placement.forced and len(calls) == 1
+    assert order.placement.forced and len(calls) == 1
