@@ -78,7 +78,7 @@ def _keys(
             if start in earliest:  # a prefetch: no earlier than it takes to hide it
                 key = max(key, keys[earliest[start]] - _STEP / 2)
             ready[start] = key
-        _in_order_of_need(graph, keys, ready, [s for s in earliest if s not in graph.deferrable])
+        _in_order_of_need(graph, keys, ready, earliest)
         changed = any(keys[start] != key for start, key in ready.items())
         for start, key in ready.items():
             keys[start] = key

@@ -95,8 +95,8 @@ def schedule_program(
     """Split, pair microbatches (where the policy does), place dW work (if ``pack_dw``:
     with pairing, into the windows no other microbatch fills; where forcing a window's
     last candidates into it overfills it, also without forcing, the shorter simulated
-    step kept), bound the gathers
-    of sharded weights to a prefetch, order; and the simulated timeline."""
+    step kept), bound the gathers of sharded weights to a prefetch, order; and the
+    simulated timeline."""
     graph = split_async(program, min_bytes=policy.async_min_bytes)
     priorities = pair_priorities(graph, seconds) if policy.pairs_microbatches else None
     windows = unpaired_windows(graph) if priorities else None
