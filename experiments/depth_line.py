@@ -1,0 +1,154 @@
+"""How close the planner's depth line comes to deeper traces of the seed models' planned
+mappings: each mapping's step traced with one to five blocks, and the line through one and
+two blocks (the planner's before) and through two and three (its own,
+:mod:`jaxmoe.plan.layer_extrapolation`) against the four- and five-block traces.
+
+    python -m experiments.depth_line [--out experiments/results/depth_line.md] [--blocks 5]
+
+A line is exact where every block between the first and the last adds the same to the
+step; the table says what each block adds, and each line's error where a trace can check
+it. The cases are the mappings ``experiments.scale_eval`` found best, each under every
+schedule the planner weighs, on the H100 profile. Simulated steps, not timings: the same
+on every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from experiments.shared.results_file import command_line, source_tree
+
+RESULTS = Path(__file__).parent / "results" / "depth_line.md"
+PROFILE = "h100-8x-nvlink-3200g"
+SCHEDULES = ("none", "dw", "lancet", "pair")
+
+
+@dataclass(frozen=True)
+class Case:
+    label: str
+    model: str
+    devices: int
+    batch: int  # sequences a step
+    mapping: dict  # jaxmoe.plan.mappings.Mapping's fields but the devices
+
+
+CASES = (
+    Case(
+        "at its recipe",
+        "qwen2-57b-a14b",
+        64,
+        256,
+        dict(expert_data=4, expert=16, zero=3, recompute="layer"),
+    ),
+    Case("on 64 H100s", "qwen2-57b-a14b", 64, 64, dict(expert=64, zero=3, recompute="none")),
+    Case(
+        "at its recipe",
+        "mixtral-8x22b",
+        128,
+        256,
+        dict(expert_data=2, expert=8, expert_tensor=8, recompute="layer", microbatches=2),
+    ),
+    Case(
+        "on 64 H100s",
+        "mixtral-8x22b",
+        64,
+        64,
+        dict(expert=8, expert_tensor=8, recompute="layer"),
+    ),
+)
+
+
+def traced_steps(case: Case, most_blocks: int) -> tuple[int, dict[str, list[float]]]:
+    """The model's block count, and each schedule's simulated step (seconds) with 1 to
+    ``most_blocks`` blocks."""
+    from experiments.folding_models import planned_config
+    from jaxmoe.plan.estimates import EstimateCache
+    from jaxmoe.plan.layer_extrapolation import block_count, with_blocks
+    from jaxmoe.plan.mappings import Mapping, with_mapping
+    from jaxmoe.plan.tracer import Tracer
+
+    fields = dict(tensor=1, expert_data=1, expert_tensor=1, dispatcher="all_to_all", zero=1)
+    mapping = Mapping(devices=case.devices, **(fields | case.mapping))
+    config = with_mapping(planned_config(case.model, case.devices, case.batch), mapping, 8)
+    tracer = Tracer(SCHEDULES, PROFILE, EstimateCache(None))
+    steps: dict[str, list[float]] = {}
+    for blocks in range(1, most_blocks + 1):
+        _, times = tracer.estimate(with_blocks(config, blocks))
+        for schedule, time in times.items():
+            steps.setdefault(schedule, []).append(time.step)
+    found = block_count(config)
+    assert found is not None
+    return found, steps
+
+
+def line(steps: Sequence[float], first: int, blocks: int) -> float:
+    """The step of ``blocks`` blocks on the line through the traces of ``first`` and
+    ``first + 1`` blocks (``steps[k]``: the trace of ``k + 1`` blocks)."""
+    low, high = steps[first - 1], steps[first]
+    return low + (blocks - first) * (high - low)
+
+
+def render(rows: list[tuple[Case, int, dict[str, list[float]]]], argv: Sequence[str]) -> str:
+    lines = [
+        "# The depth line against deeper traces",
+        "",
+        f"`{command_line('experiments.depth_line', argv)}` at {source_tree()}. "
+        "Simulated steps on the H100 profile (`h100-8x-nvlink-3200g`), in ms; the same on "
+        "every run.",
+        "",
+        "Each mapping's step traced with one block and more. *Adds*: what each block "
+        "adds to the step, the second, the third and so on. *1-2* and *2-3*: the line "
+        "through one and two blocks, and through two and three (the planner's), at the "
+        "deepest trace (its error beside it) and at the model's depth.",
+        "",
+    ]
+    for case, depth, steps in rows:
+        fields = ", ".join(f"{k} {v}" for k, v in case.mapping.items())
+        deepest = len(next(iter(steps.values())))
+        lines += [
+            f"## {case.model} {case.label} ({case.devices} devices, {case.batch} sequences, "
+            f"{fields}; {depth} blocks)",
+            "",
+            f"| schedule | traced steps, 1 to {deepest} blocks | adds | 1-2 at {deepest} | "
+            f"2-3 at {deepest} | 1-2 at {depth} | 2-3 at {depth} |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for schedule, found in steps.items():
+            adds = [b - a for a, b in itertools.pairwise(found)]
+            old, new = line(found, 1, deepest), line(found, 2, deepest)
+            lines.append(
+                f"| `{schedule}` | {', '.join(f'{s * 1e3:.1f}' for s in found)} "
+                f"| {', '.join(f'{a * 1e3:.2f}' for a in adds)} "
+                f"| {old * 1e3:.1f} ({old / found[-1] - 1:+.2%}) "
+                f"| {new * 1e3:.1f} ({new / found[-1] - 1:+.2%}) "
+                f"| {line(found, 1, depth) * 1e3:.0f} | {line(found, 2, depth) * 1e3:.0f} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--blocks", type=int, default=5, help="the deepest trace (at least 4)")
+    args = parser.parse_args(argv)
+    if args.blocks < 4:
+        parser.error(f"--blocks={args.blocks}: at least 4, to check the line through 2 and 3")
+    rows = []
+    for case in CASES:
+        depth, steps = traced_steps(case, args.blocks)
+        rows.append((case, depth, steps))
+        print(f"{case.model} {case.label}: traced", flush=True)
+    args.out.write_text(render(rows, argv))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""The depth line's check (experiments/depth_line.py): each line through two traced depths,
+and the table's errors against the deepest trace."""
+
+import pytest
+
+from experiments import depth_line
+
+
+def test_the_lines_run_through_their_two_depths():
+    steps = [1.0, 3.0, 4.5, 6.0]  # the second block adds 2.0, each later one 1.5
+    assert depth_line.line(steps, 1, 4) == 7.0
+    assert depth_line.line(steps, 2, 4) == 6.0
+    assert depth_line.line(steps, 2, 28) == pytest.approx(3.0 + 26 * 1.5)
+
+
+def test_the_table_gives_what_each_block_adds_and_each_lines_error():
+    case = depth_line.Case("at its recipe", "qwen2-57b-a14b", 64, 256, dict(expert=16))
+    steps = {"lancet": [0.100, 0.160, 0.210, 0.260]}
+    text = depth_line.render([(case, 28, steps)], ["--blocks", "4"])
+    assert "## qwen2-57b-a14b at its recipe (64 devices, 256 sequences, expert 16; 28 blocks)" in (
+        text
+    )
+    assert (
+        "| `lancet` | 100.0, 160.0, 210.0, 260.0 | 60.00, 50.00, 50.00 | 280.0 (+7.69%) "
+        "| 260.0 (+0.00%) | 1720 | 1460 |"
+    ) in text
