@@ -1,15 +1,16 @@
 """How close the planner's depth line comes to deeper traces of the seed models' planned
 mappings: each mapping's step traced with one to five blocks, and the line through one and
-two blocks (the planner's before) and through two and three (its own,
-:mod:`jaxmoe.plan.layer_extrapolation`) against the four- and five-block traces.
+two blocks (the planner's, :mod:`jaxmoe.plan.layer_extrapolation`) and through two and
+three against the four- and five-block traces.
 
     python -m experiments.depth_line [--out experiments/results/depth_line.md] [--blocks 5]
 
 A line is exact where every block between the first and the last adds the same to the
 step; the table says what each block adds, and each line's error where a trace can check
-it. The cases are the mappings ``experiments.scale_eval`` found best, each under every
-schedule the planner weighs, on the H100 profile. Simulated steps, not timings: the same
-on every run.
+it. The cases are the mappings ``experiments.scale_eval`` found best, and one the line
+through two and three blocks would have ranked first at Qwen2-57B-A14B's recipe (MoE
+8x8x1), each under every schedule the planner weighs, on the H100 profile. Simulated
+steps, not timings: the same on every run.
 """
 
 from __future__ import annotations
@@ -44,6 +45,13 @@ CASES = (
         64,
         256,
         dict(expert_data=4, expert=16, zero=3, recompute="layer"),
+    ),
+    Case(
+        "at its recipe",
+        "qwen2-57b-a14b",
+        64,
+        256,
+        dict(expert_data=8, expert=8, zero=3, recompute="layer"),
     ),
     Case("on 64 H100s", "qwen2-57b-a14b", 64, 64, dict(expert=64, zero=3, recompute="none")),
     Case(
@@ -103,7 +111,7 @@ def render(rows: list[tuple[Case, int, dict[str, list[float]]]], argv: Sequence[
         "",
         "Each mapping's step traced with one block and more. *Adds*: what each block "
         "adds to the step, the second, the third and so on. *1-2* and *2-3*: the line "
-        "through one and two blocks, and through two and three (the planner's), at the "
+        "through one and two blocks (the planner's), and through two and three, at the "
         "deepest trace (its error beside it) and at the model's depth.",
         "",
     ]
