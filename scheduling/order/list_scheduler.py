@@ -24,8 +24,7 @@ Moving work changes how long buffers live. The live bytes of each order are
 counted (a value lives from its producer to its last consumer; a collective's
 result from its start); if the peak exceeds the original program's by more
 than the allowed growth, placements are withdrawn, largest outputs first,
-until it fits; first those moved from after the peak to before it, the only ones that
-hold bytes there.
+until it fits.
 """
 
 from __future__ import annotations
@@ -235,12 +234,6 @@ def _lifetimes(graph: Graph) -> _Lifetimes:
 def peak_live_bytes(graph: Graph, order: list[int], until: int | None = None) -> int:
     """Largest total size of values alive at once when running in ``order`` (over its first
     ``until`` positions: None, all of them)."""
-    live = _live_bytes(graph, order)[:until]
-    return max(0, int(live.max())) if live.size else 0
-
-
-def _live_bytes(graph: Graph, order: list[int]) -> np.ndarray:
-    """The bytes alive at each position of ``order``."""
     lives = _lifetimes(graph)
     end = len(order)
     # Each node's position, and one more slot (0) that a program input's -1 reads.
@@ -255,30 +248,8 @@ def _live_bytes(graph: Graph, order: list[int]) -> np.ndarray:
     delta = np.zeros(end + 2, np.int64)
     np.add.at(delta, start, lives.sizes)
     np.add.at(delta, last + 1, -lives.sizes)
-    return np.cumsum(delta)
-
-
-def _moved_across_peak(
-    graph: Graph, order: list[int], placed: list[int], live: np.ndarray
-) -> list[int]:
-    """The nodes of ``placed`` that ``order`` runs at or before its peak of live bytes but
-    the program runs after every computation that ``order`` runs there in program order
-    (node ids are program order; collectives start early): placements that only change
-    what is alive after the peak leave it as it is."""
-    at = int(np.argmax(live[: len(order)]))
-    moved = set(placed)
-    reached = max(
-        (
-            n
-            for n in order[: at + 1]
-            if n not in moved
-            and graph.nodes[n].role is Role.COMPUTE
-            and not graph.nodes[n].is_collective
-        ),
-        default=-1,
-    )
-    position = dict(zip(order, range(len(order)), strict=True))
-    return [n for n in placed if position[n] <= at and n > reached]
+    live = np.cumsum(delta[:until])
+    return max(0, int(live.max())) if live.size else 0
 
 
 def order(
@@ -295,7 +266,7 @@ def order(
 
     Placements that close a cycle are withdrawn first (each is kept unless, with those
     placed before it, it closes one), then, while the peak is over the bound, the largest
-    outputs (the fewest that fit, by bisection) of those moved across the peak.
+    outputs (the fewest that fit, by bisection).
     (Priorities are not withdrawn: running two microbatches at once holds both's
     activations, which the order's peak reports. Where they alone exceed the bound,
     their peak is the bound: placements are withdrawn only while they add to it.)
@@ -310,51 +281,31 @@ def order(
     withdrawn = _withdraw_cycles(graph, placement)
     result = topological_order(graph, placement, priorities, earliest)
     peak = peak_live_bytes(graph, result)
-    while peak > bound:
+    if peak > bound:
         # Withdrawn largest outputs first: the fewest of them that bring the peak within
-        # the bound, found by bisection. Those moved across the peak first (one placed
-        # after it holds nothing there); where withdrawing all of them leaves the peak over
-        # the bound, all of them, and again at the peak that is left; where none is, any
-        # (withdrawing all reaches ``floor``). Withdrawing never closes a cycle.
+        # the bound, found by bisection (withdrawing all of them reaches ``floor``).
+        # Withdrawing never closes a cycle.
         placed = [n for nodes in placement.windows.values() for n in nodes]
-        if not placed:
-            break
-        moved = _moved_across_peak(graph, result, placed, _live_bytes(graph, result))
-        largest = sorted(moved or placed, key=lambda n: (_output_bytes(graph, n), n), reverse=True)
-        count, (placement, result, peak) = _fewest_within(
-            graph, placement, largest, bound, priorities, earliest
-        )
-        withdrawn += largest[:count]
+        largest = sorted(placed, key=lambda n: (_output_bytes(graph, n), n), reverse=True)
+
+        def without(count: int) -> tuple[Placement, list[int], int]:
+            fewer = placement.without(largest[:count])
+            ordered = topological_order(graph, fewer, priorities, earliest)
+            return fewer, ordered, peak_live_bytes(graph, ordered)
+
+        # Over the bound with ``low`` withdrawn, within it with ``high``.
+        low, high = 0, len(largest)
+        fits = without(high)
+        while high - low > 1:
+            middle = (low + high) // 2
+            candidate = without(middle)
+            if candidate[2] <= bound:
+                high, fits = middle, candidate
+            else:
+                low = middle
+        placement, result, peak = fits
+        withdrawn += largest[:high]
     return Order(result, placement, peak, baseline, withdrawn, peak > limit)
-
-
-def _fewest_within(
-    graph: Graph,
-    placement: Placement,
-    largest: list[int],
-    bound: float,
-    priorities: dict[int, float] | None,
-    earliest: dict[int, int] | None,
-) -> tuple[int, tuple[Placement, list[int], int]]:
-    """How many of ``largest``, the first withdrawn first, bring the peak within ``bound``
-    (all of them where no fewer do), and the placement, order and peak with them withdrawn."""
-
-    def without(count: int) -> tuple[Placement, list[int], int]:
-        fewer = placement.without(largest[:count])
-        ordered = topological_order(graph, fewer, priorities, earliest)
-        return fewer, ordered, peak_live_bytes(graph, ordered)
-
-    # Over the bound with ``low`` withdrawn, within it with ``high`` (or all withdrawn).
-    low, high = 0, len(largest)
-    fits = without(high)
-    while fits[2] <= bound and high - low > 1:
-        middle = (low + high) // 2
-        candidate = without(middle)
-        if candidate[2] <= bound:
-            high, fits = middle, candidate
-        else:
-            low = middle
-    return high, fits
 
 
 def _withdraw_cycles(graph: Graph, placement: Placement) -> list[int]:

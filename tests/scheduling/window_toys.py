@@ -5,7 +5,6 @@ the work on ``w`` is a dW candidate."""
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from scheduling.costs.cost_model import CostModel
@@ -60,14 +59,6 @@ def memory_step(w, x):
     s = t2.sum()
     big = w * 5.0
     return s + big.sum()
-
-
-def peak_then_wide_step(w, x):
-    t1 = a2a(x * 2.0)  # the peak: x * 2.0 and the exchange's result
-    t2 = a2a(t1.sum(axis=1))  # a small exchange after it
-    small = (w * 5.0).sum()
-    wide = jnp.concatenate([w, w, w]) * 7.0  # larger than w * 5.0
-    return t2.sum() + small + wide.sum()
 
 
 def window_graph(step, w_shape=(8, 4), x_shape=(64, 4)):

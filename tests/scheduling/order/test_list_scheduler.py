@@ -23,7 +23,6 @@ from tests.scheduling.window_toys import (
     forced_step,
     late_dw_step,
     memory_step,
-    peak_then_wide_step,
     two_window_step,
     two_windows,
     window_graph,
@@ -210,31 +209,6 @@ def test_live_bytes_bound_withdraws_placements():
     assert tight.peak_live_bytes == peak_live_bytes(graph, tight.nodes)
     assert not set(tight.withdrawn) & set(tight.placement.window_of())
     _check_order(graph, tight)
-
-
-def test_only_the_placements_that_hold_bytes_at_the_peak_are_withdrawn():
-    """``w * 5.0`` placed in the first window adds its bytes where the program peaks;
-    ``concatenate([w, w, w]) * 7.0`` placed in the second, after the peak, holds larger
-    outputs but nothing there. Withdrawing the largest outputs first would take all three
-    placements back; the peak needs only the first's."""
-    graph = window_graph(peak_then_wide_step, w_shape=(8, 16), x_shape=(64, 256))
-    first, second = two_windows(graph)
-    scale, _, joined, wide, _ = dw_candidates(graph, first)
-    assert [graph.nodes[n].op.primitive for n in (scale, joined, wide)] == [
-        "mul",
-        "concatenate",
-        "mul",
-    ]
-    placement = Placement({first.id: [scale], second.id: [joined, wide]})
-    assert order(graph, placement, max_live_bytes_growth=math.inf).peak_live_bytes > (
-        order(graph, Placement(), max_live_bytes_growth=math.inf).peak_live_bytes
-    )  # precondition: the placements together raise the peak
-
-    ordered = order(graph, placement, max_live_bytes_growth=0.0)
-    assert ordered.withdrawn == [scale]
-    assert ordered.placement.windows[second.id] == [joined, wide]
-    assert ordered.peak_live_bytes <= ordered.baseline_peak_live_bytes
-    _check_order(graph, ordered)
 
 
 def test_a_placement_that_adds_nothing_to_the_priorities_peak_is_kept():
