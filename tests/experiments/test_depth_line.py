@@ -24,3 +24,15 @@ def test_the_table_gives_what_each_block_adds_and_each_lines_error():
         "| `lancet` | 100.0, 160.0, 210.0, 260.0 | 60.00, 50.00, 50.00 | 280.0 (+7.69%) "
         "| 260.0 (+0.00%) | 1720 | 1460 |"
     ) in text
+
+
+def test_the_packing_table_gives_each_packings_steps_and_peaks():
+    case = depth_line.Case("at its recipe", "qwen2-57b-a14b", 64, 256, dict(expert=8))
+    found = {
+        (True, 0.1): [(0.100, 1.05), (0.150, 1.10)],
+        (False, float("inf")): [(0.110, 1.0), (0.160, 1.0)],
+    }
+    text = depth_line.render_packing(case, found)
+    assert "## dW packing at depth: qwen2-57b-a14b at its recipe (expert 8), `dw`" in text
+    assert "| forced | 10% | 100.0, 150.0 | 50.00 | 1.05x, 1.10x |" in text
+    assert "| unforced | none | 110.0, 160.0 | 50.00 | 1.00x, 1.00x |" in text
