@@ -103,23 +103,24 @@ def traced_steps(case: Case, most_blocks: int) -> tuple[int, dict[str, list[floa
 
 
 # dW packing's two ways (its last candidates forced into a window or not) under the
-# schedule's live-bytes bound and with none: what ``dw`` chooses between.
-PACKINGS = ((True, 0.1), (True, math.inf), (False, 0.1), (False, math.inf))
+# schedule's live-bytes bound and with none: what ``dw`` chooses between; and nothing placed
+# (None), collectives started early and waited for late alone.
+PACKINGS = ((True, 0.1), (True, math.inf), (False, 0.1), (False, math.inf), (None, math.inf))
 
 
-def packing_steps(case: Case, most_blocks: int) -> dict[tuple[bool, float], list[tuple]]:
+def packing_steps(case: Case, most_blocks: int) -> dict[tuple, list[tuple]]:
     """Under ``dw``, with 1 to ``most_blocks`` blocks, for each of :data:`PACKINGS`: the
-    simulated step (seconds), and the peak of live bytes the placements reach before any is
-    withdrawn, over the program's own peak."""
+    simulated step (seconds), and the peak of live bytes of the order with every placement
+    kept, over the program's own peak (the list scheduler's count: no fusion)."""
     from jaxmoe.plan.layer_extrapolation import with_blocks
     from jaxmoe.plan.tracer import trace, with_schedule
     from jaxmoe.train.resolved import schedule_policy
     from scheduling import cost_model, node_seconds, simulate
     from scheduling.order.list_scheduler import order
-    from scheduling.passes import schedule_dw, split_async
+    from scheduling.passes import Placement, schedule_dw, split_async
     from scheduling.passes.prefetch import prefetch_bounds
 
-    found: dict[tuple[bool, float], list[tuple]] = {packing: [] for packing in PACKINGS}
+    found: dict[tuple, list[tuple]] = {packing: [] for packing in PACKINGS}
     for blocks in range(1, most_blocks + 1):
         config = with_schedule(with_blocks(_config(case), blocks), "dw", PROFILE)
         program = trace(config).program
@@ -128,7 +129,7 @@ def packing_steps(case: Case, most_blocks: int) -> dict[tuple[bool, float], list
         graph = split_async(program, min_bytes=policy.async_min_bytes)
         earliest = prefetch_bounds(graph, seconds, policy.prefetch_lead)
         for force, growth in PACKINGS:
-            placement = schedule_dw(graph, seconds, force=force)
+            placement = Placement() if force is None else schedule_dw(graph, seconds, force=force)
             ordered = order(graph, placement, growth, None, earliest)
             unbounded = order(graph, placement, math.inf, None, earliest)
             step = simulate(graph, ordered.nodes, seconds).step_seconds
@@ -183,7 +184,10 @@ def render(rows: list[tuple[Case, int, dict[str, list[float]]]], argv: Sequence[
     return "\n".join(lines)
 
 
-def render_packing(case: Case, found: dict[tuple[bool, float], list[tuple]]) -> str:
+NAMES = {True: "forced", False: "unforced", None: "nothing placed"}
+
+
+def render_packing(case: Case, found: dict[tuple, list[tuple]]) -> str:
     """Why a mapping's blocks add unlike amounts: ``dw``'s packings, each depth's step and
     what each block adds, and the placements' peak of live bytes."""
     fields = ", ".join(f"{k} {v}" for k, v in case.mapping.items())
@@ -193,8 +197,9 @@ def render_packing(case: Case, found: dict[tuple[bool, float], list[tuple]]) -> 
         "The two packings `dw` chooses between (the shorter step of the two is kept where "
         "the forced work overfills a window), under the schedule's live-bytes bound (10% "
         "over the program's own peak; placements withdrawn largest outputs first) and "
-        "with none. *Peak*: the live bytes the placements reach before any is withdrawn, "
-        "over the program's own peak.",
+        "with none; and nothing placed (collectives started early and waited for late). "
+        "*Peak*: the live bytes of the order with every placement kept, over the "
+        "program's own peak (the list scheduler's count, without fusion).",
         "",
         "| packing | bound | traced steps, ms | adds, ms | peak |",
         "|---|---|---|---|---|",
@@ -203,7 +208,7 @@ def render_packing(case: Case, found: dict[tuple[bool, float], list[tuple]]) -> 
         steps = [step for step, _ in rows]
         adds = [b - a for a, b in itertools.pairwise(steps)]
         lines.append(
-            f"| {'forced' if force else 'unforced'} | "
+            f"| {NAMES[force]} | "
             f"{'none' if math.isinf(growth) else f'{growth:.0%}'} "
             f"| {', '.join(f'{s * 1e3:.1f}' for s in steps)} "
             f"| {', '.join(f'{a * 1e3:.2f}' for a in adds)} "

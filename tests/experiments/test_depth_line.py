@@ -31,8 +31,10 @@ def test_the_packing_table_gives_each_packings_steps_and_peaks():
     found = {
         (True, 0.1): [(0.100, 1.05), (0.150, 1.10)],
         (False, float("inf")): [(0.110, 1.0), (0.160, 1.0)],
+        (None, float("inf")): [(0.120, 1.0), (0.180, 1.02)],
     }
     text = depth_line.render_packing(case, found)
     assert "## dW packing at depth: qwen2-57b-a14b at its recipe (expert 8), `dw`" in text
     assert "| forced | 10% | 100.0, 150.0 | 50.00 | 1.05x, 1.10x |" in text
     assert "| unforced | none | 110.0, 160.0 | 50.00 | 1.00x, 1.00x |" in text
+    assert "| nothing placed | none | 120.0, 180.0 | 60.00 | 1.00x, 1.02x |" in text
