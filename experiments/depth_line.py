@@ -113,29 +113,29 @@ def packing_steps(case: Case, most_blocks: int) -> dict[tuple, list[tuple]]:
     """Under ``dw``, with 1 to ``most_blocks`` blocks, for each of :data:`PACKINGS`: the
     simulated step (seconds), and the peak of live bytes of the order with every placement
     kept, over the program's own peak (the list scheduler's count: no fusion)."""
+    import dataclasses
+
     from jaxmoe.plan.layer_extrapolation import with_blocks
     from jaxmoe.plan.tracer import trace, with_schedule
     from jaxmoe.train.resolved import schedule_policy
-    from scheduling import cost_model, node_seconds, simulate
-    from scheduling.order.list_scheduler import order
-    from scheduling.passes import Placement, schedule_dw, split_async
-    from scheduling.passes.prefetch import prefetch_bounds
+    from scheduling import ExperimentalOptions, cost_model, estimate, schedule
 
     found: dict[tuple, list[tuple]] = {packing: [] for packing in PACKINGS}
     for blocks in range(1, most_blocks + 1):
         config = with_schedule(with_blocks(_config(case), blocks), "dw", PROFILE)
         program = trace(config).program
         policy = schedule_policy(config)
-        seconds = node_seconds(cost_model(policy, program.mesh, program).priced_once())
-        graph = split_async(program, min_bytes=policy.async_min_bytes)
-        earliest = prefetch_bounds(graph, seconds, policy.prefetch_lead)
+        cost = cost_model(policy, program.mesh, program).priced_once()
         for force, growth in PACKINGS:
-            placement = Placement() if force is None else schedule_dw(graph, seconds, force=force)
-            ordered = order(graph, placement, growth, None, earliest)
-            unbounded = order(graph, placement, math.inf, None, earliest)
-            step = simulate(graph, ordered.nodes, seconds).step_seconds
-            grown = unbounded.peak_live_bytes / unbounded.baseline_peak_live_bytes
-            found[force, growth].append((step, grown))
+            packing = ExperimentalOptions(force_dw=force)
+            name = "async" if force is None else "dw"  # async: nothing placed
+            bounded = dataclasses.replace(policy, name=name, max_live_bytes_growth=growth)
+            unbounded = dataclasses.replace(bounded, max_live_bytes_growth=math.inf)
+            scheduled = schedule(program, bounded, cost, (), packing)
+            kept = schedule(program, unbounded, cost, (), packing).order
+            step = estimate(scheduled.graph, scheduled.order, cost).step_seconds
+            peak = kept.peak_live_bytes / kept.baseline_peak_live_bytes
+            found[force, growth].append((step, peak))
     return found
 
 

@@ -133,6 +133,10 @@ class ExperimentalOptions:
     # the step traces its collectives through. The emulated cluster's socket all-to-alls
     # plug in here.
     transport: Callable[[Mesh], Callable[[], Any]] | None = None
+    # dW packing (the policies that pack dW work): force each window's last candidates into
+    # it (True) or not (False), instead of the shorter simulated step of the two where the
+    # forced work overfills a window (scheduling.search.step_estimate.schedule_program).
+    force_dw: bool | None = None
 
     def __post_init__(self) -> None:
         exchange = self.exchange
@@ -149,6 +153,14 @@ class ExperimentalOptions:
 
     def check(self, policy: SchedulePolicy) -> None:
         """Raise :class:`PolicyError` where an option does not apply to ``policy``."""
+        if self.force_dw is not None and policy.name not in names.PACKING_DW:
+            raise PolicyError(
+                "force_dw",
+                self.force_dw,
+                f"applies to the {', '.join(sorted(names.PACKING_DW))} policies, not "
+                f"{policy.name!r}",
+                owner="ExperimentalOptions",
+            )
         if self.exchange is not None and policy.name not in names.DECOMPOSING:
             raise PolicyError(
                 "exchange",

@@ -105,7 +105,7 @@ def schedule(
                 "the arguments whose leaves have the batch as their leading axis"
             )
         layouts = analyze(program, batch_inputs)
-    estimates = StepEstimates(program, layouts, policy, cost)
+    estimates = StepEstimates(program, layouts, policy, cost, experimental.force_dw)
     counts = CHUNK_COUNTS if policy.partition_chunks is None else (policy.partition_chunks,)
     pack_dw = policy.name in names.PACKING_DW
     exchanges: list[ExchangeChoice] = []

@@ -90,13 +90,17 @@ class StepEstimate:
 
 
 def schedule_program(
-    program: Program, policy: SchedulePolicy, seconds: Callable[[Node], float], pack_dw: bool
+    program: Program,
+    policy: SchedulePolicy,
+    seconds: Callable[[Node], float],
+    pack_dw: bool,
+    force_dw: bool | None = None,
 ) -> tuple[Graph, Order, Timeline]:
     """Split, pair microbatches (where the policy does), place dW work (if ``pack_dw``:
     with pairing, into the windows no other microbatch fills; where forcing a window's
     last candidates into it overfills it, also without forcing, the shorter simulated
-    step kept), bound the gathers of sharded weights to a prefetch, order; and the
-    simulated timeline."""
+    step kept; ``force_dw``: forced or not, whatever the step), bound the gathers of
+    sharded weights to a prefetch, order; and the simulated timeline."""
     graph = split_async(program, min_bytes=policy.async_min_bytes)
     priorities = pair_priorities(graph, seconds) if policy.pairs_microbatches else None
     windows = unpaired_windows(graph) if priorities else None
@@ -108,6 +112,8 @@ def schedule_program(
 
     if not pack_dw:
         return graph, *ordered(Placement())
+    if force_dw is not None:
+        return graph, *ordered(schedule_dw(graph, seconds, windows, force=force_dw))
     forced = schedule_dw(graph, seconds, windows)
     best = ordered(forced)
     if _overfilled(graph, forced, seconds):
@@ -135,10 +141,12 @@ class StepEstimates:
         layouts: BatchLayouts | None,
         policy: SchedulePolicy,
         cost: CostModel,
+        force_dw: bool | None = None,
     ):
         self.program = program
         self.layouts = layouts
         self.policy = policy
+        self.force_dw = force_dw  # scheduling.policy.ExperimentalOptions.force_dw
         self.cost = cost
         self.seconds_of_op = cost.seconds
         self.seconds_of_chunk = cost.chunk_seconds
@@ -179,7 +187,9 @@ class StepEstimates:
             seconds = self.seconds
             if program is not self.program:
                 seconds = node_seconds(self.cost.rebound(program))
-            graph, ordered, timeline = schedule_program(program, self.policy, seconds, pack_dw)
+            graph, ordered, timeline = schedule_program(
+                program, self.policy, seconds, pack_dw, self.force_dw
+            )
             self._memo[key] = StepEstimate(
                 list(partitions), pack_dw, graph, ordered, timeline, list(decompositions)
             )

@@ -1,5 +1,6 @@
 """schedule_program scores dW packing with each window's last candidates forced into it
-and, where they overfill it, without; it keeps the shorter simulated step."""
+and, where they overfill it, without; it keeps the shorter simulated step (or, as a
+research option, the packing asked for)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import dataclasses
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from scheduling.policy import SchedulePolicy
+from scheduling.policy import ExperimentalOptions, PolicyError, SchedulePolicy
 from scheduling.program.capture import capture
 from scheduling.search import step_estimate
 from tests.scheduling.toys import as_backward, fixed_seconds, mesh_x, sds
@@ -68,3 +69,22 @@ def test_a_window_its_forced_work_fits_is_scored_once(monkeypatch):
         program, SchedulePolicy("dw"), _seconds(program, window=20.0), pack_dw=True
     )
     assert order.placement.forced and len(calls) == 1
+
+
+@pytest.mark.parametrize("force_dw", [True, False])
+def test_the_research_option_takes_one_packing_whatever_the_step(monkeypatch, force_dw):
+    program = _program()
+    calls = []
+    simulate = step_estimate.simulate
+    monkeypatch.setattr(step_estimate, "simulate", lambda *args: calls.append(1) or simulate(*args))
+    seconds = _seconds(program, window=1.0)  # the forced work overfills the window
+    _, order, _ = step_estimate.schedule_program(
+        program, SchedulePolicy("dw"), seconds, pack_dw=True, force_dw=force_dw
+    )
+    assert bool(order.placement.forced) == force_dw and len(calls) == 1
+
+
+def test_the_research_option_applies_to_the_policies_that_pack_dw_work():
+    ExperimentalOptions(force_dw=False).check(SchedulePolicy("lancet"))
+    with pytest.raises(PolicyError, match=r"ExperimentalOptions.force_dw=False: applies to"):
+        ExperimentalOptions(force_dw=False).check(SchedulePolicy("async"))
