@@ -153,22 +153,19 @@ class ExperimentalOptions:
 
     def check(self, policy: SchedulePolicy) -> None:
         """Raise :class:`PolicyError` where an option does not apply to ``policy``."""
-        if self.force_dw is not None and policy.name not in names.PACKING_DW:
-            raise PolicyError(
-                "force_dw",
-                self.force_dw,
-                f"applies to the {', '.join(sorted(names.PACKING_DW))} policies, not "
-                f"{policy.name!r}",
-                owner="ExperimentalOptions",
-            )
-        if self.exchange is not None and policy.name not in names.DECOMPOSING:
-            raise PolicyError(
-                "exchange",
-                self.exchange,
-                f"applies to the {' and '.join(sorted(names.DECOMPOSING))} policies, not "
-                f"{policy.name!r}",
-                owner="ExperimentalOptions",
-            )
+        for field, policies in (
+            ("exchange", names.DECOMPOSING),
+            ("force_dw", names.PACKING_DW),
+        ):
+            value = getattr(self, field)
+            if value is not None and policy.name not in policies:
+                *others, last = sorted(policies)
+                raise PolicyError(
+                    field,
+                    value,
+                    f"applies to the {', '.join(others)} and {last} policies, not {policy.name!r}",
+                    owner="ExperimentalOptions",
+                )
 
 
 def check_policy_fields(fields: Mapping[str, Any]) -> None:
