@@ -18,7 +18,9 @@ topological order; the keys only choose among valid orders:
 - the dW nodes placed in a window run right after the window's start, in
   placement order;
 - a collective done runs just before its first consumer ("only where it is
-  needed"), and never before the nodes placed in its window.
+  needed"), or before the node a caller names (``waits``: where the simulated link
+  has finished a gradient reduction, :mod:`scheduling.search.step_estimate`), and
+  never before the nodes placed in its window.
 
 Moving work changes how long buffers live. The live bytes of each order are
 counted (a value lives from its producer to its last consumer; a collective's
@@ -62,6 +64,7 @@ def _keys(
     placement: Placement,
     priorities: dict[int, float] | None = None,
     earliest: dict[int, int] | None = None,
+    waits: dict[int, float] | None = None,
 ) -> list[float]:
     keys = [float(node.id) for node in graph.nodes]
     earliest = earliest or {}
@@ -93,6 +96,7 @@ def _keys(
         if node.role is Role.DONE:
             consumers = graph.succs[node.id]
             first_use = min((keys[c] for c in consumers), default=float(len(graph.nodes)))
+            first_use = min(first_use, (waits or {}).get(node.id, first_use))
             placed = placement.windows.get(node.partner, [])
             latest_placed = max((keys[p] for p in placed), default=keys[node.partner])
             keys[node.id] = max(first_use - _STEP, latest_placed + _STEP)
@@ -142,6 +146,7 @@ def topological_order(
     placement: Placement,
     priorities: dict[int, float] | None = None,
     earliest: dict[int, int] | None = None,
+    waits: dict[int, float] | None = None,
 ) -> list[int]:
     """Ready node with the smallest key first; window edges keep placed nodes inside.
 
@@ -157,7 +162,7 @@ def topological_order(
             if source not in graph.preds[target] and target not in added.get(source, ()):
                 added.setdefault(source, []).append(target)
                 waiting[target] += 1
-    keys = _keys(graph, placement, priorities, earliest)
+    keys = _keys(graph, placement, priorities, earliest, waits)
     ready = [(keys[n], n) for n in range(len(graph.nodes)) if waiting[n] == 0]
     heapq.heapify(ready)
     result = []
@@ -258,11 +263,13 @@ def order(
     max_live_bytes_growth: float = 0.1,
     priorities: dict[int, float] | None = None,
     earliest: dict[int, int] | None = None,
+    waits: dict[int, float] | None = None,
 ) -> Order:
     """A topological order honouring ``placement`` (a copy is kept) within the bound, the
     compute nodes of ``priorities`` at those keys instead of their program positions, and
     the starts of ``earliest`` no earlier than the node it gives each
-    (:mod:`scheduling.passes.prefetch`).
+    (:mod:`scheduling.passes.prefetch`), and the dones of ``waits`` no later than the key
+    it gives each (a node id: before that node, where it keeps its program position).
 
     Placements that close a cycle are withdrawn first (each is kept unless, with those
     placed before it, it closes one), then, while the peak is over the bound, the largest
@@ -276,10 +283,12 @@ def order(
     limit = baseline * (1 + max_live_bytes_growth)
     # What the priorities and early starts hold with nothing placed: withdrawing placements
     # cannot bring the peak below it, so it is the bound when it is over the limit.
-    floor = peak_live_bytes(graph, topological_order(graph, Placement(), priorities, earliest))
+    floor = peak_live_bytes(
+        graph, topological_order(graph, Placement(), priorities, earliest, waits)
+    )
     bound = max(limit, floor)
     withdrawn = _withdraw_cycles(graph, placement)
-    result = topological_order(graph, placement, priorities, earliest)
+    result = topological_order(graph, placement, priorities, earliest, waits)
     peak = peak_live_bytes(graph, result)
     if peak > bound:
         # Withdrawn largest outputs first: the fewest of them that bring the peak within
@@ -290,7 +299,7 @@ def order(
 
         def without(count: int) -> tuple[Placement, list[int], int]:
             fewer = placement.without(largest[:count])
-            ordered = topological_order(graph, fewer, priorities, earliest)
+            ordered = topological_order(graph, fewer, priorities, earliest, waits)
             return fewer, ordered, peak_live_bytes(graph, ordered)
 
         # Over the bound with ``low`` withdrawn, within it with ``high``.

@@ -9,6 +9,7 @@ across the many candidates one search weighs.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -100,14 +101,22 @@ def schedule_program(
     with pairing, into the windows no other microbatch fills; where forcing a window's
     last candidates into it overfills it, also without forcing, the shorter simulated
     step kept; ``force_dw``: forced or not, whatever the step), bound the gathers of
-    sharded weights to a prefetch, order; and the simulated timeline."""
+    sharded weights to a prefetch, order; and the simulated timeline. Each order is made
+    twice: the second waits for each gradient reduction where the first's simulated link
+    has finished it, not before the update (its operand is held until it is waited for)."""
     graph = split_async(program, min_bytes=policy.async_min_bytes)
     priorities = pair_priorities(graph, seconds) if policy.pairs_microbatches else None
     windows = unpaired_windows(graph) if priorities else None
     earliest = prefetch_bounds(graph, seconds, policy.prefetch_lead)
 
     def ordered(placement: Placement) -> tuple[Order, Timeline]:
-        nodes = order(graph, placement, policy.max_live_bytes_growth, priorities, earliest)
+        growth = policy.max_live_bytes_growth
+        nodes = order(graph, placement, growth, priorities, earliest)
+        timeline = simulate(graph, nodes.nodes, seconds)
+        waits = _waits(graph, nodes, timeline)
+        if not waits:
+            return nodes, timeline
+        nodes = order(graph, placement, growth, priorities, earliest, waits)
         return nodes, simulate(graph, nodes.nodes, seconds)
 
     if not pack_dw:
@@ -121,6 +130,31 @@ def schedule_program(
         if unforced[1].step_seconds < best[1].step_seconds:
             best = unforced
     return graph, *best
+
+
+def _waits(graph: Graph, ordered: Order, timeline: Timeline) -> dict[int, float]:
+    """Where to wait for each deferrable collective (a gradient reduction): before the first
+    computation of the program that ``timeline`` begins once its transfer has ended, not
+    before the update, which would hold its operand to the end of the step."""
+    moved = set(ordered.placement.window_of())
+    begins = [
+        (event.start, event.node)
+        for event in timeline.events
+        if event.stream == "compute"
+        and not event.waiting
+        and graph.nodes[event.node].role is Role.COMPUTE
+        and event.node not in moved
+    ]
+    begins.sort()
+    times = [start for start, _ in begins]
+    waits = {}
+    for start, timing in timeline.collectives.items():
+        if start not in graph.deferrable or graph.nodes[start].role is not Role.START:
+            continue
+        at = bisect.bisect_left(times, timing.finished)
+        if at < len(begins):
+            waits[graph.nodes[start].partner] = float(begins[at][1])
+    return waits
 
 
 def _overfilled(graph: Graph, placement: Placement, seconds: Callable[[Node], float]) -> bool:
