@@ -19,6 +19,12 @@ one opens, or was placed earlier in this window.
    closest to the remaining time. Stop when the remaining time is <= 0, when
    no candidate is left, or when the best candidate is over twice the
    remaining time and something is already placed.
+
+A candidate that reads nothing the step computes (a constant, an iota, a cast of a
+parameter, and what is made of constants alone) hides no wait and could run in any
+window; placed for its own sake it would only be made early and held. So it is never
+placed alone, in either step: a placed node that reads it brings it along, into the
+same window.
 """
 
 from __future__ import annotations
@@ -69,16 +75,18 @@ def schedule_dw(
         for node in graph.members(candidates[start.id]):
             last_window[node] = start.id
 
+    inert = _inert(graph)
+
     placement = Placement()
     placed: dict[int, int] = {}  # node -> start id of its window
     for start in windows:
-        window = _Window(graph, start, placement, placed)
+        window = _Window(graph, start, placement, placed, inert)
         pool = set(graph.members(candidates[start.id])) - placed.keys()
         remaining = seconds(start)
 
         # 1. Forced: this is the node's last window; bring the candidates it needs along.
         for node in sorted(pool) if force else ():
-            if node not in pool or last_window[node] != start.id:
+            if node not in pool or last_window[node] != start.id or inert[node]:
                 continue
             needed = window.missing_inputs(node, pool)
             if needed is None:
@@ -91,23 +99,43 @@ def schedule_dw(
         # 2. Greedy best fit by estimated time. Placing a node makes values available and
         # never takes one away: the ready candidates are kept up to date, not recounted.
         cost = {node: seconds(graph.nodes[node]) for node in pool}
-        ready = {node for node in pool if window.ready(node)}
+        ready = {node for node in pool if not inert[node] and window.ready(node, pool)}
         while remaining > 0 and ready:
             best = min(ready, key=lambda n: (abs(cost[n] - remaining), n))
             if cost[best] > 2 * remaining and window.nodes:
                 break
-            window.place(best, pool)
-            ready.discard(best)
-            ready.update(n for n in graph.succs[best] if n in pool and window.ready(n))
-            remaining -= cost[best]
+            for member in [*window.inert_inputs(best, pool), best]:
+                window.place(member, pool)
+                ready.discard(member)
+                remaining -= cost[member]
+            ready.update(n for n in graph.succs[best] if n in pool and window.ready(n, pool))
     return placement
+
+
+def _inert(graph: Graph) -> list[bool]:
+    """Whether each node reads nothing the step computes: it reads the step's inputs and
+    literals alone, or it is a constant (made of literals, and of constants, alone)."""
+    inputs = set(graph.program.inputs)
+    constant: list[bool] = []
+    for node in graph.nodes:  # node ids are a topological order
+        reads_input = any(atom in inputs for atom in node.op.inputs)
+        constant.append(not reads_input and all(constant[p] for p in graph.preds[node.id]))
+    return [constant[node.id] or not graph.preds[node.id] for node in graph.nodes]
 
 
 class _Window:
     """One window being filled: which values exist in it, and placing nodes into it."""
 
-    def __init__(self, graph: Graph, start: Node, placement: Placement, placed: dict[int, int]):
+    def __init__(
+        self,
+        graph: Graph,
+        start: Node,
+        placement: Placement,
+        placed: dict[int, int],
+        inert: list[bool],
+    ):
         self.graph = graph
+        self.inert = inert
         self.start = start.id
         self.placed = placed
         self.before = graph.ancestors[start.id]
@@ -126,17 +154,31 @@ class _Window:
             or self.placed.get(node) == self.start
         )
 
-    def ready(self, node: int) -> bool:
-        return all(self.available(pred) for pred in self.graph.preds[node])
+    def ready(self, node: int, pool: set[int]) -> bool:
+        """Whether ``node`` can run here, bringing along the inert inputs it needs."""
+        preds = self.graph.preds[node]
+        if not all(self.available(pred) or self.inert[pred] for pred in preds):
+            return False
+        return self.inert_inputs(node, pool) is not None
+
+    def inert_inputs(self, node: int, pool: set[int]) -> list[int] | None:
+        """The inert candidates to place before ``node`` (in id order): those it reads
+        that are not available here, and theirs; None when one is not a candidate."""
+        return self._needed(node, pool, lambda pred: self.inert[pred])
 
     def missing_inputs(self, node: int, pool: set[int]) -> list[int] | None:
         """Candidates to place before ``node`` so that it can run here (in id order), or
         None when one of its inputs can be neither available nor placed here."""
+        return self._needed(node, pool, lambda pred: True)
+
+    def _needed(
+        self, node: int, pool: set[int], follows: Callable[[int], bool]
+    ) -> list[int] | None:
         needed: set[int] = set()
         frontier = [node]
         while frontier:
             for pred in self.graph.preds[frontier.pop()]:
-                if pred in needed or self.available(pred):
+                if pred in needed or self.available(pred) or not follows(pred):
                     continue
                 if pred not in pool:
                     return None

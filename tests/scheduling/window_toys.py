@@ -1,10 +1,15 @@
 """Synthetic backward passes for the dW packing and the list scheduler: forward-only
 programs whose ops are all marked backward, so that each all_to_all is a dW window and
-the work on ``w`` is a dW candidate."""
+the work on ``w`` is a dW candidate.
+
+Each step first reads ``w`` where the first window opens (:func:`_read`): the work on it
+then reads a value the step computes, as dW work does (work on the step's inputs alone
+is never placed by itself)."""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from scheduling.costs.cost_model import CostModel
@@ -19,7 +24,14 @@ def a2a(v):
     return jax.lax.all_to_all(v, "x", 0, 0, tiled=True)
 
 
+def _read(w, x):
+    """``w`` as the step computes it, made before the first all_to_all."""
+    w = w * 1.0
+    return w, x + w.sum()
+
+
 def two_window_step(w, x):
+    w, x = _read(w, x)
     a = x * 2.0
     t1 = a2a(a)
     b = t1 * 3.0
@@ -28,6 +40,7 @@ def two_window_step(w, x):
 
 
 def chain_step(w, x):
+    w, x = _read(w, x)
     t1 = a2a(x * 2.0)
     t2 = a2a(t1 * 3.0)
     c1 = w * 5.0
@@ -36,6 +49,7 @@ def chain_step(w, x):
 
 
 def forced_step(w, x):
+    w, x = _read(w, x)
     t1 = a2a(x * 2.0)
     n1 = w * 5.0  # needed by the second all_to_all: its last window is the first
     n2 = w * 7.0
@@ -46,6 +60,7 @@ def forced_step(w, x):
 
 
 def late_dw_step(w, x):
+    w, x = _read(w, x)
     t1 = a2a(x * 2.0)
     t2 = a2a(t1 * 3.0)
     c = t2 * 5.0
@@ -53,7 +68,17 @@ def late_dw_step(w, x):
     return c, jax.lax.psum(d, "x")
 
 
+def constant_step(w, x):
+    w, x = _read(w, x)
+    t1 = a2a(x * 2.0)
+    t2 = a2a(t1 * 3.0)
+    scale = jnp.full(w.shape, 5, jnp.int32).astype(w.dtype)  # made from a literal alone
+    lone = jnp.full(w.shape, 7.0, w.dtype)  # the same, and read by nothing the step computes
+    return t2, w * scale, lone
+
+
 def memory_step(w, x):
+    w, x = _read(w, x)
     t1 = a2a(x * 2.0)
     t2 = a2a(t1 * 3.0)
     s = t2.sum()

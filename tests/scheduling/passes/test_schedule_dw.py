@@ -8,6 +8,7 @@ from scheduling.passes import schedule_dw, split_async
 from tests.scheduling.toys import fixed_seconds, toy_program
 from tests.scheduling.window_toys import (
     chain_step,
+    constant_step,
     cost_model_seconds,
     dw_candidates,
     forced_step,
@@ -65,6 +66,21 @@ def test_schedule_dw_takes_a_candidate_only_once_its_inputs_exist():
     placement = schedule_dw(graph, fixed_seconds(costs))
     assert placement.windows[first.id] == [c1, c2]
     assert placement.forced == set()
+
+
+@pytest.mark.parametrize("force", [True, False])
+def test_work_on_the_steps_inputs_alone_comes_only_with_its_reader(force):
+    graph = window_graph(constant_step)
+    first, second = two_windows(graph)
+    filled, cast, lone, product = dw_candidates(graph, first)
+    assert graph.preds[product] - {cast} and graph.preds[cast] == {filled}
+    assert not graph.preds[filled] and not graph.preds[lone]
+    # ``lone`` fits the first window exactly, but would hide nothing there and only be
+    # made early; the constant ``cast`` comes along with the product that reads it.
+    costs = {first.id: 10.0, second.id: 10.0, filled: 1.0, cast: 1.0, product: 4.0, lone: 8.0}
+    placement = schedule_dw(graph, fixed_seconds(costs), force=force)
+    assert placement.windows[first.id] == [filled, cast, product]
+    assert placement.windows[second.id] == []
 
 
 def test_schedule_dw_forces_candidates_whose_last_window_this_is():
