@@ -22,7 +22,7 @@ Megatron's tensor and expert-parallel degrees, and where those differ from it, o
 expert a device (:attr:`Published.layouts`); whole experts (expert tensor degree 1), the
 all-to-all dispatcher (top-8 of 256 experts: an all-gather dispatcher would move every
 token to every device), no pipeline. A pipelined DeepSeek-V3 is traced whole (its three
-leading dense layers make the first chunk unlike the others, so the one- and two-block
+leading dense layers make the first chunk unlike the others, so the shallow traces'
 extrapolation does not apply): 61 layers in ``microbatches x virtual`` ticks, hours a
 mapping here. So Megatron's own mappings, pipelines included, are not estimated.
 

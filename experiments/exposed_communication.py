@@ -2,15 +2,15 @@
 
 The planner's estimate says how long a step's compute stream waits for communication in
 all (:class:`jaxmoe.plan.estimates.StepTime`); this says for which collectives. The
-mapping's step is traced as the planner traces it (one block and two for a deep model),
+mapping's step is traced as the planner traces it (two blocks and three for a deep model),
 scheduled under the schedule the planner chose, and simulated on the cost model. Each
 collective's stall (the compute stream's wait at its done) is summed by its purpose
 (:func:`scheduling.collective_purposes`, e.g. ``expert all_to_all (dispatch)``); the
 stalls sum to the simulated exposed communication. A stall is the whole wait at that
 done, for the collectives the link runs before it too, so a purpose may be waited for
-longer than its own transfers take. A deep model's figures are the
-one-block step's plus its further blocks', each the two-block step's less the one-block
-step's (:mod:`jaxmoe.plan.layer_extrapolation`), so they sum to the extrapolated exposed
+longer than its own transfers take. A deep model's figures are the two-block step's
+plus its further blocks', each the three-block step's less the two-block step's
+(:mod:`jaxmoe.plan.layer_extrapolation`), so they sum to the extrapolated exposed
 communication before the planner's floor at zero.
 
 It also says how many forward ranges the schedule partitioned: Lancet's partition cuts a
@@ -27,7 +27,7 @@ from typing import Any
 
 import scheduling
 from jaxmoe.config import Config
-from jaxmoe.plan.layer_extrapolation import block_count, extrapolates, with_blocks
+from jaxmoe.plan.layer_extrapolation import TRACED_BLOCKS, block_count, extrapolates, with_blocks
 from jaxmoe.plan.tracer import trace, with_schedule
 from jaxmoe.train.resolved import schedule_policy
 from scheduling import batch_inputs, collective_purposes, cost_model, node_seconds, simulate
@@ -42,7 +42,7 @@ class ExposedCommunication:
     exposed: dict[str, float]  # purpose -> seconds
     communication: dict[str, float]  # purpose -> seconds
     rows_per_device: int  # the rows a device's step holds (its microbatches' together)
-    partitioned_ranges: int  # forward ranges the schedule cut into chunks (one block)
+    partitioned_ranges: int  # forward ranges the schedule cut into chunks
 
     @property
     def exposed_seconds(self) -> float:
@@ -96,13 +96,18 @@ def exposed_communication(config: Config, schedule: str, profile: str) -> Expose
         return ExposedCommunication(schedule, exposed, linked, rows, ranges)
     blocks = block_count(config)
     assert blocks is not None
-    one = _traced_step(with_blocks(config, 1), schedule, profile)
-    two = _traced_step(with_blocks(config, 2), schedule, profile)
+    shallow, deeper = (
+        _traced_step(with_blocks(config, b), schedule, profile) for b in TRACED_BLOCKS
+    )
+    further = blocks - TRACED_BLOCKS[0]  # blocks beyond the shallow trace's, one apart
 
     def deep(first: dict[str, float], second: dict[str, float]) -> dict[str, float]:
         return {
-            p: first.get(p, 0.0) + (blocks - 1) * (second.get(p, 0.0) - first.get(p, 0.0))
+            p: first.get(p, 0.0) + further * (second.get(p, 0.0) - first.get(p, 0.0))
             for p in sorted(first.keys() | second.keys())
         }
 
-    return ExposedCommunication(schedule, deep(one[0], two[0]), deep(one[1], two[1]), rows, one[2])
+    ranges = shallow[2] + further * (deeper[2] - shallow[2])
+    return ExposedCommunication(
+        schedule, deep(shallow[0], deeper[0]), deep(shallow[1], deeper[1]), rows, ranges
+    )

@@ -2,7 +2,7 @@
 against the best mapping whose MoE reuses attention's layout.
 
 The models are the published architectures (jaxmoe/presets/). The planner estimates
-them from one- and two-layer traces (:mod:`jaxmoe.plan.layer_extrapolation`), so every
+them from two- and three-block traces (:mod:`jaxmoe.plan.layer_extrapolation`), so every
 mapping on 64-256 devices is planned in seconds; ``experiments.folding_scale`` runs it.
 """
 

@@ -301,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--trace-every-layer",
         action="store_true",
-        help="trace each mapping's whole depth (default: one and two blocks, extrapolated)",
+        help="trace each mapping's whole depth (default: two and three blocks, extrapolated)",
     )
 
     curves = commands.add_parser(

@@ -3,6 +3,7 @@ dropped for memory and what was skipped, and why."""
 
 from __future__ import annotations
 
+from jaxmoe.plan.layer_extrapolation import DEPTH_METHOD
 from jaxmoe.plan.planner import MEMORY_METHOD, MappingEstimate, NotEstimated, PlanResult
 
 
@@ -28,11 +29,7 @@ def table(result: PlanResult, verbose: bool = False) -> str:
         "and values); MoE = expert data x expert x expert tensor; ZeRO stage, "
         "recomputation and microbatches (mb); times in ms; memory per device at the step's "
         f"peak in {unit} (1e{exponent} bytes; --verbose says what each column holds)"
-        + (
-            "; the model's depth extrapolated from one- and two-block traces"
-            if result.extrapolated
-            else ""
-        ),
+        + (f"; the model's depth {DEPTH_METHOD}" if result.extrapolated else ""),
         header,
         "-" * len(header),
     ]

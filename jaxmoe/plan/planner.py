@@ -63,7 +63,7 @@ from jaxmoe.config.choices import PLANNED_SCHEDULES
 from jaxmoe.plan.bounds import Screen
 from jaxmoe.plan.collector import collecting_less
 from jaxmoe.plan.estimates import EstimateCache, StepTime
-from jaxmoe.plan.layer_extrapolation import extrapolates
+from jaxmoe.plan.layer_extrapolation import DEPTH_METHOD, extrapolates
 from jaxmoe.plan.mappings import (
     Candidate,
     Mapping,
@@ -188,7 +188,7 @@ class PlanResult:
     model_flops_per_step: float
     space: MappingSpace  # the layouts
     estimates: list[MappingEstimate]  # ranked: those that fit, best MFU first, then the rest
-    extrapolated: bool = False  # estimated from one- and two-block traces
+    extrapolated: bool = False  # deep models estimated from shallow traces
     peak_flops_per_s: float = 0.0  # the profile's for the model's dtype (the MFU's peak)
     not_estimated: tuple[NotEstimated, ...] = ()
     top: int = 0  # the best mappings the search made sure of (0: all were estimated)
@@ -214,9 +214,7 @@ class PlanResult:
             "schedules": list(self.schedules),
             "model_flops_per_step": self.model_flops_per_step,
             "memory_method": MEMORY_METHOD,
-            "depth": "extrapolated from one- and two-block traces"
-            if self.extrapolated
-            else "traced whole",
+            "depth": DEPTH_METHOD if self.extrapolated else "traced whole",
             "top": self.top,
             "complete": self.complete,
             "ranked": [{"rank": i + 1, **e.to_json()} for i, e in enumerate(self.ranked)],
@@ -299,7 +297,7 @@ def plan_mappings(
     Raises ConfigError (before tracing anything) for a bad input, or when no mapping is
     valid. ``cache_dir``: where estimates are kept (None: nowhere).
     ``memory_capacity_bytes``: the memory a device offers (default: the profile's).
-    ``extrapolate_layers``: estimate deep models from one- and two-block traces (see
+    ``extrapolate_layers``: estimate deep models from shallow traces (see
     :func:`estimate_mapping`). ``options``: try every ZeRO stage, recomputation and number
     of microbatches (else ``config``'s alone). ``pipeline``: also pipelines of stages
     dividing the devices, with up to ``max_virtual_stages`` chunks per stage of at least

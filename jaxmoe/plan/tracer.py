@@ -1,8 +1,8 @@
 """A mapped configuration traced and priced: the traces one plan keeps (:class:`Tracer`),
 each traced configuration's memory and simulated step under each schedule, a layout's
 bounds from a one-block trace (:mod:`jaxmoe.plan.bounds`), and a mapping's estimate from
-one trace or, for a deep model, from its one- and two-block traces extrapolated to its
-depth (:func:`estimate_mapping`). The planner (:mod:`jaxmoe.plan.planner`) decides which
+one trace or, for a deep model, from two shallow traces extrapolated to its depth
+(:func:`estimate_mapping`). The planner (:mod:`jaxmoe.plan.planner`) decides which
 mappings get which."""
 
 from __future__ import annotations
@@ -19,7 +19,13 @@ from jaxmoe.config.schedule import replace_section
 from jaxmoe.parallel.mesh import abstract_mesh
 from jaxmoe.plan.bounds import Screen, screen
 from jaxmoe.plan.estimates import Estimate, EstimateCache, StepTime
-from jaxmoe.plan.layer_extrapolation import block_count, extrapolate, extrapolates, with_blocks
+from jaxmoe.plan.layer_extrapolation import (
+    TRACED_BLOCKS,
+    block_count,
+    extrapolate,
+    extrapolates,
+    with_blocks,
+)
 from jaxmoe.plan.memory import step_memory
 from jaxmoe.plan.options import options_of
 from jaxmoe.plan.state_memory import memory_per_device
@@ -106,8 +112,9 @@ def _estimate_program(
     return memory, times
 
 
-# The traced programs a plan keeps: a mapping's one-block trace bounds it (its screen) and,
-# when it comes to be estimated, is the first of its estimate's two. The search estimates
+# The traced programs a plan keeps: a model of few blocks is screened from its whole trace,
+# which its estimate reads again (a deep model's screen traces one block, its estimate two
+# and three: none is read twice, and the kept programs make way in turn). The search estimates
 # mappings in the order of their bounds, so the programs that make way are those already
 # estimated, then those whose screens bound their mappings highest (estimated last, if ever).
 # At most this many, of at most this many ops in all (whole traces of deep models are long).
@@ -211,8 +218,8 @@ def _key(config: Config) -> str:
 
 def state_bytes(config: Config) -> int:
     """The bytes per device of ``config``'s parameters and optimizer state, as the state
-    holds them (:func:`~jaxmoe.plan.state_memory.memory_per_device`); from one- and two-block
-    models for a deep one (exact: every block holds the same)."""
+    holds them (:func:`~jaxmoe.plan.state_memory.memory_per_device`); from shallow models
+    for a deep one (exact: every block holds the same)."""
     values = config.to_dict()
     # Neither the dispatcher, the recomputation nor the microbatches change the state.
     values["moe"]["dispatcher"] = DISPATCHERS[0]
@@ -233,8 +240,8 @@ def _state_bytes(values: str) -> int:
         return held(config)
     blocks = block_count(config)
     assert blocks is not None
-    one, two = held(with_blocks(config, 1)), held(with_blocks(config, 2))
-    return one + (blocks - 1) * (two - one)
+    shallow, deeper = (held(with_blocks(config, b)) for b in TRACED_BLOCKS)
+    return shallow + (blocks - TRACED_BLOCKS[0]) * (deeper - shallow)
 
 
 def cached_estimate(
@@ -268,9 +275,10 @@ def estimate_mapping(
 
     Nothing is traced when every schedule is cached. Otherwise the step is traced once
     for all schedules, or, with ``extrapolate_layers`` and a model of at least
-    :data:`~jaxmoe.plan.layer_extrapolation.MIN_BLOCKS` repeating blocks, once with
-    one block and once with two, and the figures are extrapolated to the model's depth
-    (:mod:`jaxmoe.plan.layer_extrapolation`). ``tracer``: the plan's traces, reused."""
+    :data:`~jaxmoe.plan.layer_extrapolation.MIN_BLOCKS` repeating blocks, once at each
+    depth of :data:`~jaxmoe.plan.layer_extrapolation.TRACED_BLOCKS`, and the figures are
+    extrapolated to the model's depth (:mod:`jaxmoe.plan.layer_extrapolation`).
+    ``tracer``: the plan's traces, reused."""
     found = cached_estimate(config, schedules, profile, cache, extrapolate_layers)
     if found is not None:
         return found
@@ -283,26 +291,25 @@ def estimate_mapping(
     else:
         blocks = block_count(config)
         assert blocks is not None
-        one = tracer.estimate(with_blocks(config, 1))
-        two = tracer.estimate(with_blocks(config, 2))
-        memory = extrapolate(one[0], two[0], blocks)
-        times = {s: _extrapolated_time(one[1][s], two[1][s], blocks) for s in schedules}
+        shallow, deeper = (tracer.estimate(with_blocks(config, b)) for b in TRACED_BLOCKS)
+        memory = extrapolate(shallow[0], deeper[0], blocks)
+        times = {s: _extrapolated_time(shallow[1][s], deeper[1][s], blocks) for s in schedules}
     for schedule in schedules:
         cache.save(keyed[schedule], schedule, method, memory, times[schedule])
     return memory, times
 
 
-def _extrapolated_time(one: StepTime, two: StepTime, blocks: int) -> StepTime:
-    """A ``blocks``-block step from one- and two-block steps: the times grow by a block's
-    each block, but the step runs all its computation on one stream and all its
+def _extrapolated_time(shallow: StepTime, deeper: StepTime, blocks: int) -> StepTime:
+    """A ``blocks``-block step from the steps of the traced depths: the times grow by a
+    block's each block, but the step runs all its computation on one stream and all its
     collectives on one link, so it is no shorter than either (where a further block's
     communication hides better than the first's, the exposed communication's growth would
     say otherwise); the gathers held ahead of use are a maximum over the step (a schedule
-    prefetches a few blocks ahead however deep the model), the two-block step's."""
-    grown = extrapolate(one, two, blocks)
+    prefetches a few blocks ahead however deep the model), the deeper step's."""
+    grown = extrapolate(shallow, deeper, blocks)
     return dataclasses.replace(
         grown,
         step=max(grown.step, grown.compute, grown.communication),
         exposed_communication=max(grown.exposed_communication, 0.0),
-        prefetched=max(one.prefetched, two.prefetched),
+        prefetched=max(shallow.prefetched, deeper.prefetched),
     )

@@ -5,22 +5,24 @@ import pytest
 from experiments.exposed_communication import ExposedCommunication, exposed_communication
 from jaxmoe.cli import parser as cli
 from jaxmoe.plan import estimates, tracer
+from jaxmoe.plan.layer_extrapolation import extrapolates
 from jaxmoe.plan.mappings import Mapping, with_mapping
 
 PROFILE = "h100-8x-nvlink-3200g"
-# The planner tests' model (tests/plan/test_planner.py), two layers or four (deep enough
-# to be extrapolated from one- and two-block traces), two devices: one expert group.
+# The planner tests' model (tests/plan/test_planner.py), two layers or eight (four blocks:
+# extrapolated from two- and three-block traces), two devices: one expert group.
 TINY = [
     "--preset", "tiny", "--model.d_model", "32", "--model.num_heads", "2", "--model.d_ff",
     "64", "--model.seq_len", "16", "--moe.num_experts", "4", "--train.batch_size", "8",
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("layers", [2, 4])
+@pytest.mark.parametrize("layers", [2, 8])
 def test_the_purposes_sum_to_the_planners_exposed_communication(layers):
     flags = [*TINY, "--model.num_layers", str(layers), "--devices", "2", "--profile", PROFILE]
     mapping = Mapping(2, 1, 1, 2, 1, "all_to_all", zero=1)
     config = with_mapping(cli.resolve_config(cli.parse(["plan", *flags])), mapping, 8)
+    assert extrapolates(config) == (layers == 8)
     found = exposed_communication(config, "dw", PROFILE)
     _, times = tracer.estimate_mapping(config, ["dw"], PROFILE, estimates.EstimateCache(None))
     step = times["dw"]

@@ -5,7 +5,7 @@ A six-layer model (three blocks) on 4 devices, on a folded layout (tensor 2, an 
 group of 2 inside it), with the dense attention core (the one whose weights recomputing
 the core attention drops; the flash cores' option sets have no such recomputation): the
 bounds come from one one-block trace at ZeRO-1 with full recomputation; each option set is
-then estimated from its one- and two-block traces.
+then estimated from its two- and three-block traces.
 """
 
 from __future__ import annotations
