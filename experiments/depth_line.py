@@ -7,9 +7,9 @@ three against the four- and five-block traces.
 
 A line is exact where every block between the first and the last adds the same to the
 step; the table says what each block adds, and each line's error where a trace can check
-it. The cases are the mappings ``experiments.scale_eval`` found best, and one the line
-through two and three blocks would have ranked first at Qwen2-57B-A14B's recipe (MoE
-8x8x1), each under every schedule the planner weighs, on the H100 profile. Then, for
+it. The cases are the mappings ``experiments.scale_eval`` found best, and Qwen2-57B-A14B's
+MoE 8x8x1 at its recipe (the runner-up there, whose blocks once added unlike amounts),
+each under every schedule the planner weighs, on the H100 profile. Then, for
 each mapping, ``dw``'s two packings of dW work (its last candidates forced into a window
 or not) with and without the schedule's live-bytes bound, and nothing placed: where a
 mapping's blocks add unlike amounts, these say why. Simulated steps, not timings: the
