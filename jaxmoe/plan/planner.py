@@ -13,7 +13,7 @@ profile's peak. Mappings over the profile's device memory are dropped; the rest 
 ranked, best MFU first.
 
 The space is large (a 56-layer model on 256 devices: over a hundred layouts, each with
-nine option sets or more) and an estimate traces the step twice (one block and two,
+nine option sets or more) and an estimate traces the step twice (two blocks and three,
 :mod:`jaxmoe.plan.layer_extrapolation`), so mappings are estimated in order of a lower
 bound of their step time, and only until the ``top`` best are known
 (:mod:`jaxmoe.plan.search`):
