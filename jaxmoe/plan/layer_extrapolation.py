@@ -36,9 +36,12 @@ from jaxmoe.config import Config
 TRACED_BLOCKS = (2, 3)
 # How the table says a deep model's depth was estimated.
 DEPTH_METHOD = "extrapolated from two- and three-block traces"
-# Fewer blocks than this are traced whole: shallow traces would cost as much. (A model of
-# three blocks is screened from one block and estimated at its own depth and at two.)
-MIN_BLOCKS = 3
+# A model of more blocks than the deeper trace's is estimated from the traces at
+# TRACED_BLOCKS; one of no more is traced whole, which is exact and no deeper.
+MIN_BLOCKS = TRACED_BLOCKS[-1] + 1
+# A model of at least this many blocks is screened (jaxmoe.plan.bounds) from a one-block
+# trace.
+MIN_SCREENED_BLOCKS = 3
 
 
 def block_count(config: Config) -> int | None:
@@ -69,6 +72,12 @@ def extrapolates(config: Config) -> bool:
     """Whether the planner estimates ``config`` from shallow traces (:data:`TRACED_BLOCKS`)."""
     blocks = block_count(config)
     return blocks is not None and blocks >= MIN_BLOCKS
+
+
+def screens_shallow(config: Config) -> bool:
+    """Whether the planner bounds ``config`` from a one-block trace."""
+    blocks = block_count(config)
+    return blocks is not None and blocks >= MIN_SCREENED_BLOCKS
 
 
 def with_blocks(config: Config, blocks: int) -> Config:

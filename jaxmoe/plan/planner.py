@@ -13,9 +13,9 @@ profile's peak. Mappings over the profile's device memory are dropped; the rest 
 ranked, best MFU first.
 
 The space is large (a 56-layer model on 256 devices: over a hundred layouts, each with
-nine option sets or more) and an estimate traces the step twice (two blocks and three,
-:mod:`jaxmoe.plan.layer_extrapolation`), so mappings are estimated in order of a lower
-bound of their step time, and only until the ``top`` best are known
+nine option sets or more) and an estimate of a deep model traces the step twice (two
+blocks and three, :mod:`jaxmoe.plan.layer_extrapolation`), so mappings are estimated in
+order of a lower bound of their step time, and only until the ``top`` best are known
 (:mod:`jaxmoe.plan.search`):
 
 1. A mapping whose state alone (its parameters and optimizer state, analytic:
@@ -29,8 +29,8 @@ bound of their step time, and only until the ``top`` best are known
    layers, from traces of its own, one for each number of microbatches. Those whose
    memory bound exceeds the device's are dropped.
 3. Least bound first, a mapping gets a trace of its own (a tighter bound), then its
-   estimate (the traces of the least bounds are kept: a deep model's own one-block trace
-   is the first of its estimate's two). A recomputation is searched only where the same
+   estimate (the traces of the least bounds are kept: a model of few blocks, screened from
+   its whole trace, is estimated from it). A recomputation is searched only where the same
    layout and options recomputing less do not fit: it adds work and frees memory, so it is
    no faster (:mod:`jaxmoe.plan.options`), and its bound is at least theirs. Once the
    ``top`` best estimates that fit are no slower than every bound left, the search stops:

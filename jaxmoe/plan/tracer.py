@@ -24,6 +24,7 @@ from jaxmoe.plan.layer_extrapolation import (
     block_count,
     extrapolate,
     extrapolates,
+    screens_shallow,
     with_blocks,
 )
 from jaxmoe.plan.memory import step_memory
@@ -113,8 +114,9 @@ def _estimate_program(
 
 
 # The traced programs a plan keeps: a model of few blocks is screened from its whole trace,
-# which its estimate reads again (a deep model's screen traces one block, its estimate two
-# and three: none is read twice, and the kept programs make way in turn). The search estimates
+# which its estimate reads again (a deeper model's screen traces one block, its estimate
+# its whole depth, or two blocks and three: none is read twice, and the kept programs make
+# way in turn). The search estimates
 # mappings in the order of their bounds, so the programs that make way are those already
 # estimated, then those whose screens bound their mappings highest (estimated last, if ever).
 # At most this many, of at most this many ops in all (whole traces of deep models are long).
@@ -182,12 +184,13 @@ class Tracer:
 
     def screen(self, config: Config, extrapolate_layers: bool) -> Screen:
         """The bounds of ``config`` (:mod:`jaxmoe.plan.bounds`), from a one-block trace
-        (or a whole one: ``extrapolate_layers`` off, or a model of few blocks)."""
+        (or a whole one: ``extrapolate_layers`` off, or a model of fewer than
+        :data:`~jaxmoe.plan.layer_extrapolation.MIN_SCREENED_BLOCKS` blocks)."""
         found = self.cached_screen(config, extrapolate_layers)
         if found is not None:
             return found
         tag = self._screen_tag(extrapolate_layers)
-        shallow = extrapolate_layers and extrapolates(config)
+        shallow = extrapolate_layers and screens_shallow(config)
         traced = with_blocks(config, 1) if shallow else config
         step = self._trace(traced)
         program = step.program

@@ -16,6 +16,7 @@ from jaxmoe.plan.layer_extrapolation import (
     block_count,
     extrapolate,
     extrapolates,
+    screens_shallow,
     with_blocks,
 )
 from jaxmoe.plan.mappings import (
@@ -32,8 +33,8 @@ PROFILE = "h100-8x-nvlink-3200g"
 def test_blocks_are_whole_repeats_of_the_moe_period():
     assert block_count(Config(model=ModelConfig(num_layers=6, moe_every=2))) == 3
     assert block_count(Config(model=ModelConfig(num_layers=5, moe_every=2))) is None
-    assert not extrapolates(Config(model=ModelConfig(num_layers=4, moe_every=2)))
-    assert extrapolates(Config(model=ModelConfig(num_layers=6, moe_every=2)))
+    assert not extrapolates(Config(model=ModelConfig(num_layers=6, moe_every=2)))
+    assert extrapolates(Config(model=ModelConfig(num_layers=8, moe_every=2)))
     assert with_blocks(Config(model=ModelConfig(num_layers=8)), 1).model.num_layers == 2
     # Leading dense layers (DeepSeek's) stand before the blocks.
     leading = Config(model=ModelConfig(num_layers=7, moe_every=1, first_dense_layers=2))
@@ -146,9 +147,35 @@ def test_extrapolated_estimates_match_whole_traces(eight_layer_mappings, mapping
 
 def test_a_model_of_few_blocks_is_traced_whole():
     config = Config(model=ModelConfig(num_layers=4, moe_every=2))
-    assert not extrapolates(config)
+    assert not extrapolates(config) and not screens_shallow(config)
     with pytest.raises(ConfigError):
         with_blocks(config, 0)
+
+
+def test_a_three_block_model_is_screened_from_one_block_and_estimated_whole(monkeypatch):
+    """The traces at two blocks and three would be as deep as the model: its estimate
+    traces it once, at its depth."""
+    args = cli.parse(
+        ["plan", "--preset", "tiny", "--model.num_layers", "6", "--model.d_model", "32",
+         "--model.num_heads", "2", "--model.d_ff", "64", "--model.seq_len", "16",
+         "--moe.num_experts", "4", "--train.batch_size", "8",
+         "--devices", "2", "--profile", PROFILE]
+    )  # fmt: skip
+    config = with_mapping(cli.resolve_config(args), Mapping(2, 1, 1, 2, 1, "all_to_all"), 8)
+    assert block_count(config) == 3 and screens_shallow(config) and not extrapolates(config)
+    traced_layers = []
+    capture = tracer.capture_train_step
+
+    def counting(run):
+        traced_layers.append(run.config.model.num_layers)
+        return capture(run)
+
+    monkeypatch.setattr(tracer, "capture_train_step", counting)
+    cache = estimates.EstimateCache(None)
+    plan = tracer.Tracer(["none"], PROFILE, cache)
+    plan.screen(config, extrapolate_layers=True)
+    tracer.estimate_mapping(config, ["none"], PROFILE, cache, tracer=plan)
+    assert traced_layers == [2, 6]
 
 
 def test_leading_dense_layers_extrapolate_as_the_embedding_does(monkeypatch):
