@@ -1,13 +1,13 @@
 """How close the planner's depth line comes to deeper traces of the seed models' planned
 mappings: each mapping's step traced with one to five blocks, and the line through one and
-two blocks (the planner's, :mod:`jaxmoe.plan.layer_extrapolation`) and through two and
-three against the four- and five-block traces.
+two blocks and through two and three (the planner's, :mod:`jaxmoe.plan.layer_extrapolation`)
+against the four- and five-block traces.
 
     python -m experiments.depth_line [--out experiments/results/depth_line.md] [--blocks 5]
 
 A line is exact where every block between the first and the last adds the same to the
 step; the table says what each block adds, and each line's error where a trace can check
-it. The cases are the mappings ``experiments.scale_eval`` found best, and Qwen2-57B-A14B's
+it. The cases are mappings ``experiments.scale_eval`` found best, and Qwen2-57B-A14B's
 MoE 8x8x1 at its recipe (the runner-up there, whose blocks once added unlike amounts),
 each under every schedule the planner weighs, on the H100 profile. Then, for
 each mapping, ``dw``'s two packings of dW work (its last candidates forced into a window
@@ -71,6 +71,20 @@ CASES = (
         64,
         64,
         dict(expert=8, expert_tensor=8, recompute="layer"),
+    ),
+    Case(
+        "on 128 H100s",
+        "mixtral-8x22b",
+        128,
+        128,
+        dict(expert_data=4, expert=8, expert_tensor=4, recompute="layer"),
+    ),
+    Case(
+        "on 256 H100s",
+        "qwen2-57b-a14b",
+        256,
+        256,
+        dict(expert_data=4, expert=64, recompute="none"),
     ),
 )
 
