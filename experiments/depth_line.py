@@ -170,7 +170,7 @@ def render(rows: list[tuple[Case, int, dict[str, list[float]]]], argv: Sequence[
         "",
         "Each mapping's step traced with one block and more. *Adds*: what each block "
         "adds to the step, the second, the third and so on. *1-2* and *2-3*: the line "
-        "through one and two blocks (the planner's), and through two and three, at the "
+        "through one and two blocks, and through two and three (the planner's), at the "
         "deepest trace (its error beside it) and at the model's depth.",
         "",
     ]
