@@ -116,10 +116,10 @@ def _estimate_program(
 # The traced programs a plan keeps: a model of few blocks is screened from its whole trace,
 # which its estimate reads again (a deeper model's screen traces one block, its estimate
 # its whole depth, or two blocks and three: none is read twice, and the kept programs make
-# way in turn). The search estimates
-# mappings in the order of their bounds, so the programs that make way are those already
-# estimated, then those whose screens bound their mappings highest (estimated last, if ever).
-# At most this many, of at most this many ops in all (whole traces of deep models are long).
+# way in turn). The search estimates mappings in the order of their bounds, so the
+# programs that make way are those already estimated, then those whose screens bound their
+# mappings highest (estimated last, if ever). At most this many, of at most this many ops
+# in all (whole traces of deep models are long).
 PROGRAMS_KEPT = 32
 OPS_KEPT = 500_000
 
