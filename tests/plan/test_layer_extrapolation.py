@@ -87,6 +87,20 @@ def test_an_extrapolated_step_is_no_shorter_than_its_computation_or_its_link():
     assert tracer._extrapolated_time(two, three, 3) == three
 
 
+@pytest.fixture
+def traced_layers(monkeypatch) -> list[int]:
+    """The layers of each step the planner traces, in order."""
+    found: list[int] = []
+    capture = tracer.capture_train_step
+
+    def counting(run):
+        found.append(run.config.model.num_layers)
+        return capture(run)
+
+    monkeypatch.setattr(tracer, "capture_train_step", counting)
+    return found
+
+
 @pytest.fixture(scope="module")
 def eight_layer_mappings():
     """Two mappings of an eight-layer (four-block) model on 4 devices: an expert group
@@ -115,17 +129,9 @@ MAPPINGS = ((1, 4, 1), (2, 2, 2))
 @pytest.mark.parametrize(
     "mapping", [pytest.param(MAPPINGS[0], marks=pytest.mark.slow), MAPPINGS[1]], ids=str
 )
-def test_extrapolated_estimates_match_whole_traces(eight_layer_mappings, mapping, monkeypatch):
+def test_extrapolated_estimates_match_whole_traces(eight_layer_mappings, mapping, traced_layers):
     schedules = ["none", "dw"]
     cache = estimates.EstimateCache(None)
-    traced_layers = []
-    capture = tracer.capture_train_step
-
-    def counting(run):
-        traced_layers.append(run.config.model.num_layers)
-        return capture(run)
-
-    monkeypatch.setattr(tracer, "capture_train_step", counting)
     config = eight_layer_mappings[mapping]
     memory, times = tracer.estimate_mapping(config, schedules, PROFILE, cache)
     assert traced_layers == [4, 6]  # two blocks, three blocks; never the whole depth
@@ -152,7 +158,7 @@ def test_a_model_of_few_blocks_is_traced_whole():
         with_blocks(config, 0)
 
 
-def test_a_three_block_model_is_screened_from_one_block_and_estimated_whole(monkeypatch):
+def test_a_three_block_model_is_screened_from_one_block_and_estimated_whole(traced_layers):
     """The traces at two blocks and three would be as deep as the model: its estimate
     traces it once, at its depth."""
     args = cli.parse(
@@ -163,14 +169,6 @@ def test_a_three_block_model_is_screened_from_one_block_and_estimated_whole(monk
     )  # fmt: skip
     config = with_mapping(cli.resolve_config(args), Mapping(2, 1, 1, 2, 1, "all_to_all"), 8)
     assert block_count(config) == 3 and screens_shallow(config) and not extrapolates(config)
-    traced_layers = []
-    capture = tracer.capture_train_step
-
-    def counting(run):
-        traced_layers.append(run.config.model.num_layers)
-        return capture(run)
-
-    monkeypatch.setattr(tracer, "capture_train_step", counting)
     cache = estimates.EstimateCache(None)
     plan = tracer.Tracer(["none"], PROFILE, cache)
     plan.screen(config, extrapolate_layers=True)
@@ -178,7 +176,7 @@ def test_a_three_block_model_is_screened_from_one_block_and_estimated_whole(monk
     assert traced_layers == [2, 6]
 
 
-def test_leading_dense_layers_extrapolate_as_the_embedding_does(monkeypatch):
+def test_leading_dense_layers_extrapolate_as_the_embedding_does(traced_layers):
     """DeepSeek-V3's shape, small: a leading dense layer, then four MoE blocks of
     multi-head latent attention."""
     args = cli.parse(
@@ -191,14 +189,6 @@ def test_leading_dense_layers_extrapolate_as_the_embedding_does(monkeypatch):
     )  # fmt: skip
     config = with_mapping(cli.resolve_config(args), Mapping(4, 1, 1, 4, 1, "all_to_all"), 8)
     assert block_count(config) == 4
-    traced_layers = []
-    capture = tracer.capture_train_step
-
-    def counting(run):
-        traced_layers.append(run.config.model.num_layers)
-        return capture(run)
-
-    monkeypatch.setattr(tracer, "capture_train_step", counting)
     cache = estimates.EstimateCache(None)
     memory, times = tracer.estimate_mapping(config, ["none"], PROFILE, cache)
     whole_memory, whole_times = tracer.estimate_mapping(
