@@ -30,6 +30,18 @@ from jaxmoe.plan.mappings import (
 PROFILE = "h100-8x-nvlink-3200g"
 
 
+def tiny(layers: int, devices: int) -> Config:
+    """The planner tests' tiny model with ``layers`` layers (an MoE every two), planned on
+    ``devices`` devices."""
+    args = cli.parse(
+        ["plan", "--preset", "tiny", "--model.num_layers", str(layers),
+         "--model.d_model", "32", "--model.num_heads", "2", "--model.d_ff", "64",
+         "--model.seq_len", "16", "--moe.num_experts", "4", "--train.batch_size", "8",
+         "--devices", str(devices), "--profile", PROFILE]
+    )  # fmt: skip
+    return cli.resolve_config(args)
+
+
 def test_blocks_are_whole_repeats_of_the_moe_period():
     assert block_count(Config(model=ModelConfig(num_layers=6, moe_every=2))) == 3
     assert block_count(Config(model=ModelConfig(num_layers=5, moe_every=2))) is None
@@ -105,13 +117,7 @@ def traced_layers(monkeypatch) -> list[int]:
 def eight_layer_mappings():
     """Two mappings of an eight-layer (four-block) model on 4 devices: an expert group
     alone, and tensor with expert-tensor parallelism."""
-    args = cli.parse(
-        ["plan", "--preset", "tiny", "--model.num_layers", "8", "--model.d_model", "32",
-         "--model.num_heads", "2", "--model.d_ff", "64", "--model.seq_len", "16",
-         "--moe.num_experts", "4", "--train.batch_size", "8",
-         "--devices", "4", "--profile", PROFILE]
-    )  # fmt: skip
-    config = cli.resolve_config(args)
+    config = tiny(layers=8, devices=4)
     assert block_count(config) == 4
     found = {
         (c.mapping.tensor, c.mapping.expert, c.mapping.expert_tensor): c.config
@@ -161,13 +167,7 @@ def test_a_model_of_few_blocks_is_traced_whole():
 def test_a_three_block_model_is_screened_from_one_block_and_estimated_whole(traced_layers):
     """The traces at two blocks and three would be as deep as the model: its estimate
     traces it once, at its depth."""
-    args = cli.parse(
-        ["plan", "--preset", "tiny", "--model.num_layers", "6", "--model.d_model", "32",
-         "--model.num_heads", "2", "--model.d_ff", "64", "--model.seq_len", "16",
-         "--moe.num_experts", "4", "--train.batch_size", "8",
-         "--devices", "2", "--profile", PROFILE]
-    )  # fmt: skip
-    config = with_mapping(cli.resolve_config(args), Mapping(2, 1, 1, 2, 1, "all_to_all"), 8)
+    config = with_mapping(tiny(layers=6, devices=2), Mapping(2, 1, 1, 2, 1, "all_to_all"), 8)
     assert block_count(config) == 3 and screens_shallow(config) and not extrapolates(config)
     cache = estimates.EstimateCache(None)
     plan = tracer.Tracer(["none"], PROFILE, cache)
