@@ -283,9 +283,10 @@ def order(
     limit = baseline * (1 + max_live_bytes_growth)
     # What the priorities and early starts hold with nothing placed: withdrawing placements
     # cannot bring the peak below it, so it is the bound when it is over the limit.
-    floor = peak_live_bytes(
-        graph, topological_order(graph, Placement(), priorities, earliest, waits)
-    )
+    unplaced = topological_order(graph, Placement(), priorities, earliest, waits)
+    floor = peak_live_bytes(graph, unplaced)
+    if not any(placement.windows.values()):  # that order is this one
+        return Order(unplaced, placement, floor, baseline, [], floor > limit)
     bound = max(limit, floor)
     withdrawn = _withdraw_cycles(graph, placement)
     result = topological_order(graph, placement, priorities, earliest, waits)
