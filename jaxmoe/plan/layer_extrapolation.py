@@ -70,14 +70,17 @@ def block_count(config: Config) -> int | None:
 
 def extrapolates(config: Config) -> bool:
     """Whether the planner estimates ``config`` from shallow traces (:data:`TRACED_BLOCKS`)."""
-    blocks = block_count(config)
-    return blocks is not None and blocks >= MIN_BLOCKS
+    return _blocks_at_least(config, MIN_BLOCKS)
 
 
 def screens_shallow(config: Config) -> bool:
     """Whether the planner bounds ``config`` from a one-block trace."""
+    return _blocks_at_least(config, MIN_SCREENED_BLOCKS)
+
+
+def _blocks_at_least(config: Config, count: int) -> bool:
     blocks = block_count(config)
-    return blocks is not None and blocks >= MIN_SCREENED_BLOCKS
+    return blocks is not None and blocks >= count
 
 
 def with_blocks(config: Config, blocks: int) -> Config:
