@@ -22,7 +22,14 @@ import jax.numpy as jnp
 from jaxmoe.config.layout import EXPERT, EXPERT_TENSOR
 from jaxmoe.layers.dispatch import DispatchPlan, combine, dispatch
 from jaxmoe.layers.experts import Experts
-from jaxmoe.layers.padded import PaddedDispatch, SlotPlan, to_expert_major, to_group_major
+from jaxmoe.layers.padded import (
+    PaddedDispatch,
+    SlotPlan,
+    grouped_tokens,
+    own_positions,
+    to_expert_major,
+    to_group_major,
+)
 from jaxmoe.parallel.mesh import role_axes, role_size
 
 
@@ -69,7 +76,7 @@ class AllGatherDispatch(PaddedDispatch):
         first_local = (
             jax.lax.axis_index(role_axes(EXPERT)) * local_experts if role_axes(EXPERT) else 0
         )
-        grouped = x.reshape(*plan.weight.shape[:2], x.shape[-1])
+        grouped = grouped_tokens(x, plan)
         tokens, slot, weight = (
             _gather(value, axes) for value in (grouped, plan.places.slot, plan.weight)
         )
@@ -89,4 +96,4 @@ class AllGatherDispatch(PaddedDispatch):
     def combine(self, outputs: jax.Array, sent: Gathered) -> jax.Array:
         outputs = to_group_major(outputs, sent.weight.shape[0], sent.plan.capacity)
         partial = combine(outputs, sent.places, sent.weight)  # [M * G, S, d]
-        return _sum_to_owners(partial, moe_group_axes())
+        return own_positions(_sum_to_owners(partial, moe_group_axes()), sent.plan)

@@ -33,8 +33,9 @@ rule is the one above.
 
 Under sequence parallelism (:mod:`jaxmoe.layers.routing_groups`) every device of a
 tensor group plans its groups (whole sequences) alike from the group's gathered choices,
-and packs the assignments it keeps of its own tokens into a buffer of its own
-(:func:`local_plan`): the same assignments are kept and dropped as on one device.
+and sends either the assignments it keeps of its own tokens, packed into a buffer of its
+own (:func:`local_plan`), or a share of every slot's places: the same assignments are
+kept and dropped as on one device.
 """
 
 from __future__ import annotations

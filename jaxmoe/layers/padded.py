@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 
 from jaxmoe.config import capacity_per_expert
 from jaxmoe.config.layout import EXPERT_TENSOR
@@ -29,16 +28,21 @@ from jaxmoe.layers.router import RouterOutput
 from jaxmoe.layers.routing_groups import RoutingGroups
 from jaxmoe.parallel.collectives import dispatch_to_experts, return_from_experts
 from jaxmoe.parallel.mesh import role_axes, role_size
+from jaxmoe.parallel.sequence_split import gather_positions, sum_own_positions
 
 
 class SlotPlan(NamedTuple):
-    """Where this device's assignments go: places in its buffer of slots, or dropped."""
+    """Where this device's assignments go: places in its buffer of slots, or not sent."""
 
-    places: DispatchPlan  # [groups, local positions, top_k]: place in the buffer, or dropped
-    weight: jax.Array  # [groups, local positions, top_k]: the combine weights
+    places: DispatchPlan  # [groups, positions, top_k]: place in the buffer, or not sent
+    weight: jax.Array  # [groups, positions, top_k]: the combine weights
     num_slots: int  # expert slots of the expert group: the experts, or with replicas more
     capacity: int  # places per slot in this device's buffer
     group_capacity: int  # places per slot of a whole routing group
+    dropped: jax.Array  # the plan's drops among this device's own positions
+    # The rows gathered over the sequence group when the positions are the whole groups'
+    # (this device sends its share of every slot: jaxmoe.layers.routing_groups); else None.
+    gathered_rows: int | None = None
     replica_table: jax.Array | None = None
 
 
@@ -60,9 +64,33 @@ def plan_slots(
     top_k = route.expert_index.shape[-1]
     capacity = capacity_per_expert(groups.size, top_k, capacity_factor, num_slots)
     group_plan = plan_groups(groups.choices, capacity)
-    places, local_capacity = groups.own_plan(group_plan, num_slots, capacity)
-    weight = route.combine_weight.reshape(groups.count, groups.local, top_k)
-    return SlotPlan(places, weight, num_slots, local_capacity, capacity, replica_table)
+    own = groups.device_plan(group_plan, num_slots, capacity)
+    weight = route.combine_weight
+    if own.whole_groups:
+        weight = gather_positions(weight)
+    weight = weight.reshape(groups.count, -1, top_k)
+    gathered_rows = groups.rows if own.whole_groups else None
+    return SlotPlan(
+        own.places, weight, num_slots, own.capacity, capacity, own.dropped, gathered_rows,
+        replica_table,
+    )  # fmt: skip
+
+
+def grouped_tokens(x: jax.Array, plan: SlotPlan) -> jax.Array:
+    """The tokens the plan's places index, ``[groups, positions, d]``: this device's own,
+    or the whole groups' gathered over the sequence group."""
+    if plan.gathered_rows is not None:
+        x = gather_positions(x)
+    return x.reshape(*plan.weight.shape[:2], x.shape[-1])
+
+
+def own_positions(combined: jax.Array, plan: SlotPlan) -> jax.Array:
+    """Combined outputs ``[groups, positions, d]`` -> this device's positions: where the
+    plan's positions are the whole groups', each member combined the assignments it sent,
+    and the sequence group sums them into each member's share."""
+    if plan.gathered_rows is None:
+        return combined
+    return sum_own_positions(combined.reshape(plan.gathered_rows, -1, combined.shape[-1]))
 
 
 def to_expert_major(slots: jax.Array, num_slots: int, capacity: int) -> jax.Array:
@@ -114,8 +142,7 @@ class PaddedDispatch:
         )
 
     def send(self, x: jax.Array, plan: SlotPlan) -> Sent:
-        grouped = x.reshape(*plan.weight.shape[:2], x.shape[-1])
-        buffer = dispatch(grouped, plan.places, plan.num_slots * plan.capacity)
+        buffer = dispatch(grouped_tokens(x, plan), plan.places, plan.num_slots * plan.capacity)
         expert_major = to_expert_major(buffer, plan.num_slots, plan.capacity)
         return Sent(dispatch_to_experts(expert_major), plan)
 
@@ -126,8 +153,8 @@ class PaddedDispatch:
         plan = sent.plan
         returned = return_from_experts(outputs)
         grouped = to_group_major(returned, plan.weight.shape[0], plan.capacity)
-        return combine(grouped, plan.places, plan.weight)
+        return own_positions(combine(grouped, plan.places, plan.weight), plan)
 
     def stats(self, groups: RoutingGroups, sent: Sent) -> DispatchStats:
         del groups
-        return DispatchStats(dropped=jnp.sum(~sent.plan.places.kept, dtype=jnp.int32))
+        return DispatchStats(dropped=sent.plan.dropped)

@@ -5,12 +5,24 @@ whatever the layout), and the load-balancing loss averages over groups. Under co
 and tensor (sequence) parallelism a device holds only its share of each row's positions
 (:mod:`jaxmoe.parallel.sequence_split`); a group of whole sequences is then planned from
 the group's choices, gathered over the sequence group back into position order
-(``[rows, seq_len, top_k]`` integers), identically on every member, and each device
-dispatches the assignments of its own positions
-(:func:`~jaxmoe.layers.dispatch.local_plan`). So ``parallel.context``,
-``parallel.tensor`` and ``parallel.expert_tensor`` never change which tokens are
-dropped. A ``group_size`` that divides the runs a device's share is cut into
-(:func:`~jaxmoe.config.layout.contiguous_positions`) needs no gather.
+(``[rows, seq_len, top_k]`` integers), identically on every member. Each member then
+dispatches a part of that plan, whichever needs the smaller buffer (:meth:`RoutingGroups.
+device_plan`):
+
+- the assignments of its own positions (:func:`~jaxmoe.layers.dispatch.local_plan`), in
+  ``min(capacity, local)`` places per slot: a slot's kept assignments may all be its own;
+- or a share of every slot's places, ``ceil(capacity / parts)`` of them, filled from the
+  whole groups' tokens gathered over the sequence group. It combines its share's outputs
+  into whole rows, and the members sum those into each one's positions
+  (:func:`~jaxmoe.parallel.sequence_split.sum_own_positions`): sequence parallelism's
+  all-gather and reduce-scatter around a dense layer. With a capacity factor this is the
+  smaller buffer (under a tensor group of 2, half the experts' rows and all-to-all bytes);
+  dropless, ``capacity`` is the group's size and the own positions' buffer is as small.
+
+Either way every kept assignment is dispatched once, by one member, so
+``parallel.context``, ``parallel.tensor`` and ``parallel.expert_tensor`` never change
+which tokens are dropped. A ``group_size`` that divides the runs a device's share is cut
+into (:func:`~jaxmoe.config.layout.contiguous_positions`) needs no gather.
 """
 
 from __future__ import annotations
@@ -22,7 +34,21 @@ import jax.numpy as jnp
 
 from jaxmoe.config.layout import contiguous_positions
 from jaxmoe.layers.dispatch import DispatchPlan, local_plan
-from jaxmoe.parallel.sequence_split import context_size, gather_positions, sequence_slice
+from jaxmoe.parallel.sequence_split import (
+    context_size,
+    gather_positions,
+    sequence_group_index,
+    sequence_slice,
+)
+
+
+class DevicePlan(NamedTuple):
+    """What a device dispatches of its routing groups' plan."""
+
+    places: DispatchPlan  # [groups, positions, top_k]: places in its buffer, or not its own
+    capacity: int  # places per slot in its buffer
+    whole_groups: bool  # places of the whole groups' positions (gathered), not its own
+    dropped: jax.Array  # the plan's drops among this device's own positions
 
 
 class RoutingGroups(NamedTuple):
@@ -42,23 +68,34 @@ class RoutingGroups(NamedTuple):
     def size(self) -> int:
         return self.choices.shape[1]
 
-    def own_plan(
-        self, group_plan: DispatchPlan, num_slots: int, capacity: int
-    ) -> tuple[DispatchPlan, int]:
-        """This device's part of the whole groups' plan (``capacity`` places per slot), in a
-        buffer of its own: ``(plan, places per slot)``.
-
-        A group split over the sequence group is planned alike by every member, which keeps
-        its own positions' assignments, packed in ``min(capacity, local)`` places per slot
-        (a token sends at most one assignment to a slot)."""
+    def device_plan(self, group_plan: DispatchPlan, num_slots: int, capacity: int) -> DevicePlan:
+        """What this device dispatches of the whole groups' plan (``capacity`` places per
+        slot): its own positions' assignments or a share of every slot's places, whichever
+        buffer is smaller (the module docstring)."""
         if self.parts == 1:
-            return group_plan, capacity
+            dropped = jnp.sum(~group_plan.kept, dtype=jnp.int32)
+            return DevicePlan(group_plan, capacity, False, dropped)
+        dropped = jnp.sum(~self._own(group_plan.kept), dtype=jnp.int32)
+        share = -(-capacity // self.parts)
         local_capacity = min(capacity, self.local)
+        if share < local_capacity:
+            return DevicePlan(self._share(group_plan, num_slots, capacity), share, True, dropped)
         slot_index = jnp.where(group_plan.kept, group_plan.slot // capacity, num_slots)
         own = local_plan(
             self._own(slot_index), self._own(group_plan.kept), num_slots, local_capacity
         )
-        return own, local_capacity
+        return DevicePlan(own, local_capacity, False, dropped)
+
+    def _share(self, group_plan: DispatchPlan, num_slots: int, capacity: int) -> DispatchPlan:
+        """This member's share of every slot's places: member ``i`` of the sequence group
+        takes places ``[i * share, (i + 1) * share)`` of each slot, whoever's positions
+        fill them, renumbered into a buffer of ``share`` places per slot."""
+        share = -(-capacity // self.parts)
+        slot, place = group_plan.slot // capacity, group_plan.slot % capacity
+        first = sequence_group_index() * share
+        mine = group_plan.kept & (place >= first) & (place < first + share)
+        renumbered = jnp.where(mine, slot * share + place - first, num_slots * share)
+        return DispatchPlan(slot=renumbered.astype(jnp.int32), kept=mine)
 
     def _own(self, a: jax.Array) -> jax.Array:
         """``[groups, size, k]`` -> this device's positions, ``[groups, local, k]``."""

@@ -18,7 +18,9 @@ group*, and each keeps its own share of the positions:
 Everything computed position by position (embeddings, norms, the FFNs and MoE layers,
 the loss) runs on a device's share; attention sees its context share
 (:mod:`jaxmoe.layers.context_attention`) and the routing groups that span the sequence
-group gather it back in position order (:func:`gather_positions`). The group's devices
+group gather it back in position order (:func:`gather_positions`; its transpose,
+:func:`sum_own_positions`, sums the members' full-length values back into each one's
+share). The group's devices
 are numbered context-major, as the mesh orders their axes. With one device per group
 every function is the identity.
 """
@@ -112,3 +114,14 @@ def gather_positions(x: jax.Array, axis: int = SEQUENCE_AXIS) -> jax.Array:
         return gathered
     order = zigzag_order(gathered.shape[axis], context_size())
     return jnp.take(gathered, jnp.asarray(np.argsort(order)), axis=axis)
+
+
+def sum_own_positions(x: jax.Array, axis: int = SEQUENCE_AXIS) -> jax.Array:
+    """The transpose of :func:`gather_positions`: every device's full-length ``x`` (in
+    position order) summed over the sequence group, this device's share of the sum (one
+    ``psum_scatter``)."""
+    if sequence_group_size() == 1:
+        return x
+    if context_size() > 1:  # back to the order the devices' shares were gathered in
+        x = jnp.take(x, jnp.asarray(zigzag_order(x.shape[axis], context_size())), axis=axis)
+    return jax.lax.psum_scatter(x, sequence_group_axes(), scatter_dimension=axis, tiled=True)

@@ -14,6 +14,7 @@ from jaxmoe.parallel.sequence_split import (
     gather_positions,
     sequence_group_index,
     sequence_slice,
+    sum_own_positions,
     zigzag_order,
 )
 
@@ -57,6 +58,19 @@ def test_each_device_holds_its_chunks_slice_and_the_group_gathers_the_row_back()
         np.testing.assert_array_equal(chunks[device], row[:, own])
         np.testing.assert_array_equal(local[device], row[:, own[4 * tensor : 4 * tensor + 4]])
         np.testing.assert_array_equal(gathered[device], row)
+
+
+def test_summing_own_positions_is_the_transpose_of_gathering_them():
+    row = np.arange(2 * 16, dtype=np.float32).reshape(2, 16)
+
+    def summed(x):
+        # Each member of a sequence group holds a full-length row of its own.
+        return sum_own_positions(x * (sequence_group_index() + 1))
+
+    local = _on_every_device(summed, row)
+    shares = _on_every_device(sequence_slice, row)
+    # The four members' rows are 1x to 4x the row: their sum is 10x, cut into shares.
+    np.testing.assert_array_equal(local, 10 * shares)
 
 
 @pytest.mark.parametrize(

@@ -188,12 +188,14 @@ def test_tensor_collectives_are_equations_of_the_step_over_the_tensor_axes():
         )
 
     # Forward: an all-gather into and a reduce-scatter out of each attention and the dense
-    # FFN (2 layers, 1 dense), and the MoE layer's all-gather of its expert choices (the
-    # routing group is the whole sequence); backward: the transposes of the first six.
-    assert over_tensor("all_gather", Phase.FORWARD) == 4
-    assert over_tensor("reduce_scatter", Phase.FORWARD) == 3
-    assert over_tensor("all_gather", Phase.BACKWARD) == 3
-    assert over_tensor("reduce_scatter", Phase.BACKWARD) == 3
+    # FFN (2 layers, 1 dense). The MoE layer's routing group is the whole sequence: it
+    # all-gathers its expert choices, and, as each member sends a share of every expert's
+    # places (jaxmoe/layers/routing_groups.py), the tokens and their combine weights in, and
+    # reduce-scatters its outputs. Backward: the transposes of all but the choices' gather.
+    assert over_tensor("all_gather", Phase.FORWARD) == 3 + 3
+    assert over_tensor("reduce_scatter", Phase.FORWARD) == 3 + 1
+    assert over_tensor("all_gather", Phase.BACKWARD) == 3 + 1
+    assert over_tensor("reduce_scatter", Phase.BACKWARD) == 3 + 2
     choices = [
         op.eqn.invars[0].aval
         for op in program.collectives()
@@ -205,6 +207,19 @@ def test_tensor_collectives_are_equations_of_the_step_over_the_tensor_axes():
         resolve(small_config(UNFOLDED, CAPACITY), build_mesh(UNFOLDED))
     )
     assert not {"all_gather", "reduce_scatter"} & {op.primitive for op in unfolded.collectives()}
+
+    # A device holds as many tokens in both layouts (8 rows of 4 positions; 2 of 16), and
+    # its experts' buffer is as large: a quarter of each slot's 4 places per group under
+    # tensor 4, not all 4 for the 4 positions of a group it holds.
+    def exchanged(program) -> list[int]:
+        """The rows of each forward all-to-all: [members, slots each, groups x places, d]."""
+        return [
+            int(np.prod(op.eqn.invars[0].aval.shape[:-1]))
+            for op in program.collectives()
+            if op.primitive == "all_to_all" and op.phase is Phase.FORWARD
+        ]
+
+    assert exchanged(program) == exchanged(unfolded) == [8 * 2 * 4] * 2  # slots x groups x 4
 
 
 def test_parameters_split_over_the_tensor_axes():
