@@ -8,7 +8,11 @@ member's assignments, computes them (its hidden slice), weights each output by i
 assignment's combine weight, and one ``psum_scatter`` over the MoE group sums every
 token's partial outputs (over experts, choices and hidden slices) on the device that owns
 the token. Over a group of one device both collectives are the identity. Bytes per device
-and direction: ``tokens x (group - 1) x d``, whatever the capacity.
+and direction: ``tokens x (group - 1) x d``, whatever the capacity. Under sequence
+parallelism with a capacity factor the tokens are the whole sequences' (gathered over the
+sequence group first, each member sending a share of every slot's places:
+:mod:`jaxmoe.layers.routing_groups`), so the gather carries ``sequence group`` times the
+tokens a device holds, and the experts compute no more rows than under whole rows.
 """
 
 from __future__ import annotations
