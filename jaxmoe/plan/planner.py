@@ -32,7 +32,9 @@ order of a lower bound of their step time, and only until the ``top`` best are k
    estimate (the traces of the least bounds are kept: a model of few blocks, screened from
    its whole trace, is estimated from it). A recomputation is searched only where the same
    layout and options recomputing less do not fit: it adds work and frees memory, so it is
-   no faster (:mod:`jaxmoe.plan.options`), and its bound is at least theirs. Once the
+   no faster (:mod:`jaxmoe.plan.options`), and its bound is at least theirs. A mapping
+   whose traced step alone needs more memory than the device has is left out there,
+   before any schedule prices it (a schedule's gathers held ahead of use only add). Once the
    ``top`` best estimates that fit are no slower than every bound left, the search stops:
    those are the ``top`` best of all mappings. The rest are listed with their bounds.
    With a time limit (``jaxmoe plan --time-limit``) the search may stop earlier: the best
@@ -350,7 +352,7 @@ def plan_mappings(
         device = dataclasses.replace(device, memory_capacity_bytes=memory_capacity_bytes)
     capacity = device.memory_capacity_bytes
     cache = EstimateCache(cache_dir)
-    tracer = Tracer(schedules, profile, cache)
+    tracer = Tracer(schedules, profile, cache, capacity or None)
     flops = model_flops(config).train_step()
     peak = device.peak_flops_per_s(config.model.dtype)
     estimates: list[MappingEstimate] = []
@@ -363,7 +365,11 @@ def plan_mappings(
     def leave(mapping: Mapping, kind: str, reason: str, memory: int | None = None) -> None:
         left_out.append(NotEstimated(mapping, kind, reason, memory_bound=memory))
 
-    pool = TracePool(jobs, schedules, profile, cache_dir, extrapolate_layers) if jobs > 1 else None
+    pool = (
+        TracePool(jobs, schedules, profile, cache_dir, extrapolate_layers, capacity or None)
+        if jobs > 1
+        else None
+    )
 
     def screens_of(configs: list[tuple[Config, Mapping]]) -> list[Screen]:
         """The bounds of each configuration (on the workers, those not cached)."""
@@ -530,6 +536,14 @@ def plan_mappings(
             extrapolate_layers=extrapolate_layers,
             tracer=tracer,
         )
+        if not times:  # its memory alone is over the device's: not priced
+            reason = (
+                f"its traced step needs {memory.total / 1e9:.1f} GB per device, over the device's"
+            )
+            leave(candidate.mapping, "memory", reason, memory.total)
+            # Those recomputing more are no faster than it: bounded by its own screen.
+            assert pending.screen is not None
+            return Advance(releases=pending.next_recomputed(pending.screen.step_bound(options_now)))
         fastest = min(times.values(), key=lambda t: t.step)
         step = fastest.step
         estimate = MappingEstimate(

@@ -27,7 +27,7 @@ from jaxmoe.plan.layer_extrapolation import (
     screens_shallow,
     with_blocks,
 )
-from jaxmoe.plan.memory import step_memory
+from jaxmoe.plan.memory import StepMemory, step_memory
 from jaxmoe.plan.options import options_of
 from jaxmoe.plan.state_memory import memory_per_device
 from jaxmoe.train.resolved import Run, resolve, schedule_policy
@@ -85,11 +85,10 @@ def trace(config: Config) -> Traced:
 
 
 def _estimate_program(
-    traced: Traced, config: Config, schedules: Sequence[str], profile: str
+    traced: Traced, memory: StepMemory, config: Config, schedules: Sequence[str], profile: str
 ) -> Estimate:
-    """Memory per device and each schedule's simulated step of the traced step."""
+    """Each schedule's simulated step of the traced step, beside its ``memory``."""
     program, mesh = traced.program, traced.program.mesh
-    memory = step_memory(program, traced.run.state_shapes)
     batch = batch_inputs(program, traced.step.batch_argnums)
     times = {}
     # The schedules differ in their names alone: one model prices the program for all,
@@ -129,12 +128,22 @@ class Tracer:
     configuration's estimate, kept for the plan, and the screens' bounds (a screen of a
     model traced whole is also its estimate)."""
 
-    def __init__(self, schedules: Sequence[str], profile: str, cache: EstimateCache):
+    def __init__(
+        self,
+        schedules: Sequence[str],
+        profile: str,
+        cache: EstimateCache,
+        memory_limit: int | None = None,
+    ):
         self.schedules = tuple(schedules)
         self.profile = profile
         self.cache = cache
+        # The device's memory: a step whose traced memory alone exceeds it is not priced
+        # (estimate_mapping). None: every step is.
+        self.memory_limit = memory_limit
         self.traced = 0  # traces taken
         self._programs: dict[str, Traced] = {}
+        self._memories: dict[str, StepMemory] = {}
         self._estimates: dict[str, Estimate] = {}
         self._bounds: dict[str, float] = {}  # by traced configuration: its screen's step bound
         # A schedule that may overlap communication is bounded by the larger of its
@@ -166,14 +175,28 @@ class Tracer:
         bounded = [key for key in self._programs if key in self._bounds]
         return max(bounded, key=self._bounds.__getitem__) if bounded else next(iter(self._programs))
 
+    def memory(self, config: Config) -> StepMemory:
+        """The memory walk of ``config`` traced as it is (at its depth)."""
+        key = _key(config)
+        if key not in self._memories:
+            traced = self._trace(config)
+            self._memories[key] = step_memory(traced.program, traced.run.state_shapes)
+        return self._memories[key]
+
     def estimate(self, config: Config) -> Estimate:
         """Memory and simulated steps of ``config`` traced as it is (at its depth)."""
         key = _key(config)
         if key not in self._estimates:
+            memory = self.memory(config)
             self._estimates[key] = _estimate_program(
-                self._trace(config), config, self.schedules, self.profile
+                self._trace(config), memory, config, self.schedules, self.profile
             )
         return self._estimates[key]
+
+    def over_memory(self, memory: StepMemory) -> bool:
+        """Whether a step of ``memory`` cannot fit the device under any schedule: a
+        schedule's gathers held ahead of use only add to it."""
+        return self.memory_limit is not None and memory.total > self.memory_limit
 
     def _screen_tag(self, extrapolate_layers: bool) -> str:
         return ",".join(self.schedules) + (":extrapolated" if extrapolate_layers else "")
@@ -281,7 +304,8 @@ def estimate_mapping(
     :data:`~jaxmoe.plan.layer_extrapolation.MIN_BLOCKS` repeating blocks, once at each
     depth of :data:`~jaxmoe.plan.layer_extrapolation.TRACED_BLOCKS`, and the figures are
     extrapolated to the model's depth (:mod:`jaxmoe.plan.layer_extrapolation`).
-    ``tracer``: the plan's traces, reused."""
+    ``tracer``: the plan's traces, reused. Where the memory alone exceeds the tracer's
+    ``memory_limit``, no schedule is priced: the times are empty (and nothing is cached)."""
     found = cached_estimate(config, schedules, profile, cache, extrapolate_layers)
     if found is not None:
         return found
@@ -290,12 +314,18 @@ def estimate_mapping(
     schedules = tuple(keyed)
     tracer = tracer or Tracer(schedules, profile, cache)
     if method == "traced":
+        memory = tracer.memory(config)
+        if tracer.over_memory(memory):
+            return memory, {}
         memory, times = tracer.estimate(config)
     else:
         blocks = block_count(config)
         assert blocks is not None
-        shallow, deeper = (tracer.estimate(with_blocks(config, b)) for b in TRACED_BLOCKS)
-        memory = extrapolate(shallow[0], deeper[0], blocks)
+        depths = [with_blocks(config, b) for b in TRACED_BLOCKS]
+        memory = extrapolate(*(tracer.memory(depth) for depth in depths), blocks)
+        if tracer.over_memory(memory):
+            return memory, {}
+        shallow, deeper = (tracer.estimate(depth) for depth in depths)
         times = {s: _extrapolated_time(shallow[1][s], deeper[1][s], blocks) for s in schedules}
     for schedule in schedules:
         cache.save(keyed[schedule], schedule, method, memory, times[schedule])

@@ -33,7 +33,13 @@ _TRACER: Any = None
 _EXTRAPOLATE = True
 
 
-def _start(schedules: tuple[str, ...], profile: str, cache_dir: str | None, extrapolate: bool):
+def _start(
+    schedules: tuple[str, ...],
+    profile: str,
+    cache_dir: str | None,
+    extrapolate: bool,
+    memory_limit: int | None,
+):
     os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     from jaxmoe.plan.collector import collect_less
     from jaxmoe.plan.estimates import EstimateCache
@@ -41,7 +47,10 @@ def _start(schedules: tuple[str, ...], profile: str, cache_dir: str | None, extr
 
     global _TRACER, _EXTRAPOLATE
     _TRACER = Tracer(
-        schedules, profile, EstimateCache(None if cache_dir is None else Path(cache_dir))
+        schedules,
+        profile,
+        EstimateCache(None if cache_dir is None else Path(cache_dir)),
+        memory_limit,
     )
     _EXTRAPOLATE = extrapolate
     collect_less()
@@ -91,6 +100,7 @@ class TracePool:
         profile: str,
         cache_dir: Path | None,
         extrapolate_layers: bool,
+        memory_limit: int | None = None,
     ):
         if jobs < 2:
             raise ValueError(f"jobs={jobs}: a pool has two workers or more")
@@ -100,6 +110,7 @@ class TracePool:
             profile,
             None if cache_dir is None else str(cache_dir),
             extrapolate_layers,
+            memory_limit,
         )
         self._workers: list[concurrent.futures.ProcessPoolExecutor] = []
         self._affinity: dict[Any, int] = {}  # a mapping's key -> the worker that traced it

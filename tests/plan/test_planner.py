@@ -22,6 +22,7 @@ from jaxmoe.cli.main import main
 from jaxmoe.config import ConfigError
 from jaxmoe.config.choices import RECOMPUTE
 from jaxmoe.plan import estimates, planner, tracer
+from jaxmoe.plan.bounds import Screen
 from jaxmoe.plan.mappings import Mapping, enumerate_mappings, with_options
 from jaxmoe.plan.mfu import mfu
 from jaxmoe.plan.options import Options
@@ -199,6 +200,34 @@ def test_mappings_over_the_memory_are_dropped(cache_home, planned, no_tracing):
     text = table(result)
     if result.over_memory:
         assert f"dropped {len(result.over_memory)} mappings over" in text
+
+
+def test_a_step_whose_traced_memory_is_over_the_device_is_not_priced(planned, monkeypatch):
+    """Nothing cached: a mapping whose traced step alone needs more than the device has is
+    left out before any schedule prices it, and the mappings that fit are estimated as
+    they are without a limit. (The screens' memory bounds of this model are its estimates'
+    own: set aside, so that every mapping reaches its estimate.)"""
+    totals = sorted(e.memory.total for e in planned.estimates)
+    limit = (totals[0] + totals[-1]) / 2
+    monkeypatch.setattr(Screen, "memory_bound", lambda self, options, state: 0)
+    priced = []
+    price = tracer._estimate_program
+
+    def counted(traced, memory, *args):
+        priced.append(memory.total)
+        return price(traced, memory, *args)
+
+    monkeypatch.setattr(tracer, "_estimate_program", counted)
+    result = planner.plan_mappings(
+        _config(), "tiny", DEVICES, PROFILE, ("none",), memory_capacity_bytes=limit, options=False
+    )
+    traced_over = [n for n in result.not_estimated if "traced step" in n.reason]
+    assert traced_over
+    assert all(n.kind == "memory" and n.memory_bound > limit for n in traced_over)
+    assert priced and all(total <= limit for total in priced)
+    assert not result.over_memory
+    fitting = [e.to_json() for e in planned.estimates if e.memory.total <= limit]
+    assert [e.to_json() for e in result.estimates] == fitting
 
 
 def test_json_shape(planned):
