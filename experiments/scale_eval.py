@@ -254,9 +254,8 @@ def _at_recipe(search: Search) -> bool:
 def planner_rows(searches: Sequence[Search]) -> list[str]:
     lines = [
         "| model | devices | sequences a step | layouts | estimated | fit 80 GB | not "
-        "estimated (state / memory bound / step bound / refused / less recomputation fits / "
-        "time) | planner s (CPU s) "
-        "| best proven |",
+        "estimated (state / memory, bound or traced / step bound / refused / less "
+        "recomputation fits / time) | planner s (CPU s) | best proven |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for search in searches:
