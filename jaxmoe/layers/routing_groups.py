@@ -79,18 +79,20 @@ class RoutingGroups(NamedTuple):
         share = -(-capacity // self.parts)
         local_capacity = min(capacity, self.local)
         if share < local_capacity:
-            return DevicePlan(self._share(group_plan, num_slots, capacity), share, True, dropped)
+            shared = self._share(group_plan, num_slots, capacity, share)
+            return DevicePlan(shared, share, True, dropped)
         slot_index = jnp.where(group_plan.kept, group_plan.slot // capacity, num_slots)
         own = local_plan(
             self._own(slot_index), self._own(group_plan.kept), num_slots, local_capacity
         )
         return DevicePlan(own, local_capacity, False, dropped)
 
-    def _share(self, group_plan: DispatchPlan, num_slots: int, capacity: int) -> DispatchPlan:
+    def _share(
+        self, group_plan: DispatchPlan, num_slots: int, capacity: int, share: int
+    ) -> DispatchPlan:
         """This member's share of every slot's places: member ``i`` of the sequence group
         takes places ``[i * share, (i + 1) * share)`` of each slot, whoever's positions
         fill them, renumbered into a buffer of ``share`` places per slot."""
-        share = -(-capacity // self.parts)
         slot, place = group_plan.slot // capacity, group_plan.slot % capacity
         first = sequence_group_index() * share
         mine = group_plan.kept & (place >= first) & (place < first + share)

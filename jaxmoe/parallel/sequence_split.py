@@ -20,9 +20,8 @@ the loss) runs on a device's share; attention sees its context share
 (:mod:`jaxmoe.layers.context_attention`) and the routing groups that span the sequence
 group gather it back in position order (:func:`gather_positions`; its transpose,
 :func:`sum_own_positions`, sums the members' full-length values back into each one's
-share). The group's devices
-are numbered context-major, as the mesh orders their axes. With one device per group
-every function is the identity.
+share). The group's devices are numbered context-major, as the mesh orders their axes.
+With one device per group every function is the identity.
 """
 
 from __future__ import annotations
