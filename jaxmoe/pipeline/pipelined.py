@@ -120,9 +120,14 @@ def _add_at(stack: PyTree, index: int | jax.Array, value: PyTree) -> PyTree:
 
 
 def _add(total: PyTree | None, value: PyTree, dtypes: PyTree) -> PyTree:
-    """``total + value`` leaf by leaf, in ``dtypes``."""
+    """``total + value`` leaf by leaf, in ``dtypes``, behind an ``optimization_barrier``:
+    each slot's sum is a buffer of its own. Unbarred, the sums over the ticks are one
+    chain of elementwise adds that XLA fuses into one kernel at the last tick, which
+    holds every slot's gradients until then (a ``[vocab, d_model]`` head and embedding
+    gradient per microbatch)."""
     value = jax.tree.map(lambda v, dtype: v.astype(dtype), value, dtypes)
-    return value if total is None else jax.tree.map(jnp.add, total, value)
+    summed = value if total is None else jax.tree.map(jnp.add, total, value)
+    return jax.lax.optimization_barrier(summed)
 
 
 class _Pipeline:
@@ -282,6 +287,22 @@ class _Pipeline:
         stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *layer_stats)
         return (x, router_losses(self.config.moe, stacked)), stacked
 
+    def _chunk_params(
+        self, virtual: int | jax.Array, slot_input: jax.Array
+    ) -> tuple[PyTree, jax.Array]:
+        """This stage's parameters of its chunk ``virtual`` for a slot reading
+        ``slot_input``. With more than one chunk, the index passes an
+        ``optimization_barrier`` with the slot's input first, so that each slot slices the
+        stack anew: otherwise the slices of all the slots with the same index (or per-stage
+        table of indices) are one value to XLA's CSE, alive from the first slot to the
+        last, a second copy of a chunk's parameters for each index. (One chunk is the
+        whole stack: its slice is a view.)"""
+        if self.layout.virtual > 1:
+            virtual, slot_input = jax.lax.optimization_barrier(
+                (jnp.asarray(virtual, jnp.int32), slot_input)
+            )
+        return _index_tree(self.stacks, virtual), slot_input
+
     # -- the passes --------------------------------------------------------------------
 
     def gradients(self) -> tuple[Losses, PyTree]:
@@ -343,7 +364,7 @@ class _Pipeline:
         ]  # fmt: skip
         x = stage.where(sources, {_IDLE: self.zeros, _LOCAL: embedded, _RECEIVED: self.received})
         context = self._chunk_context(slots)
-        params = _index_tree(self.stacks, stage.pick([s.virtual if s else 0 for s in slots]))
+        params, x = self._chunk_params(stage.pick([s.virtual if s else 0 for s in slots]), x)
         if differentiate:
             self.vjp_params[tick.index] = params
             (y, routers), self.vjps[tick.index], stats = jax.vjp(
@@ -393,12 +414,13 @@ class _Pipeline:
         candidates = sorted({t for t in forward_ticks if t is not None})
         which = stage.pick([candidates.index(t) if t is not None else 0 for t in forward_ticks])
         virtual_index = stage.pick([slot.virtual if slot else 0 for slot in slots])
+        picked, cotangent = self._chunk_params(virtual_index, cotangent)
         with jax.named_scope(SELECT_SCOPE):
             vjp = select_vjp(
                 [self.vjps[t] for t in candidates],
                 which,
                 [self.vjp_params[t] for t in candidates],
-                _index_tree(self.stacks, virtual_index),
+                picked,
             )
         active = stage.pick([slot is not None for slot in slots])
         weight = jnp.where(active, 1.0 / (self.microbatches * self.shards), 0.0)

@@ -13,7 +13,10 @@ program:
   (matmuls, collectives, gathers, and what they read) get buffers.
 - *Aliases.* ``reduce_precision`` to a dtype's own precision (what JAX puts on the values
   a remat region saves) is the identity. ``optimization_barrier`` passes its operands
-  through, and makes them buffers.
+  through, and makes them buffers. ``dynamic_update_slice`` and the scatters write
+  into their operand's buffer where nothing reads the operand after them, and so does an
+  elementwise op into an operand of its result's type (XLA's buffer assignment shares
+  them: a gradient summed into a stack row by row, or a running sum, holds one buffer).
 - *Common subexpressions.* An op that repeats an earlier one (the same primitive,
   parameters and operands) is merged into it, as XLA's CSE does; what is behind a barrier
   is never the same as what is in front of it, so a recomputation (``model.recompute``,
@@ -67,6 +70,7 @@ from jaxmoe.train.state import (
     TrainState,
 )
 from scheduling import (
+    FUSIBLE,
     Phase,
     Program,
     ProgramMemo,
@@ -77,6 +81,9 @@ from scheduling import (
 
 _IDENTITIES = frozenset({"reduce_precision"})
 _BARRIER = "optimization_barrier"
+# Ops that XLA runs in place: their result takes the buffer of their first operand where
+# nothing reads that operand after them.
+_IN_PLACE = frozenset({"dynamic_update_slice", "scatter", "scatter-add", "scatter_add"})
 _RANDOM = frozenset({"random_bits", "random_seed", "random_wrap", "rng_bit_generator"})
 # A recomputation's ops: JAX names the forward pass it runs again in the backward pass so.
 _RECOMPUTED = "rematted_computation"
@@ -260,16 +267,40 @@ class _Walk:
         size = sum(aval_bytes(value.aval) for value in live)
         for position, step in enumerate(self.order):
             made = [value for value in step.makes if value in self.buffers]
+            operand = self._shared(step, position, live) if made else None
+            if operand is not None:  # the result is written into the operand's buffer
+                live.discard(operand)
+                size -= aval_bytes(operand.aval)
             live.update(made)
             size += sum(aval_bytes(value.aval) for value in made)
             yield step, live, size
             for value in ending.get(position, ()):
-                live.discard(value)
-                size -= aval_bytes(value.aval)
+                if value in live:
+                    live.discard(value)
+                    size -= aval_bytes(value.aval)
             for value in made:
                 if value not in self.last_read:  # made and never read
                     live.discard(value)
                     size -= aval_bytes(value.aval)
+
+    def _shared(self, step: _Step, position: int, live: set[Value]) -> Value | None:
+        """The operand whose buffer ``step``'s result takes, if any: the first operand of
+        an update in place, or an operand of an elementwise op of the result's type, that
+        nothing reads after ``step`` (XLA's buffer assignment shares them)."""
+        if step.op.primitive in _IN_PLACE:
+            candidates = step.reads[:1]
+        elif step.op.primitive in FUSIBLE and len(step.makes) == 1:
+            result = step.makes[0].aval
+            candidates = tuple(
+                value for value in step.reads
+                if value.aval.shape == result.shape and value.aval.dtype == result.dtype
+            )  # fmt: skip
+        else:
+            return None
+        for operand in candidates:
+            if operand in live and self.last_read.get(operand) == position:
+                return operand
+        return None
 
 
 @dataclass(eq=False)
