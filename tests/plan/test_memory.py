@@ -30,6 +30,7 @@ from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.plan.memory import (
     _RECOMPUTED,
     StepMemory,
+    _Walk,
     _walk_steps,
     backward_start,
     step_memory,
@@ -38,9 +39,10 @@ from jaxmoe.plan.state_memory import memory_per_device
 from jaxmoe.train.resolved import resolve
 from jaxmoe.train.scheduled import capture_train_step, scheduled_train_step
 from scheduling import aval_bytes, capture
-from scheduling.names import MICROBATCHES_IN_FLIGHT
+from scheduling.names import MICROBATCHES_IN_FLIGHT, TICK_SCOPE
 from tests.scheduling.toys import mesh_x, sds
 
+TICK = re.compile(TICK_SCOPE.format(r"\d+"))
 # XLA:CPU's peak against the walk's: the walk fuses a few values XLA keeps, and XLA's heap
 # leaves gaps between buffers (see the module docstring of jaxmoe/plan/memory.py).
 TOLERANCE = 0.10
@@ -312,3 +314,72 @@ def test_repeated_ops_merge_except_behind_a_kept_barrier():
         assert len(made(steps, "tanh", recomputed=False)) == 1
         assert len(made(steps, "dot_general", recomputed=False)) == 2  # x @ w; x^T g
         assert len(made(steps, "tanh", recomputed=True)) == int(keeps_barriers)
+
+
+def test_an_update_in_place_and_a_running_sum_hold_one_buffer():
+    """A stack updated row by row and a sum of matmuls kept behind a barrier each step (a
+    pipeline's gradients over its ticks) hold one buffer each: XLA writes the result of
+    ``dynamic_update_slice`` into its operand's buffer, and an elementwise op's into an
+    operand of its type, where nothing reads the operand after them."""
+    rows, width = 8, 128
+
+    def step(w, x):
+        stack = jnp.zeros((rows, width, width))
+        total = jnp.zeros((width, width))
+        for i in range(rows):
+            product = x[i] @ w
+            stack = jax.lax.dynamic_update_index_in_dim(stack, product, i, axis=0)
+            total = jax.lax.optimization_barrier(total + product)
+        return jnp.sum(stack) + jnp.sum(total)
+
+    mesh = mesh_x()
+    program = capture(
+        step,
+        sds(mesh, (width, width), P()),
+        sds(mesh, (rows, width, width), P()),
+        mesh=mesh,
+        in_specs=(P(), P()),
+        out_specs=P(),
+    )
+    walk = _Walk(program, ((program.inputs[0],),), keeps_barriers=True)
+    peak = max(size for _, _, size in walk.run())
+    square = width * width * 4
+    inputs = square + rows * square
+    # The inputs, one stack, and a few squares (the sum, the product being added, the zeros
+    # the sum starts from); counting the operand beside each result would be another stack.
+    assert peak < inputs + (rows + 4) * square
+
+
+def test_a_pipeline_sums_each_slots_gradients_as_it_goes():
+    """The gradients of the parameters outside the blocks are summed slot by slot, each sum
+    a buffer of its own: at equal rows per microbatch, twice the microbatches hold no more
+    of the backward pass's values (one chain of fused adds held every microbatch's head
+    and embedding gradients until the last tick)."""
+    four, _ = walked(**dict(PIPELINE, microbatches=4, batch=32))
+    eight, _ = walked(**dict(PIPELINE, microbatches=8, batch=64))
+    assert eight.backward == four.backward
+
+
+def test_interleaved_slots_slice_their_chunks_parameters_anew():
+    """Every slot of an interleaved pipeline slices its chunk's parameters from the stack
+    behind a barrier with its input: no two slots' slices are one value to CSE, which
+    would hold a copy of a chunk's parameters from its first slot to its last."""
+    config = config_for(**CASES["pipeline-interleaved"])
+    program, _ = capture_train_step(resolve(config, build_mesh(config.parallel)))
+    # The state and what the step makes of it alone before the first tick: the stacks.
+    of_state = set(program.inputs)
+    for op in program.ops:
+        read = [a for a in op.inputs if hasattr(a, "aval") and not hasattr(a, "value")]
+        if not TICK.search(op.layer) and read and all(a in of_state for a in read):
+            of_state.update(op.outputs)
+    steps, _ = _walk_steps(program, keeps_barriers=True)
+    slices = [
+        step
+        for step in steps
+        if TICK.search(step.op.layer)
+        and step.op.primitive in ("slice", "dynamic_slice")
+        and step.op.inputs[0] in of_state
+        and step.op.inputs[0].aval.shape[0] == config.parallel.virtual_stages
+        and jnp.issubdtype(step.op.inputs[0].aval.dtype, jnp.floating)  # not the rows
+    ]
+    assert slices and all(step.makes for step in slices)
