@@ -161,16 +161,23 @@ class TickTable:
         the busy ticks (forward and backward alike)."""
         return self.bubble_chunk_ticks / self.busy_forward_ticks
 
-    @property
-    def residual_window(self) -> int:
-        """Forward slots whose residuals a device may hold at once (``2 C - 1`` at most):
-        the activation memory of the pipeline, in chunk-microbatches."""
-        longest = 0
+    @cached_property
+    def residuals_held(self) -> int:
+        """The most forward slots whose residuals a device holds at once (``2 C - 1`` at
+        most), the ticks run in order: before each backward slot, every forward slot
+        that it or a later backward slot reads (the activation memory of the pipeline, in
+        chunk-microbatches)."""
+        last_read: dict[int, int] = {}  # forward tick -> the last backward tick reading it
         for tick in self.ticks:
             for stage, slot in enumerate(tick.backward):
                 if slot is not None:
-                    longest = max(longest, self.distance(self.chunk(stage, slot.virtual)))
-        return longest + 1
+                    forward = tick.index - self.distance(self.chunk(stage, slot.virtual))
+                    last_read[forward] = tick.index
+        return max(
+            sum(forward <= tick.index <= last for forward, last in last_read.items())
+            for tick in self.ticks
+            if tick.has_backward
+        )
 
 
 def chunk_layers(num_layers: int, stages: int, virtual: int) -> int:

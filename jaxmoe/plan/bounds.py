@@ -44,8 +44,9 @@ microbatches or more, keeps at least their share of those, at any ZeRO stage: up
 :func:`jaxmoe.pipeline.microbatches.in_flight` microbatches' forward passes run before
 the first backward pass, each keeping its share of the rows' values; the plain step and
 ZeRO-1 keep what differentiation needs, a fully sharded block more. A pipeline's stage walks its
-ticks in order, so it keeps at least the residuals of every forward slot up to its first
-backward slot, each one chunk's on one microbatch (an idle stage's on zeros). One that
+ticks in order, so before each backward slot it keeps at least the residuals of every
+forward slot that this slot or a later one reads, each one chunk's on one microbatch (an
+idle stage's on zeros). One that
 recomputes less keeps more: what the traced recomputation makes again and the backward pass reads
 (:func:`jaxmoe.plan.memory.recomputed_for_backward`; the activations' and the norms'
 values aside, which a block whose forward values are kept does not keep:
@@ -323,18 +324,18 @@ class Screen:
         layers, so one microbatch's residuals in one chunk are ``1 / (microbatches x
         virtual)`` of what the traced step keeps for the backward pass. The walk follows
         the ticks, and a tick's forward slot keeps one such set on every device (one SPMD
-        program: an idle stage's on zeros) until the backward slots that read it. At the
-        first backward slot (the first microbatch's on the last chunk) none has run, so
-        every forward slot up to it is alive: ``stages x virtual`` of them where as many
-        ticks ran one, each chunk as long as the longest (uneven chunks are padded).
+        program: an idle stage's on zeros) until the last backward slot that reads it.
+        Before each backward slot, every forward slot that it or a later one reads is
+        alive: at most :attr:`~jaxmoe.pipeline.ticks.TickTable.residuals_held` of them
+        (``2 stages - 1`` in 1F1B, where stage 0 reads its forward slot's residuals
+        ``2 (stages - 1)`` ticks later), each chunk as long as the longest (uneven chunks
+        are padded).
         ZeRO-1's gathered parameters are the stage's; every stage runs the
         head's backward pass on its microbatch's rows (``stages`` times the traced rows
         over the microbatches, no more than the traced step's counted)."""
         if not self.keeps_at_least(options):
             return state
-        schedule = tick_table(stages, virtual, options.microbatches)
-        first = next(tick.index for tick in schedule.ticks if tick.has_backward)
-        held = sum(tick.has_forward for tick in schedule.ticks[: first + 1])
+        held = tick_table(stages, virtual, options.microbatches).residuals_held
         rows = min(1.0, stages * self.options.microbatches / options.microbatches)
         padded = self._padded(stages, virtual)
         return int(

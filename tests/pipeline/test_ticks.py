@@ -77,7 +77,13 @@ def test_a_device_holds_the_residuals_of_at_most_two_rounds_of_chunks(
     stages, virtual, microbatches
 ):
     schedule = TickTable(stages, virtual, microbatches)
-    assert schedule.residual_window == 2 * stages * virtual - 1
+    chunks = stages * virtual
+    assert schedule.residuals_held <= 2 * chunks - 1
+    if virtual == 1 and microbatches >= stages:  # 1F1B with every stage busy
+        assert schedule.residuals_held == 2 * chunks - 1
+    # 1F1B over two stages and four microbatches: before tick 2's backward slot (the first
+    # microbatch's on chunk 0) the forward slots of ticks 0, 1 and 2 are held.
+    assert TickTable(2, 1, 4).residuals_held == 3
 
 
 def test_one_microbatch_on_one_stage_is_the_plain_step():

@@ -261,8 +261,11 @@ def test_a_stage_layout_without_a_pipeline_bounds_its_pipelines(zero, microbatch
     state = tracer.state_bytes(variant.config)
     memory_bound = bounds.pipeline_memory_bound(options, state, 2, 1)
     assert memory_bound <= memory.total
-    if microbatches == 1:  # both ticks' forward slots keep a set: one stage's on zeros
-        assert memory_bound >= 0.6 * memory.total
+    # Both ticks' forward slots keep a set (one stage's on zeros); of four microbatches,
+    # three forward slots' sets are held before the first microbatch's backward slot on
+    # the first stage (0.61 and 0.67 of the estimate; counting the slots up to the first
+    # backward slot alone, two, 0.54 and 0.60).
+    assert memory_bound >= 0.6 * memory.total
 
 
 def test_screens_round_trip_through_json():
