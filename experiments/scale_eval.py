@@ -59,6 +59,7 @@ from experiments.published_recipes import (
     recipe_mappings,
 )
 from experiments.shared.results_file import command_line, kept_section, source_tree
+from jaxmoe.pipeline.ticks import tick_table
 from jaxmoe.plan.options import PLANNED_RECOMPUTE
 
 if TYPE_CHECKING:
@@ -389,6 +390,9 @@ def recipe_lines(estimates: Sequence[Any]) -> list[str]:
             continue
         t, mapping = published.time, published.mapping
         recipe = RECIPES[model]
+        held = tick_table(
+            mapping.pipeline, mapping.virtual_stages, mapping.microbatches
+        ).residuals_held
         parts = [
             f"the recipe as published estimates {published.mfu:.1%} MFU against "
             f"{PUBLISHED_MFU[model]:.1%} measured",
@@ -398,9 +402,14 @@ def recipe_lines(estimates: Sequence[Any]) -> list[str]:
             f"exposed communication is {t.exposed_communication / t.step:.0%} of the step",
             f"computation alone would give {published.mfu * t.step / t.compute:.1%}",
             f"it needs {_gb(published.memory.total)} GB per device here, "
-            f"{_gb(published.memory.activations)} GB of it activations (under 1F1B a "
-            f"stage holds up to {mapping.pipeline} microbatches' activations of its "
-            "layers before its first backward slot)",
+            f"{_gb(published.memory.activations)} GB of it activations (every device "
+            f"of the one SPMD program holds the residuals of up to {held} forward slots, "
+            "each one microbatch's through one chunk"
+            + (
+                f"; Megatron-Core's 1F1B holds {mapping.pipeline} on its first stage)"
+                if mapping.virtual_stages == 1
+                else ")"
+            ),
         ]
         if recomputed.memory is None:
             parts.append(
