@@ -44,7 +44,7 @@ program:
   tick's backward slot, and XLA:CPU runs forward slots early. On 2 stages it holds
   between this walk and the walk with every forward slot as many ticks ahead as a stage
   has chunks (``ticks_ahead``; tested on 1F1B, with ZeRO-1 and interleaved, where it
-  holds up to 17% more than this walk with jax 0.12.0.1); the forward-first order bounds
+  holds up to 8% more than this walk with jax 0.12.0.1); the forward-first order bounds
   it from above.
 
 At the peak the live buffers are counted by kind (:class:`StepMemory`). The walk is

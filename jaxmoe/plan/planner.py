@@ -104,7 +104,7 @@ MEMORY_METHOD = (
     "values, a recomputation's included; backward: gradients, their accumulators and the "
     "backward pass's working buffers. Within 10% of XLA:CPU's compiled memory analysis on "
     "small models (tests/plan/test_memory.py), a few percent under it (XLA's heap leaves "
-    "gaps); for pipelines XLA:CPU holds more than the tick order (up to 12% more on 2 "
+    "gaps); for pipelines XLA:CPU holds more than the tick order (up to 8% more on 2 "
     "stages: it runs forward slots before the previous tick's backward slot), and less "
     "than every forward slot a stage's chunks of ticks early."
 )

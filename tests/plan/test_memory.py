@@ -135,14 +135,15 @@ def test_the_walk_comes_within_ten_percent_of_xla_cpu(case):
 @pytest.mark.parametrize("case", cases(["pipeline", *RUNS_AHEAD]))
 def test_xla_cpu_runs_a_pipelines_forward_slots_at_most_a_chunk_early(case):
     """Nothing makes a tick's forward slot wait for the previous tick's backward slot:
-    XLA:CPU holds more than the tick order (jax 0.12.0.1: with ZeRO-1 17% more, interleaved
-    11%) and less than every forward slot as many ticks early as a stage has chunks."""
+    XLA:CPU holds more than the tick order (jax 0.12.0.1: 1% more on 1F1B, with ZeRO-1 8%,
+    interleaved 8%) and less than every forward slot as many ticks early as a stage has
+    chunks (12 to 18% more than XLA:CPU)."""
     config, analysis, program, walk, _ = measured(case)
     virtual = config.parallel.virtual_stages
     state = resolve(config).state_shapes
     ahead = step_memory(program, state, ticks_ahead=virtual)
     assert walk.total <= xla_peak(analysis) <= ahead.total
-    assert ahead.total < 1.15 * xla_peak(analysis)
+    assert ahead.total < 1.2 * xla_peak(analysis)
 
 
 @pytest.mark.parametrize("case", cases(["pipeline", "pipeline-zero1"]))
@@ -383,3 +384,19 @@ def test_interleaved_slots_slice_their_chunks_parameters_anew():
         and jnp.issubdtype(step.op.inputs[0].aval.dtype, jnp.floating)  # not the rows
     ]
     assert slices and all(step.makes for step in slices)
+
+
+def test_a_one_chunk_stage_sums_its_gradients_elementwise():
+    """Each tick adds a one-chunk stage's block gradients to their sums elementwise, with
+    the cast to the sums' dtype fused in: no scatter (which reads the cast gradients as
+    buffers of their own) updates a stack of a stage's blocks."""
+    config = config_for(**PIPELINE)
+    program, _ = capture_train_step(resolve(config, build_mesh(config.parallel)))
+    # A stage's stacked blocks [chunks, stage, ...] and their sums [chunks, ...].
+    stacks = {v.aval.shape[:1] + v.aval.shape[2:] for v in program.inputs if v.aval.ndim > 2}
+    scattered = [
+        op
+        for op in program.ops
+        if op.primitive.startswith("scatter") and op.inputs[0].aval.shape in stacks
+    ]
+    assert stacks and not scattered
