@@ -107,15 +107,17 @@ def _index_tree(tree: PyTree, index: int | jax.Array) -> PyTree:
 
 def _add_at(stack: PyTree, index: int | jax.Array, value: PyTree) -> PyTree:
     """``stack[index] += value`` on every leaf (leading axis; one addition per element, in
-    the stack's dtype): an elementwise sum where the stack is one chunk, else a row
-    updated in place, behind an ``optimization_barrier`` (as :func:`_add`). A scatter
-    would read and write the cast value as a buffer of its own: XLA does not fuse into
-    a scatter what it fuses into a sum."""
+    the stack's dtype), behind an ``optimization_barrier`` (as :func:`_add`): an
+    elementwise sum where the stack is one chunk (a scatter would read and write the cast
+    value as a buffer of its own: XLA does not fuse into a scatter what it fuses into a
+    sum), else a scatter at a static index and a row updated in place at a traced one."""
 
     def add(a: jax.Array, v: jax.Array) -> jax.Array:
         v = v.astype(a.dtype)
         if a.shape[0] == 1:
             return a + v[None]
+        if isinstance(index, int):
+            return a.at[index].add(v)
         row = jax.lax.dynamic_index_in_dim(a, index, keepdims=False)
         return jax.lax.dynamic_update_index_in_dim(a, row + v, index, axis=0)
 
