@@ -352,7 +352,8 @@ def plan_mappings(
         device = dataclasses.replace(device, memory_capacity_bytes=memory_capacity_bytes)
     capacity = device.memory_capacity_bytes
     cache = EstimateCache(cache_dir)
-    tracer = Tracer(schedules, profile, cache, capacity or None)
+    memory_limit = capacity or None  # the device's memory, where the profile gives it
+    tracer = Tracer(schedules, profile, cache, memory_limit)
     flops = model_flops(config).train_step()
     peak = device.peak_flops_per_s(config.model.dtype)
     estimates: list[MappingEstimate] = []
@@ -366,7 +367,7 @@ def plan_mappings(
         left_out.append(NotEstimated(mapping, kind, reason, memory_bound=memory))
 
     pool = (
-        TracePool(jobs, schedules, profile, cache_dir, extrapolate_layers, capacity or None)
+        TracePool(jobs, schedules, profile, cache_dir, extrapolate_layers, memory_limit)
         if jobs > 1
         else None
     )

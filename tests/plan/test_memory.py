@@ -356,7 +356,7 @@ def test_a_pipeline_sums_each_slots_gradients_as_it_goes():
     a buffer of its own: at equal rows per microbatch, twice the microbatches hold no more
     of the backward pass's values (one chain of fused adds held every microbatch's head
     and embedding gradients until the last tick)."""
-    four, _ = walked(**dict(PIPELINE, microbatches=4, batch=32))
+    _, _, _, four, _ = measured("pipeline")  # 4 microbatches of 4 rows a device
     eight, _ = walked(**dict(PIPELINE, microbatches=8, batch=64))
     assert eight.backward == four.backward
 
@@ -390,8 +390,7 @@ def test_a_one_chunk_stage_sums_its_gradients_elementwise():
     """Each tick adds a one-chunk stage's block gradients to their sums elementwise, with
     the cast to the sums' dtype fused in: no scatter (which reads the cast gradients as
     buffers of their own) updates a stack of a stage's blocks."""
-    config = config_for(**PIPELINE)
-    program, _ = capture_train_step(resolve(config, build_mesh(config.parallel)))
+    _, _, program, _, _ = measured("pipeline")
     # A stage's stacked blocks [chunks, stage, ...] and their sums [chunks, ...].
     stacks = {v.aval.shape[:1] + v.aval.shape[2:] for v in program.inputs if v.aval.ndim > 2}
     scattered = [
