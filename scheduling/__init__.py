@@ -82,7 +82,7 @@ if TYPE_CHECKING:
         is_ragged_exchange,
         op_flops,
     )
-    from scheduling.costs.fusion import FUSIBLE, Fusion, fuses_into_readers
+    from scheduling.costs.fusion import FUSIBLE, IN_PLACE, SLICING, Fusion, fuses_into_readers
     from scheduling.costs.link_model import CollectiveCurves, PiecewiseLinear
     from scheduling.costs.profiling import OpProfiler, ProfiledCostModel
     from scheduling.costs.simulate import Timeline, simulate

@@ -4,9 +4,11 @@ reads and writes, and of which class it is.
 A kernel is an instruction of the entry computation (or of a loop or branch it runs) that
 launches work on the device: a fusion, a custom call (a cuBLAS GEMM, cuDNN's attention),
 a collective, a copy. Its bytes are its operands' and its results' sizes, as XLA's own
-cost analysis counts a fusion's, with two exceptions XLA makes too: a fusion whose root
-updates a slice in place writes the update alone and does not read the buffer it
-updates, and a fusion that slices an operand at a dynamic offset reads the slice alone.
+cost analysis counts a fusion's, with the exceptions XLA's analysis makes too: a fusion
+whose root updates a slice in place writes the update alone and does not read the
+buffer it updates, and an operand that a fusion only slices (statically or at a dynamic
+offset) is read in the slices alone. One more, which XLA's analysis does not make but the
+kernel does: an operand a fusion only gathers from is read in the rows gathered.
 A loop's body counts its trip count times (``known_trip_count``).
 
 Classes: ``matmul`` (GEMM fusions and custom calls), ``attention`` (cuDNN's fused
@@ -149,16 +151,28 @@ def _fusion_bytes(
     written = shape_bytes(instruction.type)
     parameter = {inner.name: inner.index for inner in fused if inner.opcode == "parameter"}
     types = {inner.name: inner.type for inner in fused}
+    users: dict[str, list[_Instruction]] = {}
+    for inner in fused:
+        for name in inner.operands:
+            users.setdefault(name, []).append(inner)
+    for name, source in parameter.items():
+        if source is None or source >= len(read):
+            continue
+        readers = users.get(name, [])
+        if readers and all(r.opcode in _TAKING_PARTS and r.operands[0] == name for r in readers):
+            read[source] = min(read[source], sum(shape_bytes(r.type) for r in readers))
     for inner in fused:
         source = parameter.get(inner.operands[0]) if inner.operands else None
         if source is None or source >= len(read):
             continue
-        if inner.opcode == "dynamic-slice":
-            read[source] = min(read[source], shape_bytes(inner.type))
-        elif inner.opcode == "dynamic-update-slice" and inner.root and len(inner.operands) > 1:
+        if inner.opcode == "dynamic-update-slice" and inner.root and len(inner.operands) > 1:
             read[source] = 0
             written = shape_bytes(types.get(inner.operands[1], ""))
     return float(sum(read) + written)
+
+
+# Ops that read a part of their first operand: the part's bytes.
+_TAKING_PARTS = frozenset({"slice", "dynamic-slice", "gather"})
 
 
 def _reduces(fused: list[_Instruction]) -> bool:

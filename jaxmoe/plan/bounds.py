@@ -84,7 +84,7 @@ from jaxmoe.pipeline.microbatches import in_flight as in_flight_of
 from jaxmoe.pipeline.ticks import tick_table
 from jaxmoe.plan.memory import backward_start, recomputed_for_backward
 from jaxmoe.plan.options import Options
-from scheduling import CostModel, Phase, Program, Value, aval_bytes
+from scheduling import SLICING, CostModel, Phase, Program, Value, aval_bytes
 
 # Ops that pass a parameter on as a parameter: casts, views and the barriers of a
 # recomputation's inputs.
@@ -98,9 +98,6 @@ _PARTS = (
     "overhead_step", "overhead_recomputing", "overhead_sharding", "overhead_update",
     "link", "link_recomputing", "link_sharding",
 )  # fmt: skip
-# What JAX puts on the values a remat region keeps (ZeRO-3's fully sharded blocks keep all
-# but their gathers): the cost model prices it, XLA drops it.
-_REMAT_MARKS = frozenset({"reduce_precision"})
 # A layer's ops: under its name scope ``layer_<i>``, or in a pipeline's chunk
 # ``chunk_layer_<j>`` (jaxmoe.pipeline.pipelined; ZeRO-1's gathers of a stacked block too).
 LAYER_SCOPE = re.compile(r"(^|/)(chunk_)?layer_\d+(/|$)")
@@ -388,9 +385,7 @@ def screen(
         parts = ["step"]
         if _RECOMPUTED in op.name_stack:
             parts.append("recomputing")
-        if (op.primitive == "all_gather" and GATHER_SCOPE in op.layer) or (
-            op.primitive in _REMAT_MARKS
-        ):
+        if op.primitive == "all_gather" and GATHER_SCOPE in op.layer:
             parts.append("sharding")
         elif op.phase is Phase.OPTIMIZER:
             parts.append("update")
@@ -398,7 +393,14 @@ def screen(
                 parts.append("update_compute")
         elif len(parts) == 1 and not collective and _on_parameters(op, shapes):
             parts.append("on_parameters")
-        pays_overhead = op.phase is not Phase.OPTIMIZER and not collective and cost.launches(op)
+        # A slice launches where its reader cannot take it fused, which another layout's
+        # step (a pipeline's ticks) may: its launch is not counted.
+        pays_overhead = (
+            op.phase is not Phase.OPTIMIZER
+            and not collective
+            and op.primitive not in SLICING
+            and cost.launches(op)
+        )
         if collective:
             linked = ("link" if part == "step" else f"link_{part}" for part in parts)
             parts += [part for part in linked if part in totals]

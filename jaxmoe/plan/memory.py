@@ -7,16 +7,17 @@ step's memory. What gets a buffer, and for how long, follows what XLA does with 
 program:
 
 - *Fusion.* A value gets no buffer when XLA fuses it into every op that reads it: an
-  elementwise or layout op's value whose readers all take fused operands and which is
-  cheap or read once (:func:`scheduling.fuses_into_readers`, the rule the cost model
-  prices kernels by). Its operands then stay alive until its readers run. The rest
-  (matmuls, collectives, gathers, and what they read) get buffers.
+  elementwise, layout or slicing op's value whose readers all take fused operands and
+  which is cheap or read once (:func:`scheduling.fuses_into_readers`, the rule the cost
+  model prices kernels by). Its operands then stay alive until its readers run. The
+  rest (matmuls, collectives, updates in place, and what they read) get buffers.
 - *Aliases.* ``reduce_precision`` to a dtype's own precision (what JAX puts on the values
   a remat region saves) is the identity. ``optimization_barrier`` passes its operands
-  through, and makes them buffers. ``dynamic_update_slice`` and the scatters write
-  into their operand's buffer where nothing reads the operand after them, and so does an
-  elementwise op into an operand of its result's type (XLA's buffer assignment shares
-  them: a gradient summed into a stack row by row, or a running sum, holds one buffer).
+  through, and makes them buffers. ``dynamic_update_slice`` and the scatters
+  (:data:`scheduling.IN_PLACE`) write into their operand's buffer where nothing reads
+  the operand after them, and so does an elementwise op into an operand of its result's
+  type (XLA's buffer assignment shares them: a gradient summed into a stack row by row,
+  or a running sum, holds one buffer).
 - *Common subexpressions.* An op that repeats an earlier one (the same primitive,
   parameters and operands) is merged into it, as XLA's CSE does; what is behind a barrier
   is never the same as what is in front of it, so a recomputation (``model.recompute``,
@@ -71,6 +72,7 @@ from jaxmoe.train.state import (
 )
 from scheduling import (
     FUSIBLE,
+    IN_PLACE,
     Phase,
     Program,
     ProgramMemo,
@@ -81,9 +83,6 @@ from scheduling import (
 
 _IDENTITIES = frozenset({"reduce_precision"})
 _BARRIER = "optimization_barrier"
-# Ops that XLA runs in place: their result takes the buffer of their first operand where
-# nothing reads that operand after them.
-_IN_PLACE = frozenset({"dynamic_update_slice", "scatter", "scatter-add", "scatter_add"})
 _RANDOM = frozenset({"random_bits", "random_seed", "random_wrap", "rng_bit_generator"})
 # A recomputation's ops: JAX names the forward pass it runs again in the backward pass so.
 _RECOMPUTED = "rematted_computation"
@@ -287,7 +286,7 @@ class _Walk:
         """The operand whose buffer ``step``'s result takes, if any: the first operand of
         an update in place, or an operand of an elementwise op of the result's type, that
         nothing reads after ``step`` (XLA's buffer assignment shares them)."""
-        if step.op.primitive in _IN_PLACE:
+        if step.op.primitive in IN_PLACE:  # their result takes the first operand's buffer
             candidates = step.reads[:1]
         elif step.op.primitive in FUSIBLE and len(step.makes) == 1:
             result = step.makes[0].aval

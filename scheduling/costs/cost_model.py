@@ -4,7 +4,10 @@ Compute: ``overhead + max(flops / (peak_flops x efficiency), bytes / memory_band
 a roofline with a fixed cost per kernel (launch, dispatch). Matmuls run at the
 profile's matmul efficiency (:meth:`~scheduling.profiles.DeviceProfile.matmul_fraction`, a
 measured curve over the product's FLOPs), other ops at the peak. Layout-only ops
-(reshape, squeeze, ...) cost nothing: XLA makes them views or fuses them.
+(reshape, squeeze, ...) and identities (:func:`~scheduling.costs.fusion.is_identity`) cost
+nothing: XLA makes them views, fuses or drops them. A slice or gather reads the part it
+takes; an update in place (``dynamic_update_slice``, scatters) reads its update and
+writes the region it updates, not its whole buffer.
 
 Fusion (:mod:`scheduling.costs.fusion`, the rule the memory walk reads too): on a profile
 with ``fused_elementwise``, a cost model bound to a program (:meth:`CostModel.bound_to`)
@@ -34,8 +37,7 @@ that holds it exists (the forward partition's search), is fused as the op it cop
 
 Control flow is priced by what it runs: a ``scan`` as its body's ops ``length`` times
 (a blockwise attention's loop over tiles), a ``cond`` as its costliest branch, a
-``while`` as one trip (its trip count is known only when the step runs). Slices and
-updates at a dynamic offset move the slice alone: XLA updates a loop's carry in place.
+``while`` as one trip (its trip count is known only when the step runs).
 
 Fused attention (cuDNN's flash attention, ``dot_product_attention_fwd`` and ``_bwd``
 custom calls) is priced by its matmuls: ``4 x batch x heads x q x k x head_dim`` FLOPs
@@ -54,7 +56,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from scheduling.costs.collective_groups import GroupSpread, group_members, group_spread
-from scheduling.costs.fusion import FUSIBLE, Fusion, kernel_scope
+from scheduling.costs.fusion import (
+    FUSIBLE,
+    IN_PLACE,
+    SLICING,
+    Fusion,
+    in_place_bytes,
+    is_identity,
+    kernel_scope,
+)
 from scheduling.costs.link_model import CollectiveCurves
 from scheduling.profiles import DeviceProfile
 from scheduling.program import jax_adapter
@@ -178,7 +188,7 @@ def op_flops(op: Op) -> float:
         lhs_shape = op.inputs[0].aval.shape
         contracted = math.prod(lhs_shape[d] for d in lhs_contract)
         return 2.0 * sum(_size(v.aval) for v in op.outputs) * contracted
-    if name in FREE_PRIMITIVES:
+    if name in FREE_PRIMITIVES or is_identity(op):
         return 0.0
     if name in REDUCTIONS:
         return float(sum(_size(a.aval) for a in op.inputs))
@@ -192,10 +202,13 @@ def op_bytes(op: Op) -> float:
         return 0
     if jax_adapter.subprograms(op.eqn):
         return _over_bodies(op, op_bytes)
-    if op.primitive == "dynamic_slice":  # reads the slice, writes it
-        return 2 * sum(aval_bytes(v.aval) for v in op.outputs)
-    if op.primitive == "dynamic_update_slice":  # reads the update, writes it in place
-        return 2 * aval_bytes(op.inputs[1].aval)
+    if is_identity(op):
+        return 0
+    rest = sum(aval_bytes(a.aval) for a in op.inputs[1:] if a.aval.shape)  # scalars: arguments
+    if op.primitive in SLICING:  # reads the part it takes, writes it
+        return 2 * sum(aval_bytes(v.aval) for v in op.outputs) + rest
+    if op.primitive in IN_PLACE:  # reads the update, writes it in place
+        return in_place_bytes(op, rest)
     return sum(aval_bytes(a.aval) for a in op.inputs) + sum(aval_bytes(v.aval) for v in op.outputs)
 
 
@@ -353,7 +366,7 @@ class CostModel:
         return self._spreads[key]
 
     def compute_seconds(self, op: Op) -> float:
-        if op.primitive in FREE_PRIMITIVES:
+        if op.primitive in FREE_PRIMITIVES or is_identity(op):
             return 0.0
         fusion = self.fusion if self.fusion is not None and self.fusion.knows(op) else None
         if jax_adapter.subprograms(op.eqn):
@@ -375,7 +388,7 @@ class CostModel:
     def launches(self, op: Op) -> bool:
         """Whether ``op`` pays a kernel's launch: it writes a buffer of its own (on a fusing
         profile, an op XLA fuses into its readers does not)."""
-        if op.primitive in FREE_PRIMITIVES or op.is_collective:
+        if op.primitive in FREE_PRIMITIVES or op.is_collective or is_identity(op):
             return False
         if self.fusion is not None and self.fusion.knows(op):
             return self.fusion.launches(op)
@@ -385,7 +398,7 @@ class CostModel:
         """Bytes ``op`` reads and writes in memory as this model prices it (a control-flow
         op: its bodies' ops, times how often each runs; in a one-kernel scope on a profile
         with ``fused_kernels``, its own operands and results)."""
-        if op.primitive in FREE_PRIMITIVES:
+        if op.primitive in FREE_PRIMITIVES or is_identity(op):
             return 0.0
         fusion = self.fusion if self.fusion is not None and self.fusion.knows(op) else None
         if not jax_adapter.subprograms(op.eqn):

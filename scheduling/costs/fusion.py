@@ -5,12 +5,23 @@ pays for the buffers it reads and writes, and a launch only when it writes one) 
 the memory walk of a step (which gives such values no bytes), so that both agree about
 what XLA fuses:
 
-- *Loop fusion.* The value of an elementwise or layout op (:data:`FUSIBLE`) whose readers
-  all compute their operands inline (:data:`FUSING_READERS`: elementwise ops, reductions,
-  slices) is fused into them, unless the op is expensive (:data:`EXPENSIVE`) and read
-  more than once: XLA repeats a cheap producer in each reader, never an expensive one.
-  A reader of a fused value reads the fused op's operands instead, through any chain of
-  fused values.
+- *Loop fusion.* The value of an elementwise, layout or slicing op (:data:`LOOP_FUSIBLE`:
+  slices, pads, concatenations and gathers too) whose readers all compute their operands
+  inline (:data:`FUSING_READERS`: those ops, reductions, and updates in place) is fused
+  into them, unless the op is expensive (:data:`EXPENSIVE`) and read more than once: XLA
+  repeats a cheap producer in each reader, never an expensive one. A reader of a fused
+  value reads the fused op's operands instead, through any chain of fused values; of a
+  fused slice or gather, the part it takes.
+- *Slices read their part.* A slice, dynamic slice or gather reads the elements it
+  takes, not its whole operand.
+- *Updates in place.* A ``dynamic_update_slice`` or scatter (:data:`IN_PLACE`) writes into
+  its first operand's buffer: it reads its update (and indices) and writes the region it
+  updates (a combining scatter reads that region too), not the whole buffer. Where that
+  operand is a fused value (a broadcast of zeros, say) there is no buffer to update: the
+  kernel writes the whole result.
+- *Identities.* A ``reduce_precision`` to its dtype's own precision (what JAX puts on the
+  values a remat region saves) is dropped (:func:`is_identity`): it moves nothing and its
+  readers read its operand.
 - *Multi-output fusion.* An elementwise or reduction op that reads the buffer of an
   elementwise op (one that gets a buffer because it is returned, or read elsewhere), or
   a buffer that an earlier such kernel reads, joins that kernel where nothing else it
@@ -22,13 +33,15 @@ what XLA fuses:
   path) stays on chip. Only a profile with ``fused_kernels`` prices them so.
 
 The values a program returns always get buffers; so do those of matmuls, collectives,
-gathers, scatters and control flow, whoever reads them.
+updates in place and control flow, whoever reads them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from typing import Any
+
+import jax.numpy as jnp
 
 from scheduling.names import ONE_KERNEL_SCOPE
 from scheduling.program.capture import aval_bytes
@@ -50,22 +63,61 @@ EXPENSIVE = frozenset(
     {"div", "rem", "sqrt", "rsqrt", "cbrt", "exp", "exp2", "expm1", "log", "log1p", "log2", "tanh",
      "logistic", "sin", "cos", "atan2", "erf", "erf_inv", "pow"}
 )  # fmt: skip
-# Ops that read fused operands (compute them inline): the fusible ops, reductions, and
-# slicing, padding and concatenation.
-FUSING_READERS = FUSIBLE | frozenset(
+# Ops that take a part of their first operand: they read that part alone.
+SLICING = frozenset({"slice", "dynamic_slice", "gather"})
+# Producers XLA fuses into their readers' loops: the fusible ops, slicing, padding and
+# concatenation.
+LOOP_FUSIBLE = FUSIBLE | SLICING | frozenset({"pad", "concatenate"})
+# Ops that write into their first operand's buffer (XLA updates it in place): the operand
+# index of the update they write there, and whether they read the region they update.
+IN_PLACE = {
+    "dynamic_update_slice": (1, False),
+    "scatter": (2, False),
+    "scatter-add": (2, True),
+    "scatter_add": (2, True),
+    "scatter-mul": (2, True),
+    "scatter-min": (2, True),
+    "scatter-max": (2, True),
+}
+# Ops that read fused operands (compute them inline): the loop-fusible ops, reductions,
+# and updates in place.
+FUSING_READERS = LOOP_FUSIBLE | IN_PLACE.keys() | frozenset(
     {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
-     "argmax", "argmin", "cumsum", "cumlogsumexp", "cummax", "cummin", "slice",
-     "dynamic_slice", "pad", "concatenate"}
+     "argmax", "argmin", "cumsum", "cumlogsumexp", "cummax", "cummin"}
 )  # fmt: skip
 
 
 def fuses_into_readers(primitive: str, readers: Sequence[str]) -> bool:
     """Whether the value of a ``primitive`` op that ``readers`` read gets no buffer."""
     return (
-        primitive in FUSIBLE
+        primitive in LOOP_FUSIBLE
         and all(reader in FUSING_READERS for reader in readers)
         and (primitive not in EXPENSIVE or len(readers) <= 1)
     )
+
+
+def is_identity(op: Any) -> bool:
+    """Whether ``op`` leaves its operand as it is: a ``reduce_precision`` to no fewer bits
+    than its dtype has (XLA's simplifier drops it)."""
+    if op.primitive != "reduce_precision":
+        return False
+    dtype = op.inputs[0].aval.dtype
+    if not jnp.issubdtype(dtype, jnp.floating):
+        return False
+    info, params = jnp.finfo(dtype), op.eqn.params
+    return params["exponent_bits"] >= info.nexp and params["mantissa_bits"] >= info.nmant
+
+
+def region_bytes(op: Any) -> int:
+    """The bytes an update in place (:data:`IN_PLACE`) writes: its update's."""
+    return aval_bytes(op.inputs[IN_PLACE[op.primitive][0]].aval)
+
+
+def in_place_bytes(op: Any, update_reads: float) -> float:
+    """Bytes an update in place moves: what it reads besides its first operand
+    (``update_reads``), and the region it writes (and reads, where it combines)."""
+    _, combines = IN_PLACE[op.primitive]
+    return update_reads + region_bytes(op) * (2 if combines else 1)
 
 
 def kernel_scope(name_stack: str) -> str | None:
@@ -106,9 +158,12 @@ class Fusion:
                 read_by = readers.get(id(value), [])
                 if scope and read_by and all(kernel_scope(r.name_stack) == scope for r in read_by):
                     self._on_chip.add(id(value))
-                elif fuses_into_readers(op.primitive, [r.primitive for r in read_by]):
+                elif is_identity(op) or fuses_into_readers(
+                    op.primitive, [r.primitive for r in read_by]
+                ):
                     self._fused.add(id(value))
-        self._reads: dict[int, dict[int, int]] = {}
+        self._reads: dict[int, dict[Any, float]] = {}
+        self._part_of: dict[Any, int] = {}  # the part a slice reads -> the buffer it is of
         self._index = {id(op): index for index, op in enumerate(ops)}
         self._joined: set[int] = set()  # ops that run in an earlier op's kernel
         self._bytes = self._kernel_bytes(ops)
@@ -119,20 +174,18 @@ class Fusion:
         members: dict[int, set[int]] = {}  # a kernel (its first op) -> its ops
         kernel_of: dict[int, int] = {}  # op -> its kernel
         first: dict[int, int] = {}  # a kernel -> the program index of its first op
-        kernel_reads: dict[int, set[int]] = {}  # a kernel -> the buffers it reads
-        reading: dict[int, int] = {}  # a buffer -> the last kernel of fusing ops reading it
-        own_reads: dict[int, dict[int, int]] = {}
+        kernel_reads: dict[int, set[Any]] = {}  # a kernel -> the buffers it reads
+        reading: dict[Any, int] = {}  # a buffer -> the last kernel of fusing ops reading it
+        own_reads: dict[int, dict[Any, float]] = {}
         found: dict[int, float] = {}
         for index, op in enumerate(ops):
             key = id(op)
             if op.outputs and all(id(value) in self._fused for value in op.outputs):
                 found[key] = 0.0
                 continue
-            reads: dict[int, int] = {}
-            for atom in op.inputs:
-                reads.update(self._leaves(atom))
+            reads = dict(self._operand_reads(op))
             kernel = key
-            if op.primitive in FUSING_READERS:
+            if op.primitive in FUSING_READERS and op.primitive not in IN_PLACE:
                 # Producer and consumer: read what the producer read instead (of every
                 # producer in the kernel joined).
                 for value_id in list(reads):
@@ -169,19 +222,56 @@ class Fusion:
             charged = kernel_reads[kernel]
             fresh = sum(size for value_id, size in reads.items() if value_id not in charged)
             charged.update(reads)
+            if self._updates_in_place(op):
+                found[key] = float(in_place_bytes(op, fresh))
+                continue
             writes = sum(aval_bytes(v.aval) for v in op.outputs if not self.is_fused(v))
             found[key] = float(fresh + writes)
         return found
 
+    def _updates_in_place(self, op: Any) -> bool:
+        """Whether ``op`` writes into its first operand's buffer: an update in place whose
+        first operand is a buffer (not a value computed in its kernel)."""
+        return op.primitive in IN_PLACE and not self._leaves_computed(op.inputs[0])
+
+    def _leaves_computed(self, atom: Any) -> bool:
+        return id(atom) in self._fused or id(atom) in self._on_chip
+
+    def _operand_reads(self, op: Any) -> dict[Any, float]:
+        """The buffers (a key each -> bytes) ``op`` reads through its operands: a slice the
+        part it takes (:data:`SLICING`), an update in place all but the buffer it updates."""
+        reads: dict[Any, float] = {}
+        for position, atom in enumerate(op.inputs):
+            if position == 0 and self._updates_in_place(op):
+                continue
+            if position == 0 and op.primitive in SLICING and getattr(atom.aval, "shape", ()):
+                reads.update(self._part(op, atom))
+                continue
+            reads.update(self._leaves(atom))
+        return reads
+
+    def _part(self, op: Any, atom: Any) -> dict[Any, float]:
+        """What slicing ``op`` reads of ``atom``: the part it takes, of the buffer or of the
+        buffers under a fused ``atom`` (each in proportion)."""
+        whole = aval_bytes(atom.aval)
+        taken = sum(aval_bytes(v.aval) for v in op.outputs)
+        if not self._leaves_computed(atom):
+            key = ("part", id(op))
+            self._part_of[key] = id(atom)
+            return {key: float(min(taken, whole))}
+        share = min(1.0, taken / whole) if whole else 1.0
+        return {leaf: size * share for leaf, size in self._leaves(atom).items()}
+
     def _independent(
-        self, reads: dict[int, int], kernel: set[int], start: int, budget: int = 64
+        self, reads: dict[Any, float], kernel: set[int], start: int, budget: int = 64
     ) -> bool:
         """Whether none of the buffers in ``reads`` depends on an op of ``kernel`` (whose
         first op is at ``start``) other than as its direct value: a reader of them may join
         that kernel without a cycle. Searches at most ``budget`` ops back; past that, no."""
+        buffers = (self._part_of.get(key, key) for key in reads)
         stack = [
             self._producer[value_id]
-            for value_id in reads
+            for value_id in buffers
             if value_id in self._producer and id(self._producer[value_id]) not in kernel
         ]
         seen: set[int] = set()
@@ -212,19 +302,16 @@ class Fusion:
             return False
         return any(not self.is_fused(value) for value in op.outputs) or not op.outputs
 
-    def _leaves(self, atom: Any) -> dict[int, int]:
-        """The buffers (id -> bytes) a reader of ``atom`` reads: ``atom`` itself, or through
-        a fused value, its producer's operands."""
+    def _leaves(self, atom: Any) -> dict[Any, float]:
+        """The buffers (a key each -> bytes) a reader of ``atom`` reads: ``atom`` itself, or
+        through a fused value, what its producer reads."""
         key = id(atom)
         if key in self._on_chip or not getattr(atom.aval, "shape", ()):
             return {}  # kept in the kernel; or a scalar, passed as a kernel's argument
         if key not in self._fused:
             return {key: aval_bytes(atom.aval)}
         if key not in self._reads:
-            found: dict[int, int] = {}
-            for operand in self._producer[key].inputs:
-                found.update(self._leaves(operand))
-            self._reads[key] = found
+            self._reads[key] = self._operand_reads(self._producer[key])
         return self._reads[key]
 
     def bytes(self, op: Any) -> float:

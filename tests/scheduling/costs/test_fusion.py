@@ -27,9 +27,13 @@ FUSING = DeviceProfile(
 )
 
 
-def _program(step, *shapes):
+def _program(step, *shapes, indices=()):
+    """``step`` captured on float32 arguments of ``shapes`` (int32 at ``indices``)."""
     mesh = mesh_x()
-    args = [sds(mesh, shape, P()) for shape in shapes]
+    args = [
+        sds(mesh, shape, P(), jnp.int32 if n in indices else jnp.float32)
+        for n, shape in enumerate(shapes)
+    ]
     return capture(step, *args, mesh=mesh, in_specs=(P(),) * len(args), out_specs=P())
 
 
@@ -183,3 +187,73 @@ def test_an_optimizer_update_is_one_kernel():
     array = ROWS * COLS * F32
     assert sum(fusion.bytes(op) for op in program.ops) == 7 * array  # 4 read, 3 written
     assert sum(fusion.launches(op) for op in program.ops) == 1
+
+
+def test_slices_fused_into_their_reader_read_their_parts():
+    # A gated activation's two halves, sliced from one buffer: one kernel reads each half
+    # once; a quarter of it, a quarter.
+    halves = _program(lambda x: (x[:, : COLS // 2] * x[:, COLS // 2 :]).sum(axis=1), (ROWS, COLS))
+    fusion = Fusion(halves.ops, halves.outputs)
+    ops = [op for op in halves.ops if op.primitive == "slice"]
+    assert len(ops) == 2 and not any(fusion.launches(op) or fusion.bytes(op) for op in ops)
+    assert sum(fusion.bytes(op) for op in halves.ops) == (ROWS * COLS + ROWS) * F32
+    quarter = _program(lambda x: (x[:, : COLS // 4] * 2.0).sum(axis=1), (ROWS, COLS))
+    fusion = Fusion(quarter.ops, quarter.outputs)
+    assert sum(fusion.bytes(op) for op in quarter.ops) == (ROWS * COLS // 4 + ROWS) * F32
+    # A gather reads the rows it takes, fused or not.
+    rows = _program(
+        lambda t, i: jnp.take(t, i[:, 0], axis=0) @ t.T, (ROWS, COLS), (8, 1), indices=(1,)
+    )
+    gather = _by_primitive(rows)["gather"]
+    table, taken = ROWS * COLS * F32, 8 * COLS * F32
+    assert Fusion(rows.ops, rows.outputs).bytes(gather) < table
+    assert CostModel(FUSING, {"x": 8}).bytes_moved(gather) < table + taken
+
+
+def test_an_update_in_place_moves_its_region():
+    def accumulate(stack, g, i):
+        row = jax.lax.dynamic_slice_in_dim(stack, i[0], 1)
+        return jax.lax.dynamic_update_slice_in_dim(stack, row + jnp.tanh(g), i[0], 0)
+
+    program = _program(accumulate, (ROWS, COLS), (1, COLS), (1,), indices=(2,))
+    fusion = Fusion(program.ops, program.outputs)
+    row = COLS * F32
+    # Reads the row and the gradient, writes the row: the stack is not copied.
+    assert sum(fusion.bytes(op) for op in program.ops) == 3 * row
+    assert sum(fusion.launches(op) for op in program.ops) == 1
+    # A scatter-add reads and writes the rows it adds to, and reads its updates.
+    added = _program(
+        lambda t, u, i: t.at[i[:, 0]].add(u), (ROWS, COLS), (8, COLS), (8, 1), indices=(2,)
+    )
+    scatter = _by_primitive(added)["scatter-add"]
+    indices = 8 * 4
+    assert Fusion(added.ops, added.outputs).bytes(scatter) == 3 * 8 * COLS * F32 + indices
+    # Into a buffer the kernel itself computes (zeros), there is none to update: it writes
+    # the whole result.
+    fresh = _program(
+        lambda g, i: jax.lax.dynamic_update_slice_in_dim(jnp.zeros((ROWS, COLS)), g, i[0], 0),
+        (1, COLS),
+        (1,),
+        indices=(1,),
+    )
+    fusion = Fusion(fresh.ops, fresh.outputs)
+    assert sum(fusion.bytes(op) for op in fresh.ops) == row + ROWS * COLS * F32
+
+
+def test_a_rounding_to_the_values_own_precision_is_dropped():
+    def step(x):
+        kept = jax.lax.reduce_precision(x.astype(jnp.bfloat16), exponent_bits=8, mantissa_bits=7)
+        rounded = jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
+        return kept @ kept.T, rounded @ rounded.T
+
+    mesh = mesh_x()
+    program = capture(
+        step, sds(mesh, (ROWS, COLS), P()), mesh=mesh, in_specs=(P(),), out_specs=(P(), P())
+    )
+    cost = CostModel(FUSING, {"x": 8})
+    bound = cost.bound_to(program)
+    kept, rounded = [op for op in program.ops if op.primitive == "reduce_precision"]
+    for model in (cost, bound):  # bf16 to bf16: nothing; f32 to bf16's precision: a kernel
+        assert model.seconds(kept) == 0 and not model.launches(kept)
+        assert model.seconds(rounded) > 0 and model.launches(rounded)
+    assert not bound.fusion.launches(kept)
