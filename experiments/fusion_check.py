@@ -20,7 +20,7 @@ one-kernel pricing (cuDNN's flash attention) is off here: the comparison is of X
 fusion of the same ops. Classes: matmul, reduction, elementwise (everything else that
 moves memory). XLA's ``compiled.cost_analysis()`` is empty for a module compiled without
 a device, so XLA's side is its kernels' operands and results, as its cost analysis
-counts them.
+counts them (and an operand only gathered from, by the rows gathered).
 """
 
 from __future__ import annotations
@@ -177,9 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         "bfloat16, the blockwise attention core. XLA: the module compiled ahead of time for "
         f"{args.devices} x {devices[0].device_kind} (`{args.target}`, no GPU attached; compiled in "
         f"{compile_s:.0f} s), its kernels' operands and results read from the optimized "
-        "HLO. Model: the cost model on the H100 profile bound to the captured program "
-        "(scheduling/costs/fusion.py), and op by op (no fusion) beside it. Loops count "
-        "their trips.",
+        "HLO (an operand a kernel only slices or gathers from: the part it reads; "
+        "experiments/shared/hlo_kernels.py). Model: the cost model on the H100 profile "
+        "bound to the captured program (scheduling/costs/fusion.py), and op by op (no "
+        "fusion) beside it. Loops count their trips.",
         "",
         "| class | XLA kernels | XLA GB | model kernels | model GB | model / XLA | op by op GB |",
         "|---|---|---|---|---|---|---|",
