@@ -232,10 +232,7 @@ class Fusion:
     def _updates_in_place(self, op: Any) -> bool:
         """Whether ``op`` writes into its first operand's buffer: an update in place whose
         first operand is a buffer (not a value computed in its kernel)."""
-        return op.primitive in IN_PLACE and not self._leaves_computed(op.inputs[0])
-
-    def _leaves_computed(self, atom: Any) -> bool:
-        return id(atom) in self._fused or id(atom) in self._on_chip
+        return op.primitive in IN_PLACE and not self.is_fused(op.inputs[0])
 
     def _operand_reads(self, op: Any) -> dict[Any, float]:
         """The buffers (a key each -> bytes) ``op`` reads through its operands: a slice the
@@ -255,7 +252,7 @@ class Fusion:
         buffers under a fused ``atom`` (each in proportion)."""
         whole = aval_bytes(atom.aval)
         taken = sum(aval_bytes(v.aval) for v in op.outputs)
-        if not self._leaves_computed(atom):
+        if not self.is_fused(atom):
             key = ("part", id(op))
             self._part_of[key] = id(atom)
             return {key: float(min(taken, whole))}
