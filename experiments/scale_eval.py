@@ -94,8 +94,10 @@ LEFT_OUT = [
     "which amortises the gradient synchronisation and a pipeline's idle ticks over more "
     "tokens (the searches at the recipes' settings have it).",
     "Kernels: the cost model prices XLA's fusions (scheduling/costs/fusion.py; against the "
-    "optimized HLO of an H100 module its bytes are 0.97 of XLA's for matmuls and 1.17 for "
-    "the rest: experiments/results/fusion_check.md), matmuls at 79% of the bfloat16 peak "
+    "optimized HLO of an H100 module its bytes are 0.98 of XLA's for matmuls and 0.89 for "
+    "the rest, with 787 kernels to XLA's 982: experiments/results/fusion_check.md; rows "
+    "searched before 133094b were priced with the rest at 1.11 and slices and updates in "
+    "place at their whole buffers), matmuls at 79% of the bfloat16 peak "
     "(one measured point on an H200), and the attention core as cuDNN's flash attention, "
     "one kernel (traced blockwise here, where cuDNN cannot be traced). No grouped GEMM "
     "kernel: the experts' products are batched matmuls over padded buffers.",
