@@ -188,7 +188,7 @@ def op_flops(op: Op) -> float:
         lhs_shape = op.inputs[0].aval.shape
         contracted = math.prod(lhs_shape[d] for d in lhs_contract)
         return 2.0 * sum(_size(v.aval) for v in op.outputs) * contracted
-    if name in FREE_PRIMITIVES or is_identity(op):
+    if _free(op):
         return 0.0
     if name in REDUCTIONS:
         return float(sum(_size(a.aval) for a in op.inputs))
@@ -196,14 +196,17 @@ def op_flops(op: Op) -> float:
     return elements * (8.0 if name in TRANSCENDENTAL else 1.0)
 
 
+def _free(op: Op) -> bool:
+    """Whether ``op`` costs nothing: a view or an identity XLA drops."""
+    return op.primitive in FREE_PRIMITIVES or is_identity(op)
+
+
 def op_bytes(op: Op) -> float:
     """Bytes an op reads and writes."""
-    if op.primitive in FREE_PRIMITIVES:
+    if _free(op):
         return 0
     if jax_adapter.subprograms(op.eqn):
         return _over_bodies(op, op_bytes)
-    if is_identity(op):
-        return 0
     rest = sum(aval_bytes(a.aval) for a in op.inputs[1:] if a.aval.shape)  # scalars: arguments
     if op.primitive in SLICING:  # reads the part it takes, writes it
         return 2 * sum(aval_bytes(v.aval) for v in op.outputs) + rest
@@ -366,7 +369,7 @@ class CostModel:
         return self._spreads[key]
 
     def compute_seconds(self, op: Op) -> float:
-        if op.primitive in FREE_PRIMITIVES or is_identity(op):
+        if _free(op):
             return 0.0
         fusion = self.fusion if self.fusion is not None and self.fusion.knows(op) else None
         if jax_adapter.subprograms(op.eqn):
@@ -388,7 +391,7 @@ class CostModel:
     def launches(self, op: Op) -> bool:
         """Whether ``op`` pays a kernel's launch: it writes a buffer of its own (on a fusing
         profile, an op XLA fuses into its readers does not)."""
-        if op.primitive in FREE_PRIMITIVES or op.is_collective or is_identity(op):
+        if _free(op) or op.is_collective:
             return False
         if self.fusion is not None and self.fusion.knows(op):
             return self.fusion.launches(op)
@@ -398,7 +401,7 @@ class CostModel:
         """Bytes ``op`` reads and writes in memory as this model prices it (a control-flow
         op: its bodies' ops, times how often each runs; in a one-kernel scope on a profile
         with ``fused_kernels``, its own operands and results)."""
-        if op.primitive in FREE_PRIMITIVES or is_identity(op):
+        if _free(op):
             return 0.0
         fusion = self.fusion if self.fusion is not None and self.fusion.knows(op) else None
         if not jax_adapter.subprograms(op.eqn):
