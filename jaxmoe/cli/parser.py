@@ -293,6 +293,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the best mappings that fit to make sure of: the search stops once they are known",
     )
     plan.add_argument(
+        "--gap",
+        type=float,
+        default=0.0,
+        metavar="FRACTION",
+        help="stop once no mapping left can be more than this fraction faster than the "
+        "slowest of the --top best (default 0: those best exactly)",
+    )
+    plan.add_argument(
         "--jobs",
         type=int,
         default=min(os.cpu_count() or 1, 8),

@@ -38,6 +38,7 @@ def run(config: Config, args: argparse.Namespace) -> int:
         time_limit=args.time_limit,
         top=args.top,
         jobs=args.jobs,
+        gap=args.gap,
     )
     print(plan_table.table(result, verbose=args.verbose))
     if args.json is not None:

@@ -73,7 +73,7 @@ def table(result: PlanResult, verbose: bool = False) -> str:
         )
     lines.append(
         f"{len(result.estimates)} mappings estimated"
-        + (f" (the {result.top} best that fit are exact)" if result.top and result.complete else "")
+        + (_proven(result) if result.top and result.complete else "")
         + f", {len(left)} not estimated, {len(skipped)} layouts skipped"
         + (":" if verbose and (skipped or left) else " (--verbose says why)")
     )
@@ -82,6 +82,16 @@ def table(result: PlanResult, verbose: bool = False) -> str:
         lines += [f"  {line}" for line in not_estimated_summary(left)]
         lines.append(f"memory: {MEMORY_METHOD}")
     return "\n".join(lines)
+
+
+def _proven(result: PlanResult) -> str:
+    """What the search made sure of, where it was not cut short."""
+    if not result.gap:
+        return f" (the {result.top} best that fit are exact)"
+    return (
+        f" (none left can be more than {result.gap:.0%} faster than the slowest of the "
+        f"{result.top} best that fit)"
+    )
 
 
 def not_estimated_summary(left: tuple[NotEstimated, ...]) -> list[str]:

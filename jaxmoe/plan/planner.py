@@ -196,6 +196,9 @@ class PlanResult:
     top: int = 0  # the best mappings the search made sure of (0: all were estimated)
     # Whether the top mappings are proven the best (False: the time limit cut the search).
     complete: bool = True
+    # How far under the slowest of the top mappings one left unestimated may be (a fraction;
+    # 0: the top are the best exactly).
+    gap: float = 0.0
 
     @property
     def ranked(self) -> list[MappingEstimate]:
@@ -219,6 +222,7 @@ class PlanResult:
             "depth": DEPTH_METHOD if self.extrapolated else "traced whole",
             "top": self.top,
             "complete": self.complete,
+            "gap": self.gap,
             "ranked": [{"rank": i + 1, **e.to_json()} for i, e in enumerate(self.ranked)],
             "over_memory": [e.to_json() for e in self.over_memory],
             "not_estimated": [n.to_json() for n in self.not_estimated],
@@ -292,6 +296,7 @@ def plan_mappings(
     time_limit: float | None = None,
     layouts: Callable[[Mapping], bool] | None = None,
     jobs: int = 1,
+    gap: float = 0.0,
 ) -> PlanResult:
     """Estimate and rank the mappings of ``config``'s model on ``devices`` devices (module
     docstring): the ``top`` best that fit, and every mapping estimated on the way.
@@ -312,7 +317,9 @@ def plan_mappings(
     mappings estimated (``PlanResult.complete`` False), those left listed with their
     bounds. ``layouts``: which layouts to search (None: all); the others are skipped,
     saying so. ``jobs``: how many worker processes trace side by side
-    (:mod:`jaxmoe.plan.workers`; 1: this process alone); the ranking is the same."""
+    (:mod:`jaxmoe.plan.workers`; 1: this process alone); the ranking is the same. ``gap``:
+    stop once no mapping left can be faster than ``1 - gap`` times the ``top``-th best
+    estimated (:func:`~jaxmoe.plan.search.best_first`; 0: the ``top`` best exactly)."""
     started = time.monotonic()
     check_plan_inputs(config, devices, profile, schedules)
     if time_limit is not None and not time_limit > 0:
@@ -321,6 +328,8 @@ def plan_mappings(
         raise ConfigError(f"--top {top}: rank at least one mapping")
     if jobs < 1:
         raise ConfigError(f"--jobs {jobs}: give a number of worker processes >= 1")
+    if not 0.0 <= gap < 1.0:
+        raise ConfigError(f"--gap {gap}: give a fraction of the step in [0, 1), e.g. 0.02")
     device = scheduling.PROFILES[profile]
     per_node = device.devices_per_node
     pipelines = pipelines_of(config, devices, max_virtual_stages) if pipeline else [(1, 1)]
@@ -569,16 +578,21 @@ def plan_mappings(
         return Advance(estimated=True, figure=step)
 
     deadline = None if time_limit is None else started + time_limit
-    end = best_first(start, advance, top, deadline, width=jobs, prepare=prepare)
+    end = best_first(start, advance, top, deadline, width=jobs, prepare=prepare, gap=gap)
     if pool is not None:
         pool.close()
     best = sorted(e.best.step for e in estimates if e.fits)[top - 1 : top]
 
     def why_left(bound: float) -> tuple[str, str]:
-        if end.complete or (best and bound >= best[0]):
+        if best and bound >= best[0]:
             return "step", (
                 f"its step takes at least {bound * 1e3:.1f} ms, no less than the {top} best "
                 "estimated that fit"
+            )
+        if end.complete:  # within the gap of the top-th best
+            return "step", (
+                f"its step takes at least {bound * 1e3:.1f} ms, at most {gap:.0%} under the "
+                f"{top} best estimated that fit"
             )
         return "time", (
             f"its step takes at least {bound * 1e3:.1f} ms; not estimated within the "
@@ -611,6 +625,7 @@ def plan_mappings(
         tuple(left_out),
         top,
         end.complete,
+        gap,
     )
 
 

@@ -12,6 +12,12 @@ left is no less than the ``wanted``-th least figure, no candidate left can be am
 of all candidates, as long as every bound is one. With a ``deadline``, the search also
 stops when the clock passes it: the figures found are then the least of those estimated,
 not proven the least of all (:attr:`SearchEnd.complete`).
+
+With a ``gap`` (a fraction, as a MIP solver's relative gap) the search stops once the least
+bound left is no less than ``1 - gap`` times the ``wanted``-th least figure: no candidate
+left is more than ``gap`` below it, so the ``wanted``-th least of all is at least ``1 -
+gap`` times the one found. Where figures lie close together, that is far fewer candidates
+advanced than the exact search needs.
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ def best_first(
     *,
     width: int = 1,
     prepare: Callable[[list[Any]], None] | None = None,
+    gap: float = 0.0,
 ) -> SearchEnd:
     """Advance the candidates ``(bound, item)`` of ``start`` least bound first (module
     docstring), until the ``wanted`` least figures are known or ``clock()`` passes
@@ -65,11 +72,14 @@ def best_first(
     the figures found so far do not rule out; ``prepare`` is given them together before
     each is advanced (to do their work side by side). A wider search may advance a
     candidate that a narrower one would have ruled out by a figure found meanwhile, never
-    one fewer: the figures it proves are the same."""
+    one fewer: the figures it proves are the same. ``gap``: how far below the figures found
+    a candidate left may be (module docstring; 0: none, exactly the least)."""
     if wanted < 1:
         raise ValueError(f"wanted={wanted}: the search needs at least one figure")
     if width < 1:
         raise ValueError(f"width={width}: advance at least one candidate at a time")
+    if not 0.0 <= gap < 1.0:
+        raise ValueError(f"gap={gap}: give a fraction in [0, 1)")
     tie = itertools.count()
     heap = [(bound, next(tie), item) for bound, item in start]
     heapq.heapify(heap)
@@ -77,7 +87,7 @@ def best_first(
     complete = True
 
     def ruled_out(bound: float) -> bool:
-        return len(figures) >= wanted and bound >= figures[wanted - 1]
+        return len(figures) >= wanted and bound >= (1.0 - gap) * figures[wanted - 1]
 
     while heap and not ruled_out(heap[0][0]):
         if deadline is not None and clock() >= deadline:

@@ -303,6 +303,17 @@ def test_cli_prints_the_table_and_writes_json(cache_home, tmp_path, monkeypatch,
     best = json.loads(out.read_text())
     assert best["top"] == 1 and best["ranked"][0]["mapping"] == data["ranked"][0]["mapping"]
     assert len(best["ranked"]) <= len(data["ranked"])
+    capsys.readouterr()
+    # Within a gap: no more estimates, a best no more than the gap over the exact one, and
+    # the table says what the search made sure of.
+    assert main([*argv, "--top", "3", "--gap", "0.5"]) == 0
+    assert "none left can be more than 50% faster than the slowest of the 3 best" in (
+        capsys.readouterr().out
+    )
+    gapped = json.loads(out.read_text())
+    assert gapped["gap"] == 0.5 and data["gap"] == 0.0
+    assert len(gapped["ranked"]) <= len(data["ranked"])
+    assert data["ranked"][0]["step_seconds"] >= 0.5 * gapped["ranked"][0]["step_seconds"]
 
 
 @pytest.mark.parametrize(
@@ -322,6 +333,7 @@ def test_cli_prints_the_table_and_writes_json(cache_home, tmp_path, monkeypatch,
         (["--json", "/nonexistent/dir/plan.json"], "--json /nonexistent/dir/plan.json"),
         (["--time-limit", "0"], "--time-limit 0.0: give a number of seconds > 0"),
         (["--top", "0"], "--top 0: rank at least one mapping"),
+        (["--gap", "1"], "--gap 1.0: give a fraction of the step in [0, 1)"),
     ],
 )
 def test_cli_refusals_are_one_line_before_anything_is_traced(extra, message, no_tracing, capsys):

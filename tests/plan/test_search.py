@@ -62,6 +62,47 @@ def test_the_wanted_least_figures_are_exact(seed, wanted, width):
     assert {name for _, (name, _) in left} | {n for n, _ in advanced} == set(candidates)
 
 
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("gap", [0.05, 0.2])
+def test_a_gap_stops_once_none_left_can_be_that_much_under_the_wanted(seed, gap):
+    """Figures close together (within 30%): the exact search advances most candidates;
+    with a gap, fewer, and the wanted-th least of all is no more than the gap under the
+    one found."""
+    rng = random.Random(seed)
+    candidates = {}
+    for index in range(60):
+        figure = rng.uniform(1.0, 1.3)
+        candidates[f"m{index}"] = (figure * rng.uniform(0.85, 1.0), figure)
+
+    def search(gap: float) -> tuple[list[float], set[str]]:
+        advanced = set()
+
+        def advance(name):
+            advanced.add(name)
+            return Advance(estimated=True, figure=candidates[name][1])
+
+        end = best_first(((c[0], n) for n, c in candidates.items()), advance, 3, gap=gap)
+        assert end.complete
+        third = figures(advanced)[2]
+        assert all(bound >= (1 - gap) * third for bound, _ in end.left)
+        return figures(advanced), advanced
+
+    def figures(names) -> list[float]:
+        return sorted(candidates[n][1] for n in names)
+
+    exact, exact_advanced = search(0.0)
+    assert exact[:3] == figures(candidates)[:3]
+    found, advanced = search(gap)
+    assert advanced < exact_advanced  # a subset, and fewer
+    # Of all candidates, the best and the third are at most the gap under those found.
+    assert exact[0] >= (1 - gap) * found[0] and exact[2] >= (1 - gap) * found[2]
+
+
+def test_a_gap_is_a_fraction_under_one():
+    with pytest.raises(ValueError, match=r"gap=1\.0"):
+        best_first([], lambda item: Advance(), 1, gap=1.0)
+
+
 def test_dropped_candidates_never_count():
     def advance(item):
         return Advance() if item == "dropped" else Advance(estimated=True, figure=2.0)
