@@ -74,6 +74,9 @@ def test_a_gap_stops_once_none_left_can_be_that_much_under_the_wanted(seed, gap)
         figure = rng.uniform(1.0, 1.3)
         candidates[f"m{index}"] = (figure * rng.uniform(0.85, 1.0), figure)
 
+    def figures(names) -> list[float]:
+        return sorted(candidates[n][1] for n in names)
+
     def search(gap: float) -> tuple[list[float], set[str]]:
         advanced = set()
 
@@ -86,9 +89,6 @@ def test_a_gap_stops_once_none_left_can_be_that_much_under_the_wanted(seed, gap)
         third = figures(advanced)[2]
         assert all(bound >= (1 - gap) * third for bound, _ in end.left)
         return figures(advanced), advanced
-
-    def figures(names) -> list[float]:
-        return sorted(candidates[n][1] for n in names)
 
     exact, exact_advanced = search(0.0)
     assert exact[:3] == figures(candidates)[:3]
