@@ -18,7 +18,7 @@ import jax.extend.core
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from jaxmoe.config import Config, ModelConfig, MoEConfig
 from jaxmoe.experimental import DEFAULT, ExperimentalOptions
@@ -148,9 +148,14 @@ def gather_dtypes(model: ModelConfig, moe: MoEConfig, seed: int) -> Any:
     return jax.tree.unflatten(treedef, chosen)
 
 
-def _initial_state(run: Run) -> TrainState:
+def _initial_model(run: Run) -> tuple[Any, Any]:
+    """The model's parameters and its other state (:func:`split_model`), as pure dicts."""
     _, params, model_state = split_model(build_model(run.config, run.experimental))
-    return train_state_around(run, nnx.to_pure_dict(params), pure_model_state(model_state))
+    return nnx.to_pure_dict(params), pure_model_state(model_state)
+
+
+def _initial_state(run: Run) -> TrainState:
+    return train_state_around(run, *_initial_model(run))
 
 
 def train_state_around(run: Run, params: Any, model_state: Any = None) -> TrainState:
@@ -246,16 +251,45 @@ def abstract_sharded_state(run: Run) -> TrainState:
     )
 
 
-def init_train_state(run: Run) -> TrainState:
-    """Initialise parameters and optimizer state directly in their sharded layout on the
-    run's mesh.
+# A model whose parameters (and expert biases) take at most this many bytes is initialised
+# on one device and then laid out (:func:`init_train_state`).
+ONE_DEVICE_INIT_BYTES = 1 << 30
 
-    The values do not depend on the mesh: the same seed gives the same model
-    on one device or on many.
+
+def init_train_state(run: Run, *, one_device_bytes: int = ONE_DEVICE_INIT_BYTES) -> TrainState:
+    """The initial state, laid out on the run's mesh as ``Run.specs`` says.
+
+    The values do not depend on the mesh: the same seed gives the same model on one device
+    or on many (JAX's partitionable threefry draws each element from its index alone).
+    So a model of at most ``one_device_bytes`` of parameters, on a mesh of this process's
+    devices, is drawn by one program on the mesh's first device, the same program under
+    every layout, ZeRO stage, pipeline and optimizer (compiled once, however many layouts
+    a process or the persistent compilation cache sees), and laid out after; the optimizer
+    and gradient-sync state around it are a second, small program in the run's layout.
+    A larger model, or a mesh across processes, is initialised directly in its sharded
+    layout: no device ever holds more than its shards.
     """
-    shardings = jax.tree.map(
-        lambda spec: NamedSharding(run.on_mesh, spec),
-        run.specs,
-        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    shardings = _shardings(run.on_mesh, run.specs)
+    devices = run.on_mesh.devices.flat
+    shapes = run.state_shapes
+    model_bytes = sum(
+        leaf.size * jnp.dtype(leaf.dtype).itemsize
+        for leaf in jax.tree.leaves((shapes.params, shapes.model_state))
     )
-    return jax.jit(lambda: _initial_state(run), out_shardings=shardings)()
+    local = all(device.process_index == jax.process_index() for device in devices)
+    if model_bytes > one_device_bytes or not local:
+        return jax.jit(lambda: _initial_state(run), out_shardings=shardings)()
+    params, model_state = jax.jit(
+        lambda: _initial_model(run), out_shardings=SingleDeviceSharding(devices[0])
+    )()
+    params = jax.device_put(params, _shardings(run.on_mesh, run.model_specs))
+    model_state = jax.device_put(model_state, shardings.model_state)
+    return jax.jit(lambda p, m: train_state_around(run, p, m), out_shardings=shardings)(
+        params, model_state
+    )
+
+
+def _shardings(mesh: Any, specs: Any) -> Any:
+    """``specs`` as shardings on ``mesh``."""
+    is_spec = lambda x: isinstance(x, PartitionSpec)
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=is_spec)
