@@ -20,6 +20,7 @@ has each process build only its own rows of one.
 from __future__ import annotations
 
 import sysconfig
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,15 +34,23 @@ from jaxmoe.data.corpus import CorpusInfo, read_info
 from jaxmoe.parallel.mesh import token_spec
 
 
-def stdlib_source_files() -> list[Path]:
-    """The standard library's ``.py`` files, sorted, without installed third-party packages."""
+def stdlib_source_files() -> Iterator[Path]:
+    """The standard library's ``.py`` files in the order of their paths relative to it,
+    without installed third-party packages; walked lazily, so a corpus of its first bytes
+    reads only the directories it needs."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = (
-        path
-        for path in root.rglob("*.py")
-        if "site-packages" not in path.relative_to(root).parts and path.is_file()
-    )
-    return sorted(files, key=lambda path: path.relative_to(root).as_posix())
+
+    def walk(directory: Path) -> Iterator[Path]:
+        # A directory's entries in the order of the paths under them: a directory's name
+        # with its separator ("a/" sorts after "a.py" and before "a0"), a file's as it is.
+        entries = [entry for entry in directory.iterdir() if entry.name != "site-packages"]
+        for entry in sorted(entries, key=lambda e: e.name + "/" if e.is_dir() else e.name):
+            if entry.is_dir():
+                yield from walk(entry)
+            elif entry.suffix == ".py" and entry.is_file():
+                yield entry
+
+    return walk(root)
 
 
 def _read_stdlib(max_bytes: int | None) -> np.ndarray:

@@ -21,7 +21,7 @@ from jaxmoe.parallel.mesh import build_mesh
 
 
 def test_default_corpus_is_the_standard_library_in_sorted_order():
-    files = stdlib_source_files()
+    files = list(stdlib_source_files())
     assert len(files) > 100
     root = Path(sysconfig.get_paths()["stdlib"])
     relative = [f.relative_to(root).as_posix() for f in files]
