@@ -74,8 +74,10 @@ def _class(op: Any) -> str:
 
 def model_kernels(program: Any, cost: Any) -> dict[str, dict[str, float]]:
     """Launches and bytes per class, as ``cost`` prices ``program`` (loops' bodies times
-    their trips)."""
-    table = {name: {"kernels": 0.0, "bytes": 0.0} for name in CLASSES}
+    their trips). A kernel is classed as XLA's fusions are: a matmul's, else a reduction
+    where one of its ops reduces (a multi-output kernel of an elementwise pass and a
+    reduction over the same buffer is a reduction's), else elementwise."""
+    kernels: dict[tuple[int, int], dict[str, Any]] = {}  # (body, kernel) -> its ops' figures
 
     def visit(model: Any, op: Any, repeats: float) -> None:
         if op.is_collective:
@@ -89,12 +91,21 @@ def model_kernels(program: Any, cost: Any) -> dict[str, dict[str, float]]:
         moved = model.bytes_moved(op)
         if not moved:
             return
-        row = table[_class(op)]
-        row["bytes"] += moved * repeats
-        row["kernels"] += repeats if model.launches(op) else 0.0
+        fusion = model.fusion
+        kernel = fusion.kernel(op) if fusion is not None and fusion.knows(op) else None
+        key = (id(fusion), id(op) if kernel is None else kernel)
+        entry = kernels.setdefault(key, {"classes": set(), "bytes": 0.0, "kernels": 0.0})
+        entry["classes"].add(_class(op))
+        entry["bytes"] += moved * repeats
+        entry["kernels"] += repeats if model.launches(op) else 0.0
 
     for op in program.ops:
         visit(cost, op, 1.0)
+    table = {name: {"kernels": 0.0, "bytes": 0.0} for name in CLASSES}
+    for entry in kernels.values():
+        name = next(name for name in CLASSES if name in entry["classes"])
+        table[name]["bytes"] += entry["bytes"]
+        table[name]["kernels"] += entry["kernels"]
     return table
 
 
@@ -179,8 +190,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{compile_s:.0f} s), its kernels' operands and results read from the optimized "
         "HLO (an operand a kernel only slices or gathers from: the part it reads; "
         "experiments/shared/hlo_kernels.py). Model: the cost model on the H100 profile "
-        "bound to the captured program (scheduling/costs/fusion.py), and op by op (no "
-        "fusion) beside it. Loops count their trips.",
+        "bound to the captured program (scheduling/costs/fusion.py), each of its kernels "
+        "classed as XLA's fusions are (a kernel with a reduction among its ops is a "
+        "reduction's), and op by op (no fusion) beside it. Loops count their trips.",
         "",
         "| class | XLA kernels | XLA GB | model kernels | model GB | model / XLA | op by op GB |",
         "|---|---|---|---|---|---|---|",

@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import operator
 import re
 from collections.abc import Sequence
@@ -376,7 +377,7 @@ def screen(
     parameters = _parameters(program)
     weights = _parameters(program, program.inputs[: len(jax.tree.leaves(state))])
     shapes = {value.aval.shape for value in weights if value.aval.ndim}
-    update_in_blocks = _update_in_blocks(program, blocks_scope)
+    update_in_blocks = _update_in_blocks(program, blocks_scope, state)
     for op in program.ops:
         in_block = bool(blocks_scope.search(op.layer)) or op.index in update_in_blocks
         collective = op.is_collective or op.primitive == "ragged_all_to_all"
@@ -463,22 +464,35 @@ def screen(
 _PACKS = frozenset({"concatenate", "pad", "dynamic_update_slice", "scatter", "scatter-add"})
 
 
-def _update_in_blocks(program: Program, blocks_scope: re.Pattern[str]) -> set[int]:
+def _update_in_blocks(
+    program: Program, blocks_scope: re.Pattern[str], state: Any = None
+) -> set[int]:
     """The update's ops (the gradients' sums, clipping, the optimizer) that each block
     repeats for its own parameters: outside the blocks' scope, they are found by what they
-    read. A value made in a block's scope is the block's; one made elsewhere in the forward
-    or backward pass is not (the embedding's and the head's gradients); any other value is
-    of what it is made from. An update op counts once per block when what it reads is the
-    block's, values of both kinds aside (a global norm's running sum, and what it scales
-    by): a per-parameter square, sum, moment or step. Collectives and ops that pack values
+    read. A value made in a block's scope is the block's, and so is the state of a block's
+    parameters (``state``: the structure of the program's first arguments; its blocks'
+    leaves under ``blocks``) and a value made from the block's values alone (a moment's
+    decay, which JAX traces with the forward pass); one made elsewhere in the forward or
+    backward pass is not (the embedding's and the head's gradients), nor is the state of
+    other parameters; any other value is of what it is made from. An update op counts once
+    per block when what it reads is the block's, values of both kinds aside (a global
+    norm's running sum, what it scales by, gradients a collective packed together): a
+    per-parameter square, sum, moment or step. Collectives and ops that pack values
     together are left outside the blocks (at a greater depth one may serve every block),
     so the blocks' share stays a lower bound of what each further block adds."""
     block, other = 1, 2
     kind: dict[Value, int] = {}
+    if state is not None:
+        leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+        for (path, _), value in zip(leaves, program.inputs, strict=False):
+            layer = _block_of(path)
+            if layer is not None:
+                kind[value] = block if blocks_scope.search(f"layer_{layer}") else other
     found: set[int] = set()
     for op in program.ops:
         if op.phase is not Phase.OPTIMIZER:
-            mark = block if blocks_scope.search(op.layer) else other
+            read = {kind.get(a, 0) for a in op.inputs if isinstance(a, Value)}
+            mark = block if blocks_scope.search(op.layer) or read == {block} else other
         else:
             read = [kind.get(a, 0) for a in op.inputs if isinstance(a, Value)]
             mark = functools.reduce(operator.or_, read, 0)
@@ -489,6 +503,16 @@ def _update_in_blocks(program: Program, blocks_scope: re.Pattern[str]) -> set[in
         for value in op.outputs:
             kind[value] = mark
     return found
+
+
+def _block_of(path: Sequence[Any]) -> int | None:
+    """The layer whose block a state leaf at ``path`` belongs to (``blocks`` then its
+    index), or None."""
+    keys = [getattr(key, "key", getattr(key, "idx", None)) for key in path]
+    for name, index in itertools.pairwise(keys):
+        if name == "blocks" and isinstance(index, int):
+            return index
+    return None
 
 
 def _bytes(values: dict[Value, Any]) -> float:

@@ -25,8 +25,9 @@ what XLA fuses:
 - *Multi-output fusion.* An elementwise or reduction op that reads the buffer of an
   elementwise op (one that gets a buffer because it is returned, or read elsewhere), or
   a buffer that an earlier such kernel reads, joins that kernel where nothing else it
-  reads depends on the kernel: the kernel writes both values and reads each buffer once
-  (an optimizer's update: the new moments and parameters from one pass over the old).
+  reads depends on the kernel (a scalar included: an update scaled by a norm the kernel
+  reduces waits for it): the kernel writes both values and reads each buffer once (an
+  optimizer's update: the new moments and parameters from one pass over the old).
 - *One kernel.* The ops under a name scope :data:`scheduling.names.ONE_KERNEL_SCOPE`
   run as one kernel on a target that has one for them (cuDNN's flash attention for an
   attention core): a value made and read only inside one such scope (the same scope
@@ -166,13 +167,14 @@ class Fusion:
         self._part_of: dict[Any, int] = {}  # the part a slice reads -> the buffer it is of
         self._index = {id(op): index for index, op in enumerate(ops)}
         self._joined: set[int] = set()  # ops that run in an earlier op's kernel
+        self._kernel_of: dict[int, int] = {}  # op -> the first op of its kernel
         self._bytes = self._kernel_bytes(ops)
 
     def _kernel_bytes(self, ops: Sequence[Any]) -> dict[int, float]:
         """Each op's bytes, in program order: a kernel joined to an earlier one (multi-output
         fusion) reads only what that kernel has not read."""
         members: dict[int, set[int]] = {}  # a kernel (its first op) -> its ops
-        kernel_of: dict[int, int] = {}  # op -> its kernel
+        kernel_of = self._kernel_of  # op -> its kernel
         first: dict[int, int] = {}  # a kernel -> the program index of its first op
         kernel_reads: dict[int, set[Any]] = {}  # a kernel -> the buffers it reads
         reading: dict[Any, int] = {}  # a buffer -> the last kernel of fusing ops reading it
@@ -197,7 +199,7 @@ class Fusion:
                     joined = kernel_of[id(producer)]
                     if kernel not in (key, joined):
                         continue  # one kernel joined at most
-                    if self._independent(reads, members[joined], first[joined]):
+                    if self._independent(op, members[joined], first[joined]):
                         del reads[value_id]
                         reads.update(own_reads[id(producer)])
                         kernel = joined
@@ -206,7 +208,7 @@ class Fusion:
                     for value_id in reads:
                         joined = reading.get(value_id)
                         if joined is not None and self._independent(
-                            reads, members[joined], first[joined]
+                            op, members[joined], first[joined]
                         ):
                             kernel = joined
                             break
@@ -259,29 +261,32 @@ class Fusion:
         share = min(1.0, taken / whole) if whole else 1.0
         return {leaf: size * share for leaf, size in self._leaves(atom).items()}
 
-    def _independent(
-        self, reads: dict[Any, float], kernel: set[int], start: int, budget: int = 64
-    ) -> bool:
-        """Whether none of the buffers in ``reads`` depends on an op of ``kernel`` (whose
-        first op is at ``start``) other than as its direct value: a reader of them may join
-        that kernel without a cycle. Searches at most ``budget`` ops back; past that, no."""
-        buffers = (self._part_of.get(key, key) for key in reads)
-        stack = [
-            self._producer[value_id]
-            for value_id in buffers
-            if value_id in self._producer and id(self._producer[value_id]) not in kernel
-        ]
+    def _independent(self, op: Any, kernel: set[int], start: int, budget: int = 64) -> bool:
+        """Whether ``op`` depends on no op of ``kernel`` (whose first op is at ``start``)
+        other than through that op's value computed inline (through fused values alone): it
+        may join that kernel without a cycle. A value reached through a buffer or a scalar
+        (a kernel's argument: a reduction's result, say) is a dependence. Searches at most
+        ``budget`` ops back; past that, no."""
+        stack = [(atom, True) for atom in op.inputs]
         seen: set[int] = set()
         while stack:
-            op = stack.pop()
-            if id(op) in kernel:
-                return False
-            if id(op) in seen or self._index.get(id(op), -1) < start:
+            atom, inline = stack.pop()
+            producer = self._producer.get(id(atom))
+            if producer is None:
                 continue
-            seen.add(id(op))
+            member = id(producer) in kernel
+            shaped = bool(getattr(atom.aval, "shape", ()))
+            inline = inline and (self.is_fused(atom) or (member and shaped))
+            if member:
+                if inline:
+                    continue
+                return False
+            if id(producer) in seen or self._index.get(id(producer), -1) < start:
+                continue
+            seen.add(id(producer))
             if len(seen) > budget:
                 return False
-            stack += [self._producer[id(a)] for a in op.inputs if id(a) in self._producer]
+            stack += [(a, inline) for a in producer.inputs]
         return True
 
     def knows(self, op: Any) -> bool:
@@ -291,6 +296,11 @@ class Fusion:
     def is_fused(self, value: Any) -> bool:
         """Whether ``value`` gets no buffer (fused into its readers, or kept on chip)."""
         return id(value) in self._fused or id(value) in self._on_chip
+
+    def kernel(self, op: Any) -> int | None:
+        """The kernel ``op`` runs in, named by the ``id`` of its first op (``op``'s own where
+        it launches one); None where its values are all computed inside their readers'."""
+        return self._kernel_of.get(id(op))
 
     def launches(self, op: Any) -> bool:
         """Whether ``op`` launches a kernel: it writes a buffer and joins no earlier kernel

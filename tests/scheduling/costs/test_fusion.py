@@ -189,6 +189,21 @@ def test_an_optimizer_update_is_one_kernel():
     assert sum(fusion.launches(op) for op in program.ops) == 1
 
 
+def test_a_reader_that_needs_a_kernels_reduction_does_not_join_it():
+    # Clipping: the update reads g scaled by a scalar made from g's sum of squares. Both
+    # read g, but the update waits for the sum: two kernels, g read by each.
+    def clipped(g, m):
+        scale = jnp.minimum(1.0, 1.0 / jnp.sqrt((g * g).sum()))
+        return 0.9 * m + 0.1 * (g * scale)
+
+    program = _program(clipped, (ROWS, COLS), (ROWS, COLS))
+    fusion = Fusion(program.ops, program.outputs)
+    ops = _by_primitive(program)
+    assert fusion.kernel(ops["add"]) != fusion.kernel(ops["reduce_sum"])
+    array = ROWS * COLS * F32
+    assert fusion.bytes(ops["add"]) == 3 * array  # g and m read, the new m written
+
+
 def test_slices_fused_into_their_reader_read_their_parts():
     # A gated activation's two halves, sliced from one buffer: one kernel reads each half
     # once; a quarter of it, a quarter.
