@@ -464,9 +464,7 @@ def screen(
 _PACKS = frozenset({"concatenate", "pad", "dynamic_update_slice", "scatter", "scatter-add"})
 
 
-def _update_in_blocks(
-    program: Program, blocks_scope: re.Pattern[str], state: Any = None
-) -> set[int]:
+def _update_in_blocks(program: Program, blocks_scope: re.Pattern[str], state: Any) -> set[int]:
     """The update's ops (the gradients' sums, clipping, the optimizer) that each block
     repeats for its own parameters: outside the blocks' scope, they are found by what they
     read. A value made in a block's scope is the block's, and so is the state of a block's
@@ -482,17 +480,15 @@ def _update_in_blocks(
     so the blocks' share stays a lower bound of what each further block adds."""
     block, other = 1, 2
     kind: dict[Value, int] = {}
-    if state is not None:
-        leaves = jax.tree_util.tree_flatten_with_path(state)[0]
-        for (path, _), value in zip(leaves, program.inputs, strict=False):
-            layer = _block_of(path)
-            if layer is not None:
-                kind[value] = block if blocks_scope.search(f"layer_{layer}") else other
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    for (path, _), value in zip(leaves, program.inputs, strict=False):
+        layer = _block_of(path)
+        if layer is not None:
+            kind[value] = block if blocks_scope.search(f"layer_{layer}") else other
     found: set[int] = set()
     for op in program.ops:
         if op.phase is not Phase.OPTIMIZER:
-            read = {kind.get(a, 0) for a in op.inputs if isinstance(a, Value)}
-            mark = block if blocks_scope.search(op.layer) or read == {block} else other
+            mark = block if blocks_scope.search(op.layer) or _reads_only(op, kind, block) else other
         else:
             read = [kind.get(a, 0) for a in op.inputs if isinstance(a, Value)]
             mark = functools.reduce(operator.or_, read, 0)
@@ -503,6 +499,12 @@ def _update_in_blocks(
         for value in op.outputs:
             kind[value] = mark
     return found
+
+
+def _reads_only(op: Any, kind: dict[Value, int], wanted: int) -> bool:
+    """Whether every value ``op`` reads (one at least) is of kind ``wanted``."""
+    read = {kind.get(a, 0) for a in op.inputs if isinstance(a, Value)}
+    return read == {wanted}
 
 
 def _block_of(path: Sequence[Any]) -> int | None:

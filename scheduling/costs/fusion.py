@@ -164,7 +164,6 @@ class Fusion:
                 ):
                     self._fused.add(id(value))
         self._reads: dict[int, dict[Any, float]] = {}
-        self._part_of: dict[Any, int] = {}  # the part a slice reads -> the buffer it is of
         self._index = {id(op): index for index, op in enumerate(ops)}
         self._joined: set[int] = set()  # ops that run in an earlier op's kernel
         self._kernel_of: dict[int, int] = {}  # op -> the first op of its kernel
@@ -199,7 +198,8 @@ class Fusion:
                     joined = kernel_of[id(producer)]
                     if kernel not in (key, joined):
                         continue  # one kernel joined at most
-                    if self._independent(op, members[joined], first[joined]):
+                    # Whether op depends on the kernel does not change with the producer.
+                    if kernel == joined or self._independent(op, members[joined], first[joined]):
                         del reads[value_id]
                         reads.update(own_reads[id(producer)])
                         kernel = joined
@@ -255,9 +255,7 @@ class Fusion:
         whole = aval_bytes(atom.aval)
         taken = sum(aval_bytes(v.aval) for v in op.outputs)
         if not self.is_fused(atom):
-            key = ("part", id(op))
-            self._part_of[key] = id(atom)
-            return {key: float(min(taken, whole))}
+            return {("part", id(op)): float(min(taken, whole))}
         share = min(1.0, taken / whole) if whole else 1.0
         return {leaf: size * share for leaf, size in self._leaves(atom).items()}
 
