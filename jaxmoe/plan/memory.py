@@ -423,7 +423,9 @@ def _buffers(steps: Sequence[_Step], program: Program, outputs: set[Value]) -> s
     buffers = set(program.inputs) | outputs
     for step in steps:
         for value in step.makes:
-            if not fuses_into_readers(step.op.primitive, readers.get(value, [])):
+            if not fuses_into_readers(
+                step.op.primitive, getattr(value.aval, "dtype", None), readers.get(value, [])
+            ):
                 buffers.add(value)
     return buffers
 

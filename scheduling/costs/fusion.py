@@ -8,8 +8,8 @@ what XLA fuses:
 - *Loop fusion.* The value of an elementwise, layout or slicing op (:data:`LOOP_FUSIBLE`:
   slices, pads, concatenations and gathers too) whose readers all compute their operands
   inline (:data:`FUSING_READERS`: those ops, reductions, and updates in place) is fused
-  into them, unless the op is expensive (:data:`EXPENSIVE`) and read more than once: XLA
-  repeats a cheap producer in each reader, never an expensive one. A reader of a fused
+  into them, unless the op is expensive (:func:`is_expensive`) and read more than once:
+  XLA repeats a cheap producer in each reader, never an expensive one. A reader of a fused
   value reads the fused op's operands instead, through any chain of fused values; of a
   fused slice or gather, the part it takes.
 - *Slices read their part.* A slice, dynamic slice or gather reads the elements it
@@ -24,10 +24,12 @@ what XLA fuses:
   readers read its operand.
 - *Multi-output fusion.* An elementwise or reduction op that reads the buffer of an
   elementwise op (one that gets a buffer because it is returned, or read elsewhere), or
-  a buffer that an earlier such kernel reads, joins that kernel where nothing else it
-  reads depends on the kernel (a scalar included: an update scaled by a norm the kernel
-  reduces waits for it): the kernel writes both values and reads each buffer once (an
-  optimizer's update: the new moments and parameters from one pass over the old).
+  a buffer that an earlier such kernel reads, joins that kernel where both loop over as
+  many elements (a reduction over its operand's) and nothing else it reads depends on
+  the kernel (a scalar included: an update scaled by a norm the kernel reduces waits for
+  it): the kernel writes both values and reads each buffer once (an optimizer's update:
+  the new moments and parameters from one pass over the old). A loss's gradient over
+  the vocabulary does not join the scalar sum of its tokens' losses.
 - *One kernel.* The ops under a name scope :data:`scheduling.names.ONE_KERNEL_SCOPE`
   run as one kernel on a target that has one for them (cuDNN's flash attention for an
   attention core): a value made and read only inside one such scope (the same scope
@@ -39,6 +41,7 @@ updates in place and control flow, whoever reads them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -64,6 +67,10 @@ EXPENSIVE = frozenset(
     {"div", "rem", "sqrt", "rsqrt", "cbrt", "exp", "exp2", "expm1", "log", "log1p", "log2", "tanh",
      "logistic", "sin", "cos", "atan2", "erf", "erf_inv", "pow"}
 )  # fmt: skip
+# Of those, the ops XLA:GPU repeats like cheap ones in float32 and float16, where the GPU
+# computes them in an instruction or two (its fusion's ``IsExpensive``): a softmax's
+# exponential is computed again in each kernel that reads it, not written out.
+CHEAP_IN_FLOAT = frozenset({"div", "sqrt", "rsqrt", "exp"})
 # Ops that take a part of their first operand: they read that part alone.
 SLICING = frozenset({"slice", "dynamic_slice", "gather"})
 # Producers XLA fuses into their readers' loops: the fusible ops, slicing, padding and
@@ -80,20 +87,31 @@ IN_PLACE = {
     "scatter-min": (2, True),
     "scatter-max": (2, True),
 }
-# Ops that read fused operands (compute them inline): the loop-fusible ops, reductions,
-# and updates in place.
-FUSING_READERS = LOOP_FUSIBLE | IN_PLACE.keys() | frozenset(
+# Reductions: their loop runs over their operand, not their result.
+REDUCING = frozenset(
     {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
      "argmax", "argmin", "cumsum", "cumlogsumexp", "cummax", "cummin"}
 )  # fmt: skip
+# Ops that read fused operands (compute them inline): the loop-fusible ops, reductions,
+# and updates in place.
+FUSING_READERS = LOOP_FUSIBLE | IN_PLACE.keys() | REDUCING
 
 
-def fuses_into_readers(primitive: str, readers: Sequence[str]) -> bool:
-    """Whether the value of a ``primitive`` op that ``readers`` read gets no buffer."""
+def is_expensive(primitive: str, dtype: Any) -> bool:
+    """Whether XLA computes a fused ``primitive`` op's value of ``dtype`` once rather than
+    repeat it in each reader."""
+    if primitive in CHEAP_IN_FLOAT and dtype in (jnp.float32, jnp.float16):
+        return False
+    return primitive in EXPENSIVE
+
+
+def fuses_into_readers(primitive: str, dtype: Any, readers: Sequence[str]) -> bool:
+    """Whether the value (of ``dtype``) of a ``primitive`` op that ``readers`` read gets no
+    buffer."""
     return (
         primitive in LOOP_FUSIBLE
         and all(reader in FUSING_READERS for reader in readers)
-        and (primitive not in EXPENSIVE or len(readers) <= 1)
+        and (len(readers) <= 1 or not is_expensive(primitive, dtype))
     )
 
 
@@ -131,6 +149,17 @@ def kernel_scope(name_stack: str) -> str | None:
     return None
 
 
+def _loop_elements(op: Any) -> int:
+    """The elements of the loop that computes ``op`` in a kernel: a reduction's operand's,
+    else its largest result's. XLA fuses ops of one loop alone into a kernel of several
+    results."""
+    if op.primitive in REDUCING and op.inputs:
+        shapes = [getattr(op.inputs[0].aval, "shape", ())]
+    else:
+        shapes = [getattr(value.aval, "shape", ()) for value in op.outputs]
+    return max((math.prod(shape) for shape in shapes), default=1)
+
+
 class Fusion:
     """The fused values of one program (its ops in order, and what it returns).
 
@@ -160,7 +189,7 @@ class Fusion:
                 if scope and read_by and all(kernel_scope(r.name_stack) == scope for r in read_by):
                     self._on_chip.add(id(value))
                 elif is_identity(op) or fuses_into_readers(
-                    op.primitive, [r.primitive for r in read_by]
+                    op.primitive, getattr(value.aval, "dtype", None), [r.primitive for r in read_by]
                 ):
                     self._fused.add(id(value))
         self._reads: dict[int, dict[Any, float]] = {}
@@ -176,6 +205,7 @@ class Fusion:
         kernel_of = self._kernel_of  # op -> its kernel
         first: dict[int, int] = {}  # a kernel -> the program index of its first op
         kernel_reads: dict[int, set[Any]] = {}  # a kernel -> the buffers it reads
+        loop: dict[int, int] = {}  # a kernel -> the elements its loop runs over
         reading: dict[Any, int] = {}  # a buffer -> the last kernel of fusing ops reading it
         own_reads: dict[int, dict[Any, float]] = {}
         found: dict[int, float] = {}
@@ -186,6 +216,7 @@ class Fusion:
                 continue
             reads = dict(self._operand_reads(op))
             kernel = key
+            elements = _loop_elements(op)
             if op.primitive in FUSING_READERS and op.primitive not in IN_PLACE:
                 # Producer and consumer: read what the producer read instead (of every
                 # producer in the kernel joined).
@@ -199,7 +230,10 @@ class Fusion:
                     if kernel not in (key, joined):
                         continue  # one kernel joined at most
                     # Whether op depends on the kernel does not change with the producer.
-                    if kernel == joined or self._independent(op, members[joined], first[joined]):
+                    if kernel == joined or (
+                        loop[joined] == elements
+                        and self._independent(op, members[joined], first[joined])
+                    ):
                         del reads[value_id]
                         reads.update(own_reads[id(producer)])
                         kernel = joined
@@ -207,8 +241,10 @@ class Fusion:
                 if kernel == key:
                     for value_id in reads:
                         joined = reading.get(value_id)
-                        if joined is not None and self._independent(
-                            op, members[joined], first[joined]
+                        if (
+                            joined is not None
+                            and loop[joined] == elements
+                            and self._independent(op, members[joined], first[joined])
                         ):
                             kernel = joined
                             break
@@ -216,6 +252,7 @@ class Fusion:
                     reading[value_id] = kernel
             if kernel == key:
                 members[key], first[key], kernel_reads[key] = set(), index, set()
+                loop[key] = elements
             else:
                 self._joined.add(key)
             members[kernel].add(key)

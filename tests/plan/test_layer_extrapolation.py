@@ -151,10 +151,10 @@ def test_extrapolated_estimates_match_whole_traces(eight_layer_mappings, mapping
     assert times["none"].step == pytest.approx(whole_times["none"].step, rel=1e-4)
     # dw overlaps weight gradients across block boundaries, which are a large part of this
     # tiny model's blocks: its last block adds more than those before it (the tensor-
-    # parallel mapping's second, third and fourth blocks add 806, 811 and 831 us, the
-    # expert group's 706, 706 and 736), so the line through two and three blocks is 0.5%
-    # and 0.95% under the four-block step (the line through one and two, 0.8% and 0.95%).
-    assert times["dw"].step == pytest.approx(whole_times["dw"].step, rel=1e-2)
+    # parallel mapping's second, third and fourth blocks add 876, 881 and 941 us, the
+    # expert group's 776, 786 and 835), so the line through two and three blocks is 1.5%
+    # and 1.4% under the four-block step (the line through one and two, 1.8% and 2.0%).
+    assert times["dw"].step == pytest.approx(whole_times["dw"].step, rel=2e-2)
 
 
 def test_a_model_of_few_blocks_is_traced_whole():

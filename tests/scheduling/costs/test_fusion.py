@@ -103,10 +103,27 @@ def test_a_chunk_copy_is_fused_as_the_op_it_copies():
 
 
 def test_an_expensive_value_read_twice_is_computed_once():
-    assert fuses_into_readers("exp", ["add"])
-    assert not fuses_into_readers("exp", ["add", "mul"])
-    assert fuses_into_readers("mul", ["add", "sub"])  # cheap: repeated in each reader
-    assert not fuses_into_readers("mul", ["dot_general"])
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    assert fuses_into_readers("exp", bf16, ["add"])
+    assert not fuses_into_readers("exp", bf16, ["add", "mul"])
+    assert not fuses_into_readers("log", f32, ["add", "mul"])
+    assert fuses_into_readers("mul", bf16, ["add", "sub"])  # cheap: repeated in each reader
+    assert not fuses_into_readers("mul", f32, ["dot_general"])
+
+
+def test_a_float32_exponential_is_repeated_in_each_reader():
+    """XLA:GPU computes exp, div, sqrt and rsqrt of float32 or float16 in an instruction or
+    two: a softmax's exponential is repeated in its sum and in the backward pass."""
+    assert fuses_into_readers("exp", jnp.float32, ["reduce_sum", "mul"])
+    assert fuses_into_readers("div", jnp.float16, ["add", "mul"])
+
+    def softmax_grad(x):
+        return jax.grad(lambda x: jnp.sum(jax.nn.softmax(x) * x))(x)
+
+    program = _program(softmax_grad, (ROWS, COLS))
+    fusion = Fusion(program.ops, program.outputs)
+    exps = [op for op in program.ops if op.primitive == "exp"]
+    assert exps and all(fusion.is_fused(op.outputs[0]) for op in exps)
 
 
 def test_a_one_kernel_scope_keeps_its_values_on_chip():
@@ -202,6 +219,21 @@ def test_a_reader_that_needs_a_kernels_reduction_does_not_join_it():
     assert fusion.kernel(ops["add"]) != fusion.kernel(ops["reduce_sum"])
     array = ROWS * COLS * F32
     assert fusion.bytes(ops["add"]) == 3 * array  # g and m read, the new m written
+
+
+def test_only_ops_of_one_loop_share_a_kernel():
+    # r's sum loops over ROWS elements, the scaled x over ROWS * COLS: both read r, but XLA
+    # gives them a kernel each. The row sums of x loop over x as its scaling does: one.
+    def step(r, x):
+        return r.sum(), x * r[:, None], (x * 2.0).sum(axis=1)
+
+    program = _program(step, (ROWS,), (ROWS, COLS))
+    fusion = Fusion(program.ops, program.outputs)
+    [total, rows] = [op for op in program.ops if op.primitive == "reduce_sum"]
+    [scaled, doubled] = [op for op in program.ops if op.primitive == "mul"]
+    assert fusion.kernel(scaled) != fusion.kernel(total)
+    assert fusion.kernel(rows) == fusion.kernel(scaled)  # both read x, both loop over it
+    assert not fusion.launches(doubled)  # fused into the row sums
 
 
 def test_slices_fused_into_their_reader_read_their_parts():
