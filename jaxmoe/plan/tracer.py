@@ -21,6 +21,7 @@ from jaxmoe.plan.bounds import Screen, screen
 from jaxmoe.plan.estimates import Estimate, EstimateCache, StepTime
 from jaxmoe.plan.layer_extrapolation import (
     TRACED_BLOCKS,
+    agreeing_depth,
     block_count,
     extrapolate,
     extrapolates,
@@ -86,11 +87,13 @@ def trace(config: Config) -> Traced:
 
 def _estimate_program(
     traced: Traced, memory: StepMemory, config: Config, schedules: Sequence[str], profile: str
-) -> Estimate:
-    """Each schedule's simulated step of the traced step, beside its ``memory``."""
+) -> tuple[Estimate, dict[str, bool]]:
+    """Each schedule's simulated step of the traced step, beside its ``memory``; and
+    whether each schedule's live-bytes bound withdrew placements from its order."""
     program, mesh = traced.program, traced.program.mesh
     batch = batch_inputs(program, traced.step.batch_argnums)
     times = {}
+    bound_withdrew = {}
     # The schedules differ in their names alone: one model prices the program for all,
     # each op once (the model goes with this estimate).
     cost = None
@@ -109,7 +112,8 @@ def _estimate_program(
             timeline.exposed_communication_seconds,
             gathers_in_flight_bytes(scheduled.graph, scheduled.order.nodes),
         )
-    return memory, times
+        bound_withdrew[schedule] = scheduled.order.withdrawn_for_bound > 0
+    return (memory, times), bound_withdrew
 
 
 # The traced programs a plan keeps: a model of few blocks is screened from its whole trace,
@@ -145,6 +149,9 @@ class Tracer:
         self._programs: dict[str, Traced] = {}
         self._memories: dict[str, StepMemory] = {}
         self._estimates: dict[str, Estimate] = {}
+        # By traced configuration and schedule: whether the live-bytes bound withdrew
+        # placements from the order (jaxmoe.plan.layer_extrapolation).
+        self._bound_withdrew: dict[str, dict[str, bool]] = {}
         self._bounds: dict[str, float] = {}  # by traced configuration: its screen's step bound
         # A schedule that may overlap communication is bounded by the larger of its
         # computation and its link's work; by its computation alone where a schedule
@@ -188,10 +195,16 @@ class Tracer:
         key = _key(config)
         if key not in self._estimates:
             memory = self.memory(config)
-            self._estimates[key] = _estimate_program(
+            self._estimates[key], self._bound_withdrew[key] = _estimate_program(
                 self._trace(config), memory, config, self.schedules, self.profile
             )
         return self._estimates[key]
+
+    def bound_withdrew(self, config: Config, schedule: str) -> bool:
+        """Whether ``schedule``'s live-bytes bound withdrew placements from the order of
+        ``config`` traced as it is (estimated first where it is not)."""
+        self.estimate(config)
+        return self._bound_withdrew[_key(config)][schedule]
 
     def over_memory(self, memory: StepMemory) -> bool:
         """Whether a step of ``memory`` cannot fit the device under any schedule: a
@@ -302,7 +315,8 @@ def estimate_mapping(
     Nothing is traced when every schedule is cached. Otherwise the step is traced once
     for all schedules, or, with ``extrapolate_layers`` and a model of at least
     :data:`~jaxmoe.plan.layer_extrapolation.MIN_BLOCKS` repeating blocks, once at each
-    depth of :data:`~jaxmoe.plan.layer_extrapolation.TRACED_BLOCKS`, and the figures are
+    depth of :data:`~jaxmoe.plan.layer_extrapolation.TRACED_BLOCKS` (and deeper for a
+    schedule whose live-bytes bound withdraws at one of them only), and the figures are
     extrapolated to the model's depth (:mod:`jaxmoe.plan.layer_extrapolation`).
     ``tracer``: the plan's traces, reused. Where the memory alone exceeds the tracer's
     ``memory_limit``, no schedule is priced: the times are empty (and nothing is cached)."""
@@ -325,21 +339,36 @@ def estimate_mapping(
         memory = extrapolate(*(tracer.memory(depth) for depth in depths), blocks)
         if tracer.over_memory(memory):
             return memory, {}
-        shallow, deeper = (tracer.estimate(depth) for depth in depths)
-        times = {s: _extrapolated_time(shallow[1][s], deeper[1][s], blocks) for s in schedules}
+        times = {s: _depth_line_time(tracer, config, s, blocks) for s in schedules}
     for schedule in schedules:
         cache.save(keyed[schedule], schedule, method, memory, times[schedule])
     return memory, times
 
 
-def _extrapolated_time(shallow: StepTime, deeper: StepTime, blocks: int) -> StepTime:
+def _depth_line_time(tracer: Tracer, config: Config, schedule: str, blocks: int) -> StepTime:
+    """``schedule``'s step of ``config``'s ``blocks`` blocks, from the two successive
+    depths whose orders agree (:func:`~jaxmoe.plan.layer_extrapolation.agreeing_depth`)."""
+
+    def bound_withdrew(depth: int) -> bool:
+        return tracer.bound_withdrew(with_blocks(config, depth), schedule)
+
+    shallow = agreeing_depth(bound_withdrew, blocks)
+    first, second = (
+        tracer.estimate(with_blocks(config, depth))[1][schedule] for depth in (shallow, shallow + 1)
+    )
+    return _extrapolated_time(first, second, blocks, shallow)
+
+
+def _extrapolated_time(
+    shallow: StepTime, deeper: StepTime, blocks: int, shallow_blocks: int = TRACED_BLOCKS[0]
+) -> StepTime:
     """A ``blocks``-block step from the steps of the traced depths: the times grow by a
     block's each block, but the step runs all its computation on one stream and all its
     collectives on one link, so it is no shorter than either (where a further block's
     communication hides better than the first's, the exposed communication's growth would
     say otherwise); the gathers held ahead of use are a maximum over the step (a schedule
     prefetches a few blocks ahead however deep the model), the deeper step's."""
-    grown = extrapolate(shallow, deeper, blocks)
+    grown = extrapolate(shallow, deeper, blocks, shallow_blocks)
     return dataclasses.replace(
         grown,
         step=max(grown.step, grown.compute, grown.communication),

@@ -57,6 +57,8 @@ class Order:
     withdrawn: list[int]  # placements undone: cycles, then the live-bytes bound
     # Early starts alone can exceed the bound; nothing is withdrawn for them, but it is said.
     live_bytes_bound_exceeded: bool = False
+    # How many of ``withdrawn`` (the last ones) the live-bytes bound undid.
+    withdrawn_for_bound: int = 0
 
 
 def _keys(
@@ -291,6 +293,7 @@ def order(
     withdrawn = _withdraw_cycles(graph, placement)
     result = topological_order(graph, placement, priorities, earliest, waits)
     peak = peak_live_bytes(graph, result)
+    for_bound = 0
     if peak > bound:
         # Withdrawn largest outputs first: the fewest of them that bring the peak within
         # the bound, found by bisection (withdrawing all of them reaches ``floor``).
@@ -315,7 +318,8 @@ def order(
                 low = middle
         placement, result, peak = fits
         withdrawn += largest[:high]
-    return Order(result, placement, peak, baseline, withdrawn, peak > limit)
+        for_bound = high
+    return Order(result, placement, peak, baseline, withdrawn, peak > limit, for_bound)
 
 
 def _withdraw_cycles(graph: Graph, placement: Placement) -> list[int]:

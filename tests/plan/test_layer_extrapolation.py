@@ -5,6 +5,7 @@ block boundaries (``dw``)."""
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import pytest
 
@@ -12,7 +13,9 @@ from jaxmoe.cli import parser as cli
 from jaxmoe.config import Config, ConfigError, ModelConfig
 from jaxmoe.plan import estimates, tracer
 from jaxmoe.plan.layer_extrapolation import (
+    MAX_TRACED_BLOCKS,
     TRACED_BLOCKS,
+    agreeing_depth,
     block_count,
     extrapolate,
     extrapolates,
@@ -26,6 +29,7 @@ from jaxmoe.plan.mappings import (
     pipelines_of,
     with_mapping,
 )
+from jaxmoe.plan.memory import StepMemory
 
 PROFILE = "h100-8x-nvlink-3200g"
 
@@ -197,3 +201,74 @@ def test_leading_dense_layers_extrapolate_as_the_embedding_does(traced_layers):
     assert traced_layers == [3, 4, 5]
     assert memory == whole_memory
     assert times["none"].step == pytest.approx(whole_times["none"].step, rel=1e-9)
+
+
+def test_the_line_is_drawn_where_the_orders_agree():
+    """The shallower of the two depths a schedule's line runs through: the first two
+    successive depths, from two blocks on, at which the live-bytes bound withdrew
+    placements at both or at neither; no deeper than the model or MAX_TRACED_BLOCKS."""
+    assert MAX_TRACED_BLOCKS == 5
+
+    def withdrew_at(*depths):
+        return lambda depth: depth in depths
+
+    assert agreeing_depth(withdrew_at(), 56) == 2
+    assert agreeing_depth(withdrew_at(2, 3, 4), 56) == 2
+    assert agreeing_depth(withdrew_at(2), 56) == 3
+    assert agreeing_depth(withdrew_at(3, 4), 56) == 3
+    assert agreeing_depth(withdrew_at(2, 4), 56) == 4  # none agree: the deepest allowed
+    assert agreeing_depth(withdrew_at(2, 4), 4) == 3  # the model's own depth is the deepest
+
+
+def test_extrapolate_from_a_further_depth():
+    @dataclasses.dataclass(frozen=True)
+    class Figures:
+        seconds: float
+
+    three, four = Figures(2.0), Figures(2.5)
+    assert extrapolate(three, four, 3, shallow_blocks=3) == three
+    assert extrapolate(three, four, 7, shallow_blocks=3) == Figures(4.0)
+
+
+def _stepping_by_depth(monkeypatch, withdrawn_at: set[int]) -> list[int]:
+    """Steps priced from their depth alone, nothing traced: 1 s and 0.5 s a block, and 1 s
+    more at the depths in ``withdrawn_at``, where the live-bytes bound withdrew placements.
+    Returns the depths priced, in order."""
+    priced: list[int] = []
+    memory = StepMemory(*[1] * 8)
+    traced = types.SimpleNamespace(
+        program=types.SimpleNamespace(ops=()), run=types.SimpleNamespace(state_shapes=None)
+    )
+    monkeypatch.setattr(tracer, "trace", lambda config: traced)
+    monkeypatch.setattr(tracer, "step_memory", lambda program, shapes: memory)
+
+    def price(traced, memory, config, schedules, profile):
+        depth = block_count(config)
+        priced.append(depth)
+        seconds = 1.0 + 0.5 * depth + (1.0 if depth in withdrawn_at else 0.0)
+        time = estimates.StepTime(seconds, seconds, 0.0, 0.0)
+        return (memory, {s: time for s in schedules}), {s: depth in withdrawn_at for s in schedules}
+
+    monkeypatch.setattr(tracer, "_estimate_program", price)
+    return priced
+
+
+@pytest.mark.parametrize(
+    ("withdrawn_at", "depths", "step"),
+    [(set(), [2, 3], 4.5), ({2}, [2, 3, 4], 4.5), ({3, 4, 5}, [2, 3, 4], 5.5)],
+    ids=["never", "at two blocks", "from three blocks"],
+)
+def test_a_depth_whose_order_is_unlike_the_next_is_not_on_the_line(
+    monkeypatch, withdrawn_at, depths, step
+):
+    """A seven-block model. Where the bound withdraws at two blocks alone, the line through
+    two and three blocks would count the withdrawals' cost as a block's saving (0.5 s at
+    seven blocks); the line through three and four is the blocks' own. Where it withdraws
+    from three blocks on, that line carries the withdrawals' cost."""
+    priced = _stepping_by_depth(monkeypatch, withdrawn_at)
+    config = with_mapping(tiny(layers=14, devices=2), Mapping(2, 1, 1, 2, 1, "all_to_all"), 8)
+    assert block_count(config) == 7
+    cache = estimates.EstimateCache(None)
+    _, times = tracer.estimate_mapping(config, ["none"], PROFILE, cache)
+    assert priced == depths
+    assert times["none"].step == pytest.approx(step)

@@ -97,6 +97,7 @@ def test_only_the_placements_that_close_a_cycle_are_withdrawn():
     placement = Placement({first.id: [c5, b], second.id: [c7]})
     ordered = order(graph, placement, max_live_bytes_growth=math.inf)
     assert ordered.withdrawn == [b]
+    assert ordered.withdrawn_for_bound == 0  # a cycle's, not the bound's
     assert ordered.placement.windows == {first.id: [c5], second.id: [c7]}
     _check_order(graph, ordered)
 
@@ -199,12 +200,14 @@ def test_live_bytes_bound_withdraws_placements():
 
     loose = order(graph, schedule_dw(graph, seconds), max_live_bytes_growth=math.inf)
     assert loose.withdrawn == []
+    assert loose.withdrawn_for_bound == 0
     assert loose.placement.windows[first.id] == [big]
     assert loose.peak_live_bytes > loose.baseline_peak_live_bytes  # the placement costs memory
 
     tight = order(graph, schedule_dw(graph, seconds), max_live_bytes_growth=0.0)
     assert tight.withdrawn
     assert tight.withdrawn[0] == big  # the largest output goes first
+    assert tight.withdrawn_for_bound == len(tight.withdrawn)
     assert tight.peak_live_bytes <= tight.baseline_peak_live_bytes
     assert tight.peak_live_bytes == peak_live_bytes(graph, tight.nodes)
     assert not set(tight.withdrawn) & set(tight.placement.window_of())
