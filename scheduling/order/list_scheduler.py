@@ -157,25 +157,31 @@ def topological_order(
     """
     # The window edges not already in the graph, on top of its own.
     added: dict[int, list[int]] = {}
-    waiting = [len(p) for p in graph.preds]
+    preds, succs = graph.preds, graph.succs
+    waiting = [len(p) for p in preds]
     for start, nodes in placement.windows.items():
         done = graph.nodes[start].partner
         for source, target in [(start, n) for n in nodes] + [(n, done) for n in nodes]:
-            if source not in graph.preds[target] and target not in added.get(source, ()):
+            if source not in preds[target] and target not in added.get(source, ()):
                 added.setdefault(source, []).append(target)
                 waiting[target] += 1
     keys = _keys(graph, placement, priorities, earliest, waits)
     ready = [(keys[n], n) for n in range(len(graph.nodes)) if waiting[n] == 0]
     heapq.heapify(ready)
     result = []
+    # The inner loop of every order the scheduler makes: names bound locally.
+    push, pop, emit, extra = heapq.heappush, heapq.heappop, result.append, added.get
     while ready:
-        _, node = heapq.heappop(ready)
-        result.append(node)
-        for succs in (graph.succs[node], added.get(node, ())):
-            for succ in succs:
-                waiting[succ] -= 1
-                if waiting[succ] == 0:
-                    heapq.heappush(ready, (keys[succ], succ))
+        node = pop(ready)[1]
+        emit(node)
+        for succ in succs[node]:
+            waiting[succ] -= 1
+            if not waiting[succ]:
+                push(ready, (keys[succ], succ))
+        for succ in extra(node, ()):
+            waiting[succ] -= 1
+            if not waiting[succ]:
+                push(ready, (keys[succ], succ))
     if len(result) != len(graph.nodes):
         stuck = set(range(len(graph.nodes))) - set(result)
         raise CyclicPlacement(
@@ -306,9 +312,10 @@ def order(
             ordered = topological_order(graph, fewer, priorities, earliest, waits)
             return fewer, ordered, peak_live_bytes(graph, ordered)
 
-        # Over the bound with ``low`` withdrawn, within it with ``high``.
+        # Over the bound with ``low`` withdrawn, within it with ``high`` (all of them:
+        # the order with nothing placed).
         low, high = 0, len(largest)
-        fits = without(high)
+        fits = placement.without(largest), unplaced, floor
         while high - low > 1:
             middle = (low + high) // 2
             candidate = without(middle)
