@@ -296,8 +296,12 @@ def order(
     if not any(placement.windows.values()):  # that order is this one
         return Order(unplaced, placement, floor, baseline, [], floor > limit)
     bound = max(limit, floor)
-    withdrawn = _withdraw_cycles(graph, placement)
-    result = topological_order(graph, placement, priorities, earliest, waits)
+    try:  # where no window edge closes a cycle (most orders), nothing is withdrawn for one
+        withdrawn: list[int] = []
+        result = topological_order(graph, placement, priorities, earliest, waits)
+    except CyclicPlacement:
+        withdrawn = _withdraw_cycles(graph, placement)
+        result = topological_order(graph, placement, priorities, earliest, waits)
     peak = peak_live_bytes(graph, result)
     for_bound = 0
     if peak > bound:
