@@ -34,7 +34,7 @@ from __future__ import annotations
 import copy
 import heapq
 import weakref
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -272,6 +272,7 @@ def order(
     priorities: dict[int, float] | None = None,
     earliest: dict[int, int] | None = None,
     waits: dict[int, float] | None = None,
+    withdrawn_hint: int | None = None,
 ) -> Order:
     """A topological order honouring ``placement`` (a copy is kept) within the bound, the
     compute nodes of ``priorities`` at those keys instead of their program positions, and
@@ -281,7 +282,9 @@ def order(
 
     Placements that close a cycle are withdrawn first (each is kept unless, with those
     placed before it, it closes one), then, while the peak is over the bound, the largest
-    outputs (the fewest that fit, by bisection).
+    outputs (the fewest that fit, by bisection; ``withdrawn_hint``: how many fitted an
+    order like this one, tried first with the count before it, which brackets the same
+    fewest where fewer withdrawn never fit better).
     (Priorities are not withdrawn: running two microbatches at once holds both's
     activations, which the order's peak reports. Where they alone exceed the bound,
     their peak is the bound: placements are withdrawn only while they add to it.)
@@ -316,21 +319,46 @@ def order(
             ordered = topological_order(graph, fewer, priorities, earliest, waits)
             return fewer, ordered, peak_live_bytes(graph, ordered)
 
-        # Over the bound with ``low`` withdrawn, within it with ``high`` (all of them:
-        # the order with nothing placed).
-        low, high = 0, len(largest)
-        fits = placement.without(largest), unplaced, floor
-        while high - low > 1:
-            middle = (low + high) // 2
-            candidate = without(middle)
-            if candidate[2] <= bound:
-                high, fits = middle, candidate
-            else:
-                low = middle
-        placement, result, peak = fits
+        # The latest order within the bound, of the fewest withdrawn asked so far (the
+        # bisection asks fewer each time one fits); at first all withdrawn: the order
+        # with nothing placed.
+        fitting = {len(largest): (placement.without(largest), unplaced, floor)}
+
+        def within(count: int) -> bool:
+            candidate = without(count)
+            if candidate[2] > bound:
+                return False
+            fitting.clear()
+            fitting[count] = candidate
+            return True
+
+        high = fewest_within(within, len(largest), withdrawn_hint)
+        placement, result, peak = fitting[high]
         withdrawn += largest[:high]
         for_bound = high
     return Order(result, placement, peak, baseline, withdrawn, peak > limit, for_bound)
+
+
+def fewest_within(within: Callable[[int], bool], most: int, hint: int | None = None) -> int:
+    """The fewest placements to withdraw, by bisection over ``1..most``: ``within(count)``
+    says whether the order with ``count`` withdrawn is within the bound (not with none;
+    with ``most``, all of them, it is: not asked). ``hint``: a count likely to be the
+    answer, asked first with the count before it; for a ``within`` that holds from some
+    count on, the answer is the same, in two questions where the hint is right."""
+    low, high = 0, most  # over the bound with ``low`` withdrawn, within it with ``high``
+    for count in () if hint is None else (hint, hint - 1):
+        if low < count < high:
+            if within(count):
+                high = count
+            else:
+                low = count
+    while high - low > 1:
+        middle = (low + high) // 2
+        if within(middle):
+            high = middle
+        else:
+            low = middle
+    return high
 
 
 def _withdraw_cycles(graph: Graph, placement: Placement) -> list[int]:

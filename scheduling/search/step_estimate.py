@@ -116,7 +116,9 @@ def schedule_program(
         waits = _waits(graph, nodes, timeline)
         if not waits:
             return nodes, timeline
-        nodes = order(graph, placement, growth, priorities, earliest, waits)
+        # As many withdrawn for the bound as the first order's, most likely.
+        hint = nodes.withdrawn_for_bound
+        nodes = order(graph, placement, growth, priorities, earliest, waits, hint)
         return nodes, simulate(graph, nodes.nodes, seconds)
 
     if not pack_dw:

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from scheduling.order.list_scheduler import order, peak_live_bytes
+from scheduling.order.list_scheduler import fewest_within, order, peak_live_bytes
 from scheduling.passes import Placement, schedule_dw, split_async
 from scheduling.program.capture import capture
 from scheduling.program.graph import Graph, Role
@@ -284,3 +284,43 @@ def test_starts_ready_together_go_in_the_order_their_results_are_read():
     # Both start once their operand exists; the link gets first what is read first.
     assert position[read_first.id] < position[read_last.id]
     assert position[read_last.id] < position[read_first.partner]
+
+
+@pytest.mark.parametrize("hint", [None, 0, 1, 36, 37, 38, 100, 999, 1000, 5000])
+def test_a_hint_finds_the_same_fewest_withdrawals(hint):
+    """However wrong the hint, the bisection finds the fewest count within the bound; a
+    right one in two questions (the count and the one before it)."""
+    asked = []
+
+    def within(count):
+        asked.append(count)
+        return count >= 37
+
+    assert fewest_within(within, 1000, hint) == 37
+    assert 1000 not in asked and 0 not in asked  # known: all within, none over
+    if hint == 37:
+        assert asked == [37, 36]
+    elif hint is None:
+        assert len(asked) == math.ceil(math.log2(1000))
+
+
+def test_an_order_given_its_own_withdrawals_as_the_hint_is_the_same():
+    # As test_live_bytes_bound_withdraws_placements: the tight order withdraws; given its
+    # count as the hint, the same order comes back.
+    graph = window_graph(memory_step, w_shape=(64, 32), x_shape=(64, 128))
+    first, second = two_windows(graph)
+    big, total = dw_candidates(graph, first)
+    seconds = fixed_seconds({first.id: 10.0, second.id: 10.0, big: 9.0, total: 100.0}, 1.0)
+    tight = order(graph, schedule_dw(graph, seconds), max_live_bytes_growth=0.0)
+    assert tight.withdrawn_for_bound
+    hinted = order(
+        graph,
+        schedule_dw(graph, seconds),
+        max_live_bytes_growth=0.0,
+        withdrawn_hint=tight.withdrawn_for_bound,
+    )
+    assert (hinted.nodes, hinted.withdrawn, hinted.peak_live_bytes) == (
+        tight.nodes,
+        tight.withdrawn,
+        tight.peak_live_bytes,
+    )
