@@ -9,8 +9,10 @@ collective's stall (the compute stream's wait at its done) is summed by its purp
 stalls sum to the simulated exposed communication. A stall is the whole wait at that
 done, for the collectives the link runs before it too, so a purpose may be waited for
 longer than its own transfers take. A deep model's figures are the two-block step's
-plus its further blocks', each the three-block step's less the two-block step's
-(:mod:`jaxmoe.plan.layer_extrapolation`), so they sum to the extrapolated exposed
+plus its further blocks', each the three-block step's less the two-block step's, or of
+the next two depths where the planner's line runs through them (its live-bytes bound
+withdrew placements at one of two blocks and three only:
+:mod:`jaxmoe.plan.layer_extrapolation`), so they sum to the extrapolated exposed
 communication before the planner's floor at zero.
 
 It also says how many forward ranges the schedule partitioned: Lancet's partition cuts a
@@ -27,7 +29,7 @@ from typing import Any
 
 import scheduling
 from jaxmoe.config import Config
-from jaxmoe.plan.layer_extrapolation import TRACED_BLOCKS, block_count, extrapolates, with_blocks
+from jaxmoe.plan.layer_extrapolation import agreeing_depth, block_count, extrapolates, with_blocks
 from jaxmoe.plan.tracer import trace, with_schedule
 from jaxmoe.train.resolved import schedule_policy
 from scheduling import batch_inputs, collective_purposes, cost_model, node_seconds, simulate
@@ -63,9 +65,19 @@ class ExposedCommunication:
         return ExposedCommunication(**data)
 
 
-def _traced_step(config: Config, schedule: str, profile: str) -> tuple[dict, dict, int]:
-    """Stalls and link seconds by purpose of ``config``'s step under ``schedule``, and the
-    forward ranges it partitioned."""
+@dataclass(frozen=True)
+class _Step:
+    """One traced step's stalls and link seconds by purpose, the forward ranges it
+    partitioned, and whether its live-bytes bound withdrew placements."""
+
+    exposed: dict[str, float]
+    linked: dict[str, float]
+    ranges: int
+    bound_withdrew: bool
+
+
+def _traced_step(config: Config, schedule: str, profile: str) -> _Step:
+    """``config``'s step under ``schedule``, by purpose (:class:`_Step`)."""
     config = with_schedule(config, schedule, profile)
     traced = trace(config)
     program, step = traced.program, traced.step
@@ -84,7 +96,8 @@ def _traced_step(config: Config, schedule: str, profile: str) -> tuple[dict, dic
         purpose = purposes.get(node.op, node.op.primitive)
         exposed[purpose] += timing.stall
         linked[purpose] += seconds(node)
-    return dict(exposed), dict(linked), len(scheduled.partitions)
+    withdrew = scheduled.order.withdrawn_for_bound > 0
+    return _Step(dict(exposed), dict(linked), len(scheduled.partitions), withdrew)
 
 
 def exposed_communication(config: Config, schedule: str, profile: str) -> ExposedCommunication:
@@ -92,14 +105,20 @@ def exposed_communication(config: Config, schedule: str, profile: str) -> Expose
     ``schedule`` on ``profile``: its communication by purpose (module docstring)."""
     rows = config.train.batch_size // config.parallel.batch_shards
     if not extrapolates(config):
-        exposed, linked, ranges = _traced_step(config, schedule, profile)
-        return ExposedCommunication(schedule, exposed, linked, rows, ranges)
+        step = _traced_step(config, schedule, profile)
+        return ExposedCommunication(schedule, step.exposed, step.linked, rows, step.ranges)
     blocks = block_count(config)
     assert blocks is not None
-    shallow, deeper = (
-        _traced_step(with_blocks(config, b), schedule, profile) for b in TRACED_BLOCKS
-    )
-    further = blocks - TRACED_BLOCKS[0]  # blocks beyond the shallow trace's, one apart
+    steps: dict[int, _Step] = {}
+
+    def at(depth: int) -> _Step:
+        if depth not in steps:
+            steps[depth] = _traced_step(with_blocks(config, depth), schedule, profile)
+        return steps[depth]
+
+    first = agreeing_depth(lambda depth: at(depth).bound_withdrew, blocks)
+    shallow, deeper = at(first), at(first + 1)
+    further = blocks - first  # blocks beyond the shallow trace's, one apart
 
     def deep(first: dict[str, float], second: dict[str, float]) -> dict[str, float]:
         return {
@@ -107,7 +126,11 @@ def exposed_communication(config: Config, schedule: str, profile: str) -> Expose
             for p in sorted(first.keys() | second.keys())
         }
 
-    ranges = shallow[2] + further * (deeper[2] - shallow[2])
+    ranges = shallow.ranges + further * (deeper.ranges - shallow.ranges)
     return ExposedCommunication(
-        schedule, deep(shallow[0], deeper[0]), deep(shallow[1], deeper[1]), rows, ranges
+        schedule,
+        deep(shallow.exposed, deeper.exposed),
+        deep(shallow.linked, deeper.linked),
+        rows,
+        ranges,
     )

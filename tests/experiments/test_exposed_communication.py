@@ -2,10 +2,11 @@
 
 import pytest
 
+from experiments import exposed_communication as exposed_module
 from experiments.exposed_communication import ExposedCommunication, exposed_communication
 from jaxmoe.cli import parser as cli
 from jaxmoe.plan import estimates, tracer
-from jaxmoe.plan.layer_extrapolation import extrapolates
+from jaxmoe.plan.layer_extrapolation import block_count, extrapolates
 from jaxmoe.plan.mappings import Mapping, with_mapping
 
 PROFILE = "h100-8x-nvlink-3200g"
@@ -32,3 +33,27 @@ def test_the_purposes_sum_to_the_planners_exposed_communication(layers):
     assert "expert all_to_all (dispatch)" in found.exposed
     assert found.rows_per_device == 4 and found.partitioned_ranges == 0
     assert ExposedCommunication.from_json(found.to_json()) == found
+
+
+def test_the_line_runs_through_the_depths_the_planner_chooses(monkeypatch):
+    """Where the live-bytes bound withdrew placements at two blocks alone, the planner's
+    line runs through three blocks and four (jaxmoe.plan.layer_extrapolation); so does the
+    breakdown's. Steps priced from their depth alone, nothing traced: 1 s a block exposed,
+    and 5 s more at two blocks."""
+    traced = []
+
+    def step(config, schedule, profile):
+        depth = block_count(config)
+        traced.append(depth)
+        exposed = depth + (5.0 if depth == 2 else 0.0)
+        return exposed_module._Step({"x": exposed}, {"x": 2.0 * depth}, 0, depth == 2)
+
+    monkeypatch.setattr(exposed_module, "_traced_step", step)
+    flags = [*TINY, "--model.num_layers", "14", "--devices", "2", "--profile", PROFILE]
+    mapping = Mapping(2, 1, 1, 2, 1, "all_to_all", zero=1)
+    config = with_mapping(cli.resolve_config(cli.parse(["plan", *flags])), mapping, 8)
+    assert block_count(config) == 7
+    found = exposed_communication(config, "dw", PROFILE)
+    assert traced == [2, 3, 4]
+    assert found.exposed == {"x": pytest.approx(7.0)}
+    assert found.communication == {"x": pytest.approx(14.0)}
