@@ -31,9 +31,9 @@ placements would hold more live bytes than its bound allows, some are withdrawn
 not at the next. A line through those two takes the change for a block's (at its recipe,
 Qwen2-57B-A14B's two-block ``pair`` step withdrew 1556 of 10891 placements and its
 three-block step none: the slope came out 0.377 s a block against ``dw``'s 0.506 s, 6.9
-points of MFU too optimistic at 28 layers). So a schedule's line is drawn through the first two
-successive depths, from :data:`TRACED_BLOCKS` on, at which the bound withdrew at both or at
-neither (:func:`agreeing_depth`), no deeper than :data:`MAX_TRACED_BLOCKS`.
+points of MFU too optimistic at 28 layers). So a schedule's line is drawn through the
+first two successive depths, from :data:`TRACED_BLOCKS` on, at which the bound withdrew
+at both or at neither (:func:`agreeing_depth`), no deeper than :data:`MAX_TRACED_BLOCKS`.
 """
 
 from __future__ import annotations
@@ -115,9 +115,8 @@ def agreeing_depth(bound_withdrew: Callable[[int], bool], blocks: int) -> int:
     same of both; else the deepest pair, no deeper than :data:`MAX_TRACED_BLOCKS` or the
     model."""
     shallow = TRACED_BLOCKS[0]
-    while shallow + 2 <= min(MAX_TRACED_BLOCKS, blocks) and bound_withdrew(
-        shallow
-    ) != bound_withdrew(shallow + 1):
+    deepest = min(MAX_TRACED_BLOCKS, blocks)
+    while shallow + 1 < deepest and bound_withdrew(shallow) != bound_withdrew(shallow + 1):
         shallow += 1
     return shallow
 

@@ -319,21 +319,21 @@ def order(
             ordered = topological_order(graph, fewer, priorities, earliest, waits)
             return fewer, ordered, peak_live_bytes(graph, ordered)
 
-        # The latest order within the bound, of the fewest withdrawn asked so far (the
-        # bisection asks fewer each time one fits); at first all withdrawn: the order
+        # The latest order within the bound: of the fewest withdrawn so far, since the
+        # bisection asks for fewer each time one fits. At first all withdrawn: the order
         # with nothing placed.
-        fitting = {len(largest): (placement.without(largest), unplaced, floor)}
+        latest = placement.without(largest), unplaced, floor
 
         def within(count: int) -> bool:
+            nonlocal latest
             candidate = without(count)
             if candidate[2] > bound:
                 return False
-            fitting.clear()
-            fitting[count] = candidate
+            latest = candidate
             return True
 
         high = fewest_within(within, len(largest), withdrawn_hint)
-        placement, result, peak = fitting[high]
+        placement, result, peak = latest
         withdrawn += largest[:high]
         for_bound = high
     return Order(result, placement, peak, baseline, withdrawn, peak > limit, for_bound)
