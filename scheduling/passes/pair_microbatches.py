@@ -31,7 +31,11 @@ rule, ties going to one chain, the Lancet paper's GPT-2 MoE on 16 V100s hid 59% 
 exposed all-to-all instead of all of it.) The result is a priority for every compute node
 (:func:`pair_priorities`), which the order pass uses in place of program positions;
 collectives then start as early and finish as late as ever, and the merged neighbours
-fill the windows between.
+fill the windows between. Work outside every pass that a paired node waits for (from
+:data:`~scheduling.names.MICROBATCHES_IN_FLIGHT` times two microbatches on, the
+gradients summed up to microbatch i - 3 and the barrier that lets microbatch i start) gets
+the key of its first such reader: at its program position, after microbatch i - 1, it
+would hold each pair's later pass until the earlier one had ended.
 """
 
 from __future__ import annotations
@@ -186,7 +190,29 @@ def pair_priorities(graph: Graph, seconds: Callable[[Node], float]) -> dict[int,
         step = (high - low) / (len(merged) + 1)
         for rank, node in enumerate(merged, start=1):
             priorities[node] = low + rank * step
+    if priorities:
+        _no_later_than_readers(graph, priorities, {n for nodes in passes.values() for n in nodes})
     return priorities or None
+
+
+def _no_later_than_readers(graph: Graph, priorities: dict[int, float], in_passes: set[int]) -> None:
+    """Gives each compute node outside the passes that a paired node waits for the key of
+    its first such reader, in place. The later pass of a pair waits for work outside every
+    pass: the gradients summed up to microbatch i - 3 and the barrier they pass with the
+    weights (:data:`scheduling.names.MICROBATCHES_IN_FLIGHT`), which the program writes
+    after microbatch i - 1. At its program position that work would run only once the
+    passes before it had ended, and each pair would run as its two passes one after the
+    other. An ancestor's id is below its reader's, so on equal keys it goes first."""
+    keys: dict[int, float] = {}  # compute node outside the passes -> its key, if earlier
+    for node in reversed(graph.nodes):
+        if node.id in in_passes or node.role is not Role.COMPUTE:
+            continue
+        earliest = float(node.id)
+        for succ in graph.succs[node.id]:
+            earliest = min(earliest, priorities.get(succ, keys.get(succ, earliest)))
+        if earliest < node.id:
+            keys[node.id] = earliest
+    priorities.update(keys)
 
 
 def unpaired_windows(graph: Graph) -> list[Node]:

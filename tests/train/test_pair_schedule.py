@@ -13,6 +13,7 @@ import pytest
 import scheduling
 from jaxmoe.config import Config, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
 from jaxmoe.parallel.mesh import build_mesh
+from jaxmoe.pipeline.microbatches import ORDERED_FROM
 from jaxmoe.train.resolved import resolve, schedule_policy
 from jaxmoe.train.scheduled import capture_train_step
 from tests.train.runs import linked, with_schedule
@@ -25,12 +26,17 @@ LAYOUTS = {
 }
 
 
-def config(layout: str, num_layers: int = 2) -> Config:
+def config(layout: str, num_layers: int = 2, microbatches: int = 3) -> Config:
     return Config(
         model=ModelConfig(d_model=32, num_heads=2, num_layers=num_layers, d_ff=64, seq_len=16),
         moe=MoEConfig(num_experts=8, top_k=2, capacity_factor=1.0),
         parallel=LAYOUTS[layout],
-        train=TrainConfig(batch_size=24, warmup_steps=1, learning_rate=1e-2, microbatches=3),
+        train=TrainConfig(
+            batch_size=8 * max(3, microbatches),
+            warmup_steps=1,
+            learning_rate=1e-2,
+            microbatches=microbatches,
+        ),
     )
 
 
@@ -59,10 +65,15 @@ def test_the_paired_step_trains_as_written(layout, schedule, pair):
         np.testing.assert_array_equal([m[key] for m in history], [m[key] for m in expected])
 
 
-def test_the_paired_order_interleaves_microbatches_and_respects_dependences():
+@pytest.mark.parametrize("microbatches", [3, ORDERED_FROM])
+def test_the_paired_order_interleaves_microbatches_and_respects_dependences(microbatches):
     # A slow link: the all-to-alls are long enough for the pairing to fill them.
     # Four layers (two MoE layers): a backward pass long enough to hold a forward one.
-    cfg = with_schedule(config("2x4", num_layers=4), "pair", profile=linked("cpu", 50.0))
+    # From ORDERED_FROM microbatches on, microbatch i starts behind a barrier with the
+    # gradients summed up to microbatch i - 3, work outside every pass that the program
+    # writes after microbatch i - 1: the pairs still interleave.
+    layout = config("2x4", num_layers=4, microbatches=microbatches)
+    cfg = with_schedule(layout, "pair", profile=linked("cpu", 50.0))
     mesh = build_mesh(cfg.parallel)
     program, sharded = capture_train_step(resolve(cfg, mesh))
     policy = schedule_policy(cfg)
@@ -89,19 +100,26 @@ def test_the_paired_order_interleaves_microbatches_and_respects_dependences():
         inside = set(order[min(span) : max(span)])
         return [n for n in nodes(*guest) if n in inside]
 
-    # Three microbatches: (forward 0, forward 1), (backward 0, forward 2), (backward 1,
-    # backward 2). Within microbatch 0's backward pass runs a good part of microbatch 2's
-    # forward pass, its all-to-alls among them, and nothing of microbatch 1's.
-    inside = paired((0, "backward"), (2, "forward"))
-    assert len(inside) > 0.25 * len(nodes(2, "forward"))
-    exchanges = [n for n in inside if graph.nodes[n].op.primitive == "all_to_all"]
-    assert len(exchanges) >= 2  # the forward dispatch and combine of an MoE layer
-    assert not paired((0, "backward"), (1, "forward"))
-    assert not paired((0, "backward"), (1, "backward"))
+    # (forward 0, forward 1), (backward i, forward i + 2), (backward M - 2, backward M - 1).
+    # Within microbatch i's backward pass runs a good part of microbatch i + 2's forward
+    # pass, its all-to-alls among them, and nothing of microbatch i + 1's.
+    for i in range(microbatches - 2):
+        inside = paired((i, "backward"), (i + 2, "forward"))
+        assert len(inside) > 0.25 * len(nodes(i + 2, "forward")), i
+        exchanges = [n for n in inside if graph.nodes[n].op.primitive == "all_to_all"]
+        assert len(exchanges) >= 2, i  # the forward dispatch and combine of an MoE layer
+        assert not paired((i, "backward"), (i + 1, "forward")), i
+        assert not paired((i, "backward"), (i + 1, "backward")), i
     # No pass runs alone: the first forward pass and the last backward pass have partners.
+    last = microbatches - 1
     assert len(paired((0, "forward"), (1, "forward"))) > 0.25 * len(nodes(1, "forward"))
-    assert len(paired((1, "backward"), (2, "backward"))) > 0.25 * len(nodes(2, "backward"))
-    # Without pairing, microbatch 1's forward pass comes after microbatch 0's backward.
+    assert len(paired((last - 1, "backward"), (last, "backward"))) > 0.25 * len(
+        nodes(last, "backward")
+    )
+    if microbatches >= ORDERED_FROM:
+        return
+    # Without pairing, microbatch 1's forward pass comes after microbatch 0's backward
+    # (with more microbatches, dw's placement may run some of it inside).
     plain = scheduling.schedule(program, dataclasses.replace(policy, name="dw"))
     plain_position = {node: i for i, node in enumerate(plain.order.nodes)}
     plain_backward = [plain_position[n] for n in range(len(order)) if pass_of(n) == (0, "backward")]
