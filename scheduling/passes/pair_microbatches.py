@@ -29,13 +29,17 @@ collective, so that the collective is on the link while the other chain computes
 link carries each chain's collectives as soon as their operands exist. (Without that
 rule, ties going to one chain, the Lancet paper's GPT-2 MoE on 16 V100s hid 59% of the
 exposed all-to-all instead of all of it.) The result is a priority for every compute node
-(:func:`pair_priorities`), which the order pass uses in place of program positions;
+(:func:`pair_passes`), which the order pass uses in place of program positions;
 collectives then start as early and finish as late as ever, and the merged neighbours
 fill the windows between. Work outside every pass that a paired node waits for (from
 :data:`~scheduling.names.MICROBATCHES_IN_FLIGHT` times two microbatches on, the
 gradients summed up to microbatch i - 3 and the barrier that lets microbatch i start) gets
 the key of its first such reader: at its program position, after microbatch i - 1, it
-would hold each pair's later pass until the earlier one had ended.
+would hold each pair's later pass until the earlier one had ended. The longer pass of a
+pair runs on alone once the other has ended (a backward pass takes about twice its forward
+pass): the backward all-to-alls of that tail, like those outside the microbatches, are
+windows no other pass fills, and the dW work of :mod:`scheduling.passes.schedule_dw`
+goes into them.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from scheduling import names
 from scheduling.program.capture import Phase
@@ -165,11 +170,25 @@ def pass_pairs(count: int) -> list[tuple[Pass, Pass]]:
     ]
 
 
-def pair_priorities(graph: Graph, seconds: Callable[[Node], float]) -> dict[int, float] | None:
-    """Priorities for the compute nodes of the paired passes (None where nothing pairs:
-    fewer than two microbatches, no pipeline tick followed by a forward slot): each pair's
-    merged nodes spread, in merged order, over program positions the pair held: those of
-    the pair's first pass (microbatches), or both slots' (a pipeline's)."""
+@dataclass(frozen=True)
+class Pairing:
+    """How a step's passes run in pairs: a key for each compute node of a paired pass
+    (and for the work outside the passes that one waits for), which the order uses in
+    place of program positions; and the backward all-to-alls whose windows no other
+    pass fills, for the dW work of :mod:`scheduling.passes.schedule_dw`."""
+
+    priorities: dict[int, float]
+    unpaired: list[Node]
+
+
+def pair_passes(graph: Graph, seconds: Callable[[Node], float]) -> Pairing | None:
+    """The pairing of ``graph``'s passes (None where nothing pairs: fewer than two
+    microbatches, no pipeline tick followed by a forward slot). Each pair's merged nodes
+    spread, in merged order, over program positions the pair held: those of the pair's
+    first pass (microbatches), or both slots' (a pipeline's). A backward all-to-all is
+    unpaired where it is outside the microbatches (a pipeline's, the step's own), or
+    where its pass reaches it after the other pass of its pair has ended in the merged
+    order: the longer pass's tail (a backward pass takes about twice its forward pass)."""
     passes = microbatch_passes(graph)
     if passes:
         count = 1 + max(index for index, _ in passes)
@@ -180,6 +199,7 @@ def pair_priorities(graph: Graph, seconds: Callable[[Node], float]) -> dict[int,
         pairs = [((tick, Phase.BACKWARD), (tick + 1, Phase.FORWARD)) for tick in ticks]
         whole_span = True
     priorities: dict[int, float] = {}
+    tails: set[int] = set()  # compute nodes run after the other pass of their pair ended
     for first, second in pairs:
         held, joining = passes.get(first, []), passes.get(second, [])
         if not held or not joining:
@@ -190,9 +210,19 @@ def pair_priorities(graph: Graph, seconds: Callable[[Node], float]) -> dict[int,
         step = (high - low) / (len(merged) + 1)
         for rank, node in enumerate(merged, start=1):
             priorities[node] = low + rank * step
-    if priorities:
-        _no_later_than_readers(graph, priorities, {n for nodes in passes.values() for n in nodes})
-    return priorities or None
+        # Each chain keeps its order in the merge: the one that ends first ends at its
+        # last node, and the other's tail follows.
+        shorter = joining if merged[-1] in held else held
+        tails.update(merged[merged.index(shorter[-1]) + 1 :])
+    if not priorities:
+        return None
+    _no_later_than_readers(graph, priorities, {n for nodes in passes.values() for n in nodes})
+    unpaired = [
+        start
+        for start in graph.backward_all_to_alls()
+        if microbatch_of(start) is None or any(p in tails for p in graph.preds[start.id])
+    ]
+    return Pairing(priorities, unpaired)
 
 
 def _no_later_than_readers(graph: Graph, priorities: dict[int, float], in_passes: set[int]) -> None:
@@ -213,9 +243,3 @@ def _no_later_than_readers(graph: Graph, priorities: dict[int, float], in_passes
         if earliest < node.id:
             keys[node.id] = earliest
     priorities.update(keys)
-
-
-def unpaired_windows(graph: Graph) -> list[Node]:
-    """The backward all-to-alls whose windows no pass of a microbatch fills: those of ops
-    outside the microbatches."""
-    return [start for start in graph.backward_all_to_alls() if microbatch_of(start) is None]

@@ -19,7 +19,7 @@ from scheduling.order.list_scheduler import Order, order
 from scheduling.passes import Placement, schedule_dw, split_async
 from scheduling.passes.decompose_exchange import decompose_program
 from scheduling.passes.exchange_regions import DecomposedRegion
-from scheduling.passes.pair_microbatches import pair_priorities, unpaired_windows
+from scheduling.passes.pair_microbatches import pair_passes
 from scheduling.passes.partition_forward import partition_program
 from scheduling.passes.prefetch import prefetch_bounds
 from scheduling.policy import SchedulePolicy
@@ -105,8 +105,9 @@ def schedule_program(
     twice: the second waits for each gradient reduction where the first's simulated link
     has finished it, not before the update (its operand is held until it is waited for)."""
     graph = split_async(program, min_bytes=policy.async_min_bytes)
-    priorities = pair_priorities(graph, seconds) if policy.pairs_microbatches else None
-    windows = unpaired_windows(graph) if priorities else None
+    pairing = pair_passes(graph, seconds) if policy.pairs_microbatches else None
+    priorities = pairing.priorities if pairing else None
+    windows = pairing.unpaired if pairing else None
     earliest = prefetch_bounds(graph, seconds, policy.prefetch_lead)
 
     def ordered(placement: Placement) -> tuple[Order, Timeline]:

@@ -65,41 +65,57 @@ def test_the_paired_step_trains_as_written(layout, schedule, pair):
         np.testing.assert_array_equal([m[key] for m in history], [m[key] for m in expected])
 
 
+@functools.cache
+def captured(microbatches: int):
+    """The step of four layers (two MoE layers: a backward pass long enough to hold a
+    forward one) in ``microbatches``, captured, and its batch inputs."""
+    cfg = config("2x4", num_layers=4, microbatches=microbatches)
+    mesh = build_mesh(cfg.parallel)
+    program, sharded = capture_train_step(resolve(cfg, mesh))
+    return cfg, mesh, program, scheduling.batch_inputs(program, sharded.batch_argnums)
+
+
+class Paired:
+    """The pair schedule of :func:`captured`'s step on ``profile``, read by pass."""
+
+    def __init__(self, microbatches: int, profile):
+        cfg, mesh, program, batch = captured(microbatches)
+        self.program = program
+        self.policy = schedule_policy(with_schedule(cfg, "pair", profile=profile))
+        scheduled = scheduling.schedule(
+            program, self.policy, scheduling.cost_model(self.policy, mesh), batch
+        )
+        self.graph, self.order = scheduled.graph, scheduled.order.nodes
+        self.windows = scheduled.order.placement.windows
+        self.position = {node: i for i, node in enumerate(self.order)}
+
+    def pass_of(self, node):
+        stack = self.graph.nodes[node].op.name_stack
+        if not stack.startswith("microbatch_"):
+            return None
+        return int(stack.split("/")[0].split("_")[1]), self.graph.nodes[node].op.phase.value
+
+    def nodes(self, microbatch, phase):
+        return [n for n in range(len(self.order)) if self.pass_of(n) == (microbatch, phase)]
+
+    def paired(self, host, guest):
+        """``guest``'s nodes that run between the first and last node of ``host``."""
+        span = [self.position[n] for n in self.nodes(*host)]
+        inside = set(self.order[min(span) : max(span)])
+        return [n for n in self.nodes(*guest) if n in inside]
+
+
 @pytest.mark.parametrize("microbatches", [3, ORDERED_FROM])
 def test_the_paired_order_interleaves_microbatches_and_respects_dependences(microbatches):
     # A slow link: the all-to-alls are long enough for the pairing to fill them.
-    # Four layers (two MoE layers): a backward pass long enough to hold a forward one.
     # From ORDERED_FROM microbatches on, microbatch i starts behind a barrier with the
     # gradients summed up to microbatch i - 3, work outside every pass that the program
     # writes after microbatch i - 1: the pairs still interleave.
-    layout = config("2x4", num_layers=4, microbatches=microbatches)
-    cfg = with_schedule(layout, "pair", profile=linked("cpu", 50.0))
-    mesh = build_mesh(cfg.parallel)
-    program, sharded = capture_train_step(resolve(cfg, mesh))
-    policy = schedule_policy(cfg)
-    scheduled = scheduling.schedule(
-        program, policy, scheduling.cost_model(policy, mesh),
-        scheduling.batch_inputs(program, sharded.batch_argnums),
+    run = Paired(microbatches, linked("cpu", 50.0))
+    graph, order, position, nodes, paired = (
+        run.graph, run.order, run.position, run.nodes, run.paired
     )  # fmt: skip
-    graph, order = scheduled.graph, scheduled.order.nodes
-    position = {node: i for i, node in enumerate(order)}
     assert all(position[p] < position[n] for n in range(len(order)) for p in graph.preds[n])
-
-    def pass_of(node):
-        stack = graph.nodes[node].op.name_stack
-        if not stack.startswith("microbatch_"):
-            return None
-        return int(stack.split("/")[0].split("_")[1]), graph.nodes[node].op.phase.value
-
-    def nodes(microbatch, phase):
-        return [n for n in range(len(order)) if pass_of(n) == (microbatch, phase)]
-
-    def paired(host, guest):
-        """``guest``'s nodes that run between the first and last node of ``host``."""
-        span = [position[n] for n in nodes(*host)]
-        inside = set(order[min(span) : max(span)])
-        return [n for n in nodes(*guest) if n in inside]
-
     # (forward 0, forward 1), (backward i, forward i + 2), (backward M - 2, backward M - 1).
     # Within microbatch i's backward pass runs a good part of microbatch i + 2's forward
     # pass, its all-to-alls among them, and nothing of microbatch i + 1's.
@@ -120,8 +136,22 @@ def test_the_paired_order_interleaves_microbatches_and_respects_dependences(micr
         return
     # Without pairing, microbatch 1's forward pass comes after microbatch 0's backward
     # (with more microbatches, dw's placement may run some of it inside).
-    plain = scheduling.schedule(program, dataclasses.replace(policy, name="dw"))
+    plain = scheduling.schedule(run.program, dataclasses.replace(run.policy, name="dw"))
     plain_position = {node: i for i, node in enumerate(plain.order.nodes)}
-    plain_backward = [plain_position[n] for n in range(len(order)) if pass_of(n) == (0, "backward")]
-    plain_forward = [plain_position[n] for n in range(len(order)) if pass_of(n) == (1, "forward")]
+    plain_backward = [plain_position[n] for n in nodes(0, "backward")]
+    plain_forward = [plain_position[n] for n in nodes(1, "forward")]
     assert min(plain_forward) > max(plain_backward)
+
+
+def test_a_backward_pass_that_runs_on_alone_fills_its_windows_with_dw_work():
+    # On the CPU's own link a backward pass outlasts the forward pass beside it: once
+    # forward i + 2 has ended, the all-to-alls of backward i hold its dW work.
+    run = Paired(ORDERED_FROM, "cpu")
+    for i in range(ORDERED_FROM - 2):
+        ended = max(run.position[n] for n in run.nodes(i + 2, "forward"))
+        alone = [
+            start
+            for start, placed in run.windows.items()
+            if run.pass_of(start) == (i, "backward") and run.position[start] > ended and placed
+        ]
+        assert alone, i
