@@ -2,7 +2,9 @@
 backward i with forward i+2, the last two backward passes together) computes the step as
 written: losses within 1e-5, the same tokens dropped, on the unfolded layout and (slow) a
 folded one, and composed with lancet and comet (``pair_microbatches``); its order really
-interleaves the microbatches, and respects every dependence."""
+interleaves the microbatches (behind the barrier that holds each one from six microbatches
+on, too), respects every dependence, and fills with dW work the windows of a backward
+pass that runs on alone once its partner has ended."""
 
 import dataclasses
 import functools
