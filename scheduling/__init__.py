@@ -82,7 +82,15 @@ if TYPE_CHECKING:
         is_ragged_exchange,
         op_flops,
     )
-    from scheduling.costs.fusion import FUSIBLE, IN_PLACE, SLICING, Fusion, fuses_into_readers
+    from scheduling.costs.fusion import (
+        FUSIBLE,
+        IN_PLACE,
+        SLICING,
+        Fusion,
+        fuses_into_readers,
+        sum_with_zeros,
+        zero_values,
+    )
     from scheduling.costs.link_model import CollectiveCurves, PiecewiseLinear
     from scheduling.costs.profiling import OpProfiler, ProfiledCostModel
     from scheduling.costs.simulate import Timeline, simulate

@@ -29,8 +29,10 @@ link work).
 A pipeline's stage laid out as the traced step (without a pipeline) runs the same ops for
 its chunks' layers over its microbatches, with idle ticks that run the same code on
 zeros: the work of the traced step stretched by the idle ticks, and once per tick it
-runs in each op's overhead and the work of the ops on parameters alone (casts and
-transposes of weights, casts of weight gradients: no rows in them). Every stage runs the
+runs in each op's overhead and, in every tick but one, the work of the ops on parameters
+alone (casts and transposes of weights, casts and sums of weight gradients: no rows in
+them; the first backward slot adds its chunk's gradients to zeros, a sum XLA drops:
+:func:`scheduling.sum_with_zeros`). Every stage runs the
 embedding, the head and the loss on its microbatches. The update and ZeRO-1's gathers
 are of fewer layers over fewer replicas and taken away, but for the optimizer's own ops
 where the traced step shards the optimizer: a stage's shards are as large, and the
@@ -213,7 +215,9 @@ class Screen:
         (``1 / (stages x virtual)`` of the layers, the longest chunk's where they are
         uneven) on one microbatch, idle ticks on zeros; so the work of the traced step's
         blocks ``ticks / (microbatches x virtual)`` times, and their per-op overheads
-        ``ticks / (stages x virtual)`` times.
+        ``ticks / (stages x virtual)`` times, the ops on parameters alone ``(ticks - 1) /
+        (stages x virtual)`` times (the first backward slot's gradient sums are with zeros,
+        which XLA drops).
         Outside the blocks (the embedding, the head and the loss) every stage runs the
         traced step's ops once per microbatch on its rows: at least ``min(stages,
         microbatches)`` times their work (each op's work grows with the rows, or is the
@@ -224,15 +228,17 @@ class Screen:
         and without ZeRO the whole of a stage's parameters, no fewer."""
         traced = self.options.microbatches
         block, outside = self._pass_parts(options.recompute)
-        block_fixed, outside_fixed = self._pass_parts(options.recompute, overheads=True)
-        block_fixed += self.blocks * self.on_parameters.block
+        overheads, outside_fixed = self._pass_parts(options.recompute, overheads=True)
         padded = self._padded(stages, virtual)
-        block, block_fixed = block * padded, block_fixed * padded
+        on_parameters = self.blocks * self.on_parameters.block * padded
+        block, overheads = block * padded, overheads * padded
+        block_fixed = overheads + on_parameters
         outside_fixed += self.on_parameters.outside
         ticks = tick_table(stages, virtual, options.microbatches).busy_forward_ticks
         return (
             max(block - block_fixed, 0.0) * ticks / (options.microbatches * virtual)
-            + block_fixed / traced * ticks / (stages * virtual)
+            + overheads / traced * ticks / (stages * virtual)
+            + on_parameters / traced * (ticks - 1) / (stages * virtual)
             + max(outside - outside_fixed, 0.0) * min(stages, options.microbatches / traced)
             + outside_fixed / traced * options.microbatches
             + (

@@ -12,7 +12,8 @@ program:
   model prices kernels by). Its operands then stay alive until its readers run. The
   rest (matmuls, collectives, updates in place, and what they read) get buffers.
 - *Aliases.* ``reduce_precision`` to a dtype's own precision (what JAX puts on the values
-  a remat region saves) is the identity. ``optimization_barrier`` passes its operands
+  a remat region saves) is the identity, and so is a sum with zeros
+  (:func:`scheduling.sum_with_zeros`). ``optimization_barrier`` passes its operands
   through, and makes them buffers. ``dynamic_update_slice`` and the scatters
   (:data:`scheduling.IN_PLACE`) write into their operand's buffer where nothing reads
   the operand after them, and so does an elementwise op into an operand of its result's
@@ -79,6 +80,8 @@ from scheduling import (
     Value,
     aval_bytes,
     fuses_into_readers,
+    sum_with_zeros,
+    zero_values,
 )
 
 _IDENTITIES = frozenset({"reduce_precision"})
@@ -348,10 +351,17 @@ def _walk_steps(program: Program, keeps_barriers: bool) -> tuple[list[_Step], li
     def compared(atom: Any) -> Any:
         return same.get(atom, atom) if isinstance(atom, Value) else atom
 
+    zeros = zero_values(program.ops)
     steps = []
     for op in program.ops:
         reads = tuple(resolved(a) for a in op.inputs if isinstance(a, Value))
         name = op.primitive
+        kept = sum_with_zeros(op, zeros)
+        if isinstance(kept, Value):  # XLA takes the sum for ``kept``
+            alias[op.outputs[0]] = resolved(kept)
+            same[op.outputs[0]] = compared(kept)
+            steps.append(_Step(op, (), ()))
+            continue
         if name in _IDENTITIES or name == _BARRIER:
             # A kept barrier reads its operands (they become buffers); it makes nothing,
             # but what is behind it is new to CSE.

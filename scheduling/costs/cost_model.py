@@ -4,10 +4,11 @@ Compute: ``overhead + max(flops / (peak_flops x efficiency), bytes / memory_band
 a roofline with a fixed cost per kernel (launch, dispatch). Matmuls run at the
 profile's matmul efficiency (:meth:`~scheduling.profiles.DeviceProfile.matmul_fraction`, a
 measured curve over the product's FLOPs), other ops at the peak. Layout-only ops
-(reshape, squeeze, ...) and identities (:func:`~scheduling.costs.fusion.is_identity`) cost
-nothing: XLA makes them views, fuses or drops them. A slice or gather reads the part it
-takes; an update in place (``dynamic_update_slice``, scatters) reads its update and
-writes the region it updates, not its whole buffer.
+(reshape, squeeze, ...) and identities (:func:`~scheduling.costs.fusion.is_identity`; in a
+bound program, sums with zeros too) cost nothing: XLA makes them views, fuses or drops
+them. A slice or gather reads the part it takes; an update in place
+(``dynamic_update_slice``, scatters) reads its update and writes the region it updates,
+not its whole buffer.
 
 Fusion (:mod:`scheduling.costs.fusion`, the rule the memory walk reads too): on a profile
 with ``fused_elementwise``, a cost model bound to a program (:meth:`CostModel.bound_to`)
@@ -372,6 +373,8 @@ class CostModel:
         if _free(op):
             return 0.0
         fusion = self.fusion if self.fusion is not None and self.fusion.knows(op) else None
+        if fusion is not None and fusion.drops(op):
+            return 0.0
         if jax_adapter.subprograms(op.eqn):
             return self._control_flow_seconds(op, fusion)
         return self._kernel_seconds(op, fusion)

@@ -20,8 +20,10 @@ what XLA fuses:
   operand is a fused value (a broadcast of zeros, say) there is no buffer to update: the
   kernel writes the whole result.
 - *Identities.* A ``reduce_precision`` to its dtype's own precision (what JAX puts on the
-  values a remat region saves) is dropped (:func:`is_identity`): it moves nothing and its
-  readers read its operand.
+  values a remat region saves) is dropped (:func:`is_identity`), and so is a sum with
+  zeros (:func:`sum_with_zeros`: a literal zero, broadcast, cast or reshaped, as JAX makes the
+  gradient of an input a function does not use; XLA's simplifier takes ``x + 0`` for
+  ``x``): it moves nothing and its readers read its operand.
 - *Multi-output fusion.* An elementwise or reduction op that reads the buffer of an
   elementwise op (one that gets a buffer because it is returned, or read elsewhere), or
   a buffer that an earlier such kernel reads, joins that kernel where both loop over as
@@ -115,6 +117,47 @@ def fuses_into_readers(primitive: str, dtype: Any, readers: Sequence[str]) -> bo
     )
 
 
+# Ops whose value is zeros everywhere where their operand is: casts and layout ops.
+KEEPS_ZEROS = frozenset(
+    {"broadcast_in_dim", "convert_element_type", "reshape", "squeeze", "expand_dims",
+     "transpose", "copy", "copy_p", "pvary"}
+)  # fmt: skip
+ADDING = frozenset({"add", "add_any"})
+
+
+def zero_values(ops: Iterable[Any]) -> set[int]:
+    """The ``id`` of each value of ``ops`` that is zeros everywhere: a scalar literal zero
+    cast, broadcast or reshaped (:data:`KEEPS_ZEROS`), through any chain of them."""
+    zeros: set[int] = set()
+    for op in ops:
+        if op.primitive in KEEPS_ZEROS and op.inputs and _is_zero(op.inputs[0], zeros):
+            zeros.update(id(value) for value in op.outputs)
+    return zeros
+
+
+def _is_zero(atom: Any, zeros: set[int]) -> bool:
+    if id(atom) in zeros:
+        return True
+    # A captured program's constant (value) or a body's literal (val); a variable has neither.
+    value = getattr(atom, "value", getattr(atom, "val", None))
+    return value is not None and not getattr(value, "shape", ()) and bool(value == 0)
+
+
+def sum_with_zeros(op: Any, zeros: set[int]) -> Any | None:
+    """The operand ``op`` returns where it adds zeros (the ``id`` of its values in
+    ``zeros``: :func:`zero_values`) to a value of its result's type, which XLA's simplifier
+    takes for the sum (None where it does not)."""
+    if op.primitive not in ADDING or len(op.inputs) != 2 or len(op.outputs) != 1:
+        return None
+    first, second = op.inputs
+    result = op.outputs[0].aval
+    for kept, added in ((first, second), (second, first)):
+        same_type = (kept.aval.shape, kept.aval.dtype) == (result.shape, result.dtype)
+        if id(added) in zeros and same_type:
+            return kept
+    return None
+
+
 def is_identity(op: Any) -> bool:
     """Whether ``op`` leaves its operand as it is: a ``reduce_precision`` to no fewer bits
     than its dtype has (XLA's simplifier drops it)."""
@@ -170,14 +213,22 @@ class Fusion:
 
     def __init__(self, ops: Sequence[Any], outputs: Iterable[Any], kernels: bool = False):
         self._producer: dict[int, Any] = {}
-        readers: dict[int, list[Any]] = {}
+        zeros = zero_values(ops)
+        taken: dict[int, Any] = {}  # a sum with zeros -> the operand XLA takes for it
+        readers: dict[int, list[Any]] = {}  # the readers of a sum with zeros read its operand
         for op in ops:
             for value in op.outputs:
                 self._producer[id(value)] = op
+            operand = sum_with_zeros(op, zeros)
+            if operand is not None:
+                taken[id(op.outputs[0])] = taken.get(id(operand), operand)
+                continue
             for atom in op.inputs:
-                readers.setdefault(id(atom), []).append(op)
-        returned = {id(atom) for atom in outputs}
+                readers.setdefault(id(taken.get(id(atom), atom)), []).append(op)
+        returned = {id(taken.get(id(atom), atom)) for atom in outputs}
         self._known = {id(op) for op in ops}
+        # Ops XLA drops (their values are their operands'): no FLOPs, no bytes, no launch.
+        self._dropped = {id(op) for op in ops if is_identity(op) or id(op.outputs[0]) in taken}
         self._fused: set[int] = set()  # repeated in each reader: read through
         self._on_chip: set[int] = set()  # kept inside one kernel: free
         for op in ops:
@@ -188,7 +239,7 @@ class Fusion:
                 read_by = readers.get(id(value), [])
                 if scope and read_by and all(kernel_scope(r.name_stack) == scope for r in read_by):
                     self._on_chip.add(id(value))
-                elif is_identity(op) or fuses_into_readers(
+                elif id(op) in self._dropped or fuses_into_readers(
                     op.primitive, getattr(value.aval, "dtype", None), [r.primitive for r in read_by]
                 ):
                     self._fused.add(id(value))
@@ -328,6 +379,10 @@ class Fusion:
         """Whether ``op`` is one of the analysed program's (a copy made later is not)."""
         return id(op) in self._known
 
+    def drops(self, op: Any) -> bool:
+        """Whether XLA drops ``op``, an identity (:func:`is_identity`, :func:`sum_with_zeros`)."""
+        return id(op) in self._dropped
+
     def is_fused(self, value: Any) -> bool:
         """Whether ``value`` gets no buffer (fused into its readers, or kept on chip)."""
         return id(value) in self._fused or id(value) in self._on_chip
@@ -340,7 +395,7 @@ class Fusion:
     def launches(self, op: Any) -> bool:
         """Whether ``op`` launches a kernel: it writes a buffer and joins no earlier kernel
         (an op whose values are all fused runs inside its readers' kernels)."""
-        if id(op) in self._joined:
+        if id(op) in self._joined or id(op) in self._dropped:
             return False
         return any(not self.is_fused(value) for value in op.outputs) or not op.outputs
 

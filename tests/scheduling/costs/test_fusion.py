@@ -304,3 +304,24 @@ def test_a_rounding_to_the_values_own_precision_is_dropped():
         assert model.seconds(kept) == 0 and not model.launches(kept)
         assert model.seconds(rounded) > 0 and model.launches(rounded)
     assert not bound.fusion.launches(kept)
+
+
+def test_a_sum_with_zeros_is_dropped():
+    """The gradient of an input a function does not read is zeros (JAX broadcasts a literal
+    zero); adding it to a running sum is the sum itself to XLA's simplifier: no kernel, in
+    the time model and in what gets a buffer. A sum of two values is a kernel."""
+
+    def step(total, x):
+        grads = jax.grad(lambda p: jnp.sum(p["used"] ** 2))({"used": x, "unused": x})
+        return total + grads["unused"], total + grads["used"]
+
+    mesh = mesh_x()
+    shape = sds(mesh, (ROWS, COLS), P())
+    program = capture(step, shape, shape, mesh=mesh, in_specs=(P(), P()), out_specs=(P(), P()))
+    producer = {id(value): op for op in program.ops for value in op.outputs}
+    with_zeros, with_gradient = (producer[id(value)] for value in program.outputs)
+    assert with_zeros.primitive == with_gradient.primitive == "add"
+    bound = CostModel(FUSING, {"x": 8}).bound_to(program)
+    assert bound.fusion.drops(with_zeros) and not bound.fusion.drops(with_gradient)
+    assert bound.seconds(with_zeros) == 0 and not bound.launches(with_zeros)
+    assert bound.seconds(with_gradient) > 0 and bound.bytes_moved(with_gradient) > 0
