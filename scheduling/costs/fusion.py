@@ -228,7 +228,9 @@ class Fusion:
         returned = {id(taken.get(id(atom), atom)) for atom in outputs}
         self._known = {id(op) for op in ops}
         # Ops XLA drops (their values are their operands'): no FLOPs, no bytes, no launch.
-        self._dropped = {id(op) for op in ops if is_identity(op) or id(op.outputs[0]) in taken}
+        self._dropped = {
+            id(op) for op in ops if is_identity(op) or any(id(v) in taken for v in op.outputs)
+        }
         self._fused: set[int] = set()  # repeated in each reader: read through
         self._on_chip: set[int] = set()  # kept inside one kernel: free
         for op in ops:
