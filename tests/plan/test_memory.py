@@ -351,6 +351,31 @@ def test_an_update_in_place_and_a_running_sum_hold_one_buffer():
     assert peak < inputs + (rows + 4) * square
 
 
+def test_a_sum_with_zeros_is_its_other_operand():
+    """The gradient of an input a function does not read is zeros; added to a running sum,
+    XLA takes the sum for its other operand (``scheduling.sum_with_zeros``): the sum makes
+    no buffer, and what reads it reads that operand."""
+
+    def step(total, x):
+        grads = jax.grad(lambda p: jnp.sum(p["used"] ** 2))({"used": x, "unused": x})
+        return jax.lax.optimization_barrier(total + grads["unused"])
+
+    mesh = mesh_x()
+    program = capture(
+        step,
+        sds(mesh, (8, 16), P()),
+        sds(mesh, (8, 16), P()),
+        mesh=mesh,
+        in_specs=(P(), P()),
+        out_specs=P(),
+    )
+    steps, _ = _walk_steps(program, keeps_barriers=True)
+    (added,) = [s for s in steps if s.op.primitive == "add"]
+    assert not added.makes and not added.reads
+    (barrier,) = [s for s in steps if s.op.primitive == "optimization_barrier"]
+    assert barrier.reads == (program.inputs[0],)
+
+
 def test_a_pipeline_sums_each_slots_gradients_as_it_goes():
     """The gradients of the parameters outside the blocks are summed slot by slot, each sum
     a buffer of its own: at equal rows per microbatch, twice the microbatches hold no more
