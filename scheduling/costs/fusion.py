@@ -213,6 +213,8 @@ class Fusion:
 
     def __init__(self, ops: Sequence[Any], outputs: Iterable[Any], kernels: bool = False):
         self._producer: dict[int, Any] = {}
+        # Ops XLA drops (their values are their operands'): no FLOPs, no bytes, no launch.
+        self._dropped = {id(op) for op in ops if is_identity(op)}
         zeros = zero_values(ops)
         taken: dict[int, Any] = {}  # a sum with zeros -> the operand XLA takes for it
         readers: dict[int, list[Any]] = {}  # the readers of a sum with zeros read its operand
@@ -221,16 +223,13 @@ class Fusion:
                 self._producer[id(value)] = op
             operand = sum_with_zeros(op, zeros)
             if operand is not None:
+                self._dropped.add(id(op))
                 taken[id(op.outputs[0])] = taken.get(id(operand), operand)
                 continue
             for atom in op.inputs:
                 readers.setdefault(id(taken.get(id(atom), atom)), []).append(op)
         returned = {id(taken.get(id(atom), atom)) for atom in outputs}
         self._known = {id(op) for op in ops}
-        # Ops XLA drops (their values are their operands'): no FLOPs, no bytes, no launch.
-        self._dropped = {
-            id(op) for op in ops if is_identity(op) or any(id(v) in taken for v in op.outputs)
-        }
         self._fused: set[int] = set()  # repeated in each reader: read through
         self._on_chip: set[int] = set()  # kept inside one kernel: free
         for op in ops:
