@@ -4,6 +4,7 @@ two blocks and through two and three (the planner's, :mod:`jaxmoe.plan.layer_ext
 against the four- and five-block traces.
 
     python -m experiments.depth_line [--out experiments/results/depth_line.md] [--blocks 5]
+        [--case NAME ...] [--no-packing]
 
 A line is exact where every block between the first and the last adds the same to the
 step; the table says what each block adds, and each line's error where a trace can check
@@ -41,6 +42,10 @@ class Case:
     batch: int  # sequences a step
     mapping: dict  # jaxmoe.plan.mappings.Mapping's fields but the devices
 
+    @property
+    def name(self) -> str:
+        return f"{self.model} {self.label}"
+
 
 CASES = (
     Case(
@@ -57,6 +62,13 @@ CASES = (
         256,
         dict(expert_data=8, expert=8, zero=3, recompute="layer"),
     ),
+    Case(
+        "at its recipe, paired",
+        "qwen2-57b-a14b",
+        64,
+        256,
+        dict(tensor=4, expert_data=2, expert=32, recompute="none", microbatches=16),
+    ),
     Case("on 64 H100s", "qwen2-57b-a14b", 64, 64, dict(expert=64, zero=3, recompute="none")),
     Case(
         "at its recipe",
@@ -64,6 +76,20 @@ CASES = (
         128,
         256,
         dict(expert_data=2, expert=8, expert_tensor=8, recompute="layer", microbatches=2),
+    ),
+    Case(
+        "at its recipe, pipelined",
+        "mixtral-8x22b",
+        128,
+        256,
+        dict(
+            tensor=4,
+            expert=8,
+            expert_tensor=8,
+            pipeline=2,
+            recompute="matmuls",
+            microbatches=16,
+        ),
     ),
     Case(
         "on 64 H100s",
@@ -98,11 +124,14 @@ def _config(case: Case):
     return with_mapping(planned_config(case.model, case.devices, case.batch), mapping, 8)
 
 
-def traced_steps(case: Case, most_blocks: int) -> tuple[int, dict[str, list[float]]]:
-    """The model's block count, and each schedule's simulated step (seconds) with 1 to
-    ``most_blocks`` blocks."""
+def traced_steps(
+    case: Case, most_blocks: int
+) -> tuple[int, dict[str, list[float]], dict[str, tuple[int, int]]]:
+    """The model's block count, each schedule's simulated step (seconds) with 1 to
+    ``most_blocks`` blocks, and the two depths the planner's line runs through for each
+    (:func:`~jaxmoe.plan.layer_extrapolation.line_depths`)."""
     from jaxmoe.plan.estimates import EstimateCache
-    from jaxmoe.plan.layer_extrapolation import block_count, with_blocks
+    from jaxmoe.plan.layer_extrapolation import block_count, line_depths, with_blocks
     from jaxmoe.plan.tracer import Tracer
 
     config = _config(case)
@@ -114,7 +143,15 @@ def traced_steps(case: Case, most_blocks: int) -> tuple[int, dict[str, list[floa
             steps.setdefault(schedule, []).append(time.step)
     found = block_count(config)
     assert found is not None
-    return found, steps
+    lines = {
+        schedule: line_depths(
+            schedule,
+            lambda depth, s=schedule: tracer.bound_withdrew(with_blocks(config, depth), s),
+            found,
+        )
+        for schedule in steps
+    }
+    return found, steps, lines
 
 
 # dW packing's two ways (its last candidates forced into a window or not) under the
@@ -153,15 +190,20 @@ def packing_steps(case: Case, most_blocks: int) -> dict[tuple, list[tuple]]:
     return found
 
 
-def line(steps: Sequence[float], first: int, blocks: int) -> float:
+def line(steps: Sequence[float], first: int, blocks: int, second: int | None = None) -> float:
     """The step of ``blocks`` blocks on the line through the traces of ``first`` and
-    ``first + 1`` blocks (``steps[k]``: the trace of ``k + 1`` blocks)."""
-    low, high = steps[first - 1], steps[first]
-    return low + (blocks - first) * (high - low)
+    ``second`` blocks (by default ``first + 1``; ``steps[k]``: the trace of ``k + 1``
+    blocks)."""
+    second = first + 1 if second is None else second
+    low, high = steps[first - 1], steps[second - 1]
+    return low + (blocks - first) * (high - low) / (second - first)
 
 
-def render(rows: list[tuple[Case, int, dict[str, list[float]]]], argv: Sequence[str]) -> str:
-    lines = [
+Row = tuple[Case, int, dict[str, list[float]], dict[str, tuple[int, int]]]
+
+
+def render(rows: list[Row], argv: Sequence[str]) -> str:
+    text = [
         "# The depth line against deeper traces",
         "",
         f"`{command_line('experiments.depth_line', argv)}` at {source_tree()}. "
@@ -170,33 +212,46 @@ def render(rows: list[tuple[Case, int, dict[str, list[float]]]], argv: Sequence[
         "",
         "Each mapping's step traced with one block and more. *Adds*: what each block "
         "adds to the step, the second, the third and so on. *1-2* and *2-3*: the line "
-        "through one and two blocks, and through two and three (the planner's), at the "
-        "deepest trace (its error beside it) and at the model's depth.",
+        "through one and two blocks, and through two and three; *planner's*: the line "
+        "the planner draws (jaxmoe/plan/layer_extrapolation.py: two and three blocks, "
+        "deeper where its live-bytes bound withdrew at one of them only, and two and "
+        "eight for a paired schedule), at the deepest trace (its error beside each) and "
+        "at the model's depth.",
         "",
     ]
-    for case, depth, steps in rows:
+    for case, depth, steps, depths in rows:
         fields = ", ".join(f"{k} {v}" for k, v in case.mapping.items())
         deepest = len(next(iter(steps.values())))
-        lines += [
+        text += [
             f"## {case.model} {case.label} ({case.devices} devices, {case.batch} sequences, "
             f"{fields}; {depth} blocks)",
             "",
             f"| schedule | traced steps, 1 to {deepest} blocks | adds | 1-2 at {deepest} | "
-            f"2-3 at {deepest} | 1-2 at {depth} | 2-3 at {depth} |",
-            "|---|---|---|---|---|---|---|",
+            f"2-3 at {deepest} | planner's at {deepest} | 1-2 at {depth} | 2-3 at {depth} "
+            f"| planner's at {depth} |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for schedule, found in steps.items():
             adds = [b - a for a, b in itertools.pairwise(found)]
-            old, new = line(found, 1, deepest), line(found, 2, deepest)
-            lines.append(
+            first, second = depths[schedule]
+            planned = f"{first}-{second}"
+            at_deepest = [line(found, 1, deepest), line(found, 2, deepest)]
+            if second <= deepest:
+                at_deepest.append(line(found, first, deepest, second))
+            text.append(
                 f"| `{schedule}` | {', '.join(f'{s * 1e3:.1f}' for s in found)} "
                 f"| {', '.join(f'{a * 1e3:.2f}' for a in adds)} "
-                f"| {old * 1e3:.1f} ({old / found[-1] - 1:+.2%}) "
-                f"| {new * 1e3:.1f} ({new / found[-1] - 1:+.2%}) "
-                f"| {line(found, 1, depth) * 1e3:.0f} | {line(found, 2, depth) * 1e3:.0f} |"
+                + "".join(f"| {s * 1e3:.1f} ({s / found[-1] - 1:+.2%}) " for s in at_deepest)
+                + ("" if second <= deepest else f"| {planned}: not traced ")
+                + f"| {line(found, 1, depth) * 1e3:.0f} | {line(found, 2, depth) * 1e3:.0f} "
+                + (
+                    f"| {planned}: {line(found, first, depth, second) * 1e3:.0f} |"
+                    if second <= deepest
+                    else "| |"
+                )
             )
-        lines.append("")
-    return "\n".join(lines)
+        text.append("")
+    return "\n".join(text)
 
 
 NAMES = {True: "forced", False: "unforced", None: "nothing placed"}
@@ -238,15 +293,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--blocks", type=int, default=5, help="the deepest trace (at least 4)")
+    parser.add_argument(
+        "--case",
+        action="append",
+        choices=[case.name for case in CASES],
+        help="only this case (repeatable; default: every case)",
+    )
+    parser.add_argument(
+        "--no-packing", action="store_true", help="leave out the dW packings at depth"
+    )
     args = parser.parse_args(argv)
     if args.blocks < 4:
         parser.error(f"--blocks={args.blocks}: at least 4, to check the line through 2 and 3")
+    cases = [case for case in CASES if args.case is None or case.name in args.case]
     rows = []
-    for case in CASES:
-        depth, steps = traced_steps(case, args.blocks)
-        rows.append((case, depth, steps))
+    for case in cases:
+        rows.append((case, *traced_steps(case, args.blocks)))
         print(f"{case.model} {case.label}: traced", flush=True)
-    packing = [render_packing(case, packing_steps(case, args.blocks)) for case in CASES]
+    packing = (
+        []
+        if args.no_packing
+        else [render_packing(case, packing_steps(case, args.blocks)) for case in cases]
+    )
     args.out.write_text("\n".join([render(rows, argv), *packing]))
     print(f"wrote {args.out}")
     return 0

@@ -8,12 +8,11 @@ collective's stall (the compute stream's wait at its done) is summed by its purp
 (:func:`scheduling.collective_purposes`, e.g. ``expert all_to_all (dispatch)``); the
 stalls sum to the simulated exposed communication. A stall is the whole wait at that
 done, for the collectives the link runs before it too, so a purpose may be waited for
-longer than its own transfers take. A deep model's figures are the two-block step's
-plus its further blocks', each the three-block step's less the two-block step's, or of
-the next two depths where the planner's line runs through them (its live-bytes bound
-withdrew placements at one of two blocks and three only:
-:mod:`jaxmoe.plan.layer_extrapolation`), so they sum to the extrapolated exposed
-communication before the planner's floor at zero.
+longer than its own transfers take. A deep model's figures are on the planner's line
+through two traced depths (:func:`jaxmoe.plan.layer_extrapolation.line_depths`: two
+blocks and three, deeper where its live-bytes bound withdrew placements at one of them
+only, and two blocks and eight for a paired schedule), so they sum to the extrapolated
+exposed communication before the planner's floor at zero.
 
 It also says how many forward ranges the schedule partitioned: Lancet's partition cuts a
 device's rows into chunks (:mod:`scheduling.search.partition_search`), so a step of one
@@ -29,7 +28,7 @@ from typing import Any
 
 import scheduling
 from jaxmoe.config import Config
-from jaxmoe.plan.layer_extrapolation import agreeing_depth, block_count, extrapolates, with_blocks
+from jaxmoe.plan.layer_extrapolation import block_count, extrapolates, line_depths, with_blocks
 from jaxmoe.plan.tracer import trace, with_schedule
 from jaxmoe.train.resolved import schedule_policy
 from scheduling import batch_inputs, collective_purposes, cost_model, node_seconds, simulate
@@ -116,9 +115,9 @@ def exposed_communication(config: Config, schedule: str, profile: str) -> Expose
             steps[depth] = _traced_step(with_blocks(config, depth), schedule, profile)
         return steps[depth]
 
-    first = agreeing_depth(lambda depth: at(depth).bound_withdrew, blocks)
-    shallow, deeper = at(first), at(first + 1)
-    further = blocks - first  # blocks beyond the shallow trace's, one apart
+    first, second = line_depths(schedule, lambda depth: at(depth).bound_withdrew, blocks)
+    shallow, deeper = at(first), at(second)
+    further = (blocks - first) / (second - first)  # the line's steps beyond the shallow trace
 
     def deep(first: dict[str, float], second: dict[str, float]) -> dict[str, float]:
         return {
@@ -126,7 +125,7 @@ def exposed_communication(config: Config, schedule: str, profile: str) -> Expose
             for p in sorted(first.keys() | second.keys())
         }
 
-    ranges = shallow.ranges + further * (deeper.ranges - shallow.ranges)
+    ranges = round(shallow.ranges + further * (deeper.ranges - shallow.ranges))
     return ExposedCommunication(
         schedule,
         deep(shallow.exposed, deeper.exposed),

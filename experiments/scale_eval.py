@@ -11,7 +11,9 @@ estimates the best that fit 80 GB; the best one is set against Megatron-Core's p
 MFU on H100s (MoE Parallel Folding: 49.3% for Mixtral 8x22B, 39.0% for Qwen2-57B-A14B),
 with what the estimate says the gap is made of; part ``exposed`` breaks each best
 mapping's exposed communication down by what each collective is for
-(:mod:`experiments.exposed_communication`).
+(:mod:`experiments.exposed_communication`), and part ``estimate`` estimates each stored
+best mapping again with the planner as it is now, where the planner has changed since
+its search (the search itself is not run again: the report says so).
 
 Megatron-Core's own mappings of the two models (:mod:`experiments.published_recipes`) are
 estimated by the same planner. Mixtral 8x22B at 32K and 128K tokens a sequence, with
@@ -29,7 +31,8 @@ asked for and keeps the rest from the earlier runs (``scale_eval.json`` beside t
 report); the report names every command that made it.
 
     python -m experiments.scale_eval [--models M,...] [--devices 64,128,256,recipe]
-        [--parts planner,exposed,recipes,long,deepseek,cpu] [--top 10] [--time-limit S]
+        [--parts planner,estimate,exposed,recipes,long,deepseek,cpu] [--top 10]
+        [--time-limit S]
         [--repeats 5] [--out FILE]
 """
 
@@ -135,6 +138,8 @@ class Search:
     # The best mapping's communication by purpose (part exposed), where it was broken down.
     exposed: ExposedCommunication | None = None
     exposed_command: str = ""  # the run that broke it down
+    # The run that estimated the best mapping again after its search (part estimate).
+    estimate_command: str = ""
 
     @property
     def key(self) -> tuple[str, int, int, int, str]:
@@ -332,6 +337,11 @@ def gap_lines(searches: Sequence[Search]) -> list[str]:
             parts.append(f"the pipeline's idle ticks add {bubble:.0%} to its work")
         if search.exposed is not None:
             parts.append(_exposed_by_purpose(search.exposed))
+        if search.estimate_command:
+            parts.append(
+                f"estimated again by the planner as `{search.estimate_command}` ran it, "
+                "after its search, which was not run again"
+            )
         where = f"{search.model} on {search.devices} at {search.batch} sequences"
         lines.append(
             f"- {where}: {best.mfu:.1%} against {published:.1%} published; "
@@ -481,6 +491,7 @@ class Store:
     def commands(self) -> list[str]:
         found = [s.command for s in self.searches] + [c for c, _ in self.recipes]
         found += [s.exposed_command for s in self.searches if s.exposed_command]
+        found += [s.estimate_command for s in self.searches if s.estimate_command]
         return list(dict.fromkeys([*found, *([self.cpu["command"]] if self.cpu else [])]))
 
 
@@ -641,7 +652,37 @@ def report(store: Store, earlier: Path | None = None) -> str:
     return "\n".join(lines)
 
 
-PARTS = ("planner", "exposed", "recipes", "long", "deepseek", "cpu")
+PARTS = ("planner", "estimate", "exposed", "recipes", "long", "deepseek", "cpu")
+
+
+def estimate_again(search: Search, command: str) -> Search:
+    """``search`` with its best mapping estimated by the planner as it is now (part
+    estimate), made by ``command``. The search is not run again: a mapping it left out may
+    now be estimated faster."""
+    from jaxmoe.plan.estimates import EstimateCache
+    from jaxmoe.plan.mappings import with_mapping
+    from jaxmoe.plan.mfu import mfu
+    from jaxmoe.plan.model_flops import model_flops
+    from jaxmoe.plan.planner import MappingEstimate
+    from jaxmoe.plan.tracer import estimate_mapping
+    from scheduling import PROFILES
+
+    assert search.best is not None
+    device = PROFILES[search.profile]
+    config = planned_config(search.model, search.devices, search.batch)
+    mapping = search.best.mapping
+    mapped = with_mapping(config, mapping, device.devices_per_node)
+    memory, times = estimate_mapping(mapped, SCHEDULES, search.profile, EstimateCache(None))
+    fastest = min(times.values(), key=lambda time: time.step)
+    peak = device.peak_flops_per_s(config.model.dtype)
+    best = MappingEstimate(
+        mapping,
+        memory,
+        times,
+        mfu(model_flops(config).train_step(), fastest.step, search.devices, peak),
+        fits=memory.total + fastest.prefetched <= device.memory_capacity_bytes,
+    )
+    return dataclasses.replace(search, best=best, estimate_command=command)
 
 
 def break_down(search: Search, command: str) -> Search:
@@ -716,9 +757,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     for model, devices, batch in searches:
         search = plan_one(model, devices, batch, args.top, command, args.time_limit)
         write(lambda store, search=search: store.add_search(search))
+    # The stored searches' best mappings (those --models and --devices name).
+    asked = {(m, d, b, SEQ_LEN, PROFILE) for m, d, b in searches_of(models, entries)}
+    if "estimate" in parts:
+        for earlier in Store.load(stored).searches:
+            if earlier.key in asked and earlier.best is not None and earlier.command != command:
+                search = estimate_again(earlier, command)
+                write(lambda store, search=search: store.add_search(search))
     if "exposed" in parts:
-        # The stored searches' best mappings (those --models and --devices name).
-        asked = {(m, d, b, SEQ_LEN, PROFILE) for m, d, b in searches_of(models, entries)}
         for earlier in Store.load(stored).searches:
             if earlier.key in asked and earlier.best is not None:
                 search = break_down(earlier, command)

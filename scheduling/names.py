@@ -19,6 +19,10 @@ PARTITIONING = frozenset({"partition", "lancet", "expert_pipeline", "lancet+come
 PACKING_DW = frozenset({"dw", "lancet", "pair"})
 # Policies that may decompose an expert exchange (COMET).
 DECOMPOSING = frozenset({"comet", "lancet+comet"})
+# Policies that order two passes as one merge of their whole lengths
+# (scheduling.passes.pair_microbatches): where a block's work runs depends on where the
+# other pass ends, so a block's cost in the step depends on the passes' depth.
+PAIRING = frozenset({"pair"})
 
 # The name scope of a step's microbatch i (gradient accumulation inside one step): the
 # ``pair`` policies run each microbatch's passes beside another microbatch's.

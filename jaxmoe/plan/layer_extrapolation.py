@@ -34,6 +34,19 @@ three-block step none: the slope came out 0.377 s a block against ``dw``'s 0.506
 points of MFU too optimistic at 28 layers). So a schedule's line is drawn through the
 first two successive depths, from :data:`TRACED_BLOCKS` on, at which the bound withdrew
 at both or at neither (:func:`agreeing_depth`), no deeper than :data:`MAX_TRACED_BLOCKS`.
+
+A paired schedule (``pair``: :data:`scheduling.names.PAIRING`) reaches further still: it
+merges two passes of their whole length, and the shorter one (a forward pass, about half
+its backward pass) ends part of the way through the other, whose tail runs alone. Where
+a block falls against that end depends on the depth, so no block is like the next. At
+Mixtral 8x22B's recipe, pipelined (two stages of 28 blocks, 16 microbatches), the blocks
+from the second on add 153.3, 159.0, 213.3, 159.9, 184.3 and 184.3 ms, and eight blocks
+to sixteen add 174.4 ms a block: the line through two and three blocks is 10.6% under
+the sixteen-block trace (experiments/results/depth_line_paired.md). What a block adds
+there settles only on average over several blocks, so a paired schedule's line runs
+from the shallower depth to :data:`PAIRED_LINE_DEPTH` blocks (:func:`line_depths`),
+within 0.5% of twelve- and sixteen-block traces there and on Qwen2-57B-A14B's paired
+microbatches.
 """
 
 from __future__ import annotations
@@ -41,6 +54,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import scheduling
 from jaxmoe.config import Config
 
 # The depths a deep model is traced at, one block apart (module docstring).
@@ -50,6 +64,9 @@ TRACED_BLOCKS = (2, 3)
 MAX_TRACED_BLOCKS = 5
 # How the table says a deep model's depth was estimated.
 DEPTH_METHOD = "extrapolated from two- and three-block traces"
+# The deeper depth of a paired schedule's line (module docstring), or the model's own
+# where it is shallower.
+PAIRED_LINE_DEPTH = 8
 # A model of more blocks than the deeper trace's is estimated from the traces at
 # TRACED_BLOCKS; one of no more is traced whole, which is exact and no deeper.
 MIN_BLOCKS = TRACED_BLOCKS[-1] + 1
@@ -121,19 +138,43 @@ def agreeing_depth(bound_withdrew: Callable[[int], bool], blocks: int) -> int:
     return shallow
 
 
+def line_depths(
+    schedule: str, bound_withdrew: Callable[[int], bool], blocks: int
+) -> tuple[int, int]:
+    """The two depths ``schedule``'s line of a ``blocks``-block model runs through: from
+    :func:`agreeing_depth`'s to the next, or for a paired schedule to
+    :data:`PAIRED_LINE_DEPTH` (module docstring), no deeper than the model."""
+    shallow = agreeing_depth(bound_withdrew, blocks)
+    if schedule in scheduling.names.PAIRING:
+        return shallow, max(shallow + 1, min(PAIRED_LINE_DEPTH, blocks))
+    return shallow, shallow + 1
+
+
 def extrapolate[Numbers](
-    shallow: Numbers, deeper: Numbers, blocks: int, shallow_blocks: int = TRACED_BLOCKS[0]
+    shallow: Numbers,
+    deeper: Numbers,
+    blocks: int,
+    shallow_blocks: int = TRACED_BLOCKS[0],
+    deeper_blocks: int | None = None,
 ) -> Numbers:
     """The figures of a ``blocks``-block model from those of ``shallow_blocks`` blocks and
-    one more (by default, the two depths of :data:`TRACED_BLOCKS`; ``Numbers``: a
-    dataclass whose fields are all numbers).
+    ``deeper_blocks`` (by default one more: the two depths of :data:`TRACED_BLOCKS`;
+    ``Numbers``: a dataclass whose fields are all numbers).
 
-    Integer fields (bytes) stay integers: their per-block step is an exact integer."""
+    Integer fields (bytes) stay integers: one block apart their per-block step is an exact
+    integer; further apart they are rounded."""
     if blocks < 1:
         raise ValueError(f"blocks={blocks}: a model has at least one block")
+    span = 1 if deeper_blocks is None else deeper_blocks - shallow_blocks
+    if span < 1:
+        raise ValueError(f"deeper_blocks={deeper_blocks}: deeper than {shallow_blocks}")
     fields = {}
     for field in dataclasses.fields(shallow):  # type: ignore[arg-type]
         first = getattr(shallow, field.name)
         second = getattr(deeper, field.name)
-        fields[field.name] = first + (blocks - shallow_blocks) * (second - first)
+        if span == 1:
+            fields[field.name] = first + (blocks - shallow_blocks) * (second - first)
+        else:
+            grown = first + (blocks - shallow_blocks) * (second - first) / span
+            fields[field.name] = round(grown) if isinstance(first, int) else grown
     return dataclasses.replace(shallow, **fields)  # type: ignore[type-var]

@@ -21,10 +21,10 @@ from jaxmoe.plan.bounds import Screen, screen
 from jaxmoe.plan.estimates import Estimate, EstimateCache, StepTime
 from jaxmoe.plan.layer_extrapolation import (
     TRACED_BLOCKS,
-    agreeing_depth,
     block_count,
     extrapolate,
     extrapolates,
+    line_depths,
     screens_shallow,
     with_blocks,
 )
@@ -346,21 +346,23 @@ def estimate_mapping(
 
 
 def _depth_line_time(tracer: Tracer, config: Config, schedule: str, blocks: int) -> StepTime:
-    """``schedule``'s step of ``config``'s ``blocks`` blocks, from the two successive
-    depths whose orders agree (:func:`~jaxmoe.plan.layer_extrapolation.agreeing_depth`)."""
+    """``schedule``'s step of ``config``'s ``blocks`` blocks, on the line through the two
+    depths :func:`~jaxmoe.plan.layer_extrapolation.line_depths` gives."""
 
     def bound_withdrew(depth: int) -> bool:
         return tracer.bound_withdrew(with_blocks(config, depth), schedule)
 
-    shallow = agreeing_depth(bound_withdrew, blocks)
-    first, second = (
-        tracer.estimate(with_blocks(config, depth))[1][schedule] for depth in (shallow, shallow + 1)
-    )
-    return _extrapolated_time(first, second, blocks, shallow)
+    depths = line_depths(schedule, bound_withdrew, blocks)
+    first, second = (tracer.estimate(with_blocks(config, depth))[1][schedule] for depth in depths)
+    return _extrapolated_time(first, second, blocks, *depths)
 
 
 def _extrapolated_time(
-    shallow: StepTime, deeper: StepTime, blocks: int, shallow_blocks: int = TRACED_BLOCKS[0]
+    shallow: StepTime,
+    deeper: StepTime,
+    blocks: int,
+    shallow_blocks: int = TRACED_BLOCKS[0],
+    deeper_blocks: int | None = None,
 ) -> StepTime:
     """A ``blocks``-block step from the steps of the traced depths: the times grow by a
     block's each block, but the step runs all its computation on one stream and all its
@@ -368,7 +370,7 @@ def _extrapolated_time(
     communication hides better than the first's, the exposed communication's growth would
     say otherwise); the gathers held ahead of use are a maximum over the step (a schedule
     prefetches a few blocks ahead however deep the model), the deeper step's."""
-    grown = extrapolate(shallow, deeper, blocks, shallow_blocks)
+    grown = extrapolate(shallow, deeper, blocks, shallow_blocks, deeper_blocks)
     return dataclasses.replace(
         grown,
         step=max(grown.step, grown.compute, grown.communication),

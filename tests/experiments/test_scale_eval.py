@@ -5,13 +5,18 @@ published MFU judged only at the recipe's devices and batch."""
 import dataclasses
 import re
 
+import pytest
+
 from experiments import scale_eval
+from experiments.folding_models import planned_config
 from experiments.published_recipes import PUBLISHED_ROW, RECIPES, RECOMPUTED_ROW, RecipeEstimate
 from experiments.shared import results_file
 from jaxmoe.plan.estimates import StepTime
 from jaxmoe.plan.mappings import Mapping
 from jaxmoe.plan.memory import StepMemory
+from jaxmoe.plan.model_flops import model_flops
 from jaxmoe.plan.planner import MappingEstimate
+from scheduling import PROFILES
 
 MEMORY = StepMemory(10**9, 2 * 10**9, 10**6, 3 * 10**9, 4 * 10**9, 10**8, 0, 1)
 
@@ -194,3 +199,35 @@ def test_a_best_mappings_exposed_communication_is_kept_and_reported(tmp_path):
         "under `dw` the compute stream waits for expert all_to_all (dispatch) 200 ms (its "
         "transfers 250), gradient reduce_scatter 100 ms (its transfers 400)."
     )
+
+
+def test_a_best_mapping_estimated_again_replaces_the_searchs_and_says_so(tmp_path, monkeypatch):
+    """Part estimate: the stored best mapping is estimated by the planner as it is now (its
+    search not run again), and the report names the run and says the search is older."""
+    from jaxmoe.plan import tracer
+
+    asked = []
+
+    def estimate(config, schedules, profile, cache):
+        asked.append((config.parallel.expert, tuple(schedules), profile))
+        return MEMORY, {"none": StepTime(3.0, 1.2, 1.0, 1.8), "dw": StepTime(2.5, 1.2, 1.0, 1.3)}
+
+    monkeypatch.setattr(tracer, "estimate_mapping", estimate)
+    searched = _search(64, 64, 0.34, "run a")
+    again = scale_eval.estimate_again(searched, "run f")
+    assert asked == [(8, scale_eval.SCHEDULES, scale_eval.PROFILE)]
+    assert again.best.mapping == searched.best.mapping
+    assert again.best.schedule == "dw" and again.best.best.step == 2.5
+    # The model's FLOPs over the new step on 64 devices at the profile's peak.
+    config = planned_config("mixtral-8x22b", 64, 64)
+    peak = PROFILES[scale_eval.PROFILE].peak_flops_per_s(config.model.dtype)
+    flops = model_flops(config).train_step()
+    assert again.best.mfu == pytest.approx(flops / (2.5 * 64 * peak))
+    assert again.best.fits  # 10.1 GB of 80
+    store = scale_eval.Store()
+    store.add_search(again)
+    store.save(tmp_path / "scale_eval.json")
+    assert scale_eval.Store.load(tmp_path / "scale_eval.json") == store
+    assert store.commands() == ["run a", "run f"]
+    (line,) = scale_eval.gap_lines(store.searches)
+    assert "estimated again by the planner as `run f` ran it, after its search" in line

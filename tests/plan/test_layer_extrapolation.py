@@ -14,11 +14,13 @@ from jaxmoe.config import Config, ConfigError, ModelConfig
 from jaxmoe.plan import estimates, tracer
 from jaxmoe.plan.layer_extrapolation import (
     MAX_TRACED_BLOCKS,
+    PAIRED_LINE_DEPTH,
     TRACED_BLOCKS,
     agreeing_depth,
     block_count,
     extrapolate,
     extrapolates,
+    line_depths,
     screens_shallow,
     with_blocks,
 )
@@ -230,10 +232,12 @@ def test_extrapolate_from_a_further_depth():
     assert extrapolate(three, four, 7, shallow_blocks=3) == Figures(4.0)
 
 
-def _stepping_by_depth(monkeypatch, withdrawn_at: set[int]) -> list[int]:
+def _stepping_by_depth(
+    monkeypatch, withdrawn_at: set[int], uneven_at: frozenset[int] = frozenset()
+) -> list[int]:
     """Steps priced from their depth alone, nothing traced: 1 s and 0.5 s a block, and 1 s
-    more at the depths in ``withdrawn_at``, where the live-bytes bound withdrew placements.
-    Returns the depths priced, in order."""
+    more at the depths in ``withdrawn_at``, where the live-bytes bound withdrew placements,
+    and at those in ``uneven_at``, where it did not. Returns the depths priced, in order."""
     priced: list[int] = []
     memory = StepMemory(*[1] * 8)
     traced = types.SimpleNamespace(
@@ -245,7 +249,7 @@ def _stepping_by_depth(monkeypatch, withdrawn_at: set[int]) -> list[int]:
     def price(traced, memory, config, schedules, profile):
         depth = block_count(config)
         priced.append(depth)
-        seconds = 1.0 + 0.5 * depth + (1.0 if depth in withdrawn_at else 0.0)
+        seconds = 1.0 + 0.5 * depth + (1.0 if depth in withdrawn_at | uneven_at else 0.0)
         time = estimates.StepTime(seconds, seconds, 0.0, 0.0)
         return (memory, {s: time for s in schedules}), {s: depth in withdrawn_at for s in schedules}
 
@@ -272,3 +276,48 @@ def test_a_depth_whose_order_is_unlike_the_next_is_not_on_the_line(
     _, times = tracer.estimate_mapping(config, ["none"], PROFILE, cache)
     assert priced == depths
     assert times["none"].step == pytest.approx(step)
+
+
+def test_a_paired_line_runs_from_two_blocks_to_eight():
+    """``pair`` merges whole passes, so what a block adds settles on average over several
+    blocks only: its line runs from the shallower depth to PAIRED_LINE_DEPTH blocks, no
+    deeper than the model; every other schedule's to the next depth."""
+    assert PAIRED_LINE_DEPTH == 8
+    never = lambda depth: False
+    assert line_depths("pair", never, 28) == (2, 8)
+    assert line_depths("pair", never, 6) == (2, 6)
+    assert line_depths("dw", never, 28) == (2, 3)
+    assert line_depths("pair", lambda depth: depth == 2, 28) == (3, 8)
+    assert line_depths("pair", lambda depth: depth in (2, 4), 28) == (4, 8)
+
+
+def test_extrapolate_along_a_longer_span():
+    @dataclasses.dataclass(frozen=True)
+    class Figures:
+        bytes: int
+        seconds: float
+
+    two, eight = Figures(100, 1.5), Figures(161, 4.5)
+    assert extrapolate(two, eight, 8, 2, 8) == eight
+    deep = extrapolate(two, eight, 28, 2, 8)
+    assert deep.seconds == pytest.approx(1.5 + 26 * 0.5)
+    assert deep.bytes == round(100 + 26 * 61 / 6)  # rounded, off the one-block grid
+    with pytest.raises(ValueError, match="deeper_blocks=2"):
+        extrapolate(two, eight, 28, 2, 2)
+
+
+def test_a_paired_step_is_estimated_from_two_blocks_and_eight(monkeypatch):
+    """A twelve-block model whose third block adds 1 s more than the others: the line
+    through two and three blocks takes it for every block's (``none``: 17 s), the paired
+    line through two and eight for one block's among six (``pair``: 7 s, the trace's own
+    slope of 0.5 s a block)."""
+    priced = _stepping_by_depth(monkeypatch, set(), frozenset({3}))
+    mapping = Mapping(2, 1, 1, 2, 1, "all_to_all", microbatches=2)
+    config = with_mapping(tiny(layers=24, devices=2), mapping, 8)
+    assert block_count(config) == 12
+    _, times = tracer.estimate_mapping(
+        config, ["none", "pair"], PROFILE, estimates.EstimateCache(None)
+    )
+    assert priced == [2, 3, 8]
+    assert times["none"].step == pytest.approx(2.0 + 10 * 1.5)
+    assert times["pair"].step == pytest.approx(2.0 + 10 * 0.5)
