@@ -39,14 +39,14 @@ A paired schedule (``pair``: :data:`scheduling.names.PAIRING`) reaches further s
 merges two passes of their whole length, and the shorter one (a forward pass, about half
 its backward pass) ends part of the way through the other, whose tail runs alone. Where
 a block falls against that end depends on the depth, so no block is like the next. At
-Mixtral 8x22B's recipe, pipelined (two stages of 28 blocks, 16 microbatches), the blocks
-from the second on add 153.3, 159.0, 213.3, 159.9, 184.3 and 184.3 ms, and eight blocks
-to sixteen add 174.4 ms a block: the line through two and three blocks is 10.6% under
-the sixteen-block trace (experiments/results/depth_line_paired.md). What a block adds
-there settles only on average over several blocks, so a paired schedule's line runs
-from the shallower depth to :data:`PAIRED_LINE_DEPTH` blocks (:func:`line_depths`),
-within 0.5% of twelve- and sixteen-block traces there and on Qwen2-57B-A14B's paired
-microbatches.
+Mixtral 8x22B's recipe, pipelined (two stages of 28 blocks, 16 microbatches), the third
+to the eighth block add 153.3, 159.0, 213.3, 159.9, 184.3 and 184.3 ms, and the line
+through two and three blocks is 10.1% under the twelve-block trace
+(experiments/results/depth_line_paired.md). What a block adds settles only on average
+over several blocks, so a paired schedule's line runs from the shallower depth to
+:data:`PAIRED_LINE_DEPTH` blocks (:func:`line_depths`): 0.2% over the twelve-block trace
+there, and 0.03% under it on Qwen2-57B-A14B's 16 paired microbatches at its recipe (the
+line through two and three: 2.7% under).
 """
 
 from __future__ import annotations
