@@ -149,6 +149,7 @@ class Tracer:
         self._programs: dict[str, Traced] = {}
         self._memories: dict[str, StepMemory] = {}
         self._estimates: dict[str, Estimate] = {}
+        self._priced: dict[str, set[str]] = {}  # by traced configuration: schedules priced
         # By traced configuration and schedule: whether the live-bytes bound withdrew
         # placements from the order (jaxmoe.plan.layer_extrapolation).
         self._bound_withdrew: dict[str, dict[str, bool]] = {}
@@ -190,15 +191,24 @@ class Tracer:
             self._memories[key] = step_memory(traced.program, traced.run.state_shapes)
         return self._memories[key]
 
-    def estimate(self, config: Config) -> Estimate:
-        """Memory and simulated steps of ``config`` traced as it is (at its depth)."""
+    def estimate(self, config: Config, schedules: Sequence[str] | None = None) -> Estimate:
+        """Memory and simulated steps of ``config`` traced as it is (at its depth), under
+        ``schedules`` (default: the plan's; those that apply), each priced once."""
         key = _key(config)
-        if key not in self._estimates:
+        wanted = self.schedules if schedules is None else tuple(schedules)
+        priced = self._priced.setdefault(key, set())
+        missing = [s for s in wanted if s not in priced]
+        if missing:
             memory = self.memory(config)
-            self._estimates[key], self._bound_withdrew[key] = _estimate_program(
-                self._trace(config), memory, config, self.schedules, self.profile
+            (_, times), withdrew = _estimate_program(
+                self._trace(config), memory, config, missing, self.profile
             )
-        return self._estimates[key]
+            priced.update(missing)
+            _, known = self._estimates.setdefault(key, (memory, {}))
+            known.update(times)
+            self._bound_withdrew.setdefault(key, {}).update(withdrew)
+        memory, known = self._estimates[key]
+        return memory, {s: known[s] for s in wanted if s in known}
 
     def bound_withdrew(self, config: Config, schedule: str) -> bool:
         """Whether ``schedule``'s live-bytes bound withdrew placements from the order of
@@ -353,7 +363,11 @@ def _depth_line_time(tracer: Tracer, config: Config, schedule: str, blocks: int)
         return tracer.bound_withdrew(with_blocks(config, depth), schedule)
 
     depths = line_depths(schedule, bound_withdrew, blocks)
-    first, second = (tracer.estimate(with_blocks(config, depth))[1][schedule] for depth in depths)
+    # A depth only this schedule's line runs through (a paired line's deeper one) is priced
+    # under this schedule alone.
+    first, second = (
+        tracer.estimate(with_blocks(config, depth), (schedule,))[1][schedule] for depth in depths
+    )
     return _extrapolated_time(first, second, blocks, *depths)
 
 

@@ -310,8 +310,16 @@ def test_a_paired_step_is_estimated_from_two_blocks_and_eight(monkeypatch):
     """A twelve-block model whose third block adds 1 s more than the others: the line
     through two and three blocks takes it for every block's (``none``: 17 s), the paired
     line through two and eight for one block's among six (``pair``: 7 s, the trace's own
-    slope of 0.5 s a block)."""
+    slope of 0.5 s a block). Eight blocks are priced under ``pair`` alone."""
     priced = _stepping_by_depth(monkeypatch, set(), frozenset({3}))
+    schedules = []
+    price = tracer._estimate_program
+
+    def recording(traced, memory, config, asked, profile):
+        schedules.append(tuple(asked))
+        return price(traced, memory, config, asked, profile)
+
+    monkeypatch.setattr(tracer, "_estimate_program", recording)
     mapping = Mapping(2, 1, 1, 2, 1, "all_to_all", microbatches=2)
     config = with_mapping(tiny(layers=24, devices=2), mapping, 8)
     assert block_count(config) == 12
@@ -319,5 +327,6 @@ def test_a_paired_step_is_estimated_from_two_blocks_and_eight(monkeypatch):
         config, ["none", "pair"], PROFILE, estimates.EstimateCache(None)
     )
     assert priced == [2, 3, 8]
+    assert schedules == [("none", "pair"), ("none", "pair"), ("pair",)]
     assert times["none"].step == pytest.approx(2.0 + 10 * 1.5)
     assert times["pair"].step == pytest.approx(2.0 + 10 * 0.5)
