@@ -63,7 +63,9 @@ TRACED_BLOCKS = (2, 3)
 # docstring); where none agree by then, the line runs through it and the depth before.
 MAX_TRACED_BLOCKS = 5
 # How the table says a deep model's depth was estimated.
-DEPTH_METHOD = "extrapolated from two- and three-block traces"
+DEPTH_METHOD = (
+    "extrapolated from two- and three-block traces (two- and eight-block traces under pair)"
+)
 # The deeper depth of a paired schedule's line (module docstring), or the model's own
 # where it is shallower.
 PAIRED_LINE_DEPTH = 8
