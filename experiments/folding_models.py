@@ -2,8 +2,9 @@
 against the best mapping whose MoE reuses attention's layout.
 
 The models are the published architectures (jaxmoe/presets/). The planner estimates
-them from two- and three-block traces (:mod:`jaxmoe.plan.layer_extrapolation`), so every
-mapping on 64-256 devices is planned in seconds; ``experiments.folding_scale`` runs it.
+them from shallow traces (two and three blocks; two and eight under ``pair``:
+:mod:`jaxmoe.plan.layer_extrapolation`), so every mapping on 64-256 devices is planned in
+seconds; ``experiments.folding_scale`` runs it.
 """
 
 from __future__ import annotations

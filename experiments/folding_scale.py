@@ -5,7 +5,7 @@ planner (``jaxmoe plan``) estimates every valid mapping on the H100 node profile
 the best folded mapping is set against the best mapping whose MoE reuses attention's
 layout (:func:`~experiments.folding_models.reuses_attention_layout`): step time, MFU
 and memory per device, among the mappings that fit the device's memory and among all
-of them. Deep models are estimated from two- and three-block traces
+of them. Deep models are estimated from shallow traces
 (:mod:`jaxmoe.plan.layer_extrapolation`).
 
     python -m experiments.folding_scale [--models M,...] [--devices 64,128,256]
