@@ -661,7 +661,6 @@ def estimate_again(search: Search, command: str) -> Search:
     now be estimated faster."""
     from jaxmoe.plan.estimates import EstimateCache
     from jaxmoe.plan.mappings import with_mapping
-    from jaxmoe.plan.mfu import mfu
     from jaxmoe.plan.model_flops import model_flops
     from jaxmoe.plan.planner import MappingEstimate
     from jaxmoe.plan.tracer import estimate_mapping
@@ -673,14 +672,13 @@ def estimate_again(search: Search, command: str) -> Search:
     mapping = search.best.mapping
     mapped = with_mapping(config, mapping, device.devices_per_node)
     memory, times = estimate_mapping(mapped, SCHEDULES, search.profile, EstimateCache(None))
-    fastest = min(times.values(), key=lambda time: time.step)
-    peak = device.peak_flops_per_s(config.model.dtype)
-    best = MappingEstimate(
+    best = MappingEstimate.priced(
         mapping,
         memory,
         times,
-        mfu(model_flops(config).train_step(), fastest.step, search.devices, peak),
-        fits=memory.total + fastest.prefetched <= device.memory_capacity_bytes,
+        model_flops(config).train_step(),
+        device.peak_flops_per_s(config.model.dtype),
+        device.memory_capacity_bytes,
     )
     return dataclasses.replace(search, best=best, estimate_command=command)
 

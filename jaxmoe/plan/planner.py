@@ -118,6 +118,28 @@ class MappingEstimate:
     mfu: float  # of the fastest schedule
     fits: bool  # peak_bytes within the profile's device memory (or it is not known)
 
+    @staticmethod
+    def priced(
+        mapping: Mapping,
+        memory: StepMemory,
+        times: dict[str, StepTime],
+        flops: float,
+        peak: float,
+        capacity: float,
+    ) -> MappingEstimate:
+        """The estimate of ``mapping`` from its memory and each schedule's simulated step
+        (at least one): the fastest's MFU at ``flops`` a step and ``peak`` FLOP/s a
+        device, and whether its peak fits ``capacity`` bytes (0: nothing is over)."""
+        fastest = min(times.values(), key=lambda t: t.step)
+        peak_bytes = memory.total + fastest.prefetched
+        return MappingEstimate(
+            mapping=mapping,
+            memory=memory,
+            times=times,
+            mfu=mfu(flops, fastest.step, mapping.devices, peak),
+            fits=not (capacity and peak_bytes > capacity),
+        )
+
     @property
     def schedule(self) -> str:
         return min(self.times, key=lambda name: self.times[name].step)
@@ -554,15 +576,8 @@ def plan_mappings(
             # Those recomputing more are no faster than it: bounded by its own screen.
             assert pending.screen is not None
             return Advance(releases=pending.next_recomputed(pending.screen.step_bound(options_now)))
-        fastest = min(times.values(), key=lambda t: t.step)
-        step = fastest.step
-        estimate = MappingEstimate(
-            mapping=candidate.mapping,
-            memory=memory,
-            times=times,
-            mfu=mfu(flops, step, devices, peak),
-            fits=not over(memory.total + fastest.prefetched),
-        )
+        estimate = MappingEstimate.priced(candidate.mapping, memory, times, flops, peak, capacity)
+        step = estimate.best.step
         estimates.append(estimate)
         say(
             f"estimated {candidate.mapping.label()}: {step * 1e3:.3f} ms, "
