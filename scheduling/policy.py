@@ -45,9 +45,10 @@ class SchedulePolicy:
     arrive (per-source rounds or chunks, chosen per layer by the cost model).
     ``lancet+comet``: the best of ``lancet``, ``comet`` and the two composed.
     ``pair``: ``dw`` across microbatches: with a step of several microbatches (gradient
-    accumulation), every pass runs beside another microbatch's (forward 0 with forward 1,
-    backward i with forward i+2, the last two backward passes together; in a pipelined
-    step each tick's backward slot with the next tick's forward slot), so that each one's
+    accumulation), every pass runs beside another microbatch's (two side by side, each
+    next one joining as one ends: forward 0 and forward 1, then backward i and forward i+2
+    in turn; in a pipelined step each tick's backward slot beside the next tick's forward
+    slot), so that each one's
     all-to-alls run under the other's computation, and dW work fills the windows that
     remain (:mod:`scheduling.passes.pair_microbatches`).
     ``pair_microbatches`` adds the pairing to any other policy (``lancet``, ``comet``).

@@ -17,36 +17,42 @@ different microbatches, the 1F1B steady state. A tick's backward slot waits for 
 forward slot (on the last stage they are one microbatch's, and every stage runs the same
 program), but not for the next tick's, so tick k's backward slot is paired with tick
 k+1's forward slot.
-With M microbatches the step runs the passes
-in M + 1 pairs (:func:`pass_pairs`): forward 0 with forward 1, then backward i with
-forward i+2, then backward M-2 with backward M-1, so that no pass runs alone (pairing
-only backward i with forward i+1 leaves the first forward and the last backward pass
-unpaired: a quarter of the all-to-alls with four microbatches). The cost is one more
-microbatch's activations in flight. Each pair's compute nodes are merged in the order a
-two-stream simulation of the two chains gives: the compute stream takes the next node of
-whichever chain can start it first, and when both can, of the one nearer its next
-collective, so that the collective is on the link while the other chain computes; the
-link carries each chain's collectives as soon as their operands exist. (Without that
-rule, ties going to one chain, the Lancet paper's GPT-2 MoE on 16 V100s hid 59% of the
-exposed all-to-all instead of all of it.) The result is a priority for every compute node
-(:func:`pair_passes`), which the order pass uses in place of program positions;
-collectives then start as early and finish as late as ever, and the merged neighbours
-fill the windows between. Work outside every pass that a paired node waits for (from
+
+Two passes run side by side, and as one ends the next joins (:func:`pass_order`: forward
+0 and forward 1, then backward i and forward i+2 in turn, the last two backward passes
+last), so that no pass runs alone but the last: a backward pass takes about twice its
+forward pass, and once forward i+2 has ended, backward i+1 runs beside the rest of
+backward i (pairing passes two by two left each backward pass's second half alone). The
+cost is one more microbatch's activations in flight, as for pairs. A pipeline's slots
+join in :func:`slot_order`: a backward slot waits for the one before it (through the
+stages' exchange), so its tail still runs alone. All passes' compute nodes are merged in
+one order, that of a two-stream simulation (:func:`merge_chains`): the compute stream
+takes the next node of whichever chain beside it can start first, and when both can, of
+the one nearer its next collective, so that the collective is on the link while the
+other chain computes; the link carries each chain's collectives as soon as their
+operands exist. (Without that rule, ties going to one chain, the Lancet paper's GPT-2
+MoE on 16 V100s hid 59% of the exposed all-to-all instead of all of it.) The result is a
+priority for every compute node (:func:`pair_passes`), spread in merged order over the
+program positions the passes held, which the order pass uses in place of program
+positions; collectives then start as early and finish as late as ever, and the merged
+neighbours fill the windows between. (Keys per pair, over each pair's own positions,
+overlapped the next pair's where a tick's backward slot lies inside its forward slot's
+positions, and the order ran three slots at once against a merge of two.) Work outside
+every pass that a paired node waits for (from
 :data:`~scheduling.names.MICROBATCHES_IN_FLIGHT` times two microbatches on, the
-gradients summed up to microbatch i - 3 and the barrier that lets microbatch i start) gets
-the key of its first such reader: at its program position, after microbatch i - 1, it
-would hold each pair's later pass until the earlier one had ended. The longer pass of a
-pair runs on alone once the other has ended (a backward pass takes about twice its forward
-pass): the backward all-to-alls of that tail, like those outside the microbatches, are
-windows no other pass fills, and the dW work of :mod:`scheduling.passes.schedule_dw`
-goes into them.
-"""
+gradients summed up to microbatch i - 3 and the barrier that lets microbatch i start)
+gets the key of its first such reader: at its program position it would hold the later
+passes until the earlier ones had ended. The backward all-to-alls that run alone (the
+last backward pass's tail, a pipeline's, those outside the microbatches) are windows no
+other pass fills, and the dW work of :mod:`scheduling.passes.schedule_dw` goes into
+them."""
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from scheduling import names
@@ -84,61 +90,106 @@ def microbatch_passes(
     return dict(passes)
 
 
+@dataclass(frozen=True)
+class Merged:
+    """Chains' compute nodes in the order one compute stream would run them, and those it
+    runs while no other chain beside them can start."""
+
+    order: list[int]
+    alone: set[int]
+
+
 def merge_chains(
-    graph: Graph, first: list[int], second: list[int], seconds: Callable[[Node], float]
-) -> list[int]:
-    """The compute nodes of two independent chains, in the order one compute stream and
-    one link would run them: each chain in its own program order, the next node taken
-    from the chain that can start first; when both can start, from the one that reaches
-    its next collective sooner, so that the collective is on the link while the other
-    chain computes (ties: ``first``)."""
-    finish: dict[int, float] = {}  # compute node -> when it ends
-    arrival: dict[int, float] = {}  # collective start -> when its result is there
+    graph: Graph, chains: Sequence[list[int]], seconds: Callable[[Node], float]
+) -> Merged:
+    """The compute nodes of independent chains, in the order one compute stream and one
+    link would run them, two chains side by side: the first two, then each next one as
+    soon as one of those ends. Each chain keeps its program order; the next node is taken
+    from the chain that can start first, and when both can start, from the one that
+    reaches its next collective sooner, so that the collective is on the link while the
+    other chain computes (ties: the earlier chain). A chain waits for what its nodes read:
+    the merged nodes of the others, and the work outside every chain between (a
+    pipeline's exchange of one tick's results with the next stage), which is taken to run
+    as soon as what it reads is there."""
+    in_chains = {node for chain in chains for node in chain}
+    finish: dict[int, float] = {}  # merged node, or work outside the chains -> its result
     link_free = 0.0
     now = 0.0
 
-    def ready_at(node: int) -> float:
-        at = 0.0
-        for pred in graph.preds[node]:
-            pred_node = graph.nodes[pred]
-            if pred_node.role is Role.DONE:
-                at = max(at, arrival.get(pred_node.partner, 0.0))
-            elif pred_node.role is Role.START:
-                at = max(at, arrival.get(pred, 0.0))
+    def issue(start: int, at: float) -> float:
+        """Puts collective ``start``, reached at ``at``, on the link: when it arrives."""
+        nonlocal link_free
+        link_free = max(link_free, at) + seconds(graph.nodes[start])
+        finish[start] = link_free
+        return link_free
+
+    def available(node: int) -> float:
+        """When ``node``'s result is there (infinite while it waits for a chain's node
+        not merged yet)."""
+        pending = [node]
+        while pending:
+            current = pending[-1]
+            if current in finish:
+                pending.pop()
+                continue
+            if current in in_chains:
+                return math.inf
+            graph_node = graph.nodes[current]
+            reads = [graph_node.partner] if graph_node.role is Role.DONE else graph.preds[current]
+            unknown = [p for p in reads if p not in finish]
+            if unknown:
+                if any(p in in_chains for p in unknown):
+                    return math.inf
+                pending.extend(unknown)
+                continue
+            at = max((finish[p] for p in reads), default=0.0)
+            pending.pop()
+            if graph_node.role is Role.START:
+                issue(current, at)
             else:
-                at = max(at, finish.get(pred, 0.0))
-        return at
+                finish[current] = at + (
+                    0.0 if graph_node.role is Role.DONE else seconds(graph_node)
+                )
+        return finish[node]
+
+    def ready_at(node: int) -> float:
+        return max((available(p) for p in graph.preds[node]), default=0.0)
 
     def issue_collectives(after: int) -> None:
-        nonlocal link_free
         for succ in graph.succs[after]:
-            node = graph.nodes[succ]
-            if node.role is not Role.START or succ in arrival:
-                continue
-            if any(p not in finish for p in graph.preds[succ]):
-                continue
-            issue = max(finish[p] for p in graph.preds[succ])
-            link_free = max(link_free, issue) + seconds(node)
-            arrival[succ] = link_free
+            if graph.nodes[succ].role is Role.START and succ not in finish:
+                at = ready_at(succ)
+                if at < math.inf:
+                    issue(succ, at)
 
-    chains = [first, second]
+    chains = [chain for chain in chains if chain]
     to_collective = [_to_next_collective(graph, chain, seconds) for chain in chains]
-    heads = [0, 0]
-    merged = []
-    while any(head < len(chain) for head, chain in zip(heads, chains, strict=True)):
-        candidates = [
-            (max(now, ready_at(chain[head])), to_collective[index][head], index)
-            for index, (head, chain) in enumerate(zip(heads, chains, strict=True))
-            if head < len(chain)
-        ]
-        start_at, _, index = min(candidates)
+    heads = [0] * len(chains)
+    beside = [0, 1][: len(chains)]  # the chains side by side, earlier first
+    joined = len(beside)
+    merged: list[int] = []
+    alone: set[int] = set()
+    while beside:
+        candidates = sorted(
+            (max(now, ready_at(chains[c][heads[c]])), to_collective[c][heads[c]], c) for c in beside
+        )
+        start_at, _, index = candidates[0]
+        if start_at == math.inf:  # each waits for the other (not in program order)
+            start_at, index = now, beside[0]
         node = chains[index][heads[index]]
         heads[index] += 1
         now = start_at + seconds(graph.nodes[node])
         finish[node] = now
         merged.append(node)
+        if all(at == math.inf for at, _, c in candidates if c != index):
+            alone.add(node)
         issue_collectives(node)
-    return merged
+        if heads[index] == len(chains[index]):
+            beside.remove(index)
+            if joined < len(chains):
+                beside.append(joined)
+                joined += 1
+    return Merged(merged, alone)
 
 
 def _to_next_collective(
@@ -158,16 +209,28 @@ def _to_next_collective(
 Pass = tuple[int, Phase]  # (microbatch, FORWARD | BACKWARD)
 
 
-def pass_pairs(count: int) -> list[tuple[Pass, Pass]]:
-    """The passes of ``count`` microbatches, paired in the order the step runs them."""
+def pass_order(count: int) -> list[Pass]:
+    """The passes of ``count`` microbatches in the order they join the two running side
+    by side: forward 0 and forward 1, then backward i and forward i + 2 in turn, the last
+    two backward passes last."""
     if count < 2:
         return []
     forward, backward = Phase.FORWARD, Phase.BACKWARD
-    return [
-        ((0, forward), (1, forward)),
-        *(((i, backward), (i + 2, forward)) for i in range(count - 2)),
-        ((count - 2, backward), (count - 1, backward)),
-    ]
+    middle = [p for i in range(count - 2) for p in ((i, backward), (i + 2, forward))]
+    return [(0, forward), (1, forward), *middle, (count - 2, backward), (count - 1, backward)]
+
+
+def slot_order(ticks: Sequence[int]) -> list[Pass]:
+    """A pipeline's slots, as ``(tick, phase)``, in the order they join the two running
+    side by side: the first forward slot, then each tick's backward slot and the next
+    tick's forward slot in turn. A forward slot waits for the one before it and a
+    backward slot for its own forward slot and the backward slot before it (through the
+    stages' exchanges), so tick k's backward slot runs beside tick k + 1's forward slot,
+    and its tail before tick k + 1's backward slot."""
+    if not ticks:
+        return []
+    forward, backward = Phase.FORWARD, Phase.BACKWARD
+    return [(ticks[0], forward), *(p for t in ticks for p in ((t, backward), (t + 1, forward)))]
 
 
 @dataclass(frozen=True)
@@ -183,44 +246,31 @@ class Pairing:
 
 def pair_passes(graph: Graph, seconds: Callable[[Node], float]) -> Pairing | None:
     """The pairing of ``graph``'s passes (None where nothing pairs: fewer than two
-    microbatches, no pipeline tick followed by a forward slot). Each pair's merged nodes
-    spread, in merged order, over program positions the pair held: those of the pair's
-    first pass (microbatches), or both slots' (a pipeline's). A backward all-to-all is
-    unpaired where it is outside the microbatches (a pipeline's, the step's own), or
-    where its pass reaches it after the other pass of its pair has ended in the merged
-    order: the longer pass's tail (a backward pass takes about twice its forward pass)."""
+    microbatches, a pipeline of one slot): all of them merged at
+    once (:func:`merge_chains`), microbatches in :func:`pass_order`, a pipeline's slots in
+    :func:`slot_order`, and the merged nodes spread, in merged order, over the program
+    positions the passes held. A backward all-to-all is unpaired where it is outside the
+    microbatches (a pipeline's, the step's own), or where its pass reaches it alone (the
+    last backward pass's tail)."""
     passes = microbatch_passes(graph)
     if passes:
-        count = 1 + max(index for index, _ in passes)
-        pairs, whole_span = pass_pairs(count), False
+        order = pass_order(1 + max(index for index, _ in passes))
     else:
         passes = microbatch_passes(graph, tick_of)
-        ticks = sorted({tick for tick, _ in passes})
-        pairs = [((tick, Phase.BACKWARD), (tick + 1, Phase.FORWARD)) for tick in ticks]
-        whole_span = True
-    priorities: dict[int, float] = {}
-    tails: set[int] = set()  # compute nodes run after the other pass of their pair ended
-    for first, second in pairs:
-        held, joining = passes.get(first, []), passes.get(second, [])
-        if not held or not joining:
-            continue
-        merged = merge_chains(graph, held, joining, seconds)
-        span = held + joining if whole_span else held
-        low, high = min(span) - 0.5, max(span) + 0.5
-        step = (high - low) / (len(merged) + 1)
-        for rank, node in enumerate(merged, start=1):
-            priorities[node] = low + rank * step
-        # Each chain keeps its order in the merge: the one that ends first ends at its
-        # last node, and the other's tail follows.
-        shorter = joining if merged[-1] in held else held
-        tails.update(merged[merged.index(shorter[-1]) + 1 :])
-    if not priorities:
+        order = slot_order(sorted({tick for tick, _ in passes}))
+    chains = [passes[p] for p in order if p in passes]
+    if len(chains) < 2:
         return None
-    _no_later_than_readers(graph, priorities, {n for nodes in passes.values() for n in nodes})
+    merged = merge_chains(graph, chains, seconds)
+    span = [node for chain in chains for node in chain]
+    low, high = min(span) - 0.5, max(span) + 0.5
+    step = (high - low) / (len(merged.order) + 1)
+    priorities = {node: low + rank * step for rank, node in enumerate(merged.order, start=1)}
+    _no_later_than_readers(graph, priorities, set(span))
     unpaired = [
         start
         for start in graph.backward_all_to_alls()
-        if microbatch_of(start) is None or any(p in tails for p in graph.preds[start.id])
+        if microbatch_of(start) is None or any(p in merged.alone for p in graph.preds[start.id])
     ]
     return Pairing(priorities, unpaired)
 

@@ -58,6 +58,10 @@ from jaxmoe.pipeline.ticks import TickTable
 from jaxmoe.train.resolved import resolve, schedule_policy
 from jaxmoe.train.scheduled import capture_train_step, scheduled_train_step
 from jaxmoe.train.state import abstract_sharded_state, init_train_state, param_trees_mapped
+from scheduling.passes import split_async
+from scheduling.passes.pair_microbatches import pair_passes, tick_of
+from scheduling.program.graph import Role
+from scheduling.search.step_estimate import node_seconds
 from tests.train.batches import random_batch
 from tests.train.runs import linked
 
@@ -247,6 +251,21 @@ def test_pair_runs_each_backward_slot_beside_the_next_forward_slot():
         return counts
 
     paired_counts, plain_counts = neighbours_in_windows("pair"), neighbours_in_windows("dw")
+    # The slots are merged in one order for the whole step, two side by side: by the keys
+    # the order takes from it, no third slot is in progress. (A key range per tick over
+    # its slots' program positions overlapped the next tick's: a backward slot's own
+    # positions lie inside its tick's forward slot's.)
+    policy = schedule_policy(paired)
+    graph = split_async(program, min_bytes=policy.async_min_bytes)
+    seconds = node_seconds(scheduling.cost_model(policy, mesh).rebound(graph.program))
+    keys = pair_passes(graph, seconds).priorities
+    spans: dict[tuple[int, str], list[float]] = {}
+    for node in graph.nodes:
+        tick = tick_of(node)
+        if tick is not None and node.role is Role.COMPUTE and node.id in keys:
+            spans.setdefault((tick, node.op.phase.value), []).append(keys[node.id])
+    edges = sorted(key for found in spans.values() for key in (min(found), max(found)))
+    assert max(sum(min(f) <= at <= max(f) for f in spans.values()) for at in edges) == 2
     # Tick 0 has no backward slot; every later tick's backward slot meets the next forward.
     assert all(count > 0 for count in paired_counts[1:-1]), paired_counts
     assert not any(plain_counts), plain_counts

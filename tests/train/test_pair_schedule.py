@@ -1,10 +1,10 @@
-"""The pair schedule (every microbatch's pass beside another's: forward 0 with forward 1,
-backward i with forward i+2, the last two backward passes together) computes the step as
-written: losses within 1e-5, the same tokens dropped, on the unfolded layout and (slow) a
-folded one, and composed with lancet and comet (``pair_microbatches``); its order really
-interleaves the microbatches (behind the barrier that holds each one from six microbatches
-on, too), respects every dependence, and fills with dW work the windows of a backward
-pass that runs on alone once its partner has ended."""
+"""The pair schedule (every microbatch's pass beside another's, two at a time, each next
+one joining as one ends: forward 0 and forward 1, then backward i and forward i+2 in turn)
+computes the step as written: losses within 1e-5, the same tokens dropped, on the unfolded
+layout and (slow) a folded one, and composed with lancet and comet (``pair_microbatches``);
+its order really interleaves the microbatches (behind the barrier that holds each one from
+six microbatches on, too), respects every dependence, and fills with dW work the windows
+of the last backward pass, which runs on alone once the one beside it has ended."""
 
 import dataclasses
 import functools
@@ -18,6 +18,7 @@ from jaxmoe.parallel.mesh import build_mesh
 from jaxmoe.pipeline.microbatches import ORDERED_FROM
 from jaxmoe.train.resolved import resolve, schedule_policy
 from jaxmoe.train.scheduled import capture_train_step
+from scheduling.passes.pair_microbatches import pass_order
 from tests.train.runs import linked, with_schedule
 from tests.train.test_scheduled import run
 
@@ -118,16 +119,26 @@ def test_the_paired_order_interleaves_microbatches_and_respects_dependences(micr
         run.graph, run.order, run.position, run.nodes, run.paired
     )  # fmt: skip
     assert all(position[p] < position[n] for n in range(len(order)) for p in graph.preds[n])
-    # (forward 0, forward 1), (backward i, forward i + 2), (backward M - 2, backward M - 1).
+    # Two passes run side by side, each next one joining as one ends, in pass_order:
+    # (forward 0, forward 1), then backward i and forward i + 2 in turn.
+    spans = {}
+    for at, node in enumerate(order):
+        if (found := run.pass_of(node)) is not None:
+            spans[found] = (spans.get(found, (at, at))[0], at)
+    assert sorted(spans, key=lambda p: spans[p][0]) == [
+        (i, phase.value) for i, phase in pass_order(microbatches)
+    ]
+    for at in range(len(order)):
+        assert sum(first <= at <= last for first, last in spans.values()) <= 2, at
     # Within microbatch i's backward pass runs a good part of microbatch i + 2's forward
-    # pass, its all-to-alls among them, and nothing of microbatch i + 1's.
+    # pass, its all-to-alls among them, and once that has ended, backward i + 1 joins:
+    # no pass but the last runs alone.
     for i in range(microbatches - 2):
+        assert paired((i, "backward"), (i + 1, "backward")), i
         inside = paired((i, "backward"), (i + 2, "forward"))
         assert len(inside) > 0.25 * len(nodes(i + 2, "forward")), i
         exchanges = [n for n in inside if graph.nodes[n].op.primitive == "all_to_all"]
         assert len(exchanges) >= 2, i  # the forward dispatch and combine of an MoE layer
-        assert not paired((i, "backward"), (i + 1, "forward")), i
-        assert not paired((i, "backward"), (i + 1, "backward")), i
     # No pass runs alone: the first forward pass and the last backward pass have partners.
     last = microbatches - 1
     assert len(paired((0, "forward"), (1, "forward"))) > 0.25 * len(nodes(1, "forward"))
@@ -145,15 +156,16 @@ def test_the_paired_order_interleaves_microbatches_and_respects_dependences(micr
     assert min(plain_forward) > max(plain_backward)
 
 
-def test_a_backward_pass_that_runs_on_alone_fills_its_windows_with_dw_work():
-    # On the CPU's own link a backward pass outlasts the forward pass beside it: once
-    # forward i + 2 has ended, the all-to-alls of backward i hold its dW work.
+def test_the_last_backward_pass_fills_the_windows_it_runs_alone_with_dw_work():
+    # On the CPU's own link a backward pass outlasts the pass beside it: once the
+    # second-last backward pass has ended, the last one runs alone, and its all-to-alls
+    # hold its dW work. The backward passes before it always have a pass beside them.
     run = Paired(ORDERED_FROM, "cpu")
-    for i in range(ORDERED_FROM - 2):
-        ended = max(run.position[n] for n in run.nodes(i + 2, "forward"))
-        alone = [
-            start
-            for start, placed in run.windows.items()
-            if run.pass_of(start) == (i, "backward") and run.position[start] > ended and placed
-        ]
-        assert alone, i
+    last = ORDERED_FROM - 1
+    ended = max(run.position[n] for n in run.nodes(last - 1, "backward"))
+    alone = [
+        start
+        for start, placed in run.windows.items()
+        if run.pass_of(start) == (last, "backward") and run.position[start] > ended and placed
+    ]
+    assert alone
