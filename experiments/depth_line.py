@@ -4,7 +4,7 @@ two blocks and through two and three (the planner's, :mod:`jaxmoe.plan.layer_ext
 against the four- and five-block traces.
 
     python -m experiments.depth_line [--out experiments/results/depth_line.md] [--blocks 5]
-        [--case NAME ...] [--no-packing]
+        [--case NAME ...] [--schedules none,dw,lancet,pair] [--no-packing]
 
 A line is exact where every block between the first and the last adds the same to the
 step; the table says what each block adds, and each line's error where a trace can check
@@ -125,17 +125,17 @@ def _config(case: Case):
 
 
 def traced_steps(
-    case: Case, most_blocks: int
+    case: Case, most_blocks: int, schedules: Sequence[str] = SCHEDULES
 ) -> tuple[int, dict[str, list[float]], dict[str, tuple[int, int]]]:
-    """The model's block count, each schedule's simulated step (seconds) with 1 to
-    ``most_blocks`` blocks, and the two depths the planner's line runs through for each
+    """The model's block count, each of ``schedules``' simulated step (seconds) with 1
+    to ``most_blocks`` blocks, and the two depths the planner's line runs through for each
     (:func:`~jaxmoe.plan.layer_extrapolation.line_depths`)."""
     from jaxmoe.plan.estimates import EstimateCache
     from jaxmoe.plan.layer_extrapolation import block_count, line_depths, with_blocks
     from jaxmoe.plan.tracer import Tracer
 
     config = _config(case)
-    tracer = Tracer(SCHEDULES, PROFILE, EstimateCache(None))
+    tracer = Tracer(schedules, PROFILE, EstimateCache(None))
     steps: dict[str, list[float]] = {}
     for blocks in range(1, most_blocks + 1):
         _, times = tracer.estimate(with_blocks(config, blocks))
@@ -300,15 +300,23 @@ def main(argv: list[str] | None = None) -> int:
         help="only this case (repeatable; default: every case)",
     )
     parser.add_argument(
+        "--schedules",
+        default=",".join(SCHEDULES),
+        help="the schedules traced, comma-separated (default: all the planner weighs)",
+    )
+    parser.add_argument(
         "--no-packing", action="store_true", help="leave out the dW packings at depth"
     )
     args = parser.parse_args(argv)
     if args.blocks < 4:
         parser.error(f"--blocks={args.blocks}: at least 4, to check the line through 2 and 3")
+    schedules = [s for s in args.schedules.split(",") if s]
+    if not schedules or any(s not in SCHEDULES for s in schedules):
+        parser.error(f"--schedules {args.schedules!r}: choose from {', '.join(SCHEDULES)}")
     cases = [case for case in CASES if args.case is None or case.name in args.case]
     rows = []
     for case in cases:
-        rows.append((case, *traced_steps(case, args.blocks)))
+        rows.append((case, *traced_steps(case, args.blocks, schedules)))
         print(f"{case.model} {case.label}: traced", flush=True)
     packing = (
         []

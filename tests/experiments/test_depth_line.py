@@ -53,3 +53,10 @@ def test_the_packing_table_gives_each_packings_steps_and_peaks():
     assert "| forced | 10% | 100.0, 150.0 | 50.00 | 1.05x, 1.10x |" in text
     assert "| unforced | none | 110.0, 160.0 | 50.00 | 1.00x, 1.00x |" in text
     assert "| nothing placed | none | 120.0, 180.0 | 60.00 | 1.00x, 1.02x |" in text
+
+
+def test_only_the_schedules_the_planner_weighs_are_traced(capsys):
+    with pytest.raises(SystemExit) as exited:
+        depth_line.main(["--schedules", "pair,bogus"])
+    assert exited.value.code == 2
+    assert "--schedules 'pair,bogus': choose from none, dw, lancet, pair" in capsys.readouterr().err
