@@ -36,17 +36,19 @@ first two successive depths, from :data:`TRACED_BLOCKS` on, at which the bound w
 at both or at neither (:func:`agreeing_depth`), no deeper than :data:`MAX_TRACED_BLOCKS`.
 
 A paired schedule (``pair``: :data:`scheduling.names.PAIRING`) reaches further still: it
-merges two passes of their whole length, and the shorter one (a forward pass, about half
-its backward pass) ends part of the way through the other, whose tail runs alone. Where
-a block falls against that end depends on the depth, so no block is like the next. At
-Mixtral 8x22B's recipe, pipelined (two stages of 28 blocks, 16 microbatches), the third
-to the eighth block add 153.3, 159.0, 213.3, 159.9, 184.3 and 184.3 ms, and the line
-through two and three blocks is 10.1% under the twelve-block trace
-(experiments/results/depth_line_paired.md). What a block adds settles only on average
-over several blocks, so a paired schedule's line runs from the shallower depth to
-:data:`PAIRED_LINE_DEPTH` blocks (:func:`line_depths`): 0.2% over the twelve-block trace
-there, and 0.03% under it on Qwen2-57B-A14B's 16 paired microbatches at its recipe (the
-line through two and three: 2.7% under).
+merges passes of their whole length, and the shorter one beside another (a forward pass,
+about half its backward pass) ends part of the way through it. Where a block falls
+against that end depends on the depth, so no block is like the next. At Mixtral 8x22B's
+recipe, pipelined (two stages of 28 blocks, 16 microbatches), when each pair of slots
+was merged on its own, the third to the eighth block added 153.3, 159.0, 213.3, 159.9,
+184.3 and 184.3 ms, and the line through two and three blocks was 10.1% under the
+twelve-block trace (experiments/results/depth_line_paired.md). What a block adds settles
+only on average over several blocks, so a paired schedule's line runs from the shallower
+depth to :data:`PAIRED_LINE_DEPTH` blocks (:func:`line_depths`). With the whole step's
+passes merged in one order (:mod:`scheduling.passes.pair_microbatches`) it is 1.4% over
+the twelve-block trace there (the line through two and three: 2.0% under), and 0.05%
+under it on Qwen2-57B-A14B's 16 paired microbatches at its recipe (two and three: 1.0%
+over; experiments/results/depth_line_pair.md).
 """
 
 from __future__ import annotations
