@@ -116,12 +116,12 @@ def merge_chains(
     link_free = 0.0
     now = 0.0
 
-    def issue(start: int, at: float) -> float:
-        """Puts collective ``start``, reached at ``at``, on the link: when it arrives."""
+    def issue(start: int, at: float) -> None:
+        """Puts collective ``start``, reached at ``at``, on the link after those before it;
+        its result is there when the link has carried it."""
         nonlocal link_free
         link_free = max(link_free, at) + seconds(graph.nodes[start])
         finish[start] = link_free
-        return link_free
 
     def available(node: int) -> float:
         """When ``node``'s result is there (infinite while it waits for a chain's node
@@ -146,10 +146,10 @@ def merge_chains(
             pending.pop()
             if graph_node.role is Role.START:
                 issue(current, at)
+            elif graph_node.role is Role.DONE:
+                finish[current] = at
             else:
-                finish[current] = at + (
-                    0.0 if graph_node.role is Role.DONE else seconds(graph_node)
-                )
+                finish[current] = at + seconds(graph_node)
         return finish[node]
 
     def ready_at(node: int) -> float:
@@ -174,7 +174,7 @@ def merge_chains(
             (max(now, ready_at(chains[c][heads[c]])), to_collective[c][heads[c]], c) for c in beside
         )
         start_at, _, index = candidates[0]
-        if start_at == math.inf:  # each waits for the other (not in program order)
+        if start_at == math.inf:  # both wait for a chain not beside them yet
             start_at, index = now, beside[0]
         node = chains[index][heads[index]]
         heads[index] += 1

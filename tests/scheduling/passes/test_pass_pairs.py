@@ -59,3 +59,48 @@ def test_the_merge_starts_the_chain_nearer_its_collective_first():
     # exchange runs while exp, cos and sin compute; then exp's chain runs alone.
     assert merged.order == [by_name["tanh"], *first]
     assert merged.alone == set(first)
+
+
+def _three_chains(x, y, z):
+    # a: three computations, then an all-to-all; b: one, then an all-to-all; c: two.
+    a = jax.lax.all_to_all(jnp.sin(jnp.cos(jnp.exp(x))), "x", 0, 0, tiled=True)
+    b = jax.lax.all_to_all(jnp.tanh(y), "x", 0, 0, tiled=True)
+    return a * 2.0, b * 3.0, jnp.sqrt(jnp.log(z))
+
+
+def _graph(fn, count):
+    mesh = mesh_x()
+    program = capture(
+        fn,
+        *[sds(mesh, (64, 4), P("x"))] * count,
+        mesh=mesh,
+        in_specs=(P("x"),) * count,
+        out_specs=(P("x"),) * count,
+    )
+    graph = split_async(program)
+    return graph, {n.op.primitive: n.id for n in graph.nodes if n.role is Role.COMPUTE}
+
+
+def test_each_next_chain_joins_as_one_beside_it_ends():
+    graph, by_name = _graph(_three_chains, 3)
+    a = [by_name["exp"], by_name["cos"], by_name["sin"]]
+    b, c = [by_name["tanh"]], [by_name["log"], by_name["sqrt"]]
+    merged = merge_chains(graph, [a, b, c], fixed_seconds({}, default=1.0))
+    # b, nearer its all-to-all, goes first and ends; c joins beside a, and two nodes from
+    # its end (a: three from its all-to-all) goes on; a runs on alone.
+    assert merged.order == [*b, *c, *a]
+    assert merged.alone == set(a)
+
+
+def _through_work_outside(x):
+    a = jnp.sin(jnp.cos(jnp.exp(x)))
+    return (jax.lax.all_to_all(jnp.tanh(a * 2.0), "x", 0, 0, tiled=True),)
+
+
+def test_a_chain_waits_for_the_work_outside_the_chains_that_it_reads():
+    graph, by_name = _graph(_through_work_outside, 1)
+    a, b = [by_name["exp"], by_name["cos"], by_name["sin"]], [by_name["tanh"]]
+    # tanh, nearer its all-to-all, reads what sin computes through a product in neither
+    # chain: it waits for both.
+    merged = merge_chains(graph, [a, b], fixed_seconds({}, default=1.0))
+    assert merged.order == [*a, *b]
