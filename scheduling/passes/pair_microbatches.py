@@ -235,7 +235,7 @@ def slot_order(ticks: Sequence[int]) -> list[Pass]:
 
 @dataclass(frozen=True)
 class Pairing:
-    """How a step's passes run in pairs: a key for each compute node of a paired pass
+    """How a step's passes run side by side: a key for each compute node of a pass
     (and for the work outside the passes that one waits for), which the order uses in
     place of program positions; and the backward all-to-alls whose windows no other
     pass fills, for the dW work of :mod:`scheduling.passes.schedule_dw`."""
@@ -246,8 +246,8 @@ class Pairing:
 
 def pair_passes(graph: Graph, seconds: Callable[[Node], float]) -> Pairing | None:
     """The pairing of ``graph``'s passes (None where nothing pairs: fewer than two
-    microbatches, a pipeline of one slot): all of them merged at
-    once (:func:`merge_chains`), microbatches in :func:`pass_order`, a pipeline's slots in
+    microbatches, a pipeline of one slot): all of them merged at once
+    (:func:`merge_chains`), microbatches in :func:`pass_order`, a pipeline's slots in
     :func:`slot_order`, and the merged nodes spread, in merged order, over the program
     positions the passes held. A backward all-to-all is unpaired where it is outside the
     microbatches (a pipeline's, the step's own), or where its pass reaches it alone (the

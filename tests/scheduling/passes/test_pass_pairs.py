@@ -33,6 +33,19 @@ def test_every_pass_once_after_those_it_waits_for(count):
     assert all(at[i - 3, B] < at[i, F] for i in range(3, count))
 
 
+def _graph(fn, count):
+    mesh = mesh_x()
+    program = capture(
+        fn,
+        *[sds(mesh, (64, 4), P("x"))] * count,
+        mesh=mesh,
+        in_specs=(P("x"),) * count,
+        out_specs=(P("x"),) * count,
+    )
+    graph = split_async(program)
+    return graph, {n.op.primitive: n.id for n in graph.nodes if n.role is Role.COMPUTE}
+
+
 def _two_chains(x, y):
     # Chain a: three computations, then an all-to-all; chain b: one, then an all-to-all.
     a = jax.lax.all_to_all(jnp.sin(jnp.cos(jnp.exp(x))), "x", 0, 0, tiled=True)
@@ -41,17 +54,7 @@ def _two_chains(x, y):
 
 
 def test_the_merge_starts_the_chain_nearer_its_collective_first():
-    mesh = mesh_x()
-    program = capture(
-        _two_chains,
-        sds(mesh, (64, 4), P("x")),
-        sds(mesh, (64, 4), P("x")),
-        mesh=mesh,
-        in_specs=(P("x"), P("x")),
-        out_specs=(P("x"), P("x")),
-    )
-    graph = split_async(program)
-    by_name = {n.op.primitive: n.id for n in graph.nodes if n.role is Role.COMPUTE}
+    graph, by_name = _graph(_two_chains, 2)
     first = [by_name["exp"], by_name["cos"], by_name["sin"]]
     second = [by_name["tanh"]]
     merged = merge_chains(graph, [first, second], fixed_seconds({}, default=1.0))
@@ -66,19 +69,6 @@ def _three_chains(x, y, z):
     a = jax.lax.all_to_all(jnp.sin(jnp.cos(jnp.exp(x))), "x", 0, 0, tiled=True)
     b = jax.lax.all_to_all(jnp.tanh(y), "x", 0, 0, tiled=True)
     return a * 2.0, b * 3.0, jnp.sqrt(jnp.log(z))
-
-
-def _graph(fn, count):
-    mesh = mesh_x()
-    program = capture(
-        fn,
-        *[sds(mesh, (64, 4), P("x"))] * count,
-        mesh=mesh,
-        in_specs=(P("x"),) * count,
-        out_specs=(P("x"),) * count,
-    )
-    graph = split_async(program)
-    return graph, {n.op.primitive: n.id for n in graph.nodes if n.role is Role.COMPUTE}
 
 
 def test_each_next_chain_joins_as_one_beside_it_ends():
