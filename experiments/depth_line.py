@@ -148,6 +148,7 @@ def traced_steps(
             schedule,
             lambda depth, s=schedule: tracer.bound_withdrew(with_blocks(config, depth), s),
             found,
+            lambda depth: tracer.ops(with_blocks(config, depth)),
         )
         for schedule in steps
     }

@@ -67,12 +67,13 @@ class ExposedCommunication:
 @dataclass(frozen=True)
 class _Step:
     """One traced step's stalls and link seconds by purpose, the forward ranges it
-    partitioned, and whether its live-bytes bound withdrew placements."""
+    partitioned, whether its live-bytes bound withdrew placements, and its ops as traced."""
 
     exposed: dict[str, float]
     linked: dict[str, float]
     ranges: int
     bound_withdrew: bool
+    ops: int
 
 
 def _traced_step(config: Config, schedule: str, profile: str) -> _Step:
@@ -96,7 +97,7 @@ def _traced_step(config: Config, schedule: str, profile: str) -> _Step:
         exposed[purpose] += timing.stall
         linked[purpose] += seconds(node)
     withdrew = scheduled.order.withdrawn_for_bound > 0
-    return _Step(dict(exposed), dict(linked), len(scheduled.partitions), withdrew)
+    return _Step(dict(exposed), dict(linked), len(scheduled.partitions), withdrew, len(program.ops))
 
 
 def exposed_communication(config: Config, schedule: str, profile: str) -> ExposedCommunication:
@@ -115,7 +116,9 @@ def exposed_communication(config: Config, schedule: str, profile: str) -> Expose
             steps[depth] = _traced_step(with_blocks(config, depth), schedule, profile)
         return steps[depth]
 
-    first, second = line_depths(schedule, lambda depth: at(depth).bound_withdrew, blocks)
+    first, second = line_depths(
+        schedule, lambda depth: at(depth).bound_withdrew, blocks, lambda depth: at(depth).ops
+    )
     shallow, deeper = at(first), at(second)
     further = (blocks - first) / (second - first)  # the line's steps beyond the shallow trace
 

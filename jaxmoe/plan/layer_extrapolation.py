@@ -49,6 +49,11 @@ passes merged in one order (:mod:`scheduling.passes.pair_microbatches`) it is 1.
 the twelve-block trace there (the line through two and three: 2.0% under), and 0.05%
 under it on Qwen2-57B-A14B's 16 paired microbatches at its recipe (two and three: 1.0%
 over; experiments/results/depth_line_pair.md).
+
+No line runs deeper than a step of :data:`MAX_LINE_OPS` ops (:func:`deepest_line_depth`):
+the scheduler's memory grows with the square of a step's size, and a deep pipeline's
+eight blocks a chunk in many microbatches are more than a host holds. There the line runs
+to the deepest step within it, no shallower than three blocks.
 """
 
 from __future__ import annotations
@@ -64,9 +69,19 @@ TRACED_BLOCKS = (2, 3)
 # The deepest a model is traced at to find two depths whose orders agree (module
 # docstring); where none agree by then, the line runs through it and the depth before.
 MAX_TRACED_BLOCKS = 5
+# The most ops a step is traced with deeper than TRACED_BLOCKS, for a line (module
+# docstring). The scheduler keeps each node's ancestors and descendants as sets of bits
+# (scheduling.program.graph): about 3 N^2 / 16 bytes for N nodes, 4.2 GB at this many.
+# Mixtral 8x22B in four pipeline stages of two chunks each and 32 microbatches, traced at
+# the paired line's depth (seven blocks a chunk: the whole model), is about 380,000 ops,
+# 27 GB of those sets for one graph. The deepest lines that this leaves as they were
+# (Mixtral 8x22B's pipelined recipe mapping at eight blocks: 112,699 ops; Qwen2-57B-A14B's
+# paired one: about 90,000) are inside it.
+MAX_LINE_OPS = 150_000
 # How the table says a deep model's depth was estimated.
 DEPTH_METHOD = (
-    "extrapolated from two- and three-block traces (two- and eight-block traces under pair)"
+    "extrapolated from two- and three-block traces (two- and eight-block traces under pair, "
+    f"shallower where a deeper step would exceed {MAX_LINE_OPS:,} ops)"
 )
 # The deeper depth of a paired schedule's line (module docstring), or the model's own
 # where it is shallower.
@@ -142,15 +157,34 @@ def agreeing_depth(bound_withdrew: Callable[[int], bool], blocks: int) -> int:
     return shallow
 
 
+def deepest_line_depth(ops_at: Callable[[int], int], blocks: int) -> int:
+    """The deepest a ``blocks``-block model is traced at for a line: where the line
+    through its steps' sizes at :data:`TRACED_BLOCKS` (``ops_at``: the ops of the step
+    traced at a depth) stays within :data:`MAX_LINE_OPS`; never shallower than the deeper
+    of :data:`TRACED_BLOCKS`, never deeper than the model."""
+    shallow, deeper = TRACED_BLOCKS
+    first = ops_at(shallow)
+    grows = ops_at(deeper) - first
+    if grows <= 0:
+        return blocks
+    within = shallow + (MAX_LINE_OPS - first) // grows
+    return min(blocks, max(deeper, within))
+
+
 def line_depths(
-    schedule: str, bound_withdrew: Callable[[int], bool], blocks: int
+    schedule: str,
+    bound_withdrew: Callable[[int], bool],
+    blocks: int,
+    ops_at: Callable[[int], int] | None = None,
 ) -> tuple[int, int]:
     """The two depths ``schedule``'s line of a ``blocks``-block model runs through: from
     :func:`agreeing_depth`'s to the next, or for a paired schedule to
-    :data:`PAIRED_LINE_DEPTH` (module docstring), no deeper than the model."""
-    shallow = agreeing_depth(bound_withdrew, blocks)
+    :data:`PAIRED_LINE_DEPTH` (module docstring), no deeper than the model, nor than
+    :func:`deepest_line_depth` where ``ops_at`` gives the steps' sizes (None: no limit)."""
+    deepest = blocks if ops_at is None else deepest_line_depth(ops_at, blocks)
+    shallow = agreeing_depth(bound_withdrew, deepest)
     if schedule in scheduling.names.PAIRING:
-        return shallow, max(shallow + 1, min(PAIRED_LINE_DEPTH, blocks))
+        return shallow, max(shallow + 1, min(PAIRED_LINE_DEPTH, deepest))
     return shallow, shallow + 1
 
 

@@ -147,6 +147,7 @@ class Tracer:
         self.memory_limit = memory_limit
         self.traced = 0  # traces taken
         self._programs: dict[str, Traced] = {}
+        self._ops: dict[str, int] = {}  # by traced configuration: its program's ops
         self._memories: dict[str, StepMemory] = {}
         self._estimates: dict[str, Estimate] = {}
         self._priced: dict[str, set[str]] = {}  # by traced configuration: schedules priced
@@ -166,6 +167,7 @@ class Tracer:
         if found is None:
             self.traced += 1
             found = trace(config)
+            self._ops[key] = len(found.program.ops)
         self._programs[key] = found  # the latest last
         while len(self._programs) > 1 and (
             len(self._programs) > PROGRAMS_KEPT
@@ -182,6 +184,13 @@ class Tracer:
                 return key
         bounded = [key for key in self._programs if key in self._bounds]
         return max(bounded, key=self._bounds.__getitem__) if bounded else next(iter(self._programs))
+
+    def ops(self, config: Config) -> int:
+        """How many ops the step of ``config`` traced as it is (at its depth) has."""
+        key = _key(config)
+        if key not in self._ops:
+            self._trace(config)
+        return self._ops[key]
 
     def memory(self, config: Config) -> StepMemory:
         """The memory walk of ``config`` traced as it is (at its depth)."""
@@ -362,7 +371,9 @@ def _depth_line_time(tracer: Tracer, config: Config, schedule: str, blocks: int)
     def bound_withdrew(depth: int) -> bool:
         return tracer.bound_withdrew(with_blocks(config, depth), schedule)
 
-    depths = line_depths(schedule, bound_withdrew, blocks)
+    depths = line_depths(
+        schedule, bound_withdrew, blocks, lambda depth: tracer.ops(with_blocks(config, depth))
+    )
     # A depth only this schedule's line runs through (a paired line's deeper one) is priced
     # under this schedule alone.
     first, second = (

@@ -6,7 +6,7 @@ from experiments import exposed_communication as exposed_module
 from experiments.exposed_communication import ExposedCommunication, exposed_communication
 from jaxmoe.cli import parser as cli
 from jaxmoe.plan import estimates, tracer
-from jaxmoe.plan.layer_extrapolation import block_count, extrapolates
+from jaxmoe.plan.layer_extrapolation import MAX_LINE_OPS, block_count, extrapolates
 from jaxmoe.plan.mappings import Mapping, with_mapping
 
 PROFILE = "h100-8x-nvlink-3200g"
@@ -38,15 +38,18 @@ def test_the_purposes_sum_to_the_planners_exposed_communication(layers):
 def test_the_line_runs_through_the_depths_the_planner_chooses(monkeypatch):
     """Where the live-bytes bound withdrew placements at two blocks alone, the planner's
     line runs through three blocks and four (jaxmoe.plan.layer_extrapolation); so does the
-    breakdown's. Steps priced from their depth alone, nothing traced: 1 s a block exposed,
-    and 5 s more at two blocks."""
+    breakdown's; where a step of four blocks would pass MAX_LINE_OPS, through two and three.
+    Steps priced from their depth alone, nothing traced: 1 s a block exposed, and 5 s more
+    at two blocks."""
     traced = []
+    ops_a_block = 0
 
     def step(config, schedule, profile):
         depth = block_count(config)
         traced.append(depth)
         exposed = depth + (5.0 if depth == 2 else 0.0)
-        return exposed_module._Step({"x": exposed}, {"x": 2.0 * depth}, 0, depth == 2)
+        ops = ops_a_block * depth
+        return exposed_module._Step({"x": exposed}, {"x": 2.0 * depth}, 0, depth == 2, ops)
 
     monkeypatch.setattr(exposed_module, "_traced_step", step)
     flags = [*TINY, "--model.num_layers", "14", "--devices", "2", "--profile", PROFILE]
@@ -57,3 +60,8 @@ def test_the_line_runs_through_the_depths_the_planner_chooses(monkeypatch):
     assert traced == [2, 3, 4]
     assert found.exposed == {"x": pytest.approx(7.0)}
     assert found.communication == {"x": pytest.approx(14.0)}
+    traced.clear()
+    ops_a_block = MAX_LINE_OPS // 3 - 1
+    found = exposed_communication(config, "dw", PROFILE)
+    assert traced == [2, 3]
+    assert found.exposed == {"x": pytest.approx(7.0 + 5 * (3.0 - 7.0))}  # its slope, -4 s

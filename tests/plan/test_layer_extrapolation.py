@@ -13,6 +13,7 @@ from jaxmoe.cli import parser as cli
 from jaxmoe.config import Config, ConfigError, ModelConfig
 from jaxmoe.plan import estimates, tracer
 from jaxmoe.plan.layer_extrapolation import (
+    MAX_LINE_OPS,
     MAX_TRACED_BLOCKS,
     PAIRED_LINE_DEPTH,
     TRACED_BLOCKS,
@@ -233,17 +234,25 @@ def test_extrapolate_from_a_further_depth():
 
 
 def _stepping_by_depth(
-    monkeypatch, withdrawn_at: set[int], uneven_at: frozenset[int] = frozenset()
+    monkeypatch,
+    withdrawn_at: set[int],
+    uneven_at: frozenset[int] = frozenset(),
+    ops_a_block: int = 0,
 ) -> list[int]:
     """Steps priced from their depth alone, nothing traced: 1 s and 0.5 s a block, and 1 s
     more at the depths in ``withdrawn_at``, where the live-bytes bound withdrew placements,
-    and at those in ``uneven_at``, where it did not. Returns the depths priced, in order."""
+    and at those in ``uneven_at``, where it did not; each step ``ops_a_block`` ops a block.
+    Returns the depths priced, in order."""
     priced: list[int] = []
     memory = StepMemory(*[1] * 8)
-    traced = types.SimpleNamespace(
-        program=types.SimpleNamespace(ops=()), run=types.SimpleNamespace(state_shapes=None)
-    )
-    monkeypatch.setattr(tracer, "trace", lambda config: traced)
+
+    def traced(config):
+        ops = range(ops_a_block * block_count(config))
+        return types.SimpleNamespace(
+            program=types.SimpleNamespace(ops=ops), run=types.SimpleNamespace(state_shapes=None)
+        )
+
+    monkeypatch.setattr(tracer, "trace", traced)
     monkeypatch.setattr(tracer, "step_memory", lambda program, shapes: memory)
 
     def price(traced, memory, config, schedules, profile):
@@ -289,6 +298,36 @@ def test_a_paired_line_runs_from_two_blocks_to_eight():
     assert line_depths("dw", never, 28) == (2, 3)
     assert line_depths("pair", lambda depth: depth == 2, 28) == (3, 8)
     assert line_depths("pair", lambda depth: depth in (2, 4), 28) == (4, 8)
+
+
+def test_no_line_runs_deeper_than_a_step_of_max_line_ops():
+    """The deepest depth is that whose step, on the line through the steps' sizes at two
+    blocks and three, has at most MAX_LINE_OPS ops; never shallower than three blocks."""
+    assert MAX_LINE_OPS == 150_000
+    never = lambda depth: False
+    small = lambda depth: 10_000 + 20_000 * depth  # 50,000 ops at two blocks, 150,000 at seven
+    assert line_depths("pair", never, 28, small) == (2, 7)
+    assert line_depths("pair", never, 6, small) == (2, 6)  # the model is shallower still
+    assert line_depths("dw", never, 28, small) == (2, 3)
+    large = lambda depth: 40_000 * depth  # a third block would already pass it
+    assert line_depths("pair", never, 28, large) == (2, 3)
+    assert line_depths("pair", never, 28, lambda depth: 200_000 * depth) == (2, 3)
+    # Where the orders disagree up to the deepest depth allowed, the line is the deepest
+    # pair within it.
+    assert line_depths("dw", lambda depth: depth in (2, 4), 28) == (4, 5)
+    assert line_depths("dw", lambda depth: depth in (2, 4), 28, large) == (2, 3)
+    assert line_depths("dw", lambda depth: depth in (2, 4), 28, small) == (4, 5)
+
+
+def test_a_paired_step_is_traced_no_deeper_than_max_line_ops_allow(monkeypatch):
+    """A twelve-block model of 30,000 ops a block: at most five blocks within 150,000, so
+    the paired line runs through two blocks and five."""
+    priced = _stepping_by_depth(monkeypatch, set(), ops_a_block=30_000)
+    mapping = Mapping(2, 1, 1, 2, 1, "all_to_all", microbatches=2)
+    config = with_mapping(tiny(layers=24, devices=2), mapping, 8)
+    _, times = tracer.estimate_mapping(config, ["pair"], PROFILE, estimates.EstimateCache(None))
+    assert priced == [2, 3, 5]
+    assert times["pair"].step == pytest.approx(1.0 + 0.5 * 12)
 
 
 def test_extrapolate_along_a_longer_span():
