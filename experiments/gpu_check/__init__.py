@@ -41,7 +41,10 @@ recorded with its error, and the others still run:
   summed over the captured per-device program's ops) against it, for the whole step and
   for one block (the ops under ``layer_<i>``), the measured block from a ``jax.profiler``
   trace of two steps (the device time of the executed ops whose op_name names that
-  layer; step time over layers where the trace cannot be read).
+  layer; step time over layers where the trace cannot be read). And the compiled step's
+  memory (XLA's ``memory_analysis``: arguments + outputs - aliased + temporaries) against
+  the memory walk's estimate, with the device allocator's limit and its peak in use after
+  the timed steps: what of the device's memory a step can have, the planner's capacity.
 - **schedule**: :mod:`experiments.gpu_schedule_check` on JAX's mock topology of 8 GPUs
   (``none``, ``lancet``, ``pair``: windows kept, all-to-alls overlapped, step times). It
   runs in a process of its own: the mock topology must be chosen before JAX starts its

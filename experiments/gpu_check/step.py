@@ -164,6 +164,7 @@ def _measure_step(
     began = time.perf_counter()
     compiled = sharded.jit().lower(state, batches[0]).compile()
     measured["compile_s"] = round(time.perf_counter() - began, 2)
+    measured["compiled_memory"] = _compiled_memory(compiled)
     for index in range(sizes.warmup):
         state, metrics = compiled(state, batches[index % len(batches)])
     jax.block_until_ready(metrics)
@@ -177,6 +178,7 @@ def _measure_step(
         seconds.append(time.perf_counter() - began)
         dropped.append(float(metrics.get("dropped_fraction", 0.0)))
     measured["step_s"] = spread_of(seconds)
+    measured["device_memory"] = _device_memory(setup.device)
     measured["dropped_fraction"] = sum(dropped) / len(dropped)
     measured["tokens_per_s"] = (
         config.train.batch_size * config.model.seq_len / Spread.of(seconds).median
@@ -188,6 +190,28 @@ def _measure_step(
         measured["profile"] = _profiled_blocks(compiled, state, batches)
     except Exception as error:  # the step's own figures stand without it
         measured["profile_error"] = error_text(error)
+
+
+def _compiled_memory(compiled: Any) -> dict[str, int]:
+    """Bytes of the compiled step by XLA's memory analysis, and its peak as the memory
+    tests count it (arguments + outputs - aliased + temporaries)."""
+    analysis = compiled.memory_analysis()
+    found = {
+        name: int(getattr(analysis, f"{name}_size_in_bytes"))
+        for name in ("argument", "output", "alias", "temp")
+    }
+    found["peak"] = found["argument"] + found["output"] - found["alias"] + found["temp"]
+    return found
+
+
+def _device_memory(device: Any) -> dict[str, int] | None:
+    """The device allocator's limit and its peak in use after the timed steps (None where
+    the backend keeps no statistics, as XLA:CPU's)."""
+    stats = device.memory_stats()
+    if not stats:
+        return None
+    wanted = ("bytes_limit", "peak_bytes_in_use", "bytes_reservable_limit")
+    return {name: int(stats[name]) for name in wanted if name in stats}
 
 
 def _profiled_blocks(compiled: Any, state: Any, batches: list[Any]) -> dict[str, Any]:
@@ -292,6 +316,7 @@ def report(found: dict[str, Any]) -> list[str]:
         f"{measured['tokens_per_s']:,.0f} tokens/s; MFU {mfu}; dropped fraction "
         f"{measured['dropped_fraction']:.3f}"
     )
+    lines.extend(memory_lines(found))
     if "profile_error" in measured:
         lines.append(f"- profile: {measured['profile_error'].splitlines()[0]}")
     comparison = found.get("comparison")
@@ -302,6 +327,28 @@ def report(found: dict[str, Any]) -> list[str]:
             f"{comparison['block_measured_s'] * 1e3:.3f} ms ({comparison['block_measured_is']})"
         )
     return [*lines, ""]
+
+
+def memory_lines(found: dict[str, Any]) -> list[str]:
+    """The compiled step's memory against the memory walk's estimate, and what the
+    device's allocator allows and held."""
+    measured, fit = found["measured"], found["memory_fit"]
+    compiled = measured.get("compiled_memory")
+    if not compiled:
+        return []
+    line = (
+        f"- memory: XLA's compiled step {compiled['peak'] / 1e9:.2f} GB (arguments "
+        f"{compiled['argument'] / 1e9:.2f} + outputs {compiled['output'] / 1e9:.2f} - aliased "
+        f"{compiled['alias'] / 1e9:.2f} + temporaries {compiled['temp'] / 1e9:.2f})"
+    )
+    if "estimated_bytes" in fit:
+        line += f"; the memory walk's over it {fit['estimated_bytes'] / compiled['peak']:.3f}"
+    device = measured.get("device_memory")
+    if device and "bytes_limit" in device:
+        line += f"; the allocator's limit {device['bytes_limit'] / 1e9:.2f} GB"
+        if "peak_bytes_in_use" in device:
+            line += f", its peak in use {device['peak_bytes_in_use'] / 1e9:.2f} GB"
+    return [line]
 
 
 def fit_text(fit: dict[str, Any]) -> str:

@@ -77,6 +77,15 @@ def test_the_step_is_measured_and_estimated_per_step_and_per_block(dry_run):
     assert comparison["block_measured_is"].startswith("profiled: the device time of the ops")
     assert comparison["block_measured_s"] == profile["block_s"]
     assert comparison["step_estimate_over_measured"] > 0
+    # The compiled step's memory beside the walk's estimate; XLA:CPU keeps no allocator
+    # statistics.
+    memory = step["measured"]["compiled_memory"]
+    assert memory["temp"] > 0 and memory["argument"] > 0
+    assert (
+        memory["peak"] == memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
+    )
+    assert step["measured"]["device_memory"] is None
+    assert "- memory: XLA's compiled step" in (dry_run[0] / "gpu_check.md").read_text()
 
 
 def test_the_schedule_check_is_skipped_with_its_reason(dry_run):
