@@ -92,6 +92,21 @@ CASES = (
         ),
     ),
     Case(
+        "at its recipe, four stages",
+        "mixtral-8x22b",
+        128,
+        256,
+        dict(
+            tensor=4,
+            expert=8,
+            expert_tensor=4,
+            pipeline=4,
+            virtual_stages=2,
+            recompute="none",
+            microbatches=32,
+        ),
+    ),
+    Case(
         "on 64 H100s",
         "mixtral-8x22b",
         64,
