@@ -85,7 +85,6 @@ def dependency_bound(
 @dataclass(frozen=True)
 class Scheduled:
     step: float
-    compute: float
     exposed: float
     link_behind: float  # of exposed: stalls while the link carried other collectives
 
@@ -119,11 +118,10 @@ def traced_depth(case: Case, blocks: int, schedules: Sequence[str]) -> Depth:
     costs = [seconds(node) for node in graph.nodes]
     collective = [node.is_collective for node in graph.nodes]
     bound = dependency_bound(graph.ancestors, graph.descendants, costs, collective)
+    inputs = batch_inputs(program, traced.step.batch_argnums)
     found = {}
     for name in schedules:
-        variant = with_schedule(config, name, PROFILE)
-        policy = schedule_policy(variant)
-        inputs = batch_inputs(program, traced.step.batch_argnums)
+        policy = schedule_policy(with_schedule(config, name, PROFILE))
         scheduled = scheduling.schedule(program, policy, cost, inputs)
         timeline = simulate(
             scheduled.graph,
@@ -134,10 +132,7 @@ def traced_depth(case: Case, blocks: int, schedules: Sequence[str]) -> Depth:
             timing.stall for timing in timeline.collectives.values() if timing.began > timing.issued
         )
         found[name] = Scheduled(
-            timeline.step_seconds,
-            timeline.compute_seconds,
-            timeline.exposed_communication_seconds,
-            behind,
+            timeline.step_seconds, timeline.exposed_communication_seconds, behind
         )
     compute = sum(c for c, on_link in zip(costs, collective, strict=True) if not on_link)
     link = sum(c for c, on_link in zip(costs, collective, strict=True) if on_link)
