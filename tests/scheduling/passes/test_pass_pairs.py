@@ -94,3 +94,37 @@ def test_a_chain_waits_for_the_work_outside_the_chains_that_it_reads():
     # chain: it waits for both.
     merged = merge_chains(graph, [a, b], fixed_seconds({}, default=1.0))
     assert merged.order == [*a, *b]
+
+
+def _all_to_all(value):
+    return jax.lax.all_to_all(value, "x", 0, 0, tiled=True)
+
+
+def _chains_of_three_and_two_exchanges(x, y):
+    a = jnp.tanh(_all_to_all(jnp.cos(_all_to_all(jnp.sin(_all_to_all(jnp.exp(x)))))))
+    b = -jnp.abs(_all_to_all(jnp.log(_all_to_all(jnp.sqrt(y)))))
+    return a, b
+
+
+def test_a_run_ahead_puts_the_long_exchange_on_the_link_first():
+    graph, by_name = _graph(_chains_of_three_and_two_exchanges, 2)
+    a = [by_name[name] for name in ("exp", "sin", "cos", "tanh")]
+    b = [by_name[name] for name in ("sqrt", "log", "abs", "neg")]
+
+    def exchange_after(name):
+        (start,) = (s for s in graph.succs[by_name[name]] if graph.nodes[s].role is Role.START)
+        return start
+
+    compute = dict(zip(a + b, [3.0, 1.0, 3.0, 2.0, 1.0, 1.0, 3.0, 2.0], strict=True))
+    link = {exchange_after(n): s for n, s in [("exp", 4.0), ("sin", 1.0), ("cos", 4.0)]}
+    link |= {exchange_after(n): s for n, s in [("sqrt", 1.0), ("log", 2.0)]}
+    seconds = fixed_seconds(compute | link)
+    # The rule alone starts b, a second from its exchange: a's four-second exchange then
+    # goes on the link at 4 s, b's second one waits behind it, and the stream idles.
+    alone = merge_chains(graph, [a, b], seconds, lookahead=0)
+    assert alone.order == [b[0], a[0], b[1], a[1], b[2], b[3], a[2], a[3]]
+    assert alone.end == 24.0
+    # Run ahead, starting a ends sooner: its long exchanges lead the link.
+    ahead = merge_chains(graph, [a, b], seconds)
+    assert ahead.order == [a[0], b[0], a[1], b[1], a[2], b[2], b[3], a[3]]
+    assert ahead.end == 19.0
