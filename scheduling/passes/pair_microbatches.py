@@ -130,9 +130,8 @@ def merge_chains(
     its next collective sooner, so that the collective is on the link while the other
     chain computes (ties: the earlier chain); ``lookahead`` 0 takes that rule alone. (The
     rule alone puts the two chains in step: both reach their all-to-alls together and wait
-    for the link together. Traced at two blocks, the runs ahead take 5% off the simulated
-    step of the four-stage pipeline of Mixtral 8x22B's recipe, and 3% off that of
-    Qwen2-57B-A14B's paired mapping.)"""
+    for the link together. The runs ahead take 5% off the estimated step of Mixtral 8x22B
+    at its recipe in four stages, experiments/results/scale_eval.md.)"""
     in_chains = {node for chain in chains for node in chain}
     finish: dict[int, float] = {}  # merged node, or work outside the chains -> its result
     link_free = 0.0
