@@ -34,14 +34,13 @@ while the other chain computes; the link carries each chain's collectives as soo
 their operands exist. (Without that rule, ties going to one chain, the Lancet paper's
 GPT-2 MoE on 16 V100s hid 59% of the exposed all-to-all instead of all of it; the rule
 alone, without the runs ahead, keeps the two chains in step, both waiting for the link
-together.) The result is a
-priority for every compute node (:func:`pair_passes`), spread in merged order over the
-program positions the passes held, which the order pass uses in place of program
-positions; collectives then start as early and finish as late as ever, and the merged
-neighbours fill the windows between. (Keys per pair, over each pair's own positions,
-overlapped the next pair's where a tick's backward slot lies inside its forward slot's
-positions, and the order ran three slots at once against a merge of two.) Work outside
-every pass that a paired node waits for (from
+together.) The result is a priority for every compute node (:func:`pair_passes`), spread
+in merged order over the program positions the passes held, which the order pass uses in
+place of program positions; collectives then start as early and finish as late as ever,
+and the merged neighbours fill the windows between. (Keys per pair, over each pair's own
+positions, overlapped the next pair's where a tick's backward slot lies inside its
+forward slot's positions, and the order ran three slots at once against a merge of two.)
+Work outside every pass that a paired node waits for (from
 :data:`~scheduling.names.MICROBATCHES_IN_FLIGHT` times two microbatches on, the
 gradients summed up to microbatch i - 3 and the barrier that lets microbatch i start)
 gets the key of its first such reader: at its program position it would hold the later
