@@ -1,13 +1,16 @@
 """In which order the pair schedule's passes join the two running side by side (every pass
 once, each backward pass after its own forward pass), and how chains are merged."""
 
+import itertools
+import random
+
 import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from scheduling.passes import split_async
-from scheduling.passes.pair_microbatches import merge_chains, pass_order
+from scheduling.passes.pair_microbatches import _Ahead, _run_ahead, merge_chains, pass_order
 from scheduling.program.capture import Phase, capture
 from scheduling.program.graph import Role
 from tests.scheduling.toys import fixed_seconds, mesh_x, sds
@@ -128,3 +131,70 @@ def test_a_run_ahead_puts_the_long_exchange_on_the_link_first():
     ahead = merge_chains(graph, [a, b], seconds)
     assert ahead.order == [a[0], b[0], a[1], b[1], a[2], b[2], b[3], a[3]]
     assert ahead.end == 19.0
+
+
+def _random_chain(rng, first_node, first_start):
+    """An ``_Ahead`` of ten to thirty nodes: some put a collective on the link, some wait
+    for one the chain put there earlier, the rest do neither."""
+    count = rng.randrange(10, 30)
+    costs = [rng.choice([0.5, 1.0, 2.0]) for _ in range(count)]
+    issues, waits, issued = [], [], []
+    for _ in range(count):
+        waits.append(tuple(rng.sample(issued, 1)) if issued and rng.random() < 0.3 else ())
+        if rng.random() < 0.3:
+            issues.append(((first_start + len(issued), rng.choice([1.0, 3.0])),))
+            issued.append(issues[-1][0][0])
+        else:
+            issues.append(())
+    to_collective, after = [0.0] * count, 0.0
+    for index in reversed(range(count)):
+        after = costs[index] + (0.0 if issues[index] else after)
+        to_collective[index] = after
+    plain_to = [count] * (count + 1)
+    for index in reversed(range(count)):
+        plain_to[index] = index if waits[index] or issues[index] else plain_to[index + 1]
+    return _Ahead(
+        nodes=list(range(first_node, first_node + count)),
+        seconds=costs,
+        to_collective=to_collective,
+        waits=waits,
+        issues=issues,
+        issuing=[index for index, found in enumerate(issues) if found],
+        elapsed=list(itertools.accumulate(costs, initial=0.0)),
+        plain_to=plain_to,
+    )
+
+
+def _run_node_by_node(ahead, heads, first, now, link_free, lookahead):
+    """What ``_run_ahead`` computes, one node at a time."""
+    heads = list(heads)
+    ends = [chain.horizon(head, lookahead) for chain, head in zip(ahead, heads, strict=True)]
+    issued, pick = {}, first
+    while True:
+        options = [
+            (max([now, *(issued.get(s, 0.0) for s in chain.waits[heads[c]])]),
+             chain.to_collective[heads[c]], c)
+            for c, chain in enumerate(ahead)
+            if heads[c] < ends[c]
+        ]  # fmt: skip
+        if not options:
+            return now
+        ready, _, c = min(options) if pick is None else next(o for o in options if o[2] == pick)
+        pick = None
+        now = ready + ahead[c].seconds[heads[c]]
+        for start, link in ahead[c].issues[heads[c]]:
+            link_free = max(link_free, now) + link
+            issued[start] = link_free
+        heads[c] += 1
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_run_ahead_jumps_to_where_it_would_have_stepped(seed):
+    rng = random.Random(seed)
+    ahead = [_random_chain(rng, 0, 0), _random_chain(rng, 100, 100)]
+    heads = [rng.randrange(len(chain.nodes)) for chain in ahead]
+    for first in (0, 1):
+        for lookahead in (1, 3, 6):
+            expected = _run_node_by_node(ahead, heads, first, 2.0, 3.0, lookahead)
+            found = _run_ahead(ahead, [0, 1], heads, first, 2.0, 3.0, {}, lookahead)
+            assert found == pytest.approx(expected)
