@@ -4,7 +4,9 @@ Nodes run on the compute stream in schedule order. A collective's start hands
 it to the communication stream (the link), which runs collectives one at a
 time; its done stalls the compute stream until the collective has finished.
 A collective that was not split runs synchronously: the compute stream waits
-for it to get the link and then for the whole transfer. With
+for it to get the link and then for the whole transfer. A collective priced at nothing
+moves nothing (one over axes of a single device, the identity, which XLA removes): it
+finishes where it is issued, without waiting for the link. With
 ``asynchronous=False`` every collective runs so, a split one at its start: a
 backend that runs collectives where they stand in the program and lets nothing
 run beside them, as XLA's CPU backend does with its own collectives (it compiles
@@ -156,7 +158,11 @@ def simulate(
             node_id, compute_clock, 0.0, 0.0, 0.0, node_id in graph.deferrable
         )
         timings[node_id] = timing
-        link.issue(timing, seconds(graph.nodes[node_id]))
+        transfer = seconds(graph.nodes[node_id])
+        if transfer > 0:
+            link.issue(timing, transfer)
+        else:  # it moves nothing: no turn on the link to wait for
+            timing.began = timing.finished = compute_clock
         return timing
 
     def wait(timing: CollectiveTiming) -> None:

@@ -128,3 +128,18 @@ def test_the_report_says_what_held_the_link_before_a_stalled_collective():
     assert "gradient reductions" not in why(graph, ranked, ranked.collectives[7], 4.0, None)
     # The first one was awaited after one op of work: 3 s of its 4 s are exposed.
     assert why(graph, ranked, ranked.collectives[1], 4.0, None).startswith("3e+03 ms of work")
+
+
+def test_a_collective_that_moves_nothing_does_not_wait_for_the_link():
+    # The tensor-parallel psum priced at nothing (as one over a single device's axes is:
+    # the identity, which XLA removes), run at its start at 4 while the first all-to-all
+    # holds the link and the second waits for it: it finishes there, not at 9 behind them.
+    seconds = fixed_seconds({1: 4.0, 4: 4.0, 7: 4.0, 10: 0.0}, default=1.0)
+    timeline = simulate(_graph(), ORDER, seconds, asynchronous=lambda node: node.id != 10)
+    nothing = timeline.collectives[10]
+    assert (nothing.issued, nothing.began, nothing.finished, nothing.stall) == (4.0, 4.0, 4.0, 0.0)
+    assert 10 not in {event.node for event in timeline.events if event.stream == "communication"}
+    # The others are served as before: the all-to-alls one after the other, then the
+    # gradient reduction.
+    spans = {n: (t.began, t.finished) for n, t in timeline.collectives.items() if n != 10}
+    assert spans == {1: (1.0, 5.0), 7: (5.0, 9.0), 4: (9.0, 13.0)}
