@@ -246,19 +246,36 @@ class _Ahead:
             tuple(p for p in graph.preds[node] if graph.nodes[p].role is Role.DONE)
             for node in chain
         ]
-        costs = [seconds(graph.nodes[node]) for node in chain]
-        plain_to = [len(chain)] * (len(chain) + 1)
-        for index in reversed(range(len(chain))):
-            held = waits[index] or issues[index]
-            plain_to[index] = index if held else plain_to[index + 1]
+        return cls.derived(
+            chain,
+            [seconds(graph.nodes[node]) for node in chain],
+            _to_next_collective(graph, chain, seconds),
+            [tuple(graph.nodes[p].partner for p in found) for found in waits],
+            [tuple(found) for found in issues],
+        )
+
+    @classmethod
+    def derived(
+        cls,
+        nodes: list[int],
+        seconds: list[float],
+        to_collective: list[float],
+        waits: list[tuple[int, ...]],
+        issues: list[tuple[tuple[int, float], ...]],
+    ) -> _Ahead:
+        """The chain of these ``nodes``, each costing, waiting for and issuing these, with
+        the indices a run ahead jumps by derived from them."""
+        plain_to = [len(nodes)] * (len(nodes) + 1)
+        for index in reversed(range(len(nodes))):
+            plain_to[index] = index if waits[index] or issues[index] else plain_to[index + 1]
         return cls(
-            nodes=chain,
-            seconds=costs,
-            to_collective=_to_next_collective(graph, chain, seconds),
-            waits=[tuple(graph.nodes[p].partner for p in found) for found in waits],
-            issues=[tuple(found) for found in issues],
+            nodes=nodes,
+            seconds=seconds,
+            to_collective=to_collective,
+            waits=waits,
+            issues=issues,
             issuing=[index for index, found in enumerate(issues) if found],
-            elapsed=list(itertools.accumulate(costs, initial=0.0)),
+            elapsed=list(itertools.accumulate(seconds, initial=0.0)),
             plain_to=plain_to,
         )
 

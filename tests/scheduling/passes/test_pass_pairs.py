@@ -1,7 +1,6 @@
 """In which order the pair schedule's passes join the two running side by side (every pass
 once, each backward pass after its own forward pass), and how chains are merged."""
 
-import itertools
 import random
 
 import jax
@@ -150,19 +149,8 @@ def _random_chain(rng, first_node, first_start):
     for index in reversed(range(count)):
         after = costs[index] + (0.0 if issues[index] else after)
         to_collective[index] = after
-    plain_to = [count] * (count + 1)
-    for index in reversed(range(count)):
-        plain_to[index] = index if waits[index] or issues[index] else plain_to[index + 1]
-    return _Ahead(
-        nodes=list(range(first_node, first_node + count)),
-        seconds=costs,
-        to_collective=to_collective,
-        waits=waits,
-        issues=issues,
-        issuing=[index for index, found in enumerate(issues) if found],
-        elapsed=list(itertools.accumulate(costs, initial=0.0)),
-        plain_to=plain_to,
-    )
+    nodes = list(range(first_node, first_node + count))
+    return _Ahead.derived(nodes, costs, to_collective, waits, issues)
 
 
 def _run_node_by_node(ahead, heads, first, now, link_free, lookahead):
