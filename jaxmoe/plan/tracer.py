@@ -104,7 +104,7 @@ def _estimate_program(
         scheduled = scheduling.schedule(program, policy, cost, batch)
         # The step as the schedule report simulates it (the report itself, with its
         # trace and each collective's story, is not needed here).
-        timeline = scheduling.estimate(scheduled.graph, scheduled.order, cost)
+        timeline = scheduled.timeline
         times[schedule] = StepTime(
             timeline.step_seconds,
             timeline.compute_seconds,

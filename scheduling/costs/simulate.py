@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from scheduling.program.graph import Graph, Node, Role
 
@@ -51,9 +52,9 @@ class CollectiveTiming:
     reached: float = 0.0  # when the compute stream reached its done (its start, if sync)
 
 
-@dataclass(frozen=True)
-class Event:
-    """One interval on a stream: a node running, or the compute stream waiting."""
+class Event(NamedTuple):
+    """One interval on a stream: a node running, or the compute stream waiting (a tuple:
+    a search makes one for every node of every order it simulates)."""
 
     node: int
     stream: str  # "compute" or "communication"
@@ -181,12 +182,14 @@ def simulate(
             events.append(Event(node.id, "compute", compute_clock, seconds))
             compute_clock += seconds
 
+    # The loop runs for every node of every order a search weighs: names bound locally.
+    nodes, start, done, record = graph.nodes, Role.START, Role.DONE, events.append
     for node_id in order:
-        node = graph.nodes[node_id]
-        if node.role is Role.START and overlaps(node):
+        node = nodes[node_id]
+        if node.role is start and overlaps(node):
             host_work(node)
             in_flight[node_id] = issue(node_id)
-        elif node.role is Role.DONE:
+        elif node.role is done:
             if node.partner in in_flight:
                 wait(in_flight.pop(node.partner))
             host_work(node)  # a collective run at its start finished there
@@ -195,7 +198,7 @@ def simulate(
             wait(issue(node_id))
         else:
             duration = seconds(node)
-            events.append(Event(node_id, "compute", compute_clock, duration))
+            record(Event(node_id, "compute", compute_clock, duration))
             compute_clock += duration
             compute_total += duration
     link.run()

@@ -13,6 +13,6 @@ the list scheduler's (:mod:`scheduling.order`).
 """
 
 from scheduling.passes.schedule_dw import Placement, schedule_dw
-from scheduling.passes.split_async import split_async
+from scheduling.passes.split_async import split_async, unsplit
 
-__all__ = ["Placement", "schedule_dw", "split_async"]
+__all__ = ["Placement", "schedule_dw", "split_async", "unsplit"]

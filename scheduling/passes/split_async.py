@@ -1,4 +1,8 @@
-"""Split each collective the emitter can run asynchronously into a start and a done node."""
+"""Split each collective the emitter can run asynchronously into a start and a done node.
+
+A graph is read, never changed, by the passes after it, and the schedules of one program
+(each one a planner prices, and the range search's unpartitioned candidate) split it
+alike: the graphs of the programs seen last are kept and made once."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from scheduling.program import jax_adapter
 from scheduling.program.capture import Op, Program, aval_bytes
 from scheduling.program.collective_purpose import collective_axes
 from scheduling.program.graph import Graph
+from scheduling.program.program_memo import ProgramMemo
 
 # Collectives that XLA's combiners merge when they stay synchronous; ``min_bytes``
 # applies to these only. An all-to-all is never combined, and a partitioned range
@@ -41,7 +46,20 @@ def split_async(program: Program, kinds: Iterable[str] | None = None, min_bytes:
     then either refuses or binds the synchronous collective (transport ``sync``).
     """
     allowed = None if kinds is None else frozenset(kinds)
+    key = (allowed, min_bytes, jax_adapter.async_collectives_available())
+    return _GRAPHS.get(program, key, lambda: _split(program, allowed, min_bytes))
 
+
+def unsplit(program: Program) -> Graph:
+    """The program's graph with every collective one synchronous node (made once)."""
+    return _GRAPHS.get(program, "unsplit", lambda: Graph(program, split=lambda op: False))
+
+
+# Few: a graph's reachability sets take about N^2 / 4 bytes for N nodes.
+_GRAPHS: ProgramMemo[Graph] = ProgramMemo(kept=2)
+
+
+def _split(program: Program, allowed: frozenset[str] | None, min_bytes: int) -> Graph:
     def split(op: Op) -> bool:
         if allowed is not None and op.primitive not in allowed:
             return False

@@ -31,6 +31,7 @@ loss for a metric) — are labelled forward.
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -105,7 +106,8 @@ class Op:
     name_stack: str
     phase: Phase = Phase.FORWARD
 
-    @property
+    # Read for every op by every pass: looked up once (an op's equation never changes).
+    @functools.cached_property
     def primitive(self) -> str:
         return self.eqn.primitive.name
 
@@ -117,7 +119,7 @@ class Op:
         """
         return jax_adapter.without_transforms(self.name_stack)
 
-    @property
+    @functools.cached_property
     def is_collective(self) -> bool:
         return self.primitive in COLLECTIVES
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scheduling.program import jax_adapter
 from scheduling.program.capture import Op, Phase, Program, Value
@@ -51,10 +51,11 @@ class Node:
     op: Op
     role: Role
     partner: int | None = None  # a start's done, a done's start
+    # A start, a done, or a synchronous collective (read for every node of every order).
+    is_collective: bool = field(init=False)
 
-    @property
-    def is_collective(self) -> bool:
-        return self.role is not Role.COMPUTE or self.op.is_collective
+    def __post_init__(self):
+        self.is_collective = self.role is not Role.COMPUTE or self.op.is_collective
 
     def __repr__(self) -> str:
         return f"Node({self.id} {self.role.value} {self.op!r})"

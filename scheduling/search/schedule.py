@@ -18,8 +18,9 @@ from scheduling import names
 from scheduling.costs.cost_model import CostModel
 from scheduling.costs.link_model import CollectiveCurves
 from scheduling.costs.profiling import OpProfiler, ProfiledCostModel, is_local
+from scheduling.costs.simulate import Timeline
 from scheduling.order.list_scheduler import Order, order
-from scheduling.passes import Placement
+from scheduling.passes import Placement, unsplit
 from scheduling.policy import ExperimentalOptions, SchedulePolicy
 from scheduling.program.batch_layout import analyze
 from scheduling.program.capture import Program, Value
@@ -27,7 +28,7 @@ from scheduling.program.graph import Graph
 from scheduling.search.exchange_choice import ExchangeChoice, best_comet, best_lancet_comet
 from scheduling.search.joint_choice import best_lancet, best_partitioned
 from scheduling.search.partition_search import CHUNK_COUNTS, PartitionChoice, expert_pipelines
-from scheduling.search.step_estimate import StepEstimates
+from scheduling.search.step_estimate import StepEstimates, estimate
 
 
 class Schedule(NamedTuple):
@@ -36,6 +37,9 @@ class Schedule(NamedTuple):
     graph: Graph  # of the program as rewritten (partitioned ranges included)
     order: Order
     partitions: list[PartitionChoice]
+    # The order simulated under the cost model that scored it (what
+    # :func:`~scheduling.search.step_estimate.estimate` gives again).
+    timeline: Timeline
     exchanges: Sequence[ExchangeChoice] = ()  # comet: every exchange, what was done with it
 
 
@@ -95,8 +99,9 @@ def schedule(
     experimental = experimental or ExperimentalOptions()
     experimental.check(policy)
     if policy.name == "none":
-        graph = Graph(program, split=lambda op: False)
-        return Schedule(graph, order(graph, Placement(), policy.max_live_bytes_growth), [])
+        graph = unsplit(program)
+        nodes = order(graph, Placement(), policy.max_live_bytes_growth)
+        return Schedule(graph, nodes, [], estimate(graph, nodes, cost))
     layouts = None
     if policy.name in names.PARTITIONING:
         if not batch_inputs:
@@ -126,4 +131,4 @@ def schedule(
         best = best_partitioned(estimates, counts, experimental.partition_always, pack_dw)
     else:
         best = estimates([], pack_dw)
-    return Schedule(best.graph, best.order, best.partitions, exchanges)
+    return Schedule(best.graph, best.order, best.partitions, best.timeline, exchanges)
