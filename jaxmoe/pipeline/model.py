@@ -16,8 +16,8 @@ from flax import nnx
 
 from jaxmoe.config import Config, ModelConfig, MoEConfig
 from jaxmoe.experimental import DEFAULT, ExperimentalOptions
-from jaxmoe.layers import GPTMoE
 from jaxmoe.layers.router import ExpertBias
+from jaxmoe.layers.shapes import abstract_model
 from jaxmoe.pipeline.params import StageLayout
 from jaxmoe.pipeline.ticks import TickTable
 
@@ -68,15 +68,9 @@ def _pipeline_model(
     experimental: ExperimentalOptions,
     context_exchange: str,
 ) -> PipelineModel:
-    abstract = nnx.eval_shape(
-        lambda: GPTMoE(
-            model,
-            moe,
-            rngs=nnx.Rngs(seed),
-            experimental=experimental,
-            context_exchange=context_exchange,
-        )
-    )
+    # A module of its own (its blocks are taken out below), from the model's shapes as every
+    # run of the model reads them: nothing is traced again.
+    abstract = nnx.merge(*abstract_model(model, moe, seed, experimental, context_exchange))
     blocks, ranks, moe_blocks = [], [], 0
     for j in range(layout.per_chunk):
         # A layer at position j (chunks hold alike blocks at each position).

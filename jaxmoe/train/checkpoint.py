@@ -49,6 +49,7 @@ from orbax.checkpoint import type_handlers
 from jaxmoe.config import Config, ConfigError, ModelConfig, MoEConfig
 from jaxmoe.config.moe import saved_moe_fields
 from jaxmoe.data.host_batches import DataPosition
+from jaxmoe.experimental import DEFAULT
 from jaxmoe.pipeline.params import (
     PIPELINE_AXIS,
     StageLayout,
@@ -260,7 +261,7 @@ def _saved_model(saved: dict[str, Any]) -> tuple[ModelConfig, MoEConfig]:
 def _held_shapes(model: ModelConfig, moe: MoEConfig, seed: int) -> Any:
     """The shape and dtype of each array a checkpoint holds of the model: its parameters
     (and so their optimizer moments) and its model state (the expert biases)."""
-    _, params, model_state = abstract_model(model, moe, seed)
+    _, params, model_state = abstract_model(model, moe, seed, DEFAULT, "ring")
     return jax.tree.map(
         lambda leaf: (leaf.shape, jnp.dtype(leaf.dtype)),
         (nnx.to_pure_dict(params), nnx.to_pure_dict(model_state)),

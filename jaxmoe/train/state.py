@@ -2,10 +2,11 @@
 
 Everything here reads a resolved :class:`~jaxmoe.train.resolved.Run` (the specs, the
 pipeline's stage layout, the ZeRO layout, the gradient synchronisation and the optimizer it
-holds), except :func:`abstract_model` and :func:`gather_dtypes`, which the resolution
-itself reads. Under a pipeline (``parallel.pipeline`` > 1) the state holds the blocks'
-parameters, and everything shaped like them, stacked by stage (:mod:`jaxmoe.pipeline.params`);
-``Run.model_specs`` stays the model's own layout."""
+holds), except :func:`gather_dtypes` and the model's shapes
+(:func:`~jaxmoe.layers.shapes.abstract_model`), which the resolution itself reads. Under a
+pipeline (``parallel.pipeline`` > 1) the state holds the blocks' parameters, and everything
+shaped like them, stacked by stage (:mod:`jaxmoe.pipeline.params`); ``Run.model_specs``
+stays the model's own layout."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from jaxmoe.config import Config, ModelConfig, MoEConfig
 from jaxmoe.experimental import DEFAULT, ExperimentalOptions
 from jaxmoe.layers import GPTMoE
-from jaxmoe.layers.router import ExpertBias
+from jaxmoe.layers.shapes import abstract_model, split_model
 from jaxmoe.pipeline.params import stacked_specs, to_layout
 from jaxmoe.placement.replicas import static_placement
 
@@ -61,42 +62,6 @@ def build_model(config: Config, experimental: ExperimentalOptions = DEFAULT) -> 
     )
 
 
-@functools.lru_cache(maxsize=16)
-def abstract_model(
-    model: ModelConfig,
-    moe: MoEConfig,
-    seed: int,
-    experimental: ExperimentalOptions = DEFAULT,
-    context_exchange: str = "ring",
-) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
-    """The model's structure and the shapes of its parameters and of its other state
-    (:func:`split_model`), without allocating anything; ``experimental`` and
-    ``context_exchange`` as :func:`build_model` takes them from the run (the structure's,
-    never the shapes').
-
-    Kept per model: building it traces every initialiser, seconds for a large model, and
-    the planner and the tests resolve many runs of one model."""
-    return split_model(
-        nnx.eval_shape(
-            lambda: GPTMoE(
-                model,
-                moe,
-                rngs=nnx.Rngs(seed),
-                experimental=experimental,
-                context_exchange=context_exchange,
-            )
-        )
-    )
-
-
-def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
-    """``(graphdef, params, model_state)``: the trained parameters (every variable but the
-    expert biases) and the state the step updates itself (the expert biases). ``nnx.merge(
-    graphdef, params, model_state)`` takes their pure dicts."""
-    graphdef, model_state, params = nnx.split(model, ExpertBias, ...)
-    return graphdef, params, model_state
-
-
 def pure_model_state(model_state: nnx.State) -> Any:
     """The pure dict of the model state, or None when the model has none."""
     pure = nnx.to_pure_dict(model_state)
@@ -113,7 +78,9 @@ def gather_dtypes(model: ModelConfig, moe: MoEConfig, seed: int) -> Any:
 
     Read from the jaxpr of the model's forward pass on one device, traced on abstract
     parameters (nothing is allocated)."""
-    graphdef, abstract_params, abstract_model_state = abstract_model(model, moe, seed)
+    graphdef, abstract_params, abstract_model_state = abstract_model(
+        model, moe, seed, DEFAULT, "ring"
+    )
     params = nnx.to_pure_dict(abstract_params)
     own = jax.tree.map(lambda leaf: jnp.dtype(leaf.dtype).name, params)
     compute = jnp.dtype(model.dtype)
@@ -186,7 +153,11 @@ def abstract_state(run: Run) -> TrainState:
     """Shapes and dtypes of the state, computed without allocating it (``Run.state_shapes``)."""
     config = run.config
     _, abstract_params, abstract_model_state = abstract_model(
-        config.model, config.moe, config.train.seed, run.experimental
+        config.model,
+        config.moe,
+        config.train.seed,
+        run.experimental,
+        config.parallel.context_exchange,
     )
     params = nnx.to_pure_dict(abstract_params)
     model_state = pure_model_state(abstract_model_state)
