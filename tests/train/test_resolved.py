@@ -126,3 +126,21 @@ def test_an_experiments_research_options_reach_the_moe_layers_the_run_builds():
     with pytest.raises(ConfigError, match="dropless_dispatch ragged") as error:
         resolved.resolve(config_from_train_args(SMALL), experimental=round_robin)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_run_traces_its_model_once(case, monkeypatch):
+    """The model's structure and shapes are traced once for everything a run reads of them:
+    its resolution, its state's shapes, the dtypes ZeRO gathers in and a pipeline's stages
+    (a seed of each case's own: no other test's or case's model is kept)."""
+    from jaxmoe.layers import shapes
+
+    built = []
+    model = shapes.GPTMoE
+    monkeypatch.setattr(shapes, "GPTMoE", lambda *args, **kw: built.append(1) or model(*args, **kw))
+    seed = 9173 + list(CASES).index(case)
+    flags = [*SMALL, *CASES[case][0].split(), "--train.seed", str(seed)]
+    run = prepare_run(config_from_train_args(flags))
+    capture_train_step(run)
+    abstract_sharded_state(run)
+    assert len(built) == 1
