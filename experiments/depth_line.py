@@ -185,7 +185,7 @@ def packing_steps(case: Case, most_blocks: int) -> dict[tuple, list[tuple]]:
     from jaxmoe.plan.layer_extrapolation import with_blocks
     from jaxmoe.plan.tracer import trace, with_schedule
     from jaxmoe.train.resolved import schedule_policy
-    from scheduling import ExperimentalOptions, cost_model, estimate, schedule
+    from scheduling import ExperimentalOptions, cost_model, schedule
 
     found: dict[tuple, list[tuple]] = {packing: [] for packing in PACKINGS}
     for blocks in range(1, most_blocks + 1):
@@ -200,7 +200,7 @@ def packing_steps(case: Case, most_blocks: int) -> dict[tuple, list[tuple]]:
             unbounded = dataclasses.replace(bounded, max_live_bytes_growth=math.inf)
             scheduled = schedule(program, bounded, cost, (), packing)
             kept = schedule(program, unbounded, cost, (), packing).order
-            step = estimate(scheduled.graph, scheduled.order, cost).step_seconds
+            step = scheduled.timeline.step_seconds
             peak = kept.peak_live_bytes / kept.baseline_peak_live_bytes
             found[force, growth].append((step, peak))
     return found

@@ -91,7 +91,11 @@ def _measure(preset_name: str, profile: str, schedules: list, mappings: list, re
                     # as the planner prices (a tree from before the memo prices each time)
                     cost = cost.priced_once() if hasattr(cost, "priced_once") else cost
                 scheduled = scheduling.schedule(program, policy, cost, batch)
-                timeline = scheduling.estimate(scheduled.graph, scheduled.order, cost)
+                # as the planner reads it (a tree from before the kept timeline simulates the
+                # order again)
+                timeline = getattr(scheduled, "timeline", None) or scheduling.estimate(
+                    scheduled.graph, scheduled.order, cost
+                )
                 found.append((name, timeline.step_seconds, timeline.exposed_communication_seconds))
         return found
 

@@ -102,8 +102,8 @@ def _estimate_program(
         if cost is None:
             cost = cost_model(policy, mesh, program).priced_once()
         scheduled = scheduling.schedule(program, policy, cost, batch)
-        # The step as the schedule report simulates it (the report itself, with its
-        # trace and each collective's story, is not needed here).
+        # The step as the search simulated it, and as the schedule report does again (the
+        # report itself, with its trace and each collective's story, is not needed here).
         timeline = scheduled.timeline
         times[schedule] = StepTime(
             timeline.step_seconds,
