@@ -125,14 +125,18 @@ def _initial_state(run: Run) -> TrainState:
     return train_state_around(run, *_initial_model(run))
 
 
-def train_state_around(run: Run, params: Any, model_state: Any = None) -> TrainState:
+def train_state_around(
+    run: Run, params: Any, model_state: Any = None, opt_state: Any = None
+) -> TrainState:
     """The initial train state around ``params`` and ``model_state`` (pure dicts, in the
-    model's layout; under a pipeline the state stacks the blocks by stage)."""
+    model's layout; under a pipeline the state stacks the blocks by stage), and around
+    ``opt_state`` where given (the optimizer's initial state of the laid-out parameters,
+    else initialised here)."""
     params = to_layout(params, None, run.stages)
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
-        opt_state=run.optimizer.init(params),
+        opt_state=run.optimizer.init(params) if opt_state is None else opt_state,
         grad_sync=run.grad_sync.init_state(params, _param_specs(run), run.axis_sizes),
         placement=initial_placement(run.config),
         model_state=model_state,
@@ -161,7 +165,40 @@ def abstract_state(run: Run) -> TrainState:
     )
     params = nnx.to_pure_dict(abstract_params)
     model_state = pure_model_state(abstract_model_state)
-    return jax.eval_shape(lambda p, m: train_state_around(run, p, m), params, model_state)
+    # The optimizer's state depends on the parameters' shapes alone: derived once for them.
+    laid_out = (
+        params
+        if run.stages is None
+        else jax.eval_shape(lambda p: to_layout(p, None, run.stages), params)
+    )
+    opt_state = abstract_optimizer_state(run, laid_out)
+    return jax.eval_shape(
+        lambda p, m, o: train_state_around(run, p, m, o), params, model_state, opt_state
+    )
+
+
+# The optimizer's abstract initial state, by its configuration and its parameters' shapes
+# (:func:`abstract_optimizer_state`); the oldest are dropped past the bound.
+_OPTIMIZER_STATES: dict[tuple, Any] = {}
+_OPTIMIZER_STATES_KEPT = 64
+
+
+def abstract_optimizer_state(run: Run, params: Any) -> Any:
+    """Shapes and dtypes of the initial state of the run's optimizer for parameters shaped
+    like ``params`` (``jax.ShapeDtypeStruct``s). The optimizer is resolved from
+    ``train`` alone, and its state depends on the parameters' shapes alone, so it is the
+    same under every layout and derived once for each (the planner asks for the state of
+    hundreds of layouts of a model)."""
+    leaves, treedef = jax.tree.flatten(params)
+    shapes = tuple((tuple(leaf.shape), jnp.dtype(leaf.dtype), leaf.weak_type) for leaf in leaves)
+    key = (run.config.train, treedef, shapes)
+    found = _OPTIMIZER_STATES.pop(key, None)
+    if found is None:
+        found = jax.eval_shape(run.optimizer.init, params)
+    _OPTIMIZER_STATES[key] = found  # the newest last
+    while len(_OPTIMIZER_STATES) > _OPTIMIZER_STATES_KEPT:
+        del _OPTIMIZER_STATES[next(iter(_OPTIMIZER_STATES))]
+    return found
 
 
 def param_trees_mapped(state: TrainState, convert: Callable[[Any], Any]) -> TrainState:

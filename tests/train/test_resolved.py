@@ -144,3 +144,53 @@ def test_a_run_traces_its_model_once(case, monkeypatch):
     capture_train_step(run)
     abstract_sharded_state(run)
     assert len(built) == 1
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_state_shapes_are_those_of_the_state_built_whole(case):
+    """``Run.state_shapes``, its optimizer state derived once for its parameters' shapes,
+    is the initial state built around the parameters, leaf for leaf (a pipeline's stacked
+    blocks, ZeRO's shards, int8's residuals)."""
+    import jax
+    from flax import nnx
+
+    from jaxmoe.train.state import abstract_model, pure_model_state, train_state_around
+
+    run = resolved.resolve(config_from_train_args([*SMALL, *CASES[case][0].split()]))
+    config = run.config
+    _, params, model_state = abstract_model(
+        config.model, config.moe, config.train.seed, run.experimental, "ring"
+    )
+    whole = jax.eval_shape(
+        lambda p, m: train_state_around(run, p, m),
+        nnx.to_pure_dict(params),
+        pure_model_state(model_state),
+    )
+
+    def leaves(tree):
+        return [(leaf.shape, leaf.dtype, leaf.weak_type) for leaf in jax.tree.leaves(tree)]
+
+    assert jax.tree.structure(run.state_shapes) == jax.tree.structure(whole)
+    assert leaves(run.state_shapes) == leaves(whole)
+
+
+def test_the_optimizer_state_is_derived_once_for_every_layout_of_a_model(monkeypatch):
+    """The optimizer's state depends on the parameters' shapes alone: the layouts of one
+    model share one derivation (the planner resolves hundreds), a deeper model has its own."""
+    from jaxmoe.train import state
+
+    monkeypatch.setattr(state, "_OPTIMIZER_STATES", {})
+    layouts = (
+        "--parallel.expert 8",
+        "--parallel.data 2 --parallel.expert 4",
+        "--parallel.data 4 --parallel.tensor 2 --parallel.expert 2",
+    )
+    shapes = [
+        resolved.resolve(config_from_train_args([*SMALL, *flags.split()])).state_shapes
+        for flags in layouts
+    ]
+    assert len(state._OPTIMIZER_STATES) == 1
+    assert all(s.opt_state == shapes[0].opt_state for s in shapes)
+    deeper = config_from_train_args([*SMALL, "--model.num_layers", "3"])
+    assert resolved.resolve(deeper).state_shapes.opt_state != shapes[0].opt_state
+    assert len(state._OPTIMIZER_STATES) == 2
