@@ -11,7 +11,7 @@ stays the model's own layout."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
@@ -125,18 +125,20 @@ def _initial_state(run: Run) -> TrainState:
     return train_state_around(run, *_initial_model(run))
 
 
-def train_state_around(
-    run: Run, params: Any, model_state: Any = None, opt_state: Any = None
-) -> TrainState:
+def train_state_around(run: Run, params: Any, model_state: Any = None) -> TrainState:
     """The initial train state around ``params`` and ``model_state`` (pure dicts, in the
-    model's layout; under a pipeline the state stacks the blocks by stage), and around
-    ``opt_state`` where given (the optimizer's initial state of the laid-out parameters,
-    else initialised here)."""
+    model's layout; under a pipeline the state stacks the blocks by stage)."""
     params = to_layout(params, None, run.stages)
+    return _state_around_laid_out(run, params, model_state, run.optimizer.init(params))
+
+
+def _state_around_laid_out(run: Run, params: Any, model_state: Any, opt_state: Any) -> TrainState:
+    """The initial train state around parameters laid out as the state holds them and the
+    optimizer's initial state for them."""
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
-        opt_state=run.optimizer.init(params) if opt_state is None else opt_state,
+        opt_state=opt_state,
         grad_sync=run.grad_sync.init_state(params, _param_specs(run), run.axis_sizes),
         placement=initial_placement(run.config),
         model_state=model_state,
@@ -165,39 +167,37 @@ def abstract_state(run: Run) -> TrainState:
     )
     params = nnx.to_pure_dict(abstract_params)
     model_state = pure_model_state(abstract_model_state)
-    # The optimizer's state depends on the parameters' shapes alone: derived once for them.
-    laid_out = (
-        params
-        if run.stages is None
-        else jax.eval_shape(lambda p: to_layout(p, None, run.stages), params)
+    # The parameters laid out by stage, and the optimizer's state for them, depend on the
+    # parameters' shapes, the stages and the training configuration alone: the same for
+    # every layout of one model's devices (the planner resolves hundreds of layouts).
+    laid_out = _derived_shapes(
+        ("laid out", run.stages), lambda p: to_layout(p, None, run.stages), params
     )
-    opt_state = abstract_optimizer_state(run, laid_out)
+    # (resolve builds the optimizer from the training configuration alone).
+    opt_state = _derived_shapes(("optimizer", run.config.train), run.optimizer.init, laid_out)
     return jax.eval_shape(
-        lambda p, m, o: train_state_around(run, p, m, o), params, model_state, opt_state
+        lambda p, m, o: _state_around_laid_out(run, p, m, o), laid_out, model_state, opt_state
     )
 
 
-# The optimizer's abstract initial state, by its configuration and its parameters' shapes
-# (:func:`abstract_optimizer_state`); the oldest are dropped past the bound.
-_OPTIMIZER_STATES: dict[tuple, Any] = {}
-_OPTIMIZER_STATES_KEPT = 64
+# Shapes derived from shapes (:func:`_derived_shapes`), by what derived them and from what;
+# the oldest are dropped past the bound.
+_DERIVED_SHAPES: dict[tuple, Any] = {}
+_DERIVED_SHAPES_KEPT = 64
 
 
-def abstract_optimizer_state(run: Run, params: Any) -> Any:
-    """Shapes and dtypes of the initial state of the run's optimizer for parameters shaped
-    like ``params`` (``jax.ShapeDtypeStruct``s). The optimizer is resolved from
-    ``train`` alone, and its state depends on the parameters' shapes alone, so it is the
-    same under every layout and derived once for each (the planner asks for the state of
-    hundreds of layouts of a model)."""
-    leaves, treedef = jax.tree.flatten(params)
+def _derived_shapes(derivation: Hashable, function: Callable[[Any], Any], tree: Any) -> Any:
+    """``jax.eval_shape(function, tree)``, derived once for each ``derivation`` (which
+    determines ``function``) and each structure, shapes and dtypes of ``tree``."""
+    leaves, treedef = jax.tree.flatten(tree)
     shapes = tuple((tuple(leaf.shape), jnp.dtype(leaf.dtype), leaf.weak_type) for leaf in leaves)
-    key = (run.config.train, treedef, shapes)
-    found = _OPTIMIZER_STATES.pop(key, None)
+    key = (derivation, treedef, shapes)
+    found = _DERIVED_SHAPES.pop(key, None)
     if found is None:
-        found = jax.eval_shape(run.optimizer.init, params)
-    _OPTIMIZER_STATES[key] = found  # the newest last
-    while len(_OPTIMIZER_STATES) > _OPTIMIZER_STATES_KEPT:
-        del _OPTIMIZER_STATES[next(iter(_OPTIMIZER_STATES))]
+        found = jax.eval_shape(function, tree)
+    _DERIVED_SHAPES[key] = found  # the newest last
+    while len(_DERIVED_SHAPES) > _DERIVED_SHAPES_KEPT:
+        del _DERIVED_SHAPES[next(iter(_DERIVED_SHAPES))]
     return found
 
 

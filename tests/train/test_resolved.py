@@ -179,7 +179,7 @@ def test_the_optimizer_state_is_derived_once_for_every_layout_of_a_model(monkeyp
     model share one derivation (the planner resolves hundreds), a deeper model has its own."""
     from jaxmoe.train import state
 
-    monkeypatch.setattr(state, "_OPTIMIZER_STATES", {})
+    monkeypatch.setattr(state, "_DERIVED_SHAPES", {})
     layouts = (
         "--parallel.expert 8",
         "--parallel.data 2 --parallel.expert 4",
@@ -189,8 +189,9 @@ def test_the_optimizer_state_is_derived_once_for_every_layout_of_a_model(monkeyp
         resolved.resolve(config_from_train_args([*SMALL, *flags.split()])).state_shapes
         for flags in layouts
     ]
-    assert len(state._OPTIMIZER_STATES) == 1
+    derived = [key[0][0] for key in state._DERIVED_SHAPES]
+    assert sorted(derived) == ["laid out", "optimizer"]
     assert all(s.opt_state == shapes[0].opt_state for s in shapes)
     deeper = config_from_train_args([*SMALL, "--model.num_layers", "3"])
     assert resolved.resolve(deeper).state_shapes.opt_state != shapes[0].opt_state
-    assert len(state._OPTIMIZER_STATES) == 2
+    assert len(state._DERIVED_SHAPES) == 4
