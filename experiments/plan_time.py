@@ -18,6 +18,12 @@ tree first on ``sys.path``), for a few mappings of the preset on 8 devices:
   its operands come from) are hashed: equal digests say both trees traced the same
   programs.
 
+- *The state bound.* Then the planner's bound of the state per device
+  (``jaxmoe/plan/tracer.py: state_bytes``) of every layout and ZeRO stage it takes of
+  ``--state-model`` on ``--state-devices`` devices (the seeds' models: hundreds of
+  layouts, each resolved at two shallow depths), timed in CPU seconds. Each side's bytes
+  are hashed: equal digests say both trees bounded every layout alike.
+
 Writes ``experiments/results/plan_time.md``.
 """
 
@@ -44,9 +50,18 @@ PROFILE = "h100-8x-nvlink-3200g"
 MAPPINGS = ((1, 8, 1), (0, 2, 1), (1, 2, 4))
 
 
-def _measure(preset_name: str, profile: str, schedules: list, mappings: list, repeats: int) -> dict:
+def _measure(
+    preset_name: str,
+    profile: str,
+    schedules: list,
+    mappings: list,
+    repeats: int,
+    state_model: str,
+    state_devices: int,
+) -> dict:
     """Run in the tree measured (its source is sent to a fresh process): the CPU seconds of
-    each repeat of pricing every traced program, and a digest of what it priced."""
+    each repeat of pricing every traced program, of tracing whole depths and of the state
+    bounds, and digests of what each found."""
     import dataclasses
     import hashlib
     import time
@@ -127,19 +142,55 @@ def _measure(preset_name: str, profile: str, schedules: list, mappings: list, re
                 programs.update(repr((op.primitive, op.name_stack, results, operands)).encode())
                 made.update({value: (index, i) for i, value in enumerate(op.outputs)})
         trace_seconds[recompute] = time.process_time() - started
+
+    from experiments.folding_models import planned_config
+    from jaxmoe.plan.mappings import (
+        context_degrees,
+        enumerate_mappings,
+        pipelines_of,
+        with_options,
+    )
+    from jaxmoe.plan.options import Options, option_sets
+    from jaxmoe.plan.tracer import state_bytes
+
+    # The layouts and ZeRO stages whose state the planner bounds first (plan_mappings).
+    seed = planned_config(state_model, state_devices, state_devices)
+    per_node = scheduling.PROFILES[profile].devices_per_node
+    space = enumerate_mappings(
+        seed,
+        state_devices,
+        per_node,
+        max_tensor=per_node,
+        pipelines=pipelines_of(seed, state_devices, 2),
+        contexts=context_degrees(seed, state_devices),
+    )
+    staged = [
+        with_options(layout, Options(zero=zero), per_node).config
+        for layout in space.valid
+        for zero in sorted({o.zero for o in option_sets(layout.config, True)})
+    ]
+    staged = [config for config in staged if config is not None]
+    started = time.process_time()
+    held = [state_bytes(config) for config in staged]
+    state_seconds = time.process_time() - started
     return {
         "seconds": seconds,
         "digests": sorted(digests),
         "programs": len(traced),
         "trace_seconds": trace_seconds,
         "trace_digest": programs.hexdigest()[:12],
+        "state_configs": len(staged),
+        "state_seconds": state_seconds,
+        "state_digest": hashlib.sha1(repr(held).encode()).hexdigest()[:12],
     }
 
 
-def _run(tree: Path, preset: str, repeats: int) -> dict:
+def _run(tree: Path, preset: str, repeats: int, state_model: str, state_devices: int) -> dict:
     """:func:`_measure` in a fresh process that imports ``tree``'s jaxmoe and scheduling."""
     source = inspect.getsource(_measure)
-    arguments = (preset, PROFILE, list(SCHEDULES), list(MAPPINGS), repeats)
+    arguments = (
+        preset, PROFILE, list(SCHEDULES), list(MAPPINGS), repeats, state_model, state_devices
+    )  # fmt: skip
     call = f"{_measure.__name__}{arguments!r}"
     code = f"import json\n{source}\nprint(json.dumps({call}))"
     env = dict(os.environ, PYTHONPATH=str(tree), JAX_PLATFORMS="cpu")
@@ -160,7 +211,12 @@ def _commit(tree: Path) -> str:
 
 
 def report(
-    rounds: list[tuple[dict, dict]], this: str, other: str, preset: str, argv: list[str]
+    rounds: list[tuple[dict, dict]],
+    this: str,
+    other: str,
+    preset: str,
+    argv: list[str],
+    state_model: str = "",
 ) -> str:
     """The results file: each side's CPU seconds per round (the median of its repeats),
     the per-round ratios, and whether both priced alike."""
@@ -201,6 +257,8 @@ def report(
     ]
     if all("trace_seconds" in side for pair in rounds for side in pair):
         lines += _tracing(rounds)
+    if all("state_seconds" in side for pair in rounds for side in pair):
+        lines += _state_bounds(rounds, state_model)
     return "\n".join(lines)
 
 
@@ -242,6 +300,36 @@ def _tracing(rounds: list[tuple[dict, dict]]) -> list[str]:
     ]
 
 
+def _state_bounds(rounds: list[tuple[dict, dict]], model: str) -> list[str]:
+    """The state bounds' table: each side's CPU seconds per round, the ratios, and whether
+    both bounded alike."""
+    here = [mine["state_seconds"] for mine, _ in rounds]
+    there = [theirs["state_seconds"] for _, theirs in rounds]
+    ratios = round_ratios(there, here)
+    digests = {side["state_digest"] for pair in rounds for side in pair}
+    return [
+        "## The state bound",
+        "",
+        f"The state per device (parameters and optimizer state) that the planner bounds "
+        f"first, of each of `{model}`'s {rounds[0][0]['state_configs']} layouts and ZeRO "
+        "stages (each resolved at two shallow depths): CPU seconds of bounding all of them.",
+        "",
+        "| round | this tree s | other tree s | other / this |",
+        "|---|---|---|---|",
+        *(
+            f"| {i + 1} | {a:.1f} | {b:.1f} | {r:.2f} |"
+            for i, (a, b, r) in enumerate(zip(here, there, ratios, strict=True))
+        ),
+        "",
+        f"This tree {Spread.of(here).format(1, 1)} s, the other "
+        f"{Spread.of(there).format(1, 1)} s; other / this {Spread.of(ratios).format(1, 2)}.",
+        "",
+        "Bounded alike (the bytes' digests equal): "
+        + ("yes." if len(digests) == 1 else f"no ({len(digests)} digests)."),
+        "",
+    ]
+
+
 def _named(argv: list[str]) -> list[str]:
     """``argv`` with the other tree's path as ``DIR``: the file names its commit instead."""
     named = list(argv)
@@ -260,16 +348,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="small")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3, help="pricings in each process")
+    parser.add_argument("--state-model", default="qwen2-57b-a14b", help="whose state to bound")
+    parser.add_argument("--state-devices", type=int, default=256)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     rounds = []
     for index in range(args.rounds):
         # Alternate which tree goes first, so neither always runs on a warmer host.
         trees = (ROOT, args.against) if index % 2 == 0 else (args.against, ROOT)
-        found = {tree: _run(tree, args.preset, args.repeats) for tree in trees}
+        found = {
+            tree: _run(tree, args.preset, args.repeats, args.state_model, args.state_devices)
+            for tree in trees
+        }
         rounds.append((found[ROOT], found[args.against]))
         print(f"round {index + 1}: {found[ROOT]} against {found[args.against]}")
-    args.out.write_text(report(rounds, _commit(ROOT), _commit(args.against), args.preset, argv))
+    args.out.write_text(
+        report(rounds, _commit(ROOT), _commit(args.against), args.preset, argv, args.state_model)
+    )
     print(f"wrote {args.out}")
     return 0
 

@@ -75,3 +75,24 @@ def test_the_tracing_table_gives_each_recomputations_ratio():
     rounds[1] = (rounds[1][0], _side([1.0], traced={"none": 1.0, "layer": 1.0}, trace_digest="456"))
     text = plan_time.report(rounds, "def456 new", "abc123 old", "small", ARGV)
     assert "Traced alike (the programs' digests equal): no (2 digests)." in text
+
+
+def test_the_state_bound_table_gives_each_rounds_ratio_and_whether_bytes_agree():
+    def side(seconds, digest="aaa"):
+        return {
+            **_side([1.0]),
+            "state_seconds": seconds,
+            "state_digest": digest,
+            "state_configs": 2163,
+        }
+
+    rounds = [(side(30.0), side(60.0)), (side(32.0), side(56.0))]
+    text = plan_time.report(rounds, "def456 new", "abc123 old", "small", ARGV, "qwen2-57b-a14b")
+    assert "`qwen2-57b-a14b`'s 2163 layouts and ZeRO stages" in text
+    assert "| 1 | 30.0 | 60.0 | 2.00 |" in text
+    assert "| 2 | 32.0 | 56.0 | 1.75 |" in text
+    assert "other / this 1.88 [1.75-2.00]" in text
+    assert "Bounded alike (the bytes' digests equal): yes." in text
+    rounds[1] = (side(32.0), side(56.0, digest="bbb"))
+    text = plan_time.report(rounds, "def456 new", "abc123 old", "small", ARGV, "qwen2-57b-a14b")
+    assert "Bounded alike (the bytes' digests equal): no (2 digests)." in text
