@@ -1,4 +1,4 @@
-"""How long the planner takes to trace and to price a step, this checkout against another.
+"""How long the planner takes to price and trace steps and to bound states, against another tree.
 
     python -m experiments.plan_time --against DIR [--repeats 5] [--preset small]
 
@@ -225,7 +225,7 @@ def report(
     ratios = round_ratios(there, here)
     digests = {d for mine, theirs in rounds for d in (*mine["digests"], *theirs["digests"])}
     lines = [
-        "# The planner's pricing and tracing of steps: this tree against another",
+        "# The planner's pricing, tracing and state bound: this tree against another",
         "",
         f"Command: `{command_line('experiments.plan_time', _named(argv))}` (DIR: a checkout "
         "of the other tree)",
