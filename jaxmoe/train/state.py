@@ -167,13 +167,13 @@ def abstract_state(run: Run) -> TrainState:
     )
     params = nnx.to_pure_dict(abstract_params)
     model_state = pure_model_state(abstract_model_state)
-    # The parameters laid out by stage, and the optimizer's state for them, depend on the
-    # parameters' shapes, the stages and the training configuration alone: the same for
-    # every layout of one model's devices (the planner resolves hundreds of layouts).
+    # The parameters as the state lays them out, and the optimizer's state for them, depend
+    # on the parameters' shapes, the stages and the training configuration (from which
+    # resolve builds the optimizer) alone: the same for every data, tensor and expert
+    # layout of one model, of which the planner resolves hundreds.
     laid_out = _derived_shapes(
         ("laid out", run.stages), lambda p: to_layout(p, None, run.stages), params
     )
-    # (resolve builds the optimizer from the training configuration alone).
     opt_state = _derived_shapes(("optimizer", run.config.train), run.optimizer.init, laid_out)
     return jax.eval_shape(
         lambda p, m, o: _state_around_laid_out(run, p, m, o), laid_out, model_state, opt_state

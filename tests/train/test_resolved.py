@@ -175,8 +175,9 @@ def test_the_state_shapes_are_those_of_the_state_built_whole(case):
 
 
 def test_the_optimizer_state_is_derived_once_for_every_layout_of_a_model(monkeypatch):
-    """The optimizer's state depends on the parameters' shapes alone: the layouts of one
-    model share one derivation (the planner resolves hundreds), a deeper model has its own."""
+    """The parameters as the state lays them out and the optimizer's state depend on the
+    parameters' shapes alone: the layouts of one model share one derivation of each (the
+    planner resolves hundreds), a deeper model has its own."""
     from jaxmoe.train import state
 
     monkeypatch.setattr(state, "_DERIVED_SHAPES", {})
