@@ -9,7 +9,7 @@ import functools
 from flax import nnx
 
 from jaxmoe.config import ModelConfig, MoEConfig
-from jaxmoe.experimental import DEFAULT, ExperimentalOptions
+from jaxmoe.experimental import ExperimentalOptions
 from jaxmoe.layers.router import ExpertBias
 from jaxmoe.layers.transformer import GPTMoE
 
@@ -21,8 +21,8 @@ def abstract_model(
     model: ModelConfig,
     moe: MoEConfig,
     seed: int,
-    experimental: ExperimentalOptions = DEFAULT,
-    context_exchange: str = "ring",
+    experimental: ExperimentalOptions,
+    context_exchange: str,
 ) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
     """The model's structure and the shapes of its parameters and of its other state
     (:func:`split_model`), without allocating anything; ``experimental`` and
@@ -30,9 +30,10 @@ def abstract_model(
     (the structure's, never the shapes').
 
     Kept per model: building it traces every initialiser, seconds for a large model, and
-    the planner and the tests resolve many runs of one model. The cache tells calls apart by
-    the arguments they pass: the step's callers pass all five, in order, so that each of a
-    run's reads finds the others'."""
+    the planner and the tests resolve many runs of one model. Every argument is required
+    (``jaxmoe.experimental.DEFAULT`` and ``"ring"`` where a caller has no run): the cache
+    tells calls apart by the arguments they pass, so that each of a run's reads finds the
+    others' only when all pass the same five."""
     return split_model(
         nnx.eval_shape(
             lambda: GPTMoE(

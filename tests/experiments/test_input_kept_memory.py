@@ -18,7 +18,7 @@ def test_the_forms_differ_in_what_they_keep_and_the_switch_is_undone():
 
 
 def test_each_form_builds_the_model_afresh():
-    """The planner's model structure is kept per model (jaxmoe/train/state.py): each form
+    """The planner's model structure is kept per model (jaxmoe/layers/shapes.py): each form
     clears it, so that its norms are the form's."""
     from flax import nnx
 

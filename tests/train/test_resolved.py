@@ -119,7 +119,9 @@ def test_an_experiments_research_options_reach_the_moe_layers_the_run_builds():
     for options, split in cases:
         run = resolved.resolve(config, experimental=options)
         assert run.experimental == options
-        _, params, model_state = abstract_model(config.model, config.moe, config.train.seed)
+        _, params, model_state = abstract_model(
+            config.model, config.moe, config.train.seed, options, "ring"
+        )
         model = nnx.merge(run.graphdef, params, model_state)
         layers = [block.ffn for block in model.blocks if block.is_moe]
         assert layers and all(layer.replica_dispatcher.split is split for layer in layers)
@@ -159,7 +161,11 @@ def test_the_state_shapes_are_those_of_the_state_built_whole(case):
     run = resolved.resolve(config_from_train_args([*SMALL, *CASES[case][0].split()]))
     config = run.config
     _, params, model_state = abstract_model(
-        config.model, config.moe, config.train.seed, run.experimental, "ring"
+        config.model,
+        config.moe,
+        config.train.seed,
+        run.experimental,
+        config.parallel.context_exchange,
     )
     whole = jax.eval_shape(
         lambda p, m: train_state_around(run, p, m),
