@@ -28,17 +28,18 @@ order of a lower bound of their step time, and only until the ``top`` best are k
    devices (their rows do not split so far) or its first stage holds leading dense
    layers, from traces of its own, one for each number of microbatches. Those whose
    memory bound exceeds the device's are dropped.
-3. Least bound first, a mapping gets a trace of its own (a tighter bound), then its
-   estimate (the traces of the least bounds are kept: a model of few blocks, screened from
-   its whole trace, is estimated from it). A recomputation is searched only where the same
-   layout and options recomputing less do not fit: it adds work and frees memory, so it is
-   no faster (:mod:`jaxmoe.plan.options`), and its bound is at least theirs. A mapping
+3. Least first bound first (:mod:`jaxmoe.plan.search`), a mapping gets a trace of its
+   own (a tighter bound), then, unless that rules it out, its estimate (the traces of
+   the least bounds are kept: a model of few blocks, screened from its whole trace, is
+   estimated from it). A recomputation is searched only where the same layout and
+   options recomputing less do not fit: it adds work and frees memory, so it is no
+   faster (:mod:`jaxmoe.plan.options`), and its bound is at least theirs. A mapping
    whose traced step alone needs more memory than the device has is left out there,
-   before any schedule prices it (a schedule's gathers held ahead of use only add). Once the
-   ``top`` best estimates that fit are no slower than every bound left, the search stops:
-   those are the ``top`` best of all mappings. The rest are listed with their bounds.
-   With a time limit (``jaxmoe plan --time-limit``) the search may stop earlier: the best
-   estimated so far, not proven the best.
+   before any schedule prices it (a schedule's gathers held ahead of use only add).
+   Once the ``top`` best estimates that fit are no slower than every bound left, the
+   search stops: those are the ``top`` best of all mappings. The rest are listed with
+   their bounds. With a time limit (``jaxmoe plan --time-limit``) the search may stop
+   earlier: the best estimated so far, not proven the best.
 
 The bounds hold for the ``none`` schedule; other schedules may hide communication, and
 are bounded by the larger of their computation and their link's work (by their

@@ -1,17 +1,27 @@
-"""The order in which the planner estimates mappings: least lower bound first, until the
+"""The order in which the planner estimates mappings: least first bound first, until the
 best ones are known (no JAX here).
 
 Each candidate starts with a lower bound of its figure (a step time). Taking the
-candidate of least bound, the search advances it: a tighter bound (it goes back with it),
-or its figure (it is estimated; the figure counts unless it is left out, e.g. over
-memory), or nothing (it is dropped). Advancing a candidate may also release others, each
-with its bound: candidates that only count where this one does not (the planner's
-recomputations, :mod:`jaxmoe.plan.planner`). Once ``wanted`` figures count and the least bound
-left is no less than the ``wanted``-th least figure, no candidate left can be among the
-``wanted`` least: the search stops, and those are exactly the ``wanted`` least figures
-of all candidates, as long as every bound is one. With a ``deadline``, the search also
-stops when the clock passes it: the figures found are then the least of those estimated,
-not proven the least of all (:attr:`SearchEnd.complete`).
+candidate of least first bound, the search advances it: a tighter bound (it goes back
+with it, in its place: below), or its figure (it is estimated; the figure counts unless
+it is left out, e.g. over memory), or nothing (it is dropped). Advancing a candidate may
+also release others, each with its bound: candidates that only count where this one does
+not (the planner's recomputations, :mod:`jaxmoe.plan.planner`). Once ``wanted`` figures
+count and the least bound left is no less than the ``wanted``-th least figure, no
+candidate left can be among the ``wanted`` least: the search stops, and those are exactly
+the ``wanted`` least figures of all candidates, as long as every bound is one. With a
+``deadline``, the search also stops when the clock passes it: the figures found are then
+the least of those estimated, not proven the least of all (:attr:`SearchEnd.complete`).
+
+A candidate that goes back with a tighter bound keeps its place: it is taken again next,
+unless the tighter bound is ruled out by then. The first bounds come alike (the planner's,
+each from a shallow trace of a layout and arithmetic on it), the tighter ones from more
+work and closer to the figures; taken least bound first, a tighter bound would go behind
+every first bound a little under it, and every candidate would be tightened before any is
+estimated (``experiments/results/plan_order.md``). Kept in place,
+the candidates of least first bound are estimated first, so a deadline keeps their
+figures, and their figures rule out the rest the sooner. The pruning is by the tighter
+bounds all the same, so the figures proven are those of least bound first.
 
 With a ``gap`` (a fraction, as a MIP solver's relative gap) the search stops once the least
 bound left is no less than ``1 - gap`` times the ``wanted``-th least figure: no candidate
@@ -25,6 +35,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+import operator
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -64,15 +75,15 @@ def best_first(
     prepare: Callable[[list[Any]], None] | None = None,
     gap: float = 0.0,
 ) -> SearchEnd:
-    """Advance the candidates ``(bound, item)`` of ``start`` least bound first (module
-    docstring), until the ``wanted`` least figures are known or ``clock()`` passes
+    """Advance the candidates ``(bound, item)`` of ``start`` least first bound first
+    (module docstring), until the ``wanted`` least figures are known or ``clock()`` passes
     ``deadline``.
 
-    ``width``: how many candidates are taken at once, each of the least bounds left that
-    the figures found so far do not rule out; ``prepare`` is given them together before
-    each is advanced (to do their work side by side). A wider search may advance a
-    candidate that a narrower one would have ruled out by a figure found meanwhile, never
-    one fewer: the figures it proves are the same. ``gap``: how far below the figures found
+    ``width``: how many candidates are taken at once, the first in order whose bounds the
+    figures found so far do not rule out; ``prepare`` is given them together before each
+    is advanced (to do their work side by side). A wider search may advance a candidate
+    that a narrower one would have ruled out by a figure found meanwhile, never one fewer:
+    the figures it proves are the same. ``gap``: how far below the figures found
     a candidate left may be (module docstring; 0: none, exactly the least)."""
     if wanted < 1:
         raise ValueError(f"wanted={wanted}: the search needs at least one figure")
@@ -81,29 +92,56 @@ def best_first(
     if not 0.0 <= gap < 1.0:
         raise ValueError(f"gap={gap}: give a fraction in [0, 1)")
     tie = itertools.count()
-    heap = [(bound, next(tie), item) for bound, item in start]
-    heapq.heapify(heap)
+    # The candidates in their order (first bound, then the order they came in), and their
+    # bounds least first: a bound whose candidate was taken (its number in
+    # ``taken_numbers``) leaves the second heap when it comes up.
+    by_place: list[tuple[tuple[float, int], int, float, Any]] = []
+    by_bound: list[tuple[float, int]] = []
+    taken_numbers: set[int] = set()
+    ruled: list[tuple[float, Any]] = []  # taken in order with their bound ruled out: left
     figures: list[float] = []
     complete = True
 
-    def ruled_out(bound: float) -> bool:
-        return len(figures) >= wanted and bound >= (1.0 - gap) * figures[wanted - 1]
+    def push(bound: float, item: Any, place: tuple[float, int] | None = None) -> None:
+        number = next(tie)
+        heapq.heappush(by_place, (place or (bound, number), number, bound, item))
+        heapq.heappush(by_bound, (bound, number))
 
-    while heap and not ruled_out(heap[0][0]):
+    def least_bound() -> float | None:
+        while by_bound and by_bound[0][1] in taken_numbers:
+            taken_numbers.discard(heapq.heappop(by_bound)[1])
+        return by_bound[0][0] if by_bound else None
+
+    def ruled_out(bound: float | None) -> bool:
+        return (
+            bound is not None
+            and len(figures) >= wanted
+            and bound >= (1.0 - gap) * figures[wanted - 1]
+        )
+
+    for bound, item in start:
+        push(bound, item)
+    while least_bound() is not None and not ruled_out(least_bound()):
         if deadline is not None and clock() >= deadline:
             complete = False
             break
-        taken = [heapq.heappop(heap)]
-        while heap and len(taken) < width and not ruled_out(heap[0][0]):
-            taken.append(heapq.heappop(heap))
+        taken: list[tuple[tuple[float, int], float, Any]] = []
+        while by_place and len(taken) < width and not ruled_out(least_bound()):
+            place, number, bound, item = heapq.heappop(by_place)
+            taken_numbers.add(number)
+            if ruled_out(bound):  # the figures only come down: it stays ruled out
+                ruled.append((bound, item))
+            else:
+                taken.append((place, bound, item))
         if prepare is not None:
             prepare([item for _, _, item in taken])
-        for bound, _, item in taken:
+        for place, bound, item in taken:
             step = advance(item)
             if step.bound is not None:
-                heapq.heappush(heap, (max(bound, step.bound), next(tie), step.item))
+                push(max(bound, step.bound), step.item, place)
             elif step.estimated and step.figure is not None:
                 bisect.insort(figures, step.figure)
             for released in step.releases:
-                heapq.heappush(heap, (released[0], next(tie), released[1]))
-    return SearchEnd([(bound, item) for bound, _, item in sorted(heap)], complete)
+                push(*released)
+    left = ruled + [(bound, item) for _, _, bound, item in by_place]
+    return SearchEnd(sorted(left, key=operator.itemgetter(0)), complete)

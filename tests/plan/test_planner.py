@@ -427,6 +427,18 @@ def test_a_time_limit_ranks_what_was_estimated_and_says_so(cache_home, planned, 
     assert "the search stopped at its time limit" in table(result)
 
 
+def test_a_search_cut_short_says_how_far_its_best_may_be_from_the_best_of_all(planned):
+    """The least bound left under the best found: no mapping left is faster, so the best
+    found takes at most best / least - 1 longer than the best of all."""
+    best = planned.ranked[0]
+    left = planner.NotEstimated(
+        best.mapping, "time", "not estimated", step_bound=0.8 * best.best.step
+    )
+    cut = dataclasses.replace(planned, complete=False, not_estimated=(left,))
+    assert f"none is faster than {0.8 * best.best.step * 1e3:.3f} ms" in table(cut)
+    assert "takes at most 25% longer than the best of all" in table(cut)
+
+
 def test_a_pipeline_whose_stages_are_no_layout_of_their_own_is_bounded_by_its_own_screen(
     monkeypatch,
 ):

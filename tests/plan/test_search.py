@@ -177,3 +177,52 @@ def test_candidates_released_by_another_are_searched_as_they_come(seed, width):
         for place, (_, _, counts) in enumerate(chain[:-1]):
             if counts:
                 assert not set(names[place + 1 :]) & set(advanced)
+
+
+def test_a_tighter_bound_keeps_its_place():
+    """First bounds all under every tighter one (as the planner's screens of layouts lie
+    under its screens of mappings): each candidate is tightened and then estimated at
+    once, least first bound first, so a deadline after four advances keeps the two least
+    figures; taken least bound first, the four would all have been tightenings."""
+    first = {f"m{index}": 1.0 + 0.01 * index for index in range(10)}
+    tighter = {name: bound + 1.0 for name, bound in first.items()}
+    figure = {name: bound + 0.5 for name, bound in tighter.items()}
+    advanced = []
+
+    def advance(item):
+        name, stage = item
+        advanced.append(item)
+        if stage == "first":
+            return Advance(tighter[name], (name, "tighter"))
+        return Advance(estimated=True, figure=figure[name])
+
+    ticks = iter(range(100))
+    end = best_first(
+        ((bound, (name, "first")) for name, bound in first.items()),
+        advance,
+        2,
+        deadline=4,
+        clock=lambda: next(ticks),
+    )
+    assert advanced == [("m0", "first"), ("m0", "tighter"), ("m1", "first"), ("m1", "tighter")]
+    assert not end.complete and len(end.left) == 8
+
+
+def test_a_tighter_bound_ruled_out_by_then_is_left_in_its_place():
+    """Taken two at a time, ``a`` goes back with a tighter bound (5.0) while ``b``'s
+    figure (4.0) rules it out: ``a`` is still first in order, and is left there, not
+    advanced; ``c``, whose bound is not ruled out, is advanced after it."""
+    advanced = []
+    steps = {
+        "a": Advance(5.0, "a tighter"),
+        "b": Advance(estimated=True, figure=4.0),
+        "c": Advance(estimated=True, figure=9.0),
+    }
+
+    def advance(item):
+        advanced.append(item)
+        return steps[item]
+
+    end = best_first([(1.0, "a"), (1.1, "b"), (1.2, "c")], advance, 1, width=2)
+    assert advanced == ["a", "b", "c"]
+    assert end.complete and end.left == [(5.0, "a tighter")]

@@ -1,0 +1,78 @@
+"""The planner's order of estimates (experiments/plan_order.py): its results file says how
+many of the proven best each search had estimated by each time and whether both searches
+proved the same best; the source it sends to the other tree runs on its own."""
+
+import ast
+import builtins
+import inspect
+
+from experiments import plan_order
+
+ARGV = ["--against", "/elsewhere"]
+
+
+def _search(
+    stamps: dict[str, float], ranked: list[tuple[str, float]], wall=700.0, tightened=()
+) -> dict:
+    return {
+        "wall": wall,
+        "cpu": 2 * wall,
+        "estimated": [[stamp, label] for label, stamp in stamps.items()],
+        "tightened": list(tightened),
+        "complete": True,
+        "ranked": [[label, step, "lancet"] for label, step in ranked],
+    }
+
+
+def _report(this, other, limited):
+    return plan_order.report(
+        this, other, limited, ("def456 new", "abc123 old"), ARGV, "small", 64, "a100", 60.0
+    )
+
+
+def test_the_results_say_how_many_of_the_best_each_search_had_by_each_time():
+    ranked = [("best", 0.004), ("second", 0.005)]
+    this = _search({"best": 50.0, "second": 100.0, "slow": 20.0}, ranked, tightened=[10.0])
+    other = _search(
+        {"slow": 30.0, "second": 200.0, "best": 400.0}, ranked, tightened=[10, 20, 25, 40]
+    )
+    limited = _search({"best": 50.0}, [("best", 0.004)], wall=61.0)
+    text = _report(this, other, limited)
+    assert "| this | 700 | 1400 | 3 | 1 | 1 | 20 | 4.000 |" in text
+    assert "| other | 700 | 1400 | 3 | 4 | 3 | 30 | 4.000 |" in text
+    assert "| 60 | 1 | 4.000 | 0 | - |" in text
+    assert "| 120 | 2 | 4.000 | 0 | - |" in text
+    assert "| 300 | 2 | 4.000 | 1 | 5.000 |" in text
+    assert "| 600 | 2 | 4.000 | 2 | 4.000 |" in text
+    assert "estimated at 50 s by this tree, 400 s by the other" in text
+    assert "All 2 best: by 100 s and 400 s." in text
+    assert "The same 2 best, in the same order: yes." in text
+    assert "(the proven best). Of its 1 best, 1 are among the proven 2 best." in text
+    # The other tree is named by its commit, not by where it was checked out.
+    assert "--against DIR" in text and "/elsewhere" not in text
+
+
+def test_searches_that_prove_different_best_are_said_to():
+    this = _search({"a": 1.0, "b": 2.0}, [("a", 0.004), ("b", 0.005)])
+    other = _search({"a": 1.0, "b": 2.0}, [("b", 0.004), ("a", 0.005)])
+    limited = _search({"b": 1.0}, [("b", 0.005)])
+    text = _report(this, other, limited)
+    assert "The same 2 best, in the same order: no." in text
+    assert "not the proven best" in text
+
+
+def test_the_search_reads_no_name_of_its_module():
+    """It runs in another tree as source alone: every name it reads is its own, an
+    argument, an import inside it, or a builtin."""
+    function = ast.parse(inspect.getsource(plan_order._search)).body[0]
+    bound = {a.arg for a in function.args.args}
+    for node in ast.walk(function):
+        if isinstance(node, ast.alias):
+            bound.add((node.asname or node.name).split(".")[0])
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            bound.add(node.id)
+        elif isinstance(node, ast.FunctionDef):
+            bound.add(node.name)
+            bound.update(a.arg for a in node.args.args)
+    read = {n.id for n in ast.walk(function) if isinstance(n, ast.Name)}
+    assert read - bound <= set(vars(builtins))
