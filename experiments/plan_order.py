@@ -11,8 +11,8 @@ agree); what differs is the order in which they estimate, so the results give, f
 times, how many of those best each search had estimated by then and the least step among
 them: what a plan with that ``--time-limit`` would have found (at least: a limited search
 also finishes the batch it began before its limit). Then this tree plans once more with
-``--time-limit`` ``--limit``, as a user would for an interactive plan: its time, and how
-many of its best are the proven best.
+``--time-limit`` ``--limit``, as a user would for an interactive plan, and so does the
+other tree: their times, their best, and how many of their best are the proven best.
 
 Writes ``experiments/results/plan_order.md``.
 """
@@ -106,7 +106,7 @@ def _first(search: dict, labels: set[str]) -> float | None:
 
 
 def report(
-    this: dict, other: dict, limited: dict, commits: tuple[str, str], argv: list[str],
+    this: dict, other: dict, limited: list[dict], commits: tuple[str, str], argv: list[str],
     preset: str, devices: int, profile: str, limit: float,
 ) -> str:  # fmt: skip
     best = {label: step for label, step, _ in this["ranked"]}
@@ -169,19 +169,26 @@ def report(
         "the other.",
         f"- All {top} best: by {at(_first(this, set(best)))} and {at(_first(other, set(best)))}.",
         "",
-        f"## This tree with `--time-limit {limit:g}`",
+        f"## With `--time-limit {limit:g}`",
         "",
+        "| tree | wall s | CPU s | mappings estimated | its best | step ms | of its best, "
+        f"among the proven {top} best |",
+        "|---|---|---|---|---|---|---|",
     ]
-    found = [label for label, _, _ in limited["ranked"]]
-    proven = [label for label in found if label in best]
-    lines += [
-        f"Wall {limited['wall']:.0f} s, CPU {limited['cpu']:.0f} s; "
-        f"{len(limited['estimated'])} mappings estimated. Its best: {found[0] if found else '-'}, "
-        f"{ms(limited['ranked'][0][1]) if found else '-'} ms "
-        f"({'the proven best' if found and found[0] == first_label else 'not the proven best'}). "
-        f"Of its {len(found)} best, {len(proven)} are among the proven {top} best.",
-        "",
-    ]
+    for name, search in zip(("this", "other"), limited, strict=True):
+        found = [label for label, _, _ in search["ranked"]]
+        head = (
+            f"{found[0]}{' (the proven best)' if found[0] == first_label else ''} | "
+            f"{ms(search['ranked'][0][1])}"
+            if found
+            else "none | -"
+        )
+        lines.append(
+            f"| {name} | {search['wall']:.0f} | {search['cpu']:.0f} | "
+            f"{len(search['estimated'])} | {head} | "
+            f"{sum(1 for label in found if label in best)} of {len(found)} |"
+        )
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -202,10 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"this tree: {this['wall']:.0f} s, {len(this['estimated'])} estimated")
     other = _run(args.against, *plan, None)
     print(f"other tree: {other['wall']:.0f} s, {len(other['estimated'])} estimated")
-    limited = _run(ROOT, *plan, args.limit)
+    limited = {tree: _run(tree, *plan, args.limit) for tree in (ROOT, args.against)}
     commits = (_commit(ROOT), _commit(args.against))
     where = (args.preset, args.devices, args.profile, args.limit)
-    args.out.write_text(report(this, other, limited, commits, argv, *where))
+    args.out.write_text(
+        report(this, other, [limited[ROOT], limited[args.against]], commits, argv, *where)
+    )
     print(f"wrote {args.out}")
     return 0
 

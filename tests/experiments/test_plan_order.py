@@ -25,9 +25,10 @@ def _search(
 
 
 def _report(this, other, limited):
-    return plan_order.report(
-        this, other, limited, ("def456 new", "abc123 old"), ARGV, "small", 64, "a100", 60.0
-    )
+    """``limited``: this tree's search with a time limit; the other's estimated nothing."""
+    both = [limited, _search({}, [], wall=65.0)]
+    commits = ("def456 new", "abc123 old")
+    return plan_order.report(this, other, both, commits, ARGV, "small", 64, "a100", 60.0)
 
 
 def test_the_results_say_how_many_of_the_best_each_search_had_by_each_time():
@@ -47,7 +48,8 @@ def test_the_results_say_how_many_of_the_best_each_search_had_by_each_time():
     assert "estimated at 50 s by this tree, 400 s by the other" in text
     assert "All 2 best: by 100 s and 400 s." in text
     assert "The same 2 best, in the same order: yes." in text
-    assert "(the proven best). Of its 1 best, 1 are among the proven 2 best." in text
+    assert "| this | 61 | 122 | 1 | best (the proven best) | 4.000 | 1 of 1 |" in text
+    assert "| other | 65 | 130 | 0 | none | - | 0 of 0 |" in text
     # The other tree is named by its commit, not by where it was checked out.
     assert "--against DIR" in text and "/elsewhere" not in text
 
@@ -58,7 +60,7 @@ def test_searches_that_prove_different_best_are_said_to():
     limited = _search({"b": 1.0}, [("b", 0.005)])
     text = _report(this, other, limited)
     assert "The same 2 best, in the same order: no." in text
-    assert "not the proven best" in text
+    assert "| b | 5.000 | 1 of 1 |" in text  # not the proven best, yet among the best
 
 
 def test_the_search_reads_no_name_of_its_module():
