@@ -20,13 +20,12 @@ the suite's flags (``tests/conftest.py``: XLA:CPU's backend optimisation off). W
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import subprocess
 import sys
 from pathlib import Path
 
+from experiments.shared.other_tree import run_in_tree
 from experiments.shared.results_file import command_line
 from experiments.shared.spread import Spread, round_ratios
 
@@ -94,25 +93,8 @@ def _measure(variant: str) -> dict:
 
 def _run(variant: str) -> dict:
     """:func:`_measure` in a process of its own."""
-    import inspect
-
-    code = (
-        f"import json\n{inspect.getsource(_measure)}\n"
-        f"print(json.dumps({_measure.__name__}({variant!r})))"
-    )
-    env = dict(
-        os.environ,
-        PYTHONPATH=str(ROOT),
-        JAX_PLATFORMS="cpu",
-        JAX_ENABLE_COMPILATION_CACHE="false",
-        XLA_FLAGS=XLA_FLAGS,
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True
-    )
-    if done.returncode:
-        raise RuntimeError(f"{variant}: the measurement failed:\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    environment = {"JAX_ENABLE_COMPILATION_CACHE": "false", "XLA_FLAGS": XLA_FLAGS}
+    return run_in_tree(ROOT, _measure, (variant,), environment)
 
 
 def report(rounds: list[dict[str, dict]], argv: list[str]) -> str:

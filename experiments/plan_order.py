@@ -20,15 +20,12 @@ Writes ``experiments/results/plan_order.md``.
 from __future__ import annotations
 
 import argparse
-import inspect
-import json
 import os
 import platform
-import subprocess
 import sys
 from pathlib import Path
 
-from experiments.plan_time import _commit, _named
+from experiments.shared.other_tree import commit_of, naming_dir, run_in_tree
 from experiments.shared.results_file import command_line
 
 RESULTS = Path(__file__).parent / "results" / "plan_order.md"
@@ -80,15 +77,7 @@ def _search(
 def _run(tree: Path, preset: str, devices: int, profile: str, jobs: int, top: int,
          time_limit: float | None) -> dict:  # fmt: skip
     """:func:`_search` in a fresh process that imports ``tree``'s jaxmoe and scheduling."""
-    call = f"{_search.__name__}{(preset, devices, profile, jobs, top, time_limit)!r}"
-    code = f"import json\n{inspect.getsource(_search)}\nprint(json.dumps({call}))"
-    env = dict(os.environ, PYTHONPATH=str(tree), JAX_PLATFORMS="cpu")
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=tree, env=env, capture_output=True, text=True
-    )
-    if done.returncode:
-        raise RuntimeError(f"{tree}: the plan failed:\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_in_tree(tree, _search, (preset, devices, profile, jobs, top, time_limit))
 
 
 def _found_by(search: dict, best: dict[str, float], seconds: float) -> tuple[int, float | None]:
@@ -123,7 +112,7 @@ def report(
     lines = [
         "# The planner's order of estimates: how soon it finds the best mappings",
         "",
-        f"Command: `{command_line('experiments.plan_order', _named(argv))}`",
+        f"Command: `{command_line('experiments.plan_order', naming_dir(argv))}`",
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores.",
         "",
@@ -210,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     other = _run(args.against, *plan, None)
     print(f"other tree: {other['wall']:.0f} s, {len(other['estimated'])} estimated")
     limited = {tree: _run(tree, *plan, args.limit) for tree in (ROOT, args.against)}
-    commits = (_commit(ROOT), _commit(args.against))
+    commits = (commit_of(ROOT), commit_of(args.against))
     where = (args.preset, args.devices, args.profile, args.limit)
     args.out.write_text(
         report(this, other, [limited[ROOT], limited[args.against]], commits, argv, *where)

@@ -30,15 +30,13 @@ Writes ``experiments/results/plan_time.md``.
 from __future__ import annotations
 
 import argparse
-import inspect
-import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
+from experiments.shared.other_tree import commit_of, naming_dir, run_in_tree
 from experiments.shared.results_file import command_line
 from experiments.shared.spread import Spread, round_ratios
 
@@ -187,27 +185,10 @@ def _measure(
 
 def _run(tree: Path, preset: str, repeats: int, state_model: str, state_devices: int) -> dict:
     """:func:`_measure` in a fresh process that imports ``tree``'s jaxmoe and scheduling."""
-    source = inspect.getsource(_measure)
     arguments = (
         preset, PROFILE, list(SCHEDULES), list(MAPPINGS), repeats, state_model, state_devices
     )  # fmt: skip
-    call = f"{_measure.__name__}{arguments!r}"
-    code = f"import json\n{source}\nprint(json.dumps({call}))"
-    env = dict(os.environ, PYTHONPATH=str(tree), JAX_PLATFORMS="cpu")
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=tree, env=env, capture_output=True, text=True
-    )
-    if done.returncode:
-        raise RuntimeError(f"{tree}: the measurement failed:\n{done.stderr[-2000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def _commit(tree: Path) -> str:
-    """``tree``'s commit and subject (its changes uncommitted not said)."""
-    found = subprocess.run(
-        ["git", "-C", str(tree), "log", "-1", "--format=%h %s"], capture_output=True, text=True
-    )
-    return found.stdout.strip() or "a tree outside git"
+    return run_in_tree(tree, _measure, arguments)
 
 
 def report(
@@ -227,7 +208,7 @@ def report(
     lines = [
         "# The planner's pricing, tracing and state bound: this tree against another",
         "",
-        f"Command: `{command_line('experiments.plan_time', _named(argv))}` (DIR: a checkout "
+        f"Command: `{command_line('experiments.plan_time', naming_dir(argv))}` (DIR: a checkout "
         "of the other tree)",
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores.",
@@ -330,17 +311,6 @@ def _state_bounds(rounds: list[tuple[dict, dict]], model: str) -> list[str]:
     ]
 
 
-def _named(argv: list[str]) -> list[str]:
-    """``argv`` with the other tree's path as ``DIR``: the file names its commit instead."""
-    named = list(argv)
-    for index, arg in enumerate(argv):
-        if arg == "--against" and index + 1 < len(argv):
-            named[index + 1] = "DIR"
-        elif arg.startswith("--against="):
-            named[index] = "--against=DIR"
-    return named
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -363,7 +333,9 @@ def main(argv: list[str] | None = None) -> int:
         rounds.append((found[ROOT], found[args.against]))
         print(f"round {index + 1}: {found[ROOT]} against {found[args.against]}")
     args.out.write_text(
-        report(rounds, _commit(ROOT), _commit(args.against), args.preset, argv, args.state_model)
+        report(
+            rounds, commit_of(ROOT), commit_of(args.against), args.preset, argv, args.state_model
+        )
     )
     print(f"wrote {args.out}")
     return 0

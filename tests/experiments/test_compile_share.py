@@ -2,6 +2,7 @@
 rounds measured side by side."""
 
 from experiments import compile_share
+from experiments.shared.other_tree import unbound_names
 
 
 def _figures(*values):
@@ -30,3 +31,8 @@ def test_the_report_gives_each_round_and_the_ratios_per_round():
     assert "sgd / adamw 0.82 [0.75-0.90]" in text
     # lean's init compile: 0.9 and 0.5 of the reference's.
     assert "lean / adamw 0.70 [0.50-0.90]" in text
+
+
+def test_the_measurement_reads_no_name_of_its_module():
+    """It runs in a process of its own as source alone."""
+    assert unbound_names(compile_share._measure) == set()

@@ -2,11 +2,8 @@
 many of the proven best each search had estimated by each time and whether both searches
 proved the same best; the source it sends to the other tree runs on its own."""
 
-import ast
-import builtins
-import inspect
-
 from experiments import plan_order
+from experiments.shared.other_tree import unbound_names
 
 ARGV = ["--against", "/elsewhere"]
 
@@ -66,15 +63,4 @@ def test_searches_that_prove_different_best_are_said_to():
 def test_the_search_reads_no_name_of_its_module():
     """It runs in another tree as source alone: every name it reads is its own, an
     argument, an import inside it, or a builtin."""
-    function = ast.parse(inspect.getsource(plan_order._search)).body[0]
-    bound = {a.arg for a in function.args.args}
-    for node in ast.walk(function):
-        if isinstance(node, ast.alias):
-            bound.add((node.asname or node.name).split(".")[0])
-        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-            bound.add(node.id)
-        elif isinstance(node, ast.FunctionDef):
-            bound.add(node.name)
-            bound.update(a.arg for a in node.args.args)
-    read = {n.id for n in ast.walk(function) if isinstance(n, ast.Name)}
-    assert read - bound <= set(vars(builtins))
+    assert unbound_names(plan_order._search) == set()

@@ -3,11 +3,8 @@ round's ratio and the spread, of pricing and of tracing, and says whether both t
 priced and traced the programs alike; the source it sends to the other tree runs on its
 own."""
 
-import ast
-import builtins
-import inspect
-
 from experiments import plan_time
+from experiments.shared.other_tree import unbound_names
 
 ARGV = ["--against", "/elsewhere"]
 
@@ -39,18 +36,7 @@ def test_a_difference_in_what_was_priced_is_said():
 def test_the_measurement_reads_no_name_of_its_module():
     """It runs in another tree as source alone: every name it reads is its own, an
     argument, an import inside it, or a builtin."""
-    tree = ast.parse(inspect.getsource(plan_time._measure))
-    function = tree.body[0]
-    bound = {a.arg for a in function.args.args}
-    for node in ast.walk(function):
-        if isinstance(node, ast.alias):
-            bound.add((node.asname or node.name).split(".")[0])
-        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-            bound.add(node.id)
-        elif isinstance(node, ast.FunctionDef):
-            bound.add(node.name)
-    read = {n.id for n in ast.walk(function) if isinstance(n, ast.Name)}
-    assert read - bound <= set(vars(builtins))
+    assert unbound_names(plan_time._measure) == set()
 
 
 def test_the_tracing_table_gives_each_recomputations_ratio():
