@@ -140,6 +140,19 @@ class Search:
     exposed_command: str = ""  # the run that broke it down
     # The run that estimated the best mapping again after its search (part estimate).
     estimate_command: str = ""
+    # Where the time limit stopped it: the least step bound (seconds) of the mappings left
+    # under the best; no mapping is faster (None: complete, or stopped without one).
+    least_bound: float | None = None
+
+    def proven(self) -> str:
+        """Whether the best is proven the best, or how far from it it may be."""
+        if self.complete:
+            return "yes"
+        said = "no: stopped at the time limit"
+        if self.least_bound is None or self.best is None:
+            return said
+        slower = self.best.best.step / self.least_bound - 1
+        return f"{said}; at most {slower:.0%} slower than the best of all"
 
     @property
     def key(self) -> tuple[str, int, int, int, str]:
@@ -247,6 +260,7 @@ def plan_one(
         result.complete,
         seq_len,
         profile,
+        least_bound=result.least_bound_left,
     )
 
 
@@ -273,7 +287,7 @@ def planner_rows(searches: Sequence[Search]) -> list[str]:
             f"{search.estimated} | {search.fitting} | "
             f"{' / '.join(str(kinds.get(k, 0)) for k in KINDS)} | "
             f"{search.wall:.0f} ({search.cpu:.0f}) | "
-            f"{'yes' if search.complete else 'no: stopped at the time limit'} |"
+            f"{search.proven()} |"
         )
     return lines
 

@@ -70,7 +70,7 @@ def table(result: PlanResult, verbose: bool = False) -> str:
         lines.append(
             f"the search stopped at its time limit: the ranking is of the mappings estimated; "
             f"{len(unreached)} mappings whose bounds are under the best were not estimated"
-            + _certified(result, unreached)
+            + _certified(result)
         )
     lines.append(
         f"{len(result.estimates)} mappings estimated"
@@ -85,14 +85,14 @@ def table(result: PlanResult, verbose: bool = False) -> str:
     return "\n".join(lines)
 
 
-def _certified(result: PlanResult, unreached: list[NotEstimated]) -> str:
+def _certified(result: PlanResult) -> str:
     """What a search cut short still proves of its best: no mapping left is faster than
     the least bound left, so the best found takes at most that much longer than the best
     of all."""
-    bounds = [item.step_bound for item in unreached if item.step_bound]
-    if not result.ranked or not bounds:
+    least = result.least_bound_left
+    if not result.ranked or least is None:
         return ""
-    best, least = result.ranked[0].best.step, min(bounds)
+    best = result.ranked[0].best.step
     return (
         f" (none is faster than {least * 1e3:.3f} ms: the best found takes at most "
         f"{best / least - 1:.0%} longer than the best of all)"

@@ -231,6 +231,14 @@ class PlanResult:
     def over_memory(self) -> list[MappingEstimate]:
         return [e for e in self.estimates if not e.fits]
 
+    @property
+    def least_bound_left(self) -> float | None:
+        """Where the time limit cut the search: the least step-time bound (seconds) of the
+        mappings it left unestimated under the best, so none of them is faster (every
+        layout is screened before the limit applies); None where none was left."""
+        bounds = [n.step_bound for n in self.not_estimated if n.kind == "time" and n.step_bound]
+        return min(bounds, default=None)
+
     def to_json(self, command: str = "") -> dict[str, Any]:
         return {
             "command": command,
@@ -246,6 +254,7 @@ class PlanResult:
             "top": self.top,
             "complete": self.complete,
             "gap": self.gap,
+            "least_step_seconds_left": self.least_bound_left,
             "ranked": [{"rank": i + 1, **e.to_json()} for i, e in enumerate(self.ranked)],
             "over_memory": [e.to_json() for e in self.over_memory],
             "not_estimated": [n.to_json() for n in self.not_estimated],

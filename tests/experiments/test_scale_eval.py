@@ -36,7 +36,8 @@ def test_a_run_replaces_the_searches_it_reran_and_keeps_the_others(tmp_path):
     recipe = RECIPES["mixtral-8x22b"]
     store = scale_eval.Store()
     store.add_search(_search(recipe.devices, recipe.global_batch, 0.30, "run a"))
-    store.add_search(dataclasses.replace(_search(64, 64, 0.34, "run a"), complete=False))
+    stopped = dataclasses.replace(_search(64, 64, 0.34, "run a"), complete=False, least_bound=1.2)
+    store.add_search(stopped)
     store.save(path)
     store = scale_eval.Store.load(path)
     store.add_search(_search(recipe.devices, recipe.global_batch, 0.50, "run b"))
@@ -67,9 +68,12 @@ def test_a_run_replaces_the_searches_it_reran_and_keeps_the_others(tmp_path):
     assert " | - | " in best[0]
     assert best[1].split(" | ")[:3] == ["| mixtral-8x22b", "128", "256"]
     assert " | 50.0% | " in best[1] and " | yes | " in best[1]
-    # A search the time limit stopped says so.
+    # A search the time limit stopped says so, and how far its best (1.5 s a step under
+    # `dw`) may be from the best of all (none left under 1.2 s).
     searched = [row for row in rows if row.count(" | ") == 8]
-    assert searched[0].endswith("| no: stopped at the time limit |")
+    assert searched[0].endswith(
+        "| no: stopped at the time limit; at most 25% slower than the best of all |"
+    )
     assert searched[1].endswith("| yes |")
     assert any("as published" in row and "24.0%" in row for row in rows)
     assert any("not estimated, too big" in row for row in rows)
