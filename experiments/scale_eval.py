@@ -151,7 +151,7 @@ class Search:
         said = "no: stopped at the time limit"
         if self.least_bound is None or self.best is None:
             return said
-        slower = self.best.best.step / self.least_bound - 1
+        slower = max(0.0, self.best.best.step / self.least_bound - 1)
         return f"{said}; at most {slower:.0%} slower than the best of all"
 
     @property

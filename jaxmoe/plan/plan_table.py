@@ -88,14 +88,14 @@ def table(result: PlanResult, verbose: bool = False) -> str:
 def _certified(result: PlanResult) -> str:
     """What a search cut short still proves of its best: no mapping left is faster than
     the least bound left, so the best found takes at most that much longer than the best
-    of all."""
+    of all (nothing longer where, ``--top`` above 1, every bound left is over the best)."""
     least = result.least_bound_left
     if not result.ranked or least is None:
         return ""
     best = result.ranked[0].best.step
     return (
         f" (none is faster than {least * 1e3:.3f} ms: the best found takes at most "
-        f"{best / least - 1:.0%} longer than the best of all)"
+        f"{max(0.0, best / least - 1):.0%} longer than the best of all)"
     )
 
 
