@@ -559,7 +559,9 @@ def report(store: Store, earlier: Path | None = None) -> str:
             "estimates, least step-time bound first, until "
             "the best that fit 80 GB are known (jaxmoe/plan/planner.py). Planner seconds are "
             "each search's, without the estimate cache, on a 2-core machine shared with "
-            "other work (CPU seconds beside).",
+            "other work (CPU seconds beside). A search its time limit stopped says, where "
+            "it recorded the least bound it left, how much slower its best may be than the "
+            "best of all: no mapping left is faster than that bound.",
             "",
             *planner_rows(searches),
             "",
