@@ -64,6 +64,7 @@ from experiments.published_recipes import (
 from experiments.shared.results_file import command_line, kept_section, source_tree
 from jaxmoe.pipeline.ticks import tick_table
 from jaxmoe.plan.options import PLANNED_RECOMPUTE
+from jaxmoe.plan.search import most_over_least
 
 if TYPE_CHECKING:
     from jaxmoe.plan.planner import MappingEstimate
@@ -151,7 +152,7 @@ class Search:
         said = "no: stopped at the time limit"
         if self.least_bound is None or self.best is None:
             return said
-        slower = max(0.0, self.best.best.step / self.least_bound - 1)
+        slower = most_over_least(self.best.best.step, self.least_bound)
         return f"{said}; at most {slower:.0%} slower than the best of all"
 
     @property

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from jaxmoe.plan.layer_extrapolation import DEPTH_METHOD
 from jaxmoe.plan.planner import MEMORY_METHOD, MappingEstimate, NotEstimated, PlanResult
+from jaxmoe.plan.search import most_over_least
 
 
 def table(result: PlanResult, verbose: bool = False) -> str:
@@ -95,7 +96,7 @@ def _certified(result: PlanResult) -> str:
     best = result.ranked[0].best.step
     return (
         f" (none is faster than {least * 1e3:.3f} ms: the best found takes at most "
-        f"{max(0.0, best / least - 1):.0%} longer than the best of all)"
+        f"{most_over_least(best, least):.0%} longer than the best of all)"
     )
 
 

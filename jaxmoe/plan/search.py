@@ -65,6 +65,12 @@ class SearchEnd:
     complete: bool
 
 
+def most_over_least(found: float, least_bound: float) -> float:
+    """How much over the least figure of all a ``found`` one may be (a fraction), where no
+    candidate left is under ``least_bound``: nothing where ``found`` is under that bound."""
+    return max(0.0, found / least_bound - 1)
+
+
 def best_first(
     start: Iterable[tuple[float, Any]],
     advance: Callable[[Any], Advance],
